@@ -1,0 +1,1 @@
+"""The `omnirl` command line: a thin Typer shell around `stages`."""

@@ -1,0 +1,23 @@
+"""The command registry: (name, function) pairs, in the order `omnirl --help` lists them."""
+
+from __future__ import annotations
+
+from .advantage import advantage
+from .init_model import init_model
+from .inspect_cmd import inspect
+from .logprob import logprob
+from .report import report
+from .sample import sample
+from .score import score
+from .update import update
+
+COMMANDS = [
+    ("sample", sample),
+    ("score", score),
+    ("logprob", logprob),
+    ("advantage", advantage),
+    ("update", update),
+    ("inspect", inspect),
+    ("report", report),
+    ("init-model", init_model),
+]

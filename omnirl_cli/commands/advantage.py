@@ -1,0 +1,82 @@
+"""`omnirl advantage`: group-normalised advantages from rewards."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ..config import resolve
+from ..console import emit_json, log
+from ..errors import handle_errors
+from ..options import ConfigOpt, FormatOpt, InOpt, JsonOpt, OutOpt, OverwriteOpt, SetOpt
+from ..runtime import check_format, open_inputs, run_config
+
+
+@handle_errors
+def advantage(
+    ctx: typer.Context,
+    inputs: InOpt = None,
+    out: OutOpt = Path("advantages"),
+    estimator: Annotated[
+        str,
+        typer.Option("--estimator", help="grpo (flow_grpo: global std), grpo_group, dance (unbiased group std), drgrpo (no std), or module:function."),
+    ] = "grpo",
+    std: Annotated[
+        str | None, typer.Option("--std", help="Override the estimator's std: global, group or none.")
+    ] = None,
+    clip: Annotated[float | None, typer.Option("--clip", help="Clip advantages to ±CLIP.")] = None,
+    drop_zero_std: Annotated[
+        bool, typer.Option("--drop-zero-std", help="Mark samples of all-equal-reward groups as not trained (flow_grpo).")
+    ] = False,
+    fmt: FormatOpt = "parquet",
+    overwrite: OverwriteOpt = False,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    json_: JsonOpt = False,
+) -> None:
+    """Normalise rewards within each prompt group and broadcast over the stored steps.
+
+    Reports zero_std_ratio (groups whose rewards are all equal, whose advantages are 0).
+
+    Example: [bold]omnirl advantage --in run/it0/samples --in run/it0/rewards --out run/it0/advantages[/]
+    """
+    c = resolve(ctx, "advantage")
+    from stages.shards.reader import slice_batch
+    from stages.shards.writer import ShardSetWriter
+
+    from stages.advantage.stage import compute_advantages
+
+    name = c["estimator"]
+    if c["std"] is not None:
+        name = {"global": "grpo", "group": "grpo_group", "none": "drgrpo"}.get(c["std"])
+        if name is None:
+            from stages.errors import UserInputError
+
+            raise UserInputError(f"--std {c['std']}: choose global, group or none")
+    src = open_inputs(c["inputs"])
+    writer = ShardSetWriter(
+        c["out"], num_shards=src.num_shards, format=check_format(c["fmt"]), command="advantage",
+        config=run_config(c),
+        parents=list(src.paths), policy=src.manifests[0].policy, overwrite=c["overwrite"],
+    )
+    steps_col = src.columns.get("log_probs")
+    num_steps = steps_col.shape[0] if steps_col is not None and steps_col.shape else 1
+    data = src.read_all(columns=["sample_id", "group_id", "reward"])
+    cols, stats = compute_advantages(
+        data, estimator=name, clip=c["clip"], drop_zero_std=c["drop_zero_std"], num_steps=num_steps
+    )
+    if not writer.complete:
+        start = 0
+        for s, info in enumerate(src.manifests[0].shards):
+            if not writer.shard_done(s):
+                writer.write_shard(s, slice_batch(cols, start, start + info.rows))
+            start += info.rows
+        writer.finalize(extra={"stats": stats})
+    result = {"out": str(c["out"]), "estimator": name, **stats}
+    if json_:
+        emit_json(result)
+    else:
+        log(f"[green]advantages[/] → {c['out']}  reward {stats['reward_mean']:.4f} ± {stats['reward_std']:.4f}, "
+            f"zero_std_ratio {stats['zero_std_ratio']:.3f}, {stats['num_groups']} groups")

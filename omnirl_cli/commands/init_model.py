@@ -1,0 +1,39 @@
+"""`omnirl init-model`: build a tiny model offline and save it as a loadable pipeline folder."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ..console import emit_json, err, log
+from ..errors import handle_errors
+from ..options import JsonOpt
+
+
+@handle_errors
+def init_model(
+    out: Annotated[Path, typer.Argument(help="Directory to write the model folder to.")],
+    family: Annotated[str, typer.Option("--family", help="Model family, e.g. sd3.")] = "sd3",
+    size: Annotated[str, typer.Option("--size", help="tiny (fast tests) or small (benchmarks).")] = "tiny",
+    seed: Annotated[int, typer.Option("--seed", help="Weight seed: the same seed gives the same weights.")] = 0,
+    json_: JsonOpt = False,
+) -> None:
+    """Build a tiny model of a family from its config, with locally built tokenizers, and save it.
+
+    The folder loads with the family's own `from_pretrained(OUT)` and no network, so tests and demos
+    exercise the same loading path as real checkpoints.
+
+    Example: [bold]omnirl init-model --family sd3 --size tiny --seed 0 models/sd3-tiny[/]
+    """
+    from stages.models.factory import init_model as build
+
+    with err.status(f"building {size} {family} model", spinner="dots") if not json_ else nullcontext():
+        summary = build(family, out, size=size, seed=seed)
+    if json_:
+        emit_json(summary)
+    else:
+        log(f"[green]wrote[/] {family}/{size} model (seed {seed}) to {out}")
+

@@ -1,0 +1,48 @@
+"""`omnirl report`: a run's reward table, reward curve and image grids."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ..console import emit_json, err
+from ..errors import handle_errors
+from ..options import JsonOpt
+
+
+@handle_errors
+def report(
+    run: Annotated[Path, typer.Argument(help="Run directory holding it<K>/ iterations.")],
+    grids: Annotated[bool, typer.Option("--grids/--no-grids", help="Write an image grid per iteration.")] = True,
+    json_: JsonOpt = False,
+) -> None:
+    """Summarise a run: per-iteration reward table, RUN/reward_curve.png and RUN/it<K>/grid.png.
+
+    Example: [bold]omnirl report runs/demo[/]
+    """
+    from stages.reporting import collect, image_grid, iterations, reward_curve
+
+    rows = collect(run)
+    curve = reward_curve(rows, run / "reward_curve.png")
+    grid_paths = []
+    if grids:
+        for _, it in iterations(run):
+            if (it / "samples" / "_manifest.json").is_file():
+                grid_paths.append(str(image_grid(it / "samples", it / "rewards", it / "grid.png")))
+    if json_:
+        emit_json({"iterations": rows, "reward_curve": str(curve), "grids": grid_paths})
+        return
+    from rich.table import Table
+
+    table = Table(title=f"{run}: reward per iteration")
+    cols = [("iteration", "it"), ("samples", "n"), ("reward_mean", "reward mean"), ("reward_std", "std"),
+            ("zero_std_ratio", "zero-std"), ("pg_loss", "pg_loss"), ("ratio_mean", "ratio"), ("clipfrac", "clipfrac")]
+    for _, title in cols:
+        table.add_column(title, justify="right")
+    for r in rows:
+        table.add_row(*(("" if r.get(k) is None else f"{r[k]:.4g}" if isinstance(r[k], float) else str(r[k]))
+                        for k, _ in cols))
+    err.print(table)
+    err.print(f"reward curve: {curve}" + (f"; grids: {run}/it<K>/grid.png" if grid_paths else ""))

@@ -1,0 +1,119 @@
+"""`omnirl sample`: roll out a group of images per prompt and record the trainable SDE steps."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ..config import resolve
+from ..console import emit_json, log, progress
+from ..errors import handle_errors
+from ..options import ConfigOpt, FormatOpt, JsonOpt, NumShardsOpt, OutOpt, OverwriteOpt, SetOpt
+from ..runtime import check_format, device, policy_info, policy_version, run_config
+
+SAMPLING = "Sampling"
+MODEL = "Model"
+
+
+@handle_errors
+def sample(
+    ctx: typer.Context,
+    out: OutOpt = Path("samples"),
+    model: Annotated[Path, typer.Option("--model", "-m", help="Diffusers pipeline folder.", rich_help_panel=MODEL)] = Path("model"),
+    adapter: Annotated[
+        Path | None, typer.Option("--adapter", help="Adapter written by `omnirl update` (default: the base model).", rich_help_panel=MODEL)
+    ] = None,
+    dtype: Annotated[str, typer.Option("--dtype", help="fp32, bf16 or fp16.", rich_help_panel=MODEL)] = "fp32",
+    prompts: Annotated[
+        Path, typer.Option("--prompts", help="Prompt file: .txt, .jsonl, .csv or (verl-style) .parquet.", rich_help_panel="Input / output")
+    ] = Path("prompts.txt"),
+    num_prompts: Annotated[
+        int | None, typer.Option("--num-prompts", help="Draw this many prompts with --seed (default: all).", rich_help_panel=SAMPLING)
+    ] = None,
+    group_size: Annotated[int, typer.Option("-n", "--group-size", help="Samples per prompt (the GRPO group).", rich_help_panel=SAMPLING)] = 4,
+    steps: Annotated[int, typer.Option("--steps", help="Denoising steps.", rich_help_panel=SAMPLING)] = 10,
+    guidance: Annotated[float, typer.Option("--guidance", help="CFG scale (1 = no CFG).", rich_help_panel=SAMPLING)] = 4.5,
+    resolution: Annotated[int, typer.Option("--resolution", help="Image side in pixels.", rich_help_panel=SAMPLING)] = 512,
+    sampler: Annotated[str, typer.Option("--sampler", help="ode, sde (Flow-GRPO), cps or dance.", rich_help_panel=SAMPLING)] = "sde",
+    noise_level: Annotated[float, typer.Option("--noise-level", help="a (sde/cps) or η (dance).", rich_help_panel=SAMPLING)] = 0.7,
+    sde_window: Annotated[
+        int, typer.Option("--sde-window", help="Only W consecutive steps are stochastic and stored (0: all).", rich_help_panel=SAMPLING)
+    ] = 0,
+    sde_window_range: Annotated[
+        tuple[int, int] | None,
+        typer.Option("--sde-window-range", help="LO HI: the window starts uniformly in [LO, HI−W] per batch.", rich_help_panel=SAMPLING),
+    ] = None,
+    same_noise: Annotated[bool, typer.Option("--same-noise", help="One initial noise per group (DanceGRPO).", rich_help_panel=SAMPLING)] = False,
+    seed: Annotated[int, typer.Option("--seed", help="Base seed: the same seed gives bit-identical samples.", rich_help_panel=SAMPLING)] = 0,
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Samples per forward pass.", rich_help_panel=SAMPLING)] = 8,
+    num_shards: NumShardsOpt = 1,
+    shard_index: Annotated[
+        int | None,
+        typer.Option("--shard-index", help="Write only this shard (Slurm arrays); the manifest appears once all exist.", rich_help_panel="Input / output"),
+    ] = None,
+    fmt: FormatOpt = "parquet",
+    overwrite: OverwriteOpt = False,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    json_: JsonOpt = False,
+) -> None:
+    """Sample GROUP images per prompt and write trajectories: stored latents, log-probs, σ, final latent, PNG.
+
+    Each sample has its own seed, so a sample never depends on the batch size. A re-run skips shards
+    that are complete and verified.
+
+    Example: [bold]omnirl sample --model models/sd3-tiny --prompts prompts.txt -n 8 --steps 10 \\
+    --resolution 64 --sampler sde --noise-level 0.7 --out run/it0/samples[/]
+    """
+    c = resolve(ctx, "sample")
+    from stages.shards.writer import ShardSetWriter
+
+    from stages.models.diffusion import FlowPolicy
+    from stages.sample.prompts import pick_prompts, read_prompts
+    from stages.sample.rollout import SampleConfig
+    from stages.sample.stage import KINDS, run_sample
+
+    window_range = c["sde_window_range"]
+    cfg = SampleConfig(
+        steps=c["steps"], guidance=c["guidance"], resolution=c["resolution"], sampler=c["sampler"],
+        noise_level=c["noise_level"], window=c["sde_window"], window_range=tuple(window_range) if window_range else None,
+        same_noise=c["same_noise"], seed=c["seed"], batch_size=c["batch_size"],
+    )
+    cfg.validate()
+    picked = pick_prompts(read_prompts(c["prompts"]), c["num_prompts"], c["seed"])
+    shards = list(range(c["num_shards"])) if c["shard_index"] is None else [c["shard_index"]]
+    if any(not 0 <= s < c["num_shards"] for s in shards):
+        from stages.errors import UserInputError
+
+        raise UserInputError(f"--shard-index {c['shard_index']}: must lie in [0, --num-shards={c['num_shards']})")
+    writer = ShardSetWriter(
+        c["out"], num_shards=c["num_shards"], format=check_format(c["fmt"]), command="sample",
+        config=run_config(c, adapter=c["adapter"]),
+        parents=[], policy=policy_info(c["model"], c["adapter"]), kinds=KINDS, overwrite=c["overwrite"],
+    )
+    if writer.complete:
+        log(f"{c['out']} is already complete; nothing to do", quiet=json_)
+        if json_:
+            emit_json({"out": str(c["out"]), "skipped": True})
+        return
+    policy = FlowPolicy.load(c["model"], adapter=c["adapter"], device=device(), dtype=c["dtype"])
+    total = len(picked) * c["group_size"] * len(shards) // c["num_shards"]
+    with progress(not json_) as bar:
+        task = bar.add_task("sampling", total=total, rate="")
+        result = run_sample(
+            policy, cfg, picked, c["group_size"], writer, num_shards=c["num_shards"], shard_indices=shards,
+            policy_version=policy_version(c["adapter"]), on_batch=lambda n: bar.advance(task, n),
+        )
+    manifest = None
+    if all(writer.shard_done(s) for s in range(c["num_shards"])):
+        manifest = writer.finalize(extra={"sample_config": asdict(cfg)})
+    result.update(out=str(c["out"]), complete=manifest is not None, skipped=False)
+    if json_:
+        emit_json(result)
+    else:
+        rate = f", {result['images_per_s']:.2f} images/s" if result["images_per_s"] else ""
+        state = "complete" if manifest else "partial (other shards pending)"
+        log(f"[green]wrote[/] {result['rows']} samples to {c['out']} ({state}{rate})")

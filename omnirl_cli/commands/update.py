@@ -1,0 +1,98 @@
+"""`omnirl update`: train the policy on scored rollouts and write the next adapter."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ..config import resolve
+from ..console import emit_json, log, progress
+from ..errors import handle_errors
+from ..options import ConfigOpt, InOpt, JsonOpt, OutOpt, OverwriteOpt, SetOpt
+from ..runtime import device, open_inputs, run_config
+
+OPT = "Optimisation"
+LOSS = "Loss"
+
+
+@handle_errors
+def update(
+    ctx: typer.Context,
+    inputs: InOpt = None,
+    out: OutOpt = Path("policy"),
+    model: Annotated[Path, typer.Option("--model", "-m", help="Diffusers pipeline folder.")] = Path("model"),
+    adapter: Annotated[
+        Path | None, typer.Option("--adapter", help="Adapter to continue from (weights, optimizer, EMA, step).")
+    ] = None,
+    dtype: Annotated[str, typer.Option("--dtype", help="fp32, bf16 or fp16.")] = "fp32",
+    algo: Annotated[str, typer.Option("--algo", help="Loss: flow_grpo.", rich_help_panel=LOSS)] = "flow_grpo",
+    clip_range: Annotated[float, typer.Option("--clip-range", help="PPO ratio clip ε (flow_grpo 1e-4).", rich_help_panel=LOSS)] = 1e-4,
+    clip_range_high: Annotated[
+        float | None, typer.Option("--clip-range-high", help="Upper clip if asymmetric.", rich_help_panel=LOSS)
+    ] = None,
+    adv_clip: Annotated[float, typer.Option("--adv-clip", help="Clip advantages to ±this.", rich_help_panel=LOSS)] = 5.0,
+    beta: Annotated[float, typer.Option("--beta", help="KL-to-reference weight (flow_grpo: 0.04 OCR/GenEval).", rich_help_panel=LOSS)] = 0.0,
+    timestep_fraction: Annotated[
+        float, typer.Option("--timestep-fraction", help="Train the first int(K·f) stored steps (flow_grpo 0.99).", rich_help_panel=LOSS)
+    ] = 1.0,
+    lr: Annotated[float, typer.Option("--lr", help="AdamW learning rate.", rich_help_panel=OPT)] = 3e-4,
+    weight_decay: Annotated[float, typer.Option("--weight-decay", rich_help_panel=OPT)] = 1e-4,
+    max_grad_norm: Annotated[float, typer.Option("--max-grad-norm", rich_help_panel=OPT)] = 1.0,
+    micro_batch: Annotated[
+        int, typer.Option("--micro-batch", help="Samples per forward (0: the sampling batch size).", rich_help_panel=OPT)
+    ] = 0,
+    grad_accum: Annotated[int, typer.Option("--grad-accum", min=1, help="Micro-batches per optimizer step.", rich_help_panel=OPT)] = 1,
+    inner_epochs: Annotated[int, typer.Option("--inner-epochs", min=1, help="Passes over the data.", rich_help_panel=OPT)] = 1,
+    shuffle: Annotated[bool, typer.Option("--shuffle/--no-shuffle", help="Shuffle trajectories each epoch.", rich_help_panel=OPT)] = True,
+    ema: Annotated[bool, typer.Option("--ema", help="Keep an EMA of the weights (flow_grpo decay).", rich_help_panel=OPT)] = False,
+    lora_rank: Annotated[int, typer.Option("--lora-rank", help="LoRA rank of a new adapter (flow_grpo 32).", rich_help_panel=OPT)] = 32,
+    lora_alpha: Annotated[int, typer.Option("--lora-alpha", help="LoRA alpha (flow_grpo 64).", rich_help_panel=OPT)] = 64,
+    full: Annotated[bool, typer.Option("--full", help="Full fine-tuning instead of LoRA.", rich_help_panel=OPT)] = False,
+    seed: Annotated[int, typer.Option("--seed", help="Seeds LoRA init and shuffling.", rich_help_panel=OPT)] = 0,
+    overwrite: OverwriteOpt = False,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    json_: JsonOpt = False,
+) -> None:
+    """Replay stored steps under the trained weights and optimise the clipped policy objective.
+
+    Writes an inference-ready adapter (diffusers `pipe.load_lora_weights(OUT)`), the optimizer/EMA
+    state the next update resumes from, and metrics.jsonl (actor/pg_loss, ratio_mean, pg_clipfrac,
+    ppo_kl, kl_loss, grad_norm, lr, samples/s per optimizer step).
+
+    Example: [bold]omnirl update --model models/sd3-tiny --in run/it0/samples --in run/it0/advantages \\
+    --algo flow_grpo --out run/it1/policy[/]
+    """
+    c = resolve(ctx, "update")
+    from stages.update.stage import run_update
+    from stages.update.trainer import UpdateConfig
+
+    cfg = UpdateConfig(
+        algo=c["algo"], lr=c["lr"], weight_decay=c["weight_decay"], clip_range=c["clip_range"],
+        clip_range_high=c["clip_range_high"], adv_clip=c["adv_clip"], beta=c["beta"], max_grad_norm=c["max_grad_norm"],
+        micro_batch=c["micro_batch"], grad_accum=c["grad_accum"], inner_epochs=c["inner_epochs"],
+        timestep_fraction=c["timestep_fraction"], shuffle=c["shuffle"], ema=c["ema"], lora_rank=c["lora_rank"],
+        lora_alpha=c["lora_alpha"], full=c["full"], seed=c["seed"],
+    )
+    cfg.validate()
+    src = open_inputs(c["inputs"])
+    with progress(not json_) as bar:
+        task = bar.add_task("updating", total=None, rate="")
+
+        def on_step(record: dict) -> None:
+            bar.update(task, advance=1, rate=f"loss {record.get('actor/pg_loss', 0):+.3e}")
+
+        result = run_update(
+            c["model"], c["adapter"], src, c["out"], cfg, dtype=c["dtype"], device=device(),
+            run_config=run_config(c, c["adapter"]), overwrite=c["overwrite"], on_step=on_step,
+        )
+    if json_:
+        emit_json(result)
+    elif result.get("skipped"):
+        log(f"{c['out']} already holds this update; nothing to do")
+    else:
+        last = result["last"]
+        log(f"[green]updated[/] → {c['out']}  step {result['step']}  pg_loss {last.get('actor/pg_loss', 0):+.4e}  "
+            f"ratio {last.get('actor/ratio_mean', 1):.6f}  clipfrac {last.get('actor/pg_clipfrac', 0):.3f}")

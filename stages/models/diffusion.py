@@ -1,0 +1,259 @@
+"""Flow-matching text-to-image pipelines seen as RL policies.
+
+A `FlowPolicy` wraps a diffusers pipeline folder (optionally with an omnirl adapter on top) and
+exposes what the stages need: prompt conditioning, the guided velocity v(x, σ), the pipeline's own
+σ schedule, initial noise from per-sample seeds, and decoding. Sampling, replay and training all go
+through `velocity`, so the three compute the same numbers.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stages.errors import UserInputError
+
+ADAPTER_CONFIG = "omnirl_adapter.json"
+LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
+# flow_grpo's LoRA targets for SD3 (diffusion-rl.md §1.5).
+SD3_LORA_TARGETS = (
+    "attn.add_k_proj",
+    "attn.add_q_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+    "attn.to_k",
+    "attn.to_out.0",
+    "attn.to_q",
+    "attn.to_v",
+)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class Condition:
+    """Text conditioning of a batch: embeddings [B, L, D] and pooled [B, P]; negatives when CFG is on."""
+
+    embeds: torch.Tensor
+    pooled: torch.Tensor
+    neg_embeds: torch.Tensor | None = None
+    neg_pooled: torch.Tensor | None = None
+
+    def select(self, index: torch.Tensor | list[int]) -> Condition:
+        pick = (lambda t: None if t is None else t[index])  # noqa: E731
+        return Condition(pick(self.embeds), pick(self.pooled), pick(self.neg_embeds), pick(self.neg_pooled))
+
+
+def seed_generator(seed: int) -> torch.Generator:
+    """A CPU generator for one sample: noise never depends on batch composition or device."""
+    return torch.Generator("cpu").manual_seed(int(seed))
+
+
+def read_adapter_config(adapter: str | Path) -> dict[str, Any]:
+    path = Path(adapter) / ADAPTER_CONFIG
+    if not path.is_file():
+        raise UserInputError(f"--adapter {adapter}: no {ADAPTER_CONFIG}; pass a directory written by `omnirl update`")
+    return json.loads(path.read_text())
+
+
+class FlowPolicy:
+    """A flow-matching pipeline (SD3 family) as a policy over denoising steps."""
+
+    def __init__(self, pipe: Any, *, model_path: str, adapter: str | None, device: torch.device, dtype: torch.dtype):
+        self.pipe = pipe
+        self.model_path = model_path
+        self.adapter = adapter
+        self.device = device
+        self.dtype = dtype
+        self.transformer = pipe.transformer
+        self.lora = bool(getattr(self.transformer, "peft_config", None))
+        self._prompt_cache: dict[tuple[str, str], tuple[torch.Tensor, ...]] = {}
+
+    # ---------------------------------------------------------------- loading
+    @classmethod
+    def load(
+        cls,
+        model_path: str | Path,
+        *,
+        adapter: str | Path | None = None,
+        device: torch.device | str = "cpu",
+        dtype: str = "fp32",
+    ) -> FlowPolicy:
+        """Load a pipeline folder with `from_pretrained` and apply an omnirl adapter directory, if any."""
+        from diffusers import DiffusionPipeline
+        from diffusers.utils import logging as diffusers_logging
+
+        diffusers_logging.disable_progress_bar()
+
+        model_path = Path(model_path)
+        if not (model_path / "model_index.json").is_file():
+            raise UserInputError(f"--model {model_path}: not a diffusers pipeline folder (no model_index.json)")
+        if dtype not in DTYPES:
+            raise UserInputError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
+        torch_dtype = DTYPES[dtype]
+        kwargs: dict[str, Any] = {"dtype": torch_dtype}
+        config = read_adapter_config(adapter) if adapter else None
+        if config and config["kind"] == "full":
+            from diffusers import SD3Transformer2DModel
+
+            kwargs["transformer"] = SD3Transformer2DModel.from_pretrained(
+                Path(adapter) / "transformer", dtype=torch_dtype
+            )
+        pipe = DiffusionPipeline.from_pretrained(model_path, **kwargs)
+        if type(pipe).__name__ not in ("StableDiffusion3Pipeline",):
+            raise UserInputError(
+                f"--model {model_path}: pipeline {type(pipe).__name__} is not supported yet (supported: SD3 family)"
+            )
+        pipe.set_progress_bar_config(disable=True)
+        pipe.to(device)
+        for part in ("vae", "text_encoder", "text_encoder_2", "text_encoder_3", "transformer"):
+            module = getattr(pipe, part, None)
+            if module is not None:
+                module.requires_grad_(False)
+                module.eval()
+        if config and config["kind"] == "lora":
+            pipe.load_lora_weights(str(adapter), adapter_name="default")
+        return cls(pipe, model_path=str(model_path), adapter=str(adapter) if adapter else None, device=torch.device(device), dtype=torch_dtype)
+
+    def add_lora(self, *, rank: int = 32, alpha: int = 64, targets: tuple[str, ...] = SD3_LORA_TARGETS, seed: int = 0) -> None:
+        """Attach a fresh LoRA adapter (gaussian A, zero B: the policy starts equal to the base model)."""
+        from peft import LoraConfig
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self.transformer.add_adapter(
+                LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=list(targets))
+            )
+        self.lora = True
+
+    def trainable_parameters(self, full: bool = False) -> list[torch.nn.Parameter]:
+        """Mark and return the trained parameters: LoRA weights, or every transformer weight with `full`."""
+        params = []
+        for name, p in self.transformer.named_parameters():
+            train = full or "lora_" in name
+            p.requires_grad_(train)
+            if train:
+                params.append(p)
+        if not params:
+            raise UserInputError("nothing to train: the policy has no LoRA adapter; pass --lora-rank > 0 or --full")
+        return params
+
+    def reference(self) -> Any:
+        """Context manager running the frozen base model (LoRA disabled) for KL references."""
+        policy = self
+
+        class _Ref:
+            def __enter__(self) -> None:
+                if policy.lora:
+                    policy.transformer.disable_adapters()
+
+            def __exit__(self, *exc: object) -> None:
+                if policy.lora:
+                    policy.transformer.enable_adapters()
+
+        return _Ref()
+
+    # ---------------------------------------------------------------- saving
+    def save_adapter(self, out: Path, *, kind: str, extra: dict[str, Any]) -> None:
+        """Write the trained weights so `pipe.load_lora_weights(out)` (LoRA) or `from_pretrained` (full) loads them."""
+        out.mkdir(parents=True, exist_ok=True)
+        if kind == "lora":
+            from peft.utils import get_peft_model_state_dict
+
+            state = get_peft_model_state_dict(self.transformer, adapter_name="default")
+            meta = self.transformer.peft_config["default"].to_dict()
+            meta = {k: (sorted(v) if isinstance(v, set) else v) for k, v in meta.items()}
+            type(self.pipe).save_lora_weights(
+                out, transformer_lora_layers=state, transformer_lora_adapter_metadata=meta
+            )
+        else:
+            self.transformer.save_pretrained(out / "transformer")
+        config = {"kind": kind, "base_model": self.model_path, **extra}
+        (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
+
+    # ---------------------------------------------------------------- math
+    def sigmas(self, num_steps: int) -> torch.Tensor:
+        """The pipeline scheduler's own σ schedule [N+1] (ends in 0), float32."""
+        from stages.sample.samplers import flow_match_sigmas
+
+        return flow_match_sigmas(self.pipe.scheduler, num_steps)
+
+    def latent_shape(self, resolution: int) -> tuple[int, ...]:
+        factor = self.pipe.vae_scale_factor
+        if resolution % (factor * self.transformer.config.patch_size):
+            raise UserInputError(
+                f"--resolution {resolution}: must be a multiple of {factor * self.transformer.config.patch_size} for this model"
+            )
+        return (self.transformer.config.in_channels, resolution // factor, resolution // factor)
+
+    def initial_noise(self, seeds: list[int], resolution: int) -> torch.Tensor:
+        """x_T [B, C, h, w] drawn per sample from its own seed (batching never changes it)."""
+        shape = self.latent_shape(resolution)
+        noise = [torch.randn(shape, generator=seed_generator(s), dtype=torch.float32) for s in seeds]
+        return torch.stack(noise).to(self.device)
+
+    @torch.no_grad()
+    def encode(self, prompts: list[str], negative: list[str] | None, cfg: bool, max_sequence_length: int = 128) -> Condition:
+        """Frozen text conditioning, cached per unique (prompt, negative) pair."""
+        negative = negative or [""] * len(prompts)
+        missing = [(p, n) for p, n in dict.fromkeys(zip(prompts, negative)) if (p, n) not in self._prompt_cache]
+        if missing:
+            ps = [p for p, _ in missing]
+            ns = [n for _, n in missing]
+            emb, neg_emb, pooled, neg_pooled = self.pipe.encode_prompt(
+                prompt=ps,
+                prompt_2=ps,
+                prompt_3=ps,
+                negative_prompt=ns,
+                negative_prompt_2=ns,
+                negative_prompt_3=ns,
+                do_classifier_free_guidance=True,
+                device=self.device,
+                max_sequence_length=max_sequence_length,
+            )
+            for i, key in enumerate(missing):
+                self._prompt_cache[key] = (emb[i], pooled[i], neg_emb[i], neg_pooled[i])
+        parts = [self._prompt_cache[(p, n)] for p, n in zip(prompts, negative)]
+        stack = [torch.stack([part[k] for part in parts]) for k in range(4)]
+        if not cfg:
+            return Condition(stack[0], stack[1])
+        return Condition(*stack)
+
+    def velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond: Condition, guidance: float) -> torch.Tensor:
+        """Guided velocity v(x, σ) [B, C, h, w] in fp32; the model sees timestep σ·1000 as SD3 does.
+
+        With guidance > 1 the unconditional and conditional branches run in one batch of 2B, as the
+        diffusers pipeline does, so the numbers match its own call.
+        """
+        sigma = sigma.to(self.device, torch.float32).expand(x.shape[0])
+        timestep = sigma * 1000
+        model_in = x.to(self.dtype)
+        if guidance > 1.0:
+            out = self.transformer(
+                hidden_states=torch.cat([model_in, model_in]),
+                timestep=torch.cat([timestep, timestep]),
+                encoder_hidden_states=torch.cat([cond.neg_embeds, cond.embeds]),
+                pooled_projections=torch.cat([cond.neg_pooled, cond.pooled]),
+                return_dict=False,
+            )[0]
+            uncond, text = out.float().chunk(2)
+            return uncond + guidance * (text - uncond)
+        out = self.transformer(
+            hidden_states=model_in,
+            timestep=timestep,
+            encoder_hidden_states=cond.embeds,
+            pooled_projections=cond.pooled,
+            return_dict=False,
+        )[0]
+        return out.float()
+
+    @torch.no_grad()
+    def decode(self, x0: torch.Tensor) -> list[Any]:
+        """Latents [B, C, h, w] → PIL images."""
+        vae = self.pipe.vae
+        z = x0.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
+        image = vae.decode(z, return_dict=False)[0]
+        return self.pipe.image_processor.postprocess(image, output_type="pil")

@@ -1,0 +1,160 @@
+"""Tiny-model factory: builds random-weight pipeline folders offline, one builder per model family.
+
+Tests and benchmarks need real diffusers/transformers checkpoints without the network, so each
+family builds its components from configs with seeded random weights and `save_pretrained`s a
+complete folder that `from_pretrained` loads like a published checkpoint. The folder also gets
+`omnirl_model.json` (family, size, seed, parameter counts), written last so that a folder without
+it is an unfinished build.
+
+A family is registered as `"module:builder"`, imported only when built, so listing families does not
+import diffusers. A builder is `builder(out_dir, *, size, seed) -> dict`, raises `UserInputError` for
+a size it does not know, and ends with `finish_model_dir`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib
+import json
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stages.errors import UserInputError
+
+MODEL_CARD_NAME = "omnirl_model.json"
+MODEL_CARD_FORMAT = "omnirl-model"
+MODEL_CARD_VERSION = 1
+
+FAMILIES: dict[str, str] = {
+    "sd3": "stages.models.sd3:build_sd3",
+}
+
+Builder = Callable[..., dict[str, Any]]
+
+
+def available_families() -> list[str]:
+    """Names accepted by `init_model`, sorted."""
+    return sorted(FAMILIES)
+
+
+def get_builder(family: str) -> Builder:
+    """The builder registered for `family`; `UserInputError` naming the valid families otherwise."""
+    target = FAMILIES.get(family)
+    if target is None:
+        raise UserInputError(
+            f"unknown model family {family!r}; choose one of: {', '.join(available_families())}"
+        )
+    module_name, attribute = target.split(":")
+    return getattr(importlib.import_module(module_name), attribute)
+
+
+def init_model(family: str, out_dir: str | Path, *, size: str = "tiny", seed: int = 0) -> dict[str, Any]:
+    """Build a random-weight `family` pipeline of `size` into the empty or new folder `out_dir`.
+
+    Returns the summary: family, size, seed, out_dir, pipeline_class, parameters (per component),
+    bytes (whole folder). The same (family, size, seed) writes bit-identical weight files.
+    """
+    builder = get_builder(family)
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise UserInputError(f"--seed must be an integer in [0, 2**63), got {seed!r}")
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserInputError(f"{out} already exists and is not an empty directory; choose a new --out")
+    return builder(out, size=size, seed=seed)
+
+
+def choose_size(family: str, size: str, sizes: Mapping[str, Any]) -> Any:
+    """`sizes[size]`, or `UserInputError` listing the sizes `family` offers."""
+    if size not in sizes:
+        raise UserInputError(
+            f"unknown size {size!r} for model family {family!r}; choose one of: {', '.join(sizes)}"
+        )
+    return sizes[size]
+
+
+def component_seed(seed: int, component: str) -> int:
+    """A seed for one component derived from the build seed, so components draw independent weights
+    and adding a component to a family never changes the weights of the others."""
+    digest = hashlib.sha256(f"{seed}:{component}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+@contextlib.contextmanager
+def seeded(seed: int, component: str) -> Iterator[None]:
+    """Run the block (a model constructor) under `component_seed(seed, component)`; the global CPU RNG
+    is restored afterwards, so building a model does not disturb the caller's random state."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(component_seed(seed, component))
+        yield
+
+
+@contextlib.contextmanager
+def no_progress_bars() -> Iterator[None]:
+    """Silence transformers' per-shard progress bars while a builder saves, then restore the setting."""
+    from transformers.utils import logging as transformers_logging
+
+    was_enabled = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            transformers_logging.enable_progress_bar()
+
+
+def parameter_count(module: torch.nn.Module) -> int:
+    """Number of trainable-shaped weights (buffers such as fixed position tables excluded)."""
+    return sum(parameter.numel() for parameter in module.parameters())
+
+
+def folder_bytes(path: Path) -> int:
+    """Total size of the regular files under `path`."""
+    return sum(file.stat().st_size for file in path.rglob("*") if file.is_file())
+
+
+def finish_model_dir(
+    out_dir: Path,
+    *,
+    family: str,
+    size: str,
+    seed: int,
+    pipeline_class: str,
+    parameters: Mapping[str, int],
+    details: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Write `omnirl_model.json` into a saved pipeline folder and return the build summary
+    (the card as read back from JSON, plus `out_dir` and `bytes`).
+
+    `details` holds family-specific facts a tool may show (default resolution, architecture notes).
+    """
+    card = {
+        "format": MODEL_CARD_FORMAT,
+        "version": MODEL_CARD_VERSION,
+        "family": family,
+        "size": size,
+        "seed": seed,
+        "pipeline_class": pipeline_class,
+        "parameters": dict(parameters),
+        "details": dict(details or {}),
+    }
+    text = json.dumps(card, indent=2, sort_keys=True) + "\n"
+    (out_dir / MODEL_CARD_NAME).write_text(text)
+    return {**json.loads(text), "out_dir": str(out_dir), "bytes": folder_bytes(out_dir)}
+
+
+def read_model_card(model_dir: str | Path) -> dict[str, Any] | None:
+    """The `omnirl_model.json` of a folder built by this factory, or None for any other checkpoint."""
+    path = Path(model_dir) / MODEL_CARD_NAME
+    if not path.is_file():
+        return None
+    try:
+        card = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise UserInputError(f"{path} is not readable JSON ({error}); rebuild the model folder") from error
+    if not isinstance(card, dict) or card.get("format") != MODEL_CARD_FORMAT:
+        raise UserInputError(f"{path} is not an omnirl model card (format != {MODEL_CARD_FORMAT!r})")
+    return card

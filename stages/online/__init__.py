@@ -1,0 +1,1 @@
+"""online stage."""

@@ -1,0 +1,134 @@
+"""Rollouts: denoise a batch with the chosen sampler and record the stochastic (trainable) steps.
+
+One row per generated sample, in the trajectory schema of DESIGN.md: only the stored window's
+latents [K+1, C, h, w], log-probs [K], timesteps [K] and σ [K+1], plus the final latent and a PNG.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from stages.errors import UserInputError
+from stages.models.diffusion import FlowPolicy, seed_generator
+from stages.sample.samplers import SAMPLERS, step
+from stages.sample.windows import WindowSchedule
+
+
+@dataclass
+class SampleConfig:
+    """How to sample; recorded in the output manifest so `logprob` and `update` replay the same math."""
+
+    steps: int = 10
+    guidance: float = 4.5
+    resolution: int = 512
+    sampler: str = "sde"
+    noise_level: float = 0.7
+    window: int = 0
+    window_range: tuple[int, int] | None = None
+    same_noise: bool = False
+    seed: int = 0
+    batch_size: int = 8
+    max_sequence_length: int = 128
+
+    def validate(self) -> None:
+        if self.sampler not in SAMPLERS:
+            raise UserInputError(f"--sampler {self.sampler}: choose one of {', '.join(SAMPLERS)}")
+        if self.steps < 1:
+            raise UserInputError(f"--steps {self.steps}: must be at least 1")
+        if self.window < 0 or self.window > self.steps:
+            raise UserInputError(f"--sde-window {self.window}: must lie in [0, --steps={self.steps}]")
+        if self.window_range is not None:
+            lo, hi = self.window_range
+            if not (lo >= 0 and hi <= self.steps and hi - lo >= self.window):
+                raise UserInputError(
+                    f"--sde-window-range {lo} {hi}: must satisfy 0 <= lo, hi <= steps and hi - lo >= --sde-window"
+                )
+
+
+def derive_seed(*parts: Any) -> int:
+    """A 63-bit seed from any parts (stable across runs, platforms and batchings)."""
+    digest = hashlib.sha256(":".join(str(p) for p in parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def stored_steps(cfg: SampleConfig, batch_key: Any) -> list[int]:
+    """Indices of the stochastic, stored steps for one batch.
+
+    No window: every step (original Flow-GRPO). A window of W: W consecutive steps starting
+    uniformly in [lo, hi − W], drawn per batch from the run seed (Flow-GRPO-Fast).
+    """
+    if cfg.sampler == "ode":
+        return []
+    if cfg.window == 0:
+        return list(range(cfg.steps))
+    schedule = WindowSchedule(cfg.steps, "random", window=cfg.window, window_range=cfg.window_range)
+    return schedule.steps_for_iteration(0, seed=derive_seed(cfg.seed, "window", batch_key))
+
+
+def png_bytes(image: Any) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@torch.no_grad()
+def rollout_batch(
+    policy: FlowPolicy,
+    cfg: SampleConfig,
+    prompts: list[str],
+    negatives: list[str],
+    seeds: list[int],
+    init_seeds: list[int],
+    batch_key: Any,
+) -> dict[str, Any]:
+    """Denoise one batch of B samples; returns the recorded columns (tensors with leading dim B).
+
+    `seeds` drive each sample's SDE noise, `init_seeds` its x_T (shared within a group with
+    --same-noise). Noise is drawn per sample on the CPU, so batching never changes a sample.
+    """
+    sigmas = policy.sigmas(cfg.steps).to(policy.device)
+    window = stored_steps(cfg, batch_key)
+    x = policy.initial_noise(init_seeds, cfg.resolution)
+    cond = policy.encode(prompts, negatives, cfg.guidance > 1.0, cfg.max_sequence_length)
+    gens = [seed_generator(s) for s in seeds]
+    latents, log_probs = [], []
+    for i in range(cfg.steps):
+        v = policy.velocity(x, sigmas[i], cond, cfg.guidance)
+        if i in window:
+            noise = torch.stack([torch.randn(x.shape[1:], generator=g) for g in gens]).to(x.device)
+            out = step(
+                cfg.sampler, v, x, sigmas[i], sigmas[i + 1],
+                noise_level=cfg.noise_level, sigma_max_safe=sigmas[1] if cfg.steps > 1 else None, noise=noise,
+            )
+            latents.append(x)
+            log_probs.append(out.log_prob)
+        else:
+            out = step("ode", v, x, sigmas[i], sigmas[i + 1], noise_level=0.0)
+        x = out.prev_sample
+        if i in window and i == window[-1]:
+            latents.append(x)
+    result: dict[str, Any] = {"final_latent": x.float().cpu()}
+    if window:
+        bounds = [*window, window[-1] + 1]
+        result["latents"] = torch.stack(latents, dim=1).float().cpu()
+        result["log_probs"] = torch.stack(log_probs, dim=1).float().cpu()
+        result["timesteps"] = (sigmas[window] * 1000).float().cpu().expand(len(prompts), -1).contiguous()
+        result["sigmas"] = sigmas[bounds].float().cpu().expand(len(prompts), -1).contiguous()
+    result["image"] = [png_bytes(im) for im in policy.decode(x)]
+    return result
+
+
+def sample_config_of(manifests: list[Any]) -> SampleConfig:
+    """The `SampleConfig` recorded by `omnirl sample` in one of the input manifests."""
+    for manifest in manifests:
+        recorded = (manifest.extra or {}).get("sample_config")
+        if recorded:
+            window_range = recorded.get("window_range")
+            recorded = {**recorded, "window_range": tuple(window_range) if window_range else None}
+            return SampleConfig(**recorded)
+    raise UserInputError("--in: none of the inputs was written by `omnirl sample`; pass the samples shard set first")

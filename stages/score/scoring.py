@@ -1,0 +1,122 @@
+"""Score a batch with several weighted rewards: one call per scorer, checked values, a weighted sum.
+
+Output columns (schema v1): ``reward`` = Σ_k w_k·r_k and one ``reward.<name>`` per scorer with the
+raw value r_k, all float32 [N]. The sum is formed in float64, then cast.
+
+A value a scorer could not produce (``None``, NaN, ±inf, or the scorer raising) is never trained on
+silently. With ``on_error="fail"`` (default) it raises `NonFiniteError` naming the scorer and the
+sample_id. With ``on_error="zero"`` it is recorded as 0, the row is flagged in the extra column
+``reward_failed`` (bool [N]) and a warning names it. There is no "skip": rows of every shard set
+of a rollout stay aligned, so a row cannot be dropped here. A `UserInputError` raised by a scorer
+(a bad prompt file, a missing package) always propagates: it is not a per-sample failure.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from stages.errors import NonFiniteError, UserInputError
+from stages.score.registry import get_reward
+
+logger = logging.getLogger(__name__)
+
+ON_ERROR_MODES = ("fail", "zero")
+
+
+def _run_scorer(name: str, images: Sequence[Any], prompts: Sequence[str], meta: Sequence[dict],
+                sample_ids: Sequence[str], on_error: str) -> tuple[list[float], list[bool]]:
+    """Call one scorer on the batch; return its values (failures as 0.0) and the failure flags."""
+    n = len(sample_ids)
+    scorer = get_reward(name)
+    try:
+        raw = scorer(images, prompts, meta)
+    except UserInputError as exc:
+        if str(exc).startswith(f"reward {name!r}"):
+            raise
+        raise type(exc)(f"reward {name!r}: {exc}") from exc
+    except Exception as exc:
+        detail = " ".join(str(exc).split())  # keep the report on one line
+        message = (f"reward {name!r} raised {type(exc).__name__}: {detail} on the batch of {n} samples "
+                   f"{sample_ids[0]!r}..{sample_ids[-1]!r}")
+        if on_error == "fail":
+            raise NonFiniteError(f"{message}; fix the scorer, or score with on_error=zero to record 0 and flag the rows") from exc
+        logger.warning("%s; recorded as 0 and flagged in reward_failed", message)
+        return [0.0] * n, [True] * n
+    try:
+        count = len(raw)
+    except TypeError:
+        raise UserInputError(f"reward {name!r} returned a {type(raw).__name__}, not a list of {n} scores") from None
+    if count != n:
+        raise UserInputError(f"reward {name!r} returned {count} scores for {n} samples; return one score per sample")
+    values: list[float] = []
+    failed: list[bool] = []
+    for value, sample_id in zip(raw, sample_ids, strict=True):
+        if value is None:
+            number = math.nan
+        else:
+            try:
+                number = float(value)
+            except (TypeError, ValueError):
+                raise UserInputError(
+                    f"reward {name!r} returned {value!r} for sample {sample_id!r}; scores must be numbers or None"
+                ) from None
+        if math.isfinite(number):
+            values.append(number)
+            failed.append(False)
+            continue
+        what = "could not score (None)" if value is None else f"returned {number}"
+        if on_error == "fail":
+            raise NonFiniteError(
+                f"reward {name!r} {what} for sample {sample_id!r}; fix the input or the scorer, "
+                "or score with on_error=zero to record 0 and flag the row"
+            )
+        logger.warning("reward %r %s for sample %r; recorded as 0 and flagged in reward_failed", name, what, sample_id)
+        values.append(0.0)
+        failed.append(True)
+    return values, failed
+
+
+def score_batch(specs: Sequence[tuple[str, float]], images: Sequence[Any], prompts: Sequence[str],
+                meta: Sequence[dict], *, sample_ids: Sequence[str], on_error: str = "fail") -> dict[str, torch.Tensor]:
+    """Score N samples with every (name, weight) in `specs`.
+
+    Returns ``{"reward": float32 [N], "reward.<name>": float32 [N] per spec}``, plus
+    ``"reward_failed": bool [N]`` when ``on_error="zero"``.
+    """
+    if on_error not in ON_ERROR_MODES:
+        raise UserInputError(f"on_error {on_error!r} is not one of {', '.join(ON_ERROR_MODES)}")
+    if not specs:
+        raise UserInputError("no reward given; pass at least one --reward NAME[=WEIGHT]")
+    names = [name for name, _ in specs]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise UserInputError(f"reward {duplicates[0]!r} is given more than once; give each reward once with its weight")
+    n = len(sample_ids)
+    if not (len(images) == len(prompts) == len(meta) == n):
+        raise ValueError(
+            f"score_batch got {len(images)} images, {len(prompts)} prompts, {len(meta)} meta and {n} sample_ids"
+        )
+    columns: dict[str, torch.Tensor] = {}
+    total = torch.zeros(n, dtype=torch.float64)
+    any_failed = torch.zeros(n, dtype=torch.bool)
+    for name, weight in specs:
+        values, failed = _run_scorer(name, images, prompts, meta, sample_ids, on_error) if n else ([], [])
+        column = torch.tensor(values, dtype=torch.float64)
+        total += weight * column
+        any_failed |= torch.tensor(failed, dtype=torch.bool)
+        columns[f"reward.{name}"] = column.to(torch.float32)
+    out = {"reward": total.to(torch.float32), **columns}
+    for key, column in out.items():
+        bad = (~torch.isfinite(column)).nonzero()
+        if len(bad):
+            raise NonFiniteError(
+                f"{key} of sample {sample_ids[int(bad[0])]!r} does not fit in float32; rescale the reward or its weight"
+            )
+    if on_error == "zero":
+        out["reward_failed"] = any_failed
+    return out

@@ -1,0 +1,292 @@
+"""Writing a shard set: one shard file at a time, resumable, with the manifest written last.
+
+Each shard is written to a hidden temp file, fsynced and renamed into place; then a hidden
+completion record `.part-....done.json` (rows, bytes, sha256, run fingerprint, columns) is
+written. A re-run with the same fingerprint skips shards whose record and bytes still match. In
+distributed runs every process writes its own shard indices into the same directory and one of
+them calls `finalize()` once all exist.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+
+from stages.errors import UserInputError
+from stages.shards.atomic import atomic_output, atomic_write_bytes, fsync_dir, remove_stale_temps, sha256_file
+from stages.shards.formats import codec, shard_file_name
+from stages.shards.manifest import (
+    FORMATS,
+    MANIFEST_NAME,
+    Manifest,
+    ShardInfo,
+    config_hash,
+    manifest_sha256,
+    read_manifest,
+    write_manifest,
+)
+from stages.shards.schema import Batch, Column, infer_columns
+
+
+def parent_entry(parent: str | Path, out_dir: Path) -> dict:
+    """Lineage record of an input: a shard set's manifest hash, or a plain file's sha256.
+
+    The path is stored relative to `out_dir` so a run tree can be moved as a whole.
+    """
+    p = Path(parent)
+    rel = Path(os.path.relpath(p.resolve(), out_dir.resolve())).as_posix()
+    if p.is_dir():
+        return {"path": rel, "manifest_sha256": manifest_sha256(p)}
+    if p.is_file():
+        return {"path": rel, "sha256": sha256_file(p)}
+    raise UserInputError(f"input {p} does not exist")
+
+
+def run_fingerprint(
+    config_hash_: str, format: str, num_shards: int, policy: dict | None, parents: list[dict]
+) -> str:
+    """What makes two runs produce the same output: config, format, sharding, policy and inputs."""
+    return config_hash(
+        {
+            "config_hash": config_hash_,
+            "format": format,
+            "num_shards": num_shards,
+            "policy": policy,
+            "parents": parents,
+        }
+    )
+
+
+def _manifest_fingerprint(m: Manifest) -> str:
+    return run_fingerprint(m.config_hash, m.format, len(m.shards), m.policy, m.parents)
+
+
+def _difference(old: Manifest, new: dict) -> str:
+    if old.config_hash != new["config_hash"]:
+        return "a different configuration"
+    if old.parents != new["parents"]:
+        return "different inputs"
+    if old.policy != new["policy"]:
+        return "a different policy"
+    return f"a different format or shard count ({old.format}, {len(old.shards)} shards)"
+
+
+class ShardSetWriter:
+    """Writes shard `index` of `num_shards` into `out_dir`, then the manifest in `finalize()`.
+
+    If `out_dir` already holds a manifest with the same run fingerprint, `.complete` is True and
+    `.manifest` is that manifest: there is nothing to do.
+    """
+
+    def __init__(
+        self,
+        out_dir: str | Path,
+        *,
+        num_shards: int,
+        format: str = "parquet",
+        command: str,
+        config: dict,
+        parents: Sequence[str | Path] = (),
+        policy: dict | None = None,
+        kinds: dict[str, str] | None = None,
+        overwrite: bool = False,
+    ) -> None:
+        if format not in FORMATS:
+            raise UserInputError(f"unknown shard format {format!r}; use one of {', '.join(FORMATS)}")
+        if not isinstance(num_shards, int) or num_shards < 1:
+            raise UserInputError(f"--num-shards must be a positive integer, got {num_shards!r}")
+        self.out_dir = Path(out_dir)
+        if self.out_dir.exists() and not self.out_dir.is_dir():
+            raise UserInputError(f"--out {self.out_dir} is a file; pass a directory")
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.num_shards = num_shards
+        self.format = format
+        self.command = command
+        self.config = config
+        self.config_hash = config_hash(config)
+        self.parents = [parent_entry(p, self.out_dir) for p in parents]
+        self.policy = policy
+        self.kinds = dict(kinds or {})
+        self.fingerprint = run_fingerprint(self.config_hash, format, num_shards, policy, self.parents)
+        self._codec = codec(format)
+        self._infos: dict[int, ShardInfo] = {}
+        self._columns: list[Column] | None = None
+        self._first_file: str | None = None
+        self.manifest: Manifest | None = None
+        self.complete = False
+        if (self.out_dir / MANIFEST_NAME).exists():
+            self._check_existing(overwrite)
+
+    def _check_existing(self, overwrite: bool) -> None:
+        try:
+            old = read_manifest(self.out_dir)
+        except UserInputError as e:
+            if not overwrite:
+                raise UserInputError(f"{e}; or pass --overwrite to replace it") from e
+            old = None
+        if old is not None and _manifest_fingerprint(old) == self.fingerprint:
+            self.manifest = old
+            self.complete = True
+            return
+        if not overwrite:
+            why = _difference(
+                old, {"config_hash": self.config_hash, "parents": self.parents, "policy": self.policy}
+            )
+            raise UserInputError(
+                f"{self.out_dir} already holds a finished output made with {why}; "
+                "pass --overwrite to replace it or pick another --out"
+            )
+        (self.out_dir / MANIFEST_NAME).unlink(missing_ok=True)
+        keep = {shard_file_name(i, self.num_shards, self.format) for i in range(self.num_shards)}
+        for p in self.out_dir.glob("part-*-of-*.*"):
+            if p.name not in keep:
+                p.unlink(missing_ok=True)
+        fsync_dir(self.out_dir)
+
+    def _remove_unlisted(self, listed: set[str]) -> None:
+        """Drop completion records, crash leftovers and shard files of other runs after finalizing."""
+        for p in [*self.out_dir.glob(".part-*"), *self.out_dir.glob("part-*-of-*.*")]:
+            if p.name not in listed:
+                p.unlink(missing_ok=True)
+
+    def shard_file(self, index: int) -> Path:
+        """Final path of shard `index`."""
+        return self.out_dir / shard_file_name(index, self.num_shards, self.format)
+
+    def _record_path(self, index: int) -> Path:
+        return self.out_dir / f".{shard_file_name(index, self.num_shards, self.format)}.done.json"
+
+    def _check_index(self, index: int) -> None:
+        if not isinstance(index, int) or not 0 <= index < self.num_shards:
+            raise UserInputError(
+                f"shard index {index!r} is outside 0..{self.num_shards - 1} (--num-shards {self.num_shards})"
+            )
+
+    def _read_record(self, index: int) -> tuple[ShardInfo, list[Column]] | None:
+        """The completion record of a shard if it belongs to this run and its file has the listed size."""
+        try:
+            rec = json.loads(self._record_path(index).read_bytes())
+            if rec["fingerprint"] != self.fingerprint:
+                return None
+            info = ShardInfo.from_json(rec)
+            columns = [Column.from_json(c) for c in rec["columns"]]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        if info.file != self.shard_file(index).name:
+            return None
+        try:
+            if self.shard_file(index).stat().st_size != info.bytes:
+                return None
+        except FileNotFoundError:
+            return None
+        return info, columns
+
+    def _adopt_columns(self, columns: list[Column], file: str) -> None:
+        if self._columns is None:
+            self._columns, self._first_file = columns, file
+            return
+        if columns != self._columns:
+            raise UserInputError(
+                f"{self.out_dir}: {_schema_difference(self._columns, columns, self._first_file, file)}"
+            )
+
+    def shard_done(self, index: int) -> bool:
+        """True if shard `index` is complete and verified (sha256 re-checked) for this run."""
+        self._check_index(index)
+        if self.complete or index in self._infos:
+            return True
+        found = self._read_record(index)
+        if found is None:
+            return False
+        info, columns = found
+        if sha256_file(self.shard_file(index)) != info.sha256:
+            return False
+        self._adopt_columns(columns, info.file)
+        self._infos[index] = info
+        return True
+
+    def write_shard(self, index: int, batch: Batch) -> ShardInfo:
+        """Encode `batch` as shard `index` (atomically) and record it as complete."""
+        self._check_index(index)
+        if self.complete:
+            raise ValueError(f"{self.out_dir} is already complete; check `.complete` before writing shards")
+        known = {c.name: c.kind for c in self._columns or ()}
+        columns = infer_columns(batch, {**known, **self.kinds})
+        path = self.shard_file(index)
+        self._adopt_columns(columns, path.name)
+        self._record_path(index).unlink(missing_ok=True)
+        remove_stale_temps(path)
+        with atomic_output(path) as sink:
+            rows = self._codec.encode(batch, columns, sink, index)
+        info = ShardInfo(path.name, rows, sink.bytes, sink.sha256)
+        record = {**info.to_json(), "fingerprint": self.fingerprint, "config_hash": self.config_hash}
+        record["columns"] = [c.to_json() for c in columns]
+        atomic_write_bytes(self._record_path(index), json.dumps(record).encode())
+        self._infos[index] = info
+        return info
+
+    def finalize(self, extra: dict | None = None) -> Manifest:
+        """Check that every shard exists with one schema, then write the manifest (last)."""
+        if self.complete:
+            return self.manifest  # type: ignore[return-value]
+        infos: list[ShardInfo] = []
+        missing: list[str] = []
+        columns_by_file: list[tuple[str, list[Column]]] = []
+        for i in range(self.num_shards):
+            found = self._read_record(i)
+            if found is None:
+                missing.append(self.shard_file(i).name)
+                continue
+            infos.append(found[0])
+            columns_by_file.append((found[0].file, found[1]))
+        if missing:
+            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise UserInputError(
+                f"{self.out_dir}: {len(missing)} of {self.num_shards} shards are not written yet ({shown}); "
+                "run the missing shard indices, then finalize"
+            )
+        first_file, columns = columns_by_file[0]
+        for file, cols in columns_by_file[1:]:
+            if cols != columns:
+                raise UserInputError(f"{self.out_dir}: {_schema_difference(columns, cols, first_file, file)}")
+        manifest = Manifest(
+            format=self.format,
+            command=self.command,
+            config=self.config,
+            config_hash=self.config_hash,
+            parents=self.parents,
+            policy=self.policy,
+            shards=infos,
+            columns=columns,
+            num_rows=sum(s.rows for s in infos),
+            created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            extra=dict(extra or {}),
+        )
+        write_manifest(self.out_dir, manifest)
+        self._remove_unlisted({s.file for s in infos})
+        self.manifest = manifest
+        self.complete = True
+        return manifest
+
+
+def _describe_column(c: Column | None) -> str:
+    if c is None:
+        return "absent"
+    return f"tensor {c.dtype}{list(c.shape)}" if c.kind == "tensor" else c.kind
+
+
+def _schema_difference(a: list[Column], b: list[Column], file_a: str | None, file_b: str) -> str:
+    """One line naming the first column whose schema differs between two shards."""
+    by_name_a = {c.name: c for c in a}
+    by_name_b = {c.name: c for c in b}
+    for name in [*by_name_a, *by_name_b]:
+        ca, cb = by_name_a.get(name), by_name_b.get(name)
+        if ca != cb:
+            return (
+                f"column '{name}' is {_describe_column(ca)} in {file_a} but {_describe_column(cb)} in {file_b}; "
+                "every shard of a shard set needs the same columns, dtypes and shapes"
+            )
+    return f"columns are in a different order in {file_a} and {file_b}; write them in one order"

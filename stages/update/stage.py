@@ -1,0 +1,97 @@
+"""The `update` stage: train the policy on stored rollouts and write an inference-ready adapter.
+
+The output directory holds the adapter (diffusers `load_lora_weights` format, or a full
+transformer), `omnirl_adapter.json` (written last) with the step counter and lineage, the trainer
+state the next update resumes from, and `metrics.jsonl`. It appears under its final name atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stages.errors import UserInputError
+from stages.models.diffusion import ADAPTER_CONFIG, SD3_LORA_TARGETS, FlowPolicy, read_adapter_config
+from stages.sample.rollout import sample_config_of
+from stages.shards.manifest import config_hash, manifest_sha256
+from stages.update.trainer import METRICS, UpdateConfig, load_state, save_state, train
+
+TRAIN_COLUMNS = ("prompt", "negative_prompt", "latents", "sigmas", "log_probs", "old_log_probs", "advantages", "train_mask")
+
+
+def adapter_complete(out: Path, digest: str, overwrite: bool) -> bool:
+    """True when `out` already holds this very update (same config hash): the run is skipped."""
+    if not (out / ADAPTER_CONFIG).is_file():
+        return False
+    if read_adapter_config(out).get("config_hash") == digest:
+        return True
+    if not overwrite:
+        raise UserInputError(f"--out {out}: holds an adapter from a different update; pass --overwrite or pick another --out")
+    return False
+
+
+def run_update(
+    model: str | Path,
+    adapter: str | Path | None,
+    inputs: Any,
+    out: Path,
+    cfg: UpdateConfig,
+    *,
+    dtype: str = "fp32",
+    device: torch.device | str = "cpu",
+    run_config: dict[str, Any],
+    overwrite: bool = False,
+    on_step: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Train on the zipped inputs (samples ⋈ logprobs ⋈ advantages) and write the adapter to `out`."""
+    out = Path(out)
+    digest = config_hash({**run_config, "input_manifests": [manifest_sha256(p) for p in inputs.paths]})
+    if adapter_complete(out, digest, overwrite):
+        return {"out": str(out), "skipped": True, **{k: v for k, v in read_adapter_config(out).items() if k == "step"}}
+    if "advantages" not in inputs.columns:
+        raise UserInputError("--in: no 'advantages' column; add the output of `omnirl advantage` as an --in")
+    sample_cfg = sample_config_of(inputs.manifests)
+    policy = FlowPolicy.load(model, adapter=adapter, device=device, dtype=dtype)
+    if not policy.lora and not cfg.full:
+        policy.add_lora(rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=SD3_LORA_TARGETS, seed=cfg.seed)
+    opt_state, ema_state, start = load_state(Path(adapter)) if adapter else (None, None, 0)
+    data = inputs.read_all(columns=[c for c in TRAIN_COLUMNS if c in inputs.columns])
+    optimizer, ema, metrics = train(
+        policy, data, sample_cfg, cfg, optimizer_state=opt_state, ema_state=ema_state, start_step=start, on_step=on_step
+    )
+    step = metrics[-1]["step"] if metrics else start
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        tmp.mkdir(parents=True)
+        with open(tmp / METRICS, "w") as fh:
+            for record in metrics:
+                fh.write(json.dumps(record) + "\n")
+        save_state(tmp, optimizer, ema, step, cfg)
+        policy.save_adapter(
+            tmp,
+            kind="full" if cfg.full else "lora",
+            extra={
+                "step": step,
+                "algo": cfg.algo,
+                "config_hash": digest,
+                "parent_adapter": str(adapter) if adapter else None,
+                "inputs": [str(p) for p in inputs.paths],
+                "update_config": asdict(cfg),
+            },
+        )
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    last = metrics[-1] if metrics else {}
+    return {"out": str(out), "skipped": False, "step": step, "optimizer_steps": len(metrics), "last": last}

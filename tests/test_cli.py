@@ -1,0 +1,131 @@
+"""The command line: help for every command, config precedence, one-line errors and exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from omnirl_cli.app import app
+from omnirl_cli.commands import COMMANDS
+from omnirl_cli.config import parse_set, resolve
+
+runner = CliRunner()
+
+
+@pytest.mark.parametrize("name", [name for name, _ in COMMANDS])
+def test_every_command_has_help_with_an_example(name: str) -> None:
+    result = runner.invoke(app, [name, "--help"])
+    assert result.exit_code == 0, result.output
+    assert "Example" in result.output
+    assert f"omnirl {name}" in result.output
+
+
+def test_root_help_lists_every_command_and_version() -> None:
+    result = runner.invoke(app, ["--help"])
+    assert result.exit_code == 0
+    for name, _ in COMMANDS:
+        assert name in result.output
+    version = runner.invoke(app, ["--version"])
+    assert version.exit_code == 0 and version.output.startswith("omnirl ")
+
+
+def test_help_is_fast_because_torch_is_lazy() -> None:
+    code = "import sys, omnirl_cli.app; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "omnirl_cli", "--help"], capture_output=True, check=True)
+    assert time.perf_counter() - t0 < 5.0
+
+
+def test_parse_set_builds_nested_typed_values() -> None:
+    assert parse_set(["steps=10", "sample.guidance=4.5", "name=abc", "flag=true"]) == {
+        "steps": 10,
+        "sample": {"guidance": 4.5},
+        "name": "abc",
+        "flag": True,
+    }
+
+
+def _probe_app() -> typer.Typer:
+    probe = typer.Typer()
+    seen: dict = {}
+
+    @probe.command()
+    def sample(
+        ctx: typer.Context,
+        steps: int = typer.Option(10, "--steps"),
+        guidance: float = typer.Option(4.5, "--guidance"),
+        fmt: str = typer.Option("parquet", "--format"),
+        config: Path | None = typer.Option(None, "--config"),
+        set_: list[str] | None = typer.Option(None, "--set"),
+    ) -> None:
+        seen.update(resolve(ctx, "sample"))
+
+    probe.seen = seen  # type: ignore[attr-defined]
+    return probe
+
+
+def test_precedence_flags_over_set_over_yaml_over_defaults(tmp_path: Path) -> None:
+    cfg = tmp_path / "preset.yaml"
+    cfg.write_text("steps: 20\nguidance: 7.0\nformat: webdataset\nsample:\n  steps: 30\nscore:\n  reward: [ocr]\n")
+    probe = _probe_app()
+    result = runner.invoke(probe, ["--config", str(cfg)])
+    assert result.exit_code == 0, result.output
+    assert probe.seen["steps"] == 30 and probe.seen["guidance"] == 7.0 and probe.seen["fmt"] == "webdataset"
+    result = runner.invoke(probe, ["--config", str(cfg), "--set", "steps=40", "--set", "guidance=2"])
+    assert probe.seen["steps"] == 40 and probe.seen["guidance"] == 2.0
+    result = runner.invoke(probe, ["--config", str(cfg), "--set", "steps=40", "--steps", "50"])
+    assert probe.seen["steps"] == 50
+    result = runner.invoke(probe, [])
+    assert probe.seen["steps"] == 10 and probe.seen["fmt"] == "parquet"
+
+
+def test_unknown_key_in_own_section_is_rejected(tmp_path: Path) -> None:
+    from stages.errors import UserInputError
+
+    cfg = tmp_path / "preset.yaml"
+    cfg.write_text("sample:\n  stepz: 3\n")
+    probe = _probe_app()
+    result = runner.invoke(probe, ["--config", str(cfg)])
+    assert isinstance(result.exception, UserInputError)
+    assert "sample.stepz" in str(result.exception)
+
+
+def test_missing_shard_set_is_one_line_exit_2(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "omnirl_cli", "inspect", str(tmp_path / "nope")], capture_output=True, text=True
+    )
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "nope" in lines[0] and "Traceback" not in result.stderr
+
+
+def test_debug_env_shows_traceback(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "omnirl_cli", "inspect", str(tmp_path / "nope")],
+        capture_output=True, text=True, env={**__import__("os").environ, "OMNIRL_DEBUG": "1"},
+    )
+    assert result.returncode != 0 and "Traceback" in result.stderr
+
+
+def test_bad_config_file_is_exit_2(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("steps: [unclosed\n")
+    result = runner.invoke(app, ["advantage", "--in", str(tmp_path), "--config", str(bad), "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2
+    assert "bad.yaml" in result.output
+
+
+def test_json_mode_prints_one_object(tiny_shard_set: Path) -> None:
+    result = runner.invoke(app, ["inspect", str(tiny_shard_set), "--json", "--verify"])
+    assert result.exit_code == 0, result.output
+    info = json.loads(result.stdout)
+    assert info["num_rows"] == 6 and info["verified"] is True

@@ -19,10 +19,10 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 test: install
-	$(PY) -m pytest -q -n 2 --durations=15
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15
 
 test-fast: install
-	$(PY) -m pytest -q -n 2 -m "not slow and not distributed"
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow and not distributed"
 
 lint: install
 	$(VENV)/bin/ruff check .
@@ -32,8 +32,17 @@ format: install
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
+# A complete RL run on the built-in tiny SD3 model: build it, run the staged Flow-GRPO recipe for
+# DEMO_ITERATIONS iterations (JPEG-compressibility reward; the same prompts and seeds every
+# iteration, so the curve shows the policy's change), then print the reward table and write
+# $(RUN)/reward_curve.png and $(RUN)/it<K>/grid.png.
+DEMO_ITERATIONS ?= 5
 demo: install
-	$(PY) -m recipes.demo --out $(RUN)
+	test -f $(RUN)/model/omnirl_model.json || $(VENV)/bin/omnirl init-model --family sd3 --size tiny --seed 0 $(RUN)/model
+	OMP_NUM_THREADS=1 PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(MAKE) --no-print-directory -f recipes/flow_grpo.mk \
+	  CONFIG=recipes/configs/demo_tiny.yaml MODEL=$(RUN)/model PROMPTS=recipes/demo_prompts.txt \
+	  RUN=$(RUN) ITERATIONS=$(DEMO_ITERATIONS) SEED=0 REWARD="--reward jpeg_compressibility"
+	$(VENV)/bin/omnirl report $(RUN)
 
 bench: install
 	$(PY) benchmarks/run_all.py

@@ -20,6 +20,8 @@ from rich.progress import (
 )
 
 err = Console(stderr=True, highlight=False, soft_wrap=True)
+if not err.is_terminal:
+    err.width = 160  # logs and CI: wide enough for inspect's tables without truncation
 
 
 class _Quiet:

@@ -7,10 +7,10 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before anything imports huggingface_hub
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from pathlib import Path  # noqa: E402
+from pathlib import Path
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 # Tiny models run several times faster single-threaded on a shared 2-core machine.
 torch.set_num_threads(1)

@@ -190,3 +190,26 @@ def test_nan_reward_is_reported_not_trained_on(staged: dict[str, Path], tmp_path
     assert result.exit_code == 2
     assert "g000000-000" in result.output
     assert not (tmp_path / "r" / "_manifest.json").exists()
+
+
+@pytest.mark.parametrize("mode", ["lora", "full"])
+def test_kl_to_the_frozen_reference_starts_at_zero_then_grows(staged: dict[str, Path], tmp_path: Path, mode: str) -> None:
+    inputs = ["--in", str(staged["samples"]), "--in", str(staged["logprobs"]), "--in", str(staged["advantages"])]
+    extra = ["--full"] if mode == "full" else ["--lora-rank", "4", "--lora-alpha", "8"]
+    run("update", "--model", str(staged["model"]), *inputs, "--beta", "0.04", "--lr", "1e-2", "--no-shuffle",
+        *extra, "--out", str(tmp_path / "p"))
+    metrics = [json.loads(line) for line in (tmp_path / "p" / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[0]["actor/kl_loss"] == 0.0  # policy == reference before the first optimizer step
+    assert metrics[1]["actor/kl_loss"] > 0.0
+    kind = json.loads((tmp_path / "p" / "omnirl_adapter.json").read_text())["kind"]
+    assert kind == mode
+
+
+def test_logprob_reference_means(staged: dict[str, Path], tmp_path: Path) -> None:
+    run("logprob", "--model", str(staged["model"]), "--adapter", str(staged["policy1"]), "--in", str(staged["samples"]),
+        "--reference", "--out", str(tmp_path / "lp"))
+    data = ShardSet(tmp_path / "lp").read_all()
+    assert data["ref_means"].shape == (6, 4, 16, 8, 8)
+    # under the trained adapter the replayed log-probs move away from the rollout's
+    rollout = ShardSet(staged["samples"]).read_all(columns=["log_probs"])["log_probs"]
+    assert not torch.equal(data["old_log_probs"], rollout)

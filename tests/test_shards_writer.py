@@ -269,3 +269,13 @@ def test_completion_record_is_hidden_and_removed(tmp_path) -> None:
         "notes.txt",
         *[f"part-0000{i}-of-00004.parquet" for i in range(NUM_SHARDS)],
     ]
+
+
+def test_corrupt_manifest_in_out_dir(tmp_path) -> None:
+    out = tmp_path / "out"
+    write_all(out)
+    (out / MANIFEST_NAME).write_text('{"format": "parquet", "shards": [')
+    with pytest.raises(UserInputError, match="corrupt"):
+        make_writer(out)
+    w = write_all(out, overwrite=True)
+    assert ShardSet(out / MANIFEST_NAME).num_rows == 20 and w.complete

@@ -43,10 +43,9 @@ def advantage(
     Example: [bold]omnirl advantage --in run/it0/samples --in run/it0/rewards --out run/it0/advantages[/]
     """
     c = resolve(ctx, "advantage")
+    from stages.advantage.stage import compute_advantages
     from stages.shards.reader import slice_batch
     from stages.shards.writer import ShardSetWriter
-
-    from stages.advantage.stage import compute_advantages
 
     name = c["estimator"]
     if c["std"] is not None:

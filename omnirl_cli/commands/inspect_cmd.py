@@ -23,43 +23,49 @@ def _size(n: int) -> str:
 
 def _fmt(x: Any) -> str:
     if isinstance(x, float):
-        return f"{x:.4g}"
+        return f"{x:.5g}" if not x.is_integer() or abs(x) >= 1e6 else str(int(x))
     return str(x)
 
 
-def _render(info: dict[str, Any], head: list[dict[str, Any]]) -> None:
+def _render(info: dict[str, Any], head: list[dict[str, Any]], sha: dict[str, str]) -> None:
     from rich.table import Table
     from rich.tree import Tree
 
-    title = (
+    err.print(
         f"[bold]{info['path']}[/]  {info['format']} v{info['schema_version']}  "
-        f"{info['num_rows']} rows in {info['num_shards']} shards"
+        f"[bold]{info['num_rows']}[/] rows in {info['num_shards']} shard(s)"
     )
-    err.print(title)
-    err.print(f"made by [cyan]{info.get('command', '?')}[/] at {info.get('created', '?')}  config {info.get('config_hash', '')[:12]}")
+    err.print(
+        f"made by [cyan]omnirl {info.get('command', '?')}[/] at {info.get('created', '?')}, "
+        f"config {info.get('config_hash', '')[:12]}"
+    )
     if info.get("policy"):
-        err.print(f"policy: {info['policy']}")
+        err.print("policy: " + ", ".join(f"{k}={v}" for k, v in info["policy"].items()))
 
     stats = info.get("stats", {})
-    cols = Table(title="columns", show_lines=False)
-    for name in ("column", "kind", "dtype", "shape", "min", "mean", "max", "std", "nan/inf"):
-        cols.add_column(name, justify="right" if name in ("min", "mean", "max", "std", "nan/inf") else "left")
+    cols = Table(title="columns", title_justify="left")
+    cols.add_column("column", no_wrap=True)
+    for name in ("kind", "dtype", "shape"):
+        cols.add_column(name, no_wrap=True)
+    for name in ("min", "mean", "max", "std", "nan/inf"):
+        cols.add_column(name, justify="right", no_wrap=True)
     for col in info["columns"]:
-        s = stats.get(col["name"])
-        shape = "×".join(str(d) for d in col.get("shape") or ()) or "scalar" if col["kind"] == "tensor" else ""
+        st = stats.get(col["name"])
+        shape = ("×".join(str(d) for d in col.get("shape") or ()) or "scalar") if col["kind"] == "tensor" else ""
         row = [col["name"], col["kind"], col.get("dtype") or "", shape]
-        if s:
-            row += [_fmt(s["min"]), _fmt(s["mean"]), _fmt(s["max"]), _fmt(s["std"]), f"{s['nan_count']}/{s['inf_count']}"]
+        if st:
+            row += [_fmt(st["min"]), _fmt(st["mean"]), _fmt(st["max"]), _fmt(st["std"]),
+                    f"{st['nan_count']}/{st['inf_count']}"]
         else:
-            row += ["", "", "", "", ""]
+            row += [""] * 5
         cols.add_row(*row)
     err.print(cols)
 
-    shards = Table(title="shards")
+    shards = Table(title="shards", title_justify="left")
     for name in ("file", "rows", "size", "sha256"):
-        shards.add_column(name)
+        shards.add_column(name, no_wrap=True)
     for sh in info["shards"]:
-        shards.add_row(sh["file"], str(sh["rows"]), _size(sh["bytes"]), sh.get("sha256", "")[:16])
+        shards.add_row(sh["file"], str(sh["rows"]), _size(sh["bytes"]), sha.get(sh["file"], "")[:16])
     err.print(shards)
 
     if info.get("lineage"):
@@ -67,20 +73,23 @@ def _render(info: dict[str, Any], head: list[dict[str, Any]]) -> None:
 
         def add(node: Tree, parents: list[dict[str, Any]]) -> None:
             for p in parents:
-                label = f"{p.get('path')}  [dim]{p.get('command', '')}[/]"
-                if p.get("missing"):
+                label = f"{p.get('path')}  [dim]omnirl {p.get('command', '?')}[/]"
+                if not p.get("exists", True):
                     label += "  [yellow](gone)[/]"
+                elif not p.get("unchanged", True):
+                    label += "  [yellow](changed since)[/]"
                 add(node.add(label), p.get("parents", []))
 
         add(tree, info["lineage"])
         err.print(tree)
 
     if head:
-        rows = Table(title=f"first {len(head)} rows")
+        rows = Table(title=f"first {len(head)} rows", title_justify="left")
+        rows.add_column("column", no_wrap=True)
+        for i in range(len(head)):
+            rows.add_column(f"row {i}", overflow="fold")
         for name in head[0]:
-            rows.add_column(name, overflow="fold", max_width=40)
-        for r in head:
-            rows.add_row(*(str(v) for v in r.values()))
+            rows.add_row(name, *(str(r[name]) for r in head))
         err.print(rows)
     if info.get("verified"):
         err.print("[green]verified:[/] every shard matches its size and sha256")
@@ -99,7 +108,10 @@ def _head_rows(path: Path, n: int) -> list[dict[str, Any]]:
         for name, col in shard_set.columns.items():
             value = batch[name][i]
             if col.kind == "tensor":
-                row[name] = f"{value.item():.5g}" if value.ndim == 0 else f"[{'×'.join(map(str, value.shape))}]"
+                if value.numel() <= 6:
+                    row[name] = _fmt(value.item()) if value.ndim == 0 else "[" + ", ".join(_fmt(float(v)) for v in value.flatten()) + "]"
+                else:
+                    row[name] = f"[{'×'.join(map(str, value.shape))}]"
             elif col.kind in ("binary", "image", "video"):
                 row[name] = f"<{col.kind} {len(value)} B>"
             else:
@@ -134,4 +146,4 @@ def inspect(
             info["head"] = rows
         emit_json(info)
     else:
-        _render(info, rows)
+        _render(info, rows, {sh.file: sh.sha256 for sh in shard_set.manifest.shards})

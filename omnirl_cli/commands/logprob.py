@@ -39,11 +39,10 @@ def logprob(
     Example: [bold]omnirl logprob --model models/sd3-tiny --adapter run/it0/policy --in run/it0/samples --out run/it0/logprobs[/]
     """
     c = resolve(ctx, "logprob")
-    from stages.shards.writer import ShardSetWriter
-
     from stages.logprob.replay import replay_shard
     from stages.models.diffusion import FlowPolicy
     from stages.sample.rollout import sample_config_of
+    from stages.shards.writer import ShardSetWriter
 
     src = open_inputs(c["inputs"])
     sample_cfg = sample_config_of(src.manifests)

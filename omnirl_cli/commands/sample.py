@@ -69,12 +69,11 @@ def sample(
     --resolution 64 --sampler sde --noise-level 0.7 --out run/it0/samples[/]
     """
     c = resolve(ctx, "sample")
-    from stages.shards.writer import ShardSetWriter
-
     from stages.models.diffusion import FlowPolicy
     from stages.sample.prompts import pick_prompts, read_prompts
     from stages.sample.rollout import SampleConfig
     from stages.sample.stage import KINDS, run_sample
+    from stages.shards.writer import ShardSetWriter
 
     window_range = c["sde_window_range"]
     cfg = SampleConfig(

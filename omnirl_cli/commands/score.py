@@ -10,7 +10,7 @@ import typer
 from ..config import resolve
 from ..console import emit_json, log, progress
 from ..errors import handle_errors
-from ..options import ConfigOpt, FormatOpt, InOpt, JsonOpt, NumShardsOpt, OutOpt, OverwriteOpt, SetOpt
+from ..options import ConfigOpt, FormatOpt, InOpt, JsonOpt, OutOpt, OverwriteOpt, SetOpt
 from ..runtime import check_format, open_inputs, run_config
 
 
@@ -32,7 +32,6 @@ def score(
         str, typer.Option("--on-error", help="fail (default): stop on a failed/NaN score; zero: record 0 and flag it.")
     ] = "fail",
     fmt: FormatOpt = "parquet",
-    num_shards: NumShardsOpt = 1,
     overwrite: OverwriteOpt = False,
     config: ConfigOpt = None,
     set_: SetOpt = None,
@@ -47,10 +46,9 @@ def score(
     Example: [bold]omnirl score --in run/it0/samples --reward ocr --reward jpeg_compressibility=0.1 --out run/it0/rewards[/]
     """
     c = resolve(ctx, "score")
-    from stages.shards.writer import ShardSetWriter
-
     from stages.score.registry import parse_reward_spec
     from stages.score.stage import score_shard
+    from stages.shards.writer import ShardSetWriter
 
     specs = [parse_reward_spec(s) for s in c["reward"] or []]
     if not specs:

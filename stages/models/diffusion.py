@@ -71,6 +71,7 @@ class FlowPolicy:
         self.transformer = pipe.transformer
         self.lora = bool(getattr(self.transformer, "peft_config", None))
         self._prompt_cache: dict[tuple[str, str], tuple[torch.Tensor, ...]] = {}
+        self._reference: torch.nn.Module | None = None
 
     # ---------------------------------------------------------------- loading
     @classmethod
@@ -142,19 +143,33 @@ class FlowPolicy:
         return params
 
     def reference(self) -> Any:
-        """Context manager running the frozen base model (LoRA disabled) for KL references."""
-        policy = self
+        """Context manager running the frozen base model for KL references.
 
-        class _Ref:
-            def __enter__(self) -> None:
-                if policy.lora:
-                    policy.transformer.disable_adapters()
+        With LoRA the adapter is switched off; with full fine-tuning a frozen copy of the base
+        transformer (loaded once from the model folder) stands in for the trained one.
+        """
+        from contextlib import contextmanager
 
-            def __exit__(self, *exc: object) -> None:
-                if policy.lora:
-                    policy.transformer.enable_adapters()
+        @contextmanager
+        def swap() -> Any:
+            if self.lora:
+                self.transformer.disable_adapters()
+                try:
+                    yield
+                finally:
+                    self.transformer.enable_adapters()
+                return
+            if self._reference is None:
+                self._reference = type(self.transformer).from_pretrained(
+                    Path(self.model_path) / "transformer", dtype=self.dtype
+                ).to(self.device).requires_grad_(False).eval()
+            trained, self.transformer = self.transformer, self._reference
+            try:
+                yield
+            finally:
+                self.transformer = trained
 
-        return _Ref()
+        return swap()
 
     # ---------------------------------------------------------------- saving
     def save_adapter(self, out: Path, *, kind: str, extra: dict[str, Any]) -> None:

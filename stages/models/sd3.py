@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from diffusers import (
     AutoencoderKL,
     FlowMatchEulerDiscreteScheduler,
@@ -126,6 +127,21 @@ def _clip(
     return CLIPTextModelWithProjection(config)
 
 
+def zero_residual_branches(decoder: torch.nn.Module) -> None:
+    """Zero-initialise the last layer of every residual branch of an untrained VAE decoder.
+
+    Each resnet then starts as the identity, so the decoded image follows the latent's structure
+    instead of the texture of random convolutions: an image reward (e.g. JPEG compressibility)
+    responds to what the policy generates, which lets the demo and end-to-end tests learn.
+    """
+    with torch.no_grad():
+        for name, module in decoder.named_modules():
+            if name.endswith(("conv2", "to_out.0")):
+                module.weight.zero_()
+                if module.bias is not None:
+                    module.bias.zero_()
+
+
 def build_sd3(out_dir: str | Path, *, size: str, seed: int) -> dict[str, Any]:
     """Build and save a `StableDiffusion3Pipeline` folder of `size` ("tiny" or "small") into `out_dir`.
 
@@ -191,6 +207,7 @@ def build_sd3(out_dir: str | Path, *, size: str, seed: int) -> dict[str, Any]:
             use_quant_conv=False,
             use_post_quant_conv=False,
         )
+        zero_residual_branches(vae.decoder)
     scheduler = FlowMatchEulerDiscreteScheduler(
         num_train_timesteps=NUM_TRAIN_TIMESTEPS, shift=SCHEDULER_SHIFT
     )

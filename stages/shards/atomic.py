@@ -18,7 +18,6 @@ from pathlib import Path
 
 _SMALL = 1 << 16
 _BATCH = 1 << 20
-_SYNC_EVERY = 1 << 40
 
 
 def fsync_dir(path: Path) -> None:
@@ -70,25 +69,14 @@ class HashingSink:
 
     def __init__(self, f) -> None:
         self._hash = hashlib.sha256()
-        self._file = f
-        self._unsynced = 0
         self._workers = (
             _Worker(self._hash.update, "omnirl-shard-hash"),
-            _Worker(self._write, "omnirl-shard-write"),
+            _Worker(f.write, "omnirl-shard-write"),
         )
         self._pending = bytearray()
         self.bytes = 0
         self.sha256 = ""
         self.closed = False
-
-    def _write(self, data) -> None:
-        """Write, flushing to disk every `_SYNC_EVERY` bytes so writeback overlaps with hashing."""
-        self._file.write(data)
-        self._unsynced += memoryview(data).nbytes
-        if self._unsynced >= _SYNC_EVERY:
-            self._file.flush()
-            os.fdatasync(self._file.fileno())
-            self._unsynced = 0
 
     def _put(self, data) -> None:
         for w in self._workers:

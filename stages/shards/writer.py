@@ -69,7 +69,7 @@ def _difference(old: Manifest, new: dict) -> str:
         return "a different configuration"
     if old.parents != new["parents"]:
         return "different inputs"
-    if old.policy != new["policy"]:
+    if config_hash({"policy": old.policy}) != config_hash({"policy": new["policy"]}):
         return "a different policy"
     return f"a different format or shard count ({old.format}, {len(old.shards)} shards)"
 
@@ -123,9 +123,9 @@ class ShardSetWriter:
     def _check_existing(self, overwrite: bool) -> None:
         try:
             old = read_manifest(self.out_dir)
-        except UserInputError as e:
+        except UserInputError:
             if not overwrite:
-                raise UserInputError(f"{e}; or pass --overwrite to replace it") from e
+                raise
             old = None
         if old is not None and _manifest_fingerprint(old) == self.fingerprint:
             self.manifest = old

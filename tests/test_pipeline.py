@@ -213,3 +213,19 @@ def test_logprob_reference_means(staged: dict[str, Path], tmp_path: Path) -> Non
     # under the trained adapter the replayed log-probs move away from the rollout's
     rollout = ShardSet(staged["samples"]).read_all(columns=["log_probs"])["log_probs"]
     assert not torch.equal(data["old_log_probs"], rollout)
+
+
+def test_stored_reference_means_give_the_same_kl_as_recomputing(staged: dict[str, Path], tmp_path: Path) -> None:
+    """`update` reads ref_means from `logprob --reference` instead of a second forward: same numbers."""
+    run("logprob", "--model", str(staged["model"]), "--in", str(staged["samples"]), "--reference",
+        "--out", str(tmp_path / "lp"))
+    common = ["update", "--model", str(staged["model"]), "--in", str(staged["samples"]), "--in",
+              str(staged["advantages"]), "--beta", "0.04", "--lr", "1e-2", "--no-shuffle", "--lora-rank", "4",
+              "--lora-alpha", "8"]
+    run(*common, "--in", str(staged["logprobs"]), "--out", str(tmp_path / "recomputed"))
+    run(*common, "--in", str(tmp_path / "lp"), "--out", str(tmp_path / "stored"))
+    a = [json.loads(x) for x in (tmp_path / "recomputed" / "metrics.jsonl").read_text().splitlines()]
+    b = [json.loads(x) for x in (tmp_path / "stored" / "metrics.jsonl").read_text().splitlines()]
+    assert a[1]["actor/kl_loss"] > 0
+    for x, y in zip(a, b, strict=True):
+        assert y["actor/kl_loss"] == pytest.approx(x["actor/kl_loss"], rel=1e-5, abs=1e-12)

@@ -24,7 +24,9 @@ from stages.sample.rollout import sample_config_of
 from stages.shards.manifest import config_hash, manifest_sha256
 from stages.update.trainer import METRICS, UpdateConfig, load_state, save_state, train
 
-TRAIN_COLUMNS = ("prompt", "negative_prompt", "latents", "sigmas", "log_probs", "old_log_probs", "advantages", "train_mask")
+TRAIN_COLUMNS = (
+    "prompt", "negative_prompt", "latents", "sigmas", "log_probs", "old_log_probs", "advantages", "train_mask", "ref_means",
+)
 
 
 def adapter_complete(out: Path, digest: str, overwrite: bool) -> bool:

@@ -108,7 +108,8 @@ def train(
     """Run `inner_epochs` passes over `data` (columns of samples ⋈ logprobs ⋈ advantages).
 
     data: prompt, negative_prompt (lists), latents [N, K+1, C, h, w], sigmas [N, K+1],
-    log_probs / old_log_probs [N, K], advantages [N, K], optional train_mask [N].
+    log_probs / old_log_probs [N, K], advantages [N, K], optional train_mask [N], and optional
+    ref_means [N, K, C, h, w] (from `logprob --reference`), which spares the reference forward pass.
     """
     cfg.validate()
     loss_fn = get_loss(cfg.algo)
@@ -160,7 +161,9 @@ def train(
                     noise_level=sample_cfg.noise_level, sigma_max_safe=sigma_safe, prev_sample=x_next,
                 )
                 kl = None
-                if cfg.beta > 0:
+                if cfg.beta > 0 and "ref_means" in data:
+                    kl = kl_to_reference(out.mean, data["ref_means"][index, j].to(policy.device), out.diffusion)
+                elif cfg.beta > 0:
                     with torch.no_grad(), policy.reference():
                         v_ref = policy.velocity(x, s, cond, sample_cfg.guidance)
                         ref = step(

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import PROMPTS, run, sample_args
 
 # Tiny models run several times faster single-threaded on a shared 2-core machine.
 torch.set_num_threads(1)
@@ -47,3 +48,24 @@ def tiny_shard_set(tmp_path_factory: pytest.TempPathFactory) -> Path:
         )
     writer.finalize()
     return out
+
+
+@pytest.fixture(scope="session")
+def staged(tiny_sd3: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One full iteration: sample → score → logprob → advantage → update, plus a second update."""
+    root = tmp_path_factory.mktemp("staged")
+    prompts = root / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    p = {name: root / name for name in ("samples", "rewards", "logprobs", "advantages", "policy1", "policy2")}
+    run(*sample_args(tiny_sd3, prompts, p["samples"], "--num-shards", "2"))
+    run("score", "--in", str(p["samples"]), "--reward", "jpeg_compressibility", "--out", str(p["rewards"]))
+    run("logprob", "--model", str(tiny_sd3), "--in", str(p["samples"]), "--out", str(p["logprobs"]))
+    run("advantage", "--in", str(p["samples"]), "--in", str(p["rewards"]), "--out", str(p["advantages"]))
+    inputs = ["--in", str(p["samples"]), "--in", str(p["logprobs"]), "--in", str(p["advantages"])]
+    run("update", "--model", str(tiny_sd3), *inputs, "--lr", "1e-3", "--lora-rank", "4", "--lora-alpha", "8",
+        "--out", str(p["policy1"]))
+    run("update", "--model", str(tiny_sd3), "--adapter", str(p["policy1"]), *inputs, "--lr", "1e-3",
+        "--out", str(p["policy2"]))
+    p["prompts"] = prompts
+    p["model"] = tiny_sd3
+    return p

@@ -12,47 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from typer.testing import CliRunner
+from helpers import PROMPTS, run, runner, sample_args
 
 from omnirl_cli.app import app
 from stages.shards.reader import ShardSet
-
-runner = CliRunner()
-PROMPTS = ["a red apple", 'a sign that says "hello"', "a blue sky"]
-
-
-def run(*args: str) -> dict:
-    result = runner.invoke(app, [*args, "--json"])
-    assert result.exit_code == 0, result.output
-    return json.loads(result.stdout)
-
-
-def sample_args(model: Path, prompts: Path, out: Path, *extra: str) -> list[str]:
-    return [
-        "sample", "--model", str(model), "--prompts", str(prompts), "-n", "2", "--steps", "4",
-        "--resolution", "32", "--guidance", "1", "--batch-size", "3", "--out", str(out), *extra,
-    ]
-
-
-@pytest.fixture(scope="module")
-def staged(tiny_sd3: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """One full iteration: sample → score → logprob → advantage → update, plus a second update."""
-    root = tmp_path_factory.mktemp("staged")
-    prompts = root / "prompts.txt"
-    prompts.write_text("\n".join(PROMPTS) + "\n")
-    p = {name: root / name for name in ("samples", "rewards", "logprobs", "advantages", "policy1", "policy2")}
-    run(*sample_args(tiny_sd3, prompts, p["samples"], "--num-shards", "2"))
-    run("score", "--in", str(p["samples"]), "--reward", "jpeg_compressibility", "--out", str(p["rewards"]))
-    run("logprob", "--model", str(tiny_sd3), "--in", str(p["samples"]), "--out", str(p["logprobs"]))
-    run("advantage", "--in", str(p["samples"]), "--in", str(p["rewards"]), "--out", str(p["advantages"]))
-    inputs = ["--in", str(p["samples"]), "--in", str(p["logprobs"]), "--in", str(p["advantages"])]
-    run("update", "--model", str(tiny_sd3), *inputs, "--lr", "1e-3", "--lora-rank", "4", "--lora-alpha", "8",
-        "--out", str(p["policy1"]))
-    run("update", "--model", str(tiny_sd3), "--adapter", str(p["policy1"]), *inputs, "--lr", "1e-3",
-        "--out", str(p["policy2"]))
-    p["prompts"] = prompts
-    p["model"] = tiny_sd3
-    return p
 
 
 def test_samples_follow_the_trajectory_schema(staged: dict[str, Path]) -> None:
@@ -229,3 +192,21 @@ def test_stored_reference_means_give_the_same_kl_as_recomputing(staged: dict[str
     assert a[1]["actor/kl_loss"] > 0
     for x, y in zip(a, b, strict=True):
         assert y["actor/kl_loss"] == pytest.approx(x["actor/kl_loss"], rel=1e-5, abs=1e-12)
+
+
+def test_every_stage_reads_and_writes_webdataset(staged: dict[str, Path], tmp_path: Path) -> None:
+    """The same chain with WebDataset shards: same rollout bytes, same rewards as the Parquet run."""
+    wds = {name: tmp_path / name for name in ("samples", "rewards", "logprobs", "advantages", "policy")}
+    run(*sample_args(staged["model"], staged["prompts"], wds["samples"], "--num-shards", "2", "--format", "webdataset"))
+    assert sorted(p.name for p in wds["samples"].glob("part-*")) == ["part-00000-of-00002.tar", "part-00001-of-00002.tar"]
+    run("score", "--in", str(wds["samples"]), "--reward", "jpeg_compressibility", "--format", "webdataset",
+        "--out", str(wds["rewards"]))
+    run("logprob", "--model", str(staged["model"]), "--in", str(wds["samples"]), "--out", str(wds["logprobs"]))
+    run("advantage", "--in", str(wds["samples"]), "--in", str(wds["rewards"]), "--out", str(wds["advantages"]))
+    run("update", "--model", str(staged["model"]), "--in", str(wds["samples"]), "--in", str(wds["logprobs"]),
+        "--in", str(wds["advantages"]), "--lora-rank", "4", "--lora-alpha", "8", "--out", str(wds["policy"]))
+    parquet = ShardSet(staged["samples"]).read_all()
+    tar = ShardSet(wds["samples"]).read_all()
+    assert torch.equal(parquet["latents"], tar["latents"]) and parquet["image"] == tar["image"]
+    assert torch.equal(ShardSet(staged["rewards"]).read_all()["reward"], ShardSet(wds["rewards"]).read_all()["reward"])
+    assert torch.equal(ShardSet(wds["logprobs"]).read_all()["old_log_probs"], tar["log_probs"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated
@@ -102,9 +103,15 @@ def sample(
     total = len(picked) * c["group_size"] * len(shards) // c["num_shards"]
     with progress(not json_) as bar:
         task = bar.add_task("sampling", total=total, rate="")
+        t0, done = time.perf_counter(), [0]
+
+        def advance(n: int) -> None:
+            done[0] += n
+            bar.update(task, advance=n, rate=f"{done[0] / (time.perf_counter() - t0):.2f} images/s")
+
         result = run_sample(
             policy, cfg, picked, c["group_size"], writer, num_shards=c["num_shards"], shard_indices=shards,
-            policy_version=policy_version(c["adapter"]), on_batch=lambda n: bar.advance(task, n),
+            policy_version=policy_version(c["adapter"]), on_batch=advance,
         )
     manifest = None
     if all(writer.shard_done(s) for s in range(c["num_shards"])):

@@ -22,7 +22,7 @@ from stages.errors import UserInputError
 from stages.models.diffusion import ADAPTER_CONFIG, SD3_LORA_TARGETS, FlowPolicy, read_adapter_config
 from stages.sample.rollout import sample_config_of
 from stages.shards.manifest import config_hash, manifest_sha256
-from stages.update.trainer import METRICS, UpdateConfig, load_state, save_state, train
+from stages.update.trainer import METRICS, UpdateConfig, load_state, save_state, train, world_and_rank
 
 TRAIN_COLUMNS = (
     "prompt", "negative_prompt", "latents", "sigmas", "log_probs", "old_log_probs", "advantages", "train_mask", "ref_means",
@@ -70,6 +70,11 @@ def run_update(
         policy, data, sample_cfg, cfg, optimizer_state=opt_state, ema_state=ema_state, start_step=start, on_step=on_step
     )
     step = metrics[-1]["step"] if metrics else start
+    last = metrics[-1] if metrics else {}
+    world, rank = world_and_rank()
+    if rank != 0:  # rank 0 writes the one adapter; the others wait until it is in place
+        torch.distributed.barrier()
+        return {"out": str(out), "skipped": False, "step": step, "optimizer_steps": len(metrics), "last": last}
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         tmp.mkdir(parents=True)
@@ -95,5 +100,6 @@ def run_update(
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    last = metrics[-1] if metrics else {}
+        if world > 1:
+            torch.distributed.barrier()
     return {"out": str(out), "skipped": False, "step": step, "optimizer_steps": len(metrics), "last": last}

@@ -94,6 +94,59 @@ def _check_finite(name: str, value: torch.Tensor, where: str) -> None:
         raise NonFiniteError(f"{name} is not finite {where}; lower --lr or check the inputs (no step was taken)")
 
 
+METRIC_KEYS = (
+    "actor/pg_loss", "actor/kl_loss", "actor/ratio_mean", "actor/ratio_std", "actor/pg_clipfrac", "actor/ppo_kl",
+)
+
+
+def world_and_rank() -> tuple[int, int]:
+    """(world size, rank) of an initialised torch.distributed group, else (1, 0)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size(), torch.distributed.get_rank()
+    return 1, 0
+
+
+def _average_gradients(params: list[torch.nn.Parameter], world: int) -> None:
+    """All-reduce the gradients of the trained parameters to their mean over ranks (DDP's rule)."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        torch.distributed.all_reduce(p.grad)
+        p.grad.div_(world)
+
+
+def _step_loss(
+    policy: FlowPolicy, data: dict[str, Any], idx: list[int], j: int, old: torch.Tensor,
+    sample_cfg: SampleConfig, cfg: UpdateConfig, loss_fn: Any, sigma_safe: torch.Tensor | None,
+) -> Any:
+    """Loss of stored step j for the rows `idx`: replay under the trained weights, then the --algo loss."""
+    index = torch.tensor(idx)
+    prompts = [data["prompt"][i] for i in idx]
+    negatives = [data["negative_prompt"][i] for i in idx] if "negative_prompt" in data else None
+    cond = policy.encode(prompts, negatives, sample_cfg.guidance > 1.0, sample_cfg.max_sequence_length)
+    latents, sigmas = data["latents"], data["sigmas"]
+    x = latents[index, j].to(policy.device).float()
+    x_next = latents[index, j + 1].to(policy.device).float()
+    s, s_next = sigmas[index, j], sigmas[index, j + 1]
+
+    def replay(v: torch.Tensor) -> Any:
+        return step(sample_cfg.sampler, v, x, s, s_next, noise_level=sample_cfg.noise_level,
+                    sigma_max_safe=sigma_safe, prev_sample=x_next)
+
+    out = replay(policy.velocity(x, s, cond, sample_cfg.guidance))
+    kl = None
+    if cfg.beta > 0 and "ref_means" in data:
+        kl = kl_to_reference(out.mean, data["ref_means"][index, j].to(policy.device), out.diffusion)
+    elif cfg.beta > 0:
+        with torch.no_grad(), policy.reference():
+            ref = replay(policy.velocity(x, s, cond, sample_cfg.guidance))
+        kl = kl_to_reference(out.mean, ref.mean, out.diffusion)
+    return loss_fn(
+        out.log_prob, old[index, j].to(policy.device).float(), data["advantages"][index, j].to(policy.device).float(),
+        clip_range=cfg.clip_range, clip_range_high=cfg.clip_range_high, adv_clip=cfg.adv_clip, kl=kl, beta=cfg.beta,
+    )
+
+
 def train(
     policy: FlowPolicy,
     data: dict[str, Any],
@@ -128,7 +181,7 @@ def train(
     old = data.get("old_log_probs", data.get("log_probs"))
     if old is None:
         raise UserInputError("update: inputs carry neither old_log_probs (omnirl logprob) nor log_probs (omnirl sample)")
-    latents, sigmas, adv = data["latents"], data["sigmas"], data["advantages"]
+    latents = data["latents"]
     rows = list(range(latents.shape[0]))
     if "train_mask" in data:
         rows = [i for i in rows if bool(data["train_mask"][i])]
@@ -137,6 +190,7 @@ def train(
     micro = cfg.micro_batch or sample_cfg.batch_size
     sigma_safe = policy.sigmas(sample_cfg.steps)[1] if sample_cfg.steps > 1 else None
     rng = random.Random(cfg.seed + start_step)
+    world, rank = world_and_rank()
     metrics: list[dict[str, Any]] = []
     global_step = start_step
     for epoch in range(cfg.inner_epochs):
@@ -144,75 +198,51 @@ def train(
         if cfg.shuffle:
             rng.shuffle(order)
         chunks = [order[i : i + micro] for i in range(0, len(order), micro)]
-        acc: dict[str, list[float]] = {}
-        t0, seen = time.perf_counter(), 0
-        for c, idx in enumerate(chunks):
-            index = torch.tensor(idx)
-            prompts = [data["prompt"][i] for i in idx]
-            negatives = [data["negative_prompt"][i] for i in idx] if "negative_prompt" in data else None
-            cond = policy.encode(prompts, negatives, sample_cfg.guidance > 1.0, sample_cfg.max_sequence_length)
-            for j in range(trained):
-                x = latents[index, j].to(policy.device).float()
-                x_next = latents[index, j + 1].to(policy.device).float()
-                s, s_next = sigmas[index, j], sigmas[index, j + 1]
-                v = policy.velocity(x, s, cond, sample_cfg.guidance)
-                out = step(
-                    sample_cfg.sampler, v, x, s, s_next,
-                    noise_level=sample_cfg.noise_level, sigma_max_safe=sigma_safe, prev_sample=x_next,
-                )
-                kl = None
-                if cfg.beta > 0 and "ref_means" in data:
-                    kl = kl_to_reference(out.mean, data["ref_means"][index, j].to(policy.device), out.diffusion)
-                elif cfg.beta > 0:
-                    with torch.no_grad(), policy.reference():
-                        v_ref = policy.velocity(x, s, cond, sample_cfg.guidance)
-                        ref = step(
-                            sample_cfg.sampler, v_ref, x, s, s_next,
-                            noise_level=sample_cfg.noise_level, sigma_max_safe=sigma_safe, prev_sample=x_next,
-                        )
-                    kl = kl_to_reference(out.mean, ref.mean, out.diffusion)
-                res = loss_fn(
-                    out.log_prob, old[index, j].to(policy.device).float(), adv[index, j].to(policy.device).float(),
-                    clip_range=cfg.clip_range, clip_range_high=cfg.clip_range_high, adv_clip=cfg.adv_clip,
-                    kl=kl, beta=cfg.beta,
-                )
-                _check_finite("loss", res.loss, f"at epoch {epoch}, micro-batch {c}, stored step {j}")
-                (res.loss / (cfg.grad_accum * trained)).backward()
-                for key, value in (
-                    ("actor/pg_loss", res.policy_loss.item()),
-                    ("actor/kl_loss", res.kl.item()),
-                    ("actor/ratio_mean", res.ratio.mean().item()),
-                    ("actor/ratio_std", res.ratio.std(unbiased=False).item()),
-                    ("actor/pg_clipfrac", res.clipped.mean().item()),
-                    ("actor/ppo_kl", (0.5 * res.log_ratio.pow(2)).mean().item()),
-                ):
-                    acc.setdefault(key, []).append(value)
-            seen += len(idx)
-            last = c == len(chunks) - 1
-            if (c + 1) % cfg.grad_accum == 0 or last:
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-                _check_finite("grad norm", grad_norm, f"at epoch {epoch}, micro-batch {c}")
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                global_step += 1
-                if ema is not None and global_step % cfg.ema_every == 0:
-                    ema.update(named)
-                elapsed = time.perf_counter() - t0
-                record = {k: sum(v) / len(v) for k, v in acc.items()}
-                record.update(
-                    {
-                        "step": global_step,
-                        "epoch": epoch,
-                        "actor/grad_norm": float(grad_norm),
-                        "actor/lr": cfg.lr,
-                        "perf/samples_per_s": seen / elapsed if elapsed > 0 else math.nan,
-                        "perf/sample_steps_per_s": seen * trained / elapsed if elapsed > 0 else math.nan,
-                    }
-                )
-                metrics.append(record)
-                if on_step:
-                    on_step(record)
-                acc, t0, seen = {}, time.perf_counter(), 0
+        # One optimizer step takes grad_accum micro-batches per rank; rank r takes its own run of them,
+        # so N ranks × grad_accum equals one process with N·grad_accum micro-batches.
+        per_step = cfg.grad_accum * world
+        for first in range(0, len(chunks), per_step):
+            t0 = time.perf_counter()
+            mine = chunks[first + rank * cfg.grad_accum : first + (rank + 1) * cfg.grad_accum]
+            sums = torch.zeros(len(METRIC_KEYS) + 1, dtype=torch.float64)
+            for c, idx in enumerate(mine):
+                where = f"at epoch {epoch}, micro-batch {first + rank * cfg.grad_accum + c}"
+                for j in range(trained):
+                    res = _step_loss(policy, data, idx, j, old, sample_cfg, cfg, loss_fn, sigma_safe)
+                    _check_finite("loss", res.loss, f"{where}, stored step {j}")
+                    (res.loss / (cfg.grad_accum * trained)).backward()
+                    sums[:-1] += torch.tensor([
+                        res.policy_loss.item(), res.kl.item(), res.ratio.mean().item(),
+                        res.ratio.std(unbiased=False).item(), res.clipped.mean().item(),
+                        (0.5 * res.log_ratio.pow(2)).mean().item(),
+                    ], dtype=torch.float64)
+                    sums[-1] += 1
+            seen = sum(len(idx) for idx in chunks[first : first + per_step])
+            if world > 1:
+                _average_gradients(params, world)
+                torch.distributed.all_reduce(sums)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+            _check_finite("grad norm", grad_norm, f"at epoch {epoch}, optimizer step {global_step + 1}")
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            global_step += 1
+            if ema is not None and global_step % cfg.ema_every == 0:
+                ema.update(named)
+            elapsed = time.perf_counter() - t0
+            record: dict[str, Any] = {k: float(v / max(sums[-1], 1)) for k, v in zip(METRIC_KEYS, sums[:-1])}
+            record.update(
+                {
+                    "step": global_step,
+                    "epoch": epoch,
+                    "actor/grad_norm": float(grad_norm),
+                    "actor/lr": cfg.lr,
+                    "perf/samples_per_s": seen / elapsed if elapsed > 0 else math.nan,
+                    "perf/sample_steps_per_s": seen * trained / elapsed if elapsed > 0 else math.nan,
+                }
+            )
+            metrics.append(record)
+            if on_step:
+                on_step(record)
     return optimizer, ema, metrics
 
 

@@ -1,0 +1,28 @@
+"""Helpers shared by the CLI-level tests (imported as `helpers`; pytest puts tests/ on sys.path)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from omnirl_cli.app import app
+
+runner = CliRunner()
+PROMPTS = ["a red apple", 'a sign that says "hello"', "a blue sky"]
+
+
+def run(*args: str) -> dict:
+    """Invoke `omnirl ARGS --json` in-process; assert success and return the JSON result."""
+    result = runner.invoke(app, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def sample_args(model: Path, prompts: Path, out: Path, *extra: str) -> list[str]:
+    """A small `omnirl sample` call: 3 prompts × 2, 4 SDE steps at 32 px, no CFG, batches of 3."""
+    return [
+        "sample", "--model", str(model), "--prompts", str(prompts), "-n", "2", "--steps", "4",
+        "--resolution", "32", "--guidance", "1", "--batch-size", "3", "--out", str(out), *extra,
+    ]

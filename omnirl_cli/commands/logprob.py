@@ -25,6 +25,9 @@ def logprob(
     reference: Annotated[
         bool, typer.Option("--reference", help="Also store the frozen base model's step means (ref_means) for KL.")
     ] = False,
+    means: Annotated[
+        bool, typer.Option("--means", help="Also store the step means under these weights (old_means, for --algo grpo_guard).")
+    ] = False,
     fmt: FormatOpt = "parquet",
     overwrite: OverwriteOpt = False,
     config: ConfigOpt = None,
@@ -65,7 +68,7 @@ def logprob(
                     bar.advance(task, src.manifests[0].shards[s].rows)
                     continue
                 shard = src.read_shard(s, columns=["sample_id", "prompt", "negative_prompt", "latents", "sigmas", "log_probs"])
-                cols, stats = replay_shard(policy, sample_cfg, shard, reference=c["reference"],
+                cols, stats = replay_shard(policy, sample_cfg, shard, reference=c["reference"], means=c["means"],
                                            on_batch=lambda n: bar.advance(task, n))
                 writer.write_shard(s, cols)
                 total_delta += stats["abs_delta_sum"]

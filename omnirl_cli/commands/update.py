@@ -27,7 +27,15 @@ def update(
         Path | None, typer.Option("--adapter", help="Adapter to continue from (weights, optimizer, EMA, step).")
     ] = None,
     dtype: Annotated[str, typer.Option("--dtype", help="fp32, bf16 or fp16.")] = "fp32",
-    algo: Annotated[str, typer.Option("--algo", help="Loss: flow_grpo.", rich_help_panel=LOSS)] = "flow_grpo",
+    algo: Annotated[
+        str,
+        typer.Option(
+            "--algo",
+            help="flow_grpo (first int(K·f) steps), dance_grpo (random steps per sample), mix_grpo (the stored "
+            "window), grpo_guard (normalised ratio; needs `logprob --means`).",
+            rich_help_panel=LOSS,
+        ),
+    ] = "flow_grpo",
     clip_range: Annotated[float, typer.Option("--clip-range", help="PPO ratio clip ε (flow_grpo 1e-4).", rich_help_panel=LOSS)] = 1e-4,
     clip_range_high: Annotated[
         float | None, typer.Option("--clip-range-high", help="Upper clip if asymmetric.", rich_help_panel=LOSS)

@@ -16,17 +16,20 @@ from stages.sample.samplers import step
 
 
 @torch.no_grad()
-def replay_batch(policy: FlowPolicy, cfg: SampleConfig, batch: dict[str, Any], *, reference: bool = False) -> dict[str, Any]:
+def replay_batch(
+    policy: FlowPolicy, cfg: SampleConfig, batch: dict[str, Any], *, reference: bool = False, means: bool = False
+) -> dict[str, Any]:
     """Log-probs [B, K] of the stored transitions latents[:, j] → latents[:, j+1] under `policy`.
 
-    With `reference`, also the frozen base model's step means `ref_means` [B, K, C, h, w] (for KL).
+    With `reference`, also the frozen base model's step means `ref_means` [B, K, C, h, w] (for KL);
+    with `means`, the step means under `policy` itself, `old_means` [B, K, C, h, w] (GRPO-Guard).
     """
     latents, sigmas = batch["latents"], batch["sigmas"]
     k = latents.shape[1] - 1
     cond = policy.encode(list(batch["prompt"]), list(batch.get("negative_prompt") or []) or None, cfg.guidance > 1.0,
                          cfg.max_sequence_length)
     sigma_safe = policy.sigmas(cfg.steps)[1] if cfg.steps > 1 else None
-    log_probs, ref_means = [], []
+    log_probs, ref_means, old_means = [], [], []
     for j in range(k):
         x = latents[:, j].to(policy.device).float()
         x_next = latents[:, j + 1].to(policy.device).float()
@@ -34,6 +37,8 @@ def replay_batch(policy: FlowPolicy, cfg: SampleConfig, batch: dict[str, Any], *
         out = step(cfg.sampler, v, x, sigmas[:, j], sigmas[:, j + 1], noise_level=cfg.noise_level,
                    sigma_max_safe=sigma_safe, prev_sample=x_next)
         log_probs.append(out.log_prob)
+        if means:
+            old_means.append(out.mean)
         if reference:
             with policy.reference():
                 v_ref = policy.velocity(x, sigmas[:, j], cond, cfg.guidance)
@@ -46,11 +51,14 @@ def replay_batch(policy: FlowPolicy, cfg: SampleConfig, batch: dict[str, Any], *
     }
     if reference:
         out_cols["ref_means"] = torch.stack(ref_means, dim=1).float().cpu()
+    if means:
+        out_cols["old_means"] = torch.stack(old_means, dim=1).float().cpu()
     return out_cols
 
 
 def replay_shard(
-    policy: FlowPolicy, cfg: SampleConfig, shard: dict[str, Any], *, reference: bool = False, on_batch: Any = None
+    policy: FlowPolicy, cfg: SampleConfig, shard: dict[str, Any], *, reference: bool = False, means: bool = False,
+    on_batch: Any = None,
 ) -> tuple[dict[str, Any], dict[str, float]]:
     """Replay one shard in the sampling batch size; returns its columns and |Δ logp| vs the rollout."""
     from stages.shards.reader import concat_batches, slice_batch
@@ -59,7 +67,7 @@ def replay_shard(
     parts = []
     for start in range(0, n, cfg.batch_size):
         part = slice_batch(shard, start, min(n, start + cfg.batch_size))
-        parts.append(replay_batch(policy, cfg, part, reference=reference))
+        parts.append(replay_batch(policy, cfg, part, reference=reference, means=means))
         if on_batch:
             on_batch(len(part["sample_id"]))
     cols = concat_batches(parts)

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from stages.errors import UserInputError
 from stages.sample.samplers import guard_log_ratio
-from stages.update.losses import StepLoss
+from stages.update.losses import StepLoss, ppo_terms
 
 NFT_DECAY_SCHEDULES = ("copy", "linear_to_0_5", "delayed_linear_to_0_999")
 AWM_WEIGHTINGS = ("uniform", "ghuber")
@@ -48,12 +48,6 @@ def _column(rows: Tensor, like: Tensor) -> Tensor:
 
 def _mean_dims(x: Tensor) -> Tensor:
     return x.flatten(1).mean(dim=1)
-
-
-def _ppo_terms(adv: Tensor, ratio: Tensor, clip_range: float, high: float) -> tuple[Tensor, Tensor]:
-    """Per-row max(−Â·r, −Â·clip(r, 1−ε, 1+ε_high)) and whether r left the band, both [B]."""
-    per_row = torch.maximum(-adv * ratio, -adv * ratio.clamp(1.0 - clip_range, 1.0 + high))
-    return per_row, ((ratio < 1.0 - clip_range) | (ratio > 1.0 + high)).float()
 
 
 def _velocity_gap(v: Tensor, other: Tensor | None) -> Tensor:
@@ -115,7 +109,7 @@ def grpo_guard_loss(
     log_ratio = guard_log_ratio(mean, old_mean, prev_sample, s)
     ratio = torch.exp(log_ratio)
     high = clip_range if clip_range_high is None else clip_range_high
-    per_row, was_clipped = _ppo_terms(adv, ratio, clip_range, high)
+    per_row, was_clipped = ppo_terms(adv, ratio, clip_range, high)
     policy_loss = (per_row / -step).mean()
     kl_term = kl.float().mean() if kl is not None else torch.zeros((), device=mean.device)
     loss = policy_loss + beta * kl_term
@@ -262,7 +256,7 @@ def awm_loss(
     log_ratio = psi - psi_old
     ratio = torch.exp(log_ratio)
     adv = advantages.float().clamp(-adv_clip, adv_clip) / adv_clip
-    per_row, was_clipped = _ppo_terms(adv, ratio, clip_range, clip_range)
+    per_row, was_clipped = ppo_terms(adv, ratio, clip_range, clip_range)
     policy_loss = per_row.mean()
     v = v_theta.float()
     kl = _velocity_gap(v, ref_v)

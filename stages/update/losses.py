@@ -1,15 +1,23 @@
-"""Policy losses over stored denoising steps, looked up by `--algo` name.
+"""Policy-gradient losses over stored denoising steps, and the `--algo` registry that picks them.
 
 flow_grpo convention (diffusion-rl.md §1.2): per trained step j,
     Â = clip(A, ±adv_clip),  r = exp(logp_θ − logp_old),
     L_pg = mean_b max(−Â·r, −Â·clip(r, 1−ε, 1+ε)),
     L = L_pg + β·KL,  KL = mean_b mean_dims (μ_θ − μ_ref)² / (2g²)   (g², not s², as the reference does).
 Log-probs are per-dimension means, so ratios sit near 1 and ε is ~1e-4.
+
+The family members differ in which stored steps they train and in the ratio they clip:
+- `flow_grpo`: the first int(K·fraction) stored steps, in order (flow_grpo trains 9 of 10).
+- `dance_grpo`: per sample, a random int((K−1)·fraction) of the first K−1 steps (the last is never
+  trained): DanceGRPO's timestep subsampling (§2).
+- `mix_grpo`: every stored step, i.e. the SDE window the rollout stored (MixGRPO, §3).
+- `grpo_guard`: flow_grpo's steps with GRPO-Guard's normalised ratio and 1/|Δ| reweighting (§1.6);
+  needs the rollout means `old_means` (`omnirl logprob --means` under the sampling weights).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import random
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +37,12 @@ class StepLoss:
     log_ratio: torch.Tensor
 
 
+def ppo_terms(adv: torch.Tensor, ratio: torch.Tensor, clip_range: float, high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row max(−Â·r, −Â·clip(r, 1−ε, 1+ε_high)) and whether r left the band, both [B]."""
+    per_row = torch.maximum(-adv * ratio, -adv * ratio.clamp(1.0 - clip_range, 1.0 + high))
+    return per_row, ((ratio < 1.0 - clip_range) | (ratio > 1.0 + high)).float()
+
+
 def clipped_policy_loss(
     log_prob: torch.Tensor,
     old_log_prob: torch.Tensor,
@@ -44,22 +58,52 @@ def clipped_policy_loss(
     adv = advantages if adv_clip is None else advantages.clamp(-adv_clip, adv_clip)
     log_ratio = log_prob - old_log_prob
     ratio = torch.exp(log_ratio)
-    high = clip_range if clip_range_high is None else clip_range_high
-    unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1.0 - clip_range, 1.0 + high)
-    policy_loss = torch.maximum(unclipped, clipped).mean()
+    per_row, was_clipped = ppo_terms(adv, ratio, clip_range, clip_range if clip_range_high is None else clip_range_high)
+    policy_loss = per_row.mean()
     kl_term = kl.mean() if kl is not None else torch.zeros((), device=log_prob.device)
     loss = policy_loss + beta * kl_term
-    was_clipped = ((ratio < 1.0 - clip_range) | (ratio > 1.0 + high)).float()
     return StepLoss(loss, policy_loss.detach(), kl_term.detach(), ratio.detach(), was_clipped, log_ratio.detach())
 
 
-LossFn = Callable[..., StepLoss]
-LOSSES: dict[str, LossFn] = {"flow_grpo": clipped_policy_loss}
+@dataclass(frozen=True)
+class Algorithm:
+    """An `--algo` choice: which stored steps it trains and which extra input columns it needs."""
+
+    name: str
+    steps: str
+    guard: bool = False
+    needs: tuple[str, ...] = ()
 
 
-def get_loss(name: str) -> LossFn:
-    """The loss registered under `name` (an `--algo` value)."""
-    if name not in LOSSES:
-        raise UserInputError(f"--algo {name}: unknown algorithm (available: {', '.join(sorted(LOSSES))})")
-    return LOSSES[name]
+ALGORITHMS: dict[str, Algorithm] = {
+    a.name: a
+    for a in (
+        Algorithm("flow_grpo", "prefix"),
+        Algorithm("dance_grpo", "random"),
+        Algorithm("mix_grpo", "all"),
+        Algorithm("grpo_guard", "prefix", guard=True, needs=("old_means",)),
+    )
+}
+
+
+def get_algorithm(name: str) -> Algorithm:
+    """The algorithm registered under `name` (an `--algo` value)."""
+    if name not in ALGORITHMS:
+        raise UserInputError(f"--algo {name}: unknown algorithm (available: {', '.join(sorted(ALGORITHMS))})")
+    return ALGORITHMS[name]
+
+
+def step_plan(algo: Algorithm, num_rows: int, num_steps: int, fraction: float, rng: random.Random) -> torch.Tensor:
+    """Stored-step indices to train per sample, [N, T] int64 (column t is the t-th trained step).
+
+    prefix: the first int(K·fraction) steps (at least 1); all: every step; random: per sample a random
+    permutation of the first K−1 steps, of which int((K−1)·fraction) are kept (at least 1).
+    """
+    if algo.steps == "prefix":
+        steps = list(range(max(1, int(num_steps * fraction))))
+        return torch.tensor(steps, dtype=torch.int64).expand(num_rows, -1)
+    if algo.steps == "all":
+        return torch.arange(num_steps).expand(num_rows, -1)
+    pool = max(1, num_steps - 1)
+    keep = max(1, int(pool * fraction))
+    return torch.tensor([rng.sample(range(pool), keep) for _ in range(num_rows)], dtype=torch.int64)

@@ -25,7 +25,7 @@ from stages.shards.manifest import config_hash, manifest_sha256
 from stages.update.trainer import METRICS, UpdateConfig, load_state, save_state, train, world_and_rank
 
 TRAIN_COLUMNS = (
-    "prompt", "negative_prompt", "latents", "sigmas", "log_probs", "old_log_probs", "advantages", "train_mask", "ref_means",
+    "prompt", "negative_prompt", "latents", "sigmas", "log_probs", "old_log_probs", "advantages", "train_mask", "ref_means", "old_means",
 )
 
 

@@ -21,7 +21,8 @@ from stages.errors import NonFiniteError, UserInputError
 from stages.models.diffusion import FlowPolicy
 from stages.sample.rollout import SampleConfig
 from stages.sample.samplers import kl_to_reference, step
-from stages.update.losses import get_loss
+from stages.update.family_losses import grpo_guard_loss
+from stages.update.losses import Algorithm, StepLoss, clipped_policy_loss, get_algorithm, step_plan
 
 STATE_DIR = "trainer_state"
 METRICS = "metrics.jsonl"
@@ -60,7 +61,7 @@ class UpdateConfig:
             raise UserInputError("--grad-accum and --inner-epochs must be at least 1")
         if self.clip_range <= 0:
             raise UserInputError(f"--clip-range {self.clip_range}: must be positive")
-        get_loss(self.algo)
+        get_algorithm(self.algo)
 
 
 @dataclass
@@ -116,10 +117,10 @@ def _average_gradients(params: list[torch.nn.Parameter], world: int) -> None:
 
 
 def _step_loss(
-    policy: FlowPolicy, data: dict[str, Any], idx: list[int], j: int, old: torch.Tensor,
-    sample_cfg: SampleConfig, cfg: UpdateConfig, loss_fn: Any, sigma_safe: torch.Tensor | None,
-) -> Any:
-    """Loss of stored step j for the rows `idx`: replay under the trained weights, then the --algo loss."""
+    policy: FlowPolicy, data: dict[str, Any], idx: list[int], j: torch.Tensor, old: torch.Tensor,
+    sample_cfg: SampleConfig, cfg: UpdateConfig, algo: Algorithm, sigma_safe: torch.Tensor | None,
+) -> StepLoss:
+    """Loss of stored step j[b] for each row idx[b]: replay under the trained weights, then the --algo loss."""
     index = torch.tensor(idx)
     prompts = [data["prompt"][i] for i in idx]
     negatives = [data["negative_prompt"][i] for i in idx] if "negative_prompt" in data else None
@@ -141,10 +142,13 @@ def _step_loss(
         with torch.no_grad(), policy.reference():
             ref = replay(policy.velocity(x, s, cond, sample_cfg.guidance))
         kl = kl_to_reference(out.mean, ref.mean, out.diffusion)
-    return loss_fn(
-        out.log_prob, old[index, j].to(policy.device).float(), data["advantages"][index, j].to(policy.device).float(),
-        clip_range=cfg.clip_range, clip_range_high=cfg.clip_range_high, adv_clip=cfg.adv_clip, kl=kl, beta=cfg.beta,
-    )
+    adv = data["advantages"][index, j].to(policy.device).float()
+    common = {"clip_range": cfg.clip_range, "clip_range_high": cfg.clip_range_high, "adv_clip": cfg.adv_clip,
+              "kl": kl, "beta": cfg.beta}
+    if algo.guard:
+        old_mean = data["old_means"][index, j].to(policy.device).float()
+        return grpo_guard_loss(out.mean, old_mean, x_next, out.std, s_next - s, adv, **common)
+    return clipped_policy_loss(out.log_prob, old[index, j].to(policy.device).float(), adv, **common)
 
 
 def train(
@@ -165,7 +169,10 @@ def train(
     ref_means [N, K, C, h, w] (from `logprob --reference`), which spares the reference forward pass.
     """
     cfg.validate()
-    loss_fn = get_loss(cfg.algo)
+    algo = get_algorithm(cfg.algo)
+    missing = [c for c in algo.needs if c not in data]
+    if missing:
+        raise UserInputError(f"--algo {algo.name} needs the column '{missing[0]}' in --in (omnirl logprob --means)")
     params = policy.trainable_parameters(full=cfg.full)
     named = _named_trainable(policy)
     optimizer = torch.optim.AdamW(
@@ -186,7 +193,6 @@ def train(
     if "train_mask" in data:
         rows = [i for i in rows if bool(data["train_mask"][i])]
     num_steps = latents.shape[1] - 1
-    trained = max(1, int(num_steps * cfg.timestep_fraction))
     micro = cfg.micro_batch or sample_cfg.batch_size
     sigma_safe = policy.sigmas(sample_cfg.steps)[1] if sample_cfg.steps > 1 else None
     rng = random.Random(cfg.seed + start_step)
@@ -198,6 +204,8 @@ def train(
         if cfg.shuffle:
             rng.shuffle(order)
         chunks = [order[i : i + micro] for i in range(0, len(order), micro)]
+        plan = step_plan(algo, latents.shape[0], num_steps, cfg.timestep_fraction, rng)
+        trained = plan.shape[1]
         # One optimizer step takes grad_accum micro-batches per rank; rank r takes its own run of them,
         # so N ranks × grad_accum equals one process with N·grad_accum micro-batches.
         per_step = cfg.grad_accum * world
@@ -207,9 +215,9 @@ def train(
             sums = torch.zeros(len(METRIC_KEYS) + 1, dtype=torch.float64)
             for c, idx in enumerate(mine):
                 where = f"at epoch {epoch}, micro-batch {first + rank * cfg.grad_accum + c}"
-                for j in range(trained):
-                    res = _step_loss(policy, data, idx, j, old, sample_cfg, cfg, loss_fn, sigma_safe)
-                    _check_finite("loss", res.loss, f"{where}, stored step {j}")
+                for t in range(trained):
+                    res = _step_loss(policy, data, idx, plan[idx, t], old, sample_cfg, cfg, algo, sigma_safe)
+                    _check_finite("loss", res.loss, f"{where}, trained step {t}")
                     (res.loss / (cfg.grad_accum * trained)).backward()
                     sums[:-1] += torch.tensor([
                         res.policy_loss.item(), res.kl.item(), res.ratio.mean().item(),

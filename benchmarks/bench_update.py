@@ -1,0 +1,272 @@
+"""Update efficiency: `stages.update.trainer.train` ÷ a bare forward+backward of the same transformer.
+
+Data: N real rollouts of the `small` SD3 model (Flow-GRPO SDE sampler, a window of K stored
+steps, CFG), old log-probs = the rollout's, random per-sample advantages. Each training mode runs
+in its own subprocess (so its peak RSS, `ru_maxrss`, is its own), on a fixed number of threads:
+
+- `lora`: a fresh rank-r LoRA on flow_grpo's SD3 targets, as `omnirl update` adds it; `full`: every
+  transformer weight trained.
+- omnirl: `train(...)` (flow_grpo loss, one epoch, micro-batch = the sampling batch): text encoding
+  of the batch's prompts (new prompts every call, as in a fresh `omnirl update` process), per
+  (micro-batch, stored step) the guided velocity, the SDE step's log-prob, the clipped loss, its
+  backward and six metric `.item()`s, then grad-norm clipping, the finiteness check and an AdamW step.
+- bare: the same trainable parameters, micro-batches and stored (x, σ): the transformer on the 2B
+  CFG batch with precomputed text embeddings, the guidance combination, an MSE to the stored next
+  latent, backward; then the same AdamW step (no clipping). Both sides create their AdamW per call,
+  as each `omnirl update` does.
+
+Ratio = best omnirl time / best bare time for the same N × K (sample, stored step) pairs (target
+<= 1.25), best of `--repeats` alternating calls after one warm-up call of each; omnirl's warm-up
+call comes first, so the worker's `ru_maxrss` right after it is the peak RSS of an update. The
+breakdown of each side's best call times the transformer forward (hooks), `Tensor.backward`, the
+sampler step, the loss, clipping, the optimizer step and text encoding; "other" is the rest.
+
+    python benchmarks/bench_update.py [--samples 4] [--stored-steps 2] [--modes lora full] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from benchmarks.bench_sample import Probes, small_model
+from benchmarks.common import record
+
+REGIONS = ("transformer_fwd", "backward", "step_math", "loss", "clip_grad", "optimizer", "text_encode")
+RESULT = "RESULT "
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set size so far, MB (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def make_rollouts(model: Path, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """Sample `args.samples` trajectories with omnirl's rollout and save the training columns to `out`."""
+    from stages.models.diffusion import FlowPolicy
+    from stages.sample.rollout import SampleConfig, rollout_batch
+
+    window = 0 if args.stored_steps == args.steps else args.stored_steps
+    cfg = SampleConfig(
+        steps=args.steps, guidance=args.guidance, resolution=args.resolution, sampler="sde",
+        window=window, seed=0, batch_size=args.micro_batch,
+    )
+    policy = FlowPolicy.load(model)
+    prompts = [f"a red bicycle leaning on a blue door, sample {i}" for i in range(args.samples)]
+    parts = []
+    for start in range(0, args.samples, cfg.batch_size):
+        idx = list(range(start, min(start + cfg.batch_size, args.samples)))
+        parts.append(
+            rollout_batch(
+                policy, cfg, [prompts[i] for i in idx], [""] * len(idx), [7 + i for i in idx], [100 + i for i in idx],
+                batch_key=(0, start),
+            )
+        )
+    log_probs = torch.cat([p["log_probs"] for p in parts])
+    advantages = torch.randn(args.samples, 1, generator=torch.Generator().manual_seed(0)).expand_as(log_probs)
+    data = {
+        "prompt": prompts,
+        "negative_prompt": [""] * args.samples,
+        "latents": torch.cat([p["latents"] for p in parts]),
+        "sigmas": torch.cat([p["sigmas"] for p in parts]),
+        "log_probs": log_probs,
+        "advantages": advantages.contiguous(),
+    }
+    torch.save(data, out)
+    return asdict(cfg)
+
+
+def bare_train(policy: Any, data: dict[str, Any], cond: Any, sample_cfg: Any, cfg: Any, micro: int) -> None:
+    """Forward + MSE + backward per (micro-batch, stored step) and one AdamW step per micro-batch."""
+    params = policy.trainable_parameters(full=cfg.full)
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
+    latents, sigmas = data["latents"], data["sigmas"]
+    n, k = latents.shape[0], latents.shape[1] - 1
+    guided = sample_cfg.guidance > 1.0
+    for start in range(0, n, micro):
+        idx = torch.arange(start, min(start + micro, n))
+        c = cond.select(idx)
+        for j in range(k):
+            x, target = latents[idx, j], latents[idx, j + 1]
+            t = sigmas[idx, j] * 1000
+            if guided:
+                out = policy.transformer(
+                    hidden_states=torch.cat([x, x]), timestep=torch.cat([t, t]),
+                    encoder_hidden_states=torch.cat([c.neg_embeds, c.embeds]),
+                    pooled_projections=torch.cat([c.neg_pooled, c.pooled]), return_dict=False,
+                )[0]
+                uncond, text = out.chunk(2)
+                v = uncond + sample_cfg.guidance * (text - uncond)
+            else:
+                v = policy.transformer(
+                    hidden_states=x, timestep=t, encoder_hidden_states=c.embeds, pooled_projections=c.pooled,
+                    return_dict=False,
+                )[0]
+            ((v - target).pow(2).mean() / k).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def worker(args: argparse.Namespace) -> dict[str, Any]:
+    """Time one training mode (`args.worker`: lora or full) in this process; returns its measurements."""
+    torch.set_num_threads(args.threads)
+    from stages.models.diffusion import SD3_LORA_TARGETS, FlowPolicy
+    from stages.sample.rollout import SampleConfig
+    from stages.update import trainer
+    from stages.update.trainer import UpdateConfig, train
+
+    full = args.worker == "full"
+    sample_cfg = SampleConfig(**json.loads(args.sample_config))
+    cfg = UpdateConfig(full=full, lora_rank=args.lora_rank, lora_alpha=2 * args.lora_rank, micro_batch=args.micro_batch)
+    policy = FlowPolicy.load(args.model)
+    if not full:
+        policy.add_lora(rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=SD3_LORA_TARGETS, seed=cfg.seed)
+    data = torch.load(args.data, weights_only=True)
+    cond = policy.encode(data["prompt"], data["negative_prompt"], sample_cfg.guidance > 1.0, sample_cfg.max_sequence_length)
+    rss_loaded = peak_rss_mb()
+    probes = Probes()
+    calls = [0]
+
+    def omnirl_call() -> None:
+        calls[0] += 1
+        fresh = [f"{p} (call {calls[0]})" for p in data["prompt"]]
+        train(policy, {**data, "prompt": fresh}, sample_cfg, cfg, optimizer_state=None, ema_state=None, start_step=0)
+
+    def bare_call() -> None:
+        bare_train(policy, data, cond, sample_cfg, cfg, args.micro_batch)
+
+    sides = {"omnirl": omnirl_call, "bare": bare_call}
+    runs: dict[str, list[dict[str, float]]] = {s: [] for s in sides}
+    rss_update = None
+    with ExitStack() as stack:
+        stack.enter_context(probes.module(policy.transformer, "transformer_fwd"))
+        # the trainer's sampler step and loss are timed where the trainer module looks them up
+        for owner, attr, name in (
+            (torch.Tensor, "backward", "backward"),
+            (trainer, "step", "step_math"),
+            (trainer, "clipped_policy_loss", "loss"),
+            (torch.nn.utils, "clip_grad_norm_", "clip_grad"),
+            (torch.optim.AdamW, "step", "optimizer"),
+            (policy, "encode", "text_encode"),
+        ):
+            if hasattr(owner, attr):
+                stack.enter_context(probes.patch(owner, attr, name))
+        for side, fn in sides.items():
+            fn()
+            if side == "omnirl":
+                rss_update = peak_rss_mb()
+        for r in range(args.repeats):
+            for side in list(sides) if r % 2 == 0 else list(reversed(sides)):
+                probes.seconds.clear()
+                t0 = time.perf_counter()
+                sides[side]()
+                total = time.perf_counter() - t0
+                regions = {k: probes.seconds.get(k, 0.0) for k in REGIONS}
+                runs[side].append({"total": total, **regions, "other": total - sum(regions.values())})
+                print(args.worker, side, {k: round(v, 3) for k, v in runs[side][-1].items()}, file=sys.stderr, flush=True)
+    trained = sum(p.numel() for p in policy.transformer.parameters() if p.requires_grad)
+    return {"rss_loaded_mb": rss_loaded, "rss_update_peak_mb": rss_update, "trained_parameters": trained, "runs": runs}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="SD3 pipeline folder (default: build `small` in a temp dir)")
+    ap.add_argument("--samples", type=int, default=4, help="N rollouts trained on")
+    ap.add_argument("--micro-batch", type=int, default=4, help="samples per forward (also the sampling batch)")
+    ap.add_argument("--steps", type=int, default=10, help="sampling steps")
+    ap.add_argument("--stored-steps", type=int, default=2, help="K stored (trained) SDE steps per sample")
+    ap.add_argument("--resolution", type=int, default=128)
+    ap.add_argument("--guidance", type=float, default=4.5)
+    ap.add_argument("--lora-rank", type=int, default=32, help="LoRA rank r (alpha = 2r, the default 32/64)")
+    ap.add_argument("--modes", nargs="+", default=["lora", "full"], choices=["lora", "full"])
+    ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads (and OMP_NUM_THREADS), both sides")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--tmp", default=None, help="scratch directory (default: system temp)")
+    ap.add_argument("--no-record", action="store_true", help="print only, do not write benchmarks/results")
+    ap.add_argument("--worker", choices=["lora", "full"], help=argparse.SUPPRESS)
+    ap.add_argument("--data", help=argparse.SUPPRESS)
+    ap.add_argument("--sample-config", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+    if args.worker:
+        print(RESULT + json.dumps(worker(args)), flush=True)
+        return
+
+    torch.set_num_threads(args.threads)
+    metrics: dict[str, Any] = {
+        k: getattr(args, k)
+        for k in ("samples", "micro_batch", "steps", "stored_steps", "resolution", "guidance", "lora_rank", "threads", "repeats")
+    }
+    metrics["load_average_before"] = os.getloadavg()[0]
+    rows = []
+    with tempfile.TemporaryDirectory(dir=args.tmp, prefix="omnirl-bench-") as tmp_name:
+        tmp = Path(tmp_name)
+        model = small_model(args.model, tmp)
+        sample_cfg = make_rollouts(model, args, tmp / "data.pt")
+        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+        for mode in args.modes:
+            cmd = [
+                sys.executable, __file__, "--worker", mode, "--model", str(model), "--data", str(tmp / "data.pt"),
+                "--sample-config", json.dumps(sample_cfg), "--micro-batch", str(args.micro_batch),
+                "--lora-rank", str(args.lora_rank), "--threads", str(args.threads), "--repeats", str(args.repeats),
+            ]
+            proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=True)
+            res = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT))[len(RESULT):])
+            best = {side: min(rs, key=lambda b: b["total"]) for side, rs in res["runs"].items()}
+            pairs = args.samples * args.stored_steps
+            ratio = best["omnirl"]["total"] / best["bare"]["total"]
+            metrics[mode] = {**res, "best": best, "ratio": ratio}
+            label = f"lora r{args.lora_rank}" if mode == "lora" else "full"
+            for side, b in best.items():
+                rows.append(
+                    {
+                        "mode": label,
+                        "side": side,
+                        "s per sample-step": b["total"] / pairs,
+                        "÷ bare": b["total"] / best["bare"]["total"],
+                        "peak RSS MB": round(res["rss_update_peak_mb"]) if side == "omnirl" else "",
+                        **{k: b[k] for k in (*REGIONS, "other")},
+                    }
+                )
+            print(
+                f"{label}: omnirl / bare = {ratio:.3f} (target <= 1.25); peak RSS {res['rss_update_peak_mb']:.0f} MB "
+                f"(after load {res['rss_loaded_mb']:.0f} MB), {res['trained_parameters']} trained parameters",
+                flush=True,
+            )
+    metrics["load_average_after"] = os.getloadavg()[0]
+    if not args.no_record:
+        path = record(
+            "update",
+            metrics,
+            rows,
+            description=(
+                f"stages.update.trainer.train (flow_grpo) ÷ bare forward+MSE+backward of the same transformer and "
+                f"the same AdamW step, `small` SD3, {args.samples} samples × {args.stored_steps} stored steps, "
+                f"micro-batch {args.micro_batch}, {args.resolution} px, guidance {args.guidance} (CFG), "
+                f"{args.threads} threads; best of {args.repeats} alternating calls (load average "
+                f"{metrics['load_average_before']:.1f} on {os.cpu_count()} CPUs). Target <= 1.25. Peak RSS = "
+                "ru_maxrss of the mode's own process after one update. Columns after peak RSS: seconds of the "
+                "best call per region; other = the rest."
+            ),
+        )
+        print("recorded", path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""The policy-gradient family on the tiny model: which steps each `--algo` trains, GRPO-Guard's
+on-policy ratio, and that every algorithm's update moves the policy toward high-advantage samples."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import run, sample_args
+
+from stages.shards.reader import ShardSet, open_inputs
+from stages.update.losses import ALGORITHMS, step_plan
+
+
+def test_step_plans_follow_each_reference() -> None:
+    rng = random.Random(0)
+    flow = step_plan(ALGORITHMS["flow_grpo"], 3, 10, 0.99, rng)
+    assert flow.tolist() == [list(range(9))] * 3  # flow_grpo trains 9 of 10 steps, in order
+    window = step_plan(ALGORITHMS["mix_grpo"], 2, 4, 0.5, rng)
+    assert window.tolist() == [[0, 1, 2, 3]] * 2  # the whole stored window
+    dance = step_plan(ALGORITHMS["dance_grpo"], 50, 16, 0.6, rng)
+    assert dance.shape == (50, 9)  # int(15 · 0.6): the last step is never trained
+    for row in dance.tolist():
+        assert len(set(row)) == 9 and max(row) <= 14
+    assert len({tuple(r) for r in dance.tolist()}) > 40  # each sample draws its own steps
+
+
+def _advantage_weighted_logp_change(inputs: list[Path], policy_logprobs: Path) -> float:
+    """mean_b,k A·(logp_new − logp_old): positive when the update favoured high-advantage steps."""
+    data = open_inputs(inputs).read_all(columns=["log_probs", "advantages"])
+    new = ShardSet(policy_logprobs).read_all()["old_log_probs"]
+    return float((data["advantages"] * (new - data["log_probs"])).mean())
+
+
+@pytest.mark.parametrize("algo", ["flow_grpo", "dance_grpo", "grpo_guard"])
+def test_each_algorithm_moves_toward_high_advantage_steps(staged: dict[str, Path], tmp_path: Path, algo: str) -> None:
+    inputs = [staged["samples"], staged["advantages"]]
+    if algo == "grpo_guard":
+        run("logprob", "--model", str(staged["model"]), "--in", str(staged["samples"]), "--means",
+            "--out", str(tmp_path / "means"))
+        inputs.append(tmp_path / "means")
+        assert ShardSet(tmp_path / "means").columns["old_means"].shape == (4, 16, 8, 8)
+    else:
+        inputs.append(staged["logprobs"])
+    args = [x for p in inputs for x in ("--in", str(p))]
+    run("update", "--model", str(staged["model"]), *args, "--algo", algo, "--lr", "3e-3", "--clip-range", "0.2",
+        "--timestep-fraction", "0.75", "--lora-rank", "4", "--lora-alpha", "8", "--no-shuffle",
+        "--out", str(tmp_path / "policy"))
+    metrics = [json.loads(x) for x in (tmp_path / "policy" / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[0]["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-6)  # on-policy at the first step
+    assert all(torch.isfinite(torch.tensor(m["actor/pg_loss"])) for m in metrics)
+    run("logprob", "--model", str(staged["model"]), "--adapter", str(tmp_path / "policy"), "--in",
+        str(staged["samples"]), "--out", str(tmp_path / "after"))
+    assert _advantage_weighted_logp_change([staged["samples"], staged["advantages"]], tmp_path / "after") > 0
+
+
+def test_mix_grpo_trains_the_stored_window(staged: dict[str, Path], tmp_path: Path) -> None:
+    p = {n: tmp_path / n for n in ("samples", "rewards", "logprobs", "advantages", "policy", "after")}
+    run(*sample_args(staged["model"], staged["prompts"], p["samples"], "--steps", "6", "--sde-window", "2",
+                     "--sde-window-range", "0", "4", "--same-noise"))
+    samples = ShardSet(p["samples"]).read_all()
+    assert samples["latents"].shape[1] == 3 and samples["log_probs"].shape[1] == 2
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from stages.sample.samplers import flow_match_sigmas
+
+    schedule = flow_match_sigmas(FlowMatchEulerDiscreteScheduler.from_pretrained(staged["model"] / "scheduler"), 6)
+    for row in samples["sigmas"]:
+        start = int((schedule == row[0]).nonzero()[0])
+        assert 0 <= start <= 2 and torch.equal(row, schedule[start : start + 3])  # window of 2 in [0, 4)
+    assert not torch.equal(samples["latents"][:, -1], samples["final_latent"])  # ODE steps follow the window
+    run("score", "--in", str(p["samples"]), "--reward", "jpeg_compressibility", "--out", str(p["rewards"]))
+    run("logprob", "--model", str(staged["model"]), "--in", str(p["samples"]), "--out", str(p["logprobs"]))
+    assert torch.equal(ShardSet(p["logprobs"]).read_all()["old_log_probs"], samples["log_probs"])
+    run("advantage", "--in", str(p["samples"]), "--in", str(p["rewards"]), "--estimator", "dance",
+        "--out", str(p["advantages"]))
+    run("update", "--model", str(staged["model"]), "--in", str(p["samples"]), "--in", str(p["logprobs"]), "--in",
+        str(p["advantages"]), "--algo", "mix_grpo", "--lr", "3e-3", "--clip-range", "0.2", "--lora-rank", "4",
+        "--lora-alpha", "8", "--no-shuffle", "--out", str(p["policy"]))
+    run("logprob", "--model", str(staged["model"]), "--adapter", str(p["policy"]), "--in", str(p["samples"]),
+        "--out", str(p["after"]))
+    assert _advantage_weighted_logp_change([p["samples"], p["advantages"]], p["after"]) > 0
+
+
+def test_grpo_guard_without_means_is_a_clear_error(staged: dict[str, Path], tmp_path: Path) -> None:
+    from helpers import runner
+
+    from omnirl_cli.app import app
+
+    result = runner.invoke(app, ["update", "--model", str(staged["model"]), "--in", str(staged["samples"]), "--in",
+                                 str(staged["logprobs"]), "--in", str(staged["advantages"]), "--algo", "grpo_guard",
+                                 "--out", str(tmp_path / "p")])
+    assert result.exit_code == 2 and "old_means" in result.output and "--means" in result.output

@@ -34,7 +34,7 @@ all: $(RUN)/it$(ITERATIONS)/rewards/_manifest.json
 define iteration
 $(call it,$(1))/samples/_manifest.json: $(call policy,$(1)) $(CONFIG)
 	$(OMNIRL) sample --config $(CONFIG) --model $(MODEL) $(call adapter,$(1)) --prompts $(PROMPTS) \
-	  --seed $(call seed,$(1)) --out $(call it,$(1))/samples $(FLAGS) >/dev/null
+	  --seed $(call seed,$(1)) --iteration $(1) --out $(call it,$(1))/samples $(FLAGS) >/dev/null
 
 $(call it,$(1))/rewards/_manifest.json: $(call it,$(1))/samples/_manifest.json
 	$(OMNIRL) score --config $(CONFIG) --in $(call it,$(1))/samples $(REWARD) --out $(call it,$(1))/rewards $(FLAGS) >/dev/null

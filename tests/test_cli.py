@@ -129,3 +129,20 @@ def test_json_mode_prints_one_object(tiny_shard_set: Path) -> None:
     assert result.exit_code == 0, result.output
     info = json.loads(result.stdout)
     assert info["num_rows"] == 6 and info["verified"] is True
+
+
+@pytest.mark.parametrize("preset", sorted((Path(__file__).parents[1] / "recipes" / "configs").glob("*.yaml")))
+def test_every_preset_names_real_options(preset: Path) -> None:
+    """Each section of a preset is a command, each key one of its options (else --config fails at run time)."""
+    import yaml
+
+    root = typer.main.get_command(app)
+    data = yaml.safe_load(preset.read_text())
+    assert preset.read_text().startswith("#"), "a preset opens with a header saying where its numbers come from"
+    for section, values in data.items():
+        command = root.commands[section]
+        names = {p.name for p in command.params} | {
+            opt[2:].replace("-", "_") for p in command.params for opt in p.opts if opt.startswith("--")
+        }
+        unknown = sorted(k for k in values if k.replace("-", "_") not in names)
+        assert not unknown, f"{preset.name}: {section}.{unknown}"

@@ -94,3 +94,43 @@ def test_grpo_guard_without_means_is_a_clear_error(staged: dict[str, Path], tmp_
                                  str(staged["logprobs"]), "--in", str(staged["advantages"]), "--algo", "grpo_guard",
                                  "--out", str(tmp_path / "p")])
     assert result.exit_code == 2 and "old_means" in result.output and "--means" in result.output
+
+
+def test_progressive_window_slides_with_the_iteration(staged: dict[str, Path], tmp_path: Path) -> None:
+    """MixGRPO: the window starts at 0 and moves one step every --iters-per-group iterations."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from stages.sample.samplers import flow_match_sigmas
+
+    sched = flow_match_sigmas(FlowMatchEulerDiscreteScheduler.from_pretrained(staged["model"] / "scheduler"), 6) * 1000
+    starts = []
+    for it in (0, 1, 2, 5):
+        out = tmp_path / f"it{it}"
+        run(*sample_args(staged["model"], staged["prompts"], out, "--steps", "6", "--sde-window", "2",
+                         "--window-strategy", "progressive", "--iters-per-group", "2", "--iteration", str(it),
+                         "--num-prompts", "1"))
+        timesteps = ShardSet(out).read_all()["timesteps"]
+        assert (timesteps == timesteps[0]).all()  # one window for the whole iteration
+        starts.append(int((sched == timesteps[0, 0]).nonzero()[0]))
+    assert starts == [0, 0, 1, 2]
+
+
+def test_advantage_aggregation_per_reward(staged: dict[str, Path], tmp_path: Path) -> None:
+    """MixGRPO's advantage_aggr: each reward normalised on its own (flow_grpo global std), then weighted."""
+    run("score", "--in", str(staged["samples"]), "--reward", "jpeg_compressibility=1", "--reward",
+        "jpeg_incompressibility=0.5", "--out", str(tmp_path / "r"))
+    run("advantage", "--in", str(staged["samples"]), "--in", str(tmp_path / "r"), "--aggregation", "advantage_aggr",
+        "--out", str(tmp_path / "a"))
+    data = open_inputs([staged["samples"], tmp_path / "r", tmp_path / "a"]).read_all()
+    groups = data["group_id"]
+    expected = torch.zeros(len(groups), dtype=torch.float64)
+    for name, weight in (("jpeg_compressibility", 1.0), ("jpeg_incompressibility", 0.5)):
+        r = data[f"reward.{name}"].double()
+        std = r.std(unbiased=False)
+        for g in set(groups):
+            idx = [i for i, x in enumerate(groups) if x == g]
+            expected[idx] += weight * (r[idx] - r[idx].mean()) / (std + 1e-4)
+    torch.testing.assert_close(data["advantages"][:, 0].double(), expected, rtol=1e-5, atol=1e-6)
+    plain = run("advantage", "--in", str(staged["samples"]), "--in", str(tmp_path / "r"), "--out", str(tmp_path / "b"))
+    assert plain["estimator"] == "grpo"
+    assert not torch.allclose(ShardSet(tmp_path / "b").read_all()["advantages"], data["advantages"])

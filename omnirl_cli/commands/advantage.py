@@ -30,6 +30,11 @@ def advantage(
     drop_zero_std: Annotated[
         bool, typer.Option("--drop-zero-std", help="Mark samples of all-equal-reward groups as not trained (flow_grpo).")
     ] = False,
+    aggregation: Annotated[
+        str,
+        typer.Option("--aggregation", help="reward_aggr: normalise the weighted total reward (flow_grpo); "
+                     "advantage_aggr: normalise each reward.<name> on its own, then weight and sum (MixGRPO)."),
+    ] = "reward_aggr",
     fmt: FormatOpt = "parquet",
     overwrite: OverwriteOpt = False,
     config: ConfigOpt = None,
@@ -43,7 +48,8 @@ def advantage(
     Example: [bold]omnirl advantage --in run/it0/samples --in run/it0/rewards --out run/it0/advantages[/]
     """
     c = resolve(ctx, "advantage")
-    from stages.advantage.stage import compute_advantages
+    from stages.advantage.stage import compute_advantages, reward_weights
+    from stages.errors import UserInputError
     from stages.shards.reader import slice_batch
     from stages.shards.writer import ShardSetWriter
 
@@ -51,8 +57,6 @@ def advantage(
     if c["std"] is not None:
         name = {"global": "grpo", "group": "grpo_group", "none": "drgrpo"}.get(c["std"])
         if name is None:
-            from stages.errors import UserInputError
-
             raise UserInputError(f"--std {c['std']}: choose global, group or none")
     src = open_inputs(c["inputs"])
     writer = ShardSetWriter(
@@ -62,9 +66,15 @@ def advantage(
     )
     steps_col = src.columns.get("log_probs")
     num_steps = steps_col.shape[0] if steps_col is not None and steps_col.shape else 1
-    data = src.read_all(columns=["sample_id", "group_id", "reward"])
+    weights = None
+    if c["aggregation"] == "advantage_aggr":
+        weights = reward_weights(src.manifests)
+    elif c["aggregation"] != "reward_aggr":
+        raise UserInputError(f"--aggregation {c['aggregation']}: choose reward_aggr or advantage_aggr")
+    columns = ["sample_id", "group_id", "reward", *(f"reward.{n}" for n in weights or {})]
+    data = src.read_all(columns=columns)
     cols, stats = compute_advantages(
-        data, estimator=name, clip=c["clip"], drop_zero_std=c["drop_zero_std"], num_steps=num_steps
+        data, estimator=name, clip=c["clip"], drop_zero_std=c["drop_zero_std"], num_steps=num_steps, weights=weights
     )
     if not writer.complete:
         start = 0

@@ -47,6 +47,29 @@ def sample(
         tuple[int, int] | None,
         typer.Option("--sde-window-range", help="LO HI: the window starts uniformly in [LO, HI−W] per batch.", rich_help_panel=SAMPLING),
     ] = None,
+    window_strategy: Annotated[
+        str,
+        typer.Option("--window-strategy", help="random (Flow-GRPO-Fast), progressive (MixGRPO: slides with --iteration) or fixed.",
+                     rich_help_panel=SAMPLING),
+    ] = "random",
+    window_start: Annotated[
+        int | None, typer.Option("--window-start", help="First window start (progressive) or the start (fixed).", rich_help_panel=SAMPLING)
+    ] = None,
+    iteration: Annotated[
+        int, typer.Option("--iteration", min=0, help="RL iteration, for the progressive window.", rich_help_panel=SAMPLING)
+    ] = 0,
+    iters_per_group: Annotated[
+        int, typer.Option("--iters-per-group", min=1, help="Iterations before the progressive window moves (MixGRPO 25).",
+                          rich_help_panel=SAMPLING)
+    ] = 25,
+    window_stride: Annotated[
+        int, typer.Option("--window-stride", min=0, help="Steps the progressive window moves each time (MixGRPO 1).",
+                          rich_help_panel=SAMPLING)
+    ] = 1,
+    roll_back: Annotated[
+        bool, typer.Option("--roll-back/--no-roll-back", help="Progressive window returns to its start at the end.",
+                           rich_help_panel=SAMPLING)
+    ] = True,
     same_noise: Annotated[bool, typer.Option("--same-noise", help="One initial noise per group (DanceGRPO).", rich_help_panel=SAMPLING)] = False,
     seed: Annotated[int, typer.Option("--seed", help="Base seed: the same seed gives bit-identical samples.", rich_help_panel=SAMPLING)] = 0,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Samples per forward pass.", rich_help_panel=SAMPLING)] = 8,
@@ -80,6 +103,8 @@ def sample(
     cfg = SampleConfig(
         steps=c["steps"], guidance=c["guidance"], resolution=c["resolution"], sampler=c["sampler"],
         noise_level=c["noise_level"], window=c["sde_window"], window_range=tuple(window_range) if window_range else None,
+        window_strategy=c["window_strategy"], window_start=c["window_start"], iteration=c["iteration"],
+        iters_per_group=c["iters_per_group"], window_stride=c["window_stride"], roll_back=c["roll_back"],
         same_noise=c["same_noise"], seed=c["seed"], batch_size=c["batch_size"],
     )
     cfg.validate()

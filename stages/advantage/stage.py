@@ -10,7 +10,14 @@ from typing import Any
 
 import torch
 
-from stages.advantage.estimators import advantage_stats, broadcast_steps, get_estimator, zero_std_mask
+from stages.advantage.estimators import (
+    ESTIMATORS,
+    advantage_stats,
+    broadcast_steps,
+    get_estimator,
+    multi_reward_advantages,
+    zero_std_mask,
+)
 from stages.errors import UserInputError
 
 
@@ -21,10 +28,13 @@ def compute_advantages(
     clip: float | None = None,
     drop_zero_std: bool = False,
     num_steps: int | None = None,
+    weights: dict[str, float] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Columns sample_id, advantages [N, K] (and train_mask [N]) plus summary stats.
 
     data: sample_id, group_id, reward [N]; K comes from `num_steps` (stored steps of the rollout).
+    With `weights` (reward name → weight), advantages are aggregated per reward (MixGRPO's
+    `advantage_aggr`): each `reward.<name>` column is normalised on its own, then weighted and summed.
     """
     for col in ("sample_id", "group_id", "reward"):
         if col not in data:
@@ -33,7 +43,20 @@ def compute_advantages(
     rewards = data["reward"].float()
     groups = list(data["group_id"])
     ids = list(data["sample_id"])
-    adv = get_estimator(estimator)(rewards, groups, clip=clip, sample_ids=ids)
+    if weights:
+        if estimator not in ESTIMATORS:
+            raise UserInputError(f"--aggregation advantage_aggr works with a built-in --estimator, not {estimator!r}")
+        preset = ESTIMATORS[estimator]
+        missing = [name for name in weights if f"reward.{name}" not in data]
+        if missing:
+            raise UserInputError(f"--in: column 'reward.{missing[0]}' is missing; score with --reward {missing[0]}")
+        per_reward = {name: data[f"reward.{name}"].float() for name in weights}
+        adv = multi_reward_advantages(
+            per_reward, weights, groups, aggregation="advantage_aggr", std=preset.std, eps=preset.eps,
+            unbiased=preset.unbiased, clip=clip, sample_ids=ids,
+        )
+    else:
+        adv = get_estimator(estimator)(rewards, groups, clip=clip, sample_ids=ids)
     stats = advantage_stats(rewards, adv, groups)
     out: dict[str, Any] = {"sample_id": ids, "advantages": broadcast_steps(adv.float(), max(1, num_steps or 1))}
     if drop_zero_std:
@@ -42,3 +65,13 @@ def compute_advantages(
         stats["dropped_samples"] = int((~keep).sum())
     out["advantages"] = out["advantages"].to(torch.float32)
     return out, stats
+
+
+def reward_weights(manifests: list[Any]) -> dict[str, float]:
+    """reward name → weight, as `omnirl score --reward NAME[=WEIGHT]` recorded them."""
+    from stages.score.registry import parse_reward_spec
+
+    for manifest in manifests:
+        if manifest.command == "score":
+            return dict(parse_reward_spec(spec) for spec in manifest.config.get("reward") or [])
+    raise UserInputError("--aggregation advantage_aggr: none of the --in shard sets was written by `omnirl score`")

@@ -30,6 +30,12 @@ class SampleConfig:
     noise_level: float = 0.7
     window: int = 0
     window_range: tuple[int, int] | None = None
+    window_strategy: str = "random"
+    window_start: int | None = None
+    iteration: int = 0
+    iters_per_group: int = 25
+    window_stride: int = 1
+    roll_back: bool = True
     same_noise: bool = False
     seed: int = 0
     batch_size: int = 8
@@ -40,14 +46,18 @@ class SampleConfig:
             raise UserInputError(f"--sampler {self.sampler}: choose one of {', '.join(SAMPLERS)}")
         if self.steps < 1:
             raise UserInputError(f"--steps {self.steps}: must be at least 1")
-        if self.window < 0 or self.window > self.steps:
-            raise UserInputError(f"--sde-window {self.window}: must lie in [0, --steps={self.steps}]")
-        if self.window_range is not None:
-            lo, hi = self.window_range
-            if not (lo >= 0 and hi <= self.steps and hi - lo >= self.window):
-                raise UserInputError(
-                    f"--sde-window-range {lo} {hi}: must satisfy 0 <= lo, hi <= steps and hi - lo >= --sde-window"
-                )
+        if self.window < 0:
+            raise UserInputError(f"--sde-window {self.window}: must be >= 0")
+        if self.window:
+            self.schedule()
+
+    def schedule(self) -> WindowSchedule:
+        """The SDE-window schedule these settings describe (`stages.sample.windows`); validates them."""
+        return WindowSchedule(
+            self.steps, self.window_strategy, window=self.window, window_range=self.window_range,
+            start=self.window_start, iters_per_group=self.iters_per_group, stride=self.window_stride,
+            roll_back=self.roll_back,
+        )
 
 
 def derive_seed(*parts: Any) -> int:
@@ -59,15 +69,18 @@ def derive_seed(*parts: Any) -> int:
 def stored_steps(cfg: SampleConfig, batch_key: Any) -> list[int]:
     """Indices of the stochastic, stored steps for one batch.
 
-    No window: every step (original Flow-GRPO). A window of W: W consecutive steps starting
-    uniformly in [lo, hi − W], drawn per batch from the run seed (Flow-GRPO-Fast).
+    No window: every step (original Flow-GRPO). A window of W: W consecutive steps placed by the
+    window strategy: `random` draws the start uniformly in [lo, hi − W] per batch from the run seed
+    (Flow-GRPO-Fast); `progressive` slides it with the iteration number (MixGRPO), so a resumed run
+    that passes the same --iteration continues where it was; `fixed` keeps it at --window-start.
     """
     if cfg.sampler == "ode":
         return []
     if cfg.window == 0:
         return list(range(cfg.steps))
-    schedule = WindowSchedule(cfg.steps, "random", window=cfg.window, window_range=cfg.window_range)
-    return schedule.steps_for_iteration(0, seed=derive_seed(cfg.seed, "window", batch_key))
+    if cfg.window_strategy == "random":
+        return cfg.schedule().steps_for_iteration(0, seed=derive_seed(cfg.seed, "window", batch_key))
+    return cfg.schedule().steps_for_iteration(cfg.iteration)
 
 
 def png_bytes(image: Any) -> bytes:

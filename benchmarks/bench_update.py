@@ -16,7 +16,9 @@ in its own subprocess (so its peak RSS, `ru_maxrss`, is its own), on a fixed num
   as each `omnirl update` does.
 
 Ratio = best omnirl time / best bare time for the same N × K (sample, stored step) pairs (target
-<= 1.25), best of `--repeats` alternating calls after one warm-up call of each; omnirl's warm-up
+<= 1.25), best of `--repeats` alternating calls after one warm-up call of each, and the load-robust
+`ratio_pooled` (fastest transformer forward+backward time over both sides' calls plus each side's
+fastest rest; see `bench_sample.pooled_ratio`); omnirl's warm-up
 call comes first, so the worker's `ru_maxrss` right after it is the peak RSS of an update. The
 breakdown of each side's best call times the transformer forward (hooks), `Tensor.backward`, the
 sampler step, the loss, clipping, the optimizer step and text encoding; "other" is the rest.
@@ -37,14 +39,19 @@ import time
 from contextlib import ExitStack
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from benchmarks.bench_sample import Probes, small_model
+from benchmarks.bench_sample import Probes, pooled_ratio, small_model
 from benchmarks.common import record
+
+if TYPE_CHECKING:
+    from stages.models.diffusion import Condition, FlowPolicy
+    from stages.sample.rollout import SampleConfig
+    from stages.update.trainer import UpdateConfig
 
 REGIONS = ("transformer_fwd", "backward", "step_math", "loss", "clip_grad", "optimizer", "text_encode")
 RESULT = "RESULT "
@@ -90,7 +97,9 @@ def make_rollouts(model: Path, args: argparse.Namespace, out: Path) -> dict[str,
     return asdict(cfg)
 
 
-def bare_train(policy: Any, data: dict[str, Any], cond: Any, sample_cfg: Any, cfg: Any, micro: int) -> None:
+def bare_train(
+    policy: FlowPolicy, data: dict[str, Any], cond: Condition, sample_cfg: SampleConfig, cfg: UpdateConfig, micro: int
+) -> None:
     """Forward + MSE + backward per (micro-batch, stored step) and one AdamW step per micro-batch."""
     params = policy.trainable_parameters(full=cfg.full)
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
@@ -125,8 +134,9 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     """Time one training mode (`args.worker`: lora or full) in this process; returns its measurements."""
     torch.set_num_threads(args.threads)
     from stages.models.diffusion import SD3_LORA_TARGETS, FlowPolicy
+    from stages.sample import samplers
     from stages.sample.rollout import SampleConfig
-    from stages.update import trainer
+    from stages.update import losses, trainer
     from stages.update.trainer import UpdateConfig, train
 
     full = args.worker == "full"
@@ -144,7 +154,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     def omnirl_call() -> None:
         calls[0] += 1
         fresh = [f"{p} (call {calls[0]})" for p in data["prompt"]]
-        train(policy, {**data, "prompt": fresh}, sample_cfg, cfg, optimizer_state=None, ema_state=None, start_step=0)
+        state, start = trainer.load_state(None)
+        train(policy, {**data, "prompt": fresh}, sample_cfg, cfg, state=state, start_step=start)
 
     def bare_call() -> None:
         bare_train(policy, data, cond, sample_cfg, cfg, args.micro_batch)
@@ -154,17 +165,18 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     rss_update = None
     with ExitStack() as stack:
         stack.enter_context(probes.module(policy.transformer, "transformer_fwd"))
-        # the trainer's sampler step and loss are timed where the trainer module looks them up
         for owner, attr, name in (
             (torch.Tensor, "backward", "backward"),
-            (trainer, "step", "step_math"),
-            (trainer, "clipped_policy_loss", "loss"),
             (torch.nn.utils, "clip_grad_norm_", "clip_grad"),
             (torch.optim.AdamW, "step", "optimizer"),
             (policy, "encode", "text_encode"),
         ):
-            if hasattr(owner, attr):
-                stack.enter_context(probes.patch(owner, attr, name))
+            stack.enter_context(probes.patch(owner, attr, name))
+        # the sampler step and the loss are timed in whichever update module looks them up
+        for fn, name in ((samplers.step, "step_math"), (losses.clipped_policy_loss, "loss")):
+            for module in [m for n, m in sys.modules.items() if n.startswith("stages.update")]:
+                for attr in [a for a, v in vars(module).items() if v is fn]:
+                    stack.enter_context(probes.patch(module, attr, name))
         for side, fn in sides.items():
             fn()
             if side == "omnirl":
@@ -231,7 +243,8 @@ def main() -> None:
             best = {side: min(rs, key=lambda b: b["total"]) for side, rs in res["runs"].items()}
             pairs = args.samples * args.stored_steps
             ratio = best["omnirl"]["total"] / best["bare"]["total"]
-            metrics[mode] = {**res, "best": best, "ratio": ratio}
+            pooled = pooled_ratio(res["runs"], "omnirl", "bare", ("transformer_fwd", "backward"))
+            metrics[mode] = {**res, "best": best, "ratio": ratio, "ratio_pooled": pooled}
             label = f"lora r{args.lora_rank}" if mode == "lora" else "full"
             for side, b in best.items():
                 rows.append(
@@ -240,12 +253,13 @@ def main() -> None:
                         "side": side,
                         "s per sample-step": b["total"] / pairs,
                         "÷ bare": b["total"] / best["bare"]["total"],
+                        "pooled ÷ bare": pooled if side == "omnirl" else 1.0,
                         "peak RSS MB": round(res["rss_update_peak_mb"]) if side == "omnirl" else "",
                         **{k: b[k] for k in (*REGIONS, "other")},
                     }
                 )
             print(
-                f"{label}: omnirl / bare = {ratio:.3f} (target <= 1.25); peak RSS {res['rss_update_peak_mb']:.0f} MB "
+                f"{label}: omnirl / bare = {ratio:.3f} (pooled {pooled:.3f}; target <= 1.25); peak RSS {res['rss_update_peak_mb']:.0f} MB "
                 f"(after load {res['rss_loaded_mb']:.0f} MB), {res['trained_parameters']} trained parameters",
                 flush=True,
             )

@@ -32,7 +32,8 @@ def update(
         typer.Option(
             "--algo",
             help="flow_grpo (first int(K·f) steps), dance_grpo (random steps per sample), mix_grpo (the stored "
-            "window), grpo_guard (normalised ratio; needs `logprob --means`).",
+            "window), grpo_guard (normalised ratio; needs `logprob --means`); on final latents: nft "
+            "(DiffusionNFT), awm (advantage-weighted matching), dpo (best vs worst of each group).",
             rich_help_panel=LOSS,
         ),
     ] = "flow_grpo",
@@ -45,6 +46,26 @@ def update(
     timestep_fraction: Annotated[
         float, typer.Option("--timestep-fraction", help="Train the first int(K·f) stored steps (flow_grpo 0.99).", rich_help_panel=LOSS)
     ] = 1.0,
+    nft_beta: Annotated[
+        float, typer.Option("--nft-beta", help="DiffusionNFT β (1.0; 0.1 for OCR / multi-reward).", rich_help_panel=LOSS)
+    ] = 1.0,
+    old_decay: Annotated[
+        str, typer.Option("--old-decay", help="NFT old-policy schedule: copy, linear_to_0_5, delayed_linear_to_0_999.",
+                          rich_help_panel=LOSS)
+    ] = "linear_to_0_5",
+    awm_weighting: Annotated[
+        str, typer.Option("--awm-weighting", help="AWM pseudo log-prob: uniform or ghuber.", rich_help_panel=LOSS)
+    ] = "uniform",
+    awm_p: Annotated[float, typer.Option("--awm-p", help="AWM generalised-Huber power.", rich_help_panel=LOSS)] = 0.25,
+    ema_beta: Annotated[
+        float, typer.Option("--ema-beta", help="AWM EMA-KL weight (needs --ema).", rich_help_panel=LOSS)
+    ] = 0.0,
+    train_timesteps: Annotated[
+        int, typer.Option("--train-timesteps", help="AWM: stratified timesteps per sample (6).", rich_help_panel=LOSS)
+    ] = 6,
+    dpo_beta: Annotated[
+        float, typer.Option("--dpo-beta", help="Diffusion-DPO β (5000 for the reference's ε-MSE).", rich_help_panel=LOSS)
+    ] = 5000.0,
     lr: Annotated[float, typer.Option("--lr", help="AdamW learning rate.", rich_help_panel=OPT)] = 3e-4,
     weight_decay: Annotated[float, typer.Option("--weight-decay", rich_help_panel=OPT)] = 1e-4,
     max_grad_norm: Annotated[float, typer.Option("--max-grad-norm", rich_help_panel=OPT)] = 1.0,
@@ -82,7 +103,9 @@ def update(
         clip_range_high=c["clip_range_high"], adv_clip=c["adv_clip"], beta=c["beta"], max_grad_norm=c["max_grad_norm"],
         micro_batch=c["micro_batch"], grad_accum=c["grad_accum"], inner_epochs=c["inner_epochs"],
         timestep_fraction=c["timestep_fraction"], shuffle=c["shuffle"], ema=c["ema"], lora_rank=c["lora_rank"],
-        lora_alpha=c["lora_alpha"], full=c["full"], seed=c["seed"],
+        lora_alpha=c["lora_alpha"], full=c["full"], seed=c["seed"], nft_beta=c["nft_beta"], old_decay=c["old_decay"],
+        awm_weighting=c["awm_weighting"], awm_p=c["awm_p"], ema_beta=c["ema_beta"],
+        train_timesteps=c["train_timesteps"], dpo_beta=c["dpo_beta"],
     )
     cfg.validate()
     src = open_inputs(c["inputs"])

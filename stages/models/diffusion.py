@@ -171,6 +171,28 @@ class FlowPolicy:
 
         return swap()
 
+    def weights(self, state: dict[str, torch.Tensor] | None) -> Any:
+        """Context manager running the transformer with `state` (name → tensor) in place of those weights.
+
+        Swaps tensor storage, no copies: used for DiffusionNFT's old policy and AWM's old/EMA weights.
+        """
+        from contextlib import contextmanager
+
+        @contextmanager
+        def swap() -> Any:
+            params = dict(self.transformer.named_parameters())
+            saved = {}
+            try:
+                for name, value in (state or {}).items():
+                    saved[name] = params[name].data
+                    params[name].data = value.to(params[name].device, params[name].dtype)
+                yield
+            finally:
+                for name, value in saved.items():
+                    params[name].data = value
+
+        return swap()
+
     # ---------------------------------------------------------------- saving
     def save_adapter(self, out: Path, *, kind: str, extra: dict[str, Any]) -> None:
         """Write the trained weights so `pipe.load_lora_weights(out)` (LoRA) or `from_pretrained` (full) loads them."""

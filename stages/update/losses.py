@@ -13,6 +13,9 @@ The family members differ in which stored steps they train and in the ratio they
 - `mix_grpo`: every stored step, i.e. the SDE window the rollout stored (MixGRPO, §3).
 - `grpo_guard`: flow_grpo's steps with GRPO-Guard's normalised ratio and 1/|Δ| reweighting (§1.6);
   needs the rollout means `old_means` (`omnirl logprob --means` under the sampling weights).
+
+`nft`, `awm` (forward process on the final latent) and `dpo` (preference pairs) are registered here
+too; their objectives live in objectives.py and their loss math in family_losses.py.
 """
 
 from __future__ import annotations
@@ -65,23 +68,32 @@ def clipped_policy_loss(
     return StepLoss(loss, policy_loss.detach(), kl_term.detach(), ratio.detach(), was_clipped, log_ratio.detach())
 
 
+PG_COLUMNS = ("latents", "sigmas", "log_probs", "old_log_probs", "ref_means", "old_means")
+
+
 @dataclass(frozen=True)
 class Algorithm:
-    """An `--algo` choice: which stored steps it trains and which extra input columns it needs."""
+    """An `--algo` choice: its objective family (objectives.py), which stored steps a policy-gradient
+    member trains, the input columns it reads and those it cannot do without."""
 
     name: str
-    steps: str
+    family: str = "policy_gradient"
+    steps: str = "prefix"
     guard: bool = False
-    needs: tuple[str, ...] = ()
+    columns: tuple[str, ...] = PG_COLUMNS
+    needs: tuple[str, ...] = ("latents", "sigmas")
 
 
 ALGORITHMS: dict[str, Algorithm] = {
     a.name: a
     for a in (
-        Algorithm("flow_grpo", "prefix"),
-        Algorithm("dance_grpo", "random"),
-        Algorithm("mix_grpo", "all"),
-        Algorithm("grpo_guard", "prefix", guard=True, needs=("old_means",)),
+        Algorithm("flow_grpo"),
+        Algorithm("dance_grpo", steps="random"),
+        Algorithm("mix_grpo", steps="all"),
+        Algorithm("grpo_guard", guard=True, needs=("latents", "sigmas", "old_means")),
+        Algorithm("nft", family="forward", columns=("final_latent",), needs=("final_latent",)),
+        Algorithm("awm", family="forward", columns=("final_latent",), needs=("final_latent",)),
+        Algorithm("dpo", family="preference", columns=("final_latent", "group_id"), needs=("final_latent", "group_id")),
     )
 }
 

@@ -22,11 +22,10 @@ from stages.errors import UserInputError
 from stages.models.diffusion import ADAPTER_CONFIG, SD3_LORA_TARGETS, FlowPolicy, read_adapter_config
 from stages.sample.rollout import sample_config_of
 from stages.shards.manifest import config_hash, manifest_sha256
+from stages.update.losses import get_algorithm
 from stages.update.trainer import METRICS, UpdateConfig, load_state, save_state, train, world_and_rank
 
-TRAIN_COLUMNS = (
-    "prompt", "negative_prompt", "latents", "sigmas", "log_probs", "old_log_probs", "advantages", "train_mask", "ref_means", "old_means",
-)
+BASE_COLUMNS = ("prompt", "negative_prompt", "advantages", "train_mask")
 
 
 def adapter_complete(out: Path, digest: str, overwrite: bool) -> bool:
@@ -64,10 +63,11 @@ def run_update(
     policy = FlowPolicy.load(model, adapter=adapter, device=device, dtype=dtype)
     if not policy.lora and not cfg.full:
         policy.add_lora(rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=SD3_LORA_TARGETS, seed=cfg.seed)
-    opt_state, ema_state, start = load_state(Path(adapter)) if adapter else (None, None, 0)
-    data = inputs.read_all(columns=[c for c in TRAIN_COLUMNS if c in inputs.columns])
-    optimizer, ema, metrics = train(
-        policy, data, sample_cfg, cfg, optimizer_state=opt_state, ema_state=ema_state, start_step=start, on_step=on_step
+    state, start = load_state(adapter)
+    algo = get_algorithm(cfg.algo)
+    data = inputs.read_all(columns=[c for c in (*BASE_COLUMNS, *algo.columns) if c in inputs.columns])
+    optimizer, ema, old_weights, metrics = train(
+        policy, data, sample_cfg, cfg, state=state, start_step=start, on_step=on_step
     )
     step = metrics[-1]["step"] if metrics else start
     last = metrics[-1] if metrics else {}
@@ -81,7 +81,7 @@ def run_update(
         with open(tmp / METRICS, "w") as fh:
             for record in metrics:
                 fh.write(json.dumps(record) + "\n")
-        save_state(tmp, optimizer, ema, step, cfg)
+        save_state(tmp, optimizer, ema, step, cfg, old_weights)
         policy.save_adapter(
             tmp,
             kind="full" if cfg.full else "lora",

@@ -1,7 +1,9 @@
-"""The optimisation loop of `update`: replay stored steps under the trained weights and step AdamW.
+"""The optimisation loop of `update`, shared by every `--algo` (objectives.py says what is minimised).
 
 Gradient averaging follows flow_grpo: one backward per (micro-batch, trained step), each loss divided
-by (grad_accum × trained steps), so an optimizer step averages uniformly over both.
+by (grad_accum × trained steps), so an optimizer step averages uniformly over both. Under torchrun,
+each rank takes its own grad_accum micro-batches of every optimizer step and gradients are averaged
+over ranks, so N ranks equal one process with N·grad_accum micro-batches.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import math
 import random
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +22,9 @@ import torch
 from stages.errors import NonFiniteError, UserInputError
 from stages.models.diffusion import FlowPolicy
 from stages.sample.rollout import SampleConfig
-from stages.sample.samplers import kl_to_reference, step
-from stages.update.family_losses import grpo_guard_loss
-from stages.update.losses import Algorithm, StepLoss, clipped_policy_loss, get_algorithm, step_plan
+from stages.update.family_losses import AWM_WEIGHTINGS, NFT_DECAY_SCHEDULES, nft_old_decay
+from stages.update.losses import get_algorithm
+from stages.update.objectives import make_objective
 
 STATE_DIR = "trainer_state"
 METRICS = "metrics.jsonl"
@@ -53,6 +55,13 @@ class UpdateConfig:
     lora_alpha: int = 64
     full: bool = False
     seed: int = 0
+    nft_beta: float = 1.0
+    old_decay: str = "linear_to_0_5"
+    awm_weighting: str = "uniform"
+    awm_p: float = 0.25
+    ema_beta: float = 0.0
+    train_timesteps: int = 6
+    dpo_beta: float = 5000.0
 
     def validate(self) -> None:
         if not 0 < self.timestep_fraction <= 1:
@@ -61,15 +70,15 @@ class UpdateConfig:
             raise UserInputError("--grad-accum and --inner-epochs must be at least 1")
         if self.clip_range <= 0:
             raise UserInputError(f"--clip-range {self.clip_range}: must be positive")
+        if self.old_decay not in NFT_DECAY_SCHEDULES:
+            raise UserInputError(f"--old-decay {self.old_decay}: choose one of {', '.join(NFT_DECAY_SCHEDULES)}")
+        if self.awm_weighting not in AWM_WEIGHTINGS:
+            raise UserInputError(f"--awm-weighting {self.awm_weighting}: choose one of {', '.join(AWM_WEIGHTINGS)}")
+        if self.ema_beta > 0 and not self.ema:
+            raise UserInputError("--ema-beta needs --ema (the EMA weights it pulls toward)")
+        if self.train_timesteps < 1:
+            raise UserInputError(f"--train-timesteps {self.train_timesteps}: must be at least 1")
         get_algorithm(self.algo)
-
-
-@dataclass
-class TrainerState:
-    """What the next `update` needs to continue exactly: step counter, optimizer and EMA."""
-
-    step: int = 0
-    history: list[dict[str, Any]] = field(default_factory=list)
 
 
 class EMA:
@@ -95,11 +104,6 @@ def _check_finite(name: str, value: torch.Tensor, where: str) -> None:
         raise NonFiniteError(f"{name} is not finite {where}; lower --lr or check the inputs (no step was taken)")
 
 
-METRIC_KEYS = (
-    "actor/pg_loss", "actor/kl_loss", "actor/ratio_mean", "actor/ratio_std", "actor/pg_clipfrac", "actor/ppo_kl",
-)
-
-
 def world_and_rank() -> tuple[int, int]:
     """(world size, rank) of an initialised torch.distributed group, else (1, 0)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -116,114 +120,68 @@ def _average_gradients(params: list[torch.nn.Parameter], world: int) -> None:
         p.grad.div_(world)
 
 
-def _step_loss(
-    policy: FlowPolicy, data: dict[str, Any], idx: list[int], j: torch.Tensor, old: torch.Tensor,
-    sample_cfg: SampleConfig, cfg: UpdateConfig, algo: Algorithm, sigma_safe: torch.Tensor | None,
-) -> StepLoss:
-    """Loss of stored step j[b] for each row idx[b]: replay under the trained weights, then the --algo loss."""
-    index = torch.tensor(idx)
-    prompts = [data["prompt"][i] for i in idx]
-    negatives = [data["negative_prompt"][i] for i in idx] if "negative_prompt" in data else None
-    cond = policy.encode(prompts, negatives, sample_cfg.guidance > 1.0, sample_cfg.max_sequence_length)
-    latents, sigmas = data["latents"], data["sigmas"]
-    x = latents[index, j].to(policy.device).float()
-    x_next = latents[index, j + 1].to(policy.device).float()
-    s, s_next = sigmas[index, j], sigmas[index, j + 1]
-
-    def replay(v: torch.Tensor) -> Any:
-        return step(sample_cfg.sampler, v, x, s, s_next, noise_level=sample_cfg.noise_level,
-                    sigma_max_safe=sigma_safe, prev_sample=x_next)
-
-    out = replay(policy.velocity(x, s, cond, sample_cfg.guidance))
-    kl = None
-    if cfg.beta > 0 and "ref_means" in data:
-        kl = kl_to_reference(out.mean, data["ref_means"][index, j].to(policy.device), out.diffusion)
-    elif cfg.beta > 0:
-        with torch.no_grad(), policy.reference():
-            ref = replay(policy.velocity(x, s, cond, sample_cfg.guidance))
-        kl = kl_to_reference(out.mean, ref.mean, out.diffusion)
-    adv = data["advantages"][index, j].to(policy.device).float()
-    common = {"clip_range": cfg.clip_range, "clip_range_high": cfg.clip_range_high, "adv_clip": cfg.adv_clip,
-              "kl": kl, "beta": cfg.beta}
-    if algo.guard:
-        old_mean = data["old_means"][index, j].to(policy.device).float()
-        return grpo_guard_loss(out.mean, old_mean, x_next, out.std, s_next - s, adv, **common)
-    return clipped_policy_loss(out.log_prob, old[index, j].to(policy.device).float(), adv, **common)
-
-
 def train(
     policy: FlowPolicy,
     data: dict[str, Any],
     sample_cfg: SampleConfig,
     cfg: UpdateConfig,
     *,
-    optimizer_state: dict[str, Any] | None,
-    ema_state: dict[str, torch.Tensor] | None,
+    state: dict[str, Any],
     start_step: int,
     on_step: Callable[[dict[str, Any]], None] | None = None,
-) -> tuple[torch.optim.Optimizer, EMA | None, list[dict[str, Any]]]:
-    """Run `inner_epochs` passes over `data` (columns of samples ⋈ logprobs ⋈ advantages).
+) -> tuple[torch.optim.Optimizer, EMA | None, dict[str, torch.Tensor] | None, list[dict[str, Any]]]:
+    """Run `inner_epochs` passes of the `--algo` objective over `data` (zipped input columns).
 
-    data: prompt, negative_prompt (lists), latents [N, K+1, C, h, w], sigmas [N, K+1],
-    log_probs / old_log_probs [N, K], advantages [N, K], optional train_mask [N], and optional
-    ref_means [N, K, C, h, w] (from `logprob --reference`), which spares the reference forward pass.
+    state: what a previous update left (`load_state`): optimizer, ema, old_weights (DiffusionNFT's
+    old policy), each possibly None. Returns the optimizer, the EMA, the new old-policy weights (NFT)
+    and one metrics record per optimizer step.
     """
     cfg.validate()
     algo = get_algorithm(cfg.algo)
     missing = [c for c in algo.needs if c not in data]
     if missing:
-        raise UserInputError(f"--algo {algo.name} needs the column '{missing[0]}' in --in (omnirl logprob --means)")
+        hint = " (omnirl logprob --means)" if missing[0] == "old_means" else ""
+        raise UserInputError(f"--algo {algo.name} needs the column '{missing[0]}' in --in{hint}")
     params = policy.trainable_parameters(full=cfg.full)
     named = _named_trainable(policy)
-    optimizer = torch.optim.AdamW(
-        params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, eps=cfg.adam_eps
-    )
-    if optimizer_state is not None:
-        optimizer.load_state_dict(optimizer_state)
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
+    if state.get("optimizer") is not None:
+        optimizer.load_state_dict(state["optimizer"])
     ema = EMA(named) if cfg.ema else None
-    if ema is not None and ema_state is not None:
-        ema.shadow = {k: v.clone() for k, v in ema_state["shadow"].items()}
-        ema.updates = int(ema_state["updates"])
+    if ema is not None and state.get("ema") is not None:
+        ema.shadow = {k: v.clone() for k, v in state["ema"]["shadow"].items()}
+        ema.updates = int(state["ema"]["updates"])
+    snapshot = {k: v.detach().clone() for k, v in named.items()}
+    # NFT's old policy persists across updates; AWM's "old" is the weights this update starts from.
+    old_weights = state.get("old_weights") if algo.name == "nft" and state.get("old_weights") else snapshot
+    objective = make_objective(policy, data, sample_cfg, cfg, algo, old_weights=old_weights,
+                               ema_weights=ema.shadow if ema is not None else None)
 
-    old = data.get("old_log_probs", data.get("log_probs"))
-    if old is None:
-        raise UserInputError("update: inputs carry neither old_log_probs (omnirl logprob) nor log_probs (omnirl sample)")
-    latents = data["latents"]
-    rows = list(range(latents.shape[0]))
+    rows = list(range(len(data["prompt"])))
     if "train_mask" in data:
         rows = [i for i in rows if bool(data["train_mask"][i])]
-    num_steps = latents.shape[1] - 1
     micro = cfg.micro_batch or sample_cfg.batch_size
-    sigma_safe = policy.sigmas(sample_cfg.steps)[1] if sample_cfg.steps > 1 else None
     rng = random.Random(cfg.seed + start_step)
     world, rank = world_and_rank()
+    keys = objective.metric_keys
     metrics: list[dict[str, Any]] = []
     global_step = start_step
     for epoch in range(cfg.inner_epochs):
         order = rows[:]
         if cfg.shuffle:
             rng.shuffle(order)
-        chunks = [order[i : i + micro] for i in range(0, len(order), micro)]
-        plan = step_plan(algo, latents.shape[0], num_steps, cfg.timestep_fraction, rng)
-        trained = plan.shape[1]
-        # One optimizer step takes grad_accum micro-batches per rank; rank r takes its own run of them,
-        # so N ranks × grad_accum equals one process with N·grad_accum micro-batches.
+        chunks = objective.epoch(order, micro, rng)
         per_step = cfg.grad_accum * world
         for first in range(0, len(chunks), per_step):
             t0 = time.perf_counter()
             mine = chunks[first + rank * cfg.grad_accum : first + (rank + 1) * cfg.grad_accum]
-            sums = torch.zeros(len(METRIC_KEYS) + 1, dtype=torch.float64)
+            sums = torch.zeros(len(keys) + 1, dtype=torch.float64)
             for c, idx in enumerate(mine):
                 where = f"at epoch {epoch}, micro-batch {first + rank * cfg.grad_accum + c}"
-                for t in range(trained):
-                    res = _step_loss(policy, data, idx, plan[idx, t], old, sample_cfg, cfg, algo, sigma_safe)
-                    _check_finite("loss", res.loss, f"{where}, trained step {t}")
-                    (res.loss / (cfg.grad_accum * trained)).backward()
-                    sums[:-1] += torch.tensor([
-                        res.policy_loss.item(), res.kl.item(), res.ratio.mean().item(),
-                        res.ratio.std(unbiased=False).item(), res.clipped.mean().item(),
-                        (0.5 * res.log_ratio.pow(2)).mean().item(),
-                    ], dtype=torch.float64)
+                for t, (loss, values) in enumerate(objective.losses(idx)):
+                    _check_finite("loss", loss, f"{where}, trained step {t}")
+                    (loss / (cfg.grad_accum * objective.per_chunk)).backward()
+                    sums[:-1] += torch.tensor(values, dtype=torch.float64)
                     sums[-1] += 1
             seen = sum(len(idx) for idx in chunks[first : first + per_step])
             if world > 1:
@@ -237,7 +195,7 @@ def train(
             if ema is not None and global_step % cfg.ema_every == 0:
                 ema.update(named)
             elapsed = time.perf_counter() - t0
-            record: dict[str, Any] = {k: float(v / max(sums[-1], 1)) for k, v in zip(METRIC_KEYS, sums[:-1])}
+            record: dict[str, Any] = {k: float(v / max(sums[-1], 1)) for k, v in zip(keys, sums[:-1])}
             record.update(
                 {
                     "step": global_step,
@@ -245,17 +203,26 @@ def train(
                     "actor/grad_norm": float(grad_norm),
                     "actor/lr": cfg.lr,
                     "perf/samples_per_s": seen / elapsed if elapsed > 0 else math.nan,
-                    "perf/sample_steps_per_s": seen * trained / elapsed if elapsed > 0 else math.nan,
+                    "perf/sample_steps_per_s": seen * objective.per_chunk / elapsed if elapsed > 0 else math.nan,
                 }
             )
             metrics.append(record)
             if on_step:
                 on_step(record)
-    return optimizer, ema, metrics
+    new_old = None
+    if algo.name == "nft":  # θ_old ← λ·θ_old + (1−λ)·θ after the epoch (DiffusionNFT)
+        decay = nft_old_decay(global_step, cfg.old_decay)
+        new_old = {k: decay * old_weights[k] + (1 - decay) * v.detach() for k, v in named.items()}
+        if metrics:
+            metrics[-1]["old_policy/decay"] = decay
+    return optimizer, ema, new_old, metrics
 
 
-def save_state(out: Path, optimizer: torch.optim.Optimizer, ema: EMA | None, step: int, cfg: UpdateConfig) -> None:
-    """Optimizer (torch format, read back with weights_only=True), EMA (safetensors) and counters."""
+def save_state(
+    out: Path, optimizer: torch.optim.Optimizer, ema: EMA | None, step: int, cfg: UpdateConfig,
+    old_weights: dict[str, torch.Tensor] | None = None,
+) -> None:
+    """Optimizer (torch format, read back with weights_only=True), EMA and NFT old policy (safetensors), counters."""
     from safetensors.torch import save_file
 
     state = out / STATE_DIR
@@ -263,20 +230,28 @@ def save_state(out: Path, optimizer: torch.optim.Optimizer, ema: EMA | None, ste
     torch.save(optimizer.state_dict(), state / "optimizer.pt")
     if ema is not None:
         save_file({k: v.contiguous() for k, v in ema.shadow.items()}, state / "ema.safetensors")
+    if old_weights is not None:
+        save_file({k: v.contiguous() for k, v in old_weights.items()}, state / "old_weights.safetensors")
     info = {"step": step, "ema_updates": ema.updates if ema else 0, "update_config": asdict(cfg)}
     (state / "state.json").write_text(json.dumps(info, indent=2, sort_keys=True))
 
 
-def load_state(adapter: Path) -> tuple[dict[str, Any] | None, dict[str, Any] | None, int]:
-    """(optimizer state, EMA state, step) saved next to an adapter; (None, None, 0) when absent."""
-    state = adapter / STATE_DIR
-    if not (state / "state.json").is_file():
-        return None, None, 0
-    info = json.loads((state / "state.json").read_text())
-    opt = torch.load(state / "optimizer.pt", weights_only=True) if (state / "optimizer.pt").is_file() else None
-    ema = None
-    if (state / "ema.safetensors").is_file():
-        from safetensors.torch import load_file
+def load_state(adapter: Path | None) -> tuple[dict[str, Any], int]:
+    """What the update that wrote `adapter` left for the next one, and its step.
 
-        ema = {"shadow": load_file(state / "ema.safetensors"), "updates": info.get("ema_updates", 0)}
-    return opt, ema, int(info.get("step", 0))
+    Keys: optimizer, ema ({shadow, updates}) and old_weights (NFT), each None when absent.
+    """
+    from safetensors.torch import load_file
+
+    state: dict[str, Any] = {"optimizer": None, "ema": None, "old_weights": None}
+    folder = Path(adapter) / STATE_DIR if adapter else None
+    if folder is None or not (folder / "state.json").is_file():
+        return state, 0
+    info = json.loads((folder / "state.json").read_text())
+    if (folder / "optimizer.pt").is_file():
+        state["optimizer"] = torch.load(folder / "optimizer.pt", weights_only=True)
+    if (folder / "ema.safetensors").is_file():
+        state["ema"] = {"shadow": load_file(folder / "ema.safetensors"), "updates": info.get("ema_updates", 0)}
+    if (folder / "old_weights.safetensors").is_file():
+        state["old_weights"] = load_file(folder / "old_weights.safetensors")
+    return state, int(info.get("step", 0))

@@ -1,0 +1,230 @@
+"""What `update` minimises, per `--algo`: one objective object per family, one shared optimizer loop.
+
+An objective splits the data into micro-batches ("chunks") each epoch and yields, for a chunk, the
+losses whose mean is its contribution (e.g. one per trained step), each with fixed metric values.
+
+- `PolicyGradient` (flow_grpo, dance_grpo, mix_grpo, grpo_guard): replays stored SDE steps under the
+  trained weights (`samplers.step` with the stored x'), clipped ratio objective + β·KL (losses.py).
+- `ForwardProcess` (nft, awm): fresh noise on the final latent x0, x_t = (1−t)·x0 + t·ε at schedule
+  timesteps; DiffusionNFT's implicit-policy loss or Advantage-Weighted Matching (family_losses.py).
+- `Preference` (dpo): best and worst sample of each group as a pair, sharing t and ε; Diffusion-DPO
+  against the frozen reference.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from stages.advantage.estimators import best_worst_pairs, nft_optimality
+from stages.errors import UserInputError
+from stages.models.diffusion import FlowPolicy
+from stages.sample.rollout import SampleConfig
+from stages.sample.samplers import kl_to_reference, step
+from stages.update.family_losses import awm_loss, diffusion_dpo_loss, fm_error, grpo_guard_loss, nft_loss
+from stages.update.losses import Algorithm, clipped_policy_loss, step_plan
+
+Chunk = list[int]
+LossItem = tuple[torch.Tensor, list[float]]
+
+
+def _condition(policy: FlowPolicy, data: dict[str, Any], idx: Chunk, sample_cfg: SampleConfig) -> Any:
+    prompts = [data["prompt"][i] for i in idx]
+    negatives = [data["negative_prompt"][i] for i in idx] if "negative_prompt" in data else None
+    return policy.encode(prompts, negatives, sample_cfg.guidance > 1.0, sample_cfg.max_sequence_length)
+
+
+def _chunks(order: list[int], size: int) -> list[Chunk]:
+    return [order[i : i + size] for i in range(0, len(order), size)]
+
+
+class PolicyGradient:
+    """Clipped-ratio objectives over the stored steps of a rollout."""
+
+    metric_keys = (
+        "actor/pg_loss", "actor/kl_loss", "actor/ratio_mean", "actor/ratio_std", "actor/pg_clipfrac", "actor/ppo_kl",
+    )
+
+    def __init__(self, policy: FlowPolicy, data: dict[str, Any], sample_cfg: SampleConfig, cfg: Any, algo: Algorithm):
+        self.policy, self.data, self.sample_cfg, self.cfg, self.algo = policy, data, sample_cfg, cfg, algo
+        self.old = data.get("old_log_probs", data.get("log_probs"))
+        if self.old is None:
+            raise UserInputError("--in: neither old_log_probs (omnirl logprob) nor log_probs (omnirl sample) is present")
+        self.sigma_safe = policy.sigmas(sample_cfg.steps)[1] if sample_cfg.steps > 1 else None
+        self.plan = torch.zeros(0, 0, dtype=torch.int64)
+
+    def epoch(self, rows: list[int], micro: int, rng: random.Random) -> list[Chunk]:
+        num_steps = self.data["latents"].shape[1] - 1
+        chunks = _chunks(rows, micro)
+        self.plan = step_plan(self.algo, self.data["latents"].shape[0], num_steps, self.cfg.timestep_fraction, rng)
+        return chunks
+
+    @property
+    def per_chunk(self) -> int:
+        return self.plan.shape[1]
+
+    def losses(self, idx: Chunk) -> Iterator[LossItem]:
+        cond = _condition(self.policy, self.data, idx, self.sample_cfg)
+        for t in range(self.per_chunk):
+            res = self._step(idx, self.plan[idx, t], cond)
+            yield res.loss, [
+                res.policy_loss.item(), res.kl.item(), res.ratio.mean().item(), res.ratio.std(unbiased=False).item(),
+                res.clipped.mean().item(), (0.5 * res.log_ratio.pow(2)).mean().item(),
+            ]
+
+    def _step(self, idx: Chunk, j: torch.Tensor, cond: Any) -> Any:
+        """Loss of stored step j[b] for row idx[b]: replay under the trained weights, then the --algo loss."""
+        policy, data, scfg, cfg = self.policy, self.data, self.sample_cfg, self.cfg
+        index = torch.tensor(idx)
+        x = data["latents"][index, j].to(policy.device).float()
+        x_next = data["latents"][index, j + 1].to(policy.device).float()
+        s, s_next = data["sigmas"][index, j], data["sigmas"][index, j + 1]
+
+        def replay(v: torch.Tensor) -> Any:
+            return step(scfg.sampler, v, x, s, s_next, noise_level=scfg.noise_level,
+                        sigma_max_safe=self.sigma_safe, prev_sample=x_next)
+
+        out = replay(policy.velocity(x, s, cond, scfg.guidance))
+        kl = None
+        if cfg.beta > 0 and "ref_means" in data:
+            kl = kl_to_reference(out.mean, data["ref_means"][index, j].to(policy.device), out.diffusion)
+        elif cfg.beta > 0:
+            with torch.no_grad(), policy.reference():
+                ref = replay(policy.velocity(x, s, cond, scfg.guidance))
+            kl = kl_to_reference(out.mean, ref.mean, out.diffusion)
+        adv = data["advantages"][index, j].to(policy.device).float()
+        common = {"clip_range": cfg.clip_range, "clip_range_high": cfg.clip_range_high, "adv_clip": cfg.adv_clip,
+                  "kl": kl, "beta": cfg.beta}
+        if self.algo.guard:
+            old_mean = data["old_means"][index, j].to(policy.device).float()
+            return grpo_guard_loss(out.mean, old_mean, x_next, out.std, s_next - s, adv, **common)
+        return clipped_policy_loss(out.log_prob, self.old[index, j].to(policy.device).float(), adv, **common)
+
+
+def _noise(seed: int, rows: Chunk, column: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """ε for (row, trained timestep): seeded per row, so batching and ranks never change it."""
+    gens = [torch.Generator("cpu").manual_seed(seed * 1_000_003 + r * 101 + column) for r in rows]
+    return torch.stack([torch.randn(shape, generator=g) for g in gens])
+
+
+class ForwardProcess:
+    """DiffusionNFT and AWM: losses on x_t built from the final latent with fresh noise."""
+
+    def __init__(self, policy: FlowPolicy, data: dict[str, Any], sample_cfg: SampleConfig, cfg: Any, algo: Algorithm,
+                 *, old_weights: dict[str, torch.Tensor] | None, ema_weights: dict[str, torch.Tensor] | None):
+        self.policy, self.data, self.sample_cfg, self.cfg, self.algo = policy, data, sample_cfg, cfg, algo
+        self.schedule = policy.sigmas(sample_cfg.steps)[:-1].float()  # σ of each sampling step, [N]
+        self.old_weights = old_weights
+        self.ema_weights = ema_weights
+        self.plan = torch.zeros(0, 0)
+        self.seed = 0
+        self.metric_keys = (
+            ("actor/pg_loss", "actor/kl_loss", "actor/positive_loss", "actor/negative_loss", "actor/old_deviate")
+            if algo.name == "nft"
+            else ("actor/pg_loss", "actor/kl_loss", "actor/ema_kl_loss", "actor/fm_loss", "actor/ratio_mean",
+                  "actor/pg_clipfrac")
+        )
+
+    def epoch(self, rows: list[int], micro: int, rng: random.Random) -> list[Chunk]:
+        n, count = self.data["final_latent"].shape[0], len(self.schedule)
+        self.seed = rng.randrange(2**31)
+        if self.algo.name == "nft":  # a random permutation of the schedule per sample, first int(N·f) kept
+            keep = max(1, int(count * self.cfg.timestep_fraction))
+            self.plan = torch.tensor([rng.sample(range(count), keep) for _ in range(n)], dtype=torch.int64)
+        else:  # AWM: `train_timesteps` stratified over schedule indices [1, ⌊0.9·N⌋]
+            lo, hi = min(1, count - 1), max(min(1, count - 1), int(0.9 * count))
+            edges = torch.linspace(lo, hi + 1, self.cfg.train_timesteps + 1)
+            self.plan = torch.tensor(
+                [[min(hi, int(edges[k] + rng.random() * (edges[k + 1] - edges[k]))) for k in range(self.cfg.train_timesteps)]
+                 for _ in range(n)], dtype=torch.int64)
+        return _chunks(rows, micro)
+
+    @property
+    def per_chunk(self) -> int:
+        return self.plan.shape[1]
+
+    def losses(self, idx: Chunk) -> Iterator[LossItem]:
+        policy, cfg, scfg = self.policy, self.cfg, self.sample_cfg
+        cond = _condition(policy, self.data, idx, scfg)
+        index = torch.tensor(idx)
+        x0 = self.data["final_latent"][index].to(policy.device).float()
+        adv = self.data["advantages"][index, 0].to(policy.device).float()
+        for col in range(self.per_chunk):
+            t = self.schedule[self.plan[index, col]].to(policy.device)
+            eps = _noise(self.seed, idx, col, tuple(x0.shape[1:])).to(policy.device)
+            x_t = (1 - t).view(-1, 1, 1, 1) * x0 + t.view(-1, 1, 1, 1) * eps
+            v = policy.velocity(x_t, t, cond, scfg.guidance)
+            v_ref = None
+            if cfg.beta > 0:
+                with torch.no_grad(), policy.reference():
+                    v_ref = policy.velocity(x_t, t, cond, scfg.guidance)
+            if self.algo.name == "nft":
+                with torch.no_grad(), policy.weights(self.old_weights):
+                    v_old = policy.velocity(x_t, t, cond, scfg.guidance)
+                loss, m = nft_loss(v, v_old, v_ref, x0, x_t, t, nft_optimality(adv, cfg.adv_clip), beta=cfg.nft_beta,
+                                   kl_beta=cfg.beta, adv_clip=cfg.adv_clip)
+            else:
+                with torch.no_grad(), policy.weights(self.old_weights):
+                    v_old = policy.velocity(x_t, t, cond, scfg.guidance)
+                v_ema = None
+                if cfg.ema_beta > 0:
+                    with torch.no_grad(), policy.weights(self.ema_weights):
+                        v_ema = policy.velocity(x_t, t, cond, scfg.guidance)
+                loss, m = awm_loss(v, v_old, eps, x0, t, adv, weighting=cfg.awm_weighting, p=cfg.awm_p,
+                                   clip_range=cfg.clip_range, adv_clip=cfg.adv_clip, ref_v=v_ref, beta=cfg.beta,
+                                   ema_v=v_ema, ema_beta=cfg.ema_beta)
+            yield loss, [float(m.get(k, 0.0)) for k in self.metric_keys]
+
+
+class Preference:
+    """Online Diffusion-DPO: the best and worst sample of each group, one shared (t, ε) per pair."""
+
+    metric_keys = ("actor/dpo_loss", "actor/implicit_acc", "actor/rewards/chosen", "actor/rewards/rejected",
+                   "actor/rewards/margins")
+    per_chunk = 1
+
+    def __init__(self, policy: FlowPolicy, data: dict[str, Any], sample_cfg: SampleConfig, cfg: Any):
+        self.policy, self.data, self.sample_cfg, self.cfg = policy, data, sample_cfg, cfg
+        self.pairs = best_worst_pairs(data["advantages"][:, 0], list(data["group_id"]))
+        if not self.pairs:
+            raise UserInputError("--algo dpo: every group has equal rewards, so there is no preference pair to train on")
+        self.schedule = policy.sigmas(sample_cfg.steps)[:-1].float()
+        self.t = torch.zeros(0, dtype=torch.int64)
+        self.seed = 0
+
+    def epoch(self, rows: list[int], micro: int, rng: random.Random) -> list[Chunk]:
+        keep = set(rows)
+        order = [p for p, (w, lo) in enumerate(self.pairs) if w in keep and lo in keep]
+        if self.cfg.shuffle:
+            rng.shuffle(order)
+        self.t = torch.tensor([rng.randrange(len(self.schedule)) for _ in self.pairs], dtype=torch.int64)
+        self.seed = rng.randrange(2**31)
+        return _chunks(order, max(1, micro // 2))
+
+    def losses(self, pair_idx: Chunk) -> Iterator[LossItem]:
+        policy, scfg = self.policy, self.sample_cfg
+        rows = [i for p in pair_idx for i in self.pairs[p]]  # w0, l0, w1, l1, ...
+        cond = _condition(policy, self.data, rows, scfg)
+        x0 = self.data["final_latent"][torch.tensor(rows)].to(policy.device).float()
+        t = self.schedule[self.t[torch.tensor(pair_idx)]].repeat_interleave(2).to(policy.device)
+        eps = _noise(self.seed, pair_idx, 0, tuple(x0.shape[1:])).repeat_interleave(2, dim=0).to(policy.device)
+        x_t = (1 - t).view(-1, 1, 1, 1) * x0 + t.view(-1, 1, 1, 1) * eps
+        err = fm_error(policy.velocity(x_t, t, cond, scfg.guidance), eps, x0)
+        with torch.no_grad(), policy.reference():
+            ref = fm_error(policy.velocity(x_t, t, cond, scfg.guidance), eps, x0)
+        loss, m = diffusion_dpo_loss(err[0::2], err[1::2], ref[0::2], ref[1::2], beta=self.cfg.dpo_beta)
+        yield loss, [float(m.get(k, 0.0)) for k in self.metric_keys]
+
+
+def make_objective(policy: FlowPolicy, data: dict[str, Any], sample_cfg: SampleConfig, cfg: Any, algo: Algorithm,
+                   *, old_weights: dict[str, torch.Tensor] | None = None,
+                   ema_weights: dict[str, torch.Tensor] | None = None) -> Any:
+    """The objective of `algo` over `data`."""
+    if algo.family == "policy_gradient":
+        return PolicyGradient(policy, data, sample_cfg, cfg, algo)
+    if algo.family == "forward":
+        return ForwardProcess(policy, data, sample_cfg, cfg, algo, old_weights=old_weights, ema_weights=ema_weights)
+    return Preference(policy, data, sample_cfg, cfg)

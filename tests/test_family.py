@@ -192,3 +192,19 @@ def test_online_dpo_raises_the_implicit_preference_margin(staged: dict[str, Path
     tuned = _fm_errors(staged["model"], tmp_path / "p", data)
     margin = sum(float((tuned[w] - base[w]) - (tuned[lo] - base[lo])) for w, lo in pairs)
     assert margin < 0  # the preferred samples became relatively easier to denoise
+
+
+def test_nft_runs_from_an_ode_rollout_through_every_stage(staged: dict[str, Path], tmp_path: Path) -> None:
+    """DiffusionNFT's rollout stores no steps; logprob then writes ids only and update trains on x0."""
+    p = {n: tmp_path / n for n in ("samples", "rewards", "logprobs", "advantages", "policy")}
+    run(*sample_args(staged["model"], staged["prompts"], p["samples"], "--sampler", "ode"))
+    assert "latents" not in ShardSet(p["samples"]).columns and "final_latent" in ShardSet(p["samples"]).columns
+    run("logprob", "--model", str(staged["model"]), "--in", str(p["samples"]), "--out", str(p["logprobs"]))
+    assert list(ShardSet(p["logprobs"]).columns) == ["sample_id"]
+    run("score", "--in", str(p["samples"]), "--reward", "jpeg_compressibility", "--out", str(p["rewards"]))
+    run("advantage", "--in", str(p["samples"]), "--in", str(p["rewards"]), "--out", str(p["advantages"]))
+    out = run("update", "--model", str(staged["model"]), "--in", str(p["samples"]), "--in", str(p["logprobs"]),
+              "--in", str(p["advantages"]), "--algo", "nft", "--lora-rank", "4", "--lora-alpha", "8",
+              "--out", str(p["policy"]))
+    assert out["step"] == 2
+    assert (p["policy"] / "trainer_state" / "old_weights.safetensors").is_file()

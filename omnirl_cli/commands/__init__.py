@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from .advantage import advantage
+from .encode import encode
 from .init_model import init_model
 from .inspect_cmd import inspect
 from .logprob import logprob
+from .pairs import pairs
 from .report import report
 from .sample import sample
 from .score import score
@@ -17,6 +19,8 @@ COMMANDS = [
     ("logprob", logprob),
     ("advantage", advantage),
     ("update", update),
+    ("pairs", pairs),
+    ("encode", encode),
     ("inspect", inspect),
     ("report", report),
     ("init-model", init_model),

@@ -37,7 +37,9 @@ def logprob(
     """Recompute the log-prob of every stored step under the given weights; writes old_log_probs.
 
     Uses the rollout's own sampler, CFG and batch size (from the samples manifest), so replaying with
-    the sampling weights reproduces the rollout log-probs; reports mean and max |Δ logp|.
+    the sampling weights reproduces the rollout log-probs; reports mean and max |Δ logp|. A rollout
+    with no stored steps (the ODE sampler, for NFT/AWM) gets a shard set of its sample ids only, so
+    recipes keep one shape for every algorithm.
 
     Example: [bold]omnirl logprob --model models/sd3-tiny --adapter run/it0/policy --in run/it0/samples --out run/it0/logprobs[/]
     """
@@ -49,10 +51,7 @@ def logprob(
 
     src = open_inputs(c["inputs"])
     sample_cfg = sample_config_of(src.manifests)
-    if "latents" not in src.columns:
-        from stages.errors import UserInputError
-
-        raise UserInputError("--in: no 'latents' column; the rollout stored no stochastic steps (sampler ode?)")
+    stored = "latents" in src.columns  # an ODE rollout (NFT, AWM) stores no steps: nothing to replay
     writer = ShardSetWriter(
         c["out"], num_shards=src.num_shards, format=check_format(c["fmt"]), command="logprob",
         config=run_config(c, c["adapter"]),
@@ -60,11 +59,15 @@ def logprob(
     )
     total_delta, max_delta, count = 0.0, 0.0, 0
     if not writer.complete:
-        policy = FlowPolicy.load(c["model"], adapter=c["adapter"], device=device(), dtype=c["dtype"])
+        policy = FlowPolicy.load(c["model"], adapter=c["adapter"], device=device(), dtype=c["dtype"]) if stored else None
         with progress(not json_) as bar:
             task = bar.add_task("replaying", total=src.num_rows, rate="")
             for s in range(src.num_shards):
                 if writer.shard_done(s):
+                    bar.advance(task, src.manifests[0].shards[s].rows)
+                    continue
+                if not stored:
+                    writer.write_shard(s, {"sample_id": src.read_shard(s, columns=["sample_id"])["sample_id"]})
                     bar.advance(task, src.manifests[0].shards[s].rows)
                     continue
                 shard = src.read_shard(s, columns=["sample_id", "prompt", "negative_prompt", "latents", "sigmas", "log_probs"])

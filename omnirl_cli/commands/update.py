@@ -85,7 +85,10 @@ def update(
     set_: SetOpt = None,
     json_: JsonOpt = False,
 ) -> None:
-    """Replay stored steps under the trained weights and optimise the clipped policy objective.
+    """Train the policy with --algo on rollouts (or offline pairs / latents) and write the next adapter.
+
+    Policy-gradient algorithms replay the stored SDE steps under the trained weights; nft and awm
+    train on the final latents with fresh noise; dpo on the best and worst sample of each group.
 
     Writes an inference-ready adapter (diffusers `pipe.load_lora_weights(OUT)`), the optimizer/EMA
     state the next update resumes from, and metrics.jsonl (actor/pg_loss, ratio_mean, pg_clipfrac,

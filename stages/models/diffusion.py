@@ -288,6 +288,17 @@ class FlowPolicy:
         return out.float()
 
     @torch.no_grad()
+    def encode_images(self, images: list[Any], resolution: int) -> torch.Tensor:
+        """PIL images → latents [B, C, h, w]: resized and centre-cropped to `resolution`, VAE posterior
+        mode, then SD3's (z − shift)·scale, the inverse of `decode`."""
+        self.latent_shape(resolution)
+        vae = self.pipe.vae
+        pixels = self.pipe.image_processor.preprocess(images, height=resolution, width=resolution,
+                                                      resize_mode="crop")
+        z = vae.encode(pixels.to(self.device, vae.dtype)).latent_dist.mode()
+        return ((z - vae.config.shift_factor) * vae.config.scaling_factor).float()
+
+    @torch.no_grad()
     def decode(self, x0: torch.Tensor) -> list[Any]:
         """Latents [B, C, h, w] → PIL images."""
         vae = self.pipe.vae

@@ -188,7 +188,8 @@ class Preference:
 
     def __init__(self, policy: FlowPolicy, data: dict[str, Any], sample_cfg: SampleConfig, cfg: Any):
         self.policy, self.data, self.sample_cfg, self.cfg = policy, data, sample_cfg, cfg
-        self.pairs = best_worst_pairs(data["advantages"][:, 0], list(data["group_id"]))
+        score = data["advantages"][:, 0] if "advantages" in data else data["reward"]
+        self.pairs = best_worst_pairs(score, list(data["group_id"]))
         if not self.pairs:
             raise UserInputError("--algo dpo: every group has equal rewards, so there is no preference pair to train on")
         self.schedule = policy.sigmas(sample_cfg.steps)[:-1].float()

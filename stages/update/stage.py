@@ -20,12 +20,13 @@ import torch
 
 from stages.errors import UserInputError
 from stages.models.diffusion import ADAPTER_CONFIG, SD3_LORA_TARGETS, FlowPolicy, read_adapter_config
-from stages.sample.rollout import sample_config_of
+from stages.sample.rollout import SampleConfig, sample_config_of
 from stages.shards.manifest import config_hash, manifest_sha256
 from stages.update.losses import get_algorithm
 from stages.update.trainer import METRICS, UpdateConfig, load_state, save_state, train, world_and_rank
 
-BASE_COLUMNS = ("prompt", "negative_prompt", "advantages", "train_mask")
+BASE_COLUMNS = ("prompt", "negative_prompt", "advantages", "reward", "train_mask")
+OFFLINE = SampleConfig(steps=1000, guidance=1.0, batch_size=8)
 
 
 def adapter_complete(out: Path, digest: str, overwrite: bool) -> bool:
@@ -57,14 +58,17 @@ def run_update(
     digest = config_hash({**run_config, "input_manifests": [manifest_sha256(p) for p in inputs.paths]})
     if adapter_complete(out, digest, overwrite):
         return {"out": str(out), "skipped": True, **{k: v for k, v in read_adapter_config(out).items() if k == "step"}}
-    if "advantages" not in inputs.columns:
+    algo = get_algorithm(cfg.algo)
+    if "advantages" not in inputs.columns and not (algo.family == "preference" and "reward" in inputs.columns):
         raise UserInputError("--in: no 'advantages' column; add the output of `omnirl advantage` as an --in")
-    sample_cfg = sample_config_of(inputs.manifests)
+    sampled = any((m.extra or {}).get("sample_config") for m in inputs.manifests)
+    # Offline data (pairs, encoded images) has no rollout: train CFG-free on the 1000-step grid.
+    sample_cfg = sample_config_of(inputs.manifests) if sampled or algo.family == "policy_gradient" else OFFLINE
+
     policy = FlowPolicy.load(model, adapter=adapter, device=device, dtype=dtype)
     if not policy.lora and not cfg.full:
         policy.add_lora(rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=SD3_LORA_TARGETS, seed=cfg.seed)
     state, start = load_state(adapter)
-    algo = get_algorithm(cfg.algo)
     data = inputs.read_all(columns=[c for c in (*BASE_COLUMNS, *algo.columns) if c in inputs.columns])
     optimizer, ema, old_weights, metrics = train(
         policy, data, sample_cfg, cfg, state=state, start_step=start, on_step=on_step

@@ -1,0 +1,27 @@
+"""VAE-encode the images of a shard set into `final_latent`, for offline DPO / NFT / AWM."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from stages.models.diffusion import FlowPolicy
+from stages.score.stage import decode_images
+
+
+def encode_shard(
+    policy: FlowPolicy, shard: dict[str, Any], *, resolution: int, batch_size: int = 8,
+    on_batch: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """Columns sample_id and final_latent [N, C, h, w] (the VAE posterior mode, SD3-scaled)."""
+    import torch
+
+    ids = list(shard["sample_id"])
+    latents = []
+    for start in range(0, len(ids), batch_size):
+        chunk = slice(start, start + batch_size)
+        images = decode_images(shard["image"][chunk], ids[chunk])
+        latents.append(policy.encode_images(images, resolution).cpu())
+        if on_batch:
+            on_batch(len(images))
+    return {"sample_id": ids, "final_latent": torch.cat(latents)}

@@ -1,0 +1,116 @@
+"""Preference pairs: a table of (prompt, preferred image, rejected image) → a shard set of groups of two.
+
+Each pair becomes two rows sharing a `group_id`, with `reward` 1 (preferred) and 0 (rejected), so the
+pair is an ordinary size-2 group: `update --algo dpo` pairs the best and worst of every group.
+
+Accepted tables (Parquet or JSONL; an image is encoded bytes or a path relative to the table):
+- generic: `prompt` (or `caption`), `chosen`, `rejected`, optional `chosen_score`, `rejected_score`;
+- Pick-a-Pic v2: `caption`, `jpg_0`, `jpg_1`, `label_0` (1: image 0 preferred, 0: image 1, 0.5: a tie,
+  skipped as Diffusion-DPO does).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stages.errors import UserInputError
+
+
+@dataclass
+class Pair:
+    prompt: str
+    chosen: bytes
+    rejected: bytes
+    scores: tuple[float, float] | None = None
+
+
+def _rows(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        raise UserInputError(f"--pairs {path}: no such file")
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            return pq.read_table(path).to_pylist()
+        except Exception as exc:
+            raise UserInputError(f"--pairs {path}: not a readable Parquet file ({exc})") from None
+    if path.suffix in (".jsonl", ".json"):
+        rows = []
+        for i, line in enumerate(path.read_text().splitlines()):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:
+                    raise UserInputError(f"--pairs {path}: line {i + 1} is not valid JSON") from None
+        return rows
+    raise UserInputError(f"--pairs {path}: use a .parquet or .jsonl table")
+
+
+def _image(value: Any, base: Path, where: str) -> bytes:
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value)
+    if isinstance(value, str) and value:
+        file = (base / value) if not Path(value).is_absolute() else Path(value)
+        if not file.is_file():
+            raise UserInputError(f"{where}: image file {file} not found")
+        return file.read_bytes()
+    raise UserInputError(f"{where}: an image must be encoded bytes or a file path")
+
+
+def read_pairs(path: str | Path) -> tuple[list[Pair], int]:
+    """Pairs of a table (generic or Pick-a-Pic), and how many ties were skipped."""
+    path = Path(path)
+    rows = _rows(path)
+    pairs, ties = [], 0
+    for i, row in enumerate(rows):
+        where = f"{path}: row {i}"
+        prompt = row.get("prompt", row.get("caption"))
+        if not isinstance(prompt, str):
+            raise UserInputError(f"{where}: no 'prompt' (or 'caption') text")
+        if "chosen" in row and "rejected" in row:
+            scores = None
+            if row.get("chosen_score") is not None and row.get("rejected_score") is not None:
+                scores = (float(row["chosen_score"]), float(row["rejected_score"]))
+            pairs.append(Pair(prompt, _image(row["chosen"], path.parent, where),
+                              _image(row["rejected"], path.parent, where), scores))
+        elif {"jpg_0", "jpg_1", "label_0"} <= row.keys():
+            label = float(row["label_0"])
+            if label == 0.5:
+                ties += 1
+                continue
+            first, second = _image(row["jpg_0"], path.parent, where), _image(row["jpg_1"], path.parent, where)
+            pairs.append(Pair(prompt, first, second) if label == 1.0 else Pair(prompt, second, first))
+        else:
+            raise UserInputError(f"{where}: expected columns chosen/rejected or Pick-a-Pic's jpg_0/jpg_1/label_0")
+    if not pairs:
+        raise UserInputError(f"--pairs {path}: no usable pair (all rows were ties?)")
+    return pairs, ties
+
+
+def pairs_batch(pairs: list[Pair], offset: int = 0) -> dict[str, Any]:
+    """Rows of the pairs shard set: for pair k, `p<k>-w` (reward 1) then `p<k>-l` (reward 0)."""
+    batch: dict[str, Any] = {"sample_id": [], "group_id": [], "prompt": [], "negative_prompt": [], "prompt_meta": [],
+                             "image": [], "reward": []}
+    scored = all(p.scores is not None for p in pairs)
+    scores = []
+    for k, pair in enumerate(pairs, start=offset):
+        group = f"p{k:07d}"
+        for tag, image, reward, score in (("w", pair.chosen, 1.0, 0), ("l", pair.rejected, 0.0, 1)):
+            batch["sample_id"].append(f"{group}-{tag}")
+            batch["group_id"].append(group)
+            batch["prompt"].append(pair.prompt)
+            batch["negative_prompt"].append("")
+            batch["prompt_meta"].append({})
+            batch["image"].append(image)
+            batch["reward"].append(reward)
+            if scored:
+                scores.append(pair.scores[score])
+    batch["reward"] = torch.tensor(batch["reward"], dtype=torch.float32)
+    if scored:
+        batch["reward.score"] = torch.tensor(scores, dtype=torch.float32)
+    return batch

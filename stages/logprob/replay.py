@@ -28,7 +28,7 @@ def replay_batch(
     k = latents.shape[1] - 1
     cond = policy.encode(list(batch["prompt"]), list(batch.get("negative_prompt") or []) or None, cfg.guidance > 1.0,
                          cfg.max_sequence_length)
-    sigma_safe = policy.sigmas(cfg.steps)[1] if cfg.steps > 1 else None
+    sigma_safe = policy.sigmas(cfg.steps)[1]
     log_probs, ref_means, old_means = [], [], []
     for j in range(k):
         x = latents[:, j].to(policy.device).float()

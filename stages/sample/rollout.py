@@ -116,7 +116,7 @@ def rollout_batch(
             noise = torch.stack([torch.randn(x.shape[1:], generator=g) for g in gens]).to(x.device)
             out = step(
                 cfg.sampler, v, x, sigmas[i], sigmas[i + 1],
-                noise_level=cfg.noise_level, sigma_max_safe=sigmas[1] if cfg.steps > 1 else None, noise=noise,
+                noise_level=cfg.noise_level, sigma_max_safe=sigmas[1], noise=noise,
             )
             latents.append(x)
             log_probs.append(out.log_prob)

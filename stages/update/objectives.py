@@ -53,7 +53,7 @@ class PolicyGradient:
         self.old = data.get("old_log_probs", data.get("log_probs"))
         if self.old is None:
             raise UserInputError("--in: neither old_log_probs (omnirl logprob) nor log_probs (omnirl sample) is present")
-        self.sigma_safe = policy.sigmas(sample_cfg.steps)[1] if sample_cfg.steps > 1 else None
+        self.sigma_safe = policy.sigmas(sample_cfg.steps)[1]
         self.plan = torch.zeros(0, 0, dtype=torch.int64)
 
     def epoch(self, rows: list[int], micro: int, rng: random.Random) -> list[Chunk]:

@@ -208,3 +208,20 @@ def test_nft_runs_from_an_ode_rollout_through_every_stage(staged: dict[str, Path
               "--out", str(p["policy"]))
     assert out["step"] == 2
     assert (p["policy"] / "trainer_state" / "old_weights.safetensors").is_file()
+
+
+def test_pairs_estimator_marks_best_and_worst(staged: dict[str, Path], tmp_path: Path) -> None:
+    run("advantage", "--in", str(staged["samples"]), "--in", str(staged["rewards"]), "--estimator", "pairs",
+        "--out", str(tmp_path / "a"))
+    data = open_inputs([staged["samples"], staged["rewards"], tmp_path / "a"]).read_all(
+        columns=["group_id", "reward", "advantages"])
+    for g in set(data["group_id"]):
+        idx = [i for i, x in enumerate(data["group_id"]) if x == g]
+        r, a = data["reward"][idx], data["advantages"][idx, 0]
+        if r.max() == r.min():
+            assert a.tolist() == [0.0, 0.0]  # no preference within an all-equal group
+        else:
+            assert float(a[int(r.argmax())]) == 1.0 and float(a[int(r.argmin())]) == -1.0
+    out = run("update", "--model", str(staged["model"]), "--in", str(staged["samples"]), "--in", str(tmp_path / "a"),
+              "--algo", "dpo", "--lora-rank", "4", "--lora-alpha", "8", "--out", str(tmp_path / "p"))
+    assert out["step"] >= 1

@@ -21,7 +21,7 @@ def advantage(
     out: OutOpt = Path("advantages"),
     estimator: Annotated[
         str,
-        typer.Option("--estimator", help="grpo (flow_grpo: global std), grpo_group, dance (unbiased group std), drgrpo (no std), or module:function."),
+        typer.Option("--estimator", help="grpo (flow_grpo: global std), grpo_group, dance (unbiased group std), drgrpo (no std), pairs (+1 best, −1 worst of each group: online DPO), or module:function."),
     ] = "grpo",
     std: Annotated[
         str | None, typer.Option("--std", help="Override the estimator's std: global, group or none.")

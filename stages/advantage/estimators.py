@@ -191,6 +191,17 @@ def best_worst_pairs(rewards: torch.Tensor | Sequence[float], group_ids: Sequenc
     return pairs
 
 
+def pair_advantages(rewards: torch.Tensor | Sequence[float], group_ids: Sequence[Hashable], *,
+                    clip: float | None = None, sample_ids: Sequence[str] | None = None) -> torch.Tensor:
+    """Online-DPO marks, float32 [N]: +1 for each group's best sample, −1 for its worst, 0 otherwise
+    (Flow-GRPO's `dpo` mode); all-equal groups get 0. `clip` is accepted for a uniform signature."""
+    values = _as_rewards(rewards, group_ids, sample_ids)
+    out = torch.zeros(len(values), dtype=torch.float32)
+    for best, worst in best_worst_pairs(values, group_ids):
+        out[best], out[worst] = 1.0, -1.0
+    return out
+
+
 def nft_optimality(adv: torch.Tensor, clip: float = 5.0) -> torch.Tensor:
     """DiffusionNFT optimality weight r = clamp(clip(A, ±clip)/clip/2 + 0.5, 0, 1), same shape as `adv`."""
     return (adv.clamp(-clip, clip) / clip / 2 + 0.5).clamp(0.0, 1.0)
@@ -256,6 +267,8 @@ def get_estimator(name: str) -> Callable[..., torch.Tensor]:
     """
     if name in ESTIMATORS:
         return ESTIMATORS[name]
+    if name == "pairs":
+        return pair_advantages
     obj = load_object(name, "advantage estimator") if ":" in name else load_entry_point(
         ENTRY_POINT_GROUP, name, "advantage estimator"
     )

@@ -9,6 +9,8 @@ through `velocity`, so the three compute the same numbers.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -142,56 +144,46 @@ class FlowPolicy:
             raise UserInputError("nothing to train: the policy has no LoRA adapter; pass --lora-rank > 0 or --full")
         return params
 
-    def reference(self) -> Any:
-        """Context manager running the frozen base model for KL references.
+    @contextmanager
+    def reference(self) -> Iterator[None]:
+        """Run the frozen base model inside the block, for KL references.
 
         With LoRA the adapter is switched off; with full fine-tuning a frozen copy of the base
         transformer (loaded once from the model folder) stands in for the trained one.
         """
-        from contextlib import contextmanager
-
-        @contextmanager
-        def swap() -> Any:
-            if self.lora:
-                self.transformer.disable_adapters()
-                try:
-                    yield
-                finally:
-                    self.transformer.enable_adapters()
-                return
-            if self._reference is None:
-                self._reference = type(self.transformer).from_pretrained(
-                    Path(self.model_path) / "transformer", dtype=self.dtype
-                ).to(self.device).requires_grad_(False).eval()
-            trained, self.transformer = self.transformer, self._reference
+        if self.lora:
+            self.transformer.disable_adapters()
             try:
                 yield
             finally:
-                self.transformer = trained
+                self.transformer.enable_adapters()
+            return
+        if self._reference is None:
+            self._reference = type(self.transformer).from_pretrained(
+                Path(self.model_path) / "transformer", dtype=self.dtype
+            ).to(self.device).requires_grad_(False).eval()
+        trained, self.transformer = self.transformer, self._reference
+        try:
+            yield
+        finally:
+            self.transformer = trained
 
-        return swap()
-
-    def weights(self, state: dict[str, torch.Tensor] | None) -> Any:
-        """Context manager running the transformer with `state` (name → tensor) in place of those weights.
+    @contextmanager
+    def weights(self, state: dict[str, torch.Tensor] | None) -> Iterator[None]:
+        """Run the transformer with `state` (name → tensor) in place of those weights inside the block.
 
         Swaps tensor storage, no copies: used for DiffusionNFT's old policy and AWM's old/EMA weights.
         """
-        from contextlib import contextmanager
-
-        @contextmanager
-        def swap() -> Any:
-            params = dict(self.transformer.named_parameters())
-            saved = {}
-            try:
-                for name, value in (state or {}).items():
-                    saved[name] = params[name].data
-                    params[name].data = value.to(params[name].device, params[name].dtype)
-                yield
-            finally:
-                for name, value in saved.items():
-                    params[name].data = value
-
-        return swap()
+        params = dict(self.transformer.named_parameters())
+        saved = {}
+        try:
+            for name, value in (state or {}).items():
+                saved[name] = params[name].data
+                params[name].data = value.to(params[name].device, params[name].dtype)
+            yield
+        finally:
+            for name, value in saved.items():
+                params[name].data = value
 
     # ---------------------------------------------------------------- saving
     def save_adapter(self, out: Path, *, kind: str, extra: dict[str, Any]) -> None:

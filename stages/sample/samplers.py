@@ -55,15 +55,20 @@ class StepOutput:
     diffusion: Tensor
 
 
-def _column(value: float | Tensor, batch: int, like: Tensor, name: str) -> Tensor:
-    """`value` (scalar or [B]) as an fp32 tensor of shape [B, 1, ..., 1] broadcastable against `like`."""
+def per_sample(value: float | Tensor, batch: int, like: Tensor, name: str) -> Tensor:
+    """`value` (scalar or [B]) as an fp32 [B] tensor on the device of `like`."""
     t = torch.as_tensor(value, dtype=torch.float32, device=like.device)
     if t.ndim == 0:
         t = t.expand(batch)
     t = t.reshape(-1)
     if t.numel() != batch:
         raise ValueError(f"{name} must be a scalar or have one value per sample ({batch}), got {t.numel()}")
-    return t.view(batch, *([1] * (like.ndim - 1)))
+    return t
+
+
+def _column(value: float | Tensor, batch: int, like: Tensor, name: str) -> Tensor:
+    """`value` (scalar or [B]) as an fp32 tensor of shape [B, 1, ..., 1] broadcastable against `like`."""
+    return per_sample(value, batch, like, name).view(batch, *([1] * (like.ndim - 1)))
 
 
 def _gaussian_log_prob(x: Tensor, mean: Tensor, std: Tensor) -> Tensor:

@@ -22,23 +22,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from stages.errors import UserInputError
-from stages.sample.samplers import guard_log_ratio
+from stages.sample.samplers import guard_log_ratio, per_sample
 from stages.update.losses import StepLoss, ppo_terms
 
 NFT_DECAY_SCHEDULES = ("copy", "linear_to_0_5", "delayed_linear_to_0_999")
 AWM_WEIGHTINGS = ("uniform", "ghuber")
 _GHUBER_DELTA = 1e-10
-
-
-def _rows(value: float | Tensor, batch: int, like: Tensor, name: str) -> Tensor:
-    """`value` (scalar or B values) as an fp32 [B] tensor on the device of `like`."""
-    t = torch.as_tensor(value, dtype=torch.float32, device=like.device)
-    if t.ndim == 0:
-        t = t.expand(batch)
-    t = t.reshape(-1)
-    if t.numel() != batch:
-        raise ValueError(f"{name} must be a scalar or have one value per row ({batch}), got {t.numel()}")
-    return t
 
 
 def _column(rows: Tensor, like: Tensor) -> Tensor:
@@ -94,8 +83,8 @@ def grpo_guard_loss(
     clip fraction are computed from). Meant for `sde`/`dance` steps, where s = g·sqrt(−Δ).
     """
     batch = mean.shape[0]
-    s = _rows(std, batch, mean, "std")
-    step = _rows(dt, batch, mean, "dt")
+    s = per_sample(std, batch, mean, "std")
+    step = per_sample(dt, batch, mean, "dt")
     if bool((s <= 0).any()):
         raise UserInputError(
             "--algo grpo_guard: a trained step is deterministic (noise std 0); "
@@ -158,8 +147,8 @@ def nft_loss(
     x0f = x0.float()
     xt = x_t.float()
     batch = v.shape[0]
-    tt = _column(_rows(t, batch, v, "t"), v)
-    r = _rows(optimality, batch, v, "optimality")
+    tt = _column(per_sample(t, batch, v, "t"), v)
+    r = per_sample(optimality, batch, v, "optimality")
     err_pos = xt - tt * (beta * v + (1.0 - beta) * v_o) - x0f
     err_neg = xt - tt * ((1.0 + beta) * v_o - beta * v) - x0f
     w_pos = _mean_dims(err_pos.detach().abs()).clamp_min(weight_floor)
@@ -213,7 +202,7 @@ def awm_psi(
         return -err
     if p <= 0:
         raise UserInputError(f"AWM ghuber power p={p}: must be positive (default 0.25)")
-    tt = _rows(t, err.shape[0], err, "t")
+    tt = per_sample(t, err.shape[0], err, "t")
     return -((err + _GHUBER_DELTA) ** p - _GHUBER_DELTA**p) * tt / p
 
 

@@ -7,6 +7,7 @@ from .encode import encode
 from .init_model import init_model
 from .inspect_cmd import inspect
 from .logprob import logprob
+from .online import online
 from .pairs import pairs
 from .report import report
 from .sample import sample
@@ -19,6 +20,7 @@ COMMANDS = [
     ("logprob", logprob),
     ("advantage", advantage),
     ("update", update),
+    ("online", online),
     ("pairs", pairs),
     ("encode", encode),
     ("inspect", inspect),

@@ -40,6 +40,28 @@ def adapter_complete(out: Path, digest: str, overwrite: bool) -> bool:
     return False
 
 
+def save_policy(
+    policy: FlowPolicy, out: Path, optimizer: torch.optim.Optimizer, ema: Any, old_weights: dict[str, torch.Tensor] | None,
+    metrics: list[dict[str, Any]], step: int, cfg: UpdateConfig, *, extra: dict[str, Any],
+) -> None:
+    """Write a policy directory atomically: metrics, trainer state, weights, then omnirl_adapter.json."""
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        tmp.mkdir(parents=True)
+        with open(tmp / METRICS, "w") as fh:
+            for record in metrics:
+                fh.write(json.dumps(record) + "\n")
+        save_state(tmp, optimizer, ema, step, cfg, old_weights)
+        policy.save_adapter(tmp, kind="full" if cfg.full else "lora",
+                            extra={"step": step, "algo": cfg.algo, "update_config": asdict(cfg), **extra})
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def run_update(
     model: str | Path,
     adapter: str | Path | None,
@@ -79,31 +101,13 @@ def run_update(
     if rank != 0:  # rank 0 writes the one adapter; the others wait until it is in place
         torch.distributed.barrier()
         return {"out": str(out), "skipped": False, "step": step, "optimizer_steps": len(metrics), "last": last}
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
-        tmp.mkdir(parents=True)
-        with open(tmp / METRICS, "w") as fh:
-            for record in metrics:
-                fh.write(json.dumps(record) + "\n")
-        save_state(tmp, optimizer, ema, step, cfg, old_weights)
-        policy.save_adapter(
-            tmp,
-            kind="full" if cfg.full else "lora",
-            extra={
-                "step": step,
-                "algo": cfg.algo,
-                "config_hash": digest,
-                "parent_adapter": str(adapter) if adapter else None,
-                "inputs": [str(p) for p in inputs.paths],
-                "update_config": asdict(cfg),
-            },
-        )
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        save_policy(policy, out, optimizer, ema, old_weights, metrics, step, cfg, extra={
+            "config_hash": digest,
+            "parent_adapter": str(adapter) if adapter else None,
+            "inputs": [str(p) for p in inputs.paths],
+        })
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
         if world > 1:
             torch.distributed.barrier()
     return {"out": str(out), "skipped": False, "step": step, "optimizer_steps": len(metrics), "last": last}

@@ -1,0 +1,119 @@
+"""`omnirl online`: sample → score → advantage → update fused through shared memory, N iterations."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from ..config import load_yaml, parse_set
+from ..console import emit_json, err
+from ..errors import handle_errors
+from ..options import JsonOpt, SetOpt
+
+# Preset keys of the `sample` section that are named differently in SampleConfig.
+SAMPLE_KEYS = {"sde_window": "window", "sde_window_range": "window_range"}
+RUN_KEYS = ("group_size", "num_prompts")
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merge(out.get(key, {}), value) if isinstance(value, dict) else value
+    return out
+
+
+def _dataclass(cls: type, values: dict[str, Any], section: str, rename: dict[str, str] | None = None) -> Any:
+    from stages.errors import UserInputError
+
+    names = {f.name for f in fields(cls)}
+    kwargs = {}
+    for key, value in values.items():
+        name = (rename or {}).get(key.replace("-", "_"), key.replace("-", "_"))
+        if name not in names:
+            raise UserInputError(f"--config: '{section}.{key}' is not a setting of omnirl online's {section} stage")
+        kwargs[name] = tuple(value) if isinstance(value, list) else value
+    return cls(**kwargs)
+
+
+@handle_errors
+def online(
+    config: Annotated[Path, typer.Option("--config", help="YAML preset (sample / score / advantage / update sections).")],
+    model: Annotated[Path, typer.Option("--model", "-m", help="Diffusers pipeline folder.")],
+    prompts: Annotated[Path, typer.Option("--prompts", help="Prompt file (.txt, .jsonl, .csv, .parquet).")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Run directory: it<K>/policy checkpoints (and shard sets).")],
+    iterations: Annotated[int, typer.Option("--iterations", min=1, help="RL iterations to reach (resumes).")] = 4,
+    reward: Annotated[
+        list[str] | None, typer.Option("--reward", "-r", help="NAME[=WEIGHT], repeatable (default: the preset's).")
+    ] = None,
+    max_staleness: Annotated[
+        int, typer.Option("--max-staleness", help="0: sample with the newest weights; 1: sample k+1 while training k.")
+    ] = 0,
+    save_trajectories: Annotated[
+        bool, typer.Option("--save-trajectories", help="Also write it<K>/samples, rewards, advantages shard sets.")
+    ] = False,
+    seed: Annotated[
+        int | None, typer.Option("--seed", help="Sampling seed of every iteration (default: the iteration number, "
+                                 "as the staged recipe; a fixed seed re-samples the same prompts and noise).")
+    ] = None,
+    dtype: Annotated[str, typer.Option("--dtype", help="fp32, bf16 or fp16.")] = "fp32",
+    threads: Annotated[int, typer.Option("--threads", min=1, help="torch threads per worker process.")] = 1,
+    set_: SetOpt = None,
+    json_: JsonOpt = False,
+) -> None:
+    """Run RL iterations with the stages fused: a sampler and a scorer worker feed the trainer through a
+    shared-memory ring; weights go back to the sampler after each update, with a version number.
+
+    Each iteration checkpoints it<K>/policy; a re-run resumes after the last one. With
+    --max-staleness 0 and the same seeds an iteration computes what the staged commands compute.
+
+    Example: [bold]omnirl online --config recipes/configs/demo_tiny.yaml --model models/sd3-tiny \\
+    --prompts recipes/demo_prompts.txt --reward jpeg_compressibility --iterations 4 --out runs/online[/]
+    """
+    from stages.errors import UserInputError
+    from stages.online.pipeline import OnlineConfig, run_online
+    from stages.sample.prompts import read_prompts
+    from stages.sample.rollout import SampleConfig
+    from stages.score.registry import parse_reward_spec
+    from stages.update.trainer import UpdateConfig
+
+    from ..runtime import device
+
+    preset = _merge(load_yaml(config), parse_set(list(set_ or [])))
+    sample = dict(preset.get("sample") or {})
+    run = {key: sample.pop(key) for key in RUN_KEYS if key in sample}
+    adv = dict(preset.get("advantage") or {})
+    unknown = sorted(set(adv) - {"estimator", "clip", "drop_zero_std"})
+    if unknown:
+        raise UserInputError(f"--config: 'advantage.{unknown[0]}' is not supported by omnirl online")
+    specs = reward or (preset.get("score") or {}).get("reward") or []
+    cfg = OnlineConfig(
+        model=str(model), prompts=read_prompts(prompts), out=out, iterations=iterations,
+        sample=_dataclass(SampleConfig, sample, "sample", SAMPLE_KEYS),
+        update=_dataclass(UpdateConfig, dict(preset.get("update") or {}), "update"),
+        group_size=int(run.get("group_size", 4)), num_prompts=run.get("num_prompts"),
+        rewards=[parse_reward_spec(s) for s in ([specs] if isinstance(specs, str) else specs)],
+        estimator=adv.get("estimator", "grpo"), adv_clip=adv.get("clip"), drop_zero_std=bool(adv.get("drop_zero_std")),
+        max_staleness=max_staleness, save_trajectories=save_trajectories, dtype=dtype, threads=threads, seed=seed,
+    )
+    if json_:
+        summaries = run_online(cfg, device=device())
+        emit_json({"out": str(out), "iterations": summaries})
+        return
+    from rich.live import Live
+    from rich.table import Table
+
+    table = Table(title=f"omnirl online → {out}  (one row per iteration)", title_justify="left")
+    for name in ("it", "reward mean", "std", "zero-std", "pg_loss", "ratio", "versions", "wait s", "train s", "total s"):
+        table.add_column(name, justify="right")
+
+    def show(s: dict[str, Any]) -> None:
+        table.add_row(str(s["iteration"]), f"{s['reward_mean']:.5g}", f"{s['reward_std']:.3g}",
+                      f"{s['zero_std_ratio']:.2f}", f"{s.get('actor/pg_loss', 0):+.3e}",
+                      f"{s.get('actor/ratio_mean', 1):.5f}", ",".join(map(str, s["policy_versions"])),
+                      f"{s['seconds_waiting']:.1f}", f"{s['seconds_training']:.1f}", f"{s['seconds']:.1f}")
+
+    with Live(table, console=err, refresh_per_second=2):
+        run_online(cfg, device=device(), on_iteration=show)

@@ -106,14 +106,15 @@ def online(
     from rich.table import Table
 
     table = Table(title=f"omnirl online → {out}  (one row per iteration)", title_justify="left")
-    for name in ("it", "reward mean", "std", "zero-std", "pg_loss", "ratio", "versions", "wait s", "train s", "total s"):
+    for name in ("it", "reward mean", "std", "zero-std", "pg_loss", "ratio", "versions", "samples/s", "wait s",
+                 "train s", "total s"):
         table.add_column(name, justify="right")
 
     def show(s: dict[str, Any]) -> None:
         table.add_row(str(s["iteration"]), f"{s['reward_mean']:.5g}", f"{s['reward_std']:.3g}",
                       f"{s['zero_std_ratio']:.2f}", f"{s.get('actor/pg_loss', 0):+.3e}",
                       f"{s.get('actor/ratio_mean', 1):.5f}", ",".join(map(str, s["policy_versions"])),
-                      f"{s['seconds_waiting']:.1f}", f"{s['seconds_training']:.1f}", f"{s['seconds']:.1f}")
+                      f"{s['samples'] / s['seconds']:.1f}", f"{s['seconds_waiting']:.1f}", f"{s['seconds_training']:.1f}", f"{s['seconds']:.1f}")
 
     with Live(table, console=err, refresh_per_second=2):
         run_online(cfg, device=device(), on_iteration=show)

@@ -85,6 +85,7 @@ def _sampler_main(cfg: OnlineConfig, start: int, adapter: Path | None, weights: 
     `version` counts published updates (iterations); `step` is their optimizer step, recorded per sample.
     """
     from stages.models.diffusion import FlowPolicy
+    from stages.online.ring import RingClosed
     from stages.sample.stage import sample_shard
 
     torch.set_num_threads(cfg.threads)
@@ -103,7 +104,10 @@ def _sampler_main(cfg: OnlineConfig, start: int, adapter: Path | None, weights: 
         meta = {key: cols[key] for key in ("sample_id", "group_id", "prompt", "negative_prompt", "prompt_meta")}
         to_scorer.put({"k": k, "sample_id": cols["sample_id"], "prompt": cols["prompt"],
                        "prompt_meta": cols["prompt_meta"], "image": cols["image"]})
-        ring.put({name: cols[name] for name in TENSORS if name in cols}, {"k": k, **meta, "image": cols["image"]})
+        try:
+            ring.put({name: cols[name] for name in TENSORS if name in cols}, {"k": k, **meta, "image": cols["image"]})
+        except RingClosed:  # the driver is shutting down
+            return
 
 
 def _scorer_main(cfg: OnlineConfig, inbox: Any, outbox: Any) -> None:
@@ -168,31 +172,32 @@ class Workers:
                        Field("sigmas", (stored + 1,), torch.float32), Field("timesteps", (stored,), torch.float32)]
         return fields
 
-    def check(self) -> None:
+    def check(self, awaited: str, k: int) -> None:
+        """Fail fast, naming the worker, when one crashed or when the one we wait on has stopped."""
         for name, proc in self.procs.items():
-            if not proc.is_alive() and proc.exitcode not in (0, None):
-                raise RuntimeFailure(f"the {name} worker exited with code {proc.exitcode}; see its output above")
+            if not proc.is_alive() and (proc.exitcode != 0 or name == awaited):
+                raise RuntimeFailure(
+                    f"the {name} worker exited with code {proc.exitcode} before sending iteration {k}; see its output above"
+                )
 
     def receive(self, k: int) -> tuple[dict[str, Any], dict[str, Any]]:
         """Iteration k's trajectories (from the ring) and rewards (from the scorer), waiting on live workers."""
         from stages.online.ring import RingClosed
 
         while True:
-            self.check()
             try:
                 tensors, meta = self.ring.get(timeout=POLL)
                 break
             except TimeoutError:
-                continue
+                self.check("sampler", k)
             except RingClosed:
                 raise RuntimeFailure("the trajectory ring was closed while waiting for the sampler") from None
         while True:
-            self.check()
             try:
                 rewards = self.from_scorer.get(timeout=POLL)
                 break
             except queue.Empty:
-                continue
+                self.check("scorer", k)
         if "error" in rewards:
             raise RuntimeFailure(f"the scorer worker failed on iteration {k}: {rewards['error']}")
         if meta["k"] != k or rewards["k"] != k:

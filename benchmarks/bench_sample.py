@@ -110,7 +110,9 @@ class Probes:
         return {"total": total, **regions, "other": total - sum(regions.values())}
 
 
-def pooled_ratio(runs: dict[str, list[dict[str, float]]], side: str, reference: str, shared: tuple[str, ...]) -> float:
+def pooled_ratio(
+    runs: dict[str, list[dict[str, float]]], side: str, reference: str, shared: tuple[str, ...]
+) -> float:
     """A load-robust ratio: (S + own_side) / (S + own_reference).
 
     Both sides run the same `shared` regions (the transformer, on the same shapes the same number of
@@ -127,13 +129,19 @@ def pooled_ratio(runs: dict[str, list[dict[str, float]]], side: str, reference: 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="SD3 pipeline folder (default: build `small` in a temp dir)")
-    ap.add_argument("--batch", type=int, default=4, help="images per call (B; the transformer sees 2B with CFG)")
+    ap.add_argument(
+        "--model", default=None, help="SD3 pipeline folder (default: build `small` in a temp dir)"
+    )
+    ap.add_argument(
+        "--batch", type=int, default=4, help="images per call (B; the transformer sees 2B with CFG)"
+    )
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--resolution", type=int, default=128)
     ap.add_argument("--guidance", type=float, default=4.5)
     ap.add_argument("--max-sequence-length", type=int, default=128)
-    ap.add_argument("--sde-window", type=int, default=0, help="omnirl's stored SDE steps (0: all, as Flow-GRPO)")
+    ap.add_argument(
+        "--sde-window", type=int, default=0, help="omnirl's stored SDE steps (0: all, as Flow-GRPO)"
+    )
     ap.add_argument("--format", default="parquet", choices=["parquet", "webdataset"])
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads, both sides")
     ap.add_argument("--repeats", type=int, default=3)
@@ -152,9 +160,16 @@ def main() -> None:
 
     transformers_logging.disable_progress_bar()
     metrics: dict[str, Any] = {
-        "batch": args.batch, "steps": args.steps, "resolution": args.resolution, "guidance": args.guidance,
-        "max_sequence_length": args.max_sequence_length, "sde_window": args.sde_window, "format": args.format,
-        "threads": args.threads, "repeats": args.repeats, "load_average_before": os.getloadavg()[0],
+        "batch": args.batch,
+        "steps": args.steps,
+        "resolution": args.resolution,
+        "guidance": args.guidance,
+        "max_sequence_length": args.max_sequence_length,
+        "sde_window": args.sde_window,
+        "format": args.format,
+        "threads": args.threads,
+        "repeats": args.repeats,
+        "load_average_before": os.getloadavg()[0],
     }
     with tempfile.TemporaryDirectory(dir=args.tmp, prefix="omnirl-bench-") as tmp_name:
         tmp = Path(tmp_name)
@@ -167,27 +182,44 @@ def main() -> None:
 
         def diffusers_call(texts: list[str], steps: int) -> None:
             pipe(
-                prompt=texts, num_inference_steps=steps, guidance_scale=args.guidance, height=args.resolution,
-                width=args.resolution, max_sequence_length=args.max_sequence_length, output_type="pil",
+                prompt=texts,
+                num_inference_steps=steps,
+                guidance_scale=args.guidance,
+                height=args.resolution,
+                width=args.resolution,
+                max_sequence_length=args.max_sequence_length,
+                output_type="pil",
                 generator=[torch.Generator().manual_seed(1000 + i) for i in range(len(texts))],
             )
 
         def omnirl_call(texts: list[str], steps: int) -> None:
             cfg = SampleConfig(
-                steps=steps, guidance=args.guidance, resolution=args.resolution, sampler="sde",
-                window=min(args.sde_window, steps), seed=0, batch_size=args.batch,
+                steps=steps,
+                guidance=args.guidance,
+                resolution=args.resolution,
+                sampler="sde",
+                window=min(args.sde_window, steps),
+                seed=0,
+                batch_size=args.batch,
                 max_sequence_length=args.max_sequence_length,
             )
             out = tmp / "samples"
             if out.exists():
                 shutil.rmtree(out)
-            writer = ShardSetWriter(out, num_shards=1, format=args.format, command="sample", config=asdict(cfg), kinds=KINDS)
+            writer = ShardSetWriter(
+                out, num_shards=1, format=args.format, command="sample", config=asdict(cfg), kinds=KINDS
+            )
             with ExitStack() as stack:
                 stack.enter_context(probes.patch(writer, "write_shard", "shard_write"))
                 stack.enter_context(probes.patch(writer, "finalize", "shard_write"))
                 run_sample(
-                    policy, cfg, [(i, Prompt(t)) for i, t in enumerate(texts)], 1, writer,
-                    num_shards=1, shard_indices=[0],
+                    policy,
+                    cfg,
+                    [(i, Prompt(t)) for i, t in enumerate(texts)],
+                    1,
+                    writer,
+                    num_shards=1,
+                    shard_indices=[0],
                 )
                 writer.finalize(extra={"sample_config": asdict(cfg)})
 
@@ -218,7 +250,9 @@ def main() -> None:
     best = {side: min(rs, key=lambda b: b["total"]) for side, rs in runs.items()}
     ratio = best["omnirl"]["total"] / best["diffusers"]["total"]
     pooled = pooled_ratio(runs, "omnirl", "diffusers", ("transformer",))
-    metrics.update(ratio=ratio, ratio_pooled=pooled, best=best, runs=runs, load_average_after=os.getloadavg()[0])
+    metrics.update(
+        ratio=ratio, ratio_pooled=pooled, best=best, runs=runs, load_average_after=os.getloadavg()[0]
+    )
     rows = [
         {
             "path": side,

@@ -69,8 +69,13 @@ def make_rollouts(model: Path, args: argparse.Namespace, out: Path) -> dict[str,
 
     window = 0 if args.stored_steps == args.steps else args.stored_steps
     cfg = SampleConfig(
-        steps=args.steps, guidance=args.guidance, resolution=args.resolution, sampler="sde",
-        window=window, seed=0, batch_size=args.micro_batch,
+        steps=args.steps,
+        guidance=args.guidance,
+        resolution=args.resolution,
+        sampler="sde",
+        window=window,
+        seed=0,
+        batch_size=args.micro_batch,
     )
     policy = FlowPolicy.load(model)
     prompts = [f"a red bicycle leaning on a blue door, sample {i}" for i in range(args.samples)]
@@ -79,7 +84,12 @@ def make_rollouts(model: Path, args: argparse.Namespace, out: Path) -> dict[str,
         idx = list(range(start, min(start + cfg.batch_size, args.samples)))
         parts.append(
             rollout_batch(
-                policy, cfg, [prompts[i] for i in idx], [""] * len(idx), [7 + i for i in idx], [100 + i for i in idx],
+                policy,
+                cfg,
+                [prompts[i] for i in idx],
+                [""] * len(idx),
+                [7 + i for i in idx],
+                [100 + i for i in idx],
                 batch_key=(0, start),
             )
         )
@@ -98,11 +108,18 @@ def make_rollouts(model: Path, args: argparse.Namespace, out: Path) -> dict[str,
 
 
 def bare_train(
-    policy: FlowPolicy, data: dict[str, Any], cond: Condition, sample_cfg: SampleConfig, cfg: UpdateConfig, micro: int
+    policy: FlowPolicy,
+    data: dict[str, Any],
+    cond: Condition,
+    sample_cfg: SampleConfig,
+    cfg: UpdateConfig,
+    micro: int,
 ) -> None:
     """Forward + MSE + backward per (micro-batch, stored step) and one AdamW step per micro-batch."""
     params = policy.trainable_parameters(full=cfg.full)
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
+    optimizer = torch.optim.AdamW(
+        params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, eps=cfg.adam_eps
+    )
     latents, sigmas = data["latents"], data["sigmas"]
     n, k = latents.shape[0], latents.shape[1] - 1
     guided = sample_cfg.guidance > 1.0
@@ -114,15 +131,20 @@ def bare_train(
             t = sigmas[idx, j] * 1000
             if guided:
                 out = policy.transformer(
-                    hidden_states=torch.cat([x, x]), timestep=torch.cat([t, t]),
+                    hidden_states=torch.cat([x, x]),
+                    timestep=torch.cat([t, t]),
                     encoder_hidden_states=torch.cat([c.neg_embeds, c.embeds]),
-                    pooled_projections=torch.cat([c.neg_pooled, c.pooled]), return_dict=False,
+                    pooled_projections=torch.cat([c.neg_pooled, c.pooled]),
+                    return_dict=False,
                 )[0]
                 uncond, text = out.chunk(2)
                 v = uncond + sample_cfg.guidance * (text - uncond)
             else:
                 v = policy.transformer(
-                    hidden_states=x, timestep=t, encoder_hidden_states=c.embeds, pooled_projections=c.pooled,
+                    hidden_states=x,
+                    timestep=t,
+                    encoder_hidden_states=c.embeds,
+                    pooled_projections=c.pooled,
                     return_dict=False,
                 )[0]
             ((v - target).pow(2).mean() / k).backward()
@@ -141,12 +163,16 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
 
     full = args.worker == "full"
     sample_cfg = SampleConfig(**json.loads(args.sample_config))
-    cfg = UpdateConfig(full=full, lora_rank=args.lora_rank, lora_alpha=2 * args.lora_rank, micro_batch=args.micro_batch)
+    cfg = UpdateConfig(
+        full=full, lora_rank=args.lora_rank, lora_alpha=2 * args.lora_rank, micro_batch=args.micro_batch
+    )
     policy = FlowPolicy.load(args.model)
     if not full:
         policy.add_lora(rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=SD3_LORA_TARGETS, seed=cfg.seed)
     data = torch.load(args.data, weights_only=True)
-    cond = policy.encode(data["prompt"], data["negative_prompt"], sample_cfg.guidance > 1.0, sample_cfg.max_sequence_length)
+    cond = policy.encode(
+        data["prompt"], data["negative_prompt"], sample_cfg.guidance > 1.0, sample_cfg.max_sequence_length
+    )
     rss_loaded = peak_rss_mb()
     probes = Probes()
     calls = [0]
@@ -189,23 +215,40 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
                 total = time.perf_counter() - t0
                 regions = {k: probes.seconds.get(k, 0.0) for k in REGIONS}
                 runs[side].append({"total": total, **regions, "other": total - sum(regions.values())})
-                print(args.worker, side, {k: round(v, 3) for k, v in runs[side][-1].items()}, file=sys.stderr, flush=True)
+                print(
+                    args.worker,
+                    side,
+                    {k: round(v, 3) for k, v in runs[side][-1].items()},
+                    file=sys.stderr,
+                    flush=True,
+                )
     trained = sum(p.numel() for p in policy.transformer.parameters() if p.requires_grad)
-    return {"rss_loaded_mb": rss_loaded, "rss_update_peak_mb": rss_update, "trained_parameters": trained, "runs": runs}
+    return {
+        "rss_loaded_mb": rss_loaded,
+        "rss_update_peak_mb": rss_update,
+        "trained_parameters": trained,
+        "runs": runs,
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="SD3 pipeline folder (default: build `small` in a temp dir)")
+    ap.add_argument(
+        "--model", default=None, help="SD3 pipeline folder (default: build `small` in a temp dir)"
+    )
     ap.add_argument("--samples", type=int, default=4, help="N rollouts trained on")
-    ap.add_argument("--micro-batch", type=int, default=4, help="samples per forward (also the sampling batch)")
+    ap.add_argument(
+        "--micro-batch", type=int, default=4, help="samples per forward (also the sampling batch)"
+    )
     ap.add_argument("--steps", type=int, default=10, help="sampling steps")
     ap.add_argument("--stored-steps", type=int, default=2, help="K stored (trained) SDE steps per sample")
     ap.add_argument("--resolution", type=int, default=128)
     ap.add_argument("--guidance", type=float, default=4.5)
     ap.add_argument("--lora-rank", type=int, default=32, help="LoRA rank r (alpha = 2r, the default 32/64)")
     ap.add_argument("--modes", nargs="+", default=["lora", "full"], choices=["lora", "full"])
-    ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads (and OMP_NUM_THREADS), both sides")
+    ap.add_argument(
+        "--threads", type=int, default=2, help="torch intra-op threads (and OMP_NUM_THREADS), both sides"
+    )
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tmp", default=None, help="scratch directory (default: system temp)")
     ap.add_argument("--no-record", action="store_true", help="print only, do not write benchmarks/results")
@@ -223,7 +266,17 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     metrics: dict[str, Any] = {
         k: getattr(args, k)
-        for k in ("samples", "micro_batch", "steps", "stored_steps", "resolution", "guidance", "lora_rank", "threads", "repeats")
+        for k in (
+            "samples",
+            "micro_batch",
+            "steps",
+            "stored_steps",
+            "resolution",
+            "guidance",
+            "lora_rank",
+            "threads",
+            "repeats",
+        )
     }
     metrics["load_average_before"] = os.getloadavg()[0]
     rows = []
@@ -234,12 +287,29 @@ def main() -> None:
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
         for mode in args.modes:
             cmd = [
-                sys.executable, __file__, "--worker", mode, "--model", str(model), "--data", str(tmp / "data.pt"),
-                "--sample-config", json.dumps(sample_cfg), "--micro-batch", str(args.micro_batch),
-                "--lora-rank", str(args.lora_rank), "--threads", str(args.threads), "--repeats", str(args.repeats),
+                sys.executable,
+                __file__,
+                "--worker",
+                mode,
+                "--model",
+                str(model),
+                "--data",
+                str(tmp / "data.pt"),
+                "--sample-config",
+                json.dumps(sample_cfg),
+                "--micro-batch",
+                str(args.micro_batch),
+                "--lora-rank",
+                str(args.lora_rank),
+                "--threads",
+                str(args.threads),
+                "--repeats",
+                str(args.repeats),
             ]
             proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=True)
-            res = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT))[len(RESULT):])
+            res = json.loads(
+                next(ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT))[len(RESULT) :]
+            )
             best = {side: min(rs, key=lambda b: b["total"]) for side, rs in res["runs"].items()}
             pairs = args.samples * args.stored_steps
             ratio = best["omnirl"]["total"] / best["bare"]["total"]

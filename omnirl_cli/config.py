@@ -30,7 +30,9 @@ def load_yaml(path: Path) -> dict[str, Any]:
     except FileNotFoundError:
         raise UserInputError(f"--config {path}: no such file") from None
     except yaml.YAMLError as exc:
-        raise UserInputError(f"--config {path}: not valid YAML ({exc.__class__.__name__}); fix the file") from None
+        raise UserInputError(
+            f"--config {path}: not valid YAML ({exc.__class__.__name__}); fix the file"
+        ) from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -75,7 +77,9 @@ def _layer(
             k = aliases.get(_key(key), _key(key))
             if k not in params:
                 known = ", ".join(sorted(p for p in params if p not in META_PARAMS))
-                raise UserInputError(f"{origin}: '{command}.{key}' is not an option of `omnirl {command}` (known: {known})")
+                raise UserInputError(
+                    f"{origin}: '{command}.{key}' is not an option of `omnirl {command}` (known: {known})"
+                )
             picked[k] = value
     return picked
 

@@ -28,7 +28,11 @@ SetOpt = Annotated[
 ]
 JsonOpt = Annotated[
     bool,
-    typer.Option("--json", help="Print one JSON result object on stdout; progress and logs stay off.", rich_help_panel=RUN),
+    typer.Option(
+        "--json",
+        help="Print one JSON result object on stdout; progress and logs stay off.",
+        rich_help_panel=RUN,
+    ),
 ]
 OutOpt = Annotated[Path, typer.Option("--out", "-o", help="Output shard-set directory.", rich_help_panel=IO)]
 InOpt = Annotated[
@@ -41,10 +45,15 @@ InOpt = Annotated[
     ),
 ]
 FormatOpt = Annotated[
-    str, typer.Option("--format", help="Shard format of the output: parquet or webdataset.", rich_help_panel=IO)
+    str,
+    typer.Option("--format", help="Shard format of the output: parquet or webdataset.", rich_help_panel=IO),
 ]
-NumShardsOpt = Annotated[int, typer.Option("--num-shards", min=1, help="Number of output shards.", rich_help_panel=IO)]
+NumShardsOpt = Annotated[
+    int, typer.Option("--num-shards", min=1, help="Number of output shards.", rich_help_panel=IO)
+]
 OverwriteOpt = Annotated[
     bool,
-    typer.Option("--overwrite", help="Replace an output produced with a different config.", rich_help_panel=IO),
+    typer.Option(
+        "--overwrite", help="Replace an output produced with a different config.", rich_help_panel=IO
+    ),
 ]

@@ -34,7 +34,11 @@ def policy_version(adapter: Path | None) -> int:
 
 
 def policy_info(model: Path, adapter: Path | None) -> dict[str, Any]:
-    return {"model": str(model), "adapter": str(adapter) if adapter else None, "version": policy_version(adapter)}
+    return {
+        "model": str(model),
+        "adapter": str(adapter) if adapter else None,
+        "version": policy_version(adapter),
+    }
 
 
 def open_inputs(paths: list[Path] | None) -> Any:

@@ -42,5 +42,7 @@ def load_entry_point(group: str, name: str, what: str) -> Any | None:
             try:
                 return ep.load()
             except ImportError as exc:
-                raise UserInputError(f"{what} {name!r}: entry point {ep.value!r} failed to import ({exc})") from exc
+                raise UserInputError(
+                    f"{what} {name!r}: entry point {ep.value!r} failed to import ({exc})"
+                ) from exc
     return None

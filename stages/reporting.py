@@ -22,7 +22,9 @@ def iterations(run: Path) -> list[tuple[int, Path]]:
     """(k, it<k> directory) pairs of a run, in order."""
     if not run.is_dir():
         raise UserInputError(f"{run}: no such run directory")
-    found = sorted((int(m.group(1)), p) for p in run.iterdir() if (m := ITER_DIR.match(p.name)) and p.is_dir())
+    found = sorted(
+        (int(m.group(1)), p) for p in run.iterdir() if (m := ITER_DIR.match(p.name)) and p.is_dir()
+    )
     return found
 
 
@@ -115,8 +117,9 @@ def reward_curve(rows: list[dict[str, Any]], path: Path, *, size: tuple[int, int
     return path
 
 
-def image_grid(samples: Path, rewards: Path | None, path: Path, *, groups: int = 4, per_group: int = 8,
-               cell: int = 96) -> Path:
+def image_grid(
+    samples: Path, rewards: Path | None, path: Path, *, groups: int = 4, per_group: int = 8, cell: int = 96
+) -> Path:
     """A grid of the first `groups` prompt groups (rows) × `per_group` members, labelled with rewards."""
     from PIL import Image, ImageDraw
 

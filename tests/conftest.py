@@ -62,10 +62,32 @@ def staged(tiny_sd3: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
     run("logprob", "--model", str(tiny_sd3), "--in", str(p["samples"]), "--out", str(p["logprobs"]))
     run("advantage", "--in", str(p["samples"]), "--in", str(p["rewards"]), "--out", str(p["advantages"]))
     inputs = ["--in", str(p["samples"]), "--in", str(p["logprobs"]), "--in", str(p["advantages"])]
-    run("update", "--model", str(tiny_sd3), *inputs, "--lr", "1e-3", "--lora-rank", "4", "--lora-alpha", "8",
-        "--out", str(p["policy1"]))
-    run("update", "--model", str(tiny_sd3), "--adapter", str(p["policy1"]), *inputs, "--lr", "1e-3",
-        "--out", str(p["policy2"]))
+    run(
+        "update",
+        "--model",
+        str(tiny_sd3),
+        *inputs,
+        "--lr",
+        "1e-3",
+        "--lora-rank",
+        "4",
+        "--lora-alpha",
+        "8",
+        "--out",
+        str(p["policy1"]),
+    )
+    run(
+        "update",
+        "--model",
+        str(tiny_sd3),
+        "--adapter",
+        str(p["policy1"]),
+        *inputs,
+        "--lr",
+        "1e-3",
+        "--out",
+        str(p["policy2"]),
+    )
     p["prompts"] = prompts
     p["model"] = tiny_sd3
     return p

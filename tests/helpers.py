@@ -23,6 +23,22 @@ def run(*args: str) -> dict:
 def sample_args(model: Path, prompts: Path, out: Path, *extra: str) -> list[str]:
     """A small `omnirl sample` call: 3 prompts × 2, 4 SDE steps at 32 px, no CFG, batches of 3."""
     return [
-        "sample", "--model", str(model), "--prompts", str(prompts), "-n", "2", "--steps", "4",
-        "--resolution", "32", "--guidance", "1", "--batch-size", "3", "--out", str(out), *extra,
+        "sample",
+        "--model",
+        str(model),
+        "--prompts",
+        str(prompts),
+        "-n",
+        "2",
+        "--steps",
+        "4",
+        "--resolution",
+        "32",
+        "--guidance",
+        "1",
+        "--batch-size",
+        "3",
+        "--out",
+        str(out),
+        *extra,
     ]

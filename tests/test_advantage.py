@@ -68,8 +68,9 @@ def test_matches_reference_on_unequal_interleaved_groups(std, unbiased):
     groups = [*(str(g) for g in rng.choice(["p", "q", "r", "s"], size=23)), "flat", "flat", "single"]
     rewards = np.concatenate([rng.normal(size=23), [0.3, 0.3, 7.0]])
     got = group_advantages(torch.tensor(rewards), groups, std=std, unbiased=unbiased, eps=1e-4)
-    np.testing.assert_allclose(got.numpy(), reference_advantages(rewards, groups, std, 1e-4, unbiased),
-                               rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(
+        got.numpy(), reference_advantages(rewards, groups, std, 1e-4, unbiased), rtol=1e-6, atol=1e-6
+    )
 
 
 def test_zero_std_group_is_exactly_zero():
@@ -104,7 +105,9 @@ def test_all_singletons_fall_back_to_batch_normalisation():
     mean, pop_std = 3.0, math.sqrt((4 + 1 + 9) / 3)
     expected = [(r - mean) / (pop_std + 1e-4) for r in rewards]
     for std in ("global", "group"):
-        assert group_advantages(rewards, ["a", "b", "c"], std=std).tolist() == pytest.approx(expected, rel=1e-6)
+        assert group_advantages(rewards, ["a", "b", "c"], std=std).tolist() == pytest.approx(
+            expected, rel=1e-6
+        )
     assert group_advantages(rewards, ["a", "b", "c"], std="none").tolist() == [-2.0, -1.0, 3.0]
     assert group_advantages([4.0], ["a"]).tolist() == [0.0]
     assert group_advantages([2.0, 2.0], ["a", "b"]).tolist() == [0.0, 0.0]
@@ -137,13 +140,15 @@ def test_multi_reward_aggregations(aggregation):
     r1 = np.array([0.0, 1.0, 2.0, 5.0, 5.0, 8.0])
     r2 = np.array([3.0, 0.0, 0.0, 1.0, 2.0, 3.0])
     w = {"one": 1.0, "two": 0.5}
-    got = multi_reward_advantages({"one": torch.tensor(r1), "two": torch.tensor(r2)}, w, groups,
-                                  aggregation=aggregation, std="group")
+    got = multi_reward_advantages(
+        {"one": torch.tensor(r1), "two": torch.tensor(r2)}, w, groups, aggregation=aggregation, std="group"
+    )
     if aggregation == "reward_aggr":
         expected = reference_advantages(r1 + 0.5 * r2, groups, "group", 1e-4, False)
     else:
-        expected = (reference_advantages(r1, groups, "group", 1e-4, False)
-                    + 0.5 * reference_advantages(r2, groups, "group", 1e-4, False))
+        expected = reference_advantages(r1, groups, "group", 1e-4, False) + 0.5 * reference_advantages(
+            r2, groups, "group", 1e-4, False
+        )
     np.testing.assert_allclose(got.numpy(), expected, rtol=1e-6, atol=1e-6)
 
 
@@ -167,7 +172,10 @@ def test_zero_std_mask():
     assert zero_std_mask([1.0, 2.0], ["a", "b"]).tolist() == [False, False]
     assert zero_std_mask([2.0, 2.0], ["a", "b"]).tolist() == [True, True]
     rewards, groups = [0.0, 1.0, 1.0, 4.0, 4.0, 9.0], ["a", "a", "b", "b", "c", "d"]
-    assert zero_std_mask(rewards, groups).tolist() == (group_advantages(rewards, groups, std="group") == 0).tolist()
+    assert (
+        zero_std_mask(rewards, groups).tolist()
+        == (group_advantages(rewards, groups, std="group") == 0).tolist()
+    )
 
 
 def test_broadcast_steps():
@@ -208,12 +216,14 @@ def test_bad_options():
 
 
 def test_estimator_plugin(tmp_path, monkeypatch):
-    (tmp_path / "omnirl_test_adv_plugin.py").write_text(textwrap.dedent("""
+    (tmp_path / "omnirl_test_adv_plugin.py").write_text(
+        textwrap.dedent("""
         import torch
 
         def rank_adv(rewards, group_ids, *, clip=None, sample_ids=None):
             return torch.as_tensor(rewards).argsort().argsort().float()
-    """))
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     fn = get_estimator("omnirl_test_adv_plugin:rank_adv")
     assert fn([3.0, 1.0, 2.0], ["a"] * 3).tolist() == [2.0, 0.0, 1.0]

@@ -75,7 +75,9 @@ def _probe_app() -> typer.Typer:
 
 def test_precedence_flags_over_set_over_yaml_over_defaults(tmp_path: Path) -> None:
     cfg = tmp_path / "preset.yaml"
-    cfg.write_text("steps: 20\nguidance: 7.0\nformat: webdataset\nsample:\n  steps: 30\nscore:\n  reward: [ocr]\n")
+    cfg.write_text(
+        "steps: 20\nguidance: 7.0\nformat: webdataset\nsample:\n  steps: 30\nscore:\n  reward: [ocr]\n"
+    )
     probe = _probe_app()
     result = runner.invoke(probe, ["--config", str(cfg)])
     assert result.exit_code == 0, result.output
@@ -101,7 +103,9 @@ def test_unknown_key_in_own_section_is_rejected(tmp_path: Path) -> None:
 
 def test_missing_shard_set_is_one_line_exit_2(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "omnirl_cli", "inspect", str(tmp_path / "nope")], capture_output=True, text=True
+        [sys.executable, "-m", "omnirl_cli", "inspect", str(tmp_path / "nope")],
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.strip()]
@@ -111,7 +115,9 @@ def test_missing_shard_set_is_one_line_exit_2(tmp_path: Path) -> None:
 def test_debug_env_shows_traceback(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "omnirl_cli", "inspect", str(tmp_path / "nope")],
-        capture_output=True, text=True, env={**__import__("os").environ, "OMNIRL_DEBUG": "1"},
+        capture_output=True,
+        text=True,
+        env={**__import__("os").environ, "OMNIRL_DEBUG": "1"},
     )
     assert result.returncode != 0 and "Traceback" in result.stderr
 
@@ -119,7 +125,9 @@ def test_debug_env_shows_traceback(tmp_path: Path) -> None:
 def test_bad_config_file_is_exit_2(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("steps: [unclosed\n")
-    result = runner.invoke(app, ["advantage", "--in", str(tmp_path), "--config", str(bad), "--out", str(tmp_path / "o")])
+    result = runner.invoke(
+        app, ["advantage", "--in", str(tmp_path), "--config", str(bad), "--out", str(tmp_path / "o")]
+    )
     assert result.exit_code == 2
     assert "bad.yaml" in result.output
 
@@ -138,7 +146,9 @@ def test_every_preset_names_real_options(preset: Path) -> None:
 
     root = typer.main.get_command(app)
     data = yaml.safe_load(preset.read_text())
-    assert preset.read_text().startswith("#"), "a preset opens with a header saying where its numbers come from"
+    assert preset.read_text().startswith("#"), (
+        "a preset opens with a header saying where its numbers come from"
+    )
     for section, values in data.items():
         command = root.commands[section]
         names = {p.name for p in command.params} | {

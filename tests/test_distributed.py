@@ -21,16 +21,51 @@ pytestmark = pytest.mark.distributed
 
 
 def test_two_ranks_equal_one_process(staged: dict[str, Path], tmp_path: Path) -> None:
-    common = ["--model", str(staged["model"]), "--in", str(staged["samples"]), "--in", str(staged["logprobs"]),
-              "--in", str(staged["advantages"]), "--no-shuffle", "--micro-batch", "1", "--lora-rank", "4",
-              "--lora-alpha", "8", "--lr", "1e-3", "--beta", "0.04"]
+    common = [
+        "--model",
+        str(staged["model"]),
+        "--in",
+        str(staged["samples"]),
+        "--in",
+        str(staged["logprobs"]),
+        "--in",
+        str(staged["advantages"]),
+        "--no-shuffle",
+        "--micro-batch",
+        "1",
+        "--lora-rank",
+        "4",
+        "--lora-alpha",
+        "8",
+        "--lr",
+        "1e-3",
+        "--beta",
+        "0.04",
+    ]
     run("update", *common, "--grad-accum", "2", "--out", str(tmp_path / "one"))
     torchrun = Path(sys.executable).parent / "torchrun"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
     subprocess.run(
-        [str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "omnirl_cli", "update", *common,
-         "--grad-accum", "1", "--out", str(tmp_path / "two"), "--json"],
-        check=True, capture_output=True, text=True, env=env, timeout=600,
+        [
+            str(torchrun),
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "omnirl_cli",
+            "update",
+            *common,
+            "--grad-accum",
+            "1",
+            "--out",
+            str(tmp_path / "two"),
+            "--json",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
     )
     one = load_file(tmp_path / "one" / "pytorch_lora_weights.safetensors")
     two = load_file(tmp_path / "two" / "pytorch_lora_weights.safetensors")

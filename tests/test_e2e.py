@@ -21,13 +21,27 @@ pytestmark = pytest.mark.slow
 
 def make(run: Path, model: Path, *extra: str, check: bool = True) -> subprocess.CompletedProcess:
     cmd = [
-        "make", "--no-print-directory", "-f", str(ROOT / "recipes" / "flow_grpo.mk"),
-        f"OMNIRL={sys.executable} -m omnirl_cli", f"CONFIG={ROOT / 'recipes/configs/demo_tiny.yaml'}",
-        f"MODEL={model}", f"PROMPTS={ROOT / 'recipes/demo_prompts.txt'}", f"RUN={run}",
-        f"ITERATIONS={ITERATIONS}", "SEED=0", *extra,
+        "make",
+        "--no-print-directory",
+        "-f",
+        str(ROOT / "recipes" / "flow_grpo.mk"),
+        f"OMNIRL={sys.executable} -m omnirl_cli",
+        f"CONFIG={ROOT / 'recipes/configs/demo_tiny.yaml'}",
+        f"MODEL={model}",
+        f"PROMPTS={ROOT / 'recipes/demo_prompts.txt'}",
+        f"RUN={run}",
+        f"ITERATIONS={ITERATIONS}",
+        "SEED=0",
+        *extra,
     ]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=check,
-                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    return subprocess.run(
+        cmd,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=check,
+        env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +62,12 @@ def test_reward_rises_over_iterations(demo_run: Path) -> None:
 
 
 def test_report_writes_curve_and_grids(demo_run: Path) -> None:
-    out = subprocess.run([sys.executable, "-m", "omnirl_cli", "report", str(demo_run), "--json"],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "omnirl_cli", "report", str(demo_run), "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     info = json.loads(out.stdout)
     assert [r["iteration"] for r in info["iterations"]] == list(range(ITERATIONS + 1))
     assert (demo_run / "reward_curve.png").stat().st_size > 1000
@@ -62,28 +80,45 @@ def test_make_rerun_does_nothing_and_a_deleted_artifact_reruns_only_its_dependen
     assert make(demo_run, tiny_sd3, "-q", check=False).returncode == 0  # up to date
     shutil.rmtree(demo_run / "it1" / "rewards")
     plan = make(demo_run, tiny_sd3, "-n").stdout
-    ran = {line.split()[3] + " " + line.split("--out ")[1].split()[0].split("/run/")[1]
-           for line in plan.splitlines() if "omnirl_cli" in line}
+    ran = {
+        line.split()[3] + " " + line.split("--out ")[1].split()[0].split("/run/")[1]
+        for line in plan.splitlines()
+        if "omnirl_cli" in line
+    }
     assert "score it1/rewards" in ran and "advantage it1/advantages" in ran and "update it2/policy" in ran
     assert not any(r.endswith(("it0/samples", "it1/samples", "it1/logprobs", "it0/rewards")) for r in ran)
     make(demo_run, tiny_sd3)
     assert make(demo_run, tiny_sd3, "-q", check=False).returncode == 0
 
 
-@pytest.mark.skipif(shutil.which("snakemake") is None and not (Path(sys.executable).parent / "snakemake").exists(),
-                    reason="snakemake is a dev extra")
+@pytest.mark.skipif(
+    shutil.which("snakemake") is None and not (Path(sys.executable).parent / "snakemake").exists(),
+    reason="snakemake is a dev extra",
+)
 def test_snakefile_sees_the_same_dependencies(demo_run: Path, tiny_sd3: Path) -> None:
     snakemake = str(Path(sys.executable).parent / "snakemake")
     base = [
-        snakemake, "-s", str(ROOT / "recipes" / "Snakefile"), "-n", "--cores", "1", "--config",
-        f"run={demo_run}", f"model={tiny_sd3}", f"prompts={ROOT / 'recipes/demo_prompts.txt'}",
-        f"preset={ROOT / 'recipes/configs/demo_tiny.yaml'}", f"iterations={ITERATIONS}",
+        snakemake,
+        "-s",
+        str(ROOT / "recipes" / "Snakefile"),
+        "-n",
+        "--cores",
+        "1",
+        "--config",
+        f"run={demo_run}",
+        f"model={tiny_sd3}",
+        f"prompts={ROOT / 'recipes/demo_prompts.txt'}",
+        f"preset={ROOT / 'recipes/configs/demo_tiny.yaml'}",
+        f"iterations={ITERATIONS}",
     ]
     out = subprocess.run(base, cwd=ROOT, capture_output=True, text=True, check=True)
     assert "Nothing to be done" in out.stdout + out.stderr
     (demo_run / "it2" / "advantages" / "_manifest.json").touch()  # an artifact changed
     out = subprocess.run(base, cwd=ROOT, capture_output=True, text=True, check=True)
     text = out.stdout + out.stderr
-    assert f"{demo_run}/it3/policy/omnirl_adapter.json" in text and f"{demo_run}/it3/samples/_manifest.json" in text
+    assert (
+        f"{demo_run}/it3/policy/omnirl_adapter.json" in text
+        and f"{demo_run}/it3/samples/_manifest.json" in text
+    )
     assert f"{demo_run}/it2/samples/_manifest.json" not in text.split("Building DAG")[1]
     assert "rule update" in text and "rule sample" in text and "rule score" in text

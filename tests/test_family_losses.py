@@ -70,7 +70,9 @@ def guard_case(seed: int = 0):
 def test_guard_matches_numpy_reference_with_per_row_dt():
     mean, old, prev, s, dt, adv, _ = guard_case()
     expected, expected_log_ratio = np_guard(mean, old, prev, s, dt, adv, clip_range=0.03, adv_clip=5.0)
-    res = grpo_guard_loss(t32(mean), t32(old), t32(prev), t32(s), t32(dt), t32(adv), clip_range=0.03, adv_clip=5.0)
+    res = grpo_guard_loss(
+        t32(mean), t32(old), t32(prev), t32(s), t32(dt), t32(adv), clip_range=0.03, adv_clip=5.0
+    )
     assert isinstance(res, StepLoss)
     np.testing.assert_allclose(res.log_ratio.numpy(), expected_log_ratio, atol=2e-6)
     assert res.loss.item() == pytest.approx(expected, rel=1e-5)
@@ -81,7 +83,9 @@ def test_guard_matches_numpy_reference_with_per_row_dt():
 
 def test_guard_ratio_norm_is_noise_dot_mean_shift():
     mean, old, prev, s, dt, adv, eps = guard_case(1)
-    res = grpo_guard_loss(t32(mean), t32(old), t32(prev), t32(s), t32(dt), t32(adv), clip_range=1.0, adv_clip=5.0)
+    res = grpo_guard_loss(
+        t32(mean), t32(old), t32(prev), t32(s), t32(dt), t32(adv), clip_range=1.0, adv_clip=5.0
+    )
     np.testing.assert_allclose(res.log_ratio.numpy(), mean_dims(eps * (mean - old)), atol=2e-6)
 
 
@@ -89,8 +93,16 @@ def test_guard_hand_computed_clipped_step():
     # prev = old + 0.5·[1, −1]; δμ = [0.2, 0.1] → log r̃ = (0.2 − 0.1)/2 = 0.05, r̃ = 1.0513 > 1.01 → clipped:
     # max(−1.0513, −1.01)/|−0.25| = −4.04, plus β·KL = 0.5·2 = 1.
     res = grpo_guard_loss(
-        t32([[0.2, 0.1]]), t32([[0.0, 0.0]]), t32([[0.5, -0.5]]), 0.5, -0.25, t32([1.0]),
-        clip_range=0.01, adv_clip=5.0, kl=t32([2.0]), beta=0.5,
+        t32([[0.2, 0.1]]),
+        t32([[0.0, 0.0]]),
+        t32([[0.5, -0.5]]),
+        0.5,
+        -0.25,
+        t32([1.0]),
+        clip_range=0.01,
+        adv_clip=5.0,
+        kl=t32([2.0]),
+        beta=0.5,
     )
     assert res.log_ratio.item() == pytest.approx(0.05, abs=1e-7)
     assert res.ratio.item() == pytest.approx(math.exp(0.05), rel=1e-6)
@@ -154,8 +166,15 @@ def test_nft_hand_computed_two_element_example():
     # x0 = [1, 0], ε = [0, 1], t = ½ → x_t = [½, ½]; β = ½: v⁺ = [−1, 1] → x̂0⁺ = x0 (ℓ⁺ = 0, w⁺ floored),
     # v⁻ = [−1, 3] → x̂0⁻ = [1, −1] (w⁻ = ½, ℓ⁻ = 1); r = 0.6: 5·(0.4·1)/½ = 4; KL 0.1·mean([1, 0]) = 0.05.
     loss, metrics = nft_loss(
-        t32([[-1.0, 0.0]]), t32([[-1.0, 2.0]]), t32([[0.0, 0.0]]), t32([[1.0, 0.0]]), t32([[0.5, 0.5]]),
-        0.5, t32([0.6]), beta=0.5, kl_beta=0.1,
+        t32([[-1.0, 0.0]]),
+        t32([[-1.0, 2.0]]),
+        t32([[0.0, 0.0]]),
+        t32([[1.0, 0.0]]),
+        t32([[0.5, 0.5]]),
+        0.5,
+        t32([0.6]),
+        beta=0.5,
+        kl_beta=0.1,
     )
     assert loss.item() == pytest.approx(4.05, rel=1e-6)
     assert metrics["actor/pg_loss"] == pytest.approx(4.0, rel=1e-6)
@@ -270,7 +289,16 @@ def test_awm_hand_computed_loss():
     v, eps, x0 = t32([[1.0, 2.0]]), t32([[1.0, 1.0]]), t32([[0.0, 1.0]])
     # on-policy, Â = 2.5/5 = 0.5 → −0.5; + 0.01·mean([1, 4]) + 1·mean([0, 4]) = −0.5 + 0.025 + 2
     loss, metrics = awm_loss(
-        v, v, eps, x0, 0.5, t32([2.5]), ref_v=t32([[0.0, 0.0]]), beta=0.01, ema_v=t32([[1.0, 0.0]]), ema_beta=1.0
+        v,
+        v,
+        eps,
+        x0,
+        0.5,
+        t32([2.5]),
+        ref_v=t32([[0.0, 0.0]]),
+        beta=0.01,
+        ema_v=t32([[1.0, 0.0]]),
+        ema_beta=1.0,
     )
     assert loss.item() == pytest.approx(1.525, rel=1e-6)
     assert metrics["actor/pg_loss"] == pytest.approx(-0.5, rel=1e-6)
@@ -291,8 +319,18 @@ def test_awm_matches_numpy_off_policy(weighting):
     ve = vo
     expected, ratio, _ = np_awm(v, vo, eps, x0, t, adv, weighting, 0.2, vr, 1e-3, ve, 0.5)
     loss, metrics = awm_loss(
-        t32(v), t32(vo), t32(eps), t32(x0), t32(t), t32(adv), weighting=weighting, clip_range=0.2,
-        ref_v=t32(vr), beta=1e-3, ema_v=t32(ve), ema_beta=0.5,
+        t32(v),
+        t32(vo),
+        t32(eps),
+        t32(x0),
+        t32(t),
+        t32(adv),
+        weighting=weighting,
+        clip_range=0.2,
+        ref_v=t32(vr),
+        beta=1e-3,
+        ema_v=t32(ve),
+        ema_beta=0.5,
     )
     assert loss.item() == pytest.approx(expected, rel=1e-5)
     assert metrics["actor/ratio_mean"] == pytest.approx(ratio.mean(), rel=1e-5)
@@ -367,5 +405,7 @@ def test_dpo_is_stable_at_large_beta():
 
 
 def test_registry_names_and_docs_agree():
-    assert set(FAMILY_LOSSES) == set(FAMILY_LOSS_DOCS) == {"grpo_guard", "diffusion_nft", "awm", "diffusion_dpo"}
+    assert (
+        set(FAMILY_LOSSES) == set(FAMILY_LOSS_DOCS) == {"grpo_guard", "diffusion_nft", "awm", "diffusion_dpo"}
+    )
     assert FAMILY_LOSSES["awm"] is awm_loss

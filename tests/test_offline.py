@@ -32,12 +32,14 @@ def pickapic(tmp_path_factory: pytest.TempPathFactory) -> Path:
         flat = torch.full((32, 32, 3), 40 + 30 * k, dtype=torch.uint8)
         noise = torch.randint(0, 256, (32, 32, 3), generator=g, dtype=torch.uint8)
         first_flat = k % 2 == 0
-        rows.append({
-            "caption": f"a plain square number {k}",
-            "jpg_0": _png(flat if first_flat else noise),
-            "jpg_1": _png(noise if first_flat else flat),
-            "label_0": 0.5 if k == 6 else (1.0 if first_flat else 0.0),
-        })
+        rows.append(
+            {
+                "caption": f"a plain square number {k}",
+                "jpg_0": _png(flat if first_flat else noise),
+                "jpg_1": _png(noise if first_flat else flat),
+                "label_0": 0.5 if k == 6 else (1.0 if first_flat else 0.0),
+            }
+        )
     path = tmp_path_factory.mktemp("offline") / "pickapic.parquet"
     pq.write_table(pa.Table.from_pylist(rows), path)
     return path
@@ -50,25 +52,63 @@ def test_pairs_converter_orders_preferred_first_and_skips_ties(pickapic: Path, t
     assert data["sample_id"][:4] == ["p0000000-w", "p0000000-l", "p0000001-w", "p0000001-l"]
     assert data["reward"].tolist() == [1.0, 0.0] * 6
     for i in range(0, 12, 2):  # the preferred image is always the flat one
-        colours = [np.unique(np.asarray(Image.open(io.BytesIO(data["image"][j]))).reshape(-1, 3), axis=0)
-                   for j in (i, i + 1)]
+        colours = [
+            np.unique(np.asarray(Image.open(io.BytesIO(data["image"][j]))).reshape(-1, 3), axis=0)
+            for j in (i, i + 1)
+        ]
         assert len(colours[0]) == 1 and len(colours[1]) > 100
 
 
-def test_offline_dpo_raises_the_implicit_preference_margin(pickapic: Path, tiny_sd3: Path, tmp_path: Path) -> None:
+def test_offline_dpo_raises_the_implicit_preference_margin(
+    pickapic: Path, tiny_sd3: Path, tmp_path: Path
+) -> None:
     from stages.models.diffusion import FlowPolicy
     from stages.update.family_losses import fm_error
 
     p = {n: tmp_path / n for n in ("pairs", "latents", "policy")}
     run("pairs", "--pairs", str(pickapic), "--out", str(p["pairs"]))
-    run("encode", "--model", str(tiny_sd3), "--in", str(p["pairs"]), "--resolution", "32", "--out", str(p["latents"]))
+    run(
+        "encode",
+        "--model",
+        str(tiny_sd3),
+        "--in",
+        str(p["pairs"]),
+        "--resolution",
+        "32",
+        "--out",
+        str(p["latents"]),
+    )
     latents = ShardSet(p["latents"]).read_all()["final_latent"]
     assert latents.shape == (12, 16, 8, 8)
     first = Image.open(io.BytesIO(ShardSet(p["pairs"]).read_all()["image"][0])).convert("RGB")
-    torch.testing.assert_close(latents[:1], FlowPolicy.load(tiny_sd3).encode_images([first], 32))  # row order kept
-    run("update", "--model", str(tiny_sd3), "--in", str(p["pairs"]), "--in", str(p["latents"]), "--algo", "dpo",
-        "--dpo-beta", "100", "--lr", "3e-3", "--lora-rank", "4", "--lora-alpha", "8", "--micro-batch", "4",
-        "--inner-epochs", "4", "--out", str(p["policy"]))
+    torch.testing.assert_close(
+        latents[:1], FlowPolicy.load(tiny_sd3).encode_images([first], 32)
+    )  # row order kept
+    run(
+        "update",
+        "--model",
+        str(tiny_sd3),
+        "--in",
+        str(p["pairs"]),
+        "--in",
+        str(p["latents"]),
+        "--algo",
+        "dpo",
+        "--dpo-beta",
+        "100",
+        "--lr",
+        "3e-3",
+        "--lora-rank",
+        "4",
+        "--lora-alpha",
+        "8",
+        "--micro-batch",
+        "4",
+        "--inner-epochs",
+        "4",
+        "--out",
+        str(p["policy"]),
+    )
     metrics = [json.loads(x) for x in (p["policy"] / "metrics.jsonl").read_text().splitlines()]
     assert metrics[0]["actor/dpo_loss"] == pytest.approx(0.6931471805599453, abs=1e-6)
     assert metrics[-1]["actor/rewards/margins"] > 0 and metrics[-1]["actor/dpo_loss"] < 0.6931

@@ -41,31 +41,83 @@ def preset(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _online(preset: Path, staged: dict[str, Path], out: Path, *extra: str) -> dict:
-    return run("online", "--config", str(preset), "--model", str(staged["model"]), "--prompts", str(staged["prompts"]),
-               "--reward", "jpeg_compressibility", "--out", str(out), *extra)
+    return run(
+        "online",
+        "--config",
+        str(preset),
+        "--model",
+        str(staged["model"]),
+        "--prompts",
+        str(staged["prompts"]),
+        "--reward",
+        "jpeg_compressibility",
+        "--out",
+        str(out),
+        *extra,
+    )
 
 
-def test_one_online_iteration_equals_the_staged_commands(preset: Path, staged: dict[str, Path], tmp_path: Path) -> None:
+def test_one_online_iteration_equals_the_staged_commands(
+    preset: Path, staged: dict[str, Path], tmp_path: Path
+) -> None:
     s = {n: tmp_path / "staged" / n for n in ("samples", "rewards", "logprobs", "advantages", "policy")}
     cfg = ["--config", str(preset)]
-    run("sample", *cfg, "--model", str(staged["model"]), "--prompts", str(staged["prompts"]), "--seed", "0",
-        "--iteration", "0", "--out", str(s["samples"]))
+    run(
+        "sample",
+        *cfg,
+        "--model",
+        str(staged["model"]),
+        "--prompts",
+        str(staged["prompts"]),
+        "--seed",
+        "0",
+        "--iteration",
+        "0",
+        "--out",
+        str(s["samples"]),
+    )
     run("score", "--in", str(s["samples"]), "--reward", "jpeg_compressibility", "--out", str(s["rewards"]))
     run("logprob", "--model", str(staged["model"]), "--in", str(s["samples"]), "--out", str(s["logprobs"]))
-    run("advantage", *cfg, "--in", str(s["samples"]), "--in", str(s["rewards"]), "--out", str(s["advantages"]))
-    run("update", *cfg, "--model", str(staged["model"]), "--in", str(s["samples"]), "--in", str(s["logprobs"]),
-        "--in", str(s["advantages"]), "--seed", "0", "--out", str(s["policy"]))
+    run(
+        "advantage", *cfg, "--in", str(s["samples"]), "--in", str(s["rewards"]), "--out", str(s["advantages"])
+    )
+    run(
+        "update",
+        *cfg,
+        "--model",
+        str(staged["model"]),
+        "--in",
+        str(s["samples"]),
+        "--in",
+        str(s["logprobs"]),
+        "--in",
+        str(s["advantages"]),
+        "--seed",
+        "0",
+        "--out",
+        str(s["policy"]),
+    )
 
     out = _online(preset, staged, tmp_path / "online", "--iterations", "1", "--save-trajectories")
     assert out["iterations"][0]["policy_versions"] == [0]
     o = tmp_path / "online"
-    torch.testing.assert_close(ShardSet(o / "it0" / "samples").read_all()["latents"],
-                               ShardSet(s["samples"]).read_all()["latents"], rtol=0, atol=0)
-    assert torch.equal(ShardSet(o / "it0" / "rewards").read_all()["reward"], ShardSet(s["rewards"]).read_all()["reward"])
-    torch.testing.assert_close(open_inputs([o / "it0" / "advantages"]).read_all()["advantages"],
-                               ShardSet(s["advantages"]).read_all()["advantages"])
+    torch.testing.assert_close(
+        ShardSet(o / "it0" / "samples").read_all()["latents"],
+        ShardSet(s["samples"]).read_all()["latents"],
+        rtol=0,
+        atol=0,
+    )
+    assert torch.equal(
+        ShardSet(o / "it0" / "rewards").read_all()["reward"], ShardSet(s["rewards"]).read_all()["reward"]
+    )
+    torch.testing.assert_close(
+        open_inputs([o / "it0" / "advantages"]).read_all()["advantages"],
+        ShardSet(s["advantages"]).read_all()["advantages"],
+    )
     staged_metrics = [json.loads(x) for x in (s["policy"] / "metrics.jsonl").read_text().splitlines()]
-    online_metrics = [json.loads(x) for x in (o / "it1" / "policy" / "metrics.jsonl").read_text().splitlines()]
+    online_metrics = [
+        json.loads(x) for x in (o / "it1" / "policy" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert [m["step"] for m in online_metrics] == [m["step"] for m in staged_metrics]
     for a, b in zip(staged_metrics, online_metrics, strict=True):
         assert b["actor/pg_loss"] == pytest.approx(a["actor/pg_loss"], rel=1e-5, abs=1e-8)
@@ -82,21 +134,39 @@ def test_resume_and_staleness(preset: Path, staged: dict[str, Path], tmp_path: P
     again = _online(preset, staged, tmp_path / "s0", "--iterations", "3")["iterations"]
     assert [it["iteration"] for it in again] == [2]  # resumed after the it2 checkpoint
     assert again[0]["step"] == 3 * fresh[0]["step"]
-    overlapped = _online(preset, staged, tmp_path / "s1", "--iterations", "2", "--max-staleness", "1")["iterations"]
+    overlapped = _online(preset, staged, tmp_path / "s1", "--iterations", "2", "--max-staleness", "1")[
+        "iterations"
+    ]
     assert overlapped[1]["policy_versions"] == [0]  # sampled while iteration 0 trained
 
 
-def test_a_crashed_worker_is_named_and_nothing_is_left_running(preset: Path, staged: dict[str, Path],
-                                                                tmp_path: Path, monkeypatch) -> None:
+def test_a_crashed_worker_is_named_and_nothing_is_left_running(
+    preset: Path, staged: dict[str, Path], tmp_path: Path, monkeypatch
+) -> None:
     import multiprocessing
 
     plugin = tmp_path / "dying_reward.py"
     plugin.write_text("import os\n\ndef score(images, prompts, meta):\n    os._exit(3)\n")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     monkeypatch.syspath_prepend(str(tmp_path))
-    result = runner.invoke(app, ["online", "--config", str(preset), "--model", str(staged["model"]), "--prompts",
-                                 str(staged["prompts"]), "--reward", "dying_reward:score", "--iterations", "1",
-                                 "--out", str(tmp_path / "run")])
+    result = runner.invoke(
+        app,
+        [
+            "online",
+            "--config",
+            str(preset),
+            "--model",
+            str(staged["model"]),
+            "--prompts",
+            str(staged["prompts"]),
+            "--reward",
+            "dying_reward:score",
+            "--iterations",
+            "1",
+            "--out",
+            str(tmp_path / "run"),
+        ],
+    )
     assert result.exit_code == 1
     assert "scorer worker exited with code 3" in result.output
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("omnirl-")]

@@ -23,7 +23,9 @@ def test_samples_follow_the_trajectory_schema(staged: dict[str, Path]) -> None:
     assert s.num_rows == 6 and s.num_shards == 2
     cols = s.columns
     assert cols["latents"].shape == (5, 16, 8, 8)  # K+1 stored latents, 4 SDE steps at 32 px
-    assert cols["log_probs"].shape == (4,) and cols["sigmas"].shape == (5,) and cols["timesteps"].shape == (4,)
+    assert (
+        cols["log_probs"].shape == (4,) and cols["sigmas"].shape == (5,) and cols["timesteps"].shape == (4,)
+    )
     assert cols["final_latent"].shape == (16, 8, 8)
     data = s.read_all()
     assert data["group_id"] == ["g000000"] * 2 + ["g000001"] * 2 + ["g000002"] * 2
@@ -42,7 +44,9 @@ def test_replay_reproduces_rollout_log_probs_exactly(staged: dict[str, Path]) ->
     assert manifest.extra["abs_delta_max"] == 0.0
 
 
-def test_same_seed_same_bytes_and_batch_size_does_not_change_a_sample(staged: dict[str, Path], tmp_path: Path) -> None:
+def test_same_seed_same_bytes_and_batch_size_does_not_change_a_sample(
+    staged: dict[str, Path], tmp_path: Path
+) -> None:
     again = tmp_path / "again"
     run(*sample_args(staged["model"], staged["prompts"], again, "--batch-size", "2"))
     a = ShardSet(staged["samples"]).read_all()
@@ -66,8 +70,16 @@ def test_ode_rollout_matches_the_diffusers_pipeline(tiny_sd3: Path) -> None:
     pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3)
     pipe.set_progress_bar_config(disable=True)
     x_t = policy.initial_noise([1, 2], 32)
-    theirs = pipe(PROMPTS[:2], latents=x_t, num_inference_steps=5, guidance_scale=3.0, height=32, width=32,
-                  output_type="latent", max_sequence_length=128).images
+    theirs = pipe(
+        PROMPTS[:2],
+        latents=x_t,
+        num_inference_steps=5,
+        guidance_scale=3.0,
+        height=32,
+        width=32,
+        output_type="latent",
+        max_sequence_length=128,
+    ).images
     torch.testing.assert_close(ours["final_latent"], theirs.float(), rtol=1e-5, atol=1e-5)
     assert "log_probs" not in ours
 
@@ -99,7 +111,14 @@ def test_update_writes_a_diffusers_loadable_adapter_and_resumes(staged: dict[str
     assert cfg2["step"] == 4 and cfg2["parent_adapter"] == str(staged["policy1"])
     metrics = [json.loads(line) for line in (staged["policy1"] / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2]
-    for key in ("actor/pg_loss", "actor/ratio_mean", "actor/pg_clipfrac", "actor/ppo_kl", "actor/grad_norm", "actor/lr"):
+    for key in (
+        "actor/pg_loss",
+        "actor/ratio_mean",
+        "actor/pg_clipfrac",
+        "actor/ppo_kl",
+        "actor/grad_norm",
+        "actor/lr",
+    ):
         assert key in metrics[0]
     # on-policy, the first micro-batch replays the rollout exactly
     assert metrics[0]["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
@@ -111,19 +130,52 @@ def test_update_writes_a_diffusers_loadable_adapter_and_resumes(staged: dict[str
     pipe.set_progress_bar_config(disable=True)
     pipe.load_lora_weights(str(staged["policy1"]))
     x_t = policy.initial_noise([3], 32)
-    ours = policy.pipe(["a red apple"], latents=x_t, num_inference_steps=3, guidance_scale=1.0, height=32, width=32,
-                       output_type="latent").images
-    theirs = pipe(["a red apple"], latents=x_t, num_inference_steps=3, guidance_scale=1.0, height=32, width=32,
-                  output_type="latent").images
+    ours = policy.pipe(
+        ["a red apple"],
+        latents=x_t,
+        num_inference_steps=3,
+        guidance_scale=1.0,
+        height=32,
+        width=32,
+        output_type="latent",
+    ).images
+    theirs = pipe(
+        ["a red apple"],
+        latents=x_t,
+        num_inference_steps=3,
+        guidance_scale=1.0,
+        height=32,
+        width=32,
+        output_type="latent",
+    ).images
     torch.testing.assert_close(ours, theirs)
-    base = FlowPolicy.load(staged["model"]).pipe(["a red apple"], latents=x_t, num_inference_steps=3,
-                                                 guidance_scale=1.0, height=32, width=32, output_type="latent").images
+    base = (
+        FlowPolicy.load(staged["model"])
+        .pipe(
+            ["a red apple"],
+            latents=x_t,
+            num_inference_steps=3,
+            guidance_scale=1.0,
+            height=32,
+            width=32,
+            output_type="latent",
+        )
+        .images
+    )
     assert not torch.equal(base, ours)  # the adapter changed the policy
 
 
 def test_rerun_is_a_no_op_and_inspect_shows_lineage(staged: dict[str, Path]) -> None:
     before = (staged["rewards"] / "_manifest.json").read_bytes()
-    out = run("score", "--in", str(staged["samples"]), "--reward", "jpeg_compressibility", "--out", str(staged["rewards"]))
+    out = run(
+        "score",
+        "--in",
+        str(staged["samples"]),
+        "--reward",
+        "jpeg_compressibility",
+        "--out",
+        str(staged["rewards"]),
+    )
     assert out["rows"] == 6
     assert (staged["rewards"] / "_manifest.json").read_bytes() == before
     info = run("inspect", str(staged["advantages"]))
@@ -134,13 +186,27 @@ def test_rerun_is_a_no_op_and_inspect_shows_lineage(staged: dict[str, Path]) -> 
 def test_bad_inputs_exit_2_with_one_line(staged: dict[str, Path], tmp_path: Path) -> None:
     result = runner.invoke(app, ["advantage", "--in", str(staged["samples"]), "--out", str(tmp_path / "a")])
     assert result.exit_code == 2 and "reward" in result.output
-    result = runner.invoke(app, ["score", "--in", str(staged["samples"]), "--reward", "no_such_reward",
-                                 "--out", str(tmp_path / "r")])
+    result = runner.invoke(
+        app,
+        ["score", "--in", str(staged["samples"]), "--reward", "no_such_reward", "--out", str(tmp_path / "r")],
+    )
     assert result.exit_code == 2 and "no_such_reward" in result.output
-    result = runner.invoke(app, ["sample", "--model", str(tmp_path), "--prompts", str(staged["prompts"]),
-                                 "--out", str(tmp_path / "s")])
+    result = runner.invoke(
+        app,
+        [
+            "sample",
+            "--model",
+            str(tmp_path),
+            "--prompts",
+            str(staged["prompts"]),
+            "--out",
+            str(tmp_path / "s"),
+        ],
+    )
     assert result.exit_code == 2 and "model_index.json" in result.output
-    result = runner.invoke(app, [*sample_args(staged["model"], staged["prompts"], tmp_path / "s2"), "--sampler", "magic"])
+    result = runner.invoke(
+        app, [*sample_args(staged["model"], staged["prompts"], tmp_path / "s2"), "--sampler", "magic"]
+    )
     assert result.exit_code == 2 and "--sampler magic" in result.output
 
 
@@ -148,19 +214,50 @@ def test_nan_reward_is_reported_not_trained_on(staged: dict[str, Path], tmp_path
     plugin = tmp_path / "nan_reward_plugin.py"
     plugin.write_text("def score(images, prompts, meta):\n    return [float('nan')] * len(images)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    result = runner.invoke(app, ["score", "--in", str(staged["samples"]), "--reward", "nan_reward_plugin:score",
-                                 "--out", str(tmp_path / "r")])
+    result = runner.invoke(
+        app,
+        [
+            "score",
+            "--in",
+            str(staged["samples"]),
+            "--reward",
+            "nan_reward_plugin:score",
+            "--out",
+            str(tmp_path / "r"),
+        ],
+    )
     assert result.exit_code == 2
     assert "g000000-000" in result.output
     assert not (tmp_path / "r" / "_manifest.json").exists()
 
 
 @pytest.mark.parametrize("mode", ["lora", "full"])
-def test_kl_to_the_frozen_reference_starts_at_zero_then_grows(staged: dict[str, Path], tmp_path: Path, mode: str) -> None:
-    inputs = ["--in", str(staged["samples"]), "--in", str(staged["logprobs"]), "--in", str(staged["advantages"])]
+def test_kl_to_the_frozen_reference_starts_at_zero_then_grows(
+    staged: dict[str, Path], tmp_path: Path, mode: str
+) -> None:
+    inputs = [
+        "--in",
+        str(staged["samples"]),
+        "--in",
+        str(staged["logprobs"]),
+        "--in",
+        str(staged["advantages"]),
+    ]
     extra = ["--full"] if mode == "full" else ["--lora-rank", "4", "--lora-alpha", "8"]
-    run("update", "--model", str(staged["model"]), *inputs, "--beta", "0.04", "--lr", "1e-2", "--no-shuffle",
-        *extra, "--out", str(tmp_path / "p"))
+    run(
+        "update",
+        "--model",
+        str(staged["model"]),
+        *inputs,
+        "--beta",
+        "0.04",
+        "--lr",
+        "1e-2",
+        "--no-shuffle",
+        *extra,
+        "--out",
+        str(tmp_path / "p"),
+    )
     metrics = [json.loads(line) for line in (tmp_path / "p" / "metrics.jsonl").read_text().splitlines()]
     assert metrics[0]["actor/kl_loss"] == 0.0  # policy == reference before the first optimizer step
     assert metrics[1]["actor/kl_loss"] > 0.0
@@ -169,8 +266,18 @@ def test_kl_to_the_frozen_reference_starts_at_zero_then_grows(staged: dict[str, 
 
 
 def test_logprob_reference_means(staged: dict[str, Path], tmp_path: Path) -> None:
-    run("logprob", "--model", str(staged["model"]), "--adapter", str(staged["policy1"]), "--in", str(staged["samples"]),
-        "--reference", "--out", str(tmp_path / "lp"))
+    run(
+        "logprob",
+        "--model",
+        str(staged["model"]),
+        "--adapter",
+        str(staged["policy1"]),
+        "--in",
+        str(staged["samples"]),
+        "--reference",
+        "--out",
+        str(tmp_path / "lp"),
+    )
     data = ShardSet(tmp_path / "lp").read_all()
     assert data["ref_means"].shape == (6, 4, 16, 8, 8)
     # under the trained adapter the replayed log-probs move away from the rollout's
@@ -178,13 +285,38 @@ def test_logprob_reference_means(staged: dict[str, Path], tmp_path: Path) -> Non
     assert not torch.equal(data["old_log_probs"], rollout)
 
 
-def test_stored_reference_means_give_the_same_kl_as_recomputing(staged: dict[str, Path], tmp_path: Path) -> None:
+def test_stored_reference_means_give_the_same_kl_as_recomputing(
+    staged: dict[str, Path], tmp_path: Path
+) -> None:
     """`update` reads ref_means from `logprob --reference` instead of a second forward: same numbers."""
-    run("logprob", "--model", str(staged["model"]), "--in", str(staged["samples"]), "--reference",
-        "--out", str(tmp_path / "lp"))
-    common = ["update", "--model", str(staged["model"]), "--in", str(staged["samples"]), "--in",
-              str(staged["advantages"]), "--beta", "0.04", "--lr", "1e-2", "--no-shuffle", "--lora-rank", "4",
-              "--lora-alpha", "8"]
+    run(
+        "logprob",
+        "--model",
+        str(staged["model"]),
+        "--in",
+        str(staged["samples"]),
+        "--reference",
+        "--out",
+        str(tmp_path / "lp"),
+    )
+    common = [
+        "update",
+        "--model",
+        str(staged["model"]),
+        "--in",
+        str(staged["samples"]),
+        "--in",
+        str(staged["advantages"]),
+        "--beta",
+        "0.04",
+        "--lr",
+        "1e-2",
+        "--no-shuffle",
+        "--lora-rank",
+        "4",
+        "--lora-alpha",
+        "8",
+    ]
     run(*common, "--in", str(staged["logprobs"]), "--out", str(tmp_path / "recomputed"))
     run(*common, "--in", str(tmp_path / "lp"), "--out", str(tmp_path / "stored"))
     a = [json.loads(x) for x in (tmp_path / "recomputed" / "metrics.jsonl").read_text().splitlines()]
@@ -197,16 +329,53 @@ def test_stored_reference_means_give_the_same_kl_as_recomputing(staged: dict[str
 def test_every_stage_reads_and_writes_webdataset(staged: dict[str, Path], tmp_path: Path) -> None:
     """The same chain with WebDataset shards: same rollout bytes, same rewards as the Parquet run."""
     wds = {name: tmp_path / name for name in ("samples", "rewards", "logprobs", "advantages", "policy")}
-    run(*sample_args(staged["model"], staged["prompts"], wds["samples"], "--num-shards", "2", "--format", "webdataset"))
-    assert sorted(p.name for p in wds["samples"].glob("part-*")) == ["part-00000-of-00002.tar", "part-00001-of-00002.tar"]
-    run("score", "--in", str(wds["samples"]), "--reward", "jpeg_compressibility", "--format", "webdataset",
-        "--out", str(wds["rewards"]))
-    run("logprob", "--model", str(staged["model"]), "--in", str(wds["samples"]), "--out", str(wds["logprobs"]))
-    run("advantage", "--in", str(wds["samples"]), "--in", str(wds["rewards"]), "--out", str(wds["advantages"]))
-    run("update", "--model", str(staged["model"]), "--in", str(wds["samples"]), "--in", str(wds["logprobs"]),
-        "--in", str(wds["advantages"]), "--lora-rank", "4", "--lora-alpha", "8", "--out", str(wds["policy"]))
+    run(
+        *sample_args(
+            staged["model"], staged["prompts"], wds["samples"], "--num-shards", "2", "--format", "webdataset"
+        )
+    )
+    assert sorted(p.name for p in wds["samples"].glob("part-*")) == [
+        "part-00000-of-00002.tar",
+        "part-00001-of-00002.tar",
+    ]
+    run(
+        "score",
+        "--in",
+        str(wds["samples"]),
+        "--reward",
+        "jpeg_compressibility",
+        "--format",
+        "webdataset",
+        "--out",
+        str(wds["rewards"]),
+    )
+    run(
+        "logprob", "--model", str(staged["model"]), "--in", str(wds["samples"]), "--out", str(wds["logprobs"])
+    )
+    run(
+        "advantage", "--in", str(wds["samples"]), "--in", str(wds["rewards"]), "--out", str(wds["advantages"])
+    )
+    run(
+        "update",
+        "--model",
+        str(staged["model"]),
+        "--in",
+        str(wds["samples"]),
+        "--in",
+        str(wds["logprobs"]),
+        "--in",
+        str(wds["advantages"]),
+        "--lora-rank",
+        "4",
+        "--lora-alpha",
+        "8",
+        "--out",
+        str(wds["policy"]),
+    )
     parquet = ShardSet(staged["samples"]).read_all()
     tar = ShardSet(wds["samples"]).read_all()
     assert torch.equal(parquet["latents"], tar["latents"]) and parquet["image"] == tar["image"]
-    assert torch.equal(ShardSet(staged["rewards"]).read_all()["reward"], ShardSet(wds["rewards"]).read_all()["reward"])
+    assert torch.equal(
+        ShardSet(staged["rewards"]).read_all()["reward"], ShardSet(wds["rewards"]).read_all()["reward"]
+    )
     assert torch.equal(ShardSet(wds["logprobs"]).read_all()["old_log_probs"], tar["log_probs"])

@@ -49,6 +49,7 @@ def _write_module(tmp_path: Path, monkeypatch, name: str, source: str) -> None:
 
 # --- JPEG -----------------------------------------------------------------------------------------
 
+
 def test_jpeg_rewards_equal_independent_encoding():
     images = [_noise_image(0), _flat_image(), _noise_image(1, size=32)]
     expected_kb = [_jpeg_kb_reference(image) for image in images]
@@ -73,10 +74,18 @@ def test_flat_image_is_more_compressible_than_noise():
 
 # --- OCR formula ----------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize(
     ("a", "b", "distance"),
-    [("kitten", "sitting", 3), ("flaw", "lawn", 2), ("", "abc", 3), ("abc", "", 3), ("same", "same", 0),
-     ("ab", "ba", 2), ("intention", "execution", 5)],
+    [
+        ("kitten", "sitting", 3),
+        ("flaw", "lawn", 2),
+        ("", "abc", 3),
+        ("abc", "", 3),
+        ("same", "same", 0),
+        ("ab", "ba", 2),
+        ("intention", "execution", 5),
+    ],
 )
 def test_levenshtein_known_values(a, b, distance):
     assert levenshtein(a, b) == distance
@@ -106,7 +115,9 @@ def test_ocr_target_from_prompt_and_meta():
 
 def _text_image(text: str) -> Image.Image:
     image = Image.new("RGB", (512, 512), "white")
-    fonts = sorted(Path("/usr/share/fonts").rglob("DejaVuSans.ttf")) if Path("/usr/share/fonts").exists() else []
+    fonts = (
+        sorted(Path("/usr/share/fonts").rglob("DejaVuSans.ttf")) if Path("/usr/share/fonts").exists() else []
+    )
     font = ImageFont.truetype(str(fonts[0]), 72) if fonts else ImageFont.load_default(size=72)
     ImageDraw.Draw(image).text((24, 200), text, fill="black", font=font)
     return image
@@ -135,11 +146,17 @@ def test_ocr_engine_failure_is_none_not_zero(monkeypatch):
 
 # --- registry -------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize(
     ("spec", "expected"),
-    [("ocr", ("ocr", 1.0)), ("jpeg_compressibility=0.1", ("jpeg_compressibility", 0.1)),
-     ("mypkg.mod:fn=2", ("mypkg.mod:fn", 2.0)), (" ocr = -0.5 ", ("ocr", -0.5)), ("mypkg.mod:fn", ("mypkg.mod:fn", 1.0)),
-     ("ocr=0", ("ocr", 0.0))],
+    [
+        ("ocr", ("ocr", 1.0)),
+        ("jpeg_compressibility=0.1", ("jpeg_compressibility", 0.1)),
+        ("mypkg.mod:fn=2", ("mypkg.mod:fn", 2.0)),
+        (" ocr = -0.5 ", ("ocr", -0.5)),
+        ("mypkg.mod:fn", ("mypkg.mod:fn", 1.0)),
+        ("ocr=0", ("ocr", 0.0)),
+    ],
 )
 def test_parse_reward_spec(spec, expected):
     assert parse_reward_spec(spec) == expected
@@ -171,7 +188,11 @@ def test_register_reward_refuses_silent_shadowing(scratch_registry):
 
 
 def test_plugin_module_function_and_class(tmp_path, monkeypatch, scratch_registry):
-    _write_module(tmp_path, monkeypatch, "omnirl_test_plugin_a", """
+    _write_module(
+        tmp_path,
+        monkeypatch,
+        "omnirl_test_plugin_a",
+        """
         def brightness(images, prompts, meta):
             return [image.convert("L").getpixel((0, 0)) / 255 for image in images]
 
@@ -182,14 +203,20 @@ def test_plugin_module_function_and_class(tmp_path, monkeypatch, scratch_registr
             def __call__(self, images, prompts, meta):
                 self.calls += 1
                 return [float(len(p)) for p in prompts]
-    """)
+    """,
+    )
     white, black = Image.new("RGB", (8, 8), "white"), Image.new("RGB", (8, 8), "black")
     scorer = get_reward("omnirl_test_plugin_a:brightness")
     assert scorer([white, black], ["a", "b"], [{}, {}]) == [1.0, 0.0]
     instance = get_reward("omnirl_test_plugin_a:PromptLength")
     assert instance is get_reward("omnirl_test_plugin_a:PromptLength")  # instantiated once
-    out = score_batch([("omnirl_test_plugin_a:PromptLength", 2.0)], [white, black], ["abc", "z"], [{}, {}],
-                      sample_ids=["s0", "s1"])
+    out = score_batch(
+        [("omnirl_test_plugin_a:PromptLength", 2.0)],
+        [white, black],
+        ["abc", "z"],
+        [{}, {}],
+        sample_ids=["s0", "s1"],
+    )
     assert out["reward"].tolist() == [6.0, 2.0]
     assert instance.calls == 1
     with pytest.raises(UserInputError, match="no attribute 'missing'"):
@@ -201,20 +228,30 @@ def test_plugin_module_function_and_class(tmp_path, monkeypatch, scratch_registr
 def test_entry_point_reward(tmp_path, monkeypatch, scratch_registry):
     import importlib.metadata
 
-    _write_module(tmp_path, monkeypatch, "omnirl_test_plugin_ep", """
+    _write_module(
+        tmp_path,
+        monkeypatch,
+        "omnirl_test_plugin_ep",
+        """
         def constant(images, prompts, meta):
             return [0.25] * len(images)
-    """)
-    ep = importlib.metadata.EntryPoint(name="quarter", value="omnirl_test_plugin_ep:constant", group="omnirl.rewards")
+    """,
+    )
+    ep = importlib.metadata.EntryPoint(
+        name="quarter", value="omnirl_test_plugin_ep:constant", group="omnirl.rewards"
+    )
     real = importlib.metadata.entry_points
     monkeypatch.setattr(
-        importlib.metadata, "entry_points", lambda group=None: [ep] if group == "omnirl.rewards" else real(group=group)
+        importlib.metadata,
+        "entry_points",
+        lambda group=None: [ep] if group == "omnirl.rewards" else real(group=group),
     )
     assert "quarter" in available_rewards()
     assert get_reward("quarter")([None, None], ["", ""], [{}, {}]) == [0.25, 0.25]
 
 
 # --- score_batch ----------------------------------------------------------------------------------
+
 
 def _register_fixed(name: str, values):
     @register_reward(name)
@@ -229,8 +266,9 @@ def test_score_batch_weighted_sum(scratch_registry):
     b = [3.0, 1.0 / 3.0, 0.0]
     _register_fixed("fixed_a", a)
     _register_fixed("fixed_b", b)
-    out = score_batch([("fixed_a", 2.0), ("fixed_b", 0.5)], [None] * 3, ["p"] * 3, [{}] * 3,
-                      sample_ids=["x", "y", "z"])
+    out = score_batch(
+        [("fixed_a", 2.0), ("fixed_b", 0.5)], [None] * 3, ["p"] * 3, [{}] * 3, sample_ids=["x", "y", "z"]
+    )
     assert list(out) == ["reward", "reward.fixed_a", "reward.fixed_b"]
     expected = np.float32(2.0 * np.array(a, dtype=np.float64) + 0.5 * np.array(b, dtype=np.float64))
     for key in out:
@@ -252,8 +290,10 @@ def test_score_batch_calls_each_scorer_once_per_batch(scratch_registry):
     assert calls == [5]
 
 
-@pytest.mark.parametrize(("bad", "text"), [(math.nan, "returned nan"), (math.inf, "returned inf"),
-                                           (None, r"could not score \(None\)")])
+@pytest.mark.parametrize(
+    ("bad", "text"),
+    [(math.nan, "returned nan"), (math.inf, "returned inf"), (None, r"could not score \(None\)")],
+)
 def test_non_finite_score_names_scorer_and_sample(scratch_registry, bad, text):
     _register_fixed("flaky", [1.0, bad, 2.0])
     with pytest.raises(NonFiniteError, match=rf"reward 'flaky' {text} for sample 'id-1'"):
@@ -263,8 +303,14 @@ def test_non_finite_score_names_scorer_and_sample(scratch_registry, bad, text):
 def test_on_error_zero_records_and_flags(scratch_registry, caplog):
     _register_fixed("flaky", [1.0, math.nan, 2.0])
     _register_fixed("steady", [1.0, 1.0, 1.0])
-    out = score_batch([("flaky", 1.0), ("steady", 3.0)], [None] * 3, ["p"] * 3, [{}] * 3,
-                      sample_ids=["a", "b", "c"], on_error="zero")
+    out = score_batch(
+        [("flaky", 1.0), ("steady", 3.0)],
+        [None] * 3,
+        ["p"] * 3,
+        [{}] * 3,
+        sample_ids=["a", "b", "c"],
+        on_error="zero",
+    )
     assert out["reward.flaky"].tolist() == [1.0, 0.0, 2.0]
     assert out["reward"].tolist() == [4.0, 3.0, 5.0]
     assert out["reward_failed"].tolist() == [False, True, False]
@@ -277,7 +323,9 @@ def test_raising_scorer(scratch_registry):
         raise RuntimeError("server down")
 
     args = ([None] * 2, ["p"] * 2, [{}] * 2)
-    with pytest.raises(NonFiniteError, match=r"reward 'crashy' raised RuntimeError: server down .*'s0'\.\.'s1'"):
+    with pytest.raises(
+        NonFiniteError, match=r"reward 'crashy' raised RuntimeError: server down .*'s0'\.\.'s1'"
+    ):
         score_batch([("crashy", 1.0)], *args, sample_ids=["s0", "s1"])
     out = score_batch([("crashy", 1.0)], *args, sample_ids=["s0", "s1"], on_error="zero")
     assert out["reward_failed"].tolist() == [True, True]
@@ -286,7 +334,9 @@ def test_raising_scorer(scratch_registry):
 
 def test_user_input_error_from_scorer_propagates_even_with_zero(scratch_registry):
     with pytest.raises(UserInputError, match=r"reward 'ocr': .*no text in double quotes") as info:
-        score_batch([("ocr", 1.0)], [_flat_image()], ["no quotes here"], [{}], sample_ids=["s0"], on_error="zero")
+        score_batch(
+            [("ocr", 1.0)], [_flat_image()], ["no quotes here"], [{}], sample_ids=["s0"], on_error="zero"
+        )
     assert not isinstance(info.value, NonFiniteError)
 
 

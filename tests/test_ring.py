@@ -201,7 +201,11 @@ def test_close_unblocks_a_put_waiting_for_a_slot() -> None:
 @pytest.mark.parametrize(
     ("batch", "meta", "match"),
     [
-        ({"latents": torch.zeros(2, 4, 8, 8), "step": torch.zeros(2, dtype=torch.int64)}, None, "missing fields \\['cond'\\]"),
+        (
+            {"latents": torch.zeros(2, 4, 8, 8), "step": torch.zeros(2, dtype=torch.int64)},
+            None,
+            "missing fields \\['cond'\\]",
+        ),
         ({**make_batch(0, 2), "extra": torch.zeros(2)}, None, "unknown fields \\['extra'\\]"),
         ({**make_batch(0, 2), "latents": torch.zeros(2, 4, 8, 9)}, None, "'latents' has shape"),
         ({**make_batch(0, 2), "step": torch.zeros(2, 1, dtype=torch.int64)}, None, "'step' has shape"),

@@ -21,19 +21,28 @@ def advantage(
     out: OutOpt = Path("advantages"),
     estimator: Annotated[
         str,
-        typer.Option("--estimator", help="grpo (flow_grpo: global std), grpo_group, dance (unbiased group std), drgrpo (no std), pairs (+1 best, −1 worst of each group: online DPO), or module:function."),
+        typer.Option(
+            "--estimator",
+            help="grpo (flow_grpo: global std), grpo_group, dance (unbiased group std), drgrpo (no std), pairs (+1 best, −1 worst of each group: online DPO), or module:function.",
+        ),
     ] = "grpo",
     std: Annotated[
         str | None, typer.Option("--std", help="Override the estimator's std: global, group or none.")
     ] = None,
     clip: Annotated[float | None, typer.Option("--clip", help="Clip advantages to ±CLIP.")] = None,
     drop_zero_std: Annotated[
-        bool, typer.Option("--drop-zero-std", help="Mark samples of all-equal-reward groups as not trained (flow_grpo).")
+        bool,
+        typer.Option(
+            "--drop-zero-std", help="Mark samples of all-equal-reward groups as not trained (flow_grpo)."
+        ),
     ] = False,
     aggregation: Annotated[
         str,
-        typer.Option("--aggregation", help="reward_aggr: normalise the weighted total reward (flow_grpo); "
-                     "advantage_aggr: normalise each reward.<name> on its own, then weight and sum (MixGRPO)."),
+        typer.Option(
+            "--aggregation",
+            help="reward_aggr: normalise the weighted total reward (flow_grpo); "
+            "advantage_aggr: normalise each reward.<name> on its own, then weight and sum (MixGRPO).",
+        ),
     ] = "reward_aggr",
     fmt: FormatOpt = "parquet",
     overwrite: OverwriteOpt = False,
@@ -60,9 +69,14 @@ def advantage(
             raise UserInputError(f"--std {c['std']}: choose global, group or none")
     src = open_inputs(c["inputs"])
     writer = ShardSetWriter(
-        c["out"], num_shards=src.num_shards, format=check_format(c["fmt"]), command="advantage",
+        c["out"],
+        num_shards=src.num_shards,
+        format=check_format(c["fmt"]),
+        command="advantage",
         config=run_config(c),
-        parents=list(src.paths), policy=src.manifests[0].policy, overwrite=c["overwrite"],
+        parents=list(src.paths),
+        policy=src.manifests[0].policy,
+        overwrite=c["overwrite"],
     )
     steps_col = src.columns.get("log_probs")
     num_steps = steps_col.shape[0] if steps_col is not None and steps_col.shape else 1
@@ -74,7 +88,12 @@ def advantage(
     columns = ["sample_id", "group_id", "reward", *(f"reward.{n}" for n in weights or {})]
     data = src.read_all(columns=columns)
     cols, stats = compute_advantages(
-        data, estimator=name, clip=c["clip"], drop_zero_std=c["drop_zero_std"], num_steps=num_steps, weights=weights
+        data,
+        estimator=name,
+        clip=c["clip"],
+        drop_zero_std=c["drop_zero_std"],
+        num_steps=num_steps,
+        weights=weights,
     )
     if not writer.complete:
         start = 0
@@ -87,5 +106,7 @@ def advantage(
     if json_:
         emit_json(result)
     else:
-        log(f"[green]advantages[/] → {c['out']}  reward {stats['reward_mean']:.4f} ± {stats['reward_std']:.4f}, "
-            f"zero_std_ratio {stats['zero_std_ratio']:.3f}, {stats['num_groups']} groups")
+        log(
+            f"[green]advantages[/] → {c['out']}  reward {stats['reward_mean']:.4f} ± {stats['reward_std']:.4f}, "
+            f"zero_std_ratio {stats['zero_std_ratio']:.3f}, {stats['num_groups']} groups"
+        )

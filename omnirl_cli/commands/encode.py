@@ -19,8 +19,12 @@ def encode(
     ctx: typer.Context,
     inputs: InOpt = None,
     out: OutOpt = Path("latents"),
-    model: Annotated[Path, typer.Option("--model", "-m", help="Diffusers pipeline folder (its VAE encodes).")] = Path("model"),
-    resolution: Annotated[int, typer.Option("--resolution", help="Images are resized and centre-cropped to this.")] = 512,
+    model: Annotated[
+        Path, typer.Option("--model", "-m", help="Diffusers pipeline folder (its VAE encodes).")
+    ] = Path("model"),
+    resolution: Annotated[
+        int, typer.Option("--resolution", help="Images are resized and centre-cropped to this.")
+    ] = 512,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Images per VAE call.")] = 8,
     dtype: Annotated[str, typer.Option("--dtype", help="fp32, bf16 or fp16.")] = "fp32",
     fmt: FormatOpt = "parquet",
@@ -44,8 +48,14 @@ def encode(
 
         raise UserInputError("--in: no 'image' column to encode")
     writer = ShardSetWriter(
-        c["out"], num_shards=src.num_shards, format=check_format(c["fmt"]), command="encode", config=run_config(c),
-        parents=list(src.paths), policy=policy_info(c["model"], None), overwrite=c["overwrite"],
+        c["out"],
+        num_shards=src.num_shards,
+        format=check_format(c["fmt"]),
+        command="encode",
+        config=run_config(c),
+        parents=list(src.paths),
+        policy=policy_info(c["model"], None),
+        overwrite=c["overwrite"],
     )
     if not writer.complete:
         policy = FlowPolicy.load(c["model"], device=device(), dtype=c["dtype"])
@@ -56,8 +66,16 @@ def encode(
                     bar.advance(task, src.manifests[0].shards[s].rows)
                     continue
                 shard = src.read_shard(s, columns=["sample_id", "image"])
-                writer.write_shard(s, encode_shard(policy, shard, resolution=c["resolution"], batch_size=c["batch_size"],
-                                                   on_batch=lambda n: bar.advance(task, n)))
+                writer.write_shard(
+                    s,
+                    encode_shard(
+                        policy,
+                        shard,
+                        resolution=c["resolution"],
+                        batch_size=c["batch_size"],
+                        on_batch=lambda n: bar.advance(task, n),
+                    ),
+                )
         writer.finalize()
     result = {"out": str(c["out"]), "rows": src.num_rows}
     if json_:

@@ -18,7 +18,9 @@ def init_model(
     out: Annotated[Path, typer.Argument(help="Directory to write the model folder to.")],
     family: Annotated[str, typer.Option("--family", help="Model family, e.g. sd3.")] = "sd3",
     size: Annotated[str, typer.Option("--size", help="tiny (fast tests) or small (benchmarks).")] = "tiny",
-    seed: Annotated[int, typer.Option("--seed", help="Weight seed: the same seed gives the same weights.")] = 0,
+    seed: Annotated[
+        int, typer.Option("--seed", help="Weight seed: the same seed gives the same weights.")
+    ] = 0,
     json_: JsonOpt = False,
 ) -> None:
     """Build a tiny model of a family from its config, with locally built tokenizers, and save it.
@@ -36,4 +38,3 @@ def init_model(
         emit_json(summary)
     else:
         log(f"[green]wrote[/] {family}/{size} model (seed {seed}) to {out}")
-

@@ -51,11 +51,18 @@ def _render(info: dict[str, Any], head: list[dict[str, Any]], sha: dict[str, str
         cols.add_column(name, justify="right", no_wrap=True)
     for col in info["columns"]:
         st = stats.get(col["name"])
-        shape = ("×".join(str(d) for d in col.get("shape") or ()) or "scalar") if col["kind"] == "tensor" else ""
+        shape = (
+            ("×".join(str(d) for d in col.get("shape") or ()) or "scalar") if col["kind"] == "tensor" else ""
+        )
         row = [col["name"], col["kind"], col.get("dtype") or "", shape]
         if st:
-            row += [_fmt(st["min"]), _fmt(st["mean"]), _fmt(st["max"]), _fmt(st["std"]),
-                    f"{st['nan_count']}/{st['inf_count']}"]
+            row += [
+                _fmt(st["min"]),
+                _fmt(st["mean"]),
+                _fmt(st["max"]),
+                _fmt(st["std"]),
+                f"{st['nan_count']}/{st['inf_count']}",
+            ]
         else:
             row += [""] * 5
         cols.add_row(*row)
@@ -109,7 +116,11 @@ def _head_rows(path: Path, n: int) -> list[dict[str, Any]]:
             value = batch[name][i]
             if col.kind == "tensor":
                 if value.numel() <= 6:
-                    row[name] = _fmt(value.item()) if value.ndim == 0 else "[" + ", ".join(_fmt(float(v)) for v in value.flatten()) + "]"
+                    row[name] = (
+                        _fmt(value.item())
+                        if value.ndim == 0
+                        else "[" + ", ".join(_fmt(float(v)) for v in value.flatten()) + "]"
+                    )
                 else:
                     row[name] = f"[{'×'.join(map(str, value.shape))}]"
             elif col.kind in ("binary", "image", "video"):

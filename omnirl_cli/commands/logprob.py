@@ -20,13 +20,20 @@ def logprob(
     inputs: InOpt = None,
     out: OutOpt = Path("logprobs"),
     model: Annotated[Path, typer.Option("--model", "-m", help="Diffusers pipeline folder.")] = Path("model"),
-    adapter: Annotated[Path | None, typer.Option("--adapter", help="Adapter to replay under (default: base model).")] = None,
+    adapter: Annotated[
+        Path | None, typer.Option("--adapter", help="Adapter to replay under (default: base model).")
+    ] = None,
     dtype: Annotated[str, typer.Option("--dtype", help="fp32, bf16 or fp16.")] = "fp32",
     reference: Annotated[
-        bool, typer.Option("--reference", help="Also store the frozen base model's step means (ref_means) for KL.")
+        bool,
+        typer.Option("--reference", help="Also store the frozen base model's step means (ref_means) for KL."),
     ] = False,
     means: Annotated[
-        bool, typer.Option("--means", help="Also store the step means under these weights (old_means, for --algo grpo_guard).")
+        bool,
+        typer.Option(
+            "--means",
+            help="Also store the step means under these weights (old_means, for --algo grpo_guard).",
+        ),
     ] = False,
     fmt: FormatOpt = "parquet",
     overwrite: OverwriteOpt = False,
@@ -53,13 +60,22 @@ def logprob(
     sample_cfg = sample_config_of(src.manifests)
     stored = "latents" in src.columns  # an ODE rollout (NFT, AWM) stores no steps: nothing to replay
     writer = ShardSetWriter(
-        c["out"], num_shards=src.num_shards, format=check_format(c["fmt"]), command="logprob",
+        c["out"],
+        num_shards=src.num_shards,
+        format=check_format(c["fmt"]),
+        command="logprob",
         config=run_config(c, c["adapter"]),
-        parents=list(src.paths), policy=policy_info(c["model"], c["adapter"]), overwrite=c["overwrite"],
+        parents=list(src.paths),
+        policy=policy_info(c["model"], c["adapter"]),
+        overwrite=c["overwrite"],
     )
     total_delta, max_delta, count = 0.0, 0.0, 0
     if not writer.complete:
-        policy = FlowPolicy.load(c["model"], adapter=c["adapter"], device=device(), dtype=c["dtype"]) if stored else None
+        policy = (
+            FlowPolicy.load(c["model"], adapter=c["adapter"], device=device(), dtype=c["dtype"])
+            if stored
+            else None
+        )
         with progress(not json_) as bar:
             task = bar.add_task("replaying", total=src.num_rows, rate="")
             for s in range(src.num_shards):
@@ -67,17 +83,30 @@ def logprob(
                     bar.advance(task, src.manifests[0].shards[s].rows)
                     continue
                 if not stored:
-                    writer.write_shard(s, {"sample_id": src.read_shard(s, columns=["sample_id"])["sample_id"]})
+                    writer.write_shard(
+                        s, {"sample_id": src.read_shard(s, columns=["sample_id"])["sample_id"]}
+                    )
                     bar.advance(task, src.manifests[0].shards[s].rows)
                     continue
-                shard = src.read_shard(s, columns=["sample_id", "prompt", "negative_prompt", "latents", "sigmas", "log_probs"])
-                cols, stats = replay_shard(policy, sample_cfg, shard, reference=c["reference"], means=c["means"],
-                                           on_batch=lambda n: bar.advance(task, n))
+                shard = src.read_shard(
+                    s, columns=["sample_id", "prompt", "negative_prompt", "latents", "sigmas", "log_probs"]
+                )
+                cols, stats = replay_shard(
+                    policy,
+                    sample_cfg,
+                    shard,
+                    reference=c["reference"],
+                    means=c["means"],
+                    on_batch=lambda n: bar.advance(task, n),
+                )
                 writer.write_shard(s, cols)
                 total_delta += stats["abs_delta_sum"]
                 max_delta = max(max_delta, stats["abs_delta_max"])
                 count += stats["count"]
-        extra = {"abs_delta_mean": total_delta / count if count else None, "abs_delta_max": max_delta if count else None}
+        extra = {
+            "abs_delta_mean": total_delta / count if count else None,
+            "abs_delta_max": max_delta if count else None,
+        }
         writer.finalize(extra=extra)
     from stages.shards.manifest import read_manifest
 
@@ -87,5 +116,11 @@ def logprob(
         emit_json(result)
     else:
         mean = extra.get("abs_delta_mean")
-        log(f"[green]replayed[/] {src.num_rows} samples → {c['out']}"
-            + (f"  rollout-vs-replay |Δlogp| mean {mean:.3g}, max {extra['abs_delta_max']:.3g}" if mean is not None else ""))
+        log(
+            f"[green]replayed[/] {src.num_rows} samples → {c['out']}"
+            + (
+                f"  rollout-vs-replay |Δlogp| mean {mean:.3g}, max {extra['abs_delta_max']:.3g}"
+                if mean is not None
+                else ""
+            )
+        )

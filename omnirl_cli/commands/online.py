@@ -33,30 +33,47 @@ def _dataclass(cls: type, values: dict[str, Any], section: str, rename: dict[str
     for key, value in values.items():
         name = (rename or {}).get(key.replace("-", "_"), key.replace("-", "_"))
         if name not in names:
-            raise UserInputError(f"--config: '{section}.{key}' is not a setting of omnirl online's {section} stage")
+            raise UserInputError(
+                f"--config: '{section}.{key}' is not a setting of omnirl online's {section} stage"
+            )
         kwargs[name] = tuple(value) if isinstance(value, list) else value
     return cls(**kwargs)
 
 
 @handle_errors
 def online(
-    config: Annotated[Path, typer.Option("--config", help="YAML preset (sample / score / advantage / update sections).")],
+    config: Annotated[
+        Path, typer.Option("--config", help="YAML preset (sample / score / advantage / update sections).")
+    ],
     model: Annotated[Path, typer.Option("--model", "-m", help="Diffusers pipeline folder.")],
     prompts: Annotated[Path, typer.Option("--prompts", help="Prompt file (.txt, .jsonl, .csv, .parquet).")],
-    out: Annotated[Path, typer.Option("--out", "-o", help="Run directory: it<K>/policy checkpoints (and shard sets).")],
-    iterations: Annotated[int, typer.Option("--iterations", min=1, help="RL iterations to reach (resumes).")] = 4,
+    out: Annotated[
+        Path, typer.Option("--out", "-o", help="Run directory: it<K>/policy checkpoints (and shard sets).")
+    ],
+    iterations: Annotated[
+        int, typer.Option("--iterations", min=1, help="RL iterations to reach (resumes).")
+    ] = 4,
     reward: Annotated[
-        list[str] | None, typer.Option("--reward", "-r", help="NAME[=WEIGHT], repeatable (default: the preset's).")
+        list[str] | None,
+        typer.Option("--reward", "-r", help="NAME[=WEIGHT], repeatable (default: the preset's)."),
     ] = None,
     max_staleness: Annotated[
-        int, typer.Option("--max-staleness", help="0: sample with the newest weights; 1: sample k+1 while training k.")
+        int,
+        typer.Option(
+            "--max-staleness", help="0: sample with the newest weights; 1: sample k+1 while training k."
+        ),
     ] = 0,
     save_trajectories: Annotated[
-        bool, typer.Option("--save-trajectories", help="Also write it<K>/samples, rewards, advantages shard sets.")
+        bool,
+        typer.Option("--save-trajectories", help="Also write it<K>/samples, rewards, advantages shard sets."),
     ] = False,
     seed: Annotated[
-        int | None, typer.Option("--seed", help="Sampling seed of every iteration (default: the iteration number, "
-                                 "as the staged recipe; a fixed seed re-samples the same prompts and noise).")
+        int | None,
+        typer.Option(
+            "--seed",
+            help="Sampling seed of every iteration (default: the iteration number, "
+            "as the staged recipe; a fixed seed re-samples the same prompts and noise).",
+        ),
     ] = None,
     dtype: Annotated[str, typer.Option("--dtype", help="fp32, bf16 or fp16.")] = "fp32",
     threads: Annotated[int, typer.Option("--threads", min=1, help="torch threads per worker process.")] = 1,
@@ -90,13 +107,23 @@ def online(
         raise UserInputError(f"--config: 'advantage.{unknown[0]}' is not supported by omnirl online")
     specs = reward or (preset.get("score") or {}).get("reward") or []
     cfg = OnlineConfig(
-        model=str(model), prompts=read_prompts(prompts), out=out, iterations=iterations,
+        model=str(model),
+        prompts=read_prompts(prompts),
+        out=out,
+        iterations=iterations,
         sample=_dataclass(SampleConfig, sample, "sample", SAMPLE_KEYS),
         update=_dataclass(UpdateConfig, dict(preset.get("update") or {}), "update"),
-        group_size=int(run.get("group_size", 4)), num_prompts=run.get("num_prompts"),
+        group_size=int(run.get("group_size", 4)),
+        num_prompts=run.get("num_prompts"),
         rewards=[parse_reward_spec(s) for s in ([specs] if isinstance(specs, str) else specs)],
-        estimator=adv.get("estimator", "grpo"), adv_clip=adv.get("clip"), drop_zero_std=bool(adv.get("drop_zero_std")),
-        max_staleness=max_staleness, save_trajectories=save_trajectories, dtype=dtype, threads=threads, seed=seed,
+        estimator=adv.get("estimator", "grpo"),
+        adv_clip=adv.get("clip"),
+        drop_zero_std=bool(adv.get("drop_zero_std")),
+        max_staleness=max_staleness,
+        save_trajectories=save_trajectories,
+        dtype=dtype,
+        threads=threads,
+        seed=seed,
     )
     if json_:
         summaries = run_online(cfg, device=device())
@@ -106,15 +133,35 @@ def online(
     from rich.table import Table
 
     table = Table(title=f"omnirl online → {out}  (one row per iteration)", title_justify="left")
-    for name in ("it", "reward mean", "std", "zero-std", "pg_loss", "ratio", "versions", "samples/s", "wait s",
-                 "train s", "total s"):
+    for name in (
+        "it",
+        "reward mean",
+        "std",
+        "zero-std",
+        "pg_loss",
+        "ratio",
+        "versions",
+        "samples/s",
+        "wait s",
+        "train s",
+        "total s",
+    ):
         table.add_column(name, justify="right")
 
     def show(s: dict[str, Any]) -> None:
-        table.add_row(str(s["iteration"]), f"{s['reward_mean']:.5g}", f"{s['reward_std']:.3g}",
-                      f"{s['zero_std_ratio']:.2f}", f"{s.get('actor/pg_loss', 0):+.3e}",
-                      f"{s.get('actor/ratio_mean', 1):.5f}", ",".join(map(str, s["policy_versions"])),
-                      f"{s['samples'] / s['seconds']:.1f}", f"{s['seconds_waiting']:.1f}", f"{s['seconds_training']:.1f}", f"{s['seconds']:.1f}")
+        table.add_row(
+            str(s["iteration"]),
+            f"{s['reward_mean']:.5g}",
+            f"{s['reward_std']:.3g}",
+            f"{s['zero_std_ratio']:.2f}",
+            f"{s.get('actor/pg_loss', 0):+.3e}",
+            f"{s.get('actor/ratio_mean', 1):.5f}",
+            ",".join(map(str, s["policy_versions"])),
+            f"{s['samples'] / s['seconds']:.1f}",
+            f"{s['seconds_waiting']:.1f}",
+            f"{s['seconds_training']:.1f}",
+            f"{s['seconds']:.1f}",
+        )
 
     with Live(table, console=err, refresh_per_second=2):
         run_online(cfg, device=device(), on_iteration=show)

@@ -17,8 +17,14 @@ from ..runtime import check_format, run_config
 @handle_errors
 def pairs(
     ctx: typer.Context,
-    table: Annotated[Path, typer.Option("--pairs", help="Parquet/JSONL: prompt, chosen, rejected (+ scores), or "
-                                        "Pick-a-Pic's caption, jpg_0, jpg_1, label_0.")] = Path("pairs.parquet"),
+    table: Annotated[
+        Path,
+        typer.Option(
+            "--pairs",
+            help="Parquet/JSONL: prompt, chosen, rejected (+ scores), or "
+            "Pick-a-Pic's caption, jpg_0, jpg_1, label_0.",
+        ),
+    ] = Path("pairs.parquet"),
     out: OutOpt = Path("pairs"),
     num_shards: NumShardsOpt = 1,
     fmt: FormatOpt = "parquet",
@@ -44,8 +50,14 @@ def pairs(
     batch = pairs_batch(found)
     shards = min(c["num_shards"], len(found))
     writer = ShardSetWriter(
-        c["out"], num_shards=shards, format=check_format(c["fmt"]), command="pairs", config=run_config(c),
-        parents=[c["table"]], kinds={"image": "image", "prompt_meta": "json"}, overwrite=c["overwrite"],
+        c["out"],
+        num_shards=shards,
+        format=check_format(c["fmt"]),
+        command="pairs",
+        config=run_config(c),
+        parents=[c["table"]],
+        kinds={"image": "image", "prompt_meta": "json"},
+        overwrite=c["overwrite"],
     )
     if not writer.complete:
         for s in range(shards):

@@ -15,7 +15,9 @@ from ..options import JsonOpt
 @handle_errors
 def report(
     run: Annotated[Path, typer.Argument(help="Run directory holding it<K>/ iterations.")],
-    grids: Annotated[bool, typer.Option("--grids/--no-grids", help="Write an image grid per iteration.")] = True,
+    grids: Annotated[
+        bool, typer.Option("--grids/--no-grids", help="Write an image grid per iteration.")
+    ] = True,
     json_: JsonOpt = False,
 ) -> None:
     """Summarise a run: per-iteration reward table, RUN/reward_curve.png and RUN/it<K>/grid.png.
@@ -37,12 +39,24 @@ def report(
     from rich.table import Table
 
     table = Table(title=f"{run}: reward per iteration")
-    cols = [("iteration", "it"), ("samples", "n"), ("reward_mean", "reward mean"), ("reward_std", "std"),
-            ("zero_std_ratio", "zero-std"), ("pg_loss", "pg_loss"), ("ratio_mean", "ratio"), ("clipfrac", "clipfrac")]
+    cols = [
+        ("iteration", "it"),
+        ("samples", "n"),
+        ("reward_mean", "reward mean"),
+        ("reward_std", "std"),
+        ("zero_std_ratio", "zero-std"),
+        ("pg_loss", "pg_loss"),
+        ("ratio_mean", "ratio"),
+        ("clipfrac", "clipfrac"),
+    ]
     for _, title in cols:
         table.add_column(title, justify="right")
     for r in rows:
-        table.add_row(*(("" if r.get(k) is None else f"{r[k]:.4g}" if isinstance(r[k], float) else str(r[k]))
-                        for k, _ in cols))
+        table.add_row(
+            *(
+                ("" if r.get(k) is None else f"{r[k]:.4g}" if isinstance(r[k], float) else str(r[k]))
+                for k, _ in cols
+            )
+        )
     err.print(table)
     err.print(f"reward curve: {curve}" + (f"; grids: {run}/it<K>/grid.png" if grid_paths else ""))

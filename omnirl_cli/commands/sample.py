@@ -23,60 +23,142 @@ MODEL = "Model"
 def sample(
     ctx: typer.Context,
     out: OutOpt = Path("samples"),
-    model: Annotated[Path, typer.Option("--model", "-m", help="Diffusers pipeline folder.", rich_help_panel=MODEL)] = Path("model"),
+    model: Annotated[
+        Path, typer.Option("--model", "-m", help="Diffusers pipeline folder.", rich_help_panel=MODEL)
+    ] = Path("model"),
     adapter: Annotated[
-        Path | None, typer.Option("--adapter", help="Adapter written by `omnirl update` (default: the base model).", rich_help_panel=MODEL)
+        Path | None,
+        typer.Option(
+            "--adapter",
+            help="Adapter written by `omnirl update` (default: the base model).",
+            rich_help_panel=MODEL,
+        ),
     ] = None,
-    dtype: Annotated[str, typer.Option("--dtype", help="fp32, bf16 or fp16.", rich_help_panel=MODEL)] = "fp32",
+    dtype: Annotated[
+        str, typer.Option("--dtype", help="fp32, bf16 or fp16.", rich_help_panel=MODEL)
+    ] = "fp32",
     prompts: Annotated[
-        Path, typer.Option("--prompts", help="Prompt file: .txt, .jsonl, .csv or (verl-style) .parquet.", rich_help_panel="Input / output")
+        Path,
+        typer.Option(
+            "--prompts",
+            help="Prompt file: .txt, .jsonl, .csv or (verl-style) .parquet.",
+            rich_help_panel="Input / output",
+        ),
     ] = Path("prompts.txt"),
     num_prompts: Annotated[
-        int | None, typer.Option("--num-prompts", help="Draw this many prompts with --seed (default: all).", rich_help_panel=SAMPLING)
+        int | None,
+        typer.Option(
+            "--num-prompts",
+            help="Draw this many prompts with --seed (default: all).",
+            rich_help_panel=SAMPLING,
+        ),
     ] = None,
-    group_size: Annotated[int, typer.Option("-n", "--group-size", help="Samples per prompt (the GRPO group).", rich_help_panel=SAMPLING)] = 4,
+    group_size: Annotated[
+        int,
+        typer.Option(
+            "-n", "--group-size", help="Samples per prompt (the GRPO group).", rich_help_panel=SAMPLING
+        ),
+    ] = 4,
     steps: Annotated[int, typer.Option("--steps", help="Denoising steps.", rich_help_panel=SAMPLING)] = 10,
-    guidance: Annotated[float, typer.Option("--guidance", help="CFG scale (1 = no CFG).", rich_help_panel=SAMPLING)] = 4.5,
-    resolution: Annotated[int, typer.Option("--resolution", help="Image side in pixels.", rich_help_panel=SAMPLING)] = 512,
-    sampler: Annotated[str, typer.Option("--sampler", help="ode, sde (Flow-GRPO), cps or dance.", rich_help_panel=SAMPLING)] = "sde",
-    noise_level: Annotated[float, typer.Option("--noise-level", help="a (sde/cps) or η (dance).", rich_help_panel=SAMPLING)] = 0.7,
+    guidance: Annotated[
+        float, typer.Option("--guidance", help="CFG scale (1 = no CFG).", rich_help_panel=SAMPLING)
+    ] = 4.5,
+    resolution: Annotated[
+        int, typer.Option("--resolution", help="Image side in pixels.", rich_help_panel=SAMPLING)
+    ] = 512,
+    sampler: Annotated[
+        str, typer.Option("--sampler", help="ode, sde (Flow-GRPO), cps or dance.", rich_help_panel=SAMPLING)
+    ] = "sde",
+    noise_level: Annotated[
+        float, typer.Option("--noise-level", help="a (sde/cps) or η (dance).", rich_help_panel=SAMPLING)
+    ] = 0.7,
     sde_window: Annotated[
-        int, typer.Option("--sde-window", help="Only W consecutive steps are stochastic and stored (0: all).", rich_help_panel=SAMPLING)
+        int,
+        typer.Option(
+            "--sde-window",
+            help="Only W consecutive steps are stochastic and stored (0: all).",
+            rich_help_panel=SAMPLING,
+        ),
     ] = 0,
     sde_window_range: Annotated[
         tuple[int, int] | None,
-        typer.Option("--sde-window-range", help="LO HI: the window starts uniformly in [LO, HI−W] per batch.", rich_help_panel=SAMPLING),
+        typer.Option(
+            "--sde-window-range",
+            help="LO HI: the window starts uniformly in [LO, HI−W] per batch.",
+            rich_help_panel=SAMPLING,
+        ),
     ] = None,
     window_strategy: Annotated[
         str,
-        typer.Option("--window-strategy", help="random (Flow-GRPO-Fast), progressive (MixGRPO: slides with --iteration) or fixed.",
-                     rich_help_panel=SAMPLING),
+        typer.Option(
+            "--window-strategy",
+            help="random (Flow-GRPO-Fast), progressive (MixGRPO: slides with --iteration) or fixed.",
+            rich_help_panel=SAMPLING,
+        ),
     ] = "random",
     window_start: Annotated[
-        int | None, typer.Option("--window-start", help="First window start (progressive) or the start (fixed).", rich_help_panel=SAMPLING)
+        int | None,
+        typer.Option(
+            "--window-start",
+            help="First window start (progressive) or the start (fixed).",
+            rich_help_panel=SAMPLING,
+        ),
     ] = None,
     iteration: Annotated[
-        int, typer.Option("--iteration", min=0, help="RL iteration, for the progressive window.", rich_help_panel=SAMPLING)
+        int,
+        typer.Option(
+            "--iteration", min=0, help="RL iteration, for the progressive window.", rich_help_panel=SAMPLING
+        ),
     ] = 0,
     iters_per_group: Annotated[
-        int, typer.Option("--iters-per-group", min=1, help="Iterations before the progressive window moves (MixGRPO 25).",
-                          rich_help_panel=SAMPLING)
+        int,
+        typer.Option(
+            "--iters-per-group",
+            min=1,
+            help="Iterations before the progressive window moves (MixGRPO 25).",
+            rich_help_panel=SAMPLING,
+        ),
     ] = 25,
     window_stride: Annotated[
-        int, typer.Option("--window-stride", min=0, help="Steps the progressive window moves each time (MixGRPO 1).",
-                          rich_help_panel=SAMPLING)
+        int,
+        typer.Option(
+            "--window-stride",
+            min=0,
+            help="Steps the progressive window moves each time (MixGRPO 1).",
+            rich_help_panel=SAMPLING,
+        ),
     ] = 1,
     roll_back: Annotated[
-        bool, typer.Option("--roll-back/--no-roll-back", help="Progressive window returns to its start at the end.",
-                           rich_help_panel=SAMPLING)
+        bool,
+        typer.Option(
+            "--roll-back/--no-roll-back",
+            help="Progressive window returns to its start at the end.",
+            rich_help_panel=SAMPLING,
+        ),
     ] = True,
-    same_noise: Annotated[bool, typer.Option("--same-noise", help="One initial noise per group (DanceGRPO).", rich_help_panel=SAMPLING)] = False,
-    seed: Annotated[int, typer.Option("--seed", help="Base seed: the same seed gives bit-identical samples.", rich_help_panel=SAMPLING)] = 0,
-    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Samples per forward pass.", rich_help_panel=SAMPLING)] = 8,
+    same_noise: Annotated[
+        bool,
+        typer.Option(
+            "--same-noise", help="One initial noise per group (DanceGRPO).", rich_help_panel=SAMPLING
+        ),
+    ] = False,
+    seed: Annotated[
+        int,
+        typer.Option(
+            "--seed", help="Base seed: the same seed gives bit-identical samples.", rich_help_panel=SAMPLING
+        ),
+    ] = 0,
+    batch_size: Annotated[
+        int, typer.Option("--batch-size", min=1, help="Samples per forward pass.", rich_help_panel=SAMPLING)
+    ] = 8,
     num_shards: NumShardsOpt = 1,
     shard_index: Annotated[
         int | None,
-        typer.Option("--shard-index", help="Write only this shard (Slurm arrays); the manifest appears once all exist.", rich_help_panel="Input / output"),
+        typer.Option(
+            "--shard-index",
+            help="Write only this shard (Slurm arrays); the manifest appears once all exist.",
+            rich_help_panel="Input / output",
+        ),
     ] = None,
     fmt: FormatOpt = "parquet",
     overwrite: OverwriteOpt = False,
@@ -101,11 +183,22 @@ def sample(
 
     window_range = c["sde_window_range"]
     cfg = SampleConfig(
-        steps=c["steps"], guidance=c["guidance"], resolution=c["resolution"], sampler=c["sampler"],
-        noise_level=c["noise_level"], window=c["sde_window"], window_range=tuple(window_range) if window_range else None,
-        window_strategy=c["window_strategy"], window_start=c["window_start"], iteration=c["iteration"],
-        iters_per_group=c["iters_per_group"], window_stride=c["window_stride"], roll_back=c["roll_back"],
-        same_noise=c["same_noise"], seed=c["seed"], batch_size=c["batch_size"],
+        steps=c["steps"],
+        guidance=c["guidance"],
+        resolution=c["resolution"],
+        sampler=c["sampler"],
+        noise_level=c["noise_level"],
+        window=c["sde_window"],
+        window_range=tuple(window_range) if window_range else None,
+        window_strategy=c["window_strategy"],
+        window_start=c["window_start"],
+        iteration=c["iteration"],
+        iters_per_group=c["iters_per_group"],
+        window_stride=c["window_stride"],
+        roll_back=c["roll_back"],
+        same_noise=c["same_noise"],
+        seed=c["seed"],
+        batch_size=c["batch_size"],
     )
     cfg.validate()
     picked = pick_prompts(read_prompts(c["prompts"]), c["num_prompts"], c["seed"])
@@ -113,11 +206,19 @@ def sample(
     if any(not 0 <= s < c["num_shards"] for s in shards):
         from stages.errors import UserInputError
 
-        raise UserInputError(f"--shard-index {c['shard_index']}: must lie in [0, --num-shards={c['num_shards']})")
+        raise UserInputError(
+            f"--shard-index {c['shard_index']}: must lie in [0, --num-shards={c['num_shards']})"
+        )
     writer = ShardSetWriter(
-        c["out"], num_shards=c["num_shards"], format=check_format(c["fmt"]), command="sample",
+        c["out"],
+        num_shards=c["num_shards"],
+        format=check_format(c["fmt"]),
+        command="sample",
         config=run_config(c, adapter=c["adapter"]),
-        parents=[], policy=policy_info(c["model"], c["adapter"]), kinds=KINDS, overwrite=c["overwrite"],
+        parents=[],
+        policy=policy_info(c["model"], c["adapter"]),
+        kinds=KINDS,
+        overwrite=c["overwrite"],
     )
     if writer.complete:
         log(f"{c['out']} is already complete; nothing to do", quiet=json_)
@@ -135,8 +236,15 @@ def sample(
             bar.update(task, advance=n, rate=f"{done[0] / (time.perf_counter() - t0):.2f} images/s")
 
         result = run_sample(
-            policy, cfg, picked, c["group_size"], writer, num_shards=c["num_shards"], shard_indices=shards,
-            policy_version=policy_version(c["adapter"]), on_batch=advance,
+            policy,
+            cfg,
+            picked,
+            c["group_size"],
+            writer,
+            num_shards=c["num_shards"],
+            shard_indices=shards,
+            policy_version=policy_version(c["adapter"]),
+            on_batch=advance,
         )
     manifest = None
     if all(writer.shard_done(s) for s in range(c["num_shards"])):

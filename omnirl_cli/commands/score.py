@@ -22,14 +22,18 @@ def score(
     reward: Annotated[
         list[str] | None,
         typer.Option(
-            "--reward", "-r",
+            "--reward",
+            "-r",
             help="NAME[=WEIGHT], repeatable: a built-in (jpeg_compressibility, jpeg_incompressibility, ocr), "
             "module:function, or an 'omnirl.rewards' entry point. The total is the weighted sum.",
         ),
     ] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Samples per scorer call.")] = 32,
     on_error: Annotated[
-        str, typer.Option("--on-error", help="fail (default): stop on a failed/NaN score; zero: record 0 and flag it.")
+        str,
+        typer.Option(
+            "--on-error", help="fail (default): stop on a failed/NaN score; zero: record 0 and flag it."
+        ),
     ] = "fail",
     fmt: FormatOpt = "parquet",
     overwrite: OverwriteOpt = False,
@@ -57,9 +61,14 @@ def score(
         raise UserInputError("--reward: give at least one reward, e.g. --reward jpeg_compressibility")
     src = open_inputs(c["inputs"])
     writer = ShardSetWriter(
-        c["out"], num_shards=src.num_shards, format=check_format(c["fmt"]), command="score",
+        c["out"],
+        num_shards=src.num_shards,
+        format=check_format(c["fmt"]),
+        command="score",
         config=run_config(c),
-        parents=list(src.paths), policy=src.manifests[0].policy, overwrite=c["overwrite"],
+        parents=list(src.paths),
+        policy=src.manifests[0].policy,
+        overwrite=c["overwrite"],
     )
     if not writer.complete:
         with progress(not json_) as bar:
@@ -70,8 +79,14 @@ def score(
                     continue
                 shard = src.read_shard(s, columns=["sample_id", "prompt", "prompt_meta", "image"])
                 writer.write_shard(
-                    s, score_shard(shard, specs, batch_size=c["batch_size"], on_error=c["on_error"],
-                                   on_batch=lambda n: bar.advance(task, n))
+                    s,
+                    score_shard(
+                        shard,
+                        specs,
+                        batch_size=c["batch_size"],
+                        on_error=c["on_error"],
+                        on_batch=lambda n: bar.advance(task, n),
+                    ),
                 )
         writer.finalize()
     from stages.shards.reader import ShardSet
@@ -85,5 +100,7 @@ def score(
     if json_:
         emit_json(result)
     else:
-        log(f"[green]scored[/] {result['rows']} samples → {c['out']}  reward mean {result['reward/mean']:.4f} "
-            f"± {result['reward/std']:.4f}")
+        log(
+            f"[green]scored[/] {result['rows']} samples → {c['out']}  reward mean {result['reward/mean']:.4f} "
+            f"± {result['reward/std']:.4f}"
+        )

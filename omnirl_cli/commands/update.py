@@ -24,7 +24,8 @@ def update(
     out: OutOpt = Path("policy"),
     model: Annotated[Path, typer.Option("--model", "-m", help="Diffusers pipeline folder.")] = Path("model"),
     adapter: Annotated[
-        Path | None, typer.Option("--adapter", help="Adapter to continue from (weights, optimizer, EMA, step).")
+        Path | None,
+        typer.Option("--adapter", help="Adapter to continue from (weights, optimizer, EMA, step)."),
     ] = None,
     dtype: Annotated[str, typer.Option("--dtype", help="fp32, bf16 or fp16.")] = "fp32",
     algo: Annotated[
@@ -37,49 +38,102 @@ def update(
             rich_help_panel=LOSS,
         ),
     ] = "flow_grpo",
-    clip_range: Annotated[float, typer.Option("--clip-range", help="PPO ratio clip ε (flow_grpo 1e-4).", rich_help_panel=LOSS)] = 1e-4,
+    clip_range: Annotated[
+        float, typer.Option("--clip-range", help="PPO ratio clip ε (flow_grpo 1e-4).", rich_help_panel=LOSS)
+    ] = 1e-4,
     clip_range_high: Annotated[
-        float | None, typer.Option("--clip-range-high", help="Upper clip if asymmetric.", rich_help_panel=LOSS)
+        float | None,
+        typer.Option("--clip-range-high", help="Upper clip if asymmetric.", rich_help_panel=LOSS),
     ] = None,
-    adv_clip: Annotated[float, typer.Option("--adv-clip", help="Clip advantages to ±this.", rich_help_panel=LOSS)] = 5.0,
-    beta: Annotated[float, typer.Option("--beta", help="KL-to-reference weight (flow_grpo: 0.04 OCR/GenEval).", rich_help_panel=LOSS)] = 0.0,
+    adv_clip: Annotated[
+        float, typer.Option("--adv-clip", help="Clip advantages to ±this.", rich_help_panel=LOSS)
+    ] = 5.0,
+    beta: Annotated[
+        float,
+        typer.Option(
+            "--beta", help="KL-to-reference weight (flow_grpo: 0.04 OCR/GenEval).", rich_help_panel=LOSS
+        ),
+    ] = 0.0,
     timestep_fraction: Annotated[
-        float, typer.Option("--timestep-fraction", help="Train the first int(K·f) stored steps (flow_grpo 0.99).", rich_help_panel=LOSS)
+        float,
+        typer.Option(
+            "--timestep-fraction",
+            help="Train the first int(K·f) stored steps (flow_grpo 0.99).",
+            rich_help_panel=LOSS,
+        ),
     ] = 1.0,
     nft_beta: Annotated[
-        float, typer.Option("--nft-beta", help="DiffusionNFT β (1.0; 0.1 for OCR / multi-reward).", rich_help_panel=LOSS)
+        float,
+        typer.Option(
+            "--nft-beta", help="DiffusionNFT β (1.0; 0.1 for OCR / multi-reward).", rich_help_panel=LOSS
+        ),
     ] = 1.0,
     old_decay: Annotated[
-        str, typer.Option("--old-decay", help="NFT old-policy schedule: copy, linear_to_0_5, delayed_linear_to_0_999.",
-                          rich_help_panel=LOSS)
+        str,
+        typer.Option(
+            "--old-decay",
+            help="NFT old-policy schedule: copy, linear_to_0_5, delayed_linear_to_0_999.",
+            rich_help_panel=LOSS,
+        ),
     ] = "linear_to_0_5",
     awm_weighting: Annotated[
-        str, typer.Option("--awm-weighting", help="AWM pseudo log-prob: uniform or ghuber.", rich_help_panel=LOSS)
+        str,
+        typer.Option("--awm-weighting", help="AWM pseudo log-prob: uniform or ghuber.", rich_help_panel=LOSS),
     ] = "uniform",
-    awm_p: Annotated[float, typer.Option("--awm-p", help="AWM generalised-Huber power.", rich_help_panel=LOSS)] = 0.25,
+    awm_p: Annotated[
+        float, typer.Option("--awm-p", help="AWM generalised-Huber power.", rich_help_panel=LOSS)
+    ] = 0.25,
     ema_beta: Annotated[
         float, typer.Option("--ema-beta", help="AWM EMA-KL weight (needs --ema).", rich_help_panel=LOSS)
     ] = 0.0,
     train_timesteps: Annotated[
-        int, typer.Option("--train-timesteps", help="AWM: stratified timesteps per sample (6).", rich_help_panel=LOSS)
+        int,
+        typer.Option(
+            "--train-timesteps", help="AWM: stratified timesteps per sample (6).", rich_help_panel=LOSS
+        ),
     ] = 6,
     dpo_beta: Annotated[
-        float, typer.Option("--dpo-beta", help="Diffusion-DPO β (5000 for the reference's ε-MSE).", rich_help_panel=LOSS)
+        float,
+        typer.Option(
+            "--dpo-beta", help="Diffusion-DPO β (5000 for the reference's ε-MSE).", rich_help_panel=LOSS
+        ),
     ] = 5000.0,
     lr: Annotated[float, typer.Option("--lr", help="AdamW learning rate.", rich_help_panel=OPT)] = 3e-4,
     weight_decay: Annotated[float, typer.Option("--weight-decay", rich_help_panel=OPT)] = 1e-4,
     max_grad_norm: Annotated[float, typer.Option("--max-grad-norm", rich_help_panel=OPT)] = 1.0,
     micro_batch: Annotated[
-        int, typer.Option("--micro-batch", help="Samples per forward (0: the sampling batch size).", rich_help_panel=OPT)
+        int,
+        typer.Option(
+            "--micro-batch", help="Samples per forward (0: the sampling batch size).", rich_help_panel=OPT
+        ),
     ] = 0,
-    grad_accum: Annotated[int, typer.Option("--grad-accum", min=1, help="Micro-batches per optimizer step.", rich_help_panel=OPT)] = 1,
-    inner_epochs: Annotated[int, typer.Option("--inner-epochs", min=1, help="Passes over the data.", rich_help_panel=OPT)] = 1,
-    shuffle: Annotated[bool, typer.Option("--shuffle/--no-shuffle", help="Shuffle trajectories each epoch.", rich_help_panel=OPT)] = True,
-    ema: Annotated[bool, typer.Option("--ema", help="Keep an EMA of the weights (flow_grpo decay).", rich_help_panel=OPT)] = False,
-    lora_rank: Annotated[int, typer.Option("--lora-rank", help="LoRA rank of a new adapter (flow_grpo 32).", rich_help_panel=OPT)] = 32,
-    lora_alpha: Annotated[int, typer.Option("--lora-alpha", help="LoRA alpha (flow_grpo 64).", rich_help_panel=OPT)] = 64,
-    full: Annotated[bool, typer.Option("--full", help="Full fine-tuning instead of LoRA.", rich_help_panel=OPT)] = False,
-    seed: Annotated[int, typer.Option("--seed", help="Seeds LoRA init and shuffling.", rich_help_panel=OPT)] = 0,
+    grad_accum: Annotated[
+        int,
+        typer.Option("--grad-accum", min=1, help="Micro-batches per optimizer step.", rich_help_panel=OPT),
+    ] = 1,
+    inner_epochs: Annotated[
+        int, typer.Option("--inner-epochs", min=1, help="Passes over the data.", rich_help_panel=OPT)
+    ] = 1,
+    shuffle: Annotated[
+        bool,
+        typer.Option("--shuffle/--no-shuffle", help="Shuffle trajectories each epoch.", rich_help_panel=OPT),
+    ] = True,
+    ema: Annotated[
+        bool, typer.Option("--ema", help="Keep an EMA of the weights (flow_grpo decay).", rich_help_panel=OPT)
+    ] = False,
+    lora_rank: Annotated[
+        int,
+        typer.Option("--lora-rank", help="LoRA rank of a new adapter (flow_grpo 32).", rich_help_panel=OPT),
+    ] = 32,
+    lora_alpha: Annotated[
+        int, typer.Option("--lora-alpha", help="LoRA alpha (flow_grpo 64).", rich_help_panel=OPT)
+    ] = 64,
+    full: Annotated[
+        bool, typer.Option("--full", help="Full fine-tuning instead of LoRA.", rich_help_panel=OPT)
+    ] = False,
+    seed: Annotated[
+        int, typer.Option("--seed", help="Seeds LoRA init and shuffling.", rich_help_panel=OPT)
+    ] = 0,
     overwrite: OverwriteOpt = False,
     config: ConfigOpt = None,
     set_: SetOpt = None,
@@ -102,13 +156,31 @@ def update(
     from stages.update.trainer import UpdateConfig
 
     cfg = UpdateConfig(
-        algo=c["algo"], lr=c["lr"], weight_decay=c["weight_decay"], clip_range=c["clip_range"],
-        clip_range_high=c["clip_range_high"], adv_clip=c["adv_clip"], beta=c["beta"], max_grad_norm=c["max_grad_norm"],
-        micro_batch=c["micro_batch"], grad_accum=c["grad_accum"], inner_epochs=c["inner_epochs"],
-        timestep_fraction=c["timestep_fraction"], shuffle=c["shuffle"], ema=c["ema"], lora_rank=c["lora_rank"],
-        lora_alpha=c["lora_alpha"], full=c["full"], seed=c["seed"], nft_beta=c["nft_beta"], old_decay=c["old_decay"],
-        awm_weighting=c["awm_weighting"], awm_p=c["awm_p"], ema_beta=c["ema_beta"],
-        train_timesteps=c["train_timesteps"], dpo_beta=c["dpo_beta"],
+        algo=c["algo"],
+        lr=c["lr"],
+        weight_decay=c["weight_decay"],
+        clip_range=c["clip_range"],
+        clip_range_high=c["clip_range_high"],
+        adv_clip=c["adv_clip"],
+        beta=c["beta"],
+        max_grad_norm=c["max_grad_norm"],
+        micro_batch=c["micro_batch"],
+        grad_accum=c["grad_accum"],
+        inner_epochs=c["inner_epochs"],
+        timestep_fraction=c["timestep_fraction"],
+        shuffle=c["shuffle"],
+        ema=c["ema"],
+        lora_rank=c["lora_rank"],
+        lora_alpha=c["lora_alpha"],
+        full=c["full"],
+        seed=c["seed"],
+        nft_beta=c["nft_beta"],
+        old_decay=c["old_decay"],
+        awm_weighting=c["awm_weighting"],
+        awm_p=c["awm_p"],
+        ema_beta=c["ema_beta"],
+        train_timesteps=c["train_timesteps"],
+        dpo_beta=c["dpo_beta"],
     )
     cfg.validate()
     src = open_inputs(c["inputs"])
@@ -119,8 +191,16 @@ def update(
             bar.update(task, advance=1, rate=f"loss {record.get('actor/pg_loss', 0):+.3e}")
 
         result = run_update(
-            c["model"], c["adapter"], src, c["out"], cfg, dtype=c["dtype"], device=device(),
-            run_config=run_config(c, c["adapter"]), overwrite=c["overwrite"], on_step=on_step,
+            c["model"],
+            c["adapter"],
+            src,
+            c["out"],
+            cfg,
+            dtype=c["dtype"],
+            device=device(),
+            run_config=run_config(c, c["adapter"]),
+            overwrite=c["overwrite"],
+            on_step=on_step,
         )
     if json_:
         emit_json(result)
@@ -128,5 +208,7 @@ def update(
         log(f"{c['out']} already holds this update; nothing to do")
     else:
         last = result["last"]
-        log(f"[green]updated[/] → {c['out']}  step {result['step']}  pg_loss {last.get('actor/pg_loss', 0):+.4e}  "
-            f"ratio {last.get('actor/ratio_mean', 1):.6f}  clipfrac {last.get('actor/pg_clipfrac', 0):.3f}")
+        log(
+            f"[green]updated[/] → {c['out']}  step {result['step']}  pg_loss {last.get('actor/pg_loss', 0):+.4e}  "
+            f"ratio {last.get('actor/ratio_mean', 1):.6f}  clipfrac {last.get('actor/pg_clipfrac', 0):.3f}"
+        )

@@ -35,8 +35,12 @@ AGGREGATIONS = ("reward_aggr", "advantage_aggr")
 ENTRY_POINT_GROUP = "omnirl.advantages"
 
 
-def _as_rewards(rewards: torch.Tensor | Sequence[float], group_ids: Sequence[Hashable],
-                sample_ids: Sequence[str] | None, what: str = "rewards") -> torch.Tensor:
+def _as_rewards(
+    rewards: torch.Tensor | Sequence[float],
+    group_ids: Sequence[Hashable],
+    sample_ids: Sequence[str] | None,
+    what: str = "rewards",
+) -> torch.Tensor:
     """Rewards as float64 [N], checked: 1-D, one group id per sample, all finite."""
     values = torch.as_tensor(rewards).detach().to("cpu", torch.float64)
     if values.ndim != 1:
@@ -61,8 +65,9 @@ def _group_index(group_ids: Sequence[Hashable]) -> tuple[torch.Tensor, int]:
     return torch.tensor(index, dtype=torch.int64), len(dense)
 
 
-def _group_stats(values: torch.Tensor, index: torch.Tensor, num_groups: int, unbiased: bool
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _group_stats(
+    values: torch.Tensor, index: torch.Tensor, num_groups: int, unbiased: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per group: (count, mean, std, all-equal flag), each [G]. Std of a singleton is 0."""
     count = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, index, torch.ones_like(values))
     mean = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, index, values) / count
@@ -80,9 +85,16 @@ def _global_std(values: torch.Tensor, unbiased: bool) -> torch.Tensor:
     return values.std(correction=1 if unbiased else 0)
 
 
-def group_advantages(rewards: torch.Tensor | Sequence[float], group_ids: Sequence[Hashable], *,
-                     std: str = "global", eps: float = 1e-4, unbiased: bool = False,
-                     clip: float | None = None, sample_ids: Sequence[str] | None = None) -> torch.Tensor:
+def group_advantages(
+    rewards: torch.Tensor | Sequence[float],
+    group_ids: Sequence[Hashable],
+    *,
+    std: str = "global",
+    eps: float = 1e-4,
+    unbiased: bool = False,
+    clip: float | None = None,
+    sample_ids: Sequence[str] | None = None,
+) -> torch.Tensor:
     """Group-relative advantages, float32 [N] (conventions in the module docstring).
 
     `sample_ids` only serves error messages (a NaN reward names its sample).
@@ -115,9 +127,14 @@ def group_advantages(rewards: torch.Tensor | Sequence[float], group_ids: Sequenc
     return adv.to(torch.float32)
 
 
-def multi_reward_advantages(per_reward: Mapping[str, torch.Tensor | Sequence[float]], weights: Mapping[str, float],
-                            group_ids: Sequence[Hashable], *, aggregation: str = "reward_aggr",
-                            **kwargs: Any) -> torch.Tensor:
+def multi_reward_advantages(
+    per_reward: Mapping[str, torch.Tensor | Sequence[float]],
+    weights: Mapping[str, float],
+    group_ids: Sequence[Hashable],
+    *,
+    aggregation: str = "reward_aggr",
+    **kwargs: Any,
+) -> torch.Tensor:
     """Advantages from several rewards, float32 [N] (MixGRPO's two aggregations).
 
     ``reward_aggr``: normalise the weighted sum Σ_k w_k·r_k once (Flow-GRPO's `avg`).
@@ -129,7 +146,9 @@ def multi_reward_advantages(per_reward: Mapping[str, torch.Tensor | Sequence[flo
         raise UserInputError("multi-reward advantages need at least one reward column")
     if set(per_reward) != set(weights):
         missing = sorted(set(per_reward) ^ set(weights))
-        raise UserInputError(f"reward {missing[0]!r} has a column or a weight but not both; give a weight per reward")
+        raise UserInputError(
+            f"reward {missing[0]!r} has a column or a weight but not both; give a weight per reward"
+        )
     sample_ids = kwargs.get("sample_ids")
     if aggregation == "reward_aggr":
         total = sum(
@@ -172,7 +191,9 @@ def broadcast_steps(adv: torch.Tensor, num_steps: int) -> torch.Tensor:
     return adv.unsqueeze(1).expand(-1, num_steps).contiguous()
 
 
-def best_worst_pairs(rewards: torch.Tensor | Sequence[float], group_ids: Sequence[Hashable]) -> list[tuple[int, int]]:
+def best_worst_pairs(
+    rewards: torch.Tensor | Sequence[float], group_ids: Sequence[Hashable]
+) -> list[tuple[int, int]]:
     """Online-DPO pairs: (index of the best, index of the worst) sample per group, groups in first-appearance order.
 
     Ties go to the earliest index. Groups whose rewards are all equal (singletons included) have no
@@ -191,8 +212,13 @@ def best_worst_pairs(rewards: torch.Tensor | Sequence[float], group_ids: Sequenc
     return pairs
 
 
-def pair_advantages(rewards: torch.Tensor | Sequence[float], group_ids: Sequence[Hashable], *,
-                    clip: float | None = None, sample_ids: Sequence[str] | None = None) -> torch.Tensor:
+def pair_advantages(
+    rewards: torch.Tensor | Sequence[float],
+    group_ids: Sequence[Hashable],
+    *,
+    clip: float | None = None,
+    sample_ids: Sequence[str] | None = None,
+) -> torch.Tensor:
     """Online-DPO marks, float32 [N]: +1 for each group's best sample, −1 for its worst, 0 otherwise
     (Flow-GRPO's `dpo` mode); all-equal groups get 0. `clip` is accepted for a uniform signature."""
     values = _as_rewards(rewards, group_ids, sample_ids)
@@ -207,8 +233,9 @@ def nft_optimality(adv: torch.Tensor, clip: float = 5.0) -> torch.Tensor:
     return (adv.clamp(-clip, clip) / clip / 2 + 0.5).clamp(0.0, 1.0)
 
 
-def advantage_stats(rewards: torch.Tensor | Sequence[float], advantages: torch.Tensor,
-                    group_ids: Sequence[Hashable]) -> dict[str, float | int]:
+def advantage_stats(
+    rewards: torch.Tensor | Sequence[float], advantages: torch.Tensor, group_ids: Sequence[Hashable]
+) -> dict[str, float | int]:
     """Summary to log: zero_std_ratio (fraction of groups with all-equal rewards, Flow-GRPO's metric),
     zero_std_samples, reward/advantage mean and population std, reward_group_std_mean, num_groups,
     group_size_min/max (unequal sizes are allowed and show here)."""
@@ -244,17 +271,37 @@ class AdvantageEstimator:
     unbiased: bool
     description: str
 
-    def __call__(self, rewards: torch.Tensor | Sequence[float], group_ids: Sequence[Hashable], *,
-                 clip: float | None = None, sample_ids: Sequence[str] | None = None) -> torch.Tensor:
-        return group_advantages(rewards, group_ids, std=self.std, eps=self.eps, unbiased=self.unbiased,
-                                clip=clip, sample_ids=sample_ids)
+    def __call__(
+        self,
+        rewards: torch.Tensor | Sequence[float],
+        group_ids: Sequence[Hashable],
+        *,
+        clip: float | None = None,
+        sample_ids: Sequence[str] | None = None,
+    ) -> torch.Tensor:
+        return group_advantages(
+            rewards,
+            group_ids,
+            std=self.std,
+            eps=self.eps,
+            unbiased=self.unbiased,
+            clip=clip,
+            sample_ids=sample_ids,
+        )
 
 
 ESTIMATORS: dict[str, AdvantageEstimator] = {
-    e.name: e for e in (
-        AdvantageEstimator("grpo", "global", 1e-4, False, "Flow-GRPO: group mean, population std of the batch, eps 1e-4"),
-        AdvantageEstimator("grpo_group", "group", 1e-4, False, "Flow-GRPO with per-group std (Wan, FLUX-fast configs)"),
-        AdvantageEstimator("dance", "group", 1e-8, True, "DanceGRPO: group mean, Bessel-corrected group std, eps 1e-8"),
+    e.name: e
+    for e in (
+        AdvantageEstimator(
+            "grpo", "global", 1e-4, False, "Flow-GRPO: group mean, population std of the batch, eps 1e-4"
+        ),
+        AdvantageEstimator(
+            "grpo_group", "group", 1e-4, False, "Flow-GRPO with per-group std (Wan, FLUX-fast configs)"
+        ),
+        AdvantageEstimator(
+            "dance", "group", 1e-8, True, "DanceGRPO: group mean, Bessel-corrected group std, eps 1e-8"
+        ),
         AdvantageEstimator("drgrpo", "none", 0.0, False, "Dr.GRPO: group mean subtracted, no std division"),
     )
 }
@@ -269,8 +316,10 @@ def get_estimator(name: str) -> Callable[..., torch.Tensor]:
         return ESTIMATORS[name]
     if name == "pairs":
         return pair_advantages
-    obj = load_object(name, "advantage estimator") if ":" in name else load_entry_point(
-        ENTRY_POINT_GROUP, name, "advantage estimator"
+    obj = (
+        load_object(name, "advantage estimator")
+        if ":" in name
+        else load_entry_point(ENTRY_POINT_GROUP, name, "advantage estimator")
     )
     if obj is not None:
         if not callable(obj):

@@ -45,20 +45,34 @@ def compute_advantages(
     ids = list(data["sample_id"])
     if weights:
         if estimator not in ESTIMATORS:
-            raise UserInputError(f"--aggregation advantage_aggr works with a built-in --estimator, not {estimator!r}")
+            raise UserInputError(
+                f"--aggregation advantage_aggr works with a built-in --estimator, not {estimator!r}"
+            )
         preset = ESTIMATORS[estimator]
         missing = [name for name in weights if f"reward.{name}" not in data]
         if missing:
-            raise UserInputError(f"--in: column 'reward.{missing[0]}' is missing; score with --reward {missing[0]}")
+            raise UserInputError(
+                f"--in: column 'reward.{missing[0]}' is missing; score with --reward {missing[0]}"
+            )
         per_reward = {name: data[f"reward.{name}"].float() for name in weights}
         adv = multi_reward_advantages(
-            per_reward, weights, groups, aggregation="advantage_aggr", std=preset.std, eps=preset.eps,
-            unbiased=preset.unbiased, clip=clip, sample_ids=ids,
+            per_reward,
+            weights,
+            groups,
+            aggregation="advantage_aggr",
+            std=preset.std,
+            eps=preset.eps,
+            unbiased=preset.unbiased,
+            clip=clip,
+            sample_ids=ids,
         )
     else:
         adv = get_estimator(estimator)(rewards, groups, clip=clip, sample_ids=ids)
     stats = advantage_stats(rewards, adv, groups)
-    out: dict[str, Any] = {"sample_id": ids, "advantages": broadcast_steps(adv.float(), max(1, num_steps or 1))}
+    out: dict[str, Any] = {
+        "sample_id": ids,
+        "advantages": broadcast_steps(adv.float(), max(1, num_steps or 1)),
+    }
     if drop_zero_std:
         keep = ~zero_std_mask(rewards, groups)
         out["train_mask"] = keep
@@ -74,4 +88,6 @@ def reward_weights(manifests: list[Any]) -> dict[str, float]:
     for manifest in manifests:
         if manifest.command == "score":
             return dict(parse_reward_spec(spec) for spec in manifest.config.get("reward") or [])
-    raise UserInputError("--aggregation advantage_aggr: none of the --in shard sets was written by `omnirl score`")
+    raise UserInputError(
+        "--aggregation advantage_aggr: none of the --in shard sets was written by `omnirl score`"
+    )

@@ -45,7 +45,7 @@ class Condition:
     neg_pooled: torch.Tensor | None = None
 
     def select(self, index: torch.Tensor | list[int]) -> Condition:
-        pick = (lambda t: None if t is None else t[index])  # noqa: E731
+        pick = lambda t: None if t is None else t[index]  # noqa: E731
         return Condition(pick(self.embeds), pick(self.pooled), pick(self.neg_embeds), pick(self.neg_pooled))
 
 
@@ -57,14 +57,18 @@ def seed_generator(seed: int) -> torch.Generator:
 def read_adapter_config(adapter: str | Path) -> dict[str, Any]:
     path = Path(adapter) / ADAPTER_CONFIG
     if not path.is_file():
-        raise UserInputError(f"--adapter {adapter}: no {ADAPTER_CONFIG}; pass a directory written by `omnirl update`")
+        raise UserInputError(
+            f"--adapter {adapter}: no {ADAPTER_CONFIG}; pass a directory written by `omnirl update`"
+        )
     return json.loads(path.read_text())
 
 
 class FlowPolicy:
     """A flow-matching pipeline (SD3 family) as a policy over denoising steps."""
 
-    def __init__(self, pipe: Any, *, model_path: str, adapter: str | None, device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self, pipe: Any, *, model_path: str, adapter: str | None, device: torch.device, dtype: torch.dtype
+    ):
         self.pipe = pipe
         self.model_path = model_path
         self.adapter = adapter
@@ -93,7 +97,9 @@ class FlowPolicy:
 
         model_path = Path(model_path)
         if not (model_path / "model_index.json").is_file():
-            raise UserInputError(f"--model {model_path}: not a diffusers pipeline folder (no model_index.json)")
+            raise UserInputError(
+                f"--model {model_path}: not a diffusers pipeline folder (no model_index.json)"
+            )
         if dtype not in DTYPES:
             raise UserInputError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
         torch_dtype = DTYPES[dtype]
@@ -119,16 +125,26 @@ class FlowPolicy:
                 module.eval()
         if config and config["kind"] == "lora":
             pipe.load_lora_weights(str(adapter), adapter_name="default")
-        return cls(pipe, model_path=str(model_path), adapter=str(adapter) if adapter else None, device=torch.device(device), dtype=torch_dtype)
+        return cls(
+            pipe,
+            model_path=str(model_path),
+            adapter=str(adapter) if adapter else None,
+            device=torch.device(device),
+            dtype=torch_dtype,
+        )
 
-    def add_lora(self, *, rank: int = 32, alpha: int = 64, targets: tuple[str, ...] = SD3_LORA_TARGETS, seed: int = 0) -> None:
+    def add_lora(
+        self, *, rank: int = 32, alpha: int = 64, targets: tuple[str, ...] = SD3_LORA_TARGETS, seed: int = 0
+    ) -> None:
         """Attach a fresh LoRA adapter (gaussian A, zero B: the policy starts equal to the base model)."""
         from peft import LoraConfig
 
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             self.transformer.add_adapter(
-                LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=list(targets))
+                LoraConfig(
+                    r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=list(targets)
+                )
             )
         self.lora = True
 
@@ -141,7 +157,9 @@ class FlowPolicy:
             if train:
                 params.append(p)
         if not params:
-            raise UserInputError("nothing to train: the policy has no LoRA adapter; pass --lora-rank > 0 or --full")
+            raise UserInputError(
+                "nothing to train: the policy has no LoRA adapter; pass --lora-rank > 0 or --full"
+            )
         return params
 
     @contextmanager
@@ -159,9 +177,13 @@ class FlowPolicy:
                 self.transformer.enable_adapters()
             return
         if self._reference is None:
-            self._reference = type(self.transformer).from_pretrained(
-                Path(self.model_path) / "transformer", dtype=self.dtype
-            ).to(self.device).requires_grad_(False).eval()
+            self._reference = (
+                type(self.transformer)
+                .from_pretrained(Path(self.model_path) / "transformer", dtype=self.dtype)
+                .to(self.device)
+                .requires_grad_(False)
+                .eval()
+            )
         trained, self.transformer = self.transformer, self._reference
         try:
             yield
@@ -225,10 +247,14 @@ class FlowPolicy:
         return torch.stack(noise).to(self.device)
 
     @torch.no_grad()
-    def encode(self, prompts: list[str], negative: list[str] | None, cfg: bool, max_sequence_length: int = 128) -> Condition:
+    def encode(
+        self, prompts: list[str], negative: list[str] | None, cfg: bool, max_sequence_length: int = 128
+    ) -> Condition:
         """Frozen text conditioning, cached per unique (prompt, negative) pair."""
         negative = negative or [""] * len(prompts)
-        missing = [(p, n) for p, n in dict.fromkeys(zip(prompts, negative)) if (p, n) not in self._prompt_cache]
+        missing = [
+            (p, n) for p, n in dict.fromkeys(zip(prompts, negative)) if (p, n) not in self._prompt_cache
+        ]
         if missing:
             ps = [p for p, _ in missing]
             ns = [n for _, n in missing]
@@ -251,7 +277,9 @@ class FlowPolicy:
             return Condition(stack[0], stack[1])
         return Condition(*stack)
 
-    def velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond: Condition, guidance: float) -> torch.Tensor:
+    def velocity(
+        self, x: torch.Tensor, sigma: torch.Tensor, cond: Condition, guidance: float
+    ) -> torch.Tensor:
         """Guided velocity v(x, σ) [B, C, h, w] in fp32; the model sees timestep σ·1000 as SD3 does.
 
         With guidance > 1 the unconditional and conditional branches run in one batch of 2B, as the
@@ -285,8 +313,9 @@ class FlowPolicy:
         mode, then SD3's (z − shift)·scale, the inverse of `decode`."""
         self.latent_shape(resolution)
         vae = self.pipe.vae
-        pixels = self.pipe.image_processor.preprocess(images, height=resolution, width=resolution,
-                                                      resize_mode="crop")
+        pixels = self.pipe.image_processor.preprocess(
+            images, height=resolution, width=resolution, resize_mode="crop"
+        )
         z = vae.encode(pixels.to(self.device, vae.dtype)).latent_dist.mode()
         return ((z - vae.config.shift_factor) * vae.config.scaling_factor).float()
 

@@ -10,7 +10,11 @@ from stages.score.stage import decode_images
 
 
 def encode_shard(
-    policy: FlowPolicy, shard: dict[str, Any], *, resolution: int, batch_size: int = 8,
+    policy: FlowPolicy,
+    shard: dict[str, Any],
+    *,
+    resolution: int,
+    batch_size: int = 8,
     on_batch: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
     """Columns sample_id and final_latent [N, C, h, w] (the VAE posterior mode, SD3-scaled)."""

@@ -76,8 +76,14 @@ def read_pairs(path: str | Path) -> tuple[list[Pair], int]:
             scores = None
             if row.get("chosen_score") is not None and row.get("rejected_score") is not None:
                 scores = (float(row["chosen_score"]), float(row["rejected_score"]))
-            pairs.append(Pair(prompt, _image(row["chosen"], path.parent, where),
-                              _image(row["rejected"], path.parent, where), scores))
+            pairs.append(
+                Pair(
+                    prompt,
+                    _image(row["chosen"], path.parent, where),
+                    _image(row["rejected"], path.parent, where),
+                    scores,
+                )
+            )
         elif {"jpg_0", "jpg_1", "label_0"} <= row.keys():
             label = float(row["label_0"])
             if label == 0.5:
@@ -86,7 +92,9 @@ def read_pairs(path: str | Path) -> tuple[list[Pair], int]:
             first, second = _image(row["jpg_0"], path.parent, where), _image(row["jpg_1"], path.parent, where)
             pairs.append(Pair(prompt, first, second) if label == 1.0 else Pair(prompt, second, first))
         else:
-            raise UserInputError(f"{where}: expected columns chosen/rejected or Pick-a-Pic's jpg_0/jpg_1/label_0")
+            raise UserInputError(
+                f"{where}: expected columns chosen/rejected or Pick-a-Pic's jpg_0/jpg_1/label_0"
+            )
     if not pairs:
         raise UserInputError(f"--pairs {path}: no usable pair (all rows were ties?)")
     return pairs, ties
@@ -94,8 +102,15 @@ def read_pairs(path: str | Path) -> tuple[list[Pair], int]:
 
 def pairs_batch(pairs: list[Pair], offset: int = 0) -> dict[str, Any]:
     """Rows of the pairs shard set: for pair k, `p<k>-w` (reward 1) then `p<k>-l` (reward 0)."""
-    batch: dict[str, Any] = {"sample_id": [], "group_id": [], "prompt": [], "negative_prompt": [], "prompt_meta": [],
-                             "image": [], "reward": []}
+    batch: dict[str, Any] = {
+        "sample_id": [],
+        "group_id": [],
+        "prompt": [],
+        "negative_prompt": [],
+        "prompt_meta": [],
+        "image": [],
+        "reward": [],
+    }
     scored = all(p.scores is not None for p in pairs)
     scores = []
     for k, pair in enumerate(pairs, start=offset):

@@ -78,8 +78,17 @@ def _trainable(policy: Any, cfg: UpdateConfig) -> dict[str, torch.Tensor]:
     return {n: p for n, p in policy.transformer.named_parameters() if p.requires_grad}
 
 
-def _sampler_main(cfg: OnlineConfig, start: int, adapter: Path | None, weights: dict[str, torch.Tensor],
-                  version: Any, step: Any, lock: Any, ring: Any, to_scorer: Any) -> None:
+def _sampler_main(
+    cfg: OnlineConfig,
+    start: int,
+    adapter: Path | None,
+    weights: dict[str, torch.Tensor],
+    version: Any,
+    step: Any,
+    lock: Any,
+    ring: Any,
+    to_scorer: Any,
+) -> None:
     """Worker: sample iterations start..iterations−1, each with weights no staler than max_staleness.
 
     `version` counts published updates (iterations); `step` is their optimizer step, recorded per sample.
@@ -101,11 +110,23 @@ def _sampler_main(cfg: OnlineConfig, start: int, adapter: Path | None, weights: 
         rows = iteration_rows(cfg, k)
         scfg = cfg.sampling(k)
         cols = sample_shard(policy, scfg, rows, 0, drawn_with)
-        meta = {key: cols[key] for key in ("sample_id", "group_id", "prompt", "negative_prompt", "prompt_meta")}
-        to_scorer.put({"k": k, "sample_id": cols["sample_id"], "prompt": cols["prompt"],
-                       "prompt_meta": cols["prompt_meta"], "image": cols["image"]})
+        meta = {
+            key: cols[key] for key in ("sample_id", "group_id", "prompt", "negative_prompt", "prompt_meta")
+        }
+        to_scorer.put(
+            {
+                "k": k,
+                "sample_id": cols["sample_id"],
+                "prompt": cols["prompt"],
+                "prompt_meta": cols["prompt_meta"],
+                "image": cols["image"],
+            }
+        )
         try:
-            ring.put({name: cols[name] for name in TENSORS if name in cols}, {"k": k, **meta, "image": cols["image"]})
+            ring.put(
+                {name: cols[name] for name in TENSORS if name in cols},
+                {"k": k, **meta, "image": cols["image"]},
+            )
         except RingClosed:  # the driver is shutting down
             return
 
@@ -128,8 +149,9 @@ def _scorer_main(cfg: OnlineConfig, inbox: Any, outbox: Any) -> None:
 class Workers:
     """The spawned sampler and scorer, and the channels between them and the driver."""
 
-    def __init__(self, cfg: OnlineConfig, start: int, adapter: Path | None, weights: dict[str, torch.Tensor],
-                 step: int):
+    def __init__(
+        self, cfg: OnlineConfig, start: int, adapter: Path | None, weights: dict[str, torch.Tensor], step: int
+    ):
         import torch.multiprocessing as mp
 
         from stages.online.ring import Ring
@@ -143,11 +165,28 @@ class Workers:
         self.ring = Ring(self._fields(cfg, start), slots=2, rows=rows, ctx=ctx)
         self.to_scorer, self.from_scorer = ctx.Queue(), ctx.Queue()
         self.procs = {
-            "sampler": ctx.Process(target=_sampler_main, name="omnirl-sampler", daemon=True,
-                                   args=(cfg, start, adapter, self.weights, self.version, self.step, self.lock, self.ring,
-                                         self.to_scorer)),
-            "scorer": ctx.Process(target=_scorer_main, name="omnirl-scorer", daemon=True,
-                                  args=(cfg, self.to_scorer, self.from_scorer)),
+            "sampler": ctx.Process(
+                target=_sampler_main,
+                name="omnirl-sampler",
+                daemon=True,
+                args=(
+                    cfg,
+                    start,
+                    adapter,
+                    self.weights,
+                    self.version,
+                    self.step,
+                    self.lock,
+                    self.ring,
+                    self.to_scorer,
+                ),
+            ),
+            "scorer": ctx.Process(
+                target=_scorer_main,
+                name="omnirl-scorer",
+                daemon=True,
+                args=(cfg, self.to_scorer, self.from_scorer),
+            ),
         }
         for proc in self.procs.values():
             proc.start()
@@ -163,13 +202,24 @@ class Workers:
         transformer = json.loads((Path(cfg.model) / "transformer" / "config.json").read_text())
         vae = json.loads((Path(cfg.model) / "vae" / "config.json").read_text())
         factor = 2 ** (len(vae["block_out_channels"]) - 1)
-        latent = (transformer["in_channels"], cfg.sample.resolution // factor, cfg.sample.resolution // factor)
+        latent = (
+            transformer["in_channels"],
+            cfg.sample.resolution // factor,
+            cfg.sample.resolution // factor,
+        )
         stored = len(stored_steps(cfg.sampling(k), (0, 0)))
-        fields = [Field("final_latent", latent, torch.float32), Field("seed", (), torch.int64),
-                  Field("policy_version", (), torch.int64)]
+        fields = [
+            Field("final_latent", latent, torch.float32),
+            Field("seed", (), torch.int64),
+            Field("policy_version", (), torch.int64),
+        ]
         if stored:
-            fields += [Field("latents", (stored + 1, *latent), torch.float32), Field("log_probs", (stored,), torch.float32),
-                       Field("sigmas", (stored + 1,), torch.float32), Field("timesteps", (stored,), torch.float32)]
+            fields += [
+                Field("latents", (stored + 1, *latent), torch.float32),
+                Field("log_probs", (stored,), torch.float32),
+                Field("sigmas", (stored + 1,), torch.float32),
+                Field("timesteps", (stored,), torch.float32),
+            ]
         return fields
 
     def check(self, awaited: str, k: int) -> None:
@@ -201,7 +251,9 @@ class Workers:
         if "error" in rewards:
             raise RuntimeFailure(f"the scorer worker failed on iteration {k}: {rewards['error']}")
         if meta["k"] != k or rewards["k"] != k:
-            raise RuntimeFailure(f"iteration mismatch: expected {k}, got trajectories {meta['k']}, rewards {rewards['k']}")
+            raise RuntimeFailure(
+                f"iteration mismatch: expected {k}, got trajectories {meta['k']}, rewards {rewards['k']}"
+            )
         return {**tensors, **{key: v for key, v in meta.items() if key != "k"}}, rewards
 
     def publish(self, params: dict[str, torch.Tensor], version: int, step: int) -> None:
@@ -231,8 +283,9 @@ def last_checkpoint(out: Path) -> int:
     return max(done, default=0)
 
 
-def run_online(cfg: OnlineConfig, *, device: Any = "cpu",
-               on_iteration: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+def run_online(
+    cfg: OnlineConfig, *, device: Any = "cpu", on_iteration: Callable[[dict[str, Any]], None] | None = None
+) -> list[dict[str, Any]]:
     """Run iterations start..cfg.iterations−1 (resuming after the last checkpoint); one summary per iteration."""
     from stages.advantage.stage import compute_advantages
     from stages.models.diffusion import FlowPolicy
@@ -260,28 +313,55 @@ def run_online(cfg: OnlineConfig, *, device: Any = "cpu",
             data, rewards = workers.receive(k)
             t_wait = time.perf_counter() - t0
             data["reward"] = rewards["reward"]
-            adv, stats = compute_advantages(data, estimator=cfg.estimator, clip=cfg.adv_clip,
-                                            drop_zero_std=cfg.drop_zero_std,
-                                            num_steps=data["log_probs"].shape[1] if "log_probs" in data else 1)
+            adv, stats = compute_advantages(
+                data,
+                estimator=cfg.estimator,
+                clip=cfg.adv_clip,
+                drop_zero_std=cfg.drop_zero_std,
+                num_steps=data["log_probs"].shape[1] if "log_probs" in data else 1,
+            )
             data.update({key: v for key, v in adv.items() if key != "sample_id"})
             t1 = time.perf_counter()
-            optimizer, ema, old_weights, metrics = train(policy, data, cfg.sampling(k),
-                                                         cfg.update, state=state, start_step=step)
+            optimizer, ema, old_weights, metrics = train(
+                policy, data, cfg.sampling(k), cfg.update, state=state, start_step=step
+            )
             t_train = time.perf_counter() - t1
             step = metrics[-1]["step"] if metrics else step
-            state = {"optimizer": optimizer.state_dict(), "old_weights": old_weights,
-                     "ema": {"shadow": ema.shadow, "updates": ema.updates} if ema else None}
+            state = {
+                "optimizer": optimizer.state_dict(),
+                "old_weights": old_weights,
+                "ema": {"shadow": ema.shadow, "updates": ema.updates} if ema else None,
+            }
             workers.publish(params, k + 1, step)
-            save_policy(policy, cfg.out / f"it{k + 1}" / "policy", optimizer, ema, old_weights, metrics, step,
-                        cfg.update, extra={"online_iteration": k + 1, "max_staleness": cfg.max_staleness})
+            save_policy(
+                policy,
+                cfg.out / f"it{k + 1}" / "policy",
+                optimizer,
+                ema,
+                old_weights,
+                metrics,
+                step,
+                cfg.update,
+                extra={"online_iteration": k + 1, "max_staleness": cfg.max_staleness},
+            )
             if cfg.save_trajectories:
                 _save_trajectories(cfg, k, data, rewards, adv, stats)
             summary = {
-                "iteration": k, "samples": len(data["sample_id"]), "reward_mean": float(rewards["reward"].mean()),
-                "reward_std": float(rewards["reward"].std(unbiased=False)), "zero_std_ratio": stats["zero_std_ratio"],
-                "policy_versions": sorted({int(v) for v in data["policy_version"]}), "step": step,
-                "seconds_waiting": t_wait, "seconds_training": t_train, "seconds": time.perf_counter() - t0,
-                **{key: metrics[-1][key] for key in ("actor/pg_loss", "actor/ratio_mean") if metrics and key in metrics[-1]},
+                "iteration": k,
+                "samples": len(data["sample_id"]),
+                "reward_mean": float(rewards["reward"].mean()),
+                "reward_std": float(rewards["reward"].std(unbiased=False)),
+                "zero_std_ratio": stats["zero_std_ratio"],
+                "policy_versions": sorted({int(v) for v in data["policy_version"]}),
+                "step": step,
+                "seconds_waiting": t_wait,
+                "seconds_training": t_train,
+                "seconds": time.perf_counter() - t0,
+                **{
+                    key: metrics[-1][key]
+                    for key in ("actor/pg_loss", "actor/ratio_mean")
+                    if metrics and key in metrics[-1]
+                },
             }
             summaries.append(summary)
             if on_iteration:
@@ -291,8 +371,14 @@ def run_online(cfg: OnlineConfig, *, device: Any = "cpu",
     return summaries
 
 
-def _save_trajectories(cfg: OnlineConfig, k: int, data: dict[str, Any], rewards: dict[str, Any],
-                       adv: dict[str, Any], stats: dict[str, Any]) -> None:
+def _save_trajectories(
+    cfg: OnlineConfig,
+    k: int,
+    data: dict[str, Any],
+    rewards: dict[str, Any],
+    adv: dict[str, Any],
+    stats: dict[str, Any],
+) -> None:
     """The shard sets the staged commands would have written for iteration k."""
     from stages.sample.stage import KINDS
     from stages.shards.writer import ShardSetWriter
@@ -306,8 +392,15 @@ def _save_trajectories(cfg: OnlineConfig, k: int, data: dict[str, Any], rewards:
     }
     parents: list[Path] = []
     for name, (batch, extra) in parts.items():
-        writer = ShardSetWriter(it / name, num_shards=1, command=f"online:{name}", config={"iteration": k},
-                                parents=parents, kinds=KINDS if name == "samples" else None, overwrite=True)
+        writer = ShardSetWriter(
+            it / name,
+            num_shards=1,
+            command=f"online:{name}",
+            config={"iteration": k},
+            parents=parents,
+            kinds=KINDS if name == "samples" else None,
+            overwrite=True,
+        )
         if not writer.complete:
             writer.write_shard(0, batch)
             writer.finalize(extra=extra)

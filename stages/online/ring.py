@@ -92,8 +92,9 @@ class Ring:
         """Whether any process has called `close`."""
         return bool(self._closed.value)
 
-    def put(self, batch: Mapping[str, torch.Tensor], meta: dict | None = None, *,
-            timeout: float | None = None) -> None:
+    def put(
+        self, batch: Mapping[str, torch.Tensor], meta: dict | None = None, *, timeout: float | None = None
+    ) -> None:
         """Copy `batch` (each field `[n, *shape]`, n <= rows) into a free slot and publish it with `meta`.
 
         Blocks while no slot is free. Raises ValueError on a malformed batch or meta, TimeoutError
@@ -151,12 +152,16 @@ class Ring:
         if tensors:
             raise ValueError(f"Ring.put: meta keys {tensors} hold tensors; declare them as Fields instead")
         if not isinstance(batch, Mapping):
-            raise ValueError(f"Ring.put: batch must be a mapping of field name to tensor, got {type(batch).__name__}")
+            raise ValueError(
+                f"Ring.put: batch must be a mapping of field name to tensor, got {type(batch).__name__}"
+            )
         unknown = sorted(set(batch) - set(self._buffers))
         missing = sorted(set(self._buffers) - set(batch))
         if unknown or missing:
-            raise ValueError(f"Ring.put: unknown fields {unknown}, missing fields {missing}; "
-                             f"the ring holds {sorted(self._buffers)}")
+            raise ValueError(
+                f"Ring.put: unknown fields {unknown}, missing fields {missing}; "
+                f"the ring holds {sorted(self._buffers)}"
+            )
         n = None
         for f in self.fields:
             t = batch[f.name]
@@ -165,12 +170,13 @@ class Ring:
             if t.dtype != f.dtype:
                 raise ValueError(f"Ring.put: field {f.name!r} has dtype {t.dtype}, expected {f.dtype}")
             if t.dim() != 1 + len(f.shape) or tuple(t.shape[1:]) != f.shape:
-                raise ValueError(f"Ring.put: field {f.name!r} has shape {tuple(t.shape)}, "
-                                 f"expected (n, *{f.shape}) with n <= {self.rows}")
+                raise ValueError(
+                    f"Ring.put: field {f.name!r} has shape {tuple(t.shape)}, "
+                    f"expected (n, *{f.shape}) with n <= {self.rows}"
+                )
             if n is not None and t.shape[0] != n:
                 raise ValueError(f"Ring.put: field {f.name!r} has {t.shape[0]} rows, other fields have {n}")
             n = t.shape[0]
         if n > self.rows:
             raise ValueError(f"Ring.put: batch has {n} rows, a slot holds at most {self.rows}")
         return n
-

@@ -27,7 +27,9 @@ class Prompt:
 
 def _chat_text(messages: list[Any], path: Path, row: int) -> str:
     """The user's text of a verl chat-message prompt (`[{role, content}, ...]`)."""
-    texts = [m.get("content", "") for m in messages if isinstance(m, dict) and m.get("role", "user") == "user"]
+    texts = [
+        m.get("content", "") for m in messages if isinstance(m, dict) and m.get("role", "user") == "user"
+    ]
     texts = [t if isinstance(t, str) else json.dumps(t) for t in texts]
     if not texts:
         raise UserInputError(f"{path}: row {row}: the prompt's chat messages have no user message")
@@ -37,14 +39,18 @@ def _chat_text(messages: list[Any], path: Path, row: int) -> str:
 def _from_record(rec: dict[str, Any], path: Path, row: int) -> Prompt:
     key = next((k for k in PROMPT_KEYS if k in rec), None)
     if key is None:
-        raise UserInputError(f"{path}: row {row}: no prompt column (expected one of {', '.join(PROMPT_KEYS)})")
+        raise UserInputError(
+            f"{path}: row {row}: no prompt column (expected one of {', '.join(PROMPT_KEYS)})"
+        )
     value = rec[key]
     if isinstance(value, list):
         text = _chat_text(value, path, row)
     elif isinstance(value, str):
         text = value
     else:
-        raise UserInputError(f"{path}: row {row}: column '{key}' must be text or chat messages, got {type(value).__name__}")
+        raise UserInputError(
+            f"{path}: row {row}: column '{key}' must be text or chat messages, got {type(value).__name__}"
+        )
     negative = rec.get("negative_prompt") or ""
     meta = {k: v for k, v in rec.items() if k not in (key, "negative_prompt")}
     return Prompt(text=text, negative=str(negative), meta=meta)
@@ -57,7 +63,9 @@ def read_prompts(path: str | Path) -> list[Prompt]:
         raise UserInputError(f"--prompts {path}: no such file")
     suffix = path.suffix.lower()
     if suffix in (".txt", ".text", ""):
-        prompts = [Prompt(line.strip()) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        prompts = [
+            Prompt(line.strip()) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()
+        ]
     elif suffix in (".jsonl", ".json"):
         prompts = []
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -81,7 +89,9 @@ def read_prompts(path: str | Path) -> list[Prompt]:
             raise UserInputError(f"--prompts {path}: not a readable Parquet file ({exc})") from None
         prompts = [_from_record(rec, path, i) for i, rec in enumerate(rows)]
     else:
-        raise UserInputError(f"--prompts {path}: unknown prompt format '{suffix}' (use .txt, .jsonl, .csv or .parquet)")
+        raise UserInputError(
+            f"--prompts {path}: unknown prompt format '{suffix}' (use .txt, .jsonl, .csv or .parquet)"
+        )
     if not prompts:
         raise UserInputError(f"--prompts {path}: the file holds no prompts")
     return prompts

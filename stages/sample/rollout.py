@@ -54,8 +54,13 @@ class SampleConfig:
     def schedule(self) -> WindowSchedule:
         """The SDE-window schedule these settings describe (`stages.sample.windows`); validates them."""
         return WindowSchedule(
-            self.steps, self.window_strategy, window=self.window, window_range=self.window_range,
-            start=self.window_start, iters_per_group=self.iters_per_group, stride=self.window_stride,
+            self.steps,
+            self.window_strategy,
+            window=self.window,
+            window_range=self.window_range,
+            start=self.window_start,
+            iters_per_group=self.iters_per_group,
+            stride=self.window_stride,
             roll_back=self.roll_back,
         )
 
@@ -115,8 +120,14 @@ def rollout_batch(
         if i in window:
             noise = torch.stack([torch.randn(x.shape[1:], generator=g) for g in gens]).to(x.device)
             out = step(
-                cfg.sampler, v, x, sigmas[i], sigmas[i + 1],
-                noise_level=cfg.noise_level, sigma_max_safe=sigmas[1], noise=noise,
+                cfg.sampler,
+                v,
+                x,
+                sigmas[i],
+                sigmas[i + 1],
+                noise_level=cfg.noise_level,
+                sigma_max_safe=sigmas[1],
+                noise=noise,
             )
             latents.append(x)
             log_probs.append(out.log_prob)
@@ -144,4 +155,6 @@ def sample_config_of(manifests: list[Any]) -> SampleConfig:
             window_range = recorded.get("window_range")
             recorded = {**recorded, "window_range": tuple(window_range) if window_range else None}
             return SampleConfig(**recorded)
-    raise UserInputError("--in: none of the inputs was written by `omnirl sample`; pass the samples shard set first")
+    raise UserInputError(
+        "--in: none of the inputs was written by `omnirl sample`; pass the samples shard set first"
+    )

@@ -43,9 +43,7 @@ def levenshtein(a: str, b: str) -> int:
     for i, char_a in enumerate(a, start=1):
         current = [i]
         for j, char_b in enumerate(b, start=1):
-            current.append(
-                min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (char_a != char_b))
-            )
+            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (char_a != char_b)))
         previous = current
     return previous[-1]
 
@@ -81,7 +79,9 @@ def ocr_target(prompt: str, meta: dict | None) -> str:
             )
         target = parts[1]
     if not _normalize(target):
-        raise UserInputError(f"reward 'ocr': the target text of prompt {prompt!r} is empty; give a non-empty quoted text")
+        raise UserInputError(
+            f"reward 'ocr': the target text of prompt {prompt!r} is empty; give a non-empty quoted text"
+        )
     return target
 
 
@@ -118,7 +118,9 @@ def ocr(images: Sequence[Image.Image], prompts: Sequence[str], meta: Sequence[di
         try:
             recognized = recognize_text(image)
         except Exception as exc:  # the engine's failure modes are not documented; the caller reports None
-            logger.warning("reward 'ocr': OCR failed on batch item %d (%s: %s)", index, type(exc).__name__, exc)
+            logger.warning(
+                "reward 'ocr': OCR failed on batch item %d (%s: %s)", index, type(exc).__name__, exc
+            )
             scores.append(None)
             continue
         scores.append(ocr_text_reward(recognized, target))

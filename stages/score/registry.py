@@ -136,7 +136,9 @@ def parse_reward_spec(spec: str) -> tuple[str, float]:
         name, weight_text = text, ""
     name = name.strip()
     if not name:
-        raise UserInputError(f"--reward {spec!r}: missing reward name; write NAME or NAME=WEIGHT, e.g. ocr=1.0")
+        raise UserInputError(
+            f"--reward {spec!r}: missing reward name; write NAME or NAME=WEIGHT, e.g. ocr=1.0"
+        )
     if not sep:
         return name, 1.0
     try:
@@ -146,5 +148,7 @@ def parse_reward_spec(spec: str) -> tuple[str, float]:
             f"--reward {spec!r}: weight {weight_text.strip()!r} is not a number; write NAME=WEIGHT, e.g. {name}=0.5"
         ) from None
     if not math.isfinite(weight):
-        raise UserInputError(f"--reward {spec!r}: weight must be a finite number, got {weight_text.strip()!r}")
+        raise UserInputError(
+            f"--reward {spec!r}: weight must be a finite number, got {weight_text.strip()!r}"
+        )
     return name, weight

@@ -28,8 +28,14 @@ logger = logging.getLogger(__name__)
 ON_ERROR_MODES = ("fail", "zero")
 
 
-def _run_scorer(name: str, images: Sequence[Any], prompts: Sequence[str], meta: Sequence[dict],
-                sample_ids: Sequence[str], on_error: str) -> tuple[list[float], list[bool]]:
+def _run_scorer(
+    name: str,
+    images: Sequence[Any],
+    prompts: Sequence[str],
+    meta: Sequence[dict],
+    sample_ids: Sequence[str],
+    on_error: str,
+) -> tuple[list[float], list[bool]]:
     """Call one scorer on the batch; return its values (failures as 0.0) and the failure flags."""
     n = len(sample_ids)
     scorer = get_reward(name)
@@ -41,18 +47,26 @@ def _run_scorer(name: str, images: Sequence[Any], prompts: Sequence[str], meta: 
         raise type(exc)(f"reward {name!r}: {exc}") from exc
     except Exception as exc:
         detail = " ".join(str(exc).split())  # keep the report on one line
-        message = (f"reward {name!r} raised {type(exc).__name__}: {detail} on the batch of {n} samples "
-                   f"{sample_ids[0]!r}..{sample_ids[-1]!r}")
+        message = (
+            f"reward {name!r} raised {type(exc).__name__}: {detail} on the batch of {n} samples "
+            f"{sample_ids[0]!r}..{sample_ids[-1]!r}"
+        )
         if on_error == "fail":
-            raise NonFiniteError(f"{message}; fix the scorer, or score with on_error=zero to record 0 and flag the rows") from exc
+            raise NonFiniteError(
+                f"{message}; fix the scorer, or score with on_error=zero to record 0 and flag the rows"
+            ) from exc
         logger.warning("%s; recorded as 0 and flagged in reward_failed", message)
         return [0.0] * n, [True] * n
     try:
         count = len(raw)
     except TypeError:
-        raise UserInputError(f"reward {name!r} returned a {type(raw).__name__}, not a list of {n} scores") from None
+        raise UserInputError(
+            f"reward {name!r} returned a {type(raw).__name__}, not a list of {n} scores"
+        ) from None
     if count != n:
-        raise UserInputError(f"reward {name!r} returned {count} scores for {n} samples; return one score per sample")
+        raise UserInputError(
+            f"reward {name!r} returned {count} scores for {n} samples; return one score per sample"
+        )
     values: list[float] = []
     failed: list[bool] = []
     for value, sample_id in zip(raw, sample_ids, strict=True):
@@ -75,14 +89,23 @@ def _run_scorer(name: str, images: Sequence[Any], prompts: Sequence[str], meta: 
                 f"reward {name!r} {what} for sample {sample_id!r}; fix the input or the scorer, "
                 "or score with on_error=zero to record 0 and flag the row"
             )
-        logger.warning("reward %r %s for sample %r; recorded as 0 and flagged in reward_failed", name, what, sample_id)
+        logger.warning(
+            "reward %r %s for sample %r; recorded as 0 and flagged in reward_failed", name, what, sample_id
+        )
         values.append(0.0)
         failed.append(True)
     return values, failed
 
 
-def score_batch(specs: Sequence[tuple[str, float]], images: Sequence[Any], prompts: Sequence[str],
-                meta: Sequence[dict], *, sample_ids: Sequence[str], on_error: str = "fail") -> dict[str, torch.Tensor]:
+def score_batch(
+    specs: Sequence[tuple[str, float]],
+    images: Sequence[Any],
+    prompts: Sequence[str],
+    meta: Sequence[dict],
+    *,
+    sample_ids: Sequence[str],
+    on_error: str = "fail",
+) -> dict[str, torch.Tensor]:
     """Score N samples with every (name, weight) in `specs`.
 
     Returns ``{"reward": float32 [N], "reward.<name>": float32 [N] per spec}``, plus
@@ -95,7 +118,9 @@ def score_batch(specs: Sequence[tuple[str, float]], images: Sequence[Any], promp
     names = [name for name, _ in specs]
     duplicates = sorted({name for name in names if names.count(name) > 1})
     if duplicates:
-        raise UserInputError(f"reward {duplicates[0]!r} is given more than once; give each reward once with its weight")
+        raise UserInputError(
+            f"reward {duplicates[0]!r} is given more than once; give each reward once with its weight"
+        )
     n = len(sample_ids)
     if not (len(images) == len(prompts) == len(meta) == n):
         raise ValueError(

@@ -21,7 +21,9 @@ def decode_images(blobs: Sequence[bytes], sample_ids: Sequence[str]) -> list[Any
         try:
             images.append(Image.open(io.BytesIO(blob)).convert("RGB"))
         except Exception:
-            raise UserInputError(f"sample {sid!r}: its image bytes are not a readable image; re-run `omnirl sample`") from None
+            raise UserInputError(
+                f"sample {sid!r}: its image bytes are not a readable image; re-run `omnirl sample`"
+            ) from None
     return images
 
 
@@ -38,7 +40,9 @@ def score_shard(
 
     missing = [c for c in NEEDED if c not in shard]
     if missing:
-        raise UserInputError(f"--in: column '{missing[0]}' is missing; score reads the output of `omnirl sample`")
+        raise UserInputError(
+            f"--in: column '{missing[0]}' is missing; score reads the output of `omnirl sample`"
+        )
     n = len(shard["sample_id"])
     parts: list[dict[str, Any]] = []
     for start in range(0, n, batch_size):
@@ -47,8 +51,12 @@ def score_shard(
         meta = [m if isinstance(m, dict) else {} for m in shard["prompt_meta"][start:stop]]
         parts.append(
             score_batch(
-                specs, decode_images(shard["image"][start:stop], ids), list(shard["prompt"][start:stop]), meta,
-                sample_ids=ids, on_error=on_error,
+                specs,
+                decode_images(shard["image"][start:stop], ids),
+                list(shard["prompt"][start:stop]),
+                meta,
+                sample_ids=ids,
+                on_error=on_error,
             )
         )
         if on_batch:

@@ -102,7 +102,9 @@ def grpo_guard_loss(
     policy_loss = (per_row / -step).mean()
     kl_term = kl.float().mean() if kl is not None else torch.zeros((), device=mean.device)
     loss = policy_loss + beta * kl_term
-    return StepLoss(loss, policy_loss.detach(), kl_term.detach(), ratio.detach(), was_clipped, log_ratio.detach())
+    return StepLoss(
+        loss, policy_loss.detach(), kl_term.detach(), ratio.detach(), was_clipped, log_ratio.detach()
+    )
 
 
 def nft_optimality(advantages: Tensor, adv_clip: float = 5.0) -> Tensor:
@@ -139,7 +141,9 @@ def nft_loss(
     policy term has zero gradient.
     """
     if beta <= 0:
-        raise UserInputError(f"DiffusionNFT beta={beta}: must be positive (the loss divides by it; default 1.0)")
+        raise UserInputError(
+            f"DiffusionNFT beta={beta}: must be positive (the loss divides by it; default 1.0)"
+        )
     if kl_beta > 0 and v_ref is None:
         raise ValueError("kl_beta > 0 needs v_ref, the reference velocity")
     v = v_theta.float()
@@ -196,7 +200,9 @@ def awm_psi(
     uniform: ψ = −ℓ;  ghuber: ψ = −[(ℓ + 1e-10)^p − (1e-10)^p]·t/p (generalised Huber, t = σ of the row).
     """
     if weighting not in AWM_WEIGHTINGS:
-        raise UserInputError(f"AWM weighting {weighting!r} is unknown: choose one of {', '.join(AWM_WEIGHTINGS)}")
+        raise UserInputError(
+            f"AWM weighting {weighting!r} is unknown: choose one of {', '.join(AWM_WEIGHTINGS)}"
+        )
     err = fm_error(v, eps, x0)
     if weighting == "uniform":
         return -err

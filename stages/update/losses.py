@@ -40,7 +40,9 @@ class StepLoss:
     log_ratio: torch.Tensor
 
 
-def ppo_terms(adv: torch.Tensor, ratio: torch.Tensor, clip_range: float, high: float) -> tuple[torch.Tensor, torch.Tensor]:
+def ppo_terms(
+    adv: torch.Tensor, ratio: torch.Tensor, clip_range: float, high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row max(−Â·r, −Â·clip(r, 1−ε, 1+ε_high)) and whether r left the band, both [B]."""
     per_row = torch.maximum(-adv * ratio, -adv * ratio.clamp(1.0 - clip_range, 1.0 + high))
     return per_row, ((ratio < 1.0 - clip_range) | (ratio > 1.0 + high)).float()
@@ -61,11 +63,15 @@ def clipped_policy_loss(
     adv = advantages if adv_clip is None else advantages.clamp(-adv_clip, adv_clip)
     log_ratio = log_prob - old_log_prob
     ratio = torch.exp(log_ratio)
-    per_row, was_clipped = ppo_terms(adv, ratio, clip_range, clip_range if clip_range_high is None else clip_range_high)
+    per_row, was_clipped = ppo_terms(
+        adv, ratio, clip_range, clip_range if clip_range_high is None else clip_range_high
+    )
     policy_loss = per_row.mean()
     kl_term = kl.mean() if kl is not None else torch.zeros((), device=log_prob.device)
     loss = policy_loss + beta * kl_term
-    return StepLoss(loss, policy_loss.detach(), kl_term.detach(), ratio.detach(), was_clipped, log_ratio.detach())
+    return StepLoss(
+        loss, policy_loss.detach(), kl_term.detach(), ratio.detach(), was_clipped, log_ratio.detach()
+    )
 
 
 PG_COLUMNS = ("latents", "sigmas", "log_probs", "old_log_probs", "ref_means", "old_means")
@@ -93,7 +99,12 @@ ALGORITHMS: dict[str, Algorithm] = {
         Algorithm("grpo_guard", guard=True, needs=("latents", "sigmas", "old_means")),
         Algorithm("nft", family="forward", columns=("final_latent",), needs=("final_latent",)),
         Algorithm("awm", family="forward", columns=("final_latent",), needs=("final_latent",)),
-        Algorithm("dpo", family="preference", columns=("final_latent", "group_id"), needs=("final_latent", "group_id")),
+        Algorithm(
+            "dpo",
+            family="preference",
+            columns=("final_latent", "group_id"),
+            needs=("final_latent", "group_id"),
+        ),
     )
 }
 
@@ -105,7 +116,9 @@ def get_algorithm(name: str) -> Algorithm:
     return ALGORITHMS[name]
 
 
-def step_plan(algo: Algorithm, num_rows: int, num_steps: int, fraction: float, rng: random.Random) -> torch.Tensor:
+def step_plan(
+    algo: Algorithm, num_rows: int, num_steps: int, fraction: float, rng: random.Random
+) -> torch.Tensor:
     """Stored-step indices to train per sample, [N, T] int64 (column t is the t-th trained step).
 
     prefix: the first int(K·fraction) steps (at least 1); all: every step; random: per sample a random

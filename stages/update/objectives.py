@@ -45,21 +45,32 @@ class PolicyGradient:
     """Clipped-ratio objectives over the stored steps of a rollout."""
 
     metric_keys = (
-        "actor/pg_loss", "actor/kl_loss", "actor/ratio_mean", "actor/ratio_std", "actor/pg_clipfrac", "actor/ppo_kl",
+        "actor/pg_loss",
+        "actor/kl_loss",
+        "actor/ratio_mean",
+        "actor/ratio_std",
+        "actor/pg_clipfrac",
+        "actor/ppo_kl",
     )
 
-    def __init__(self, policy: FlowPolicy, data: dict[str, Any], sample_cfg: SampleConfig, cfg: Any, algo: Algorithm):
+    def __init__(
+        self, policy: FlowPolicy, data: dict[str, Any], sample_cfg: SampleConfig, cfg: Any, algo: Algorithm
+    ):
         self.policy, self.data, self.sample_cfg, self.cfg, self.algo = policy, data, sample_cfg, cfg, algo
         self.old = data.get("old_log_probs", data.get("log_probs"))
         if self.old is None:
-            raise UserInputError("--in: neither old_log_probs (omnirl logprob) nor log_probs (omnirl sample) is present")
+            raise UserInputError(
+                "--in: neither old_log_probs (omnirl logprob) nor log_probs (omnirl sample) is present"
+            )
         self.sigma_safe = policy.sigmas(sample_cfg.steps)[1]
         self.plan = torch.zeros(0, 0, dtype=torch.int64)
 
     def epoch(self, rows: list[int], micro: int, rng: random.Random) -> list[Chunk]:
         num_steps = self.data["latents"].shape[1] - 1
         chunks = _chunks(rows, micro)
-        self.plan = step_plan(self.algo, self.data["latents"].shape[0], num_steps, self.cfg.timestep_fraction, rng)
+        self.plan = step_plan(
+            self.algo, self.data["latents"].shape[0], num_steps, self.cfg.timestep_fraction, rng
+        )
         return chunks
 
     @property
@@ -70,10 +81,17 @@ class PolicyGradient:
         cond = _condition(self.policy, self.data, idx, self.sample_cfg)
         for t in range(self.per_chunk):
             res = self._step(idx, self.plan[idx, t], cond)
-            yield res.loss, [
-                res.policy_loss.item(), res.kl.item(), res.ratio.mean().item(), res.ratio.std(unbiased=False).item(),
-                res.clipped.mean().item(), (0.5 * res.log_ratio.pow(2)).mean().item(),
-            ]
+            yield (
+                res.loss,
+                [
+                    res.policy_loss.item(),
+                    res.kl.item(),
+                    res.ratio.mean().item(),
+                    res.ratio.std(unbiased=False).item(),
+                    res.clipped.mean().item(),
+                    (0.5 * res.log_ratio.pow(2)).mean().item(),
+                ],
+            )
 
     def _step(self, idx: Chunk, j: torch.Tensor, cond: Any) -> Any:
         """Loss of stored step j[b] for row idx[b]: replay under the trained weights, then the --algo loss."""
@@ -84,8 +102,16 @@ class PolicyGradient:
         s, s_next = data["sigmas"][index, j], data["sigmas"][index, j + 1]
 
         def replay(v: torch.Tensor) -> Any:
-            return step(scfg.sampler, v, x, s, s_next, noise_level=scfg.noise_level,
-                        sigma_max_safe=self.sigma_safe, prev_sample=x_next)
+            return step(
+                scfg.sampler,
+                v,
+                x,
+                s,
+                s_next,
+                noise_level=scfg.noise_level,
+                sigma_max_safe=self.sigma_safe,
+                prev_sample=x_next,
+            )
 
         out = replay(policy.velocity(x, s, cond, scfg.guidance))
         kl = None
@@ -96,8 +122,13 @@ class PolicyGradient:
                 ref = replay(policy.velocity(x, s, cond, scfg.guidance))
             kl = kl_to_reference(out.mean, ref.mean, out.diffusion)
         adv = data["advantages"][index, j].to(policy.device).float()
-        common = {"clip_range": cfg.clip_range, "clip_range_high": cfg.clip_range_high, "adv_clip": cfg.adv_clip,
-                  "kl": kl, "beta": cfg.beta}
+        common = {
+            "clip_range": cfg.clip_range,
+            "clip_range_high": cfg.clip_range_high,
+            "adv_clip": cfg.adv_clip,
+            "kl": kl,
+            "beta": cfg.beta,
+        }
         if self.algo.guard:
             old_mean = data["old_means"][index, j].to(policy.device).float()
             return grpo_guard_loss(out.mean, old_mean, x_next, out.std, s_next - s, adv, **common)
@@ -113,8 +144,17 @@ def _noise(seed: int, rows: Chunk, column: int, shape: tuple[int, ...]) -> torch
 class ForwardProcess:
     """DiffusionNFT and AWM: losses on x_t built from the final latent with fresh noise."""
 
-    def __init__(self, policy: FlowPolicy, data: dict[str, Any], sample_cfg: SampleConfig, cfg: Any, algo: Algorithm,
-                 *, old_weights: dict[str, torch.Tensor] | None, ema_weights: dict[str, torch.Tensor] | None):
+    def __init__(
+        self,
+        policy: FlowPolicy,
+        data: dict[str, Any],
+        sample_cfg: SampleConfig,
+        cfg: Any,
+        algo: Algorithm,
+        *,
+        old_weights: dict[str, torch.Tensor] | None,
+        ema_weights: dict[str, torch.Tensor] | None,
+    ):
         self.policy, self.data, self.sample_cfg, self.cfg, self.algo = policy, data, sample_cfg, cfg, algo
         self.schedule = policy.sigmas(sample_cfg.steps)[:-1].float()  # σ of each sampling step, [N]
         self.old_weights = old_weights
@@ -122,10 +162,22 @@ class ForwardProcess:
         self.plan = torch.zeros(0, 0)
         self.seed = 0
         self.metric_keys = (
-            ("actor/pg_loss", "actor/kl_loss", "actor/positive_loss", "actor/negative_loss", "actor/old_deviate")
+            (
+                "actor/pg_loss",
+                "actor/kl_loss",
+                "actor/positive_loss",
+                "actor/negative_loss",
+                "actor/old_deviate",
+            )
             if algo.name == "nft"
-            else ("actor/pg_loss", "actor/kl_loss", "actor/ema_kl_loss", "actor/fm_loss", "actor/ratio_mean",
-                  "actor/pg_clipfrac")
+            else (
+                "actor/pg_loss",
+                "actor/kl_loss",
+                "actor/ema_kl_loss",
+                "actor/fm_loss",
+                "actor/ratio_mean",
+                "actor/pg_clipfrac",
+            )
         )
 
     def epoch(self, rows: list[int], micro: int, rng: random.Random) -> list[Chunk]:
@@ -138,8 +190,15 @@ class ForwardProcess:
             lo, hi = min(1, count - 1), max(min(1, count - 1), int(0.9 * count))
             edges = torch.linspace(lo, hi + 1, self.cfg.train_timesteps + 1)
             self.plan = torch.tensor(
-                [[min(hi, int(edges[k] + rng.random() * (edges[k + 1] - edges[k]))) for k in range(self.cfg.train_timesteps)]
-                 for _ in range(n)], dtype=torch.int64)
+                [
+                    [
+                        min(hi, int(edges[k] + rng.random() * (edges[k + 1] - edges[k])))
+                        for k in range(self.cfg.train_timesteps)
+                    ]
+                    for _ in range(n)
+                ],
+                dtype=torch.int64,
+            )
         return _chunks(rows, micro)
 
     @property
@@ -164,8 +223,18 @@ class ForwardProcess:
             if self.algo.name == "nft":
                 with torch.no_grad(), policy.weights(self.old_weights):
                     v_old = policy.velocity(x_t, t, cond, scfg.guidance)
-                loss, m = nft_loss(v, v_old, v_ref, x0, x_t, t, nft_optimality(adv, cfg.adv_clip), beta=cfg.nft_beta,
-                                   kl_beta=cfg.beta, adv_clip=cfg.adv_clip)
+                loss, m = nft_loss(
+                    v,
+                    v_old,
+                    v_ref,
+                    x0,
+                    x_t,
+                    t,
+                    nft_optimality(adv, cfg.adv_clip),
+                    beta=cfg.nft_beta,
+                    kl_beta=cfg.beta,
+                    adv_clip=cfg.adv_clip,
+                )
             else:
                 with torch.no_grad(), policy.weights(self.old_weights):
                     v_old = policy.velocity(x_t, t, cond, scfg.guidance)
@@ -173,17 +242,35 @@ class ForwardProcess:
                 if cfg.ema_beta > 0:
                     with torch.no_grad(), policy.weights(self.ema_weights):
                         v_ema = policy.velocity(x_t, t, cond, scfg.guidance)
-                loss, m = awm_loss(v, v_old, eps, x0, t, adv, weighting=cfg.awm_weighting, p=cfg.awm_p,
-                                   clip_range=cfg.clip_range, adv_clip=cfg.adv_clip, ref_v=v_ref, beta=cfg.beta,
-                                   ema_v=v_ema, ema_beta=cfg.ema_beta)
+                loss, m = awm_loss(
+                    v,
+                    v_old,
+                    eps,
+                    x0,
+                    t,
+                    adv,
+                    weighting=cfg.awm_weighting,
+                    p=cfg.awm_p,
+                    clip_range=cfg.clip_range,
+                    adv_clip=cfg.adv_clip,
+                    ref_v=v_ref,
+                    beta=cfg.beta,
+                    ema_v=v_ema,
+                    ema_beta=cfg.ema_beta,
+                )
             yield loss, [float(m.get(k, 0.0)) for k in self.metric_keys]
 
 
 class Preference:
     """Online Diffusion-DPO: the best and worst sample of each group, one shared (t, ε) per pair."""
 
-    metric_keys = ("actor/dpo_loss", "actor/implicit_acc", "actor/rewards/chosen", "actor/rewards/rejected",
-                   "actor/rewards/margins")
+    metric_keys = (
+        "actor/dpo_loss",
+        "actor/implicit_acc",
+        "actor/rewards/chosen",
+        "actor/rewards/rejected",
+        "actor/rewards/margins",
+    )
     per_chunk = 1
 
     def __init__(self, policy: FlowPolicy, data: dict[str, Any], sample_cfg: SampleConfig, cfg: Any):
@@ -191,7 +278,9 @@ class Preference:
         score = data["advantages"][:, 0] if "advantages" in data else data["reward"]
         self.pairs = best_worst_pairs(score, list(data["group_id"]))
         if not self.pairs:
-            raise UserInputError("--algo dpo: every group has equal rewards, so there is no preference pair to train on")
+            raise UserInputError(
+                "--algo dpo: every group has equal rewards, so there is no preference pair to train on"
+            )
         self.schedule = policy.sigmas(sample_cfg.steps)[:-1].float()
         self.t = torch.zeros(0, dtype=torch.int64)
         self.seed = 0
@@ -211,7 +300,9 @@ class Preference:
         cond = _condition(policy, self.data, rows, scfg)
         x0 = self.data["final_latent"][torch.tensor(rows)].to(policy.device).float()
         t = self.schedule[self.t[torch.tensor(pair_idx)]].repeat_interleave(2).to(policy.device)
-        eps = _noise(self.seed, pair_idx, 0, tuple(x0.shape[1:])).repeat_interleave(2, dim=0).to(policy.device)
+        eps = (
+            _noise(self.seed, pair_idx, 0, tuple(x0.shape[1:])).repeat_interleave(2, dim=0).to(policy.device)
+        )
         x_t = (1 - t).view(-1, 1, 1, 1) * x0 + t.view(-1, 1, 1, 1) * eps
         err = fm_error(policy.velocity(x_t, t, cond, scfg.guidance), eps, x0)
         with torch.no_grad(), policy.reference():
@@ -220,12 +311,21 @@ class Preference:
         yield loss, [float(m.get(k, 0.0)) for k in self.metric_keys]
 
 
-def make_objective(policy: FlowPolicy, data: dict[str, Any], sample_cfg: SampleConfig, cfg: Any, algo: Algorithm,
-                   *, old_weights: dict[str, torch.Tensor] | None = None,
-                   ema_weights: dict[str, torch.Tensor] | None = None) -> Any:
+def make_objective(
+    policy: FlowPolicy,
+    data: dict[str, Any],
+    sample_cfg: SampleConfig,
+    cfg: Any,
+    algo: Algorithm,
+    *,
+    old_weights: dict[str, torch.Tensor] | None = None,
+    ema_weights: dict[str, torch.Tensor] | None = None,
+) -> Any:
     """The objective of `algo` over `data`."""
     if algo.family == "policy_gradient":
         return PolicyGradient(policy, data, sample_cfg, cfg, algo)
     if algo.family == "forward":
-        return ForwardProcess(policy, data, sample_cfg, cfg, algo, old_weights=old_weights, ema_weights=ema_weights)
+        return ForwardProcess(
+            policy, data, sample_cfg, cfg, algo, old_weights=old_weights, ema_weights=ema_weights
+        )
     return Preference(policy, data, sample_cfg, cfg)

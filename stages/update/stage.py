@@ -36,13 +36,23 @@ def adapter_complete(out: Path, digest: str, overwrite: bool) -> bool:
     if read_adapter_config(out).get("config_hash") == digest:
         return True
     if not overwrite:
-        raise UserInputError(f"--out {out}: holds an adapter from a different update; pass --overwrite or pick another --out")
+        raise UserInputError(
+            f"--out {out}: holds an adapter from a different update; pass --overwrite or pick another --out"
+        )
     return False
 
 
 def save_policy(
-    policy: FlowPolicy, out: Path, optimizer: torch.optim.Optimizer, ema: Any, old_weights: dict[str, torch.Tensor] | None,
-    metrics: list[dict[str, Any]], step: int, cfg: UpdateConfig, *, extra: dict[str, Any],
+    policy: FlowPolicy,
+    out: Path,
+    optimizer: torch.optim.Optimizer,
+    ema: Any,
+    old_weights: dict[str, torch.Tensor] | None,
+    metrics: list[dict[str, Any]],
+    step: int,
+    cfg: UpdateConfig,
+    *,
+    extra: dict[str, Any],
 ) -> None:
     """Write a policy directory atomically: metrics, trainer state, weights, then omnirl_adapter.json."""
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -52,8 +62,11 @@ def save_policy(
             for record in metrics:
                 fh.write(json.dumps(record) + "\n")
         save_state(tmp, optimizer, ema, step, cfg, old_weights)
-        policy.save_adapter(tmp, kind="full" if cfg.full else "lora",
-                            extra={"step": step, "algo": cfg.algo, "update_config": asdict(cfg), **extra})
+        policy.save_adapter(
+            tmp,
+            kind="full" if cfg.full else "lora",
+            extra={"step": step, "algo": cfg.algo, "update_config": asdict(cfg), **extra},
+        )
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -79,13 +92,21 @@ def run_update(
     out = Path(out)
     digest = config_hash({**run_config, "input_manifests": [manifest_sha256(p) for p in inputs.paths]})
     if adapter_complete(out, digest, overwrite):
-        return {"out": str(out), "skipped": True, **{k: v for k, v in read_adapter_config(out).items() if k == "step"}}
+        return {
+            "out": str(out),
+            "skipped": True,
+            **{k: v for k, v in read_adapter_config(out).items() if k == "step"},
+        }
     algo = get_algorithm(cfg.algo)
-    if "advantages" not in inputs.columns and not (algo.family == "preference" and "reward" in inputs.columns):
+    if "advantages" not in inputs.columns and not (
+        algo.family == "preference" and "reward" in inputs.columns
+    ):
         raise UserInputError("--in: no 'advantages' column; add the output of `omnirl advantage` as an --in")
     sampled = any((m.extra or {}).get("sample_config") for m in inputs.manifests)
     # Offline data (pairs, encoded images) has no rollout: train CFG-free on the 1000-step grid.
-    sample_cfg = sample_config_of(inputs.manifests) if sampled or algo.family == "policy_gradient" else OFFLINE
+    sample_cfg = (
+        sample_config_of(inputs.manifests) if sampled or algo.family == "policy_gradient" else OFFLINE
+    )
 
     policy = FlowPolicy.load(model, adapter=adapter, device=device, dtype=dtype)
     if not policy.lora and not cfg.full:
@@ -100,13 +121,29 @@ def run_update(
     world, rank = world_and_rank()
     if rank != 0:  # rank 0 writes the one adapter; the others wait until it is in place
         torch.distributed.barrier()
-        return {"out": str(out), "skipped": False, "step": step, "optimizer_steps": len(metrics), "last": last}
+        return {
+            "out": str(out),
+            "skipped": False,
+            "step": step,
+            "optimizer_steps": len(metrics),
+            "last": last,
+        }
     try:
-        save_policy(policy, out, optimizer, ema, old_weights, metrics, step, cfg, extra={
-            "config_hash": digest,
-            "parent_adapter": str(adapter) if adapter else None,
-            "inputs": [str(p) for p in inputs.paths],
-        })
+        save_policy(
+            policy,
+            out,
+            optimizer,
+            ema,
+            old_weights,
+            metrics,
+            step,
+            cfg,
+            extra={
+                "config_hash": digest,
+                "parent_adapter": str(adapter) if adapter else None,
+                "inputs": [str(p) for p in inputs.paths],
+            },
+        )
     finally:
         if world > 1:
             torch.distributed.barrier()

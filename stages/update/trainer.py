@@ -71,9 +71,13 @@ class UpdateConfig:
         if self.clip_range <= 0:
             raise UserInputError(f"--clip-range {self.clip_range}: must be positive")
         if self.old_decay not in NFT_DECAY_SCHEDULES:
-            raise UserInputError(f"--old-decay {self.old_decay}: choose one of {', '.join(NFT_DECAY_SCHEDULES)}")
+            raise UserInputError(
+                f"--old-decay {self.old_decay}: choose one of {', '.join(NFT_DECAY_SCHEDULES)}"
+            )
         if self.awm_weighting not in AWM_WEIGHTINGS:
-            raise UserInputError(f"--awm-weighting {self.awm_weighting}: choose one of {', '.join(AWM_WEIGHTINGS)}")
+            raise UserInputError(
+                f"--awm-weighting {self.awm_weighting}: choose one of {', '.join(AWM_WEIGHTINGS)}"
+            )
         if self.ema_beta > 0 and not self.ema:
             raise UserInputError("--ema-beta needs --ema (the EMA weights it pulls toward)")
         if self.train_timesteps < 1:
@@ -101,7 +105,9 @@ def _named_trainable(policy: FlowPolicy) -> dict[str, torch.Tensor]:
 
 def _check_finite(name: str, value: torch.Tensor, where: str) -> None:
     if not torch.isfinite(value).all():
-        raise NonFiniteError(f"{name} is not finite {where}; lower --lr or check the inputs (no step was taken)")
+        raise NonFiniteError(
+            f"{name} is not finite {where}; lower --lr or check the inputs (no step was taken)"
+        )
 
 
 def world_and_rank() -> tuple[int, int]:
@@ -144,7 +150,9 @@ def train(
         raise UserInputError(f"--algo {algo.name} needs the column '{missing[0]}' in --in{hint}")
     params = policy.trainable_parameters(full=cfg.full)
     named = _named_trainable(policy)
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
+    optimizer = torch.optim.AdamW(
+        params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, eps=cfg.adam_eps
+    )
     if state.get("optimizer") is not None:
         optimizer.load_state_dict(state["optimizer"])
     ema = EMA(named) if cfg.ema else None
@@ -154,8 +162,15 @@ def train(
     snapshot = {k: v.detach().clone() for k, v in named.items()}
     # NFT's old policy persists across updates; AWM's "old" is the weights this update starts from.
     old_weights = state.get("old_weights") if algo.name == "nft" and state.get("old_weights") else snapshot
-    objective = make_objective(policy, data, sample_cfg, cfg, algo, old_weights=old_weights,
-                               ema_weights=ema.shadow if ema is not None else None)
+    objective = make_objective(
+        policy,
+        data,
+        sample_cfg,
+        cfg,
+        algo,
+        old_weights=old_weights,
+        ema_weights=ema.shadow if ema is not None else None,
+    )
 
     rows = list(range(len(data["prompt"])))
     if "train_mask" in data:
@@ -203,7 +218,9 @@ def train(
                     "actor/grad_norm": float(grad_norm),
                     "actor/lr": cfg.lr,
                     "perf/samples_per_s": seen / elapsed if elapsed > 0 else math.nan,
-                    "perf/sample_steps_per_s": seen * objective.per_chunk / elapsed if elapsed > 0 else math.nan,
+                    "perf/sample_steps_per_s": seen * objective.per_chunk / elapsed
+                    if elapsed > 0
+                    else math.nan,
                 }
             )
             metrics.append(record)
@@ -219,7 +236,11 @@ def train(
 
 
 def save_state(
-    out: Path, optimizer: torch.optim.Optimizer, ema: EMA | None, step: int, cfg: UpdateConfig,
+    out: Path,
+    optimizer: torch.optim.Optimizer,
+    ema: EMA | None,
+    step: int,
+    cfg: UpdateConfig,
     old_weights: dict[str, torch.Tensor] | None = None,
 ) -> None:
     """Optimizer (torch format, read back with weights_only=True), EMA and NFT old policy (safetensors), counters."""
@@ -251,7 +272,10 @@ def load_state(adapter: Path | None) -> tuple[dict[str, Any], int]:
     if (folder / "optimizer.pt").is_file():
         state["optimizer"] = torch.load(folder / "optimizer.pt", weights_only=True)
     if (folder / "ema.safetensors").is_file():
-        state["ema"] = {"shadow": load_file(folder / "ema.safetensors"), "updates": info.get("ema_updates", 0)}
+        state["ema"] = {
+            "shadow": load_file(folder / "ema.safetensors"),
+            "updates": info.get("ema_updates", 0),
+        }
     if (folder / "old_weights.safetensors").is_file():
         state["old_weights"] = load_file(folder / "old_weights.safetensors")
     return state, int(info.get("step", 0))

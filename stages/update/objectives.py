@@ -135,6 +135,12 @@ class PolicyGradient:
         return clipped_policy_loss(out.log_prob, self.old[index, j].to(policy.device).float(), adv, **common)
 
 
+def _stratified(lo: int, hi: int, strata: int, rng: random.Random) -> list[int]:
+    """One index drawn uniformly inside each of `strata` equal slices of [lo, hi] (AWM's timesteps)."""
+    width = (hi + 1 - lo) / strata
+    return [min(hi, int(lo + (k + rng.random()) * width)) for k in range(strata)]
+
+
 def _noise(seed: int, rows: Chunk, column: int, shape: tuple[int, ...]) -> torch.Tensor:
     """ε for (row, trained timestep): seeded per row, so batching and ranks never change it."""
     gens = [torch.Generator("cpu").manual_seed(seed * 1_000_003 + r * 101 + column) for r in rows]
@@ -187,18 +193,10 @@ class ForwardProcess:
             keep = max(1, int(count * self.cfg.timestep_fraction))
             self.plan = torch.tensor([rng.sample(range(count), keep) for _ in range(n)], dtype=torch.int64)
         else:  # AWM: `train_timesteps` stratified over schedule indices [1, ⌊0.9·N⌋]
-            lo, hi = min(1, count - 1), max(min(1, count - 1), int(0.9 * count))
-            edges = torch.linspace(lo, hi + 1, self.cfg.train_timesteps + 1)
-            self.plan = torch.tensor(
-                [
-                    [
-                        min(hi, int(edges[k] + rng.random() * (edges[k + 1] - edges[k])))
-                        for k in range(self.cfg.train_timesteps)
-                    ]
-                    for _ in range(n)
-                ],
-                dtype=torch.int64,
-            )
+            lo = min(1, count - 1)
+            hi = max(lo, int(0.9 * count))
+            strata = self.cfg.train_timesteps
+            self.plan = torch.tensor([_stratified(lo, hi, strata, rng) for _ in range(n)], dtype=torch.int64)
         return _chunks(rows, micro)
 
     @property

@@ -303,6 +303,19 @@ ESTIMATORS: dict[str, AdvantageEstimator] = {
             "dance", "group", 1e-8, True, "DanceGRPO: group mean, Bessel-corrected group std, eps 1e-8"
         ),
         AdvantageEstimator("drgrpo", "none", 0.0, False, "Dr.GRPO: group mean subtracted, no std division"),
+        AdvantageEstimator(
+            "grpo_verl", "group", 1e-6, True, "verl/EasyR1 GRPO: group mean, Bessel group std, eps 1e-6"
+        ),
+        AdvantageEstimator(
+            "grpo_trl", "group", 1e-4, True, "trl/VLM-R1 GRPO: group mean, Bessel group std, eps 1e-4"
+        ),
+        AdvantageEstimator(
+            "grpo_batch_std",
+            "global",
+            1e-4,
+            True,
+            "trl scale_rewards='batch' (Lite-PPO): group mean, batch std",
+        ),
     )
 }
 

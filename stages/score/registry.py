@@ -38,29 +38,37 @@ Scorer = Callable[[Sequence[Any], Sequence[str], Sequence[dict]], Sequence[float
 _F = TypeVar("_F")
 
 ENTRY_POINT_GROUP = "omnirl.rewards"
-_BUILTIN_MODULES = ("stages.score.image_rewards", "stages.score.ocr")
+_BUILTIN_MODULES = ("stages.score.image_rewards", "stages.score.ocr", "stages.score.text_rewards")
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_\-]*$")
 
+REWARD_KINDS = ("image", "text")
+
 _REGISTRY: dict[str, Scorer] = {}
+_KINDS: dict[str, str] = {}
 _PLUGINS: dict[str, Scorer] = {}
 _lock = threading.RLock()
 _builtins_loaded = False
 
 
-def register_reward(name: str) -> Callable[[_F], _F]:
+def register_reward(name: str, *, kind: str = "image") -> Callable[[_F], _F]:
     """Decorator registering a scorer under `name` (letters, digits, `_`, `-`).
 
+    `kind` says what the scorer's first argument holds: ``"image"`` (decoded samples) or ``"text"``
+    (response strings, see `stages.score.text_rewards`); `reward_kind` reports it.
     Registering a different object under a taken name is a programming error (ValueError), so two
     modules cannot silently shadow each other; re-registering the same object is a no-op.
     """
     if not _NAME_RE.match(name):
         raise ValueError(f"reward name {name!r} must use only letters, digits, '_' and '-'")
+    if kind not in REWARD_KINDS:
+        raise ValueError(f"reward {name!r}: kind {kind!r} must be one of {', '.join(REWARD_KINDS)}")
 
     def decorator(fn: _F) -> _F:
         existing = _REGISTRY.get(name)
         if existing is not None and existing is not fn:
             raise ValueError(f"reward {name!r} is already registered by {existing!r}")
         _REGISTRY[name] = fn  # type: ignore[assignment]
+        _KINDS[name] = kind
         return fn
 
     return decorator
@@ -116,6 +124,19 @@ def get_reward(name: str) -> Scorer:
             scorer = _instantiate(obj, f"{name} (entry point)")
         _PLUGINS[name] = scorer
         return scorer
+
+
+def reward_kind(name: str) -> str:
+    """``"image"`` or ``"text"``: the kind a registered reward was declared with; for a plugin, its
+    ``reward_kind`` attribute (set by the `text_rewards` adapters), ``"image"`` when it has none."""
+    scorer = get_reward(name)
+    registered = _KINDS.get(name) if name in _REGISTRY else None
+    kind = registered or getattr(scorer, "reward_kind", "image")
+    if kind not in REWARD_KINDS:
+        raise UserInputError(
+            f"reward {name!r} declares reward_kind {kind!r}; set it to one of {', '.join(REWARD_KINDS)}"
+        )
+    return kind
 
 
 def available_rewards() -> list[str]:

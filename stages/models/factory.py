@@ -30,6 +30,7 @@ MODEL_CARD_FORMAT = "omnirl-model"
 MODEL_CARD_VERSION = 1
 
 FAMILIES: dict[str, str] = {
+    "qwen2_5_vl": "stages.models.qwen2_5_vl:build_qwen2_5_vl",
     "sd3": "stages.models.sd3:build_sd3",
 }
 

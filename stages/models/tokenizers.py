@@ -14,13 +14,14 @@ library's BPE trainer is not reproducible across processes).
 from __future__ import annotations
 
 import math
+import re
 import string
 from collections import Counter
 from functools import lru_cache
 from itertools import pairwise
 
-from tokenizers import pre_tokenizers
-from transformers import CLIPTokenizer, T5Tokenizer
+from tokenizers import AddedToken, pre_tokenizers
+from transformers import CLIPTokenizer, Qwen2Tokenizer, T5Tokenizer
 
 PROMPT_CORPUS = """
 A sign that says "hello". A neon sign that reads "open". A poster with the text "welcome home".
@@ -171,3 +172,120 @@ def build_t5_tokenizer(model_max_length: int = 256) -> T5Tokenizer:
     No sentinel `<extra_id_*>` tokens: the text encoders here are only used to embed prompts.
     """
     return T5Tokenizer(vocab=list(_t5_pieces()), extra_ids=0, model_max_length=model_max_length)
+
+
+VLM_CORPUS = """
+What is shown in the image? The image shows a small red ball on a wooden table next to a blue cup.
+How many apples are there in the picture? Let me count them one by one: 1, 2, 3, 4, 5. There are 5 apples.
+What color is the car on the left? The car on the left is yellow, and the one on the right is dark green.
+What is written on the sign? The sign says "OPEN 24 HOURS" in white capital letters on a black board.
+Is there a dog in this photo? Yes, there is a brown dog sleeping under the chair. No, I do not see a cat.
+Which shape has the largest area: the circle, the square or the triangle? Compare their areas carefully.
+Look at the chart. Which month had the highest sales? March had the highest value, about 42 thousand.
+Read the table and find the total. Add the numbers in the second column: 12 + 7 + 30 = 49.
+Answer the question using a single word or phrase. Answer with the option's letter from the given choices.
+Choices: (A) 3 (B) 4 (C) 6 (D) 8. Options: A. red B. blue C. green D. white. The correct option is B.
+First, I identify the objects in the scene. Then I check their positions relative to each other.
+Let's think step by step. We know that the angle ABC is 60 degrees and the triangle is isosceles.
+So the other two angles are equal, and each one is (180 - 60) / 2 = 60 degrees. Therefore it is equilateral.
+In the figure, AB = 6 cm, BC = 8 cm and angle B = 90°. By the Pythagorean theorem AC = sqrt(6^2 + 8^2) = 10.
+The radius of the circle is 5, so its area is 25π and its circumference is 10π ≈ 31.4 units.
+If x + 3 = 11, then x = 8. If 2y - 4 = 10, then y = 7. The value of f(2) = 2 * 2 + 1 = 5.
+The final answer is \\boxed{48}. The answer is \\boxed{7}. So the result is 3/4, or 0.75, or 75%.
+Find the value of the unknown variable. Solve for x. Compute the perimeter of the rectangle.
+Hint: Please answer the question and provide the correct option letter, e.g., A, B, C, D, at the end.
+Question: What is the length of side AD? Solution: Since ABCD is a parallelogram, AD = BC = 9.
+Output the bounding box of the person in the image as JSON: {"bbox_2d": [12, 34, 156, 278], "label": "person"}.
+Locate the cup and return its coordinates [x1, y1, x2, y2]. The box is [40, 60, 120, 180].
+Describe this image in detail. A group of children are playing football on a green field under a clear sky.
+There are two people standing near a white boat, and a woman is holding a black umbrella in the rain.
+The text at the top reads "Welcome to the City Museum", and the date below it is 12/05/2024.
+Wait, I made a mistake in the previous step. Let me check again: 15 - 9 = 6, not 5. Now it is correct.
+Hmm, the shadow suggests the light comes from the right side, so the photo was taken in the afternoon.
+The graph of y = 2x + 1 is a straight line with slope 2 and intercept 1; it passes through (0, 1) and (1, 3).
+The probability of drawing a red marble is 3/10 = 0.3. The mean of 4, 8 and 12 is 8; the median is 8 too.
+Based on the diagram, the force F acts downward, the mass m = 2 kg, and the acceleration is g = 9.8 m/s^2.
+You are a helpful assistant. A conversation between User and Assistant. The user asks a question, and the
+Assistant solves it. The assistant first thinks about the reasoning process in the mind and then provides
+the user with the answer. The reasoning process and answer are enclosed within think and answer tags.
+Output the thinking process in the tags and the final answer in the answer tags. Keep it short and clear.
+Please reason step by step, and put your final answer within a box. Give a brief explanation first.
+Who is holding the bat? What time does the clock show? Where is the bird sitting? Why is the road wet?
+Which animal is the tallest? When was this building built? How far is the tree from the house?
+Yes. No. True. False. Maybe. I'm not sure. It's hard to tell. They're both correct. We'll see. You've got it.
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 20 25 30 40 50 60 64 90 100 128 180 256 360 1000 2048.
+Symbols: + - * / = < > ( ) [ ] { } # $ % & @ ! ? . , ; : ' " _ ^ ~ | \\ ` ... -> => <= >= != == ** //
+"""
+
+
+def _qwen2_training_corpus() -> str:
+    """The text the Qwen-style vocabulary is learned from: VLM questions and reasoning plus image prompts."""
+    return VLM_CORPUS + PROMPT_CORPUS
+
+
+QWEN2_SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+REASONING_TAGS = ("<think>", "</think>", "<answer>", "</answer>")
+
+
+@lru_cache(maxsize=1)
+def _qwen2_vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """GPT-2-style byte-level BPE (no end-of-word marker): the 256 byte symbols, then the merges learned
+    on the corpus as split by Qwen2's own pre-tokenizer (digits stay single, words keep their space).
+
+    Every corpus word also counts once in each of the forms it can take after that split (with and
+    without the leading space, lower-case and capitalised), so `user` after `<|im_start|>` or a word at
+    the start of a line is one token as well.
+    """
+    splitter = Qwen2Tokenizer().backend_tokenizer
+    corpus = _qwen2_training_corpus()
+    words = sorted({word.lower() for word in re.findall(r"[A-Za-z]+", corpus)})
+    variants = [
+        form for word in words for form in (word, " " + word, word.capitalize(), " " + word.capitalize())
+    ]
+    text = splitter.normalizer.normalize_str(corpus + "\n".join(variants))
+    word_counts = Counter(piece for piece, _ in splitter.pre_tokenizer.pre_tokenize_str(text))
+    merges = _learn_bpe_merges(word_counts, "")
+    vocab: dict[str, int] = {}
+    for token in sorted(pre_tokenizers.ByteLevel.alphabet()) + [left + right for left, right in merges]:
+        vocab.setdefault(token, len(vocab))
+    return vocab, merges
+
+
+def build_qwen2_tokenizer(model_max_length: int = 4096) -> Qwen2Tokenizer:
+    """A Qwen2 byte-level BPE tokenizer learned from `VLM_CORPUS` and `PROMPT_CORPUS` (about 2.5k tokens).
+
+    Laid out like Qwen2.5-VL's: BPE tokens first, then the ChatML/vision special tokens of
+    `QWEN2_SPECIAL_TOKENS` in their published order (`<|endoftext|>` pads, `<|im_end|>` ends a turn),
+    then the `REASONING_TAGS` as ordinary added tokens, so they stay whole but survive
+    `decode(skip_special_tokens=True)`, which format rewards rely on. Any byte sequence encodes.
+    """
+    vocab, merges = _qwen2_vocab_and_merges()
+    vocab = dict(vocab)
+    for token in QWEN2_SPECIAL_TOKENS:
+        vocab[token] = len(vocab)
+    tokenizer = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=list(merges),
+        unk_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        extra_special_tokens=list(QWEN2_SPECIAL_TOKENS),
+        model_max_length=model_max_length,
+    )
+    tokenizer.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in REASONING_TAGS])
+    return tokenizer

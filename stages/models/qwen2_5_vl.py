@@ -1,0 +1,260 @@
+"""Random-weight Qwen2.5-VL folders, shaped like the published checkpoints but tiny.
+
+What is kept, because rollout and training code depends on it: the 14-px patches with 2x2 spatial
+merge and temporal patch 2 (an image of h x w pixels, both multiples of 28, becomes h*w/784
+`<|image_pad|>` tokens and h*w/196 rows of 1176 pixel values), window attention with full-attention
+blocks in the vision tower, M-RoPE over (temporal, height, width) with a 2:3:3 section split, the
+Qwen2 byte-level tokenizer layout with the ChatML and vision special tokens, a ChatML chat template
+with the default system prompt, and tied embeddings (as in Qwen2.5-VL-3B). What shrinks: widths,
+depths, the vocabulary (see `stages.models.tokenizers.build_qwen2_tokenizer`) and the image pixel
+budget (56x56 to 112x112 pixels, i.e. 4 to 16 image tokens).
+
+The processor is `Qwen2_5_VLImageTextProcessor`: transformers' `Qwen2_5_VLProcessor` without its video
+processor, which transformers can only build with torchvision (not installed here; its PyPI wheels need
+CUDA torch). Importing this module registers the class so `AutoProcessor.from_pretrained` finds it by the
+name saved in `processor_config.json`; images are processed exactly as by the full processor, which also
+returns the `mm_token_type_ids` the model needs for 3-D rope positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import (
+    AutoProcessor,
+    GenerationConfig,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2_5_VLProcessor,
+)
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+from stages.models.factory import choose_size, finish_model_dir, no_progress_bars, parameter_count, seeded
+from stages.models.tokenizers import build_qwen2_tokenizer
+
+FAMILY = "qwen2_5_vl"
+PATCH_SIZE = 14
+SPATIAL_MERGE_SIZE = 2
+TEMPORAL_PATCH_SIZE = 2
+ROPE_THETA = 1_000_000.0
+DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
+IMAGE_TOKEN_TYPE = 1
+VIDEO_TOKEN_TYPE = 2
+
+# ChatML as Qwen2.5-VL renders it: a default system turn when the conversation has none, each image
+# part as <|vision_start|><|image_pad|><|vision_end|> (the processor expands the pad), and
+# `add_generation_prompt` opening the assistant turn.
+CHAT_TEMPLATE = (
+    "{%- macro render(content) -%}"
+    "{%- if content is string -%}{{- content -}}"
+    "{%- else -%}{%- for part in content -%}"
+    "{%- if part.type == 'image' or 'image' in part or 'image_url' in part -%}"
+    "{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
+    "{%- elif part.type == 'video' or 'video' in part -%}"
+    "{{- '<|vision_start|><|video_pad|><|vision_end|>' -}}"
+    "{%- elif 'text' in part -%}{{- part.text -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{%- endmacro -%}"
+    "{%- if messages[0].role != 'system' -%}"
+    "{{- '<|im_start|>system\\n" + DEFAULT_SYSTEM_PROMPT + "<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message.role + '\\n' + render(message.content) + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+
+class Qwen2_5_VLImageTextProcessor(Qwen2_5_VLProcessor):
+    """`Qwen2_5_VLProcessor` for images and text only: same prompt expansion, pixel values, grids and
+    `mm_token_type_ids`, but no video processor, so it builds and loads without torchvision."""
+
+    def __init__(
+        self,
+        image_processor: Any = None,
+        tokenizer: Any = None,
+        chat_template: str | None = None,
+        **kwargs: Any,
+    ):
+        super().__init__(
+            image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template, **kwargs
+        )
+
+
+# Keyed by a name rather than Qwen2_5_VLConfig, so real checkpoints keep resolving to transformers' own
+# processor; `AutoProcessor` finds this class through the `processor_class` saved with the folder.
+AutoProcessor.register("omnirl-qwen2_5_vl-image-text", Qwen2_5_VLImageTextProcessor, exist_ok=True)
+
+
+@dataclass(frozen=True)
+class Qwen2_5_VLSize:
+    """Widths and depths of one size; `mrope_section` halves of the text head_dim, split 2:3:3 like the real model."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    mrope_section: tuple[int, int, int]
+    max_positions: int
+    vision_hidden: int
+    vision_intermediate: int
+    vision_depth: int
+    vision_heads: int
+    vision_window: int
+    vision_full_attention_blocks: tuple[int, ...]
+    min_pixels: int
+    max_pixels: int
+
+
+SIZES: dict[str, Qwen2_5_VLSize] = {
+    # head_dim 16 -> mrope 8 = 2+3+3; window 56 px = 2x2 merged tokens; 56²..112² px -> 4..16 image tokens.
+    "tiny": Qwen2_5_VLSize(
+        hidden=64,
+        intermediate=128,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        mrope_section=(2, 3, 3),
+        max_positions=4096,
+        vision_hidden=32,
+        vision_intermediate=64,
+        vision_depth=2,
+        vision_heads=2,
+        vision_window=56,
+        vision_full_attention_blocks=(1,),
+        min_pixels=56 * 56,
+        max_pixels=112 * 112,
+    ),
+}
+
+
+def mm_token_type_ids(input_ids: torch.Tensor, *, image_token_id: int, video_token_id: int) -> torch.Tensor:
+    """Per-token modality of processor-expanded ids, (B, L) int: 0 text, 1 `<|image_pad|>`, 2 `<|video_pad|>`.
+
+    Qwen2.5-VL in transformers 5 computes 3-D rope positions only when the forward gets this tensor
+    (the processor returns it for the prompt); without it the model silently falls back to 1-D positions.
+    Use it for prompt + completion ids, where completion tokens are text.
+    """
+    types = torch.zeros_like(input_ids, dtype=torch.int64)
+    types[input_ids == image_token_id] = IMAGE_TOKEN_TYPE
+    types[input_ids == video_token_id] = VIDEO_TOKEN_TYPE
+    return types
+
+
+def load_processor(model_dir: str | Path) -> Qwen2_5_VLProcessor:
+    """The processor of a Qwen2.5-VL folder, built here or published (`AutoProcessor`, local files only)."""
+    return AutoProcessor.from_pretrained(str(model_dir), local_files_only=True)
+
+
+def _config(spec: Qwen2_5_VLSize, tokenizer: Any) -> Qwen2_5_VLConfig:
+    """Model config whose special-token ids are the tokenizer's and whose vocabulary is exactly its length."""
+    ids = dict(
+        zip(
+            ("bos", "eos", "pad", "image", "video", "vision_start", "vision_end"),
+            tokenizer.convert_tokens_to_ids(
+                [
+                    "<|endoftext|>",
+                    "<|im_end|>",
+                    "<|endoftext|>",
+                    "<|image_pad|>",
+                    "<|video_pad|>",
+                    "<|vision_start|>",
+                    "<|vision_end|>",
+                ]
+            ),
+        )
+    )
+    return Qwen2_5_VLConfig(
+        text_config={
+            "vocab_size": len(tokenizer),
+            "hidden_size": spec.hidden,
+            "intermediate_size": spec.intermediate,
+            "num_hidden_layers": spec.layers,
+            "num_attention_heads": spec.heads,
+            "num_key_value_heads": spec.kv_heads,
+            "max_position_embeddings": spec.max_positions,
+            "max_window_layers": spec.layers,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": ROPE_THETA,
+                "mrope_section": list(spec.mrope_section),
+            },
+            "bos_token_id": ids["bos"],
+            "eos_token_id": ids["eos"],
+            "pad_token_id": ids["pad"],
+            "tie_word_embeddings": True,
+        },
+        vision_config={
+            "depth": spec.vision_depth,
+            "hidden_size": spec.vision_hidden,
+            "intermediate_size": spec.vision_intermediate,
+            "num_heads": spec.vision_heads,
+            "out_hidden_size": spec.hidden,
+            "patch_size": PATCH_SIZE,
+            "spatial_merge_size": SPATIAL_MERGE_SIZE,
+            "temporal_patch_size": TEMPORAL_PATCH_SIZE,
+            "window_size": spec.vision_window,
+            "fullatt_block_indexes": list(spec.vision_full_attention_blocks),
+        },
+        image_token_id=ids["image"],
+        video_token_id=ids["video"],
+        vision_start_token_id=ids["vision_start"],
+        vision_end_token_id=ids["vision_end"],
+        tie_word_embeddings=True,
+    )
+
+
+def build_qwen2_5_vl(out_dir: str | Path, *, size: str, seed: int) -> dict[str, Any]:
+    """Build and save a `Qwen2_5_VLForConditionalGeneration` folder of `size` ("tiny") into `out_dir`:
+    weights, config, generation config, tokenizer, image processor and chat template.
+
+    Returns the factory summary (see `stages.models.factory.init_model`).
+    """
+    spec: Qwen2_5_VLSize = choose_size(FAMILY, size, SIZES)
+    out = Path(out_dir)
+    tokenizer = build_qwen2_tokenizer(spec.max_positions)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    image_processor = Qwen2VLImageProcessorPil(
+        min_pixels=spec.min_pixels,
+        max_pixels=spec.max_pixels,
+        patch_size=PATCH_SIZE,
+        temporal_patch_size=TEMPORAL_PATCH_SIZE,
+        merge_size=SPATIAL_MERGE_SIZE,
+    )
+    processor = Qwen2_5_VLImageTextProcessor(
+        image_processor=image_processor, tokenizer=tokenizer, chat_template=CHAT_TEMPLATE
+    )
+    config = _config(spec, tokenizer)
+    with seeded(seed, "model"):
+        model = Qwen2_5_VLForConditionalGeneration(config)
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.text_config.bos_token_id,
+        eos_token_id=[config.text_config.eos_token_id, config.text_config.pad_token_id],
+        pad_token_id=config.text_config.pad_token_id,
+    )
+    with no_progress_bars():
+        model.save_pretrained(out, safe_serialization=True)
+        processor.save_pretrained(out)
+    return finish_model_dir(
+        out,
+        family=FAMILY,
+        size=size,
+        seed=seed,
+        pipeline_class=type(model).__name__,
+        parameters={
+            "visual": parameter_count(model.model.visual),
+            "language_model": parameter_count(model.model.language_model),
+        },
+        details={
+            "processor_class": type(processor).__name__,
+            "vocab_size": len(tokenizer),
+            "image_token_id": config.image_token_id,
+            "pixels_per_image_token": (PATCH_SIZE * SPATIAL_MERGE_SIZE) ** 2,
+            "architecture": asdict(spec),
+        },
+    )

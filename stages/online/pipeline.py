@@ -9,7 +9,7 @@ the version is at least k − max_staleness before sampling iteration k, so with
 k+1 overlaps training on k, and every sample records the version that drew it.
 
 Every stage is the same library function the staged commands call (`sample_shard`, `score_shard`,
-`compute_advantages`, `train`), with the same seeds (iteration k samples with seed k), so with
+`compute_advantages`, `train`), with the recipe's seeds (iteration k samples and shuffles with seed k), so with
 staleness 0 an online iteration reproduces the staged one.
 """
 
@@ -323,7 +323,7 @@ def run_online(
             data.update({key: v for key, v in adv.items() if key != "sample_id"})
             t1 = time.perf_counter()
             optimizer, ema, old_weights, metrics = train(
-                policy, data, cfg.sampling(k), cfg.update, state=state, start_step=step
+                policy, data, cfg.sampling(k), replace(cfg.update, seed=k), state=state, start_step=step
             )
             t_train = time.perf_counter() - t1
             step = metrics[-1]["step"] if metrics else step

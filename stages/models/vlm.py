@@ -1,0 +1,218 @@
+"""Vision-language models (Qwen2.5-VL first) seen as RL policies over response tokens.
+
+A `VLMPolicy` builds chat inputs with the model's processor (always with `mm_token_type_ids`, without
+which transformers 5 silently gives image tokens 1-D positions), samples responses with HF
+`generate`, and scores response tokens under its current weights. The rollout log-probs come from the
+raw logits `generate` returns, divided by the temperature (no top-p warping), exactly as the replay
+computes them, so the two agree to float rounding (the replay is one full forward, the rollout an
+incremental one with a KV cache).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stages.errors import UserInputError
+from stages.update.token_losses import token_log_probs
+
+# LoRA targets: the language model's projections; the vision tower stays frozen unless asked.
+TEXT_LORA_TARGETS = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+
+
+@dataclass
+class Rollout:
+    """Sampled responses for B prompts × n: ids/mask [B·n, T] (right-padded), log-probs [B·n, T], text."""
+
+    prompt_index: list[int]
+    response_ids: torch.Tensor
+    response_mask: torch.Tensor
+    log_probs: torch.Tensor
+    text: list[str]
+
+
+class VLMPolicy:
+    """A transformers VLM with its processor, as a token-level policy."""
+
+    def __init__(self, model: Any, processor: Any, *, device: torch.device):
+        self.model = model
+        self.processor = processor
+        self.device = device
+        self.lora = bool(getattr(model, "peft_config", None))
+        tok = processor.tokenizer
+        self.image_token_id = tok.convert_tokens_to_ids("<|image_pad|>")
+        self.video_token_id = tok.convert_tokens_to_ids("<|video_pad|>")
+        self.pad_id = tok.pad_token_id
+
+    @classmethod
+    def load(
+        cls, model_dir: str | Path, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+    ) -> VLMPolicy:
+        """Load a Qwen2.5-VL folder and its processor from disk (no network)."""
+        from transformers import Qwen2_5_VLForConditionalGeneration
+
+        from stages.models.qwen2_5_vl import load_processor
+
+        model_dir = Path(model_dir)
+        if not (model_dir / "config.json").is_file():
+            raise UserInputError(f"--model {model_dir}: not a transformers model folder (no config.json)")
+        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+        model.requires_grad_(False)
+        return cls(model, load_processor(model_dir), device=torch.device(device))
+
+    def add_lora(self, *, rank: int = 16, alpha: int = 32, seed: int = 0) -> None:
+        """Attach a fresh LoRA adapter to the language model (zero B: the policy starts unchanged)."""
+        from peft import LoraConfig, get_peft_model
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self.model = get_peft_model(
+                self.model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=TEXT_LORA_TARGETS)
+            )
+        self.lora = True
+
+    def trainable_parameters(
+        self, *, full: bool = False, train_vision: bool = False
+    ) -> list[torch.nn.Parameter]:
+        """Mark and return the trained weights: LoRA, or everything but (unless asked) the vision tower."""
+        params = []
+        for name, p in self.model.named_parameters():
+            train = ("lora_" in name) if not full else (train_vision or ".visual." not in f".{name}")
+            p.requires_grad_(train)
+            if train:
+                params.append(p)
+        if not params:
+            raise UserInputError("nothing to train: add a LoRA adapter or pass --full")
+        return params
+
+    def chat_inputs(self, questions: list[str], images: list[list[Any]]) -> dict[str, torch.Tensor]:
+        """Left-padded processor inputs for one user turn per prompt (images first, then the text)."""
+        texts = [
+            self.processor.apply_chat_template(
+                [
+                    {
+                        "role": "user",
+                        "content": [*({"type": "image"} for _ in imgs), {"type": "text", "text": q}],
+                    }
+                ],
+                add_generation_prompt=True,
+                tokenize=False,
+            )
+            for q, imgs in zip(questions, images, strict=True)
+        ]
+        flat = [im for imgs in images for im in imgs] or None
+        inputs = self.processor(
+            text=texts, images=flat, return_tensors="pt", padding=True, padding_side="left"
+        )
+        if "mm_token_type_ids" not in inputs:
+            raise UserInputError("the processor gave no mm_token_type_ids; image positions would be wrong")
+        return {k: v.to(self.device) for k, v in inputs.items()}
+
+    def _forward_inputs(
+        self, prompt: dict[str, torch.Tensor], response_ids: torch.Tensor, response_mask: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        from stages.models.qwen2_5_vl import mm_token_type_ids
+
+        ids = torch.cat([prompt["input_ids"], response_ids], dim=1)
+        mask = torch.cat([prompt["attention_mask"], response_mask.to(prompt["attention_mask"].dtype)], dim=1)
+        out = {
+            "input_ids": ids,
+            "attention_mask": mask,
+            "mm_token_type_ids": mm_token_type_ids(
+                ids, image_token_id=self.image_token_id, video_token_id=self.video_token_id
+            ),
+        }
+        for key in ("pixel_values", "image_grid_thw"):
+            if key in prompt:
+                out[key] = prompt[key]
+        return out
+
+    def response_log_probs(
+        self,
+        prompt: dict[str, torch.Tensor],
+        response_ids: torch.Tensor,
+        response_mask: torch.Tensor,
+        temperature: float = 1.0,
+    ) -> torch.Tensor:
+        """log π(response tokens) [B, T] in one forward over prompt + response (grad follows the caller)."""
+        inputs = self._forward_inputs(prompt, response_ids, response_mask)
+        logits = self.model(**inputs).logits
+        length, t = inputs["input_ids"].shape[1], response_ids.shape[1]
+        return token_log_probs(logits[:, length - t - 1 : length - 1], response_ids, temperature)
+
+    def expand(self, prompt: dict[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
+        """Processor inputs with every prompt repeated n times in place (its images too)."""
+        batch = prompt["input_ids"].shape[0]
+        out = {
+            k: v.repeat_interleave(n, dim=0)
+            for k, v in prompt.items()
+            if k not in ("pixel_values", "image_grid_thw")
+        }
+        if "pixel_values" in prompt:
+            grids = prompt["image_grid_thw"]
+            chunks = list(torch.split(prompt["pixel_values"], grids.prod(dim=1).tolist()))
+            spans = _images_per_prompt(prompt["input_ids"], self.image_token_id, grids)
+            order = [i for b in range(batch) for _ in range(n) for i in range(*spans[b])]
+            out["pixel_values"] = torch.cat([chunks[i] for i in order])
+            out["image_grid_thw"] = grids[order]
+        return out
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt: dict[str, torch.Tensor],
+        *,
+        n: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        max_new_tokens: int = 64,
+        seed: int = 0,
+    ) -> Rollout:
+        """n responses per prompt; log-probs from the raw logits / temperature of each sampled token."""
+        batch = prompt["input_ids"].shape[0]
+        repeat = self.expand(prompt, n)
+        torch.manual_seed(seed)
+        out = self.model.generate(
+            **repeat,
+            do_sample=True,
+            temperature=temperature,
+            top_p=top_p,
+            max_new_tokens=max_new_tokens,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=self.pad_id,
+        )
+        prompt_len = repeat["input_ids"].shape[1]
+        response = out.sequences[:, prompt_len:]
+        eos = self.processor.tokenizer.eos_token_id
+        finished = torch.cumsum((response == eos).long(), dim=1)
+        mask = (finished - (response == eos).long()) == 0  # tokens up to and including the first eos
+        response = torch.where(mask, response, torch.full_like(response, self.pad_id))
+        logits = torch.stack(out.logits, dim=1).float()
+        log_probs = torch.where(mask, token_log_probs(logits, response, temperature), torch.zeros(()))
+        text = self.processor.tokenizer.batch_decode(
+            response.masked_fill(~mask, self.pad_id), skip_special_tokens=True
+        )
+        index = [b for b in range(batch) for _ in range(n)]
+        return Rollout(index, response, mask, log_probs, text)
+
+
+def _images_per_prompt(
+    input_ids: torch.Tensor, image_token_id: int, grids: torch.Tensor
+) -> list[tuple[int, int]]:
+    """[start, stop) image indices of each prompt, from how many image pad tokens it holds."""
+    from stages.models.qwen2_5_vl import SPATIAL_MERGE_SIZE
+
+    merged = (grids.prod(dim=1) // SPATIAL_MERGE_SIZE**2).tolist()  # pad tokens per image after the merge
+    spans, start = [], 0
+    for row in input_ids:
+        tokens, stop = int((row == image_token_id).sum()), start
+        while tokens > 0:
+            tokens -= merged[stop]
+            stop += 1
+        spans.append((start, stop))
+        start = stop
+    return spans

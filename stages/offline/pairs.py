@@ -11,7 +11,6 @@ Accepted tables (Parquet or JSONL; an image is encoded bytes or a path relative 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 import torch
 
 from stages.errors import UserInputError
+from stages.tables import image_bytes, read_rows
 
 
 @dataclass
@@ -29,43 +29,10 @@ class Pair:
     scores: tuple[float, float] | None = None
 
 
-def _rows(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        raise UserInputError(f"--pairs {path}: no such file")
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        try:
-            return pq.read_table(path).to_pylist()
-        except Exception as exc:
-            raise UserInputError(f"--pairs {path}: not a readable Parquet file ({exc})") from None
-    if path.suffix in (".jsonl", ".json"):
-        rows = []
-        for i, line in enumerate(path.read_text().splitlines()):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
-                    raise UserInputError(f"--pairs {path}: line {i + 1} is not valid JSON") from None
-        return rows
-    raise UserInputError(f"--pairs {path}: use a .parquet or .jsonl table")
-
-
-def _image(value: Any, base: Path, where: str) -> bytes:
-    if isinstance(value, (bytes, bytearray)):
-        return bytes(value)
-    if isinstance(value, str) and value:
-        file = (base / value) if not Path(value).is_absolute() else Path(value)
-        if not file.is_file():
-            raise UserInputError(f"{where}: image file {file} not found")
-        return file.read_bytes()
-    raise UserInputError(f"{where}: an image must be encoded bytes or a file path")
-
-
 def read_pairs(path: str | Path) -> tuple[list[Pair], int]:
     """Pairs of a table (generic or Pick-a-Pic), and how many ties were skipped."""
     path = Path(path)
-    rows = _rows(path)
+    rows = read_rows(path, "--pairs")
     pairs, ties = [], 0
     for i, row in enumerate(rows):
         where = f"{path}: row {i}"
@@ -79,8 +46,8 @@ def read_pairs(path: str | Path) -> tuple[list[Pair], int]:
             pairs.append(
                 Pair(
                     prompt,
-                    _image(row["chosen"], path.parent, where),
-                    _image(row["rejected"], path.parent, where),
+                    image_bytes(row["chosen"], path.parent, where),
+                    image_bytes(row["rejected"], path.parent, where),
                     scores,
                 )
             )
@@ -89,7 +56,10 @@ def read_pairs(path: str | Path) -> tuple[list[Pair], int]:
             if label == 0.5:
                 ties += 1
                 continue
-            first, second = _image(row["jpg_0"], path.parent, where), _image(row["jpg_1"], path.parent, where)
+            first, second = (
+                image_bytes(row["jpg_0"], path.parent, where),
+                image_bytes(row["jpg_1"], path.parent, where),
+            )
             pairs.append(Pair(prompt, first, second) if label == 1.0 else Pair(prompt, second, first))
         else:
             raise UserInputError(

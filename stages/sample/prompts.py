@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from stages.errors import UserInputError
+from stages.tables import read_rows
 
 PROMPT_KEYS = ("prompt", "text", "caption", "problem")
 
@@ -66,28 +67,14 @@ def read_prompts(path: str | Path) -> list[Prompt]:
         prompts = [
             Prompt(line.strip()) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()
         ]
-    elif suffix in (".jsonl", ".json"):
-        prompts = []
-        lines = path.read_text(encoding="utf-8").splitlines()
-        for i, line in enumerate(lines):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                raise UserInputError(f"{path}: line {i + 1} is not valid JSON") from None
-            prompts.append(_from_record(rec if isinstance(rec, dict) else {"prompt": rec}, path, i))
+    elif suffix in (".jsonl", ".json", ".parquet"):
+        rows = read_rows(path, "--prompts")
+        prompts = [
+            _from_record(r if isinstance(r, dict) else {"prompt": r}, path, i) for i, r in enumerate(rows)
+        ]
     elif suffix == ".csv":
         with path.open(newline="", encoding="utf-8") as fh:
             prompts = [_from_record(rec, path, i) for i, rec in enumerate(csv.DictReader(fh))]
-    elif suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        try:
-            rows = pq.read_table(path).to_pylist()
-        except Exception as exc:
-            raise UserInputError(f"--prompts {path}: not a readable Parquet file ({exc})") from None
-        prompts = [_from_record(rec, path, i) for i, rec in enumerate(rows)]
     else:
         raise UserInputError(
             f"--prompts {path}: unknown prompt format '{suffix}' (use .txt, .jsonl, .csv or .parquet)"

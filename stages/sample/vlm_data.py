@@ -9,12 +9,12 @@ carries what text rewards read (`ground_truth`, `data_source`, `extra_info`).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from stages.errors import UserInputError
+from stages.tables import image_bytes, read_rows
 
 PLACEHOLDER = "<image>"
 
@@ -24,37 +24,6 @@ class VLMPrompt:
     question: str
     images: list[bytes]
     meta: dict[str, Any] = field(default_factory=dict)
-
-
-def _rows(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        raise UserInputError(f"--prompts {path}: no such file")
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        try:
-            return pq.read_table(path).to_pylist()
-        except Exception as exc:
-            raise UserInputError(f"--prompts {path}: not a readable Parquet file ({exc})") from None
-    if path.suffix in (".jsonl", ".json"):
-        try:
-            return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        except json.JSONDecodeError as exc:
-            raise UserInputError(f"--prompts {path}: invalid JSON line ({exc})") from None
-    raise UserInputError(f"--prompts {path}: use .parquet (verl) or .jsonl")
-
-
-def _image_bytes(value: Any, base: Path, where: str) -> bytes:
-    if isinstance(value, dict):
-        value = value.get("bytes") or value.get("path")
-    if isinstance(value, (bytes, bytearray)):
-        return bytes(value)
-    if isinstance(value, str) and value:
-        file = Path(value) if Path(value).is_absolute() else base / value
-        if file.is_file():
-            return file.read_bytes()
-        raise UserInputError(f"{where}: image file {file} not found")
-    raise UserInputError(f"{where}: an image must be bytes, a {{bytes, path}} struct or a file path")
 
 
 def _user_text(messages: Any, where: str) -> str:
@@ -79,7 +48,7 @@ def read_vlm_prompts(
     if layout not in ("verl", "easyr1"):
         raise UserInputError(f"--layout {layout}: choose verl or easyr1")
     prompts = []
-    for i, row in enumerate(_rows(path)):
+    for i, row in enumerate(read_rows(path, "--prompts")):
         where = f"{path}: row {i}"
         if layout == "verl":
             if "prompt" not in row:
@@ -102,7 +71,7 @@ def read_vlm_prompts(
                 "data_source": str(path.name),
                 "extra_info": {"index": i},
             }
-        images = [_image_bytes(im, path.parent, where) for im in (row.get(image_key) or [])]
+        images = [image_bytes(im, path.parent, where) for im in (row.get(image_key) or [])]
         if text.count(PLACEHOLDER) not in (0, len(images)):
             raise UserInputError(
                 f"{where}: {text.count(PLACEHOLDER)} {PLACEHOLDER} placeholders but {len(images)} images"

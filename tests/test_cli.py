@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -36,13 +35,10 @@ def test_root_help_lists_every_command_and_version() -> None:
     assert version.exit_code == 0 and version.output.startswith("omnirl ")
 
 
-def test_help_is_fast_because_torch_is_lazy() -> None:
-    code = "import sys, omnirl_cli.app; print('torch' in sys.modules)"
+def test_help_stays_light_because_torch_is_imported_lazily() -> None:
+    code = "import sys, omnirl_cli.app; print(sorted(m for m in ('torch', 'diffusers', 'transformers') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
-    t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "omnirl_cli", "--help"], capture_output=True, check=True)
-    assert time.perf_counter() - t0 < 5.0
+    assert out.stdout.strip() == "[]"
 
 
 def test_parse_set_builds_nested_typed_values() -> None:

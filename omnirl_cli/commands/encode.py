@@ -8,10 +8,10 @@ from typing import Annotated
 import typer
 
 from ..config import resolve
-from ..console import emit_json, log, progress
+from ..console import emit_json, log
 from ..errors import handle_errors
 from ..options import ConfigOpt, FormatOpt, InOpt, JsonOpt, OutOpt, OverwriteOpt, SetOpt
-from ..runtime import check_format, device, open_inputs, policy_info, run_config
+from ..runtime import check_format, device, map_shards, open_inputs, policy_info, run_config
 
 
 @handle_errors
@@ -59,23 +59,16 @@ def encode(
     )
     if not writer.complete:
         policy = FlowPolicy.load(c["model"], device=device(), dtype=c["dtype"])
-        with progress(not json_) as bar:
-            task = bar.add_task("encoding", total=src.num_rows, rate="")
-            for s in range(src.num_shards):
-                if writer.shard_done(s):
-                    bar.advance(task, src.manifests[0].shards[s].rows)
-                    continue
-                shard = src.read_shard(s, columns=["sample_id", "image"])
-                writer.write_shard(
-                    s,
-                    encode_shard(
-                        policy,
-                        shard,
-                        resolution=c["resolution"],
-                        batch_size=c["batch_size"],
-                        on_batch=lambda n: bar.advance(task, n),
-                    ),
-                )
+        map_shards(
+            src,
+            writer,
+            "encoding",
+            ["sample_id", "image"],
+            lambda shard, advance: encode_shard(
+                policy, shard, resolution=c["resolution"], batch_size=c["batch_size"], on_batch=advance
+            ),
+            bar=not json_,
+        )
         writer.finalize()
     result = {"out": str(c["out"]), "rows": src.num_rows}
     if json_:

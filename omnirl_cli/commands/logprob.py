@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from ..config import resolve
-from ..console import emit_json, log, progress
+from ..console import emit_json, log
 from ..errors import handle_errors
 from ..options import ConfigOpt, FormatOpt, InOpt, JsonOpt, OutOpt, OverwriteOpt, SetOpt
-from ..runtime import check_format, device, open_inputs, policy_info, run_config
+from ..runtime import check_format, device, map_shards, open_inputs, policy_info, run_config
 
 
 @handle_errors
@@ -69,45 +69,39 @@ def logprob(
         policy=policy_info(c["model"], c["adapter"]),
         overwrite=c["overwrite"],
     )
-    total_delta, max_delta, count = 0.0, 0.0, 0
     if not writer.complete:
         policy = (
             FlowPolicy.load(c["model"], adapter=c["adapter"], device=device(), dtype=c["dtype"])
             if stored
             else None
         )
-        with progress(not json_) as bar:
-            task = bar.add_task("replaying", total=src.num_rows, rate="")
-            for s in range(src.num_shards):
-                if writer.shard_done(s):
-                    bar.advance(task, src.manifests[0].shards[s].rows)
-                    continue
-                if not stored:
-                    writer.write_shard(
-                        s, {"sample_id": src.read_shard(s, columns=["sample_id"])["sample_id"]}
-                    )
-                    bar.advance(task, src.manifests[0].shards[s].rows)
-                    continue
-                shard = src.read_shard(
-                    s, columns=["sample_id", "prompt", "negative_prompt", "latents", "sigmas", "log_probs"]
-                )
-                cols, stats = replay_shard(
-                    policy,
-                    sample_cfg,
-                    shard,
-                    reference=c["reference"],
-                    means=c["means"],
-                    on_batch=lambda n: bar.advance(task, n),
-                )
-                writer.write_shard(s, cols)
-                total_delta += stats["abs_delta_sum"]
-                max_delta = max(max_delta, stats["abs_delta_max"])
-                count += stats["count"]
-        extra = {
-            "abs_delta_mean": total_delta / count if count else None,
-            "abs_delta_max": max_delta if count else None,
-        }
-        writer.finalize(extra=extra)
+        deltas = {"sum": 0.0, "max": 0.0, "count": 0}
+
+        def replay(shard: dict, advance: Any) -> dict:
+            if not stored:
+                advance(len(shard["sample_id"]))
+                return {"sample_id": shard["sample_id"]}
+            cols, stats = replay_shard(
+                policy, sample_cfg, shard, reference=c["reference"], means=c["means"], on_batch=advance
+            )
+            deltas["sum"] += stats["abs_delta_sum"]
+            deltas["max"] = max(deltas["max"], stats["abs_delta_max"])
+            deltas["count"] += stats["count"]
+            return cols
+
+        columns = (
+            ["sample_id", "prompt", "negative_prompt", "latents", "sigmas", "log_probs"]
+            if stored
+            else ["sample_id"]
+        )
+        map_shards(src, writer, "replaying", columns, replay, bar=not json_)
+        count = deltas["count"]
+        writer.finalize(
+            extra={
+                "abs_delta_mean": deltas["sum"] / count if count else None,
+                "abs_delta_max": deltas["max"] if count else None,
+            }
+        )
     from stages.shards.manifest import read_manifest
 
     extra = read_manifest(c["out"]).extra

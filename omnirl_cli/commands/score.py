@@ -8,10 +8,10 @@ from typing import Annotated
 import typer
 
 from ..config import resolve
-from ..console import emit_json, log, progress
+from ..console import emit_json, log
 from ..errors import handle_errors
 from ..options import ConfigOpt, FormatOpt, InOpt, JsonOpt, OutOpt, OverwriteOpt, SetOpt
-from ..runtime import check_format, open_inputs, run_config
+from ..runtime import check_format, map_shards, open_inputs, run_config
 
 
 @handle_errors
@@ -71,23 +71,16 @@ def score(
         overwrite=c["overwrite"],
     )
     if not writer.complete:
-        with progress(not json_) as bar:
-            task = bar.add_task("scoring", total=src.num_rows, rate="")
-            for s in range(src.num_shards):
-                if writer.shard_done(s):
-                    bar.advance(task, src.manifests[0].shards[s].rows)
-                    continue
-                shard = src.read_shard(s, columns=["sample_id", "prompt", "prompt_meta", "image"])
-                writer.write_shard(
-                    s,
-                    score_shard(
-                        shard,
-                        specs,
-                        batch_size=c["batch_size"],
-                        on_error=c["on_error"],
-                        on_batch=lambda n: bar.advance(task, n),
-                    ),
-                )
+        map_shards(
+            src,
+            writer,
+            "scoring",
+            ["sample_id", "prompt", "prompt_meta", "image"],
+            lambda shard, advance: score_shard(
+                shard, specs, batch_size=c["batch_size"], on_error=c["on_error"], on_batch=advance
+            ),
+            bar=not json_,
+        )
         writer.finalize()
     from stages.shards.reader import ShardSet
 

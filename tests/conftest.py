@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before anything imports huggingface_hub
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -11,10 +12,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import PROMPTS, run, sample_args
+from helpers import PROMPTS, ins, run, sample_args
 
 # Tiny models run several times faster single-threaded on a shared 2-core machine.
 torch.set_num_threads(1)
+
+
+@pytest.fixture
+def offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HF offline mode, and any attempt to open a network connection fails the test."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    def refuse(self: socket.socket, address: object) -> None:
+        raise AssertionError(f"network access attempted: {address}")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
 
 
 @pytest.fixture(scope="session")
@@ -60,8 +72,8 @@ def staged(tiny_sd3: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
     run(*sample_args(tiny_sd3, prompts, p["samples"], "--num-shards", "2"))
     run("score", "--in", str(p["samples"]), "--reward", "jpeg_compressibility", "--out", str(p["rewards"]))
     run("logprob", "--model", str(tiny_sd3), "--in", str(p["samples"]), "--out", str(p["logprobs"]))
-    run("advantage", "--in", str(p["samples"]), "--in", str(p["rewards"]), "--out", str(p["advantages"]))
-    inputs = ["--in", str(p["samples"]), "--in", str(p["logprobs"]), "--in", str(p["advantages"])]
+    run("advantage", *ins(p["samples"], p["rewards"]), "--out", str(p["advantages"]))
+    inputs = [*ins(p["samples"], p["logprobs"]), "--in", str(p["advantages"])]
     run(
         "update",
         "--model",

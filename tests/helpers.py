@@ -20,6 +20,11 @@ def run(*args: str) -> dict:
     return json.loads(result.stdout)
 
 
+def ins(*paths: Path) -> list[str]:
+    """`--in P` for every path, in order (the zipped inputs of a stage command)."""
+    return [arg for p in paths for arg in ("--in", str(p))]
+
+
 def sample_args(model: Path, prompts: Path, out: Path, *extra: str) -> list[str]:
     """A small `omnirl sample` call: 3 prompts × 2, 4 SDE steps at 32 px, no CFG, batches of 3."""
     return [

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run
+from helpers import ins, run
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.distributed
@@ -24,12 +24,7 @@ def test_two_ranks_equal_one_process(staged: dict[str, Path], tmp_path: Path) ->
     common = [
         "--model",
         str(staged["model"]),
-        "--in",
-        str(staged["samples"]),
-        "--in",
-        str(staged["logprobs"]),
-        "--in",
-        str(staged["advantages"]),
+        *ins(staged["samples"], staged["logprobs"], staged["advantages"]),
         "--no-shuffle",
         "--micro-batch",
         "1",

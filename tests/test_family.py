@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run, sample_args
+from helpers import ins, run, sample_args
 
 from stages.shards.reader import ShardSet, open_inputs
 from stages.update.losses import ALGORITHMS, step_plan
@@ -129,10 +129,7 @@ def test_mix_grpo_trains_the_stored_window(staged: dict[str, Path], tmp_path: Pa
     assert torch.equal(ShardSet(p["logprobs"]).read_all()["old_log_probs"], samples["log_probs"])
     run(
         "advantage",
-        "--in",
-        str(p["samples"]),
-        "--in",
-        str(p["rewards"]),
+        *ins(p["samples"], p["rewards"]),
         "--estimator",
         "dance",
         "--out",
@@ -142,12 +139,7 @@ def test_mix_grpo_trains_the_stored_window(staged: dict[str, Path], tmp_path: Pa
         "update",
         "--model",
         str(staged["model"]),
-        "--in",
-        str(p["samples"]),
-        "--in",
-        str(p["logprobs"]),
-        "--in",
-        str(p["advantages"]),
+        *ins(p["samples"], p["logprobs"], p["advantages"]),
         "--algo",
         "mix_grpo",
         "--lr",
@@ -187,12 +179,7 @@ def test_grpo_guard_without_means_is_a_clear_error(staged: dict[str, Path], tmp_
             "update",
             "--model",
             str(staged["model"]),
-            "--in",
-            str(staged["samples"]),
-            "--in",
-            str(staged["logprobs"]),
-            "--in",
-            str(staged["advantages"]),
+            *ins(staged["samples"], staged["logprobs"], staged["advantages"]),
             "--algo",
             "grpo_guard",
             "--out",
@@ -255,10 +242,7 @@ def test_advantage_aggregation_per_reward(staged: dict[str, Path], tmp_path: Pat
     )
     run(
         "advantage",
-        "--in",
-        str(staged["samples"]),
-        "--in",
-        str(tmp_path / "r"),
+        *ins(staged["samples"], tmp_path / "r"),
         "--aggregation",
         "advantage_aggr",
         "--out",
@@ -274,9 +258,7 @@ def test_advantage_aggregation_per_reward(staged: dict[str, Path], tmp_path: Pat
             idx = [i for i, x in enumerate(groups) if x == g]
             expected[idx] += weight * (r[idx] - r[idx].mean()) / (std + 1e-4)
     torch.testing.assert_close(data["advantages"][:, 0].double(), expected, rtol=1e-5, atol=1e-6)
-    plain = run(
-        "advantage", "--in", str(staged["samples"]), "--in", str(tmp_path / "r"), "--out", str(tmp_path / "b")
-    )
+    plain = run("advantage", *ins(staged["samples"], tmp_path / "r"), "--out", str(tmp_path / "b"))
     assert plain["estimator"] == "grpo"
     assert not torch.allclose(ShardSet(tmp_path / "b").read_all()["advantages"], data["advantages"])
 
@@ -309,10 +291,7 @@ def test_forward_process_algorithms_favour_high_advantage_samples(
         "update",
         "--model",
         str(staged["model"]),
-        "--in",
-        str(staged["samples"]),
-        "--in",
-        str(staged["advantages"]),
+        *ins(staged["samples"], staged["advantages"]),
         "--algo",
         algo,
         "--lr",
@@ -353,10 +332,7 @@ def test_online_dpo_raises_the_implicit_preference_margin(staged: dict[str, Path
         "update",
         "--model",
         str(staged["model"]),
-        "--in",
-        str(staged["samples"]),
-        "--in",
-        str(staged["advantages"]),
+        *ins(staged["samples"], staged["advantages"]),
         "--algo",
         "dpo",
         "--dpo-beta",
@@ -401,17 +377,12 @@ def test_nft_runs_from_an_ode_rollout_through_every_stage(staged: dict[str, Path
     run("logprob", "--model", str(staged["model"]), "--in", str(p["samples"]), "--out", str(p["logprobs"]))
     assert list(ShardSet(p["logprobs"]).columns) == ["sample_id"]
     run("score", "--in", str(p["samples"]), "--reward", "jpeg_compressibility", "--out", str(p["rewards"]))
-    run("advantage", "--in", str(p["samples"]), "--in", str(p["rewards"]), "--out", str(p["advantages"]))
+    run("advantage", *ins(p["samples"], p["rewards"]), "--out", str(p["advantages"]))
     out = run(
         "update",
         "--model",
         str(staged["model"]),
-        "--in",
-        str(p["samples"]),
-        "--in",
-        str(p["logprobs"]),
-        "--in",
-        str(p["advantages"]),
+        *ins(p["samples"], p["logprobs"], p["advantages"]),
         "--algo",
         "nft",
         "--lora-rank",
@@ -428,10 +399,7 @@ def test_nft_runs_from_an_ode_rollout_through_every_stage(staged: dict[str, Path
 def test_pairs_estimator_marks_best_and_worst(staged: dict[str, Path], tmp_path: Path) -> None:
     run(
         "advantage",
-        "--in",
-        str(staged["samples"]),
-        "--in",
-        str(staged["rewards"]),
+        *ins(staged["samples"], staged["rewards"]),
         "--estimator",
         "pairs",
         "--out",
@@ -451,10 +419,7 @@ def test_pairs_estimator_marks_best_and_worst(staged: dict[str, Path], tmp_path:
         "update",
         "--model",
         str(staged["model"]),
-        "--in",
-        str(staged["samples"]),
-        "--in",
-        str(tmp_path / "a"),
+        *ins(staged["samples"], tmp_path / "a"),
         "--algo",
         "dpo",
         "--lora-rank",

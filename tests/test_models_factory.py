@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -36,17 +35,6 @@ def tiny_sd3(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     """A tiny SD3 pipeline folder built once for this module (seed 0)."""
     out = tmp_path_factory.mktemp("models") / "sd3-tiny"
     return out, init_model("sd3", out, size="tiny", seed=0)
-
-
-@pytest.fixture
-def offline(monkeypatch: pytest.MonkeyPatch) -> None:
-    """HF offline mode, and any attempt to open a network connection fails the test."""
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-
-    def refuse(self: socket.socket, address: object) -> None:
-        raise AssertionError(f"network access attempted: {address}")
-
-    monkeypatch.setattr(socket.socket, "connect", refuse)
 
 
 def weight_hashes(folder: Path) -> dict[str, str]:

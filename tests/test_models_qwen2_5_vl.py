@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -32,17 +31,6 @@ def tiny_vlm(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     """A tiny Qwen2.5-VL folder built once for this module (seed 0)."""
     out = tmp_path_factory.mktemp("models") / "qwen2_5_vl-tiny"
     return out, init_model("qwen2_5_vl", out, size="tiny", seed=0)
-
-
-@pytest.fixture
-def offline(monkeypatch: pytest.MonkeyPatch) -> None:
-    """HF offline mode, and any attempt to open a network connection fails the test."""
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-
-    def refuse(self: socket.socket, address: object) -> None:
-        raise AssertionError(f"network access attempted: {address}")
-
-    monkeypatch.setattr(socket.socket, "connect", refuse)
 
 
 def load(folder: Path):

@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from helpers import run
+from helpers import ins, run
 from PIL import Image
 
 from stages.shards.reader import ShardSet, open_inputs
@@ -88,10 +88,7 @@ def test_offline_dpo_raises_the_implicit_preference_margin(
         "update",
         "--model",
         str(tiny_sd3),
-        "--in",
-        str(p["pairs"]),
-        "--in",
-        str(p["latents"]),
+        *ins(p["pairs"], p["latents"]),
         "--algo",
         "dpo",
         "--dpo-beta",

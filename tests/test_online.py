@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run, runner
+from helpers import ins, run, runner
 from safetensors.torch import load_file
 
 from omnirl_cli.app import app
@@ -78,20 +78,13 @@ def test_one_online_iteration_equals_the_staged_commands(
     )
     run("score", "--in", str(s["samples"]), "--reward", "jpeg_compressibility", "--out", str(s["rewards"]))
     run("logprob", "--model", str(staged["model"]), "--in", str(s["samples"]), "--out", str(s["logprobs"]))
-    run(
-        "advantage", *cfg, "--in", str(s["samples"]), "--in", str(s["rewards"]), "--out", str(s["advantages"])
-    )
+    run("advantage", *cfg, *ins(s["samples"], s["rewards"]), "--out", str(s["advantages"]))
     run(
         "update",
         *cfg,
         "--model",
         str(staged["model"]),
-        "--in",
-        str(s["samples"]),
-        "--in",
-        str(s["logprobs"]),
-        "--in",
-        str(s["advantages"]),
+        *ins(s["samples"], s["logprobs"], s["advantages"]),
         "--seed",
         "0",
         "--out",

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import PROMPTS, run, runner, sample_args
+from helpers import PROMPTS, ins, run, runner, sample_args
 
 from omnirl_cli.app import app
 from stages.shards.reader import ShardSet
@@ -236,12 +236,7 @@ def test_kl_to_the_frozen_reference_starts_at_zero_then_grows(
     staged: dict[str, Path], tmp_path: Path, mode: str
 ) -> None:
     inputs = [
-        "--in",
-        str(staged["samples"]),
-        "--in",
-        str(staged["logprobs"]),
-        "--in",
-        str(staged["advantages"]),
+        *ins(staged["samples"], staged["logprobs"], staged["advantages"]),
     ]
     extra = ["--full"] if mode == "full" else ["--lora-rank", "4", "--lora-alpha", "8"]
     run(
@@ -303,10 +298,7 @@ def test_stored_reference_means_give_the_same_kl_as_recomputing(
         "update",
         "--model",
         str(staged["model"]),
-        "--in",
-        str(staged["samples"]),
-        "--in",
-        str(staged["advantages"]),
+        *ins(staged["samples"], staged["advantages"]),
         "--beta",
         "0.04",
         "--lr",
@@ -352,19 +344,12 @@ def test_every_stage_reads_and_writes_webdataset(staged: dict[str, Path], tmp_pa
     run(
         "logprob", "--model", str(staged["model"]), "--in", str(wds["samples"]), "--out", str(wds["logprobs"])
     )
-    run(
-        "advantage", "--in", str(wds["samples"]), "--in", str(wds["rewards"]), "--out", str(wds["advantages"])
-    )
+    run("advantage", *ins(wds["samples"], wds["rewards"]), "--out", str(wds["advantages"]))
     run(
         "update",
         "--model",
         str(staged["model"]),
-        "--in",
-        str(wds["samples"]),
-        "--in",
-        str(wds["logprobs"]),
-        "--in",
-        str(wds["advantages"]),
+        *ins(wds["samples"], wds["logprobs"], wds["advantages"]),
         "--lora-rank",
         "4",
         "--lora-alpha",

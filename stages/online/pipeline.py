@@ -150,7 +150,13 @@ class Workers:
     """The spawned sampler and scorer, and the channels between them and the driver."""
 
     def __init__(
-        self, cfg: OnlineConfig, start: int, adapter: Path | None, weights: dict[str, torch.Tensor], step: int
+        self,
+        cfg: OnlineConfig,
+        start: int,
+        adapter: Path | None,
+        weights: dict[str, torch.Tensor],
+        step: int,
+        latent: tuple[int, ...],
     ):
         import torch.multiprocessing as mp
 
@@ -162,7 +168,7 @@ class Workers:
         self.step = ctx.Value("q", step)
         self.lock = ctx.Lock()
         rows = len(iteration_rows(cfg, start))
-        self.ring = Ring(self._fields(cfg, start), slots=2, rows=rows, ctx=ctx)
+        self.ring = Ring(self._fields(cfg, start, latent), slots=2, rows=rows, ctx=ctx)
         self.to_scorer, self.from_scorer = ctx.Queue(), ctx.Queue()
         self.procs = {
             "sampler": ctx.Process(
@@ -192,21 +198,11 @@ class Workers:
             proc.start()
 
     @staticmethod
-    def _fields(cfg: OnlineConfig, k: int) -> list[Any]:
-        """Ring fields from the shapes one sampled row will have (latent shape from the model config)."""
-        import json
-
+    def _fields(cfg: OnlineConfig, k: int, latent: tuple[int, ...]) -> list[Any]:
+        """Ring fields from the shapes one sampled row will have; `latent` is one latent's [C, h, w]."""
         from stages.online.ring import Field
         from stages.sample.rollout import stored_steps
 
-        transformer = json.loads((Path(cfg.model) / "transformer" / "config.json").read_text())
-        vae = json.loads((Path(cfg.model) / "vae" / "config.json").read_text())
-        factor = 2 ** (len(vae["block_out_channels"]) - 1)
-        latent = (
-            transformer["in_channels"],
-            cfg.sample.resolution // factor,
-            cfg.sample.resolution // factor,
-        )
         stored = len(stored_steps(cfg.sampling(k), (0, 0)))
         fields = [
             Field("final_latent", latent, torch.float32),
@@ -306,7 +302,7 @@ def run_online(
     summaries: list[dict[str, Any]] = []
     if start >= cfg.iterations:
         return summaries
-    workers = Workers(cfg, start, adapter, params, step)
+    workers = Workers(cfg, start, adapter, params, step, policy.latent_shape(cfg.sample.resolution))
     try:
         for k in range(start, cfg.iterations):
             t0 = time.perf_counter()

@@ -79,7 +79,9 @@ def advantage(
         overwrite=c["overwrite"],
     )
     steps_col = src.columns.get("log_probs")
-    num_steps = steps_col.shape[0] if steps_col is not None and steps_col.shape else 1
+    # one advantage per stored denoising step; a text rollout's outcome advantage covers every token
+    stepwise = steps_col is not None and steps_col.shape and "response_ids" not in src.columns
+    num_steps = steps_col.shape[0] if stepwise else 1
     weights = None
     if c["aggregation"] == "advantage_aggr":
         weights = reward_weights(src.manifests)

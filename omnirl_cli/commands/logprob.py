@@ -19,14 +19,19 @@ def logprob(
     ctx: typer.Context,
     inputs: InOpt = None,
     out: OutOpt = Path("logprobs"),
-    model: Annotated[Path, typer.Option("--model", "-m", help="Diffusers pipeline folder.")] = Path("model"),
+    model: Annotated[
+        Path, typer.Option("--model", "-m", help="Diffusers pipeline folder or transformers VLM folder.")
+    ] = Path("model"),
     adapter: Annotated[
         Path | None, typer.Option("--adapter", help="Adapter to replay under (default: base model).")
     ] = None,
     dtype: Annotated[str, typer.Option("--dtype", help="fp32, bf16 or fp16.")] = "fp32",
     reference: Annotated[
         bool,
-        typer.Option("--reference", help="Also store the frozen base model's step means (ref_means) for KL."),
+        typer.Option(
+            "--reference",
+            help="Also store the frozen base model's step means (ref_means; VLM: token ref_log_probs) for KL.",
+        ),
     ] = False,
     means: Annotated[
         bool,
@@ -48,17 +53,25 @@ def logprob(
     with no stored steps (the ODE sampler, for NFT/AWM) gets a shard set of its sample ids only, so
     recipes keep one shape for every algorithm.
 
+    A VLM rollout (text responses) gets every response token's log-prob (old_log_probs [T]) from one
+    forward over prompt + response per sampling batch, and with --reference the base model's
+    ref_log_probs [T].
+
     Example: [bold]omnirl logprob --model models/sd3-tiny --adapter run/it0/policy --in run/it0/samples --out run/it0/logprobs[/]
     """
     c = resolve(ctx, "logprob")
-    from stages.logprob.replay import replay_shard
+    from stages.logprob.replay import replay_shard, replay_token_shard
     from stages.models.diffusion import FlowPolicy
+    from stages.models.vlm import VLMPolicy
     from stages.sample.rollout import sample_config_of
+    from stages.sample.vlm_stage import is_token_rollout, vlm_sample_config_of
     from stages.shards.writer import ShardSetWriter
 
     src = open_inputs(c["inputs"])
-    sample_cfg = sample_config_of(src.manifests)
-    stored = "latents" in src.columns  # an ODE rollout (NFT, AWM) stores no steps: nothing to replay
+    tokens = is_token_rollout(src.columns)
+    sample_cfg = vlm_sample_config_of(src.manifests) if tokens else sample_config_of(src.manifests)
+    # an ODE rollout (NFT, AWM) stores no steps: nothing to replay
+    stored = tokens or "latents" in src.columns
     writer = ShardSetWriter(
         c["out"],
         num_shards=src.num_shards,
@@ -70,8 +83,9 @@ def logprob(
         overwrite=c["overwrite"],
     )
     if not writer.complete:
+        loader = VLMPolicy if tokens else FlowPolicy
         policy = (
-            FlowPolicy.load(c["model"], adapter=c["adapter"], device=device(), dtype=c["dtype"])
+            loader.load(c["model"], adapter=c["adapter"], device=device(), dtype=c["dtype"])
             if stored
             else None
         )
@@ -81,19 +95,31 @@ def logprob(
             if not stored:
                 advance(len(shard["sample_id"]))
                 return {"sample_id": shard["sample_id"]}
-            cols, stats = replay_shard(
-                policy, sample_cfg, shard, reference=c["reference"], means=c["means"], on_batch=advance
-            )
+            if tokens:
+                cols, stats = replay_token_shard(
+                    policy,
+                    sample_cfg,
+                    shard,
+                    reference=c["reference"],
+                    where=str(src.paths[0]),
+                    on_batch=advance,
+                )
+            else:
+                cols, stats = replay_shard(
+                    policy, sample_cfg, shard, reference=c["reference"], means=c["means"], on_batch=advance
+                )
             deltas["sum"] += stats["abs_delta_sum"]
             deltas["max"] = max(deltas["max"], stats["abs_delta_max"])
             deltas["count"] += stats["count"]
             return cols
 
-        columns = (
-            ["sample_id", "prompt", "negative_prompt", "latents", "sigmas", "log_probs"]
-            if stored
-            else ["sample_id"]
-        )
+        if tokens:
+            columns = ["sample_id", "group_id", "prompt", "images", "prompt_ids", "prompt_mask"]
+            columns += ["response_ids", "response_mask", "log_probs"]
+        elif stored:
+            columns = ["sample_id", "prompt", "negative_prompt", "latents", "sigmas", "log_probs"]
+        else:
+            columns = ["sample_id"]
         map_shards(src, writer, "replaying", columns, replay, bar=not json_)
         count = deltas["count"]
         writer.finalize(

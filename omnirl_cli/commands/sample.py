@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -17,6 +18,7 @@ from ..runtime import check_format, device, policy_info, policy_version, run_con
 
 SAMPLING = "Sampling"
 MODEL = "Model"
+VLM = "Vision-language models"
 
 
 @handle_errors
@@ -24,7 +26,13 @@ def sample(
     ctx: typer.Context,
     out: OutOpt = Path("samples"),
     model: Annotated[
-        Path, typer.Option("--model", "-m", help="Diffusers pipeline folder.", rich_help_panel=MODEL)
+        Path,
+        typer.Option(
+            "--model",
+            "-m",
+            help="Diffusers pipeline folder, or a transformers VLM folder (Qwen2.5-VL): text responses.",
+            rich_help_panel=MODEL,
+        ),
     ] = Path("model"),
     adapter: Annotated[
         Path | None,
@@ -41,7 +49,8 @@ def sample(
         Path,
         typer.Option(
             "--prompts",
-            help="Prompt file: .txt, .jsonl, .csv or (verl-style) .parquet.",
+            help="Prompt file: .txt, .jsonl, .csv or (verl-style) .parquet; for a VLM a verl (or --layout "
+            "easyr1) .parquet/.jsonl table with images.",
             rich_help_panel="Input / output",
         ),
     ] = Path("prompts.txt"),
@@ -149,8 +158,65 @@ def sample(
         ),
     ] = 0,
     batch_size: Annotated[
-        int, typer.Option("--batch-size", min=1, help="Samples per forward pass.", rich_help_panel=SAMPLING)
+        int,
+        typer.Option(
+            "--batch-size",
+            min=1,
+            help="Samples per forward pass (VLM: responses per generate call, whole groups).",
+            rich_help_panel=SAMPLING,
+        ),
     ] = 8,
+    engine: Annotated[
+        str,
+        typer.Option(
+            "--engine",
+            help="VLM rollout engine: hf (transformers generate) or openai (a `vllm serve` / OpenAI-compatible "
+            "server at --server-url).",
+            rich_help_panel=VLM,
+        ),
+    ] = "hf",
+    server_url: Annotated[
+        str | None,
+        typer.Option(
+            "--server-url", help="Base URL of the server, e.g. http://host:8000/v1.", rich_help_panel=VLM
+        ),
+    ] = None,
+    served_model: Annotated[
+        str | None,
+        typer.Option(
+            "--served-model", help="Model name the server serves (its /v1/models).", rich_help_panel=VLM
+        ),
+    ] = None,
+    temperature: Annotated[
+        float, typer.Option("--temperature", help="Sampling temperature (verl 1.0).", rich_help_panel=VLM)
+    ] = 1.0,
+    top_p: Annotated[
+        float, typer.Option("--top-p", help="Nucleus sampling (1: off).", rich_help_panel=VLM)
+    ] = 1.0,
+    max_new_tokens: Annotated[
+        int, typer.Option("--max-new-tokens", min=1, help="Response length cap.", rich_help_panel=VLM)
+    ] = 64,
+    max_prompt_length: Annotated[
+        int,
+        typer.Option(
+            "--max-prompt-length",
+            min=1,
+            help="Prompt tokens incl. image tokens; a longer prompt is an error (verl 512).",
+            rich_help_panel=VLM,
+        ),
+    ] = 512,
+    layout: Annotated[
+        str,
+        typer.Option(
+            "--layout",
+            help="VLM prompt table: verl (prompt, images, reward_model.ground_truth, ...) or easyr1 "
+            "(--prompt-key, --answer-key, --image-key).",
+            rich_help_panel=VLM,
+        ),
+    ] = "verl",
+    prompt_key: Annotated[str, typer.Option("--prompt-key", rich_help_panel=VLM)] = "problem",
+    answer_key: Annotated[str, typer.Option("--answer-key", rich_help_panel=VLM)] = "answer",
+    image_key: Annotated[str, typer.Option("--image-key", rich_help_panel=VLM)] = "images",
     num_shards: NumShardsOpt = 1,
     shard_index: Annotated[
         int | None,
@@ -171,15 +237,25 @@ def sample(
     Each sample has its own seed, so a sample never depends on the batch size. A re-run skips shards
     that are complete and verified.
 
+    With a vision-language --model (Qwen2.5-VL), GROUP text responses per (images, question) row of a
+    verl/EasyR1 table: prompt and response token ids, response text, rollout log-probs, images once per
+    prompt; the --steps/--guidance/sampler options do not apply.
+
     Example: [bold]omnirl sample --model models/sd3-tiny --prompts prompts.txt -n 8 --steps 10 \\
     --resolution 64 --sampler sde --noise-level 0.7 --out run/it0/samples[/]
+
+    VLM: [bold]omnirl sample --model models/vlm-tiny --prompts geo3k.parquet -n 5 --max-new-tokens 256 --out run/it0/samples[/]
     """
     c = resolve(ctx, "sample")
+    from stages.models.vlm import is_vlm_model
+
+    if is_vlm_model(c["model"]):
+        _sample_vlm(c, json_)
+        return
     from stages.models.diffusion import FlowPolicy
     from stages.sample.prompts import pick_prompts, read_prompts
     from stages.sample.rollout import SampleConfig
     from stages.sample.stage import KINDS, run_sample
-    from stages.shards.writer import ShardSetWriter
 
     window_range = c["sde_window_range"]
     cfg = SampleConfig(
@@ -202,39 +278,14 @@ def sample(
     )
     cfg.validate()
     picked = pick_prompts(read_prompts(c["prompts"]), c["num_prompts"], c["seed"])
-    shards = list(range(c["num_shards"])) if c["shard_index"] is None else [c["shard_index"]]
-    if any(not 0 <= s < c["num_shards"] for s in shards):
-        from stages.errors import UserInputError
-
-        raise UserInputError(
-            f"--shard-index {c['shard_index']}: must lie in [0, --num-shards={c['num_shards']})"
-        )
-    writer = ShardSetWriter(
-        c["out"],
-        num_shards=c["num_shards"],
-        format=check_format(c["fmt"]),
-        command="sample",
-        config=run_config(c, adapter=c["adapter"]),
-        parents=[],
-        policy=policy_info(c["model"], c["adapter"]),
-        kinds=KINDS,
-        overwrite=c["overwrite"],
-    )
-    if writer.complete:
-        log(f"{c['out']} is already complete; nothing to do", quiet=json_)
-        if json_:
-            emit_json({"out": str(c["out"]), "skipped": True})
+    shards = _shard_indices(c)
+    writer = _writer(c, KINDS, json_)
+    if writer is None:
         return
     policy = FlowPolicy.load(c["model"], adapter=c["adapter"], device=device(), dtype=c["dtype"])
     total = len(picked) * c["group_size"] * len(shards) // c["num_shards"]
     with progress(not json_) as bar:
         task = bar.add_task("sampling", total=total, rate="")
-        t0, done = time.perf_counter(), [0]
-
-        def advance(n: int) -> None:
-            done[0] += n
-            bar.update(task, advance=n, rate=f"{done[0] / (time.perf_counter() - t0):.2f} images/s")
-
         result = run_sample(
             policy,
             cfg,
@@ -244,15 +295,118 @@ def sample(
             num_shards=c["num_shards"],
             shard_indices=shards,
             policy_version=policy_version(c["adapter"]),
-            on_batch=advance,
+            on_batch=_advance(bar, task, "images"),
         )
+    _finish(c, writer, result, {"sample_config": asdict(cfg)}, "images", json_)
+
+
+def _shard_indices(c: dict) -> list[int]:
+    shards = list(range(c["num_shards"])) if c["shard_index"] is None else [c["shard_index"]]
+    if any(not 0 <= s < c["num_shards"] for s in shards):
+        from stages.errors import UserInputError
+
+        raise UserInputError(
+            f"--shard-index {c['shard_index']}: must lie in [0, --num-shards={c['num_shards']})"
+        )
+    return shards
+
+
+def _writer(c: dict, kinds: dict[str, str], json_: bool) -> Any:
+    """The output writer, or None (after saying so) when the output is already complete."""
+    from stages.shards.writer import ShardSetWriter
+
+    writer = ShardSetWriter(
+        c["out"],
+        num_shards=c["num_shards"],
+        format=check_format(c["fmt"]),
+        command="sample",
+        config=run_config(c, adapter=c["adapter"]),
+        parents=[],
+        policy=policy_info(c["model"], c["adapter"]),
+        kinds=kinds,
+        overwrite=c["overwrite"],
+    )
+    if writer.complete:
+        log(f"{c['out']} is already complete; nothing to do", quiet=json_)
+        if json_:
+            emit_json({"out": str(c["out"]), "skipped": True})
+        return None
+    return writer
+
+
+def _advance(bar: Any, task: Any, unit: str) -> Callable[[int], None]:
+    t0, done = time.perf_counter(), [0]
+
+    def advance(n: int) -> None:
+        done[0] += n
+        bar.update(task, advance=n, rate=f"{done[0] / (time.perf_counter() - t0):.2f} {unit}/s")
+
+    return advance
+
+
+def _finish(c: dict, writer: Any, result: dict, extra: dict, unit: str, json_: bool) -> None:
+    """Write the manifest once every shard exists, then report."""
     manifest = None
     if all(writer.shard_done(s) for s in range(c["num_shards"])):
-        manifest = writer.finalize(extra={"sample_config": asdict(cfg)})
+        manifest = writer.finalize(extra=extra)
     result.update(out=str(c["out"]), complete=manifest is not None, skipped=False)
     if json_:
         emit_json(result)
     else:
-        rate = f", {result['images_per_s']:.2f} images/s" if result["images_per_s"] else ""
+        speed = result.get(f"{unit}_per_s")
+        rate = f", {speed:.2f} {unit}/s" if speed else ""
         state = "complete" if manifest else "partial (other shards pending)"
         log(f"[green]wrote[/] {result['rows']} samples to {c['out']} ({state}{rate})")
+
+
+def _sample_vlm(c: dict, json_: bool) -> None:
+    """`sample` for a vision-language model: text responses per (images, question) prompt."""
+    from stages.models.vlm import VLMPolicy
+    from stages.sample.prompts import pick_prompts
+    from stages.sample.vlm_data import read_vlm_prompts
+    from stages.sample.vlm_stage import KINDS, VLMSampleConfig, run_vlm_sample
+
+    cfg = VLMSampleConfig(
+        engine=c["engine"],
+        temperature=c["temperature"],
+        top_p=c["top_p"],
+        max_new_tokens=c["max_new_tokens"],
+        max_prompt_length=c["max_prompt_length"],
+        seed=c["seed"],
+        batch_size=c["batch_size"],
+        server_url=c["server_url"],
+        served_model=c["served_model"],
+    )
+    cfg.validate()
+    rows = read_vlm_prompts(
+        c["prompts"],
+        layout=c["layout"],
+        prompt_key=c["prompt_key"],
+        answer_key=c["answer_key"],
+        image_key=c["image_key"],
+    )
+    picked = pick_prompts(rows, c["num_prompts"], c["seed"])
+    shards = _shard_indices(c)
+    writer = _writer(c, KINDS, json_)
+    if writer is None:
+        return
+    policy = (
+        VLMPolicy.load(c["model"], adapter=c["adapter"], device=device(), dtype=c["dtype"])
+        if cfg.engine == "hf"
+        else VLMPolicy.for_prompts(c["model"])
+    )
+    total = len(picked) * c["group_size"] * len(shards) // c["num_shards"]
+    with progress(not json_) as bar:
+        task = bar.add_task("sampling", total=total, rate="")
+        result = run_vlm_sample(
+            policy,
+            cfg,
+            picked,
+            c["group_size"],
+            writer,
+            num_shards=c["num_shards"],
+            shard_indices=shards,
+            policy_version=policy_version(c["adapter"]),
+            on_batch=_advance(bar, task, "responses"),
+        )
+    _finish(c, writer, result, {"vlm_sample_config": asdict(cfg)}, "responses", json_)

@@ -24,8 +24,11 @@ def score(
         typer.Option(
             "--reward",
             "-r",
-            help="NAME[=WEIGHT], repeatable: a built-in (jpeg_compressibility, jpeg_incompressibility, ocr), "
-            "module:function, or an 'omnirl.rewards' entry point. The total is the weighted sum.",
+            help="NAME[=WEIGHT], repeatable: a built-in image reward (jpeg_compressibility, "
+            "jpeg_incompressibility, ocr) or text reward for VLM rollouts (format_think_answer, format_boxed, "
+            "accuracy, bleu, rouge_l, rouge_l_recall, meteor, text_similarity, length_penalty, "
+            "repetition_penalty), module:function or path/file.py:function, or an 'omnirl.rewards' entry "
+            "point. The total is the weighted sum.",
         ),
     ] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Samples per scorer call.")] = 32,
@@ -41,17 +44,22 @@ def score(
     set_: SetOpt = None,
     json_: JsonOpt = False,
 ) -> None:
-    """Score each sample's image with one or more rewards; writes reward and reward.<name> columns.
+    """Score each sample's image (or VLM response) with one or more rewards; writes reward and reward.<name>.
 
     A scorer that fails or returns NaN stops the run naming the sample, unless --on-error zero.
     Plugins take (images: list[PIL.Image], prompts: list[str], meta: list[dict]) and return one float
-    (or None) per sample.
+    (or None) per sample; text plugins take the response strings instead and set `reward_kind = "text"`
+    (wrap verl `compute_score` or trl reward functions with stages.score.text_rewards.verl_compute_score
+    / trl_reward). Meta holds the prompt row's ground_truth, data_source, extra_info,
+    max_response_length and response_length.
+
+    VLM: [bold]omnirl score --in run/it0/samples --reward accuracy=0.9 --reward format_boxed=0.1 --out run/it0/rewards[/]
 
     Example: [bold]omnirl score --in run/it0/samples --reward ocr --reward jpeg_compressibility=0.1 --out run/it0/rewards[/]
     """
     c = resolve(ctx, "score")
     from stages.score.registry import parse_reward_spec
-    from stages.score.stage import score_shard
+    from stages.score.stage import needed_columns, score_shard
     from stages.shards.writer import ShardSetWriter
 
     specs = [parse_reward_spec(s) for s in c["reward"] or []]
@@ -75,7 +83,7 @@ def score(
             src,
             writer,
             "scoring",
-            ["sample_id", "prompt", "prompt_meta", "image"],
+            needed_columns(src.columns),
             lambda shard, advance: score_shard(
                 shard, specs, batch_size=c["batch_size"], on_error=c["on_error"], on_batch=advance
             ),

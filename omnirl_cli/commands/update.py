@@ -22,7 +22,9 @@ def update(
     ctx: typer.Context,
     inputs: InOpt = None,
     out: OutOpt = Path("policy"),
-    model: Annotated[Path, typer.Option("--model", "-m", help="Diffusers pipeline folder.")] = Path("model"),
+    model: Annotated[
+        Path, typer.Option("--model", "-m", help="Diffusers pipeline folder or transformers VLM folder.")
+    ] = Path("model"),
     adapter: Annotated[
         Path | None,
         typer.Option("--adapter", help="Adapter to continue from (weights, optimizer, EMA, step)."),
@@ -34,24 +36,66 @@ def update(
             "--algo",
             help="flow_grpo (first int(K·f) steps), dance_grpo (random steps per sample), mix_grpo (the stored "
             "window), grpo_guard (normalised ratio; needs `logprob --means`); on final latents: nft "
-            "(DiffusionNFT), awm (advantage-weighted matching), dpo (best vs worst of each group).",
+            "(DiffusionNFT), awm (advantage-weighted matching), dpo (best vs worst of each group); VLM "
+            "text rollouts: grpo (verl: clip 0.2, dual-clip 3, token-mean), dapo (clip-higher 0.28), gspo "
+            "(sequence ratio, clip 3e-4/4e-4, seq-mean-token-mean).",
             rich_help_panel=LOSS,
         ),
     ] = "flow_grpo",
     clip_range: Annotated[
-        float, typer.Option("--clip-range", help="PPO ratio clip ε (flow_grpo 1e-4).", rich_help_panel=LOSS)
-    ] = 1e-4,
+        float | None,
+        typer.Option(
+            "--clip-range",
+            help="PPO ratio clip ε (default per --algo: flow_grpo family 1e-4, grpo/dapo 0.2, gspo 3e-4).",
+            rich_help_panel=LOSS,
+        ),
+    ] = None,
     clip_range_high: Annotated[
         float | None,
-        typer.Option("--clip-range-high", help="Upper clip if asymmetric.", rich_help_panel=LOSS),
+        typer.Option(
+            "--clip-range-high",
+            help="Upper clip if asymmetric (DAPO clip-higher 0.28; default: --algo's, or = --clip-range).",
+            rich_help_panel=LOSS,
+        ),
     ] = None,
+    dual_clip: Annotated[
+        float | None,
+        typer.Option(
+            "--dual-clip",
+            help="Dual-clip c > 1 capping negative-advantage token losses (grpo/dapo 3; 0 turns it off).",
+            rich_help_panel=LOSS,
+        ),
+    ] = None,
+    loss_agg_mode: Annotated[
+        str | None,
+        typer.Option(
+            "--loss-agg-mode",
+            help="VLM: token-mean (grpo/dapo), seq-mean-token-mean (gspo, original GRPO), seq-mean-token-sum, "
+            "seq-mean-token-sum-norm (Dr.GRPO).",
+            rich_help_panel=LOSS,
+        ),
+    ] = None,
+    kl_type: Annotated[
+        str,
+        typer.Option(
+            "--kl-type",
+            help="VLM KL estimator for --beta: k1, abs, k2 (mse), k3 (low_var_kl, clamped), k1+, k3+.",
+            rich_help_panel=LOSS,
+        ),
+    ] = "low_var_kl",
+    entropy_coef: Annotated[
+        float,
+        typer.Option("--entropy-coef", help="VLM: loss −= coef·entropy (verl 0).", rich_help_panel=LOSS),
+    ] = 0.0,
     adv_clip: Annotated[
         float, typer.Option("--adv-clip", help="Clip advantages to ±this.", rich_help_panel=LOSS)
     ] = 5.0,
     beta: Annotated[
         float,
         typer.Option(
-            "--beta", help="KL-to-reference weight (flow_grpo: 0.04 OCR/GenEval).", rich_help_panel=LOSS
+            "--beta",
+            help="KL-to-reference weight (flow_grpo: 0.04 OCR/GenEval; VLM kl_loss_coef, verl 0.01).",
+            rich_help_panel=LOSS,
         ),
     ] = 0.0,
     timestep_fraction: Annotated[
@@ -131,6 +175,14 @@ def update(
     full: Annotated[
         bool, typer.Option("--full", help="Full fine-tuning instead of LoRA.", rich_help_panel=OPT)
     ] = False,
+    train_vision: Annotated[
+        bool,
+        typer.Option(
+            "--train-vision",
+            help="VLM with --full: train the vision tower too (frozen by default).",
+            rich_help_panel=OPT,
+        ),
+    ] = False,
     seed: Annotated[
         int, typer.Option("--seed", help="Seeds LoRA init and shuffling.", rich_help_panel=OPT)
     ] = 0,
@@ -143,6 +195,8 @@ def update(
 
     Policy-gradient algorithms replay the stored SDE steps under the trained weights; nft and awm
     train on the final latents with fresh noise; dpo on the best and worst sample of each group.
+    For a VLM (--model a Qwen2.5-VL folder), grpo/dapo/gspo replay the response tokens: LoRA on the
+    language model (vision tower frozen), writes a PEFT adapter (or the full model with --full).
 
     Writes an inference-ready adapter (diffusers `pipe.load_lora_weights(OUT)`), the optimizer/EMA
     state the next update resumes from, and metrics.jsonl (actor/pg_loss, ratio_mean, pg_clipfrac,
@@ -150,6 +204,9 @@ def update(
 
     Example: [bold]omnirl update --model models/sd3-tiny --in run/it0/samples --in run/it0/advantages \\
     --algo flow_grpo --out run/it1/policy[/]
+
+    VLM: [bold]omnirl update --model models/vlm --in run/it0/samples --in run/it0/advantages --algo dapo \\
+    --lr 1e-6 --beta 0 --out run/it1/policy[/]
     """
     c = resolve(ctx, "update")
     from stages.update.stage import run_update
@@ -181,6 +238,11 @@ def update(
         ema_beta=c["ema_beta"],
         train_timesteps=c["train_timesteps"],
         dpo_beta=c["dpo_beta"],
+        loss_agg_mode=c["loss_agg_mode"],
+        kl_type=c["kl_type"],
+        entropy_coef=c["entropy_coef"],
+        dual_clip=c["dual_clip"],
+        train_vision=c["train_vision"],
     )
     cfg.validate()
     src = open_inputs(c["inputs"])

@@ -1,7 +1,9 @@
 """The `logprob` stage: replay every stored step of a rollout under given weights.
 
-The replay calls the same `FlowPolicy.velocity` and `samplers.step` as the rollout, in the same
-batches, so under the sampling weights it reproduces the rollout log-probs exactly (fp32).
+Diffusion rollouts: the replay calls the same `FlowPolicy.velocity` and `samplers.step` as the
+rollout, in the same batches, so under the sampling weights it reproduces the rollout log-probs
+exactly (fp32). Text rollouts (VLM): one forward over prompt + response per sampling batch gives every
+response token's log-prob; it matches the incremental (KV-cached) rollout to float rounding.
 """
 
 from __future__ import annotations
@@ -11,8 +13,10 @@ from typing import Any
 import torch
 
 from stages.models.diffusion import FlowPolicy
+from stages.models.vlm import VLMPolicy
 from stages.sample.rollout import SampleConfig
 from stages.sample.samplers import step
+from stages.sample.vlm_stage import VLMSampleConfig
 
 
 @torch.no_grad()
@@ -102,6 +106,62 @@ def replay_shard(
             on_batch(len(part["sample_id"]))
     cols = concat_batches(parts)
     delta = (cols["old_log_probs"] - shard["log_probs"].float()).abs()
+    stats = {
+        "abs_delta_sum": float(delta.sum()),
+        "abs_delta_max": float(delta.max()) if delta.numel() else 0.0,
+        "count": delta.numel(),
+    }
+    return cols, stats
+
+
+@torch.no_grad()
+def replay_token_shard(
+    policy: VLMPolicy,
+    cfg: VLMSampleConfig,
+    shard: dict[str, Any],
+    *,
+    reference: bool = False,
+    where: str = "--in",
+    on_batch: Any = None,
+) -> tuple[dict[str, Any], dict[str, float]]:
+    """Token log-probs [N, T] of a text rollout's responses under `policy` (0 at padding).
+
+    Replays in the sampling batches (whole groups, `prompts_per_call` per batch), so under the
+    sampling weights the prompts are padded as in the rollout. With `reference`, also the frozen base
+    model's `ref_log_probs` [N, T] (KL). Stats compare with the rollout log-probs on valid tokens.
+    """
+    from stages.sample.vlm_stage import prompt_inputs, response_batch, row_images, token_column
+    from stages.shards.reader import concat_batches, slice_batch
+
+    ids = list(shard["group_id"])
+    n = ids.count(ids[0]) if ids else 1
+    rows_per_batch = cfg.prompts_per_call(n) * n
+    images = row_images(shard, where)
+    parts = []
+    for start in range(0, len(ids), rows_per_batch):
+        stop = min(len(ids), start + rows_per_batch)
+        part = slice_batch(shard, start, stop)
+        inputs = prompt_inputs(
+            policy, list(part["prompt"]), images[start:stop], part["prompt_ids"], part["prompt_mask"], where
+        )
+        tokens, mask = response_batch(part, policy.device)
+        width = part["response_ids"].shape[1]
+        cols = {
+            "sample_id": list(part["sample_id"]),
+            "old_log_probs": token_column(
+                policy.response_log_probs(inputs, tokens, mask, cfg.temperature), mask, width
+            ),
+        }
+        if reference:
+            with policy.reference():
+                ref = policy.response_log_probs(inputs, tokens, mask, cfg.temperature)
+            cols["ref_log_probs"] = token_column(ref, mask, width)
+        parts.append(cols)
+        if on_batch:
+            on_batch(stop - start)
+    cols = concat_batches(parts)
+    valid = shard["response_mask"].bool()
+    delta = (cols["old_log_probs"] - shard["log_probs"].float()).abs()[valid]
     stats = {
         "abs_delta_sum": float(delta.sum()),
         "abs_delta_max": float(delta.max()) if delta.numel() else 0.0,

@@ -79,6 +79,11 @@ class FlowPolicy:
         self._prompt_cache: dict[tuple[str, str], tuple[torch.Tensor, ...]] = {}
         self._reference: torch.nn.Module | None = None
 
+    @property
+    def module(self) -> torch.nn.Module:
+        """The trained network (the transformer)."""
+        return self.transformer
+
     # ---------------------------------------------------------------- loading
     @classmethod
     def load(

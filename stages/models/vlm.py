@@ -10,6 +10,10 @@ incremental one with a KV cache).
 
 from __future__ import annotations
 
+import json
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,7 +21,11 @@ from typing import Any
 import torch
 
 from stages.errors import UserInputError
+from stages.models.diffusion import ADAPTER_CONFIG, DTYPES, read_adapter_config
 from stages.update.token_losses import token_log_probs
+
+# `config.json` model types this module loads as policies.
+VLM_MODEL_TYPES = ("qwen2_5_vl",)
 
 # LoRA targets: the language model's projections; the vision tower stays frozen unless asked.
 TEXT_LORA_TARGETS = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
@@ -34,24 +42,62 @@ class Rollout:
     text: list[str]
 
 
+@contextmanager
+def _quiet_peft() -> Iterator[None]:
+    """Silence the transformers deprecation notice PEFT triggers on every wrap, load and save."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        yield
+
+
+def is_vlm_model(model_dir: str | Path) -> bool:
+    """True when `model_dir` is a transformers vision-language checkpoint this module loads.
+
+    A diffusers pipeline folder has `model_index.json`; a VLM has `config.json` with its model type.
+    """
+    config = Path(model_dir) / "config.json"
+    if (Path(model_dir) / "model_index.json").is_file() or not config.is_file():
+        return False
+    try:
+        return json.loads(config.read_text()).get("model_type") in VLM_MODEL_TYPES
+    except (json.JSONDecodeError, AttributeError):
+        raise UserInputError(f"--model {model_dir}: config.json is not a JSON object") from None
+
+
 class VLMPolicy:
     """A transformers VLM with its processor, as a token-level policy."""
 
-    def __init__(self, model: Any, processor: Any, *, device: torch.device):
+    def __init__(self, model: Any, processor: Any, *, device: torch.device, model_path: str = ""):
         self.model = model
         self.processor = processor
         self.device = device
+        self.model_path = model_path
         self.lora = bool(getattr(model, "peft_config", None))
+        self._reference: torch.nn.Module | None = None
         tok = processor.tokenizer
         self.image_token_id = tok.convert_tokens_to_ids("<|image_pad|>")
         self.video_token_id = tok.convert_tokens_to_ids("<|video_pad|>")
         self.pad_id = tok.pad_token_id
 
+    @property
+    def module(self) -> torch.nn.Module:
+        """The trained network (the whole VLM; `trainable_parameters` picks what moves)."""
+        return self.model
+
     @classmethod
     def load(
-        cls, model_dir: str | Path, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+        cls,
+        model_dir: str | Path,
+        *,
+        adapter: str | Path | None = None,
+        device: torch.device | str = "cpu",
+        dtype: str = "fp32",
     ) -> VLMPolicy:
-        """Load a Qwen2.5-VL folder and its processor from disk (no network)."""
+        """Load a Qwen2.5-VL folder and its processor from disk (no network), then an omnirl adapter.
+
+        A LoRA adapter is a PEFT folder (`PeftModel.from_pretrained` loads it); a full one holds the
+        whole fine-tuned model, loaded in place of the base weights.
+        """
         from transformers import Qwen2_5_VLForConditionalGeneration
 
         from stages.models.qwen2_5_vl import load_processor
@@ -59,15 +105,25 @@ class VLMPolicy:
         model_dir = Path(model_dir)
         if not (model_dir / "config.json").is_file():
             raise UserInputError(f"--model {model_dir}: not a transformers model folder (no config.json)")
-        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+        if dtype not in DTYPES:
+            raise UserInputError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
+        config = read_adapter_config(adapter) if adapter else None
+        weights = Path(adapter) if config and config["kind"] == "full" else model_dir
+        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(weights, dtype=DTYPES[dtype])
+        if config and config["kind"] == "lora":
+            from peft import PeftModel
+
+            with _quiet_peft():
+                model = PeftModel.from_pretrained(model, str(adapter), is_trainable=True)
+        model = model.to(device).eval()
         model.requires_grad_(False)
-        return cls(model, load_processor(model_dir), device=torch.device(device))
+        return cls(model, load_processor(model_dir), device=torch.device(device), model_path=str(model_dir))
 
     def add_lora(self, *, rank: int = 16, alpha: int = 32, seed: int = 0) -> None:
         """Attach a fresh LoRA adapter to the language model (zero B: the policy starts unchanged)."""
         from peft import LoraConfig, get_peft_model
 
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), _quiet_peft():
             torch.manual_seed(seed)
             self.model = get_peft_model(
                 self.model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=TEXT_LORA_TARGETS)
@@ -87,6 +143,46 @@ class VLMPolicy:
         if not params:
             raise UserInputError("nothing to train: add a LoRA adapter or pass --full")
         return params
+
+    @classmethod
+    def for_prompts(cls, model_dir: str | Path) -> VLMPolicy:
+        """A weightless policy that only builds prompt inputs (remote engines sample; no model is loaded)."""
+        from stages.models.qwen2_5_vl import load_processor
+
+        return cls(None, load_processor(model_dir), device=torch.device("cpu"), model_path=str(model_dir))
+
+    @contextmanager
+    def reference(self) -> Iterator[None]:
+        """Run the frozen base model inside the block (KL reference): LoRA switched off, or, after full
+        fine-tuning, a frozen copy of the base weights loaded once from the model folder."""
+        if self.lora:
+            with self.model.disable_adapter():
+                yield
+            return
+        if self._reference is None:
+            self._reference = (
+                type(self.model)
+                .from_pretrained(self.model_path, dtype=next(self.model.parameters()).dtype)
+                .to(self.device)
+                .requires_grad_(False)
+                .eval()
+            )
+        trained, self.model = self.model, self._reference
+        try:
+            yield
+        finally:
+            self.model = trained
+
+    def save_adapter(self, out: Path, *, kind: str, extra: dict[str, Any]) -> None:
+        """Write the trained weights: a PEFT LoRA folder (`PeftModel.from_pretrained`, vLLM `--lora-modules`)
+        or, for `full`, the whole model with its processor (`from_pretrained`, `vllm serve OUT`)."""
+        out.mkdir(parents=True, exist_ok=True)
+        with _quiet_peft():
+            self.model.save_pretrained(out)
+        if kind == "full":
+            self.processor.save_pretrained(out)
+        config = {"kind": kind, "base_model": self.model_path, **extra}
+        (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
 
     def chat_inputs(self, questions: list[str], images: list[list[Any]]) -> dict[str, torch.Tensor]:
         """Left-padded processor inputs for one user turn per prompt (images first, then the text)."""
@@ -118,12 +214,14 @@ class VLMPolicy:
 
         ids = torch.cat([prompt["input_ids"], response_ids], dim=1)
         mask = torch.cat([prompt["attention_mask"], response_mask.to(prompt["attention_mask"].dtype)], dim=1)
+        types = mm_token_type_ids(
+            prompt["input_ids"], image_token_id=self.image_token_id, video_token_id=self.video_token_id
+        )
+        # Generated tokens are text to the model, even a sampled <|image_pad|> (as in `generate`).
         out = {
             "input_ids": ids,
             "attention_mask": mask,
-            "mm_token_type_ids": mm_token_type_ids(
-                ids, image_token_id=self.image_token_id, video_token_id=self.video_token_id
-            ),
+            "mm_token_type_ids": torch.cat([types, torch.zeros_like(response_ids, dtype=types.dtype)], dim=1),
         }
         for key in ("pixel_values", "image_grid_thw"):
             if key in prompt:
@@ -138,10 +236,23 @@ class VLMPolicy:
         temperature: float = 1.0,
     ) -> torch.Tensor:
         """log π(response tokens) [B, T] in one forward over prompt + response (grad follows the caller)."""
+        return self.response_stats(prompt, response_ids, response_mask, temperature)[0]
+
+    def response_stats(
+        self,
+        prompt: dict[str, torch.Tensor],
+        response_ids: torch.Tensor,
+        response_mask: torch.Tensor,
+        temperature: float = 1.0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs of the response tokens and the entropy of each token's distribution, both [B, T]."""
+        from stages.update.token_losses import token_entropy
+
         inputs = self._forward_inputs(prompt, response_ids, response_mask)
         logits = self.model(**inputs).logits
         length, t = inputs["input_ids"].shape[1], response_ids.shape[1]
-        return token_log_probs(logits[:, length - t - 1 : length - 1], response_ids, temperature)
+        aligned = logits[:, length - t - 1 : length - 1]
+        return token_log_probs(aligned, response_ids, temperature), token_entropy(aligned, temperature)
 
     def expand(self, prompt: dict[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
         """Processor inputs with every prompt repeated n times in place (its images too)."""

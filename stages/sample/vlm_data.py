@@ -9,6 +9,8 @@ carries what text rewards read (`ground_truth`, `data_source`, `extra_info`).
 
 from __future__ import annotations
 
+import io
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,7 @@ from stages.errors import UserInputError
 from stages.tables import image_bytes, read_rows
 
 PLACEHOLDER = "<image>"
+_PACK_MAGIC = b"OMNIIMG1"
 
 
 @dataclass
@@ -80,3 +83,41 @@ def read_vlm_prompts(
     if not prompts:
         raise UserInputError(f"--prompts {path}: the file holds no rows")
     return prompts
+
+
+def pack_images(images: list[bytes]) -> bytes:
+    """Several encoded image files as one blob: magic, count (u32), lengths (u64 each), the files.
+
+    A prompt's images are stored once, in the first row of its group (see `stages.sample.vlm_stage`).
+    """
+    header = _PACK_MAGIC + struct.pack(f"<I{len(images)}Q", len(images), *(len(b) for b in images))
+    return header + b"".join(images)
+
+
+def unpack_images(blob: bytes, where: str) -> list[bytes]:
+    """Inverse of `pack_images`; a malformed blob names `where` (the shard set and sample)."""
+    blob = bytes(blob)
+    start = len(_PACK_MAGIC) + 4
+    if not blob.startswith(_PACK_MAGIC) or len(blob) < start:
+        raise UserInputError(
+            f"{where}: the images column does not hold packed images; re-run `omnirl sample`"
+        )
+    (count,) = struct.unpack_from("<I", blob, len(_PACK_MAGIC))
+    lengths = struct.unpack_from(f"<{count}Q", blob, start)
+    offset, out = start + 8 * count, []
+    for length in lengths:
+        out.append(blob[offset : offset + length])
+        offset += length
+    if offset != len(blob):
+        raise UserInputError(f"{where}: the packed images are truncated or padded; re-run `omnirl sample`")
+    return out
+
+
+def decode_image(blob: bytes, where: str) -> Any:
+    """Encoded bytes → RGB PIL image; unreadable bytes name `where`."""
+    from PIL import Image
+
+    try:
+        return Image.open(io.BytesIO(blob)).convert("RGB")
+    except Exception:
+        raise UserInputError(f"{where}: an image is not a readable PNG/JPEG file") from None

@@ -16,6 +16,11 @@ The family members differ in which stored steps they train and in the ratio they
 
 `nft`, `awm` (forward process on the final latent) and `dpo` (preference pairs) are registered here
 too; their objectives live in objectives.py and their loss math in family_losses.py.
+
+Token-level algorithms for text/VLM rollouts (`family="token"`, math in token_losses.py) differ in
+their defaults (vlm-grpo.md §2): `grpo` (verl: clip 0.2/0.2, dual-clip 3, token-mean), `dapo`
+(clip-higher 0.2/0.28) and `gspo` (sequence ratio, clip 3e-4/4e-4, seq-mean-token-mean, no dual-clip).
+Dr.GRPO is `grpo` with `--loss-agg-mode seq-mean-token-sum-norm` and the `drgrpo` advantage.
 """
 
 from __future__ import annotations
@@ -75,6 +80,11 @@ def clipped_policy_loss(
 
 
 PG_COLUMNS = ("latents", "sigmas", "log_probs", "old_log_probs", "ref_means", "old_means")
+TOKEN_COLUMNS = (
+    *("sample_id", "group_id", "images", "prompt_ids", "prompt_mask", "response_ids", "response_mask"),
+    *("log_probs", "old_log_probs", "ref_log_probs"),
+)
+TOKEN_NEEDS = ("images", "prompt_ids", "prompt_mask", "response_ids", "response_mask")
 
 
 @dataclass(frozen=True)
@@ -88,6 +98,10 @@ class Algorithm:
     guard: bool = False
     columns: tuple[str, ...] = PG_COLUMNS
     needs: tuple[str, ...] = ("latents", "sigmas")
+    clip: tuple[float, float] = (1e-4, 1e-4)
+    ratio: str = "token"
+    agg_mode: str = "token-mean"
+    dual_clip: float | None = None
 
 
 ALGORITHMS: dict[str, Algorithm] = {
@@ -104,6 +118,21 @@ ALGORITHMS: dict[str, Algorithm] = {
             family="preference",
             columns=("final_latent", "group_id"),
             needs=("final_latent", "group_id"),
+        ),
+        Algorithm(
+            "grpo", family="token", columns=TOKEN_COLUMNS, needs=TOKEN_NEEDS, clip=(0.2, 0.2), dual_clip=3.0
+        ),
+        Algorithm(
+            "dapo", family="token", columns=TOKEN_COLUMNS, needs=TOKEN_NEEDS, clip=(0.2, 0.28), dual_clip=3.0
+        ),
+        Algorithm(
+            "gspo",
+            family="token",
+            columns=TOKEN_COLUMNS,
+            needs=TOKEN_NEEDS,
+            clip=(3e-4, 4e-4),
+            ratio="sequence",
+            agg_mode="seq-mean-token-mean",
         ),
     )
 }

@@ -9,6 +9,8 @@ losses whose mean is its contribution (e.g. one per trained step), each with fix
   timesteps; DiffusionNFT's implicit-policy loss or Advantage-Weighted Matching (family_losses.py).
 - `Preference` (dpo): best and worst sample of each group as a pair, sharing t and ε; Diffusion-DPO
   against the frozen reference.
+- `TokenPolicyGradient` (grpo, dapo, gspo): text/VLM responses, token log-probs replayed under the
+  trained weights, verl's clipped token objective + KL + entropy (token_losses.py).
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ import torch
 from stages.advantage.estimators import best_worst_pairs, nft_optimality
 from stages.errors import UserInputError
 from stages.models.diffusion import FlowPolicy
+from stages.models.vlm import VLMPolicy
 from stages.sample.rollout import SampleConfig
 from stages.sample.samplers import kl_to_reference, step
 from stages.update.family_losses import awm_loss, diffusion_dpo_loss, fm_error, grpo_guard_loss, nft_loss
 from stages.update.losses import Algorithm, clipped_policy_loss, step_plan
+from stages.update.token_losses import grpo_loss
 
 Chunk = list[int]
 LossItem = tuple[torch.Tensor, list[float]]
@@ -123,8 +127,8 @@ class PolicyGradient:
             kl = kl_to_reference(out.mean, ref.mean, out.diffusion)
         adv = data["advantages"][index, j].to(policy.device).float()
         common = {
-            "clip_range": cfg.clip_range,
-            "clip_range_high": cfg.clip_range_high,
+            "clip_range": cfg.clip_bounds()[0],
+            "clip_range_high": cfg.clip_bounds()[1],
             "adv_clip": cfg.adv_clip,
             "kl": kl,
             "beta": cfg.beta,
@@ -249,7 +253,7 @@ class ForwardProcess:
                     adv,
                     weighting=cfg.awm_weighting,
                     p=cfg.awm_p,
-                    clip_range=cfg.clip_range,
+                    clip_range=cfg.clip_bounds()[0],
                     adv_clip=cfg.adv_clip,
                     ref_v=v_ref,
                     beta=cfg.beta,
@@ -309,8 +313,106 @@ class Preference:
         yield loss, [float(m.get(k, 0.0)) for k in self.metric_keys]
 
 
+class TokenPolicyGradient:
+    """GRPO / DAPO / GSPO on text responses: the response tokens replayed under the trained weights.
+
+    One loss per micro-batch (`token_losses.grpo_loss`). The aggregation counts tokens (or
+    sequences) over the whole optimizer step, all ranks included, so a step's loss is the
+    aggregate of its mini-batch however it is split into micro-batches (verl's global token-mean).
+    """
+
+    metric_keys = (
+        "actor/pg_loss",
+        "actor/kl_loss",
+        "actor/entropy",
+        "actor/ratio_mean",
+        "actor/pg_clipfrac",
+        "actor/pg_clipfrac_dual",
+        "actor/ppo_kl",
+    )
+    per_chunk = 1
+
+    def __init__(self, policy: VLMPolicy, data: dict[str, Any], sample_cfg: Any, cfg: Any, algo: Algorithm):
+        from stages.sample.vlm_stage import row_images
+
+        self.policy, self.data, self.sample_cfg, self.cfg, self.algo = policy, data, sample_cfg, cfg, algo
+        self.old = data.get("old_log_probs", data.get("log_probs"))
+        if self.old is None:
+            raise UserInputError(
+                "--in: neither old_log_probs (omnirl logprob) nor log_probs (omnirl sample) is present"
+            )
+        self.images = row_images(data, "--in")
+        self.low, self.high = cfg.clip_bounds()
+        self.mode = cfg.loss_agg_mode or algo.agg_mode
+        self.counts: dict[int, tuple[float, float]] = {}
+
+    def epoch(self, rows: list[int], micro: int, rng: random.Random) -> list[Chunk]:
+        from stages.update.trainer import world_and_rank
+
+        chunks = _chunks(rows, micro)
+        per_step = self.cfg.grad_accum * world_and_rank()[0]
+        mask = self.data["response_mask"].bool()
+        for first in range(0, len(chunks), per_step):
+            step_rows = torch.tensor([i for c in chunks[first : first + per_step] for i in c])
+            tokens = float(mask[step_rows].sum())
+            seqs = float((mask[step_rows].sum(-1) > 0).sum())
+            for c in chunks[first : first + per_step]:
+                self.counts[c[0]] = (tokens / per_step, seqs / per_step)
+        return chunks
+
+    def losses(self, idx: Chunk) -> Iterator[LossItem]:
+        from stages.sample.vlm_stage import prompt_inputs, response_batch
+
+        policy, data, cfg = self.policy, self.data, self.cfg
+        index = torch.tensor(idx)
+        inputs = prompt_inputs(
+            policy,
+            [data["prompt"][i] for i in idx],
+            [self.images[i] for i in idx],
+            data["prompt_ids"][index],
+            data["prompt_mask"][index],
+            "--in",
+        )
+        tokens, mask = response_batch(
+            {"response_ids": data["response_ids"][index], "response_mask": data["response_mask"][index]},
+            policy.device,
+        )
+        width = tokens.shape[1]
+        temperature = self.sample_cfg.temperature
+        logp, entropy = policy.response_stats(inputs, tokens, mask, temperature)
+        ref = None
+        if cfg.beta != 0 and "ref_log_probs" in data:
+            ref = data["ref_log_probs"][index, :width].to(policy.device)
+        elif cfg.beta != 0:
+            with torch.no_grad(), policy.reference():
+                ref = policy.response_log_probs(inputs, tokens, mask, temperature)
+        adv = data["advantages"][index].reshape(len(idx), -1)[:, 0].to(policy.device).float()
+        num_tokens, num_seqs = self.counts[idx[0]]
+        loss, m = grpo_loss(
+            logp,
+            self.old[index, :width].to(policy.device).float(),
+            adv.clamp(-cfg.adv_clip, cfg.adv_clip),
+            mask,
+            ref_logp=ref,
+            entropy=entropy if cfg.entropy_coef != 0 else entropy.detach(),
+            kl_coef=cfg.beta,
+            kl_kind=cfg.kl_type,
+            entropy_coef=cfg.entropy_coef,
+            clip_low=self.low,
+            clip_high=self.high,
+            dual_clip_c=cfg.dual_clip_c(),
+            ratio_type=self.algo.ratio,
+            agg_mode=self.mode,
+            norm_len=data["response_ids"].shape[1],
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+        )
+        keys = ("pg_loss", "kl_loss", "entropy", "ratio_mean", "pg_clipfrac", "pg_clipfrac_dual", "ppo_kl")
+        yield loss, [float(m.get(k, 0.0)) for k in keys]
+
+
 def make_objective(
-    policy: FlowPolicy,
+    policy: FlowPolicy | VLMPolicy,
     data: dict[str, Any],
     sample_cfg: SampleConfig,
     cfg: Any,
@@ -320,6 +422,8 @@ def make_objective(
     ema_weights: dict[str, torch.Tensor] | None = None,
 ) -> Any:
     """The objective of `algo` over `data`."""
+    if algo.family == "token":
+        return TokenPolicyGradient(policy, data, sample_cfg, cfg, algo)
     if algo.family == "policy_gradient":
         return PolicyGradient(policy, data, sample_cfg, cfg, algo)
     if algo.family == "forward":

@@ -20,7 +20,9 @@ import torch
 
 from stages.errors import UserInputError
 from stages.models.diffusion import ADAPTER_CONFIG, SD3_LORA_TARGETS, FlowPolicy, read_adapter_config
+from stages.models.vlm import VLMPolicy, is_vlm_model
 from stages.sample.rollout import SampleConfig, sample_config_of
+from stages.sample.vlm_stage import VLMSampleConfig, vlm_sample_config_of
 from stages.shards.manifest import config_hash, manifest_sha256
 from stages.update.losses import get_algorithm
 from stages.update.trainer import METRICS, UpdateConfig, load_state, save_state, train, world_and_rank
@@ -43,7 +45,7 @@ def adapter_complete(out: Path, digest: str, overwrite: bool) -> bool:
 
 
 def save_policy(
-    policy: FlowPolicy,
+    policy: FlowPolicy | VLMPolicy,
     out: Path,
     optimizer: torch.optim.Optimizer,
     ema: Any,
@@ -104,13 +106,28 @@ def run_update(
         raise UserInputError("--in: no 'advantages' column; add the output of `omnirl advantage` as an --in")
     sampled = any((m.extra or {}).get("sample_config") for m in inputs.manifests)
     # Offline data (pairs, encoded images) has no rollout: train CFG-free on the 1000-step grid.
-    sample_cfg = (
-        sample_config_of(inputs.manifests) if sampled or algo.family == "policy_gradient" else OFFLINE
-    )
+    sample_cfg: SampleConfig | VLMSampleConfig = OFFLINE
+    if algo.family != "token" and (sampled or algo.family == "policy_gradient"):
+        sample_cfg = sample_config_of(inputs.manifests)
 
-    policy = FlowPolicy.load(model, adapter=adapter, device=device, dtype=dtype)
-    if not policy.lora and not cfg.full:
-        policy.add_lora(rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=SD3_LORA_TARGETS, seed=cfg.seed)
+    policy: FlowPolicy | VLMPolicy
+    if algo.family == "token":
+        if not is_vlm_model(model):
+            raise UserInputError(
+                f"--algo {algo.name} trains vision-language models; --model {model} is not one"
+            )
+        sample_cfg = vlm_sample_config_of(inputs.manifests)
+        policy = VLMPolicy.load(model, adapter=adapter, device=device, dtype=dtype)
+        if not policy.lora and not cfg.full:
+            policy.add_lora(rank=cfg.lora_rank, alpha=cfg.lora_alpha, seed=cfg.seed)
+    else:
+        if is_vlm_model(model):
+            raise UserInputError(
+                f"--algo {algo.name} trains diffusion models; for a VLM use grpo, dapo or gspo"
+            )
+        policy = FlowPolicy.load(model, adapter=adapter, device=device, dtype=dtype)
+        if not policy.lora and not cfg.full:
+            policy.add_lora(rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=SD3_LORA_TARGETS, seed=cfg.seed)
     state, start = load_state(adapter)
     data = inputs.read_all(columns=[c for c in (*BASE_COLUMNS, *algo.columns) if c in inputs.columns])
     optimizer, ema, old_weights, metrics = train(

@@ -21,11 +21,13 @@ import torch
 
 from stages.errors import NonFiniteError, UserInputError
 from stages.models.diffusion import FlowPolicy
-from stages.sample.rollout import SampleConfig
+from stages.models.vlm import VLMPolicy
 from stages.update.family_losses import AWM_WEIGHTINGS, NFT_DECAY_SCHEDULES, nft_old_decay
 from stages.update.losses import get_algorithm
 from stages.update.objectives import make_objective
+from stages.update.token_losses import AGG_MODES, KL_KINDS
 
+Policy = FlowPolicy | VLMPolicy
 STATE_DIR = "trainer_state"
 METRICS = "metrics.jsonl"
 
@@ -39,7 +41,7 @@ class UpdateConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = 1e-4
     adam_eps: float = 1e-8
-    clip_range: float = 1e-4
+    clip_range: float | None = None
     clip_range_high: float | None = None
     adv_clip: float = 5.0
     beta: float = 0.0
@@ -62,14 +64,41 @@ class UpdateConfig:
     ema_beta: float = 0.0
     train_timesteps: int = 6
     dpo_beta: float = 5000.0
+    loss_agg_mode: str | None = None
+    kl_type: str = "low_var_kl"
+    entropy_coef: float = 0.0
+    dual_clip: float | None = None
+    train_vision: bool = False
+
+    def clip_bounds(self) -> tuple[float, float]:
+        """(low, high) ratio clip: the --algo's defaults unless given; --clip-range alone is symmetric."""
+        algo = get_algorithm(self.algo)
+        low = algo.clip[0] if self.clip_range is None else self.clip_range
+        if self.clip_range_high is not None:
+            return low, self.clip_range_high
+        return low, algo.clip[1] if self.clip_range is None else low
+
+    def dual_clip_c(self) -> float | None:
+        """Dual-clip constant: the --algo's unless given; 0 turns it off."""
+        if self.dual_clip is None:
+            return get_algorithm(self.algo).dual_clip
+        return self.dual_clip or None
 
     def validate(self) -> None:
         if not 0 < self.timestep_fraction <= 1:
             raise UserInputError(f"--timestep-fraction {self.timestep_fraction}: must lie in (0, 1]")
         if self.grad_accum < 1 or self.inner_epochs < 1:
             raise UserInputError("--grad-accum and --inner-epochs must be at least 1")
-        if self.clip_range <= 0:
-            raise UserInputError(f"--clip-range {self.clip_range}: must be positive")
+        if min(self.clip_bounds()) <= 0:
+            raise UserInputError(f"--clip-range {self.clip_bounds()}: must be positive")
+        if self.dual_clip is not None and 0 < self.dual_clip <= 1:
+            raise UserInputError(f"--dual-clip {self.dual_clip}: must be > 1 (or 0 to turn it off)")
+        if self.loss_agg_mode is not None and self.loss_agg_mode not in AGG_MODES:
+            raise UserInputError(
+                f"--loss-agg-mode {self.loss_agg_mode}: choose one of {', '.join(AGG_MODES)}"
+            )
+        if self.kl_type not in KL_KINDS:
+            raise UserInputError(f"--kl-type {self.kl_type}: choose one of {', '.join(KL_KINDS)}")
         if self.old_decay not in NFT_DECAY_SCHEDULES:
             raise UserInputError(
                 f"--old-decay {self.old_decay}: choose one of {', '.join(NFT_DECAY_SCHEDULES)}"
@@ -99,8 +128,8 @@ class EMA:
         self.updates += 1
 
 
-def _named_trainable(policy: FlowPolicy) -> dict[str, torch.Tensor]:
-    return {n: p for n, p in policy.transformer.named_parameters() if p.requires_grad}
+def _named_trainable(policy: Policy) -> dict[str, torch.Tensor]:
+    return {n: p for n, p in policy.module.named_parameters() if p.requires_grad}
 
 
 def _check_finite(name: str, value: torch.Tensor, where: str) -> None:
@@ -127,9 +156,9 @@ def _average_gradients(params: list[torch.nn.Parameter], world: int) -> None:
 
 
 def train(
-    policy: FlowPolicy,
+    policy: Policy,
     data: dict[str, Any],
-    sample_cfg: SampleConfig,
+    sample_cfg: Any,
     cfg: UpdateConfig,
     *,
     state: dict[str, Any],
@@ -148,7 +177,8 @@ def train(
     if missing:
         hint = " (omnirl logprob --means)" if missing[0] == "old_means" else ""
         raise UserInputError(f"--algo {algo.name} needs the column '{missing[0]}' in --in{hint}")
-    params = policy.trainable_parameters(full=cfg.full)
+    vision = {"train_vision": cfg.train_vision} if isinstance(policy, VLMPolicy) else {}
+    params = policy.trainable_parameters(full=cfg.full, **vision)
     named = _named_trainable(policy)
     optimizer = torch.optim.AdamW(
         params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, eps=cfg.adam_eps

@@ -1,0 +1,296 @@
+"""The `sample` stage for vision-language policies: n text responses per (images, question) prompt.
+
+Row layout (one row per response, groups contiguous, a shard holds whole groups):
+
+- sample_id, group_id, prompt (the question), prompt_meta (json: ground_truth, data_source,
+  extra_info, max_response_length), seed, policy_version;
+- images (binary): the prompt's encoded image files packed into one blob (`pack_images`), stored in
+  the FIRST row of each group only (the others hold b""), so images are stored once per prompt;
+- prompt_ids int64 [P] / prompt_mask bool [P]: the processor-expanded prompt (image pad tokens
+  included), left-padded to `max_prompt_length`; the training forward rebuilds pixel values from the
+  images and checks that the processor gives these ids again;
+- response_ids int64 [T] / response_mask bool [T] (up to and including the first eos, right-padded
+  to `max_new_tokens`), response_text, response_length, log_probs float32 [T] (0 at padding).
+
+The engines: `hf` (transformers `generate` under the policy's weights; the rollout log-probs match a
+replay to float rounding) and `openai` (a server speaking the OpenAI chat API, e.g. `vllm serve`;
+its log-probs come from the server, so `omnirl logprob` recomputes them). Samples depend on the
+seed and the batching (prompts per `generate` call = max(1, batch_size // n)), as in verl.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from stages.errors import UserInputError
+from stages.models.vlm import Rollout, VLMPolicy
+from stages.sample.rollout import derive_seed
+from stages.sample.vlm_data import VLMPrompt, decode_image, pack_images, unpack_images
+from stages.shards.writer import ShardSetWriter
+
+KINDS = {"images": "binary", "prompt_meta": "json"}
+ENGINES = ("hf", "openai")
+
+
+@dataclass
+class VLMSampleConfig:
+    """How responses are sampled; recorded in the manifest as `vlm_sample_config` for replay."""
+
+    engine: str = "hf"
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    max_prompt_length: int = 512
+    seed: int = 0
+    batch_size: int = 8
+    server_url: str | None = None
+    served_model: str | None = None
+
+    def validate(self) -> None:
+        if self.engine not in ENGINES:
+            raise UserInputError(f"--engine {self.engine}: choose one of {', '.join(ENGINES)}")
+        if not self.temperature > 0:
+            raise UserInputError(f"--temperature {self.temperature}: must be > 0")
+        if not 0 < self.top_p <= 1:
+            raise UserInputError(f"--top-p {self.top_p}: must lie in (0, 1]")
+        if self.max_new_tokens < 1 or self.max_prompt_length < 1:
+            raise UserInputError("--max-new-tokens and --max-prompt-length must be at least 1")
+        if self.engine == "openai" and not (self.server_url and self.served_model):
+            raise UserInputError("--engine openai needs --server-url and --served-model")
+
+    def prompts_per_call(self, group_size: int) -> int:
+        return max(1, self.batch_size // group_size)
+
+
+def vlm_sample_config_of(manifests: list[Any]) -> VLMSampleConfig:
+    """The `VLMSampleConfig` recorded by `omnirl sample` in one of the input manifests."""
+    for manifest in manifests:
+        recorded = (manifest.extra or {}).get("vlm_sample_config")
+        if recorded:
+            return VLMSampleConfig(**recorded)
+    raise UserInputError(
+        "--in: none of the inputs holds a VLM rollout written by `omnirl sample`; pass its samples first"
+    )
+
+
+def is_token_rollout(columns: Any) -> bool:
+    """True when shard-set columns are a text-response rollout (this module's layout)."""
+    return "response_ids" in columns
+
+
+def split_groups(prompts: list[Any], num_shards: int) -> list[list[Any]]:
+    """`num_shards` contiguous runs of prompts (each prompt is one whole group)."""
+    if num_shards > len(prompts):
+        raise UserInputError(f"--num-shards {num_shards}: more shards than prompt groups ({len(prompts)})")
+    return [
+        prompts[s * len(prompts) // num_shards : (s + 1) * len(prompts) // num_shards]
+        for s in range(num_shards)
+    ]
+
+
+def left_pad(
+    ids: torch.Tensor, mask: torch.Tensor, length: int, pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompt ids/mask [B, L] → [B, length]; a prompt longer than `length` is an error."""
+    real = int(mask.sum(-1).max()) if len(mask) else 0
+    if real > length:
+        raise UserInputError(
+            f"a prompt is {real} tokens (image tokens included) but --max-prompt-length is {length}; "
+            "raise it or use smaller images"
+        )
+    ids, mask = (
+        ids[:, ids.shape[1] - min(length, ids.shape[1]) :],
+        mask[:, mask.shape[1] - min(length, mask.shape[1]) :],
+    )
+    pad = length - ids.shape[1]
+    ids = torch.cat([torch.full((len(ids), pad), pad_id, dtype=ids.dtype), ids], dim=1)
+    mask = torch.cat([torch.zeros(len(mask), pad, dtype=torch.bool), mask.bool()], dim=1)
+    return ids, mask
+
+
+def right_pad(x: torch.Tensor, length: int, value: Any) -> torch.Tensor:
+    """[B, T] → [B, length] filled with `value` after the T given positions."""
+    return torch.cat([x, torch.full((len(x), length - x.shape[1]), value, dtype=x.dtype)], dim=1)
+
+
+def row_images(shard: dict[str, Any], where: str) -> list[list[bytes]]:
+    """Each row's image files, taken from the first row of its group (where `sample` stored them)."""
+    out: list[list[bytes]] = []
+    leader: dict[str, list[bytes]] = {}
+    for sid, gid, blob in zip(shard["sample_id"], shard["group_id"], shard["images"]):
+        if blob:
+            leader[gid] = unpack_images(blob, f"{where}: sample {sid!r}")
+        if gid not in leader:
+            raise UserInputError(
+                f"{where}: sample {sid!r} comes before the first row of its group {gid!r}; "
+                "read whole groups in their stored order"
+            )
+        out.append(leader[gid])
+    return out
+
+
+def generate_batch(
+    policy: VLMPolicy, cfg: VLMSampleConfig, prompts: list[tuple[int, VLMPrompt]], n: int, seed: int
+) -> tuple[dict[str, torch.Tensor], Rollout]:
+    """Prompt inputs (one row per prompt) and n responses per prompt from the configured engine."""
+    images = [[decode_image(b, f"prompt {i}") for b in p.images] for i, p in prompts]
+    inputs = policy.chat_inputs([p.question for _, p in prompts], images)
+    if cfg.engine == "hf":
+        rollout = policy.generate(
+            inputs,
+            n=n,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            max_new_tokens=cfg.max_new_tokens,
+            seed=seed,
+        )
+    else:
+        from stages.sample.openai_engine import generate_openai
+
+        rollout = generate_openai(
+            str(cfg.server_url),
+            str(cfg.served_model),
+            [p.question for _, p in prompts],
+            [p.images for _, p in prompts],
+            tokenizer=policy.processor.tokenizer,
+            n=n,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            max_new_tokens=cfg.max_new_tokens,
+            seeds=[derive_seed(cfg.seed, i) for i, _ in prompts],
+        )
+    return inputs, rollout
+
+
+def sample_vlm_shard(
+    policy: VLMPolicy,
+    cfg: VLMSampleConfig,
+    prompts: list[tuple[int, VLMPrompt]],
+    n: int,
+    shard_index: int,
+    policy_version: int,
+    on_batch: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """Sample one shard's prompt groups; returns its columns (layout in the module docstring)."""
+    from stages.shards.reader import concat_batches
+
+    pad_id = policy.processor.tokenizer.pad_token_id
+    per_call = cfg.prompts_per_call(n)
+    batches = []
+    for b, start in enumerate(range(0, len(prompts), per_call)):
+        chunk = prompts[start : start + per_call]
+        seed = derive_seed(cfg.seed, "vlm", shard_index, b)
+        inputs, out = generate_batch(policy, cfg, chunk, n, seed)
+        prompt_ids, prompt_mask = left_pad(
+            inputs["input_ids"].cpu(), inputs["attention_mask"].cpu(), cfg.max_prompt_length, pad_id
+        )
+        groups = [f"g{i:06d}" for i, _ in chunk]
+        rows = [(i, p, g, m) for (i, p), g in zip(chunk, groups) for m in range(n)]
+        mask = right_pad(out.response_mask.cpu(), cfg.max_new_tokens, False)
+        batches.append(
+            {
+                "sample_id": [f"{g}-{m:03d}" for _, _, g, m in rows],
+                "group_id": [g for _, _, g, _ in rows],
+                "prompt": [p.question for _, p, _, _ in rows],
+                "prompt_meta": [{**p.meta, "max_response_length": cfg.max_new_tokens} for _, p, _, _ in rows],
+                "images": [pack_images(p.images) if m == 0 else b"" for _, p, _, m in rows],
+                "prompt_ids": prompt_ids.repeat_interleave(n, dim=0),
+                "prompt_mask": prompt_mask.repeat_interleave(n, dim=0),
+                "response_ids": right_pad(out.response_ids.cpu(), cfg.max_new_tokens, pad_id),
+                "response_mask": mask,
+                "response_text": list(out.text),
+                "response_length": mask.sum(-1).to(torch.int64),
+                "log_probs": right_pad(out.log_probs.float().cpu(), cfg.max_new_tokens, 0.0),
+                "seed": torch.full((len(rows),), seed, dtype=torch.int64),
+                "policy_version": torch.full((len(rows),), policy_version, dtype=torch.int64),
+            }
+        )
+        if on_batch:
+            on_batch(len(rows))
+    return concat_batches(batches)
+
+
+def run_vlm_sample(
+    policy: VLMPolicy,
+    cfg: VLMSampleConfig,
+    prompts: list[tuple[int, VLMPrompt]],
+    group_size: int,
+    writer: ShardSetWriter,
+    *,
+    num_shards: int,
+    shard_indices: list[int],
+    policy_version: int = 0,
+    on_batch: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """Sample the shards in `shard_indices`; resumes finished shards. Returns counts and responses/s."""
+    cfg.validate()
+    if group_size < 1:
+        raise UserInputError(f"-n {group_size}: the group size must be at least 1")
+    shards = split_groups(prompts, num_shards)
+    written = resumed = responses = 0
+    t0 = time.perf_counter()
+    for s in shard_indices:
+        if writer.shard_done(s):
+            resumed += 1
+            if on_batch:
+                on_batch(len(shards[s]) * group_size)
+            continue
+        writer.write_shard(
+            s, sample_vlm_shard(policy, cfg, shards[s], group_size, s, policy_version, on_batch)
+        )
+        written += 1
+        responses += len(shards[s]) * group_size
+    seconds = time.perf_counter() - t0
+    return {
+        "rows": sum(len(shards[s]) for s in shard_indices) * group_size,
+        "shards_written": written,
+        "shards_resumed": resumed,
+        "responses_per_s": responses / seconds if seconds > 0 and responses else None,
+        "seconds": seconds,
+    }
+
+
+def prompt_inputs(
+    policy: VLMPolicy,
+    questions: list[str],
+    images: list[list[bytes]],
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    where: str,
+) -> dict[str, torch.Tensor]:
+    """Processor inputs for stored rows (one prompt per row), checked against their stored prompt ids.
+
+    The processor rebuilds pixel values from the images; if its ids differ from what `sample` stored
+    (another processor, changed images) the log-probs would be of a different prompt, so it is an error.
+    """
+    decoded = [[decode_image(b, where) for b in row] for row in images]
+    inputs = policy.chat_inputs(questions, decoded)
+    width = int(prompt_mask.sum(-1).max()) if len(prompt_mask) else 0
+    ids, mask = inputs["input_ids"].cpu(), inputs["attention_mask"].cpu().bool()
+    if ids.shape[1] > prompt_ids.shape[1] or not torch.equal(
+        torch.where(mask, ids, -1)[:, -width:] if width else ids[:, :0],
+        torch.where(prompt_mask, prompt_ids, -1)[:, -width:] if width else ids[:, :0],
+    ):
+        raise UserInputError(
+            f"{where}: the processor of --model does not reproduce the stored prompt ids; "
+            "use the model the rollout was sampled with"
+        )
+    return inputs
+
+
+def response_batch(batch: dict[str, Any], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Response ids/mask [B, T'] cut to the longest response of the batch (the rest is padding)."""
+    mask = batch["response_mask"].bool()
+    length = max(1, int(mask.sum(-1).max()) if len(mask) else 1)
+    return batch["response_ids"][:, :length].to(device), mask[:, :length].to(device)
+
+
+def token_column(values: torch.Tensor, mask: torch.Tensor, width: int) -> torch.Tensor:
+    """Per-token values [B, T'] for `response_batch`'s tokens → float32 [B, width] on the CPU, 0 off the mask."""
+    values = torch.where(mask, values, torch.zeros((), device=values.device))
+    return right_pad(values.float().cpu(), width, 0.0)

@@ -40,6 +40,16 @@ def tiny_sd3(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_vlm(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen2.5-VL folder (seed 0) with its processor, loadable with `from_pretrained`."""
+    from stages.models.factory import init_model
+
+    out = tmp_path_factory.mktemp("models") / "qwen2_5_vl-tiny"
+    init_model("qwen2_5_vl", out, size="tiny", seed=0)
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_shard_set(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 6-row, 2-shard Parquet shard set with a tensor, a scalar, strings and JSON."""
     from stages.shards.writer import ShardSetWriter

@@ -4,20 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 from PIL import Image
 
 from stages.models.vlm import VLMPolicy
-
-
-@pytest.fixture(scope="module")
-def tiny_vlm(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from stages.models.factory import init_model
-
-    out = tmp_path_factory.mktemp("vlm") / "qwen2_5_vl-tiny"
-    init_model("qwen2_5_vl", out, size="tiny", seed=0)
-    return out
 
 
 def _prompt(policy: VLMPolicy) -> dict[str, torch.Tensor]:
@@ -54,3 +44,22 @@ def test_lora_trains_only_the_language_model(tiny_vlm: Path) -> None:
     logp = policy.response_log_probs(prompt, roll.response_ids, roll.response_mask)
     (-(logp * roll.response_mask).sum()).backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in params)
+
+
+def test_a_response_ends_at_any_generation_stop_token(tiny_vlm: Path) -> None:
+    """Qwen stops on <|im_end|> and <|endoftext|>; the mask must end at whichever comes first."""
+    policy = VLMPolicy.load(tiny_vlm)
+    assert policy.stop_ids == sorted(policy.model.generation_config.eos_token_id)
+    prompt = _prompt(policy)
+    with torch.no_grad():
+        first = policy.model(**prompt).logits[:, -1].argmax(-1)  # the likeliest first token per prompt
+    extra = sorted(set(first.tolist()) - set(policy.stop_ids))
+    policy.model.generation_config.eos_token_id = [*policy.stop_ids, *extra]
+    roll = policy.generate(prompt, n=3, temperature=0.05, max_new_tokens=6, seed=0)
+    stops = torch.isin(roll.response_ids, torch.tensor(policy.stop_ids))
+    for row, mask in zip(roll.response_ids, roll.response_mask):
+        hit = torch.isin(row, torch.tensor(policy.stop_ids)).nonzero()
+        length = int(hit[0]) + 1 if len(hit) else len(row)
+        assert mask[:length].all() and not mask[length:].any()
+    assert stops[:, 0].all()  # near-greedy sampling stopped every response at its first token
+    assert roll.response_mask.sum() == len(roll.response_mask)

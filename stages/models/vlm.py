@@ -144,6 +144,14 @@ class VLMPolicy:
             raise UserInputError("nothing to train: add a LoRA adapter or pass --full")
         return params
 
+    @property
+    def stop_ids(self) -> list[int]:
+        """Ids that end a response: the generation config's eos ids (Qwen: <|im_end|> and
+        <|endoftext|>) and the tokenizer's eos."""
+        ids = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        ids = ids if isinstance(ids, list) else [] if ids is None else [ids]
+        return sorted({*ids, self.processor.tokenizer.eos_token_id})
+
     @classmethod
     def for_prompts(cls, model_dir: str | Path) -> VLMPolicy:
         """A weightless policy that only builds prompt inputs (remote engines sample; no model is loaded)."""
@@ -282,7 +290,10 @@ class VLMPolicy:
         max_new_tokens: int = 64,
         seed: int = 0,
     ) -> Rollout:
-        """n responses per prompt; log-probs from the raw logits / temperature of each sampled token."""
+        """n responses per prompt; log-probs from the raw logits / temperature of each sampled token.
+
+        A response ends at its first stop token (`stop_ids`), which it keeps; the rest is padding.
+        """
         batch = prompt["input_ids"].shape[0]
         repeat = self.expand(prompt, n)
         torch.manual_seed(seed)
@@ -298,9 +309,8 @@ class VLMPolicy:
         )
         prompt_len = repeat["input_ids"].shape[1]
         response = out.sequences[:, prompt_len:]
-        eos = self.processor.tokenizer.eos_token_id
-        finished = torch.cumsum((response == eos).long(), dim=1)
-        mask = (finished - (response == eos).long()) == 0  # tokens up to and including the first eos
+        stop = torch.isin(response, torch.tensor(self.stop_ids, device=response.device)).long()
+        mask = (torch.cumsum(stop, dim=1) - stop) == 0  # tokens up to and including the first stop token
         response = torch.where(mask, response, torch.full_like(response, self.pad_id))
         logits = torch.stack(out.logits, dim=1).float()
         log_probs = torch.where(mask, token_log_probs(logits, response, temperature), torch.zeros(()))

@@ -14,12 +14,15 @@ Row layout (one row per response, groups contiguous, a shard holds whole groups)
 
 The engines: `hf` (transformers `generate` under the policy's weights; the rollout log-probs match a
 replay to float rounding) and `openai` (a server speaking the OpenAI chat API, e.g. `vllm serve`;
-its log-probs come from the server, so `omnirl logprob` recomputes them). Samples depend on the
-seed and the batching (prompts per `generate` call = max(1, batch_size // n)), as in verl.
+its log-probs come from the server, so `omnirl logprob` recomputes them; an API key is read from
+OPENAI_API_KEY, never from the recorded options). A generate call's seed derives from the run seed
+and its first prompt; samples depend on the batching (prompts per call = max(1, batch_size // n)),
+and with one prompt per call the two engines draw the same responses from the same weights.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -134,6 +137,11 @@ def row_images(shard: dict[str, Any], where: str) -> list[list[bytes]]:
     return out
 
 
+def prompt_seed(cfg: VLMSampleConfig, index: int) -> int:
+    """The sampling seed of the generate call that starts at prompt `index` (a server gets one per prompt)."""
+    return derive_seed(cfg.seed, "vlm", index)
+
+
 def generate_batch(
     policy: VLMPolicy, cfg: VLMSampleConfig, prompts: list[tuple[int, VLMPrompt]], n: int, seed: int
 ) -> tuple[dict[str, torch.Tensor], Rollout]:
@@ -162,7 +170,8 @@ def generate_batch(
             temperature=cfg.temperature,
             top_p=cfg.top_p,
             max_new_tokens=cfg.max_new_tokens,
-            seeds=[derive_seed(cfg.seed, i) for i, _ in prompts],
+            seeds=[prompt_seed(cfg, i) for i, _ in prompts],
+            api_key=os.environ.get("OPENAI_API_KEY"),
         )
     return inputs, rollout
 
@@ -182,9 +191,9 @@ def sample_vlm_shard(
     pad_id = policy.processor.tokenizer.pad_token_id
     per_call = cfg.prompts_per_call(n)
     batches = []
-    for b, start in enumerate(range(0, len(prompts), per_call)):
+    for start in range(0, len(prompts), per_call):
         chunk = prompts[start : start + per_call]
-        seed = derive_seed(cfg.seed, "vlm", shard_index, b)
+        seed = prompt_seed(cfg, chunk[0][0])
         inputs, out = generate_batch(policy, cfg, chunk, n, seed)
         prompt_ids, prompt_mask = left_pad(
             inputs["input_ids"].cpu(), inputs["attention_mask"].cpu(), cfg.max_prompt_length, pad_id

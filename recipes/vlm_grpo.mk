@@ -1,0 +1,16 @@
+# Staged GRPO / DAPO / GSPO for vision-language models through files, N iterations:
+# sample (text responses) → score (text rewards) → logprob → advantage → update.
+#
+# The stage chain is the one of recipes/flow_grpo.mk (included below): the commands see a VLM
+# --model and switch to token-level rollouts, rewards and losses. Only the defaults differ: a VLM
+# preset, a verl-format prompt table, and no reward flag (the preset's score.reward applies).
+#
+#   make -f recipes/vlm_grpo.mk CONFIG=recipes/configs/vlm_grpo_qwen2_5_vl.yaml \
+#        MODEL=models/Qwen2.5-VL-7B-Instruct PROMPTS=geo3k_train.parquet RUN=runs/geo3k ITERATIONS=10
+CONFIG  ?= recipes/configs/vlm_grpo_qwen2_5_vl.yaml
+RUN     ?= runs/vlm_grpo
+MODEL   ?= models/qwen2_5_vl-tiny
+PROMPTS ?= prompts.parquet
+REWARD  ?=
+
+include $(dir $(lastword $(MAKEFILE_LIST)))flow_grpo.mk

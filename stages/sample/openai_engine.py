@@ -1,0 +1,338 @@
+"""VLM responses sampled by a server speaking the OpenAI chat API (`vllm serve`), as a `Rollout`.
+
+One POST `/chat/completions` per prompt asks for n responses with the prompt's seed, the sampled
+tokens as ids (vLLM's `return_tokens_as_token_ids`, tokens come back as "token_id:<int>") and their
+log-probs (`logprobs`, `top_logprobs: 0`); the images go in the user turn, before the question, as
+base64 data URLs. Requests run concurrently; the served model list is checked once before sampling.
+Only the standard library talks HTTP, so the engine adds no dependency.
+
+The stop token. In vLLM a request finishes when the sampled token is the EOS or one of the stop
+token ids (vLLM adds the generation config's other EOS ids there); the check runs after the token
+is appended to the output ids, and the chat response's `logprobs.content` is built over those ids,
+so the EOS comes back with its log-prob (only the text leaves it out). The rollout therefore keeps
+it, as HF `generate` does: the mask covers the returned tokens up to and including the first
+`tokenizer.eos_token_id`. A response that finished with "stop" but whose last token is not a special
+token (a server that drops the stop token, or a stop string) is an error rather than a response
+silently missing its stop decision.
+
+The log-probs are the server's. vLLM's default `--logprobs-mode raw_logprobs` scores the raw logits
+(temperature 1, no top-p); `processed_logprobs` scores them after temperature and top-k/top-p. They
+equal `VLMPolicy.generate`'s (logits / temperature, no top-p warping) only in processed mode with
+top_p = 1, and a different kernel gives different rounding anyway; `omnirl logprob` recomputes them.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import math
+import socket
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from stages.errors import OmnirlError, RuntimeFailure, UserInputError
+from stages.models.vlm import Rollout
+
+START_HINT = "start `vllm serve MODEL` or fix --server-url"
+TOKEN_ID_PREFIX = "token_id:"
+# vLLM reports a log-prob of -inf (a token the sampler could not have drawn) as this value.
+LOGPROB_FLOOR = -9999.0
+_IMAGE_MAGIC = ((b"\x89PNG\r\n\x1a\n", "image/png"), (b"\xff\xd8\xff", "image/jpeg"), (b"GIF8", "image/gif"))
+
+
+def image_data_url(blob: bytes, where: str) -> str:
+    """An encoded image file as a base64 data URL, its MIME type read from the magic bytes."""
+    mime = next((m for magic, m in _IMAGE_MAGIC if blob.startswith(magic)), None)
+    if mime is None and blob[:4] == b"RIFF" and blob[8:12] == b"WEBP":
+        mime = "image/webp"
+    if mime is None:
+        raise UserInputError(f"{where}: an image is not a PNG, JPEG, GIF or WebP file")
+    return f"data:{mime};base64,{base64.b64encode(blob).decode('ascii')}"
+
+
+def chat_request(
+    model: str,
+    question: str,
+    images: list[bytes],
+    *,
+    n: int,
+    temperature: float,
+    top_p: float,
+    max_new_tokens: int,
+    seed: int,
+    where: str = "prompt",
+) -> dict[str, Any]:
+    """The JSON body asking for n responses to one user turn (images first, then the question)."""
+    content = [
+        {"type": "image_url", "image_url": {"url": image_data_url(b, f"{where}, image {k}")}}
+        for k, b in enumerate(images)
+    ]
+    content.append({"type": "text", "text": question})
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": content}],
+        "n": n,
+        "temperature": temperature,
+        "top_p": top_p,
+        # vLLM reads max_completion_tokens first and falls back to the older max_tokens.
+        "max_completion_tokens": max_new_tokens,
+        "max_tokens": max_new_tokens,
+        "seed": seed,
+        "logprobs": True,
+        "top_logprobs": 0,
+        "return_tokens_as_token_ids": True,
+        "stream": False,
+    }
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    return " ".join(text.split())[:limit]
+
+
+def _error_detail(error: urllib.error.HTTPError) -> str:
+    """The message of an error reply: OpenAI's {"error": {"message"}}, older vLLM's {"message"} or FastAPI's {"detail"}."""
+    try:
+        raw = error.read()
+    except OSError:
+        raw = b""
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return _one_line(raw.decode("utf-8", "replace")) or str(error.reason)
+    inner = body.get("error") if isinstance(body, dict) else None
+    for source in (inner, body):
+        if isinstance(source, dict):
+            for key in ("message", "detail"):
+                if source.get(key):
+                    return _one_line(str(source[key]))
+        if isinstance(source, str) and source:
+            return _one_line(source)
+    return _one_line(str(body))
+
+
+def _request_json(
+    url: str,
+    body: dict[str, Any] | None,
+    *,
+    api_key: str | None,
+    timeout: float,
+    bad_reply: type[OmnirlError],
+) -> Any:
+    """GET (no body) or POST JSON to `url`; the decoded JSON reply, or the error a user can act on.
+
+    `bad_reply` is raised for a 2xx reply that is not JSON: for the model list that means the URL is
+    not an OpenAI API, for a completion that the server failed.
+    """
+    headers = {"Accept": "application/json"}
+    data = None
+    if body is not None:
+        data = json.dumps(body).encode("utf-8")
+        headers["Content-Type"] = "application/json"
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    try:
+        request = urllib.request.Request(
+            url, data=data, headers=headers, method="GET" if data is None else "POST"
+        )
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            raw = response.read()
+    except urllib.error.HTTPError as e:
+        detail = _error_detail(e)
+        if e.code in (401, 403):
+            raise UserInputError(
+                f"{url}: HTTP {e.code} ({detail}); the server wants a valid API key"
+            ) from None
+        if e.code in (408, 429) or e.code >= 500:
+            raise RuntimeFailure(
+                f"{url}: the server failed (HTTP {e.code}: {detail}); check its log and retry"
+            ) from None
+        raise UserInputError(
+            f"{url}: HTTP {e.code} ({detail}); check --server-url (the API root, e.g. http://host:8000/v1), "
+            "--served-model and the sampling options"
+        ) from None
+    except urllib.error.URLError as e:
+        reason = e.reason
+        if isinstance(reason, TimeoutError):
+            raise RuntimeFailure(
+                f"{url}: no answer within {timeout:g} s; the server is stuck or overloaded (check its log)"
+            ) from None
+        if isinstance(reason, (ConnectionRefusedError, socket.gaierror)) or not isinstance(reason, OSError):
+            raise UserInputError(f"{url}: cannot connect ({_one_line(str(reason))}); {START_HINT}") from None
+        raise RuntimeFailure(f"{url}: the connection failed ({_one_line(str(reason))}); retry") from None
+    except TimeoutError:
+        raise RuntimeFailure(
+            f"{url}: no answer within {timeout:g} s; the server is stuck or overloaded (check its log)"
+        ) from None
+    except (ValueError, http.client.InvalidURL) as e:  # "unknown url type", a bad port...
+        raise UserInputError(f"{url}: not a usable URL ({_one_line(str(e))}); fix --server-url") from None
+    except (http.client.HTTPException, OSError) as e:
+        raise RuntimeFailure(f"{url}: the connection failed ({_one_line(repr(e))}); retry") from None
+    try:
+        return json.loads(raw)
+    except ValueError:
+        raise bad_reply(
+            f"{url}: the reply is not JSON ({_one_line(raw[:80].decode('utf-8', 'replace'))!r}); "
+            + (START_HINT if bad_reply is UserInputError else "check the server log")
+        ) from None
+
+
+def served_models(base_url: str, *, api_key: str | None = None, timeout: float = 60.0) -> list[str]:
+    """The model names `GET {base_url}/models` lists (what `model` in a request may be)."""
+    url = f"{base_url.rstrip('/')}/models"
+    reply = _request_json(url, None, api_key=api_key, timeout=timeout, bad_reply=UserInputError)
+    try:
+        return [str(entry["id"]) for entry in reply["data"]]
+    except (TypeError, KeyError):
+        raise UserInputError(f"{url}: not an OpenAI model list; {START_HINT}") from None
+
+
+def _finite_logprob(value: Any) -> bool:
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value > LOGPROB_FLOOR
+    )
+
+
+def parse_choices(
+    reply: Any, url: str, *, n: int, max_new_tokens: int, stop_ids: set[int]
+) -> list[tuple[list[int], list[float]]]:
+    """(token ids, log-probs) of the n choices of a chat completion, in choice-index order, checked."""
+    choices = reply.get("choices") if isinstance(reply, dict) else None
+    if not isinstance(choices, list) or len(choices) != n:
+        got = len(choices) if isinstance(choices, list) else "no"
+        raise RuntimeFailure(f"{url}: asked for {n} choices, the reply has {got}; check the server log")
+    by_index = {c.get("index") if isinstance(c, dict) else None: c for c in choices}
+    if set(by_index) != set(range(n)):
+        raise RuntimeFailure(f"{url}: the choice indices are not 0..{n - 1}; check the server log")
+    out = []
+    for j in range(n):
+        choice = by_index[j]
+        logprobs = choice.get("logprobs")
+        content = logprobs.get("content") if isinstance(logprobs, dict) else None
+        if not isinstance(content, list):
+            raise RuntimeFailure(
+                f"{url}: choice {j} has no token log-probs; serve with vLLM (it honours `logprobs`)"
+            )
+        ids, values = [], []
+        for k, entry in enumerate(content):
+            token = entry.get("token") if isinstance(entry, dict) else None
+            if not isinstance(token, str) or not token.startswith(TOKEN_ID_PREFIX):
+                raise RuntimeFailure(
+                    f"{url}: choice {j} token {k} is {token!r}, not 'token_id:<int>'; the server ignored "
+                    "`return_tokens_as_token_ids` (serve with vLLM)"
+                )
+            try:
+                token_id = int(token[len(TOKEN_ID_PREFIX) :])
+            except ValueError:
+                raise RuntimeFailure(
+                    f"{url}: choice {j} token {k} is {token!r}, not 'token_id:<int>'"
+                ) from None
+            value = entry.get("logprob")
+            if not _finite_logprob(value) or token_id < 0:
+                raise RuntimeFailure(
+                    f"{url}: choice {j} token {k} (id {token_id}) has log-prob {value!r}, not a finite "
+                    "number; check the server log"
+                )
+            ids.append(token_id)
+            values.append(float(value))
+        if len(ids) > max_new_tokens:
+            raise RuntimeFailure(
+                f"{url}: choice {j} has {len(ids)} tokens, more than max_tokens {max_new_tokens}"
+            )
+        finish = choice.get("finish_reason")
+        if finish not in ("stop", "length"):
+            raise RuntimeFailure(f"{url}: choice {j} finished with {finish!r}; check the server log")
+        if finish == "stop" and (not ids or ids[-1] not in stop_ids):
+            raise RuntimeFailure(
+                f"{url}: choice {j} stopped without returning its stop token; serve with vLLM, which returns it"
+            )
+        out.append((ids, values))
+    return out
+
+
+def generate_openai(
+    base_url: str,
+    model: str,
+    questions: list[str],
+    images: list[list[bytes]],
+    *,
+    tokenizer: Any,
+    n: int,
+    temperature: float,
+    top_p: float,
+    max_new_tokens: int,
+    seeds: list[int],
+    api_key: str | None = None,
+    timeout: float = 600.0,
+    concurrency: int = 8,
+) -> Rollout:
+    """n responses per prompt from the server at `base_url` (e.g. http://host:8000/v1) serving `model`.
+
+    Same conventions as `VLMPolicy.generate`: rows prompt by prompt, n each; ids int64 [B·n, max_new_tokens]
+    right-padded with the pad id; mask bool (the returned tokens up to and including the first eos);
+    log-probs float32 [B·n, max_new_tokens], 0 at padding; text decoded without special tokens.
+    """
+    if not len(questions) == len(images) == len(seeds):
+        raise UserInputError(
+            f"generate_openai: {len(questions)} questions, {len(images)} image lists and {len(seeds)} seeds; "
+            "pass one of each per prompt"
+        )
+    if n < 1 or max_new_tokens < 1 or concurrency < 1:
+        raise UserInputError("generate_openai: n, max_new_tokens and concurrency must be at least 1")
+    base = base_url.rstrip("/")
+    names = served_models(base, api_key=api_key, timeout=min(timeout, 60.0))
+    if model not in names:
+        raise UserInputError(
+            f"--served-model {model}: {base}/models serves {', '.join(names) or 'no model'}; pass one of these"
+        )
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    stop_ids = set(tokenizer.all_special_ids)
+    url = f"{base}/chat/completions"
+    bodies = [
+        chat_request(
+            model,
+            q,
+            imgs,
+            n=n,
+            temperature=temperature,
+            top_p=top_p,
+            max_new_tokens=max_new_tokens,
+            seed=seed,
+            where=f"prompt {i}",
+        )
+        for i, (q, imgs, seed) in enumerate(zip(questions, images, seeds))
+    ]
+
+    def sample(body: dict[str, Any]) -> list[tuple[list[int], list[float]]]:
+        reply = _request_json(url, body, api_key=api_key, timeout=timeout, bad_reply=RuntimeFailure)
+        return parse_choices(reply, url, n=n, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
+
+    with ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(bodies)))) as pool:
+        futures = [pool.submit(sample, body) for body in bodies]
+        try:
+            responses = [row for future in futures for row in future.result()]
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
+
+    rows = len(responses)
+    ids = torch.full((rows, max_new_tokens), pad, dtype=torch.int64)
+    mask = torch.zeros(rows, max_new_tokens, dtype=torch.bool)
+    log_probs = torch.zeros(rows, max_new_tokens, dtype=torch.float32)
+    for r, (tokens, values) in enumerate(responses):
+        length = tokens.index(eos) + 1 if eos in tokens else len(tokens)
+        ids[r, :length] = torch.tensor(tokens[:length], dtype=torch.int64)
+        mask[r, :length] = True
+        log_probs[r, :length] = torch.tensor(values[:length], dtype=torch.float32)
+    text = tokenizer.batch_decode(ids, skip_special_tokens=True)
+    index = [b for b in range(len(bodies)) for _ in range(n)]
+    return Rollout(index, ids, mask, log_probs, text)

@@ -1,0 +1,253 @@
+"""A local HTTP server speaking the slice of vLLM's OpenAI API the rollout engine uses, backed by a `VLMPolicy`.
+
+`serve(policy, name)` answers GET /v1/models and POST /v1/chat/completions as `vllm serve` does
+(OpenAI schema, vLLM's `return_tokens_as_token_ids`, the stop token returned with its log-prob, the
+error JSON {"error": {message, type, param, code}}), sampling with `policy.generate` under a lock
+(one model). `serve_canned` answers every completion with a fixed status and body, for error tests.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from PIL import Image
+
+from stages.models.vlm import VLMPolicy
+
+
+class BadRequest(Exception):
+    """A request the server refuses: status, OpenAI error type and message."""
+
+    def __init__(self, status: HTTPStatus, kind: str, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.kind, self.param = status, kind, param
+
+
+class _Handler(BaseHTTPRequestHandler):
+    """Routes to `self.server.app` (an object with `get(path)` / `post(path, body)` → (status, json bytes))."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def _reply(self, status: int, payload: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def do_GET(self) -> None:
+        self._reply(*self.server.app.get(self.path))  # type: ignore[attr-defined]
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self._reply(*self.server.app.post(self.path, body))  # type: ignore[attr-defined]
+
+
+def error_json(status: HTTPStatus, kind: str, message: str, param: str | None = None) -> tuple[int, bytes]:
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status.value}}
+    return status.value, json.dumps(body).encode()
+
+
+def _decode_data_url(url: Any) -> Image.Image:
+    if not isinstance(url, str) or not url.startswith("data:") or ";base64," not in url:
+        raise BadRequest(
+            HTTPStatus.BAD_REQUEST, "BadRequestError", "only base64 data: image URLs are served here"
+        )
+    try:
+        return Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).convert("RGB")
+    except Exception:
+        raise BadRequest(HTTPStatus.BAD_REQUEST, "BadRequestError", "an image URL does not decode") from None
+
+
+def _user_turn(messages: Any) -> tuple[str, list[Image.Image]]:
+    """(question, images) of a single user message whose content is a string or a list of parts."""
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest(
+            HTTPStatus.BAD_REQUEST, "BadRequestError", "`messages` must be a non-empty list", "messages"
+        )
+    if len(messages) != 1 or not isinstance(messages[0], dict) or messages[0].get("role") != "user":
+        raise BadRequest(
+            HTTPStatus.BAD_REQUEST, "BadRequestError", "this server takes one user message", "messages"
+        )
+    content = messages[0].get("content")
+    if isinstance(content, str):
+        return content, []
+    texts, images = [], []
+    for part in content if isinstance(content, list) else [None]:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text":
+            texts.append(str(part.get("text", "")))
+        elif kind == "image_url":
+            images.append(_decode_data_url((part.get("image_url") or {}).get("url")))
+        else:
+            raise BadRequest(HTTPStatus.BAD_REQUEST, "BadRequestError", f"unsupported content part {part!r}")
+    return "".join(texts), images
+
+
+class PolicyApp:
+    """The OpenAI endpoints over one policy: what vLLM's chat serving returns for these requests."""
+
+    def __init__(self, policy: VLMPolicy, model_name: str):
+        self.policy = policy
+        self.model_name = model_name
+        self.lock = threading.Lock()
+        self.tokenizer = policy.processor.tokenizer
+        eos = policy.model.generation_config.eos_token_id
+        self.stop_ids = set(eos if isinstance(eos, list) else [eos])
+
+    def get(self, path: str) -> tuple[int, bytes]:
+        if path.rstrip("/") != "/v1/models":
+            return error_json(HTTPStatus.NOT_FOUND, "NotFoundError", f"no route {path}")
+        card = {"id": self.model_name, "object": "model", "created": int(time.time()), "owned_by": "vllm"}
+        return 200, json.dumps({"object": "list", "data": [card]}).encode()
+
+    def post(self, path: str, raw: bytes) -> tuple[int, bytes]:
+        if path.rstrip("/") != "/v1/chat/completions":
+            return error_json(HTTPStatus.NOT_FOUND, "NotFoundError", f"no route {path}")
+        try:
+            return 200, json.dumps(self.complete(raw)).encode()
+        except BadRequest as e:
+            return error_json(e.status, e.kind, str(e), e.param)
+        except Exception as e:
+            return error_json(HTTPStatus.INTERNAL_SERVER_ERROR, "InternalServerError", repr(e))
+
+    def complete(self, raw: bytes) -> dict[str, Any]:
+        try:
+            request = json.loads(raw)
+        except ValueError:
+            raise BadRequest(HTTPStatus.BAD_REQUEST, "BadRequestError", "the body is not JSON") from None
+        if not isinstance(request, dict):
+            raise BadRequest(HTTPStatus.BAD_REQUEST, "BadRequestError", "the body is not a JSON object")
+        if request.get("model") != self.model_name:
+            # vLLM answers an unknown model with 404 NotFoundError.
+            raise BadRequest(
+                HTTPStatus.NOT_FOUND,
+                "NotFoundError",
+                f"The model `{request.get('model')}` does not exist.",
+                "model",
+            )
+        question, images = _user_turn(request.get("messages"))
+        n = int(request.get("n") or 1)
+        max_tokens = request.get("max_completion_tokens") or request.get("max_tokens") or 16
+        if int(request.get("top_logprobs") or 0) != 0:
+            raise BadRequest(HTTPStatus.BAD_REQUEST, "BadRequestError", "this server returns no top_logprobs")
+        seed = request.get("seed")
+        with self.lock:
+            prompt = self.policy.chat_inputs([question], [images])
+            roll = self.policy.generate(
+                prompt,
+                n=n,
+                temperature=float(request.get("temperature", 1.0)),
+                top_p=float(request.get("top_p", 1.0)),
+                max_new_tokens=int(max_tokens),
+                seed=int(seed) if seed is not None else int(time.time_ns() % 2**63),
+            )
+        as_ids = bool(request.get("return_tokens_as_token_ids"))
+        choices = []
+        for j in range(n):
+            keep = roll.response_mask[j]
+            ids = roll.response_ids[j][keep].tolist()
+            values = roll.log_probs[j][keep].tolist()
+            stopped = bool(ids) and ids[-1] in self.stop_ids
+            text_ids = ids[:-1] if stopped else ids  # vLLM leaves the stop token out of the text
+            content = self.tokenizer.decode(
+                text_ids, skip_special_tokens=request.get("skip_special_tokens", True)
+            )
+            entry = None
+            if request.get("logprobs"):
+                tokens = [f"token_id:{t}" if as_ids else self.tokenizer.decode([t]) for t in ids]
+                entry = {
+                    "content": [
+                        {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8")), "top_logprobs": []}
+                        for tok, lp in zip(tokens, values)
+                    ]
+                }
+            choices.append(
+                {
+                    "index": j,
+                    "message": {"role": "assistant", "content": content},
+                    "logprobs": entry,
+                    "finish_reason": "stop" if stopped else "length",
+                }
+            )
+        prompt_tokens = int(prompt["attention_mask"].sum())
+        completion_tokens = int(roll.response_mask.sum())
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+            },
+        }
+
+
+class CannedApp:
+    """Lists `model_name`, then answers every completion with `status` and `body` after `delay` seconds."""
+
+    def __init__(self, model_name: str, status: int, body: bytes, delay: float = 0.0):
+        self.model_name, self.status, self.body, self.delay = model_name, status, body, delay
+
+    def get(self, path: str) -> tuple[int, bytes]:
+        return 200, json.dumps(
+            {"object": "list", "data": [{"id": self.model_name, "object": "model"}]}
+        ).encode()
+
+    def post(self, path: str, raw: bytes) -> tuple[int, bytes]:
+        time.sleep(self.delay)
+        return self.status, self.body
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """Quiet when a client hung up before the reply (the timeout test does); report anything else."""
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
+
+@contextmanager
+def _running(app: Any) -> Iterator[str]:
+    server = _Server(("127.0.0.1", 0), _Handler)
+    server.app = app  # type: ignore[attr-defined]
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+@contextmanager
+def serve(policy: VLMPolicy, model_name: str) -> Iterator[str]:
+    """Serve `policy` as `model_name` on 127.0.0.1 (a free port) in a background thread; yields the /v1 URL."""
+    with _running(PolicyApp(policy, model_name)) as url:
+        yield url
+
+
+@contextmanager
+def serve_canned(model_name: str, status: int, body: bytes, delay: float = 0.0) -> Iterator[str]:
+    """A server listing `model_name` whose completions all return `status` / `body`; yields the /v1 URL."""
+    with _running(CannedApp(model_name, status, body, delay)) as url:
+        yield url

@@ -146,3 +146,33 @@ def image_grid(
     path.parent.mkdir(parents=True, exist_ok=True)
     img.save(path)
     return path
+
+
+def response_sheet(samples: Path, rewards: Path | None, path: Path, *, groups: int = 8) -> Path:
+    """A Markdown page of a text rollout: per prompt group (first `groups`), the question, its ground
+    truth and every response with its reward, best first."""
+    from stages.shards.reader import ShardSet, open_inputs
+
+    paths = [samples] + ([rewards] if rewards and (rewards / MANIFEST_NAME).is_file() else [])
+    src = open_inputs(paths) if len(paths) > 1 else ShardSet(samples)
+    cols = ["sample_id", "group_id", "prompt", "prompt_meta", "response_text"]
+    data = src.read_shard(0, columns=cols + (["reward"] if len(paths) > 1 else []))
+    order: dict[str, list[int]] = {}
+    for i, g in enumerate(data["group_id"]):
+        order.setdefault(g, []).append(i)
+    lines = [f"# Responses of {samples}", ""]
+    for group, members in list(order.items())[:groups]:
+        first = members[0]
+        truth = (data["prompt_meta"][first] or {}).get("ground_truth")
+        lines += [f"## {group}: {data['prompt'][first]}", "", f"ground truth: `{truth}`", ""]
+        if "reward" in data:
+            members = sorted(members, key=lambda i: -float(data["reward"][i]))
+        lines += ["| sample | reward | response |", "|---|---|---|"]
+        for i in members:
+            reward = f"{float(data['reward'][i]):.4f}" if "reward" in data else ""
+            text = data["response_text"][i].replace("|", "\\|").replace("\n", "⏎")
+            lines.append(f"| {data['sample_id'][i]} | {reward} | {text} |")
+        lines.append("")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines))
+    return path

@@ -292,6 +292,16 @@ def test_accuracy_uses_math_verify_when_installed(monkeypatch):
     assert one(accuracy, r"\boxed{0.5}", ground_truth="1/2") == 1.0  # the fallback decides first
 
 
+def test_accuracy_with_the_real_math_verify():
+    """math_verify (a dev dependency) settles symbolic equivalence the string fallback cannot."""
+    assert text_rewards._load_math_verify() is not None
+    assert text_rewards.math_equal("2x", "x+x") is False
+    assert one(accuracy, r"<think>..</think> \boxed{2x}", ground_truth="x+x") == 1.0
+    assert one(accuracy, r"\boxed{\sqrt{2}/2}", ground_truth=r"\frac{1}{\sqrt{2}}") == 1.0
+    assert one(accuracy, r"\boxed{2x+1}", ground_truth="x+x") == 0.0
+    assert one(accuracy, r"\boxed{x^2-1}", ground_truth="(x-1)(x+1)") == 1.0
+
+
 def test_math_equal_normalisation():
     assert math_equal(r"\left( 1, 2 \right)", "(1,2)")
     assert math_equal("3.", "3")

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from stages.advantage.estimators import ESTIMATORS, group_advantages
-from stages.advantage.token import drop_constant_groups
 from stages.errors import UserInputError
 from stages.update.token_losses import (
     AGG_MODES,
@@ -431,21 +430,3 @@ def test_verl_preset_matches_the_formula():
     trl = ESTIMATORS["grpo_trl"](rewards, groups)
     assert trl[0].item() == pytest.approx(0.5 / (math.sqrt(1 / 3) + 1e-4), rel=1e-6)
     assert torch.equal(got, group_advantages(rewards, groups, std="group", unbiased=True, eps=1e-6))
-
-
-def test_drop_constant_groups_removes_rows_from_every_denominator():
-    rewards = [1.0, 1.0, 0.0, 1.0, 0.5, 0.5]
-    groups = ["a", "a", "b", "b", "c", "c"]
-    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1], [1, 1, 0]], dtype=torch.bool)
-    dropped, kept = drop_constant_groups(mask, rewards, groups)
-    assert kept.tolist() == [False, False, True, True, False, False]
-    assert dropped.dtype == torch.bool
-    assert dropped.sum(-1).tolist() == [0, 0, 3, 1, 0, 0]
-    adv = group_advantages(rewards, groups, std="group", unbiased=True, eps=1e-6)
-    logp = torch.zeros(6, 3, requires_grad=True)
-    loss, _ = policy_loss(logp, logp.detach(), adv, dropped)
-    # only group b's 4 tokens count: A = ±1/(√0.5 + 1e-6) over 3 and 1 tokens
-    a = 0.5 / (math.sqrt(0.5) + 1e-6)
-    assert loss.item() == pytest.approx(-(3 * -a + 1 * a) / 4, rel=1e-6)
-    floats, _ = drop_constant_groups(mask.float(), rewards, groups)
-    assert floats.dtype == torch.float32 and torch.equal(floats.bool(), dropped)

@@ -20,19 +20,26 @@ def report(
     ] = True,
     json_: JsonOpt = False,
 ) -> None:
-    """Summarise a run: per-iteration reward table, RUN/reward_curve.png and RUN/it<K>/grid.png.
+    """Summarise a run: per-iteration reward table, RUN/reward_curve.png and RUN/it<K>/grid.png
+    (for a VLM run RUN/it<K>/responses.md: each group's responses with their rewards, best first).
 
     Example: [bold]omnirl report runs/demo[/]
     """
-    from stages.reporting import collect, image_grid, iterations, reward_curve
+    from stages.reporting import collect, image_grid, iterations, response_sheet, reward_curve
+    from stages.shards.manifest import read_manifest
 
     rows = collect(run)
     curve = reward_curve(rows, run / "reward_curve.png")
     grid_paths = []
     if grids:
         for _, it in iterations(run):
-            if (it / "samples" / "_manifest.json").is_file():
-                grid_paths.append(str(image_grid(it / "samples", it / "rewards", it / "grid.png")))
+            samples = it / "samples"
+            if not (samples / "_manifest.json").is_file():
+                continue
+            if "response_text" in {c.name for c in read_manifest(samples).columns}:
+                grid_paths.append(str(response_sheet(samples, it / "rewards", it / "responses.md")))
+            else:
+                grid_paths.append(str(image_grid(samples, it / "rewards", it / "grid.png")))
     if json_:
         emit_json({"iterations": rows, "reward_curve": str(curve), "grids": grid_paths})
         return
@@ -59,4 +66,5 @@ def report(
             )
         )
     err.print(table)
-    err.print(f"reward curve: {curve}" + (f"; grids: {run}/it<K>/grid.png" if grid_paths else ""))
+    shown = f"; per iteration: {run}/it<K>/{Path(grid_paths[-1]).name}" if grid_paths else ""
+    err.print(f"reward curve: {curve}{shown}")

@@ -11,8 +11,11 @@ log-probs often do). Inputs in bf16/fp16 are promoted to float32 before any arit
 - `policy_loss`: the clipped surrogate with DAPO clip-higher, dual-clip and GSPO sequence ratios.
 - `grpo_loss`: policy loss + kl_coef·KL − entropy_coef·entropy, the GRPO actor objective.
 
-Group advantages come from `stages.advantage.estimators.group_advantages` (presets for text in
-`stages.advantage.token`); a [B] advantage is broadcast over the response tokens.
+Group advantages come from `stages.advantage.estimators` (verl/trl presets `grpo_verl`,
+`grpo_trl`); a [B] advantage is broadcast over the response tokens. All-equal-reward groups are
+removed from the loss upstream (`omnirl advantage --drop-zero-std` → `train_mask`), so they count in
+no denominator (DAPO's dynamic-sampling filter). Note: verl gives a singleton group A = r; here A = 0.
+The objective that calls these on stored rollouts is `stages.update.objectives.TokenPolicyGradient`.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 RUN    ?= runs/demo
 
-.PHONY: install test test-fast lint format demo bench clean
+.PHONY: install test test-fast lint format demo demo-vlm bench clean
 
 install: $(STAMP)
 
@@ -43,6 +43,19 @@ demo: install
 	  CONFIG=recipes/configs/demo_tiny.yaml MODEL=$(RUN)/model PROMPTS=recipes/demo_prompts.txt \
 	  RUN=$(RUN) ITERATIONS=$(DEMO_ITERATIONS) SEED=0 REWARD="--reward jpeg_compressibility"
 	$(VENV)/bin/omnirl report $(RUN)
+
+# GRPO on the built-in tiny Qwen2.5-VL: build it, draw the visual-counting prompts (images with
+# 1-9 shapes, "how many?"), run recipes/vlm_grpo.mk for DEMO_ITERATIONS iterations with fresh
+# prompts each time, then print the reward table and write $(VLM_RUN)/reward_curve.png and
+# $(VLM_RUN)/it<K>/responses.md (each group's answers with their rewards).
+VLM_RUN ?= runs/demo-vlm
+demo-vlm: install
+	test -f $(VLM_RUN)/model/omnirl_model.json || $(VENV)/bin/omnirl init-model --family qwen2_5_vl --size tiny --seed 0 $(VLM_RUN)/model
+	test -f $(VLM_RUN)/prompts.parquet || $(PY) recipes/tasks/visual_count.py --out $(VLM_RUN)/prompts.parquet --num-prompts 512 --seed 0
+	OMP_NUM_THREADS=1 PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(MAKE) --no-print-directory -f recipes/vlm_grpo.mk \
+	  CONFIG=recipes/configs/vlm_demo_tiny.yaml MODEL=$(VLM_RUN)/model PROMPTS=$(VLM_RUN)/prompts.parquet \
+	  RUN=$(VLM_RUN) ITERATIONS=$(DEMO_ITERATIONS)
+	$(VENV)/bin/omnirl report $(VLM_RUN)
 
 bench: install
 	$(PY) benchmarks/run_all.py

@@ -59,6 +59,7 @@ def advantage(
     c = resolve(ctx, "advantage")
     from stages.advantage.stage import compute_advantages, reward_weights
     from stages.errors import UserInputError
+    from stages.score.registry import reward_column
     from stages.shards.reader import slice_batch
     from stages.shards.writer import ShardSetWriter
 
@@ -87,7 +88,7 @@ def advantage(
         weights = reward_weights(src.manifests)
     elif c["aggregation"] != "reward_aggr":
         raise UserInputError(f"--aggregation {c['aggregation']}: choose reward_aggr or advantage_aggr")
-    columns = ["sample_id", "group_id", "reward", *(f"reward.{n}" for n in weights or {})]
+    columns = ["sample_id", "group_id", "reward", *(reward_column(n) for n in weights or {})]
     data = src.read_all(columns=columns)
     cols, stats = compute_advantages(
         data,

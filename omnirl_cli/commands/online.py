@@ -90,6 +90,7 @@ def online(
     --prompts recipes/demo_prompts.txt --reward jpeg_compressibility --iterations 4 --out runs/online[/]
     """
     from stages.errors import UserInputError
+    from stages.models.vlm import is_vlm_model
     from stages.online.pipeline import OnlineConfig, run_online
     from stages.sample.prompts import read_prompts
     from stages.sample.rollout import SampleConfig
@@ -98,6 +99,11 @@ def online(
 
     from ..runtime import device
 
+    if is_vlm_model(model):
+        raise UserInputError(
+            f"--model {model}: omnirl online trains diffusion models; run a VLM through the staged "
+            "commands (recipes/vlm_grpo.mk)"
+        )
     preset = _merge(load_yaml(config), parse_set(list(set_ or [])))
     sample = dict(preset.get("sample") or {})
     run = {key: sample.pop(key) for key in RUN_KEYS if key in sample}

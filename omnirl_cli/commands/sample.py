@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -278,26 +279,19 @@ def sample(
     )
     cfg.validate()
     picked = pick_prompts(read_prompts(c["prompts"]), c["num_prompts"], c["seed"])
-    shards = _shard_indices(c)
     writer = _writer(c, KINDS, json_)
     if writer is None:
         return
     policy = FlowPolicy.load(c["model"], adapter=c["adapter"], device=device(), dtype=c["dtype"])
-    total = len(picked) * c["group_size"] * len(shards) // c["num_shards"]
-    with progress(not json_) as bar:
-        task = bar.add_task("sampling", total=total, rate="")
-        result = run_sample(
-            policy,
-            cfg,
-            picked,
-            c["group_size"],
-            writer,
-            num_shards=c["num_shards"],
-            shard_indices=shards,
-            policy_version=policy_version(c["adapter"]),
-            on_batch=_advance(bar, task, "images"),
-        )
-    _finish(c, writer, result, {"sample_config": asdict(cfg)}, "images", json_)
+    _run(
+        c,
+        json_,
+        writer,
+        len(picked),
+        "images",
+        {"sample_config": asdict(cfg)},
+        partial(run_sample, policy, cfg, picked),
+    )
 
 
 def _shard_indices(c: dict) -> list[int]:
@@ -313,6 +307,7 @@ def _shard_indices(c: dict) -> list[int]:
 
 def _writer(c: dict, kinds: dict[str, str], json_: bool) -> Any:
     """The output writer, or None (after saying so) when the output is already complete."""
+    _shard_indices(c)  # a bad --shard-index fails before any model is loaded
     from stages.shards.writer import ShardSetWriter
 
     writer = ShardSetWriter(
@@ -334,18 +329,34 @@ def _writer(c: dict, kinds: dict[str, str], json_: bool) -> Any:
     return writer
 
 
-def _advance(bar: Any, task: Any, unit: str) -> Callable[[int], None]:
+def _run(
+    c: dict,
+    json_: bool,
+    writer: Any,
+    num_prompts: int,
+    unit: str,
+    extra: dict,
+    sample_fn: Callable[..., dict],
+) -> None:
+    """Sample this process's shards with a progress bar, write the manifest once every shard exists,
+    then report. `sample_fn(group_size, writer, num_shards=, shard_indices=, policy_version=, on_batch=)`."""
+    shards = _shard_indices(c)
     t0, done = time.perf_counter(), [0]
+    with progress(not json_) as bar:
+        task = bar.add_task("sampling", total=num_prompts * c["group_size"] * len(shards) // c["num_shards"])
 
-    def advance(n: int) -> None:
-        done[0] += n
-        bar.update(task, advance=n, rate=f"{done[0] / (time.perf_counter() - t0):.2f} {unit}/s")
+        def advance(n: int) -> None:
+            done[0] += n
+            bar.update(task, advance=n, rate=f"{done[0] / (time.perf_counter() - t0):.2f} {unit}/s")
 
-    return advance
-
-
-def _finish(c: dict, writer: Any, result: dict, extra: dict, unit: str, json_: bool) -> None:
-    """Write the manifest once every shard exists, then report."""
+        result = sample_fn(
+            c["group_size"],
+            writer,
+            num_shards=c["num_shards"],
+            shard_indices=shards,
+            policy_version=policy_version(c["adapter"]),
+            on_batch=advance,
+        )
     manifest = None
     if all(writer.shard_done(s) for s in range(c["num_shards"])):
         manifest = writer.finalize(extra=extra)
@@ -386,7 +397,6 @@ def _sample_vlm(c: dict, json_: bool) -> None:
         image_key=c["image_key"],
     )
     picked = pick_prompts(rows, c["num_prompts"], c["seed"])
-    shards = _shard_indices(c)
     writer = _writer(c, KINDS, json_)
     if writer is None:
         return
@@ -395,18 +405,12 @@ def _sample_vlm(c: dict, json_: bool) -> None:
         if cfg.engine == "hf"
         else VLMPolicy.for_prompts(c["model"])
     )
-    total = len(picked) * c["group_size"] * len(shards) // c["num_shards"]
-    with progress(not json_) as bar:
-        task = bar.add_task("sampling", total=total, rate="")
-        result = run_vlm_sample(
-            policy,
-            cfg,
-            picked,
-            c["group_size"],
-            writer,
-            num_shards=c["num_shards"],
-            shard_indices=shards,
-            policy_version=policy_version(c["adapter"]),
-            on_batch=_advance(bar, task, "responses"),
-        )
-    _finish(c, writer, result, {"vlm_sample_config": asdict(cfg)}, "responses", json_)
+    _run(
+        c,
+        json_,
+        writer,
+        len(picked),
+        "responses",
+        {"vlm_sample_config": asdict(cfg)},
+        partial(run_vlm_sample, policy, cfg, picked),
+    )

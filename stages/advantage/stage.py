@@ -19,6 +19,7 @@ from stages.advantage.estimators import (
     zero_std_mask,
 )
 from stages.errors import UserInputError
+from stages.score.registry import reward_column
 
 
 def compute_advantages(
@@ -49,12 +50,12 @@ def compute_advantages(
                 f"--aggregation advantage_aggr works with a built-in --estimator, not {estimator!r}"
             )
         preset = ESTIMATORS[estimator]
-        missing = [name for name in weights if f"reward.{name}" not in data]
+        missing = [name for name in weights if reward_column(name) not in data]
         if missing:
             raise UserInputError(
-                f"--in: column 'reward.{missing[0]}' is missing; score with --reward {missing[0]}"
+                f"--in: column '{reward_column(missing[0])}' is missing; score with --reward {missing[0]}"
             )
-        per_reward = {name: data[f"reward.{name}"].float() for name in weights}
+        per_reward = {name: data[reward_column(name)].float() for name in weights}
         adv = multi_reward_advantages(
             per_reward,
             weights,

@@ -50,16 +50,19 @@ def plan_rows(prompts: list[tuple[int, Prompt]], group_size: int, cfg: SampleCon
     return rows
 
 
+def split_groups(groups: list[Any], num_shards: int) -> list[list[Any]]:
+    """`num_shards` contiguous, near-equal runs of prompt groups (a shard never splits a group)."""
+    if num_shards > len(groups):
+        raise UserInputError(f"--num-shards {num_shards}: more shards than prompt groups ({len(groups)})")
+    return [
+        groups[s * len(groups) // num_shards : (s + 1) * len(groups) // num_shards] for s in range(num_shards)
+    ]
+
+
 def shard_rows(rows: list[Row], group_size: int, num_shards: int) -> list[list[Row]]:
     """Split rows into `num_shards` contiguous runs of whole groups."""
     groups = [rows[i : i + group_size] for i in range(0, len(rows), group_size)]
-    if num_shards > len(groups):
-        raise UserInputError(f"--num-shards {num_shards}: more shards than prompt groups ({len(groups)})")
-    shards: list[list[Row]] = []
-    for s in range(num_shards):
-        lo, hi = s * len(groups) // num_shards, (s + 1) * len(groups) // num_shards
-        shards.append([r for g in groups[lo:hi] for r in g])
-    return shards
+    return [[r for g in shard for r in g] for shard in split_groups(groups, num_shards)]
 
 
 def sample_shard(
@@ -117,23 +120,45 @@ def run_sample(
     """Sample the shards in `shard_indices` (all of them in a single-process run); resumes finished shards."""
     cfg.validate()
     shards = shard_rows(plan_rows(prompts, group_size, cfg), group_size, num_shards)
-    done, written, images = 0, 0, 0
+    return write_shards(
+        writer,
+        [len(rows) for rows in shards],
+        shard_indices,
+        lambda s: sample_shard(policy, cfg, shards[s], s, policy_version, on_batch),
+        unit="images",
+        on_batch=on_batch,
+    )
+
+
+def write_shards(
+    writer: ShardSetWriter,
+    sizes: list[int],
+    shard_indices: list[int],
+    make_shard: Callable[[int], dict[str, Any]],
+    *,
+    unit: str,
+    on_batch: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """Write `make_shard(s)` for every listed shard not already done (`sizes[s]` rows each).
+
+    Returns rows, shards written/resumed, seconds and `<unit>_per_s` over the shards made here.
+    """
+    done = written = made = 0
     t0 = time.perf_counter()
     for s in shard_indices:
         if writer.shard_done(s):
             done += 1
             if on_batch:
-                on_batch(len(shards[s]))
+                on_batch(sizes[s])
             continue
-        batch = sample_shard(policy, cfg, shards[s], s, policy_version, on_batch)
-        writer.write_shard(s, batch)
+        writer.write_shard(s, make_shard(s))
         written += 1
-        images += len(shards[s])
+        made += sizes[s]
     seconds = time.perf_counter() - t0
     return {
-        "rows": sum(len(shards[s]) for s in shard_indices),
+        "rows": sum(sizes[s] for s in shard_indices),
         "shards_written": written,
         "shards_resumed": done,
-        "images_per_s": images / seconds if seconds > 0 and images else None,
+        f"{unit}_per_s": made / seconds if seconds > 0 and made else None,
         "seconds": seconds,
     }

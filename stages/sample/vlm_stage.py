@@ -23,7 +23,6 @@ and with one prompt per call the two engines draw the same responses from the sa
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +32,7 @@ import torch
 from stages.errors import UserInputError
 from stages.models.vlm import Rollout, VLMPolicy
 from stages.sample.rollout import derive_seed
+from stages.sample.stage import split_groups, write_shards
 from stages.sample.vlm_data import VLMPrompt, decode_image, pack_images, unpack_images
 from stages.shards.writer import ShardSetWriter
 
@@ -84,16 +84,6 @@ def vlm_sample_config_of(manifests: list[Any]) -> VLMSampleConfig:
 def is_token_rollout(columns: Any) -> bool:
     """True when shard-set columns are a text-response rollout (this module's layout)."""
     return "response_ids" in columns
-
-
-def split_groups(prompts: list[Any], num_shards: int) -> list[list[Any]]:
-    """`num_shards` contiguous runs of prompts (each prompt is one whole group)."""
-    if num_shards > len(prompts):
-        raise UserInputError(f"--num-shards {num_shards}: more shards than prompt groups ({len(prompts)})")
-    return [
-        prompts[s * len(prompts) // num_shards : (s + 1) * len(prompts) // num_shards]
-        for s in range(num_shards)
-    ]
 
 
 def left_pad(
@@ -241,27 +231,14 @@ def run_vlm_sample(
     if group_size < 1:
         raise UserInputError(f"-n {group_size}: the group size must be at least 1")
     shards = split_groups(prompts, num_shards)
-    written = resumed = responses = 0
-    t0 = time.perf_counter()
-    for s in shard_indices:
-        if writer.shard_done(s):
-            resumed += 1
-            if on_batch:
-                on_batch(len(shards[s]) * group_size)
-            continue
-        writer.write_shard(
-            s, sample_vlm_shard(policy, cfg, shards[s], group_size, s, policy_version, on_batch)
-        )
-        written += 1
-        responses += len(shards[s]) * group_size
-    seconds = time.perf_counter() - t0
-    return {
-        "rows": sum(len(shards[s]) for s in shard_indices) * group_size,
-        "shards_written": written,
-        "shards_resumed": resumed,
-        "responses_per_s": responses / seconds if seconds > 0 and responses else None,
-        "seconds": seconds,
-    }
+    return write_shards(
+        writer,
+        [len(groups) * group_size for groups in shards],
+        shard_indices,
+        lambda s: sample_vlm_shard(policy, cfg, shards[s], group_size, s, policy_version, on_batch),
+        unit="responses",
+        on_batch=on_batch,
+    )
 
 
 def prompt_inputs(

@@ -29,6 +29,7 @@ import math
 import re
 import threading
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 from stages.errors import UserInputError
@@ -143,6 +144,15 @@ def available_rewards() -> list[str]:
     """Names of the built-in, registered and entry-point rewards, sorted."""
     _load_builtins()
     return sorted(set(_REGISTRY) | set(entry_point_names(ENTRY_POINT_GROUP)))
+
+
+def reward_column(name: str) -> str:
+    """The shard-set column of reward `name`: ``reward.<name>``, a file plugin named by its file name
+    (``reward.task.py:fn`` for ``path/to/task.py:fn``), since column names cannot hold '/'."""
+    source, sep, attr = name.rpartition(":")
+    if sep and ("/" in source or "\\" in source):
+        name = f"{Path(source).name}:{attr}"
+    return f"reward.{name}"
 
 
 def parse_reward_spec(spec: str) -> tuple[str, float]:

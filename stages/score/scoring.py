@@ -1,7 +1,7 @@
 """Score a batch with several weighted rewards: one call per scorer, checked values, a weighted sum.
 
-Output columns (schema v1): ``reward`` = Σ_k w_k·r_k and one ``reward.<name>`` per scorer with the
-raw value r_k, all float32 [N]. The sum is formed in float64, then cast.
+Output columns (schema v1): ``reward`` = Σ_k w_k·r_k and one ``reward.<name>`` per scorer
+(`registry.reward_column`) with the raw value r_k, all float32 [N]. The sum is formed in float64, then cast.
 
 A value a scorer could not produce (``None``, NaN, ±inf, or the scorer raising) is never trained on
 silently. With ``on_error="fail"`` (default) it raises `NonFiniteError` naming the scorer and the
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from stages.errors import NonFiniteError, UserInputError
-from stages.score.registry import get_reward
+from stages.score.registry import get_reward, reward_column
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ def score_batch(
         column = torch.tensor(values, dtype=torch.float64)
         total += weight * column
         any_failed |= torch.tensor(failed, dtype=torch.bool)
-        columns[f"reward.{name}"] = column.to(torch.float32)
+        columns[reward_column(name)] = column.to(torch.float32)
     out = {"reward": total.to(torch.float32), **columns}
     for key, column in out.items():
         bad = (~torch.isfinite(column)).nonzero()

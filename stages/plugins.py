@@ -44,7 +44,7 @@ def load_file_module(path: str | Path, spec: str, what: str) -> ModuleType:
     It runs under a unique name in `sys.modules` (so dataclasses and pickling inside it work);
     `spec` and `what` name it in errors.
     """
-    file = Path(path).absolute().resolve()
+    file = Path(path).resolve()
     with _file_lock:
         if file in _file_modules:
             return _file_modules[file]
@@ -62,7 +62,7 @@ def load_file_module(path: str | Path, spec: str, what: str) -> ModuleType:
         try:
             module_spec.loader.exec_module(module)
         except Exception as exc:
-            del sys.modules[name]
+            sys.modules.pop(name, None)
             raise UserInputError(f"{what} {spec!r}: {file} failed to load ({_one_line(exc)})") from exc
         _file_modules[file] = module
         return module

@@ -70,7 +70,7 @@ def test_counting_reward_rises(vlm_demo: Path) -> None:
     assert last - first > 10 * math.sqrt(se0**2 + se1**2), means
     assert means[1][0] > first, means
     steps = json.loads((vlm_demo / f"it{ITERATIONS}" / "policy" / "omnirl_adapter.json").read_text())["step"]
-    assert steps == ITERATIONS * 4  # 64 prompts × 16 responses in micro-batches of 256
+    assert steps == ITERATIONS * 8  # 128 prompts × 16 responses in micro-batches of 256
 
 
 def test_report_writes_curve_and_response_sheets(vlm_demo: Path) -> None:

@@ -90,14 +90,16 @@ def _policy_rollout(
 
 
 def _eos_seed(policy: VLMPolicy) -> int:
-    """The first seed whose responses to prompt 0 include one ended by eos and one cut by the length."""
-    eos = policy.processor.tokenizer.eos_token_id
-    for seed in range(200):
+    """The first seed whose responses to prompt 0 include one ended by a stop token and one cut by the length."""
+    stops = torch.tensor(policy.stop_ids)
+    for seed in range(1000):
         roll = _policy_rollout(policy, QUESTIONS[:1], IMAGES[:1], [seed])
-        ended = [bool((row[m] == eos).any()) for row, m in zip(roll.response_ids, roll.response_mask)]
+        ended = [
+            bool(torch.isin(row[m], stops).any()) for row, m in zip(roll.response_ids, roll.response_mask)
+        ]
         if any(ended) and not all(ended):
             return seed
-    raise AssertionError("no seed in 0..199 samples an eos: the tiny model changed")
+    raise AssertionError("no seed in 0..999 samples a stop token: the tiny model changed")
 
 
 def _sample(url: str, policy: VLMPolicy, seeds: list[int], **kw: object) -> Rollout:
@@ -134,14 +136,15 @@ def test_rollout_equals_policy_generate(policy: VLMPolicy, sampled: tuple[Rollou
     assert float((roll.log_probs - want.log_probs).abs().max()) < 1e-6
     assert roll.text == want.text
     assert (roll.log_probs[~roll.response_mask] == 0).all()
-    # The eos comes back from the server with its log-prob and closes the mask, as in HF generate.
-    eos = policy.processor.tokenizer.eos_token_id
+    # The stop token comes back from the server with its log-prob and closes the mask, as in HF generate.
     lengths = roll.response_mask.sum(1)
-    ended = [r for r in range(9) if lengths[r] < MAX_NEW]
-    assert ended and all(int(roll.response_ids[r, lengths[r] - 1]) == eos for r in ended)
+    ended = [r for r in range(9) if int(roll.response_ids[r, lengths[r] - 1]) in policy.stop_ids]
+    assert ended and all(lengths[r] == MAX_NEW or r in ended for r in range(9))
     assert all(float(roll.log_probs[r, lengths[r] - 1]) < 0 for r in ended)
     assert all(
-        int(roll.response_ids[r, lengths[r]]) == policy.processor.tokenizer.pad_token_id for r in ended
+        int(roll.response_ids[r, lengths[r]]) == policy.processor.tokenizer.pad_token_id
+        for r in ended
+        if lengths[r] < MAX_NEW
     )
 
 
@@ -182,6 +185,11 @@ def test_chat_request_body() -> None:
     assert urls[0].startswith("data:image/png;base64,") and urls[1].startswith("data:image/jpeg;base64,")
     assert base64.b64decode(urls[1].split(",", 1)[1]) == jpeg
     assert body["max_completion_tokens"] == body["max_tokens"] == 5 and body["seed"] == 3
+    assert "logit_bias" not in body
+    banned = chat_request(
+        MODEL, "q?", [], n=1, temperature=1.0, top_p=1.0, max_new_tokens=5, seed=0, banned_ids=[7, 9]
+    )
+    assert banned["logit_bias"] == {"7": -100, "9": -100}
     assert body["logprobs"] is True and body["top_logprobs"] == 0 and body["return_tokens_as_token_ids"]
     with pytest.raises(UserInputError, match="prompt, image 0"):
         chat_request(MODEL, "q", [b"not an image"], n=1, temperature=1, top_p=1, max_new_tokens=1, seed=0)

@@ -46,6 +46,23 @@ def test_lora_trains_only_the_language_model(tiny_vlm: Path) -> None:
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in params)
 
 
+def test_full_fine_tuning_freezes_the_vision_tower_unless_asked(tiny_vlm: Path) -> None:
+    policy = VLMPolicy.load(tiny_vlm)
+    names = {n for n, _ in policy.model.named_parameters()}
+    visual = {n for n in names if n.startswith("model.visual.")}
+    assert visual and len(visual) < len(names)
+    policy.trainable_parameters(full=True)
+    trained = {n for n, p in policy.model.named_parameters() if p.requires_grad}
+    assert trained == names - visual
+    policy.trainable_parameters(full=True, train_vision=True)
+    assert {n for n, p in policy.model.named_parameters() if p.requires_grad} == names
+    prompt = _prompt(policy)
+    roll = policy.generate(prompt, n=1, max_new_tokens=3)
+    policy.response_log_probs(prompt, roll.response_ids, roll.response_mask).sum().backward()
+    grads = {n: p.grad for n, p in policy.model.named_parameters()}
+    assert any(grads[n] is not None and grads[n].abs().sum() > 0 for n in visual)  # images feed the loss
+
+
 def test_a_response_ends_at_any_generation_stop_token(tiny_vlm: Path) -> None:
     """Qwen stops on <|im_end|> and <|endoftext|>; the mask must end at whichever comes first."""
     policy = VLMPolicy.load(tiny_vlm)
@@ -63,3 +80,32 @@ def test_a_response_ends_at_any_generation_stop_token(tiny_vlm: Path) -> None:
         assert mask[:length].all() and not mask[length:].any()
     assert stops[:, 0].all()  # near-greedy sampling stopped every response at its first token
     assert roll.response_mask.sum() == len(roll.response_mask)
+
+
+def test_vision_markers_are_never_sampled_and_carry_no_probability(tiny_vlm: Path) -> None:
+    """A policy that strongly prefers <|image_pad|> (trl #3847's failure) still answers in text, and
+    the rollout and replay log-probs describe the same distribution without the markers."""
+    policy = VLMPolicy.load(tiny_vlm)
+    pad = policy.image_token_id
+    assert pad in policy.banned_ids and len(policy.banned_ids) == 4
+
+    def prefer_image_pad(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        output = output.clone()
+        output[..., pad] += 20.0
+        return output
+
+    policy.model.lm_head.register_forward_hook(prefer_image_pad)
+    prompt = _prompt(policy)
+    with torch.no_grad():
+        raw = policy.model(**prompt).logits[:, -1].softmax(-1)[:, pad]
+    assert (raw > 0.99).all()  # unguarded, nearly every token would be an image pad
+    roll = policy.generate(prompt, n=4, max_new_tokens=8, seed=1)
+    assert not torch.isin(roll.response_ids[roll.response_mask], torch.tensor(policy.banned_ids)).any()
+    with torch.no_grad():
+        replay, entropy = policy.response_stats(
+            policy.expand(prompt, 4), roll.response_ids, roll.response_mask, entropy=True
+        )
+    assert float((replay - roll.log_probs).abs()[roll.response_mask].max()) < 1e-5
+    assert torch.isfinite(entropy).all() and (entropy > 0).all()
+    logits = policy.allowed(torch.zeros(1, 1, policy.model.config.text_config.vocab_size))
+    assert float(logits.softmax(-1)[0, 0, policy.banned_ids].sum()) == 0.0

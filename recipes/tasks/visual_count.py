@@ -7,16 +7,19 @@ download and the same seed always writes the same Parquet bytes (verl's layout: 
 `prompt`, `images`, `ability`, `reward_model`, `extra_info`).
 
 The reward (`compute_score`, verl's signature; `reward` is the same rule as an omnirl text scorer,
-usable as ``--reward recipes/tasks/visual_count.py:reward``) is dense on purpose. A random-init policy
-over a ~263-token byte vocabulary emits a right one-digit answer about once in 263² samples, so an
-exact-match reward would be 0 for whole groups and GRPO would get no signal. Instead every response
-character earns credit: with c the characters of the stripped response,
+usable as ``--reward recipes/tasks/visual_count.py:reward``) is dense on purpose. The random-init
+tiny Qwen2.5-VL samples almost uniformly from its 3291-token vocabulary, in which the ten digits are
+single one-character tokens: a bare right answer (the digit, then end of turn) comes about twice in
+10⁷ samples, so an exact-match reward would be 0 in every group and GRPO would get no signal.
+Instead every response character earns credit: with c the characters of the stripped response,
 
-    score = 0.4·(share of c that are digits) + 0.4·(share of c equal to the answer digit)
+    score = 0.4·(share of c that are ASCII digits) + 0.4·(share of c equal to the answer digit)
             + 0.2·[response is exactly the answer]
 
-so a response scores more the more of it is digits, more again when those digits are the right one,
-and 1 only for the bare right digit; it is 0 for an empty response and lies in [0, 1].
+A digit anywhere in a response already scores, and a batch of ~1000 four-token responses holds about
+a dozen of them, enough for GRPO to raise the digit share within a few iterations; more of the
+response being digits scores more, the right digit more again, and only the bare right digit scores
+1. It is 0 for an empty response and lies in [0, 1].
 
 Command line: ``python recipes/tasks/visual_count.py --out FILE --num-prompts N --seed S``.
 """
@@ -53,13 +56,13 @@ QUESTION = "<image>How many {colour} {shape} are in the image? Answer with one d
 
 
 def _layout(rng: random.Random, count: int, size: int, radius: int) -> list[tuple[int, int]]:
-    """`count` centres ≥ 2·radius + 2 px apart (no touching shapes), inside a `size`² canvas."""
+    """`count` centres whose x or y differ by ≥ 2·radius + 2 px (shapes never touch), inside a `size`² canvas."""
     margin, gap = radius + 1, 2 * radius + 2
     while True:
         centres: list[tuple[int, int]] = []
         for _ in range(200 * count):
             x, y = rng.randint(margin, size - 1 - margin), rng.randint(margin, size - 1 - margin)
-            if all((x - a) ** 2 + (y - b) ** 2 >= gap**2 for a, b in centres):
+            if all(max(abs(x - a), abs(y - b)) >= gap for a, b in centres):
                 centres.append((x, y))
                 if len(centres) == count:
                     return centres

@@ -24,6 +24,12 @@ from stages.errors import UserInputError
 from stages.models.diffusion import ADAPTER_CONFIG, DTYPES, read_adapter_config
 from stages.update.token_losses import token_log_probs
 
+# Vision markers a response must never contain: sampled into a response, an image pad token would
+# make the model look for image features that do not exist. They are removed from the policy's
+# distribution (at sampling and in every log-prob), as trl does after its issue #3847.
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+BANNED_LOGIT = -1e9
+
 # `config.json` model types this module loads as policies.
 VLM_MODEL_TYPES = ("qwen2_5_vl",)
 
@@ -78,6 +84,13 @@ class VLMPolicy:
         self.image_token_id = tok.convert_tokens_to_ids("<|image_pad|>")
         self.video_token_id = tok.convert_tokens_to_ids("<|video_pad|>")
         self.pad_id = tok.pad_token_id
+        self.banned_ids = sorted(
+            {
+                i
+                for i in tok.convert_tokens_to_ids(list(VISION_TOKENS))
+                if i is not None and i != tok.unk_token_id
+            }
+        )
 
     @property
     def module(self) -> torch.nn.Module:
@@ -252,15 +265,34 @@ class VLMPolicy:
         response_ids: torch.Tensor,
         response_mask: torch.Tensor,
         temperature: float = 1.0,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probs of the response tokens and the entropy of each token's distribution, both [B, T]."""
+        entropy: bool = False,
+        entropy_grad: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs of the response tokens [B, T] and, with `entropy`, each token distribution's
+        entropy [B, T] (None otherwise). With gradient it keeps several [B, T, V] buffers for the
+        backward, so a caller that only logs it passes `entropy_grad=False`."""
         from stages.update.token_losses import token_entropy
 
         inputs = self._forward_inputs(prompt, response_ids, response_mask)
-        logits = self.model(**inputs).logits
-        length, t = inputs["input_ids"].shape[1], response_ids.shape[1]
-        aligned = logits[:, length - t - 1 : length - 1]
-        return token_log_probs(aligned, response_ids, temperature), token_entropy(aligned, temperature)
+        t = response_ids.shape[1]
+        # logits only where a response token is predicted: the last prompt position onwards
+        logits = self.model(**inputs, logits_to_keep=t + 1).logits[:, :-1]
+        aligned = self.allowed(logits)
+        logp = token_log_probs(aligned, response_ids, temperature)
+        if not entropy:
+            return logp, None
+        if not entropy_grad:
+            with torch.no_grad():
+                return logp, token_entropy(aligned.detach(), temperature)
+        return logp, token_entropy(aligned, temperature)
+
+    def allowed(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits [..., V] with the vision markers (`VISION_TOKENS`) pushed to a finite −1e9, so they get
+        zero probability (and the entropy stays finite)."""
+        if not self.banned_ids:
+            return logits
+        index = torch.tensor(self.banned_ids, device=logits.device)
+        return logits.index_fill(-1, index, BANNED_LOGIT)
 
     def expand(self, prompt: dict[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
         """Processor inputs with every prompt repeated n times in place (its images too)."""
@@ -290,29 +322,35 @@ class VLMPolicy:
         max_new_tokens: int = 64,
         seed: int = 0,
     ) -> Rollout:
-        """n responses per prompt; log-probs from the raw logits / temperature of each sampled token.
+        """n responses per prompt; log-probs from the raw logits / temperature of each sampled token
+        (vision markers excluded, no top-p warping, which only shapes which tokens get drawn).
 
         A response ends at its first stop token (`stop_ids`), which it keeps; the rest is padding.
         """
         batch = prompt["input_ids"].shape[0]
-        repeat = self.expand(prompt, n)
         torch.manual_seed(seed)
+        # Every sampling knob is explicit, so a checkpoint's generation_config (Qwen ships top_k,
+        # repetition_penalty) cannot change the distribution the log-probs describe.
         out = self.model.generate(
-            **repeat,
+            **prompt,
+            num_return_sequences=n,  # the images are encoded once per prompt, not once per response
             do_sample=True,
             temperature=temperature,
             top_p=top_p,
+            top_k=0,
+            repetition_penalty=1.0,
+            suppress_tokens=self.banned_ids or None,
             max_new_tokens=max_new_tokens,
             output_logits=True,
             return_dict_in_generate=True,
             pad_token_id=self.pad_id,
         )
-        prompt_len = repeat["input_ids"].shape[1]
+        prompt_len = prompt["input_ids"].shape[1]
         response = out.sequences[:, prompt_len:]
         stop = torch.isin(response, torch.tensor(self.stop_ids, device=response.device)).long()
         mask = (torch.cumsum(stop, dim=1) - stop) == 0  # tokens up to and including the first stop token
         response = torch.where(mask, response, torch.full_like(response, self.pad_id))
-        logits = torch.stack(out.logits, dim=1).float()
+        logits = self.allowed(torch.stack(out.logits, dim=1).float())
         log_probs = torch.where(mask, token_log_probs(logits, response, temperature), torch.zeros(()))
         text = self.processor.tokenizer.batch_decode(
             response.masked_fill(~mask, self.pad_id), skip_special_tokens=True

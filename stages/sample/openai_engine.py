@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from stages.errors import OmnirlError, RuntimeFailure, UserInputError
-from stages.models.vlm import Rollout
+from stages.models.vlm import VISION_TOKENS, Rollout
 
 START_HINT = "start `vllm serve MODEL` or fix --server-url"
 TOKEN_ID_PREFIX = "token_id:"
@@ -66,8 +66,10 @@ def chat_request(
     max_new_tokens: int,
     seed: int,
     where: str = "prompt",
+    banned_ids: list[int] | None = None,
 ) -> dict[str, Any]:
-    """The JSON body asking for n responses to one user turn (images first, then the question)."""
+    """The JSON body asking for n responses to one user turn (images first, then the question);
+    `banned_ids` (the vision markers) get OpenAI's strongest logit bias, −100."""
     content = [
         {"type": "image_url", "image_url": {"url": image_data_url(b, f"{where}, image {k}")}}
         for k, b in enumerate(images)
@@ -87,6 +89,7 @@ def chat_request(
         "top_logprobs": 0,
         "return_tokens_as_token_ids": True,
         "stream": False,
+        **({"logit_bias": {str(i): -100 for i in banned_ids}} if banned_ids else {}),
     }
 
 
@@ -295,6 +298,13 @@ def generate_openai(
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     stop_ids = set(tokenizer.all_special_ids)
+    banned = sorted(
+        {
+            i
+            for i in tokenizer.convert_tokens_to_ids(list(VISION_TOKENS))
+            if i is not None and i != tokenizer.unk_token_id
+        }
+    )
     url = f"{base}/chat/completions"
     bodies = [
         chat_request(
@@ -307,6 +317,7 @@ def generate_openai(
             max_new_tokens=max_new_tokens,
             seed=seed,
             where=f"prompt {i}",
+            banned_ids=banned,
         )
         for i, (q, imgs, seed) in enumerate(zip(questions, images, seeds))
     ]
@@ -330,6 +341,11 @@ def generate_openai(
     log_probs = torch.zeros(rows, max_new_tokens, dtype=torch.float32)
     for r, (tokens, values) in enumerate(responses):
         length = tokens.index(eos) + 1 if eos in tokens else len(tokens)
+        if set(tokens[:length]) & set(banned):
+            raise RuntimeFailure(
+                f"{url}: response {r} contains an image/video marker token despite logit_bias; "
+                "a response with one cannot be replayed, use a server that applies logit_bias"
+            )
         ids[r, :length] = torch.tensor(tokens[:length], dtype=torch.int64)
         mask[r, :length] = True
         log_probs[r, :length] = torch.tensor(values[:length], dtype=torch.float32)

@@ -379,7 +379,10 @@ class TokenPolicyGradient:
         )
         width = tokens.shape[1]
         temperature = self.sample_cfg.temperature
-        logp, entropy = policy.response_stats(inputs, tokens, mask, temperature)
+        bonus = cfg.entropy_coef != 0
+        logp, entropy = policy.response_stats(
+            inputs, tokens, mask, temperature, entropy=True, entropy_grad=bonus
+        )
         ref = None
         if cfg.beta != 0 and "ref_log_probs" in data:
             ref = data["ref_log_probs"][index, :width].to(policy.device)
@@ -394,7 +397,7 @@ class TokenPolicyGradient:
             adv.clamp(-cfg.adv_clip, cfg.adv_clip),
             mask,
             ref_logp=ref,
-            entropy=entropy if cfg.entropy_coef != 0 else entropy.detach(),
+            entropy=entropy,
             kl_coef=cfg.beta,
             kl_kind=cfg.kl_type,
             entropy_coef=cfg.entropy_coef,

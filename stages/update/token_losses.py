@@ -71,9 +71,8 @@ def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: flo
         )
     if not temperature > 0:
         raise UserInputError(f"temperature must be > 0, got {temperature}")
-    scaled = _fp32(logits) / temperature
-    picked = scaled.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(scaled, dim=-1)
+    scaled = _fp32(logits) if temperature == 1.0 else _fp32(logits) / temperature
+    return scaled.log_softmax(-1).gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
 
 
 def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

@@ -189,9 +189,12 @@ def train(
     if ema is not None and state.get("ema") is not None:
         ema.shadow = {k: v.clone() for k, v in state["ema"]["shadow"].items()}
         ema.updates = int(state["ema"]["updates"])
-    snapshot = {k: v.detach().clone() for k, v in named.items()}
     # NFT's old policy persists across updates; AWM's "old" is the weights this update starts from.
-    old_weights = state.get("old_weights") if algo.name == "nft" and state.get("old_weights") else snapshot
+    # Other families need no copy (for a fully fine-tuned VLM it would be a second model).
+    old_weights = None
+    if algo.family == "forward":
+        saved = state.get("old_weights") if algo.name == "nft" else None
+        old_weights = saved or {k: v.detach().clone() for k, v in named.items()}
     objective = make_objective(
         policy,
         data,

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from typer.testing import CliRunner
@@ -47,3 +50,13 @@ def sample_args(model: Path, prompts: Path, out: Path, *extra: str) -> list[str]
         str(out),
         *extra,
     ]
+
+
+def torchrun(*args: str, ranks: int = 2) -> None:
+    """`torchrun --standalone --nproc_per_node RANKS -m omnirl_cli ARGS --json` on gloo (CPU); asserts success."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", str(ranks)]
+    result = subprocess.run(
+        [*cmd, "-m", "omnirl_cli", *args, "--json"], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]

@@ -7,14 +7,11 @@ optimizer step; gradients are averaged over ranks as DDP does, so the adapters m
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import ins, run
+from helpers import ins, run, torchrun
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.distributed
@@ -38,30 +35,7 @@ def test_two_ranks_equal_one_process(staged: dict[str, Path], tmp_path: Path) ->
         "0.04",
     ]
     run("update", *common, "--grad-accum", "2", "--out", str(tmp_path / "one"))
-    torchrun = Path(sys.executable).parent / "torchrun"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-    subprocess.run(
-        [
-            str(torchrun),
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            "-m",
-            "omnirl_cli",
-            "update",
-            *common,
-            "--grad-accum",
-            "1",
-            "--out",
-            str(tmp_path / "two"),
-            "--json",
-        ],
-        check=True,
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
+    torchrun("update", *common, "--grad-accum", "1", "--out", str(tmp_path / "two"))
     one = load_file(tmp_path / "one" / "pytorch_lora_weights.safetensors")
     two = load_file(tmp_path / "two" / "pytorch_lora_weights.safetensors")
     assert one.keys() == two.keys()

@@ -150,10 +150,10 @@ def test_rollout_equals_policy_generate(policy: VLMPolicy, sampled: tuple[Rollou
 
 def test_replay_reproduces_server_log_probs(policy: VLMPolicy, sampled: tuple[Rollout, list[int]]) -> None:
     roll, _ = sampled
-    prompt = policy.chat_inputs(QUESTIONS, _decoded(IMAGES))
+    rows = [q for q in QUESTIONS for _ in range(N)], [im for im in _decoded(IMAGES) for _ in range(N)]
     with torch.no_grad():
         replay = policy.response_log_probs(
-            policy.expand(prompt, N), roll.response_ids, roll.response_mask, TEMPERATURE
+            policy.chat_inputs(*rows), roll.response_ids, roll.response_mask, TEMPERATURE
         )
     diff = (replay - roll.log_probs).abs()[roll.response_mask]
     assert diff.numel() > 9 and float(diff.max()) < 1e-5

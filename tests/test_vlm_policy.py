@@ -10,10 +10,14 @@ from PIL import Image
 from stages.models.vlm import VLMPolicy
 
 
-def _prompt(policy: VLMPolicy) -> dict[str, torch.Tensor]:
+def _prompt(policy: VLMPolicy, n: int = 1) -> dict[str, torch.Tensor]:
+    """Two prompts, each repeated n times in place (one row per response, as the stages replay them)."""
     red = Image.new("RGB", (56, 56), (220, 20, 20))
     wide = Image.new("RGB", (112, 56), (20, 20, 220))
-    return policy.chat_inputs(["What colour is the square?", "Is the picture wide?"], [[red], [wide]])
+    questions, images = ["What colour is the square?", "Is the picture wide?"], [[red], [wide]]
+    return policy.chat_inputs(
+        [q for q in questions for _ in range(n)], [im for im in images for _ in range(n)]
+    )
 
 
 def test_replay_reproduces_rollout_log_probs(tiny_vlm: Path) -> None:
@@ -24,9 +28,7 @@ def test_replay_reproduces_rollout_log_probs(tiny_vlm: Path) -> None:
     assert roll.response_ids.shape[0] == 4 and roll.prompt_index == [0, 0, 1, 1] and len(roll.text) == 4
     assert roll.response_mask[:, 0].all()
     with torch.no_grad():
-        replay = policy.response_log_probs(
-            policy.expand(prompt, 2), roll.response_ids, roll.response_mask, 0.9
-        )
+        replay = policy.response_log_probs(_prompt(policy, 2), roll.response_ids, roll.response_mask, 0.9)
     diff = (replay - roll.log_probs).abs()[roll.response_mask]
     assert float(diff.max()) < 1e-5
     again = policy.generate(prompt, n=2, temperature=0.9, max_new_tokens=8, seed=3)
@@ -103,7 +105,7 @@ def test_vision_markers_are_never_sampled_and_carry_no_probability(tiny_vlm: Pat
     assert not torch.isin(roll.response_ids[roll.response_mask], torch.tensor(policy.banned_ids)).any()
     with torch.no_grad():
         replay, entropy = policy.response_stats(
-            policy.expand(prompt, 4), roll.response_ids, roll.response_mask, entropy=True
+            _prompt(policy, 4), roll.response_ids, roll.response_mask, entropy=True
         )
     assert float((replay - roll.log_probs).abs()[roll.response_mask].max()) < 1e-5
     assert torch.isfinite(entropy).all() and (entropy > 0).all()

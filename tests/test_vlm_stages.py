@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from helpers import ins, run, runner
+from helpers import ins, run, runner, torchrun
 from PIL import Image, ImageDraw
 
 from omnirl_cli.app import app
@@ -400,40 +400,13 @@ def test_unreachable_server_is_one_line_with_exit_2(
 def test_two_ranks_equal_one_process(vlm_run: dict[str, Path], tiny_vlm: Path, tmp_path: Path) -> None:
     """torchrun with 2 gloo ranks × 1 micro-batch = 1 process × 2 accumulated micro-batches: the
     token-mean counts both ranks' tokens, so loss, gradient and weights agree."""
-    import os
-    import subprocess
-    import sys
-
     from safetensors.torch import load_file
 
     common = ["--model", str(tiny_vlm), *ins(vlm_run["samples"], vlm_run["logprobs"], vlm_run["advantages"])]
     common += ["--no-shuffle", "--micro-batch", "6", "--lora-rank", "4", "--lr", "1e-2", "--algo", "grpo"]
     common += ["--beta", "0.01"]
     run("update", *common, "--grad-accum", "2", "--out", str(tmp_path / "one"))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-    torchrun = Path(sys.executable).parent / "torchrun"
-    subprocess.run(
-        [
-            str(torchrun),
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            "-m",
-            "omnirl_cli",
-            "update",
-            *common,
-            "--grad-accum",
-            "1",
-            "--out",
-            str(tmp_path / "two"),
-            "--json",
-        ],
-        check=True,
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
+    torchrun("update", *common, "--grad-accum", "1", "--out", str(tmp_path / "two"))
     m1 = [json.loads(x) for x in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
     m2 = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in m1] == [m["step"] for m in m2] == [1]

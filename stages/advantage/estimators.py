@@ -340,5 +340,5 @@ def get_estimator(name: str) -> Callable[..., torch.Tensor]:
         return obj
     raise UserInputError(
         f"unknown advantage estimator {name!r}; available: {', '.join(sorted(ESTIMATORS))} "
-        "(or give a plugin as 'package.module:function')"
+        "(or a plugin: 'package.module:function' or 'path/to/file.py:function')"
     )

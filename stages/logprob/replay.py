@@ -105,13 +105,21 @@ def replay_shard(
         if on_batch:
             on_batch(len(part["sample_id"]))
     cols = concat_batches(parts)
-    delta = (cols["old_log_probs"] - shard["log_probs"].float()).abs()
-    stats = {
+    return cols, delta_stats(cols["old_log_probs"], shard["log_probs"])
+
+
+def delta_stats(
+    replayed: torch.Tensor, rollout: torch.Tensor, valid: torch.Tensor | None = None
+) -> dict[str, float]:
+    """Sum, max and count of |replayed − rollout| log-probs (over `valid` entries when given)."""
+    delta = (replayed - rollout.float()).abs()
+    if valid is not None:
+        delta = delta[valid]
+    return {
         "abs_delta_sum": float(delta.sum()),
         "abs_delta_max": float(delta.max()) if delta.numel() else 0.0,
         "count": delta.numel(),
     }
-    return cols, stats
 
 
 @torch.no_grad()
@@ -160,11 +168,4 @@ def replay_token_shard(
         if on_batch:
             on_batch(stop - start)
     cols = concat_batches(parts)
-    valid = shard["response_mask"].bool()
-    delta = (cols["old_log_probs"] - shard["log_probs"].float()).abs()[valid]
-    stats = {
-        "abs_delta_sum": float(delta.sum()),
-        "abs_delta_max": float(delta.max()) if delta.numel() else 0.0,
-        "count": delta.numel(),
-    }
-    return cols, stats
+    return cols, delta_stats(cols["old_log_probs"], shard["log_probs"], shard["response_mask"].bool())

@@ -294,23 +294,6 @@ class VLMPolicy:
         index = torch.tensor(self.banned_ids, device=logits.device)
         return logits.index_fill(-1, index, BANNED_LOGIT)
 
-    def expand(self, prompt: dict[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
-        """Processor inputs with every prompt repeated n times in place (its images too)."""
-        batch = prompt["input_ids"].shape[0]
-        out = {
-            k: v.repeat_interleave(n, dim=0)
-            for k, v in prompt.items()
-            if k not in ("pixel_values", "image_grid_thw")
-        }
-        if "pixel_values" in prompt:
-            grids = prompt["image_grid_thw"]
-            chunks = list(torch.split(prompt["pixel_values"], grids.prod(dim=1).tolist()))
-            spans = _images_per_prompt(prompt["input_ids"], self.image_token_id, grids)
-            order = [i for b in range(batch) for _ in range(n) for i in range(*spans[b])]
-            out["pixel_values"] = torch.cat([chunks[i] for i in order])
-            out["image_grid_thw"] = grids[order]
-        return out
-
     @torch.no_grad()
     def generate(
         self,
@@ -357,21 +340,3 @@ class VLMPolicy:
         )
         index = [b for b in range(batch) for _ in range(n)]
         return Rollout(index, response, mask, log_probs, text)
-
-
-def _images_per_prompt(
-    input_ids: torch.Tensor, image_token_id: int, grids: torch.Tensor
-) -> list[tuple[int, int]]:
-    """[start, stop) image indices of each prompt, from how many image pad tokens it holds."""
-    from stages.models.qwen2_5_vl import SPATIAL_MERGE_SIZE
-
-    merged = (grids.prod(dim=1) // SPATIAL_MERGE_SIZE**2).tolist()  # pad tokens per image after the merge
-    spans, start = [], 0
-    for row in input_ids:
-        tokens, stop = int((row == image_token_id).sum()), start
-        while tokens > 0:
-            tokens -= merged[stop]
-            stop += 1
-        spans.append((start, stop))
-        start = stop
-    return spans

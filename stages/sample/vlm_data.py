@@ -120,4 +120,6 @@ def decode_image(blob: bytes, where: str) -> Any:
     try:
         return Image.open(io.BytesIO(blob)).convert("RGB")
     except Exception:
-        raise UserInputError(f"{where}: an image is not a readable PNG/JPEG file") from None
+        raise UserInputError(
+            f"{where}: an image is not a readable PNG/JPEG file; re-run `omnirl sample` or fix the data"
+        ) from None

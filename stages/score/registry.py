@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from stages.errors import UserInputError
-from stages.plugins import entry_point_names, load_entry_point, load_object
+from stages.plugins import entry_point_names, is_file_spec, load_entry_point, load_object
 
 Scorer = Callable[[Sequence[Any], Sequence[str], Sequence[dict]], Sequence[float | None]]
 _F = TypeVar("_F")
@@ -120,7 +120,7 @@ def get_reward(name: str) -> Scorer:
             if obj is None:
                 raise UserInputError(
                     f"unknown reward {name!r}; available: {', '.join(available_rewards())} "
-                    "(or give a plugin as 'package.module:function')"
+                    "(or a plugin: 'package.module:function' or 'path/to/file.py:function')"
                 )
             scorer = _instantiate(obj, f"{name} (entry point)")
         _PLUGINS[name] = scorer
@@ -150,7 +150,7 @@ def reward_column(name: str) -> str:
     """The shard-set column of reward `name`: ``reward.<name>``, a file plugin named by its file name
     (``reward.task.py:fn`` for ``path/to/task.py:fn``), since column names cannot hold '/'."""
     source, sep, attr = name.rpartition(":")
-    if sep and ("/" in source or "\\" in source):
+    if sep and is_file_spec(source):
         name = f"{Path(source).name}:{attr}"
     return f"reward.{name}"
 

@@ -7,11 +7,11 @@ reward's declared kind (`registry.reward_kind`) must match the rollout.
 
 from __future__ import annotations
 
-import io
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from stages.errors import UserInputError
+from stages.sample.vlm_data import decode_image
 from stages.score.registry import reward_kind
 from stages.score.scoring import score_batch
 
@@ -19,7 +19,8 @@ BASE = ("sample_id", "prompt", "prompt_meta")
 
 
 def output_column(columns: Any) -> str:
-    """The column scorers read: `response_text` for a text rollout, else `image`."""
+    """The column scorers read: `response_text` for a text rollout, else `image` (checked on the
+    columns a shard was read with, which hold the output column but not the token ids)."""
     return "response_text" if "response_text" in columns else "image"
 
 
@@ -31,17 +32,7 @@ def needed_columns(columns: Any) -> list[str]:
 
 def decode_images(blobs: Sequence[bytes], sample_ids: Sequence[str]) -> list[Any]:
     """PNG/JPEG bytes → RGB PIL images; an undecodable blob names its sample."""
-    from PIL import Image
-
-    images = []
-    for blob, sid in zip(blobs, sample_ids):
-        try:
-            images.append(Image.open(io.BytesIO(blob)).convert("RGB"))
-        except Exception:
-            raise UserInputError(
-                f"sample {sid!r}: its image bytes are not a readable image; re-run `omnirl sample`"
-            ) from None
-    return images
+    return [decode_image(blob, f"sample {sid!r}") for blob, sid in zip(blobs, sample_ids)]
 
 
 def score_shard(

@@ -90,7 +90,8 @@ def make_rollouts(model: Path, args: argparse.Namespace, out: Path) -> dict[str,
                 [""] * len(idx),
                 [7 + i for i in idx],
                 [100 + i for i in idx],
-                batch_key=(0, start),
+                groups=idx,
+                sample_ids=[str(i) for i in idx],
             )
         )
     log_probs = torch.cat([p["log_probs"] for p in parts])

@@ -198,6 +198,7 @@ def bare_update(
         params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, eps=cfg.adam_eps
     )
     low, high = cfg.clip_bounds()
+    bound = cfg.advantage_clip()
     for idx in chunks:
         index = torch.tensor(idx)
         prompt = bare_inputs(policy.processor, [data["prompt"][i] for i in idx], [images[i] for i in idx])
@@ -208,7 +209,9 @@ def bare_update(
         loss, _ = token_losses.grpo_loss(
             logp,
             data["old_log_probs"][index, :t],
-            data["advantages"][index, 0].clamp(-cfg.adv_clip, cfg.adv_clip),
+            data["advantages"][index, 0]
+            if bound is None
+            else data["advantages"][index, 0].clamp(-bound, bound),
             mask,
             clip_low=low,
             clip_high=high,

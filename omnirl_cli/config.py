@@ -7,6 +7,7 @@ command only, where every key must be one of its options.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -133,4 +134,15 @@ def resolve(ctx: typer.Context, command: str) -> dict[str, Any]:
             if name in explicit or name in META_PARAMS:
                 continue
             resolved[name] = _coerce(name, value, defaults.get(name), origin)
+    flags = {p.name: p.opts[0] for p in ctx.command.params if p.name and p.opts}
+    for name, value in resolved.items():
+        _check_finite(flags.get(name, name), value)
     return resolved
+
+
+def _check_finite(flag: str, value: Any) -> None:
+    """NaN and ±inf are never meaningful option values (and cannot be recorded in a manifest's JSON)."""
+    values = value if isinstance(value, (list, tuple)) else [value]
+    for v in values:
+        if isinstance(v, float) and not math.isfinite(v):
+            raise UserInputError(f"{flag} {v}: must be a finite number")

@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 IO = "Input / output"
+ADAPTER_HELP = "an `omnirl update` output, a diffusers LoRA folder, or for a VLM a PEFT folder"
 RUN = "Run"
 
 ConfigOpt = Annotated[
@@ -49,7 +50,23 @@ FormatOpt = Annotated[
     typer.Option("--format", help="Shard format of the output: parquet or webdataset.", rich_help_panel=IO),
 ]
 NumShardsOpt = Annotated[
-    int, typer.Option("--num-shards", min=1, help="Number of output shards.", rich_help_panel=IO)
+    int | None,
+    typer.Option(
+        "--num-shards",
+        min=1,
+        help="Number of output shards (default: one per --shard-rows rows, whole groups each).",
+        rich_help_panel=IO,
+    ),
+]
+ShardRowsOpt = Annotated[
+    int,
+    typer.Option(
+        "--shard-rows",
+        min=1,
+        help="Rows per shard when --num-shards is not given: a shard is the unit of resume, so a crash "
+        "loses at most one shard's work.",
+        rich_help_panel=IO,
+    ),
 ]
 OverwriteOpt = Annotated[
     bool,

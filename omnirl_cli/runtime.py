@@ -69,29 +69,56 @@ def map_shards(
             writer.write_shard(s, fn(src.read_shard(s, columns=columns), lambda n: display.advance(task, n)))
 
 
+def resolve_num_shards(c: dict[str, Any], groups: int, group_rows: int) -> int:
+    """Set and return c["num_shards"]: --num-shards, else about --shard-rows rows per shard.
+
+    A shard holds whole groups (`groups` of `group_rows` rows), so there are at most `groups` shards.
+    """
+    if c["num_shards"] is None:
+        rows = groups * group_rows
+        c["num_shards"] = max(1, min(groups, -(-rows // c["shard_rows"])))
+    return c["num_shards"]
+
+
 def check_format(fmt: str) -> str:
     if fmt not in ("parquet", "webdataset"):
         raise UserInputError(f"--format {fmt}: choose parquet or webdataset")
     return fmt
 
 
-def run_config(resolved: dict[str, Any], adapter: Path | None = None) -> dict[str, Any]:
-    """The config recorded (and hashed) for an output: resolved options plus the adapter's identity.
+# Options that say where and how the output is stored or reported, never what it holds. A Slurm
+# array task (--shard-index) shares its run's identity, so the tasks complete one shard set together;
+# the writer adds the format and shard count to the fingerprint of the files themselves.
+NOT_IDENTITY = ("json_", "overwrite", "shard_index", "out", "fmt", "num_shards", "shard_rows")
+# Options naming the weights that determine the output: their content digests join the identity, so
+# a re-run under retrained or replaced weights redoes the work. (Prompt files and plugin sources are
+# parents of the output, with their sha256, in its lineage.)
+CONTENT_OPTIONS = ("model", "adapter")
 
-    Input shard sets enter the output's fingerprint through their manifest hashes (the writer's
-    lineage); the adapter's hash is added here so a re-run under changed weights is not mistaken for
-    a finished one.
+
+def run_config(resolved: dict[str, Any]) -> dict[str, Any]:
+    """The config recorded (and hashed) for an output: the resolved options that determine it, plus
+    `model_sha256` / `adapter_sha256` content digests.
+
+    Input shard sets, prompt files and plugin files enter the output's identity through the writer's
+    lineage (`parents`).
     """
-    import hashlib
+    from stages.shards.digest import content_digest
 
     def plain(v: Any) -> Any:
         if isinstance(v, (list, tuple)):
             return [plain(x) for x in v]
         return str(v) if isinstance(v, Path) else v
 
-    config = {k: plain(v) for k, v in resolved.items() if k not in ("json_", "overwrite")}
-    if adapter is not None:
-        from stages.models.diffusion import ADAPTER_CONFIG
-
-        config["adapter_sha256"] = hashlib.sha256((Path(adapter) / ADAPTER_CONFIG).read_bytes()).hexdigest()
+    config = {k: plain(v) for k, v in resolved.items() if k not in NOT_IDENTITY}
+    for key in CONTENT_OPTIONS:
+        if resolved.get(key) is not None:
+            config[f"{key}_sha256"] = content_digest(resolved[key], f"--{key.replace('_', '-')}")
     return config
+
+
+def plugin_files(names: list[str]) -> list[Path]:
+    """The Python files named by 'path/to/file.py:attribute' plugin names, once each (for lineage)."""
+    from stages.plugins import spec_file
+
+    return list(dict.fromkeys(f for f in map(spec_file, names) if f is not None))

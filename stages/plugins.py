@@ -34,6 +34,13 @@ def is_file_spec(source: str) -> bool:
     return source.endswith(".py") or "/" in source or "\\" in source
 
 
+def spec_file(spec: str) -> Path | None:
+    """The Python file a 'path/to/file.py:attribute' spec names (its source is part of a run's
+    identity), or None for a module or entry-point name."""
+    source = spec.rpartition(":")[0]
+    return Path(source) if source and is_file_spec(source) else None
+
+
 def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
 

@@ -1,12 +1,30 @@
-"""Row tables users bring (Parquet or JSONL) and the images they reference, read with clear errors."""
+"""Row tables and text files users bring (Parquet, JSONL, text) and the images they reference, read
+with clear errors."""
 
 from __future__ import annotations
 
+import codecs
 import json
 from pathlib import Path
 from typing import Any
 
 from stages.errors import UserInputError
+
+
+def read_text(path: Path, option: str) -> str:
+    """A user's text file decoded as UTF-8 (a leading byte-order mark is dropped, as Excel writes one).
+
+    Other encodings (Latin-1, UTF-16 ...) are a one-line error naming the file and the first bad line.
+    """
+    data = path.read_bytes().removeprefix(codecs.BOM_UTF8)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise UserInputError(
+            f"{option} {path}: line {line} is not UTF-8 text (byte 0x{data[exc.start]:02x}); "
+            "save the file as UTF-8"
+        ) from None
 
 
 def read_rows(path: Path, option: str) -> list[dict[str, Any]]:
@@ -22,7 +40,7 @@ def read_rows(path: Path, option: str) -> list[dict[str, Any]]:
             raise UserInputError(f"{option} {path}: not a readable Parquet file ({exc})") from None
     if path.suffix in (".jsonl", ".json"):
         rows = []
-        for i, line in enumerate(path.read_text().splitlines()):
+        for i, line in enumerate(read_text(path, option).splitlines()):
             if line.strip():
                 try:
                     rows.append(json.loads(line))

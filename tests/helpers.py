@@ -23,6 +23,17 @@ def run(*args: str) -> dict:
     return json.loads(result.stdout)
 
 
+def fails(args: list[str], *names: str) -> str:
+    """Invoke `omnirl ARGS` in-process; assert exit 2 with one stderr line (no traceback) naming every
+    one of `names`, and return that line."""
+    result = runner.invoke(app, args)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.exit_code == 2, result.output
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert all(name in lines[0] for name in names), lines[0]
+    return lines[0]
+
+
 def ins(*paths: Path) -> list[str]:
     """`--in P` for every path, in order (the zipped inputs of a stage command)."""
     return [arg for p in paths for arg in ("--in", str(p))]

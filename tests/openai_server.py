@@ -3,7 +3,9 @@
 `serve(policy, name)` answers GET /v1/models and POST /v1/chat/completions as `vllm serve` does
 (OpenAI schema, vLLM's `return_tokens_as_token_ids`, the stop token returned with its log-prob, the
 error JSON {"error": {message, type, param, code}}), sampling with `policy.generate` under a lock
-(one model). `serve_canned` answers every completion with a fixed status and body, for error tests.
+(one model). Like vLLM, a sampling parameter the request leaves out takes the value of the served
+model's generation_config.json (`generation_defaults`), so a client that omits top_k gets the model's
+top_k. `serve_canned` answers every completion with a fixed status and body, for error tests.
 """
 
 from __future__ import annotations
@@ -24,6 +26,12 @@ from typing import Any
 from PIL import Image
 
 from stages.models.vlm import VLMPolicy
+
+# vLLM's own defaults (ChatCompletionRequest._DEFAULT_SAMPLING_PARAMS, top_k 0 = off), used when neither
+# the request nor the model's generation config sets a parameter.
+VLLM_DEFAULTS = {"repetition_penalty": 1.0, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
+# The generation-config keys vLLM takes as defaults (ModelConfig.get_diff_sampling_param).
+GENERATION_KEYS = (*VLLM_DEFAULTS, "max_new_tokens")
 
 
 class BadRequest(Exception):
@@ -98,6 +106,31 @@ def _user_turn(messages: Any) -> tuple[str, list[Image.Image]]:
     return "".join(texts), images
 
 
+def generation_defaults(model_dir: str) -> dict[str, Any]:
+    """The sampling defaults `vllm serve` reads from a model folder: the generation_config.json values
+    that differ from transformers' defaults, for the keys in `GENERATION_KEYS`."""
+    from transformers import GenerationConfig
+
+    try:
+        config = GenerationConfig.from_pretrained(model_dir).to_diff_dict()
+    except OSError:  # no generation_config.json
+        return {}
+    return {key: config[key] for key in GENERATION_KEYS if config.get(key) is not None}
+
+
+@contextmanager
+def _hf_sampling(model: Any, top_k: int, min_p: float, repetition_penalty: float) -> Iterator[None]:
+    """Make `VLMPolicy.generate` (which pins top_k 0 and repetition_penalty 1) sample with these knobs:
+    the model's `generate` gets them in place of its own (vLLM's top_k −1 or 0 is transformers' 0)."""
+    generate = model.generate
+    knobs = {"top_k": max(top_k, 0), "min_p": min_p or None, "repetition_penalty": repetition_penalty}
+    model.generate = lambda **kwargs: generate(**{**kwargs, **knobs})
+    try:
+        yield
+    finally:
+        del model.generate
+
+
 class PolicyApp:
     """The OpenAI endpoints over one policy: what vLLM's chat serving returns for these requests."""
 
@@ -108,6 +141,25 @@ class PolicyApp:
         self.tokenizer = policy.processor.tokenizer
         eos = policy.model.generation_config.eos_token_id
         self.stop_ids = set(eos if isinstance(eos, list) else [eos])
+        self.defaults = generation_defaults(policy.model_path)
+
+    def sampling(self, request: dict[str, Any]) -> dict[str, Any]:
+        """The parameters vLLM samples with: the request's, else the model's generation config, else vLLM's."""
+        out = {
+            key: float(request[key]) if request.get(key) is not None else self.defaults.get(key, default)
+            for key, default in VLLM_DEFAULTS.items()
+        }
+        out["top_k"] = int(out["top_k"])
+        max_tokens = request.get("max_completion_tokens") or request.get("max_tokens")
+        out["max_tokens"] = int(max_tokens or self.defaults.get("max_new_tokens", 16))
+        for key in ("presence_penalty", "frequency_penalty", "min_tokens"):
+            if request.get(key):
+                raise BadRequest(
+                    HTTPStatus.BAD_REQUEST, "BadRequestError", f"this server takes no {key}", key
+                )
+        if request.get("use_beam_search") or request.get("ignore_eos"):
+            raise BadRequest(HTTPStatus.BAD_REQUEST, "BadRequestError", "this server only samples")
+        return out
 
     def get(self, path: str) -> tuple[int, bytes]:
         if path.rstrip("/") != "/v1/models":
@@ -142,18 +194,19 @@ class PolicyApp:
             )
         question, images = _user_turn(request.get("messages"))
         n = int(request.get("n") or 1)
-        max_tokens = request.get("max_completion_tokens") or request.get("max_tokens") or 16
+        params = self.sampling(request)
         if int(request.get("top_logprobs") or 0) != 0:
             raise BadRequest(HTTPStatus.BAD_REQUEST, "BadRequestError", "this server returns no top_logprobs")
         seed = request.get("seed")
-        with self.lock:
+        knobs = {k: params[k] for k in ("top_k", "min_p", "repetition_penalty")}
+        with self.lock, _hf_sampling(self.policy.model, **knobs):
             prompt = self.policy.chat_inputs([question], [images])
             roll = self.policy.generate(
                 prompt,
                 n=n,
-                temperature=float(request.get("temperature", 1.0)),
-                top_p=float(request.get("top_p", 1.0)),
-                max_new_tokens=int(max_tokens),
+                temperature=params["temperature"],
+                top_p=params["top_p"],
+                max_new_tokens=params["max_tokens"],
                 seed=int(seed) if seed is not None else int(time.time_ns() % 2**63),
             )
         as_ids = bool(request.get("return_tokens_as_token_ids"))

@@ -335,6 +335,11 @@ def test_awm_matches_numpy_off_policy(weighting):
     assert loss.item() == pytest.approx(expected, rel=1e-5)
     assert metrics["actor/ratio_mean"] == pytest.approx(ratio.mean(), rel=1e-5)
     assert metrics["actor/pg_clipfrac"] == pytest.approx((np.abs(ratio - 1) > 0.2).mean())
+    # verl-omni's names: ppo_kl = mean(−log r), ratio_std Bessel; flow_grpo's approx_kl = ½·mean((log r)²)
+    log_r = np.log(ratio)
+    assert metrics["actor/ppo_kl"] == pytest.approx(-log_r.mean(), rel=1e-4)
+    assert metrics["actor/approx_kl"] == pytest.approx(0.5 * (log_r**2).mean(), rel=1e-4)
+    assert metrics["actor/ratio_std"] == pytest.approx(ratio.std(ddof=1), rel=1e-4)
 
 
 @pytest.mark.parametrize("weighting", ["uniform", "ghuber"])

@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from helpers import ins, run
+from helpers import fails, ins, run
 from PIL import Image
 
 from stages.shards.reader import ShardSet, open_inputs
@@ -49,7 +49,11 @@ def test_pairs_converter_orders_preferred_first_and_skips_ties(pickapic: Path, t
     out = run("pairs", "--pairs", str(pickapic), "--num-shards", "2", "--out", str(tmp_path / "pairs"))
     assert out["pairs"] == 6 and out["ties_skipped"] == 1
     data = ShardSet(tmp_path / "pairs").read_all()
-    assert data["sample_id"][:4] == ["p0000000-w", "p0000000-l", "p0000001-w", "p0000001-l"]
+    rollout = data["sample_id"][0][:8]  # the pair set's rollout id prefixes every id
+    assert data["sample_id"][:4] == [
+        f"{rollout}-{x}" for x in ("p0000000-w", "p0000000-l", "p0000001-w", "p0000001-l")
+    ]
+    assert data["group_id"][:4] == [f"{rollout}-p0000000"] * 2 + [f"{rollout}-p0000001"] * 2
     assert data["reward"].tolist() == [1.0, 0.0] * 6
     for i in range(0, 12, 2):  # the preferred image is always the flat one
         colours = [
@@ -57,6 +61,27 @@ def test_pairs_converter_orders_preferred_first_and_skips_ties(pickapic: Path, t
             for j in (i, i + 1)
         ]
         assert len(colours[0]) == 1 and len(colours[1]) > 100
+
+
+@pytest.mark.parametrize(
+    ("column", "value"), [("label_0", "left"), ("label_0", 0.7), ("chosen_score", "high")]
+)
+def test_non_numeric_or_unknown_labels_are_one_line(tmp_path: Path, column: str, value: object) -> None:
+    image = _png(torch.zeros(8, 8, 3, dtype=torch.uint8))
+    if column == "label_0":
+        row = {"caption": "x", "jpg_0": image, "jpg_1": image, "label_0": value}
+    else:
+        row = {
+            "prompt": "x",
+            "chosen": image,
+            "rejected": image,
+            "chosen_score": value,
+            "rejected_score": 1.0,
+        }
+    table = tmp_path / "pairs.parquet"
+    pq.write_table(pa.Table.from_pylist([row]), table)
+    fails(["pairs", "--pairs", str(table), "--out", str(tmp_path / "out")], f"{table}: row 0", column)
+    assert not (tmp_path / "out").exists()
 
 
 def test_offline_dpo_raises_the_implicit_preference_margin(

@@ -11,6 +11,7 @@ from helpers import ins, run, runner
 from safetensors.torch import load_file
 
 from omnirl_cli.app import app
+from omnirl_cli.runtime import device
 from stages.shards.reader import ShardSet, open_inputs
 
 PRESET = """\
@@ -93,6 +94,8 @@ def test_one_online_iteration_equals_the_staged_commands(
 
     out = _online(preset, staged, tmp_path / "online", "--iterations", "1", "--save-trajectories")
     assert out["iterations"][0]["policy_versions"] == [0]
+    # The sampler worker runs on the trainer's device (Accelerate's), so the first update starts on-policy.
+    assert out["iterations"][0]["sampler_device"] == out["iterations"][0]["device"] == str(device())
     o = tmp_path / "online"
     torch.testing.assert_close(
         ShardSet(o / "it0" / "samples").read_all()["latents"],
@@ -112,6 +115,9 @@ def test_one_online_iteration_equals_the_staged_commands(
         json.loads(x) for x in (o / "it1" / "policy" / "metrics.jsonl").read_text().splitlines()
     ]
     assert [m["step"] for m in online_metrics] == [m["step"] for m in staged_metrics]
+    # On-policy up to fp32 rounding (sampling and training batch the rows differently); a sampler on
+    # another device than the trainer's is off by far more.
+    assert online_metrics[0]["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
     for a, b in zip(staged_metrics, online_metrics, strict=True):
         assert b["actor/pg_loss"] == pytest.approx(a["actor/pg_loss"], rel=1e-5, abs=1e-8)
     w_staged = load_file(s["policy"] / "pytorch_lora_weights.safetensors")
@@ -131,6 +137,32 @@ def test_resume_and_staleness(preset: Path, staged: dict[str, Path], tmp_path: P
         "iterations"
     ]
     assert overlapped[1]["policy_versions"] == [0]  # sampled while iteration 0 trained
+
+
+def test_a_progressive_window_that_shrinks_keeps_running(
+    preset: Path, staged: dict[str, Path], tmp_path: Path
+) -> None:
+    """MixGRPO's window slides every iteration here: steps [0, 1], then [1] (cut at the range's end,
+    N − 2 = 2), then back to [0, 1]; each iteration stores and trains what its own window holds."""
+    window = [
+        "--set",
+        "sample.sde_window=2",
+        "--set",
+        "sample.window_strategy=progressive",
+        "--set",
+        "sample.iters_per_group=1",
+        "--set",
+        "update.algo=mix_grpo",
+    ]
+    out = tmp_path / "mix"
+    result = _online(preset, staged, out, "--iterations", "3", "--save-trajectories", *window)
+    assert [it["iteration"] for it in result["iterations"]] == [0, 1, 2]
+    sigmas = [ShardSet(out / f"it{k}" / "samples").read_all()["sigmas"] for k in range(3)]
+    latents = [ShardSet(out / f"it{k}" / "samples").read_all()["latents"] for k in range(3)]
+    assert [s.shape[1] for s in sigmas] == [3, 2, 3] and [x.shape[1] for x in latents] == [3, 2, 3]
+    assert torch.equal(sigmas[1], sigmas[0][:, 1:])  # the window moved one step on
+    assert torch.equal(sigmas[2], sigmas[0])  # and rolled back
+    assert all((out / f"it{k}" / "policy").is_dir() for k in (1, 2, 3))
 
 
 def test_a_crashed_worker_is_named_and_nothing_is_left_running(

@@ -10,6 +10,7 @@ import base64
 import io
 import json
 import math
+import shutil
 import socket
 import urllib.error
 import urllib.request
@@ -22,7 +23,7 @@ from PIL import Image
 
 from stages.errors import RuntimeFailure, UserInputError
 from stages.models.vlm import Rollout, VLMPolicy
-from stages.sample.openai_engine import chat_request, generate_openai
+from stages.sample.openai_engine import NEUTRAL_SAMPLING, chat_request, generate_openai
 
 MODEL = "tiny-vlm"
 QUESTIONS = ["What colour is the square?", "Is the picture wide?", "Are both pictures the same colour?"]
@@ -185,6 +186,10 @@ def test_chat_request_body() -> None:
     assert urls[0].startswith("data:image/png;base64,") and urls[1].startswith("data:image/jpeg;base64,")
     assert base64.b64decode(urls[1].split(",", 1)[1]) == jpeg
     assert body["max_completion_tokens"] == body["max_tokens"] == 5 and body["seed"] == 3
+    # every knob vLLM would otherwise take from the model's generation_config.json, at its neutral value
+    sampling = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty")
+    assert [body[k] for k in sampling] == [0.7, 0.9, -1, 0.0, 1.0, 0.0]
+    assert body["frequency_penalty"] == 0.0 and body["min_tokens"] == 0 and body["use_beam_search"] is False
     assert "logit_bias" not in body
     banned = chat_request(
         MODEL, "q?", [], n=1, temperature=1.0, top_p=1.0, max_new_tokens=5, seed=0, banned_ids=[7, 9]
@@ -314,3 +319,47 @@ def test_canned_good_reply_and_timeout(policy: VLMPolicy) -> None:
     ):
         _sample(url, policy, [0], questions=QUESTIONS[:1], images=IMAGES[:1], timeout=0.2)
     _assert_one_line(e, url)
+
+
+@pytest.fixture(scope="module")
+def instruct_policy(policy: VLMPolicy, tmp_path_factory: pytest.TempPathFactory) -> VLMPolicy:
+    """The tiny VLM whose generation_config.json carries Qwen2.5-VL-Instruct's sampling defaults (top_k 1,
+    repetition_penalty 1.05, temperature 0.1, top_p 0.001), which `vllm serve` applies to what a request omits."""
+    out = tmp_path_factory.mktemp("vlm-instruct") / "qwen2_5_vl-tiny"
+    shutil.copytree(policy.model_path, out)
+    path = out / "generation_config.json"
+    config = json.loads(path.read_text())
+    config.update(do_sample=True, top_k=1, repetition_penalty=1.05, temperature=0.1, top_p=0.001)
+    path.write_text(json.dumps(config))
+    return VLMPolicy.load(out)
+
+
+def test_the_model_generation_config_does_not_change_the_distribution(instruct_policy: VLMPolicy) -> None:
+    seeds = [5, 6, 7]
+    with serve(instruct_policy, MODEL) as url:
+        # The server does what vLLM does: a request that leaves the knobs out samples greedily (top_k 1),
+        # so the n responses of a group are one response repeated.
+        body = chat_request(
+            MODEL,
+            QUESTIONS[0],
+            IMAGES[0],
+            n=N,
+            temperature=TEMPERATURE,
+            top_p=TOP_P,
+            max_new_tokens=MAX_NEW,
+            seed=5,
+        )
+        status, reply = _post(
+            f"{url}/chat/completions",
+            json.dumps({k: v for k, v in body.items() if k not in NEUTRAL_SAMPLING}).encode(),
+        )
+        assert status == 200
+        tokens = [[t["token"] for t in c["logprobs"]["content"]] for c in reply["choices"]]
+        assert len(tokens) == N and all(t == tokens[0] for t in tokens)
+        roll = _sample(url, instruct_policy, seeds)
+    # The engine states every knob: the groups are sampled (they differ) exactly as the hf engine samples them.
+    for p in range(len(QUESTIONS)):
+        assert len({tuple(r.tolist()) for r in roll.response_ids[p * N : (p + 1) * N]}) == N
+    want = _policy_rollout(instruct_policy, QUESTIONS, IMAGES, seeds)
+    assert torch.equal(roll.response_ids, want.response_ids) and roll.text == want.text
+    assert float((roll.log_probs - want.log_probs).abs().max()) < 1e-6

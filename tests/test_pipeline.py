@@ -28,7 +28,8 @@ def test_samples_follow_the_trajectory_schema(staged: dict[str, Path]) -> None:
     )
     assert cols["final_latent"].shape == (16, 8, 8)
     data = s.read_all()
-    assert data["group_id"] == ["g000000"] * 2 + ["g000001"] * 2 + ["g000002"] * 2
+    rollout = data["group_id"][0][:8]  # the rollout id prefixes every id
+    assert data["group_id"] == [f"{rollout}-g00000{k}" for k in (0, 0, 1, 1, 2, 2)]
     assert len(set(data["sample_id"])) == 6
     # the last stored latent of an all-SDE rollout is the final latent
     assert torch.equal(data["latents"][:, -1], data["final_latent"])
@@ -51,7 +52,8 @@ def test_same_seed_same_bytes_and_batch_size_does_not_change_a_sample(
     run(*sample_args(staged["model"], staged["prompts"], again, "--batch-size", "2"))
     a = ShardSet(staged["samples"]).read_all()
     b = ShardSet(again).read_all()
-    assert a["sample_id"] == b["sample_id"] and a["seed"].tolist() == b["seed"].tolist()
+    local = [[i.split("-", 1)[1] for i in ids] for ids in (a["sample_id"], b["sample_id"])]
+    assert local[0] == local[1] and a["seed"].tolist() == b["seed"].tolist()
     torch.testing.assert_close(a["latents"], b["latents"], rtol=0, atol=1e-5)
     other = tmp_path / "other-seed"
     run(*sample_args(staged["model"], staged["prompts"], other, "--seed", "7"))
@@ -66,7 +68,9 @@ def test_ode_rollout_matches_the_diffusers_pipeline(tiny_sd3: Path) -> None:
 
     policy = FlowPolicy.load(tiny_sd3)
     cfg = SampleConfig(steps=5, guidance=3.0, resolution=32, sampler="ode", batch_size=2)
-    ours = rollout_batch(policy, cfg, PROMPTS[:2], ["", ""], [1, 2], [1, 2], batch_key=0)
+    ours = rollout_batch(
+        policy, cfg, PROMPTS[:2], ["", ""], [1, 2], [1, 2], groups=[0, 1], sample_ids=["a", "b"]
+    )
     pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3)
     pipe.set_progress_bar_config(disable=True)
     x_t = policy.initial_noise([1, 2], 32)

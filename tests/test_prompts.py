@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import codecs
 import json
+import re
 from pathlib import Path
 
 import pyarrow as pa
@@ -55,6 +57,33 @@ def test_bad_prompt_files_are_one_line_errors(tmp_path: Path) -> None:
     (tmp_path / "p.yaml").write_text("a: b\n")
     with pytest.raises(UserInputError, match="unknown prompt format"):
         read_prompts(tmp_path / "p.yaml")
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "last"),
+    [
+        ("p.txt", "a cat\ncafé au lait\n", "café au lait"),
+        ("p.jsonl", '{"prompt": "a cat"}\n{"prompt": "café"}\n', "café"),
+        ("p.csv", "prompt\ncafé\n", "café"),
+    ],
+)
+def test_text_prompt_files_must_be_utf8_and_may_open_with_a_bom(
+    tmp_path: Path, name: str, text: str, last: str
+) -> None:
+    path = tmp_path / name
+    path.write_bytes(text.encode("latin-1"))  # é is the single byte 0xe9, on line 2
+    message = f"--prompts {path}: line 2 is not UTF-8 text (byte 0xe9); save the file as UTF-8"
+    with pytest.raises(UserInputError, match=re.escape(message)):
+        read_prompts(path)
+    path.write_bytes(codecs.BOM_UTF8 + text.encode("utf-8"))  # as Excel and Notepad save UTF-8
+    assert [p.text for p in read_prompts(path)][-1] == last
+
+
+def test_a_csv_row_the_csv_reader_refuses_is_a_one_line_error(tmp_path: Path) -> None:
+    path = tmp_path / "long.csv"
+    path.write_text("prompt\na cat\n" + "x" * 200_000 + "\n")  # past the csv module's field limit
+    with pytest.raises(UserInputError, match=re.escape(f"--prompts {path}: line 3 is not valid CSV")):
+        read_prompts(path)
 
 
 def test_pick_prompts_is_seeded_and_keeps_file_indices(tmp_path: Path) -> None:

@@ -25,6 +25,7 @@ FIELDS = (
     Field("step", (), torch.int64),
     Field("cond", (3, 5), torch.bfloat16),
 )
+RAGGED = (Field("latents", (5, 2, 3), torch.float32, ragged=(0,)), Field("k", (), torch.int64))
 MIB4 = (1024, 1024)  # float32 rows of 4 MiB for the throughput measurement
 STREAM_ITEMS = 96
 
@@ -51,6 +52,17 @@ def assert_bit_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]
 def job_produce(ring: Ring, replies: Any, seeds: list[int], sizes: list[int]) -> None:
     for seed, n in zip(seeds, sizes):
         ring.put(make_batch(seed, n), {"seed": seed, "n": n, "id": f"s{seed}", "png": bytes([seed]) * 100})
+
+
+def ragged_batch(seed: int, n: int, k: int) -> dict[str, torch.Tensor]:
+    """n rows of k + 1 stored latents, as a window of k steps gives; regenerated from the seed."""
+    g = torch.Generator().manual_seed(seed)
+    return {"latents": torch.randn(n, k + 1, 2, 3, generator=g), "k": torch.full((n,), k)}
+
+
+def job_ragged(ring: Ring, replies: Any, windows: list[int]) -> None:
+    for seed, k in enumerate(windows):
+        ring.put(ragged_batch(seed, 3, k), {"k": k})
 
 
 def job_backpressure(ring: Ring, replies: Any) -> None:
@@ -80,7 +92,13 @@ def job_stream(ring: Ring, replies: Any) -> None:
         ring.put({"x": x}, {"k": k})
 
 
-JOBS = {"produce": job_produce, "backpressure": job_backpressure, "close": job_close, "stream": job_stream}
+JOBS = {
+    "produce": job_produce,
+    "ragged": job_ragged,
+    "backpressure": job_backpressure,
+    "close": job_close,
+    "stream": job_stream,
+}
 
 
 def serve(rings: dict[str, Ring], commands: Any, replies: Any) -> None:
@@ -103,6 +121,7 @@ class Worker:
         self.rings = {
             "fields": Ring(FIELDS, slots=3, rows=4, ctx=CTX),
             "partial": Ring(FIELDS, slots=2, rows=4, ctx=CTX),
+            "ragged": Ring(RAGGED, slots=2, rows=3, ctx=CTX),
             "backpressure": Ring([Field("i", (), torch.int64)], slots=2, rows=1, ctx=CTX),
             "close": Ring([Field("i", (), torch.int64)], slots=2, rows=1, ctx=CTX),
             "stream": Ring([Field("x", MIB4, torch.float32)], slots=4, rows=1, ctx=CTX),
@@ -149,6 +168,29 @@ def test_partial_batches_return_only_their_rows(worker: Worker) -> None:
         assert batch["step"].shape == (n,) and batch["latents"].shape == (n, 4, 8, 8)
         assert_bit_equal(batch, make_batch(seed, n))
     assert worker.reply() == ("done", "produce")
+
+
+def test_ragged_windows_that_shrink_and_grow_arrive_with_their_own_size(worker: Worker) -> None:
+    windows = [4, 3, 1, 4, 2]  # a progressive window: shrinking near the end of its range, then back
+    ring = worker.run("ragged", "ragged", windows)
+    for seed, k in enumerate(windows):
+        batch, meta = ring.get(timeout=30)
+        assert meta == {"k": k}
+        assert batch["latents"].shape == (3, k + 1, 2, 3) and batch["latents"].is_contiguous()
+        assert_bit_equal(batch, ragged_batch(seed, 3, k))
+    assert worker.reply() == ("done", "ragged")
+
+
+def test_ragged_bounds() -> None:
+    ring = Ring(RAGGED, slots=1, rows=3, ctx=CTX)
+    with pytest.raises(ValueError, match="dimensions \\(0,\\) at most that size"):
+        ring.put(ragged_batch(0, 3, 5))  # 6 stored latents: more than the 5 the field holds
+    with pytest.raises(ValueError, match="'latents' has shape"):
+        ring.put({"latents": torch.zeros(3, 2, 2, 2), "k": torch.zeros(3, dtype=torch.int64)})  # not ragged
+    with pytest.raises(ValueError, match="ragged dimensions"):
+        Field("x", (2, 3), torch.float32, ragged=(2,))
+    ring.put(ragged_batch(1, 2, 0), timeout=5)
+    assert_bit_equal(ring.get(timeout=5)[0], ragged_batch(1, 2, 0))
 
 
 def test_backpressure_keeps_at_most_slots_in_flight(worker: Worker) -> None:

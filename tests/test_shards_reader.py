@@ -19,10 +19,17 @@ FORMATS = ("parquet", "webdataset")
 
 
 def write(
-    out: Path, shards: list[dict], fmt: str = "parquet", command: str = "sample", parents=(), **kw
+    out: Path,
+    shards: list[dict],
+    fmt: str = "parquet",
+    command: str = "sample",
+    parents=(),
+    config_seed: int = 0,
+    **kw,
 ) -> Path:
+    config = {"c": command, "seed": config_seed}
     w = ShardSetWriter(
-        out, num_shards=len(shards), format=fmt, command=command, config={"c": command}, parents=parents, **kw
+        out, num_shards=len(shards), format=fmt, command=command, config=config, parents=parents, **kw
     )
     for i, b in enumerate(shards):
         w.write_shard(i, b)
@@ -72,7 +79,8 @@ def test_flipped_byte_is_a_checksum_error_naming_the_file(tmp_path, fmt: str) ->
     with pytest.raises(CorruptShardError, match=str(path)):
         ShardSet(out).verify()
     with pytest.raises(
-        CorruptShardError, match="re-run the command that produced it \\(sample\\) with --overwrite"
+        CorruptShardError,
+        match="re-run the command that produced it \\(omnirl sample\\) with the same options",
     ):
         list(ShardSet(out))
 
@@ -151,7 +159,7 @@ def test_missing_column_and_bad_index(tmp_path) -> None:
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_zip_column_groups(tmp_path, fmt: str) -> None:
     a = write(tmp_path / "samples", samples(), fmt)
-    b = write(tmp_path / "rewards", rewards(), "parquet", command="score")
+    b = write(tmp_path / "rewards", rewards(), "parquet", command="score", parents=[a])
     z = open_inputs([a, b])
     assert z.num_shards == 2 and z.num_rows == 7
     assert list(z.columns) == ["sample_id", "latents", "prompt", "reward"]
@@ -170,7 +178,7 @@ def test_zip_column_groups(tmp_path, fmt: str) -> None:
 def test_zip_sample_id_mismatch_names_both_files(tmp_path) -> None:
     a = write(tmp_path / "samples", samples())
     ids = [[f"s0-{r}" for r in range(3)], ["s1-0", "s1-1", "OTHER", "s1-3"]]
-    b = write(tmp_path / "rewards", rewards(ids=ids))
+    b = write(tmp_path / "rewards", rewards(ids=ids), parents=[a])
     z = open_inputs([a, b])
     z.read_shard(0, ["reward"])
     with pytest.raises(
@@ -182,7 +190,7 @@ def test_zip_sample_id_mismatch_names_both_files(tmp_path) -> None:
 
 def test_zip_row_count_mismatch_names_both_files(tmp_path) -> None:
     a = write(tmp_path / "samples", samples())
-    b = write(tmp_path / "rewards", rewards(rows=(3, 5)))
+    b = write(tmp_path / "rewards", rewards(rows=(3, 5)), parents=[a])
     with pytest.raises(
         UserInputError,
         match=rf"{a}/part-00001-of-00002.parquet has 4 rows but {b}/part-00001-of-00002.parquet has 5",
@@ -192,20 +200,82 @@ def test_zip_row_count_mismatch_names_both_files(tmp_path) -> None:
 
 def test_zip_shard_count_mismatch_names_both_dirs(tmp_path) -> None:
     a = write(tmp_path / "samples", samples())
-    b = write(tmp_path / "rewards", rewards(rows=(7,)))
+    b = write(tmp_path / "rewards", rewards(rows=(7,)), parents=[a])
     with pytest.raises(UserInputError, match=rf"{a} has 2 shards but {b} has 1"):
         open_inputs([a, b])
 
 
 def test_zip_duplicate_column_names_both_dirs(tmp_path) -> None:
     a = write(tmp_path / "samples", samples())
-    b = write(tmp_path / "more", [{"sample_id": s["sample_id"], "prompt": s["prompt"]} for s in samples()])
+    more = [{"sample_id": s["sample_id"], "prompt": s["prompt"]} for s in samples()]
+    b = write(tmp_path / "more", more, parents=[a])
     with pytest.raises(UserInputError, match=rf"column 'prompt' is in both {a} and {b}"):
         open_inputs([a, b])
     with pytest.raises(UserInputError, match="no input shard set"):
         open_inputs([])
     with pytest.raises(UserInputError, match="column 'nope' is not in any of"):
         open_inputs([a]).read_shard(0, ["nope"])
+
+
+# ----------------------------------------------------------------------------- lineage of zipped sets
+
+
+def rollout_family(root: Path, seed: int) -> dict[str, Path]:
+    """A rollout (seed-dependent values, the same ids every time) and sets derived from it as the commands record them."""
+    rollout = [{**s, "latents": s["latents"] + seed} for s in samples()]
+    s = write(root / "samples", rollout, config_seed=seed)
+    r = write(root / "rewards", rewards(), command="score", parents=[s])
+    lp = write(
+        root / "logprobs", [{"sample_id": b["sample_id"]} for b in samples()], command="logprob", parents=[s]
+    )
+    adv = [{"sample_id": b["sample_id"], "advantages": b["reward"] * 2} for b in rewards()]
+    a = write(root / "advantages", adv, command="advantage", parents=[s, r])
+    return {"samples": s, "rewards": r, "logprobs": lp, "advantages": a}
+
+
+def test_zip_of_one_rollout_passes_lineage(tmp_path) -> None:
+    f = rollout_family(tmp_path / "a", 0)
+    assert open_inputs([f["samples"], f["rewards"]]).num_rows == 7
+    assert list(open_inputs([f["samples"], f["logprobs"], f["advantages"]]).columns) == [
+        "sample_id",
+        "latents",
+        "prompt",
+        "advantages",
+    ]
+    # siblings without their rollout share it through their parents; so does a set reached through an input
+    assert list(open_inputs([f["rewards"], f["logprobs"]]).columns) == ["sample_id", "reward"]
+    assert open_inputs([f["rewards"], f["advantages"]]).num_rows == 7
+    # lineage is followed only through the inputs: a grandchild needs its parent zipped too
+    g = write(
+        tmp_path / "g",
+        [{"sample_id": b["sample_id"], "x": b["reward"]} for b in rewards()],
+        parents=[f["rewards"]],
+    )
+    assert open_inputs([f["samples"], f["rewards"], g]).num_rows == 7
+    with pytest.raises(UserInputError, match=rf"{f['samples']} and {g} come from different rollouts"):
+        open_inputs([f["samples"], g])
+
+
+def test_zip_of_two_rollouts_names_both_dirs(tmp_path) -> None:
+    a, b = rollout_family(tmp_path / "a", 0), rollout_family(tmp_path / "b", 1)
+    assert ShardSet(a["samples"]).read_all()["sample_id"] == ShardSet(b["samples"]).read_all()["sample_id"]
+    for sets, first, second in [
+        ([a["samples"], b["rewards"]], a["samples"], b["rewards"]),
+        ([a["samples"], a["logprobs"], b["advantages"]], a["samples"], b["advantages"]),
+        ([b["rewards"], a["samples"]], b["rewards"], a["samples"]),
+        ([a["rewards"], b["logprobs"]], a["rewards"], b["logprobs"]),
+    ]:
+        with pytest.raises(UserInputError, match=rf"^{first} and {second} come from different rollouts"):
+            open_inputs(sets)
+
+
+def test_zip_with_a_set_derived_from_an_earlier_run_is_refused(tmp_path) -> None:
+    f = rollout_family(tmp_path / "a", 0)
+    write(f["samples"], samples(), overwrite=True, config_seed=5)  # sampled again, with the same ids
+    with pytest.raises(
+        UserInputError, match=rf"{f['samples']} and {f['rewards']} come from different rollouts"
+    ):
+        open_inputs([f["samples"], f["rewards"]])
 
 
 # ----------------------------------------------------------------------------- describe
@@ -270,7 +340,7 @@ def test_describe_lineage(tmp_path) -> None:
 
 def test_describe_zipped(tmp_path) -> None:
     a = write(tmp_path / "samples", samples())
-    b = write(tmp_path / "rewards", rewards())
+    b = write(tmp_path / "rewards", rewards(), parents=[a])
     d = describe(open_inputs([a, b]))
     assert [i["path"] for i in d["inputs"]] == [str(a), str(b)]
     assert d["num_rows"] == 7 and [c["name"] for c in d["columns"]] == [

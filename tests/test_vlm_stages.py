@@ -140,9 +140,10 @@ def test_verl_rows_round_trip_through_sample(vlm_run: dict[str, Path], tiny_vlm:
     tok = load_processor(tiny_vlm).tokenizer
     assert len(data["sample_id"]) == 3 * N
     assert data["response_ids"].shape == (3 * N, MAX_NEW) and data["prompt_ids"].shape == (3 * N, 96)
+    rollout = data["sample_id"][0][:8]  # the rollout id prefixes every id
     for i, sid in enumerate(data["sample_id"]):
         k, member = divmod(i, N)
-        assert sid == f"g{k:06d}-{member:03d}" and data["group_id"][i] == f"g{k:06d}"
+        assert sid == f"{rollout}-g{k:06d}-{member:03d}" and data["group_id"][i] == f"{rollout}-g{k:06d}"
         meta = data["prompt_meta"][i]
         assert meta["ground_truth"] == rows[k]["reward_model"]["ground_truth"]
         assert meta["data_source"] == "dots" and meta["extra_info"] == rows[k]["extra_info"]
@@ -357,8 +358,10 @@ def test_openai_engine_through_a_server_samples_what_hf_samples(
             str(tmp_path / "api"),
         )
     hf, api = ShardSet(tmp_path / "hf").read_all(), ShardSet(tmp_path / "api").read_all()
-    for key in ("sample_id", "response_text", "images", "prompt_meta"):
+    for key in ("response_text", "images", "prompt_meta"):
         assert hf[key] == api[key]
+    # the same rows, under each rollout's own id
+    assert [i.split("-", 1)[1] for i in hf["sample_id"]] == [i.split("-", 1)[1] for i in api["sample_id"]]
     for key in ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "seed"):
         assert torch.equal(hf[key], api[key])
     assert torch.allclose(hf["log_probs"], api["log_probs"], atol=1e-6)

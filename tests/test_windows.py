@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
+from helpers import PROMPTS, run, sample_args
 
 from stages.errors import UserInputError
 from stages.sample.windows import WindowSchedule, window_steps
@@ -40,6 +44,9 @@ def test_random_window_in_range_and_seeded():
     # same iteration, different prompt-batch seeds: independent draws
     fresh = WindowSchedule(10, "random", window=w, window_range=(lo, hi))
     assert len({fresh.steps_for_iteration(5, seed=s)[0] for s in range(40)}) == hi - w - lo + 1
+    # a random window jumps to any iteration at once (the rollout asks for --iteration per group)
+    start = int(np.random.default_rng([42, 10**12]).integers(lo, hi - w + 1))
+    assert fresh.steps_for_iteration(10**12, seed=42) == list(range(start, start + w))
 
 
 def _mixgrpo_expected(iteration, *, n_steps, window, ipg, stride, roll_back):
@@ -116,3 +123,50 @@ def test_all_and_fixed():
         WindowSchedule(10, "cosine")
     with pytest.raises(UserInputError, match="--sde-window 6"):
         WindowSchedule(10, "random", window=6, window_range=(0, 5))
+
+
+WINDOW = ("--steps", "6", "--sde-window", "2", "--sde-window-range", "0", "5", "--window-strategy", "random")
+
+
+def test_random_window_is_keyed_by_seed_iteration_and_group_never_by_batch_or_shard(
+    tiny_sd3: Path, tmp_path: Path
+) -> None:
+    """`omnirl sample` with a random SDE window: --batch-size and --num-shards change no sample, each prompt
+    group gets the window `stored_steps` draws from (seed, iteration, group), and a batch that mixes groups
+    with different windows replays to the same log-probs (ratio 1)."""
+    from stages.models.diffusion import FlowPolicy
+    from stages.sample.rollout import SampleConfig, stored_steps
+    from stages.shards.reader import ShardSet
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    runs = {
+        "b2": ("--batch-size", "2"),
+        "b4": ("--batch-size", "4"),
+        "b4-s2": ("--batch-size", "4", "--num-shards", "2"),
+        "b1-s3": ("--batch-size", "1", "--num-shards", "3"),
+    }
+    data = {}
+    for name, extra in runs.items():
+        out = tmp_path / name
+        # a repeated option takes its last value: `extra` overrides sample_args' --batch-size 3
+        run(*sample_args(tiny_sd3, prompts, out, *WINDOW, "--seed", "3", "--iteration", "5", *extra))
+        data[name] = ShardSet(out).read_all()
+    reference = data["b2"]
+    for name, other in data.items():
+        assert [i[-11:] for i in other["sample_id"]] == [i[-11:] for i in reference["sample_id"]], name
+        for column in ("timesteps", "sigmas", "seed"):
+            assert torch.equal(other[column], reference[column]), (name, column)
+        for column in ("latents", "log_probs", "final_latent"):
+            torch.testing.assert_close(other[column], reference[column], rtol=0, atol=1e-5, msg=name)
+    cfg = SampleConfig(steps=6, window=2, window_range=(0, 5), window_strategy="random", seed=3, iteration=5)
+    windows = [stored_steps(cfg, g) for g in range(len(PROMPTS))]
+    assert len(set(map(tuple, windows))) > 1  # the groups do get different windows
+    table = FlowPolicy.load(tiny_sd3).sigmas(6)
+    for row, stored in enumerate(reference["sigmas"]):
+        steps = windows[row // 2]
+        assert torch.equal(stored, table[[*steps, steps[-1] + 1]])
+    replay = run(
+        "logprob", "--model", str(tiny_sd3), "--in", str(tmp_path / "b4"), "--out", str(tmp_path / "lp")
+    )
+    assert replay["abs_delta_max"] == 0.0

@@ -11,7 +11,7 @@ from ..config import resolve
 from ..console import emit_json, log
 from ..errors import handle_errors
 from ..options import ConfigOpt, FormatOpt, InOpt, JsonOpt, OutOpt, OverwriteOpt, SetOpt
-from ..runtime import check_format, open_inputs, run_config
+from ..runtime import check_format, open_inputs, plugin_files, run_config
 
 
 @handle_errors
@@ -76,7 +76,7 @@ def advantage(
         format=check_format(c["fmt"]),
         command="advantage",
         config=run_config(c),
-        parents=list(src.paths),
+        parents=[*src.paths, *plugin_files([name])],
         policy=src.manifests[0].policy,
         overwrite=c["overwrite"],
     )

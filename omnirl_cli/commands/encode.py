@@ -23,7 +23,13 @@ def encode(
         Path, typer.Option("--model", "-m", help="Diffusers pipeline folder (its VAE encodes).")
     ] = Path("model"),
     resolution: Annotated[
-        int, typer.Option("--resolution", help="Images are resized and centre-cropped to this.")
+        int,
+        typer.Option(
+            "--resolution",
+            min=1,
+            help="Images are resized and centre-cropped to this side in pixels: a multiple of the VAE "
+            "factor × patch size (SD3: 16).",
+        ),
     ] = 512,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Images per VAE call.")] = 8,
     dtype: Annotated[str, typer.Option("--dtype", help="fp32, bf16 or fp16.")] = "fp32",

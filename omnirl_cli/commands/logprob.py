@@ -10,7 +10,7 @@ import typer
 from ..config import resolve
 from ..console import emit_json, log
 from ..errors import handle_errors
-from ..options import ConfigOpt, FormatOpt, InOpt, JsonOpt, OutOpt, OverwriteOpt, SetOpt
+from ..options import ADAPTER_HELP, ConfigOpt, FormatOpt, InOpt, JsonOpt, OutOpt, OverwriteOpt, SetOpt
 from ..runtime import check_format, device, map_shards, open_inputs, policy_info, run_config
 
 
@@ -23,7 +23,8 @@ def logprob(
         Path, typer.Option("--model", "-m", help="Diffusers pipeline folder or transformers VLM folder.")
     ] = Path("model"),
     adapter: Annotated[
-        Path | None, typer.Option("--adapter", help="Adapter to replay under (default: base model).")
+        Path | None,
+        typer.Option("--adapter", help=f"Adapter to replay under: {ADAPTER_HELP} (default: base model)."),
     ] = None,
     dtype: Annotated[str, typer.Option("--dtype", help="fp32, bf16 or fp16.")] = "fp32",
     reference: Annotated[
@@ -77,7 +78,7 @@ def logprob(
         num_shards=src.num_shards,
         format=check_format(c["fmt"]),
         command="logprob",
-        config=run_config(c, c["adapter"]),
+        config=run_config(c),
         parents=list(src.paths),
         policy=policy_info(c["model"], c["adapter"]),
         overwrite=c["overwrite"],
@@ -106,7 +107,13 @@ def logprob(
                 )
             else:
                 cols, stats = replay_shard(
-                    policy, sample_cfg, shard, reference=c["reference"], means=c["means"], on_batch=advance
+                    policy,
+                    sample_cfg,
+                    shard,
+                    reference=c["reference"],
+                    means=c["means"],
+                    where=str(src.paths[0]),
+                    on_batch=advance,
                 )
             deltas["sum"] += stats["abs_delta_sum"]
             deltas["max"] = max(deltas["max"], stats["abs_delta_max"])

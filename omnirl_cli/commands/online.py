@@ -11,7 +11,7 @@ import typer
 from ..config import load_yaml, parse_set
 from ..console import emit_json, err
 from ..errors import handle_errors
-from ..options import JsonOpt, SetOpt
+from ..options import JsonOpt, OverwriteOpt, SetOpt
 
 # Preset keys of the `sample` section that are named differently in SampleConfig.
 SAMPLE_KEYS = {"sde_window": "window", "sde_window_range": "window_range"}
@@ -77,21 +77,26 @@ def online(
     ] = None,
     dtype: Annotated[str, typer.Option("--dtype", help="fp32, bf16 or fp16.")] = "fp32",
     threads: Annotated[int, typer.Option("--threads", min=1, help="torch threads per worker process.")] = 1,
+    overwrite: OverwriteOpt = False,
     set_: SetOpt = None,
     json_: JsonOpt = False,
 ) -> None:
     """Run RL iterations with the stages fused: a sampler and a scorer worker feed the trainer through a
     shared-memory ring; weights go back to the sampler after each update, with a version number.
 
-    Each iteration checkpoints it<K>/policy; a re-run resumes after the last one. With
-    --max-staleness 0 and the same seeds an iteration computes what the staged commands compute.
+    Each iteration checkpoints it<K>/policy; a re-run of the same run resumes after the last one. The
+    run's settings and the content digests of its model, prompts and plugin files are recorded in
+    online_run.json: a re-run with others is refused (--overwrite discards the old run's it<K>
+    directories and starts over). SIGTERM stops the run as Ctrl-C does (exit 130); the workers end
+    with the driver, even when it is killed. With --max-staleness 0 and the same seeds an iteration
+    computes what the staged commands compute.
 
     Example: [bold]omnirl online --config recipes/configs/demo_tiny.yaml --model models/sd3-tiny \\
     --prompts recipes/demo_prompts.txt --reward jpeg_compressibility --iterations 4 --out runs/online[/]
     """
     from stages.errors import UserInputError
     from stages.models.vlm import is_vlm_model
-    from stages.online.pipeline import OnlineConfig, run_online
+    from stages.online.pipeline import OnlineConfig, prepare_run, run_online
     from stages.sample.prompts import read_prompts
     from stages.sample.rollout import SampleConfig
     from stages.score.registry import parse_reward_spec
@@ -131,14 +136,21 @@ def online(
         threads=threads,
         seed=seed,
     )
+    prepare_run(cfg, overwrite=overwrite)
     if json_:
-        summaries = run_online(cfg, device=device())
-        emit_json({"out": str(out), "iterations": summaries})
-        return
+        emit_json({"out": str(out), "iterations": run_online(cfg, device=device())})
+    else:
+        _run_live(cfg, out, device())
+
+
+def _run_live(cfg: Any, out: Path, dev: Any) -> None:
+    """Run with a live table on stderr, one row per iteration."""
     from rich.live import Live
     from rich.table import Table
 
-    table = Table(title=f"omnirl online → {out}  (one row per iteration)", title_justify="left")
+    from stages.online.pipeline import run_online
+
+    table = Table(title=f"omnirl online → {out} on {dev}  (one row per iteration)", title_justify="left")
     for name in (
         "it",
         "reward mean",
@@ -169,5 +181,9 @@ def online(
             f"{s['seconds']:.1f}",
         )
 
-    with Live(table, console=err, refresh_per_second=2):
-        run_online(cfg, device=device(), on_iteration=show)
+    try:
+        with Live(table, console=err, refresh_per_second=2):
+            run_online(cfg, device=dev, on_iteration=show)
+    finally:
+        if not err.is_terminal:  # Live ends its table with a newline on a terminal only
+            err.line()

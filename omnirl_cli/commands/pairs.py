@@ -10,8 +10,8 @@ import typer
 from ..config import resolve
 from ..console import emit_json, log
 from ..errors import handle_errors
-from ..options import ConfigOpt, FormatOpt, JsonOpt, NumShardsOpt, OutOpt, OverwriteOpt, SetOpt
-from ..runtime import check_format, run_config
+from ..options import ConfigOpt, FormatOpt, JsonOpt, NumShardsOpt, OutOpt, OverwriteOpt, SetOpt, ShardRowsOpt
+from ..runtime import check_format, resolve_num_shards, run_config
 
 
 @handle_errors
@@ -26,7 +26,8 @@ def pairs(
         ),
     ] = Path("pairs.parquet"),
     out: OutOpt = Path("pairs"),
-    num_shards: NumShardsOpt = 1,
+    num_shards: NumShardsOpt = None,
+    shard_rows: ShardRowsOpt = 256,
     fmt: FormatOpt = "parquet",
     overwrite: OverwriteOpt = False,
     config: ConfigOpt = None,
@@ -43,12 +44,12 @@ def pairs(
     """
     c = resolve(ctx, "pairs")
     from stages.offline.pairs import pairs_batch, read_pairs
+    from stages.sample.stage import in_rollout, rollout_id
     from stages.shards.reader import slice_batch
     from stages.shards.writer import ShardSetWriter
 
     found, ties = read_pairs(c["table"])
-    batch = pairs_batch(found)
-    shards = min(c["num_shards"], len(found))
+    shards = min(resolve_num_shards(c, len(found), 2), len(found))
     writer = ShardSetWriter(
         c["out"],
         num_shards=shards,
@@ -60,6 +61,7 @@ def pairs(
         overwrite=c["overwrite"],
     )
     if not writer.complete:
+        batch = in_rollout(pairs_batch(found), rollout_id(writer))
         for s in range(shards):
             lo, hi = s * len(found) // shards, (s + 1) * len(found) // shards
             if not writer.shard_done(s):

@@ -14,12 +14,25 @@ import typer
 from ..config import resolve
 from ..console import emit_json, log, progress
 from ..errors import handle_errors
-from ..options import ConfigOpt, FormatOpt, JsonOpt, NumShardsOpt, OutOpt, OverwriteOpt, SetOpt
-from ..runtime import check_format, device, policy_info, policy_version, run_config
+from ..options import (
+    ADAPTER_HELP,
+    ConfigOpt,
+    FormatOpt,
+    JsonOpt,
+    NumShardsOpt,
+    OutOpt,
+    OverwriteOpt,
+    SetOpt,
+    ShardRowsOpt,
+)
+from ..runtime import check_format, device, policy_info, policy_version, resolve_num_shards, run_config
 
 SAMPLING = "Sampling"
 MODEL = "Model"
 VLM = "Vision-language models"
+# Least memory a diffusion rollout holds per sample before any model output: every sample is planned
+# up front (ids and seeds, about 270 bytes each, measured for `stages.sample.stage.plan_rows`).
+PLANNED_SAMPLE_BYTES = 256
 
 
 @handle_errors
@@ -39,7 +52,7 @@ def sample(
         Path | None,
         typer.Option(
             "--adapter",
-            help="Adapter written by `omnirl update` (default: the base model).",
+            help=f"Adapter: {ADAPTER_HELP} (default: the base model).",
             rich_help_panel=MODEL,
         ),
     ] = None,
@@ -66,7 +79,11 @@ def sample(
     group_size: Annotated[
         int,
         typer.Option(
-            "-n", "--group-size", help="Samples per prompt (the GRPO group).", rich_help_panel=SAMPLING
+            "-n",
+            "--group-size",
+            min=1,
+            help="Samples per prompt (the GRPO group).",
+            rich_help_panel=SAMPLING,
         ),
     ] = 4,
     steps: Annotated[int, typer.Option("--steps", help="Denoising steps.", rich_help_panel=SAMPLING)] = 10,
@@ -74,7 +91,13 @@ def sample(
         float, typer.Option("--guidance", help="CFG scale (1 = no CFG).", rich_help_panel=SAMPLING)
     ] = 4.5,
     resolution: Annotated[
-        int, typer.Option("--resolution", help="Image side in pixels.", rich_help_panel=SAMPLING)
+        int,
+        typer.Option(
+            "--resolution",
+            min=1,
+            help="Image side in pixels: a multiple of the VAE factor × patch size (SD3: 16).",
+            rich_help_panel=SAMPLING,
+        ),
     ] = 512,
     sampler: Annotated[
         str, typer.Option("--sampler", help="ode, sde (Flow-GRPO), cps or dance.", rich_help_panel=SAMPLING)
@@ -94,7 +117,8 @@ def sample(
         tuple[int, int] | None,
         typer.Option(
             "--sde-window-range",
-            help="LO HI: the window starts uniformly in [LO, HI−W] per batch.",
+            help="LO HI: the random window starts uniformly in [LO, HI−W], drawn per prompt group from "
+            "(--seed, --iteration, group), so batching never moves it (Flow-GRPO-Fast: one per pipeline call).",
             rich_help_panel=SAMPLING,
         ),
     ] = None,
@@ -117,7 +141,10 @@ def sample(
     iteration: Annotated[
         int,
         typer.Option(
-            "--iteration", min=0, help="RL iteration, for the progressive window.", rich_help_panel=SAMPLING
+            "--iteration",
+            min=0,
+            help="RL iteration: places the progressive window and, with --seed, seeds the random one.",
+            rich_help_panel=SAMPLING,
         ),
     ] = 0,
     iters_per_group: Annotated[
@@ -155,7 +182,11 @@ def sample(
     seed: Annotated[
         int,
         typer.Option(
-            "--seed", help="Base seed: the same seed gives bit-identical samples.", rich_help_panel=SAMPLING
+            "--seed",
+            help="Base seed: the same seed and --iteration give bit-identical samples; --batch-size, "
+            "--num-shards and --shard-index change a sample only by float rounding (noise and SDE windows "
+            "are drawn per sample and prompt group).",
+            rich_help_panel=SAMPLING,
         ),
     ] = 0,
     batch_size: Annotated[
@@ -218,7 +249,8 @@ def sample(
     prompt_key: Annotated[str, typer.Option("--prompt-key", rich_help_panel=VLM)] = "problem",
     answer_key: Annotated[str, typer.Option("--answer-key", rich_help_panel=VLM)] = "answer",
     image_key: Annotated[str, typer.Option("--image-key", rich_help_panel=VLM)] = "images",
-    num_shards: NumShardsOpt = 1,
+    num_shards: NumShardsOpt = None,
+    shard_rows: ShardRowsOpt = 256,
     shard_index: Annotated[
         int | None,
         typer.Option(
@@ -279,6 +311,13 @@ def sample(
     )
     cfg.validate()
     picked = pick_prompts(read_prompts(c["prompts"]), c["num_prompts"], c["seed"])
+    _check_memory(
+        c,
+        len(picked) * c["group_size"],
+        PLANNED_SAMPLE_BYTES,
+        f"planning {len(picked)} prompts × {c['group_size']} samples",
+    )
+    resolve_num_shards(c, len(picked), c["group_size"])
     writer = _writer(c, KINDS, json_)
     if writer is None:
         return
@@ -292,6 +331,38 @@ def sample(
         {"sample_config": asdict(cfg)},
         partial(run_sample, policy, cfg, picked),
     )
+
+
+def _memory_limit() -> int | None:
+    """Bytes this process may use: the least of physical memory and its address-space limit
+    (`ulimit -v`); None where neither is known."""
+    import contextlib
+    import os
+
+    limits = []
+    with contextlib.suppress(AttributeError, ValueError, OSError):  # sysconf is POSIX-only
+        limits.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    with contextlib.suppress(ImportError):  # no `resource` module on Windows
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+        if soft != resource.RLIM_INFINITY:
+            limits.append(soft)
+    return min(limits, default=None)
+
+
+def _check_memory(c: dict, samples: int, bytes_each: int, what: str) -> None:
+    """Refuse a group size whose samples cannot fit in memory before any model is loaded: a mistyped
+    `-n 100000000` would otherwise end in MemoryError after minutes of work."""
+    limit = _memory_limit()
+    need = samples * bytes_each
+    if limit is not None and need > limit:
+        from stages.errors import UserInputError
+
+        raise UserInputError(
+            f"-n/--group-size {c['group_size']}: {what} would need at least {need / 2**30:.1f} GiB of "
+            f"memory, more than the {limit / 2**30:.1f} GiB this process may use; lower it"
+        )
 
 
 def _shard_indices(c: dict) -> list[int]:
@@ -315,8 +386,8 @@ def _writer(c: dict, kinds: dict[str, str], json_: bool) -> Any:
         num_shards=c["num_shards"],
         format=check_format(c["fmt"]),
         command="sample",
-        config=run_config(c, adapter=c["adapter"]),
-        parents=[],
+        config=run_config(c),
+        parents=[c["prompts"]],
         policy=policy_info(c["model"], c["adapter"]),
         kinds=kinds,
         overwrite=c["overwrite"],
@@ -397,6 +468,12 @@ def _sample_vlm(c: dict, json_: bool) -> None:
         image_key=c["image_key"],
     )
     picked = pick_prompts(rows, c["num_prompts"], c["seed"])
+    # A group's padded token columns stay in memory until its shard is written: an int64 id and a bool
+    # mask per prompt and response position, an fp32 log-prob per response position.
+    token_bytes = 9 * cfg.max_prompt_length + 13 * cfg.max_new_tokens
+    what = f"holding the token columns of one group of {c['group_size']} responses"
+    _check_memory(c, c["group_size"], token_bytes, what)
+    resolve_num_shards(c, len(picked), c["group_size"])
     writer = _writer(c, KINDS, json_)
     if writer is None:
         return

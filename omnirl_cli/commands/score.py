@@ -11,7 +11,7 @@ from ..config import resolve
 from ..console import emit_json, log
 from ..errors import handle_errors
 from ..options import ConfigOpt, FormatOpt, InOpt, JsonOpt, OutOpt, OverwriteOpt, SetOpt
-from ..runtime import check_format, map_shards, open_inputs, run_config
+from ..runtime import check_format, map_shards, open_inputs, plugin_files, run_config
 
 
 @handle_errors
@@ -74,7 +74,7 @@ def score(
         format=check_format(c["fmt"]),
         command="score",
         config=run_config(c),
-        parents=list(src.paths),
+        parents=[*src.paths, *plugin_files([name for name, _ in specs])],
         policy=src.manifests[0].policy,
         overwrite=c["overwrite"],
     )

@@ -10,7 +10,7 @@ import typer
 from ..config import resolve
 from ..console import emit_json, log, progress
 from ..errors import handle_errors
-from ..options import ConfigOpt, InOpt, JsonOpt, OutOpt, OverwriteOpt, SetOpt
+from ..options import ADAPTER_HELP, ConfigOpt, InOpt, JsonOpt, OutOpt, OverwriteOpt, SetOpt
 from ..runtime import device, open_inputs, run_config
 
 OPT = "Optimisation"
@@ -27,7 +27,10 @@ def update(
     ] = Path("model"),
     adapter: Annotated[
         Path | None,
-        typer.Option("--adapter", help="Adapter to continue from (weights, optimizer, EMA, step)."),
+        typer.Option(
+            "--adapter",
+            help=f"Adapter to continue from: {ADAPTER_HELP}; omnirl's also carry optimizer, EMA and step.",
+        ),
     ] = None,
     dtype: Annotated[str, typer.Option("--dtype", help="fp32, bf16 or fp16.")] = "fp32",
     algo: Annotated[
@@ -35,10 +38,11 @@ def update(
         typer.Option(
             "--algo",
             help="flow_grpo (first int(K·f) steps), dance_grpo (random steps per sample), mix_grpo (the stored "
-            "window), grpo_guard (normalised ratio; needs `logprob --means`); on final latents: nft "
+            "window), grpo_guard (GRPO-Guard's RatioNorm ratio with the exact step std, as flow_grpo; on "
+            "dance steps verl-omni scales by η·|Δσ| instead; needs `logprob --means`); on final latents: nft "
             "(DiffusionNFT), awm (advantage-weighted matching), dpo (best vs worst of each group); VLM "
             "text rollouts: grpo (verl: clip 0.2, dual-clip 3, token-mean), dapo (clip-higher 0.28), gspo "
-            "(sequence ratio, clip 3e-4/4e-4, seq-mean-token-mean).",
+            "(verl: sequence ratio, clip 3e-4/4e-4, policy term always seq-mean-token-mean).",
             rich_help_panel=LOSS,
         ),
     ] = "flow_grpo",
@@ -70,8 +74,9 @@ def update(
         str | None,
         typer.Option(
             "--loss-agg-mode",
-            help="VLM: token-mean (grpo/dapo), seq-mean-token-mean (gspo, original GRPO), seq-mean-token-sum, "
-            "seq-mean-token-sum-norm (Dr.GRPO).",
+            help="VLM aggregation of the policy, KL and entropy terms (verl loss_agg_mode, default token-mean): "
+            "token-mean, seq-mean-token-mean (original GRPO), seq-mean-token-sum, seq-mean-token-sum-norm "
+            "(Dr.GRPO). gspo's policy term is always seq-mean-token-mean (verl); this sets its KL and entropy.",
             rich_help_panel=LOSS,
         ),
     ] = None,
@@ -88,13 +93,22 @@ def update(
         typer.Option("--entropy-coef", help="VLM: loss −= coef·entropy (verl 0).", rich_help_panel=LOSS),
     ] = 0.0,
     adv_clip: Annotated[
-        float, typer.Option("--adv-clip", help="Clip advantages to ±this.", rich_help_panel=LOSS)
-    ] = 5.0,
+        float | None,
+        typer.Option(
+            "--adv-clip",
+            help="Clip advantages to ±this; 0 turns it off. Default per --algo: 5 for the diffusion algorithms "
+            "(flow_grpo, verl-omni adv_clip_max; nft/awm also scale advantages by it), none for grpo/dapo/gspo "
+            "(verl never clips: one success in a group of 64 keeps A = 7.87).",
+            rich_help_panel=LOSS,
+        ),
+    ] = None,
     beta: Annotated[
         float,
         typer.Option(
             "--beta",
-            help="KL-to-reference weight (flow_grpo: 0.04 OCR/GenEval; VLM kl_loss_coef, verl 0.01).",
+            help="KL-to-reference weight (flow_grpo: 0.04 OCR/GenEval; VLM kl_loss_coef, verl 0.01). Diffusion "
+            "KL per step = mean (μ−μ_ref)²/(2d²): d = g on sde steps (flow_grpo, = exact KL·|Δσ|), d = the step "
+            "std η·sqrt|Δσ| on dance steps (verl-omni dance_sde, the exact Gaussian KL), d = s on cps steps.",
             rich_help_panel=LOSS,
         ),
     ] = 0.0,
@@ -142,9 +156,30 @@ def update(
             "--dpo-beta", help="Diffusion-DPO β (5000 for the reference's ε-MSE).", rich_help_panel=LOSS
         ),
     ] = 5000.0,
-    lr: Annotated[float, typer.Option("--lr", help="AdamW learning rate.", rich_help_panel=OPT)] = 3e-4,
-    weight_decay: Annotated[float, typer.Option("--weight-decay", rich_help_panel=OPT)] = 1e-4,
-    max_grad_norm: Annotated[float, typer.Option("--max-grad-norm", rich_help_panel=OPT)] = 1.0,
+    lr: Annotated[
+        float,
+        typer.Option(
+            "--lr",
+            help="AdamW learning rate (flow_grpo 3e-4). With --adapter, this run's --lr, --weight-decay, "
+            "--adam-betas and --adam-eps replace the saved optimizer's; its moments carry over.",
+            rich_help_panel=OPT,
+        ),
+    ] = 3e-4,
+    weight_decay: Annotated[
+        float,
+        typer.Option("--weight-decay", help="AdamW weight decay (flow_grpo 1e-4).", rich_help_panel=OPT),
+    ] = 1e-4,
+    betas: Annotated[
+        tuple[float, float],
+        typer.Option("--adam-betas", help="AdamW (β1, β2), each in [0, 1) (flow_grpo).", rich_help_panel=OPT),
+    ] = (0.9, 0.999),
+    adam_eps: Annotated[
+        float, typer.Option("--adam-eps", help="AdamW ε > 0 (flow_grpo 1e-8).", rich_help_panel=OPT)
+    ] = 1e-8,
+    max_grad_norm: Annotated[
+        float,
+        typer.Option("--max-grad-norm", help="Gradient-norm clip (flow_grpo 1.0).", rich_help_panel=OPT),
+    ] = 1.0,
     micro_batch: Annotated[
         int,
         typer.Option(
@@ -199,8 +234,10 @@ def update(
     language model (vision tower frozen), writes a PEFT adapter (or the full model with --full).
 
     Writes an inference-ready adapter (diffusers `pipe.load_lora_weights(OUT)`), the optimizer/EMA
-    state the next update resumes from, and metrics.jsonl (actor/pg_loss, ratio_mean, pg_clipfrac,
-    ppo_kl, kl_loss, grad_norm, lr, samples/s per optimizer step).
+    state the next update resumes from, and metrics.jsonl per optimizer step: actor/pg_loss, kl_loss,
+    pg_clipfrac, grad_norm, the effective lr, samples/s, and under verl-omni's names (verl's for VLMs)
+    ratio_mean and ppo_kl = mean(−log r); diffusion steps add ratio_std (Bessel, as verl-omni) and
+    flow_grpo's approx_kl = ½·mean((log r)²).
 
     Example: [bold]omnirl update --model models/sd3-tiny --in run/it0/samples --in run/it0/advantages \\
     --algo flow_grpo --out run/it1/policy[/]
@@ -212,38 +249,7 @@ def update(
     from stages.update.stage import run_update
     from stages.update.trainer import UpdateConfig
 
-    cfg = UpdateConfig(
-        algo=c["algo"],
-        lr=c["lr"],
-        weight_decay=c["weight_decay"],
-        clip_range=c["clip_range"],
-        clip_range_high=c["clip_range_high"],
-        adv_clip=c["adv_clip"],
-        beta=c["beta"],
-        max_grad_norm=c["max_grad_norm"],
-        micro_batch=c["micro_batch"],
-        grad_accum=c["grad_accum"],
-        inner_epochs=c["inner_epochs"],
-        timestep_fraction=c["timestep_fraction"],
-        shuffle=c["shuffle"],
-        ema=c["ema"],
-        lora_rank=c["lora_rank"],
-        lora_alpha=c["lora_alpha"],
-        full=c["full"],
-        seed=c["seed"],
-        nft_beta=c["nft_beta"],
-        old_decay=c["old_decay"],
-        awm_weighting=c["awm_weighting"],
-        awm_p=c["awm_p"],
-        ema_beta=c["ema_beta"],
-        train_timesteps=c["train_timesteps"],
-        dpo_beta=c["dpo_beta"],
-        loss_agg_mode=c["loss_agg_mode"],
-        kl_type=c["kl_type"],
-        entropy_coef=c["entropy_coef"],
-        dual_clip=c["dual_clip"],
-        train_vision=c["train_vision"],
-    )
+    cfg = UpdateConfig.from_options(c)
     cfg.validate()
     src = open_inputs(c["inputs"])
     with progress(not json_) as bar:
@@ -260,7 +266,7 @@ def update(
             cfg,
             dtype=c["dtype"],
             device=device(),
-            run_config=run_config(c, c["adapter"]),
+            run_config=run_config(c),
             overwrite=c["overwrite"],
             on_step=on_step,
         )

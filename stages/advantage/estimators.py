@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from stages.errors import NonFiniteError, UserInputError
+from stages.errors import UserInputError
+from stages.finite import check_finite
 from stages.plugins import load_entry_point, load_object
 
 STD_MODES = ("global", "group", "none")
@@ -47,14 +48,7 @@ def _as_rewards(
         raise ValueError(f"{what} must be 1-D [N], got shape {tuple(values.shape)}")
     if len(group_ids) != len(values):
         raise ValueError(f"{len(values)} {what} but {len(group_ids)} group ids")
-    bad = (~torch.isfinite(values)).nonzero()
-    if len(bad):
-        index = int(bad[0])
-        who = f"sample {sample_ids[index]!r}" if sample_ids is not None else f"row {index}"
-        raise NonFiniteError(
-            f"{what}[{index}] ({who}, group {group_ids[index]!r}) is {values[index].item()}; "
-            "re-score it or drop its group before computing advantages"
-        )
+    check_finite({what: values}, sample_ids, hint="re-score it or drop its group before computing advantages")
     return values
 
 

@@ -19,7 +19,10 @@ from stages.advantage.estimators import (
     zero_std_mask,
 )
 from stages.errors import UserInputError
+from stages.finite import check_finite
 from stages.score.registry import reward_column
+
+RESCORE = "re-score it (`omnirl score`) or drop its group before computing advantages"
 
 
 def compute_advantages(
@@ -41,9 +44,10 @@ def compute_advantages(
         if col not in data:
             hint = "the output of `omnirl score`" if col == "reward" else "the output of `omnirl sample`"
             raise UserInputError(f"--in: column '{col}' is missing; pass {hint}")
-    rewards = data["reward"].float()
     groups = list(data["group_id"])
     ids = list(data["sample_id"])
+    rewards = _numbers(data, "reward")
+    check_finite({"reward": rewards}, ids, where="--in", hint=RESCORE)
     if weights:
         if estimator not in ESTIMATORS:
             raise UserInputError(
@@ -55,7 +59,8 @@ def compute_advantages(
             raise UserInputError(
                 f"--in: column '{reward_column(missing[0])}' is missing; score with --reward {missing[0]}"
             )
-        per_reward = {name: data[reward_column(name)].float() for name in weights}
+        per_reward = {name: _numbers(data, reward_column(name)) for name in weights}
+        check_finite({reward_column(n): v for n, v in per_reward.items()}, ids, where="--in", hint=RESCORE)
         adv = multi_reward_advantages(
             per_reward,
             weights,
@@ -69,6 +74,7 @@ def compute_advantages(
         )
     else:
         adv = get_estimator(estimator)(rewards, groups, clip=clip, sample_ids=ids)
+    check_finite({"advantages": adv}, ids, hint=f"--estimator {estimator} produced it; fix the estimator")
     stats = advantage_stats(rewards, adv, groups)
     out: dict[str, Any] = {
         "sample_id": ids,
@@ -80,6 +86,22 @@ def compute_advantages(
         stats["dropped_samples"] = int((~keep).sum())
     out["advantages"] = out["advantages"].to(torch.float32)
     return out, stats
+
+
+def _numbers(data: dict[str, Any], column: str) -> torch.Tensor:
+    """A reward column as float32 [N]; a column that does not hold one number per sample (strings,
+    JSON, a tensor per row) is a one-line input error naming it."""
+    values = data[column]
+    if isinstance(values, torch.Tensor) and values.ndim == 1:
+        return values.float()
+    if isinstance(values, torch.Tensor):
+        held = f"a {tuple(values.shape[1:])} tensor per sample"
+    else:
+        held = f"{type(values[0]).__name__} values" if len(values) else "no numbers"
+    raise UserInputError(
+        f"--in: column '{column}' holds {held}, not one number per sample; "
+        "pass the rewards written by `omnirl score`"
+    )
 
 
 def reward_weights(manifests: list[Any]) -> dict[str, float]:

@@ -12,11 +12,14 @@ from typing import Any
 
 import torch
 
+from stages.finite import MODEL_HINT, check_finite
 from stages.models.diffusion import FlowPolicy
 from stages.models.vlm import VLMPolicy
 from stages.sample.rollout import SampleConfig
 from stages.sample.samplers import step
 from stages.sample.vlm_stage import VLMSampleConfig
+
+CORRUPT = "the stored rollout is corrupt; sample it again into a new --out"
 
 
 @torch.no_grad()
@@ -92,12 +95,18 @@ def replay_shard(
     *,
     reference: bool = False,
     means: bool = False,
+    where: str = "--in",
     on_batch: Any = None,
 ) -> tuple[dict[str, Any], dict[str, float]]:
-    """Replay one shard in the sampling batch size; returns its columns and |Δ logp| vs the rollout."""
+    """Replay one shard in the sampling batch size; returns its columns and |Δ logp| vs the rollout.
+
+    Non-finite stored values (`where` names the input) or replayed values stop it, naming the sample.
+    """
     from stages.shards.reader import concat_batches, slice_batch
 
-    n = len(shard["sample_id"])
+    ids = list(shard["sample_id"])
+    check_finite(shard, ids, where=where, hint=CORRUPT)
+    n = len(ids)
     parts = []
     for start in range(0, n, cfg.batch_size):
         part = slice_batch(shard, start, min(n, start + cfg.batch_size))
@@ -105,6 +114,7 @@ def replay_shard(
         if on_batch:
             on_batch(len(part["sample_id"]))
     cols = concat_batches(parts)
+    check_finite(cols, ids, where="logprob", hint=MODEL_HINT)
     return cols, delta_stats(cols["old_log_probs"], shard["log_probs"])
 
 
@@ -141,6 +151,7 @@ def replay_token_shard(
     from stages.sample.vlm_stage import prompt_inputs, response_batch, row_images, token_column
     from stages.shards.reader import concat_batches, slice_batch
 
+    check_finite(shard, shard["sample_id"], where=where, hint=CORRUPT)
     ids = list(shard["group_id"])
     n = ids.count(ids[0]) if ids else 1
     rows_per_batch = cfg.prompts_per_call(n) * n
@@ -168,4 +179,5 @@ def replay_token_shard(
         if on_batch:
             on_batch(stop - start)
     cols = concat_batches(parts)
+    check_finite(cols, cols["sample_id"], where="logprob", hint=MODEL_HINT)
     return cols, delta_stats(cols["old_log_probs"], shard["log_probs"], shard["response_mask"].bool())

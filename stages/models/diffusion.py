@@ -9,6 +9,7 @@ through `velocity`, so the three compute the same numbers.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -16,11 +17,23 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 
 from stages.errors import UserInputError
 
 ADAPTER_CONFIG = "omnirl_adapter.json"
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
+PEFT_CONFIG = "adapter_config.json"
+ADAPTER_KINDS = ("lora", "full")
+# The file that marks each LoRA layout omnirl loads: its family and what writes it.
+LORA_LAYOUTS = {
+    LORA_WEIGHTS: ("diffusers", "`pipe.save_lora_weights`"),
+    PEFT_CONFIG: ("PEFT", "`PeftModel.save_pretrained`"),
+}
+ADAPTER_FORMS = (
+    f"pass a folder written by `omnirl update`, a diffusers LoRA folder ({LORA_WEIGHTS}) or, for a VLM, "
+    f"a PEFT LoRA folder ({PEFT_CONFIG})"
+)
 # flow_grpo's LoRA targets for SD3 (diffusion-rl.md §1.5).
 SD3_LORA_TARGETS = (
     "attn.add_k_proj",
@@ -54,13 +67,89 @@ def seed_generator(seed: int) -> torch.Generator:
     return torch.Generator("cpu").manual_seed(int(seed))
 
 
-def read_adapter_config(adapter: str | Path) -> dict[str, Any]:
-    path = Path(adapter) / ADAPTER_CONFIG
-    if not path.is_file():
+def read_adapter_config(adapter: str | Path, option: str = "--adapter") -> dict[str, Any]:
+    """An adapter folder's `omnirl_adapter.json`: kind (lora or full), base model, step, lineage.
+
+    A LoRA folder another tool wrote (diffusers' `pytorch_lora_weights.safetensors`, or PEFT's
+    `adapter_config.json` + weights) has none and reads as {"kind": "lora"} at step 0, so it samples,
+    replays and trains like omnirl's own; the model's `load` checks that its family takes that layout.
+    `option` names the folder in errors.
+    """
+    folder = Path(adapter)
+    if folder.is_file() and folder.suffix == ".safetensors":
         raise UserInputError(
-            f"--adapter {adapter}: no {ADAPTER_CONFIG}; pass a directory written by `omnirl update`"
+            f"{option} {adapter} is a weights file; put it in a folder as {LORA_WEIGHTS} (diffusers' "
+            "LoRA layout) and pass the folder"
         )
-    return json.loads(path.read_text())
+    if not folder.is_dir():
+        what = "is a file, not an adapter folder" if folder.exists() else "does not exist"
+        raise UserInputError(f"{option} {adapter} {what}; {ADAPTER_FORMS}")
+    path = folder / ADAPTER_CONFIG
+    if not path.is_file():
+        if (folder / LORA_WEIGHTS).is_file() or (folder / PEFT_CONFIG).is_file():
+            return {"kind": "lora"}
+        raise UserInputError(
+            f"{option} {adapter}: no {ADAPTER_CONFIG}, {LORA_WEIGHTS} or {PEFT_CONFIG}; {ADAPTER_FORMS}"
+        )
+    try:
+        config = json.loads(path.read_bytes())
+    except ValueError as exc:  # invalid JSON or not UTF-8
+        raise UserInputError(
+            f"{option} {adapter}: {ADAPTER_CONFIG} is not valid JSON ({exc}); re-run the `omnirl update` "
+            "that wrote it"
+        ) from None
+    if not isinstance(config, dict) or config.get("kind") not in ADAPTER_KINDS:
+        raise UserInputError(
+            f'{option} {adapter}: {ADAPTER_CONFIG} has no "kind" of lora or full; re-run the '
+            "`omnirl update` that wrote it"
+        )
+    return config
+
+
+def check_adapter_layout(
+    adapter: str | Path, config: dict[str, Any], *, lora_file: str, full_file: str
+) -> None:
+    """Refuse an adapter folder whose files are not the layout the loading model family reads: a LoRA
+    needs `lora_file` (diffusers: the weights, VLM: PEFT's config), a full adapter `full_file`."""
+    folder = Path(adapter)
+    need = lora_file if config["kind"] == "lora" else full_file
+    if (folder / need).is_file():
+        return
+    other = next((f for f in LORA_LAYOUTS if f != lora_file and (folder / f).is_file()), None)
+    if config["kind"] == "lora" and other:
+        raise UserInputError(
+            f"--adapter {adapter}: a {LORA_LAYOUTS[other][0]} LoRA folder ({other}), which this --model "
+            f"does not load; it takes a LoRA folder with {lora_file}, as {LORA_LAYOUTS[lora_file][1]} writes"
+        )
+    raise UserInputError(
+        f"--adapter {adapter}: a {config['kind']} adapter without {need}; pass one that `omnirl update` "
+        "wrote for this --model"
+    )
+
+
+@contextmanager
+def adapter_loading(adapter: str | Path, model: str | Path) -> Iterator[None]:
+    """Report adapter weights that do not load onto the base model (a damaged file, a LoRA of another
+    base model) as one line naming both, instead of the loader's traceback and the error it logs
+    before raising (the loaders' own logs are muted inside the block). Out-of-memory passes."""
+    loggers = [logging.getLogger(name) for name in ("diffusers", "transformers", "peft")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as exc:
+        if "OutOfMemory" in type(exc).__name__:
+            raise
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [""]
+        what = " ".join(lines[:2]) if lines[0].endswith(":") else lines[0]  # "Error(s) in ...:" + the first
+        raise UserInputError(
+            f"--adapter {adapter}: its weights do not load onto --model {model} ({type(exc).__name__}: "
+            f"{what}); the file is damaged or the adapter was trained from another base model"
+        ) from None
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 class FlowPolicy:
@@ -94,7 +183,8 @@ class FlowPolicy:
         device: torch.device | str = "cpu",
         dtype: str = "fp32",
     ) -> FlowPolicy:
-        """Load a pipeline folder with `from_pretrained` and apply an omnirl adapter directory, if any."""
+        """Load a pipeline folder with `from_pretrained` and apply an adapter folder, if any: one `omnirl
+        update` wrote, or a diffusers LoRA folder (`pytorch_lora_weights.safetensors`) from another tool."""
         from diffusers import DiffusionPipeline
         from diffusers.utils import logging as diffusers_logging
 
@@ -110,12 +200,15 @@ class FlowPolicy:
         torch_dtype = DTYPES[dtype]
         kwargs: dict[str, Any] = {"dtype": torch_dtype}
         config = read_adapter_config(adapter) if adapter else None
+        if config:
+            check_adapter_layout(adapter, config, lora_file=LORA_WEIGHTS, full_file="transformer/config.json")
         if config and config["kind"] == "full":
             from diffusers import SD3Transformer2DModel
 
-            kwargs["transformer"] = SD3Transformer2DModel.from_pretrained(
-                Path(adapter) / "transformer", dtype=torch_dtype
-            )
+            with adapter_loading(adapter, model_path):
+                kwargs["transformer"] = SD3Transformer2DModel.from_pretrained(
+                    Path(adapter) / "transformer", dtype=torch_dtype
+                )
         pipe = DiffusionPipeline.from_pretrained(model_path, **kwargs)
         if type(pipe).__name__ not in ("StableDiffusion3Pipeline",):
             raise UserInputError(
@@ -129,7 +222,13 @@ class FlowPolicy:
                 module.requires_grad_(False)
                 module.eval()
         if config and config["kind"] == "lora":
-            pipe.load_lora_weights(str(adapter), adapter_name="default")
+            with adapter_loading(adapter, model_path):
+                pipe.load_lora_weights(str(adapter), adapter_name="default")
+            if not getattr(pipe.transformer, "peft_config", None):
+                raise UserInputError(
+                    f"--adapter {adapter}: none of its LoRA weights fit the transformer of --model "
+                    f"{model_path}; pass a LoRA trained from this base model"
+                )
         return cls(
             pipe,
             model_path=str(model_path),
@@ -238,10 +337,13 @@ class FlowPolicy:
         return flow_match_sigmas(self.pipe.scheduler, num_steps)
 
     def latent_shape(self, resolution: int) -> tuple[int, ...]:
+        """(C, h, w) of a `resolution`² image; the side must be a positive multiple of the VAE factor ×
+        the transformer's patch size, as the diffusers SD3 pipeline requires."""
         factor = self.pipe.vae_scale_factor
-        if resolution % (factor * self.transformer.config.patch_size):
+        multiple = factor * self.transformer.config.patch_size
+        if resolution < 1 or resolution % multiple:
             raise UserInputError(
-                f"--resolution {resolution}: must be a multiple of {factor * self.transformer.config.patch_size} for this model"
+                f"--resolution {resolution}: must be a positive multiple of {multiple} for this model"
             )
         return (self.transformer.config.in_channels, resolution // factor, resolution // factor)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +21,14 @@ from typing import Any
 import torch
 
 from stages.errors import UserInputError
-from stages.models.diffusion import ADAPTER_CONFIG, DTYPES, read_adapter_config
+from stages.models.diffusion import (
+    ADAPTER_CONFIG,
+    DTYPES,
+    PEFT_CONFIG,
+    adapter_loading,
+    check_adapter_layout,
+    read_adapter_config,
+)
 from stages.update.token_losses import token_log_probs
 
 # Vision markers a response must never contain: sampled into a response, an image pad token would
@@ -121,12 +128,17 @@ class VLMPolicy:
         if dtype not in DTYPES:
             raise UserInputError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
         config = read_adapter_config(adapter) if adapter else None
-        weights = Path(adapter) if config and config["kind"] == "full" else model_dir
-        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(weights, dtype=DTYPES[dtype])
+        if config:
+            check_adapter_layout(adapter, config, lora_file=PEFT_CONFIG, full_file="config.json")
+        full = bool(config and config["kind"] == "full")
+        with adapter_loading(adapter, model_dir) if full else nullcontext():
+            model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+                Path(adapter) if full else model_dir, dtype=DTYPES[dtype]
+            )
         if config and config["kind"] == "lora":
             from peft import PeftModel
 
-            with _quiet_peft():
+            with _quiet_peft(), adapter_loading(adapter, model_dir):
                 model = PeftModel.from_pretrained(model, str(adapter), is_trainable=True)
         model = model.to(device).eval()
         model.requires_grad_(False)

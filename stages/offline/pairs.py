@@ -11,6 +11,7 @@ Accepted tables (Parquet or JSONL; an image is encoded bytes or a path relative 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,17 @@ class Pair:
     scores: tuple[float, float] | None = None
 
 
+def _number(row: dict, key: str, where: str) -> float:
+    """A finite number from column `key`; anything else is a one-line error naming the row."""
+    try:
+        value = float(row[key])
+    except (TypeError, ValueError):
+        value = math.nan
+    if not math.isfinite(value):
+        raise UserInputError(f"{where}: column '{key}' is {row[key]!r}, not a finite number")
+    return value
+
+
 def read_pairs(path: str | Path) -> tuple[list[Pair], int]:
     """Pairs of a table (generic or Pick-a-Pic), and how many ties were skipped."""
     path = Path(path)
@@ -42,7 +54,7 @@ def read_pairs(path: str | Path) -> tuple[list[Pair], int]:
         if "chosen" in row and "rejected" in row:
             scores = None
             if row.get("chosen_score") is not None and row.get("rejected_score") is not None:
-                scores = (float(row["chosen_score"]), float(row["rejected_score"]))
+                scores = (_number(row, "chosen_score", where), _number(row, "rejected_score", where))
             pairs.append(
                 Pair(
                     prompt,
@@ -52,7 +64,11 @@ def read_pairs(path: str | Path) -> tuple[list[Pair], int]:
                 )
             )
         elif {"jpg_0", "jpg_1", "label_0"} <= row.keys():
-            label = float(row["label_0"])
+            label = _number(row, "label_0", where)
+            if label not in (0.0, 0.5, 1.0):
+                raise UserInputError(
+                    f"{where}: label_0 is {label}; Pick-a-Pic labels are 1 (jpg_0 preferred), 0 or 0.5 (a tie)"
+                )
             if label == 0.5:
                 ties += 1
                 continue
@@ -71,7 +87,10 @@ def read_pairs(path: str | Path) -> tuple[list[Pair], int]:
 
 
 def pairs_batch(pairs: list[Pair], offset: int = 0) -> dict[str, Any]:
-    """Rows of the pairs shard set: for pair k, `p<k>-w` (reward 1) then `p<k>-l` (reward 0)."""
+    """Rows of the pairs shard set: for pair k, `p<k>-w` (reward 1) then `p<k>-l` (reward 0).
+
+    Ids are local to the table; `stages.sample.stage.in_rollout` prefixes them with the set's rollout id.
+    """
     batch: dict[str, Any] = {
         "sample_id": [],
         "group_id": [],

@@ -10,15 +10,31 @@ k+1 overlaps training on k, and every sample records the version that drew it.
 
 Every stage is the same library function the staged commands call (`sample_shard`, `score_shard`,
 `compute_advantages`, `train`), with the recipe's seeds (iteration k samples and shuffles with seed k), so with
-staleness 0 an online iteration reproduces the staged one.
+staleness 0 an online iteration reproduces the staged one. The sampler runs on the trainer's device, so
+its rollout log-probs are the trainer's (ratio 1 on-policy).
+
+Lifetimes. Workers end with the driver however it ends: each watches the pipe that `multiprocessing`
+keeps open to its parent (EOF = the driver died, even by SIGKILL) and exits; they start with SIGINT
+ignored, so Ctrl-C in a terminal reaches only the driver, which stops them (no worker tracebacks).
+
+Identity. The run directory records what determines its results (`RUN_FILE`: the resolved settings and
+content digests of the model, the prompts and file plugins); a re-run with other ones is refused
+rather than silently continuing the old run's checkpoints, unless it is told to start over.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import queue
+import re
+import shutil
+import signal
+import threading
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +47,7 @@ from stages.update.trainer import UpdateConfig
 
 TENSORS = ("latents", "log_probs", "sigmas", "timesteps", "final_latent", "seed", "policy_version")
 POLL = 0.5
+RUN_FILE = "online_run.json"
 
 
 @dataclass
@@ -78,10 +95,46 @@ def _trainable(policy: Any, cfg: UpdateConfig) -> dict[str, torch.Tensor]:
     return {n: p for n, p in policy.transformer.named_parameters() if p.requires_grad}
 
 
+def _exit_with_parent() -> None:
+    """In a worker: end this process as soon as the driver that spawned it has died.
+
+    A daemon thread waits on the parent sentinel `multiprocessing` gives every spawned child (the read
+    end of a pipe whose write end only the parent holds: EOF when it dies, however it dies; a process
+    handle on Windows), so a SIGKILLed driver leaves no worker behind.
+    """
+    import multiprocessing
+    import os
+
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        parent.join()
+        os._exit(1)
+
+    threading.Thread(target=watch, name="omnirl-parent-watch", daemon=True).start()
+
+
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """Processes started inside inherit SIGINT ignored (Python keeps an inherited SIG_IGN), so a
+    terminal's Ctrl-C interrupts only the driver, which then stops them cleanly. Main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _sampler_main(
     cfg: OnlineConfig,
     start: int,
     adapter: Path | None,
+    device: Any,
     weights: dict[str, torch.Tensor],
     version: Any,
     step: Any,
@@ -89,52 +142,68 @@ def _sampler_main(
     ring: Any,
     to_scorer: Any,
 ) -> None:
-    """Worker: sample iterations start..iterations−1, each with weights no staler than max_staleness.
+    """Worker: sample iterations start..iterations−1 on `device` (the trainer's), each with weights no
+    staler than max_staleness.
 
     `version` counts published updates (iterations); `step` is their optimizer step, recorded per sample.
+    Every batch names the device it was sampled on, so the driver can report it.
     """
     from stages.models.diffusion import FlowPolicy
     from stages.online.ring import RingClosed
-    from stages.sample.stage import sample_shard
+    from stages.sample.stage import in_rollout, sample_shard
+    from stages.shards.manifest import config_hash
 
+    _exit_with_parent()
+    run = config_hash(run_identity(cfg))  # with the iteration, the rollout id of each iteration's ids
     torch.set_num_threads(cfg.threads)
-    policy = FlowPolicy.load(cfg.model, adapter=adapter, dtype=cfg.dtype)
+    policy = FlowPolicy.load(cfg.model, adapter=adapter, device=device, dtype=cfg.dtype)
     params = _trainable(policy, cfg.update)
-    for k in range(start, cfg.iterations):
-        while version.value < k - cfg.max_staleness:
-            time.sleep(0.01)
-        with lock, torch.no_grad():
-            for name, p in params.items():
-                p.copy_(weights[name])
-            drawn_with = step.value
-        rows = iteration_rows(cfg, k)
-        scfg = cfg.sampling(k)
-        cols = sample_shard(policy, scfg, rows, 0, drawn_with)
-        meta = {
-            key: cols[key] for key in ("sample_id", "group_id", "prompt", "negative_prompt", "prompt_meta")
-        }
-        to_scorer.put(
-            {
-                "k": k,
-                "sample_id": cols["sample_id"],
-                "prompt": cols["prompt"],
-                "prompt_meta": cols["prompt_meta"],
-                "image": cols["image"],
+
+    def stop_if_closed(_: int) -> None:  # between batches: the driver may have stopped meanwhile
+        if ring.closed:
+            raise RingClosed("the driver is shutting down")
+
+    try:
+        for k in range(start, cfg.iterations):
+            while version.value < k - cfg.max_staleness:
+                stop_if_closed(0)
+                time.sleep(0.01)
+            with lock, torch.no_grad():
+                for name, p in params.items():
+                    p.copy_(weights[name])
+                drawn_with = step.value
+            cols = in_rollout(
+                sample_shard(
+                    policy, cfg.sampling(k), iteration_rows(cfg, k), drawn_with, on_batch=stop_if_closed
+                ),
+                config_hash({"run": run, "iteration": k})[:8],
+            )
+            meta = {
+                key: cols[key]
+                for key in ("sample_id", "group_id", "prompt", "negative_prompt", "prompt_meta")
             }
-        )
-        try:
+            to_scorer.put(
+                {
+                    "k": k,
+                    "sample_id": cols["sample_id"],
+                    "prompt": cols["prompt"],
+                    "prompt_meta": cols["prompt_meta"],
+                    "image": cols["image"],
+                }
+            )
             ring.put(
                 {name: cols[name] for name in TENSORS if name in cols},
-                {"k": k, **meta, "image": cols["image"]},
+                {"k": k, **meta, "image": cols["image"], "device": str(policy.device)},
             )
-        except RingClosed:  # the driver is shutting down
-            return
+    except RingClosed:  # the driver is shutting down: what the scorer has not read is moot
+        to_scorer.cancel_join_thread()
 
 
 def _scorer_main(cfg: OnlineConfig, inbox: Any, outbox: Any) -> None:
     """Worker: score every iteration's images; a failure is sent back, never turned into 0."""
     from stages.score.stage import score_shard
 
+    _exit_with_parent()
     torch.set_num_threads(cfg.threads)
     while True:
         job = inbox.get()
@@ -157,6 +226,7 @@ class Workers:
         weights: dict[str, torch.Tensor],
         step: int,
         latent: tuple[int, ...],
+        device: Any,
     ):
         import torch.multiprocessing as mp
 
@@ -168,7 +238,7 @@ class Workers:
         self.step = ctx.Value("q", step)
         self.lock = ctx.Lock()
         rows = len(iteration_rows(cfg, start))
-        self.ring = Ring(self._fields(cfg, start, latent), slots=2, rows=rows, ctx=ctx)
+        self.ring = Ring(self._fields(cfg, latent), slots=2, rows=rows, ctx=ctx)
         self.to_scorer, self.from_scorer = ctx.Queue(), ctx.Queue()
         self.procs = {
             "sampler": ctx.Process(
@@ -179,6 +249,7 @@ class Workers:
                     cfg,
                     start,
                     adapter,
+                    device,
                     self.weights,
                     self.version,
                     self.step,
@@ -194,27 +265,33 @@ class Workers:
                 args=(cfg, self.to_scorer, self.from_scorer),
             ),
         }
-        for proc in self.procs.values():
-            proc.start()
+        with _sigint_ignored():
+            for proc in self.procs.values():
+                proc.start()
 
     @staticmethod
-    def _fields(cfg: OnlineConfig, k: int, latent: tuple[int, ...]) -> list[Any]:
-        """Ring fields from the shapes one sampled row will have; `latent` is one latent's [C, h, w]."""
-        from stages.online.ring import Field
-        from stages.sample.rollout import stored_steps
+    def _fields(cfg: OnlineConfig, latent: tuple[int, ...]) -> list[Any]:
+        """Ring fields for the rows of any iteration; `latent` is one latent's [C, h, w].
 
-        stored = len(stored_steps(cfg.sampling(k), (0, 0)))
+        The stored-step count K may change between iterations (a MixGRPO window shrinks near the end
+        of its range), so the K dimensions are ragged, sized for the most any iteration stores: an SDE
+        window holds at most `window` steps; without one every step is stored (`stored_steps`).
+        """
+        from stages.online.ring import Field
+
+        scfg = cfg.sample
+        most = 0 if scfg.sampler == "ode" else (scfg.window or scfg.steps)
         fields = [
             Field("final_latent", latent, torch.float32),
             Field("seed", (), torch.int64),
             Field("policy_version", (), torch.int64),
         ]
-        if stored:
+        if most:
             fields += [
-                Field("latents", (stored + 1, *latent), torch.float32),
-                Field("log_probs", (stored,), torch.float32),
-                Field("sigmas", (stored + 1,), torch.float32),
-                Field("timesteps", (stored,), torch.float32),
+                Field("latents", (most + 1, *latent), torch.float32, ragged=(0,)),
+                Field("log_probs", (most,), torch.float32, ragged=(0,)),
+                Field("sigmas", (most + 1,), torch.float32, ragged=(0,)),
+                Field("timesteps", (most,), torch.float32, ragged=(0,)),
             ]
         return fields
 
@@ -226,8 +303,9 @@ class Workers:
                     f"the {name} worker exited with code {proc.exitcode} before sending iteration {k}; see its output above"
                 )
 
-    def receive(self, k: int) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Iteration k's trajectories (from the ring) and rewards (from the scorer), waiting on live workers."""
+    def receive(self, k: int) -> tuple[dict[str, Any], dict[str, Any], str]:
+        """Iteration k's trajectories (from the ring), rewards (from the scorer) and the device they
+        were sampled on, waiting on live workers."""
         from stages.online.ring import RingClosed
 
         while True:
@@ -250,7 +328,8 @@ class Workers:
             raise RuntimeFailure(
                 f"iteration mismatch: expected {k}, got trajectories {meta['k']}, rewards {rewards['k']}"
             )
-        return {**tensors, **{key: v for key, v in meta.items() if key != "k"}}, rewards
+        sampled_on = meta.pop("device")
+        return {**tensors, **{key: v for key, v in meta.items() if key != "k"}}, rewards, sampled_on
 
     def publish(self, params: dict[str, torch.Tensor], version: int, step: int) -> None:
         """Hand the trained weights to the sampler as update number `version` (optimizer step `step`)."""
@@ -279,22 +358,132 @@ def last_checkpoint(out: Path) -> int:
     return max(done, default=0)
 
 
-def run_online(
-    cfg: OnlineConfig, *, device: Any = "cpu", on_iteration: Callable[[dict[str, Any]], None] | None = None
-) -> list[dict[str, Any]]:
-    """Run iterations start..cfg.iterations−1 (resuming after the last checkpoint); one summary per iteration."""
-    from stages.advantage.stage import compute_advantages
-    from stages.models.diffusion import FlowPolicy
-    from stages.update.stage import save_policy
-    from stages.update.trainer import load_state, train
+# OnlineConfig fields that never change a run's results: where it is written, how far it goes, how fast.
+NOT_IDENTITY = ("model", "prompts", "out", "iterations", "save_trajectories", "threads")
+
+
+def run_identity(cfg: OnlineConfig) -> dict[str, Any]:
+    """What determines the run's results, as plain JSON: `settings` (the resolved options) and `inputs`
+    (content digests of the model folder, of the prompts as read, and of file plugins' sources).
+
+    Not part of it: --iterations (a re-run goes further), --threads, --save-trajectories and --out.
+    """
+    from stages.plugins import spec_file
+    from stages.shards.digest import content_digest
+
+    settings = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in NOT_IDENTITY}
+    settings.update(sample=asdict(cfg.sample), update=asdict(cfg.update))
+    prompts = json.dumps([asdict(p) for p in cfg.prompts], sort_keys=True, default=str)
+    inputs = {
+        "model": content_digest(cfg.model, "--model"),
+        "prompts": hashlib.sha256(prompts.encode()).hexdigest(),
+    }
+    for name, _ in cfg.rewards:
+        source = spec_file(name)
+        if source is not None:
+            inputs[f"reward {name}"] = content_digest(source, "--reward")
+    return json.loads(json.dumps({"settings": settings, "inputs": inputs}, default=str))
+
+
+def _first_difference(old: Any, new: Any, path: str = "") -> str | None:
+    """The dotted key of the first value that differs between two JSON trees (None when equal)."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        for key in sorted(set(old) | set(new)):
+            found = _first_difference(old.get(key), new.get(key), f"{path}.{key}" if path else key)
+            if found:
+                return found
+        return None
+    return None if old == new else path
+
+
+def _run_dirs(out: Path) -> list[Path]:
+    """The it<K> directories an online run wrote under `out`."""
+    return sorted(p for p in out.glob("it*") if re.fullmatch(r"it\d+", p.name) and p.is_dir())
+
+
+def _foreign_run(out: Path, identity: dict[str, Any]) -> str | None:
+    """What `out` holds when it holds another run than `identity` (None: nothing, or this run)."""
+    record = out / RUN_FILE
+    if not record.is_file():
+        if _run_dirs(out):
+            raise UserInputError(
+                f"--out {out}: holds it<K> folders that `omnirl online` did not write (no {RUN_FILE}); "
+                "pick another --out"
+            )
+        return None
+    try:
+        recorded = json.loads(record.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return f"a run with an unreadable {RUN_FILE}"
+    key = _first_difference(recorded, identity)
+    if key is None:
+        return None
+    section, _, name = key.partition(".")
+    return f"another run ({name}{' content' if section == 'inputs' else ''} differs, see {RUN_FILE})"
+
+
+def prepare_run(cfg: OnlineConfig, *, overwrite: bool = False) -> int:
+    """Check every user input, then claim `cfg.out` for this run; returns the iteration to start at.
+
+    Runs before any worker or display starts, so a bad input costs one line (UserInputError). The run's
+    identity (`run_identity`) is recorded in out/RUN_FILE; a directory holding another run is refused,
+    or, with `overwrite`, its it<K> directories are removed and the run starts over. The same run
+    resumes after its last checkpoint.
+    """
+    from stages.models.diffusion import DTYPES
+    from stages.score.registry import reward_kind
+    from stages.shards.atomic import atomic_write_bytes
 
     if cfg.max_staleness not in (0, 1):
         raise UserInputError(f"--max-staleness {cfg.max_staleness}: choose 0 or 1")
     if not cfg.rewards:
         raise UserInputError("--reward: give at least one reward, e.g. --reward jpeg_compressibility")
+    for name, _ in cfg.rewards:
+        if reward_kind(name) != "image":
+            raise UserInputError(f"--reward {name}: it scores text; omnirl online trains on images")
+    if cfg.dtype not in DTYPES:
+        raise UserInputError(f"--dtype {cfg.dtype}: choose one of {', '.join(DTYPES)}")
+    if not (Path(cfg.model) / "model_index.json").is_file():
+        raise UserInputError(f"--model {cfg.model}: not a diffusers pipeline folder (no model_index.json)")
     cfg.sample.validate()
     cfg.update.validate()
-    start = last_checkpoint(cfg.out)
+    iteration_rows(cfg, 0)  # group size and prompt count
+    if cfg.out.exists() and not cfg.out.is_dir():
+        raise UserInputError(f"--out {cfg.out}: is a file; give a run directory")
+    identity = run_identity(cfg)
+    foreign = _foreign_run(cfg.out, identity) if cfg.out.is_dir() else None
+    if foreign and not overwrite:
+        raise UserInputError(
+            f"--out {cfg.out}: holds {foreign}; pass --overwrite to discard it and start over, or pick another --out"
+        )
+    try:
+        if foreign:
+            for path in _run_dirs(cfg.out):
+                shutil.rmtree(path)
+        cfg.out.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(cfg.out / RUN_FILE, json.dumps(identity, indent=1, sort_keys=True).encode())
+    except OSError as exc:
+        raise UserInputError(
+            f"--out {cfg.out}: cannot write the run there ({exc.strerror}); pick another --out"
+        ) from exc
+    return last_checkpoint(cfg.out)
+
+
+def run_online(
+    cfg: OnlineConfig,
+    *,
+    device: Any = "cpu",
+    overwrite: bool = False,
+    on_iteration: Callable[[dict[str, Any]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Run iterations start..cfg.iterations−1 on `device` (resuming after the last checkpoint of the same
+    run, see `prepare_run`); one summary per iteration."""
+    from stages.advantage.stage import compute_advantages
+    from stages.models.diffusion import FlowPolicy
+    from stages.update.stage import save_policy
+    from stages.update.trainer import load_state, train
+
+    start = prepare_run(cfg, overwrite=overwrite)
     adapter = cfg.out / f"it{start}" / "policy" if start else None
     policy = FlowPolicy.load(cfg.model, adapter=adapter, device=device, dtype=cfg.dtype)
     params = _trainable(policy, cfg.update)
@@ -302,11 +491,13 @@ def run_online(
     summaries: list[dict[str, Any]] = []
     if start >= cfg.iterations:
         return summaries
-    workers = Workers(cfg, start, adapter, params, step, policy.latent_shape(cfg.sample.resolution))
+    workers = Workers(
+        cfg, start, adapter, params, step, policy.latent_shape(cfg.sample.resolution), policy.device
+    )
     try:
         for k in range(start, cfg.iterations):
             t0 = time.perf_counter()
-            data, rewards = workers.receive(k)
+            data, rewards, sampled_on = workers.receive(k)
             t_wait = time.perf_counter() - t0
             data["reward"] = rewards["reward"]
             adv, stats = compute_advantages(
@@ -349,6 +540,8 @@ def run_online(
                 "reward_std": float(rewards["reward"].std(unbiased=False)),
                 "zero_std_ratio": stats["zero_std_ratio"],
                 "policy_versions": sorted({int(v) for v in data["policy_version"]}),
+                "device": str(policy.device),
+                "sampler_device": sampled_on,
                 "step": step,
                 "seconds_waiting": t_wait,
                 "seconds_training": t_train,

@@ -6,6 +6,11 @@ workers load diffusers models, so fork is unsafe). Each field owns one tensor
 through the two queues (`free` and `full`), so no shared-memory segment is created per message.
 `put` blocks while every slot is in flight, which bounds memory and gives backpressure.
 
+Sizes. A batch may hold fewer rows than a slot, and a field may declare `ragged` dimensions whose
+size is a maximum: each message carries its tensors' actual shapes, so one ring moves batches whose
+sizes change from message to message (e.g. a MixGRPO window that shrinks across iterations: K
+stored steps, up to the largest window).
+
 Lifetimes. The storage belongs to the ring, not to a producer, so a producer may exit right after
 its last `put` (a fresh tensor sent through a queue would vanish with its producer). With torch's
 default `file_descriptor` sharing strategy the segment is unlinked as soon as it is created and
@@ -38,11 +43,16 @@ class RingClosed(Exception):
 
 @dataclass(frozen=True)
 class Field:
-    """One tensor field of a slot: every row has `shape` and `dtype`; a slot holds up to `rows` rows."""
+    """One tensor field of a slot: every row has `shape` and `dtype`; a slot holds up to `rows` rows.
+
+    `ragged` lists the dimensions of `shape` (0-based, rows not counted) whose size is a maximum: a
+    batch may be shorter there, and `get` returns it with the size it was put with.
+    """
 
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
+    ragged: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         shape = tuple(int(d) for d in self.shape)
@@ -50,7 +60,18 @@ class Field:
             raise ValueError(f"Field {self.name!r}: negative dimension in shape {shape}")
         if not isinstance(self.dtype, torch.dtype):
             raise ValueError(f"Field {self.name!r}: dtype must be a torch.dtype, got {self.dtype!r}")
+        ragged = tuple(sorted({int(d) for d in self.ragged}))
+        if any(not 0 <= d < len(shape) for d in ragged):
+            raise ValueError(f"Field {self.name!r}: ragged dimensions {ragged} are not dimensions of {shape}")
         object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "ragged", ragged)
+
+    def fits(self, shape: tuple[int, ...]) -> bool:
+        """Whether one row of this `shape` fits: equal sizes, or at most the size in ragged dimensions."""
+        return len(shape) == len(self.shape) and all(
+            got <= want if d in self.ragged else got == want
+            for d, (got, want) in enumerate(zip(shape, self.shape))
+        )
 
 
 class Ring:
@@ -95,32 +116,37 @@ class Ring:
     def put(
         self, batch: Mapping[str, torch.Tensor], meta: dict | None = None, *, timeout: float | None = None
     ) -> None:
-        """Copy `batch` (each field `[n, *shape]`, n <= rows) into a free slot and publish it with `meta`.
+        """Copy `batch` (each field `[n, *shape]`, n <= rows, ragged dims at most their size) into a free
+        slot and publish it with `meta`.
 
         Blocks while no slot is free. Raises ValueError on a malformed batch or meta, TimeoutError
         when no slot frees up within `timeout` seconds, RingClosed after `close`.
         """
-        n = self._check(batch, meta)
+        self._check(batch, meta)
         if self.closed:
             raise RingClosed("Ring.put: the ring is closed")
+        sizes = {name: tuple(batch[name].shape) for name in self._buffers}
         idx = self._receive(self._free, timeout, "a free slot")
         try:
             for name, buf in self._buffers.items():
-                buf[idx, :n].copy_(batch[name])
+                buf[(idx, *map(slice, sizes[name]))].copy_(batch[name])
         except BaseException:
             self._free.put(idx)
             raise
-        self._full.put((idx, n, dict(meta or {})))
+        self._full.put((idx, sizes, dict(meta or {})))
 
     def get(self, *, timeout: float | None = None) -> tuple[dict[str, torch.Tensor], dict]:
-        """Take the oldest full slot: clones of its first n rows per field (`[n, *shape]`) and its meta.
+        """Take the oldest full slot: per field a clone of what was put (`[n, *shape]`, ragged dims as
+        put), and its meta.
 
         The slot is freed before returning. Raises TimeoutError when nothing arrives within
         `timeout` seconds, RingClosed once the ring is closed and drained.
         """
-        idx, n, meta = self._receive(self._full, timeout, "a full slot")
+        idx, sizes, meta = self._receive(self._full, timeout, "a full slot")
         try:
-            batch = {name: buf[idx, :n].clone() for name, buf in self._buffers.items()}
+            batch = {
+                name: buf[(idx, *map(slice, sizes[name]))].clone() for name, buf in self._buffers.items()
+            }
         finally:
             self._free.put(idx)
         return batch, meta
@@ -144,8 +170,8 @@ class Ring:
             raise RingClosed("Ring: the ring is closed")
         return item
 
-    def _check(self, batch: Mapping[str, torch.Tensor], meta: dict | None) -> int:
-        """Validate a batch against the fields and return its row count n."""
+    def _check(self, batch: Mapping[str, torch.Tensor], meta: dict | None) -> None:
+        """Validate a batch against the fields: one row count n <= rows, shapes that fit, dtypes."""
         if meta is not None and not isinstance(meta, dict):
             raise ValueError(f"Ring.put: meta must be a dict or None, got {type(meta).__name__}")
         tensors = [k for k, v in (meta or {}).items() if isinstance(v, torch.Tensor)]
@@ -169,14 +195,14 @@ class Ring:
                 raise ValueError(f"Ring.put: field {f.name!r} must be a tensor, got {type(t).__name__}")
             if t.dtype != f.dtype:
                 raise ValueError(f"Ring.put: field {f.name!r} has dtype {t.dtype}, expected {f.dtype}")
-            if t.dim() != 1 + len(f.shape) or tuple(t.shape[1:]) != f.shape:
+            if t.dim() != 1 + len(f.shape) or not f.fits(tuple(t.shape[1:])):
+                ragged = f" and dimensions {f.ragged} at most that size" if f.ragged else ""
                 raise ValueError(
                     f"Ring.put: field {f.name!r} has shape {tuple(t.shape)}, "
-                    f"expected (n, *{f.shape}) with n <= {self.rows}"
+                    f"expected (n, *{f.shape}) with n <= {self.rows}{ragged}"
                 )
             if n is not None and t.shape[0] != n:
                 raise ValueError(f"Ring.put: field {f.name!r} has {t.shape[0]} rows, other fields have {n}")
             n = t.shape[0]
         if n > self.rows:
             raise ValueError(f"Ring.put: batch has {n} rows, a slot holds at most {self.rows}")
-        return n

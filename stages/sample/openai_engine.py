@@ -1,10 +1,18 @@
 """VLM responses sampled by a server speaking the OpenAI chat API (`vllm serve`), as a `Rollout`.
 
-One POST `/chat/completions` per prompt asks for n responses with the prompt's seed, the sampled
-tokens as ids (vLLM's `return_tokens_as_token_ids`, tokens come back as "token_id:<int>") and their
-log-probs (`logprobs`, `top_logprobs: 0`); the images go in the user turn, before the question, as
-base64 data URLs. Requests run concurrently; the served model list is checked once before sampling.
+One POST `/chat/completions` per prompt asks for n responses with the prompt's seed and every
+sampling parameter that shapes the distribution (`NEUTRAL_SAMPLING`), the sampled tokens as ids
+(vLLM's `return_tokens_as_token_ids`, tokens come back as "token_id:<int>") and their log-probs
+(`logprobs`, `top_logprobs: 0`); the images go in the user turn, before the question, as base64
+data URLs. Requests run concurrently; the served model list is checked once before sampling.
 Only the standard library talks HTTP, so the engine adds no dependency.
+
+The sampling parameters. For a parameter a request leaves out, `vllm serve` uses the model's
+generation_config.json (repetition_penalty, temperature, top_k, top_p, min_p, max_new_tokens; e.g.
+Qwen2.5-VL-Instruct ships top_k 1 and repetition_penalty 1.05, which makes a group greedy and
+identical). So the request states them all: temperature and top_p as asked, and vLLM's neutral
+values for the rest, which is the distribution `VLMPolicy.generate` samples and `omnirl logprob`
+replays (logits / temperature, no top-k, min-p or penalties).
 
 The stop token. In vLLM a request finishes when the sampled token is the EOS or one of the stop
 token ids (vLLM adds the generation config's other EOS ids there); the check runs after the token
@@ -42,6 +50,19 @@ START_HINT = "start `vllm serve MODEL` or fix --server-url"
 TOKEN_ID_PREFIX = "token_id:"
 # vLLM reports a log-prob of -inf (a token the sampler could not have drawn) as this value.
 LOGPROB_FLOOR = -9999.0
+# Every other parameter of vLLM's chat request that changes which tokens are drawn, at its neutral
+# value: top_k -1 (off; vLLM takes -1 and 0), min_p 0, no repetition/presence/frequency penalty,
+# no forced minimum length, no beam search.
+NEUTRAL_SAMPLING: dict[str, Any] = {
+    "top_k": -1,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "min_tokens": 0,
+    "ignore_eos": False,
+    "use_beam_search": False,
+}
 _IMAGE_MAGIC = ((b"\x89PNG\r\n\x1a\n", "image/png"), (b"\xff\xd8\xff", "image/jpeg"), (b"GIF8", "image/gif"))
 
 
@@ -68,8 +89,9 @@ def chat_request(
     where: str = "prompt",
     banned_ids: list[int] | None = None,
 ) -> dict[str, Any]:
-    """The JSON body asking for n responses to one user turn (images first, then the question);
-    `banned_ids` (the vision markers) get OpenAI's strongest logit bias, −100."""
+    """The JSON body asking for n responses to one user turn (images first, then the question), every
+    sampling parameter explicit (`NEUTRAL_SAMPLING`); `banned_ids` (the vision markers) get OpenAI's
+    strongest logit bias, −100."""
     content = [
         {"type": "image_url", "image_url": {"url": image_data_url(b, f"{where}, image {k}")}}
         for k, b in enumerate(images)
@@ -81,6 +103,7 @@ def chat_request(
         "n": n,
         "temperature": temperature,
         "top_p": top_p,
+        **NEUTRAL_SAMPLING,
         # vLLM reads max_completion_tokens first and falls back to the older max_tokens.
         "max_completion_tokens": max_new_tokens,
         "max_tokens": max_new_tokens,

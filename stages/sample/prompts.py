@@ -7,6 +7,7 @@ target, a GenEval spec, verl's `reward_model` / `extra_info` ...) to the scorers
 from __future__ import annotations
 
 import csv
+import io
 import json
 import random
 from dataclasses import dataclass, field
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from stages.errors import UserInputError
-from stages.tables import read_rows
+from stages.tables import read_rows, read_text
 
 PROMPT_KEYS = ("prompt", "text", "caption", "problem")
 
@@ -64,17 +65,21 @@ def read_prompts(path: str | Path) -> list[Prompt]:
         raise UserInputError(f"--prompts {path}: no such file")
     suffix = path.suffix.lower()
     if suffix in (".txt", ".text", ""):
-        prompts = [
-            Prompt(line.strip()) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()
-        ]
+        lines = read_text(path, "--prompts").splitlines()
+        prompts = [Prompt(line.strip()) for line in lines if line.strip()]
     elif suffix in (".jsonl", ".json", ".parquet"):
         rows = read_rows(path, "--prompts")
         prompts = [
             _from_record(r if isinstance(r, dict) else {"prompt": r}, path, i) for i, r in enumerate(rows)
         ]
     elif suffix == ".csv":
-        with path.open(newline="", encoding="utf-8") as fh:
-            prompts = [_from_record(rec, path, i) for i, rec in enumerate(csv.DictReader(fh))]
+        reader = csv.DictReader(io.StringIO(read_text(path, "--prompts"), newline=""))
+        try:
+            prompts = [_from_record(rec, path, i) for i, rec in enumerate(reader)]
+        except csv.Error as exc:
+            raise UserInputError(
+                f"--prompts {path}: line {reader.line_num + 1} is not valid CSV ({exc})"
+            ) from None
     else:
         raise UserInputError(
             f"--prompts {path}: unknown prompt format '{suffix}' (use .txt, .jsonl, .csv or .parquet)"

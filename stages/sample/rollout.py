@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import hashlib
 import io
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from stages.errors import UserInputError
+from stages.finite import MODEL_HINT, check_finite
 from stages.models.diffusion import FlowPolicy, seed_generator
 from stages.sample.samplers import SAMPLERS, step
 from stages.sample.windows import WindowSchedule
@@ -71,21 +73,22 @@ def derive_seed(*parts: Any) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
-def stored_steps(cfg: SampleConfig, batch_key: Any) -> list[int]:
-    """Indices of the stochastic, stored steps for one batch.
+def stored_steps(cfg: SampleConfig, group: Hashable) -> list[int]:
+    """Indices of the stochastic, stored steps of one prompt group's samples.
 
     No window: every step (original Flow-GRPO). A window of W: W consecutive steps placed by the
-    window strategy: `random` draws the start uniformly in [lo, hi − W] per batch from the run seed
-    (Flow-GRPO-Fast); `progressive` slides it with the iteration number (MixGRPO), so a resumed run
-    that passes the same --iteration continues where it was; `fixed` keeps it at --window-start.
+    window strategy: `random` draws the start uniformly in [lo, hi − W] from (--seed, --iteration,
+    group), so each group gets its own window (Flow-GRPO-Fast draws one per pipeline call) and no
+    batching or sharding moves it; `progressive` slides it with the iteration number (MixGRPO), so a
+    resumed run that passes the same --iteration continues where it was; `fixed` keeps it at
+    --window-start.
     """
     if cfg.sampler == "ode":
         return []
     if cfg.window == 0:
         return list(range(cfg.steps))
-    if cfg.window_strategy == "random":
-        return cfg.schedule().steps_for_iteration(0, seed=derive_seed(cfg.seed, "window", batch_key))
-    return cfg.schedule().steps_for_iteration(cfg.iteration)
+    seed = derive_seed(cfg.seed, "window", group) if cfg.window_strategy == "random" else 0
+    return cfg.schedule().steps_for_iteration(cfg.iteration, seed=seed)
 
 
 def png_bytes(image: Any) -> bytes:
@@ -102,24 +105,42 @@ def rollout_batch(
     negatives: list[str],
     seeds: list[int],
     init_seeds: list[int],
-    batch_key: Any,
+    *,
+    groups: Sequence[Hashable],
+    sample_ids: Sequence[str],
 ) -> dict[str, Any]:
     """Denoise one batch of B samples; returns the recorded columns (tensors with leading dim B).
 
     `seeds` drive each sample's SDE noise, `init_seeds` its x_T (shared within a group with
-    --same-noise). Noise is drawn per sample on the CPU, so batching never changes a sample.
+    --same-noise), `groups` (each sample's prompt group) place its SDE window (`stored_steps`), so
+    samples of different groups in one batch may store different steps. Noise is drawn per sample on
+    the CPU, only at the sample's own stochastic steps, so batching never changes a sample. A NaN or
+    ±inf the model produces stops the batch before decoding, naming the sample (`sample_ids`).
     """
+    batch = len(prompts)
     sigmas = policy.sigmas(cfg.steps).to(policy.device)
-    window = stored_steps(cfg, batch_key)
+    placed = {g: stored_steps(cfg, g) for g in dict.fromkeys(groups)}
+    windows = [placed[g] for g in groups]
+    if len({len(w) for w in windows}) > 1:
+        raise ValueError("every sample of a batch must store the same number of steps")
     x = policy.initial_noise(init_seeds, cfg.resolution)
     cond = policy.encode(prompts, negatives, cfg.guidance > 1.0, cfg.max_sequence_length)
     gens = [seed_generator(s) for s in seeds]
-    latents, log_probs = [], []
+    latents: list[list[torch.Tensor]] = [[] for _ in range(batch)]
+    log_probs: list[list[torch.Tensor]] = [[] for _ in range(batch)]
     for i in range(cfg.steps):
         v = policy.velocity(x, sigmas[i], cond, cfg.guidance)
-        if i in window:
-            noise = torch.stack([torch.randn(x.shape[1:], generator=g) for g in gens]).to(x.device)
-            out = step(
+        rows = [b for b in range(batch) if i in windows[b]]
+        if len(rows) < batch:  # a deterministic step for the samples outside their window
+            x_next = step("ode", v, x, sigmas[i], sigmas[i + 1], noise_level=0.0).prev_sample
+        if rows:
+            noise = torch.stack(
+                [
+                    torch.randn(x.shape[1:], generator=g) if b in rows else torch.zeros(x.shape[1:])
+                    for b, g in enumerate(gens)
+                ]
+            ).to(x.device)
+            sde = step(
                 cfg.sampler,
                 v,
                 x,
@@ -129,20 +150,26 @@ def rollout_batch(
                 sigma_max_safe=sigmas[1],
                 noise=noise,
             )
-            latents.append(x)
-            log_probs.append(out.log_prob)
-        else:
-            out = step("ode", v, x, sigmas[i], sigmas[i + 1], noise_level=0.0)
-        x = out.prev_sample
-        if i in window and i == window[-1]:
-            latents.append(x)
+            if len(rows) == batch:
+                x_next = sde.prev_sample
+            else:
+                stochastic = torch.zeros(batch, dtype=torch.bool)
+                stochastic[rows] = True
+                stochastic = stochastic.to(x.device).view(-1, *([1] * (x.ndim - 1)))
+                x_next = torch.where(stochastic, sde.prev_sample, x_next)
+            for b in rows:
+                latents[b].append(x[b])
+                log_probs[b].append(sde.log_prob[b])
+                if i == windows[b][-1]:
+                    latents[b].append(x_next[b])
+        x = x_next
     result: dict[str, Any] = {"final_latent": x.float().cpu()}
-    if window:
-        bounds = [*window, window[-1] + 1]
-        result["latents"] = torch.stack(latents, dim=1).float().cpu()
-        result["log_probs"] = torch.stack(log_probs, dim=1).float().cpu()
-        result["timesteps"] = (sigmas[window] * 1000).float().cpu().expand(len(prompts), -1).contiguous()
-        result["sigmas"] = sigmas[bounds].float().cpu().expand(len(prompts), -1).contiguous()
+    if windows[0]:
+        result["latents"] = torch.stack([torch.stack(ls) for ls in latents]).float().cpu()
+        result["log_probs"] = torch.stack([torch.stack(lp) for lp in log_probs]).float().cpu()
+        result["timesteps"] = torch.stack([sigmas[w] * 1000 for w in windows]).float().cpu()
+        result["sigmas"] = torch.stack([sigmas[[*w, w[-1] + 1]] for w in windows]).float().cpu()
+    check_finite(result, sample_ids, where="sample", hint=MODEL_HINT)
     result["image"] = [png_bytes(im) for im in policy.decode(x)]
     return result
 

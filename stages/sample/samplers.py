@@ -44,8 +44,9 @@ class StepOutput:
     mean: μ [B, *latent] fp32, the step's mean (keeps the autograd graph of `velocity`).
     std: [B] fp32, the noise std s actually used: g·sqrt(−Δ) for sde, η·sqrt(−Δ) for dance, σ'·sin(aπ/2)
         for cps, 0 for a deterministic step.
-    diffusion: [B] fp32, what flow_grpo returns as `std_dev_t` and divides the KL by: g for sde, η for
-        dance, s for cps, 0 for a deterministic step.
+    diffusion: [B] fp32, what the reference step returns as `std_dev_t`: g for sde, η for dance, s for
+        cps, 0 for a deterministic step. The KL penalty divides by g on sde steps and by s otherwise
+        (`stages.update.losses.kl_std`).
     """
 
     prev_sample: Tensor
@@ -170,11 +171,11 @@ def step(
 
 
 def kl_to_reference(mean: Tensor, ref_mean: Tensor, diffusion: Tensor | float) -> Tensor:
-    """flow_grpo's KL penalty per sample, [B]: mean over dims of (μ − μ_ref)² / (2g²).
+    """The KL penalty per sample, [B]: mean over dims of (μ − μ_ref)² / (2d²).
 
-    g is `StepOutput.diffusion` (scalar or [B]), not the step std s = g·sqrt(−Δ): this reproduces the
-    reference implementation and equals the exact Gaussian KL (shared std s) times |Δ|. Undefined (inf)
-    for deterministic steps (g = 0).
+    d (scalar or [B]) is chosen by `stages.update.losses.kl_std`: on sde steps flow_grpo's g
+    (`StepOutput.diffusion`, the exact Gaussian KL times |Δ|), otherwise the step std s (the exact KL).
+    Undefined (inf) for deterministic steps (d = 0).
     """
     batch = mean.shape[0]
     sq = ((mean.float() - ref_mean.float()) ** 2).flatten(1).mean(dim=1)

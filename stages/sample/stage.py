@@ -27,10 +27,15 @@ class Row:
     prompt: Prompt
     seed: int
     init_seed: int
+    prompt_index: int  # the prompt's index in the prompt file: keys the group's SDE window
 
 
 def plan_rows(prompts: list[tuple[int, Prompt]], group_size: int, cfg: SampleConfig) -> list[Row]:
-    """Every sample to draw: `group_size` members per prompt, with per-sample seeds."""
+    """Every sample to draw: `group_size` members per prompt, with per-sample seeds.
+
+    Ids are local to the plan (group `g000003`, sample `g000003-001`); `in_rollout` prefixes the
+    written ones with the rollout id, so they are unique across rollouts.
+    """
     if group_size < 1:
         raise UserInputError(f"-n {group_size}: the group size must be at least 1")
     rows = []
@@ -45,9 +50,30 @@ def plan_rows(prompts: list[tuple[int, Prompt]], group_size: int, cfg: SampleCon
                     prompt=prompt,
                     seed=derive_seed(cfg.seed, index, m),
                     init_seed=derive_seed(cfg.seed, "init", index, init_key),
+                    prompt_index=index,
                 )
             )
     return rows
+
+
+def rollout_id(writer: ShardSetWriter) -> str:
+    """The short id that prefixes every sample and group id of the rollout `writer` records.
+
+    It is the first 8 hex digits of the writer's content id (options, prompts, weights; not the
+    directory, format or sharding), so a resumed or identical re-run gives the same ids and bytes, and
+    another rollout other ids.
+    """
+    return writer.content_id[:8]
+
+
+def in_rollout(columns: dict[str, Any], rollout: str) -> dict[str, Any]:
+    """A shard's columns with ids unique across rollouts: `sample_id` and `group_id` prefixed by the
+    rollout id (`g000003-001` → `<rollout>-g000003-001`); the other columns are left as they are."""
+    return {
+        **columns,
+        "sample_id": [f"{rollout}-{i}" for i in columns["sample_id"]],
+        "group_id": [f"{rollout}-{g}" for g in columns["group_id"]],
+    }
 
 
 def split_groups(groups: list[Any], num_shards: int) -> list[list[Any]]:
@@ -69,7 +95,6 @@ def sample_shard(
     policy: FlowPolicy,
     cfg: SampleConfig,
     rows: list[Row],
-    shard_index: int,
     policy_version: int,
     on_batch: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
@@ -79,7 +104,7 @@ def sample_shard(
     from stages.shards.reader import concat_batches
 
     batches = []
-    for b, start in enumerate(range(0, len(rows), cfg.batch_size)):
+    for start in range(0, len(rows), cfg.batch_size):
         chunk = rows[start : start + cfg.batch_size]
         out = rollout_batch(
             policy,
@@ -88,7 +113,8 @@ def sample_shard(
             [r.prompt.negative for r in chunk],
             [r.seed for r in chunk],
             [r.init_seed for r in chunk],
-            batch_key=(shard_index, b),
+            groups=[r.prompt_index for r in chunk],
+            sample_ids=[r.sample_id for r in chunk],
         )
         out.update(
             sample_id=[r.sample_id for r in chunk],
@@ -120,11 +146,12 @@ def run_sample(
     """Sample the shards in `shard_indices` (all of them in a single-process run); resumes finished shards."""
     cfg.validate()
     shards = shard_rows(plan_rows(prompts, group_size, cfg), group_size, num_shards)
+    rollout = rollout_id(writer)
     return write_shards(
         writer,
         [len(rows) for rows in shards],
         shard_indices,
-        lambda s: sample_shard(policy, cfg, shards[s], s, policy_version, on_batch),
+        lambda s: in_rollout(sample_shard(policy, cfg, shards[s], policy_version, on_batch), rollout),
         unit="images",
         on_batch=on_batch,
     )

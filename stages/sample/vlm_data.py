@@ -103,8 +103,9 @@ def unpack_images(blob: bytes, where: str) -> list[bytes]:
             f"{where}: the images column does not hold packed images; re-run `omnirl sample`"
         )
     (count,) = struct.unpack_from("<I", blob, len(_PACK_MAGIC))
-    lengths = struct.unpack_from(f"<{count}Q", blob, start)
     offset, out = start + 8 * count, []
+    # A blob shorter than its header lists no lengths and fails the size check below.
+    lengths = struct.unpack_from(f"<{count}Q", blob, start) if len(blob) >= offset else ()
     for length in lengths:
         out.append(blob[offset : offset + length])
         offset += length

@@ -2,8 +2,9 @@
 
 Row layout (one row per response, groups contiguous, a shard holds whole groups):
 
-- sample_id, group_id, prompt (the question), prompt_meta (json: ground_truth, data_source,
-  extra_info, max_response_length), seed, policy_version;
+- sample_id (`<rollout>-g000003-001`), group_id (`<rollout>-g000003`) with the rollout's `rollout_id`,
+  prompt (the question), prompt_meta (json: ground_truth, data_source, extra_info,
+  max_response_length), seed, policy_version;
 - images (binary): the prompt's encoded image files packed into one blob (`pack_images`), stored in
   the FIRST row of each group only (the others hold b""), so images are stored once per prompt;
 - prompt_ids int64 [P] / prompt_mask bool [P]: the processor-expanded prompt (image pad tokens
@@ -30,9 +31,10 @@ from typing import Any
 import torch
 
 from stages.errors import UserInputError
+from stages.finite import MODEL_HINT, check_finite
 from stages.models.vlm import Rollout, VLMPolicy
 from stages.sample.rollout import derive_seed
-from stages.sample.stage import split_groups, write_shards
+from stages.sample.stage import in_rollout, rollout_id, split_groups, write_shards
 from stages.sample.vlm_data import VLMPrompt, decode_image, pack_images, unpack_images
 from stages.shards.writer import ShardSetWriter
 
@@ -211,7 +213,9 @@ def sample_vlm_shard(
         )
         if on_batch:
             on_batch(len(rows))
-    return concat_batches(batches)
+    cols = concat_batches(batches)
+    check_finite(cols, cols["sample_id"], where="sample", hint=MODEL_HINT)
+    return cols
 
 
 def run_vlm_sample(
@@ -231,11 +235,14 @@ def run_vlm_sample(
     if group_size < 1:
         raise UserInputError(f"-n {group_size}: the group size must be at least 1")
     shards = split_groups(prompts, num_shards)
+    rollout = rollout_id(writer)
     return write_shards(
         writer,
         [len(groups) * group_size for groups in shards],
         shard_indices,
-        lambda s: sample_vlm_shard(policy, cfg, shards[s], group_size, s, policy_version, on_batch),
+        lambda s: in_rollout(
+            sample_vlm_shard(policy, cfg, shards[s], group_size, s, policy_version, on_batch), rollout
+        ),
         unit="responses",
         on_batch=on_batch,
     )

@@ -5,7 +5,8 @@ Steps outside the window are deterministic Euler (noise level 0) and are not sto
 - `all`: every step is SDE and stored (original Flow-GRPO and DanceGRPO; their training then picks a
   subset, e.g. Flow-GRPO trains the first int(N·timestep_fraction) steps — the update stage's business).
 - `random`: Flow-GRPO-Fast; a window of `window` steps starting uniformly in [lo, hi − window], drawn
-  from a generator seeded by (seed, iteration), so each prompt batch can get its own reproducible window.
+  from a generator seeded by (seed, iteration), so each prompt group can get its own reproducible window
+  (the rollout passes a seed derived from the run seed and the group, never from a batch or shard).
 - `progressive`: MixGRPO's sliding window; it starts at lo (0) and moves by `stride` every
   `iters_per_group` iterations; steps at or past hi (default N − 2, MixGRPO's `max_timesteps`) are never
   in the window, so the window shrinks near the end; once no step is left it rolls back to its first
@@ -130,13 +131,15 @@ class WindowSchedule:
         """Sorted step indices that are stochastic and stored at `iteration` (≥ the last one asked).
 
         `seed` (non-negative) only matters for `random`: the window start is drawn from a generator
-        seeded by (seed, iteration), e.g. the run seed plus the prompt-batch index.
+        seeded by (seed, iteration), e.g. a seed derived from the run seed and the prompt group.
         """
         if iteration < self.iteration:
             raise ValueError(
                 f"window schedule is at iteration {self.iteration}; it cannot go back to {iteration} "
                 "(restore an earlier to_state() instead)"
             )
+        if self.strategy != "progressive":
+            self.iteration = iteration  # only the progressive window has a state to walk through
         while self.iteration < iteration:
             self._advance()
         if self.strategy == "all":

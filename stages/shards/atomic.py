@@ -8,9 +8,11 @@ and disk writes overlap with encoding.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import os
 import queue
+import shutil
 import threading
 import uuid
 from collections.abc import Iterator
@@ -169,6 +171,49 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    return fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0
+
+
+def replace_dir(tmp: Path, out: Path) -> None:
+    """Put the finished directory `tmp` at `out`, replacing a directory there in one step.
+
+    Where the OS cannot swap two directories atomically, the old one is renamed aside first;
+    `recover_dir` undoes a crash between the two renames.
+    """
+    if not out.exists():
+        os.replace(tmp, out)
+    elif _exchange(tmp, out):
+        shutil.rmtree(tmp)
+    else:
+        old = out.with_name(f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old)
+    fsync_dir(out.parent)
+
+
+def recover_dir(out: Path) -> None:
+    """Clean up after a writer of directory `out` that was killed: remove its half-written temp
+    directories, and put back the previous `out` if the kill fell between `replace_dir`'s renames."""
+    for p in out.parent.glob(f".{out.name}.tmp-*"):
+        shutil.rmtree(p, ignore_errors=True)
+    for p in sorted(out.parent.glob(f".{out.name}.old-*")):
+        if out.exists():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            os.replace(p, out)
 
 
 def sha256_file(path: Path) -> str:

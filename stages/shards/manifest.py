@@ -150,7 +150,7 @@ def read_manifest(directory: str | Path) -> Manifest:
 
 def write_manifest(directory: str | Path, manifest: Manifest) -> None:
     """Write `_manifest.json` atomically (temp file + fsync + os.replace + fsync of the dir)."""
-    text = json.dumps(manifest.to_json(), indent=2, ensure_ascii=False, default=str) + "\n"
+    text = json.dumps(manifest.to_json(), indent=2, ensure_ascii=False, default=str, allow_nan=False) + "\n"
     atomic_write_bytes(Path(directory) / MANIFEST_NAME, text.encode())
 
 

@@ -20,7 +20,7 @@ import torch
 
 from stages.errors import CorruptShardError, UserInputError
 from stages.shards.formats import codec
-from stages.shards.manifest import MANIFEST_NAME, Manifest, read_manifest
+from stages.shards.manifest import MANIFEST_NAME, Manifest, manifest_sha256, read_manifest
 from stages.shards.schema import Batch, Column
 
 KEY_COLUMN = "sample_id"
@@ -87,6 +87,7 @@ class ShardSet:
         path = Path(path)
         self.path = path.parent if path.name == MANIFEST_NAME and path.is_file() else path
         self.manifest: Manifest = read_manifest(self.path)
+        self.manifest_sha256 = manifest_sha256(self.path)
         self.columns: dict[str, Column] = {c.name: c for c in self.manifest.columns}
         self.num_shards = len(self.manifest.shards)
         self.num_rows = self.manifest.num_rows
@@ -124,7 +125,10 @@ class ShardSet:
         return out
 
     def _rerun_hint(self) -> str:
-        return f"re-run the command that produced it ({self.manifest.command}) with --overwrite"
+        return (
+            f"re-run the command that produced it (omnirl {self.manifest.command}) with the same options: "
+            "it rewrites the damaged shards"
+        )
 
     def _map(self, index: int) -> tuple[Path, pa.Buffer, tuple[int, int, int]]:
         """Memory-map shard `index` after checking that it exists with the listed size."""
@@ -212,17 +216,56 @@ def _first_difference(a, b) -> int:
     return min(len(a), len(b))
 
 
+def _lineage(s: ShardSet, inputs: dict[str, ShardSet]) -> set[str]:
+    """Manifest hashes of `s`, of the shard sets its manifest lists as parents and, through parents
+    that are themselves among `inputs` (keyed by manifest hash), of their parents in turn."""
+    seen = {s.manifest_sha256}
+    todo = [s]
+    while todo:
+        for parent in todo.pop().manifest.parents:
+            digest = parent.get("manifest_sha256")
+            if digest is not None and digest not in seen:
+                seen.add(digest)
+                if digest in inputs:
+                    todo.append(inputs[digest])
+    return seen
+
+
+def _check_one_rollout(sets: Sequence[ShardSet]) -> None:
+    """Refuse column groups of different rollouts: their lineages must share a shard set.
+
+    Every derived set (score, logprob, advantage, encode) lists the manifest hashes of its inputs,
+    so the sets of one rollout all lead back to the set that owns it (`sample`, `pairs`); a set
+    derived from another rollout, or from an earlier run of the same command, does not. Equal
+    `sample_id`s alone cannot tell, since the same command with another seed gives the same layout.
+    """
+    inputs = {s.manifest_sha256: s for s in sets}
+    lineages = [_lineage(s, inputs) for s in sets]
+    common = set(lineages[0])
+    for i, s in enumerate(sets[1:], start=1):
+        common &= lineages[i]
+        if not common:
+            other = next((sets[j] for j in range(i) if not lineages[j] & lineages[i]), sets[0])
+            raise UserInputError(
+                f"{other.path} and {s.path} come from different rollouts (their manifests' lineage shares no "
+                "shard set; one was derived from another rollout or an earlier run of it); "
+                "pass column groups of one rollout, re-running the stage that derived the stale one"
+            )
+
+
 class ZippedShardSets:
     """Several shard sets of one rollout (column groups) read as one, row by row.
 
-    They must have the same shard count and rows per shard, no column in common except
-    `sample_id`, and equal `sample_id` values wherever two of them carry it.
+    They must come from one rollout (`_check_one_rollout`), have the same shard count and rows per
+    shard, no column in common except `sample_id`, and equal `sample_id` values wherever two of them
+    carry it.
     """
 
     def __init__(self, sets: Sequence[ShardSet]) -> None:
         if not sets:
             raise UserInputError("no input shard set given; pass at least one --in")
         self.sets = list(sets)
+        _check_one_rollout(self.sets)
         first = self.sets[0]
         for s in self.sets[1:]:
             if s.num_shards != first.num_shards:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from stages.errors import UserInputError
 from stages.shards.atomic import atomic_output, atomic_write_bytes, fsync_dir, remove_stale_temps, sha256_file
+from stages.shards.digest import content_digest
 from stages.shards.formats import codec, shard_file_name
 from stages.shards.manifest import (
     FORMATS,
@@ -41,8 +42,34 @@ def parent_entry(parent: str | Path, out_dir: Path) -> dict:
     if p.is_dir():
         return {"path": rel, "manifest_sha256": manifest_sha256(p)}
     if p.is_file():
-        return {"path": rel, "sha256": sha256_file(p)}
+        return {"path": rel, "sha256": content_digest(p, "input")}
     raise UserInputError(f"input {p} does not exist")
+
+
+def check_output_path(out: Path, inputs: Sequence[str | Path], option: str = "--out") -> None:
+    """Refuse an output path that cannot be a fresh directory or that would write over an input.
+
+    A file or a dangling symlink in the way, an unwritable location, or an output that is (or
+    contains) one of the command's own inputs is a one-line usage error, raised before any work.
+    """
+    if out.is_symlink() and not out.exists():
+        raise UserInputError(f"{option} {out} is a dangling symlink; remove it or pick another {option}")
+    if out.exists() and not out.is_dir():
+        raise UserInputError(f"{option} {out} is a file; pass a directory")
+    target = out.resolve()
+    for item in inputs:
+        source = Path(item).resolve()
+        if source == target or target in source.parents:
+            relation = "is" if source == target else "contains"
+            raise UserInputError(
+                f"{option} {out} {relation} the input {item}; no command writes over its own inputs, "
+                f"pick another {option}"
+            )
+    ancestor = target
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise UserInputError(f"{option} {out}: {ancestor} is not writable; pick another {option}")
 
 
 def run_fingerprint(
@@ -99,9 +126,7 @@ class ShardSetWriter:
         if not isinstance(num_shards, int) or num_shards < 1:
             raise UserInputError(f"--num-shards must be a positive integer, got {num_shards!r}")
         self.out_dir = Path(out_dir)
-        if self.out_dir.exists() and not self.out_dir.is_dir():
-            raise UserInputError(f"--out {self.out_dir} is a file; pass a directory")
-        self.out_dir.mkdir(parents=True, exist_ok=True)
+        check_output_path(self.out_dir, parents)
         self.num_shards = num_shards
         self.format = format
         self.command = command
@@ -120,6 +145,13 @@ class ShardSetWriter:
         if (self.out_dir / MANIFEST_NAME).exists():
             self._check_existing(overwrite)
 
+    @property
+    def content_id(self) -> str:
+        """What the rows hold, apart from where and how they are stored (directory, format, shard
+        count): a hash of the config, the policy and the contents of the inputs."""
+        inputs = [p.get("manifest_sha256") or p.get("sha256") for p in self.parents]
+        return config_hash({"config_hash": self.config_hash, "policy": self.policy, "inputs": inputs})
+
     def _check_existing(self, overwrite: bool) -> None:
         try:
             old = read_manifest(self.out_dir)
@@ -128,8 +160,17 @@ class ShardSetWriter:
                 raise
             old = None
         if old is not None and _manifest_fingerprint(old) == self.fingerprint:
-            self.manifest = old
-            self.complete = True
+            damaged = [i for i, info in enumerate(old.shards) if not self._intact(info)]
+            if not damaged:
+                self.manifest = old
+                self.complete = True
+                return
+            # A damaged shard of this very run: the intact shards get their completion records
+            # back, the set is unlisted, and the resumed run writes only the damaged shards again.
+            for i, info in enumerate(old.shards):
+                if i not in damaged:
+                    self._write_record(i, info, old.columns)
+            self._unlist()
             return
         if not overwrite:
             why = _difference(
@@ -139,12 +180,34 @@ class ShardSetWriter:
                 f"{self.out_dir} already holds a finished output made with {why}; "
                 "pass --overwrite to replace it or pick another --out"
             )
-        (self.out_dir / MANIFEST_NAME).unlink(missing_ok=True)
+        self._unlist()
         keep = {shard_file_name(i, self.num_shards, self.format) for i in range(self.num_shards)}
         for p in self.out_dir.glob("part-*-of-*.*"):
             if p.name not in keep:
                 p.unlink(missing_ok=True)
         fsync_dir(self.out_dir)
+
+    def _intact(self, info: ShardInfo) -> bool:
+        """True when a listed shard still has its listed size and sha256."""
+        path = self.out_dir / info.file
+        try:
+            return path.stat().st_size == info.bytes and sha256_file(path) == info.sha256
+        except FileNotFoundError:
+            return False
+
+    def _unlist(self) -> None:
+        """Remove the manifest first, so the set no longer looks finished while it is rewritten."""
+        (self.out_dir / MANIFEST_NAME).unlink(missing_ok=True)
+        fsync_dir(self.out_dir)
+
+    def _ensure_dir(self) -> None:
+        """Create the output directory on the first write, so a failure before it leaves nothing."""
+        try:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UserInputError(
+                f"--out {self.out_dir}: cannot create it ({e.strerror}); pick a writable location"
+            ) from None
 
     def _remove_unlisted(self, listed: set[str]) -> None:
         """Drop completion records, crash leftovers and shard files of other runs after finalizing."""
@@ -217,16 +280,20 @@ class ShardSetWriter:
         columns = infer_columns(batch, {**known, **self.kinds})
         path = self.shard_file(index)
         self._adopt_columns(columns, path.name)
+        self._ensure_dir()
         self._record_path(index).unlink(missing_ok=True)
         remove_stale_temps(path)
         with atomic_output(path) as sink:
             rows = self._codec.encode(batch, columns, sink, index)
         info = ShardInfo(path.name, rows, sink.bytes, sink.sha256)
+        self._write_record(index, info, columns)
+        self._infos[index] = info
+        return info
+
+    def _write_record(self, index: int, info: ShardInfo, columns: list[Column]) -> None:
         record = {**info.to_json(), "fingerprint": self.fingerprint, "config_hash": self.config_hash}
         record["columns"] = [c.to_json() for c in columns]
         atomic_write_bytes(self._record_path(index), json.dumps(record).encode())
-        self._infos[index] = info
-        return info
 
     def finalize(self, extra: dict | None = None) -> Manifest:
         """Check that every shard exists with one schema, then write the manifest (last)."""

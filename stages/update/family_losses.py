@@ -23,7 +23,7 @@ from torch import Tensor
 
 from stages.errors import UserInputError
 from stages.sample.samplers import guard_log_ratio, per_sample
-from stages.update.losses import StepLoss, ppo_terms
+from stages.update.losses import StepLoss, ppo_terms, ratio_metrics
 
 NFT_DECAY_SCHEDULES = ("copy", "linear_to_0_5", "delayed_linear_to_0_999")
 AWM_WEIGHTINGS = ("uniform", "ghuber")
@@ -80,7 +80,10 @@ def grpo_guard_loss(
     batch mean by (mean_b sqrt|Δ_b|)² and uses s = mean_b(sqrt|Δ|)·mean_b(g): identical whenever the rows
     share a timestep (flow_grpo's layout), and still a per-step normalisation when they do not. The KL term
     is not reweighted, as in the reference. `log_ratio` in the result is log r̃ (what the ratio and the
-    clip fraction are computed from). Meant for `sde`/`dance` steps, where s = g·sqrt(−Δ).
+    clip fraction are computed from). Meant for `sde`/`dance` steps, where s = g·sqrt(−Δ) is the exact
+    step std (g = η on dance steps), so log r̃ = mean(ε ⊙ δμ) on both. On dance steps verl-omni scales
+    by mean(sqrt|Δ|)·η·sqrt|Δ| = η·|Δ| instead (its dance std_dev_t already holds sqrt|Δ|); omnirl keeps
+    the exact std, GRPO-Guard's RatioNorm as flow_grpo defines it for its sde steps.
     """
     batch = mean.shape[0]
     s = per_sample(std, batch, mean, "std")
@@ -262,9 +265,8 @@ def awm_loss(
         "actor/kl_loss": kl.item(),
         "actor/ema_kl_loss": ema_kl.item(),
         "actor/fm_loss": fm_error(v.detach(), eps, x0).mean().item(),
-        "actor/ratio_mean": ratio.detach().mean().item(),
         "actor/pg_clipfrac": was_clipped.mean().item(),
-        "actor/ppo_kl": (0.5 * log_ratio.detach() ** 2).mean().item(),
+        **ratio_metrics(ratio, log_ratio),
     }
     return loss, metrics
 

@@ -3,8 +3,9 @@
 flow_grpo convention (diffusion-rl.md §1.2): per trained step j,
     Â = clip(A, ±adv_clip),  r = exp(logp_θ − logp_old),
     L_pg = mean_b max(−Â·r, −Â·clip(r, 1−ε, 1+ε)),
-    L = L_pg + β·KL,  KL = mean_b mean_dims (μ_θ − μ_ref)² / (2g²)   (g², not s², as the reference does).
-Log-probs are per-dimension means, so ratios sit near 1 and ε is ~1e-4.
+    L = L_pg + β·KL,  KL = mean_b mean_dims (μ_θ − μ_ref)² / (2·d²)   (`kl_std` gives d per sampler).
+Log-probs are per-dimension means, so ratios sit near 1 and ε is ~1e-4. Metrics (`ratio_metrics`) follow
+verl-omni's names (ppo_kl = mean(−log r), Bessel ratio_std) plus flow_grpo's approx_kl = ½·mean((log r)²).
 
 The family members differ in which stored steps they train and in the ratio they clip:
 - `flow_grpo`: the first int(K·fraction) stored steps, in order (flow_grpo trains 9 of 10).
@@ -19,14 +20,17 @@ too; their objectives live in objectives.py and their loss math in family_losses
 
 Token-level algorithms for text/VLM rollouts (`family="token"`, math in token_losses.py) differ in
 their defaults (vlm-grpo.md §2): `grpo` (verl: clip 0.2/0.2, dual-clip 3, token-mean), `dapo`
-(clip-higher 0.2/0.28) and `gspo` (sequence ratio, clip 3e-4/4e-4, seq-mean-token-mean, no dual-clip).
-Dr.GRPO is `grpo` with `--loss-agg-mode seq-mean-token-sum-norm` and the `drgrpo` advantage.
+(clip-higher 0.2/0.28) and `gspo` (sequence ratio, clip 3e-4/4e-4, no dual-clip; its policy term is
+always seq-mean-token-mean, KL and entropy follow `--loss-agg-mode` as in verl). Dr.GRPO is `grpo` with
+`--loss-agg-mode seq-mean-token-sum-norm` and the `drgrpo` advantage. As in verl, token advantages are
+not clipped (the diffusion family clips at ±5 as flow_grpo and verl-omni do).
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -43,6 +47,33 @@ class StepLoss:
     ratio: torch.Tensor
     clipped: torch.Tensor
     log_ratio: torch.Tensor
+
+
+def ratio_metrics(ratio: torch.Tensor, log_ratio: torch.Tensor) -> dict[str, float]:
+    """Diagnostics of one trained step's ratios: ratio [B] (the ratio that is clipped) and the plain
+    log π_θ − log π_old [B].
+
+    verl-omni's names: ratio_mean; ratio_std, Bessel-corrected like torch's default (0 for one row);
+    ppo_kl = mean(−log r), the k1 estimate of KL(old‖new). flow_grpo's approx_kl = ½·mean((log r)²).
+    """
+    r, lr = ratio.detach().double(), log_ratio.detach().double()
+    return {
+        "actor/ratio_mean": r.mean().item(),
+        "actor/ratio_std": r.std().item() if r.numel() > 1 else 0.0,
+        "actor/ppo_kl": (-lr).mean().item(),
+        "actor/approx_kl": (0.5 * lr.square()).mean().item(),
+    }
+
+
+def kl_std(sampler: str, diffusion: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """The d of the KL penalty mean_dims (μ_θ − μ_ref)²/(2d²) of a replayed step, [B].
+
+    `sde`: the diffusion coefficient g (`StepOutput.diffusion`), flow_grpo's and verl-omni's choice,
+    which is the exact Gaussian KL times |Δσ|. `dance` and `cps`: the step's noise std s
+    (`StepOutput.std`; η·sqrt(|Δσ|) for dance), the exact KL between the two step Gaussians, as
+    verl-omni's dance_sde and cps steps divide by their std_dev_t = s.
+    """
+    return diffusion if sampler == "sde" else std
 
 
 def ppo_terms(
@@ -90,7 +121,8 @@ TOKEN_NEEDS = ("images", "prompt_ids", "prompt_mask", "response_ids", "response_
 @dataclass(frozen=True)
 class Algorithm:
     """An `--algo` choice: its objective family (objectives.py), which stored steps a policy-gradient
-    member trains, the input columns it reads and those it cannot do without."""
+    member trains, the input columns it reads and those it cannot do without, and its default ratio
+    clip, dual-clip and advantage clip (None: not clipped)."""
 
     name: str
     family: str = "policy_gradient"
@@ -100,9 +132,12 @@ class Algorithm:
     needs: tuple[str, ...] = ("latents", "sigmas")
     clip: tuple[float, float] = (1e-4, 1e-4)
     ratio: str = "token"
-    agg_mode: str = "token-mean"
     dual_clip: float | None = None
+    adv_clip: float | None = 5.0
 
+
+# What the token algorithms share: VLM columns and verl's unclipped advantages.
+TOKEN: dict[str, Any] = {"family": "token", "columns": TOKEN_COLUMNS, "needs": TOKEN_NEEDS, "adv_clip": None}
 
 ALGORITHMS: dict[str, Algorithm] = {
     a.name: a
@@ -119,21 +154,9 @@ ALGORITHMS: dict[str, Algorithm] = {
             columns=("final_latent", "group_id"),
             needs=("final_latent", "group_id"),
         ),
-        Algorithm(
-            "grpo", family="token", columns=TOKEN_COLUMNS, needs=TOKEN_NEEDS, clip=(0.2, 0.2), dual_clip=3.0
-        ),
-        Algorithm(
-            "dapo", family="token", columns=TOKEN_COLUMNS, needs=TOKEN_NEEDS, clip=(0.2, 0.28), dual_clip=3.0
-        ),
-        Algorithm(
-            "gspo",
-            family="token",
-            columns=TOKEN_COLUMNS,
-            needs=TOKEN_NEEDS,
-            clip=(3e-4, 4e-4),
-            ratio="sequence",
-            agg_mode="seq-mean-token-mean",
-        ),
+        Algorithm("grpo", **TOKEN, clip=(0.2, 0.2), dual_clip=3.0),
+        Algorithm("dapo", **TOKEN, clip=(0.2, 0.28), dual_clip=3.0),
+        Algorithm("gspo", **TOKEN, clip=(3e-4, 4e-4), ratio="sequence"),
     )
 }
 

@@ -28,7 +28,7 @@ from stages.models.vlm import VLMPolicy
 from stages.sample.rollout import SampleConfig
 from stages.sample.samplers import kl_to_reference, step
 from stages.update.family_losses import awm_loss, diffusion_dpo_loss, fm_error, grpo_guard_loss, nft_loss
-from stages.update.losses import Algorithm, clipped_policy_loss, step_plan
+from stages.update.losses import Algorithm, clipped_policy_loss, kl_std, ratio_metrics, step_plan
 from stages.update.token_losses import grpo_loss
 
 Chunk = list[int]
@@ -55,6 +55,7 @@ class PolicyGradient:
         "actor/ratio_std",
         "actor/pg_clipfrac",
         "actor/ppo_kl",
+        "actor/approx_kl",
     )
 
     def __init__(
@@ -84,21 +85,23 @@ class PolicyGradient:
     def losses(self, idx: Chunk) -> Iterator[LossItem]:
         cond = _condition(self.policy, self.data, idx, self.sample_cfg)
         for t in range(self.per_chunk):
-            res = self._step(idx, self.plan[idx, t], cond)
-            yield (
-                res.loss,
-                [
-                    res.policy_loss.item(),
-                    res.kl.item(),
-                    res.ratio.mean().item(),
-                    res.ratio.std(unbiased=False).item(),
-                    res.clipped.mean().item(),
-                    (0.5 * res.log_ratio.pow(2)).mean().item(),
-                ],
+            res, log_ratio = self._step(idx, self.plan[idx, t], cond)
+            m = ratio_metrics(res.ratio, log_ratio)
+            m.update(
+                {
+                    "actor/pg_loss": res.policy_loss.item(),
+                    "actor/kl_loss": res.kl.item(),
+                    "actor/pg_clipfrac": res.clipped.mean().item(),
+                }
             )
+            yield res.loss, [m[k] for k in self.metric_keys]
 
-    def _step(self, idx: Chunk, j: torch.Tensor, cond: Any) -> Any:
-        """Loss of stored step j[b] for row idx[b]: replay under the trained weights, then the --algo loss."""
+    def _step(self, idx: Chunk, j: torch.Tensor, cond: Any) -> tuple[Any, torch.Tensor]:
+        """Loss of stored step j[b] for row idx[b]: replay under the trained weights, then the --algo loss.
+
+        Also returns the plain log-ratio log π_θ − log π_old [B] of the step (GRPO-Guard clips another
+        ratio; its ppo_kl is still this one's, as in verl-omni).
+        """
         policy, data, scfg, cfg = self.policy, self.data, self.sample_cfg, self.cfg
         index = torch.tensor(idx)
         x = data["latents"][index, j].to(policy.device).float()
@@ -119,24 +122,27 @@ class PolicyGradient:
 
         out = replay(policy.velocity(x, s, cond, scfg.guidance))
         kl = None
-        if cfg.beta > 0 and "ref_means" in data:
-            kl = kl_to_reference(out.mean, data["ref_means"][index, j].to(policy.device), out.diffusion)
-        elif cfg.beta > 0:
-            with torch.no_grad(), policy.reference():
-                ref = replay(policy.velocity(x, s, cond, scfg.guidance))
-            kl = kl_to_reference(out.mean, ref.mean, out.diffusion)
+        if cfg.beta > 0:
+            if "ref_means" in data:
+                ref_mean = data["ref_means"][index, j].to(policy.device)
+            else:
+                with torch.no_grad(), policy.reference():
+                    ref_mean = replay(policy.velocity(x, s, cond, scfg.guidance)).mean
+            kl = kl_to_reference(out.mean, ref_mean, kl_std(scfg.sampler, out.diffusion, out.std))
         adv = data["advantages"][index, j].to(policy.device).float()
+        old = self.old[index, j].to(policy.device).float()
         common = {
             "clip_range": cfg.clip_bounds()[0],
             "clip_range_high": cfg.clip_bounds()[1],
-            "adv_clip": cfg.adv_clip,
+            "adv_clip": cfg.advantage_clip(),
             "kl": kl,
             "beta": cfg.beta,
         }
+        log_ratio = out.log_prob.detach() - old
         if self.algo.guard:
             old_mean = data["old_means"][index, j].to(policy.device).float()
-            return grpo_guard_loss(out.mean, old_mean, x_next, out.std, s_next - s, adv, **common)
-        return clipped_policy_loss(out.log_prob, self.old[index, j].to(policy.device).float(), adv, **common)
+            return grpo_guard_loss(out.mean, old_mean, x_next, out.std, s_next - s, adv, **common), log_ratio
+        return clipped_policy_loss(out.log_prob, old, adv, **common), log_ratio
 
 
 def _stratified(lo: int, hi: int, strata: int, rng: random.Random) -> list[int]:
@@ -186,7 +192,10 @@ class ForwardProcess:
                 "actor/ema_kl_loss",
                 "actor/fm_loss",
                 "actor/ratio_mean",
+                "actor/ratio_std",
                 "actor/pg_clipfrac",
+                "actor/ppo_kl",
+                "actor/approx_kl",
             )
         )
 
@@ -213,6 +222,7 @@ class ForwardProcess:
         index = torch.tensor(idx)
         x0 = self.data["final_latent"][index].to(policy.device).float()
         adv = self.data["advantages"][index, 0].to(policy.device).float()
+        scale = cfg.advantage_clip()  # DiffusionNFT and AWM normalise advantages by their clip
         for col in range(self.per_chunk):
             t = self.schedule[self.plan[index, col]].to(policy.device)
             eps = _noise(self.seed, idx, col, tuple(x0.shape[1:])).to(policy.device)
@@ -232,10 +242,10 @@ class ForwardProcess:
                     x0,
                     x_t,
                     t,
-                    nft_optimality(adv, cfg.adv_clip),
+                    nft_optimality(adv, scale),
                     beta=cfg.nft_beta,
                     kl_beta=cfg.beta,
-                    adv_clip=cfg.adv_clip,
+                    adv_clip=scale,
                 )
             else:
                 with torch.no_grad(), policy.weights(self.old_weights):
@@ -254,7 +264,7 @@ class ForwardProcess:
                     weighting=cfg.awm_weighting,
                     p=cfg.awm_p,
                     clip_range=cfg.clip_bounds()[0],
-                    adv_clip=cfg.adv_clip,
+                    adv_clip=scale,
                     ref_v=v_ref,
                     beta=cfg.beta,
                     ema_v=v_ema,
@@ -343,7 +353,7 @@ class TokenPolicyGradient:
             )
         self.images = row_images(data, "--in")
         self.low, self.high = cfg.clip_bounds()
-        self.mode = cfg.loss_agg_mode or algo.agg_mode
+        self.mode = cfg.loss_agg_mode or "token-mean"
         self.counts: dict[int, tuple[float, float]] = {}
 
     def epoch(self, rows: list[int], micro: int, rng: random.Random) -> list[Chunk]:
@@ -390,11 +400,14 @@ class TokenPolicyGradient:
             with torch.no_grad(), policy.reference():
                 ref = policy.response_log_probs(inputs, tokens, mask, temperature)
         adv = data["advantages"][index].reshape(len(idx), -1)[:, 0].to(policy.device).float()
+        bound = cfg.advantage_clip()
+        if bound is not None:
+            adv = adv.clamp(-bound, bound)
         num_tokens, num_seqs = self.counts[idx[0]]
         loss, m = grpo_loss(
             logp,
             self.old[index, :width].to(policy.device).float(),
-            adv.clamp(-cfg.adv_clip, cfg.adv_clip),
+            adv,
             mask,
             ref_logp=ref,
             entropy=entropy,

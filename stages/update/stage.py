@@ -19,23 +19,40 @@ from typing import Any
 import torch
 
 from stages.errors import UserInputError
+from stages.finite import check_finite
 from stages.models.diffusion import ADAPTER_CONFIG, SD3_LORA_TARGETS, FlowPolicy, read_adapter_config
 from stages.models.vlm import VLMPolicy, is_vlm_model
 from stages.sample.rollout import SampleConfig, sample_config_of
 from stages.sample.vlm_stage import VLMSampleConfig, vlm_sample_config_of
+from stages.shards.atomic import recover_dir, replace_dir
 from stages.shards.manifest import config_hash, manifest_sha256
+from stages.shards.writer import check_output_path
 from stages.update.losses import get_algorithm
 from stages.update.trainer import METRICS, UpdateConfig, load_state, save_state, train, world_and_rank
 
-BASE_COLUMNS = ("prompt", "negative_prompt", "advantages", "reward", "train_mask")
+BASE_COLUMNS = ("sample_id", "prompt", "negative_prompt", "advantages", "reward", "train_mask")
 OFFLINE = SampleConfig(steps=1000, guidance=1.0, batch_size=8)
+
+
+def check_policy_out(out: Path, inputs: list[Path]) -> None:
+    """Refuse an --out that `update` could not replace without losing someone's data.
+
+    `out` may be new, an empty directory or an adapter directory; never an input (--in or
+    --adapter), a folder holding one, a file, or a directory of other files.
+    """
+    check_output_path(out, inputs)
+    if out.is_dir() and not (out / ADAPTER_CONFIG).is_file() and any(out.iterdir()):
+        raise UserInputError(
+            f"--out {out} is a non-empty directory without an adapter ({ADAPTER_CONFIG}); update only "
+            "replaces adapters it wrote, pick a new --out"
+        )
 
 
 def adapter_complete(out: Path, digest: str, overwrite: bool) -> bool:
     """True when `out` already holds this very update (same config hash): the run is skipped."""
     if not (out / ADAPTER_CONFIG).is_file():
         return False
-    if read_adapter_config(out).get("config_hash") == digest:
+    if read_adapter_config(out, "--out").get("config_hash") == digest:
         return True
     if not overwrite:
         raise UserInputError(
@@ -56,7 +73,12 @@ def save_policy(
     *,
     extra: dict[str, Any],
 ) -> None:
-    """Write a policy directory atomically: metrics, trainer state, weights, then omnirl_adapter.json."""
+    """Write a policy directory atomically: metrics, trainer state, weights, then omnirl_adapter.json.
+
+    Everything is written into a hidden sibling, which then replaces `out` in one step: a kill leaves
+    the previous adapter (or none) and litter that the next update of `out` removes.
+    """
+    recover_dir(out)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         tmp.mkdir(parents=True)
@@ -69,12 +91,31 @@ def save_policy(
             kind="full" if cfg.full else "lora",
             extra={"step": step, "algo": cfg.algo, "update_config": asdict(cfg), **extra},
         )
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        for path in tmp.rglob("*.safetensors"):
+            canonical_safetensors_header(path)
+        replace_dir(tmp, out)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def canonical_safetensors_header(path: Path) -> None:
+    """Sort the keys of a safetensors file's `__metadata__` in place, so equal weights give equal bytes.
+
+    safetensors writes its metadata map in a per-process random order; the header keeps its length
+    (same keys, same values), so only the header bytes are rewritten.
+    """
+    with open(path, "r+b") as f:
+        size = int.from_bytes(f.read(8), "little")
+        raw = f.read(size)
+        header = json.loads(raw)
+        if "__metadata__" in header:
+            header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        if len(text) > size:
+            return
+        f.seek(8)
+        f.write(text.ljust(size, b" "))
 
 
 def run_update(
@@ -92,6 +133,9 @@ def run_update(
 ) -> dict[str, Any]:
     """Train on the zipped inputs (samples ⋈ logprobs ⋈ advantages) and write the adapter to `out`."""
     out = Path(out)
+    check_policy_out(out, [*inputs.paths, *([Path(adapter)] if adapter else [])])
+    if world_and_rank()[1] == 0:
+        recover_dir(out)
     digest = config_hash({**run_config, "input_manifests": [manifest_sha256(p) for p in inputs.paths]})
     if adapter_complete(out, digest, overwrite):
         return {
@@ -130,6 +174,12 @@ def run_update(
             policy.add_lora(rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=SD3_LORA_TARGETS, seed=cfg.seed)
     state, start = load_state(adapter)
     data = inputs.read_all(columns=[c for c in (*BASE_COLUMNS, *algo.columns) if c in inputs.columns])
+    check_finite(
+        data,
+        data.get("sample_id"),
+        where="--in",
+        hint="the input shard sets are corrupt; re-run the stage that wrote that column into a new --out",
+    )
     optimizer, ema, old_weights, metrics = train(
         policy, data, sample_cfg, cfg, state=state, start_step=start, on_step=on_step
     )

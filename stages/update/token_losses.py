@@ -6,7 +6,8 @@ log-probs often do). Inputs in bf16/fp16 are promoted to float32 before any arit
 
 - `token_log_probs` / `token_entropy`: replay of the sampled tokens' log-probs and the policy's
   per-token entropy from logits.
-- `aggregate`: verl's four `loss_agg_mode`s, used for the policy, KL and entropy terms alike.
+- `aggregate`: verl's four `loss_agg_mode`s, used for the policy, KL and entropy terms (GSPO's policy
+  term is always seq-mean-token-mean, as verl's gspo loss ignores `loss_agg_mode`).
 - `kl_penalty`: per-token KL estimators against a reference policy.
 - `policy_loss`: the clipped surrogate with DAPO clip-higher, dual-clip and GSPO sequence ratios.
 - `grpo_loss`: policy loss + kl_coef·KL − entropy_coef·entropy, the GRPO actor objective.
@@ -211,8 +212,8 @@ def policy_loss(
     r = s_b = exp(mean over valid t of (logp − old_logp)), capped at e^10, computed as
     sg[s_b]·π/sg[π] so each token keeps its own gradient; GSPO's clip range is ~3e-4/4e-4 and verl's
     gspo applies no dual-clip (pass None to match). `agg_mode` defaults to "token-mean", or
-    "seq-mean-token-mean" for sequence ratios (the GSPO paper); the other aggregation arguments are
-    `aggregate`'s.
+    "seq-mean-token-mean" for sequence ratios (the GSPO paper; `grpo_loss` always uses it for them, as
+    verl does); the other aggregation arguments are `aggregate`'s.
 
     Metrics (means over valid tokens): pg_loss; pg_clipfrac (the clipped branch is active:
     A > 0 and r > 1 + clip_high, or A < 0 and r < 1 − clip_low), split into pg_clipfrac_higher and
@@ -276,7 +277,7 @@ def grpo_loss(
     clip_high: float = 0.2,
     dual_clip_c: float | None = 3.0,
     ratio_type: str = "token",
-    agg_mode: str | None = None,
+    agg_mode: str = "token-mean",
     norm_len: int | None = None,
     num_tokens: float | None = None,
     num_seqs: float | None = None,
@@ -286,8 +287,12 @@ def grpo_loss(
     The KL is the in-loss penalty (verl `use_kl_loss`, kl_loss_coef 0.001 text / 0.01 VLM with
     low_var_kl; DAPO, Dr.GRPO and GSPO run with kl_coef 0); `ref_logp` [B, T] is needed when
     kl_coef ≠ 0. `entropy` [B, T] (from `token_entropy`, with gradient) is needed when
-    entropy_coef ≠ 0; a positive coefficient rewards entropy. KL and entropy use the policy's
-    aggregation. Metrics: `policy_loss`'s plus loss, kl_loss and entropy (when given).
+    entropy_coef ≠ 0; a positive coefficient rewards entropy.
+
+    Aggregation as verl's actor: KL and entropy always use `agg_mode` (verl `loss_agg_mode`, default
+    token-mean); so does the policy term for token ratios, while for sequence ratios (GSPO) it is
+    always seq-mean-token-mean, whatever `agg_mode` says. Metrics: `policy_loss`'s plus loss,
+    kl_loss and entropy (when given).
     """
     if kl_coef != 0 and ref_logp is None:
         raise UserInputError(
@@ -297,7 +302,6 @@ def grpo_loss(
         raise UserInputError(
             f"entropy_coef={entropy_coef} needs the token entropies; pass them or set it to 0"
         )
-    mode = agg_mode or ("seq-mean-token-mean" if ratio_type == "sequence" else "token-mean")
     agg = {"norm_len": norm_len, "num_tokens": num_tokens, "num_seqs": num_seqs}
     loss, metrics = policy_loss(
         logp,
@@ -308,15 +312,15 @@ def grpo_loss(
         clip_high=clip_high,
         dual_clip_c=dual_clip_c,
         ratio_type=ratio_type,
-        agg_mode=mode,
+        agg_mode="seq-mean-token-mean" if ratio_type == "sequence" else agg_mode,
         **agg,
     )
     if ref_logp is not None:
-        kl = aggregate(kl_penalty(logp, ref_logp, kl_kind), mask, mode, **agg)
+        kl = aggregate(kl_penalty(logp, ref_logp, kl_kind), mask, agg_mode, **agg)
         loss = loss + kl_coef * kl
         metrics["kl_loss"] = kl.detach()
     if entropy is not None:
-        ent = aggregate(entropy, mask, mode, **agg)
+        ent = aggregate(entropy, mask, agg_mode, **agg)
         loss = loss - entropy_coef * ent
         metrics["entropy"] = ent.detach()
     metrics["loss"] = loss.detach()

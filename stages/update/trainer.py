@@ -12,8 +12,8 @@ import json
 import math
 import random
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +43,7 @@ class UpdateConfig:
     adam_eps: float = 1e-8
     clip_range: float | None = None
     clip_range_high: float | None = None
-    adv_clip: float = 5.0
+    adv_clip: float | None = None
     beta: float = 0.0
     max_grad_norm: float = 1.0
     micro_batch: int = 0
@@ -70,6 +70,32 @@ class UpdateConfig:
     dual_clip: float | None = None
     train_vision: bool = False
 
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> UpdateConfig:
+        """The config of resolved command options (`update`'s flags, a preset's `update:` section).
+
+        Every dataclass field is read from the option of the same name; other options (paths, output
+        flags) are ignored, and a missing one keeps its default. Lists become tuples (YAML `betas`).
+        """
+        values = {f.name: options[f.name] for f in fields(cls) if f.name in options}
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
+
+    def optimizer_settings(self) -> dict[str, Any]:
+        """AdamW's hyper-parameters of this run; they override those of a resumed optimizer state."""
+        return {
+            "lr": self.lr,
+            "betas": tuple(self.betas),
+            "weight_decay": self.weight_decay,
+            "eps": self.adam_eps,
+        }
+
+    def advantage_clip(self) -> float | None:
+        """|A| bound: --adv-clip, else the --algo's (5 for the diffusion family, none for grpo/dapo/gspo);
+        0 turns it off."""
+        if self.adv_clip is None:
+            return get_algorithm(self.algo).adv_clip
+        return self.adv_clip or None
+
     def clip_bounds(self) -> tuple[float, float]:
         """(low, high) ratio clip: the --algo's defaults unless given; --clip-range alone is symmetric."""
         algo = get_algorithm(self.algo)
@@ -84,7 +110,30 @@ class UpdateConfig:
             return get_algorithm(self.algo).dual_clip
         return self.dual_clip or None
 
+    def _validate_optimizer(self) -> None:
+        if not 0 <= self.lr < math.inf:
+            raise UserInputError(f"--lr {self.lr}: the learning rate must be a finite number >= 0")
+        if not 0 <= self.weight_decay < math.inf:
+            raise UserInputError(f"--weight-decay {self.weight_decay}: must be a finite number >= 0")
+        if not 0 < self.adam_eps < math.inf:
+            raise UserInputError(f"--adam-eps {self.adam_eps}: must be a finite number > 0")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise UserInputError(
+                f"--adam-betas {' '.join(map(str, self.betas))}: give two numbers in [0, 1), e.g. 0.9 0.999"
+            )
+        if not 0 < self.max_grad_norm < math.inf:
+            raise UserInputError(f"--max-grad-norm {self.max_grad_norm}: must be a finite number > 0")
+
     def validate(self) -> None:
+        """Raise a one-line UserInputError naming the first impossible setting."""
+        algo = get_algorithm(self.algo)
+        self._validate_optimizer()
+        if self.adv_clip is not None and not 0 <= self.adv_clip < math.inf:
+            raise UserInputError(f"--adv-clip {self.adv_clip}: must be a finite number >= 0 (0 turns it off)")
+        if algo.family == "forward" and self.advantage_clip() is None:
+            raise UserInputError(
+                f"--adv-clip 0: --algo {algo.name} scales advantages by it; give a positive bound (default 5)"
+            )
         if not 0 < self.timestep_fraction <= 1:
             raise UserInputError(f"--timestep-fraction {self.timestep_fraction}: must lie in (0, 1]")
         if self.grad_accum < 1 or self.inner_epochs < 1:
@@ -111,7 +160,6 @@ class UpdateConfig:
             raise UserInputError("--ema-beta needs --ema (the EMA weights it pulls toward)")
         if self.train_timesteps < 1:
             raise UserInputError(f"--train-timesteps {self.train_timesteps}: must be at least 1")
-        get_algorithm(self.algo)
 
 
 class EMA:
@@ -137,6 +185,23 @@ def _check_finite(name: str, value: torch.Tensor, where: str) -> None:
         raise NonFiniteError(
             f"{name} is not finite {where}; lower --lr or check the inputs (no step was taken)"
         )
+
+
+def _raise_if_any_rank_failed(failed: torch.Tensor, mine: str | None, where: str) -> None:
+    """Raise NonFiniteError on every rank when some rank saw a non-finite loss.
+
+    failed: [world] float, 1 at the ranks that did (already summed over ranks); mine: this rank's
+    own message, if it is one of them. All ranks raise at the same point, so none waits in a collective.
+    """
+    ranks = [r for r, f in enumerate(failed.tolist()) if f > 0]
+    if not ranks:
+        return
+    if mine is not None:
+        raise NonFiniteError(f"{mine}; lower --lr or check the inputs (no step was taken)")
+    raise NonFiniteError(
+        f"loss is not finite on rank {', '.join(map(str, ranks))} {where} (that rank names the micro-batch); "
+        "lower --lr or check the inputs (no step was taken)"
+    )
 
 
 def world_and_rank() -> tuple[int, int]:
@@ -180,11 +245,13 @@ def train(
     vision = {"train_vision": cfg.train_vision} if isinstance(policy, VLMPolicy) else {}
     params = policy.trainable_parameters(full=cfg.full, **vision)
     named = _named_trainable(policy)
-    optimizer = torch.optim.AdamW(
-        params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, eps=cfg.adam_eps
-    )
+    settings = cfg.optimizer_settings()
+    optimizer = torch.optim.AdamW(params, **settings)
     if state.get("optimizer") is not None:
+        # The moments carry over; the hyper-parameters are this run's (a new --lr takes effect).
         optimizer.load_state_dict(state["optimizer"])
+        for group in optimizer.param_groups:
+            group.update(settings)
     ema = EMA(named) if cfg.ema else None
     if ema is not None and state.get("ema") is not None:
         ema.shadow = {k: v.clone() for k, v in state["ema"]["shadow"].items()}
@@ -223,18 +290,31 @@ def train(
         for first in range(0, len(chunks), per_step):
             t0 = time.perf_counter()
             mine = chunks[first + rank * cfg.grad_accum : first + (rank + 1) * cfg.grad_accum]
-            sums = torch.zeros(len(keys) + 1, dtype=torch.float64)
+            # metric sums, the count of losses, then one non-finite flag per rank: one all_reduce
+            sums = torch.zeros(len(keys) + 1 + world, dtype=torch.float64)
+            failure = None
             for c, idx in enumerate(mine):
                 where = f"at epoch {epoch}, micro-batch {first + rank * cfg.grad_accum + c}"
                 for t, (loss, values) in enumerate(objective.losses(idx)):
-                    _check_finite("loss", loss, f"{where}, trained step {t}")
+                    if not bool(torch.isfinite(loss).all()):
+                        failure = f"loss is not finite {where}, trained step {t}" + (
+                            f" (rank {rank})" if world > 1 else ""
+                        )
+                        break
                     (loss / (cfg.grad_accum * objective.per_chunk)).backward()
-                    sums[:-1] += torch.tensor(values, dtype=torch.float64)
-                    sums[-1] += 1
+                    sums[: len(keys)] += torch.tensor(values, dtype=torch.float64)
+                    sums[len(keys)] += 1
+                if failure is not None:
+                    break
+            sums[len(keys) + 1 + rank] = float(failure is not None)
             seen = sum(len(idx) for idx in chunks[first : first + per_step])
             if world > 1:
-                _average_gradients(params, world)
                 torch.distributed.all_reduce(sums)
+            _raise_if_any_rank_failed(
+                sums[len(keys) + 1 :], failure, f"at epoch {epoch}, optimizer step {global_step + 1}"
+            )
+            if world > 1:
+                _average_gradients(params, world)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
             _check_finite("grad norm", grad_norm, f"at epoch {epoch}, optimizer step {global_step + 1}")
             optimizer.step()
@@ -243,13 +323,14 @@ def train(
             if ema is not None and global_step % cfg.ema_every == 0:
                 ema.update(named)
             elapsed = time.perf_counter() - t0
-            record: dict[str, Any] = {k: float(v / max(sums[-1], 1)) for k, v in zip(keys, sums[:-1])}
+            count = max(float(sums[len(keys)]), 1.0)
+            record: dict[str, Any] = {k: float(v / count) for k, v in zip(keys, sums[: len(keys)])}
             record.update(
                 {
                     "step": global_step,
                     "epoch": epoch,
                     "actor/grad_norm": float(grad_norm),
-                    "actor/lr": cfg.lr,
+                    "actor/lr": optimizer.param_groups[0]["lr"],
                     "perf/samples_per_s": seen / elapsed if elapsed > 0 else math.nan,
                     "perf/sample_steps_per_s": seen * objective.per_chunk / elapsed
                     if elapsed > 0

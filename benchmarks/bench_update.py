@@ -49,7 +49,8 @@ from benchmarks.bench_sample import Probes, pooled_ratio, small_model
 from benchmarks.common import record
 
 if TYPE_CHECKING:
-    from stages.models.diffusion import Condition, FlowPolicy
+    from stages.models.diffusion import FlowPolicy
+    from stages.models.families import Condition
     from stages.sample.rollout import SampleConfig
     from stages.update.trainer import UpdateConfig
 
@@ -123,31 +124,13 @@ def bare_train(
     )
     latents, sigmas = data["latents"], data["sigmas"]
     n, k = latents.shape[0], latents.shape[1] - 1
-    guided = sample_cfg.guidance > 1.0
     for start in range(0, n, micro):
         idx = torch.arange(start, min(start + micro, n))
         c = cond.select(idx)
         for j in range(k):
             x, target = latents[idx, j], latents[idx, j + 1]
-            t = sigmas[idx, j] * 1000
-            if guided:
-                out = policy.transformer(
-                    hidden_states=torch.cat([x, x]),
-                    timestep=torch.cat([t, t]),
-                    encoder_hidden_states=torch.cat([c.neg_embeds, c.embeds]),
-                    pooled_projections=torch.cat([c.neg_pooled, c.pooled]),
-                    return_dict=False,
-                )[0]
-                uncond, text = out.chunk(2)
-                v = uncond + sample_cfg.guidance * (text - uncond)
-            else:
-                v = policy.transformer(
-                    hidden_states=x,
-                    timestep=t,
-                    encoder_hidden_states=c.embeds,
-                    pooled_projections=c.pooled,
-                    return_dict=False,
-                )[0]
+            # the family's forward (CFG batch included) with nothing of omnirl's replay around it
+            v = policy.family.velocity(policy.transformer, x, sigmas[idx, j], c, sample_cfg.guidance)
             ((v - target).pow(2).mean() / k).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -156,7 +139,7 @@ def bare_train(
 def worker(args: argparse.Namespace) -> dict[str, Any]:
     """Time one training mode (`args.worker`: lora or full) in this process; returns its measurements."""
     torch.set_num_threads(args.threads)
-    from stages.models.diffusion import SD3_LORA_TARGETS, FlowPolicy
+    from stages.models.diffusion import FlowPolicy
     from stages.sample import samplers
     from stages.sample.rollout import SampleConfig
     from stages.update import losses, trainer
@@ -169,7 +152,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     )
     policy = FlowPolicy.load(args.model)
     if not full:
-        policy.add_lora(rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=SD3_LORA_TARGETS, seed=cfg.seed)
+        policy.add_lora(rank=cfg.lora_rank, alpha=cfg.lora_alpha, seed=cfg.seed)
     data = torch.load(args.data, weights_only=True)
     cond = policy.encode(
         data["prompt"], data["negative_prompt"], sample_cfg.guidance > 1.0, sample_cfg.max_sequence_length

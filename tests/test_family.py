@@ -115,7 +115,7 @@ def test_mix_grpo_trains_the_stored_window(staged: dict[str, Path], tmp_path: Pa
     assert samples["latents"].shape[1] == 3 and samples["log_probs"].shape[1] == 2
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    from stages.sample.samplers import flow_match_sigmas
+    from stages.models.schedules import flow_match_sigmas
 
     schedule = flow_match_sigmas(
         FlowMatchEulerDiscreteScheduler.from_pretrained(staged["model"] / "scheduler"), 6
@@ -193,7 +193,7 @@ def test_progressive_window_slides_with_the_iteration(staged: dict[str, Path], t
     """MixGRPO: the window starts at 0 and moves one step every --iters-per-group iterations."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    from stages.sample.samplers import flow_match_sigmas
+    from stages.models.schedules import flow_match_sigmas
 
     sched = (
         flow_match_sigmas(FlowMatchEulerDiscreteScheduler.from_pretrained(staged["model"] / "scheduler"), 6)

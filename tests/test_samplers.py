@@ -10,13 +10,11 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
 from stages.errors import UserInputError
+from stages.models.schedules import flow_match_sigmas, flow_match_timesteps, shifted_linear_sigmas
 from stages.sample.samplers import (
     SAMPLERS,
-    flow_match_sigmas,
-    flow_match_timesteps,
     guard_log_ratio,
     kl_to_reference,
-    shifted_linear_sigmas,
     step,
 )
 

@@ -162,7 +162,7 @@ def test_random_window_is_keyed_by_seed_iteration_and_group_never_by_batch_or_sh
     cfg = SampleConfig(steps=6, window=2, window_range=(0, 5), window_strategy="random", seed=3, iteration=5)
     windows = [stored_steps(cfg, g) for g in range(len(PROMPTS))]
     assert len(set(map(tuple, windows))) > 1  # the groups do get different windows
-    table = FlowPolicy.load(tiny_sd3).sigmas(6)
+    table = FlowPolicy.load(tiny_sd3).sigmas(6, 32)
     for row, stored in enumerate(reference["sigmas"]):
         steps = windows[row // 2]
         assert torch.equal(stored, table[[*steps, steps[-1] + 1]])

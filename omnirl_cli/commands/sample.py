@@ -328,7 +328,7 @@ def sample(
         writer,
         len(picked),
         "images",
-        {"sample_config": asdict(cfg)},
+        {"sample_config": asdict(cfg), "family": policy.family.name, "modality": "image"},
         partial(run_sample, policy, cfg, picked),
     )
 
@@ -443,7 +443,7 @@ def _run(
 
 def _sample_vlm(c: dict, json_: bool) -> None:
     """`sample` for a vision-language model: text responses per (images, question) prompt."""
-    from stages.models.vlm import VLMPolicy
+    from stages.models.vlm import VLMPolicy, model_type
     from stages.sample.prompts import pick_prompts
     from stages.sample.vlm_data import read_vlm_prompts
     from stages.sample.vlm_stage import KINDS, VLMSampleConfig, run_vlm_sample
@@ -488,6 +488,6 @@ def _sample_vlm(c: dict, json_: bool) -> None:
         writer,
         len(picked),
         "responses",
-        {"vlm_sample_config": asdict(cfg)},
+        {"vlm_sample_config": asdict(cfg), "family": model_type(c["model"]), "modality": "text"},
         partial(run_vlm_sample, policy, cfg, picked),
     )

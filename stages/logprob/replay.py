@@ -41,10 +41,10 @@ def replay_batch(
     cond = policy.encode(
         list(batch["prompt"]),
         list(batch.get("negative_prompt") or []) or None,
-        cfg.guidance > 1.0,
+        policy.needs_negative(cfg.guidance),
         cfg.max_sequence_length,
     )
-    sigma_safe = policy.sigmas(cfg.steps)[1]
+    sigma_safe = policy.sigmas(cfg.steps, cfg.resolution)[1]
     log_probs, ref_means, old_means = [], [], []
     for j in range(k):
         x = latents[:, j].to(policy.device).float()

@@ -3,16 +3,17 @@
 A `FlowPolicy` wraps a diffusers pipeline folder (optionally with an omnirl adapter on top) and
 exposes what the stages need: prompt conditioning, the guided velocity v(x, σ), the pipeline's own
 σ schedule, initial noise from per-sample seeds, and decoding. Sampling, replay and training all go
-through `velocity`, so the three compute the same numbers.
+through `velocity`, so the three compute the same numbers. Everything that differs between pipeline
+families is the family's adapter (`stages.models.families`); this class is the same for all.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ import torch
 from safetensors import SafetensorError
 
 from stages.errors import UserInputError
+from stages.models.families import Condition, FamilyAdapter, adapter_class
 
 ADAPTER_CONFIG = "omnirl_adapter.json"
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
@@ -34,32 +36,7 @@ ADAPTER_FORMS = (
     f"pass a folder written by `omnirl update`, a diffusers LoRA folder ({LORA_WEIGHTS}) or, for a VLM, "
     f"a PEFT LoRA folder ({PEFT_CONFIG})"
 )
-# flow_grpo's LoRA targets for SD3 (diffusion-rl.md §1.5).
-SD3_LORA_TARGETS = (
-    "attn.add_k_proj",
-    "attn.add_q_proj",
-    "attn.add_v_proj",
-    "attn.to_add_out",
-    "attn.to_k",
-    "attn.to_out.0",
-    "attn.to_q",
-    "attn.to_v",
-)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-@dataclass
-class Condition:
-    """Text conditioning of a batch: embeddings [B, L, D] and pooled [B, P]; negatives when CFG is on."""
-
-    embeds: torch.Tensor
-    pooled: torch.Tensor
-    neg_embeds: torch.Tensor | None = None
-    neg_pooled: torch.Tensor | None = None
-
-    def select(self, index: torch.Tensor | list[int]) -> Condition:
-        pick = lambda t: None if t is None else t[index]  # noqa: E731
-        return Condition(pick(self.embeds), pick(self.pooled), pick(self.neg_embeds), pick(self.neg_pooled))
 
 
 def seed_generator(seed: int) -> torch.Generator:
@@ -153,24 +130,32 @@ def adapter_loading(adapter: str | Path, model: str | Path) -> Iterator[None]:
 
 
 class FlowPolicy:
-    """A flow-matching pipeline (SD3 family) as a policy over denoising steps."""
+    """A flow-matching pipeline of any supported family as a policy over denoising steps."""
 
     def __init__(
-        self, pipe: Any, *, model_path: str, adapter: str | None, device: torch.device, dtype: torch.dtype
+        self,
+        pipe: Any,
+        family: FamilyAdapter,
+        *,
+        model_path: str,
+        adapter: str | None,
+        device: torch.device,
+        dtype: torch.dtype,
     ):
         self.pipe = pipe
+        self.family = family
         self.model_path = model_path
         self.adapter = adapter
         self.device = device
         self.dtype = dtype
-        self.transformer = pipe.transformer
+        self.transformer = getattr(pipe, family.trained_module)
         self.lora = bool(getattr(self.transformer, "peft_config", None))
-        self._prompt_cache: dict[tuple[str, str], tuple[torch.Tensor, ...]] = {}
+        self._prompt_cache: dict[tuple[str, str], tuple[dict, dict]] = {}
         self._reference: torch.nn.Module | None = None
 
     @property
     def module(self) -> torch.nn.Module:
-        """The trained network (the transformer)."""
+        """The trained network (the family's trained module, e.g. the transformer)."""
         return self.transformer
 
     # ---------------------------------------------------------------- loading
@@ -198,39 +183,43 @@ class FlowPolicy:
         if dtype not in DTYPES:
             raise UserInputError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
         torch_dtype = DTYPES[dtype]
+        try:
+            index = json.loads((model_path / "model_index.json").read_bytes())
+            family_class = adapter_class(str(index["_class_name"]), str(model_path))
+        except (ValueError, KeyError, TypeError):
+            raise UserInputError(
+                f"--model {model_path}: model_index.json is not a diffusers pipeline index"
+            ) from None
         kwargs: dict[str, Any] = {"dtype": torch_dtype}
         config = read_adapter_config(adapter) if adapter else None
         if config:
-            check_adapter_layout(adapter, config, lora_file=LORA_WEIGHTS, full_file="transformer/config.json")
-        if config and config["kind"] == "full":
-            from diffusers import SD3Transformer2DModel
-
+            trained = family_class.trained_module
+            check_adapter_layout(adapter, config, lora_file=LORA_WEIGHTS, full_file=f"{trained}/config.json")
+        if config and config["kind"] == "full":  # the trained module's class, as the index names it
+            library, class_name = index[trained]
             with adapter_loading(adapter, model_path):
-                kwargs["transformer"] = SD3Transformer2DModel.from_pretrained(
-                    Path(adapter) / "transformer", dtype=torch_dtype
+                kwargs[trained] = getattr(importlib.import_module(library), class_name).from_pretrained(
+                    Path(adapter) / trained, dtype=torch_dtype
                 )
         pipe = DiffusionPipeline.from_pretrained(model_path, **kwargs)
-        if type(pipe).__name__ not in ("StableDiffusion3Pipeline",):
-            raise UserInputError(
-                f"--model {model_path}: pipeline {type(pipe).__name__} is not supported yet (supported: SD3 family)"
-            )
+        family = family_class(pipe)
         pipe.set_progress_bar_config(disable=True)
         pipe.to(device)
-        for part in ("vae", "text_encoder", "text_encoder_2", "text_encoder_3", "transformer"):
-            module = getattr(pipe, part, None)
-            if module is not None:
+        for module in pipe.components.values():
+            if isinstance(module, torch.nn.Module):
                 module.requires_grad_(False)
                 module.eval()
         if config and config["kind"] == "lora":
             with adapter_loading(adapter, model_path):
                 pipe.load_lora_weights(str(adapter), adapter_name="default")
-            if not getattr(pipe.transformer, "peft_config", None):
+            if not getattr(getattr(pipe, family.trained_module), "peft_config", None):
                 raise UserInputError(
-                    f"--adapter {adapter}: none of its LoRA weights fit the transformer of --model "
+                    f"--adapter {adapter}: none of its LoRA weights fit the {family.trained_module} of --model "
                     f"{model_path}; pass a LoRA trained from this base model"
                 )
         return cls(
             pipe,
+            family,
             model_path=str(model_path),
             adapter=str(adapter) if adapter else None,
             device=torch.device(device),
@@ -238,11 +227,13 @@ class FlowPolicy:
         )
 
     def add_lora(
-        self, *, rank: int = 32, alpha: int = 64, targets: tuple[str, ...] = SD3_LORA_TARGETS, seed: int = 0
+        self, *, rank: int = 32, alpha: int = 64, targets: tuple[str, ...] | None = None, seed: int = 0
     ) -> None:
-        """Attach a fresh LoRA adapter (gaussian A, zero B: the policy starts equal to the base model)."""
+        """Attach a fresh LoRA adapter (gaussian A, zero B: the policy starts equal to the base model) on
+        `targets`, by default the family's (the reference trainers' list)."""
         from peft import LoraConfig
 
+        targets = self.family.lora_targets if targets is None else targets
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             self.transformer.add_adapter(
@@ -253,7 +244,8 @@ class FlowPolicy:
         self.lora = True
 
     def trainable_parameters(self, full: bool = False) -> list[torch.nn.Parameter]:
-        """Mark and return the trained parameters: LoRA weights, or every transformer weight with `full`."""
+        """Mark and return the trained parameters: LoRA weights, or every weight of the trained module
+        with `full`."""
         params = []
         for name, p in self.transformer.named_parameters():
             train = full or "lora_" in name
@@ -283,7 +275,7 @@ class FlowPolicy:
         if self._reference is None:
             self._reference = (
                 type(self.transformer)
-                .from_pretrained(Path(self.model_path) / "transformer", dtype=self.dtype)
+                .from_pretrained(Path(self.model_path) / self.family.trained_module, dtype=self.dtype)
                 .to(self.device)
                 .requires_grad_(False)
                 .eval()
@@ -321,34 +313,30 @@ class FlowPolicy:
             state = get_peft_model_state_dict(self.transformer, adapter_name="default")
             meta = self.transformer.peft_config["default"].to_dict()
             meta = {k: (sorted(v) if isinstance(v, set) else v) for k, v in meta.items()}
+            trained = self.family.trained_module
             type(self.pipe).save_lora_weights(
-                out, transformer_lora_layers=state, transformer_lora_adapter_metadata=meta
+                out, **{f"{trained}_lora_layers": state, f"{trained}_lora_adapter_metadata": meta}
             )
         else:
-            self.transformer.save_pretrained(out / "transformer")
+            self.transformer.save_pretrained(out / self.family.trained_module)
         config = {"kind": kind, "base_model": self.model_path, **extra}
         (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
 
     # ---------------------------------------------------------------- math
-    def sigmas(self, num_steps: int) -> torch.Tensor:
-        """The pipeline scheduler's own σ schedule [N+1] (ends in 0), float32."""
-        from stages.sample.samplers import flow_match_sigmas
-
-        return flow_match_sigmas(self.pipe.scheduler, num_steps)
+    def sigmas(self, num_steps: int, resolution: int) -> torch.Tensor:
+        """The family's own σ schedule [N+1] (ends in 0), float32, for `resolution`² samples."""
+        return self.family.sigmas(num_steps, resolution)
 
     def latent_shape(self, resolution: int) -> tuple[int, ...]:
-        """(C, h, w) of a `resolution`² image; the side must be a positive multiple of the VAE factor ×
-        the transformer's patch size, as the diffusers SD3 pipeline requires."""
-        factor = self.pipe.vae_scale_factor
-        multiple = factor * self.transformer.config.patch_size
-        if resolution < 1 or resolution % multiple:
-            raise UserInputError(
-                f"--resolution {resolution}: must be a positive multiple of {multiple} for this model"
-            )
-        return (self.transformer.config.in_channels, resolution // factor, resolution // factor)
+        """The stored latent of one `resolution`² sample (the family's layout)."""
+        return self.family.latent_shape(resolution)
+
+    def needs_negative(self, guidance: float) -> bool:
+        """Whether sampling with `guidance` runs an unconditional branch (the family's CFG kind)."""
+        return self.family.needs_negative(guidance)
 
     def initial_noise(self, seeds: list[int], resolution: int) -> torch.Tensor:
-        """x_T [B, C, h, w] drawn per sample from its own seed (batching never changes it)."""
+        """x_T [B, *latent_shape] drawn per sample from its own seed (batching never changes it)."""
         shape = self.latent_shape(resolution)
         noise = [torch.randn(shape, generator=seed_generator(s), dtype=torch.float32) for s in seeds]
         return torch.stack(noise).to(self.device)
@@ -357,79 +345,33 @@ class FlowPolicy:
     def encode(
         self, prompts: list[str], negative: list[str] | None, cfg: bool, max_sequence_length: int = 128
     ) -> Condition:
-        """Frozen text conditioning, cached per unique (prompt, negative) pair."""
+        """Frozen text conditioning, cached per unique (prompt, negative) pair; negatives when `cfg`."""
         negative = negative or [""] * len(prompts)
         missing = [
             (p, n) for p, n in dict.fromkeys(zip(prompts, negative)) if (p, n) not in self._prompt_cache
         ]
         if missing:
-            ps = [p for p, _ in missing]
-            ns = [n for _, n in missing]
-            emb, neg_emb, pooled, neg_pooled = self.pipe.encode_prompt(
-                prompt=ps,
-                prompt_2=ps,
-                prompt_3=ps,
-                negative_prompt=ns,
-                negative_prompt_2=ns,
-                negative_prompt_3=ns,
-                do_classifier_free_guidance=True,
-                device=self.device,
-                max_sequence_length=max_sequence_length,
+            encoded = self.family.encode_prompts(
+                [p for p, _ in missing], [n for _, n in missing], self.device, max_sequence_length
             )
-            for i, key in enumerate(missing):
-                self._prompt_cache[key] = (emb[i], pooled[i], neg_emb[i], neg_pooled[i])
+            self._prompt_cache.update(zip(missing, encoded))
         parts = [self._prompt_cache[(p, n)] for p, n in zip(prompts, negative)]
-        stack = [torch.stack([part[k] for part in parts]) for k in range(4)]
-        if not cfg:
-            return Condition(stack[0], stack[1])
-        return Condition(*stack)
+        pos = self.family.collate([part[0] for part in parts])
+        return Condition(pos, self.family.collate([part[1] for part in parts]) if cfg else None)
 
     def velocity(
         self, x: torch.Tensor, sigma: torch.Tensor, cond: Condition, guidance: float
     ) -> torch.Tensor:
-        """Guided velocity v(x, σ) [B, C, h, w] in fp32; the model sees timestep σ·1000 as SD3 does.
-
-        With guidance > 1 the unconditional and conditional branches run in one batch of 2B, as the
-        diffusers pipeline does, so the numbers match its own call.
-        """
+        """Guided velocity v(x, σ) [B, *latent_shape] in fp32 (σ a scalar or [B]), by the family."""
         sigma = sigma.to(self.device, torch.float32).expand(x.shape[0])
-        timestep = sigma * 1000
-        model_in = x.to(self.dtype)
-        if guidance > 1.0:
-            out = self.transformer(
-                hidden_states=torch.cat([model_in, model_in]),
-                timestep=torch.cat([timestep, timestep]),
-                encoder_hidden_states=torch.cat([cond.neg_embeds, cond.embeds]),
-                pooled_projections=torch.cat([cond.neg_pooled, cond.pooled]),
-                return_dict=False,
-            )[0]
-            uncond, text = out.float().chunk(2)
-            return uncond + guidance * (text - uncond)
-        out = self.transformer(
-            hidden_states=model_in,
-            timestep=timestep,
-            encoder_hidden_states=cond.embeds,
-            pooled_projections=cond.pooled,
-            return_dict=False,
-        )[0]
-        return out.float()
+        return self.family.velocity(self.transformer, x, sigma, cond, guidance)
 
     @torch.no_grad()
     def encode_images(self, images: list[Any], resolution: int) -> torch.Tensor:
-        """PIL images → latents [B, C, h, w]: resized and centre-cropped to `resolution`, VAE posterior
-        mode, then SD3's (z − shift)·scale, the inverse of `decode`."""
-        self.latent_shape(resolution)
-        vae = self.pipe.vae
-        pixels = self.pipe.image_processor.preprocess(
-            images, height=resolution, width=resolution, resize_mode="crop"
-        )
-        z = vae.encode(pixels.to(self.device, vae.dtype)).latent_dist.mode()
-        return ((z - vae.config.shift_factor) * vae.config.scaling_factor).float()
+        """PIL images → latents [B, *latent_shape] (resized and centre-cropped), the inverse of `decode`."""
+        return self.family.encode_images(images, resolution, self.device)
 
     @torch.no_grad()
     def decode(self, x0: torch.Tensor) -> list[Any]:
-        """Latents [B, C, h, w] → PIL images."""
-        vae = self.pipe.vae
-        z = x0.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
-        image = vae.decode(z, return_dict=False)[0]
-        return self.pipe.image_processor.postprocess(image, output_type="pil")
+        """Latents [B, *latent_shape] → PIL images."""
+        return self.family.decode(x0)

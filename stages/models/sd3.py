@@ -24,7 +24,10 @@ from diffusers import (
 )
 from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
+from stages.errors import UserInputError
 from stages.models.factory import choose_size, finish_model_dir, no_progress_bars, parameter_count, seeded
+from stages.models.families import Condition, FamilyAdapter, Tensors
+from stages.models.schedules import flow_match_sigmas
 from stages.models.tokenizers import build_clip_tokenizer, build_t5_tokenizer
 
 FAMILY = "sd3"
@@ -245,3 +248,106 @@ def build_sd3(out_dir: str | Path, *, size: str, seed: int) -> dict[str, Any]:
             "architecture": asdict(spec),
         },
     )
+
+
+# flow_grpo's LoRA targets for SD3 (diffusion-rl.md §1.5).
+SD3_LORA_TARGETS = (
+    "attn.add_k_proj",
+    "attn.add_q_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+    "attn.to_k",
+    "attn.to_out.0",
+    "attn.to_q",
+    "attn.to_v",
+)
+
+
+class SD3Adapter(FamilyAdapter):
+    """Stable Diffusion 3 / 3.5: MMDiT on unpacked latents [C, h, w], timestep σ·1000, true CFG with
+    the unconditional and conditional branches in one batch of 2B (as the diffusers pipeline runs it),
+    two CLIP encoders plus T5 (embeds [L, D], pooled [P])."""
+
+    name = FAMILY
+    lora_targets = SD3_LORA_TARGETS
+
+    def sigmas(self, num_steps: int, resolution: int) -> torch.Tensor:
+        """The scheduler's fixed-shift schedule (shift 3 for SD3.5)."""
+        return flow_match_sigmas(self.pipe.scheduler, num_steps)
+
+    def latent_shape(self, resolution: int) -> tuple[int, ...]:
+        """(C, h, w) of a `resolution`² image; the side must be a positive multiple of the VAE factor ×
+        the transformer's patch size, as the diffusers SD3 pipeline requires."""
+        factor = self.pipe.vae_scale_factor
+        config = self.pipe.transformer.config
+        multiple = factor * config.patch_size
+        if resolution < 1 or resolution % multiple:
+            raise UserInputError(
+                f"--resolution {resolution}: must be a positive multiple of {multiple} for this model"
+            )
+        return (config.in_channels, resolution // factor, resolution // factor)
+
+    def encode_prompts(
+        self, prompts: list[str], negatives: list[str], device: torch.device, max_sequence_length: int
+    ) -> list[tuple[Tensors, Tensors]]:
+        emb, neg_emb, pooled, neg_pooled = self.pipe.encode_prompt(
+            prompt=prompts,
+            prompt_2=prompts,
+            prompt_3=prompts,
+            negative_prompt=negatives,
+            negative_prompt_2=negatives,
+            negative_prompt_3=negatives,
+            do_classifier_free_guidance=True,
+            device=device,
+            max_sequence_length=max_sequence_length,
+        )
+        return [
+            ({"embeds": emb[i], "pooled": pooled[i]}, {"embeds": neg_emb[i], "pooled": neg_pooled[i]})
+            for i in range(len(prompts))
+        ]
+
+    def velocity(
+        self,
+        transformer: torch.nn.Module,
+        x: torch.Tensor,
+        sigma: torch.Tensor,
+        cond: Condition,
+        guidance: float,
+    ) -> torch.Tensor:
+        timestep = sigma * 1000
+        model_in = x.to(transformer.dtype)
+        if self.needs_negative(guidance):
+            assert cond.neg is not None
+            out = transformer(
+                hidden_states=torch.cat([model_in, model_in]),
+                timestep=torch.cat([timestep, timestep]),
+                encoder_hidden_states=torch.cat([cond.neg["embeds"], cond.pos["embeds"]]),
+                pooled_projections=torch.cat([cond.neg["pooled"], cond.pos["pooled"]]),
+                return_dict=False,
+            )[0]
+            uncond, text = out.float().chunk(2)
+            return uncond + guidance * (text - uncond)
+        out = transformer(
+            hidden_states=model_in,
+            timestep=timestep,
+            encoder_hidden_states=cond.pos["embeds"],
+            pooled_projections=cond.pos["pooled"],
+            return_dict=False,
+        )[0]
+        return out.float()
+
+    def encode_images(self, images: list[Any], resolution: int, device: torch.device) -> torch.Tensor:
+        """VAE posterior mode, then SD3's (z − shift)·scale, the inverse of `decode`."""
+        self.latent_shape(resolution)
+        vae = self.pipe.vae
+        pixels = self.pipe.image_processor.preprocess(
+            images, height=resolution, width=resolution, resize_mode="crop"
+        )
+        z = vae.encode(pixels.to(device, vae.dtype)).latent_dist.mode()
+        return ((z - vae.config.shift_factor) * vae.config.scaling_factor).float()
+
+    def decode(self, x0: torch.Tensor) -> list[Any]:
+        vae = self.pipe.vae
+        z = x0.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
+        image = vae.decode(z, return_dict=False)[0]
+        return self.pipe.image_processor.postprocess(image, output_type="pil")

@@ -63,6 +63,11 @@ def _quiet_peft() -> Iterator[None]:
         yield
 
 
+def model_type(model_dir: str | Path) -> str:
+    """The transformers `model_type` of a checkpoint folder (its family, e.g. qwen2_5_vl)."""
+    return str(json.loads((Path(model_dir) / "config.json").read_text()).get("model_type"))
+
+
 def is_vlm_model(model_dir: str | Path) -> bool:
     """True when `model_dir` is a transformers vision-language checkpoint this module loads.
 
@@ -72,7 +77,7 @@ def is_vlm_model(model_dir: str | Path) -> bool:
     if (Path(model_dir) / "model_index.json").is_file() or not config.is_file():
         return False
     try:
-        return json.loads(config.read_text()).get("model_type") in VLM_MODEL_TYPES
+        return model_type(model_dir) in VLM_MODEL_TYPES
     except (json.JSONDecodeError, AttributeError):
         raise UserInputError(f"--model {model_dir}: config.json is not a JSON object") from None
 

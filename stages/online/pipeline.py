@@ -87,10 +87,9 @@ def iteration_rows(cfg: OnlineConfig, k: int) -> list[Any]:
 
 
 def _trainable(policy: Any, cfg: UpdateConfig) -> dict[str, torch.Tensor]:
-    from stages.models.diffusion import SD3_LORA_TARGETS
 
     if not policy.lora and not cfg.full:
-        policy.add_lora(rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=SD3_LORA_TARGETS, seed=cfg.seed)
+        policy.add_lora(rank=cfg.lora_rank, alpha=cfg.lora_alpha, seed=cfg.seed)
     policy.trainable_parameters(full=cfg.full)
     return {n: p for n, p in policy.transformer.named_parameters() if p.requires_grad}
 

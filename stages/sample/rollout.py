@@ -118,13 +118,13 @@ def rollout_batch(
     ±inf the model produces stops the batch before decoding, naming the sample (`sample_ids`).
     """
     batch = len(prompts)
-    sigmas = policy.sigmas(cfg.steps).to(policy.device)
+    sigmas = policy.sigmas(cfg.steps, cfg.resolution).to(policy.device)
     placed = {g: stored_steps(cfg, g) for g in dict.fromkeys(groups)}
     windows = [placed[g] for g in groups]
     if len({len(w) for w in windows}) > 1:
         raise ValueError("every sample of a batch must store the same number of steps")
     x = policy.initial_noise(init_seeds, cfg.resolution)
-    cond = policy.encode(prompts, negatives, cfg.guidance > 1.0, cfg.max_sequence_length)
+    cond = policy.encode(prompts, negatives, policy.needs_negative(cfg.guidance), cfg.max_sequence_length)
     gens = [seed_generator(s) for s in seeds]
     latents: list[list[torch.Tensor]] = [[] for _ in range(batch)]
     log_probs: list[list[torch.Tensor]] = [[] for _ in range(batch)]

@@ -13,7 +13,7 @@ Conventions (see reference/diffusion-rl.md §0-§3):
 - All math runs in fp32 (inputs are upcast). `prev_sample` is returned in the dtype of `sample`, and the
   log-prob is evaluated at exactly that returned tensor; storing it in that dtype and replaying the step
   with the same velocity therefore reproduces the log-prob bit for bit, even for bf16/fp16 latents.
-- σ values are cast to fp32 before use: pass them from the fp32 schedule table (`flow_match_sigmas`).
+- σ values are cast to fp32 before use: pass them from the fp32 schedule table (`stages.models.schedules.flow_match_sigmas`).
 - noise_level 0 makes `sde`, `cps` and `dance` exactly Euler; the log-prob of a deterministic step is
   undefined and is returned as zeros (as are std and diffusion).
 """
@@ -23,7 +23,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -200,47 +199,3 @@ def guard_log_ratio(mean: Tensor, old_mean: Tensor, prev_sample: Tensor, std: Te
     delta_logp = _gaussian_log_prob(x, mu, s) - _gaussian_log_prob(x, mu_old, s)
     bias = ((mu - mu_old) ** 2).flatten(1).mean(dim=1) / (2 * s.reshape(batch) ** 2)
     return s.reshape(batch) * (delta_logp + bias)
-
-
-def flow_match_sigmas(
-    scheduler, num_steps: int, *, device: torch.device | str | None = None, mu: float | None = None
-) -> Tensor:
-    """The pipeline's own σ schedule: float32 [num_steps + 1], from σ_0 = 1 down to a final 0.
-
-    Calls `scheduler.set_timesteps` the way the diffusers pipelines do, so the values equal diffusers bit
-    for bit: `set_timesteps(num_steps)` for a fixed shift (SD3/SD3.5), or, for a scheduler with dynamic
-    shifting (FLUX, Qwen-Image), σ = linspace(1, 1/N, N) shifted by the resolution-dependent `mu`.
-    """
-    if num_steps < 1:
-        raise UserInputError(f"num_steps={num_steps}: the number of sampling steps must be at least 1")
-    if scheduler.config.get("use_dynamic_shifting", False):
-        if mu is None:
-            raise ValueError("this scheduler uses dynamic shifting: pass mu (the resolution-dependent shift)")
-        sigmas = None
-        if not scheduler.config.get("use_flow_sigmas", False):
-            sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
-        scheduler.set_timesteps(num_steps, device=device, sigmas=sigmas, mu=mu)
-    else:
-        scheduler.set_timesteps(num_steps, device=device)
-    return scheduler.sigmas.to(dtype=torch.float32).clone()
-
-
-def flow_match_timesteps(
-    sigmas: Tensor, *, num_train_timesteps: int = 1000, truncate: bool = False
-) -> Tensor:
-    """Model timesteps [N] for the steps of a σ table [N + 1]: σ·1000 in float32, as the SD3 pipeline feeds
-    the transformer (equal to `scheduler.timesteps`). `truncate=True` gives DanceGRPO's ⌊σ·1000⌋; callers
-    whose transformer takes t in [0, 1] (FLUX) divide by `num_train_timesteps` themselves.
-    """
-    t = sigmas[:-1].to(torch.float32) * num_train_timesteps
-    return torch.floor(t) if truncate else t
-
-
-def shifted_linear_sigmas(num_steps: int, shift: float) -> Tensor:
-    """DanceGRPO/MixGRPO σ schedule: float32 [num_steps + 1], k·t/(1 + (k−1)·t) on t = linspace(1, 0, N+1)."""
-    if num_steps < 1:
-        raise UserInputError(f"num_steps={num_steps}: the number of sampling steps must be at least 1")
-    if shift <= 0:
-        raise UserInputError(f"shift={shift}: the schedule shift must be > 0")
-    t = torch.linspace(1, 0, num_steps + 1, dtype=torch.float32)
-    return (shift * t) / (1 + (shift - 1) * t)

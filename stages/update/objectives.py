@@ -38,7 +38,9 @@ LossItem = tuple[torch.Tensor, list[float]]
 def _condition(policy: FlowPolicy, data: dict[str, Any], idx: Chunk, sample_cfg: SampleConfig) -> Any:
     prompts = [data["prompt"][i] for i in idx]
     negatives = [data["negative_prompt"][i] for i in idx] if "negative_prompt" in data else None
-    return policy.encode(prompts, negatives, sample_cfg.guidance > 1.0, sample_cfg.max_sequence_length)
+    return policy.encode(
+        prompts, negatives, policy.needs_negative(sample_cfg.guidance), sample_cfg.max_sequence_length
+    )
 
 
 def _chunks(order: list[int], size: int) -> list[Chunk]:
@@ -67,7 +69,7 @@ class PolicyGradient:
             raise UserInputError(
                 "--in: neither old_log_probs (omnirl logprob) nor log_probs (omnirl sample) is present"
             )
-        self.sigma_safe = policy.sigmas(sample_cfg.steps)[1]
+        self.sigma_safe = policy.sigmas(sample_cfg.steps, sample_cfg.resolution)[1]
         self.plan = torch.zeros(0, 0, dtype=torch.int64)
 
     def epoch(self, rows: list[int], micro: int, rng: random.Random) -> list[Chunk]:
@@ -151,6 +153,12 @@ def _stratified(lo: int, hi: int, strata: int, rng: random.Random) -> list[int]:
     return [min(hi, int(lo + (k + rng.random()) * width)) for k in range(strata)]
 
 
+def _interpolate(x0: torch.Tensor, eps: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """x_t = (1 − t)·x0 + t·ε for latents of any rank [B, ...], t [B]."""
+    t = t.view(-1, *([1] * (x0.ndim - 1)))
+    return (1 - t) * x0 + t * eps
+
+
 def _noise(seed: int, rows: Chunk, column: int, shape: tuple[int, ...]) -> torch.Tensor:
     """ε for (row, trained timestep): seeded per row, so batching and ranks never change it."""
     gens = [torch.Generator("cpu").manual_seed(seed * 1_000_003 + r * 101 + column) for r in rows]
@@ -172,7 +180,9 @@ class ForwardProcess:
         ema_weights: dict[str, torch.Tensor] | None,
     ):
         self.policy, self.data, self.sample_cfg, self.cfg, self.algo = policy, data, sample_cfg, cfg, algo
-        self.schedule = policy.sigmas(sample_cfg.steps)[:-1].float()  # σ of each sampling step, [N]
+        self.schedule = policy.sigmas(sample_cfg.steps, sample_cfg.resolution)[
+            :-1
+        ].float()  # σ of each sampling step, [N]
         self.old_weights = old_weights
         self.ema_weights = ema_weights
         self.plan = torch.zeros(0, 0)
@@ -226,7 +236,7 @@ class ForwardProcess:
         for col in range(self.per_chunk):
             t = self.schedule[self.plan[index, col]].to(policy.device)
             eps = _noise(self.seed, idx, col, tuple(x0.shape[1:])).to(policy.device)
-            x_t = (1 - t).view(-1, 1, 1, 1) * x0 + t.view(-1, 1, 1, 1) * eps
+            x_t = _interpolate(x0, eps, t)
             v = policy.velocity(x_t, t, cond, scfg.guidance)
             v_ref = None
             if cfg.beta > 0:
@@ -293,7 +303,7 @@ class Preference:
             raise UserInputError(
                 "--algo dpo: every group has equal rewards, so there is no preference pair to train on"
             )
-        self.schedule = policy.sigmas(sample_cfg.steps)[:-1].float()
+        self.schedule = policy.sigmas(sample_cfg.steps, sample_cfg.resolution)[:-1].float()
         self.t = torch.zeros(0, dtype=torch.int64)
         self.seed = 0
 
@@ -315,7 +325,7 @@ class Preference:
         eps = (
             _noise(self.seed, pair_idx, 0, tuple(x0.shape[1:])).repeat_interleave(2, dim=0).to(policy.device)
         )
-        x_t = (1 - t).view(-1, 1, 1, 1) * x0 + t.view(-1, 1, 1, 1) * eps
+        x_t = _interpolate(x0, eps, t)
         err = fm_error(policy.velocity(x_t, t, cond, scfg.guidance), eps, x0)
         with torch.no_grad(), policy.reference():
             ref = fm_error(policy.velocity(x_t, t, cond, scfg.guidance), eps, x0)

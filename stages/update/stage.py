@@ -20,7 +20,7 @@ import torch
 
 from stages.errors import UserInputError
 from stages.finite import check_finite
-from stages.models.diffusion import ADAPTER_CONFIG, SD3_LORA_TARGETS, FlowPolicy, read_adapter_config
+from stages.models.diffusion import ADAPTER_CONFIG, FlowPolicy, read_adapter_config
 from stages.models.vlm import VLMPolicy, is_vlm_model
 from stages.sample.rollout import SampleConfig, sample_config_of
 from stages.sample.vlm_stage import VLMSampleConfig, vlm_sample_config_of
@@ -171,7 +171,7 @@ def run_update(
             )
         policy = FlowPolicy.load(model, adapter=adapter, device=device, dtype=dtype)
         if not policy.lora and not cfg.full:
-            policy.add_lora(rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=SD3_LORA_TARGETS, seed=cfg.seed)
+            policy.add_lora(rank=cfg.lora_rank, alpha=cfg.lora_alpha, seed=cfg.seed)
     state, start = load_state(adapter)
     data = inputs.read_all(columns=[c for c in (*BASE_COLUMNS, *algo.columns) if c in inputs.columns])
     check_finite(

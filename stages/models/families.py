@@ -1,0 +1,147 @@
+"""Diffusion model families behind one adapter protocol.
+
+`FlowPolicy` (stages/models/diffusion.py) is family-agnostic: per-seed noise, the prompt cache,
+LoRA and full-weight save/load, reference/old/EMA weight swaps. What differs between pipelines is a
+`FamilyAdapter`: the σ schedule (dynamic shift), the stored latent shape, prompt encoding, the
+guided velocity v(x, σ) (packing, position ids, timestep scale, CFG kind), decoding and VAE encoding,
+and the reference trainers' LoRA targets. `samplers.step` stays the one sampler for every family.
+
+A family is one module holding its adapter and its tiny builder. Adapters are looked up by the
+pipeline's `model_index.json` `_class_name`: the built-ins below (imported only when used), or an
+installed package's entry point in group ``omnirl.families`` (``PipelineClass = "pkg.mod:Adapter"``).
+This module is a leaf: it imports nothing from sample/ or update/.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from stages.errors import UserInputError
+
+ENTRY_POINT_GROUP = "omnirl.families"
+# Built-in adapters by diffusers pipeline class, as "module:attribute".
+BUILTIN: dict[str, str] = {
+    "FluxPipeline": "stages.models.flux:FluxAdapter",
+    "QwenImagePipeline": "stages.models.qwen_image:QwenImageAdapter",
+    "StableDiffusion3Pipeline": "stages.models.sd3:SD3Adapter",
+    "ZImagePipeline": "stages.models.z_image:ZImageAdapter",
+}
+
+Tensors = dict[str, torch.Tensor]
+
+
+@dataclass
+class Condition:
+    """Text conditioning of a batch, as the family's adapter packs it.
+
+    pos / neg: name → tensor with a leading batch dim B (neg only when the guidance needs a
+    negative branch). What the names are is the adapter's business (SD3: embeds [B, L, D], pooled
+    [B, P]); the rest of omnirl only selects rows.
+    """
+
+    pos: Tensors
+    neg: Tensors | None = None
+
+    def select(self, index: torch.Tensor | list[int]) -> Condition:
+        """The rows `index` of every tensor."""
+
+        def pick(d: Tensors | None) -> Tensors | None:
+            return None if d is None else {k: v[index] for k, v in d.items()}
+
+        return Condition(pick(self.pos), pick(self.neg))
+
+
+class FamilyAdapter:
+    """What one pipeline family needs beyond the generic policy. Subclass it, set the class
+    attributes and implement the methods; `pipe` is the loaded diffusers pipeline."""
+
+    name: ClassVar[str]
+    # The reference trainers' default LoRA target modules (README's families table says whose).
+    lora_targets: ClassVar[tuple[str, ...]]
+    # The pipeline attribute that is trained and saved (its class reloads full weights).
+    trained_module: ClassVar[str] = "transformer"
+    # "true": guidance > 1 runs an unconditional branch; "distilled": guidance is a model input.
+    cfg_kind: ClassVar[str] = "true"
+
+    def __init__(self, pipe: Any) -> None:
+        self.pipe = pipe
+
+    def sigmas(self, num_steps: int, resolution: int) -> torch.Tensor:
+        """The σ schedule [N+1] (ends in 0), float32, as the family's own pipeline computes it."""
+        raise NotImplementedError
+
+    def latent_shape(self, resolution: int) -> tuple[int, ...]:
+        """The stored (unpacked) latent of one `resolution`² sample, any rank; a side the family
+        cannot take is a one-line UserInputError naming --resolution."""
+        raise NotImplementedError
+
+    def needs_negative(self, guidance: float) -> bool:
+        """Whether `guidance` runs an unconditional (negative-prompt) branch."""
+        return self.cfg_kind == "true" and guidance > 1.0
+
+    def encode_prompts(
+        self, prompts: list[str], negatives: list[str], device: torch.device, max_sequence_length: int
+    ) -> list[tuple[Tensors, Tensors]]:
+        """(positive, negative) conditioning of each prompt, tensors without a batch dim, cached per
+        (prompt, negative) by the policy; one batched call, as the family's pipeline makes it."""
+        raise NotImplementedError
+
+    def collate(self, items: Sequence[Tensors]) -> Tensors:
+        """Per-prompt tensors → a batch (stacked; families with variable lengths pad and mask)."""
+        return {k: torch.stack([item[k] for item in items]) for k in items[0]}
+
+    def velocity(
+        self,
+        transformer: torch.nn.Module,
+        x: torch.Tensor,
+        sigma: torch.Tensor,
+        cond: Condition,
+        guidance: float,
+    ) -> torch.Tensor:
+        """Guided velocity v(x, σ) in fp32 and x's layout ([B, *latent_shape]); σ is [B]. The
+        transformer is passed in because the policy swaps it (reference model)."""
+        raise NotImplementedError
+
+    def decode(self, x0: torch.Tensor) -> list[Any]:
+        """Latents [B, *latent_shape] → PIL images."""
+        raise NotImplementedError
+
+    def encode_images(self, images: list[Any], resolution: int, device: torch.device) -> torch.Tensor:
+        """PIL images → latents [B, *latent_shape] (resize + centre-crop), the inverse of `decode`."""
+        raise NotImplementedError
+
+
+def _load(spec: str, what: str) -> type[FamilyAdapter]:
+    module_name, _, attribute = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as exc:
+        raise UserInputError(f"{what}: the family adapter {spec!r} cannot be loaded ({exc})") from None
+
+
+def supported_pipelines() -> list[str]:
+    """Pipeline classes with an adapter: built-in and installed through entry points."""
+    plugins = [ep.name for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)]
+    return sorted({*BUILTIN, *plugins})
+
+
+def adapter_class(pipeline_class: str, model: str) -> type[FamilyAdapter]:
+    """The family adapter of a pipeline class (`model_index.json` `_class_name`); an unsupported class
+    is a one-line error naming the supported ones."""
+    what = f"--model {model}"
+    if pipeline_class in BUILTIN:
+        return _load(BUILTIN[pipeline_class], what)
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name == pipeline_class:
+            return _load(ep.value, what)
+    raise UserInputError(
+        f"{what}: pipeline {pipeline_class} has no family adapter (supported: "
+        f"{', '.join(supported_pipelines())}); a package can add one through the {ENTRY_POINT_GROUP!r} "
+        "entry point"
+    )

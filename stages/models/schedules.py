@@ -1,0 +1,57 @@
+"""σ schedules of flow-matching pipelines: the tables every sampler step, replay and loss reads.
+
+They live with the models because a family's adapter owns its schedule (dynamic shift, custom
+lists); the samplers only consume the table.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from stages.errors import UserInputError
+
+
+def flow_match_sigmas(
+    scheduler, num_steps: int, *, device: torch.device | str | None = None, mu: float | None = None
+) -> Tensor:
+    """The pipeline's own σ schedule: float32 [num_steps + 1], from σ_0 = 1 down to a final 0.
+
+    Calls `scheduler.set_timesteps` the way the diffusers pipelines do, so the values equal diffusers bit
+    for bit: `set_timesteps(num_steps)` for a fixed shift (SD3/SD3.5), or, for a scheduler with dynamic
+    shifting (FLUX, Qwen-Image), σ = linspace(1, 1/N, N) shifted by the resolution-dependent `mu`.
+    """
+    if num_steps < 1:
+        raise UserInputError(f"num_steps={num_steps}: the number of sampling steps must be at least 1")
+    if scheduler.config.get("use_dynamic_shifting", False):
+        if mu is None:
+            raise ValueError("this scheduler uses dynamic shifting: pass mu (the resolution-dependent shift)")
+        sigmas = None
+        if not scheduler.config.get("use_flow_sigmas", False):
+            sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
+        scheduler.set_timesteps(num_steps, device=device, sigmas=sigmas, mu=mu)
+    else:
+        scheduler.set_timesteps(num_steps, device=device)
+    return scheduler.sigmas.to(dtype=torch.float32).clone()
+
+
+def flow_match_timesteps(
+    sigmas: Tensor, *, num_train_timesteps: int = 1000, truncate: bool = False
+) -> Tensor:
+    """Model timesteps [N] for the steps of a σ table [N + 1]: σ·1000 in float32, as the SD3 pipeline feeds
+    the transformer (equal to `scheduler.timesteps`). `truncate=True` gives DanceGRPO's ⌊σ·1000⌋; callers
+    whose transformer takes t in [0, 1] (FLUX) divide by `num_train_timesteps` themselves.
+    """
+    t = sigmas[:-1].to(torch.float32) * num_train_timesteps
+    return torch.floor(t) if truncate else t
+
+
+def shifted_linear_sigmas(num_steps: int, shift: float) -> Tensor:
+    """DanceGRPO/MixGRPO σ schedule: float32 [num_steps + 1], k·t/(1 + (k−1)·t) on t = linspace(1, 0, N+1)."""
+    if num_steps < 1:
+        raise UserInputError(f"num_steps={num_steps}: the number of sampling steps must be at least 1")
+    if shift <= 0:
+        raise UserInputError(f"shift={shift}: the schedule shift must be > 0")
+    t = torch.linspace(1, 0, num_steps + 1, dtype=torch.float32)
+    return (shift * t) / (1 + (shift - 1) * t)

@@ -1,0 +1,155 @@
+"""What every diffusion family must do through the stage commands, on its tiny offline build: the same
+invariants for each (rollout log-prob == replay, LoRA and full weights round-trip, every --algo trains,
+2 gloo ranks == 1 process). What is particular to a family (its velocity equals the stock diffusers
+pipeline's own loop) lives in tests/test_family_<name>.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import PROMPTS, ins, run, torchrun
+from safetensors.torch import load_file
+
+from stages.models.diffusion import LORA_WEIGHTS, FlowPolicy
+from stages.shards.reader import ShardSet, open_inputs
+
+# init-model --family name → the sampling flags that fit its tiny build
+FAMILIES = {
+    "sd3": ["--resolution", "32", "--guidance", "3"],
+}
+
+
+@pytest.fixture(scope="session", params=sorted(FAMILIES))
+def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path | str]:
+    """One staged iteration of a family: sample (sde, windowless) → score → logprob → advantage."""
+    from stages.models.factory import init_model
+
+    name = request.param
+    root = tmp_path_factory.mktemp(f"family-{name}")
+    init_model(name, root / "model", size="tiny", seed=0)
+    prompts = root / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    p: dict[str, Path | str] = {"name": name, "model": root / "model", "root": root}
+    run(
+        "sample", "--model", str(p["model"]), "--prompts", str(prompts), "-n", "2", "--steps", "3",
+        "--batch-size", "3", *FAMILIES[name], "--out", str(root / "samples"),
+    )  # fmt: skip
+    run(
+        "score",
+        "--in",
+        str(root / "samples"),
+        "--reward",
+        "jpeg_compressibility",
+        "--out",
+        str(root / "rewards"),
+    )
+    p["replay"] = run(
+        "logprob", "--model", str(p["model"]), "--in", str(root / "samples"), "--out", str(root / "logprobs")
+    )
+    run("advantage", *ins(root / "samples", root / "rewards"), "--out", str(root / "advantages"))
+    for key in ("samples", "rewards", "logprobs", "advantages"):
+        p[key] = root / key
+    return p
+
+
+def update(
+    family: dict, out: Path, *extra: str, inputs: tuple[str, ...] = ("samples", "logprobs", "advantages")
+) -> dict:
+    return run(
+        "update", "--model", str(family["model"]), *ins(*(family[k] for k in inputs)),
+        "--lora-rank", "4", "--lora-alpha", "8", "--lr", "1e-3", "--out", str(out), *extra,
+    )  # fmt: skip
+
+
+def test_the_family_is_recorded_and_replay_is_exact(family: dict) -> None:
+    assert FlowPolicy.load(family["model"]).family.name == family["name"]
+    assert ShardSet(family["samples"]).manifest.extra["family"] == family["name"]
+    assert family["replay"]["abs_delta_max"] == 0.0
+
+
+def test_lora_update_round_trips_through_the_stock_loader(family: dict, tmp_path: Path) -> None:
+    from diffusers import DiffusionPipeline
+
+    out = tmp_path / "policy"
+    update(family, out)
+    trained = load_file(out / LORA_WEIGHTS)
+    assert max(v.abs().max().item() for k, v in trained.items() if "lora_B" in k) > 0  # it moved
+    pipe = DiffusionPipeline.from_pretrained(family["model"])
+    pipe.load_lora_weights(str(out), adapter_name="default")
+    ours = FlowPolicy.load(family["model"], adapter=out)
+    loaded = {n: p for n, p in ours.module.named_parameters() if "lora_" in n}
+    stock = {n: p for n, p in getattr(pipe, ours.family.trained_module).named_parameters() if "lora_" in n}
+    assert loaded.keys() == stock.keys() and len(loaded) > 0
+    for name, value in loaded.items():
+        assert torch.equal(value, stock[name])
+    # the trained policy samples the adapter's images: a re-sample under it replays exactly
+    resampled = tmp_path / "samples"
+    prompts = Path(family["root"]) / "prompts.txt"
+    run(
+        "sample", "--model", str(family["model"]), "--adapter", str(out), "--prompts", str(prompts), "-n", "2",
+        "--steps", "3", *FAMILIES[family["name"]], "--out", str(resampled),
+    )  # fmt: skip
+    replay = run(
+        "logprob", "--model", str(family["model"]), "--adapter", str(out), "--in", str(resampled),
+        "--out", str(tmp_path / "lp"),
+    )  # fmt: skip
+    assert replay["abs_delta_max"] == 0.0
+
+
+def test_full_weights_reload(family: dict, tmp_path: Path) -> None:
+    out = tmp_path / "full"
+    update(family, out, "--full")
+    trained = FlowPolicy.load(family["model"], adapter=out)
+    base = FlowPolicy.load(family["model"])
+    moved = [
+        not torch.equal(p, dict(base.module.named_parameters())[n])
+        for n, p in trained.module.named_parameters()
+    ]
+    assert any(moved)
+
+
+@pytest.mark.parametrize("algo", ["flow_grpo", "dance_grpo", "mix_grpo", "grpo_guard", "nft", "awm", "dpo"])
+def test_every_algorithm_trains(family: dict, tmp_path: Path, algo: str) -> None:
+    inputs: tuple[str, ...] = ("samples", "logprobs", "advantages")
+    if algo == "grpo_guard":
+        run("logprob", "--model", str(family["model"]), "--in", str(family["samples"]), "--means",
+            "--out", str(tmp_path / "means"))  # fmt: skip
+        family = {**family, "means": tmp_path / "means"}
+        inputs = ("samples", "advantages", "means")
+    if algo == "dpo":
+        inputs = ("samples", "rewards")
+    result = update(family, tmp_path / "policy", "--algo", algo, inputs=inputs)
+    assert result["optimizer_steps"] >= 1
+    assert all(torch.isfinite(torch.tensor(v)) for v in result["last"].values() if isinstance(v, float))
+
+
+def test_flow_grpo_moves_toward_high_advantage_steps(family: dict, tmp_path: Path) -> None:
+    out = tmp_path / "policy"
+    update(family, out, "--lr", "3e-3")
+    run("logprob", "--model", str(family["model"]), "--adapter", str(out), "--in", str(family["samples"]),
+        "--out", str(tmp_path / "after"))  # fmt: skip
+    data = open_inputs([family["samples"], family["advantages"]]).read_all(
+        columns=["log_probs", "advantages"]
+    )
+    new = ShardSet(tmp_path / "after").read_all()["old_log_probs"]
+    assert float((data["advantages"] * (new - data["log_probs"])).mean()) > 0
+
+
+@pytest.mark.distributed
+def test_two_ranks_equal_one_process(family: dict, tmp_path: Path) -> None:
+    common = ["--no-shuffle", "--micro-batch", "1"]
+    update(family, tmp_path / "one", *common, "--grad-accum", "2")
+    torchrun(
+        "update", "--model", str(family["model"]),
+        *ins(family["samples"], family["logprobs"], family["advantages"]), "--lora-rank", "4", "--lora-alpha",
+        "8", "--lr", "1e-3", "--out", str(tmp_path / "two"), *common, "--grad-accum", "1",
+    )  # fmt: skip
+    one, two = load_file(tmp_path / "one" / LORA_WEIGHTS), load_file(tmp_path / "two" / LORA_WEIGHTS)
+    assert one.keys() == two.keys()
+    for k in one:
+        torch.testing.assert_close(two[k], one[k], rtol=0, atol=1e-6)
+    steps = [json.loads(x)["step"] for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]

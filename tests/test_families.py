@@ -6,6 +6,7 @@ pipeline's own loop) lives in tests/test_family_<name>.py."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,10 @@ from stages.shards.reader import ShardSet, open_inputs
 
 # init-model --family name → the sampling flags that fit its tiny build
 FAMILIES = {
+    "flux": ["--resolution", "32", "--guidance", "3.5"],
+    "qwen_image": ["--resolution", "32", "--guidance", "4"],
     "sd3": ["--resolution", "32", "--guidance", "3"],
+    "z_image": ["--resolution", "32", "--guidance", "3"],
 }
 
 
@@ -153,3 +157,67 @@ def test_two_ranks_equal_one_process(family: dict, tmp_path: Path) -> None:
         torch.testing.assert_close(two[k], one[k], rtol=0, atol=1e-6)
     steps = [json.loads(x)["step"] for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3]
+
+
+def test_cfg_training_stops_the_gradient_at_the_unconditional_branch(family: dict) -> None:
+    policy = FlowPolicy.load(family["model"])
+    flags = FAMILIES[family["name"]]
+    guidance = float(flags[flags.index("--guidance") + 1])
+    resolution = int(flags[flags.index("--resolution") + 1])
+    if not policy.needs_negative(guidance):
+        pytest.skip(f"{family['name']} runs no unconditional branch at guidance {guidance}")
+    policy.add_lora(rank=4, alpha=8, seed=0)
+    params = policy.trainable_parameters()
+    with torch.no_grad():  # LoRA B starts at 0: give the adapter a non-zero effect
+        for p in params:
+            p.normal_(0, 0.1)
+    x = policy.initial_noise([1, 2], resolution)
+    sigma = policy.sigmas(3, resolution)[1]
+    cond = policy.encode(PROMPTS[:2], None, True)
+
+    def grads(detach: bool, g: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        policy.family.detach_uncond = detach
+        v = policy.velocity(x, sigma, cond, g)
+        # a loss on v's direction too (Qwen-Image rescales v to ‖c‖ per token, so mean v² only sees c);
+        # allow_unused: a LoRA target may not reach the output (Qwen-Image's last text-stream block)
+        grad = torch.autograd.grad((v - x).square().mean(), params, allow_unused=True)
+        return v.detach(), [torch.zeros_like(p) if d is None else d for p, d in zip(params, grad)]
+
+    v_detached, g_detached = grads(True, guidance)
+    v_both, g_both = grads(False, guidance)
+    assert torch.equal(v_detached, v_both)  # the forward is the same
+    assert any(not torch.allclose(a, b) for a, b in zip(g_detached, g_both))
+    if family["name"] != "sd3":
+        return
+    # plain CFG v = u + w(c − u) with u detached: d v = w · d c, so the gradient is that of the same
+    # loss through a conditional-only forward, scaled by w, with v held at the guided value
+    policy.family.detach_uncond = False
+    v_cond = policy.velocity(x, sigma, cond, 1.0)
+    expect = torch.autograd.grad((2 * guidance * (v_detached - x) * v_cond).mean(), params)
+    for a, b in zip(g_detached, expect):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+
+
+def test_offline_pairs_train_at_the_familys_own_unguided_setting(family: dict, tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    images = ShardSet(family["samples"]).read_all(["image"])["image"]
+    rows = [
+        {"caption": p, "jpg_0": images[2 * i], "jpg_1": images[2 * i + 1], "label_0": 1.0}
+        for i, p in enumerate(PROMPTS)
+    ]
+    table = tmp_path / "pairs.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), table)
+    run("pairs", "--pairs", str(table), "--out", str(tmp_path / "pairs"))
+    run("encode", "--model", str(family["model"]), "--in", str(tmp_path / "pairs"), "--resolution", "32",
+        "--out", str(tmp_path / "latents"))  # fmt: skip
+    result = run(
+        "update", "--model", str(family["model"]), *ins(tmp_path / "pairs", tmp_path / "latents"), "--algo", "dpo",
+        "--lora-rank", "4", "--lora-alpha", "8", "--out", str(tmp_path / "policy"),
+    )  # fmt: skip
+    assert result["optimizer_steps"] >= 1
+    assert all(math.isfinite(v) for v in result["last"].values() if isinstance(v, float))
+    policy = FlowPolicy.load(family["model"])
+    # the unguided setting runs no negative branch in any family (offline pairs carry no negatives)
+    assert not policy.needs_negative(policy.family.default_guidance)

@@ -47,8 +47,11 @@ class FakeFlow:
     def trainable_parameters(self, full: bool = False) -> list[torch.nn.Parameter]:
         return list(self.module.parameters())
 
-    def sigmas(self, steps: int) -> torch.Tensor:
+    def sigmas(self, steps: int, resolution: int) -> torch.Tensor:
         return torch.linspace(1.0, 0.0, steps + 1)
+
+    def needs_negative(self, guidance: float) -> bool:
+        return False
 
     def encode(self, *args: object) -> None:
         return None

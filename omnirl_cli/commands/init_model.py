@@ -16,7 +16,12 @@ from ..options import JsonOpt
 @handle_errors
 def init_model(
     out: Annotated[Path, typer.Argument(help="Directory to write the model folder to.")],
-    family: Annotated[str, typer.Option("--family", help="Model family: sd3 or qwen2_5_vl.")] = "sd3",
+    family: Annotated[
+        str,
+        typer.Option(
+            "--family", help="Model family: sd3, flux, qwen_image, z_image (diffusion) or qwen2_5_vl (VLM)."
+        ),
+    ] = "sd3",
     size: Annotated[str, typer.Option("--size", help="tiny (fast tests) or small (benchmarks).")] = "tiny",
     seed: Annotated[
         int, typer.Option("--seed", help="Weight seed: the same seed gives the same weights.")

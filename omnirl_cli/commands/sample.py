@@ -88,7 +88,13 @@ def sample(
     ] = 4,
     steps: Annotated[int, typer.Option("--steps", help="Denoising steps.", rich_help_panel=SAMPLING)] = 10,
     guidance: Annotated[
-        float, typer.Option("--guidance", help="CFG scale (1 = no CFG).", rich_help_panel=SAMPLING)
+        float,
+        typer.Option(
+            "--guidance",
+            help="Guidance as the family's pipeline defines it: SD3 and Qwen-Image true CFG (1 = off), "
+            "Z-Image pos + w·(pos − neg) (0 = off), FLUX.1 distilled guidance (a model input, one forward).",
+            rich_help_panel=SAMPLING,
+        ),
     ] = 4.5,
     resolution: Annotated[
         int,

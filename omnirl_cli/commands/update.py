@@ -218,6 +218,15 @@ def update(
             rich_help_panel=OPT,
         ),
     ] = False,
+    detach_uncond: Annotated[
+        bool,
+        typer.Option(
+            "--detach-uncond/--no-detach-uncond",
+            help="Diffusion with CFG: the gradient stops at the unconditional branch (flow_grpo since "
+            "July 2025); --no-detach-uncond lets it flow through both branches. Values are equal either way.",
+            rich_help_panel=LOSS,
+        ),
+    ] = True,
     seed: Annotated[
         int, typer.Option("--seed", help="Seeds LoRA init and shuffling.", rich_help_panel=OPT)
     ] = 0,

@@ -68,9 +68,19 @@ class FamilyAdapter:
     trained_module: ClassVar[str] = "transformer"
     # "true": guidance > 1 runs an unconditional branch; "distilled": guidance is a model input.
     cfg_kind: ClassVar[str] = "true"
+    # The guidance a policy is trained at when no rollout records one (offline pairs / latents):
+    # CFG off for true-CFG families, the pipeline's default for distilled guidance.
+    default_guidance: ClassVar[float] = 1.0
 
     def __init__(self, pipe: Any) -> None:
         self.pipe = pipe
+        # Training through CFG: stop the gradient at the unconditional branch (flow_grpo since July
+        # 2025). The forward values are the same either way, so sampling and replay are unaffected.
+        self.detach_uncond = False
+
+    def unconditional(self, uncond: torch.Tensor) -> torch.Tensor:
+        """The unconditional prediction as guidance should combine it: detached when `detach_uncond`."""
+        return uncond.detach() if self.detach_uncond else uncond
 
     def sigmas(self, num_steps: int, resolution: int) -> torch.Tensor:
         """The σ schedule [N+1] (ends in 0), float32, as the family's own pipeline computes it."""

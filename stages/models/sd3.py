@@ -326,6 +326,7 @@ class SD3Adapter(FamilyAdapter):
                 return_dict=False,
             )[0]
             uncond, text = out.float().chunk(2)
+            uncond = self.unconditional(uncond)
             return uncond + guidance * (text - uncond)
         out = transformer(
             hidden_states=model_in,

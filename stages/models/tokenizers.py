@@ -242,8 +242,8 @@ QWEN2_SPECIAL_TOKENS = (
 REASONING_TAGS = ("<think>", "</think>", "<answer>", "</answer>")
 
 
-@lru_cache(maxsize=1)
-def _qwen2_vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
+@lru_cache(maxsize=4)
+def _qwen2_vocab_and_merges(extra_text: str = "") -> tuple[dict[str, int], list[tuple[str, str]]]:
     """GPT-2-style byte-level BPE (no end-of-word marker): the 256 byte symbols, then the merges learned
     on the corpus as split by Qwen2's own pre-tokenizer (digits stay single, words keep their space).
 
@@ -252,7 +252,7 @@ def _qwen2_vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
     the start of a line is one token as well.
     """
     splitter = Qwen2Tokenizer().backend_tokenizer
-    corpus = _qwen2_training_corpus()
+    corpus = _qwen2_training_corpus() + extra_text
     words = sorted({word.lower() for word in re.findall(r"[A-Za-z]+", corpus)})
     variants = [
         form for word in words for form in (word, " " + word, word.capitalize(), " " + word.capitalize())
@@ -266,15 +266,17 @@ def _qwen2_vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
     return vocab, merges
 
 
-def build_qwen2_tokenizer(model_max_length: int = 4096) -> Qwen2Tokenizer:
+def build_qwen2_tokenizer(model_max_length: int = 4096, extra_text: str = "") -> Qwen2Tokenizer:
     """A Qwen2 byte-level BPE tokenizer learned from `VLM_CORPUS` and `PROMPT_CORPUS` (about 2.5k tokens).
 
     Laid out like Qwen2.5-VL's: BPE tokens first, then the ChatML/vision special tokens of
     `QWEN2_SPECIAL_TOKENS` in their published order (`<|endoftext|>` pads, `<|im_end|>` ends a turn),
     then the `REASONING_TAGS` as ordinary added tokens, so they stay whole but survive
     `decode(skip_special_tokens=True)`, which format rewards rely on. Any byte sequence encodes.
+    `extra_text` joins the training text, so a pipeline's fixed prompt template comes out in whole words
+    (Qwen-Image drops a fixed count of template tokens: it must tokenise to that count).
     """
-    vocab, merges = _qwen2_vocab_and_merges()
+    vocab, merges = _qwen2_vocab_and_merges(extra_text)
     vocab = dict(vocab)
     for token in QWEN2_SPECIAL_TOKENS:
         vocab[token] = len(vocab)

@@ -12,7 +12,7 @@ import os
 import shutil
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -149,7 +149,7 @@ def run_update(
     ):
         raise UserInputError("--in: no 'advantages' column; add the output of `omnirl advantage` as an --in")
     sampled = any((m.extra or {}).get("sample_config") for m in inputs.manifests)
-    # Offline data (pairs, encoded images) has no rollout: train CFG-free on the 1000-step grid.
+    # Offline data (pairs, encoded images) has no rollout: train unguided on the 1000-step grid.
     sample_cfg: SampleConfig | VLMSampleConfig = OFFLINE
     if algo.family != "token" and (sampled or algo.family == "policy_gradient"):
         sample_cfg = sample_config_of(inputs.manifests)
@@ -172,6 +172,13 @@ def run_update(
         policy = FlowPolicy.load(model, adapter=adapter, device=device, dtype=dtype)
         if not policy.lora and not cfg.full:
             policy.add_lora(rank=cfg.lora_rank, alpha=cfg.lora_alpha, seed=cfg.seed)
+        if sample_cfg is OFFLINE:  # the family's own unguided setting, at the encoded resolution
+            encoded = [m.config.get("resolution") for m in inputs.manifests if m.command == "encode"]
+            sample_cfg = replace(
+                OFFLINE,
+                guidance=policy.family.default_guidance,
+                resolution=int(encoded[0] or OFFLINE.resolution) if encoded else OFFLINE.resolution,
+            )
     state, start = load_state(adapter)
     data = inputs.read_all(columns=[c for c in (*BASE_COLUMNS, *algo.columns) if c in inputs.columns])
     check_finite(

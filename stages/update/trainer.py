@@ -69,6 +69,7 @@ class UpdateConfig:
     entropy_coef: float = 0.0
     dual_clip: float | None = None
     train_vision: bool = False
+    detach_uncond: bool = True
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> UpdateConfig:
@@ -242,6 +243,8 @@ def train(
     if missing:
         hint = " (omnirl logprob --means)" if missing[0] == "old_means" else ""
         raise UserInputError(f"--algo {algo.name} needs the column '{missing[0]}' in --in{hint}")
+    if isinstance(policy, FlowPolicy):
+        policy.family.detach_uncond = cfg.detach_uncond
     vision = {"train_vision": cfg.train_vision} if isinstance(policy, VLMPolicy) else {}
     params = policy.trainable_parameters(full=cfg.full, **vision)
     named = _named_trainable(policy)

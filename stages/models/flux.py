@@ -1,0 +1,382 @@
+"""FLUX.1 (`FluxPipeline`): the family adapter and a tiny offline builder.
+
+What the adapter reproduces from the diffusers pipeline, so sampling, replay and training compute the
+pipeline's own numbers: latents are stored unpacked [16, h, w] and packed into 2×2 patches
+[B, h/2·w/2, 64] around each transformer call, with image position ids (0, row, col) and all-zero text
+ids; the timestep is σ in [0, 1], written (σ·1000)/1000 as the pipeline computes it; the σ schedule is
+linspace(1, 1/N, N) under the dynamic time shift μ that is linear in the packed sequence length; guidance
+is *distilled*: the scale is a model input (one conditional forward), not a negative branch. The VAE
+normalisation is SD3's form with FLUX's constants, x = (z − shift)·scale.
+
+The builder keeps what that code depends on (the double- and single-stream MMDiT with guidance
+embedding, 16 latent channels with FLUX's VAE factors, a CLIP text tower whose pooled output is the
+pooled projection, a T5 encoder whose width is `joint_attention_dim`, the FLUX.1-dev scheduler config)
+and shrinks widths, depths, vocabularies and the VAE's number of down blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+from stages.errors import UserInputError
+from stages.models.factory import choose_size, finish_model_dir, no_progress_bars, parameter_count, seeded
+from stages.models.families import Condition, FamilyAdapter, Tensors
+from stages.models.schedules import flow_match_sigmas
+from stages.models.sd3 import zero_residual_branches
+from stages.models.tokenizers import build_clip_tokenizer, build_t5_tokenizer
+
+FAMILY = "flux"
+
+# FLUX.1 VAE latent normalisation: latents = (z - shift_factor) * scaling_factor.
+VAE_SCALING_FACTOR = 0.3611
+VAE_SHIFT_FACTOR = 0.1159
+LATENT_CHANNELS = 16
+CLIP_MAX_LENGTH = 77
+# FLUX.1-dev's scheduler: dynamic shift μ linear in the packed sequence length, 0.5 at 256 and 1.15 at 4096.
+SCHEDULER_CONFIG = {
+    "num_train_timesteps": 1000,
+    "shift": 3.0,
+    "use_dynamic_shifting": True,
+    "base_image_seq_len": 256,
+    "max_image_seq_len": 4096,
+    "base_shift": 0.5,
+    "max_shift": 1.15,
+}
+
+
+@dataclass(frozen=True)
+class FluxSize:
+    """Widths and depths of one size; `image_size` is the default side (sample_size × VAE downsampling)."""
+
+    clip_width: int
+    clip_layers: int
+    clip_heads: int
+    t5_width: int
+    t5_layers: int
+    t5_heads: int
+    t5_ff: int
+    heads: int
+    head_dim: int
+    axes_dims_rope: tuple[int, int, int]
+    layers: int
+    single_layers: int
+    sample_size: int
+    vae_channels: tuple[int, ...]
+    vae_groups: int
+
+    @property
+    def vae_scale_factor(self) -> int:
+        return 2 ** (len(self.vae_channels) - 1)
+
+    @property
+    def image_size(self) -> int:
+        return self.sample_size * self.vae_scale_factor
+
+
+SIZES: dict[str, FluxSize] = {
+    # 64 px default: 4x VAE -> 16x16x16 latents -> 64 packed tokens of width 64.
+    "tiny": FluxSize(
+        clip_width=32,
+        clip_layers=2,
+        clip_heads=4,
+        t5_width=64,
+        t5_layers=2,
+        t5_heads=4,
+        t5_ff=128,
+        heads=4,
+        head_dim=16,
+        axes_dims_rope=(4, 6, 6),
+        layers=1,
+        single_layers=2,
+        sample_size=16,
+        vae_channels=(8, 16, 16),
+        vae_groups=8,
+    ),
+    # 128 px default: 4x VAE -> 32x32x16 latents -> 256 packed tokens of width 384; compute-bound on CPU.
+    "small": FluxSize(
+        clip_width=128,
+        clip_layers=4,
+        clip_heads=4,
+        t5_width=256,
+        t5_layers=4,
+        t5_heads=4,
+        t5_ff=512,
+        heads=6,
+        head_dim=64,
+        axes_dims_rope=(16, 24, 24),
+        layers=4,
+        single_layers=8,
+        sample_size=32,
+        vae_channels=(32, 64, 64),
+        vae_groups=16,
+    ),
+}
+
+
+def build_flux(out_dir: str | Path, *, size: str, seed: int) -> dict[str, Any]:
+    """Build and save a `FluxPipeline` folder of `size` ("tiny" or "small") into `out_dir`, with guidance
+    embedding (FLUX.1-dev, the model flow_grpo and DanceGRPO train).
+
+    Returns the factory summary (see `stages.models.factory.init_model`).
+    """
+    spec: FluxSize = choose_size(FAMILY, size, SIZES)
+    out = Path(out_dir)
+    tokenizer = build_clip_tokenizer(CLIP_MAX_LENGTH)
+    tokenizer_2 = build_t5_tokenizer()
+    with seeded(seed, "text_encoder"):
+        text_encoder = CLIPTextModel(
+            CLIPTextConfig(
+                vocab_size=len(tokenizer),
+                hidden_size=spec.clip_width,
+                intermediate_size=4 * spec.clip_width,
+                projection_dim=spec.clip_width,
+                num_hidden_layers=spec.clip_layers,
+                num_attention_heads=spec.clip_heads,
+                max_position_embeddings=CLIP_MAX_LENGTH,
+                hidden_act="quick_gelu",
+                bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        )
+    with seeded(seed, "text_encoder_2"):
+        text_encoder_2 = T5EncoderModel(
+            T5Config(
+                vocab_size=len(tokenizer_2),
+                d_model=spec.t5_width,
+                d_kv=spec.t5_width // spec.t5_heads,
+                d_ff=spec.t5_ff,
+                num_layers=spec.t5_layers,
+                num_heads=spec.t5_heads,
+                feed_forward_proj="gated-gelu",
+                pad_token_id=tokenizer_2.pad_token_id,
+                eos_token_id=tokenizer_2.eos_token_id,
+                decoder_start_token_id=tokenizer_2.pad_token_id,
+            )
+        )
+    with seeded(seed, "transformer"):
+        transformer = FluxTransformer2DModel(
+            patch_size=1,
+            in_channels=4 * LATENT_CHANNELS,
+            num_layers=spec.layers,
+            num_single_layers=spec.single_layers,
+            attention_head_dim=spec.head_dim,
+            num_attention_heads=spec.heads,
+            joint_attention_dim=spec.t5_width,
+            pooled_projection_dim=spec.clip_width,
+            guidance_embeds=True,
+            axes_dims_rope=spec.axes_dims_rope,
+        )
+    with seeded(seed, "vae"):
+        vae = AutoencoderKL(
+            in_channels=3,
+            out_channels=3,
+            down_block_types=("DownEncoderBlock2D",) * len(spec.vae_channels),
+            up_block_types=("UpDecoderBlock2D",) * len(spec.vae_channels),
+            block_out_channels=spec.vae_channels,
+            layers_per_block=1,
+            latent_channels=LATENT_CHANNELS,
+            norm_num_groups=spec.vae_groups,
+            sample_size=spec.image_size,
+            scaling_factor=VAE_SCALING_FACTOR,
+            shift_factor=VAE_SHIFT_FACTOR,
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+        )
+        zero_residual_branches(vae.decoder)
+    components = {
+        "transformer": transformer,
+        "vae": vae,
+        "text_encoder": text_encoder,
+        "text_encoder_2": text_encoder_2,
+    }
+    for module in components.values():
+        module.eval()  # T5's dropout must not act if this pipeline object is ever run before a reload
+    pipeline = FluxPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=tokenizer_2,
+        transformer=transformer,
+    )
+    with no_progress_bars():
+        pipeline.save_pretrained(out, safe_serialization=True)
+    return finish_model_dir(
+        out,
+        family=FAMILY,
+        size=size,
+        seed=seed,
+        pipeline_class=type(pipeline).__name__,
+        parameters={name: parameter_count(module) for name, module in components.items()},
+        details={
+            "image_size": spec.image_size,
+            "vae_scale_factor": spec.vae_scale_factor,
+            "latent_shape": [LATENT_CHANNELS, spec.sample_size, spec.sample_size],
+            "architecture": asdict(spec),
+        },
+    )
+
+
+# flow_grpo's LoRA targets for FLUX.1 (scripts/train_flux.py, r64/α128; families.md): the double-stream
+# attention and both feed-forwards; attn.to_q/k/v also match the single-stream blocks.
+FLUX_LORA_TARGETS = (
+    "attn.to_k",
+    "attn.to_q",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_k_proj",
+    "attn.add_q_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+    "ff.net.0.proj",
+    "ff.net.2",
+    "ff_context.net.0.proj",
+    "ff_context.net.2",
+)
+
+
+def pack(x: torch.Tensor) -> torch.Tensor:
+    """[B, C, h, w] → [B, h/2·w/2, 4C]: 2×2 patches as tokens, row-major, channel-major inside a token."""
+    b, c, h, w = x.shape
+    x = x.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(b, (h // 2) * (w // 2), 4 * c)
+
+
+def unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """The inverse of `pack`: [B, h/2·w/2, 4C] → [B, C, h, w]."""
+    b, _, width = tokens.shape
+    x = tokens.view(b, h // 2, w // 2, width // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(b, width // 4, h, w)
+
+
+def image_ids(h: int, w: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """RoPE position ids of the packed tokens of an h×w latent: [h/2·w/2, 3] = (0, row, col)."""
+    rows = torch.arange(h // 2).repeat_interleave(w // 2)
+    cols = torch.arange(w // 2).repeat(h // 2)
+    ids = torch.stack([torch.zeros_like(rows), rows, cols], dim=1)
+    return ids.to(device=device, dtype=dtype)
+
+
+class FluxAdapter(FamilyAdapter):
+    """FLUX.1: MMDiT on packed 2×2 latent tokens, CLIP pooled + T5 embeds, distilled guidance.
+
+    The guidance scale enters the model through its guidance embedding (one forward, no negative
+    prompt), as `FluxPipeline` runs FLUX.1-dev with `guidance_scale`; the pipeline's optional true CFG
+    (`true_cfg_scale` with a negative prompt) is not offered, as no reference RL trainer uses it.
+    """
+
+    name = FAMILY
+    lora_targets = FLUX_LORA_TARGETS
+    cfg_kind = "distilled"
+
+    @property
+    def default_guidance(self) -> float:  # type: ignore[override]
+        """FluxPipeline's `guidance_scale` default (3.5, FLUX.1-dev); 1 for a model without the embedding."""
+        return 3.5 if self.pipe.transformer.config.guidance_embeds else 1.0
+
+    def _factor(self, resolution: int) -> int:
+        """The VAE factor; a side that is not a positive multiple of 2 × it is a one-line error."""
+        factor = self.pipe.vae_scale_factor
+        if resolution < 1 or resolution % (2 * factor):
+            raise UserInputError(
+                f"--resolution {resolution}: must be a positive multiple of {2 * factor} for this FLUX model "
+                "(VAE factor × the 2×2 packing)"
+            )
+        return factor
+
+    def latent_shape(self, resolution: int) -> tuple[int, ...]:
+        """(16, h, w) of a `resolution`² image, stored unpacked."""
+        side = resolution // self._factor(resolution)
+        return (self.pipe.transformer.config.in_channels // 4, side, side)
+
+    def sigmas(self, num_steps: int, resolution: int) -> torch.Tensor:
+        """linspace(1, 1/N, N) under the time shift μ of this resolution's packed sequence length, as
+        `FluxPipeline` sets the scheduler (μ from the scheduler config's base/max lengths and shifts)."""
+        side = resolution // self._factor(resolution)
+        config = self.pipe.scheduler.config
+        mu = calculate_shift(
+            (side // 2) ** 2,
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", 1.15),
+        )
+        return flow_match_sigmas(self.pipe.scheduler, num_steps, mu=mu)
+
+    def encode_prompts(
+        self, prompts: list[str], negatives: list[str], device: torch.device, max_sequence_length: int
+    ) -> list[tuple[Tensors, Tensors]]:
+        """T5 embeds [L, D] and the CLIP pooled output [P] per prompt; no negative branch, so a non-empty
+        negative prompt is refused rather than silently ignored."""
+        negative = next((n for n in negatives if n), None)
+        if negative is not None:
+            raise UserInputError(
+                f"negative_prompt {negative!r}: FLUX.1's guidance is distilled into the model (one conditional "
+                "forward, no negative branch); remove the negative_prompt field from --prompts"
+            )
+        embeds, pooled, _ = self.pipe.encode_prompt(
+            prompt=list(prompts),
+            prompt_2=list(prompts),
+            device=device,
+            max_sequence_length=max_sequence_length,
+        )
+        return [({"embeds": embeds[i], "pooled": pooled[i]}, {}) for i in range(len(prompts))]
+
+    def velocity(
+        self,
+        transformer: torch.nn.Module,
+        x: torch.Tensor,
+        sigma: torch.Tensor,
+        cond: Condition,
+        guidance: float,
+    ) -> torch.Tensor:
+        """One forward on the packed latents with the guidance embedding (`FluxPipeline`'s loop)."""
+        if transformer.config.guidance_embeds:
+            scale = torch.full((x.shape[0],), float(guidance), device=x.device, dtype=torch.float32)
+        elif guidance != 1.0:
+            raise UserInputError(
+                f"--guidance {guidance}: this FLUX model has no guidance embedding (guidance-free, like "
+                "FLUX.1-schnell), so the scale would be ignored; pass --guidance 1"
+            )
+        else:
+            scale = None
+        h, w = x.shape[-2:]
+        model_in = pack(x.to(transformer.dtype))
+        timestep = (sigma * self.pipe.scheduler.config.num_train_timesteps).to(model_in.dtype) / 1000
+        embeds = cond.pos["embeds"]
+        out = transformer(
+            hidden_states=model_in,
+            timestep=timestep,
+            guidance=scale,
+            pooled_projections=cond.pos["pooled"],
+            encoder_hidden_states=embeds,
+            txt_ids=torch.zeros(embeds.shape[1], 3, device=x.device, dtype=model_in.dtype),
+            img_ids=image_ids(h, w, x.device, model_in.dtype),
+            return_dict=False,
+        )[0]
+        return unpack(out.float(), h, w)
+
+    def encode_images(self, images: list[Any], resolution: int, device: torch.device) -> torch.Tensor:
+        """VAE posterior mode, then FLUX's (z − shift)·scale, the inverse of `decode`."""
+        self._factor(resolution)
+        vae = self.pipe.vae
+        pixels = self.pipe.image_processor.preprocess(
+            images, height=resolution, width=resolution, resize_mode="crop"
+        )
+        z = vae.encode(pixels.to(device, vae.dtype)).latent_dist.mode()
+        return ((z - vae.config.shift_factor) * vae.config.scaling_factor).float()
+
+    def decode(self, x0: torch.Tensor) -> list[Any]:
+        vae = self.pipe.vae
+        z = x0.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
+        image = vae.decode(z, return_dict=False)[0]
+        return self.pipe.image_processor.postprocess(image, output_type="pil")

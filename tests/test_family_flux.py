@@ -17,7 +17,8 @@ from helpers import PROMPTS, fails, run
 from transformers.utils import logging as transformers_logging
 
 from stages.models.diffusion import FlowPolicy
-from stages.models.flux import FLUX_LORA_TARGETS, pack, unpack
+from stages.models.flux import FLUX_LORA_TARGETS
+from stages.models.packing import pack, unpack
 from stages.sample.rollout import SampleConfig, rollout_batch
 
 # transformers was imported before the CLI could silence its loading bars (a real `omnirl` process sets

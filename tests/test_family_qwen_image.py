@@ -18,7 +18,8 @@ from helpers import PROMPTS, fails, run
 from PIL import Image
 
 from stages.models.diffusion import FlowPolicy
-from stages.models.qwen_image import QWEN_IMAGE_LORA_TARGETS, pack, unpack
+from stages.models.packing import pack, unpack
+from stages.models.qwen_image import QWEN_IMAGE_LORA_TARGETS
 from stages.sample.rollout import SampleConfig, rollout_batch
 
 LONG = "a photo of a cat and a dog on a bench next to a tall tree"  # longer than PROMPTS: the batch pads

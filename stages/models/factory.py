@@ -120,6 +120,103 @@ def folder_bytes(path: Path) -> int:
     return sum(file.stat().st_size for file in path.rglob("*") if file.is_file())
 
 
+def zero_residual_branches(decoder: torch.nn.Module) -> None:
+    """Zero-initialise the last layer of every residual branch of an untrained VAE decoder.
+
+    Each resnet then starts as the identity, so the decoded image follows the latent's structure
+    instead of the texture of random convolutions: an image reward (e.g. JPEG compressibility)
+    responds to what the policy generates, which lets the demo and end-to-end tests learn.
+    """
+    with torch.no_grad():
+        for name, module in decoder.named_modules():
+            if name.endswith(("conv2", "to_out.0")):
+                module.weight.zero_()
+                if module.bias is not None:
+                    module.bias.zero_()
+
+
+def autoencoder_kl(
+    seed: int,
+    *,
+    channels: tuple[int, ...],
+    groups: int,
+    layers_per_block: int,
+    latent_channels: int,
+    scaling_factor: float,
+    shift_factor: float,
+    sample_size: int | None = None,
+) -> Any:
+    """A seeded `AutoencoderKL` of the SD3 / FLUX.1 / Z-Image form ((z − shift)·scale latents, no quant
+    convs) with the decoder's residual branches zeroed (`zero_residual_branches`)."""
+    from diffusers import AutoencoderKL
+
+    size = {} if sample_size is None else {"sample_size": sample_size}
+    with seeded(seed, "vae"):
+        vae = AutoencoderKL(
+            in_channels=3,
+            out_channels=3,
+            down_block_types=("DownEncoderBlock2D",) * len(channels),
+            up_block_types=("UpDecoderBlock2D",) * len(channels),
+            block_out_channels=channels,
+            layers_per_block=layers_per_block,
+            latent_channels=latent_channels,
+            norm_num_groups=groups,
+            **size,
+            scaling_factor=scaling_factor,
+            shift_factor=shift_factor,
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+        )
+        zero_residual_branches(vae.decoder)
+    return vae
+
+
+def t5_encoder(
+    seed: int, component: str, tokenizer: Any, *, width: int, heads: int, ff: int, layers: int
+) -> Any:
+    """A seeded gated-GELU `T5EncoderModel` for `tokenizer` (SD3's and FLUX.1's third/second text encoder)."""
+    from transformers import T5Config, T5EncoderModel
+
+    with seeded(seed, component):
+        return T5EncoderModel(
+            T5Config(
+                vocab_size=len(tokenizer),
+                d_model=width,
+                d_kv=width // heads,
+                d_ff=ff,
+                num_layers=layers,
+                num_heads=heads,
+                feed_forward_proj="gated-gelu",
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+                decoder_start_token_id=tokenizer.pad_token_id,
+            )
+        )
+
+
+def save_pipeline(
+    pipeline: Any, out_dir: Path, *, family: str, size: str, seed: int, details: Mapping[str, Any]
+) -> dict[str, Any]:
+    """Save a built diffusers pipeline with `save_pretrained` (safetensors) and finish the folder with
+    its model card; the card counts the parameters of every module component."""
+    with no_progress_bars():
+        pipeline.save_pretrained(out_dir, safe_serialization=True)
+    parameters = {
+        name: parameter_count(module)
+        for name, module in pipeline.components.items()
+        if isinstance(module, torch.nn.Module)
+    }
+    return finish_model_dir(
+        out_dir,
+        family=family,
+        size=size,
+        seed=seed,
+        pipeline_class=type(pipeline).__name__,
+        parameters=parameters,
+        details=details,
+    )
+
+
 def finish_model_dir(
     out_dir: Path,
     *,

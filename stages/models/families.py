@@ -119,12 +119,23 @@ class FamilyAdapter:
         raise NotImplementedError
 
     def decode(self, x0: torch.Tensor) -> list[Any]:
-        """Latents [B, *latent_shape] → PIL images."""
-        raise NotImplementedError
+        """Latents [B, *latent_shape] → PIL images. The default is the AutoencoderKL form z/scale + shift
+        that SD3, FLUX.1 and Z-Image share; other VAEs override it."""
+        vae = self.pipe.vae
+        z = x0.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
+        image = vae.decode(z, return_dict=False)[0]
+        return self.pipe.image_processor.postprocess(image, output_type="pil")
 
     def encode_images(self, images: list[Any], resolution: int, device: torch.device) -> torch.Tensor:
-        """PIL images → latents [B, *latent_shape] (resize + centre-crop), the inverse of `decode`."""
-        raise NotImplementedError
+        """PIL images → latents [B, *latent_shape] (resize + centre-crop), the inverse of `decode`: by
+        default the VAE posterior mode, then (z − shift)·scale."""
+        self.latent_shape(resolution)
+        vae = self.pipe.vae
+        pixels = self.pipe.image_processor.preprocess(
+            images, height=resolution, width=resolution, resize_mode="crop"
+        )
+        z = vae.encode(pixels.to(device, vae.dtype)).latent_dist.mode()
+        return ((z - vae.config.shift_factor) * vae.config.scaling_factor).float()
 
 
 def _load(spec: str, what: str) -> type[FamilyAdapter]:

@@ -21,15 +21,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
-from diffusers.pipelines.flux.pipeline_flux import calculate_shift
-from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+from transformers import CLIPTextConfig, CLIPTextModel
 
 from stages.errors import UserInputError
-from stages.models.factory import choose_size, finish_model_dir, no_progress_bars, parameter_count, seeded
+from stages.models.factory import autoencoder_kl, choose_size, save_pipeline, seeded, t5_encoder
 from stages.models.families import Condition, FamilyAdapter, Tensors
-from stages.models.schedules import flow_match_sigmas
-from stages.models.sd3 import zero_residual_branches
+from stages.models.packing import pack, unpack
+from stages.models.schedules import dynamic_shift_mu, flow_match_sigmas
 from stages.models.tokenizers import build_clip_tokenizer, build_t5_tokenizer
 
 FAMILY = "flux"
@@ -146,21 +145,10 @@ def build_flux(out_dir: str | Path, *, size: str, seed: int) -> dict[str, Any]:
                 pad_token_id=tokenizer.pad_token_id,
             )
         )
-    with seeded(seed, "text_encoder_2"):
-        text_encoder_2 = T5EncoderModel(
-            T5Config(
-                vocab_size=len(tokenizer_2),
-                d_model=spec.t5_width,
-                d_kv=spec.t5_width // spec.t5_heads,
-                d_ff=spec.t5_ff,
-                num_layers=spec.t5_layers,
-                num_heads=spec.t5_heads,
-                feed_forward_proj="gated-gelu",
-                pad_token_id=tokenizer_2.pad_token_id,
-                eos_token_id=tokenizer_2.eos_token_id,
-                decoder_start_token_id=tokenizer_2.pad_token_id,
-            )
-        )
+    text_encoder_2 = t5_encoder(
+        seed, "text_encoder_2", tokenizer_2, width=spec.t5_width, heads=spec.t5_heads, ff=spec.t5_ff,
+        layers=spec.t5_layers,
+    )  # fmt: skip
     with seeded(seed, "transformer"):
         transformer = FluxTransformer2DModel(
             patch_size=1,
@@ -174,23 +162,16 @@ def build_flux(out_dir: str | Path, *, size: str, seed: int) -> dict[str, Any]:
             guidance_embeds=True,
             axes_dims_rope=spec.axes_dims_rope,
         )
-    with seeded(seed, "vae"):
-        vae = AutoencoderKL(
-            in_channels=3,
-            out_channels=3,
-            down_block_types=("DownEncoderBlock2D",) * len(spec.vae_channels),
-            up_block_types=("UpDecoderBlock2D",) * len(spec.vae_channels),
-            block_out_channels=spec.vae_channels,
-            layers_per_block=1,
-            latent_channels=LATENT_CHANNELS,
-            norm_num_groups=spec.vae_groups,
-            sample_size=spec.image_size,
-            scaling_factor=VAE_SCALING_FACTOR,
-            shift_factor=VAE_SHIFT_FACTOR,
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-        )
-        zero_residual_branches(vae.decoder)
+    vae = autoencoder_kl(
+        seed,
+        channels=spec.vae_channels,
+        groups=spec.vae_groups,
+        layers_per_block=1,
+        latent_channels=LATENT_CHANNELS,
+        scaling_factor=VAE_SCALING_FACTOR,
+        shift_factor=VAE_SHIFT_FACTOR,
+        sample_size=spec.image_size,
+    )
     components = {
         "transformer": transformer,
         "vae": vae,
@@ -208,15 +189,12 @@ def build_flux(out_dir: str | Path, *, size: str, seed: int) -> dict[str, Any]:
         tokenizer_2=tokenizer_2,
         transformer=transformer,
     )
-    with no_progress_bars():
-        pipeline.save_pretrained(out, safe_serialization=True)
-    return finish_model_dir(
+    return save_pipeline(
+        pipeline,
         out,
         family=FAMILY,
         size=size,
         seed=seed,
-        pipeline_class=type(pipeline).__name__,
-        parameters={name: parameter_count(module) for name, module in components.items()},
         details={
             "image_size": spec.image_size,
             "vae_scale_factor": spec.vae_scale_factor,
@@ -242,20 +220,6 @@ FLUX_LORA_TARGETS = (
     "ff_context.net.0.proj",
     "ff_context.net.2",
 )
-
-
-def pack(x: torch.Tensor) -> torch.Tensor:
-    """[B, C, h, w] → [B, h/2·w/2, 4C]: 2×2 patches as tokens, row-major, channel-major inside a token."""
-    b, c, h, w = x.shape
-    x = x.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
-    return x.reshape(b, (h // 2) * (w // 2), 4 * c)
-
-
-def unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
-    """The inverse of `pack`: [B, h/2·w/2, 4C] → [B, C, h, w]."""
-    b, _, width = tokens.shape
-    x = tokens.view(b, h // 2, w // 2, width // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
-    return x.reshape(b, width // 4, h, w)
 
 
 def image_ids(h: int, w: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -303,13 +267,7 @@ class FluxAdapter(FamilyAdapter):
         `FluxPipeline` sets the scheduler (μ from the scheduler config's base/max lengths and shifts)."""
         side = resolution // self._factor(resolution)
         config = self.pipe.scheduler.config
-        mu = calculate_shift(
-            (side // 2) ** 2,
-            config.get("base_image_seq_len", 256),
-            config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5),
-            config.get("max_shift", 1.15),
-        )
+        mu = dynamic_shift_mu((side // 2) ** 2, config)
         return flow_match_sigmas(self.pipe.scheduler, num_steps, mu=mu)
 
     def encode_prompts(
@@ -364,19 +322,3 @@ class FluxAdapter(FamilyAdapter):
             return_dict=False,
         )[0]
         return unpack(out.float(), h, w)
-
-    def encode_images(self, images: list[Any], resolution: int, device: torch.device) -> torch.Tensor:
-        """VAE posterior mode, then FLUX's (z − shift)·scale, the inverse of `decode`."""
-        self._factor(resolution)
-        vae = self.pipe.vae
-        pixels = self.pipe.image_processor.preprocess(
-            images, height=resolution, width=resolution, resize_mode="crop"
-        )
-        z = vae.encode(pixels.to(device, vae.dtype)).latent_dist.mode()
-        return ((z - vae.config.shift_factor) * vae.config.scaling_factor).float()
-
-    def decode(self, x0: torch.Tensor) -> list[Any]:
-        vae = self.pipe.vae
-        z = x0.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
-        image = vae.decode(z, return_dict=False)[0]
-        return self.pipe.image_processor.postprocess(image, output_type="pil")

@@ -27,17 +27,16 @@ from diffusers import (
 from transformers import Qwen2_5_VLForConditionalGeneration
 
 from stages.errors import UserInputError
-from stages.models.factory import choose_size, finish_model_dir, no_progress_bars, parameter_count, seeded
+from stages.models.factory import choose_size, save_pipeline, seeded, zero_residual_branches
 from stages.models.families import Condition, FamilyAdapter, Tensors
+from stages.models.packing import PATCH, pack, unpack
 from stages.models.qwen2_5_vl import SIZES as TEXT_SIZES
 from stages.models.qwen2_5_vl import Qwen2_5_VLSize, _config
-from stages.models.schedules import flow_match_sigmas
-from stages.models.sd3 import zero_residual_branches
+from stages.models.schedules import dynamic_shift_mu, flow_match_sigmas
 from stages.models.tokenizers import build_qwen2_tokenizer
 
 FAMILY = "qwen_image"
 LATENT_CHANNELS = 16
-PATCH = 2
 # Qwen/Qwen-Image scheduler_config.json: dynamic exponential shift, mu linear in the image token count
 # between (256, 0.5) and (8192, 0.9), the schedule stretched to end at σ = 0.02 before the final 0.
 SCHEDULER_CONFIG = {
@@ -156,16 +155,12 @@ def build_qwen_image(out_dir: str | Path, *, size: str, seed: int) -> dict[str, 
     prefix = pipeline.prompt_template_encode.split("{}")[0]
     if len(tokenizer(prefix).input_ids) != pipeline.prompt_template_encode_start_idx:
         raise RuntimeError("the tiny tokenizer splits the Qwen-Image template into another token count")
-    with no_progress_bars():
-        pipeline.save_pretrained(out, safe_serialization=True)
-    components = {"transformer": transformer, "vae": vae, "text_encoder": text_encoder}
-    return finish_model_dir(
+    return save_pipeline(
+        pipeline,
         out,
         family=FAMILY,
         size=size,
         seed=seed,
-        pipeline_class=type(pipeline).__name__,
-        parameters={name: parameter_count(module) for name, module in components.items()},
         details={
             "image_size": spec.image_size,
             "vae_scale_factor": spec.vae_scale_factor,
@@ -193,21 +188,6 @@ QWEN_IMAGE_LORA_TARGETS = (
 )
 
 
-def pack(x: torch.Tensor) -> torch.Tensor:
-    """Latents [B, C, h, w] → 2×2 patch tokens [B, h/2·w/2, 4C], the transformer's layout."""
-    b, c, h, w = x.shape
-    x = x.view(b, c, h // PATCH, PATCH, w // PATCH, PATCH).permute(0, 2, 4, 1, 3, 5)
-    return x.reshape(b, (h // PATCH) * (w // PATCH), c * PATCH * PATCH)
-
-
-def unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
-    """The inverse of `pack`: tokens [B, h/2·w/2, 4C] → latents [B, C, h, w]."""
-    b, _, width = tokens.shape
-    c = width // (PATCH * PATCH)
-    x = tokens.view(b, h // PATCH, w // PATCH, c, PATCH, PATCH).permute(0, 3, 1, 4, 2, 5)
-    return x.reshape(b, c, h, w)
-
-
 class QwenImageAdapter(FamilyAdapter):
     """Qwen-Image: MMDiT on 2×2 packed tokens (stored unpacked [C, h, w]), timestep σ in [0, 1] as
     (σ·1000)/1000, variable-length Qwen2.5-VL text padded with a mask per batch, and true CFG as two
@@ -232,10 +212,7 @@ class QwenImageAdapter(FamilyAdapter):
         side = self._latent_side(resolution)
         config = self.pipe.scheduler.config
         seq_len = (side // PATCH) ** 2
-        slope = (config.max_shift - config.base_shift) / (
-            config.max_image_seq_len - config.base_image_seq_len
-        )
-        mu = seq_len * slope + (config.base_shift - slope * config.base_image_seq_len)
+        mu = dynamic_shift_mu(seq_len, config)
         return flow_match_sigmas(self.pipe.scheduler, num_steps, mu=mu)
 
     def latent_shape(self, resolution: int) -> tuple[int, ...]:

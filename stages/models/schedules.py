@@ -6,6 +6,8 @@ lists); the samplers only consume the table.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 from torch import Tensor
@@ -34,6 +36,18 @@ def flow_match_sigmas(
     else:
         scheduler.set_timesteps(num_steps, device=device)
     return scheduler.sigmas.to(dtype=torch.float32).clone()
+
+
+def dynamic_shift_mu(image_seq_len: int, config: Any) -> float:
+    """The resolution-dependent time shift `mu` of FLUX.1, Qwen-Image and Z-Image: linear in the number
+    of packed image tokens, from `base_shift` at `base_image_seq_len` to `max_shift` at
+    `max_image_seq_len` (the scheduler config's values; diffusers' defaults 256 → 0.5, 4096 → 1.15),
+    computed in the pipelines' own order of operations so the float is the same."""
+    base_len = config.get("base_image_seq_len", 256)
+    max_len = config.get("max_image_seq_len", 4096)
+    base_shift = config.get("base_shift", 0.5)
+    slope = (config.get("max_shift", 1.15) - base_shift) / (max_len - base_len)
+    return image_seq_len * slope + (base_shift - slope * base_len)
 
 
 def flow_match_timesteps(

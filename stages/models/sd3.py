@@ -17,15 +17,14 @@ from typing import Any
 
 import torch
 from diffusers import (
-    AutoencoderKL,
     FlowMatchEulerDiscreteScheduler,
     SD3Transformer2DModel,
     StableDiffusion3Pipeline,
 )
-from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+from transformers import CLIPTextConfig, CLIPTextModelWithProjection
 
 from stages.errors import UserInputError
-from stages.models.factory import choose_size, finish_model_dir, no_progress_bars, parameter_count, seeded
+from stages.models.factory import autoencoder_kl, choose_size, save_pipeline, seeded, t5_encoder
 from stages.models.families import Condition, FamilyAdapter, Tensors
 from stages.models.schedules import flow_match_sigmas
 from stages.models.tokenizers import build_clip_tokenizer, build_t5_tokenizer
@@ -130,21 +129,6 @@ def _clip(
     return CLIPTextModelWithProjection(config)
 
 
-def zero_residual_branches(decoder: torch.nn.Module) -> None:
-    """Zero-initialise the last layer of every residual branch of an untrained VAE decoder.
-
-    Each resnet then starts as the identity, so the decoded image follows the latent's structure
-    instead of the texture of random convolutions: an image reward (e.g. JPEG compressibility)
-    responds to what the policy generates, which lets the demo and end-to-end tests learn.
-    """
-    with torch.no_grad():
-        for name, module in decoder.named_modules():
-            if name.endswith(("conv2", "to_out.0")):
-                module.weight.zero_()
-                if module.bias is not None:
-                    module.bias.zero_()
-
-
 def build_sd3(out_dir: str | Path, *, size: str, seed: int) -> dict[str, Any]:
     """Build and save a `StableDiffusion3Pipeline` folder of `size` ("tiny" or "small") into `out_dir`.
 
@@ -163,21 +147,10 @@ def build_sd3(out_dir: str | Path, *, size: str, seed: int) -> dict[str, Any]:
         text_encoder = _clip(spec.clip_widths[0], spec, len(tokenizer), clip_ids)
     with seeded(seed, "text_encoder_2"):
         text_encoder_2 = _clip(spec.clip_widths[1], spec, len(tokenizer), clip_ids)
-    with seeded(seed, "text_encoder_3"):
-        text_encoder_3 = T5EncoderModel(
-            T5Config(
-                vocab_size=len(tokenizer_3),
-                d_model=spec.t5_width,
-                d_kv=spec.t5_width // spec.t5_heads,
-                d_ff=spec.t5_ff,
-                num_layers=spec.t5_layers,
-                num_heads=spec.t5_heads,
-                feed_forward_proj="gated-gelu",
-                pad_token_id=tokenizer_3.pad_token_id,
-                eos_token_id=tokenizer_3.eos_token_id,
-                decoder_start_token_id=tokenizer_3.pad_token_id,
-            )
-        )
+    text_encoder_3 = t5_encoder(
+        seed, "text_encoder_3", tokenizer_3, width=spec.t5_width, heads=spec.t5_heads, ff=spec.t5_ff,
+        layers=spec.t5_layers,
+    )  # fmt: skip
     with seeded(seed, "transformer"):
         transformer = SD3Transformer2DModel(
             sample_size=spec.sample_size,
@@ -194,23 +167,16 @@ def build_sd3(out_dir: str | Path, *, size: str, seed: int) -> dict[str, Any]:
             dual_attention_layers=spec.dual_attention_layers,
             qk_norm="rms_norm",
         )
-    with seeded(seed, "vae"):
-        vae = AutoencoderKL(
-            in_channels=3,
-            out_channels=3,
-            down_block_types=("DownEncoderBlock2D",) * len(spec.vae_channels),
-            up_block_types=("UpDecoderBlock2D",) * len(spec.vae_channels),
-            block_out_channels=spec.vae_channels,
-            layers_per_block=spec.vae_layers_per_block,
-            latent_channels=16,
-            norm_num_groups=spec.vae_groups,
-            sample_size=spec.image_size,
-            scaling_factor=VAE_SCALING_FACTOR,
-            shift_factor=VAE_SHIFT_FACTOR,
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-        )
-        zero_residual_branches(vae.decoder)
+    vae = autoencoder_kl(
+        seed,
+        channels=spec.vae_channels,
+        groups=spec.vae_groups,
+        layers_per_block=spec.vae_layers_per_block,
+        latent_channels=16,
+        scaling_factor=VAE_SCALING_FACTOR,
+        shift_factor=VAE_SHIFT_FACTOR,
+        sample_size=spec.image_size,
+    )
     scheduler = FlowMatchEulerDiscreteScheduler(
         num_train_timesteps=NUM_TRAIN_TIMESTEPS, shift=SCHEDULER_SHIFT
     )
@@ -225,22 +191,12 @@ def build_sd3(out_dir: str | Path, *, size: str, seed: int) -> dict[str, Any]:
         text_encoder_3=text_encoder_3,
         tokenizer_3=tokenizer_3,
     )
-    with no_progress_bars():
-        pipeline.save_pretrained(out, safe_serialization=True)
-    components = {
-        "transformer": transformer,
-        "vae": vae,
-        "text_encoder": text_encoder,
-        "text_encoder_2": text_encoder_2,
-        "text_encoder_3": text_encoder_3,
-    }
-    return finish_model_dir(
+    return save_pipeline(
+        pipeline,
         out,
         family=FAMILY,
         size=size,
         seed=seed,
-        pipeline_class=type(pipeline).__name__,
-        parameters={name: parameter_count(module) for name, module in components.items()},
         details={
             "image_size": spec.image_size,
             "vae_scale_factor": spec.vae_scale_factor,
@@ -336,19 +292,3 @@ class SD3Adapter(FamilyAdapter):
             return_dict=False,
         )[0]
         return out.float()
-
-    def encode_images(self, images: list[Any], resolution: int, device: torch.device) -> torch.Tensor:
-        """VAE posterior mode, then SD3's (z − shift)·scale, the inverse of `decode`."""
-        self.latent_shape(resolution)
-        vae = self.pipe.vae
-        pixels = self.pipe.image_processor.preprocess(
-            images, height=resolution, width=resolution, resize_mode="crop"
-        )
-        z = vae.encode(pixels.to(device, vae.dtype)).latent_dist.mode()
-        return ((z - vae.config.shift_factor) * vae.config.scaling_factor).float()
-
-    def decode(self, x0: torch.Tensor) -> list[Any]:
-        vae = self.pipe.vae
-        z = x0.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
-        image = vae.decode(z, return_dict=False)[0]
-        return self.pipe.image_processor.postprocess(image, output_type="pil")

@@ -19,14 +19,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
 from torch.nn.utils.rnn import pad_sequence
 from transformers import Qwen3Config, Qwen3Model
 
 from stages.errors import UserInputError
-from stages.models.factory import choose_size, finish_model_dir, no_progress_bars, parameter_count, seeded
+from stages.models.factory import autoencoder_kl, choose_size, save_pipeline, seeded
 from stages.models.families import Condition, FamilyAdapter, Tensors
-from stages.models.sd3 import zero_residual_branches
+from stages.models.schedules import dynamic_shift_mu
 from stages.models.tokenizers import build_qwen2_tokenizer
 
 FAMILY = "z_image"
@@ -152,38 +152,27 @@ def build_z_image(out_dir: str | Path, *, size: str, seed: int) -> dict[str, Any
         with torch.no_grad():
             transformer.x_pad_token.normal_(std=0.02)
             transformer.cap_pad_token.normal_(std=0.02)
-    with seeded(seed, "vae"):
-        vae = AutoencoderKL(
-            in_channels=3,
-            out_channels=3,
-            down_block_types=("DownEncoderBlock2D",) * len(spec.vae_channels),
-            up_block_types=("UpDecoderBlock2D",) * len(spec.vae_channels),
-            block_out_channels=spec.vae_channels,
-            layers_per_block=1,
-            latent_channels=LATENT_CHANNELS,
-            norm_num_groups=spec.vae_groups,
-            scaling_factor=VAE_SCALING_FACTOR,
-            shift_factor=VAE_SHIFT_FACTOR,
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-        )
-        zero_residual_branches(vae.decoder)
+    vae = autoencoder_kl(
+        seed,
+        channels=spec.vae_channels,
+        groups=spec.vae_groups,
+        layers_per_block=1,
+        latent_channels=LATENT_CHANNELS,
+        scaling_factor=VAE_SCALING_FACTOR,
+        shift_factor=VAE_SHIFT_FACTOR,
+    )
     scheduler = FlowMatchEulerDiscreteScheduler(
         num_train_timesteps=NUM_TRAIN_TIMESTEPS, shift=SCHEDULER_SHIFT, use_dynamic_shifting=False
     )
     pipeline = ZImagePipeline(
         scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer
     )
-    with no_progress_bars():
-        pipeline.save_pretrained(out, safe_serialization=True)
-    components = {"transformer": transformer, "vae": vae, "text_encoder": text_encoder}
-    return finish_model_dir(
+    return save_pipeline(
+        pipeline,
         out,
         family=FAMILY,
         size=size,
         seed=seed,
-        pipeline_class=type(pipeline).__name__,
-        parameters={name: parameter_count(module) for name, module in components.items()},
         details={
             "vae_scale_factor": spec.vae_scale_factor,
             "resolution_multiple": 2 * spec.vae_scale_factor,
@@ -197,17 +186,6 @@ def build_z_image(out_dir: str | Path, *, size: str, seed: int) -> dict[str, Any
 # --lora_layers): the attention projections of every block, refiners included. There is no RL reference
 # trainer for Z-Image (families.md).
 Z_IMAGE_LORA_TARGETS = ("to_k", "to_q", "to_v", "to_out.0")
-
-
-def resolution_shift(image_seq_len: int, config: Any) -> float:
-    """The dynamic-shift `mu` of a latent of `image_seq_len` 2×2 patches: linear from `base_shift` at
-    `base_image_seq_len` to `max_shift` at `max_image_seq_len` (the scheduler config's values), in the
-    pipelines' own order of operations so the float is the same."""
-    base_len = config.get("base_image_seq_len", 256)
-    max_len = config.get("max_image_seq_len", 4096)
-    base_shift = config.get("base_shift", 0.5)
-    slope = (config.get("max_shift", 1.15) - base_shift) / (max_len - base_len)
-    return image_seq_len * slope + (base_shift - slope * base_len)
 
 
 class ZImageAdapter(FamilyAdapter):
@@ -237,7 +215,7 @@ class ZImageAdapter(FamilyAdapter):
             raise UserInputError(f"--steps {num_steps}: the number of sampling steps must be at least 1")
         _, h, w = self.latent_shape(resolution)
         scheduler = self.pipe.scheduler
-        mu = resolution_shift((h // 2) * (w // 2), scheduler.config)
+        mu = dynamic_shift_mu((h // 2) * (w // 2), scheduler.config)
         scheduler.set_timesteps(sigmas=torch.linspace(1.0, 1 / num_steps, num_steps).tolist(), mu=mu)
         return scheduler.sigmas.to(dtype=torch.float32).clone()
 
@@ -302,19 +280,3 @@ class ZImageAdapter(FamilyAdapter):
             pos, neg = pred.chunk(2)
             pred = pos + guidance * (pos - self.unconditional(neg))
         return -pred
-
-    def encode_images(self, images: list[Any], resolution: int, device: torch.device) -> torch.Tensor:
-        """VAE posterior mode, then (z − shift)·scale, the inverse of `decode`."""
-        self.latent_shape(resolution)
-        vae = self.pipe.vae
-        pixels = self.pipe.image_processor.preprocess(
-            images, height=resolution, width=resolution, resize_mode="crop"
-        )
-        z = vae.encode(pixels.to(device, vae.dtype)).latent_dist.mode()
-        return ((z - vae.config.shift_factor) * vae.config.scaling_factor).float()
-
-    def decode(self, x0: torch.Tensor) -> list[Any]:
-        vae = self.pipe.vae
-        z = x0.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
-        image = vae.decode(z, return_dict=False)[0]
-        return self.pipe.image_processor.postprocess(image, output_type="pil")

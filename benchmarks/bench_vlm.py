@@ -330,7 +330,7 @@ def main() -> None:
         for owner, attr, name in (
             (vlm, "token_log_probs", "log_probs"),
             (this, "gather_log_probs", "log_probs"),
-            (token_losses, "token_entropy", "entropy"),
+            (vlm, "token_entropy", "entropy"),
             (objectives, "grpo_loss", "loss"),
             (token_losses, "grpo_loss", "loss"),
             (torch.Tensor, "backward", "backward"),

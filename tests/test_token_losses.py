@@ -14,14 +14,13 @@ import torch
 
 from stages.advantage.estimators import ESTIMATORS, group_advantages
 from stages.errors import UserInputError
+from stages.models.tokens import token_entropy, token_log_probs
 from stages.update.token_losses import (
     AGG_MODES,
     aggregate,
     grpo_loss,
     kl_penalty,
     policy_loss,
-    token_entropy,
-    token_log_probs,
 )
 
 # 3 responses × 4 token slots: lengths 3, 2, 4. Padding holds junk that must never leak.

@@ -29,7 +29,7 @@ from stages.models.diffusion import (
     check_adapter_layout,
     read_adapter_config,
 )
-from stages.update.token_losses import token_log_probs
+from stages.models.tokens import token_entropy, token_log_probs
 
 # Vision markers a response must never contain: sampled into a response, an image pad token would
 # make the model look for image features that do not exist. They are removed from the policy's
@@ -288,8 +288,6 @@ class VLMPolicy:
         """Log-probs of the response tokens [B, T] and, with `entropy`, each token distribution's
         entropy [B, T] (None otherwise). With gradient it keeps several [B, T, V] buffers for the
         backward, so a caller that only logs it passes `entropy_grad=False`."""
-        from stages.update.token_losses import token_entropy
-
         inputs = self._forward_inputs(prompt, response_ids, response_mask)
         t = response_ids.shape[1]
         # logits only where a response token is predicted: the last prompt position onwards

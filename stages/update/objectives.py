@@ -367,7 +367,7 @@ class TokenPolicyGradient:
         self.counts: dict[int, tuple[float, float]] = {}
 
     def epoch(self, rows: list[int], micro: int, rng: random.Random) -> list[Chunk]:
-        from stages.update.trainer import world_and_rank
+        from stages.dist import world_and_rank
 
         chunks = _chunks(rows, micro)
         per_step = self.cfg.grad_accum * world_and_rank()[0]

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from stages.dist import world_and_rank
 from stages.errors import UserInputError
 from stages.finite import check_finite
 from stages.models.diffusion import ADAPTER_CONFIG, FlowPolicy, read_adapter_config
@@ -28,7 +29,7 @@ from stages.shards.atomic import recover_dir, replace_dir
 from stages.shards.manifest import config_hash, manifest_sha256
 from stages.shards.writer import check_output_path
 from stages.update.losses import get_algorithm
-from stages.update.trainer import METRICS, UpdateConfig, load_state, save_state, train, world_and_rank
+from stages.update.trainer import METRICS, UpdateConfig, load_state, save_state, train
 
 BASE_COLUMNS = ("sample_id", "prompt", "negative_prompt", "advantages", "reward", "train_mask")
 OFFLINE = SampleConfig(steps=1000, guidance=1.0, batch_size=8)

@@ -4,8 +4,6 @@ Shapes: B responses × T response tokens. `mask` [B, T] (bool or 0/1) marks the 
 tokens; every function ignores the other positions, even when they hold NaN or inf (padding
 log-probs often do). Inputs in bf16/fp16 are promoted to float32 before any arithmetic.
 
-- `token_log_probs` / `token_entropy`: replay of the sampled tokens' log-probs and the policy's
-  per-token entropy from logits.
 - `aggregate`: verl's four `loss_agg_mode`s, used for the policy, KL and entropy terms (GSPO's policy
   term is always seq-mean-token-mean, as verl's gspo loss ignores `loss_agg_mode`).
 - `kl_penalty`: per-token KL estimators against a reference policy.
@@ -24,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from stages.errors import UserInputError
+from stages.models.tokens import fp32 as _fp32
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_KINDS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl", "k1+", "k3+")
@@ -34,11 +33,6 @@ TOKEN_LOG_RATIO_CLAMP = 20.0
 SEQUENCE_LOG_RATIO_MAX = 10.0
 K3_LOG_RATIO_CLAMP = 20.0
 K3_VALUE_CLAMP = 10.0
-
-
-def _fp32(x: torch.Tensor) -> torch.Tensor:
-    """`x` in at least float32 (float64 stays float64)."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 def _valid(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -56,37 +50,6 @@ def _masked(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 def _masked_mean(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Mean over valid tokens of the whole batch; 0 when there are none."""
     return _masked(values, valid).sum() / valid.sum().clamp(min=1)
-
-
-def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log π(tokens[b, t]) under softmax(logits[b, t] / temperature), float32 [B, T].
-
-    `logits` [B, T, V] must already be aligned with `tokens` [B, T]: logits[:, t] is the
-    distribution that produced tokens[:, t]. For a causal LM run on prompt+response (length L) with
-    T response tokens, that is ``logits[:, L - T - 1 : L - 1]`` against ``input_ids[:, L - T:]``.
-    The temperature is the sampling temperature, so the replayed log-probs match the rollout's.
-    """
-    if logits.ndim != 3 or tokens.shape != logits.shape[:2]:
-        raise ValueError(
-            f"logits must be [B, T, V] and tokens [B, T]; got {tuple(logits.shape)} and {tuple(tokens.shape)}"
-        )
-    if not temperature > 0:
-        raise UserInputError(f"temperature must be > 0, got {temperature}")
-    scaled = _fp32(logits) if temperature == 1.0 else _fp32(logits) / temperature
-    return scaled.log_softmax(-1).gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
-
-
-def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Entropy H = logsumexp(z) − Σ_v softmax(z)_v·z_v of each token distribution, z = logits/temperature.
-
-    `logits` [B, T, V] -> float32 [B, T]; differentiable (the entropy bonus needs its gradient).
-    """
-    if logits.ndim != 3:
-        raise ValueError(f"logits must be [B, T, V], got {tuple(logits.shape)}")
-    if not temperature > 0:
-        raise UserInputError(f"temperature must be > 0, got {temperature}")
-    scaled = _fp32(logits) / temperature
-    return torch.logsumexp(scaled, dim=-1) - (torch.softmax(scaled, dim=-1) * scaled).sum(-1)
 
 
 def aggregate(

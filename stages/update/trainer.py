@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from stages.dist import world_and_rank
 from stages.errors import NonFiniteError, UserInputError
 from stages.models.diffusion import FlowPolicy
 from stages.models.vlm import VLMPolicy
@@ -203,13 +204,6 @@ def _raise_if_any_rank_failed(failed: torch.Tensor, mine: str | None, where: str
         f"loss is not finite on rank {', '.join(map(str, ranks))} {where} (that rank names the micro-batch); "
         "lower --lr or check the inputs (no step was taken)"
     )
-
-
-def world_and_rank() -> tuple[int, int]:
-    """(world size, rank) of an initialised torch.distributed group, else (1, 0)."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_world_size(), torch.distributed.get_rank()
-    return 1, 0
 
 
 def _average_gradients(params: list[torch.nn.Parameter], world: int) -> None:

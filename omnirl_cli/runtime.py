@@ -21,10 +21,11 @@ def quiet_libraries() -> None:
 
 
 def device() -> Any:
-    """The device Accelerate picks for this process (CUDA, NPU or CPU); never hard-coded."""
-    from accelerate import PartialState
+    """The device Accelerate picks for this process (an accelerator or the CPU); under a launcher it
+    also joins the process group (`stages.dist.device`)."""
+    from stages.dist import device as accelerate_device
 
-    return PartialState().device
+    return accelerate_device()
 
 
 def policy_version(adapter: Path | None) -> int:
@@ -55,18 +56,43 @@ def open_inputs(paths: list[Path] | None) -> Any:
 
 def map_shards(
     src: Any, writer: Any, label: str, columns: list[str], fn: Callable[..., dict[str, Any]], *, bar: bool
-) -> None:
-    """Write fn(input shard, advance) as output shard i for every input shard i not already done.
+) -> list[int]:
+    """Write fn(input shard, advance) as output shard i for this process's input shards i not already
+    done; returns the shards written here, in order.
 
-    Shards finished by an earlier (crashed) run are skipped, so every per-shard stage resumes.
+    Shards finished by an earlier (crashed) run are skipped, so every per-shard stage resumes. Under a
+    launcher (torchrun, `accelerate launch`) rank r takes the shards s with s % world == r and every rank
+    waits for the others at the end, even one without a shard, so `finalize` then sees every shard.
     """
+    from stages.dist import barrier, rank_shards
+
+    sizes = [info.rows for info in src.manifests[0].shards]
+    mine = rank_shards(range(src.num_shards))
+    written = []
     with progress(bar) as display:
-        task = display.add_task(label, total=src.num_rows, rate="")
-        for s in range(src.num_shards):
+        task = display.add_task(label, total=sum(sizes[s] for s in mine), rate="")
+        for s in mine:
             if writer.shard_done(s):
-                display.advance(task, src.manifests[0].shards[s].rows)
+                display.advance(task, sizes[s])
                 continue
             writer.write_shard(s, fn(src.read_shard(s, columns=columns), lambda n: display.advance(task, n)))
+            written.append(s)
+    barrier()
+    return written
+
+
+def finalize(writer: Any, extra: dict[str, Any] | None = None) -> bool:
+    """Write the manifest once every rank's shards exist (after `map_shards`); only rank 0 writes it.
+
+    Returns whether this process reports the result: rank 0 does, the other ranks of a launch return
+    quietly (one JSON object on stdout). A complete `writer` is left as it is.
+    """
+    from stages.dist import join
+
+    if join()[1] != 0:
+        return False
+    writer.finalize(extra=extra)
+    return True
 
 
 def resolve_num_shards(c: dict[str, Any], groups: int, group_rows: int) -> int:

@@ -1,7 +1,16 @@
-"""Which process this is in a distributed run: the one fact about torch.distributed that lower layers
-(models, update, online) need, without importing the trainer."""
+"""Which process this is in a distributed run, and the few collectives the stages need.
+
+A launcher (torchrun, `accelerate launch`) sets WORLD_SIZE; `join` then initialises torch.distributed
+through Accelerate, which picks the backend and device of this machine's accelerator (gloo on a CPU),
+so no stage names one. Lower layers (models, update, online) import this module, never the trainer.
+"""
 
 from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from functools import cache
+from typing import Any
 
 import torch
 
@@ -11,3 +20,68 @@ def world_and_rank() -> tuple[int, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_world_size(), torch.distributed.get_rank()
     return 1, 0
+
+
+def device() -> torch.device:
+    """The device Accelerate picks for this process (an accelerator or the CPU); never hard-coded.
+
+    Under a launcher this also joins its process group (Accelerate's `PartialState`).
+    """
+    from accelerate import PartialState
+
+    return PartialState().device
+
+
+def join() -> tuple[int, int]:
+    """Join the launcher's process group if there is one, and return (world size, rank).
+
+    Without a launcher (WORLD_SIZE unset or 1) nothing is initialised or imported: (1, 0).
+    """
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        device()
+    return world_and_rank()
+
+
+def rank_shards(indices: Iterable[int]) -> list[int]:
+    """The shards of `indices` this process makes: shard s belongs to rank s % world (all of them
+    without a launcher). Every shard has one owner and each owner gets its shards in order."""
+    world, rank = join()
+    return [s for s in indices if s % world == rank]
+
+
+def barrier() -> None:
+    """Wait until every rank gets here (nothing to wait for in a single process)."""
+    if world_and_rank()[0] > 1:
+        torch.distributed.barrier()
+
+
+def gather(obj: Any) -> list[Any]:
+    """Every rank's picklable `obj`, in rank order, on every rank (`[obj]` in a single process)."""
+    world = world_and_rank()[0]
+    if world == 1:
+        return [obj]
+    out: list[Any] = [None] * world
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+@cache
+def _holds_float64(dev: torch.device) -> bool:
+    try:
+        torch.zeros(1, dtype=torch.float64, device=dev)
+    except (TypeError, RuntimeError):
+        return False
+    return True
+
+
+def all_reduce_sum(values: torch.Tensor, on: torch.device) -> torch.Tensor:
+    """`values` summed over ranks, communicated on device `on`: the one the group's backend moves data
+    on (the device of the trained parameters; some backends reject host tensors). The sum is taken in
+    float64 where that device holds float64, else float32. Returns a new tensor on `values`' device
+    and dtype; `values` is left as it is.
+    """
+    if world_and_rank()[0] == 1:
+        return values
+    wire = values.to(device=on, dtype=torch.float64 if _holds_float64(on) else torch.float32, copy=True)
+    torch.distributed.all_reduce(wire)
+    return wire.to(device=values.device, dtype=values.dtype)

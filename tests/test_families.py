@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import PROMPTS, ins, run, torchrun
+from helpers import PROMPTS, fails, ins, run, torchrun
 from safetensors.torch import load_file
 
 from stages.models.diffusion import LORA_WEIGHTS, FlowPolicy
@@ -221,3 +221,23 @@ def test_offline_pairs_train_at_the_familys_own_unguided_setting(family: dict, t
     policy = FlowPolicy.load(family["model"])
     # the unguided setting runs no negative branch in any family (offline pairs carry no negatives)
     assert not policy.needs_negative(policy.family.default_guidance)
+
+
+def test_a_pipeline_without_an_adapter_names_the_supported_families(tmp_path: Path) -> None:
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionXLPipeline"}))
+    (tmp_path / "p.txt").write_text("a red apple\n")
+    line = fails(
+        [
+            "sample",
+            "--model",
+            str(tmp_path),
+            "--prompts",
+            str(tmp_path / "p.txt"),
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        "StableDiffusionXLPipeline has no family adapter",
+        "omnirl.families",
+    )
+    for pipeline in ("FluxPipeline", "QwenImagePipeline", "StableDiffusion3Pipeline", "ZImagePipeline"):
+        assert pipeline in line

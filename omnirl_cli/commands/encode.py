@@ -11,7 +11,7 @@ from ..config import resolve
 from ..console import emit_json, log
 from ..errors import handle_errors
 from ..options import ConfigOpt, FormatOpt, InOpt, JsonOpt, OutOpt, OverwriteOpt, SetOpt
-from ..runtime import check_format, device, map_shards, open_inputs, policy_info, run_config
+from ..runtime import check_format, device, finalize, map_shards, open_inputs, policy_info, run_config
 
 
 @handle_errors
@@ -75,7 +75,8 @@ def encode(
             ),
             bar=not json_,
         )
-        writer.finalize()
+    if not finalize(writer):
+        return
     result = {"out": str(c["out"]), "rows": src.num_rows}
     if json_:
         emit_json(result)

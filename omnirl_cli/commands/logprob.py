@@ -11,7 +11,7 @@ from ..config import resolve
 from ..console import emit_json, log
 from ..errors import handle_errors
 from ..options import ADAPTER_HELP, ConfigOpt, FormatOpt, InOpt, JsonOpt, OutOpt, OverwriteOpt, SetOpt
-from ..runtime import check_format, device, map_shards, open_inputs, policy_info, run_config
+from ..runtime import check_format, device, finalize, map_shards, open_inputs, policy_info, run_config
 
 
 @handle_errors
@@ -90,7 +90,7 @@ def logprob(
             if stored
             else None
         )
-        deltas = {"sum": 0.0, "max": 0.0, "count": 0}
+        found: list[dict] = []  # |Δlogp| stats of each shard replayed here, in order
 
         def replay(shard: dict, advance: Any) -> dict:
             if not stored:
@@ -115,9 +115,7 @@ def logprob(
                     where=str(src.paths[0]),
                     on_batch=advance,
                 )
-            deltas["sum"] += stats["abs_delta_sum"]
-            deltas["max"] = max(deltas["max"], stats["abs_delta_max"])
-            deltas["count"] += stats["count"]
+            found.append(stats)
             return cols
 
         if tokens:
@@ -127,14 +125,12 @@ def logprob(
             columns = ["sample_id", "prompt", "negative_prompt", "latents", "sigmas", "log_probs"]
         else:
             columns = ["sample_id"]
-        map_shards(src, writer, "replaying", columns, replay, bar=not json_)
-        count = deltas["count"]
-        writer.finalize(
-            extra={
-                "abs_delta_mean": deltas["sum"] / count if count else None,
-                "abs_delta_max": deltas["max"] if count else None,
-            }
-        )
+        written = map_shards(src, writer, "replaying", columns, replay, bar=not json_)
+        extra = _delta_summary(dict(zip(written, found, strict=stored)))  # no stats where nothing is stored
+    else:
+        extra = None
+    if not finalize(writer, extra):
+        return
     from stages.shards.manifest import read_manifest
 
     extra = read_manifest(c["out"]).extra
@@ -151,3 +147,18 @@ def logprob(
                 else ""
             )
         )
+
+
+def _delta_summary(mine: dict[int, dict]) -> dict[str, float | None]:
+    """Rollout-vs-replay |Δlogp| mean and max over every rank's replayed shards (`mine`: this rank's
+    per-shard stats by shard index), summed in shard order as one process sums them, so a launch
+    records the very floats of a single process."""
+    from stages.dist import gather
+
+    per_shard = {s: stats for part in gather(mine) for s, stats in part.items()}
+    total, largest, count = 0.0, 0.0, 0
+    for s in sorted(per_shard):
+        total += per_shard[s]["abs_delta_sum"]
+        largest = max(largest, per_shard[s]["abs_delta_max"])
+        count += per_shard[s]["count"]
+    return {"abs_delta_mean": total / count if count else None, "abs_delta_max": largest if count else None}

@@ -416,8 +416,14 @@ def _run(
     sample_fn: Callable[..., dict],
 ) -> None:
     """Sample this process's shards with a progress bar, write the manifest once every shard exists,
-    then report. `sample_fn(group_size, writer, num_shards=, shard_indices=, policy_version=, on_batch=)`."""
-    shards = _shard_indices(c)
+    then report. `sample_fn(group_size, writer, num_shards=, shard_indices=, policy_version=, on_batch=)`.
+
+    Under a launcher (torchrun, `accelerate launch`) rank r samples the shards s with s % world == r;
+    after every rank is done (one without a shard too), rank 0 writes the manifest and reports for all.
+    """
+    from stages.dist import gather, join, rank_shards
+
+    shards = rank_shards(_shard_indices(c))
     t0, done = time.perf_counter(), [0]
     with progress(not json_) as bar:
         task = bar.add_task("sampling", total=num_prompts * c["group_size"] * len(shards) // c["num_shards"])
@@ -426,7 +432,7 @@ def _run(
             done[0] += n
             bar.update(task, advance=n, rate=f"{done[0] / (time.perf_counter() - t0):.2f} {unit}/s")
 
-        result = sample_fn(
+        mine = sample_fn(
             c["group_size"],
             writer,
             num_shards=c["num_shards"],
@@ -434,6 +440,10 @@ def _run(
             policy_version=policy_version(c["adapter"]),
             on_batch=advance,
         )
+    results = gather(mine)  # every rank's counts; also waits until every rank's shards exist
+    if join()[1] != 0:
+        return
+    result = _combine(results, unit)
     manifest = None
     if all(writer.shard_done(s) for s in range(c["num_shards"])):
         manifest = writer.finalize(extra=extra)
@@ -445,6 +455,19 @@ def _run(
         rate = f", {speed:.2f} {unit}/s" if speed else ""
         state = "complete" if manifest else "partial (other shards pending)"
         log(f"[green]wrote[/] {result['rows']} samples to {c['out']} ({state}{rate})")
+
+
+def _combine(results: list[dict], unit: str) -> dict:
+    """The counts of every rank's `sample_fn` result as one: rows and shards added, the longest time,
+    the ranks' rates added (they sample at once)."""
+    if len(results) == 1:
+        return results[0]
+    rates = [r[f"{unit}_per_s"] for r in results if r[f"{unit}_per_s"] is not None]
+    combined = {k: sum(r[k] for r in results) for k in ("rows", "shards_written", "shards_resumed")}
+    combined.update(
+        {"seconds": max(r["seconds"] for r in results), f"{unit}_per_s": sum(rates) if rates else None}
+    )
+    return combined
 
 
 def _sample_vlm(c: dict, json_: bool) -> None:

@@ -11,7 +11,7 @@ from ..config import resolve
 from ..console import emit_json, log
 from ..errors import handle_errors
 from ..options import ConfigOpt, FormatOpt, InOpt, JsonOpt, OutOpt, OverwriteOpt, SetOpt
-from ..runtime import check_format, map_shards, open_inputs, plugin_files, run_config
+from ..runtime import check_format, finalize, map_shards, open_inputs, plugin_files, run_config
 
 
 @handle_errors
@@ -89,7 +89,8 @@ def score(
             ),
             bar=not json_,
         )
-        writer.finalize()
+    if not finalize(writer):
+        return
     from stages.shards.reader import ShardSet
 
     rewards = ShardSet(c["out"]).read_all()

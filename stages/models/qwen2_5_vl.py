@@ -11,7 +11,7 @@ budget (56x56 to 112x112 pixels, i.e. 4 to 16 image tokens).
 
 The processor is `Qwen2_5_VLImageTextProcessor`: transformers' `Qwen2_5_VLProcessor` without its video
 processor, which transformers can only build with torchvision (not installed here; its PyPI wheels need
-CUDA torch). Importing this module registers the class so `AutoProcessor.from_pretrained` finds it by the
+the GPU build of torch). Importing this module registers the class so `AutoProcessor.from_pretrained` finds it by the
 name saved in `processor_config.json`; images are processed exactly as by the full processor, which also
 returns the `mm_token_type_ids` the model needs for 3-D rope positions.
 """

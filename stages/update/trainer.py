@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from stages.dist import world_and_rank
+from stages.dist import all_reduce_sum, world_and_rank
 from stages.errors import NonFiniteError, UserInputError
 from stages.models.diffusion import FlowPolicy
 from stages.models.vlm import VLMPolicy
@@ -306,7 +306,7 @@ def train(
             sums[len(keys) + 1 + rank] = float(failure is not None)
             seen = sum(len(idx) for idx in chunks[first : first + per_step])
             if world > 1:
-                torch.distributed.all_reduce(sums)
+                sums = all_reduce_sum(sums, params[0].device)
             _raise_if_any_rank_failed(
                 sums[len(keys) + 1 :], failure, f"at epoch {epoch}, optimizer step {global_step + 1}"
             )

@@ -32,7 +32,24 @@ def update(
             help=f"Adapter to continue from: {ADAPTER_HELP}; omnirl's also carry optimizer, EMA and step.",
         ),
     ] = None,
-    dtype: Annotated[str, typer.Option("--dtype", help="fp32, bf16 or fp16.")] = "fp32",
+    dtype: Annotated[
+        str,
+        typer.Option(
+            "--dtype",
+            help="Storage dtype of the frozen weights: fp32, bf16 or fp16. Trained weights (LoRA, or all "
+            "with --full) are always fp32 (diffusers' cast_training_params), so AdamW steps in fp32.",
+        ),
+    ] = "fp32",
+    mixed_precision: Annotated[
+        str | None,
+        typer.Option(
+            "--mixed-precision",
+            help="Autocast of the forward and loss: no or bf16, as Accelerate names them (fp16 is refused: it "
+            "needs loss scaling). Default: the launcher's (accelerate launch --mixed_precision, "
+            "ACCELERATE_MIXED_PRECISION), else no. Recorded in the adapter's update_config.",
+            rich_help_panel=OPT,
+        ),
+    ] = None,
     algo: Annotated[
         str,
         typer.Option(
@@ -176,6 +193,33 @@ def update(
     adam_eps: Annotated[
         float, typer.Option("--adam-eps", help="AdamW ε > 0 (flow_grpo 1e-8).", rich_help_panel=OPT)
     ] = 1e-8,
+    lr_scheduler: Annotated[
+        str,
+        typer.Option(
+            "--lr-scheduler",
+            help="LR schedule over the optimizer steps of the whole run, continued across updates from the "
+            "--adapter's step (transformers/trl lr_scheduler_type, verl lr_scheduler_type): constant, linear "
+            "(to 0 at --lr-total-steps) or cosine (half cosine to 0 at --lr-total-steps).",
+            rich_help_panel=OPT,
+        ),
+    ] = "constant",
+    lr_warmup_steps: Annotated[
+        int,
+        typer.Option(
+            "--lr-warmup-steps",
+            help="Linear warmup from 0 over this many optimizer steps (trl warmup_steps, verl lr_warmup_steps).",
+            rich_help_panel=OPT,
+        ),
+    ] = 0,
+    lr_total_steps: Annotated[
+        int,
+        typer.Option(
+            "--lr-total-steps",
+            help="Optimizer steps of the whole run (all updates) where linear/cosine reach 0 (trl max_steps, "
+            "verl total_training_steps); needed by them.",
+            rich_help_panel=OPT,
+        ),
+    ] = 0,
     max_grad_norm: Annotated[
         float,
         typer.Option("--max-grad-norm", help="Gradient-norm clip (flow_grpo 1.0).", rich_help_panel=OPT),
@@ -260,6 +304,7 @@ def update(
 
     cfg = UpdateConfig.from_options(c)
     cfg.validate()
+    c["mixed_precision"] = cfg.mixed_precision  # the launcher's setting enters the run's identity
     src = open_inputs(c["inputs"])
     with progress(not json_) as bar:
         task = bar.add_task("updating", total=None, rate="")

@@ -245,12 +245,14 @@ class FlowPolicy:
 
     def trainable_parameters(self, full: bool = False) -> list[torch.nn.Parameter]:
         """Mark and return the trained parameters: LoRA weights, or every weight of the trained module
-        with `full`."""
+        with `full`. They are cast to fp32 whatever --dtype (diffusers' `cast_training_params`), so the
+        optimizer steps in fp32; --dtype stays the storage dtype of the frozen weights."""
         params = []
         for name, p in self.transformer.named_parameters():
             train = full or "lora_" in name
             p.requires_grad_(train)
             if train:
+                p.data = p.data.float()
                 params.append(p)
         if not params:
             raise UserInputError(

@@ -163,12 +163,15 @@ class VLMPolicy:
     def trainable_parameters(
         self, *, full: bool = False, train_vision: bool = False
     ) -> list[torch.nn.Parameter]:
-        """Mark and return the trained weights: LoRA, or everything but (unless asked) the vision tower."""
+        """Mark and return the trained weights: LoRA, or everything but (unless asked) the vision tower.
+        They are cast to fp32 whatever --dtype (diffusers' `cast_training_params`), so the optimizer
+        steps in fp32; --dtype stays the storage dtype of the frozen weights."""
         params = []
         for name, p in self.model.named_parameters():
             train = ("lora_" in name) if not full else (train_vision or ".visual." not in f".{name}")
             p.requires_grad_(train)
             if train:
+                p.data = p.data.float()
                 params.append(p)
         if not params:
             raise UserInputError("nothing to train: add a LoRA adapter or pass --full")

@@ -4,16 +4,23 @@ Gradient averaging follows flow_grpo: one backward per (micro-batch, trained ste
 by (grad_accum × trained steps), so an optimizer step averages uniformly over both. Under torchrun,
 each rank takes its own grad_accum micro-batches of every optimizer step and gradients are averaged
 over ranks, so N ranks equal one process with N·grad_accum micro-batches.
+
+Mixed precision follows Accelerate and diffusers: the forward and loss run under autocast, the trained
+parameters are fp32 (so AdamW steps in fp32) and `--dtype` is only the storage dtype of frozen weights.
+The learning rate follows a warmup-then-decay schedule of the global optimizer step (transformers'
+formulas), so it continues across updates.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +38,38 @@ from stages.update.token_losses import AGG_MODES, KL_KINDS
 Policy = FlowPolicy | VLMPolicy
 STATE_DIR = "trainer_state"
 METRICS = "metrics.jsonl"
+# --mixed-precision → the autocast dtype (None: no autocast). fp16 is refused: it needs loss scaling.
+MIXED_PRECISIONS: dict[str, torch.dtype | None] = {"no": None, "bf16": torch.bfloat16}
+LR_SCHEDULERS = ("constant", "linear", "cosine")
+# What `accelerate launch` sets for settings update cannot honour yet: variable → the setting's name.
+UNSUPPORTED_LAUNCHER = {
+    "ACCELERATE_USE_FSDP": "FSDP",
+    "ACCELERATE_USE_DEEPSPEED": "DeepSpeed",
+    "ACCELERATE_USE_MEGATRON_LM": "Megatron-LM",
+}
+
+
+def launcher_mixed_precision() -> str:
+    """The launcher's mixed precision (`accelerate launch --mixed_precision` or the `accelerate config`
+    file set ACCELERATE_MIXED_PRECISION), else "no"."""
+    return os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+
+
+def check_launcher() -> None:
+    """Refuse an `accelerate launch` setting update would otherwise ignore (FSDP, DeepSpeed, Megatron-LM,
+    a torch.compile backend), with one line naming it."""
+    for var, name in UNSUPPORTED_LAUNCHER.items():
+        if os.environ.get(var, "false").lower() in ("true", "1", "yes"):
+            raise UserInputError(
+                f"accelerate launch: {name} ({var}={os.environ[var]}) is not supported by update yet; "
+                "launch with a DDP or single-process accelerate config (distributed_type MULTI_GPU/NO)"
+            )
+    backend = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "no")
+    if backend.lower() != "no":
+        raise UserInputError(
+            f"accelerate launch: dynamo backend {backend} (ACCELERATE_DYNAMO_BACKEND) is not supported by "
+            "update yet; launch with --dynamo_backend no"
+        )
 
 
 @dataclass
@@ -71,6 +110,10 @@ class UpdateConfig:
     dual_clip: float | None = None
     train_vision: bool = False
     detach_uncond: bool = True
+    mixed_precision: str = field(default_factory=launcher_mixed_precision)
+    lr_scheduler: str = "constant"
+    lr_warmup_steps: int = 0
+    lr_total_steps: int = 0
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> UpdateConfig:
@@ -78,8 +121,11 @@ class UpdateConfig:
 
         Every dataclass field is read from the option of the same name; other options (paths, output
         flags) are ignored, and a missing one keeps its default. Lists become tuples (YAML `betas`).
+        An unset --mixed-precision (None) is the launcher's.
         """
         values = {f.name: options[f.name] for f in fields(cls) if f.name in options}
+        if values.get("mixed_precision") is None:
+            values.pop("mixed_precision", None)
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
 
     def optimizer_settings(self) -> dict[str, Any]:
@@ -90,6 +136,27 @@ class UpdateConfig:
             "weight_decay": self.weight_decay,
             "eps": self.adam_eps,
         }
+
+    def lr_factor(self, step: int) -> float:
+        """lr / --lr for the optimizer step taken after `step` earlier ones (counted over every update).
+
+        transformers' schedules: a linear warmup from 0 over --lr-warmup-steps, then constant, linear
+        decay to 0, or a half cosine to 0 at --lr-total-steps (and 0 after it).
+        """
+        warmup = self.lr_warmup_steps
+        if step < warmup:
+            return step / warmup
+        if self.lr_scheduler == "constant":
+            return 1.0
+        progress = min((step - warmup) / (self.lr_total_steps - warmup), 1.0)
+        if self.lr_scheduler == "linear":
+            return 1.0 - progress
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    def autocast(self, device: torch.device) -> AbstractContextManager[Any]:
+        """The context the forward and loss run in: autocast to --mixed-precision on `device`'s type."""
+        dtype = MIXED_PRECISIONS[self.mixed_precision]
+        return nullcontext() if dtype is None else torch.autocast(device_type=device.type, dtype=dtype)
 
     def advantage_clip(self) -> float | None:
         """|A| bound: --adv-clip, else the --algo's (5 for the diffusion family, none for grpo/dapo/gspo);
@@ -125,10 +192,35 @@ class UpdateConfig:
             )
         if not 0 < self.max_grad_norm < math.inf:
             raise UserInputError(f"--max-grad-norm {self.max_grad_norm}: must be a finite number > 0")
+        if self.lr_scheduler not in LR_SCHEDULERS:
+            raise UserInputError(
+                f"--lr-scheduler {self.lr_scheduler}: choose one of {', '.join(LR_SCHEDULERS)}"
+            )
+        if self.lr_warmup_steps < 0:
+            raise UserInputError(f"--lr-warmup-steps {self.lr_warmup_steps}: must be at least 0")
+        if self.lr_scheduler != "constant" and self.lr_total_steps <= self.lr_warmup_steps:
+            raise UserInputError(
+                f"--lr-scheduler {self.lr_scheduler} decays to 0 at --lr-total-steps; give the optimizer "
+                f"steps of the whole run, more than --lr-warmup-steps {self.lr_warmup_steps}"
+            )
+
+    def _validate_precision(self) -> None:
+        check_launcher()
+        if self.mixed_precision == "fp16":
+            raise UserInputError(
+                "--mixed-precision fp16 (or accelerate launch's --mixed_precision fp16): fp16 gradients need "
+                "loss scaling, which update does not do yet; use bf16"
+            )
+        if self.mixed_precision not in MIXED_PRECISIONS:
+            raise UserInputError(
+                f"--mixed-precision {self.mixed_precision} (or accelerate launch's --mixed_precision): "
+                f"choose one of {', '.join(MIXED_PRECISIONS)}"
+            )
 
     def validate(self) -> None:
         """Raise a one-line UserInputError naming the first impossible setting."""
         algo = get_algorithm(self.algo)
+        self._validate_precision()
         self._validate_optimizer()
         if self.adv_clip is not None and not 0 <= self.adv_clip < math.inf:
             raise UserInputError(f"--adv-clip {self.adv_clip}: must be a finite number >= 0 (0 turns it off)")
@@ -204,6 +296,19 @@ def _raise_if_any_rank_failed(failed: torch.Tensor, mine: str | None, where: str
         f"loss is not finite on rank {', '.join(map(str, ranks))} {where} (that rank names the micro-batch); "
         "lower --lr or check the inputs (no step was taken)"
     )
+
+
+def _each_under(
+    context: Callable[[], AbstractContextManager[Any]], items: Iterator[tuple[torch.Tensor, Any]]
+) -> Iterator[tuple[torch.Tensor, Any]]:
+    """The items of a lazy iterator, each computed inside a fresh `context()`: autocast covers the
+    forward and loss of each trained step, the caller's backward runs outside it (torch's advice)."""
+    while True:
+        with context():
+            item = next(items, None)
+        if item is None:
+            return
+        yield item
 
 
 def _average_gradients(params: list[torch.nn.Parameter], world: int) -> None:
@@ -292,7 +397,8 @@ def train(
             failure = None
             for c, idx in enumerate(mine):
                 where = f"at epoch {epoch}, micro-batch {first + rank * cfg.grad_accum + c}"
-                for t, (loss, values) in enumerate(objective.losses(idx)):
+                losses = _each_under(lambda: cfg.autocast(params[0].device), objective.losses(idx))
+                for t, (loss, values) in enumerate(losses):
                     if not bool(torch.isfinite(loss).all()):
                         failure = f"loss is not finite {where}, trained step {t}" + (
                             f" (rank {rank})" if world > 1 else ""
@@ -314,6 +420,8 @@ def train(
                 _average_gradients(params, world)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
             _check_finite("grad norm", grad_norm, f"at epoch {epoch}, optimizer step {global_step + 1}")
+            for group in optimizer.param_groups:
+                group["lr"] = cfg.lr * cfg.lr_factor(global_step)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             global_step += 1

@@ -39,6 +39,24 @@ def ins(*paths: Path) -> list[str]:
     return [arg for p in paths for arg in ("--in", str(p))]
 
 
+def staged_update_args(staged: dict[str, Path], out: Path, *extra: str) -> list[str]:
+    """`omnirl update` on the `staged` fixture's samples, logprobs and advantages with its small LoRA
+    (rank 4, alpha 8) into `out`, plus `extra`."""
+    return [
+        "update",
+        "--model",
+        str(staged["model"]),
+        *ins(staged["samples"], staged["logprobs"], staged["advantages"]),
+        "--lora-rank",
+        "4",
+        "--lora-alpha",
+        "8",
+        "--out",
+        str(out),
+        *extra,
+    ]
+
+
 def sample_args(model: Path, prompts: Path, out: Path, *extra: str) -> list[str]:
     """A small `omnirl sample` call: 3 prompts × 2, 4 SDE steps at 32 px, no CFG, batches of 3."""
     return [

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import test_vlm_stages
 import torch
-from helpers import fails, ins, run
+from helpers import fails, ins, run, staged_update_args
 from safetensors.torch import load_file
 
 from stages.models.diffusion import LORA_WEIGHTS, FlowPolicy
@@ -33,21 +33,7 @@ def _inputs(staged: dict[str, Path]) -> list[str]:
 
 def _update(staged: dict[str, Path], out: Path, *extra: str) -> list[dict[str, Any]]:
     """The staged fixture's first update (same options as its policy1) plus `extra`; its metrics."""
-    run(
-        "update",
-        "--model",
-        str(staged["model"]),
-        *_inputs(staged),
-        "--lr",
-        "1e-3",
-        "--lora-rank",
-        "4",
-        "--lora-alpha",
-        "8",
-        "--out",
-        str(out),
-        *extra,
-    )
+    run(*staged_update_args(staged, out, "--lr", "1e-3", *extra))
     return _metrics(out)
 
 

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import PROMPTS, fails, ins, run, sample_args
+from helpers import PROMPTS, fails, run, sample_args, staged_update_args
 
 from stages.shards.atomic import recover_dir, replace_dir
 from stages.shards.manifest import MANIFEST_NAME
@@ -27,22 +27,6 @@ def snapshot(folder: Path) -> dict[str, bytes]:
     }
 
 
-def update_args(staged: dict[str, Path], out: Path, *extra: str) -> list[str]:
-    return [
-        "update",
-        "--model",
-        str(staged["model"]),
-        *ins(staged["samples"], staged["logprobs"], staged["advantages"]),
-        "--lora-rank",
-        "4",
-        "--lora-alpha",
-        "8",
-        "--out",
-        str(out),
-        *extra,
-    ]
-
-
 # ----------------------------------------------------------------------------- update --out (item 1)
 
 
@@ -50,7 +34,7 @@ def test_update_refuses_an_out_that_is_not_an_adapter(staged: dict[str, Path], t
     run_dir = tmp_path / "it0"
     (run_dir / "samples").mkdir(parents=True)
     (run_dir / "samples" / "keep.txt").write_text("user data")
-    line = fails(update_args(staged, run_dir))
+    line = fails(staged_update_args(staged, run_dir))
     assert "non-empty directory without an adapter" in line
     assert (run_dir / "samples" / "keep.txt").read_text() == "user data"
 
@@ -58,21 +42,23 @@ def test_update_refuses_an_out_that_is_not_an_adapter(staged: dict[str, Path], t
 @pytest.mark.parametrize("which", ["samples", "advantages"])
 def test_update_refuses_an_out_that_is_an_input(staged: dict[str, Path], which: str) -> None:
     before = snapshot(staged[which])
-    line = fails(update_args(staged, staged[which], "--overwrite"))
+    line = fails(staged_update_args(staged, staged[which], "--overwrite"))
     assert "is the input" in line and "no command writes over its own inputs" in line
     assert snapshot(staged[which]) == before
 
 
 def test_update_refuses_an_out_that_contains_an_input(staged: dict[str, Path]) -> None:
     before = snapshot(staged["samples"])
-    line = fails(update_args(staged, staged["samples"].parent, "--overwrite"))
+    line = fails(staged_update_args(staged, staged["samples"].parent, "--overwrite"))
     assert "contains the input" in line
     assert snapshot(staged["samples"]) == before
 
 
 def test_update_refuses_to_write_over_its_adapter(staged: dict[str, Path]) -> None:
     before = snapshot(staged["policy1"])
-    line = fails(update_args(staged, staged["policy1"], "--adapter", str(staged["policy1"]), "--overwrite"))
+    line = fails(
+        staged_update_args(staged, staged["policy1"], "--adapter", str(staged["policy1"]), "--overwrite")
+    )
     assert "is the input" in line
     assert snapshot(staged["policy1"]) == before
 
@@ -80,7 +66,7 @@ def test_update_refuses_to_write_over_its_adapter(staged: dict[str, Path]) -> No
 def test_update_cwd_out_is_refused(staged: dict[str, Path], tmp_path: Path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
     Path("notes.md").write_text("mine")
-    assert "without an adapter" in fails(update_args(staged, Path(".")))
+    assert "without an adapter" in fails(staged_update_args(staged, Path(".")))
     assert Path("notes.md").read_text() == "mine"
 
 
@@ -89,10 +75,10 @@ def test_update_cwd_out_is_refused(staged: dict[str, Path], tmp_path: Path, monk
 
 def test_identical_updates_write_identical_adapter_bytes(staged: dict[str, Path], tmp_path: Path) -> None:
     out = tmp_path / "policy"
-    run(*update_args(staged, out))
+    run(*staged_update_args(staged, out))
     first = snapshot(out)
     shutil.rmtree(out)
-    run(*update_args(staged, out))
+    run(*staged_update_args(staged, out))
     second = snapshot(out)
     first.pop("metrics.jsonl"), second.pop("metrics.jsonl")  # holds wall-clock throughput
     assert sorted(first) == sorted(second) and any(k.endswith(".safetensors") for k in first)
@@ -103,13 +89,13 @@ def test_replacing_an_adapter_leaves_no_litter_and_cleans_a_killed_save(
     staged: dict[str, Path], tmp_path: Path
 ) -> None:
     out = tmp_path / "policy"
-    run(*update_args(staged, out))
+    run(*staged_update_args(staged, out))
     first = snapshot(out)
     # what a SIGKILL during the next save leaves behind: a half-written hidden sibling
     killed = tmp_path / ".policy.tmp-999999-deadbeef"
     (killed / "trainer_state").mkdir(parents=True)
     (killed / "pytorch_lora_weights.safetensors").write_bytes(b"half")
-    run(*update_args(staged, out, "--lr", "1e-3", "--overwrite"))
+    run(*staged_update_args(staged, out, "--lr", "1e-3", "--overwrite"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["policy"]
     assert snapshot(out) != first
 
@@ -273,7 +259,7 @@ def test_out_that_is_a_file_or_a_dangling_symlink(staged: dict[str, Path], tmp_p
     assert "is a file" in fails([*base, str(afile)])
     assert "dangling symlink" in fails([*base, str(dangling)])
     assert afile.read_text() == "x" and dangling.is_symlink()
-    assert "is a file" in fails(update_args(staged, afile))
+    assert "is a file" in fails(staged_update_args(staged, afile))
 
 
 def test_unwritable_out_is_one_line(staged: dict[str, Path]) -> None:

@@ -263,3 +263,20 @@ def test_vlm_update_under_bf16_autocast_stays_near_the_fp32_run(
         assert a["actor/grad_norm"] == pytest.approx(b["actor/grad_norm"], rel=16 * BF16_EPS)
     weights = load_file(tmp_path / "bf16" / "adapter_model.safetensors")
     assert {t.dtype for t in weights.values()} == {torch.float32}
+
+
+def test_full_fine_tuning_over_bf16_storage_trains_fp32_weights(
+    staged: dict[str, Path], tmp_path: Path
+) -> None:
+    """--full under --dtype bf16: the trained transformer is fp32 while the frozen text encoders give bf16
+    conditioning, which the policy casts to the transformer's dtype (no dtype mismatch, no autocast)."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "full"
+    metrics = _update(staged, out, "--full", "--dtype", "bf16")
+    assert metrics and all(math.isfinite(m["actor/pg_loss"]) for m in metrics)
+    from stages.models.diffusion import FlowPolicy
+
+    saved = load_file(out / "transformer" / "diffusion_pytorch_model.safetensors")
+    weights = [name for name, _ in FlowPolicy.load(staged["model"]).module.named_parameters()]
+    assert weights and {saved[name].dtype for name in weights} == {torch.float32}  # buffers keep --dtype

@@ -366,7 +366,7 @@ class FlowPolicy:
     ) -> torch.Tensor:
         """Guided velocity v(x, σ) [B, *latent_shape] in fp32 (σ a scalar or [B]), by the family."""
         sigma = sigma.to(self.device, torch.float32).expand(x.shape[0])
-        return self.family.velocity(self.transformer, x, sigma, cond, guidance)
+        return self.family.velocity(self.transformer, x, sigma, cond.to(self.transformer.dtype), guidance)
 
     @torch.no_grad()
     def encode_images(self, images: list[Any], resolution: int) -> torch.Tensor:

@@ -48,6 +48,17 @@ class Condition:
     pos: Tensors
     neg: Tensors | None = None
 
+    def to(self, dtype: torch.dtype) -> Condition:
+        """Floating tensors cast to `dtype` (the trained module's: fp32 under --full with a bf16
+        --dtype); masks and lengths stay as they are. No copy when the dtype already matches."""
+
+        def cast(d: Tensors | None) -> Tensors | None:
+            if d is None:
+                return None
+            return {k: v.to(dtype) if v.is_floating_point() else v for k, v in d.items()}
+
+        return Condition(cast(self.pos), cast(self.neg))
+
     def select(self, index: torch.Tensor | list[int]) -> Condition:
         """The rows `index` of every tensor."""
 

@@ -1,25 +1,31 @@
-"""Sampling overhead: omnirl's `sample` stage ÷ diffusers' own `StableDiffusion3Pipeline.__call__`.
+"""Sampling overhead per model family: omnirl's `sample` stage ÷ the family's stock diffusers pipeline call.
 
-Both sides use one `small` SD3 pipeline loaded once in this process (53M parameters, random
-weights), the same B prompts (with empty negatives), steps, resolution, guidance (CFG: the
-transformer sees 2B rows a step) and `max_sequence_length`, on a fixed number of torch threads:
+For each family in `--families` (sd3, flux, qwen_image, z_image; default all) a `small` pipeline (random
+weights, 128 px) is loaded once in this process, and both sides use it with the same B prompts (empty
+negatives), steps, resolution, guidance and `max_sequence_length`, on a fixed number of torch threads:
 
-- diffusers: `pipe(prompt=..., num_inference_steps=..., guidance_scale=..., output_type="pil")`,
-  the Euler ODE sampler, PIL images in memory.
+- diffusers: `pipe(prompt=..., num_inference_steps=..., <guidance>, output_type="pil")`, the Euler ODE
+  sampler, PIL images in memory. Each stock pipeline takes the guidance its own way (`STOCK_CALLS`):
+  SD3 `guidance_scale` > 1 is CFG (2B rows a step); FLUX.1's `guidance_scale` is distilled guidance (a
+  model input, one forward); Qwen-Image needs `true_cfg_scale` and a negative prompt for true CFG (two
+  forwards a step); Z-Image's `guidance_scale` w > 0 is CFG (2B rows). Each family's default scale is
+  its Flow-GRPO recipe's (recipes/configs/flow_grpo_<family>.yaml).
 - omnirl: what `omnirl sample` runs after start-up: a `ShardSetWriter`, `run_sample` (Flow-GRPO
   SDE steps with per-sample noise and log-probs, stored latents, PNG encoding, one fsync'd shard)
   and `finalize`.
 
 Each repeat uses new prompts, so omnirl's prompt cache never spares it the text encoding diffusers
-does on every call. The sides alternate (order flipped every repeat) after a two-step warm-up of
-each; the ratio is best omnirl time / best diffusers time (target <= 1.10). On a loaded machine the
-transformer's time swings by several x between runs, so `ratio_pooled` is also reported: both sides
-run the same transformer calls, so it takes their fastest transformer time over all runs plus each
-side's fastest remaining time (see `pooled_ratio`). A breakdown of each side's best run times the
-transformer (forward hooks), the sampler step math, text encoding, VAE decoding, conversion to PIL,
-PNG encoding and the shard write; "other" is the rest.
+does on every call. After a two-step warm-up of every (family, side), each repeat runs every family's
+two sides back to back, the order flipped every repeat; a family's ratio is its best omnirl time / its
+best diffusers time (target <= 1.05). On a loaded machine the transformer's time swings by several x
+between runs, so `ratio_pooled` is also reported: both sides run the same transformer calls, so it
+takes their fastest transformer time over all runs plus each side's fastest remaining time (see
+`pooled_ratio`). A breakdown of each side's best run times the transformer (forward hooks), the
+sampler step math, text encoding, VAE decoding, conversion to PIL, PNG encoding and the shard write;
+"other" is the rest.
 
-    python benchmarks/bench_sample.py [--batch 4] [--steps 10] [--resolution 128] [--repeats 3]
+    python benchmarks/bench_sample.py [--families sd3,flux,qwen_image,z_image] [--batch 4] [--steps 10]
+        [--resolution 128] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,16 +50,86 @@ import torch
 from benchmarks.common import record
 
 REGIONS = ("transformer", "step_math", "text_encode", "vae_decode", "to_pil", "png", "shard_write")
+TARGET = 1.05
 
 
-def small_model(model: str | None, scratch: Path) -> Path:
-    """`model` if given, else a fresh `small` SD3 folder (seed 0) built under `scratch`."""
+@dataclass(frozen=True)
+class StockCall:
+    """How a family's stock diffusers pipeline is called at the guidance omnirl samples with."""
+
+    guidance: float  # the family's Flow-GRPO recipe scale (recipes/configs/flow_grpo_<family>.yaml)
+    argument: str  # the `__call__` argument that takes it
+    negative: bool  # guidance runs only when a negative prompt is passed
+
+    def kwargs(self, guidance: float, batch: int) -> dict[str, Any]:
+        """The guidance arguments of one call of `batch` prompts (empty negatives, as omnirl's)."""
+        return {self.argument: guidance, **({"negative_prompt": [""] * batch} if self.negative else {})}
+
+
+STOCK_CALLS: dict[str, StockCall] = {
+    # CFG for guidance > 1, both branches in one 2B batch; negatives default to "".
+    "sd3": StockCall(4.5, "guidance_scale", negative=False),
+    # Distilled guidance: the scale is a model input, one conditional forward a step.
+    "flux": StockCall(3.5, "guidance_scale", negative=False),
+    # True CFG (two forwards a step, norm-rescaled) needs true_cfg_scale > 1 and a negative prompt;
+    # its `guidance_scale` is for guidance-distilled checkpoints only.
+    "qwen_image": StockCall(4.0, "true_cfg_scale", negative=True),
+    # CFG pos + w·(pos − neg) for any w > 0, both branches in one 2B batch; negatives default to "".
+    "z_image": StockCall(3.0, "guidance_scale", negative=False),
+}
+
+
+def family_list(text: str) -> list[str]:
+    """`--families`: comma-separated names of `STOCK_CALLS`, in the given order, without repeats."""
+    names = list(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    unknown = [n for n in names if n not in STOCK_CALLS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a comma-separated list of {', '.join(STOCK_CALLS)}")
+    return names
+
+
+def model_option(text: str) -> tuple[str, Path]:
+    """`--model FAMILY=PATH`: a pipeline folder to use instead of the built `small` one."""
+    family, sep, path = text.partition("=")
+    if not sep or family not in STOCK_CALLS or not path:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: write FAMILY=PATH, FAMILY one of {', '.join(STOCK_CALLS)}"
+        )
+    return family, Path(path)
+
+
+def add_family_options(ap: argparse.ArgumentParser) -> None:
+    """The options both family benchmarks share: --families, --model and --guidance."""
+    ap.add_argument(
+        "--families",
+        type=family_list,
+        default=list(STOCK_CALLS),
+        help=f"comma-separated families to measure (default: {','.join(STOCK_CALLS)})",
+    )
+    ap.add_argument(
+        "--model",
+        type=model_option,
+        action="append",
+        default=[],
+        metavar="FAMILY=PATH",
+        help="a family's pipeline folder (repeatable; default: build `small` in a temp dir)",
+    )
+    ap.add_argument(
+        "--guidance",
+        type=float,
+        default=None,
+        help="guidance of every family (default: each family's recipe scale, see STOCK_CALLS)",
+    )
+
+
+def small_model(model: str | Path | None, scratch: Path, family: str = "sd3") -> Path:
+    """`model` if given, else a fresh `small` `family` folder (seed 0) built under `scratch`."""
     if model:
         return Path(model)
     from stages.models.factory import init_model
 
-    out = scratch / "sd3-small"
-    init_model("sd3", out, size="small", seed=0)
+    out = scratch / f"{family}-small"
+    init_model(family, out, size="small", seed=0)
     return out
 
 
@@ -129,15 +205,12 @@ def pooled_ratio(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_family_options(ap)
     ap.add_argument(
-        "--model", default=None, help="SD3 pipeline folder (default: build `small` in a temp dir)"
-    )
-    ap.add_argument(
-        "--batch", type=int, default=4, help="images per call (B; the transformer sees 2B with CFG)"
+        "--batch", type=int, default=4, help="images per call (B; the transformer sees 2B with batched CFG)"
     )
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--resolution", type=int, default=128)
-    ap.add_argument("--guidance", type=float, default=4.5)
     ap.add_argument("--max-sequence-length", type=int, default=128)
     ap.add_argument(
         "--sde-window", type=int, default=0, help="omnirl's stored SDE steps (0: all, as Flow-GRPO)"
@@ -159,11 +232,14 @@ def main() -> None:
     from stages.shards.writer import ShardSetWriter
 
     transformers_logging.disable_progress_bar()
+    families: list[str] = args.families
+    guidance = {f: STOCK_CALLS[f].guidance if args.guidance is None else args.guidance for f in families}
     metrics: dict[str, Any] = {
+        "families": families,
+        "guidance": guidance,
         "batch": args.batch,
         "steps": args.steps,
         "resolution": args.resolution,
-        "guidance": args.guidance,
         "max_sequence_length": args.max_sequence_length,
         "sde_window": args.sde_window,
         "format": args.format,
@@ -173,18 +249,18 @@ def main() -> None:
     }
     with tempfile.TemporaryDirectory(dir=args.tmp, prefix="omnirl-bench-") as tmp_name:
         tmp = Path(tmp_name)
-        policy = FlowPolicy.load(small_model(args.model, tmp))
-        pipe = policy.pipe
+        models = dict(args.model)
+        policies = {f: FlowPolicy.load(small_model(models.get(f), tmp, f)) for f in families}
         probes = Probes()
 
         def prompts_for(tag: str) -> list[str]:
             return [f"a watercolor lighthouse on a cliff at dusk, take {tag}.{i}" for i in range(args.batch)]
 
-        def diffusers_call(texts: list[str], steps: int) -> None:
-            pipe(
+        def diffusers_call(family: str, texts: list[str], steps: int) -> None:
+            policies[family].pipe(
                 prompt=texts,
                 num_inference_steps=steps,
-                guidance_scale=args.guidance,
+                **STOCK_CALLS[family].kwargs(guidance[family], len(texts)),
                 height=args.resolution,
                 width=args.resolution,
                 max_sequence_length=args.max_sequence_length,
@@ -192,10 +268,10 @@ def main() -> None:
                 generator=[torch.Generator().manual_seed(1000 + i) for i in range(len(texts))],
             )
 
-        def omnirl_call(texts: list[str], steps: int) -> None:
+        def omnirl_call(family: str, texts: list[str], steps: int) -> None:
             cfg = SampleConfig(
                 steps=steps,
-                guidance=args.guidance,
+                guidance=guidance[family],
                 resolution=args.resolution,
                 sampler="sde",
                 window=min(args.sde_window, steps),
@@ -203,7 +279,7 @@ def main() -> None:
                 batch_size=args.batch,
                 max_sequence_length=args.max_sequence_length,
             )
-            out = tmp / "samples"
+            out = tmp / f"samples-{family}"
             if out.exists():
                 shutil.rmtree(out)
             writer = ShardSetWriter(
@@ -213,7 +289,7 @@ def main() -> None:
                 stack.enter_context(probes.patch(writer, "write_shard", "shard_write"))
                 stack.enter_context(probes.patch(writer, "finalize", "shard_write"))
                 run_sample(
-                    policy,
+                    policies[family],
                     cfg,
                     [(i, Prompt(t)) for i, t in enumerate(texts)],
                     1,
@@ -223,60 +299,80 @@ def main() -> None:
                 )
                 writer.finalize(extra={"sample_config": asdict(cfg)})
 
-        sides = {"diffusers": diffusers_call, "omnirl": omnirl_call}
-        runs: dict[str, list[dict[str, float]]] = {s: [] for s in sides}
+        sides: dict[str, Callable[[str, list[str], int], None]] = {
+            "diffusers": diffusers_call,
+            "omnirl": omnirl_call,
+        }
+        runs: dict[str, dict[str, list[dict[str, float]]]] = {f: {s: [] for s in sides} for f in families}
         with ExitStack() as stack:
-            stack.enter_context(probes.module(pipe.transformer, "transformer"))
-            for owner, attr, name in (
-                (pipe, "encode_prompt", "text_encode"),
-                (pipe.vae, "decode", "vae_decode"),
-                (pipe.image_processor, "postprocess", "to_pil"),
-                (pipe.scheduler, "step", "step_math"),
-                (rollout, "step", "step_math"),
-                (rollout, "png_bytes", "png"),
-            ):
-                stack.enter_context(probes.patch(owner, attr, name))
-            for side, fn in sides.items():
-                fn(prompts_for(f"warm-{side}"), 2)
+            stack.enter_context(probes.patch(rollout, "step", "step_math"))
+            stack.enter_context(probes.patch(rollout, "png_bytes", "png"))
+            for policy in policies.values():
+                pipe = policy.pipe
+                stack.enter_context(probes.module(pipe.transformer, "transformer"))
+                for owner, attr, name in (
+                    (pipe, "encode_prompt", "text_encode"),
+                    (pipe.vae, "decode", "vae_decode"),
+                    (pipe.image_processor, "postprocess", "to_pil"),
+                    (pipe.scheduler, "step", "step_math"),
+                ):
+                    stack.enter_context(probes.patch(owner, attr, name))
+            for family in families:
+                for side, fn in sides.items():
+                    fn(family, prompts_for(f"warm-{side}"), 2)
             for r in range(args.repeats):
                 order = list(sides) if r % 2 == 0 else list(reversed(sides))
-                for side in order:
-                    probes.seconds.clear()
-                    t0 = time.perf_counter()
-                    sides[side](prompts_for(str(r)), args.steps)
-                    runs[side].append(probes.breakdown(time.perf_counter() - t0))
-                    print(side, {k: round(v, 3) for k, v in runs[side][-1].items()}, flush=True)
+                for family in families:
+                    for side in order:
+                        probes.seconds.clear()
+                        t0 = time.perf_counter()
+                        sides[side](family, prompts_for(str(r)), args.steps)
+                        runs[family][side].append(probes.breakdown(time.perf_counter() - t0))
+                        print(
+                            family,
+                            side,
+                            {k: round(v, 3) for k, v in runs[family][side][-1].items()},
+                            flush=True,
+                        )
 
-    best = {side: min(rs, key=lambda b: b["total"]) for side, rs in runs.items()}
-    ratio = best["omnirl"]["total"] / best["diffusers"]["total"]
-    pooled = pooled_ratio(runs, "omnirl", "diffusers", ("transformer",))
-    metrics.update(
-        ratio=ratio, ratio_pooled=pooled, best=best, runs=runs, load_average_after=os.getloadavg()[0]
-    )
-    rows = [
-        {
-            "path": side,
-            "seconds": b["total"],
-            "÷ diffusers": b["total"] / best["diffusers"]["total"],
-            "images/s": args.batch / b["total"],
-            **{k: b[k] for k in (*REGIONS, "other")},
-        }
-        for side, b in best.items()
-    ]
-    print(f"ratio omnirl / diffusers = {ratio:.3f} (pooled {pooled:.3f}; target <= 1.10)", flush=True)
+    rows = []
+    for family in families:
+        best = {side: min(rs, key=lambda b: b["total"]) for side, rs in runs[family].items()}
+        ratio = best["omnirl"]["total"] / best["diffusers"]["total"]
+        pooled = pooled_ratio(runs[family], "omnirl", "diffusers", ("transformer",))
+        metrics[family] = {"ratio": ratio, "ratio_pooled": pooled, "best": best, "runs": runs[family]}
+        rows += [
+            {
+                "family": family,
+                "path": side,
+                "seconds": b["total"],
+                "÷ diffusers": b["total"] / best["diffusers"]["total"],
+                "pooled ÷ diffusers": pooled if side == "omnirl" else 1.0,
+                "images/s": args.batch / b["total"],
+                **{k: b[k] for k in (*REGIONS, "other")},
+            }
+            for side, b in best.items()
+        ]
+        print(
+            f"{family}: omnirl / diffusers = {ratio:.3f} (pooled {pooled:.3f}; target <= {TARGET})",
+            flush=True,
+        )
+    metrics["load_average_after"] = os.getloadavg()[0]
     if not args.no_record:
+        scales = ", ".join(f"{f} {STOCK_CALLS[f].argument}={guidance[f]}" for f in families)
         path = record(
             "sample",
             metrics,
             rows,
             description=(
                 f"omnirl `sample` (writer + run_sample + finalize: SDE with log-probs, PNG, {args.format} shard) ÷ "
-                f"diffusers StableDiffusion3Pipeline.__call__, same `small` model, {args.batch} prompts, "
-                f"{args.steps} steps, {args.resolution} px, guidance {args.guidance}, max_sequence_length "
-                f"{args.max_sequence_length}, {args.threads} threads; best of {args.repeats} alternating runs "
-                f"(load average {metrics['load_average_before']:.1f} on {os.cpu_count()} CPUs). Target <= 1.10. "
-                f"Pooled ratio (fastest shared transformer time + each side's fastest rest): {pooled:.3f}. "
-                "Columns after images/s: seconds of each side's best run per region; other = the rest."
+                f"the family's stock diffusers pipeline call, same `small` model per family, {args.batch} prompts, "
+                f"{args.steps} steps, {args.resolution} px, guidance ({scales}), max_sequence_length "
+                f"{args.max_sequence_length}, {args.threads} threads; best of {args.repeats} alternating runs per "
+                f"family, families interleaved in one process (load average {metrics['load_average_before']:.1f} "
+                f"on {os.cpu_count()} CPUs). Target <= {TARGET}. Pooled ratio: the fastest shared transformer "
+                "time + each side's fastest rest. Columns after images/s: seconds of each side's best run per "
+                "region; other = the rest."
             ),
         )
         print("recorded", path)

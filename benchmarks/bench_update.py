@@ -1,29 +1,33 @@
-"""Update efficiency: `stages.update.trainer.train` ÷ a bare forward+backward of the same transformer.
+"""Update efficiency per model family: `stages.update.trainer.train` ÷ a bare forward+backward of the
+same transformer.
 
-Data: N real rollouts of the `small` SD3 model (Flow-GRPO SDE sampler, a window of K stored
-steps, CFG), old log-probs = the rollout's, random per-sample advantages. Each training mode runs
-in its own subprocess (so its peak RSS, `ru_maxrss`, is its own), on a fixed number of threads:
+For each family in `--families` (sd3, flux, qwen_image, z_image; default all), data: N real rollouts of
+its `small` model (Flow-GRPO SDE sampler, a window of K stored steps, the family's recipe guidance as in
+`bench_sample.STOCK_CALLS`: CFG for SD3, Qwen-Image and Z-Image, distilled for FLUX.1), old log-probs =
+the rollout's, random per-sample advantages. Each (family, training mode) runs in its own subprocess
+(so its peak RSS, VmHWM, is its own), one after another in one run, on a fixed number of threads:
 
-- `lora`: a fresh rank-r LoRA on flow_grpo's SD3 targets, as `omnirl update` adds it; `full`: every
-  transformer weight trained.
+- `lora`: a fresh rank-r LoRA on the family's default targets, as `omnirl update` adds it; `full`:
+  every transformer weight trained.
 - omnirl: `train(...)` (flow_grpo loss, one epoch, micro-batch = the sampling batch): text encoding
   of the batch's prompts (new prompts every call, as in a fresh `omnirl update` process), per
   (micro-batch, stored step) the guided velocity, the SDE step's log-prob, the clipped loss, its
   backward and six metric `.item()`s, then grad-norm clipping, the finiteness check and an AdamW step.
-- bare: the same trainable parameters, micro-batches and stored (x, σ): the transformer on the 2B
-  CFG batch with precomputed text embeddings, the guidance combination, an MSE to the stored next
-  latent, backward; then the same AdamW step (no clipping). Both sides create their AdamW per call,
-  as each `omnirl update` does.
+- bare: the same trainable parameters, micro-batches and stored (x, σ): the family's guided velocity
+  (`policy.family.velocity`: its CFG branches and combination) on precomputed text embeddings, an MSE
+  to the stored next latent, backward; then the same AdamW step (no clipping). Both sides create their
+  AdamW per call, as each `omnirl update` does.
 
 Ratio = best omnirl time / best bare time for the same N × K (sample, stored step) pairs (target
-<= 1.25), best of `--repeats` alternating calls after one warm-up call of each, and the load-robust
+<= 1.15), best of `--repeats` alternating calls after one warm-up call of each, and the load-robust
 `ratio_pooled` (fastest transformer forward+backward time over both sides' calls plus each side's
 fastest rest; see `bench_sample.pooled_ratio`); omnirl's warm-up
-call comes first, so the worker's `ru_maxrss` right after it is the peak RSS of an update. The
+call comes first, so the worker's VmHWM right after it is the peak RSS of an update. The
 breakdown of each side's best call times the transformer forward (hooks), `Tensor.backward`, the
 sampler step, the loss, clipping, the optimizer step and text encoding; "other" is the rest.
 
-    python benchmarks/bench_update.py [--samples 4] [--stored-steps 2] [--modes lora full] [--repeats 3]
+    python benchmarks/bench_update.py [--families sd3,flux,qwen_image,z_image] [--samples 4]
+        [--stored-steps 2] [--modes lora full] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from benchmarks.bench_sample import Probes, pooled_ratio, small_model
+from benchmarks.bench_sample import STOCK_CALLS, Probes, add_family_options, pooled_ratio, small_model
 from benchmarks.common import record
 
 if TYPE_CHECKING:
@@ -56,14 +60,22 @@ if TYPE_CHECKING:
 
 REGIONS = ("transformer_fwd", "backward", "step_math", "loss", "clip_grad", "optimizer", "text_encode")
 RESULT = "RESULT "
+TARGET = 1.15
 
 
 def peak_rss_mb() -> float:
-    """This process's peak resident set size so far, MB (Linux reports KiB)."""
+    """This process's peak resident set size so far, MB: Linux's VmHWM, which starts afresh at exec, where
+    `ru_maxrss` keeps the parent's peak across fork + exec (the parent has loaded every family's model);
+    `ru_maxrss` (KiB) where there is no /proc."""
+    status = Path("/proc/self/status")
+    if status.is_file():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def make_rollouts(model: Path, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+def make_rollouts(model: Path, args: argparse.Namespace, guidance: float, out: Path) -> dict[str, Any]:
     """Sample `args.samples` trajectories with omnirl's rollout and save the training columns to `out`."""
     from stages.models.diffusion import FlowPolicy
     from stages.sample.rollout import SampleConfig, rollout_batch
@@ -71,7 +83,7 @@ def make_rollouts(model: Path, args: argparse.Namespace, out: Path) -> dict[str,
     window = 0 if args.stored_steps == args.steps else args.stored_steps
     cfg = SampleConfig(
         steps=args.steps,
-        guidance=args.guidance,
+        guidance=guidance,
         resolution=args.resolution,
         sampler="sde",
         window=window,
@@ -150,13 +162,19 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     cfg = UpdateConfig(
         full=full, lora_rank=args.lora_rank, lora_alpha=2 * args.lora_rank, micro_batch=args.micro_batch
     )
-    policy = FlowPolicy.load(args.model)
+    family, model = args.model[0]  # the one FAMILY=PATH main passes
+    policy = FlowPolicy.load(model)
     if not full:
         policy.add_lora(rank=cfg.lora_rank, alpha=cfg.lora_alpha, seed=cfg.seed)
     data = torch.load(args.data, weights_only=True)
     cond = policy.encode(
-        data["prompt"], data["negative_prompt"], sample_cfg.guidance > 1.0, sample_cfg.max_sequence_length
+        data["prompt"],
+        data["negative_prompt"],
+        policy.needs_negative(sample_cfg.guidance),
+        sample_cfg.max_sequence_length,
     )
+    # as `train` sets it, so that bare's calls run the same CFG gradient path from the first one
+    policy.family.detach_uncond = cfg.detach_uncond
     rss_loaded = peak_rss_mb()
     probes = Probes()
     calls = [0]
@@ -200,6 +218,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
                 regions = {k: probes.seconds.get(k, 0.0) for k in REGIONS}
                 runs[side].append({"total": total, **regions, "other": total - sum(regions.values())})
                 print(
+                    family,
                     args.worker,
                     side,
                     {k: round(v, 3) for k, v in runs[side][-1].items()},
@@ -217,9 +236,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument(
-        "--model", default=None, help="SD3 pipeline folder (default: build `small` in a temp dir)"
-    )
+    add_family_options(ap)
     ap.add_argument("--samples", type=int, default=4, help="N rollouts trained on")
     ap.add_argument(
         "--micro-batch", type=int, default=4, help="samples per forward (also the sampling batch)"
@@ -227,7 +244,6 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10, help="sampling steps")
     ap.add_argument("--stored-steps", type=int, default=2, help="K stored (trained) SDE steps per sample")
     ap.add_argument("--resolution", type=int, default=128)
-    ap.add_argument("--guidance", type=float, default=4.5)
     ap.add_argument("--lora-rank", type=int, default=32, help="LoRA rank r (alpha = 2r, the default 32/64)")
     ap.add_argument("--modes", nargs="+", default=["lora", "full"], choices=["lora", "full"])
     ap.add_argument(
@@ -248,89 +264,101 @@ def main() -> None:
         return
 
     torch.set_num_threads(args.threads)
+    families: list[str] = args.families
+    guidance = {f: STOCK_CALLS[f].guidance if args.guidance is None else args.guidance for f in families}
     metrics: dict[str, Any] = {
-        k: getattr(args, k)
-        for k in (
-            "samples",
-            "micro_batch",
-            "steps",
-            "stored_steps",
-            "resolution",
-            "guidance",
-            "lora_rank",
-            "threads",
-            "repeats",
-        )
+        "families": families,
+        "guidance": guidance,
+        **{
+            k: getattr(args, k)
+            for k in (
+                "samples",
+                "micro_batch",
+                "steps",
+                "stored_steps",
+                "resolution",
+                "lora_rank",
+                "threads",
+                "repeats",
+            )
+        },
     }
     metrics["load_average_before"] = os.getloadavg()[0]
     rows = []
+    pairs = args.samples * args.stored_steps
     with tempfile.TemporaryDirectory(dir=args.tmp, prefix="omnirl-bench-") as tmp_name:
         tmp = Path(tmp_name)
-        model = small_model(args.model, tmp)
-        sample_cfg = make_rollouts(model, args, tmp / "data.pt")
+        models = dict(args.model)
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-        for mode in args.modes:
-            cmd = [
-                sys.executable,
-                __file__,
-                "--worker",
-                mode,
-                "--model",
-                str(model),
-                "--data",
-                str(tmp / "data.pt"),
-                "--sample-config",
-                json.dumps(sample_cfg),
-                "--micro-batch",
-                str(args.micro_batch),
-                "--lora-rank",
-                str(args.lora_rank),
-                "--threads",
-                str(args.threads),
-                "--repeats",
-                str(args.repeats),
-            ]
-            proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=True)
-            res = json.loads(
-                next(ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT))[len(RESULT) :]
-            )
-            best = {side: min(rs, key=lambda b: b["total"]) for side, rs in res["runs"].items()}
-            pairs = args.samples * args.stored_steps
-            ratio = best["omnirl"]["total"] / best["bare"]["total"]
-            pooled = pooled_ratio(res["runs"], "omnirl", "bare", ("transformer_fwd", "backward"))
-            metrics[mode] = {**res, "best": best, "ratio": ratio, "ratio_pooled": pooled}
-            label = f"lora r{args.lora_rank}" if mode == "lora" else "full"
-            for side, b in best.items():
-                rows.append(
-                    {
-                        "mode": label,
-                        "side": side,
-                        "s per sample-step": b["total"] / pairs,
-                        "÷ bare": b["total"] / best["bare"]["total"],
-                        "pooled ÷ bare": pooled if side == "omnirl" else 1.0,
-                        "peak RSS MB": round(res["rss_update_peak_mb"]) if side == "omnirl" else "",
-                        **{k: b[k] for k in (*REGIONS, "other")},
-                    }
+        for family in families:
+            model = small_model(models.get(family), tmp, family)
+            data = tmp / f"data-{family}.pt"
+            sample_cfg = make_rollouts(model, args, guidance[family], data)
+            metrics[family] = {}
+            for mode in args.modes:
+                cmd = [
+                    sys.executable,
+                    __file__,
+                    "--worker",
+                    mode,
+                    "--model",
+                    f"{family}={model}",
+                    "--data",
+                    str(data),
+                    "--sample-config",
+                    json.dumps(sample_cfg),
+                    "--micro-batch",
+                    str(args.micro_batch),
+                    "--lora-rank",
+                    str(args.lora_rank),
+                    "--threads",
+                    str(args.threads),
+                    "--repeats",
+                    str(args.repeats),
+                ]
+                proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=True)
+                res = json.loads(
+                    next(ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT))[len(RESULT) :]
                 )
-            print(
-                f"{label}: omnirl / bare = {ratio:.3f} (pooled {pooled:.3f}; target <= 1.25); peak RSS {res['rss_update_peak_mb']:.0f} MB "
-                f"(after load {res['rss_loaded_mb']:.0f} MB), {res['trained_parameters']} trained parameters",
-                flush=True,
-            )
+                best = {side: min(rs, key=lambda b: b["total"]) for side, rs in res["runs"].items()}
+                ratio = best["omnirl"]["total"] / best["bare"]["total"]
+                pooled = pooled_ratio(res["runs"], "omnirl", "bare", ("transformer_fwd", "backward"))
+                metrics[family][mode] = {**res, "best": best, "ratio": ratio, "ratio_pooled": pooled}
+                label = f"lora r{args.lora_rank}" if mode == "lora" else "full"
+                for side, b in best.items():
+                    rows.append(
+                        {
+                            "family": family,
+                            "mode": label,
+                            "side": side,
+                            "s per sample-step": b["total"] / pairs,
+                            "÷ bare": b["total"] / best["bare"]["total"],
+                            "pooled ÷ bare": pooled if side == "omnirl" else 1.0,
+                            "peak RSS MB": round(res["rss_update_peak_mb"]) if side == "omnirl" else "",
+                            **{k: b[k] for k in (*REGIONS, "other")},
+                        }
+                    )
+                print(
+                    f"{family} {label}: omnirl / bare = {ratio:.3f} (pooled {pooled:.3f}; target <= {TARGET}); "
+                    f"peak RSS {res['rss_update_peak_mb']:.0f} MB (after load {res['rss_loaded_mb']:.0f} MB), "
+                    f"{res['trained_parameters']} trained parameters",
+                    flush=True,
+                )
     metrics["load_average_after"] = os.getloadavg()[0]
     if not args.no_record:
+        scales = ", ".join(f"{f} {guidance[f]}" for f in families)
         path = record(
             "update",
             metrics,
             rows,
             description=(
                 f"stages.update.trainer.train (flow_grpo) ÷ bare forward+MSE+backward of the same transformer and "
-                f"the same AdamW step, `small` SD3, {args.samples} samples × {args.stored_steps} stored steps, "
-                f"micro-batch {args.micro_batch}, {args.resolution} px, guidance {args.guidance} (CFG), "
-                f"{args.threads} threads; best of {args.repeats} alternating calls (load average "
-                f"{metrics['load_average_before']:.1f} on {os.cpu_count()} CPUs). Target <= 1.25. Peak RSS = "
-                "ru_maxrss of the mode's own process after one update. Columns after peak RSS: seconds of the "
-                "best call per region; other = the rest."
+                f"the same AdamW step, each family's `small` model, {args.samples} samples × {args.stored_steps} "
+                f"stored steps, micro-batch {args.micro_batch}, {args.resolution} px, guidance ({scales}; CFG "
+                f"except FLUX.1's distilled), {args.threads} threads; best of {args.repeats} alternating calls "
+                f"in one process per (family, mode) (load average {metrics['load_average_before']:.1f} on "
+                f"{os.cpu_count()} CPUs). Target <= {TARGET}. Peak RSS = VmHWM of that process after one "
+                "update. Columns after peak RSS: seconds of the best call per region; other = the rest."
             ),
         )
         print("recorded", path)

@@ -65,8 +65,9 @@ def test_update_refuses_to_write_over_its_adapter(staged: dict[str, Path]) -> No
 
 def test_update_cwd_out_is_refused(staged: dict[str, Path], tmp_path: Path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
+    assert "current directory" in fails(staged_update_args(staged, Path(".")))  # even when empty
     Path("notes.md").write_text("mine")
-    assert "without an adapter" in fails(staged_update_args(staged, Path(".")))
+    assert "current directory" in fails(staged_update_args(staged, Path(".")))
     assert Path("notes.md").read_text() == "mine"
 
 

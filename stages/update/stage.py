@@ -39,9 +39,15 @@ def check_policy_out(out: Path, inputs: list[Path]) -> None:
     """Refuse an --out that `update` could not replace without losing someone's data.
 
     `out` may be new, an empty directory or an adapter directory; never an input (--in or
-    --adapter), a folder holding one, a file, or a directory of other files.
+    --adapter), a folder holding one, the working directory (it is replaced by a swap), a file, or a
+    directory of other files.
     """
     check_output_path(out, inputs)
+    here = Path.cwd().resolve()
+    if out.resolve() in (here, *here.parents):
+        raise UserInputError(
+            f"--out {out} is the current directory or holds it; pick a new folder for the adapter"
+        )
     if out.is_dir() and not (out / ADAPTER_CONFIG).is_file() and any(out.iterdir()):
         raise UserInputError(
             f"--out {out} is a non-empty directory without an adapter ({ADAPTER_CONFIG}); update only "

@@ -70,7 +70,9 @@ def update(
 
 def test_the_family_is_recorded_and_replay_is_exact(family: dict) -> None:
     assert FlowPolicy.load(family["model"]).family.name == family["name"]
-    assert ShardSet(family["samples"]).manifest.extra["family"] == family["name"]
+    for stage in ("samples", "rewards", "logprobs", "advantages"):  # derived sets inherit the rollout's kind
+        extra = ShardSet(family[stage]).manifest.extra
+        assert (extra["family"], extra["modality"]) == (family["name"], "image")
     assert family["replay"]["abs_delta_max"] == 0.0
 
 

@@ -320,3 +320,30 @@ def test_a_full_disk_is_one_line_and_leaves_no_partial_file(staged: dict[str, Pa
     assert result.stderr.strip().count("\n") == 0 and "size limit" in result.stderr
     assert not (out / MANIFEST_NAME).exists()
     assert not out.exists() or not [p.name for p in out.iterdir() if ".tmp-" in p.name]
+
+
+def test_stages_dispatch_on_the_recorded_modality_not_on_columns(tmp_path: Path) -> None:
+    """A set with image-like columns but no recorded rollout modality is refused in one line: stages
+    never guess the rollout kind from the columns present."""
+    import torch
+
+    from stages.shards.writer import ShardSetWriter
+
+    out = tmp_path / "samples"
+    writer = ShardSetWriter(out, num_shards=1, command="sample", config={}, kinds={"prompt_meta": "json"})
+    writer.write_shard(
+        0,
+        {
+            "sample_id": ["a", "b"],
+            "group_id": ["g", "g"],
+            "prompt": ["x", "x"],
+            "prompt_meta": [{}, {}],
+            "image": [b"", b""],
+            "reward": torch.zeros(2),
+        },
+    )
+    writer.finalize()
+    fails(
+        ["score", "--in", str(out), "--reward", "jpeg_compressibility", "--out", str(tmp_path / "r")],
+        "modality",
+    )

@@ -59,9 +59,8 @@ def advantage(
     c = resolve(ctx, "advantage")
     from stages.advantage.stage import compute_advantages, reward_weights
     from stages.errors import UserInputError
-    from stages.sample.vlm_stage import is_token_rollout
     from stages.score.registry import reward_column
-    from stages.shards.reader import slice_batch
+    from stages.shards.reader import rollout_modality, slice_batch
     from stages.shards.writer import ShardSetWriter
 
     name = c["estimator"]
@@ -82,7 +81,7 @@ def advantage(
     )
     steps_col = src.columns.get("log_probs")
     # one advantage per stored denoising step; a text rollout's outcome advantage covers every token
-    stepwise = steps_col is not None and steps_col.shape and not is_token_rollout(src.columns)
+    stepwise = steps_col is not None and steps_col.shape and rollout_modality(src.manifests) != "text"
     num_steps = steps_col.shape[0] if stepwise else 1
     weights = None
     if c["aggregation"] == "advantage_aggr":

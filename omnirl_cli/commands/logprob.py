@@ -65,11 +65,12 @@ def logprob(
     from stages.models.diffusion import FlowPolicy
     from stages.models.vlm import VLMPolicy
     from stages.sample.rollout import sample_config_of
-    from stages.sample.vlm_stage import is_token_rollout, vlm_sample_config_of
+    from stages.sample.vlm_stage import vlm_sample_config_of
+    from stages.shards.reader import rollout_modality
     from stages.shards.writer import ShardSetWriter
 
     src = open_inputs(c["inputs"])
-    tokens = is_token_rollout(src.columns)
+    tokens = rollout_modality(src.manifests) == "text"
     sample_cfg = vlm_sample_config_of(src.manifests) if tokens else sample_config_of(src.manifests)
     # an ODE rollout (NFT, AWM) stores no steps: nothing to replay
     stored = tokens or "latents" in src.columns

@@ -66,7 +66,7 @@ def pairs(
             lo, hi = s * len(found) // shards, (s + 1) * len(found) // shards
             if not writer.shard_done(s):
                 writer.write_shard(s, slice_batch(batch, 2 * lo, 2 * hi))
-        writer.finalize()
+        writer.finalize(extra={"modality": "image"})
     result = {"out": str(c["out"]), "pairs": len(found), "ties_skipped": ties, "rows": 2 * len(found)}
     if json_:
         emit_json(result)

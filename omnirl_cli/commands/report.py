@@ -26,8 +26,8 @@ def report(
     Example: [bold]omnirl report runs/demo[/]
     """
     from stages.reporting import collect, image_grid, iterations, response_sheet, reward_curve
-    from stages.sample.vlm_stage import is_token_rollout
     from stages.shards.manifest import read_manifest
+    from stages.shards.reader import rollout_modality
 
     rows = collect(run)
     curve = reward_curve(rows, run / "reward_curve.png")
@@ -37,7 +37,7 @@ def report(
             samples = it / "samples"
             if not (samples / "_manifest.json").is_file():
                 continue
-            if is_token_rollout({c.name for c in read_manifest(samples).columns}):
+            if rollout_modality([read_manifest(samples)]) == "text":
                 grid_paths.append(str(response_sheet(samples, it / "rewards", it / "responses.md")))
             else:
                 grid_paths.append(str(image_grid(samples, it / "rewards", it / "grid.png")))

@@ -60,6 +60,7 @@ def score(
     c = resolve(ctx, "score")
     from stages.score.registry import parse_reward_spec
     from stages.score.stage import needed_columns, score_shard
+    from stages.shards.reader import rollout_modality
     from stages.shards.writer import ShardSetWriter
 
     specs = [parse_reward_spec(s) for s in c["reward"] or []]
@@ -68,6 +69,7 @@ def score(
 
         raise UserInputError("--reward: give at least one reward, e.g. --reward jpeg_compressibility")
     src = open_inputs(c["inputs"])
+    modality = rollout_modality(src.manifests)
     writer = ShardSetWriter(
         c["out"],
         num_shards=src.num_shards,
@@ -83,9 +85,14 @@ def score(
             src,
             writer,
             "scoring",
-            needed_columns(src.columns),
+            needed_columns(modality),
             lambda shard, advance: score_shard(
-                shard, specs, batch_size=c["batch_size"], on_error=c["on_error"], on_batch=advance
+                shard,
+                specs,
+                modality=modality,
+                batch_size=c["batch_size"],
+                on_error=c["on_error"],
+                on_batch=advance,
             ),
             bar=not json_,
         )

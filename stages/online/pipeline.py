@@ -209,7 +209,7 @@ def _scorer_main(cfg: OnlineConfig, inbox: Any, outbox: Any) -> None:
         if job is None:
             return
         try:
-            outbox.put({"k": job["k"], **score_shard(job, cfg.rewards)})
+            outbox.put({"k": job["k"], **score_shard(job, cfg.rewards, modality="image")})
         except Exception as exc:  # reported by the driver with the worker's name
             outbox.put({"k": job["k"], "error": f"{type(exc).__name__}: {exc}"})
 
@@ -531,7 +531,7 @@ def run_online(
                 extra={"online_iteration": k + 1, "max_staleness": cfg.max_staleness},
             )
             if cfg.save_trajectories:
-                _save_trajectories(cfg, k, data, rewards, adv, stats)
+                _save_trajectories(cfg, k, data, rewards, adv, stats, policy.family.name)
             summary = {
                 "iteration": k,
                 "samples": len(data["sample_id"]),
@@ -566,6 +566,7 @@ def _save_trajectories(
     rewards: dict[str, Any],
     adv: dict[str, Any],
     stats: dict[str, Any],
+    family: str,
 ) -> None:
     """The shard sets the staged commands would have written for iteration k."""
     from stages.sample.stage import KINDS
@@ -574,7 +575,10 @@ def _save_trajectories(
     it = cfg.out / f"it{k}"
     columns = ("sample_id", "group_id", "prompt", "negative_prompt", "prompt_meta", "image", *TENSORS)
     parts = {
-        "samples": ({c: data[c] for c in columns if c in data}, {"sample_config": asdict(cfg.sampling(k))}),
+        "samples": (
+            {c: data[c] for c in columns if c in data},
+            {"sample_config": asdict(cfg.sampling(k)), "family": family, "modality": "image"},
+        ),
         "rewards": ({key: v for key, v in rewards.items() if key != "k"}, {}),
         "advantages": (adv, {"stats": stats}),
     }

@@ -83,11 +83,6 @@ def vlm_sample_config_of(manifests: list[Any]) -> VLMSampleConfig:
     )
 
 
-def is_token_rollout(columns: Any) -> bool:
-    """True when shard-set columns are a text-response rollout (this module's layout)."""
-    return "response_ids" in columns
-
-
 def left_pad(
     ids: torch.Tensor, mask: torch.Tensor, length: int, pad_id: int
 ) -> tuple[torch.Tensor, torch.Tensor]:

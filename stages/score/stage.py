@@ -18,16 +18,9 @@ from stages.score.scoring import score_batch
 BASE = ("sample_id", "prompt", "prompt_meta")
 
 
-def output_column(columns: Any) -> str:
-    """The column scorers read: `response_text` for a text rollout, else `image` (checked on the
-    columns a shard was read with, which hold the output column but not the token ids)."""
-    return "response_text" if "response_text" in columns else "image"
-
-
-def needed_columns(columns: Any) -> list[str]:
-    """The input columns `score_shard` reads from a rollout with these columns."""
-    out = output_column(columns)
-    return [*BASE, out, *(["response_length"] if out == "response_text" else [])]
+def needed_columns(modality: str) -> list[str]:
+    """The input columns `score_shard` reads from a rollout of `modality` ("image" or "text")."""
+    return [*BASE, "response_text", "response_length"] if modality == "text" else [*BASE, "image"]
 
 
 def decode_images(blobs: Sequence[bytes], sample_ids: Sequence[str]) -> list[Any]:
@@ -39,20 +32,22 @@ def score_shard(
     shard: dict[str, Any],
     specs: list[tuple[str, float]],
     *,
+    modality: str = "image",
     batch_size: int = 32,
     on_error: str = "fail",
     on_batch: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
-    """Columns sample_id, reward [N] and reward.<name> [N] for one shard's rows."""
+    """Columns sample_id, reward [N] and reward.<name> [N] for one shard's rows of a rollout of
+    `modality` (its manifest's: images, or VLM text responses)."""
     import torch
 
-    missing = [c for c in needed_columns(shard) if c not in shard]
+    missing = [c for c in needed_columns(modality) if c not in shard]
     if missing:
         raise UserInputError(
             f"--in: column '{missing[0]}' is missing; score reads the output of `omnirl sample`"
         )
-    text = output_column(shard) == "response_text"
-    want = "text" if text else "image"
+    text = modality == "text"
+    want = modality
     for name, _ in specs:
         if reward_kind(name) != want:
             raise UserInputError(

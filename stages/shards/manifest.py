@@ -19,6 +19,9 @@ from stages.shards.schema import Column
 MANIFEST_NAME = "_manifest.json"
 SCHEMA_VERSION = 1
 FORMATS = ("parquet", "webdataset")
+# What a rollout's manifest `extra` says about it (its model family and output modality); every set
+# derived from it inherits them.
+ROLLOUT_KEYS = ("family", "modality")
 
 
 @dataclass

@@ -216,6 +216,20 @@ def _first_difference(a, b) -> int:
     return min(len(a), len(b))
 
 
+def rollout_modality(manifests: Sequence[Manifest]) -> str:
+    """The modality ("image" or "text") of the rollout the zipped inputs belong to, as its manifests
+    record it: the rollout's own (`sample`, `pairs`) and every set derived from it (inherited by the
+    writer). Stages dispatch on it rather than on which columns happen to be present."""
+    for manifest in manifests:
+        modality = (manifest.extra or {}).get("modality")
+        if modality:
+            return str(modality)
+    raise UserInputError(
+        "--in: no input records its rollout's modality (written by an older omnirl); re-run `omnirl sample` "
+        "and the stages after it"
+    )
+
+
 def _lineage(s: ShardSet, inputs: dict[str, ShardSet]) -> set[str]:
     """Manifest hashes of `s`, of the shard sets its manifest lists as parents and, through parents
     that are themselves among `inputs` (keyed by manifest hash), of their parents in turn."""

@@ -22,6 +22,7 @@ from stages.shards.formats import codec, shard_file_name
 from stages.shards.manifest import (
     FORMATS,
     MANIFEST_NAME,
+    ROLLOUT_KEYS,
     Manifest,
     ShardInfo,
     config_hash,
@@ -133,6 +134,15 @@ class ShardSetWriter:
         self.config = config
         self.config_hash = config_hash(config)
         self.parents = [parent_entry(p, self.out_dir) for p in parents]
+        # The rollout's family and modality pass down its lineage, so every derived set records them.
+        self.inherited = next(
+            (
+                {k: m.extra[k] for k in ROLLOUT_KEYS if k in m.extra}
+                for m in (read_manifest(p) for p in parents if Path(p).is_dir())
+                if "modality" in (m.extra or {})
+            ),
+            {},
+        )
         self.policy = policy
         self.kinds = dict(kinds or {})
         self.fingerprint = run_fingerprint(self.config_hash, format, num_shards, policy, self.parents)
@@ -330,7 +340,7 @@ class ShardSetWriter:
             columns=columns,
             num_rows=sum(s.rows for s in infos),
             created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            extra=dict(extra or {}),
+            extra={**self.inherited, **(extra or {})},
         )
         write_manifest(self.out_dir, manifest)
         self._remove_unlisted({s.file for s in infos})

@@ -57,6 +57,22 @@ def staged_update_args(staged: dict[str, Path], out: Path, *extra: str) -> list[
     ]
 
 
+def online_args(preset: Path, staged: dict[str, Path], out: Path, *extra: str) -> list[str]:
+    """`omnirl online` with `preset` on the `staged` fixture's model and prompts into `out`, plus `extra`."""
+    return [
+        "online",
+        "--config",
+        str(preset),
+        "--model",
+        str(staged["model"]),
+        "--prompts",
+        str(staged["prompts"]),
+        "--out",
+        str(out),
+        *extra,
+    ]
+
+
 def sample_args(model: Path, prompts: Path, out: Path, *extra: str) -> list[str]:
     """A small `omnirl sample` call: 3 prompts × 2, 4 SDE steps at 32 px, no CFG, batches of 3."""
     return [

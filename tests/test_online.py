@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ins, run, runner
+from helpers import ins, online_args, run, runner
 from safetensors.torch import load_file
 
 from omnirl_cli.app import app
@@ -42,20 +42,7 @@ def preset(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _online(preset: Path, staged: dict[str, Path], out: Path, *extra: str) -> dict:
-    return run(
-        "online",
-        "--config",
-        str(preset),
-        "--model",
-        str(staged["model"]),
-        "--prompts",
-        str(staged["prompts"]),
-        "--reward",
-        "jpeg_compressibility",
-        "--out",
-        str(out),
-        *extra,
-    )
+    return run(*online_args(preset, staged, out, "--reward", "jpeg_compressibility", *extra))
 
 
 def test_one_online_iteration_equals_the_staged_commands(

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import runner
+from helpers import online_args, runner
 
 from omnirl_cli.app import app
 
@@ -39,21 +39,6 @@ def preset(tmp_path: Path) -> Path:
     path = tmp_path / "preset.yaml"
     path.write_text(PRESET)
     return path
-
-
-def _args(preset: Path, staged: dict[str, Path], out: Path, *extra: str) -> list[str]:
-    return [
-        "online",
-        "--config",
-        str(preset),
-        "--model",
-        str(staged["model"]),
-        "--prompts",
-        str(staged["prompts"]),
-        "--out",
-        str(out),
-        *extra,
-    ]
 
 
 def _children(pid: int) -> list[int]:
@@ -92,7 +77,7 @@ def driver(preset: Path, staged: dict[str, Path], tmp_path: Path) -> Iterator[su
         sys.executable,
         "-m",
         "omnirl_cli",
-        *_args(preset, staged, out, "--reward", "jpeg_compressibility"),
+        *online_args(preset, staged, out, "--reward", "jpeg_compressibility"),
     ]
     proc = subprocess.Popen(
         [*cmd, "--iterations", "1000"],
@@ -150,7 +135,13 @@ def test_sigterm_and_ctrl_c_stop_the_run_cleanly(driver: subprocess.Popen, ctrl_
 def test_a_rerun_of_another_run_is_refused(preset: Path, staged: dict[str, Path], tmp_path: Path) -> None:
     out = tmp_path / "run"
     first = runner.invoke(
-        app, [*_args(preset, staged, out, "--reward", "jpeg_compressibility"), "--iterations", "1", "--json"]
+        app,
+        [
+            *online_args(preset, staged, out, "--reward", "jpeg_compressibility"),
+            "--iterations",
+            "1",
+            "--json",
+        ],
     )
     assert first.exit_code == 0, first.output
     other_prompts = tmp_path / "other.txt"
@@ -160,7 +151,7 @@ def test_a_rerun_of_another_run_is_refused(preset: Path, staged: dict[str, Path]
         (["--reward", "jpeg_compressibility", "--set", "sample.steps=3"], "(sample.steps differs"),
         (["--reward", "jpeg_compressibility", "--prompts", str(other_prompts)], "(prompts content differs"),
     ]:
-        result = runner.invoke(app, [*_args(preset, staged, out), *extra, "--iterations", "2"])
+        result = runner.invoke(app, [*online_args(preset, staged, out), *extra, "--iterations", "2"])
         assert result.exit_code == 2, result.output
         assert len(result.output.strip().splitlines()) == 1, result.output
         assert what in result.output and "--overwrite" in result.output
@@ -168,7 +159,7 @@ def test_a_rerun_of_another_run_is_refused(preset: Path, staged: dict[str, Path]
     again = runner.invoke(
         app,
         [
-            *_args(preset, staged, out, "--reward", "jpeg_incompressibility"),
+            *online_args(preset, staged, out, "--reward", "jpeg_incompressibility"),
             "--iterations",
             "1",
             "--overwrite",
@@ -183,6 +174,8 @@ def test_a_rerun_of_another_run_is_refused(preset: Path, staged: dict[str, Path]
     (out / "online_run.json").unlink()
     before = sorted(p.relative_to(out) for p in out.rglob("*"))
     for extra in ([], ["--overwrite"]):
-        result = runner.invoke(app, [*_args(preset, staged, out, "--reward", "jpeg_compressibility"), *extra])
+        result = runner.invoke(
+            app, [*online_args(preset, staged, out, "--reward", "jpeg_compressibility"), *extra]
+        )
         assert result.exit_code == 2 and "did not write" in result.output, result.output
     assert sorted(p.relative_to(out) for p in out.rglob("*")) == before

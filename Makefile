@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 RUN    ?= runs/demo
 
-.PHONY: install test test-fast lint format demo demo-vlm bench clean
+.PHONY: install test test-fast test-gpu lint format demo demo-vlm bench clean
 
 install: $(STAMP)
 
@@ -23,6 +23,11 @@ test: install
 
 test-fast: install
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow and not distributed"
+
+# The GPU suite on this machine's accelerator (skipped without one; OMNIRL_GPU_SUITE_ON_CPU=1 rehearses
+# it on the CPU): bf16 sample + update of the small SD3, replay ratio 1, FSDP2 on one device, throughput.
+test-gpu: install
+	$(PY) -m pytest -q -s -m gpu tests/gpu
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -19,6 +21,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+PROGRESS_INTERVAL_S = 30.0  # off a TTY, the longest stretch without a progress line
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 if not err.is_terminal:
     err.width = 160  # logs and CI: wide enough for inspect's tables without truncation
@@ -37,11 +40,62 @@ class _Quiet:
         return None
 
 
+class _Lines(_Quiet):
+    """Progress off a TTY (Slurm logs, pipes): a plain line per task on stderr every `interval` seconds
+    while the work runs (from a timer, so a long step still shows), and one when the block completes
+    (not when it fails: then the error is the last line)."""
+
+    def __init__(self, interval: float):
+        self.tasks: list[dict[str, Any]] = []
+        self.interval = interval
+        self.start = time.monotonic()
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+
+    def add_task(self, description: str, total: float | None = None, **fields: Any) -> int:
+        with self.lock:
+            self.tasks.append({"description": description, "total": total, "completed": 0, **fields})
+            return len(self.tasks) - 1
+
+    def advance(self, task: int, advance: float = 1) -> None:
+        with self.lock:
+            self.tasks[task]["completed"] += advance
+
+    def update(self, task: int, *, advance: float = 0, **fields: Any) -> None:
+        with self.lock:
+            self.tasks[task].update(fields)
+            self.tasks[task]["completed"] += advance
+
+    def line(self) -> None:
+        elapsed = int(time.monotonic() - self.start)
+        with self.lock:
+            for t in self.tasks:
+                done = f"{t['completed']:g}" + (f"/{t['total']:g}" if t["total"] else "")
+                rate = f" {t['rate']}" if t.get("rate") else ""
+                err.print(f"{t['description']}: {done}{rate} [{elapsed // 60}:{elapsed % 60:02d}]")
+
+    def tick(self) -> None:
+        while not self.done.wait(self.interval):
+            self.line()
+
+
 @contextmanager
-def progress(enabled: bool = True) -> Iterator[Any]:
-    """A rich progress display on stderr, or a silent stand-in when `enabled` is false or stderr is no TTY."""
-    if not enabled or not err.is_terminal:
+def progress(enabled: bool = True, interval: float = PROGRESS_INTERVAL_S) -> Iterator[Any]:
+    """A rich progress display on stderr; off a TTY, a plain progress line every `interval` seconds
+    (`_Lines`); nothing when `enabled` is false (--json)."""
+    if not enabled:
         yield _Quiet()
+        return
+    if not err.is_terminal:
+        lines = _Lines(interval)
+        timer = threading.Thread(target=lines.tick, daemon=True)
+        timer.start()
+        try:
+            yield lines
+        finally:
+            lines.done.set()
+            timer.join()
+        lines.line()
         return
     bar = Progress(
         TextColumn("[bold]{task.description}"),

@@ -115,7 +115,17 @@ def check_format(fmt: str) -> str:
 # Options that say where and how the output is stored or reported, never what it holds. A Slurm
 # array task (--shard-index) shares its run's identity, so the tasks complete one shard set together;
 # the writer adds the format and shard count to the fingerprint of the files themselves.
-NOT_IDENTITY = ("json_", "overwrite", "shard_index", "out", "fmt", "num_shards", "shard_rows")
+NOT_IDENTITY = (
+    "json_",
+    "overwrite",
+    "shard_index",
+    "out",
+    "fmt",
+    "num_shards",
+    "shard_rows",
+    "strategy",
+    "gradient_checkpointing",
+)
 # Options naming the weights that determine the output: their content digests join the identity, so
 # a re-run under retrained or replaced weights redoes the work. (Prompt files and plugin sources are
 # parents of the output, with their sha256, in its lineage.)

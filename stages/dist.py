@@ -29,7 +29,28 @@ def device() -> torch.device:
     """
     from accelerate import PartialState
 
-    return PartialState().device
+    return PartialState(cpu=not torch.accelerator.is_available()).device
+
+
+class Wrapped:
+    """A trained module as the code that runs it sees it during data-parallel training: calls go
+    through the parallel `wrapper` (DDP's forward, which prepares the gradient all-reduce), every
+    attribute (config, dtype, adapters, parameters) is the `module`'s own."""
+
+    def __init__(self, module: torch.nn.Module, wrapper: torch.nn.Module):
+        self.module = module
+        self.wrapper = wrapper
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.wrapper(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.module, name)
+
+
+def unwrap(module: Any) -> Any:
+    """The module itself, whether or not it is `Wrapped` for data-parallel training."""
+    return module.module if isinstance(module, Wrapped) else module
 
 
 def join() -> tuple[int, int]:

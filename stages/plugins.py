@@ -36,7 +36,9 @@ def is_file_spec(source: str) -> bool:
 
 def spec_file(spec: str) -> Path | None:
     """The Python file a 'path/to/file.py:attribute' spec names (its source is part of a run's
-    identity), or None for a module or entry-point name."""
+    identity), or None for a module or entry-point name, or a spec holding a URL (`remote:http://...`)."""
+    if "://" in spec:
+        return None
     source = spec.rpartition(":")[0]
     return Path(source) if source and is_file_spec(source) else None
 

@@ -144,7 +144,8 @@ def test_the_launchers_mixed_precision_takes_effect(
 @pytest.mark.parametrize(
     ("var", "value", "names"),
     [
-        ("ACCELERATE_USE_FSDP", "true", ("FSDP", "ACCELERATE_USE_FSDP")),
+        ("ACCELERATE_USE_FSDP", "true", ("FSDP version 1", "FSDP_VERSION", "fsdp_version: 2")),
+        ("ACCELERATE_USE_MEGATRON_LM", "true", ("Megatron-LM", "ACCELERATE_USE_MEGATRON_LM")),
         ("ACCELERATE_USE_DEEPSPEED", "true", ("DeepSpeed", "ACCELERATE_USE_DEEPSPEED")),
         ("ACCELERATE_DYNAMO_BACKEND", "INDUCTOR", ("dynamo", "ACCELERATE_DYNAMO_BACKEND")),
         ("ACCELERATE_MIXED_PRECISION", "fp16", ("fp16", "loss scaling", "bf16")),

@@ -9,6 +9,7 @@ flow_grpo's approx_kl), and a continued update that takes this run's optimizer s
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import statistics
@@ -29,7 +30,7 @@ from stages.sample.samplers import step
 from stages.update.losses import ALGORITHMS, get_algorithm
 from stages.update.objectives import PolicyGradient, TokenPolicyGradient
 from stages.update.token_losses import grpo_loss
-from stages.update.trainer import UpdateConfig, load_state, save_state, train
+from stages.update.trainer import UpdateConfig, load_state, save_state, train, trainer_state
 
 SHAPE = (1, 2, 2)  # latent [C, H, W]
 
@@ -169,9 +170,9 @@ def test_continued_update_uses_this_runs_optimizer_settings(tmp_path: Path) -> N
     data, _ = rollout(policy, "sde", 0.7)
     sample_cfg = scfg("sde", 0.7)
     first = UpdateConfig(algo="flow_grpo", lr=1e-2, micro_batch=2)
-    optimizer, ema, _, metrics = train(policy, data, sample_cfg, first, state={}, start_step=0)
+    optimizer, ema, old, metrics, par = train(policy, data, sample_cfg, first, state={}, start_step=0)
     assert [m["actor/lr"] for m in metrics] == [1e-2, 1e-2]
-    save_state(tmp_path, optimizer, ema, metrics[-1]["step"], first)
+    save_state(tmp_path, trainer_state(par, optimizer, ema, old), metrics[-1]["step"], first)
     state, start = load_state(tmp_path)
     assert start == 2
 
@@ -179,7 +180,7 @@ def test_continued_update_uses_this_runs_optimizer_settings(tmp_path: Path) -> N
     second = UpdateConfig(
         algo="flow_grpo", lr=0.0, weight_decay=0.25, betas=(0.5, 0.75), adam_eps=1e-3, micro_batch=2
     )
-    optimizer, _, _, metrics = train(policy, data, sample_cfg, second, state=state, start_step=start)
+    optimizer, _, _, metrics, _ = train(policy, data, sample_cfg, second, state=state, start_step=start)
     for group in optimizer.param_groups:
         assert (group["lr"], group["betas"], group["weight_decay"], group["eps"]) == (
             0.0,
@@ -403,3 +404,18 @@ def test_only_the_diffusion_family_defaults_to_a_clip() -> None:
     token = {a.name for a in ALGORITHMS.values() if a.family == "token"}
     assert token == {"grpo", "dapo", "gspo"}
     assert {a.name for a in ALGORITHMS.values() if a.adv_clip is None} == token
+
+
+def test_a_short_micro_batch_weighs_by_its_samples(staged: dict[str, Path], tmp_path: Path) -> None:
+    """One optimizer step over 6 samples as chunks of 4 and 2 has the gradient of one chunk of 6: each
+    chunk's mean loss counts by its share of the step's samples (not 1/grad_accum each)."""
+    from helpers import run, staged_update_args
+
+    norms = []
+    for name, micro, accum in (("one", "6", "1"), ("split", "4", "2")):
+        out = tmp_path / name
+        run(*staged_update_args(staged, out, "--no-shuffle", "--micro-batch", micro, "--grad-accum", accum))
+        metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        assert len(metrics) == 1
+        norms.append(metrics[0]["actor/grad_norm"])
+    assert norms[1] == pytest.approx(norms[0], rel=1e-5)

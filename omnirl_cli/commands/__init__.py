@@ -12,6 +12,7 @@ from .pairs import pairs
 from .report import report
 from .sample import sample
 from .score import score
+from .serve_reward import serve_reward
 from .update import update
 
 COMMANDS = [
@@ -26,4 +27,5 @@ COMMANDS = [
     ("inspect", inspect),
     ("report", report),
     ("init-model", init_model),
+    ("serve-reward", serve_reward),
 ]

@@ -57,6 +57,14 @@ def online(
         list[str] | None,
         typer.Option("--reward", "-r", help="NAME[=WEIGHT], repeatable (default: the preset's)."),
     ] = None,
+    reward_arg: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--reward-arg",
+            help="NAME.KEY=VALUE, repeatable: a reward's argument, e.g. pickscore.model=PATH, as for "
+            "omnirl score (default: the preset's score.reward_args).",
+        ),
+    ] = None,
     max_staleness: Annotated[
         int,
         typer.Option(
@@ -99,7 +107,7 @@ def online(
     from stages.online.pipeline import OnlineConfig, prepare_run, run_online
     from stages.sample.prompts import read_prompts
     from stages.sample.rollout import SampleConfig
-    from stages.score.registry import parse_reward_spec
+    from stages.score.registry import check_reward_args, parse_reward_args, parse_reward_spec
     from stages.update.trainer import UpdateConfig
 
     from ..runtime import device
@@ -117,6 +125,8 @@ def online(
     if unknown:
         raise UserInputError(f"--config: 'advantage.{unknown[0]}' is not supported by omnirl online")
     specs = reward or (preset.get("score") or {}).get("reward") or []
+    rewards = [parse_reward_spec(s) for s in ([specs] if isinstance(specs, str) else specs)]
+    reward_args = parse_reward_args(reward_arg or (preset.get("score") or {}).get("reward_args"))
     cfg = OnlineConfig(
         model=str(model),
         prompts=read_prompts(prompts),
@@ -126,7 +136,8 @@ def online(
         update=_dataclass(UpdateConfig, dict(preset.get("update") or {}), "update"),
         group_size=int(run.get("group_size", 4)),
         num_prompts=run.get("num_prompts"),
-        rewards=[parse_reward_spec(s) for s in ([specs] if isinstance(specs, str) else specs)],
+        rewards=rewards,
+        reward_args=check_reward_args([name for name, _ in rewards], reward_args),
         estimator=adv.get("estimator", "grpo"),
         adv_clip=adv.get("clip"),
         drop_zero_std=bool(adv.get("drop_zero_std")),

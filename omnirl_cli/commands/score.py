@@ -25,10 +25,27 @@ def score(
             "--reward",
             "-r",
             help="NAME[=WEIGHT], repeatable: a built-in image reward (jpeg_compressibility, "
-            "jpeg_incompressibility, ocr) or text reward for VLM rollouts (format_think_answer, format_boxed, "
-            "accuracy, bleu, rouge_l, rouge_l_recall, meteor, text_similarity, length_penalty, "
-            "repetition_penalty), module:function or path/file.py:function, or an 'omnirl.rewards' entry "
-            "point. The total is the weighted sum.",
+            "jpeg_incompressibility, ocr, pickscore, clipscore, image_similarity, aesthetic, geneval, "
+            "geneval_strict, geneval_shapes, geneval_shapes_strict, vlm_judge) or text reward for VLM rollouts "
+            "(format_think_answer, format_boxed, accuracy, bleu, rouge_l, rouge_l_recall, meteor, text_similarity, "
+            "length_penalty, repetition_penalty), remote:http://HOST:PORT/NAME (a reward served by `omnirl "
+            "serve-reward`), module:function or path/file.py:function, or an 'omnirl.rewards' entry point. The "
+            "total is the weighted sum.",
+        ),
+    ] = None,
+    reward_args: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--reward-arg",
+            help="NAME.KEY=VALUE, repeatable: an argument of reward NAME (YAML: score: reward_args: "
+            "{NAME: {KEY: VALUE}}). The CLIP rewards take model=PATH (a local folder, or a Hub id in the local "
+            "HF cache; required), processor=PATH (default: model), device=, dtype=fp32|bf16|fp16, batch_size=N. "
+            "pickscore: exp(logit_scale)*cos(text, image)/26 with model=PickScore_v1 and processor=the "
+            "CLIP-ViT-H-14 folder (~0.8-0.9). clipscore: CLIP logits_per_image/100 with model=openai "
+            "clip-vit-large-patch14 (the cosine, ~0.2-0.35). image_similarity: CLIP image-image cosine to the "
+            "prompt row's reference_image file, or to reference=IMAGE. aesthetic: LAION MLP on the normalised "
+            "CLIP ViT-L/14 image embedding, mlp=sac+logos+ava1-l14-linearMSE.pth or .safetensors (~1-10). "
+            "Model paths are part of the output's identity (with their content digests).",
         ),
     ] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Samples per scorer call.")] = 32,
@@ -56,9 +73,12 @@ def score(
     VLM: [bold]omnirl score --in run/it0/samples --reward accuracy=0.9 --reward format_boxed=0.1 --out run/it0/rewards[/]
 
     Example: [bold]omnirl score --in run/it0/samples --reward ocr --reward jpeg_compressibility=0.1 --out run/it0/rewards[/]
+
+    CLIP: [bold]omnirl score --in run/it0/samples --reward pickscore --reward-arg pickscore.model=/models/PickScore_v1 \\
+    --reward-arg pickscore.processor=/models/CLIP-ViT-H-14-laion2B-s32B-b79K --out run/it0/rewards[/]
     """
     c = resolve(ctx, "score")
-    from stages.score.registry import parse_reward_spec
+    from stages.score.registry import check_reward_args, parse_reward_args, parse_reward_spec
     from stages.score.stage import needed_columns, score_shard
     from stages.shards.reader import rollout_modality
     from stages.shards.writer import ShardSetWriter
@@ -68,6 +88,8 @@ def score(
         from stages.errors import UserInputError
 
         raise UserInputError("--reward: give at least one reward, e.g. --reward jpeg_compressibility")
+    reward_args = check_reward_args([name for name, _ in specs], parse_reward_args(c["reward_args"]))
+    c["reward_args"] = reward_args or None
     src = open_inputs(c["inputs"])
     modality = rollout_modality(src.manifests)
     writer = ShardSetWriter(
@@ -75,7 +97,7 @@ def score(
         num_shards=src.num_shards,
         format=check_format(c["fmt"]),
         command="score",
-        config=run_config(c),
+        config=_identity(c, specs),
         parents=[*src.paths, *plugin_files([name for name, _ in specs])],
         policy=src.manifests[0].policy,
         overwrite=c["overwrite"],
@@ -93,6 +115,7 @@ def score(
                 batch_size=c["batch_size"],
                 on_error=c["on_error"],
                 on_batch=advance,
+                reward_args=reward_args,
             ),
             bar=not json_,
         )
@@ -113,3 +136,20 @@ def score(
             f"[green]scored[/] {result['rows']} samples → {c['out']}  reward mean {result['reward/mean']:.4f} "
             f"± {result['reward/std']:.4f}"
         )
+
+
+def _identity(c: dict, specs: list[tuple[str, float]]) -> dict:
+    """`run_config` plus the content digests of the files the rewards' arguments name (model folders,
+    MLP weights), so re-scoring under replaced weights redoes the work."""
+    from stages.score.registry import reward_files
+    from stages.shards.digest import content_digest
+
+    config = run_config(c)
+    digests = {
+        f"{name}.{key}": content_digest(path, f"--reward-arg {name}.{key}")
+        for name, _ in specs
+        for key, path in reward_files(name, (c["reward_args"] or {}).get(name)).items()
+    }
+    if digests:
+        config["reward_args_sha256"] = digests
+    return config

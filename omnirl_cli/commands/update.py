@@ -50,6 +50,27 @@ def update(
             rich_help_panel=OPT,
         ),
     ] = None,
+    strategy: Annotated[
+        str,
+        typer.Option(
+            "--strategy",
+            help="How the trained module is spread over the launcher's processes: ddp (Accelerate's DDP), "
+            "fsdp2 (torch fully_shard per block and at the root, with the accelerate config's CPU offload and "
+            "reshard settings) or auto: the accelerate config's (fsdp_version 2 → fsdp2), else ddp over more "
+            "than one process. DeepSpeed, Megatron-LM and FSDP1 configs are refused. Not part of the run's "
+            "identity: 1 process and N ranks give the same update.",
+            rich_help_panel=OPT,
+        ),
+    ] = "auto",
+    gradient_checkpointing: Annotated[
+        bool,
+        typer.Option(
+            "--gradient-checkpointing",
+            help="Recompute the trained module's activations in the backward (diffusers / transformers "
+            "checkpointing): less memory for one more forward per trained step; same numbers.",
+            rich_help_panel=OPT,
+        ),
+    ] = False,
     algo: Annotated[
         str,
         typer.Option(
@@ -290,7 +311,11 @@ def update(
     state the next update resumes from, and metrics.jsonl per optimizer step: actor/pg_loss, kl_loss,
     pg_clipfrac, grad_norm, the effective lr, samples/s, and under verl-omni's names (verl's for VLMs)
     ratio_mean and ppo_kl = mean(−log r); diffusion steps add ratio_std (Bessel, as verl-omni) and
-    flow_grpo's approx_kl = ½·mean((log r)²).
+    flow_grpo's approx_kl = ½·mean((log r)²); memory/param_bytes and optimizer_bytes (this rank's share).
+
+    Under torchrun or `accelerate launch` each rank takes its grad_accum micro-batches of every step:
+    N ranks equal one process with N·grad_accum (DDP, or FSDP2 with --strategy fsdp2 or an fsdp_version 2
+    accelerate config; recipes/accelerate/ has configs). Rank 0 writes the adapter and prints the report.
 
     Example: [bold]omnirl update --model models/sd3-tiny --in run/it0/samples --in run/it0/advantages \\
     --algo flow_grpo --out run/it1/policy[/]
@@ -299,6 +324,7 @@ def update(
     --lr 1e-6 --beta 0 --out run/it1/policy[/]
     """
     c = resolve(ctx, "update")
+    from stages.dist import world_and_rank
     from stages.update.stage import run_update
     from stages.update.trainer import UpdateConfig
 
@@ -324,6 +350,8 @@ def update(
             overwrite=c["overwrite"],
             on_step=on_step,
         )
+    if world_and_rank()[1] != 0:  # one report per launch, from rank 0 (the rank that wrote the adapter)
+        return
     if json_:
         emit_json(result)
     elif result.get("skipped"):

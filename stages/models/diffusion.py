@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 
+from stages.dist import unwrap
 from stages.errors import UserInputError
 from stages.models.families import Condition, FamilyAdapter, adapter_class
 
@@ -156,7 +157,16 @@ class FlowPolicy:
     @property
     def module(self) -> torch.nn.Module:
         """The trained network (the family's trained module, e.g. the transformer)."""
-        return self.transformer
+        return unwrap(self.transformer)
+
+    def gradient_checkpointing(self) -> None:
+        """Recompute the trained module's activations in the backward instead of keeping them
+        (diffusers' per-block checkpointing): less memory, one more forward per trained step."""
+        if not getattr(self.module, "_supports_gradient_checkpointing", False):
+            raise UserInputError(
+                f"--gradient-checkpointing: {type(self.module).__name__} does not support it"
+            )
+        self.module.enable_gradient_checkpointing()
 
     # ---------------------------------------------------------------- loading
     @classmethod
@@ -276,7 +286,7 @@ class FlowPolicy:
             return
         if self._reference is None:
             self._reference = (
-                type(self.transformer)
+                type(unwrap(self.transformer))
                 .from_pretrained(Path(self.model_path) / self.family.trained_module, dtype=self.dtype)
                 .to(self.device)
                 .requires_grad_(False)
@@ -292,35 +302,72 @@ class FlowPolicy:
     def weights(self, state: dict[str, torch.Tensor] | None) -> Iterator[None]:
         """Run the transformer with `state` (name → tensor) in place of those weights inside the block.
 
-        Swaps tensor storage, no copies: used for DiffusionNFT's old policy and AWM's old/EMA weights.
+        Used for DiffusionNFT's old policy and AWM's old/EMA weights. Plain parameters get the tensors
+        swapped in (no copies, and the autograd graph of an earlier forward keeps its own). A sharded
+        module (FSDP2, resharded after each forward) gathers its weights from the shards' own storage
+        at every forward, so there the values are copied into the shards and back.
         """
-        params = dict(self.transformer.named_parameters())
-        saved = {}
+        from torch.distributed.tensor import DTensor
+
+        params = dict(self.module.named_parameters())
+        state = state or {}
+        if any(isinstance(params[name], DTensor) for name in state):
+            saved = {name: params[name].detach().clone() for name in state}
+            with torch.no_grad():
+                for name, value in state.items():
+                    params[name].copy_(value)
+            try:
+                yield
+            finally:
+                with torch.no_grad():
+                    for name, value in saved.items():
+                        params[name].copy_(value)
+            return
+        swapped = {}
         try:
-            for name, value in (state or {}).items():
-                saved[name] = params[name].data
+            for name, value in state.items():
+                swapped[name] = params[name].data
                 params[name].data = value.to(params[name].device, params[name].dtype)
             yield
         finally:
-            for name, value in saved.items():
+            for name, value in swapped.items():
                 params[name].data = value
 
     # ---------------------------------------------------------------- saving
-    def save_adapter(self, out: Path, *, kind: str, extra: dict[str, Any]) -> None:
-        """Write the trained weights so `pipe.load_lora_weights(out)` (LoRA) or `from_pretrained` (full) loads them."""
+    def save_adapter(
+        self,
+        out: Path,
+        *,
+        kind: str,
+        extra: dict[str, Any],
+        state: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        """Write the trained weights so `pipe.load_lora_weights(out)` (LoRA) or `from_pretrained` (full) loads them.
+
+        state: the trained module's full state dict when it is sharded (gathered by the caller);
+        None reads the module's own.
+        """
+        from safetensors.torch import save_file
+
         out.mkdir(parents=True, exist_ok=True)
+        module = self.module
+        state = module.state_dict() if state is None else state
+        trained = self.family.trained_module
         if kind == "lora":
             from peft.utils import get_peft_model_state_dict
 
-            state = get_peft_model_state_dict(self.transformer, adapter_name="default")
-            meta = self.transformer.peft_config["default"].to_dict()
+            layers = get_peft_model_state_dict(module, state_dict=state, adapter_name="default")
+            meta = module.peft_config["default"].to_dict()
             meta = {k: (sorted(v) if isinstance(v, set) else v) for k, v in meta.items()}
-            trained = self.family.trained_module
             type(self.pipe).save_lora_weights(
-                out, **{f"{trained}_lora_layers": state, f"{trained}_lora_adapter_metadata": meta}
+                out, **{f"{trained}_lora_layers": layers, f"{trained}_lora_adapter_metadata": meta}
             )
-        else:
-            self.transformer.save_pretrained(out / self.family.trained_module)
+        else:  # the files diffusers' save_pretrained writes: config.json and one safetensors file
+            module.save_config(out / trained)
+            weights = {k: v.detach().contiguous() for k, v in state.items()}
+            save_file(
+                weights, out / trained / "diffusion_pytorch_model.safetensors", metadata={"format": "pt"}
+            )
         config = {"kind": kind, "base_model": self.model_path, **extra}
         (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
 

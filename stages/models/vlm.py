@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from stages.dist import unwrap
 from stages.errors import UserInputError
 from stages.models.diffusion import (
     ADAPTER_CONFIG,
@@ -107,7 +108,12 @@ class VLMPolicy:
     @property
     def module(self) -> torch.nn.Module:
         """The trained network (the whole VLM; `trainable_parameters` picks what moves)."""
-        return self.model
+        return unwrap(self.model)
+
+    def gradient_checkpointing(self) -> None:
+        """Recompute the language model's activations in the backward (transformers' checkpointing,
+        non-reentrant so frozen embeddings under LoRA still pass gradients on)."""
+        self.module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     @classmethod
     def load(
@@ -202,7 +208,7 @@ class VLMPolicy:
             return
         if self._reference is None:
             self._reference = (
-                type(self.model)
+                type(unwrap(self.model))
                 .from_pretrained(self.model_path, dtype=next(self.model.parameters()).dtype)
                 .to(self.device)
                 .requires_grad_(False)
@@ -214,12 +220,23 @@ class VLMPolicy:
         finally:
             self.model = trained
 
-    def save_adapter(self, out: Path, *, kind: str, extra: dict[str, Any]) -> None:
+    def save_adapter(
+        self,
+        out: Path,
+        *,
+        kind: str,
+        extra: dict[str, Any],
+        state: dict[str, torch.Tensor] | None = None,
+    ) -> None:
         """Write the trained weights: a PEFT LoRA folder (`PeftModel.from_pretrained`, vLLM `--lora-modules`)
-        or, for `full`, the whole model with its processor (`from_pretrained`, `vllm serve OUT`)."""
+        or, for `full`, the whole model with its processor (`from_pretrained`, `vllm serve OUT`).
+
+        state: the model's full state dict when it is sharded (gathered by the caller); None reads the
+        model's own.
+        """
         out.mkdir(parents=True, exist_ok=True)
         with _quiet_peft():
-            self.model.save_pretrained(out)
+            self.module.save_pretrained(out, **({} if state is None else {"state_dict": state}))
         if kind == "full":
             self.processor.save_pretrained(out)
         config = {"kind": kind, "base_model": self.model_path, **extra}

@@ -63,6 +63,7 @@ class OnlineConfig:
     group_size: int = 4
     num_prompts: int | None = None
     rewards: list[tuple[str, float]] = field(default_factory=list)
+    reward_args: dict[str, dict[str, Any]] = field(default_factory=dict)
     estimator: str = "grpo"
     adv_clip: float | None = None
     drop_zero_std: bool = False
@@ -209,7 +210,8 @@ def _scorer_main(cfg: OnlineConfig, inbox: Any, outbox: Any) -> None:
         if job is None:
             return
         try:
-            outbox.put({"k": job["k"], **score_shard(job, cfg.rewards, modality="image")})
+            scored = score_shard(job, cfg.rewards, modality="image", reward_args=cfg.reward_args)
+            outbox.put({"k": job["k"], **scored})
         except Exception as exc:  # reported by the driver with the worker's name
             outbox.put({"k": job["k"], "error": f"{type(exc).__name__}: {exc}"})
 
@@ -363,11 +365,13 @@ NOT_IDENTITY = ("model", "prompts", "out", "iterations", "save_trajectories", "t
 
 def run_identity(cfg: OnlineConfig) -> dict[str, Any]:
     """What determines the run's results, as plain JSON: `settings` (the resolved options) and `inputs`
-    (content digests of the model folder, of the prompts as read, and of file plugins' sources).
+    (content digests of the model folder, of the prompts as read, of file plugins' sources and of the
+    files reward arguments name, `registry.reward_files`).
 
     Not part of it: --iterations (a re-run goes further), --threads, --save-trajectories and --out.
     """
     from stages.plugins import spec_file
+    from stages.score.registry import reward_files
     from stages.shards.digest import content_digest
 
     settings = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in NOT_IDENTITY}
@@ -381,6 +385,8 @@ def run_identity(cfg: OnlineConfig) -> dict[str, Any]:
         source = spec_file(name)
         if source is not None:
             inputs[f"reward {name}"] = content_digest(source, "--reward")
+        for key, path in reward_files(name, cfg.reward_args.get(name)).items():
+            inputs[f"reward {name}.{key}"] = content_digest(path, f"--reward-arg {name}.{key}")
     return json.loads(json.dumps({"settings": settings, "inputs": inputs}, default=str))
 
 
@@ -480,7 +486,7 @@ def run_online(
     from stages.advantage.stage import compute_advantages
     from stages.models.diffusion import FlowPolicy
     from stages.update.stage import save_policy
-    from stages.update.trainer import load_state, train
+    from stages.update.trainer import load_state, train, trainer_state
 
     start = prepare_run(cfg, overwrite=overwrite)
     adapter = cfg.out / f"it{start}" / "policy" if start else None
@@ -508,23 +514,17 @@ def run_online(
             )
             data.update({key: v for key, v in adv.items() if key != "sample_id"})
             t1 = time.perf_counter()
-            optimizer, ema, old_weights, metrics = train(
+            optimizer, ema, old_weights, metrics, par = train(
                 policy, data, cfg.sampling(k), replace(cfg.update, seed=k), state=state, start_step=step
             )
             t_train = time.perf_counter() - t1
             step = metrics[-1]["step"] if metrics else step
-            state = {
-                "optimizer": optimizer.state_dict(),
-                "old_weights": old_weights,
-                "ema": {"shadow": ema.shadow, "updates": ema.updates} if ema else None,
-            }
+            state = trainer_state(par, optimizer, ema, old_weights)
             workers.publish(params, k + 1, step)
             save_policy(
                 policy,
                 cfg.out / f"it{k + 1}" / "policy",
-                optimizer,
-                ema,
-                old_weights,
+                state,
                 metrics,
                 step,
                 cfg.update,

@@ -13,40 +13,65 @@ keeps it (see `stages.score.ocr`). Built-in scorers live in the modules listed i
 imported on the first lookup; a new family of rewards (text, VLM, remote) adds its module there and
 decorates its scorers with `register_reward`.
 
+Reward arguments. A registered (or plugin) *class* is a configurable reward: ``get_reward(name, args)``
+instantiates ``cls(**args)`` once per process for each distinct ``args`` (``--reward-arg
+NAME.KEY=VALUE``, or a preset's ``score: reward_args: {NAME: {KEY: VALUE}}``, parsed by
+`parse_reward_args`). The valid keys are the constructor's keyword parameters; a string value is
+converted to the type of the parameter's default (int, float, bool). A function takes no arguments.
+
 Users add scorers without forking, in two ways:
 
 - ``--reward mypkg.rewards:my_scorer`` imports ``mypkg.rewards`` and takes ``my_scorer``;
 - an installed package declares an entry point in group ``omnirl.rewards`` (``name = "pkg.mod:attr"``).
 
-A plugin attribute that is a class is instantiated once with no arguments (so it can hold a model).
+``--reward remote:http://host:port/NAME`` is a reward computed by a server (`omnirl serve-reward`, or
+another protocol): `stages.score.remote.RemoteReward`, configured by reward arguments like a class.
+
+A plugin attribute that is a class is instantiated like a registered class (so it can hold a model).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.metadata
+import inspect
+import json
+import logging
 import math
 import re
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 from stages.errors import UserInputError
 from stages.plugins import entry_point_names, is_file_spec, load_entry_point, load_object
 
+logger = logging.getLogger(__name__)
+
 Scorer = Callable[[Sequence[Any], Sequence[str], Sequence[dict]], Sequence[float | None]]
+RewardArgs = Mapping[str, Mapping[str, Any]]
 _F = TypeVar("_F")
 
 ENTRY_POINT_GROUP = "omnirl.rewards"
-_BUILTIN_MODULES = ("stages.score.image_rewards", "stages.score.ocr", "stages.score.text_rewards")
+REMOTE_PREFIX = "remote:"  # `remote:URL` names a reward server (stages.score.remote)
+_BUILTIN_MODULES = (
+    "stages.score.image_rewards",
+    "stages.score.ocr",
+    "stages.score.text_rewards",
+    "stages.score.clip_rewards",
+    "stages.score.geneval_shapes",
+    "stages.score.vlm_judge",
+    "stages.score.geneval_detect",
+)
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_\-]*$")
 
 REWARD_KINDS = ("image", "text")
 
-_REGISTRY: dict[str, Scorer] = {}
+_REGISTRY: dict[str, Any] = {}  # name -> scorer function, or a scorer class configured by reward args
 _KINDS: dict[str, str] = {}
-_PLUGINS: dict[str, Scorer] = {}
+_PLUGINS: dict[tuple[str, str], Scorer] = {}  # (name, args as JSON) -> loaded plugin or class instance
 _lock = threading.RLock()
 _builtins_loaded = False
 
@@ -86,14 +111,72 @@ def _load_builtins() -> None:
             _builtins_loaded = True
 
 
-def _instantiate(obj: Any, source: str) -> Scorer:
-    """A class becomes one instance; anything else must already be callable."""
+def _parameters(cls: type) -> dict[str, inspect.Parameter] | None:
+    """The keyword parameters of `cls`'s constructor (None: it takes any keyword, ``**kwargs``)."""
+    params = list(inspect.signature(cls).parameters.values())
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return {p.name: p for p in params if p.kind in kinds}
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _convert(source: str, key: str, value: Any, default: Any) -> Any:
+    """A string `value` as the type of the parameter's `default` (bool, int, float); others unchanged."""
+    kind = type(default)
+    if not isinstance(value, str) or kind not in (bool, int, float):
+        return value
+    text = value.strip().lower()
+    if kind is bool and text in _TRUE + _FALSE:
+        return text in _TRUE
+    if kind is not bool:
+        with contextlib.suppress(ValueError):
+            return kind(text)
+    raise UserInputError(
+        f"reward {source!r}: argument {key}={value!r} is not of type {kind.__name__}; "
+        f"pass --reward-arg {source}.{key}=<{kind.__name__}>"
+    )
+
+
+def resolve_reward_args(obj: Any, source: str, args: Mapping[str, Any] | None) -> dict[str, Any]:
+    """`args` checked against what `obj` (a scorer function or class) accepts, strings converted.
+
+    An unknown key, or any key for a function, is a `UserInputError` naming the reward and the valid keys.
+    """
+    args = dict(args or {})
+    if not isinstance(obj, type):
+        if args:
+            raise UserInputError(
+                f"reward {source!r} takes no arguments (got {', '.join(sorted(args))}); "
+                f"remove --reward-arg {source}.{sorted(args)[0]}"
+            )
+        return args
+    params = _parameters(obj)
+    if params is None:
+        return args
+    unknown = sorted(set(args) - set(params))
+    if unknown:
+        valid = ", ".join(sorted(params)) or "none"
+        raise UserInputError(f"reward {source!r} has no argument {unknown[0]!r}; valid arguments: {valid}")
+    empty = inspect.Parameter.empty
+    return {
+        key: _convert(source, key, value, None if params[key].default is empty else params[key].default)
+        for key, value in sorted(args.items())
+    }
+
+
+def _instantiate(obj: Any, source: str, kwargs: Mapping[str, Any]) -> Scorer:
+    """A class becomes one instance configured with `kwargs` (already checked by `resolve_reward_args`);
+    anything else must already be callable."""
     if isinstance(obj, type):
         try:
-            obj = obj()
+            obj = obj(**kwargs)
         except TypeError as exc:
+            detail = f"arguments {dict(kwargs)}" if kwargs else "no arguments"
             raise UserInputError(
-                f"reward {source!r}: class {obj.__name__} must be constructible with no arguments ({exc})"
+                f"reward {source!r}: class {obj.__name__} cannot be constructed with {detail} ({exc})"
             ) from exc
     if not callable(obj):
         raise UserInputError(
@@ -102,42 +185,108 @@ def _instantiate(obj: Any, source: str) -> Scorer:
     return obj
 
 
-def get_reward(name: str) -> Scorer:
-    """Return the scorer for `name`: a registered name, a `module:attribute` plugin, or an entry point.
+def _args_key(args: Mapping[str, Any] | None) -> str:
+    return json.dumps(dict(args or {}), sort_keys=True, default=str)
 
-    Plugins are loaded (and classes instantiated) once per process and cached.
-    """
+
+def _lookup(name: str) -> tuple[Any, str]:
+    """The object `name` refers to (a registered scorer or class, a plugin attribute, an entry point)
+    and the source to name in errors."""
     _load_builtins()
     if name in _REGISTRY:
-        return _REGISTRY[name]
+        return _REGISTRY[name], name
+    if name.startswith(REMOTE_PREFIX):
+        from stages.score.remote import remote_reward_class
+
+        return remote_reward_class(name[len(REMOTE_PREFIX) :]), name
+    if ":" in name:
+        return load_object(name, "reward"), name
+    obj = load_entry_point(ENTRY_POINT_GROUP, name, "reward")
+    if obj is None:
+        raise UserInputError(
+            f"unknown reward {name!r}; available: {', '.join(available_rewards())} "
+            "(or a plugin: 'package.module:function' or 'path/to/file.py:function', or a server: "
+            "'remote:http://host:port/NAME')"
+        )
+    return obj, f"{name} (entry point)"
+
+
+def get_reward(name: str, args: Mapping[str, Any] | None = None) -> Scorer:
+    """Return the scorer for `name`: a registered name, a `module:attribute` plugin, or an entry point,
+    configured with the reward arguments `args` (a class only; see the module docstring).
+
+    Classes and plugins are loaded (and instantiated) once per process per distinct converted `args`
+    and cached, so a model-backed scorer loads its model once however its arguments were spelt.
+    """
+    _load_builtins()
+    registered = _REGISTRY.get(name)
+    if registered is not None and not isinstance(registered, type):
+        resolve_reward_args(registered, name, args)
+        return registered
+    given = (name, _args_key(args))
     with _lock:
-        if name in _PLUGINS:
-            return _PLUGINS[name]
-        if ":" in name:
-            scorer = _instantiate(load_object(name, "reward"), name)
-        else:
-            obj = load_entry_point(ENTRY_POINT_GROUP, name, "reward")
-            if obj is None:
-                raise UserInputError(
-                    f"unknown reward {name!r}; available: {', '.join(available_rewards())} "
-                    "(or a plugin: 'package.module:function' or 'path/to/file.py:function')"
-                )
-            scorer = _instantiate(obj, f"{name} (entry point)")
-        _PLUGINS[name] = scorer
-        return scorer
+        if given not in _PLUGINS:
+            obj, source = _lookup(name)
+            kwargs = resolve_reward_args(obj, name, args)
+            key = (name, _args_key(kwargs))
+            if key not in _PLUGINS:
+                _PLUGINS[key] = _instantiate(obj, source, kwargs)
+            _PLUGINS[given] = _PLUGINS[key]
+        return _PLUGINS[given]
 
 
 def reward_kind(name: str) -> str:
     """``"image"`` or ``"text"``: the kind a registered reward was declared with; for a plugin, its
-    ``reward_kind`` attribute (set by the `text_rewards` adapters), ``"image"`` when it has none."""
-    scorer = get_reward(name)
-    registered = _KINDS.get(name) if name in _REGISTRY else None
-    kind = registered or getattr(scorer, "reward_kind", "image")
+    ``reward_kind`` attribute (set by the `text_rewards` adapters), ``"image"`` when it has none.
+
+    Nothing is instantiated: a configurable reward's kind is known before its arguments are checked."""
+    _load_builtins()
+    if name in _REGISTRY:
+        kind = _KINDS[name]
+    else:
+        obj, _ = _lookup(name)
+        kind = getattr(obj, "reward_kind", "image")
     if kind not in REWARD_KINDS:
         raise UserInputError(
             f"reward {name!r} declares reward_kind {kind!r}; set it to one of {', '.join(REWARD_KINDS)}"
         )
     return kind
+
+
+def check_reward_args(names: Sequence[str], reward_args: RewardArgs | None) -> dict[str, dict[str, Any]]:
+    """Build every scorer of `names` with its arguments now (constructors check them; models still load
+    lazily), so a bad argument stops a run before any work. Returns the arguments with strings
+    converted, for the rewards of `names` that have any: the form recorded in a run's identity.
+
+    Arguments for a reward that is not scored are dropped with a warning (a preset may configure more
+    rewards than a run's ``--reward`` picks).
+    """
+    reward_args = dict(reward_args or {})
+    for extra in sorted(set(reward_args) - set(names)):
+        logger.warning("--reward-arg %s.*: %r is not a --reward of this run; ignored", extra, extra)
+    resolved: dict[str, dict[str, Any]] = {}
+    for name in names:
+        obj, _ = _lookup(name)
+        args = resolve_reward_args(obj, name, reward_args.get(name))
+        get_reward(name, args)
+        if args:
+            resolved[name] = args
+    return resolved
+
+
+def reward_files(name: str, args: Mapping[str, Any] | None = None) -> dict[str, Path]:
+    """The local files and folders whose content determines reward `name`'s numbers under `args`, by
+    argument name (their digests join a run's identity): the scorer's ``weight_paths`` when it declares
+    them, else every argument whose value names an existing path."""
+    scorer = get_reward(name, args)
+    declared = getattr(scorer, "weight_paths", None)
+    if declared is not None:
+        return {key: Path(path) for key, path in declared.items()}
+    return {
+        key: Path(value)
+        for key, value in (args or {}).items()
+        if isinstance(value, str) and value and Path(value).exists()
+    }
 
 
 def available_rewards() -> list[str]:
@@ -148,7 +297,12 @@ def available_rewards() -> list[str]:
 
 def reward_column(name: str) -> str:
     """The shard-set column of reward `name`: ``reward.<name>``, a file plugin named by its file name
-    (``reward.task.py:fn`` for ``path/to/task.py:fn``), since column names cannot hold '/'."""
+    (``reward.task.py:fn`` for ``path/to/task.py:fn``), a remote reward by its URL without scheme and
+    '/' (``reward.remote:127.0.0.1:18090:ocr``), since column names cannot hold '/'."""
+    if name.startswith(REMOTE_PREFIX):
+        from stages.score.remote import remote_column
+
+        return f"reward.{remote_column(name[len(REMOTE_PREFIX) :])}"
     source, sep, attr = name.rpartition(":")
     if sep and is_file_spec(source):
         name = f"{Path(source).name}:{attr}"
@@ -183,3 +337,36 @@ def parse_reward_spec(spec: str) -> tuple[str, float]:
             f"--reward {spec!r}: weight must be a finite number, got {weight_text.strip()!r}"
         )
     return name, weight
+
+
+def parse_reward_args(value: Any) -> dict[str, dict[str, Any]]:
+    """Reward arguments from ``--reward-arg NAME.KEY=VALUE`` items (a list of strings) or a preset's
+    ``reward_args: {NAME: {KEY: VALUE}}`` mapping, as ``{NAME: {KEY: VALUE}}``.
+
+    NAME may be a plugin (``pkg.mod:Class``): KEY is what follows the last ``.`` before ``=``. VALUE
+    stays a string here; `resolve_reward_args` converts it to the parameter's type. A key given twice
+    keeps the last value.
+    """
+    if value is None:
+        return {}
+    if isinstance(value, Mapping):
+        out: dict[str, dict[str, Any]] = {}
+        for name, section in value.items():
+            if not isinstance(section, Mapping):
+                raise UserInputError(
+                    f"reward_args.{name}: must be a mapping of argument names to values, e.g. "
+                    f"reward_args: {{{name}: {{model: /models/x}}}}"
+                )
+            out[str(name)] = {str(k): v for k, v in section.items()}
+        return out
+    items = [value] if isinstance(value, str) else list(value)
+    out = {}
+    for item in items:
+        spec, sep, text = str(item).partition("=")
+        name, dot, key = spec.strip().rpartition(".")
+        if not sep or not dot or not name or not key.isidentifier():
+            raise UserInputError(
+                f"--reward-arg {item!r}: expected NAME.KEY=VALUE, e.g. pickscore.model=/models/PickScore_v1"
+            )
+        out.setdefault(name, {})[key] = text.strip()
+    return out

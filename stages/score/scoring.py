@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from stages.errors import NonFiniteError, UserInputError
-from stages.score.registry import get_reward, reward_column
+from stages.score.registry import RewardArgs, get_reward, reward_column
 
 logger = logging.getLogger(__name__)
 
@@ -35,10 +35,12 @@ def _run_scorer(
     meta: Sequence[dict],
     sample_ids: Sequence[str],
     on_error: str,
+    args: Mapping[str, Any] | None = None,
 ) -> tuple[list[float], list[bool]]:
-    """Call one scorer on the batch; return its values (failures as 0.0) and the failure flags."""
+    """Call one scorer (configured with its reward arguments `args`) on the batch; return its values
+    (failures as 0.0) and the failure flags."""
     n = len(sample_ids)
-    scorer = get_reward(name)
+    scorer = get_reward(name, args)
     try:
         raw = scorer(images, prompts, meta)
     except UserInputError as exc:
@@ -105,8 +107,10 @@ def score_batch(
     *,
     sample_ids: Sequence[str],
     on_error: str = "fail",
+    reward_args: RewardArgs | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Score N samples with every (name, weight) in `specs`.
+    """Score N samples with every (name, weight) in `specs`; `reward_args[name]` configures a reward
+    (`registry.get_reward`).
 
     Returns ``{"reward": float32 [N], "reward.<name>": float32 [N] per spec}``, plus
     ``"reward_failed": bool [N]`` when ``on_error="zero"``.
@@ -130,7 +134,10 @@ def score_batch(
     total = torch.zeros(n, dtype=torch.float64)
     any_failed = torch.zeros(n, dtype=torch.bool)
     for name, weight in specs:
-        values, failed = _run_scorer(name, images, prompts, meta, sample_ids, on_error) if n else ([], [])
+        args = (reward_args or {}).get(name)
+        values, failed = (
+            _run_scorer(name, images, prompts, meta, sample_ids, on_error, args) if n else ([], [])
+        )
         column = torch.tensor(values, dtype=torch.float64)
         total += weight * column
         any_failed |= torch.tensor(failed, dtype=torch.bool)

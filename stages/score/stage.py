@@ -12,7 +12,7 @@ from typing import Any
 
 from stages.errors import UserInputError
 from stages.sample.vlm_data import decode_image
-from stages.score.registry import reward_kind
+from stages.score.registry import RewardArgs, reward_kind
 from stages.score.scoring import score_batch
 
 BASE = ("sample_id", "prompt", "prompt_meta")
@@ -36,9 +36,11 @@ def score_shard(
     batch_size: int = 32,
     on_error: str = "fail",
     on_batch: Callable[[int], None] | None = None,
+    reward_args: RewardArgs | None = None,
 ) -> dict[str, Any]:
     """Columns sample_id, reward [N] and reward.<name> [N] for one shard's rows of a rollout of
-    `modality` (its manifest's: images, or VLM text responses)."""
+    `modality` (its manifest's: images, or VLM text responses); `reward_args[name]` configures a
+    reward (`registry.get_reward`)."""
     import torch
 
     missing = [c for c in needed_columns(modality) if c not in shard]
@@ -76,6 +78,7 @@ def score_shard(
                 meta,
                 sample_ids=ids,
                 on_error=on_error,
+                reward_args=reward_args,
             )
         )
         if on_batch:

@@ -2,6 +2,10 @@
 
 An objective splits the data into micro-batches ("chunks") each epoch and yields, for a chunk, the
 losses whose mean is its contribution (e.g. one per trained step), each with fixed metric values.
+`share(idx, step, slots)` says what a chunk's mean loss weighs in its optimizer step (`step`: the step's
+chunks over all ranks, `slots`: grad_accum × world): its share of the step's samples, so a short last
+step or a short chunk is weighed exactly (for the token objective, 1/slots: its loss is already
+normalised by the step's token or sequence count, verl's global token-mean).
 
 - `PolicyGradient` (flow_grpo, dance_grpo, mix_grpo, grpo_guard): replays stored SDE steps under the
   trained weights (`samplers.step` with the stored x'), clipped ratio objective + β·KL (losses.py).
@@ -43,6 +47,11 @@ def _condition(policy: FlowPolicy, data: dict[str, Any], idx: Chunk, sample_cfg:
     )
 
 
+def sample_share(idx: Chunk, step: list[Chunk], slots: int) -> float:
+    """The chunk's share of the samples of its optimizer step (its loss is a mean over its samples)."""
+    return len(idx) / sum(len(c) for c in step)
+
+
 def _chunks(order: list[int], size: int) -> list[Chunk]:
     return [order[i : i + size] for i in range(0, len(order), size)]
 
@@ -59,6 +68,7 @@ class PolicyGradient:
         "actor/ppo_kl",
         "actor/approx_kl",
     )
+    share = staticmethod(sample_share)
 
     def __init__(
         self, policy: FlowPolicy, data: dict[str, Any], sample_cfg: SampleConfig, cfg: Any, algo: Algorithm
@@ -167,6 +177,8 @@ def _noise(seed: int, rows: Chunk, column: int, shape: tuple[int, ...]) -> torch
 
 class ForwardProcess:
     """DiffusionNFT and AWM: losses on x_t built from the final latent with fresh noise."""
+
+    share = staticmethod(sample_share)
 
     def __init__(
         self,
@@ -294,6 +306,7 @@ class Preference:
         "actor/rewards/margins",
     )
     per_chunk = 1
+    share = staticmethod(sample_share)
 
     def __init__(self, policy: FlowPolicy, data: dict[str, Any], sample_cfg: SampleConfig, cfg: Any):
         self.policy, self.data, self.sample_cfg, self.cfg = policy, data, sample_cfg, cfg
@@ -351,6 +364,11 @@ class TokenPolicyGradient:
         "actor/ppo_kl",
     )
     per_chunk = 1
+
+    @staticmethod
+    def share(idx: Chunk, step: list[Chunk], slots: int) -> float:
+        """1/slots: the loss is normalised by the step's counts per slot (see `epoch`)."""
+        return 1.0 / slots
 
     def __init__(self, policy: VLMPolicy, data: dict[str, Any], sample_cfg: Any, cfg: Any, algo: Algorithm):
         from stages.sample.vlm_stage import row_images

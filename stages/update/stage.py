@@ -29,7 +29,7 @@ from stages.shards.atomic import recover_dir, replace_dir
 from stages.shards.manifest import config_hash, manifest_sha256
 from stages.shards.writer import check_output_path
 from stages.update.losses import get_algorithm
-from stages.update.trainer import METRICS, UpdateConfig, load_state, save_state, train
+from stages.update.trainer import METRICS, UpdateConfig, load_state, save_state, train, trainer_state
 
 BASE_COLUMNS = ("sample_id", "prompt", "negative_prompt", "advantages", "reward", "train_mask")
 OFFLINE = SampleConfig(steps=1000, guidance=1.0, batch_size=8)
@@ -71,16 +71,16 @@ def adapter_complete(out: Path, digest: str, overwrite: bool) -> bool:
 def save_policy(
     policy: FlowPolicy | VLMPolicy,
     out: Path,
-    optimizer: torch.optim.Optimizer,
-    ema: Any,
-    old_weights: dict[str, torch.Tensor] | None,
+    state: dict[str, Any],
     metrics: list[dict[str, Any]],
     step: int,
     cfg: UpdateConfig,
     *,
     extra: dict[str, Any],
+    weights: dict[str, torch.Tensor] | None = None,
 ) -> None:
-    """Write a policy directory atomically: metrics, trainer state, weights, then omnirl_adapter.json.
+    """Write a policy directory atomically: metrics, trainer state (`trainer_state`), weights, then
+    omnirl_adapter.json. `weights`: the trained module's whole state dict when it is sharded.
 
     Everything is written into a hidden sibling, which then replaces `out` in one step: a kill leaves
     the previous adapter (or none) and litter that the next update of `out` removes.
@@ -92,11 +92,12 @@ def save_policy(
         with open(tmp / METRICS, "w") as fh:
             for record in metrics:
                 fh.write(json.dumps(record) + "\n")
-        save_state(tmp, optimizer, ema, step, cfg, old_weights)
+        save_state(tmp, state, step, cfg)
         policy.save_adapter(
             tmp,
             kind="full" if cfg.full else "lora",
             extra={"step": step, "algo": cfg.algo, "update_config": asdict(cfg), **extra},
+            state=weights,
         )
         for path in tmp.rglob("*.safetensors"):
             canonical_safetensors_header(path)
@@ -194,11 +195,13 @@ def run_update(
         where="--in",
         hint="the input shard sets are corrupt; re-run the stage that wrote that column into a new --out",
     )
-    optimizer, ema, old_weights, metrics = train(
+    optimizer, ema, old_weights, metrics, par = train(
         policy, data, sample_cfg, cfg, state=state, start_step=start, on_step=on_step
     )
     step = metrics[-1]["step"] if metrics else start
     last = metrics[-1] if metrics else {}
+    resume = trainer_state(par, optimizer, ema, old_weights)
+    weights = par.module_state()
     world, rank = world_and_rank()
     if rank != 0:  # rank 0 writes the one adapter; the others wait until it is in place
         torch.distributed.barrier()
@@ -213,12 +216,11 @@ def run_update(
         save_policy(
             policy,
             out,
-            optimizer,
-            ema,
-            old_weights,
+            resume,
             metrics,
             step,
             cfg,
+            weights=weights,
             extra={
                 "config_hash": digest,
                 "parent_adapter": str(adapter) if adapter else None,

@@ -18,7 +18,7 @@ import math
 import os
 import random
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -33,6 +33,7 @@ from stages.models.vlm import VLMPolicy
 from stages.update.family_losses import AWM_WEIGHTINGS, NFT_DECAY_SCHEDULES, nft_old_decay
 from stages.update.losses import get_algorithm
 from stages.update.objectives import make_objective
+from stages.update.parallel import STRATEGIES, Parallel, launcher_checkpointing, launcher_strategy
 from stages.update.token_losses import AGG_MODES, KL_KINDS
 
 Policy = FlowPolicy | VLMPolicy
@@ -41,35 +42,12 @@ METRICS = "metrics.jsonl"
 # --mixed-precision → the autocast dtype (None: no autocast). fp16 is refused: it needs loss scaling.
 MIXED_PRECISIONS: dict[str, torch.dtype | None] = {"no": None, "bf16": torch.bfloat16}
 LR_SCHEDULERS = ("constant", "linear", "cosine")
-# What `accelerate launch` sets for settings update cannot honour yet: variable → the setting's name.
-UNSUPPORTED_LAUNCHER = {
-    "ACCELERATE_USE_FSDP": "FSDP",
-    "ACCELERATE_USE_DEEPSPEED": "DeepSpeed",
-    "ACCELERATE_USE_MEGATRON_LM": "Megatron-LM",
-}
 
 
 def launcher_mixed_precision() -> str:
     """The launcher's mixed precision (`accelerate launch --mixed_precision` or the `accelerate config`
     file set ACCELERATE_MIXED_PRECISION), else "no"."""
     return os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
-
-
-def check_launcher() -> None:
-    """Refuse an `accelerate launch` setting update would otherwise ignore (FSDP, DeepSpeed, Megatron-LM,
-    a torch.compile backend), with one line naming it."""
-    for var, name in UNSUPPORTED_LAUNCHER.items():
-        if os.environ.get(var, "false").lower() in ("true", "1", "yes"):
-            raise UserInputError(
-                f"accelerate launch: {name} ({var}={os.environ[var]}) is not supported by update yet; "
-                "launch with a DDP or single-process accelerate config (distributed_type MULTI_GPU/NO)"
-            )
-    backend = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "no")
-    if backend.lower() != "no":
-        raise UserInputError(
-            f"accelerate launch: dynamo backend {backend} (ACCELERATE_DYNAMO_BACKEND) is not supported by "
-            "update yet; launch with --dynamo_backend no"
-        )
 
 
 @dataclass
@@ -114,6 +92,8 @@ class UpdateConfig:
     lr_scheduler: str = "constant"
     lr_warmup_steps: int = 0
     lr_total_steps: int = 0
+    strategy: str = "auto"
+    gradient_checkpointing: bool = False
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> UpdateConfig:
@@ -205,7 +185,7 @@ class UpdateConfig:
             )
 
     def _validate_precision(self) -> None:
-        check_launcher()
+        launcher_strategy()
         if self.mixed_precision == "fp16":
             raise UserInputError(
                 "--mixed-precision fp16 (or accelerate launch's --mixed_precision fp16): fp16 gradients need "
@@ -252,6 +232,8 @@ class UpdateConfig:
             )
         if self.ema_beta > 0 and not self.ema:
             raise UserInputError("--ema-beta needs --ema (the EMA weights it pulls toward)")
+        if self.strategy not in STRATEGIES:
+            raise UserInputError(f"--strategy {self.strategy}: choose one of {', '.join(STRATEGIES)}")
         if self.train_timesteps < 1:
             raise UserInputError(f"--train-timesteps {self.train_timesteps}: must be at least 1")
 
@@ -298,28 +280,6 @@ def _raise_if_any_rank_failed(failed: torch.Tensor, mine: str | None, where: str
     )
 
 
-def _each_under(
-    context: Callable[[], AbstractContextManager[Any]], items: Iterator[tuple[torch.Tensor, Any]]
-) -> Iterator[tuple[torch.Tensor, Any]]:
-    """The items of a lazy iterator, each computed inside a fresh `context()`: autocast covers the
-    forward and loss of each trained step, the caller's backward runs outside it (torch's advice)."""
-    while True:
-        with context():
-            item = next(items, None)
-        if item is None:
-            return
-        yield item
-
-
-def _average_gradients(params: list[torch.nn.Parameter], world: int) -> None:
-    """All-reduce the gradients of the trained parameters to their mean over ranks (DDP's rule)."""
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        torch.distributed.all_reduce(p.grad)
-        p.grad.div_(world)
-
-
 def train(
     policy: Policy,
     data: dict[str, Any],
@@ -329,12 +289,17 @@ def train(
     state: dict[str, Any],
     start_step: int,
     on_step: Callable[[dict[str, Any]], None] | None = None,
-) -> tuple[torch.optim.Optimizer, EMA | None, dict[str, torch.Tensor] | None, list[dict[str, Any]]]:
+) -> tuple[torch.optim.Optimizer, EMA | None, dict[str, torch.Tensor] | None, list[dict[str, Any]], Parallel]:
     """Run `inner_epochs` passes of the `--algo` objective over `data` (zipped input columns).
 
     state: what a previous update left (`load_state`): optimizer, ema, old_weights (DiffusionNFT's
-    old policy), each possibly None. Returns the optimizer, the EMA, the new old-policy weights (NFT)
-    and one metrics record per optimizer step.
+    old policy), each possibly None, all full tensors. Returns the optimizer, the EMA, the new
+    old-policy weights (NFT), one metrics record per optimizer step, and the `Parallel` the module
+    was spread by (`save_policy` gathers the sharded state through it).
+
+    Every rank runs grad_accum micro-batch slots per optimizer step (a rank without a micro-batch in
+    the step's last slots replays one with weight 0), so the collectives of DDP and FSDP2 stay in
+    step; a non-finite loss is reported by every rank at the step's end, before any weight moves.
     """
     cfg.validate()
     algo = get_algorithm(cfg.algo)
@@ -345,25 +310,31 @@ def train(
     if isinstance(policy, FlowPolicy):
         policy.family.detach_uncond = cfg.detach_uncond
     vision = {"train_vision": cfg.train_vision} if isinstance(policy, VLMPolicy) else {}
-    params = policy.trainable_parameters(full=cfg.full, **vision)
+    policy.trainable_parameters(full=cfg.full, **vision)
+    if cfg.gradient_checkpointing or launcher_checkpointing():
+        policy.gradient_checkpointing()
+    par = Parallel.setup(policy.module, cfg.strategy, swaps_weights=algo.family == "forward")
     named = _named_trainable(policy)
+    params = list(named.values())
     settings = cfg.optimizer_settings()
     optimizer = torch.optim.AdamW(params, **settings)
     if state.get("optimizer") is not None:
         # The moments carry over; the hyper-parameters are this run's (a new --lr takes effect).
-        optimizer.load_state_dict(state["optimizer"])
+        par.load_optimizer_state(optimizer, state["optimizer"])
         for group in optimizer.param_groups:
             group.update(settings)
     ema = EMA(named) if cfg.ema else None
     if ema is not None and state.get("ema") is not None:
-        ema.shadow = {k: v.clone() for k, v in state["ema"]["shadow"].items()}
+        ema.shadow = par.shard_like({k: v.float() for k, v in state["ema"]["shadow"].items()}, named)
         ema.updates = int(state["ema"]["updates"])
     # NFT's old policy persists across updates; AWM's "old" is the weights this update starts from.
     # Other families need no copy (for a fully fine-tuned VLM it would be a second model).
     old_weights = None
     if algo.family == "forward":
         saved = state.get("old_weights") if algo.name == "nft" else None
-        old_weights = saved or {k: v.detach().clone() for k, v in named.items()}
+        old_weights = (
+            par.shard_like(saved, named) if saved else {k: v.detach().clone() for k, v in named.items()}
+        )
     objective = make_objective(
         policy,
         data,
@@ -380,100 +351,119 @@ def train(
     micro = cfg.micro_batch or sample_cfg.batch_size
     rng = random.Random(cfg.seed + start_step)
     world, rank = world_and_rank()
+    on = params[0].device
     keys = objective.metric_keys
     metrics: list[dict[str, Any]] = []
     global_step = start_step
-    for epoch in range(cfg.inner_epochs):
-        order = rows[:]
-        if cfg.shuffle:
-            rng.shuffle(order)
-        chunks = objective.epoch(order, micro, rng)
-        per_step = cfg.grad_accum * world
-        for first in range(0, len(chunks), per_step):
-            t0 = time.perf_counter()
-            mine = chunks[first + rank * cfg.grad_accum : first + (rank + 1) * cfg.grad_accum]
-            # metric sums, the count of losses, then one non-finite flag per rank: one all_reduce
-            sums = torch.zeros(len(keys) + 1 + world, dtype=torch.float64)
-            failure = None
-            for c, idx in enumerate(mine):
-                where = f"at epoch {epoch}, micro-batch {first + rank * cfg.grad_accum + c}"
-                losses = _each_under(lambda: cfg.autocast(params[0].device), objective.losses(idx))
-                for t, (loss, values) in enumerate(losses):
-                    if not bool(torch.isfinite(loss).all()):
-                        failure = f"loss is not finite {where}, trained step {t}" + (
-                            f" (rank {rank})" if world > 1 else ""
-                        )
-                        break
-                    (loss / (cfg.grad_accum * objective.per_chunk)).backward()
-                    sums[: len(keys)] += torch.tensor(values, dtype=torch.float64)
-                    sums[len(keys)] += 1
-                if failure is not None:
-                    break
-            sums[len(keys) + 1 + rank] = float(failure is not None)
-            seen = sum(len(idx) for idx in chunks[first : first + per_step])
-            if world > 1:
-                sums = all_reduce_sum(sums, params[0].device)
-            _raise_if_any_rank_failed(
-                sums[len(keys) + 1 :], failure, f"at epoch {epoch}, optimizer step {global_step + 1}"
-            )
-            if world > 1:
-                _average_gradients(params, world)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-            _check_finite("grad norm", grad_norm, f"at epoch {epoch}, optimizer step {global_step + 1}")
-            for group in optimizer.param_groups:
-                group["lr"] = cfg.lr * cfg.lr_factor(global_step)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            global_step += 1
-            if ema is not None and global_step % cfg.ema_every == 0:
-                ema.update(named)
-            elapsed = time.perf_counter() - t0
-            count = max(float(sums[len(keys)]), 1.0)
-            record: dict[str, Any] = {k: float(v / count) for k, v in zip(keys, sums[: len(keys)])}
-            record.update(
-                {
-                    "step": global_step,
-                    "epoch": epoch,
-                    "actor/grad_norm": float(grad_norm),
-                    "actor/lr": optimizer.param_groups[0]["lr"],
-                    "perf/samples_per_s": seen / elapsed if elapsed > 0 else math.nan,
-                    "perf/sample_steps_per_s": seen * objective.per_chunk / elapsed
-                    if elapsed > 0
-                    else math.nan,
-                }
-            )
-            metrics.append(record)
-            if on_step:
-                on_step(record)
+    attribute = "transformer" if isinstance(policy, FlowPolicy) else "model"
+    with par.forwarding(policy, attribute):
+        for epoch in range(cfg.inner_epochs):
+            order = rows[:]
+            if cfg.shuffle:
+                rng.shuffle(order)
+            chunks = objective.epoch(order, micro, rng)
+            slots = cfg.grad_accum * world
+            for first in range(0, len(chunks), slots):
+                t0 = time.perf_counter()
+                step_chunks = chunks[first : first + slots]
+                mine = step_chunks[rank * cfg.grad_accum : (rank + 1) * cfg.grad_accum]
+                # metric sums, the count of losses, then one non-finite flag per rank: one all_reduce
+                sums = torch.zeros(len(keys) + 1 + world, dtype=torch.float64)
+                failure = None
+                for c in range(cfg.grad_accum):
+                    real = c < len(mine)
+                    idx = mine[c] if real else step_chunks[0]
+                    weight = world * objective.share(idx, step_chunks, slots) / objective.per_chunk
+                    where = f"at epoch {epoch}, micro-batch {first + rank * cfg.grad_accum + c}"
+                    losses = objective.losses(idx)
+                    for t in range(objective.per_chunk):
+                        with par.sync(c == cfg.grad_accum - 1 and t == objective.per_chunk - 1):
+                            with cfg.autocast(on):
+                                loss, values = next(losses)
+                            (loss * (weight if real else 0.0)).backward()
+                        if not real:
+                            continue
+                        if failure is None and not bool(torch.isfinite(loss).all()):
+                            failure = f"loss is not finite {where}, trained step {t}" + (
+                                f" (rank {rank})" if world > 1 else ""
+                            )
+                        sums[: len(keys)] += torch.tensor(values, dtype=torch.float64)
+                        sums[len(keys)] += 1
+                sums[len(keys) + 1 + rank] = float(failure is not None)
+                if world > 1:
+                    sums = all_reduce_sum(sums, on)
+                where = f"at epoch {epoch}, optimizer step {global_step + 1}"
+                _raise_if_any_rank_failed(sums[len(keys) + 1 :], failure, where)
+                grad_norm = par.clip_grad_norm(params, cfg.max_grad_norm)
+                _check_finite("grad norm", grad_norm, where)
+                for group in optimizer.param_groups:
+                    group["lr"] = cfg.lr * cfg.lr_factor(global_step)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                global_step += 1
+                if ema is not None and global_step % cfg.ema_every == 0:
+                    ema.update(named)
+                elapsed = time.perf_counter() - t0
+                seen = sum(len(idx) for idx in step_chunks)
+                count = max(float(sums[len(keys)]), 1.0)
+                record: dict[str, Any] = {k: float(v / count) for k, v in zip(keys, sums[: len(keys)])}
+                record.update(
+                    {
+                        "step": global_step,
+                        "epoch": epoch,
+                        "actor/grad_norm": float(grad_norm),
+                        "actor/lr": optimizer.param_groups[0]["lr"],
+                        "perf/samples_per_s": seen / elapsed if elapsed > 0 else math.nan,
+                        "perf/sample_steps_per_s": seen * objective.per_chunk / elapsed
+                        if elapsed > 0
+                        else math.nan,
+                        **par.memory(params, optimizer),
+                    }
+                )
+                metrics.append(record)
+                if on_step:
+                    on_step(record)
     new_old = None
     if algo.name == "nft":  # θ_old ← λ·θ_old + (1−λ)·θ after the epoch (DiffusionNFT)
         decay = nft_old_decay(global_step, cfg.old_decay)
         new_old = {k: decay * old_weights[k] + (1 - decay) * v.detach() for k, v in named.items()}
         if metrics:
             metrics[-1]["old_policy/decay"] = decay
-    return optimizer, ema, new_old, metrics
+    return optimizer, ema, new_old, metrics, par
 
 
-def save_state(
-    out: Path,
+def trainer_state(
+    par: Parallel,
     optimizer: torch.optim.Optimizer,
     ema: EMA | None,
-    step: int,
-    cfg: UpdateConfig,
-    old_weights: dict[str, torch.Tensor] | None = None,
-) -> None:
-    """Optimizer (torch format, read back with weights_only=True), EMA and NFT old policy (safetensors), counters."""
+    old_weights: dict[str, torch.Tensor] | None,
+) -> dict[str, Any]:
+    """What the next update resumes from, whole (a collective under FSDP2: every rank calls it), in
+    `load_state`'s form: optimizer, ema ({shadow, updates}) and old_weights (NFT), each possibly None."""
+    return {
+        "optimizer": par.optimizer_state(optimizer),
+        "ema": {"shadow": par.gather(ema.shadow), "updates": ema.updates} if ema is not None else None,
+        "old_weights": par.gather(old_weights) if old_weights is not None else None,
+    }
+
+
+def save_state(out: Path, state: dict[str, Any], step: int, cfg: UpdateConfig) -> None:
+    """Write a `trainer_state`: optimizer (torch format, read back with weights_only=True), EMA and
+    NFT old policy (safetensors), counters."""
     from safetensors.torch import save_file
 
-    state = out / STATE_DIR
-    state.mkdir(parents=True, exist_ok=True)
-    torch.save(optimizer.state_dict(), state / "optimizer.pt")
+    folder = out / STATE_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.save(state["optimizer"], folder / "optimizer.pt")
+    ema = state.get("ema")
     if ema is not None:
-        save_file({k: v.contiguous() for k, v in ema.shadow.items()}, state / "ema.safetensors")
-    if old_weights is not None:
-        save_file({k: v.contiguous() for k, v in old_weights.items()}, state / "old_weights.safetensors")
-    info = {"step": step, "ema_updates": ema.updates if ema else 0, "update_config": asdict(cfg)}
-    (state / "state.json").write_text(json.dumps(info, indent=2, sort_keys=True))
+        save_file({k: v.contiguous() for k, v in ema["shadow"].items()}, folder / "ema.safetensors")
+    if state.get("old_weights") is not None:
+        save_file(
+            {k: v.contiguous() for k, v in state["old_weights"].items()}, folder / "old_weights.safetensors"
+        )
+    info = {"step": step, "ema_updates": ema["updates"] if ema else 0, "update_config": asdict(cfg)}
+    (folder / "state.json").write_text(json.dumps(info, indent=2, sort_keys=True))
 
 
 def load_state(adapter: Path | None) -> tuple[dict[str, Any], int]:

@@ -1,0 +1,396 @@
+"""CLIP-based image rewards: PickScore, CLIP score, CLIP image similarity, LAION aesthetic (and HPS v2.1).
+
+Every scorer is a class registered with `register_reward`, configured by reward arguments
+(``--reward-arg NAME.KEY=VALUE``, see `stages.score.registry`):
+
+- ``model``: the checkpoint, a local folder (`from_pretrained`, ``local_files_only``: nothing is
+  downloaded) or a Hub id the local Hugging Face cache holds. Required.
+- ``processor``: where the CLIP processor lives when the model folder has none (PickScore_v1 uses
+  the CLIP-H processor of ``laion/CLIP-ViT-H-14-laion2B-s32B-b79K``); default: ``model``.
+- ``device`` (default: the device `stages.dist.device` gives), ``dtype`` (fp32, bf16, fp16; default
+  fp32), ``batch_size`` (images per forward, default 32).
+
+The model loads on the first call and stays for the process; it runs in eval mode without gradients.
+Images go through the checkpoint's `CLIPProcessor` as the references do (RGB, bicubic resize of the
+shortest side, centre crop, CLIP mean/std); prompts through its tokenizer, padded and truncated to
+the text tower's length (77). Embeddings are L2-normalised in float32. The numbers, per sample:
+
+- ``pickscore``: s·cos(text, image)/26, s = exp(logit_scale) of PickScore_v1 (≈100), so about
+  0.8–0.9 for typical images (flow_grpo's scale).
+- ``clipscore``: s·cos(text, image)/100 = the diagonal of CLIP's logits_per_image /100; with openai
+  CLIP ViT-L/14 (s = 100) that is the cosine, in [−1, 1], typically 0.2–0.35.
+- ``image_similarity``: cos(image, reference image) in [−1, 1], both through the CLIP image tower.
+- ``aesthetic``: LAION's MLP (``sac+logos+ava1-l14-linearMSE``) on the normalised CLIP ViT-L/14 image
+  embedding; the raw predicted rating, about 1–10 (typically 4–7).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+
+from stages.errors import UserInputError
+from stages.score.registry import register_reward
+
+REFERENCE_META_KEY = "reference_image"
+PICKSCORE_DIVISOR = 26.0
+CLIPSCORE_DIVISOR = 100.0
+DTYPE_NAMES = ("fp32", "bf16", "fp16")
+
+
+def _is_hub_id(text: str) -> bool:
+    parts = text.split("/")
+    return len(parts) == 2 and all(parts) and not text.startswith((".", "~"))
+
+
+def local_path(reward: str, key: str, value: str | None, what: str) -> Path:
+    """The local file or folder reward argument `key` names: a path, or a Hub id resolved in the
+    local Hugging Face cache (never downloaded). A missing or unknown value is a `UserInputError`
+    saying which ``--reward-arg`` to pass."""
+    hint = f"pass --reward-arg {reward}.{key}=PATH ({what})"
+    if value is None or not str(value).strip():
+        raise UserInputError(f"reward {reward!r} needs its {key}: {hint}")
+    path = Path(str(value)).expanduser()
+    if path.exists():
+        return path
+    if _is_hub_id(str(value)):
+        from huggingface_hub import snapshot_download
+
+        try:
+            return Path(snapshot_download(str(value), local_files_only=True))
+        except Exception:  # the hub client raises several types for "not in the cache"
+            pass
+    raise UserInputError(
+        f"reward {reward!r}: {key}={value} is neither a file or folder nor a Hub id in the local "
+        f"Hugging Face cache; {hint}"
+    )
+
+
+def _features(output: Any) -> torch.Tensor:
+    """Projected CLIP features [N, D] from `get_*_features`: a tensor, or a model output whose
+    `pooler_output` holds them (transformers ≥ 5)."""
+    return output if isinstance(output, torch.Tensor) else output.pooler_output
+
+
+def _normalized(features: torch.Tensor) -> torch.Tensor:
+    features = features.float()
+    return features / features.norm(dim=-1, keepdim=True)
+
+
+class ClipReward:
+    """Shared loading and embedding of the CLIP rewards; subclasses define `scores`."""
+
+    reward = "clip"
+    model_help = "a CLIP checkpoint folder or cached Hub id"
+
+    def __init__(
+        self,
+        model: str | None = None,
+        processor: str | None = None,
+        device: str | None = None,
+        dtype: str = "fp32",
+        batch_size: int = 32,
+    ):
+        self.model_path = local_path(self.reward, "model", model, self.model_help)
+        self.processor_path = (
+            local_path(self.reward, "processor", processor, "the folder of the CLIP processor")
+            if processor is not None
+            else self.model_path
+        )
+        if dtype not in DTYPE_NAMES:
+            raise UserInputError(
+                f"reward {self.reward!r}: dtype={dtype} is not one of {', '.join(DTYPE_NAMES)}; "
+                f"pass --reward-arg {self.reward}.dtype=fp32"
+            )
+        if batch_size < 1:
+            raise UserInputError(
+                f"reward {self.reward!r}: batch_size={batch_size} must be at least 1; "
+                f"pass --reward-arg {self.reward}.batch_size=32"
+            )
+        self.device_name = device
+        self.dtype = dtype
+        self.batch_size = batch_size
+        self._lock = threading.Lock()
+        self._loaded: tuple[Any, Any, torch.device] | None = None
+
+    @property
+    def weight_paths(self) -> dict[str, Path]:
+        """The local files whose content determines this reward's numbers (for a run's identity)."""
+        return {"model": self.model_path, "processor": self.processor_path}
+
+    def load(self) -> tuple[Any, Any, torch.device]:
+        """(CLIPModel in eval mode without gradients, CLIPProcessor, device), loaded on first use."""
+        with self._lock:
+            if self._loaded is None:
+                self._loaded = self._load()
+            return self._loaded
+
+    def _load(self) -> tuple[Any, Any, torch.device]:
+        from transformers import CLIPModel, CLIPProcessor
+
+        from stages.dist import device as default_device
+        from stages.models.diffusion import DTYPES
+        from stages.models.factory import no_progress_bars
+
+        device = torch.device(self.device_name) if self.device_name else default_device()
+        try:
+            with no_progress_bars():
+                model = CLIPModel.from_pretrained(
+                    self.model_path, local_files_only=True, dtype=DTYPES[self.dtype]
+                )
+            processor = CLIPProcessor.from_pretrained(self.processor_path, local_files_only=True)
+        except (OSError, ValueError) as exc:
+            raise UserInputError(
+                f"reward {self.reward!r}: cannot load a CLIP model from {self.model_path} "
+                f"(processor {self.processor_path}): {' '.join(str(exc).split())[:300]}"
+            ) from exc
+        model = model.to(device).eval()
+        model.requires_grad_(False)
+        return model, processor, device
+
+    @torch.inference_mode()
+    def image_embeddings(self, images: Sequence[Image.Image]) -> torch.Tensor:
+        """L2-normalised CLIP image embeddings, float32 [N, D] on the CPU, `batch_size` images per forward."""
+        model, processor, device = self.load()
+        parts = []
+        for start in range(0, len(images), self.batch_size):
+            chunk = [image.convert("RGB") for image in images[start : start + self.batch_size]]
+            pixels = processor.image_processor(images=chunk, return_tensors="pt")["pixel_values"]
+            output = model.get_image_features(pixel_values=pixels.to(device, model.dtype))
+            parts.append(_normalized(_features(output)).cpu())
+        return torch.cat(parts) if parts else torch.zeros(0, model.config.projection_dim)
+
+    @torch.inference_mode()
+    def text_embeddings(self, prompts: Sequence[str]) -> torch.Tensor:
+        """L2-normalised CLIP text embeddings, float32 [N, D] on the CPU (padded to the longest prompt of
+        each forward, truncated to the text tower's length)."""
+        model, processor, device = self.load()
+        length = model.config.text_config.max_position_embeddings
+        parts = []
+        for start in range(0, len(prompts), self.batch_size):
+            tokens = processor.tokenizer(
+                list(prompts[start : start + self.batch_size]),
+                padding=True,
+                truncation=True,
+                max_length=length,
+                return_tensors="pt",
+            )
+            output = model.get_text_features(
+                input_ids=tokens["input_ids"].to(device), attention_mask=tokens["attention_mask"].to(device)
+            )
+            parts.append(_normalized(_features(output)).cpu())
+        return torch.cat(parts) if parts else torch.zeros(0, model.config.projection_dim)
+
+    def logit_scale(self) -> float:
+        """exp(logit_scale): the checkpoint's learned temperature (100 for openai CLIP)."""
+        return float(self.load()[0].logit_scale.float().exp())
+
+    def scores(
+        self, images: Sequence[Image.Image], prompts: Sequence[str], meta: Sequence[dict]
+    ) -> torch.Tensor:
+        """One score per sample, float32 [N]; each reward defines it."""
+        raise NotImplementedError
+
+    def __call__(
+        self, images: Sequence[Image.Image], prompts: Sequence[str], meta: Sequence[dict]
+    ) -> list[float]:
+        return [float(v) for v in self.scores(images, prompts, meta)] if len(images) else []
+
+
+@register_reward("pickscore")
+class PickScore(ClipReward):
+    """PickScore (Kirstain et al. 2023) as flow_grpo trains on it: exp(logit_scale)·cos(text, image)/26.
+
+    model: the PickScore_v1 folder; processor: the CLIP-H processor folder when the model has none.
+    """
+
+    reward = "pickscore"
+    model_help = "the PickScore_v1 folder, with processor= the CLIP-ViT-H-14 processor folder"
+
+    def scores(
+        self, images: Sequence[Image.Image], prompts: Sequence[str], meta: Sequence[dict]
+    ) -> torch.Tensor:
+        cosine = (self.text_embeddings(prompts) * self.image_embeddings(images)).sum(-1)
+        return self.logit_scale() * cosine / PICKSCORE_DIVISOR
+
+
+@register_reward("clipscore")
+class ClipScore(ClipReward):
+    """CLIP score: CLIP's logits_per_image diagonal /100, i.e. exp(logit_scale)·cos(text, image)/100
+    (the cosine for openai CLIP ViT-L/14)."""
+
+    reward = "clipscore"
+    model_help = "the openai/clip-vit-large-patch14 folder"
+
+    def scores(
+        self, images: Sequence[Image.Image], prompts: Sequence[str], meta: Sequence[dict]
+    ) -> torch.Tensor:
+        cosine = (self.text_embeddings(prompts) * self.image_embeddings(images)).sum(-1)
+        return self.logit_scale() * cosine / CLIPSCORE_DIVISOR
+
+
+@register_reward("image_similarity")
+class ImageSimilarity(ClipReward):
+    """cos(CLIP image embedding of the sample, of its reference image) in [−1, 1] (editing tasks).
+
+    The reference is the image file at ``meta["reference_image"]`` (a prompt-file column), else the
+    ``reference`` argument (one image for every sample); a path is absolute or relative to the
+    working directory. Each distinct reference of a batch is embedded once.
+    """
+
+    reward = "image_similarity"
+    model_help = "a CLIP checkpoint folder, e.g. openai/clip-vit-large-patch14"
+
+    def __init__(
+        self,
+        model: str | None = None,
+        processor: str | None = None,
+        device: str | None = None,
+        dtype: str = "fp32",
+        batch_size: int = 32,
+        reference: str | None = None,
+    ):
+        super().__init__(model, processor, device, dtype, batch_size)
+        self.reference = (
+            local_path(self.reward, "reference", reference, "an image file")
+            if reference is not None
+            else None
+        )
+
+    @property
+    def weight_paths(self) -> dict[str, Path]:
+        paths = super().weight_paths
+        if self.reference is not None:
+            paths["reference"] = self.reference
+        return paths
+
+    def _reference_of(self, item: dict, prompt: str) -> Path:
+        value = item.get(REFERENCE_META_KEY) if isinstance(item, dict) else None
+        if value is None:
+            if self.reference is None:
+                raise UserInputError(
+                    f"reward 'image_similarity': prompt {prompt!r} has no reference_image in its metadata; "
+                    "add a reference_image column to the prompt file or pass "
+                    "--reward-arg image_similarity.reference=IMAGE"
+                )
+            return self.reference
+        path = Path(str(value)).expanduser()
+        if not path.is_file():
+            raise UserInputError(
+                f"reward 'image_similarity': reference_image {value} of prompt {prompt!r} is not a file; "
+                "give a path absolute or relative to the working directory"
+            )
+        return path
+
+    def scores(
+        self, images: Sequence[Image.Image], prompts: Sequence[str], meta: Sequence[dict]
+    ) -> torch.Tensor:
+        references = [self._reference_of(item, prompt) for item, prompt in zip(meta, prompts, strict=True)]
+        unique = list(dict.fromkeys(references))
+        table = dict(zip(unique, self.image_embeddings([_open_image(path) for path in unique]), strict=True))
+        reference = torch.stack([table[path] for path in references])
+        return (self.image_embeddings(images) * reference).sum(-1)
+
+
+def _open_image(path: Path) -> Image.Image:
+    try:
+        with Image.open(path) as image:
+            return image.convert("RGB")
+    except Exception:  # PIL raises several types for an unreadable file
+        raise UserInputError(
+            f"reward 'image_similarity': reference image {path} is not a readable image file; fix the path"
+        ) from None
+
+
+def load_aesthetic_mlp(path: Path) -> torch.nn.Module:
+    """LAION's aesthetic MLP from `path`: safetensors, or the published `.pth` state dict read with
+    ``torch.load(weights_only=True)``. The layer widths come from the weights; eval mode."""
+    from stages.models.clip import AestheticMLP
+
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        state = load_file(str(path))
+    else:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # torch raises several types for a file it cannot read safely
+            raise UserInputError(
+                f"reward 'aesthetic': mlp={path} is not a tensor state dict ({type(exc).__name__}); "
+                "pass the sac+logos+ava1-l14-linearMSE .pth or a .safetensors file"
+            ) from exc
+    first = state.get("layers.0.weight") if isinstance(state, dict) else None
+    if first is None or first.ndim != 2:
+        raise UserInputError(
+            f"reward 'aesthetic': mlp={path} has no layers.0.weight; expected LAION's keys "
+            "layers.{0,2,4,6,7}.{weight,bias}"
+        )
+    mlp = AestheticMLP(int(first.shape[1]))
+    try:
+        mlp.load_state_dict(state)
+    except RuntimeError as exc:
+        raise UserInputError(
+            f"reward 'aesthetic': mlp={path} does not match LAION's layout "
+            f"(Linear D→1024→128→64→16→1): {' '.join(str(exc).split())[:300]}"
+        ) from exc
+    mlp.requires_grad_(False)
+    return mlp.float().eval()
+
+
+@register_reward("aesthetic")
+class Aesthetic(ClipReward):
+    """LAION aesthetic predictor: MLP(normalised CLIP ViT-L/14 image embedding), a ~1–10 rating.
+
+    model: the openai/clip-vit-large-patch14 folder; mlp: ``sac+logos+ava1-l14-linearMSE.pth`` (or a
+    safetensors copy). The MLP runs in float32 on the model's device.
+    """
+
+    reward = "aesthetic"
+    model_help = "the openai/clip-vit-large-patch14 folder"
+
+    def __init__(
+        self,
+        model: str | None = None,
+        mlp: str | None = None,
+        processor: str | None = None,
+        device: str | None = None,
+        dtype: str = "fp32",
+        batch_size: int = 32,
+    ):
+        super().__init__(model, processor, device, dtype, batch_size)
+        self.mlp_path = local_path(
+            self.reward, "mlp", mlp, "LAION's sac+logos+ava1-l14-linearMSE.pth or a .safetensors copy"
+        )
+        self._mlp: torch.nn.Module | None = None
+
+    @property
+    def weight_paths(self) -> dict[str, Path]:
+        return {**super().weight_paths, "mlp": self.mlp_path}
+
+    def _head(self) -> torch.nn.Module:
+        model, _, device = self.load()
+        with self._lock:
+            if self._mlp is None:
+                mlp = load_aesthetic_mlp(self.mlp_path)
+                width = model.config.projection_dim
+                if mlp.layers[0].in_features != width:
+                    raise UserInputError(
+                        f"reward 'aesthetic': mlp={self.mlp_path} takes {mlp.layers[0].in_features}-wide "
+                        f"embeddings but model={self.model_path} gives {width}; pair the MLP with its CLIP"
+                    )
+                self._mlp = mlp.to(device)
+            return self._mlp
+
+    @torch.inference_mode()
+    def scores(
+        self, images: Sequence[Image.Image], prompts: Sequence[str], meta: Sequence[dict]
+    ) -> torch.Tensor:
+        head = self._head()
+        embedding = self.image_embeddings(images)
+        device = next(head.parameters()).device
+        return head(embedding.to(device)).squeeze(-1).cpu()

@@ -1,0 +1,280 @@
+"""How `update` spreads the trained module over the launcher's processes: one process, DDP or FSDP2.
+
+The strategy is `--strategy` (auto, ddp, fsdp2), else the launcher's: `accelerate launch` with an FSDP
+config (fsdp_version 2) means FSDP2, any other multi-process launch means DDP. DeepSpeed, Megatron-LM,
+FSDP1 and torch.compile settings are refused with one line, never silently ignored.
+
+- DDP is Accelerate's (`Accelerator.prepare`): the trained module is wrapped once per `train` call, its
+  gradients are all-reduced in the last backward of an optimizer step (`no_sync` before it).
+- FSDP2 is torch's `fully_shard`, applied per block (the launcher's `fsdp_transformer_layer_cls_to_wrap`,
+  else the module's `_no_split_modules`) and at the root, on a mesh of Accelerate's device type, with
+  the launcher's FSDP settings read through Accelerate's `FullyShardedDataParallelPlugin` (CPU offload,
+  reshard after forward). Accelerate itself never shards on a CPU, so omnirl applies the plugin's
+  settings itself: the same code runs on CPU (gloo, in the tests) and on GPUs/NPUs.
+
+Both reduce with a mean over ranks; the trainer scales each loss by the world size so that gradients
+are sums over the whole optimizer step divided by its exact weight (torchtune's scale-grads rule).
+Trainer state (optimizer, EMA, DiffusionNFT's old policy) is always saved as full tensors in the
+single-process layout, so a run may resume under another strategy or world size.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+import torch
+
+from stages.dist import Wrapped, device, world_and_rank
+from stages.errors import UserInputError
+
+STRATEGIES = ("auto", "ddp", "fsdp2")
+# `accelerate launch` settings update cannot honour: variable → the setting's name.
+UNSUPPORTED_LAUNCHER = {
+    "ACCELERATE_USE_DEEPSPEED": "DeepSpeed",
+    "ACCELERATE_USE_MEGATRON_LM": "Megatron-LM",
+}
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "false").lower() in ("true", "1", "yes")
+
+
+def launcher_strategy() -> str | None:
+    """The strategy an `accelerate launch` config asks for ("fsdp2"), None when it names none.
+
+    Refuses (one line) what update cannot honour: DeepSpeed, Megatron-LM, FSDP version 1 and a
+    torch.compile backend.
+    """
+    for var, name in UNSUPPORTED_LAUNCHER.items():
+        if _flag(var):
+            raise UserInputError(
+                f"accelerate launch: {name} ({var}={os.environ[var]}) is not supported by update; use an "
+                "FSDP2 (fsdp_version: 2) or DDP accelerate config (recipes/accelerate/)"
+            )
+    backend = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "no")
+    if backend.lower() != "no":
+        raise UserInputError(
+            f"accelerate launch: dynamo backend {backend} (ACCELERATE_DYNAMO_BACKEND) is not supported by "
+            "update; launch with --dynamo_backend no"
+        )
+    if not _flag("ACCELERATE_USE_FSDP"):
+        return None
+    version = os.environ.get("FSDP_VERSION", "1")
+    if version != "2":
+        raise UserInputError(
+            f"accelerate launch: FSDP version {version} (FSDP_VERSION) is not supported by update; set "
+            "fsdp_version: 2 in the accelerate config (recipes/accelerate/fsdp2_8gpu.yaml)"
+        )
+    return "fsdp2"
+
+
+def launcher_checkpointing() -> bool:
+    """Whether the accelerate config asks FSDP for activation checkpointing (fsdp_activation_checkpointing):
+    update honours it as --gradient-checkpointing."""
+    return _flag("ACCELERATE_USE_FSDP") and _flag("FSDP_ACTIVATION_CHECKPOINTING")
+
+
+def resolve_strategy(strategy: str, world: int) -> str:
+    """ "none", "ddp" or "fsdp2" for `--strategy` (auto: the launcher's, else DDP over >1 process)."""
+    if strategy not in STRATEGIES:
+        raise UserInputError(f"--strategy {strategy}: choose one of {', '.join(STRATEGIES)}")
+    launched = launcher_strategy()
+    if strategy == "auto":
+        strategy = launched or "ddp"
+    elif launched is not None and launched != strategy:
+        raise UserInputError(
+            f"--strategy {strategy} contradicts the accelerate config ({launched}); drop one of them"
+        )
+    if strategy == "fsdp2" and not torch.distributed.is_initialized() and "LOCAL_RANK" not in os.environ:
+        raise UserInputError(
+            "--strategy fsdp2 needs a launcher, even on one device: torchrun --nproc_per_node N -m omnirl_cli "
+            "update ... or accelerate launch (recipes/accelerate/)"
+        )
+    return strategy if world > 1 or strategy == "fsdp2" else "none"
+
+
+def _accelerator() -> Any:
+    """Accelerate's accelerator for this process (device and process group from the launcher).
+
+    Mixed precision is left to the trainer's autocast (`UpdateConfig.autocast`), so one process may
+    train runs of different precisions one after another. DDP looks for parameters a forward leaves
+    unused (some families' last block computes a text stream nothing reads).
+    """
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    return Accelerator(
+        cpu=device().type == "cpu",
+        mixed_precision="no",
+        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)],
+    )
+
+
+def _blocks(module: torch.nn.Module, names: list[str] | None) -> list[torch.nn.Module]:
+    """The submodules FSDP2 shards one by one: instances of the named classes (the launcher's
+    `fsdp_transformer_layer_cls_to_wrap`, else the model's `_no_split_modules`)."""
+    if not names:
+        inner = module
+        while not getattr(inner, "_no_split_modules", None) and hasattr(inner, "base_model"):
+            inner = inner.base_model if inner.base_model is not inner else inner.model
+        names = list(getattr(inner, "_no_split_modules", None) or [])
+    wanted = set(names)
+    return [m for m in module.modules() if type(m).__name__ in wanted]
+
+
+class Parallel:
+    """The trained module of one `train` call, spread by `kind` ("none", "ddp", "fsdp2")."""
+
+    def __init__(self, kind: str, module: torch.nn.Module):
+        self.kind = kind
+        self.module = module
+        self.world = world_and_rank()[0]
+        self.wrapper: Any = None
+        self.plugin: Any = None
+
+    @classmethod
+    def setup(cls, module: torch.nn.Module, strategy: str, *, swaps_weights: bool = False) -> Parallel:
+        """Spread `module` (its trained parameters already marked and fp32) by `strategy`.
+
+        swaps_weights: the objective runs other weights through the module between a forward and its
+        backward (DiffusionNFT's old policy, AWM's EMA). Call before the optimizer is made: FSDP2
+        replaces the parameters by their shards.
+        """
+        kind = resolve_strategy(strategy, world_and_rank()[0])
+        par = cls(kind, module)
+        if kind == "ddp":
+            par.wrapper = _accelerator().prepare_model(module)
+        elif kind == "fsdp2":
+            par._shard(swaps_weights)
+        return par
+
+    def _shard(self, swaps_weights: bool) -> None:
+        from accelerate.utils import FullyShardedDataParallelPlugin
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+        self.plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+        if swaps_weights and not self.plugin.reshard_after_forward:
+            raise UserInputError(
+                "accelerate config: fsdp_reshard_after_forward false keeps a forward's gathered weights, "
+                "but this --algo runs its old/EMA policy in between; set fsdp_reshard_after_forward: true"
+            )
+        on = device()
+        mesh = init_device_mesh(on.type, (self.world,))
+        offload = self.plugin.cpu_offload if on.type != "cpu" else None
+        options = {
+            "mesh": mesh,
+            "reshard_after_forward": bool(self.plugin.reshard_after_forward),
+            "offload_policy": offload if isinstance(offload, CPUOffloadPolicy) else OffloadPolicy(),
+        }
+        for block in _blocks(self.module, self.plugin.transformer_cls_names_to_wrap):
+            fully_shard(block, **options)
+        fully_shard(self.module, **options)
+
+    @contextmanager
+    def forwarding(self, policy: Any, attribute: str) -> Iterator[None]:
+        """Inside the block the policy's `attribute` (its trained module) runs through the DDP
+        wrapper; FSDP2 and one process need nothing (the sharded module is its own forward)."""
+        if self.wrapper is None:
+            yield
+            return
+        setattr(policy, attribute, Wrapped(self.module, self.wrapper))
+        try:
+            yield
+        finally:
+            setattr(policy, attribute, self.module)
+
+    def sync(self, enabled: bool) -> Any:
+        """The context a forward and its backward run in: DDP all-reduces only when `enabled` (the
+        step's last backward); FSDP2 reduce-scatters every backward into the sharded gradients."""
+        if self.wrapper is None or enabled:
+            return nullcontext()
+        return self.wrapper.no_sync()
+
+    def clip_grad_norm(self, params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+        """Clip the gradients to `max_norm` over all ranks' shards; the total norm before clipping."""
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return full(norm)
+
+    def memory(self, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer) -> dict[str, float]:
+        """Bytes this rank holds of the trained parameters and of their optimizer state (shards only)."""
+        local = [local_tensor(p) for p in params]
+        moments = [
+            local_tensor(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)
+        ]
+        return {
+            "memory/param_bytes": float(sum(t.numel() * t.element_size() for t in local)),
+            "memory/optimizer_bytes": float(sum(t.numel() * t.element_size() for t in moments)),
+        }
+
+    # ------------------------------------------------------------ full tensors for saving and resuming
+    def gather(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`tensors` whole: shards gathered one at a time into host memory on every rank (a collective
+        under FSDP2: every rank calls it); tensors that are not sharded are returned as they are."""
+        return {k: full(v).detach().cpu() if is_sharded(v) else v for k, v in tensors.items()}
+
+    def module_state(self) -> dict[str, torch.Tensor] | None:
+        """The trained module's whole state dict when it is sharded (every rank calls it), else None
+        (the module's own state_dict is whole)."""
+        return self.gather(self.module.state_dict()) if self.kind == "fsdp2" else None
+
+    def shard_like(
+        self, tensors: dict[str, torch.Tensor], named: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """`tensors` (full) laid out as the parameters of the same name: this rank's shards under FSDP2."""
+        from torch.distributed.tensor import distribute_tensor
+
+        out = {}
+        for k, v in tensors.items():
+            p = named[k]
+            if is_sharded(p):
+                out[k] = distribute_tensor(v.to(p.device, p.dtype), p.device_mesh, p.placements)
+            else:
+                out[k] = v.to(p.device, p.dtype)
+        return out
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The optimizer's state_dict with full tensors (the single-process layout)."""
+        state = optimizer.state_dict()
+        if self.kind != "fsdp2":
+            return state
+        return {
+            "state": {i: self.gather(s) for i, s in state["state"].items()},
+            "param_groups": state["param_groups"],
+        }
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """Load a full (single-process layout) optimizer state into this rank's optimizer."""
+        if self.kind == "fsdp2":
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            named = {str(i): p for i, p in enumerate(params)}
+            state = {
+                "state": {
+                    i: {
+                        k: self.shard_like({str(i): v}, named)[str(i)] if v.dim() else v for k, v in s.items()
+                    }
+                    for i, s in state["state"].items()
+                },
+                "param_groups": state["param_groups"],
+            }
+        optimizer.load_state_dict(state)
+
+
+def is_sharded(t: torch.Tensor) -> bool:
+    """Whether `t` is a DTensor (a shard of a tensor spread over ranks)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `t`: the local shard of a DTensor, else `t`."""
+    return t.to_local() if is_sharded(t) else t
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole of `t`: a DTensor gathered from every rank (a collective), else `t`."""
+    return t.full_tensor() if is_sharded(t) else t

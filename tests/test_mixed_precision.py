@@ -25,6 +25,7 @@ from stages.update.trainer import UpdateConfig
 
 vlm_run = test_vlm_stages.vlm_run  # the staged VLM iteration (a module fixture)
 BF16_EPS = 2.0**-8  # bf16 keeps 8 significant bits: relative rounding up to 2^-8 per operation
+FP16_EPS = 2.0**-11  # fp16 keeps 11
 
 
 def _inputs(staged: dict[str, Path]) -> list[str]:
@@ -148,7 +149,6 @@ def test_the_launchers_mixed_precision_takes_effect(
         ("ACCELERATE_USE_MEGATRON_LM", "true", ("Megatron-LM", "ACCELERATE_USE_MEGATRON_LM")),
         ("ACCELERATE_USE_DEEPSPEED", "true", ("DeepSpeed", "ACCELERATE_USE_DEEPSPEED")),
         ("ACCELERATE_DYNAMO_BACKEND", "INDUCTOR", ("dynamo", "ACCELERATE_DYNAMO_BACKEND")),
-        ("ACCELERATE_MIXED_PRECISION", "fp16", ("fp16", "loss scaling", "bf16")),
         ("ACCELERATE_MIXED_PRECISION", "fp8", ("fp8", "--mixed-precision", "no, bf16")),
     ],
 )
@@ -164,7 +164,6 @@ def test_impossible_precision_and_schedule_options_are_one_line_exit_2(
 ) -> None:
     monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
     args = ["update", "--model", str(tmp_path / "m"), "--in", str(tmp_path / "x")]
-    fails([*args, "--mixed-precision", "fp16"], "--mixed-precision fp16", "loss scaling")
     fails([*args, "--lr-scheduler", "cosine"], "--lr-scheduler cosine", "--lr-total-steps")
     fails([*args, "--lr-scheduler", "step"], "--lr-scheduler step", "constant, linear, cosine")
     fails([*args, "--lr-warmup-steps", "-1"], "--lr-warmup-steps -1")
@@ -281,3 +280,40 @@ def test_full_fine_tuning_over_bf16_storage_trains_fp32_weights(
     saved = load_file(out / "transformer" / "diffusion_pytorch_model.safetensors")
     weights = [name for name, _ in FlowPolicy.load(staged["model"]).module.named_parameters()]
     assert weights and {saved[name].dtype for name in weights} == {torch.float32}  # buffers keep --dtype
+
+
+def test_fp16_runs_under_a_dynamic_loss_scale_that_resumes(
+    staged: dict[str, Path], tmp_path: Path, forwards: list
+) -> None:
+    wide = ("--clip-range", "0.99")  # no clipping switch on a rounding (see the bf16 test)
+    fp32 = _update(staged, tmp_path / "fp32", *wide, "--mixed-precision", "no")
+    forwards.clear()
+    fp16 = _update(staged, tmp_path / "fp16", *wide, "--mixed-precision", "fp16")
+    assert forwards and all(f["autocast"] == torch.float16 for f in forwards)
+    assert [m["actor/grad_scale"] for m in fp16] == [65536.0] * len(
+        fp16
+    )  # torch's initial scale, no overflow
+    for a, b in zip(fp32, fp16, strict=True):
+        assert b["actor/grad_norm"] == pytest.approx(a["actor/grad_norm"], rel=4 * FP16_EPS)
+    state = json.loads((tmp_path / "fp16" / "trainer_state" / "state.json").read_text())
+    assert state["grad_scaler"]["scale"] == 65536.0 and state["update_config"]["mixed_precision"] == "fp16"
+    assert "actor/grad_scale" not in fp32[0]
+
+
+def test_an_fp16_overflow_skips_the_step_and_halves_the_scale(
+    staged: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from stages.update import trainer
+
+    class Huge(torch.amp.GradScaler):  # a scale that overflows fp16 gradients on the first step
+        def __init__(self, device: str, enabled: bool) -> None:
+            super().__init__(device, init_scale=2.0**100, enabled=enabled)
+
+    monkeypatch.setattr(trainer.torch.amp, "GradScaler", Huge)
+    metrics = _update(staged, tmp_path / "p", "--mixed-precision", "fp16", "--grad-accum", "3")
+    assert len(metrics) == 1 and not math.isfinite(metrics[0]["actor/grad_norm"])
+    assert metrics[0]["actor/grad_scale"] == 2.0**99  # the step was skipped: no error, a lower scale
+    weights = load_file(tmp_path / "p" / LORA_WEIGHTS)
+    assert all(
+        float(v.abs().max()) == 0 for k, v in weights.items() if "lora_B" in k
+    )  # B stays at its init 0

@@ -306,7 +306,7 @@ def test_killed_mid_batch_and_restarted_the_client_retries_and_loses_nothing(wor
             out["error"] = exc
 
     thread = threading.Thread(target=client)
-    with caplog.at_level(logging.WARNING, logger="stages.score.remote"):
+    with caplog.at_level(logging.INFO, logger="stages.score.remote"):
         thread.start()
         deadline = time.monotonic() + 30
         while (not calls.exists() or len(calls.read_text().split()) < 4) and time.monotonic() < deadline:
@@ -540,7 +540,7 @@ def test_unifiedreward_speaks_flow_grpos_sglang_request_and_parse(chat, world, c
     url = chat(app)
     name = f"remote:{url}"
     reward = get_reward(name, {"protocol": "unifiedreward", "backoff": "0.01", "concurrency": "1"})
-    with caplog.at_level(logging.WARNING, logger="stages.score.remote"):
+    with caplog.at_level(logging.INFO, logger="stages.score.remote"):
         assert reward(images[:5], prompts, [{}] * 5) == [0.8, 0.7, None, None, 0.4]
     assert sum("no score in the answer" in r.getMessage() for r in caplog.records) == 2
     assert sum("HTTP 503" in r.getMessage() for r in caplog.records) == 2

@@ -170,9 +170,9 @@ def test_continued_update_uses_this_runs_optimizer_settings(tmp_path: Path) -> N
     data, _ = rollout(policy, "sde", 0.7)
     sample_cfg = scfg("sde", 0.7)
     first = UpdateConfig(algo="flow_grpo", lr=1e-2, micro_batch=2)
-    optimizer, ema, old, metrics, par = train(policy, data, sample_cfg, first, state={}, start_step=0)
+    optimizer, ema, old, metrics, par, scaler = train(policy, data, sample_cfg, first, state={}, start_step=0)
     assert [m["actor/lr"] for m in metrics] == [1e-2, 1e-2]
-    save_state(tmp_path, trainer_state(par, optimizer, ema, old), metrics[-1]["step"], first)
+    save_state(tmp_path, trainer_state(par, optimizer, ema, old, scaler), metrics[-1]["step"], first)
     state, start = load_state(tmp_path)
     assert start == 2
 
@@ -180,7 +180,7 @@ def test_continued_update_uses_this_runs_optimizer_settings(tmp_path: Path) -> N
     second = UpdateConfig(
         algo="flow_grpo", lr=0.0, weight_decay=0.25, betas=(0.5, 0.75), adam_eps=1e-3, micro_batch=2
     )
-    optimizer, _, _, metrics, _ = train(policy, data, sample_cfg, second, state=state, start_step=start)
+    optimizer, _, _, metrics, _, _ = train(policy, data, sample_cfg, second, state=state, start_step=start)
     for group in optimizer.param_groups:
         assert (group["lr"], group["betas"], group["weight_decay"], group["eps"]) == (
             0.0,

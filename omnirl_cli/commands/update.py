@@ -44,8 +44,9 @@ def update(
         str | None,
         typer.Option(
             "--mixed-precision",
-            help="Autocast of the forward and loss: no or bf16, as Accelerate names them (fp16 is refused: it "
-            "needs loss scaling). Default: the launcher's (accelerate launch --mixed_precision, "
+            help="Autocast of the forward and loss: no, bf16 or fp16, as Accelerate names them (fp16 with a "
+            "dynamic loss scale, torch.amp.GradScaler: an overflow skips the step and halves the scale, logged as "
+            "actor/grad_scale; not with FSDP2). Default: the launcher's (accelerate launch --mixed_precision, "
             "ACCELERATE_MIXED_PRECISION), else no. Recorded in the adapter's update_config.",
             rich_help_panel=OPT,
         ),

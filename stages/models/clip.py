@@ -73,6 +73,36 @@ def image_processor_config(image_size: int) -> dict[str, Any]:
     }
 
 
+def fresh_dir(path: str | Path) -> Path:
+    """`path` as a new or empty folder (created); anything else there is a one-line UserInputError."""
+    out = Path(path)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserInputError(f"{out} already exists and is not an empty directory; choose a new folder")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def tower_configs(tokenizer: Any, size: dict[str, int], text_length: int) -> tuple[dict, dict]:
+    """(text_config, vision_config) of a tiny CLIP-style model (CLIP, OWLv2) of `size` with the locally
+    built CLIP `tokenizer` and `text_length` positions."""
+    eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    tower = {
+        "hidden_size": size["width"],
+        "intermediate_size": size["ff"],
+        "num_hidden_layers": size["layers"],
+        "num_attention_heads": size["heads"],
+    }
+    text = {
+        **tower,
+        "vocab_size": len(tokenizer),
+        "max_position_embeddings": text_length,
+        "eos_token_id": eos,
+        "bos_token_id": tokenizer.convert_tokens_to_ids("<|startoftext|>"),
+        "pad_token_id": eos,
+    }
+    return text, {**tower, "image_size": size["image_size"], "patch_size": size["patch"]}
+
+
 def build_tiny_clip(path: str | Path, seed: int = 0) -> dict[str, Any]:
     """Write a random tiny `CLIPModel` + processor + aesthetic MLP into the new or empty folder `path`.
 
@@ -85,32 +115,11 @@ def build_tiny_clip(path: str | Path, seed: int = 0) -> dict[str, Any]:
 
     from stages.models.tokenizers import build_clip_tokenizer
 
-    out = Path(path)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise UserInputError(f"{out} already exists and is not an empty directory; choose a new folder")
-    out.mkdir(parents=True, exist_ok=True)
+    out = fresh_dir(path)
     tokenizer = build_clip_tokenizer()
-    eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    bos = tokenizer.convert_tokens_to_ids("<|startoftext|>")
     size = TINY
-    tower = {
-        "hidden_size": size["width"],
-        "intermediate_size": size["ff"],
-        "num_hidden_layers": size["layers"],
-        "num_attention_heads": size["heads"],
-    }
-    config = CLIPConfig(
-        text_config={
-            **tower,
-            "vocab_size": len(tokenizer),
-            "max_position_embeddings": tokenizer.model_max_length,
-            "eos_token_id": eos,
-            "bos_token_id": bos,
-            "pad_token_id": eos,
-        },
-        vision_config={**tower, "image_size": size["image_size"], "patch_size": size["patch"]},
-        projection_dim=size["projection"],
-    )
+    text, vision = tower_configs(tokenizer, size, tokenizer.model_max_length)
+    config = CLIPConfig(text_config=text, vision_config=vision, projection_dim=size["projection"])
     with seeded(seed, "clip"):
         model = CLIPModel(config)
     with seeded(seed, "aesthetic_mlp"):

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from stages.errors import UserInputError
+from stages.models.clip import fresh_dir, tower_configs
 from stages.models.factory import no_progress_bars, parameter_count, seeded
 
 # DETR's COCO label slots (facebook/detr-resnet-50's id2label): category ids 0..90, "N/A" where COCO
@@ -54,14 +54,6 @@ CLASS_HEAD_STD = 1.0
 DETR_TINY = {"d_model": 32, "ffn": 64, "heads": 2, "layers": 1, "queries": 20, "shortest": 64, "longest": 96}
 OWL_TINY = {"width": 32, "layers": 2, "heads": 2, "ff": 64, "image_size": 32, "patch": 8}
 OWL_QUERY_LENGTH = 16
-
-
-def _fresh_dir(path: str | Path) -> Path:
-    out = Path(path)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise UserInputError(f"{out} already exists and is not an empty directory; choose a new folder")
-    out.mkdir(parents=True, exist_ok=True)
-    return out
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
@@ -93,7 +85,7 @@ def build_tiny_detr(path: str | Path, seed: int = 0) -> dict[str, Any]:
     offline. The same seed writes the same weights. Returns a summary (parameters, labels, sizes)."""
     from transformers import DetrConfig, DetrForObjectDetection, ResNetConfig
 
-    out = _fresh_dir(path)
+    out = fresh_dir(path)
     size = DETR_TINY
     backbone = ResNetConfig(
         embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic", out_features=["stage2"]
@@ -158,30 +150,13 @@ def build_tiny_owlv2(path: str | Path, seed: int = 0) -> dict[str, Any]:
 
     from stages.models.tokenizers import build_clip_tokenizer
 
-    out = _fresh_dir(path)
+    out = fresh_dir(path)
     tokenizer = build_clip_tokenizer()
     tokenizer.model_max_length = OWL_QUERY_LENGTH
-    eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    bos = tokenizer.convert_tokens_to_ids("<|startoftext|>")
     size = OWL_TINY
-    tower = {
-        "hidden_size": size["width"],
-        "intermediate_size": size["ff"],
-        "num_hidden_layers": size["layers"],
-        "num_attention_heads": size["heads"],
-    }
-    config = Owlv2Config(
-        text_config={
-            **tower,
-            "vocab_size": len(tokenizer),
-            "max_position_embeddings": OWL_QUERY_LENGTH,
-            "eos_token_id": eos,
-            "bos_token_id": bos,
-            "pad_token_id": eos,
-        },
-        vision_config={**tower, "image_size": size["image_size"], "patch_size": size["patch"]},
-        projection_dim=size["width"],  # OWLv2's class head compares queries at the text width
-    )
+    text, vision = tower_configs(tokenizer, size, OWL_QUERY_LENGTH)
+    # OWLv2's class head compares queries at the text width
+    config = Owlv2Config(text_config=text, vision_config=vision, projection_dim=size["width"])
     with seeded(seed, "owlv2"):
         model = Owlv2ForObjectDetection(config)
     with no_progress_bars():

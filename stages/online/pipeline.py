@@ -514,12 +514,12 @@ def run_online(
             )
             data.update({key: v for key, v in adv.items() if key != "sample_id"})
             t1 = time.perf_counter()
-            optimizer, ema, old_weights, metrics, par = train(
+            optimizer, ema, old_weights, metrics, par, scaler = train(
                 policy, data, cfg.sampling(k), replace(cfg.update, seed=k), state=state, start_step=step
             )
             t_train = time.perf_counter() - t1
             step = metrics[-1]["step"] if metrics else step
-            state = trainer_state(par, optimizer, ema, old_weights)
+            state = trainer_state(par, optimizer, ema, old_weights, scaler)
             workers.publish(params, k + 1, step)
             save_policy(
                 policy,

@@ -202,8 +202,20 @@ class ClipReward:
         return [float(v) for v in self.scores(images, prompts, meta)] if len(images) else []
 
 
+class TextImageScore(ClipReward):
+    """exp(logit_scale)·cos(text, image)/`divisor`: CLIP's logits_per_image diagonal over a constant."""
+
+    divisor: float
+
+    def scores(
+        self, images: Sequence[Image.Image], prompts: Sequence[str], meta: Sequence[dict]
+    ) -> torch.Tensor:
+        cosine = (self.text_embeddings(prompts) * self.image_embeddings(images)).sum(-1)
+        return self.logit_scale() * cosine / self.divisor
+
+
 @register_reward("pickscore")
-class PickScore(ClipReward):
+class PickScore(TextImageScore):
     """PickScore (Kirstain et al. 2023) as flow_grpo trains on it: exp(logit_scale)·cos(text, image)/26.
 
     model: the PickScore_v1 folder; processor: the CLIP-H processor folder when the model has none.
@@ -211,27 +223,17 @@ class PickScore(ClipReward):
 
     reward = "pickscore"
     model_help = "the PickScore_v1 folder, with processor= the CLIP-ViT-H-14 processor folder"
-
-    def scores(
-        self, images: Sequence[Image.Image], prompts: Sequence[str], meta: Sequence[dict]
-    ) -> torch.Tensor:
-        cosine = (self.text_embeddings(prompts) * self.image_embeddings(images)).sum(-1)
-        return self.logit_scale() * cosine / PICKSCORE_DIVISOR
+    divisor = PICKSCORE_DIVISOR
 
 
 @register_reward("clipscore")
-class ClipScore(ClipReward):
+class ClipScore(TextImageScore):
     """CLIP score: CLIP's logits_per_image diagonal /100, i.e. exp(logit_scale)·cos(text, image)/100
     (the cosine for openai CLIP ViT-L/14)."""
 
     reward = "clipscore"
     model_help = "the openai/clip-vit-large-patch14 folder"
-
-    def scores(
-        self, images: Sequence[Image.Image], prompts: Sequence[str], meta: Sequence[dict]
-    ) -> torch.Tensor:
-        cosine = (self.text_embeddings(prompts) * self.image_embeddings(images)).sum(-1)
-        return self.logit_scale() * cosine / CLIPSCORE_DIVISOR
+    divisor = CLIPSCORE_DIVISOR
 
 
 @register_reward("image_similarity")

@@ -88,7 +88,8 @@ def resolve_strategy(strategy: str, world: int) -> str:
         raise UserInputError(
             f"--strategy {strategy} contradicts the accelerate config ({launched}); drop one of them"
         )
-    if strategy == "fsdp2" and not torch.distributed.is_initialized() and "LOCAL_RANK" not in os.environ:
+    alone = world == 1 and not torch.distributed.is_initialized() and "LOCAL_RANK" not in os.environ
+    if strategy == "fsdp2" and alone:
         raise UserInputError(
             "--strategy fsdp2 needs a launcher, even on one device: torchrun --nproc_per_node N -m omnirl_cli "
             "update ... or accelerate launch (recipes/accelerate/)"

@@ -195,12 +195,12 @@ def run_update(
         where="--in",
         hint="the input shard sets are corrupt; re-run the stage that wrote that column into a new --out",
     )
-    optimizer, ema, old_weights, metrics, par = train(
+    optimizer, ema, old_weights, metrics, par, scaler = train(
         policy, data, sample_cfg, cfg, state=state, start_step=start, on_step=on_step
     )
     step = metrics[-1]["step"] if metrics else start
     last = metrics[-1] if metrics else {}
-    resume = trainer_state(par, optimizer, ema, old_weights)
+    resume = trainer_state(par, optimizer, ema, old_weights, scaler)
     weights = par.module_state()
     world, rank = world_and_rank()
     if rank != 0:  # rank 0 writes the one adapter; the others wait until it is in place

@@ -39,8 +39,8 @@ from stages.update.token_losses import AGG_MODES, KL_KINDS
 Policy = FlowPolicy | VLMPolicy
 STATE_DIR = "trainer_state"
 METRICS = "metrics.jsonl"
-# --mixed-precision → the autocast dtype (None: no autocast). fp16 is refused: it needs loss scaling.
-MIXED_PRECISIONS: dict[str, torch.dtype | None] = {"no": None, "bf16": torch.bfloat16}
+# --mixed-precision → the autocast dtype (None: no autocast). fp16 runs with a dynamic loss scale.
+MIXED_PRECISIONS: dict[str, torch.dtype | None] = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 LR_SCHEDULERS = ("constant", "linear", "cosine")
 
 
@@ -186,11 +186,6 @@ class UpdateConfig:
 
     def _validate_precision(self) -> None:
         launcher_strategy()
-        if self.mixed_precision == "fp16":
-            raise UserInputError(
-                "--mixed-precision fp16 (or accelerate launch's --mixed_precision fp16): fp16 gradients need "
-                "loss scaling, which update does not do yet; use bf16"
-            )
         if self.mixed_precision not in MIXED_PRECISIONS:
             raise UserInputError(
                 f"--mixed-precision {self.mixed_precision} (or accelerate launch's --mixed_precision): "
@@ -289,13 +284,20 @@ def train(
     state: dict[str, Any],
     start_step: int,
     on_step: Callable[[dict[str, Any]], None] | None = None,
-) -> tuple[torch.optim.Optimizer, EMA | None, dict[str, torch.Tensor] | None, list[dict[str, Any]], Parallel]:
+) -> tuple[
+    torch.optim.Optimizer,
+    EMA | None,
+    dict[str, torch.Tensor] | None,
+    list[dict[str, Any]],
+    Parallel,
+    torch.amp.GradScaler,
+]:
     """Run `inner_epochs` passes of the `--algo` objective over `data` (zipped input columns).
 
     state: what a previous update left (`load_state`): optimizer, ema, old_weights (DiffusionNFT's
     old policy), each possibly None, all full tensors. Returns the optimizer, the EMA, the new
-    old-policy weights (NFT), one metrics record per optimizer step, and the `Parallel` the module
-    was spread by (`save_policy` gathers the sharded state through it).
+    old-policy weights (NFT), one metrics record per optimizer step, the `Parallel` the module was
+    spread by (`trainer_state` gathers the sharded state through it) and the fp16 loss scaler.
 
     Every rank runs grad_accum micro-batch slots per optimizer step (a rank without a micro-batch in
     the step's last slots replays one with weight 0), so the collectives of DDP and FSDP2 stay in
@@ -323,6 +325,15 @@ def train(
         par.load_optimizer_state(optimizer, state["optimizer"])
         for group in optimizer.param_groups:
             group.update(settings)
+    if cfg.mixed_precision == "fp16" and par.kind == "fsdp2":
+        raise UserInputError(
+            "--mixed-precision fp16 with FSDP2: the loss scale is not sharded yet; use bf16 (or --strategy ddp)"
+        )
+    # fp16: the loss is scaled before each backward and the gradients unscaled before clipping
+    # (torch.amp.GradScaler); disabled, every call passes through.
+    scaler = torch.amp.GradScaler(params[0].device.type, enabled=cfg.mixed_precision == "fp16")
+    if state.get("grad_scaler"):
+        scaler.load_state_dict(state["grad_scaler"])
     ema = EMA(named) if cfg.ema else None
     if ema is not None and state.get("ema") is not None:
         ema.shadow = par.shard_like({k: v.float() for k, v in state["ema"]["shadow"].items()}, named)
@@ -380,7 +391,7 @@ def train(
                         with par.sync(c == cfg.grad_accum - 1 and t == objective.per_chunk - 1):
                             with cfg.autocast(on):
                                 loss, values = next(losses)
-                            (loss * (weight if real else 0.0)).backward()
+                            scaler.scale(loss * (weight if real else 0.0)).backward()
                         if not real:
                             continue
                         if failure is None and not bool(torch.isfinite(loss).all()):
@@ -394,11 +405,14 @@ def train(
                     sums = all_reduce_sum(sums, on)
                 where = f"at epoch {epoch}, optimizer step {global_step + 1}"
                 _raise_if_any_rank_failed(sums[len(keys) + 1 :], failure, where)
+                scaler.unscale_(optimizer)
                 grad_norm = par.clip_grad_norm(params, cfg.max_grad_norm)
-                _check_finite("grad norm", grad_norm, where)
+                if not scaler.is_enabled():  # under fp16 an overflow skips the step and lowers the scale
+                    _check_finite("grad norm", grad_norm, where)
                 for group in optimizer.param_groups:
                     group["lr"] = cfg.lr * cfg.lr_factor(global_step)
-                optimizer.step()
+                scaler.step(optimizer)
+                scaler.update()
                 optimizer.zero_grad(set_to_none=True)
                 global_step += 1
                 if ema is not None and global_step % cfg.ema_every == 0:
@@ -418,6 +432,7 @@ def train(
                         if elapsed > 0
                         else math.nan,
                         **par.memory(params, optimizer),
+                        **({"actor/grad_scale": scaler.get_scale()} if scaler.is_enabled() else {}),
                     }
                 )
                 metrics.append(record)
@@ -429,7 +444,7 @@ def train(
         new_old = {k: decay * old_weights[k] + (1 - decay) * v.detach() for k, v in named.items()}
         if metrics:
             metrics[-1]["old_policy/decay"] = decay
-    return optimizer, ema, new_old, metrics, par
+    return optimizer, ema, new_old, metrics, par, scaler
 
 
 def trainer_state(
@@ -437,13 +452,16 @@ def trainer_state(
     optimizer: torch.optim.Optimizer,
     ema: EMA | None,
     old_weights: dict[str, torch.Tensor] | None,
+    scaler: torch.amp.GradScaler,
 ) -> dict[str, Any]:
     """What the next update resumes from, whole (a collective under FSDP2: every rank calls it), in
-    `load_state`'s form: optimizer, ema ({shadow, updates}) and old_weights (NFT), each possibly None."""
+    `load_state`'s form: optimizer, ema ({shadow, updates}), old_weights (NFT) and grad_scaler (fp16),
+    each possibly None."""
     return {
         "optimizer": par.optimizer_state(optimizer),
         "ema": {"shadow": par.gather(ema.shadow), "updates": ema.updates} if ema is not None else None,
         "old_weights": par.gather(old_weights) if old_weights is not None else None,
+        "grad_scaler": scaler.state_dict() if scaler.is_enabled() else None,
     }
 
 
@@ -462,18 +480,23 @@ def save_state(out: Path, state: dict[str, Any], step: int, cfg: UpdateConfig) -
         save_file(
             {k: v.contiguous() for k, v in state["old_weights"].items()}, folder / "old_weights.safetensors"
         )
-    info = {"step": step, "ema_updates": ema["updates"] if ema else 0, "update_config": asdict(cfg)}
+    info = {
+        "step": step,
+        "ema_updates": ema["updates"] if ema else 0,
+        "grad_scaler": state.get("grad_scaler"),
+        "update_config": asdict(cfg),
+    }
     (folder / "state.json").write_text(json.dumps(info, indent=2, sort_keys=True))
 
 
 def load_state(adapter: Path | None) -> tuple[dict[str, Any], int]:
     """What the update that wrote `adapter` left for the next one, and its step.
 
-    Keys: optimizer, ema ({shadow, updates}) and old_weights (NFT), each None when absent.
+    Keys: optimizer, ema ({shadow, updates}), old_weights (NFT) and grad_scaler (fp16), each None when absent.
     """
     from safetensors.torch import load_file
 
-    state: dict[str, Any] = {"optimizer": None, "ema": None, "old_weights": None}
+    state: dict[str, Any] = {"optimizer": None, "ema": None, "old_weights": None, "grad_scaler": None}
     folder = Path(adapter) / STATE_DIR if adapter else None
     if folder is None or not (folder / "state.json").is_file():
         return state, 0
@@ -487,4 +510,5 @@ def load_state(adapter: Path | None) -> tuple[dict[str, Any], int]:
         }
     if (folder / "old_weights.safetensors").is_file():
         state["old_weights"] = load_file(folder / "old_weights.safetensors")
+    state["grad_scaler"] = info.get("grad_scaler")
     return state, int(info.get("step", 0))

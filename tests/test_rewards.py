@@ -358,3 +358,26 @@ def test_weighted_sum_overflowing_float32_is_reported(scratch_registry):
     _register_fixed("huge", [1.0, 1e39])
     with pytest.raises(NonFiniteError, match="sample 'b' does not fit in float32"):
         score_batch([("huge", 1.0)], [None] * 2, ["p"] * 2, [{}] * 2, sample_ids=["a", "b"])
+
+
+def test_score_reports_each_rewards_speed_when_it_scores(staged, tmp_path):
+    from helpers import run
+
+    args = [
+        "score",
+        "--in",
+        str(staged["samples"]),
+        "--reward",
+        "jpeg_compressibility",
+        "--reward",
+        "jpeg_incompressibility=0",
+    ]
+    first = run(*args, "--out", str(tmp_path / "r"))
+    speeds = {k: v for k, v in first.items() if k.startswith("perf/")}
+    assert set(speeds) == {
+        "perf/jpeg_compressibility/samples_per_s",
+        "perf/jpeg_incompressibility/samples_per_s",
+    }
+    assert all(v > 0 for v in speeds.values())
+    again = run(*args, "--out", str(tmp_path / "r"))  # already complete: nothing scored, no speed
+    assert not any(k.startswith("perf/") for k in again)

@@ -339,3 +339,22 @@ def test_a_peft_folder_loads_the_same_weights_as_the_omnirl_adapter(
     assert lora and sorted(ours) == sorted(theirs)
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)
     assert any(ours[k].abs().sum() > 0 for k in lora)  # the LoRA weights themselves were loaded
+
+
+def test_a_resolution_past_the_positional_table_is_one_line(tmp_path: Path) -> None:
+    model = tmp_path / "demo"
+    run("init-model", "--family", "sd3", "--size", "demo", "--seed", "0", str(model))
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a red circle\n")
+    args = [
+        "sample",
+        "--model",
+        str(model),
+        "--prompts",
+        str(prompts),
+        "--resolution",
+        "128",
+        "--out",
+        str(tmp_path / "s"),
+    ]
+    fails(args, "--resolution 128", "at most 64 px")

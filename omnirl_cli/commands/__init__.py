@@ -9,6 +9,7 @@ from .inspect_cmd import inspect
 from .logprob import logprob
 from .online import online
 from .pairs import pairs
+from .pretrain import pretrain
 from .report import report
 from .sample import sample
 from .score import score
@@ -27,5 +28,6 @@ COMMANDS = [
     ("inspect", inspect),
     ("report", report),
     ("init-model", init_model),
+    ("pretrain", pretrain),
     ("serve-reward", serve_reward),
 ]

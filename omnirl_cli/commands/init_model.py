@@ -22,7 +22,14 @@ def init_model(
             "--family", help="Model family: sd3, flux, qwen_image, z_image (diffusion) or qwen2_5_vl (VLM)."
         ),
     ] = "sd3",
-    size: Annotated[str, typer.Option("--size", help="tiny (fast tests) or small (benchmarks).")] = "tiny",
+    size: Annotated[
+        str,
+        typer.Option(
+            "--size",
+            help="tiny (fast tests), small (benchmarks) or, for sd3, demo (the pixel-VAE shape `omnirl pretrain` "
+            "trains for the demo: 4 latent channels, 64 px at most, 24 CLIP + 32 T5 tokens).",
+        ),
+    ] = "tiny",
     seed: Annotated[
         int, typer.Option("--seed", help="Weight seed: the same seed gives the same weights.")
     ] = 0,

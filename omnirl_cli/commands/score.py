@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -102,23 +103,25 @@ def score(
         policy=src.manifests[0].policy,
         overwrite=c["overwrite"],
     )
-    if not writer.complete:
-        map_shards(
-            src,
-            writer,
-            "scoring",
-            needed_columns(modality),
-            lambda shard, advance: score_shard(
-                shard,
-                specs,
-                modality=modality,
-                batch_size=c["batch_size"],
-                on_error=c["on_error"],
-                on_batch=advance,
-                reward_args=reward_args,
-            ),
-            bar=not json_,
+    seconds: dict[str, float] = {}  # per reward, this process's scoring time
+    scored = [0]
+
+    def score_one(shard: dict, advance: Callable[[int], None]) -> dict:
+        out = score_shard(
+            shard,
+            specs,
+            modality=modality,
+            batch_size=c["batch_size"],
+            on_error=c["on_error"],
+            on_batch=advance,
+            reward_args=reward_args,
+            seconds=seconds,
         )
+        scored[0] += len(out["sample_id"])
+        return out
+
+    if not writer.complete:
+        map_shards(src, writer, "scoring", needed_columns(modality), score_one, bar=not json_)
     if not finalize(writer):
         return
     from stages.shards.reader import ShardSet
@@ -129,6 +132,8 @@ def score(
         if rewards[key].dtype.is_floating_point:
             result[f"{key}/mean"] = float(rewards[key].mean())
             result[f"{key}/std"] = float(rewards[key].std(unbiased=False))
+    # this process's scoring speed per reward (images are decoded once per batch for all of them)
+    result.update({f"perf/{name}/samples_per_s": scored[0] / t for name, t in seconds.items() if t > 0})
     if json_:
         emit_json(result)
     else:

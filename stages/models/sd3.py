@@ -6,7 +6,8 @@ scaling/shift factors, two CLIP encoders with projections (pooled = both project
 concatenated), a T5 encoder whose width is the transformer's `joint_attention_dim` and at least
 the two CLIP widths together (the pipeline zero-pads the CLIP states to it), and the flow-matching
 Euler scheduler with shift 3 over 1000 training steps. What shrinks: widths, depths, vocabularies
-(see `stages.models.tokenizers`) and the VAE's number of down blocks.
+(see `stages.models.tokenizers`) and the VAE's number of down blocks. The `demo` size departs from
+SD3 on purpose where a model pretrained in minutes on a CPU needs it (4 latent channels, short text).
 """
 
 from __future__ import annotations
@@ -59,6 +60,13 @@ class SD3Size:
     vae_channels: tuple[int, ...]
     vae_layers_per_block: int
     vae_groups: int
+    # Defaults are SD3's own: 16 latent channels, its VAE normalisation, CLIP's 77 tokens and the 128 T5
+    # tokens the samplers use; `text_length` is the T5 length a size is meant to be conditioned with.
+    latent_channels: int = 16
+    vae_scaling_factor: float = VAE_SCALING_FACTOR
+    vae_shift_factor: float = VAE_SHIFT_FACTOR
+    clip_length: int = CLIP_MAX_LENGTH
+    text_length: int = 128
 
     @property
     def vae_scale_factor(self) -> int:
@@ -108,6 +116,33 @@ SIZES: dict[str, SD3Size] = {
         vae_layers_per_block=1,
         vae_groups=16,
     ),
+    # 64 px, made for `omnirl pretrain --vae pixel` (demo-prototype.md): tiny's widths with 4 latent
+    # channels (the 4x-pooled RGB image + one zero channel, scaled by 2.5), a positional table that
+    # is exactly the 8x8 patch grid, and short text (24 CLIP + 32 T5 tokens hold every shapes caption)
+    # instead of 77 + 128 tokens that would be ~3/4 padding.
+    "demo": SD3Size(
+        clip_widths=(32, 48),
+        clip_layers=2,
+        clip_heads=4,
+        t5_width=96,
+        t5_layers=2,
+        t5_heads=4,
+        t5_ff=128,
+        heads=4,
+        head_dim=16,
+        layers=2,
+        dual_attention_layers=(0,),
+        sample_size=16,
+        pos_embed_max_size=8,
+        vae_channels=(8, 16, 16),
+        vae_layers_per_block=1,
+        vae_groups=8,
+        latent_channels=4,
+        vae_scaling_factor=2.5,
+        vae_shift_factor=0.0,
+        clip_length=24,
+        text_length=32,
+    ),
 }
 
 
@@ -122,7 +157,7 @@ def _clip(
         projection_dim=width,
         num_hidden_layers=spec.clip_layers,
         num_attention_heads=spec.clip_heads,
-        max_position_embeddings=CLIP_MAX_LENGTH,
+        max_position_embeddings=spec.clip_length,
         hidden_act="gelu",
         **special_ids,
     )
@@ -130,13 +165,13 @@ def _clip(
 
 
 def build_sd3(out_dir: str | Path, *, size: str, seed: int) -> dict[str, Any]:
-    """Build and save a `StableDiffusion3Pipeline` folder of `size` ("tiny" or "small") into `out_dir`.
+    """Build and save a `StableDiffusion3Pipeline` folder of `size` ("tiny", "small" or "demo") into `out_dir`.
 
     Returns the factory summary (see `stages.models.factory.init_model`).
     """
     spec: SD3Size = choose_size(FAMILY, size, SIZES)
     out = Path(out_dir)
-    tokenizer = build_clip_tokenizer(CLIP_MAX_LENGTH)
+    tokenizer = build_clip_tokenizer(spec.clip_length)
     tokenizer_3 = build_t5_tokenizer()
     clip_ids = {
         "bos_token_id": tokenizer.bos_token_id,
@@ -155,8 +190,8 @@ def build_sd3(out_dir: str | Path, *, size: str, seed: int) -> dict[str, Any]:
         transformer = SD3Transformer2DModel(
             sample_size=spec.sample_size,
             patch_size=2,
-            in_channels=16,
-            out_channels=16,
+            in_channels=spec.latent_channels,
+            out_channels=spec.latent_channels,
             num_layers=spec.layers,
             attention_head_dim=spec.head_dim,
             num_attention_heads=spec.heads,
@@ -172,9 +207,9 @@ def build_sd3(out_dir: str | Path, *, size: str, seed: int) -> dict[str, Any]:
         channels=spec.vae_channels,
         groups=spec.vae_groups,
         layers_per_block=spec.vae_layers_per_block,
-        latent_channels=16,
-        scaling_factor=VAE_SCALING_FACTOR,
-        shift_factor=VAE_SHIFT_FACTOR,
+        latent_channels=spec.latent_channels,
+        scaling_factor=spec.vae_scaling_factor,
+        shift_factor=spec.vae_shift_factor,
         sample_size=spec.image_size,
     )
     scheduler = FlowMatchEulerDiscreteScheduler(
@@ -187,7 +222,7 @@ def build_sd3(out_dir: str | Path, *, size: str, seed: int) -> dict[str, Any]:
         text_encoder=text_encoder,
         tokenizer=tokenizer,
         text_encoder_2=text_encoder_2,
-        tokenizer_2=build_clip_tokenizer(CLIP_MAX_LENGTH),
+        tokenizer_2=build_clip_tokenizer(spec.clip_length),
         text_encoder_3=text_encoder_3,
         tokenizer_3=tokenizer_3,
     )
@@ -200,7 +235,8 @@ def build_sd3(out_dir: str | Path, *, size: str, seed: int) -> dict[str, Any]:
         details={
             "image_size": spec.image_size,
             "vae_scale_factor": spec.vae_scale_factor,
-            "latent_shape": [16, spec.sample_size, spec.sample_size],
+            "latent_shape": [spec.latent_channels, spec.sample_size, spec.sample_size],
+            "text_length": spec.text_length,
             "architecture": asdict(spec),
         },
     )
@@ -240,6 +276,11 @@ class SD3Adapter(FamilyAdapter):
         if resolution < 1 or resolution % multiple:
             raise UserInputError(
                 f"--resolution {resolution}: must be a positive multiple of {multiple} for this model"
+            )
+        largest = (config.pos_embed_max_size or 0) * multiple
+        if largest and resolution > largest:
+            raise UserInputError(
+                f"--resolution {resolution}: this model's positional table covers at most {largest} px"
             )
         return (config.in_channels, resolution // factor, resolution // factor)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -108,9 +109,10 @@ def score_batch(
     sample_ids: Sequence[str],
     on_error: str = "fail",
     reward_args: RewardArgs | None = None,
+    seconds: dict[str, float] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Score N samples with every (name, weight) in `specs`; `reward_args[name]` configures a reward
-    (`registry.get_reward`).
+    (`registry.get_reward`). `seconds[name]`, when given, accumulates the time each reward took.
 
     Returns ``{"reward": float32 [N], "reward.<name>": float32 [N] per spec}``, plus
     ``"reward_failed": bool [N]`` when ``on_error="zero"``.
@@ -135,9 +137,12 @@ def score_batch(
     any_failed = torch.zeros(n, dtype=torch.bool)
     for name, weight in specs:
         args = (reward_args or {}).get(name)
+        t0 = time.perf_counter()
         values, failed = (
             _run_scorer(name, images, prompts, meta, sample_ids, on_error, args) if n else ([], [])
         )
+        if seconds is not None:
+            seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - t0
         column = torch.tensor(values, dtype=torch.float64)
         total += weight * column
         any_failed |= torch.tensor(failed, dtype=torch.bool)

@@ -37,10 +37,11 @@ def score_shard(
     on_error: str = "fail",
     on_batch: Callable[[int], None] | None = None,
     reward_args: RewardArgs | None = None,
+    seconds: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """Columns sample_id, reward [N] and reward.<name> [N] for one shard's rows of a rollout of
     `modality` (its manifest's: images, or VLM text responses); `reward_args[name]` configures a
-    reward (`registry.get_reward`)."""
+    reward (`registry.get_reward`); `seconds[name]` accumulates each reward's time (`score_batch`)."""
     import torch
 
     missing = [c for c in needed_columns(modality) if c not in shard]
@@ -79,6 +80,7 @@ def score_shard(
                 sample_ids=ids,
                 on_error=on_error,
                 reward_args=reward_args,
+                seconds=seconds,
             )
         )
         if on_batch:

@@ -1,0 +1,1 @@
+"""pretrain stage: rectified-flow pretraining of a pipeline's trained module on captioned images."""

@@ -1,0 +1,569 @@
+"""Rectified-flow pretraining of a pipeline's trained module on captioned images, and the pixel VAE.
+
+Pretraining teaches a (tiny) pipeline to draw a dataset, so that RL afterwards starts from a model
+whose samples a reward can tell apart. The loss is the flow-matching one every family samples with:
+x_σ = (1 − σ)·x0 + σ·ε, target velocity ε − x0, mean squared error over all latent dimensions; σ is
+uniform t pushed through the family's time shift, σ = s·t / (1 + (s − 1)·t) (SD3: s = 3). Captions are
+dropped (replaced by "") with a probability so classifier-free guidance has an unconditional branch
+to use, and the saved weights are an exponential moving average of the trained ones.
+
+The pixel VAE (`vae="pixel"`) is what made a model learn within minutes on a CPU in the prototype
+(reference/demo-prototype.md): the latent is *defined* as the image average-pooled by the VAE's
+factor, in [−1, 0] with white = 0, plus zero channels up to the VAE's latent channels; the
+AutoencoderKL's decoder is fitted to map it back to the image and its encoder regressed onto it, and
+the latents the transformer learns are those exact pooled images scaled by 2.5 (shift 0). The
+fitted VAE is saved with the pipeline, so sampling and `encode_images` use it like any other.
+
+Everything random is drawn from one CPU generator seeded with `PretrainConfig.seed`: the same seed,
+data, machine and number of torch threads give the same weights, byte for byte (another thread count
+or CPU changes the float rounding of the reductions, hence the bytes). Text conditioning is cached per
+unique caption, so memory grows with the number of distinct captions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from stages.errors import UserInputError
+from stages.finite import MODEL_HINT, check_finite
+from stages.models.diffusion import FlowPolicy
+from stages.models.factory import read_model_card, save_pipeline
+from stages.models.families import Condition
+from stages.models.schedules import dynamic_shift_mu
+
+PIXEL_SCALING_FACTOR = 2.5
+PIXEL_SHIFT_FACTOR = 0.0
+CAPTION_KEYS = ("prompt", "caption", "text")
+FILE_KEY = "file_name"  # Hugging Face ImageFolder's metadata.jsonl column
+DEFAULT_TEXT_LENGTH = 128  # the T5 length the samplers encode with when a model card names none
+VAE_MODES = ("model", "pixel")
+LOSS_WINDOW = 20  # first/final loss: the mean over this many steps, as one step's loss is noisy
+PREPARE_HINT = (
+    "prepare one with `python recipes/tasks/shapes.py --out DIR/captions.jsonl --num-prompts 4096 "
+    "--images DIR` (PNG files plus one .jsonl of captions)"
+)
+
+# phase name, step (1-based), loss of that step
+OnStep = Callable[[str, int, float], None]
+
+
+@dataclass(frozen=True)
+class PretrainConfig:
+    """How to pretrain; recorded in the output's model card. `text_length` None: the model card's
+    `text_length`, else 128; `shift` None: the family scheduler's time shift at the data's resolution."""
+
+    steps: int = 1000
+    batch_size: int = 32
+    lr: float = 2e-3
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    ema_decay: float = 0.998
+    caption_dropout: float = 0.1
+    seed: int = 0
+    text_length: int | None = None
+    shift: float | None = None
+    vae: str = "model"
+    vae_steps: int = 5000
+    vae_encoder_steps: int = 500
+    vae_batch_size: int = 2
+    vae_lr: float = 2e-3
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> PretrainConfig:
+        """The config of resolved command options: every field from the option of the same name
+        (other options, such as paths, are ignored; a missing one keeps its default)."""
+        return cls(**{f.name: options[f.name] for f in fields(cls) if f.name in options})
+
+    def validate(self) -> None:
+        """One-line `UserInputError` naming the option of the first bad value."""
+        checks = [
+            (self.steps >= 1, f"--steps {self.steps}: must be at least 1"),
+            (self.batch_size >= 1, f"--batch-size {self.batch_size}: must be at least 1"),
+            (self.lr > 0, f"--lr {self.lr}: must be > 0"),
+            (self.weight_decay >= 0, f"--weight-decay {self.weight_decay}: must be >= 0"),
+            (self.max_grad_norm > 0, f"--max-grad-norm {self.max_grad_norm}: must be > 0"),
+            (0 <= self.ema_decay < 1, f"--ema-decay {self.ema_decay}: must be in [0, 1)"),
+            (0 <= self.caption_dropout < 1, f"--caption-dropout {self.caption_dropout}: must be in [0, 1)"),
+            (self.text_length is None or self.text_length >= 1, f"--text-length {self.text_length}: must be >= 1"),
+            (self.shift is None or self.shift > 0, f"--shift {self.shift}: must be > 0"),
+            (self.vae in VAE_MODES, f"--vae {self.vae}: choose one of {', '.join(VAE_MODES)}"),
+            (self.vae_steps >= 0, f"--vae-steps {self.vae_steps}: must be >= 0"),
+            (self.vae_encoder_steps >= 0, f"--vae-encoder-steps {self.vae_encoder_steps}: must be >= 0"),
+            (self.vae_batch_size >= 1, f"--vae-batch-size {self.vae_batch_size}: must be at least 1"),
+            (self.vae_lr > 0, f"--vae-lr {self.vae_lr}: must be > 0"),
+        ]  # fmt: skip
+        for ok, message in checks:
+            if not ok:
+                raise UserInputError(message)
+
+    def phases(self) -> list[tuple[str, int]]:
+        """(phase, steps) in the order `pretrain` runs them, for progress displays."""
+        vae = [("vae decoder", self.vae_steps), ("vae encoder", self.vae_encoder_steps)]
+        fitted = [(name, steps) for name, steps in vae if self.vae == "pixel" and steps]
+        return [*fitted, ("transformer", self.steps)]
+
+
+@dataclass
+class ImageDataset:
+    """Captioned square images in memory: `pixels` uint8 [N, 3, S, S], `captions` N strings;
+    `source` says where they came from (path, rows, sha256 of the files) for the model card."""
+
+    pixels: torch.Tensor
+    captions: list[str]
+    source: dict[str, Any]
+
+    @property
+    def resolution(self) -> int:
+        return int(self.pixels.shape[-1])
+
+
+@dataclass
+class PretrainResult:
+    """What a run measured: the loss of every transformer step, the pixel VAE's fit (or None), and
+    the settings it resolved (time shift, text length, resolution)."""
+
+    losses: list[float]
+    shift: float
+    text_length: int
+    resolution: int
+    vae: dict[str, float] | None = None
+    first_loss: float = field(init=False)
+    final_loss: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        window = min(LOSS_WINDOW, len(self.losses))
+        self.first_loss = sum(self.losses[:window]) / window
+        self.final_loss = sum(self.losses[-window:]) / window
+
+
+# ------------------------------------------------------------------------------------------- data
+def _read_rows(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as exc:
+            raise UserInputError(
+                f"--data {path}:{number}: not valid JSON ({exc}); fix or regenerate the file"
+            ) from None
+        if not isinstance(row, dict):
+            raise UserInputError(f"--data {path}:{number}: each line must be a JSON object")
+        rows.append(row)
+    if not rows:
+        raise UserInputError(f"--data {path}: no rows; {PREPARE_HINT}")
+    return rows
+
+
+def _caption(row: dict[str, Any], where: str) -> str:
+    for key in CAPTION_KEYS:
+        if isinstance(row.get(key), str):
+            return row[key]
+    raise UserInputError(f"--data {where}: no caption; give each row a string {' or '.join(CAPTION_KEYS)}")
+
+
+def _image_files(folder: Path, rows: list[dict[str, Any]], captions_file: Path) -> list[Path]:
+    """Row i's image: its `file_name` inside `folder` when every row names one, else the i-th PNG of
+    `folder` in name order (the layout `recipes/tasks/shapes.py --images` writes)."""
+    named = [FILE_KEY in row for row in rows]
+    if any(named) and not all(named):
+        raise UserInputError(
+            f"--data {captions_file}: {FILE_KEY!r} is in some rows only; give it in all or none"
+        )
+    if all(named):
+        root = folder.resolve()
+        files = []
+        for number, row in enumerate(rows, 1):
+            file = (folder / str(row[FILE_KEY])).resolve()
+            if root not in file.parents or not file.is_file():
+                raise UserInputError(
+                    f"--data {captions_file}: row {number}'s {FILE_KEY} {row[FILE_KEY]!r} is not a file in {folder}"
+                )
+            files.append(file)
+        return files
+    files = sorted(folder.glob("*.png"))
+    if len(files) != len(rows):
+        raise UserInputError(
+            f"--data {folder}: {len(files)} PNG files but {len(rows)} caption rows in {captions_file.name}; "
+            f"they pair in name order, so the counts must match (or give each row a {FILE_KEY})"
+        )
+    return files
+
+
+def read_image_dataset(path: str | Path, resolution: int | None = None) -> ImageDataset:
+    """A folder of images and exactly one JSONL of captions (`prompt`, `caption` or `text`; other fields
+    are ignored), images made RGB and, when their side differs from `resolution` (default: the first
+    image's width), centre-cropped and resized to it."""
+    folder = Path(path)
+    if not folder.is_dir():
+        what = "is a file, not a folder" if folder.exists() else "does not exist"
+        raise UserInputError(f"--data {path} {what}; {PREPARE_HINT}")
+    jsonl = sorted(folder.glob("*.jsonl"))
+    if len(jsonl) != 1:
+        raise UserInputError(
+            f"--data {path}: needs exactly one .jsonl of captions, found {len(jsonl)}; {PREPARE_HINT}"
+        )
+    rows = _read_rows(jsonl[0])
+    captions = [_caption(row, f"{jsonl[0]}:{i}") for i, row in enumerate(rows, 1)]
+    digest = hashlib.sha256(jsonl[0].read_bytes())
+    images = []
+    for file in _image_files(folder, rows, jsonl[0]):
+        data = file.read_bytes()
+        digest.update(file.name.encode() + b"\0" + data)
+        try:
+            with Image.open(file) as opened:
+                image = opened.convert("RGB")
+        except (UnidentifiedImageError, OSError) as exc:
+            raise UserInputError(f"--data {file}: not a readable image ({exc})") from None
+        side = resolution or image.width
+        if image.size != (side, side):
+            image = ImageOps.fit(image, (side, side), Image.Resampling.BICUBIC)
+        resolution = side
+        images.append(torch.from_numpy(_pixels(image)))
+    source = {"path": str(folder), "captions": jsonl[0].name, "rows": len(rows), "sha256": digest.hexdigest()}
+    return ImageDataset(torch.stack(images), captions, source)
+
+
+def _pixels(image: Image.Image) -> np.ndarray:
+    """uint8 [3, H, W] of an RGB image."""
+    return np.ascontiguousarray(np.asarray(image, dtype=np.uint8).transpose(2, 0, 1))
+
+
+def to_signed(pixels: torch.Tensor) -> torch.Tensor:
+    """uint8 pixels [..., H, W] → float32 in [−1, 1], the range diffusers VAEs take and return."""
+    return pixels.float() / 127.5 - 1.0
+
+
+# ------------------------------------------------------------------------------------- pixel VAE
+def pixel_latents(pixels: torch.Tensor, factor: int, channels: int) -> torch.Tensor:
+    """The pixel VAE's latent z [B, channels, H/f, W/f] of images [B, 3, H, W] in [−1, 1]: the f×f
+    average of (x + 1)/2 − 1 (white 0, black −1) in the first three channels, zeros in the others."""
+    pooled = F.avg_pool2d((pixels.float() + 1.0) / 2.0 - 1.0, factor)
+    zeros = pooled.new_zeros(pooled.shape[0], channels - 3, *pooled.shape[2:])
+    return torch.cat([pooled, zeros], dim=1)
+
+
+def vae_geometry(vae: Any, resolution: int) -> tuple[int, int]:
+    """(downsampling factor, latent channels) of an AutoencoderKL-shaped VAE, checked for a pixel VAE."""
+    config = getattr(vae, "config", None)
+    if not all(hasattr(vae, part) for part in ("encoder", "decoder")) or "block_out_channels" not in (
+        config or {}
+    ):
+        raise UserInputError(
+            f"--vae pixel: needs an AutoencoderKL-shaped VAE, this model has {type(vae).__name__}"
+        )
+    factor = 2 ** (len(config.block_out_channels) - 1)
+    channels = int(config.latent_channels)
+    if channels < 3:
+        raise UserInputError(
+            f"--vae pixel: the VAE has {channels} latent channels; it needs at least 3 (RGB)"
+        )
+    if resolution % factor:
+        raise UserInputError(
+            f"--vae pixel: the image side {resolution} is not a multiple of the VAE factor {factor}"
+        )
+    return factor, channels
+
+
+def _index_stream(n: int, batch_size: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
+    """Batches of row indices: consecutive random permutations of range(n) cut into `batch_size`."""
+    pool = torch.empty(0, dtype=torch.long)
+    while True:
+        while pool.numel() < batch_size:
+            pool = torch.cat([pool, torch.randperm(n, generator=generator)])
+        yield pool[:batch_size]
+        pool = pool[batch_size:]
+
+
+def _fit(
+    params: list[torch.nn.Parameter],
+    loss_of: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    steps: int,
+    batches: Iterator[torch.Tensor],
+    lr: float,
+    phase: str,
+    on_step: OnStep | None,
+) -> float | None:
+    """AdamW with cosine decay from `lr` on `params` for `steps` batches of `loss_of(indices)`; the mean
+    loss of the last steps (None for no steps)."""
+    if steps == 0:
+        return None
+    for p in params:
+        p.requires_grad_(True)
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    losses = []
+    for step in range(1, steps + 1):
+        loss = loss_of(next(batches))
+        check_finite(
+            {"loss": loss.detach().reshape(1)}, None, hint=MODEL_HINT, where=f"pretrain {phase} step {step}"
+        )
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        for group in optimizer.param_groups:
+            group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * (step - 1) / steps))
+        optimizer.step()
+        losses.append(float(loss.detach()))
+        if on_step is not None:
+            on_step(phase, step, losses[-1])
+    for p in params:
+        p.requires_grad_(False)
+    window = min(LOSS_WINDOW, len(losses))
+    return sum(losses[-window:]) / window
+
+
+def fit_pixel_vae(
+    vae: Any,
+    pixels: torch.Tensor,
+    cfg: PretrainConfig,
+    generator: torch.Generator,
+    *,
+    on_step: OnStep | None = None,
+) -> dict[str, float]:
+    """Make `vae` a pixel VAE for uint8 images [N, 3, S, S]: fit its decoder so decode(z) ≈ x for
+    z = `pixel_latents`(x) (`cfg.vae_steps`), then its encoder's posterior mean onto z
+    (`cfg.vae_encoder_steps`), MSE each, and set its scaling factor 2.5 and shift 0. Returns the mean
+    squared errors of the last steps of both (None for a phase of 0 steps) and the steps."""
+    factor, channels = vae_geometry(vae, pixels.shape[-1])
+    device = next(vae.parameters()).device
+    vae.train()
+
+    def batch(indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = to_signed(pixels[indices]).to(device)
+        return x, pixel_latents(x, factor, channels)
+
+    def decoder_loss(indices: torch.Tensor) -> torch.Tensor:
+        x, z = batch(indices)
+        return F.mse_loss(vae.decode(z.to(vae.dtype)).sample.float(), x)
+
+    def encoder_loss(indices: torch.Tensor) -> torch.Tensor:
+        x, z = batch(indices)
+        return F.mse_loss(vae.encode(x.to(vae.dtype)).latent_dist.mean.float(), z)
+
+    def parts(*names: str) -> list[torch.nn.Parameter]:
+        modules = [getattr(vae, name, None) for name in names]
+        return [p for m in modules if m is not None for p in m.parameters()]
+
+    batches = _index_stream(pixels.shape[0], cfg.vae_batch_size, generator)
+    decoder = _fit(
+        parts("post_quant_conv", "decoder"), decoder_loss, steps=cfg.vae_steps, batches=batches,
+        lr=cfg.vae_lr, phase="vae decoder", on_step=on_step,
+    )  # fmt: skip
+    encoder = _fit(
+        parts("encoder", "quant_conv"), encoder_loss, steps=cfg.vae_encoder_steps, batches=batches,
+        lr=cfg.vae_lr, phase="vae encoder", on_step=on_step,
+    )  # fmt: skip
+    vae.eval()
+    vae.register_to_config(scaling_factor=PIXEL_SCALING_FACTOR, shift_factor=PIXEL_SHIFT_FACTOR)
+    return {
+        "decoder_mse": decoder,
+        "encoder_mse": encoder,
+        "decoder_steps": cfg.vae_steps,
+        "encoder_steps": cfg.vae_encoder_steps,
+    }
+
+
+# ------------------------------------------------------------------------------------ flow matching
+def shift_sigmas(t: torch.Tensor, shift: float) -> torch.Tensor:
+    """σ = s·t / (1 + (s − 1)·t): the flow-matching time shift of uniform t ∈ [0, 1] (s = 1: σ = t)."""
+    return shift * t / (1 + (shift - 1) * t)
+
+
+def family_shift(policy: FlowPolicy, resolution: int) -> float:
+    """The time shift the family's scheduler samples `resolution`² images with: its fixed `shift`
+    (SD3: 3), or exp(μ) of the resolution-dependent μ for dynamic shifting (FLUX.1, Qwen-Image,
+    Z-Image; 2×2-patch token count)."""
+    config = policy.pipe.scheduler.config
+    if config.get("use_dynamic_shifting", False):
+        h, w = policy.latent_shape(resolution)[-2:]
+        return math.exp(dynamic_shift_mu((h // 2) * (w // 2), config))
+    return float(config.get("shift", 1.0))
+
+
+def flow_matching_loss(
+    policy: FlowPolicy,
+    x0: torch.Tensor,
+    noise: torch.Tensor,
+    sigma: torch.Tensor,
+    cond: Condition,
+    guidance: float,
+) -> torch.Tensor:
+    """Rectified-flow loss: mean over all elements of (v(x_σ, σ) − (ε − x0))², x_σ = (1 − σ)·x0 + σ·ε.
+
+    x0, noise [B, *latent_shape]; sigma [B]; `guidance` as the family trains (no CFG branch)."""
+    s = sigma.reshape(-1, *([1] * (x0.dim() - 1))).to(x0)
+    x_sigma = (1 - s) * x0 + s * noise
+    velocity = policy.velocity(x_sigma, sigma, cond, guidance)
+    return (velocity - (noise - x0)).pow(2).mean()
+
+
+def model_details(model: str | Path) -> dict[str, Any]:
+    """The `details` of a model folder's `omnirl_model.json` ({} for a folder without one)."""
+    return dict((read_model_card(model) or {}).get("details", {}))
+
+
+def default_text_length(model: str | Path) -> int:
+    """The text (T5) length a model folder asks for in its card's `details.text_length`, else 128."""
+    return int(model_details(model).get("text_length", DEFAULT_TEXT_LENGTH))
+
+
+@torch.no_grad()
+def dataset_latents(
+    policy: FlowPolicy, data: ImageDataset, pixel: bool, batch_size: int = 32
+) -> torch.Tensor:
+    """Latents [N, *latent_shape] (float32, CPU) the transformer learns: the exact pixel latents ×
+    scaling factor for a pixel VAE, else the model's own VAE encoding (`FlowPolicy.encode_images`)."""
+    vae = policy.pipe.vae
+    if pixel:
+        factor, channels = vae_geometry(vae, data.resolution)
+        z = pixel_latents(to_signed(data.pixels), factor, channels)
+        return (z - vae.config.shift_factor) * vae.config.scaling_factor
+    out = []
+    for start in range(0, data.pixels.shape[0], batch_size):
+        chunk = data.pixels[start : start + batch_size]
+        images = [Image.fromarray(p.permute(1, 2, 0).numpy()) for p in chunk]
+        out.append(policy.encode_images(images, data.resolution).cpu())
+    return torch.cat(out)
+
+
+def pretrain(
+    policy: FlowPolicy, data: ImageDataset, cfg: PretrainConfig, *, on_step: OnStep | None = None
+) -> PretrainResult:
+    """Pretrain `policy`'s trained module (all of its weights) on `data` with the rectified-flow loss;
+    with `cfg.vae == "pixel"` first make the VAE a pixel VAE. On return the policy holds the EMA
+    weights (decay min(ema_decay, (1 + k)/(10 + k)) at update k, so early updates are not swamped by
+    the random initial weights) and the VAE its fitted ones; `on_step(phase, step, loss)` follows it.
+    """
+    cfg.validate()
+    resolution = data.resolution
+    policy.latent_shape(resolution)  # a side the family cannot take fails here, naming --resolution
+    text_length = cfg.text_length or default_text_length(policy.model_path)
+    shift = cfg.shift or family_shift(policy, resolution)
+    generator = torch.Generator("cpu").manual_seed(cfg.seed)
+    vae_fit = None
+    if cfg.vae == "pixel":
+        if not cfg.vae_steps and "pixel_vae" not in model_details(policy.model_path):
+            raise UserInputError(
+                f"--vae-steps 0 keeps a fitted pixel VAE, but --model {policy.model_path} has none (no "
+                "pixel_vae in its omnirl_model.json); give --vae-steps N to fit one"
+            )
+        vae_fit = fit_pixel_vae(policy.pipe.vae, data.pixels, cfg, generator, on_step=on_step)
+    latents = dataset_latents(policy, data, cfg.vae == "pixel")
+    check_finite({"latents": latents}, None, hint=MODEL_HINT, where="pretrain: the VAE encoding of --data")
+
+    guidance = policy.family.default_guidance
+    params = policy.trainable_parameters(full=True)
+    ema = [p.detach().clone() for p in params]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    policy.module.train()
+    losses: list[float] = []
+    batches = _index_stream(latents.shape[0], cfg.batch_size, generator)
+    for step in range(1, cfg.steps + 1):
+        indices = next(batches)
+        x0 = latents[indices]
+        dropped = torch.rand(len(indices), generator=generator) < cfg.caption_dropout
+        prompts = ["" if drop else data.captions[i] for i, drop in zip(indices.tolist(), dropped.tolist())]
+        sigma = shift_sigmas(torch.rand(len(indices), generator=generator), shift)
+        noise = torch.randn(x0.shape, generator=generator)
+        cond = policy.encode(prompts, None, False, text_length)
+        device = policy.device
+        loss = flow_matching_loss(policy, x0.to(device), noise.to(device), sigma.to(device), cond, guidance)
+        check_finite({"loss": loss.detach().reshape(1)}, None, hint=MODEL_HINT, where=f"pretrain step {step}")
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+        optimizer.step()
+        decay = min(cfg.ema_decay, (1 + len(losses)) / (10 + len(losses)))
+        with torch.no_grad():
+            for average, p in zip(ema, params):
+                average.lerp_(p, 1 - decay)
+        losses.append(float(loss.detach()))
+        if on_step is not None:
+            on_step("transformer", step, losses[-1])
+    with torch.no_grad():
+        for p, average in zip(params, ema):
+            p.copy_(average)
+            p.requires_grad_(False)
+    policy.module.eval()
+    return PretrainResult(losses, shift, text_length, resolution, vae_fit)
+
+
+# ------------------------------------------------------------------------------------------- saving
+def check_out(out: str | Path) -> Path:
+    """`out` as a Path, refused unless it is new or an empty folder (checked before training starts)."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserInputError(f"--out {out} already exists and is not an empty directory; choose a new --out")
+    return out
+
+
+def save_pretrained_model(
+    policy: FlowPolicy,
+    out: str | Path,
+    *,
+    data: ImageDataset,
+    cfg: PretrainConfig,
+    result: PretrainResult,
+) -> dict[str, Any]:
+    """Save the policy's pipeline (with its pretrained weights) as a `from_pretrained` folder at `out`.
+
+    Its `omnirl_model.json` keeps the base model's details and records `text_length` (what to encode
+    prompts with), `pixel_vae` (the fit, when the VAE is a pixel VAE) and `pretrain`: the base model,
+    the data (path, rows, sha256), the config, the time shift and the losses, with the base model's
+    own `pretrain` record as `previous`. Written into a hidden sibling folder and renamed into place,
+    so `out` never holds half a model. Returns the model card summary (see `finish_model_dir`).
+    """
+    out = check_out(out)
+    base = read_model_card(policy.model_path) or {}
+    details = dict(base.get("details", {}))
+    previous = details.pop("pretrain", None)
+    if result.vae is not None and result.vae["decoder_mse"] is not None:
+        details["pixel_vae"] = result.vae
+    details.update(
+        image_size=result.resolution,
+        latent_shape=list(policy.latent_shape(result.resolution)),
+        text_length=result.text_length,
+        pretrain={
+            "base_model": policy.model_path,
+            "base_size": base.get("size"),
+            "base_seed": base.get("seed"),
+            "data": data.source,
+            "config": asdict(cfg),
+            "shift": result.shift,
+            "steps": len(result.losses),
+            "first_loss": result.first_loss,
+            "final_loss": result.final_loss,
+            "vae_fit": result.vae,
+            "previous": previous,
+        },
+    )
+    staging = out.parent / f".{out.name}.partial"
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    summary = save_pipeline(
+        policy.pipe,
+        staging,
+        family=policy.family.name,
+        size=str(base.get("size", "custom")),
+        seed=int(base.get("seed", cfg.seed)),
+        details=details,
+    )
+    if out.exists():
+        out.rmdir()
+    os.replace(staging, out)
+    return {**summary, "out_dir": str(out)}

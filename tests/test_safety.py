@@ -140,9 +140,12 @@ def prompts(tmp_path: Path) -> Path:
 
 def test_slurm_array_tasks_complete_one_shard_set(tiny_sd3: Path, prompts: Path, tmp_path: Path) -> None:
     out = tmp_path / "samples"
-    for index in ("0", "1"):
-        result = run(*sample_args(tiny_sd3, prompts, out, "--num-shards", "2", "--shard-index", index))
+    first = run(*sample_args(tiny_sd3, prompts, out, "--num-shards", "2", "--shard-index", "0"))
+    assert not first["complete"] and first["rows_written"] == first["rows"] > 0
+    # a finalising run makes only the missing shard and says so (3 prompts × 2 rows in all)
+    result = run(*sample_args(tiny_sd3, prompts, out, "--num-shards", "2"))
     assert result["complete"] and (out / MANIFEST_NAME).is_file()
+    assert (result["rows"], result["rows_written"]) == (6, 6 - first["rows"])
     before = snapshot(out)
     assert run(*sample_args(tiny_sd3, prompts, out, "--num-shards", "2"))["skipped"]
     assert snapshot(out) == before

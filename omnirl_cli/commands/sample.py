@@ -454,7 +454,9 @@ def _run(
         speed = result.get(f"{unit}_per_s")
         rate = f", {speed:.2f} {unit}/s" if speed else ""
         state = "complete" if manifest else "partial (other shards pending)"
-        log(f"[green]wrote[/] {result['rows']} samples to {c['out']} ({state}{rate})")
+        resumed = result["rows"] - result["rows_written"]
+        kept = f"; {resumed} already there" if resumed else ""
+        log(f"[green]wrote[/] {result['rows_written']} samples to {c['out']} ({state}{kept}{rate})")
 
 
 def _combine(results: list[dict], unit: str) -> dict:
@@ -463,7 +465,8 @@ def _combine(results: list[dict], unit: str) -> dict:
     if len(results) == 1:
         return results[0]
     rates = [r[f"{unit}_per_s"] for r in results if r[f"{unit}_per_s"] is not None]
-    combined = {k: sum(r[k] for r in results) for k in ("rows", "shards_written", "shards_resumed")}
+    counts = ("rows", "rows_written", "shards_written", "shards_resumed")
+    combined = {k: sum(r[k] for r in results) for k in counts}
     combined.update(
         {"seconds": max(r["seconds"] for r in results), f"{unit}_per_s": sum(rates) if rates else None}
     )

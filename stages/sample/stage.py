@@ -168,7 +168,8 @@ def write_shards(
 ) -> dict[str, Any]:
     """Write `make_shard(s)` for every listed shard not already done (`sizes[s]` rows each).
 
-    Returns rows, shards written/resumed, seconds and `<unit>_per_s` over the shards made here.
+    Returns rows (of the listed shards), rows_written (made here), shards written/resumed, seconds and
+    `<unit>_per_s` over the shards made here.
     """
     done = written = made = 0
     t0 = time.perf_counter()
@@ -184,6 +185,7 @@ def write_shards(
     seconds = time.perf_counter() - t0
     return {
         "rows": sum(sizes[s] for s in shard_indices),
+        "rows_written": made,
         "shards_written": written,
         "shards_resumed": done,
         f"{unit}_per_s": made / seconds if seconds > 0 and made else None,

@@ -12,7 +12,7 @@ SD3 on purpose where a model pretrained in minutes on a CPU needs it (4 latent c
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -77,26 +77,28 @@ class SD3Size:
         return self.sample_size * self.vae_scale_factor
 
 
+# 64 px default: 4x VAE -> 16x16x16 latents -> 64 image tokens of width 64.
+TINY = SD3Size(
+    clip_widths=(32, 48),
+    clip_layers=2,
+    clip_heads=4,
+    t5_width=96,
+    t5_layers=2,
+    t5_heads=4,
+    t5_ff=128,
+    heads=4,
+    head_dim=16,
+    layers=2,
+    dual_attention_layers=(0,),
+    sample_size=16,
+    pos_embed_max_size=32,
+    vae_channels=(8, 16, 16),
+    vae_layers_per_block=1,
+    vae_groups=8,
+)
+
 SIZES: dict[str, SD3Size] = {
-    # 64 px default: 4x VAE -> 16x16x16 latents -> 64 image tokens of width 64.
-    "tiny": SD3Size(
-        clip_widths=(32, 48),
-        clip_layers=2,
-        clip_heads=4,
-        t5_width=96,
-        t5_layers=2,
-        t5_heads=4,
-        t5_ff=128,
-        heads=4,
-        head_dim=16,
-        layers=2,
-        dual_attention_layers=(0,),
-        sample_size=16,
-        pos_embed_max_size=32,
-        vae_channels=(8, 16, 16),
-        vae_layers_per_block=1,
-        vae_groups=8,
-    ),
+    "tiny": TINY,
     # 128 px default: 4x VAE -> 32x32x16 latents -> 256 image tokens of width 384; compute-bound on CPU.
     "small": SD3Size(
         clip_widths=(128, 192),
@@ -120,23 +122,9 @@ SIZES: dict[str, SD3Size] = {
     # channels (the 4x-pooled RGB image + one zero channel, scaled by 2.5), a positional table that
     # is exactly the 8x8 patch grid, and short text (24 CLIP + 32 T5 tokens hold every shapes caption)
     # instead of 77 + 128 tokens that would be ~3/4 padding.
-    "demo": SD3Size(
-        clip_widths=(32, 48),
-        clip_layers=2,
-        clip_heads=4,
-        t5_width=96,
-        t5_layers=2,
-        t5_heads=4,
-        t5_ff=128,
-        heads=4,
-        head_dim=16,
-        layers=2,
-        dual_attention_layers=(0,),
-        sample_size=16,
+    "demo": replace(
+        TINY,
         pos_embed_max_size=8,
-        vae_channels=(8, 16, 16),
-        vae_layers_per_block=1,
-        vae_groups=8,
         latent_channels=4,
         vae_scaling_factor=2.5,
         vae_shift_factor=0.0,

@@ -272,3 +272,18 @@ def test_rows_may_name_their_image_files(shapes: Path, tmp_path: Path) -> None:
     (folder / "metadata.jsonl").write_text(json.dumps({"file_name": "../x.png", "prompt": "p"}) + "\n")
     with pytest.raises(UserInputError, match="not a file in"):
         read_image_dataset(folder)
+
+
+def test_sampling_encodes_the_models_text_length_and_replay_reads_it(demo: Path, tmp_path: Path) -> None:
+    from stages.shards.reader import ShardSet
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a red circle\ntwo blue squares\n")
+    samples, logprobs = tmp_path / "samples", tmp_path / "logprobs"
+    run("sample", "--model", str(demo), "--prompts", str(prompts), "-n", "2", "--steps", "3", "--resolution", "64",
+        "--guidance", "1", "--out", str(samples))  # fmt: skip
+    recorded = ShardSet(samples).manifest.extra["sample_config"]
+    assert recorded["max_sequence_length"] == 32  # the card's text_length, not 128
+    run("logprob", "--model", str(demo), "--in", str(samples), "--out", str(logprobs))
+    rolled = ShardSet(samples).read_all(columns=["log_probs"])["log_probs"]
+    assert torch.equal(ShardSet(logprobs).read_all()["old_log_probs"], rolled)  # replay at the same length

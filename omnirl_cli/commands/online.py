@@ -14,7 +14,6 @@ from ..errors import handle_errors
 from ..options import JsonOpt, OverwriteOpt, SetOpt
 
 # Preset keys of the `sample` section that are named differently in SampleConfig.
-SAMPLE_KEYS = {"sde_window": "window", "sde_window_range": "window_range"}
 RUN_KEYS = ("group_size", "num_prompts")
 
 
@@ -118,7 +117,10 @@ def online(
             "commands (recipes/vlm_grpo.mk)"
         )
     preset = _merge(load_yaml(config), parse_set(list(set_ or [])))
-    sample = dict(preset.get("sample") or {})
+    from stages.models.factory import default_text_length
+
+    # the T5 length the model was made for (its card's text_length, else 128) unless the preset sets one
+    sample = {"max_sequence_length": default_text_length(model), **(preset.get("sample") or {})}
     run = {key: sample.pop(key) for key in RUN_KEYS if key in sample}
     adv = dict(preset.get("advantage") or {})
     unknown = sorted(set(adv) - {"estimator", "clip", "drop_zero_std"})
@@ -132,7 +134,7 @@ def online(
         prompts=read_prompts(prompts),
         out=out,
         iterations=iterations,
-        sample=_dataclass(SampleConfig, sample, "sample", SAMPLE_KEYS),
+        sample=_dataclass(SampleConfig, sample, "sample", SampleConfig.OPTION_NAMES),
         update=_dataclass(UpdateConfig, dict(preset.get("update") or {}), "update"),
         group_size=int(run.get("group_size", 4)),
         num_prompts=run.get("num_prompts"),

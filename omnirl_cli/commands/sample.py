@@ -292,29 +292,13 @@ def sample(
         _sample_vlm(c, json_)
         return
     from stages.models.diffusion import FlowPolicy
+    from stages.models.factory import default_text_length
     from stages.sample.prompts import pick_prompts, read_prompts
     from stages.sample.rollout import SampleConfig
     from stages.sample.stage import KINDS, run_sample
 
-    window_range = c["sde_window_range"]
-    cfg = SampleConfig(
-        steps=c["steps"],
-        guidance=c["guidance"],
-        resolution=c["resolution"],
-        sampler=c["sampler"],
-        noise_level=c["noise_level"],
-        window=c["sde_window"],
-        window_range=tuple(window_range) if window_range else None,
-        window_strategy=c["window_strategy"],
-        window_start=c["window_start"],
-        iteration=c["iteration"],
-        iters_per_group=c["iters_per_group"],
-        window_stride=c["window_stride"],
-        roll_back=c["roll_back"],
-        same_noise=c["same_noise"],
-        seed=c["seed"],
-        batch_size=c["batch_size"],
-    )
+    # the T5 length the model was made for (its card's text_length, else 128), recorded for replay
+    cfg = SampleConfig.from_options({**c, "max_sequence_length": default_text_length(c["model"])})
     cfg.validate()
     picked = pick_prompts(read_prompts(c["prompts"]), c["num_prompts"], c["seed"])
     _check_memory(

@@ -247,6 +247,9 @@ def finish_model_dir(
     return {**json.loads(text), "out_dir": str(out_dir), "bytes": folder_bytes(out_dir)}
 
 
+DEFAULT_TEXT_LENGTH = 128  # the T5 length the samplers encode with when a model card names none
+
+
 def read_model_card(model_dir: str | Path) -> dict[str, Any] | None:
     """The `omnirl_model.json` of a folder built by this factory, or None for any other checkpoint."""
     path = Path(model_dir) / MODEL_CARD_NAME
@@ -259,3 +262,13 @@ def read_model_card(model_dir: str | Path) -> dict[str, Any] | None:
     if not isinstance(card, dict) or card.get("format") != MODEL_CARD_FORMAT:
         raise UserInputError(f"{path} is not an omnirl model card (format != {MODEL_CARD_FORMAT!r})")
     return card
+
+
+def model_details(model: str | Path) -> dict[str, Any]:
+    """The `details` of a model folder's `omnirl_model.json` ({} for a folder without one)."""
+    return dict((read_model_card(model) or {}).get("details", {}))
+
+
+def default_text_length(model: str | Path) -> int:
+    """The text (T5) length a model folder asks for in its card's `details.text_length`, else 128."""
+    return int(model_details(model).get("text_length", DEFAULT_TEXT_LENGTH))

@@ -40,7 +40,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from stages.errors import UserInputError
 from stages.finite import MODEL_HINT, check_finite
 from stages.models.diffusion import FlowPolicy
-from stages.models.factory import read_model_card, save_pipeline
+from stages.models.factory import default_text_length, model_details, read_model_card, save_pipeline
 from stages.models.families import Condition
 from stages.models.schedules import dynamic_shift_mu
 
@@ -48,7 +48,6 @@ PIXEL_SCALING_FACTOR = 2.5
 PIXEL_SHIFT_FACTOR = 0.0
 CAPTION_KEYS = ("prompt", "caption", "text")
 FILE_KEY = "file_name"  # Hugging Face ImageFolder's metadata.jsonl column
-DEFAULT_TEXT_LENGTH = 128  # the T5 length the samplers encode with when a model card names none
 VAE_MODES = ("model", "pixel")
 LOSS_WINDOW = 20  # first/final loss: the mean over this many steps, as one step's loss is noisy
 PREPARE_HINT = (
@@ -409,16 +408,6 @@ def flow_matching_loss(
     x_sigma = (1 - s) * x0 + s * noise
     velocity = policy.velocity(x_sigma, sigma, cond, guidance)
     return (velocity - (noise - x0)).pow(2).mean()
-
-
-def model_details(model: str | Path) -> dict[str, Any]:
-    """The `details` of a model folder's `omnirl_model.json` ({} for a folder without one)."""
-    return dict((read_model_card(model) or {}).get("details", {}))
-
-
-def default_text_length(model: str | Path) -> int:
-    """The text (T5) length a model folder asks for in its card's `details.text_length`, else 128."""
-    return int(model_details(model).get("text_length", DEFAULT_TEXT_LENGTH))
 
 
 @torch.no_grad()

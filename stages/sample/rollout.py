@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import io
-from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
 
 import torch
 
@@ -42,6 +42,16 @@ class SampleConfig:
     seed: int = 0
     batch_size: int = 8
     max_sequence_length: int = 128
+    # command options named otherwise than the field they set
+    OPTION_NAMES: ClassVar[dict[str, str]] = {"sde_window": "window", "sde_window_range": "window_range"}
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> SampleConfig:
+        """The config of resolved `sample` options: each field from the option of its name (or its
+        `OPTION_NAMES` alias); other options are ignored and a missing one keeps its default."""
+        names = {f.name for f in fields(cls)}
+        values = {cls.OPTION_NAMES.get(k, k): v for k, v in options.items()}
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items() if k in names})
 
     def validate(self) -> None:
         if self.sampler not in SAMPLERS:

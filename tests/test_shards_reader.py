@@ -350,3 +350,23 @@ def test_describe_zipped(tmp_path) -> None:
         "reward",
     ]
     assert d["inputs"][1]["stats"]["reward"]["max"] == pytest.approx(1.3)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_read_rows_returns_the_selected_rows_and_skips_shards_without_one(
+    tmp_path: Path, fmt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src = open_inputs([write(tmp_path / "s", samples(rows=(3, 4, 2)), fmt)])
+    whole = src.read_all(["sample_id", "latents"])
+    read: list[int] = []
+    original = ShardSet.read_shard
+    monkeypatch.setattr(
+        ShardSet, "read_shard", lambda self, i, cols=None: read.append(i) or original(self, i, cols)
+    )
+    got = src.read_rows([1, 2, 7], ["sample_id", "latents"])  # shard 0 rows 1, 2 and shard 2 row 0
+    assert got["sample_id"] == [whole["sample_id"][i] for i in (1, 2, 7)] == ["s0-1", "s0-2", "s2-0"]
+    assert torch.equal(got["latents"], whole["latents"][[1, 2, 7]])
+    assert read == [0, 2]
+    assert src.read_rows([], ["latents"])["latents"].shape == (0, 2, 4)
+    with pytest.raises(ValueError, match="ascending"):
+        src.read_rows([3, 1], ["latents"])

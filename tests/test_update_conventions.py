@@ -419,3 +419,41 @@ def test_a_short_micro_batch_weighs_by_its_samples(staged: dict[str, Path], tmp_
         assert len(metrics) == 1
         norms.append(metrics[0]["actor/grad_norm"])
     assert norms[1] == pytest.approx(norms[0], rel=1e-5)
+
+
+def test_held_rows_index_like_the_whole_tensor_by_global_rows() -> None:
+    from stages.update.rows import HeldRows
+
+    whole = torch.arange(6 * 3 * 2, dtype=torch.float32).reshape(6, 3, 2)
+    held = HeldRows("latents", 6, (3, 2), torch.float32)
+    held.hold([1, 4, 5], whole[[1, 4, 5]])
+    assert held.shape == whole.shape and held.held == 3
+    index, j = torch.tensor([5, 1]), torch.tensor([2, 0])
+    assert torch.equal(held[index, j], whole[index, j])
+    assert torch.equal(held[index, j + 1 - 1], whole[index, j])
+    assert torch.equal(held[torch.tensor([4])], whole[[4]])
+    with pytest.raises(RuntimeError, match="row 2 was not read"):
+        held[torch.tensor([1, 2])]
+
+
+def test_each_rank_plans_the_rows_of_its_own_slots(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over 2 ranks × grad_accum 2 each rank plans exactly the rows its micro-batches read (a padded
+    slot replays the step's first chunk); shuffled over 2 epochs, every trained row is still planned."""
+    from stages.update import trainer
+
+    class Rows:  # chunks of row numbers, like PolicyGradient
+        rows_of = staticmethod(lambda idx: idx)
+
+        def epoch(self, order: list[int], micro: int, rng: object) -> list[list[int]]:
+            return [order[i : i + micro] for i in range(0, len(order), micro)]
+
+    rows = [0, 1, 2, 3, 4, 6, 7, 8, 9]  # row 5 masked out
+    # chunks [0,1] [2,3] [4,6] [7,8] | [9]: step 1 gives two chunks to each rank, step 2 one to rank 0
+    expected = {0: [0, 1, 2, 3, 9], 1: [4, 6, 7, 8, 9]}
+    for rank in (0, 1):
+        monkeypatch.setattr(trainer, "world_and_rank", lambda r=rank: (2, r))
+        plain = UpdateConfig(grad_accum=2, shuffle=False)
+        assert trainer._planned_rows(Rows(), rows, 2, plain, seed=3) == expected[rank]
+        shuffled = UpdateConfig(grad_accum=2, inner_epochs=2)
+        expected[rank] = trainer._planned_rows(Rows(), rows, 2, shuffled, seed=3)
+    assert set(expected[0]) | set(expected[1]) == set(rows)

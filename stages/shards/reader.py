@@ -359,6 +359,34 @@ class ZippedShardSets:
         """Every shard concatenated."""
         return concat_batches([self.read_shard(i, columns) for i in range(self.num_shards)])
 
+    def read_rows(self, rows: Sequence[int], columns: Sequence[str]) -> Batch:
+        """Rows `rows` (global row numbers, ascending and unique) of `columns`, in that order.
+
+        Shards are read one at a time and only the wanted rows are kept, so memory holds the selection
+        plus one shard, never the whole set; shards without a wanted row are not read.
+        """
+        wanted = torch.as_tensor(list(rows), dtype=torch.int64)
+        if wanted.numel() and (bool((wanted[1:] <= wanted[:-1]).any()) or int(wanted[-1]) >= self.num_rows):
+            raise ValueError(f"read_rows: rows must be ascending, unique and below {self.num_rows}")
+        parts: list[Batch] = []
+        start = 0
+        for i in range(self.num_shards):
+            stop = start + self.sets[0].shard_rows(i)
+            lo, hi = torch.searchsorted(wanted, torch.tensor([start, stop])).tolist()
+            if hi > lo:
+                shard = self.read_shard(i, columns)
+                local = (wanted[lo:hi] - start).tolist()
+                parts.append(
+                    {
+                        k: v[torch.tensor(local)] if isinstance(v, torch.Tensor) else [v[j] for j in local]
+                        for k, v in shard.items()
+                    }
+                )
+            start = stop
+        if not parts:
+            return {k: v[:0] for k, v in self.read_shard(0, columns).items()} if self.num_shards else {}
+        return concat_batches(parts)
+
     def verify(self) -> None:
         """Re-check every shard of every input."""
         for s in self.sets:

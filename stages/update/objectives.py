@@ -52,6 +52,11 @@ def sample_share(idx: Chunk, step: list[Chunk], slots: int) -> float:
     return len(idx) / sum(len(c) for c in step)
 
 
+def chunk_rows(idx: Chunk) -> Chunk:
+    """The data rows a chunk reads: the chunk itself, for objectives whose chunks are row numbers."""
+    return idx
+
+
 def _chunks(order: list[int], size: int) -> list[Chunk]:
     return [order[i : i + size] for i in range(0, len(order), size)]
 
@@ -69,6 +74,7 @@ class PolicyGradient:
         "actor/approx_kl",
     )
     share = staticmethod(sample_share)
+    rows_of = staticmethod(chunk_rows)
 
     def __init__(
         self, policy: FlowPolicy, data: dict[str, Any], sample_cfg: SampleConfig, cfg: Any, algo: Algorithm
@@ -179,6 +185,7 @@ class ForwardProcess:
     """DiffusionNFT and AWM: losses on x_t built from the final latent with fresh noise."""
 
     share = staticmethod(sample_share)
+    rows_of = staticmethod(chunk_rows)
 
     def __init__(
         self,
@@ -329,9 +336,13 @@ class Preference:
         self.seed = rng.randrange(2**31)
         return _chunks(order, max(1, micro // 2))
 
+    def rows_of(self, pair_idx: Chunk) -> Chunk:
+        """The rows of a chunk of pairs: w0, l0, w1, l1, ..."""
+        return [i for p in pair_idx for i in self.pairs[p]]
+
     def losses(self, pair_idx: Chunk) -> Iterator[LossItem]:
         policy, scfg = self.policy, self.sample_cfg
-        rows = [i for p in pair_idx for i in self.pairs[p]]  # w0, l0, w1, l1, ...
+        rows = self.rows_of(pair_idx)
         cond = _condition(policy, self.data, rows, scfg)
         x0 = self.data["final_latent"][torch.tensor(rows)].to(policy.device).float()
         t = self.schedule[self.t[torch.tensor(pair_idx)]].repeat_interleave(2).to(policy.device)
@@ -364,6 +375,7 @@ class TokenPolicyGradient:
         "actor/ppo_kl",
     )
     per_chunk = 1
+    rows_of = staticmethod(chunk_rows)
 
     @staticmethod
     def share(idx: Chunk, step: list[Chunk], slots: int) -> float:

@@ -29,6 +29,7 @@ from stages.shards.atomic import recover_dir, replace_dir
 from stages.shards.manifest import config_hash, manifest_sha256
 from stages.shards.writer import check_output_path
 from stages.update.losses import get_algorithm
+from stages.update.rows import held_columns, split_columns
 from stages.update.trainer import METRICS, UpdateConfig, load_state, save_state, train, trainer_state
 
 BASE_COLUMNS = ("sample_id", "prompt", "negative_prompt", "advantages", "reward", "train_mask")
@@ -188,16 +189,23 @@ def run_update(
                 resolution=int(encoded[0] or OFFLINE.resolution) if encoded else OFFLINE.resolution,
             )
     state, start = load_state(adapter)
-    data = inputs.read_all(columns=[c for c in (*BASE_COLUMNS, *algo.columns) if c in inputs.columns])
-    check_finite(
-        data,
-        data.get("sample_id"),
-        where="--in",
-        hint="the input shard sets are corrupt; re-run the stage that wrote that column into a new --out",
+    light, heavy = split_columns(
+        inputs, [c for c in dict.fromkeys((*BASE_COLUMNS, *algo.columns)) if c in inputs.columns]
     )
+    data: dict[str, Any] = inputs.read_all(columns=light)
+    held, read_held = held_columns(inputs, heavy)
+    data.update(held)
+    corrupt = "the input shard sets are corrupt; re-run the stage that wrote that column into a new --out"
+    check_finite(data, data.get("sample_id"), where="--in", hint=corrupt)
+
+    def load_rows(rows: list[int]) -> None:
+        batch = read_held(rows)
+        check_finite(batch, batch.get("sample_id"), where="--in", hint=corrupt)
+
     optimizer, ema, old_weights, metrics, par, scaler = train(
-        policy, data, sample_cfg, cfg, state=state, start_step=start, on_step=on_step
+        policy, data, sample_cfg, cfg, state=state, start_step=start, on_step=on_step, load_rows=load_rows
     )
+    rows_read = max((c.held for c in held.values()), default=len(data["sample_id"]))
     step = metrics[-1]["step"] if metrics else start
     last = metrics[-1] if metrics else {}
     resume = trainer_state(par, optimizer, ema, old_weights, scaler)
@@ -210,6 +218,7 @@ def run_update(
             "skipped": False,
             "step": step,
             "optimizer_steps": len(metrics),
+            "rows_read": rows_read,
             "last": last,
         }
     try:
@@ -230,4 +239,11 @@ def run_update(
     finally:
         if world > 1:
             torch.distributed.barrier()
-    return {"out": str(out), "skipped": False, "step": step, "optimizer_steps": len(metrics), "last": last}
+    return {
+        "out": str(out),
+        "skipped": False,
+        "step": step,
+        "optimizer_steps": len(metrics),
+        "rows_read": rows_read,
+        "last": last,
+    }

@@ -18,7 +18,7 @@ import math
 import os
 import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -275,6 +275,45 @@ def _raise_if_any_rank_failed(failed: torch.Tensor, mine: str | None, where: str
     )
 
 
+Slot = tuple[list[int], bool]  # a micro-batch of this rank's step, and whether it counts (weight 0 if not)
+
+
+def _steps(
+    objective: Any, rows: list[int], micro: int, cfg: UpdateConfig, seed: int
+) -> Iterator[tuple[int, int, list[list[int]], list[Slot]]]:
+    """Every optimizer step of the run: (epoch, index of its first chunk, the step's chunks over all
+    ranks, this rank's grad_accum slots).
+
+    The order is drawn from `seed` (a shuffle per epoch, then the objective's own draws in `epoch`),
+    so two passes with one seed give the same steps. Each rank takes its own grad_accum chunks of a
+    step; a rank short of chunks replays the step's first one with weight 0, so every rank runs
+    grad_accum slots and the collectives of DDP and FSDP2 stay in step.
+    """
+    rng = random.Random(seed)
+    world, rank = world_and_rank()
+    slots = cfg.grad_accum * world
+    for epoch in range(cfg.inner_epochs):
+        order = rows[:]
+        if cfg.shuffle:
+            rng.shuffle(order)
+        chunks = objective.epoch(order, micro, rng)
+        for first in range(0, len(chunks), slots):
+            step_chunks = chunks[first : first + slots]
+            mine = step_chunks[rank * cfg.grad_accum : (rank + 1) * cfg.grad_accum]
+            padded = [(idx, True) for idx in mine]
+            padded += [(step_chunks[0], False)] * (cfg.grad_accum - len(mine))
+            yield epoch, first, step_chunks, padded
+
+
+def _planned_rows(objective: Any, rows: list[int], micro: int, cfg: UpdateConfig, seed: int) -> list[int]:
+    """The data rows this rank's slots will read over the whole run (a dry pass of `_steps`)."""
+    needed: set[int] = set()
+    for _, _, _, mine in _steps(objective, rows, micro, cfg, seed):
+        for idx, _ in mine:
+            needed.update(objective.rows_of(idx))
+    return sorted(needed)
+
+
 def train(
     policy: Policy,
     data: dict[str, Any],
@@ -284,6 +323,7 @@ def train(
     state: dict[str, Any],
     start_step: int,
     on_step: Callable[[dict[str, Any]], None] | None = None,
+    load_rows: Callable[[list[int]], Any] | None = None,
 ) -> tuple[
     torch.optim.Optimizer,
     EMA | None,
@@ -295,13 +335,14 @@ def train(
     """Run `inner_epochs` passes of the `--algo` objective over `data` (zipped input columns).
 
     state: what a previous update left (`load_state`): optimizer, ema, old_weights (DiffusionNFT's
-    old policy), each possibly None, all full tensors. Returns the optimizer, the EMA, the new
+    old policy), each possibly None, all full tensors. `load_rows`, when given, is called once with
+    the rows this rank's micro-batches will read, before the first step: `data`'s heavy columns are
+    `rows.HeldRows` that it fills (`rows.held_columns`). Returns the optimizer, the EMA, the new
     old-policy weights (NFT), one metrics record per optimizer step, the `Parallel` the module was
     spread by (`trainer_state` gathers the sharded state through it) and the fp16 loss scaler.
 
-    Every rank runs grad_accum micro-batch slots per optimizer step (a rank without a micro-batch in
-    the step's last slots replays one with weight 0), so the collectives of DDP and FSDP2 stay in
-    step; a non-finite loss is reported by every rank at the step's end, before any weight moves.
+    Every rank runs grad_accum micro-batch slots per optimizer step (`_steps`), so the collectives of
+    DDP and FSDP2 stay in step; a non-finite loss is reported by every rank at the step's end, before any weight moves.
     """
     cfg.validate()
     algo = get_algorithm(cfg.algo)
@@ -360,84 +401,76 @@ def train(
     if "train_mask" in data:
         rows = [i for i in rows if bool(data["train_mask"][i])]
     micro = cfg.micro_batch or sample_cfg.batch_size
-    rng = random.Random(cfg.seed + start_step)
     world, rank = world_and_rank()
+    if load_rows is not None:
+        load_rows(_planned_rows(objective, rows, micro, cfg, cfg.seed + start_step))
     on = params[0].device
     keys = objective.metric_keys
     metrics: list[dict[str, Any]] = []
     global_step = start_step
     attribute = "transformer" if isinstance(policy, FlowPolicy) else "model"
+    slots = cfg.grad_accum * world
     with par.forwarding(policy, attribute):
-        for epoch in range(cfg.inner_epochs):
-            order = rows[:]
-            if cfg.shuffle:
-                rng.shuffle(order)
-            chunks = objective.epoch(order, micro, rng)
-            slots = cfg.grad_accum * world
-            for first in range(0, len(chunks), slots):
-                t0 = time.perf_counter()
-                step_chunks = chunks[first : first + slots]
-                mine = step_chunks[rank * cfg.grad_accum : (rank + 1) * cfg.grad_accum]
-                # metric sums, the count of losses, then one non-finite flag per rank: one all_reduce
-                sums = torch.zeros(len(keys) + 1 + world, dtype=torch.float64)
-                failure = None
-                for c in range(cfg.grad_accum):
-                    real = c < len(mine)
-                    idx = mine[c] if real else step_chunks[0]
-                    weight = world * objective.share(idx, step_chunks, slots) / objective.per_chunk
-                    where = f"at epoch {epoch}, micro-batch {first + rank * cfg.grad_accum + c}"
-                    losses = objective.losses(idx)
-                    for t in range(objective.per_chunk):
-                        with par.sync(c == cfg.grad_accum - 1 and t == objective.per_chunk - 1):
-                            with cfg.autocast(on):
-                                loss, values = next(losses)
-                            scaler.scale(loss * (weight if real else 0.0)).backward()
-                        if not real:
-                            continue
-                        if failure is None and not bool(torch.isfinite(loss).all()):
-                            failure = f"loss is not finite {where}, trained step {t}" + (
-                                f" (rank {rank})" if world > 1 else ""
-                            )
-                        sums[: len(keys)] += torch.tensor(values, dtype=torch.float64)
-                        sums[len(keys)] += 1
-                sums[len(keys) + 1 + rank] = float(failure is not None)
-                if world > 1:
-                    sums = all_reduce_sum(sums, on)
-                where = f"at epoch {epoch}, optimizer step {global_step + 1}"
-                _raise_if_any_rank_failed(sums[len(keys) + 1 :], failure, where)
-                scaler.unscale_(optimizer)
-                grad_norm = par.clip_grad_norm(params, cfg.max_grad_norm)
-                if not scaler.is_enabled():  # under fp16 an overflow skips the step and lowers the scale
-                    _check_finite("grad norm", grad_norm, where)
-                for group in optimizer.param_groups:
-                    group["lr"] = cfg.lr * cfg.lr_factor(global_step)
-                scaler.step(optimizer)
-                scaler.update()
-                optimizer.zero_grad(set_to_none=True)
-                global_step += 1
-                if ema is not None and global_step % cfg.ema_every == 0:
-                    ema.update(named)
-                elapsed = time.perf_counter() - t0
-                seen = sum(len(idx) for idx in step_chunks)
-                count = max(float(sums[len(keys)]), 1.0)
-                record: dict[str, Any] = {k: float(v / count) for k, v in zip(keys, sums[: len(keys)])}
-                record.update(
-                    {
-                        "step": global_step,
-                        "epoch": epoch,
-                        "actor/grad_norm": float(grad_norm),
-                        "actor/lr": optimizer.param_groups[0]["lr"],
-                        "perf/samples_per_s": seen / elapsed if elapsed > 0 else math.nan,
-                        "perf/sample_steps_per_s": seen * objective.per_chunk / elapsed
-                        if elapsed > 0
-                        else math.nan,
-                        **par.memory(params, optimizer),
-                        **({"actor/grad_scale": scaler.get_scale()} if scaler.is_enabled() else {}),
-                    }
-                )
-                metrics.append(record)
-                if on_step:
-                    on_step(record)
+        for epoch, first, step_chunks, mine in _steps(objective, rows, micro, cfg, cfg.seed + start_step):
+            t0 = time.perf_counter()
+            # metric sums, the count of losses, then one non-finite flag per rank: one all_reduce
+            sums = torch.zeros(len(keys) + 1 + world, dtype=torch.float64)
+            failure = None
+            for c, (idx, real) in enumerate(mine):
+                weight = world * objective.share(idx, step_chunks, slots) / objective.per_chunk
+                where = f"at epoch {epoch}, micro-batch {first + rank * cfg.grad_accum + c}"
+                losses = objective.losses(idx)
+                for t in range(objective.per_chunk):
+                    with par.sync(c == cfg.grad_accum - 1 and t == objective.per_chunk - 1):
+                        with cfg.autocast(on):
+                            loss, values = next(losses)
+                        scaler.scale(loss * (weight if real else 0.0)).backward()
+                    if not real:
+                        continue
+                    if failure is None and not bool(torch.isfinite(loss).all()):
+                        failure = f"loss is not finite {where}, trained step {t}" + (
+                            f" (rank {rank})" if world > 1 else ""
+                        )
+                    sums[: len(keys)] += torch.tensor(values, dtype=torch.float64)
+                    sums[len(keys)] += 1
+            sums[len(keys) + 1 + rank] = float(failure is not None)
+            if world > 1:
+                sums = all_reduce_sum(sums, on)
+            where = f"at epoch {epoch}, optimizer step {global_step + 1}"
+            _raise_if_any_rank_failed(sums[len(keys) + 1 :], failure, where)
+            scaler.unscale_(optimizer)
+            grad_norm = par.clip_grad_norm(params, cfg.max_grad_norm)
+            if not scaler.is_enabled():  # under fp16 an overflow skips the step and lowers the scale
+                _check_finite("grad norm", grad_norm, where)
+            for group in optimizer.param_groups:
+                group["lr"] = cfg.lr * cfg.lr_factor(global_step)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            global_step += 1
+            if ema is not None and global_step % cfg.ema_every == 0:
+                ema.update(named)
+            elapsed = time.perf_counter() - t0
+            seen = sum(len(idx) for idx in step_chunks)
+            count = max(float(sums[len(keys)]), 1.0)
+            record: dict[str, Any] = {k: float(v / count) for k, v in zip(keys, sums[: len(keys)])}
+            record.update(
+                {
+                    "step": global_step,
+                    "epoch": epoch,
+                    "actor/grad_norm": float(grad_norm),
+                    "actor/lr": optimizer.param_groups[0]["lr"],
+                    "perf/samples_per_s": seen / elapsed if elapsed > 0 else math.nan,
+                    "perf/sample_steps_per_s": seen * objective.per_chunk / elapsed
+                    if elapsed > 0
+                    else math.nan,
+                    **par.memory(params, optimizer),
+                    **({"actor/grad_scale": scaler.get_scale()} if scaler.is_enabled() else {}),
+                }
+            )
+            metrics.append(record)
+            if on_step:
+                on_step(record)
     new_old = None
     if algo.name == "nft":  # θ_old ← λ·θ_old + (1−λ)·θ after the epoch (DiffusionNFT)
         decay = nft_old_decay(global_step, cfg.old_decay)

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import fails, online_args, run, staged_update_args
+from helpers import fails, online_args, run, staged_update_args, torchrun
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from stages.reporting import reward_statistics
@@ -225,3 +225,26 @@ def test_online_logs_rewards_and_actor_metrics(staged: dict[str, Path], tmp_path
     assert {k: logged[k] for k in stats} == {k: [(0, f32(v))] for k, v in stats.items()}
     # report afterwards adds only the grid
     assert run("report", str(out), "--report-to", "tensorboard")["points_sent"] == 1
+
+
+@pytest.mark.distributed
+def test_only_rank_0_logs_under_a_launcher(staged: dict[str, Path], tmp_path: Path) -> None:
+    out = tmp_path / "dist" / "it1" / "policy"
+    torchrun(*staged_update_args(staged, out, "--micro-batch", "1", "--report-to", "tensorboard"))
+    logdir = tmp_path / "dist" / TRACKING_DIR / "tensorboard" / "dist"
+    assert len(list(logdir.glob("events.out.tfevents.*"))) == 1  # one writer: rank 0's
+    records = metrics_of(out)
+    assert scalars(events(tmp_path / "dist", "dist"))["actor/pg_loss"] == [
+        (r["step"], f32(r["actor/pg_loss"])) for r in records
+    ]
+
+
+def test_a_response_sheet_is_logged_as_text(tmp_path: Path) -> None:
+    sheet = tmp_path / "r" / "it3" / "responses.md"
+    sheet.parent.mkdir(parents=True)
+    sheet.write_text("# Responses\n\n| sample | reward | response |\n|---|---|---|\n| s0 | 1.0000 | 4 |\n")
+    with Tracking(["tensorboard"], tmp_path / "r") as tracking:
+        tracking.log_responses(3, sheet)
+        tracking.log_responses(3, sheet)  # sent once
+    (logged,) = events(tmp_path / "r", "r").Tensors("samples/responses/text_summary")
+    assert logged.step == 3 and logged.tensor_proto.string_val == [sheet.read_bytes()]

@@ -74,3 +74,25 @@ OverwriteOpt = Annotated[
         "--overwrite", help="Replace an output produced with a different config.", rich_help_panel=IO
     ),
 ]
+TRACKING = "Tracking"
+ReportToOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--report-to",
+        metavar="NAME[,NAME]",
+        help="Experiment trackers to log to, comma-separated or repeated: tensorboard, wandb, trackio, "
+        "mlflow, comet_ml, aim, clearml, dvclive, swanlab (Accelerate's trackers), all (every installed one) "
+        "or none (default). Every process of a run logs into one tracker run named after the run directory "
+        "(runs/x/it3/policy → x); TensorBoard logs go to RUN/tracking/tensorboard/NAME. Only rank 0 logs.",
+        rich_help_panel=TRACKING,
+    ),
+]
+RunNameOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--run-name",
+        help="Name of the tracker run (default: the run directory's name); give every command of the run "
+        "the same one.",
+        rich_help_panel=TRACKING,
+    ),
+]

@@ -125,6 +125,8 @@ NOT_IDENTITY = (
     "shard_rows",
     "strategy",
     "gradient_checkpointing",
+    "report_to",
+    "run_name",
 )
 # Options naming the weights that determine the output: their content digests join the identity, so
 # a re-run under retrained or replaced weights redoes the work. (Prompt files and plugin sources are

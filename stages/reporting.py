@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,17 @@ def iterations(run: Path) -> list[tuple[int, Path]]:
         (int(m.group(1)), p) for p in run.iterdir() if (m := ITER_DIR.match(p.name)) and p.is_dir()
     )
     return found
+
+
+def reward_statistics(rewards: Mapping[str, Any]) -> dict[str, float]:
+    """`<column>/mean` and `<column>/std` (population) of every float reward column (`reward`,
+    `reward.<name>`) of a scored batch: what `score` reports and the trackers log."""
+    stats = {}
+    for key, column in rewards.items():
+        if key.startswith("reward") and column.dtype.is_floating_point:
+            stats[f"{key}/mean"] = float(column.mean())
+            stats[f"{key}/std"] = float(column.std(unbiased=False))
+    return stats
 
 
 def collect(run: Path) -> list[dict[str, Any]]:

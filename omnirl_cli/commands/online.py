@@ -11,7 +11,7 @@ import typer
 from ..config import load_yaml, parse_set
 from ..console import emit_json, err
 from ..errors import handle_errors
-from ..options import JsonOpt, OverwriteOpt, SetOpt
+from ..options import JsonOpt, OverwriteOpt, ReportToOpt, RunNameOpt, SetOpt
 
 # Preset keys of the `sample` section that are named differently in SampleConfig.
 RUN_KEYS = ("group_size", "num_prompts")
@@ -84,6 +84,8 @@ def online(
     ] = None,
     dtype: Annotated[str, typer.Option("--dtype", help="fp32, bf16 or fp16.")] = "fp32",
     threads: Annotated[int, typer.Option("--threads", min=1, help="torch threads per worker process.")] = 1,
+    report_to: ReportToOpt = None,
+    run_name: RunNameOpt = None,
     overwrite: OverwriteOpt = False,
     set_: SetOpt = None,
     json_: JsonOpt = False,
@@ -96,7 +98,8 @@ def online(
     online_run.json: a re-run with others is refused (--overwrite discards the old run's it<K>
     directories and starts over). SIGTERM stops the run as Ctrl-C does (exit 130); the workers end
     with the driver, even when it is killed. With --max-staleness 0 and the same seeds an iteration
-    computes what the staged commands compute.
+    computes what the staged commands compute. --report-to logs each iteration's reward statistics and
+    actor metrics as the staged score and update do (the run directory is --out).
 
     Example: [bold]omnirl online --config recipes/configs/demo_tiny.yaml --model models/sd3-tiny \\
     --prompts recipes/demo_prompts.txt --reward jpeg_compressibility --iterations 4 --out runs/online[/]
@@ -107,9 +110,12 @@ def online(
     from stages.sample.prompts import read_prompts
     from stages.sample.rollout import SampleConfig
     from stages.score.registry import check_reward_args, parse_reward_args, parse_reward_spec
+    from stages.tracking import Tracking, parse_report_to
     from stages.update.trainer import UpdateConfig
 
     from ..runtime import device
+
+    tracking = Tracking(parse_report_to(report_to), out, run_name)
 
     if is_vlm_model(model):
         raise UserInputError(
@@ -150,13 +156,14 @@ def online(
         seed=seed,
     )
     prepare_run(cfg, overwrite=overwrite)
-    if json_:
-        emit_json({"out": str(out), "iterations": run_online(cfg, device=device())})
-    else:
-        _run_live(cfg, out, device())
+    with tracking:
+        if json_:
+            emit_json({"out": str(out), "iterations": run_online(cfg, device=device(), tracking=tracking)})
+        else:
+            _run_live(cfg, out, device(), tracking)
 
 
-def _run_live(cfg: Any, out: Path, dev: Any) -> None:
+def _run_live(cfg: Any, out: Path, dev: Any, tracking: Any) -> None:
     """Run with a live table on stderr, one row per iteration."""
     from rich.live import Live
     from rich.table import Table
@@ -196,7 +203,7 @@ def _run_live(cfg: Any, out: Path, dev: Any) -> None:
 
     try:
         with Live(table, console=err, refresh_per_second=2):
-            run_online(cfg, device=dev, on_iteration=show)
+            run_online(cfg, device=dev, on_iteration=show, tracking=tracking)
     finally:
         if not err.is_terminal:  # Live ends its table with a newline on a terminal only
             err.line()

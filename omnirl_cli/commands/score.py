@@ -11,7 +11,17 @@ import typer
 from ..config import resolve
 from ..console import emit_json, log
 from ..errors import handle_errors
-from ..options import ConfigOpt, FormatOpt, InOpt, JsonOpt, OutOpt, OverwriteOpt, SetOpt
+from ..options import (
+    ConfigOpt,
+    FormatOpt,
+    InOpt,
+    JsonOpt,
+    OutOpt,
+    OverwriteOpt,
+    ReportToOpt,
+    RunNameOpt,
+    SetOpt,
+)
 from ..runtime import check_format, finalize, map_shards, open_inputs, plugin_files, run_config
 
 
@@ -57,6 +67,8 @@ def score(
         ),
     ] = "fail",
     fmt: FormatOpt = "parquet",
+    report_to: ReportToOpt = None,
+    run_name: RunNameOpt = None,
     overwrite: OverwriteOpt = False,
     config: ConfigOpt = None,
     set_: SetOpt = None,
@@ -71,6 +83,9 @@ def score(
     / trl_reward). Meta holds the prompt row's ground_truth, data_source, extra_info,
     max_response_length and response_length.
 
+    --report-to logs reward/mean, reward/std and reward.<name>/mean, /std at the iteration K of --out
+    RUN/it<K>/rewards (0 outside that layout).
+
     VLM: [bold]omnirl score --in run/it0/samples --reward accuracy=0.9 --reward format_boxed=0.1 --out run/it0/rewards[/]
 
     Example: [bold]omnirl score --in run/it0/samples --reward ocr --reward jpeg_compressibility=0.1 --out run/it0/rewards[/]
@@ -79,11 +94,14 @@ def score(
     --reward-arg pickscore.processor=/models/CLIP-ViT-H-14-laion2B-s32B-b79K --out run/it0/rewards[/]
     """
     c = resolve(ctx, "score")
+    from stages.reporting import reward_statistics
     from stages.score.registry import check_reward_args, parse_reward_args, parse_reward_spec
     from stages.score.stage import needed_columns, score_shard
     from stages.shards.reader import rollout_modality
     from stages.shards.writer import ShardSetWriter
+    from stages.tracking import open_tracking, run_location
 
+    tracking = open_tracking(c["report_to"], c["out"], c["run_name"])
     specs = [parse_reward_spec(s) for s in c["reward"] or []]
     if not specs:
         from stages.errors import UserInputError
@@ -127,11 +145,9 @@ def score(
     from stages.shards.reader import ShardSet
 
     rewards = ShardSet(c["out"]).read_all()
-    result = {"out": str(c["out"]), "rows": len(rewards["sample_id"])}
-    for key in [k for k in rewards if k.startswith("reward")]:
-        if rewards[key].dtype.is_floating_point:
-            result[f"{key}/mean"] = float(rewards[key].mean())
-            result[f"{key}/std"] = float(rewards[key].std(unbiased=False))
+    result = {"out": str(c["out"]), "rows": len(rewards["sample_id"]), **reward_statistics(rewards)}
+    with tracking:
+        tracking.log_rewards(run_location(c["out"])[1] or 0, rewards)
     # this process's scoring speed per reward (images are decoded once per batch for all of them)
     result.update({f"perf/{name}/samples_per_s": scored[0] / t for name, t in seconds.items() if t > 0})
     if json_:

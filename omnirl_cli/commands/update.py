@@ -10,7 +10,17 @@ import typer
 from ..config import resolve
 from ..console import emit_json, log, progress
 from ..errors import handle_errors
-from ..options import ADAPTER_HELP, ConfigOpt, InOpt, JsonOpt, OutOpt, OverwriteOpt, SetOpt
+from ..options import (
+    ADAPTER_HELP,
+    ConfigOpt,
+    InOpt,
+    JsonOpt,
+    OutOpt,
+    OverwriteOpt,
+    ReportToOpt,
+    RunNameOpt,
+    SetOpt,
+)
 from ..runtime import device, open_inputs, run_config
 
 OPT = "Optimisation"
@@ -296,6 +306,8 @@ def update(
     seed: Annotated[
         int, typer.Option("--seed", help="Seeds LoRA init and shuffling.", rich_help_panel=OPT)
     ] = 0,
+    report_to: ReportToOpt = None,
+    run_name: RunNameOpt = None,
     overwrite: OverwriteOpt = False,
     config: ConfigOpt = None,
     set_: SetOpt = None,
@@ -318,6 +330,8 @@ def update(
     N ranks equal one process with N·grad_accum (DDP, or FSDP2 with --strategy fsdp2 or an fsdp_version 2
     accelerate config; recipes/accelerate/ has configs). Rank 0 writes the adapter and prints the report.
 
+    --report-to logs every metrics.jsonl record as it is made, at its global optimizer step.
+
     Example: [bold]omnirl update --model models/sd3-tiny --in run/it0/samples --in run/it0/advantages \\
     --algo flow_grpo --out run/it1/policy[/]
 
@@ -326,18 +340,21 @@ def update(
     """
     c = resolve(ctx, "update")
     from stages.dist import world_and_rank
+    from stages.tracking import open_tracking
     from stages.update.stage import run_update
     from stages.update.trainer import UpdateConfig
 
+    tracking = open_tracking(c["report_to"], c["out"], c["run_name"])
     cfg = UpdateConfig.from_options(c)
     cfg.validate()
     c["mixed_precision"] = cfg.mixed_precision  # the launcher's setting enters the run's identity
     src = open_inputs(c["inputs"])
-    with progress(not json_) as bar:
+    with tracking, progress(not json_) as bar:
         task = bar.add_task("updating", total=None, rate="")
 
         def on_step(record: dict) -> None:
             bar.update(task, advance=1, rate=f"loss {record.get('actor/pg_loss', 0):+.3e}")
+            tracking.log_update([record])
 
         result = run_update(
             c["model"],

@@ -43,6 +43,7 @@ import torch
 from stages.errors import RuntimeFailure, UserInputError
 from stages.sample.prompts import Prompt
 from stages.sample.rollout import SampleConfig
+from stages.tracking import Tracking
 from stages.update.trainer import UpdateConfig
 
 TENSORS = ("latents", "log_probs", "sigmas", "timesteps", "final_latent", "seed", "policy_version")
@@ -480,9 +481,11 @@ def run_online(
     device: Any = "cpu",
     overwrite: bool = False,
     on_iteration: Callable[[dict[str, Any]], None] | None = None,
+    tracking: Tracking | None = None,
 ) -> list[dict[str, Any]]:
     """Run iterations start..cfg.iterations−1 on `device` (resuming after the last checkpoint of the same
-    run, see `prepare_run`); one summary per iteration."""
+    run, see `prepare_run`); one summary per iteration. `tracking` gets each iteration's reward statistics
+    (at the iteration) and actor metrics (at their optimizer steps) once its checkpoint is written."""
     from stages.advantage.stage import compute_advantages
     from stages.models.diffusion import FlowPolicy
     from stages.update.stage import save_policy
@@ -532,6 +535,9 @@ def run_online(
             )
             if cfg.save_trajectories:
                 _save_trajectories(cfg, k, data, rewards, adv, stats, policy.family.name)
+            if tracking:
+                tracking.log_rewards(k, rewards)
+                tracking.log_update(metrics)
             summary = {
                 "iteration": k,
                 "samples": len(data["sample_id"]),

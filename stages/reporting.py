@@ -9,7 +9,7 @@ from __future__ import annotations
 import io
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,7 @@ from stages.errors import UserInputError
 from stages.shards.manifest import MANIFEST_NAME, read_manifest
 
 ITER_DIR = re.compile(r"^it(\d+)$")
+TAG_KEY = "tag"  # the prompt_meta key of a prompt's task family (GenEval metadata's "tag")
 
 
 def iterations(run: Path) -> list[tuple[int, Path]]:
@@ -29,14 +30,31 @@ def iterations(run: Path) -> list[tuple[int, Path]]:
     return found
 
 
-def reward_statistics(rewards: Mapping[str, Any]) -> dict[str, float]:
+def reward_statistics(rewards: Mapping[str, Any], meta: Sequence[Any] | None = None) -> dict[str, float]:
     """`<column>/mean` and `<column>/std` (population) of every float reward column (`reward`,
-    `reward.<name>`) of a scored batch: what `score` reports and the trackers log."""
+    `reward.<name>`) of a scored batch: what `score` reports and the trackers log.
+
+    With `meta`, the rows' prompt_meta, also `<column>/tag/<tag>/mean` over the rows of each `tag`
+    (GenEval's task families: single_object, two_object, counting, colors, position, color_attr), so a
+    strict 0/1 reward such as geneval_strict reports GenEval's per-tag accuracy, and `<column>/tag_mean`,
+    their unweighted mean (GenEval's overall score).
+    """
+    import torch
+
+    tags = [m.get(TAG_KEY) if isinstance(m, Mapping) else None for m in meta or ()]
+    groups: dict[str, torch.Tensor] = {}
+    for tag in sorted({t for t in tags if isinstance(t, str) and t}):
+        groups[tag] = torch.tensor([t == tag for t in tags])
     stats = {}
     for key, column in rewards.items():
         if key.startswith("reward") and column.dtype.is_floating_point:
             stats[f"{key}/mean"] = float(column.mean())
             stats[f"{key}/std"] = float(column.std(unbiased=False))
+            per_tag = [float(column[rows].double().mean()) for rows in groups.values()]
+            for tag, value in zip(groups, per_tag):
+                stats[f"{key}/tag/{tag}/mean"] = value
+            if per_tag:
+                stats[f"{key}/tag_mean"] = sum(per_tag) / len(per_tag)
     return stats
 
 

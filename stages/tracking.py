@@ -32,7 +32,7 @@ import json
 import os
 import re
 import secrets
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -158,11 +158,14 @@ class Tracking:
             }
             self.log("update", int(record["step"]), values)
 
-    def log_rewards(self, iteration: int, rewards: Mapping[str, Any]) -> None:
-        """Mean and std of each reward column (score's `reward/mean`, `reward.<name>/std` ...) at `iteration`."""
+    def log_rewards(
+        self, iteration: int, rewards: Mapping[str, Any], meta: Sequence[Any] | None = None
+    ) -> None:
+        """Mean and std of each reward column (score's `reward/mean`, `reward.<name>/std` ...) at
+        `iteration`, and with the rows' prompt_meta `meta` the per-tag means (`reward_statistics`)."""
         from stages.reporting import reward_statistics
 
-        self.log("score", iteration, reward_statistics(rewards))
+        self.log("score", iteration, reward_statistics(rewards, meta))
 
     def log_grid(self, iteration: int, png: Path) -> None:
         """An image grid (`report`'s it<K>/grid.png) at `iteration`, to the trackers that take images."""
@@ -298,7 +301,12 @@ def replay(tracking: Tracking, run: Path, sheets: Iterable[tuple[int, Path]] = (
     before = tracking.sent
     for k, it in iterations(run):
         if (it / "rewards" / MANIFEST_NAME).is_file():
-            tracking.log_rewards(k, ShardSet(it / "rewards").read_all())
+            meta = None
+            if (it / "samples" / MANIFEST_NAME).is_file() and "prompt_meta" in ShardSet(
+                it / "samples"
+            ).columns:
+                meta = ShardSet(it / "samples").read_all(["prompt_meta"])["prompt_meta"]
+            tracking.log_rewards(k, ShardSet(it / "rewards").read_all(), meta)
         metrics = it / "policy" / METRICS
         if metrics.is_file():
             tracking.log_update(json.loads(line) for line in metrics.read_text().splitlines() if line.strip())

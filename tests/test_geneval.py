@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from stages.errors import UserInputError
@@ -448,3 +449,28 @@ def test_prompt_file_round_trip_through_the_cli_entry(task, tmp_path):
     assert scores == [1.0] * 12
     with pytest.raises(SystemExit):
         task.main(["--out", str(tmp_path / "x.parquet"), "--num-prompts", "2"])
+
+
+def test_reward_statistics_report_genevals_per_tag_accuracy_and_overall_score():
+    """score's statistics of a strict 0/1 column grouped by the prompts' tags equal GenEval's own
+    per-tag accuracy and overall score (computed from the verdicts by `tag_accuracy`)."""
+    from stages.reporting import reward_statistics
+
+    cases = [
+        (WINE_GLASSES, [det("wine glass"), det("wine glass", LEFT)]),
+        (WINE_GLASSES, [det("wine glass")]),
+        (WINE_GLASSES, [det("wine glass")] * 3),
+        (BOWL, [det("bowl")]),
+        (COW_RIGHT_OF_LAPTOP, [det("laptop", MIDDLE), det("cow", LEFT)]),
+    ]
+    results = [evaluate(meta, found) for meta, found in cases]
+    strict = torch.tensor([float(r.strict) for r in results])
+    stats = reward_statistics(
+        {"reward": strict, "reward.geneval_strict": strict}, [meta for meta, _ in cases]
+    )
+    per_tag = tag_accuracy(results)
+    for tag, accuracy in per_tag.items():
+        assert stats[f"reward.geneval_strict/tag/{tag}/mean"] == pytest.approx(accuracy)
+    assert stats["reward.geneval_strict/tag_mean"] == pytest.approx(overall_accuracy(per_tag))
+    assert stats["reward/mean"] == pytest.approx(2 / 5)
+    assert not any("/tag" in k for k in reward_statistics({"reward": strict}, [{}] * 5))

@@ -145,9 +145,10 @@ def score(
     from stages.shards.reader import ShardSet
 
     rewards = ShardSet(c["out"]).read_all()
-    result = {"out": str(c["out"]), "rows": len(rewards["sample_id"]), **reward_statistics(rewards)}
+    meta = src.read_all(["prompt_meta"])["prompt_meta"] if "prompt_meta" in src.columns else None
+    result = {"out": str(c["out"]), "rows": len(rewards["sample_id"]), **reward_statistics(rewards, meta)}
     with tracking:
-        tracking.log_rewards(run_location(c["out"])[1] or 0, rewards)
+        tracking.log_rewards(run_location(c["out"])[1] or 0, rewards, meta)
     # this process's scoring speed per reward (images are decoded once per batch for all of them)
     result.update({f"perf/{name}/samples_per_s": scored[0] / t for name, t in seconds.items() if t > 0})
     if json_:

@@ -31,6 +31,8 @@ AESTHETIC_HIDDEN = (1024, 128, 64, 16)
 AESTHETIC_DROPOUT = (0.2, 0.2, 0.1)
 
 TINY = {"width": 32, "layers": 2, "heads": 2, "ff": 64, "projection": 16, "image_size": 32, "patch": 8}
+# A ViT-B/32-shaped model at a quarter of its width: big enough that scoring time is the model's (benchmarks).
+SMALL = {"width": 192, "layers": 6, "heads": 4, "ff": 768, "projection": 128, "image_size": 224, "patch": 32}
 
 
 class AestheticMLP(torch.nn.Module):
@@ -103,8 +105,9 @@ def tower_configs(tokenizer: Any, size: dict[str, int], text_length: int) -> tup
     return text, {**tower, "image_size": size["image_size"], "patch_size": size["patch"]}
 
 
-def build_tiny_clip(path: str | Path, seed: int = 0) -> dict[str, Any]:
-    """Write a random tiny `CLIPModel` + processor + aesthetic MLP into the new or empty folder `path`.
+def build_tiny_clip(path: str | Path, seed: int = 0, size: dict[str, int] = TINY) -> dict[str, Any]:
+    """Write a random `CLIPModel` of `size` (TINY for tests, SMALL for benchmarks) + processor + aesthetic
+    MLP into the new or empty folder `path`.
 
     `CLIPModel.from_pretrained(path)` and `CLIPProcessor.from_pretrained(path)` read it back; the MLP is
     `path/AESTHETIC_MLP_FILE`. The same seed writes the same weights. Returns a summary (parameters,
@@ -117,7 +120,6 @@ def build_tiny_clip(path: str | Path, seed: int = 0) -> dict[str, Any]:
 
     out = fresh_dir(path)
     tokenizer = build_clip_tokenizer()
-    size = TINY
     text, vision = tower_configs(tokenizer, size, tokenizer.model_max_length)
     config = CLIPConfig(text_config=text, vision_config=vision, projection_dim=size["projection"])
     with seeded(seed, "clip"):

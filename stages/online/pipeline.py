@@ -536,7 +536,7 @@ def run_online(
             if cfg.save_trajectories:
                 _save_trajectories(cfg, k, data, rewards, adv, stats, policy.family.name)
             if tracking:
-                tracking.log_rewards(k, rewards)
+                tracking.log_rewards(k, rewards, data.get("prompt_meta"))
                 tracking.log_update(metrics)
             summary = {
                 "iteration": k,

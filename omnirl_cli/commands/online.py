@@ -102,6 +102,7 @@ def online(
     --prompts recipes/demo_prompts.txt --reward jpeg_compressibility --iterations 4 --out runs/online[/]
     """
     from stages.errors import UserInputError
+    from stages.models.hub import locate
     from stages.models.vlm import is_vlm_model
     from stages.online.pipeline import OnlineConfig, prepare_run, run_online
     from stages.sample.prompts import read_prompts
@@ -111,6 +112,7 @@ def online(
 
     from ..runtime import device
 
+    model = locate(model, "--model")
     if is_vlm_model(model):
         raise UserInputError(
             f"--model {model}: omnirl online trains diffusion models; run a VLM through the staged "

@@ -264,6 +264,32 @@ def test_a_peft_lora_samples_replays_and_trains(
     assert continued.transformer.peft_config["default"].lora_alpha == 8
 
 
+def test_update_refuses_a_lora_that_also_changes_a_text_encoder(
+    tiny_sd3: Path, staged: dict[str, Path], tmp_path: Path
+) -> None:
+    from peft import LoraConfig, inject_adapter_in_model
+    from peft.utils import get_peft_model_state_dict
+
+    pipe = _lora_pipe(tiny_sd3, 4)
+    config = LoraConfig(r=2, init_lora_weights=False, target_modules=["q_proj"])
+    inject_adapter_in_model(config, pipe.text_encoder)
+    folder = tmp_path / "with-text-encoder"
+    type(pipe).save_lora_weights(
+        folder,
+        transformer_lora_layers=get_peft_model_state_dict(pipe.transformer),
+        text_encoder_lora_layers=get_peft_model_state_dict(pipe.text_encoder),
+    )
+    assert FlowPolicy.load(tiny_sd3, adapter=folder).untrained_loras() == ["text_encoder"]
+    out = tmp_path / "policy"
+    args = ["update", "--model", str(staged["model"]), "--adapter", str(folder), "--out", str(out)]
+    fails(
+        [*args, *ins(staged["samples"], staged["logprobs"], staged["advantages"])],
+        f"--adapter {folder}",
+        "text_encoder",
+    )
+    assert not out.exists()
+
+
 def test_an_unrecognised_folder_names_the_layouts_it_takes(staged: dict[str, Path], tmp_path: Path) -> None:
     folder = tmp_path / "weights"
     folder.mkdir()

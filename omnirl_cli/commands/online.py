@@ -11,7 +11,7 @@ import typer
 from ..config import load_yaml, parse_set
 from ..console import emit_json, err
 from ..errors import handle_errors
-from ..options import JsonOpt, OverwriteOpt, SetOpt
+from ..options import WEIGHTS_FROM, JsonOpt, OverwriteOpt, SetOpt
 
 # Preset keys of the `sample` section that are named differently in SampleConfig.
 RUN_KEYS = ("group_size", "num_prompts")
@@ -44,7 +44,7 @@ def online(
     config: Annotated[
         Path, typer.Option("--config", help="YAML preset (sample / score / advantage / update sections).")
     ],
-    model: Annotated[Path, typer.Option("--model", "-m", help="Diffusers pipeline folder.")],
+    model: Annotated[Path, typer.Option("--model", "-m", help=f"Diffusers pipeline: {WEIGHTS_FROM}.")],
     prompts: Annotated[Path, typer.Option("--prompts", help="Prompt file (.txt, .jsonl, .csv, .parquet).")],
     out: Annotated[
         Path, typer.Option("--out", "-o", help="Run directory: it<K>/policy checkpoints (and shard sets).")

@@ -204,6 +204,16 @@ class FlowPolicy:
         """The trained network (the family's trained module, e.g. the transformer)."""
         return unwrap(self.transformer)
 
+    def untrained_loras(self) -> list[str]:
+        """Pipeline components besides the trained module that carry LoRA layers (a diffusers LoRA file's
+        text-encoder weights): applied when sampling, but never trained or saved."""
+        trained = self.family.trained_module
+        return sorted(
+            name
+            for name, module in self.pipe.components.items()
+            if name != trained and getattr(module, "peft_config", None)
+        )
+
     def gradient_checkpointing(self) -> None:
         """Recompute the trained module's activations in the backward instead of keeping them
         (diffusers' per-block checkpointing): less memory, one more forward per trained step."""

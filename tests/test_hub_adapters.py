@@ -126,6 +126,18 @@ def test_a_hub_id_not_in_the_cache_is_one_line(
     assert not (tmp_path / "out").exists()
 
 
+def test_online_takes_the_same_hub_ids(hub: Path, staged: dict[str, Path], tmp_path: Path) -> None:
+    missing, preset = "omnirl-test/not-cached@v1", tmp_path / "preset.yaml"
+    preset.write_text("{}\n")
+    args = ["online", "--config", str(preset), "--model", missing, "--prompts", str(staged["prompts"])]
+    fails(
+        [*args, "--out", str(tmp_path / "run")],
+        f"--model {missing}",
+        "`hf download omnirl-test/not-cached --revision v1`",
+    )
+    assert not (tmp_path / "run").exists()
+
+
 # ------------------------------------------------------------------------------ LoRAs of other tools
 
 
@@ -207,6 +219,23 @@ def test_a_lora_of_another_tool_loads_as_applied_by_hand(
 
     assert ours.lora and torch.equal(v(ours), v(hand))
     assert (v(ours) - v(base)).abs().max() > 1e-3  # the LoRA changes the model
+
+
+def test_a_peft_lora_with_weights_that_fit_no_layer_is_refused(
+    third_party: dict[str, Path], tiny_sd3: Path, tmp_path: Path
+) -> None:
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "renamed"
+    shutil.copytree(third_party["peft"], folder)
+    state = load_file(folder / "adapter_model.safetensors")
+    key = sorted(state)[0]
+    state[key.replace("transformer_blocks.0.", "transformer_blocks.9.")] = state.pop(key)
+    save_file(state, folder / "adapter_model.safetensors")
+    with pytest.raises(UserInputError, match="1 of its LoRA weights fit no layer of the transformer"):
+        FlowPolicy.load(tiny_sd3, adapter=folder)
 
 
 def test_a_peft_lora_samples_replays_and_trains(

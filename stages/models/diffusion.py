@@ -145,9 +145,18 @@ def load_lora(pipe: Any, trained: str, folder: Path) -> None:
             f"--adapter {folder}: a PEFT LoRA folder without {PEFT_WEIGHTS} (omnirl reads safetensors "
             "weights only); save it with `save_pretrained(..., safe_serialization=True)`"
         )
+    from peft.utils import get_peft_model_state_dict
+
     state = {k.removeprefix(PEFT_PREFIX): v for k, v in load_file(folder / PEFT_WEIGHTS).items()}
     config = lora_metadata(LoraConfig.from_pretrained(str(folder)))
     module.load_lora_adapter(state, prefix=None, adapter_name="default", metadata=config)
+    # diffusers only warns about weights that fit no layer; those layers would keep their init
+    unused = sorted(set(state) - set(get_peft_model_state_dict(module, adapter_name="default")))
+    if unused:
+        raise UserInputError(
+            f"--adapter {folder}: {len(unused)} of its LoRA weights fit no layer of the {trained} (first: "
+            f"{unused[0]}); pass a LoRA trained from this base model"
+        )
 
 
 @contextmanager

@@ -137,7 +137,22 @@ def resolve(ctx: typer.Context, command: str) -> dict[str, Any]:
     flags = {p.name: p.opts[0] for p in ctx.command.params if p.name and p.opts}
     for name, value in resolved.items():
         _check_finite(flags.get(name, name), value)
+    _locate_weights(resolved, flags)
     return resolved
+
+
+def _locate_weights(resolved: dict[str, Any], flags: dict[str, str]) -> None:
+    """Replace each weights option (--model, --adapter) that spells a Hub id with the snapshot folder the
+    local Hugging Face cache holds for it, so every stage loads and hashes a folder; a path that exists
+    wins (`stages.models.hub.locate`)."""
+    from stages.models.hub import locate
+
+    from .runtime import CONTENT_OPTIONS
+
+    for name in CONTENT_OPTIONS:
+        value = resolved.get(name)
+        if value is not None and not Path(value).expanduser().exists():
+            resolved[name] = locate(value, flags.get(name, f"--{name}"))
 
 
 def _check_finite(flag: str, value: Any) -> None:

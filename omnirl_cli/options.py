@@ -8,7 +8,15 @@ from typing import Annotated
 import typer
 
 IO = "Input / output"
-ADAPTER_HELP = "an `omnirl update` output, a diffusers LoRA folder, or for a VLM a PEFT folder"
+# Where --model and --adapter weights may be (stages.models.hub).
+WEIGHTS_FROM = (
+    "a local path, or a Hub id ORG/NAME (or ORG/NAME@REVISION) the local Hugging Face cache holds "
+    "(never downloaded)"
+)
+ADAPTER_HELP = (
+    "an `omnirl update` output, a diffusers LoRA folder (`save_lora_weights`) or a PEFT LoRA folder "
+    f"(`save_pretrained`; a VLM takes PEFT only); {WEIGHTS_FROM}"
+)
 RUN = "Run"
 
 ConfigOpt = Annotated[

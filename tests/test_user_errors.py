@@ -23,7 +23,7 @@ from PIL import Image
 from safetensors.torch import load_file, save_file
 from transformers.utils import logging as transformers_logging
 
-from stages.models.diffusion import ADAPTER_CONFIG, LORA_WEIGHTS, PEFT_CONFIG
+from stages.models.diffusion import ADAPTER_CONFIG, LORA_WEIGHTS, PEFT_CONFIG, PEFT_WEIGHTS
 from stages.shards.manifest import MANIFEST_NAME
 from stages.shards.reader import ShardSet
 
@@ -218,9 +218,9 @@ def bad_adapters(staged: dict[str, Path], tmp_path_factory: pytest.TempPathFacto
     (a["corrupt json"] / ADAPTER_CONFIG).write_text('{"kind": ')
     a["no kind"] = copy("nokind")
     (a["no kind"] / ADAPTER_CONFIG).write_text(json.dumps({"step": 3}))
-    a["peft on diffusion"] = root / "peft"
-    a["peft on diffusion"].mkdir()
-    (a["peft on diffusion"] / PEFT_CONFIG).write_text(json.dumps({"peft_type": "LORA", "r": 4}))
+    a["peft without weights"] = root / "peft"
+    a["peft without weights"].mkdir()
+    (a["peft without weights"] / PEFT_CONFIG).write_text(json.dumps({"peft_type": "LORA", "r": 4}))
     a["damaged weights"] = copy("damaged")
     weights = a["damaged weights"] / LORA_WEIGHTS
     weights.write_bytes(weights.read_bytes()[:100])
@@ -239,7 +239,7 @@ SAYS = {
     "no adapter": f"no {ADAPTER_CONFIG}, {LORA_WEIGHTS} or {PEFT_CONFIG}",
     "corrupt json": "is not valid JSON",
     "no kind": 'no "kind" of lora or full',
-    "peft on diffusion": f"a PEFT LoRA folder ({PEFT_CONFIG}), which this --model does not load",
+    "peft without weights": f"a PEFT LoRA folder without {PEFT_WEIGHTS}",
     "damaged weights": "its weights do not load onto --model",
     "other base model": "size mismatch",
 }

@@ -10,7 +10,7 @@ import typer
 from ..config import resolve
 from ..console import emit_json, log
 from ..errors import handle_errors
-from ..options import ConfigOpt, FormatOpt, InOpt, JsonOpt, OutOpt, OverwriteOpt, SetOpt
+from ..options import WEIGHTS_FROM, ConfigOpt, FormatOpt, InOpt, JsonOpt, OutOpt, OverwriteOpt, SetOpt
 from ..runtime import check_format, device, finalize, map_shards, open_inputs, policy_info, run_config
 
 
@@ -20,7 +20,7 @@ def encode(
     inputs: InOpt = None,
     out: OutOpt = Path("latents"),
     model: Annotated[
-        Path, typer.Option("--model", "-m", help="Diffusers pipeline folder (its VAE encodes).")
+        Path, typer.Option("--model", "-m", help=f"Diffusers pipeline (its VAE encodes): {WEIGHTS_FROM}.")
     ] = Path("model"),
     resolution: Annotated[
         int,

@@ -10,7 +10,17 @@ import typer
 from ..config import resolve
 from ..console import emit_json, log
 from ..errors import handle_errors
-from ..options import ADAPTER_HELP, ConfigOpt, FormatOpt, InOpt, JsonOpt, OutOpt, OverwriteOpt, SetOpt
+from ..options import (
+    ADAPTER_HELP,
+    WEIGHTS_FROM,
+    ConfigOpt,
+    FormatOpt,
+    InOpt,
+    JsonOpt,
+    OutOpt,
+    OverwriteOpt,
+    SetOpt,
+)
 from ..runtime import check_format, device, finalize, map_shards, open_inputs, policy_info, run_config
 
 
@@ -20,7 +30,7 @@ def logprob(
     inputs: InOpt = None,
     out: OutOpt = Path("logprobs"),
     model: Annotated[
-        Path, typer.Option("--model", "-m", help="Diffusers pipeline folder or transformers VLM folder.")
+        Path, typer.Option("--model", "-m", help=f"Diffusers pipeline or transformers VLM: {WEIGHTS_FROM}.")
     ] = Path("model"),
     adapter: Annotated[
         Path | None,

@@ -11,7 +11,7 @@ import typer
 from ..config import load_yaml, parse_set
 from ..console import emit_json, err
 from ..errors import handle_errors
-from ..options import JsonOpt, OverwriteOpt, ReportToOpt, RunNameOpt, SetOpt
+from ..options import WEIGHTS_FROM, JsonOpt, OverwriteOpt, ReportToOpt, RunNameOpt, SetOpt
 
 # Preset keys of the `sample` section that are named differently in SampleConfig.
 RUN_KEYS = ("group_size", "num_prompts")
@@ -44,7 +44,7 @@ def online(
     config: Annotated[
         Path, typer.Option("--config", help="YAML preset (sample / score / advantage / update sections).")
     ],
-    model: Annotated[Path, typer.Option("--model", "-m", help="Diffusers pipeline folder.")],
+    model: Annotated[Path, typer.Option("--model", "-m", help=f"Diffusers pipeline: {WEIGHTS_FROM}.")],
     prompts: Annotated[Path, typer.Option("--prompts", help="Prompt file (.txt, .jsonl, .csv, .parquet).")],
     out: Annotated[
         Path, typer.Option("--out", "-o", help="Run directory: it<K>/policy checkpoints (and shard sets).")
@@ -105,6 +105,7 @@ def online(
     --prompts recipes/demo_prompts.txt --reward jpeg_compressibility --iterations 4 --out runs/online[/]
     """
     from stages.errors import UserInputError
+    from stages.models.hub import locate
     from stages.models.vlm import is_vlm_model
     from stages.online.pipeline import OnlineConfig, prepare_run, run_online
     from stages.sample.prompts import read_prompts
@@ -115,6 +116,7 @@ def online(
 
     from ..runtime import device
 
+    model = locate(model, "--model")
     tracking = Tracking(parse_report_to(report_to), out, run_name)
 
     if is_vlm_model(model):

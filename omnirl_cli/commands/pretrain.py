@@ -11,7 +11,7 @@ import typer
 from ..config import resolve
 from ..console import emit_json, log, progress
 from ..errors import handle_errors
-from ..options import ConfigOpt, JsonOpt, SetOpt
+from ..options import WEIGHTS_FROM, ConfigOpt, JsonOpt, SetOpt
 
 IO = "Input / output"
 TRAIN = "Training"
@@ -26,7 +26,7 @@ def pretrain(
         typer.Option(
             "--model",
             "-m",
-            help="Diffusers pipeline folder to start from, e.g. one `omnirl init-model` built.",
+            help=f"Diffusers pipeline to start from, e.g. one `omnirl init-model` built: {WEIGHTS_FROM}.",
             rich_help_panel=IO,
         ),
     ] = Path("model"),

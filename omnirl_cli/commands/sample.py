@@ -16,6 +16,7 @@ from ..console import emit_json, log, progress
 from ..errors import handle_errors
 from ..options import (
     ADAPTER_HELP,
+    WEIGHTS_FROM,
     ConfigOpt,
     FormatOpt,
     JsonOpt,
@@ -44,7 +45,7 @@ def sample(
         typer.Option(
             "--model",
             "-m",
-            help="Diffusers pipeline folder, or a transformers VLM folder (Qwen2.5-VL): text responses.",
+            help=f"Diffusers pipeline, or a transformers VLM (Qwen2.5-VL): text responses; {WEIGHTS_FROM}.",
             rich_help_panel=MODEL,
         ),
     ] = Path("model"),

@@ -12,6 +12,7 @@ from ..console import emit_json, log, progress
 from ..errors import handle_errors
 from ..options import (
     ADAPTER_HELP,
+    WEIGHTS_FROM,
     ConfigOpt,
     InOpt,
     JsonOpt,
@@ -33,13 +34,14 @@ def update(
     inputs: InOpt = None,
     out: OutOpt = Path("policy"),
     model: Annotated[
-        Path, typer.Option("--model", "-m", help="Diffusers pipeline folder or transformers VLM folder.")
+        Path, typer.Option("--model", "-m", help=f"Diffusers pipeline or transformers VLM: {WEIGHTS_FROM}.")
     ] = Path("model"),
     adapter: Annotated[
         Path | None,
         typer.Option(
             "--adapter",
-            help=f"Adapter to continue from: {ADAPTER_HELP}; omnirl's also carry optimizer, EMA and step.",
+            help=f"Adapter to continue from: {ADAPTER_HELP}. omnirl's also carry optimizer, EMA and step; "
+            "another tool's LoRA starts a fresh optimizer at step 0 with its own rank and alpha.",
         ),
     ] = None,
     dtype: Annotated[

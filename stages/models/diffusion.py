@@ -23,10 +23,14 @@ from safetensors import SafetensorError
 from stages.dist import unwrap
 from stages.errors import UserInputError
 from stages.models.families import Condition, FamilyAdapter, adapter_class
+from stages.models.hub import base_model_record
 
 ADAPTER_CONFIG = "omnirl_adapter.json"
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
 PEFT_CONFIG = "adapter_config.json"
+PEFT_WEIGHTS = "adapter_model.safetensors"
+# Where `PeftModel.save_pretrained` puts the wrapped module's own parameter names.
+PEFT_PREFIX = "base_model.model."
 ADAPTER_KINDS = ("lora", "full")
 # The file that marks each LoRA layout omnirl loads: its family and what writes it.
 LORA_LAYOUTS = {
@@ -34,8 +38,8 @@ LORA_LAYOUTS = {
     PEFT_CONFIG: ("PEFT", "`PeftModel.save_pretrained`"),
 }
 ADAPTER_FORMS = (
-    f"pass a folder written by `omnirl update`, a diffusers LoRA folder ({LORA_WEIGHTS}) or, for a VLM, "
-    f"a PEFT LoRA folder ({PEFT_CONFIG})"
+    f"pass a folder written by `omnirl update`, a diffusers LoRA folder ({LORA_WEIGHTS}, as "
+    f"`save_lora_weights` writes) or a PEFT LoRA folder ({PEFT_CONFIG}, as `save_pretrained` writes)"
 )
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -85,24 +89,74 @@ def read_adapter_config(adapter: str | Path, option: str = "--adapter") -> dict[
 
 
 def check_adapter_layout(
-    adapter: str | Path, config: dict[str, Any], *, lora_file: str, full_file: str
+    adapter: str | Path, config: dict[str, Any], *, lora_files: tuple[str, ...], full_file: str
 ) -> None:
-    """Refuse an adapter folder whose files are not the layout the loading model family reads: a LoRA
-    needs `lora_file` (diffusers: the weights, VLM: PEFT's config), a full adapter `full_file`."""
+    """Refuse an adapter folder whose files are not a layout the loading model family reads: a LoRA
+    needs one of `lora_files` (diffusion: diffusers' weights or PEFT's config, VLM: PEFT's config), a
+    full adapter `full_file`."""
     folder = Path(adapter)
-    need = lora_file if config["kind"] == "lora" else full_file
-    if (folder / need).is_file():
+    needs = lora_files if config["kind"] == "lora" else (full_file,)
+    if any((folder / need).is_file() for need in needs):
         return
-    other = next((f for f in LORA_LAYOUTS if f != lora_file and (folder / f).is_file()), None)
+    other = next((f for f in LORA_LAYOUTS if f not in lora_files and (folder / f).is_file()), None)
     if config["kind"] == "lora" and other:
+        takes = " or ".join(f"{f}, as {LORA_LAYOUTS[f][1]} writes" for f in lora_files)
         raise UserInputError(
             f"--adapter {adapter}: a {LORA_LAYOUTS[other][0]} LoRA folder ({other}), which this --model "
-            f"does not load; it takes a LoRA folder with {lora_file}, as {LORA_LAYOUTS[lora_file][1]} writes"
+            f"does not load; it takes a LoRA folder with {takes}"
         )
     raise UserInputError(
-        f"--adapter {adapter}: a {config['kind']} adapter without {need}; pass one that `omnirl update` "
-        "wrote for this --model"
+        f"--adapter {adapter}: a {config['kind']} adapter without {' or '.join(needs)}; pass one that "
+        "`omnirl update` wrote for this --model"
     )
+
+
+def lora_metadata(config: Any) -> dict[str, Any]:
+    """A PEFT `LoraConfig` as the JSON-able dict diffusers stores beside LoRA weights and rebuilds the
+    config from (`LoraConfig(**metadata)`): sets become sorted lists."""
+    meta = config.to_dict()
+    return {k: (sorted(v) if isinstance(v, set) else v) for k, v in meta.items()}
+
+
+def load_lora(pipe: Any, trained: str, folder: Path) -> None:
+    """Apply a LoRA folder to the pipeline's trained module as adapter "default".
+
+    Three layouts: diffusers' pipeline-level file (`save_lora_weights`, keys under "transformer.")
+    through the pipeline's `load_lora_weights`, which also converts other trainers' key names; the
+    module-level file (`save_lora_adapter`, keys without the prefix); and a PEFT folder
+    (`PeftModel.save_pretrained` on the module, flow_grpo's checkpoints: keys under
+    "base_model.model.", rank and alpha in adapter_config.json) through the module's
+    `load_lora_adapter` with that config. A LoRA that fits none of the module's layers leaves it bare
+    (the caller refuses it).
+    """
+    module = getattr(pipe, trained)
+    if (folder / LORA_WEIGHTS).is_file():
+        pipe.load_lora_weights(str(folder), adapter_name="default")
+        if not getattr(module, "peft_config", None):
+            module.load_lora_adapter(
+                str(folder), weight_name=LORA_WEIGHTS, prefix=None, adapter_name="default"
+            )
+        return
+    from peft import LoraConfig
+    from safetensors.torch import load_file
+
+    if not (folder / PEFT_WEIGHTS).is_file():
+        raise UserInputError(
+            f"--adapter {folder}: a PEFT LoRA folder without {PEFT_WEIGHTS} (omnirl reads safetensors "
+            "weights only); save it with `save_pretrained(..., safe_serialization=True)`"
+        )
+    from peft.utils import get_peft_model_state_dict
+
+    state = {k.removeprefix(PEFT_PREFIX): v for k, v in load_file(folder / PEFT_WEIGHTS).items()}
+    config = lora_metadata(LoraConfig.from_pretrained(str(folder)))
+    module.load_lora_adapter(state, prefix=None, adapter_name="default", metadata=config)
+    # diffusers only warns about weights that fit no layer; those layers would keep their init
+    unused = sorted(set(state) - set(get_peft_model_state_dict(module, adapter_name="default")))
+    if unused:
+        raise UserInputError(
+            f"--adapter {folder}: {len(unused)} of its LoRA weights fit no layer of the {trained} (first: "
+            f"{unused[0]}); pass a LoRA trained from this base model"
+        )
 
 
 @contextmanager
@@ -159,6 +213,16 @@ class FlowPolicy:
         """The trained network (the family's trained module, e.g. the transformer)."""
         return unwrap(self.transformer)
 
+    def untrained_loras(self) -> list[str]:
+        """Pipeline components besides the trained module that carry LoRA layers (a diffusers LoRA file's
+        text-encoder weights): applied when sampling, but never trained or saved."""
+        trained = self.family.trained_module
+        return sorted(
+            name
+            for name, module in self.pipe.components.items()
+            if name != trained and getattr(module, "peft_config", None)
+        )
+
     def gradient_checkpointing(self) -> None:
         """Recompute the trained module's activations in the backward instead of keeping them
         (diffusers' per-block checkpointing): less memory, one more forward per trained step."""
@@ -204,7 +268,9 @@ class FlowPolicy:
         config = read_adapter_config(adapter) if adapter else None
         if config:
             trained = family_class.trained_module
-            check_adapter_layout(adapter, config, lora_file=LORA_WEIGHTS, full_file=f"{trained}/config.json")
+            check_adapter_layout(
+                adapter, config, lora_files=(LORA_WEIGHTS, PEFT_CONFIG), full_file=f"{trained}/config.json"
+            )
         if config and config["kind"] == "full":  # the trained module's class, as the index names it
             library, class_name = index[trained]
             with adapter_loading(adapter, model_path):
@@ -221,7 +287,7 @@ class FlowPolicy:
                 module.eval()
         if config and config["kind"] == "lora":
             with adapter_loading(adapter, model_path):
-                pipe.load_lora_weights(str(adapter), adapter_name="default")
+                load_lora(pipe, family.trained_module, Path(adapter))
             if not getattr(getattr(pipe, family.trained_module), "peft_config", None):
                 raise UserInputError(
                     f"--adapter {adapter}: none of its LoRA weights fit the {family.trained_module} of --model "
@@ -357,8 +423,7 @@ class FlowPolicy:
             from peft.utils import get_peft_model_state_dict
 
             layers = get_peft_model_state_dict(module, state_dict=state, adapter_name="default")
-            meta = module.peft_config["default"].to_dict()
-            meta = {k: (sorted(v) if isinstance(v, set) else v) for k, v in meta.items()}
+            meta = lora_metadata(module.peft_config["default"])
             type(self.pipe).save_lora_weights(
                 out, **{f"{trained}_lora_layers": layers, f"{trained}_lora_adapter_metadata": meta}
             )
@@ -368,7 +433,7 @@ class FlowPolicy:
             save_file(
                 weights, out / trained / "diffusion_pytorch_model.safetensors", metadata={"format": "pt"}
             )
-        config = {"kind": kind, "base_model": self.model_path, **extra}
+        config = {"kind": kind, **base_model_record(self.model_path), **extra}
         (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
 
     # ---------------------------------------------------------------- math

@@ -30,6 +30,7 @@ from stages.models.diffusion import (
     check_adapter_layout,
     read_adapter_config,
 )
+from stages.models.hub import base_model_record
 from stages.models.tokens import token_entropy, token_log_probs
 
 # Vision markers a response must never contain: sampled into a response, an image pad token would
@@ -140,7 +141,7 @@ class VLMPolicy:
             raise UserInputError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
         config = read_adapter_config(adapter) if adapter else None
         if config:
-            check_adapter_layout(adapter, config, lora_file=PEFT_CONFIG, full_file="config.json")
+            check_adapter_layout(adapter, config, lora_files=(PEFT_CONFIG,), full_file="config.json")
         full = bool(config and config["kind"] == "full")
         with adapter_loading(adapter, model_dir) if full else nullcontext():
             model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
@@ -235,11 +236,16 @@ class VLMPolicy:
         model's own.
         """
         out.mkdir(parents=True, exist_ok=True)
+        base = base_model_record(self.model_path)
+        # adapter_config.json names the base by absolute path, so `AutoPeftModelForCausalLM` loads the
+        # adapter from any working directory
+        for peft_config in (getattr(self.module, "peft_config", None) or {}).values():
+            peft_config.base_model_name_or_path = base["base_model"]
         with _quiet_peft():
             self.module.save_pretrained(out, **({} if state is None else {"state_dict": state}))
         if kind == "full":
             self.processor.save_pretrained(out)
-        config = {"kind": kind, "base_model": self.model_path, **extra}
+        config = {"kind": kind, **base, **extra}
         (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
 
     def chat_inputs(self, questions: list[str], images: list[list[Any]]) -> dict[str, torch.Tensor]:

@@ -35,6 +35,7 @@ import torch
 from PIL import Image
 
 from stages.errors import UserInputError
+from stages.models.hub import cached_snapshot, download_hint, split_hub_id
 from stages.score.registry import register_reward
 
 REFERENCE_META_KEY = "reference_image"
@@ -43,31 +44,24 @@ CLIPSCORE_DIVISOR = 100.0
 DTYPE_NAMES = ("fp32", "bf16", "fp16")
 
 
-def _is_hub_id(text: str) -> bool:
-    parts = text.split("/")
-    return len(parts) == 2 and all(parts) and not text.startswith((".", "~"))
-
-
 def local_path(reward: str, key: str, value: str | None, what: str) -> Path:
-    """The local file or folder reward argument `key` names: a path, or a Hub id resolved in the
-    local Hugging Face cache (never downloaded). A missing or unknown value is a `UserInputError`
-    saying which ``--reward-arg`` to pass."""
+    """The local file or folder reward argument `key` names: a path, or a Hub id (`org/name[@revision]`)
+    resolved in the local Hugging Face cache (`stages.models.hub`, never downloaded). A missing or
+    unknown value is a `UserInputError` saying which ``--reward-arg`` to pass."""
     hint = f"pass --reward-arg {reward}.{key}=PATH ({what})"
     if value is None or not str(value).strip():
         raise UserInputError(f"reward {reward!r} needs its {key}: {hint}")
     path = Path(str(value)).expanduser()
     if path.exists():
         return path
-    if _is_hub_id(str(value)):
-        from huggingface_hub import snapshot_download
-
-        try:
-            return Path(snapshot_download(str(value), local_files_only=True))
-        except Exception:  # the hub client raises several types for "not in the cache"
-            pass
+    hub = split_hub_id(str(value))
+    snapshot = cached_snapshot(*hub) if hub else None
+    if snapshot is not None:
+        return snapshot
+    fetch = f" (fetch it with {download_hint(*hub)})" if hub else ""
     raise UserInputError(
         f"reward {reward!r}: {key}={value} is neither a file or folder nor a Hub id in the local "
-        f"Hugging Face cache; {hint}"
+        f"Hugging Face cache{fetch}; {hint}"
     )
 
 

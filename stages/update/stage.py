@@ -179,6 +179,13 @@ def run_update(
                 f"--algo {algo.name} trains diffusion models; for a VLM use grpo, dapo or gspo"
             )
         policy = FlowPolicy.load(model, adapter=adapter, device=device, dtype=dtype)
+        if policy.untrained_loras():
+            trained = policy.family.trained_module
+            raise UserInputError(
+                f"--adapter {adapter}: its LoRA also changes {', '.join(policy.untrained_loras())}, which "
+                f"update neither trains nor saves; pass a LoRA of the {trained} alone (sample and logprob "
+                "take this one)"
+            )
         if not policy.lora and not cfg.full:
             policy.add_lora(rank=cfg.lora_rank, alpha=cfg.lora_alpha, seed=cfg.seed)
         if sample_cfg is OFFLINE:  # the family's own unguided setting, at the encoded resolution

@@ -1,0 +1,92 @@
+"""Where weights live: a local path, or a Hub id that the local Hugging Face cache holds.
+
+`--model`, `--adapter` and reward checkpoints accept `org/name` or `org/name@revision` (a branch, tag or
+commit). Nothing is downloaded: the id is looked up offline in the hub cache (`HF_HOME` /
+`HF_HUB_CACHE`) by huggingface_hub's own `snapshot_download(local_files_only=True)`, and the snapshot
+folder it names (`models--org--name/snapshots/<commit>/`) is what loads and what a run's content
+digest hashes. A path that exists always wins over an id of the same spelling.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from stages.errors import UserInputError
+
+REPO_FOLDER = "models--"
+SNAPSHOTS = "snapshots"
+
+
+def split_hub_id(text: str) -> tuple[str, str | None] | None:
+    """(repo id, revision or None) of an `org/name[@revision]` spelling; None when `text` is not one."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    repo, at, revision = str(text).partition("@")
+    if (at and not revision) or repo.count("/") != 1 or repo.startswith((".", "~")):
+        return None
+    try:
+        validate_repo_id(repo)
+    except HFValidationError:
+        return None
+    return repo, revision or None
+
+
+def cached_snapshot(repo: str, revision: str | None = None) -> Path | None:
+    """The snapshot folder of `repo` at `revision` (default: the cached `main`) in the local hub cache,
+    or None when the cache does not hold it. Offline: never opens a connection."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo, revision=revision, local_files_only=True))
+    except (OSError, ValueError):  # LocalEntryNotFoundError is a FileNotFoundError
+        return None
+
+
+def download_hint(repo: str, revision: str | None) -> str:
+    """The command that puts `repo` (at `revision`) into the local cache."""
+    return f"`hf download {repo}" + (f" --revision {revision}`" if revision else "`")
+
+
+def locate(value: str | Path, option: str) -> Path:
+    """The folder (or file) `value` names: itself when it exists, else the cached snapshot of the Hub id
+    it spells. A Hub id the cache does not hold is a one-line `UserInputError` saying how to fetch it;
+    any other missing path is returned unchanged for the loader to report. `option` names it (--model).
+    """
+    path = Path(value).expanduser()
+    if path.exists():
+        return path
+    hub = split_hub_id(str(value))
+    if hub is None:
+        return path
+    snapshot = cached_snapshot(*hub)
+    if snapshot is None:
+        from huggingface_hub import constants
+
+        raise UserInputError(
+            f"{option} {value}: no such path, and the Hub id is not in the local Hugging Face cache "
+            f"({constants.HF_HUB_CACHE}); fetch it with {download_hint(*hub)} (omnirl never downloads) or "
+            "pass a local folder"
+        )
+    return snapshot
+
+
+def hub_origin(path: str | Path) -> dict[str, str] | None:
+    """{"id": "org/name", "revision": commit} when `path` is a snapshot folder of the hub cache layout
+    (`.../models--org--name/snapshots/<commit>`), else None."""
+    folder = Path(os.path.abspath(path))
+    repo = folder.parent.parent.name
+    if folder.parent.name != SNAPSHOTS or not repo.startswith(REPO_FOLDER):
+        return None
+    return {"id": repo[len(REPO_FOLDER) :].replace("--", "/", 1), "revision": folder.name}
+
+
+def base_model_record(path: str | Path) -> dict[str, str]:
+    """How an adapter names its base model: the absolute folder (`base_model`), plus the Hub id and
+    revision (`base_model_id`, `base_model_revision`) when the folder is a hub-cache snapshot."""
+    record = {"base_model": os.path.abspath(path)}
+    origin = hub_origin(path)
+    if origin:
+        record.update(base_model_id=origin["id"], base_model_revision=origin["revision"])
+    return record

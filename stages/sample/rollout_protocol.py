@@ -37,7 +37,7 @@ ROUTE = "/omnirl/v1/rollout"
 WEIGHT_KEYS = ("model_sha256", "adapter_sha256", "version")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 MAX_SEED = 2**63 - 1
-TRAJECTORY = ("latents", "sigmas", "timesteps", "log_probs")
+TRAJECTORY = ("latents", "log_probs", "timesteps", "sigmas")  # in the column order of rollout_batch
 
 
 class ProtocolError(ValueError):
@@ -220,11 +220,12 @@ def decode_response(body: Any, request: dict[str, Any]) -> tuple[int, dict[str, 
                 raise ProtocolError(f"trajectory must hold {steps} stored steps")
             shapes = {
                 "latents": [batch, steps + 1, *latent],
-                "sigmas": [batch, steps + 1],
-                "timesteps": [batch, steps],
                 "log_probs": [batch, steps],
+                "timesteps": [batch, steps],
+                "sigmas": [batch, steps + 1],
             }
-            for key, shape in shapes.items():
+            for key in TRAJECTORY:
+                shape = shapes[key]
                 columns[key] = decode_tensor(
                     trajectory.get(key), f"trajectory.{key}", shape=shape, dtype="float32"
                 )

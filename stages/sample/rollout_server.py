@@ -87,6 +87,8 @@ class RolloutService(JsonService):
 
         super().__init__(token=token, max_request_bytes=max_request_bytes)
         self.model = Path(model)
+        if not (self.model / "model_index.json").is_file():  # before hashing what may be any folder
+            raise UserInputError(f"--model {model}: not a diffusers pipeline folder (no model_index.json)")
         self.device = device
         self.dtype = dtype
         self.served_name = served_name or self.model.name

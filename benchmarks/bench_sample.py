@@ -226,6 +226,7 @@ def main() -> None:
 
     from stages.models.diffusion import FlowPolicy
     from stages.sample import rollout
+    from stages.sample.engines import DiffusersEngine
     from stages.sample.prompts import Prompt
     from stages.sample.rollout import SampleConfig
     from stages.sample.stage import KINDS, run_sample
@@ -289,7 +290,7 @@ def main() -> None:
                 stack.enter_context(probes.patch(writer, "write_shard", "shard_write"))
                 stack.enter_context(probes.patch(writer, "finalize", "shard_write"))
                 run_sample(
-                    policies[family],
+                    DiffusersEngine(policies[family]),
                     cfg,
                     [(i, Prompt(t)) for i, t in enumerate(texts)],
                     1,

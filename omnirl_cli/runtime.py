@@ -127,16 +127,23 @@ NOT_IDENTITY = (
     "gradient_checkpointing",
     "report_to",
     "run_name",
+    "server_token_env",
+    "server_timeout",
+    "server_startup_timeout",
+    "server_retries",
 )
+# Options that say where a diffusion rollout runs (`stages.sample.engines`): every engine computes the
+# same samples, so they stay out of a diffusion rollout's identity (a VLM's engine changes its output).
+ROLLOUT_PLACEMENT = ("engine", "server_url")
 # Options naming the weights that determine the output: their content digests join the identity, so
 # a re-run under retrained or replaced weights redoes the work. (Prompt files and plugin sources are
 # parents of the output, with their sha256, in its lineage.)
 CONTENT_OPTIONS = ("model", "adapter")
 
 
-def run_config(resolved: dict[str, Any]) -> dict[str, Any]:
-    """The config recorded (and hashed) for an output: the resolved options that determine it, plus
-    `model_sha256` / `adapter_sha256` content digests.
+def run_config(resolved: dict[str, Any], exclude: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The config recorded (and hashed) for an output: the resolved options that determine it (not
+    `NOT_IDENTITY`, nor `exclude`), plus `model_sha256` / `adapter_sha256` content digests.
 
     Input shard sets, prompt files and plugin files enter the output's identity through the writer's
     lineage (`parents`).
@@ -148,7 +155,7 @@ def run_config(resolved: dict[str, Any]) -> dict[str, Any]:
             return [plain(x) for x in v]
         return str(v) if isinstance(v, Path) else v
 
-    config = {k: plain(v) for k, v in resolved.items() if k not in NOT_IDENTITY}
+    config = {k: plain(v) for k, v in resolved.items() if k not in NOT_IDENTITY and k not in exclude}
     for key in CONTENT_OPTIONS:
         if resolved.get(key) is not None:
             config[f"{key}_sha256"] = content_digest(resolved[key], f"--{key.replace('_', '-')}")

@@ -13,6 +13,7 @@ from .pretrain import pretrain
 from .report import report
 from .sample import sample
 from .score import score
+from .serve import serve
 from .serve_reward import serve_reward
 from .update import update
 
@@ -29,5 +30,6 @@ COMMANDS = [
     ("report", report),
     ("init-model", init_model),
     ("pretrain", pretrain),
+    ("serve", serve),
     ("serve-reward", serve_reward),
 ]

@@ -26,11 +26,20 @@ from ..options import (
     SetOpt,
     ShardRowsOpt,
 )
-from ..runtime import check_format, device, policy_info, policy_version, resolve_num_shards, run_config
+from ..runtime import (
+    ROLLOUT_PLACEMENT,
+    check_format,
+    device,
+    policy_info,
+    policy_version,
+    resolve_num_shards,
+    run_config,
+)
 
 SAMPLING = "Sampling"
 MODEL = "Model"
 VLM = "Vision-language models"
+ENGINE = "Rollout engine"
 # Least memory a diffusion rollout holds per sample before any model output: every sample is planned
 # up front (ids and seeds, about 270 bytes each, measured for `stages.sample.stage.plan_rows`).
 PLANNED_SAMPLE_BYTES = 256
@@ -206,20 +215,58 @@ def sample(
         ),
     ] = 8,
     engine: Annotated[
-        str,
+        str | None,
         typer.Option(
             "--engine",
-            help="VLM rollout engine: hf (transformers generate) or openai (a `vllm serve` / OpenAI-compatible "
-            "server at --server-url).",
-            rich_help_panel=VLM,
+            help="Rollout engine. Diffusion: diffusers (in this process, the default) or remote (an "
+            "`omnirl serve` rollout server at --server-url: same samples, its own device); a plugin "
+            "engine by name or module:Class. VLM: hf (transformers generate, the default) or openai (a "
+            "`vllm serve` / OpenAI-compatible server at --server-url).",
+            rich_help_panel=ENGINE,
         ),
-    ] = "hf",
+    ] = None,
     server_url: Annotated[
         str | None,
         typer.Option(
-            "--server-url", help="Base URL of the server, e.g. http://host:8000/v1.", rich_help_panel=VLM
+            "--server-url",
+            help="Base URL of the server: `omnirl serve`'s http://host:port, or an OpenAI API root "
+            "http://host:8000/v1 for a VLM.",
+            rich_help_panel=ENGINE,
         ),
     ] = None,
+    server_token_env: Annotated[
+        str | None,
+        typer.Option(
+            "--server-token-env",
+            help="Environment variable holding the rollout server's bearer token (its --token-env).",
+            rich_help_panel=ENGINE,
+        ),
+    ] = None,
+    server_timeout: Annotated[
+        float,
+        typer.Option(
+            "--server-timeout", min=1, help="Seconds to wait for one reply.", rich_help_panel=ENGINE
+        ),
+    ] = 600.0,
+    server_startup_timeout: Annotated[
+        float,
+        typer.Option(
+            "--server-startup-timeout",
+            min=0,
+            help="Seconds to wait for the server's GET /health to answer 200 before giving up.",
+            rich_help_panel=ENGINE,
+        ),
+    ] = 600.0,
+    server_retries: Annotated[
+        int,
+        typer.Option(
+            "--server-retries",
+            min=0,
+            help="Further tries of a batch after a connection error, 502, 503 or 504 (backoff with jitter, "
+            "the same seeds; a 4xx is never retried).",
+            rich_help_panel=ENGINE,
+        ),
+    ] = 8,
     served_model: Annotated[
         str | None,
         typer.Option(
@@ -292,8 +339,8 @@ def sample(
     if is_vlm_model(c["model"]):
         _sample_vlm(c, json_)
         return
-    from stages.models.diffusion import FlowPolicy
     from stages.models.factory import default_text_length
+    from stages.sample.engines import DEFAULT_ENGINE, EngineOptions, engine_class
     from stages.sample.prompts import pick_prompts, read_prompts
     from stages.sample.rollout import SampleConfig
     from stages.sample.stage import KINDS, run_sample
@@ -301,6 +348,7 @@ def sample(
     # the T5 length the model was made for (its card's text_length, else 128), recorded for replay
     cfg = SampleConfig.from_options({**c, "max_sequence_length": default_text_length(c["model"])})
     cfg.validate()
+    engine_type = engine_class(c["engine"] or DEFAULT_ENGINE)
     picked = pick_prompts(read_prompts(c["prompts"]), c["num_prompts"], c["seed"])
     _check_memory(
         c,
@@ -309,19 +357,20 @@ def sample(
         f"planning {len(picked)} prompts × {c['group_size']} samples",
     )
     resolve_num_shards(c, len(picked), c["group_size"])
-    writer = _writer(c, KINDS, json_)
+    writer = _writer(c, KINDS, json_, exclude=ROLLOUT_PLACEMENT)
     if writer is None:
         return
-    policy = FlowPolicy.load(c["model"], adapter=c["adapter"], device=device(), dtype=c["dtype"])
-    _run(
-        c,
-        json_,
-        writer,
-        len(picked),
-        "images",
-        {"sample_config": asdict(cfg), "family": policy.family.name, "modality": "image"},
-        partial(run_sample, policy, cfg, picked),
-    )
+    engine = engine_type.open(EngineOptions.from_options(c), device())
+    try:
+        extra = {
+            "sample_config": asdict(cfg),
+            "family": engine.family,
+            "modality": "image",
+            "engine": engine.describe(),
+        }
+        _run(c, json_, writer, len(picked), "images", extra, partial(run_sample, engine, cfg, picked))
+    finally:
+        engine.close()
 
 
 def _memory_limit() -> int | None:
@@ -367,8 +416,9 @@ def _shard_indices(c: dict) -> list[int]:
     return shards
 
 
-def _writer(c: dict, kinds: dict[str, str], json_: bool) -> Any:
-    """The output writer, or None (after saying so) when the output is already complete."""
+def _writer(c: dict, kinds: dict[str, str], json_: bool, exclude: tuple[str, ...] = ()) -> Any:
+    """The output writer, or None (after saying so) when the output is already complete; the options
+    in `exclude` stay out of the output's identity (`run_config`)."""
     _shard_indices(c)  # a bad --shard-index fails before any model is loaded
     from stages.shards.writer import ShardSetWriter
 
@@ -377,7 +427,7 @@ def _writer(c: dict, kinds: dict[str, str], json_: bool) -> Any:
         num_shards=c["num_shards"],
         format=check_format(c["fmt"]),
         command="sample",
-        config=run_config(c),
+        config=run_config(c, exclude),
         parents=[c["prompts"]],
         policy=policy_info(c["model"], c["adapter"]),
         kinds=kinds,
@@ -465,6 +515,7 @@ def _sample_vlm(c: dict, json_: bool) -> None:
     from stages.sample.vlm_data import read_vlm_prompts
     from stages.sample.vlm_stage import KINDS, VLMSampleConfig, run_vlm_sample
 
+    c["engine"] = c["engine"] or "hf"
     cfg = VLMSampleConfig(
         engine=c["engine"],
         temperature=c["temperature"],

@@ -151,6 +151,7 @@ def _sampler_main(
     """
     from stages.models.diffusion import FlowPolicy
     from stages.online.ring import RingClosed
+    from stages.sample.engines import DiffusersEngine
     from stages.sample.stage import in_rollout, sample_shard
     from stages.shards.manifest import config_hash
 
@@ -159,6 +160,7 @@ def _sampler_main(
     torch.set_num_threads(cfg.threads)
     policy = FlowPolicy.load(cfg.model, adapter=adapter, device=device, dtype=cfg.dtype)
     params = _trainable(policy, cfg.update)
+    engine = DiffusersEngine(policy)
 
     def stop_if_closed(_: int) -> None:  # between batches: the driver may have stopped meanwhile
         if ring.closed:
@@ -175,7 +177,7 @@ def _sampler_main(
                 drawn_with = step.value
             cols = in_rollout(
                 sample_shard(
-                    policy, cfg.sampling(k), iteration_rows(cfg, k), drawn_with, on_batch=stop_if_closed
+                    engine, cfg.sampling(k), iteration_rows(cfg, k), drawn_with, on_batch=stop_if_closed
                 ),
                 config_hash({"run": run, "iteration": k})[:8],
             )

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from stages.errors import UserInputError
-from stages.models.diffusion import FlowPolicy
+from stages.sample.engines import RolloutEngine
 from stages.sample.prompts import Prompt
-from stages.sample.rollout import SampleConfig, derive_seed, rollout_batch
+from stages.sample.rollout import SampleConfig, derive_seed
 from stages.shards.writer import ShardSetWriter
 
 KINDS = {"image": "image", "prompt_meta": "json"}
@@ -92,13 +92,13 @@ def shard_rows(rows: list[Row], group_size: int, num_shards: int) -> list[list[R
 
 
 def sample_shard(
-    policy: FlowPolicy,
+    engine: RolloutEngine,
     cfg: SampleConfig,
     rows: list[Row],
     policy_version: int,
     on_batch: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
-    """Roll out one shard's rows in batches; returns the shard's columns."""
+    """Roll out one shard's rows in batches of --batch-size on `engine`; returns the shard's columns."""
     import torch
 
     from stages.shards.reader import concat_batches
@@ -106,8 +106,7 @@ def sample_shard(
     batches = []
     for start in range(0, len(rows), cfg.batch_size):
         chunk = rows[start : start + cfg.batch_size]
-        out = rollout_batch(
-            policy,
+        out = engine.rollout(
             cfg,
             [r.prompt.text for r in chunk],
             [r.prompt.negative for r in chunk],
@@ -132,7 +131,7 @@ def sample_shard(
 
 
 def run_sample(
-    policy: FlowPolicy,
+    engine: RolloutEngine,
     cfg: SampleConfig,
     prompts: list[tuple[int, Prompt]],
     group_size: int,
@@ -151,7 +150,7 @@ def run_sample(
         writer,
         [len(rows) for rows in shards],
         shard_indices,
-        lambda s: in_rollout(sample_shard(policy, cfg, shards[s], policy_version, on_batch), rollout),
+        lambda s: in_rollout(sample_shard(engine, cfg, shards[s], policy_version, on_batch), rollout),
         unit="images",
         on_batch=on_batch,
     )

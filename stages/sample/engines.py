@@ -1,0 +1,192 @@
+"""Rollout engines: where a diffusion rollout batch is computed, looked up by name.
+
+An engine turns one batch of planned samples (prompts, per-sample seeds, prompt groups) into the
+trajectory columns of `stages.sample.rollout.rollout_batch`: `final_latent`, `image` and, for a
+stochastic sampler, the stored window's `latents`, `log_probs`, `timesteps` and `sigmas`. Every
+engine runs the same family adapter and `samplers.step`, so a sample does not depend on the engine.
+
+Built in:
+
+- ``diffusers``: the pipeline in this process, on this process's device (the default);
+- ``remote``: an `omnirl serve` rollout server over HTTP (`stages.sample.remote_engine`), which owns
+  its device; its samples equal the in-process ones bit for bit on the same device and threads.
+
+A package adds an engine with `register_engine` or an entry point in group ``omnirl.engines``
+(``name = "pkg.module:EngineClass"``); ``module:Class`` names one directly.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+from stages.errors import UserInputError
+from stages.plugins import entry_point_names, load_entry_point, load_object
+
+ENTRY_POINT_GROUP = "omnirl.engines"
+DEFAULT_ENGINE = "diffusers"
+_BUILTIN_MODULES = ("stages.sample.remote_engine",)
+_ENGINES: dict[str, type[RolloutEngine]] = {}
+_E = TypeVar("_E", bound="type[RolloutEngine]")
+
+
+@dataclass
+class EngineOptions:
+    """How to open an engine: the weights it samples with and, for a server, how to reach it.
+
+    Derived from the resolved command options (`from_options`); the transport knobs never change a
+    sample, only whether and how soon it arrives.
+    """
+
+    model: Path
+    adapter: Path | None = None
+    dtype: str = "fp32"
+    server_url: str | None = None
+    token_env: str | None = None  # the environment variable holding the server's bearer token
+    startup_timeout: float = 600.0  # seconds to wait for the server's /health before giving up
+    request_timeout: float = 600.0  # seconds to wait for one reply
+    retries: int = 8  # further tries of a request after a connection error, 502, 503 or 504
+    OPTION_NAMES: ClassVar[dict[str, str]] = {
+        "server_token_env": "token_env",
+        "server_startup_timeout": "startup_timeout",
+        "server_timeout": "request_timeout",
+        "server_retries": "retries",
+    }
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> EngineOptions:
+        """The options of resolved command options (`OPTION_NAMES` maps the differently named ones)."""
+        names = {f.name for f in fields(cls)}
+        values = {cls.OPTION_NAMES.get(k, k): v for k, v in options.items()}
+        return cls(**{k: v for k, v in values.items() if k in names})
+
+
+class RolloutEngine(ABC):
+    """A place where diffusion rollouts run; `open` it, `rollout` batches, then `close` it."""
+
+    name: ClassVar[str]
+    family: str  # the model family it samples (`FamilyAdapter.name`), recorded in the manifest
+
+    @classmethod
+    @abstractmethod
+    def open(cls, options: EngineOptions, device: Any) -> RolloutEngine:
+        """The engine for `options`; `device` is this process's device (an engine may use its own)."""
+
+    @abstractmethod
+    def rollout(
+        self,
+        cfg: Any,
+        prompts: list[str],
+        negatives: list[str],
+        seeds: list[int],
+        init_seeds: list[int],
+        *,
+        groups: Sequence[Hashable],
+        sample_ids: Sequence[str],
+    ) -> dict[str, Any]:
+        """One batch of B samples under `SampleConfig` `cfg`: the columns of `rollout_batch`."""
+
+    @abstractmethod
+    def latent_shape(self, resolution: int) -> tuple[int, ...]:
+        """The stored latent of one `resolution`² sample."""
+
+    def describe(self) -> dict[str, Any]:
+        """What the manifest records about the engine (`extra["engine"]`)."""
+        return {"name": self.name}
+
+    def close(self) -> None:  # noqa: B027  (most engines hold nothing to release)
+        """Release what the engine holds (connections, models)."""
+
+
+def register_engine(name: str) -> Callable[[_E], _E]:
+    """Class decorator registering an engine under `name` (a taken name is a programming error)."""
+
+    def decorator(cls: _E) -> _E:
+        existing = _ENGINES.get(name)
+        if existing is not None and existing is not cls:
+            raise ValueError(f"engine {name!r} is already registered by {existing!r}")
+        cls.name = name
+        _ENGINES[name] = cls
+        return cls
+
+    return decorator
+
+
+def _load_builtins() -> None:
+    for module in _BUILTIN_MODULES:
+        importlib.import_module(module)
+
+
+def engine_names() -> list[str]:
+    """Registered and entry-point engine names."""
+    _load_builtins()
+    return sorted(set(_ENGINES) | set(entry_point_names(ENTRY_POINT_GROUP)))
+
+
+def engine_class(name: str) -> type[RolloutEngine]:
+    """The engine `name`: registered, an ``omnirl.engines`` entry point, or ``module:Class``."""
+    _load_builtins()
+    if name in _ENGINES:
+        return _ENGINES[name]
+    obj = (
+        load_object(name, "--engine")
+        if ":" in name
+        else load_entry_point(ENTRY_POINT_GROUP, name, "--engine")
+    )
+    if obj is None:
+        raise UserInputError(
+            f"--engine {name}: not a diffusion rollout engine; choose one of {', '.join(engine_names())} "
+            "(or a plugin 'package.module:Class')"
+        )
+    if not (isinstance(obj, type) and issubclass(obj, RolloutEngine)):
+        raise UserInputError(f"--engine {name}: {obj!r} is not a RolloutEngine subclass")
+    return obj
+
+
+def open_engine(name: str, options: EngineOptions, device: Any) -> RolloutEngine:
+    """Open the engine `name` (see `engine_class`)."""
+    return engine_class(name).open(options, device)
+
+
+@register_engine(DEFAULT_ENGINE)
+class DiffusersEngine(RolloutEngine):
+    """The diffusers pipeline in this process (`FlowPolicy`), on the given device."""
+
+    def __init__(self, policy: Any):
+        self.policy = policy
+        self.family = policy.family.name
+
+    @classmethod
+    def open(cls, options: EngineOptions, device: Any) -> DiffusersEngine:
+        from stages.models.diffusion import FlowPolicy
+
+        return cls(
+            FlowPolicy.load(options.model, adapter=options.adapter, device=device, dtype=options.dtype)
+        )
+
+    def rollout(
+        self,
+        cfg: Any,
+        prompts: list[str],
+        negatives: list[str],
+        seeds: list[int],
+        init_seeds: list[int],
+        *,
+        groups: Sequence[Hashable],
+        sample_ids: Sequence[str],
+    ) -> dict[str, Any]:
+        from stages.sample.rollout import rollout_batch
+
+        return rollout_batch(
+            self.policy, cfg, prompts, negatives, seeds, init_seeds, groups=groups, sample_ids=sample_ids
+        )
+
+    def latent_shape(self, resolution: int) -> tuple[int, ...]:
+        return self.policy.latent_shape(resolution)
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "device": str(self.policy.device)}

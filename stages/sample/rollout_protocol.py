@@ -1,0 +1,260 @@
+"""omnirl rollout protocol v1: one diffusion rollout batch as a JSON request and reply.
+
+``POST /omnirl/v1/rollout`` (`omnirl serve`, client `stages.sample.remote_engine`). Request::
+
+    {"protocol": "omnirl-rollout", "version": 1, "request_id": str,
+     "sampling_params": {SampleConfig fields but batch_size},      # sampler, σ steps, window settings
+     "samples": [{"sample_id", "prompt", "negative_prompt", "seed", "init_seed", "group"}],
+     "weights": {"model_sha256": str | null, "adapter_sha256": str | null, "version": int | null}}
+
+`seed` drives a sample's SDE noise, `init_seed` its x_T, `group` (the prompt's index) places its SDE
+window (`rollout.stored_steps`), so a batch sent again returns the same samples. `weights` names the
+weights the client expects (null: any); a server holding other weights answers 409. Reply::
+
+    {"protocol", "version", "request_id", "weight_version": int, "finish_reason": "stop",
+     "media": [{"format": "png", "data": base64}],                 # one per sample, in order
+     "final_latent": tensor [B, *latent],
+     "trajectory": {"latents": [B, K+1, *latent], "sigmas": [B, K+1],
+                    "timesteps": [B, K], "log_probs": [B, K]} | null}   # null for the ode sampler
+
+Tensors are `stages.sample.tensor_codec` objects, always float32 (never downcast).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from stages.errors import UserInputError
+from stages.sample.rollout import SampleConfig, stored_steps
+from stages.sample.tensor_codec import CodecError, decode_tensor, encode_tensor
+
+PROTOCOL = "omnirl-rollout"
+VERSION = 1
+ROUTE = "/omnirl/v1/rollout"
+WEIGHT_KEYS = ("model_sha256", "adapter_sha256", "version")
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+MAX_SEED = 2**63 - 1
+TRAJECTORY = ("latents", "log_probs", "timesteps", "sigmas")  # in the column order of rollout_batch
+
+
+class ProtocolError(ValueError):
+    """A request or reply that is not protocol v1 (one line: what and where)."""
+
+
+@dataclass
+class RolloutRequest:
+    """A decoded request: the batch of `rollout_batch`'s arguments plus the expected weights."""
+
+    request_id: str
+    cfg: SampleConfig
+    prompts: list[str]
+    negatives: list[str]
+    seeds: list[int]
+    init_seeds: list[int]
+    groups: list[int | str]
+    sample_ids: list[str]
+    weights: dict[str, Any]
+
+
+def _sampling_params(cfg: SampleConfig) -> dict[str, Any]:
+    params = asdict(cfg)
+    params.pop("batch_size")
+    if params["window_range"] is not None:
+        params["window_range"] = list(params["window_range"])
+    return params
+
+
+def encode_request(
+    request_id: str,
+    cfg: SampleConfig,
+    prompts: list[str],
+    negatives: list[str],
+    seeds: list[int],
+    init_seeds: list[int],
+    groups: list[Any],
+    sample_ids: list[str],
+    weights: dict[str, Any],
+) -> dict[str, Any]:
+    """The JSON body of one rollout batch (module docstring)."""
+    samples = [
+        {"sample_id": i, "prompt": p, "negative_prompt": n, "seed": int(s), "init_seed": int(t), "group": g}
+        for i, p, n, s, t, g in zip(sample_ids, prompts, negatives, seeds, init_seeds, groups)
+    ]
+    return {
+        "protocol": PROTOCOL,
+        "version": VERSION,
+        "request_id": request_id,
+        "sampling_params": _sampling_params(cfg),
+        "samples": samples,
+        "weights": {k: weights.get(k) for k in WEIGHT_KEYS},
+    }
+
+
+def _seed(value: Any, where: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_SEED:
+        raise ProtocolError(f"{where} must be an integer in [0, 2^63)")
+    return value
+
+
+def _check_version(body: dict[str, Any]) -> None:
+    if body.get("protocol") != PROTOCOL or body.get("version") != VERSION:
+        raise ProtocolError(
+            f"protocol {body.get('protocol')!r} version {body.get('version')!r}; this speaks "
+            f"{PROTOCOL!r} version {VERSION}"
+        )
+
+
+def decode_request(body: dict[str, Any], *, max_samples: int) -> RolloutRequest:
+    """A request body checked and decoded; `ProtocolError` (400) when it is not v1, `UserInputError`
+    (its settings are refused by `SampleConfig.validate`)."""
+    _check_version(body)
+    request_id = body.get("request_id")
+    if not isinstance(request_id, str) or not request_id:
+        raise ProtocolError("request_id must be a non-empty string")
+    params, samples, weights = body.get("sampling_params"), body.get("samples"), body.get("weights") or {}
+    if not isinstance(params, dict):
+        raise ProtocolError("sampling_params must be an object")
+    known = {f.name for f in fields(SampleConfig)} - {"batch_size"}
+    unknown = sorted(set(params) - known)
+    if unknown:
+        raise ProtocolError(f"sampling_params has unknown fields {unknown}")
+    try:
+        cfg = SampleConfig.from_options(params)
+    except TypeError as exc:
+        raise ProtocolError(f"sampling_params: {exc}") from None
+    if not isinstance(samples, list) or not samples:
+        raise ProtocolError("samples must be a non-empty list")
+    if len(samples) > max_samples:
+        raise ProtocolError(f"{len(samples)} samples in one request, more than the server's --max-batch")
+    if not isinstance(weights, dict) or set(weights) - set(WEIGHT_KEYS):
+        raise ProtocolError(f"weights must be an object with keys among {list(WEIGHT_KEYS)}")
+    columns: dict[str, list[Any]] = {k: [] for k in ("sample_id", "prompt", "negative_prompt", "group")}
+    seeds, init_seeds = [], []
+    for i, sample in enumerate(samples):
+        where = f"samples[{i}]"
+        if not isinstance(sample, dict):
+            raise ProtocolError(f"{where} must be an object")
+        for key in ("sample_id", "prompt", "negative_prompt"):
+            if not isinstance(sample.get(key), str):
+                raise ProtocolError(f"{where}.{key} must be a string")
+            columns[key].append(sample[key])
+        group = sample.get("group")
+        if not isinstance(group, (int, str)) or isinstance(group, bool):
+            raise ProtocolError(f"{where}.group must be an integer or a string")
+        columns["group"].append(group)
+        seeds.append(_seed(sample.get("seed"), f"{where}.seed"))
+        init_seeds.append(_seed(sample.get("init_seed"), f"{where}.init_seed"))
+    return RolloutRequest(
+        request_id=request_id,
+        cfg=cfg,
+        prompts=columns["prompt"],
+        negatives=columns["negative_prompt"],
+        seeds=seeds,
+        init_seeds=init_seeds,
+        groups=columns["group"],
+        sample_ids=columns["sample_id"],
+        weights=dict(weights),
+    )
+
+
+def encode_response(request_id: str, weight_version: int, columns: dict[str, Any]) -> dict[str, Any]:
+    """The reply carrying `rollout_batch`'s `columns` (module docstring)."""
+    trajectory = {k: encode_tensor(columns[k].float()) for k in TRAJECTORY} if "latents" in columns else None
+    return {
+        "protocol": PROTOCOL,
+        "version": VERSION,
+        "request_id": request_id,
+        "weight_version": int(weight_version),
+        "finish_reason": "stop",
+        "media": [{"format": "png", "data": base64.b64encode(b).decode("ascii")} for b in columns["image"]],
+        "final_latent": encode_tensor(columns["final_latent"].float()),
+        "trajectory": trajectory,
+    }
+
+
+def decode_response(body: Any, request: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """(weight version, the `rollout_batch` columns) of a reply to `request` (an `encode_request` body),
+    checked: the request id, one PNG per sample, float32 tensors of consistent shapes whose window
+    length is the one `request`'s settings place, every value finite. `ProtocolError` otherwise."""
+    if not isinstance(body, dict):
+        raise ProtocolError("the reply is not a JSON object")
+    _check_version(body)
+    if body.get("request_id") != request["request_id"]:
+        raise ProtocolError(f"reply to request {body.get('request_id')!r}, sent {request['request_id']!r}")
+    if body.get("finish_reason") != "stop":
+        raise ProtocolError(f"finish_reason {body.get('finish_reason')!r}, not 'stop'")
+    version = body.get("weight_version")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise ProtocolError("weight_version must be an integer")
+    samples = request["samples"]
+    batch = len(samples)
+    media = body.get("media")
+    if not isinstance(media, list) or len(media) != batch:
+        raise ProtocolError(f"media must list {batch} images, one per sample")
+    images = []
+    for i, item in enumerate(media):
+        try:
+            blob = base64.b64decode(item["data"], validate=True) if item.get("format") == "png" else b""
+        except (binascii.Error, ValueError, TypeError, KeyError, AttributeError):
+            blob = b""
+        if not blob.startswith(PNG_SIGNATURE):
+            raise ProtocolError(f"media[{i}] is not a base64 PNG")
+        images.append(blob)
+    try:
+        final = decode_tensor(body.get("final_latent"), "final_latent", dtype="float32")
+        if final.ndim < 2 or final.shape[0] != batch:
+            raise ProtocolError(f"final_latent has shape {list(final.shape)}, not [{batch}, *latent]")
+        latent = list(final.shape[1:])
+        cfg = SampleConfig.from_options(request["sampling_params"])
+        steps = len(stored_steps(cfg, samples[0]["group"]))
+        columns: dict[str, Any] = {"final_latent": final}
+        trajectory = body.get("trajectory")
+        if steps == 0:
+            if trajectory is not None:
+                raise ProtocolError("trajectory must be null: the request stores no steps")
+        else:
+            if not isinstance(trajectory, dict):
+                raise ProtocolError(f"trajectory must hold {steps} stored steps")
+            shapes = {
+                "latents": [batch, steps + 1, *latent],
+                "log_probs": [batch, steps],
+                "timesteps": [batch, steps],
+                "sigmas": [batch, steps + 1],
+            }
+            for key in TRAJECTORY:
+                shape = shapes[key]
+                columns[key] = decode_tensor(
+                    trajectory.get(key), f"trajectory.{key}", shape=shape, dtype="float32"
+                )
+    except CodecError as exc:
+        raise ProtocolError(str(exc)) from None
+    columns["image"] = images
+    return version, columns
+
+
+def check_weights(expected: dict[str, Any], held: dict[str, Any]) -> str | None:
+    """Why the weights a request expects are not the `held` ones, or None when they are.
+
+    A request naming a model digest names the adapter too (null: the base model); a null model digest
+    accepts any weights, a null version any version.
+    """
+    keys = ["model_sha256", "adapter_sha256"] if expected.get("model_sha256") is not None else []
+    if expected.get("version") is not None:
+        keys.append("version")
+    for key in keys:
+        if expected.get(key) != held.get(key):
+            return f"{key} {expected.get(key)!r} was asked, the server holds {held.get(key)!r}"
+    return None
+
+
+def refuse_settings(cfg: SampleConfig) -> None:
+    """`cfg.validate()` with its refusal as a `ProtocolError` (the client's settings, one line)."""
+    try:
+        cfg.validate()
+    except UserInputError as exc:
+        raise ProtocolError(f"sampling_params: {exc}") from None
+    if cfg.steps > 1000 or cfg.resolution > 8192:
+        raise ProtocolError("sampling_params: steps must be at most 1000 and resolution at most 8192")

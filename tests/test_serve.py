@@ -1,0 +1,429 @@
+"""`omnirl serve` started for real on 127.0.0.1 and `omnirl sample --engine remote`.
+
+Remote samples equal in-process samples byte for byte and replay with |Δlogp| = 0; a server killed
+mid-run and restarted loses and duplicates nothing (the client retries, or a re-run resumes the
+shards); an adapter loaded without a restart changes the next samples and the reported version;
+malformed and oversized requests get 4xx while the server keeps serving; vLLM-Omni's images route
+returns the PNGs asked for.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import PROMPTS, fails, run, runner, sample_args
+from PIL import Image
+
+from omnirl_cli.app import app
+from stages.sample.rollout import SampleConfig
+from stages.sample.rollout_protocol import ProtocolError, decode_response, encode_request, encode_response
+from stages.sample.tensor_codec import encode_tensor
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+WINDOW = ("--sde-window", "2", "--sde-window-range", "0", "4", "--num-shards", "3", "--batch-size", "2")
+
+
+class Server:
+    """`python -m omnirl_cli serve ARGS --json` in a subprocess; `url` from its ready line."""
+
+    def __init__(self, model: Path, *args: str, port: int = 0, env: dict[str, str] | None = None):
+        cmd = [sys.executable, "-m", "omnirl_cli", "serve", "--model", str(model), *args]
+        cmd += ["--port", str(port), "--json"]
+        env = {**ENV, **(env or {})}
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        line = self.proc.stdout.readline()  # type: ignore[union-attr]
+        assert line, self.proc.stderr.read()  # type: ignore[union-attr]
+        self.ready = json.loads(line)
+        assert self.ready["pid"] == self.proc.pid
+        self.url: str = self.ready["url"]
+        self.port = int(urllib.parse.urlsplit(self.url).port or 0)
+
+    def stop(self) -> tuple[int, str]:
+        """SIGTERM (by PID); the exit status and stderr."""
+        os.kill(self.proc.pid, signal.SIGTERM)
+        _, err = self.proc.communicate(timeout=30)
+        return self.proc.returncode, err
+
+    def kill(self) -> None:
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.communicate(timeout=30)
+
+
+def _request(
+    url: str,
+    method: str,
+    path: str,
+    body: Any = None,
+    raw: bytes | None = None,
+    headers: dict[str, str] | None = None,
+) -> tuple[int, Any]:
+    """A raw request; (status, decoded JSON reply)."""
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+    try:
+        data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+        headers = {**({"Content-Type": "application/json"} if data is not None else {}), **(headers or {})}
+        conn.request(method, path, body=data, headers=headers)
+        reply = conn.getresponse()
+        return reply.status, json.loads(reply.read())
+    finally:
+        conn.close()
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("serve") / "prompts.txt"
+    path.write_text("\n".join([*PROMPTS, "a green cube", "two cats", "a red house"]) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(tiny_sd3: Path) -> Iterator[Server]:
+    """A server of the tiny SD3 at most 6 samples a request and 1 MiB a body."""
+    srv = Server(tiny_sd3, "--max-batch", "6", "--max-request-mb", "1")
+    yield srv
+    code, err = srv.stop()
+    assert code == 0 and "Traceback" not in err, err
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_sd3: Path, prompts: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The in-process (diffusers engine) samples: 6 prompts × 2, SDE window 2 in [0, 4), 3 shards."""
+    out = tmp_path_factory.mktemp("serve") / "local"
+    result = run(*sample_args(tiny_sd3, prompts, out, *WINDOW))
+    assert result["rows"] == 12 and result["complete"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def adapter(tiny_sd3: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A LoRA adapter (rank 4, random B so that it changes the samples) at optimizer step 7."""
+    from stages.models.diffusion import FlowPolicy
+
+    policy = FlowPolicy.load(tiny_sd3)
+    policy.add_lora(rank=4, alpha=8)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in policy.transformer.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    out = tmp_path_factory.mktemp("serve") / "adapter"
+    policy.save_adapter(out, kind="lora", extra={"step": 7})
+    return out
+
+
+def _shards(out: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(out.glob("part-*"))}
+
+
+def _remote(model: Path, prompts: Path, out: Path, url: str, *extra: str) -> list[str]:
+    return sample_args(model, prompts, out, *WINDOW, "--engine", "remote", "--server-url", url, *extra)
+
+
+# ---- equality with the in-process engine, replay ---------------------------------------------------
+
+
+def test_remote_samples_equal_in_process_ones_and_replay_exactly(
+    server: Server, reference: Path, tiny_sd3: Path, prompts: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "remote"
+    result = run(*_remote(tiny_sd3, prompts, out, server.url))
+    assert result["rows"] == 12 and result["complete"]
+    assert _shards(out) == _shards(reference)  # same ids, seeds, latents, log-probs, PNGs: same bytes
+    manifest = json.loads((out / "_manifest.json").read_text())
+    local = json.loads((reference / "_manifest.json").read_text())
+    assert manifest["config_hash"] == local["config_hash"]
+    assert manifest["extra"]["engine"]["name"] == "remote"
+    assert manifest["extra"]["engine"]["server_url"] == server.url
+    assert manifest["extra"]["engine"]["server_weights"]["version"] == 0
+    assert local["extra"]["engine"] == {"name": "diffusers", "device": "cpu"}
+    replay = run("logprob", "--model", str(tiny_sd3), "--in", str(out), "--out", str(tmp_path / "lp"))
+    assert replay["abs_delta_max"] == 0.0
+    run("logprob", "--model", str(tiny_sd3), "--in", str(reference), "--out", str(tmp_path / "lp0"))
+    assert _shards(tmp_path / "lp") == _shards(tmp_path / "lp0")
+
+
+# ---- faults: the server dies mid-run ----------------------------------------------------------------
+
+
+def _client(model: Path, prompts: Path, out: Path, url: str, *extra: str) -> subprocess.Popen:
+    args = _remote(model, prompts, out, url, *extra)[1:]
+    cmd = [sys.executable, "-m", "omnirl_cli", "sample", *args, "--json"]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+
+
+def _pause_after_first_shard(client: subprocess.Popen, out: Path) -> None:
+    """Wait until shard 0 of 3 is written, then stop the client (SIGSTOP) before it finishes the run."""
+    deadline = time.monotonic() + 120
+    while not (out / ".part-00000-of-00003.parquet.done.json").exists():
+        assert client.poll() is None and time.monotonic() < deadline, client.communicate()
+        time.sleep(0.005)
+    os.kill(client.pid, signal.SIGSTOP)
+    assert not (out / ".part-00002-of-00003.parquet.done.json").exists()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_a_server_killed_mid_run_and_restarted_loses_and_duplicates_nothing(
+    server: Server, reference: Path, tiny_sd3: Path, prompts: Path, tmp_path: Path
+) -> None:
+    """The client waits for a server that is starting; when the server dies after shard 0, the client
+    retries until a new one answers on the port and completes; a client whose retries run out stops in
+    one line (exit 1), and its re-run, on any server of the same weights, resumes after the shards."""
+    port = _free_port()
+    out = tmp_path / "retried"
+    client = _client(tiny_sd3, prompts, out, f"http://127.0.0.1:{port}", "--server-retries", "12")
+    time.sleep(0.5)  # the client polls /health meanwhile
+    first = Server(tiny_sd3, port=port)
+    _pause_after_first_shard(client, out)
+    first.kill()
+    os.kill(client.pid, signal.SIGCONT)  # its next request meets a dead server: retried with backoff
+    time.sleep(1.0)
+    second = Server(tiny_sd3, port=port)
+    try:
+        stdout, stderr = client.communicate(timeout=300)
+        assert client.returncode == 0 and "Traceback" not in stderr, stderr
+        result = json.loads(stdout)
+        assert result["rows"] == 12 and result["rows_written"] == 12 and result["complete"]
+        assert _shards(out) == _shards(reference)
+
+        out = tmp_path / "resumed"
+        client = _client(tiny_sd3, prompts, out, second.url, "--server-retries", "1")
+        _pause_after_first_shard(client, out)
+    finally:
+        second.kill()
+    os.kill(client.pid, signal.SIGCONT)
+    _, stderr = client.communicate(timeout=120)
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert client.returncode == 1, stderr
+    assert len(lines) == 1 and second.url in lines[0] and "Traceback" not in stderr, stderr
+    assert not (out / "_manifest.json").exists()
+    result = run(*_remote(tiny_sd3, prompts, out, server.url))  # the URL is not part of the run
+    assert result["shards_resumed"] >= 1 and result["rows_written"] == 12 - 4 * result["shards_resumed"]
+    assert _shards(out) == _shards(reference)
+
+
+def test_no_server_within_the_startup_budget_is_exit_1_naming_the_url(
+    tiny_sd3: Path, prompts: Path, tmp_path: Path
+) -> None:
+    url = f"http://127.0.0.1:{_free_port()}"
+    args = _remote(tiny_sd3, prompts, tmp_path / "o", url, "--server-startup-timeout", "1")
+    result = runner.invoke(app, args)
+    assert result.exit_code == 1, result.output
+    assert url in result.stderr and "no healthy rollout server" in result.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_user_errors_of_the_remote_engine_are_one_line_exit_2(
+    server: Server, tiny_sd3: Path, prompts: Path, tmp_path: Path
+) -> None:
+    out = str(tmp_path / "o")
+    fails(sample_args(tiny_sd3, prompts, Path(out), "--engine", "remote"), "--engine remote", "--server-url")
+    fails(
+        sample_args(tiny_sd3, prompts, Path(out), "--engine", "nope"), "--engine nope", "diffusers", "remote"
+    )
+    fails(_remote(tiny_sd3, prompts, Path(out), "ftp://127.0.0.1:1"), "--server-url", "ftp://127.0.0.1:1")
+    fails(_remote(tiny_sd3, prompts, Path(out), server.url + "/v1"), server.url + "/v1", "omnirl serve")
+    other = tmp_path / "sd3-other"
+    from stages.models.factory import init_model
+
+    init_model("sd3", other, size="tiny", seed=1)
+    fails(_remote(other, prompts, Path(out), server.url), server.url, str(other))
+
+
+# ---- weights loaded without a restart ---------------------------------------------------------------
+
+
+def test_an_adapter_loaded_without_restart_changes_the_next_samples_and_the_version(
+    server: Server, reference: Path, adapter: Path, tiny_sd3: Path, prompts: Path, tmp_path: Path
+) -> None:
+    local = tmp_path / "local"
+    run(*sample_args(tiny_sd3, prompts, local, *WINDOW, "--adapter", str(adapter)))
+    # the server still holds the base model: a run naming the adapter is refused, nothing written
+    fails(
+        _remote(tiny_sd3, prompts, tmp_path / "x", server.url, "--adapter", str(adapter)),
+        "holds the base model",
+    )
+    status, reply = _request(server.url, "POST", "/omnirl/v1/weights", {"adapter": str(adapter)})
+    try:
+        assert status == 200, reply
+        assert reply["weights"]["version"] == 7 and reply["weights"]["adapter"] == str(adapter)
+        assert _request(server.url, "GET", "/health")[1]["weights"]["version"] == 7
+        out = tmp_path / "remote"
+        run(*_remote(tiny_sd3, prompts, out, server.url, "--adapter", str(adapter)))
+        assert _shards(out) == _shards(local)
+        manifest = json.loads((out / "_manifest.json").read_text())
+        assert manifest["extra"]["engine"]["server_weights"]["version"] == 7
+        # a run of the base model now meets the adapter: refused in one line naming it
+        fails(_remote(tiny_sd3, prompts, tmp_path / "y", server.url), str(adapter))
+        # a pushed version number is reported as given
+        status, reply = _request(
+            server.url, "POST", "/omnirl/v1/weights", {"adapter": str(adapter), "version": 12}
+        )
+        assert status == 200 and reply["weights"]["version"] == 12
+    finally:
+        status, reply = _request(server.url, "POST", "/omnirl/v1/weights", {"adapter": None})
+    assert status == 200 and reply["weights"]["version"] == 0 and reply["weights"]["adapter"] is None
+    from stages.shards.reader import open_inputs
+
+    images = [open_inputs([p]).read_shard(0, columns=["image"])["image"] for p in (out, reference)]
+    assert images[0] != images[1]  # the adapter changed the samples
+
+
+# ---- refusals ---------------------------------------------------------------------------------------
+
+
+def _rollout_body(n: int = 2, **params: Any) -> dict[str, Any]:
+    cfg = SampleConfig(steps=2, guidance=1.0, resolution=32, max_sequence_length=32)
+    for key, value in params.items():
+        setattr(cfg, key, value)
+    return encode_request(
+        "r1", cfg, ["a cat"] * n, [""] * n, list(range(n)), list(range(n)), [0] * n,
+        [f"s{i}" for i in range(n)], {},
+    )  # fmt: skip
+
+
+def test_malformed_and_oversized_requests_get_4xx_and_the_server_keeps_serving(server: Server) -> None:
+    good = _rollout_body()
+    bad_seed = _rollout_body()
+    bad_seed["samples"][0]["seed"] = -1
+    cases = [
+        (400, "POST", "/omnirl/v1/rollout", None, b"{not json"),
+        (400, "POST", "/omnirl/v1/rollout", [1, 2], None),
+        (400, "POST", "/omnirl/v1/rollout", {**good, "version": 2}, None),
+        (400, "POST", "/omnirl/v1/rollout", _rollout_body(sampler="euler"), None),
+        (400, "POST", "/omnirl/v1/rollout", {**good, "sampling_params": {"steps": 2, "bogus": 1}}, None),
+        (400, "POST", "/omnirl/v1/rollout", bad_seed, None),
+        (400, "POST", "/omnirl/v1/rollout", {**good, "samples": []}, None),
+        (413, "POST", "/omnirl/v1/rollout", _rollout_body(n=7), None),
+        (413, "POST", "/omnirl/v1/rollout", None, b" " * (2 * 2**20)),
+        (413, "POST", "/omnirl/v1/rollout", _rollout_body(resolution=8192), None),
+        (409, "POST", "/omnirl/v1/rollout", {**good, "weights": {"model_sha256": "0" * 64}}, None),
+        (404, "POST", "/omnirl/v1/nothing", {}, None),
+        (404, "GET", "/nothing", None, None),
+        (422, "POST", "/omnirl/v1/weights", {"adapter": "/no/such/adapter"}, None),
+        (400, "POST", "/v1/images/generations", {"prompt": "x", "n": 11}, None),
+        (400, "POST", "/v1/images/generations", {"prompt": "x", "size": "32x48"}, None),
+        (400, "POST", "/v1/images/generations", {"prompt": "x", "model": "other"}, None),
+        (400, "POST", "/v1/images/generations", {"n": 1}, None),
+        (400, "POST", "/v1/images/generations", {"prompt": "x", "guidance_scale": 21}, None),
+    ]
+    for status, method, path, body, raw in cases:
+        got, reply = _request(server.url, method, path, body, raw)
+        assert got == status, (path, body if raw is None else raw[:20], reply)
+        assert isinstance(reply["error"]["message"], str) and reply["error"]["code"] == status
+    status, reply = _request(server.url, "POST", "/omnirl/v1/rollout", good)
+    assert status == 200 and reply["request_id"] == "r1" and len(reply["media"]) == 2
+    version, columns = decode_response(reply, good)
+    assert version == 0 and columns["latents"].shape[:2] == (2, 3) and columns["log_probs"].shape == (2, 2)
+    assert _request(server.url, "GET", "/health")[0] == 200
+
+
+def test_a_token_guards_everything_but_health(tiny_sd3: Path) -> None:
+    import threading
+
+    from stages.sample.rollout_server import RolloutService
+    from stages.web import JsonServer
+
+    srv = JsonServer(RolloutService(tiny_sd3, token="s3cret"))
+    thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        assert _request(srv.url, "GET", "/health")[0] == 200
+        assert _request(srv.url, "GET", "/v1/models")[0] == 401
+        assert _request(srv.url, "POST", "/omnirl/v1/rollout", _rollout_body())[0] == 401
+        assert _request(srv.url, "GET", "/v1/models", headers={"Authorization": "Bearer s3cret"})[0] == 200
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+# ---- vLLM-Omni's images API -------------------------------------------------------------------------
+
+
+def test_images_generations_returns_the_requested_pngs(server: Server) -> None:
+    status, models = _request(server.url, "GET", "/v1/models")
+    assert status == 200 and models["object"] == "list" and models["data"][0]["id"] == "sd3-tiny"
+    body = {
+        "prompt": "a red apple",
+        "n": 3,
+        "size": "32x32",
+        "seed": 5,
+        "num_inference_steps": 3,
+        "guidance_scale": 1.0,
+    }
+    status, reply = _request(server.url, "POST", "/v1/images/generations", {**body, "model": "sd3-tiny"})
+    assert status == 200, reply
+    assert reply["output_format"] == "png" and reply["size"] == "32x32" and len(reply["data"]) == 3
+    images = [Image.open(io.BytesIO(base64.b64decode(d["b64_json"]))) for d in reply["data"]]
+    assert all(im.format == "PNG" and im.size == (32, 32) for im in images)
+    assert all(d["url"] is None and d["revised_prompt"] is None for d in reply["data"])
+    again = _request(server.url, "POST", "/v1/images/generations", {**body, "n": 1, "seed": 6})[1]
+    assert again["data"][0]["b64_json"] == reply["data"][1]["b64_json"]  # image i draws from seed + i
+    assert len({d["b64_json"] for d in reply["data"]}) == 3
+
+
+# ---- the protocol's checks of a reply ---------------------------------------------------------------
+
+
+def test_a_reply_is_checked_for_id_count_shapes_and_finiteness() -> None:
+    request = _rollout_body(n=2)
+    png = io.BytesIO()
+    Image.new("RGB", (4, 4)).save(png, format="PNG")
+    columns = {
+        "image": [png.getvalue()] * 2,
+        "final_latent": torch.zeros(2, 4, 2, 2),
+        "latents": torch.zeros(2, 3, 4, 2, 2),
+        "sigmas": torch.ones(2, 3),
+        "timesteps": torch.ones(2, 2),
+        "log_probs": torch.zeros(2, 2),
+    }
+    reply = encode_response("r1", 3, columns)
+    version, back = decode_response(json.loads(json.dumps(reply)), request)
+    assert version == 3 and all(torch.equal(back[k], columns[k]) for k in columns if k != "image")
+    assert back["image"] == columns["image"]
+    broken = [
+        ({**reply, "request_id": "r2"}, "reply to request"),
+        ({**reply, "media": reply["media"][:1]}, "media must list 2"),
+        ({**reply, "finish_reason": "abort"}, "finish_reason"),
+        ({**reply, "final_latent": encode_tensor(torch.zeros(3, 4, 2, 2))}, "final_latent has shape"),
+        (
+            {**reply, "trajectory": {**reply["trajectory"], "log_probs": encode_tensor(torch.zeros(2, 3))}},
+            "log_probs",
+        ),
+        (
+            {
+                **reply,
+                "trajectory": {
+                    **reply["trajectory"],
+                    "latents": encode_tensor(torch.full((2, 3, 4, 2, 2), float("nan"))),
+                },
+            },
+            "NaN",
+        ),
+        ({**reply, "trajectory": None}, "2 stored steps"),
+        ({**reply, "media": [{"format": "png", "data": "AAAA"}] * 2}, "not a base64 PNG"),
+    ]
+    for body, message in broken:
+        with pytest.raises(ProtocolError, match=message):
+            decode_response(body, request)

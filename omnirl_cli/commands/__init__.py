@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from .advantage import advantage
 from .encode import encode
+from .env import env
 from .init_model import init_model
 from .inspect_cmd import inspect
 from .logprob import logprob
@@ -30,4 +31,5 @@ COMMANDS = [
     ("init-model", init_model),
     ("pretrain", pretrain),
     ("serve-reward", serve_reward),
+    ("env", env),
 ]

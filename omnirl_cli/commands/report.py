@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from ..console import emit_json, err
+from ..console import emit_json, err, progress
 from ..errors import handle_errors
 from ..options import JsonOpt
 
@@ -29,11 +29,15 @@ def report(
     from stages.shards.manifest import read_manifest
     from stages.shards.reader import rollout_modality
 
-    rows = collect(run)
-    curve = reward_curve(rows, run / "reward_curve.png")
-    grid_paths = []
-    if grids:
-        for _, it in iterations(run):
+    with progress(not json_) as bar:
+        task = bar.add_task(f"report {run}", total=None, rate="")
+        rows = collect(run)
+        curve = reward_curve(rows, run / "reward_curve.png")
+        grid_paths = []
+        found = iterations(run) if grids else []
+        bar.update(task, total=len(found))
+        for _, it in found:
+            bar.advance(task)
             samples = it / "samples"
             if not (samples / "_manifest.json").is_file():
                 continue

@@ -3,8 +3,9 @@
 A YAML preset may serve several commands: top-level scalar keys apply to every command that has an
 option of that name, and a mapping named after the command (`sample:`, `update:` ...) applies to that
 command only, where every key must be one of its options. The command line (flags, --set) beats the
-environment, the environment beats the preset files. Values from every source are checked against a
-choice option's names, and options required by a command are checked once all sources are merged.
+environment, the environment beats the preset files. Values from YAML and --set are parsed and checked
+as the flag would be (type, range, choice), and options a command requires are checked once all
+sources are merged.
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ def _coerce(name: str, value: Any, default: Any, origin: str) -> Any:
 
 def choices_of(param: Any) -> tuple[str, ...] | None:
     """The names a choice option accepts (a `Literal` / Enum type), None for any other option."""
-    desc = getattr(param, "type_descriptor", None)  # typer >= 0.26 (its own parameter types)
+    desc = getattr(param, "type_descriptor", None)  # typer's own parameter types (typer 0.29)
     if desc is not None:
         return tuple(map(str, desc.choices)) if desc.is_choice and desc.choices else None
     return tuple(getattr(getattr(param, "type", None), "choices", None) or ()) or None  # click's Choice

@@ -377,6 +377,37 @@ def test_off_a_tty_a_long_step_still_prints_progress_lines(
     assert len(lines) >= 3
 
 
+def test_online_off_a_tty_prints_a_line_per_iteration_and_timer_lines(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """Rich's live table prints nothing until the end off a TTY: `online` prints lines there instead."""
+    import time
+    from types import SimpleNamespace
+
+    import stages.online.pipeline as pipeline
+    from omnirl_cli.commands.online import _run_lines
+
+    monkeypatch.setattr(console, "PROGRESS_INTERVAL_S", 0.05)
+    stats = {"reward_std": 0.1, "zero_std_ratio": 0.0, "samples": 4, "seconds": 2.0}
+
+    def fake_run(cfg, device, on_iteration):
+        for k, reward in ((0, 0.25), (1, 0.5)):
+            time.sleep(0.2)  # a long iteration: the timer still reports
+            on_iteration({**stats, "iteration": k, "reward_mean": reward, "actor/pg_loss": 0.001})
+
+    monkeypatch.setattr(pipeline, "run_online", fake_run)
+    _run_lines(SimpleNamespace(iterations=2), tmp_path / "run", "cpu")
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == f"omnirl online → {tmp_path / 'run'} on cpu"
+    assert [line.split(",")[0] for line in lines if line.startswith("it ")] == [
+        "it 0: reward 0.25 ± 0.1",
+        "it 1: reward 0.5 ± 0.1",
+    ]
+    timer = [line for line in lines if line.startswith("online iterations: ")]
+    assert timer[0].startswith("online iterations: 0/2 [0:00]") and len(timer) >= 4
+    assert timer[-1].startswith("online iterations: 2/2 reward 0.5")
+
+
 def test_every_long_command_reports_progress() -> None:
     """A command that can run for minutes draws progress (lines every 30 s off a TTY): through
     `console.progress` directly or `runtime.map_shards`. serve-reward serves; env is instant."""
@@ -397,3 +428,13 @@ def test_help_output_stays_light() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("preset", sorted((Path(__file__).parents[1] / "recipes" / "configs").glob("*.yaml")))
+def test_every_preset_value_parses_as_its_flag_would(preset: Path) -> None:
+    """Presets' values pass the same checks as flags (types, ranges, choices) for each command section."""
+    import yaml
+
+    for section in yaml.safe_load(preset.read_text()):
+        command = ROOT.commands[section]
+        resolve(command.make_context(section, ["--config", str(preset)], resilient_parsing=True), section)

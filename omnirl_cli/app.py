@@ -37,9 +37,8 @@ class OneLineErrors(TyperGroup):
     other error a user can cause, instead of a boxed panel."""
 
     def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
-        set_verbosity(
-            NORMAL
-        )  # -q/-v of this invocation only (tests invoke the app many times in one process)
+        # -q/-v hold for this invocation only (tests invoke the app many times in one process)
+        set_verbosity(NORMAL)
         if not standalone_mode:
             return super().main(*args, standalone_mode=False, **kwargs)
         try:
@@ -72,6 +71,9 @@ def _verbosity_params() -> list[Any]:
     return list(typer.main.get_command(probe).params)
 
 
+_VERBOSITY = _verbosity_params()
+
+
 class OmnirlCommand(TyperCommand):
     """A command that also takes -q/--quiet and -v/--verbose after its name, as `omnirl` takes them
     before it: the options set the verbosity while parsing and never reach the command's function."""
@@ -79,8 +81,6 @@ class OmnirlCommand(TyperCommand):
     def __init__(self, *args: Any, params: list[Any] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, params=[*(params or []), *_VERBOSITY], **kwargs)
 
-
-_VERBOSITY = _verbosity_params()
 
 app = typer.Typer(
     cls=OneLineErrors,

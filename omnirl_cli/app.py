@@ -5,14 +5,31 @@ torch and the model libraries are imported inside commands only, so `omnirl --he
 
 from __future__ import annotations
 
+import re
 import sys
 from importlib import metadata
 from typing import Annotated, Any
 
 import typer
-from typer.core import TyperGroup
+from typer.core import TyperCommand, TyperGroup
 
 from .commands import COMMANDS
+from .config import choices_of
+from .console import NORMAL, set_verbosity
+from .options import QuietOpt, VerboseOpt
+
+
+def _usage_message(exc: Exception) -> str:
+    """typer's usage error on one line; a value outside a choice option's names is worded as the
+    stages and `config.resolve` word it: `--sampler magic: choose one of ode, sde, cps, dance`."""
+    message = " ".join(exc.format_message().split())  # type: ignore[attr-defined]
+    param = getattr(exc, "param", None)
+    choices = choices_of(param) if param is not None else None
+    found = re.search(r"'([^']*)' is not one of ", message)
+    if not (choices and found and param.opts):
+        return message
+    env = f" (flag or {param.envvar})" if isinstance(param.envvar, str) else ""
+    return f"{param.opts[0]} {found.group(1)}{env}: choose one of {', '.join(choices)}"
 
 
 class OneLineErrors(TyperGroup):
@@ -20,6 +37,8 @@ class OneLineErrors(TyperGroup):
     other error a user can cause, instead of a boxed panel."""
 
     def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        # -q/-v hold for this invocation only (tests invoke the app many times in one process)
+        set_verbosity(NORMAL)
         if not standalone_mode:
             return super().main(*args, standalone_mode=False, **kwargs)
         try:
@@ -34,11 +53,33 @@ class OneLineErrors(TyperGroup):
 
             ctx = getattr(exc, "ctx", None)
             hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
-            err.print(f"[bold red]error:[/] {escape(' '.join(exc.format_message().split()))}{hint}")
+            err.print(f"[bold red]error:[/] {escape(_usage_message(exc))}{hint}")
             sys.exit(exc.exit_code)
         except typer.Abort:
             sys.exit(1)
         sys.exit(code if isinstance(code, int) else 0)
+
+
+def _verbosity_params() -> list[Any]:
+    """The -q/--quiet and -v/--verbose options, as typer builds them from `QuietOpt` / `VerboseOpt`."""
+    probe = typer.Typer(add_completion=False)
+
+    @probe.command()
+    def flags(quiet: QuietOpt = False, verbose: VerboseOpt = False) -> None:
+        """Only a carrier of the options."""
+
+    return list(typer.main.get_command(probe).params)
+
+
+_VERBOSITY = _verbosity_params()
+
+
+class OmnirlCommand(TyperCommand):
+    """A command that also takes -q/--quiet and -v/--verbose after its name, as `omnirl` takes them
+    before it: the options set the verbosity while parsing and never reach the command's function."""
+
+    def __init__(self, *args: Any, params: list[Any] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, params=[*(params or []), *_VERBOSITY], **kwargs)
 
 
 app = typer.Typer(
@@ -68,12 +109,14 @@ def _root(
         bool | None,
         typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit."),
     ] = None,
+    quiet: QuietOpt = False,
+    verbose: VerboseOpt = False,
 ) -> None:
     """RL post-training of diffusion and omni-modality models, one inspectable, resumable stage at a time."""
 
 
 for _name, _func in COMMANDS:
-    app.command(_name)(_func)
+    app.command(_name, cls=OmnirlCommand)(_func)
 
 
 def main() -> None:

@@ -1,8 +1,11 @@
-"""Resolved configuration of a command: flags > --set > YAML (--config) > defaults.
+"""Resolved configuration of a command: flags > --set > OMNIRL_* variables > YAML (--config) > defaults.
 
 A YAML preset may serve several commands: top-level scalar keys apply to every command that has an
 option of that name, and a mapping named after the command (`sample:`, `update:` ...) applies to that
-command only, where every key must be one of its options.
+command only, where every key must be one of its options. The command line (flags, --set) beats the
+environment, the environment beats the preset files. Values from YAML and --set are parsed and checked
+as the flag would be (type, range, choice), and options a command requires are checked once all
+sources are merged.
 """
 
 from __future__ import annotations
@@ -106,35 +109,81 @@ def _coerce(name: str, value: Any, default: Any, origin: str) -> Any:
     return value
 
 
-def resolve(ctx: typer.Context, command: str) -> dict[str, Any]:
-    """Merge defaults, the --config YAML, --set overrides and explicit flags for `command`."""
+def choices_of(param: Any) -> tuple[str, ...] | None:
+    """The names a choice option accepts (a `Literal` / Enum type), None for any other option."""
+    desc = getattr(param, "type_descriptor", None)  # typer's own parameter types (typer 0.29)
+    if desc is not None:
+        return tuple(map(str, desc.choices)) if desc.is_choice and desc.choices else None
+    return tuple(getattr(getattr(param, "type", None), "choices", None) or ()) or None  # click's Choice
+
+
+def _check_choice(flag: str, value: Any, choices: tuple[str, ...], origin: str) -> Any:
+    """`value` as one of `choices`; YAML 1.1 reads a bare no/yes/off/on as a bool, taken back here."""
+    if isinstance(value, bool):
+        spelled = [c for c in choices if c in (("yes", "on", "true") if value else ("no", "off", "false"))]
+        value = spelled[0] if spelled else value
+    if value is None or value in choices:
+        return value
+    raise UserInputError(f"{origin}: {flag} {value!r}: choose one of {', '.join(choices)}")
+
+
+def _convert(ctx: typer.Context, param: Any, flag: str, value: Any, origin: str) -> Any:
+    """A preset's value as the option's own type would parse the flag (a Path, a number in range, one
+    of the names of a choice); a list or mapping is left as `_coerce` made it."""
+    choices = choices_of(param)
+    if choices is not None:
+        return _check_choice(flag, value, choices, origin)
+    if value is None or isinstance(value, (list, tuple, dict)):
+        return value
+    try:
+        return param.process_value(ctx, value)
+    except typer.BadParameter as exc:
+        reason = exc.format_message().split(": ", 1)[-1]
+        raise UserInputError(f"{origin}: {flag} {value!r}: {reason}") from None
+
+
+def resolve(ctx: typer.Context, command: str, required: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Merge defaults, the --config YAML, OMNIRL_* variables, --set overrides and flags for `command`.
+
+    `required` names options without a default that some source must give (checked here, after the
+    merge, rather than by typer, so a preset can supply them): a missing one is a `UserInputError`.
+    """
     params = dict(ctx.params)
-    explicit = {
-        name
-        for name in params
-        if getattr(ctx.get_parameter_source(name), "name", "") in ("COMMANDLINE", "ENVIRONMENT")
-    }
+    source = {name: getattr(ctx.get_parameter_source(name), "name", "") for name in params}
+    explicit = {name for name in params if source[name] == "COMMANDLINE"}
+    from_env = {name for name in params if source[name] == "ENVIRONMENT"}
     defaults = {p.name: p.default for p in ctx.command.params if p.name}
     # YAML and --set may use an option's long flag name (format, group-size) as well as its parameter name.
     aliases = {
         _key(opt[2:]): p.name for p in ctx.command.params if p.name for opt in p.opts if opt.startswith("--")
     }
     resolved = {k: v for k, v in params.items() if k not in META_PARAMS}
-    layers: list[tuple[dict[str, Any], str]] = []
+    flags = {p.name: p.opts[0] for p in ctx.command.params if p.name and p.opts}
+    options = {p.name: p for p in ctx.command.params if p.name}
+    envvars = {p.name: p.envvar for p in ctx.command.params if p.name and isinstance(p.envvar, str)}
+    layers: list[tuple[dict[str, Any], str, set[str]]] = []  # (values, origin, options it may not replace)
     if params.get("config"):
-        layers.append((load_yaml(params["config"]), f"--config {params['config']}"))
+        layers.append((load_yaml(params["config"]), f"--config {params['config']}", explicit | from_env))
     if params.get("set_"):
         sets = parse_set(list(params["set_"]))
         unknown = [k for k, v in sets.items() if aliases.get(k, k) not in params and not isinstance(v, dict)]
         if unknown:
             raise UserInputError(f"--set {unknown[0]}=...: not an option of `omnirl {command}`")
-        layers.append((sets, "--set"))
-    for source, origin in layers:
-        for name, value in _layer(source, command, params, aliases, origin).items():
-            if name in explicit or name in META_PARAMS:
+        layers.append((sets, "--set", explicit))
+    for layer, origin, kept in layers:
+        for name, value in _layer(layer, command, params, aliases, origin).items():
+            if name in kept or name in META_PARAMS:
                 continue
-            resolved[name] = _coerce(name, value, defaults.get(name), origin)
-    flags = {p.name: p.opts[0] for p in ctx.command.params if p.name and p.opts}
+            value = _coerce(name, value, defaults.get(name), origin)
+            resolved[name] = _convert(ctx, options[name], flags.get(name, name), value, origin)
+    for name in required:
+        if resolved.get(name) in (None, [], ()):
+            flag = flags.get(name, name)
+            env = f", in {envvars[name]}" if name in envvars else ""
+            raise UserInputError(
+                f"{flag} is required: pass it as a flag{env}, or as `{_key(flag.lstrip('-'))}` in the "
+                "--config YAML or --set"
+            )
     for name, value in resolved.items():
         _check_finite(flags.get(name, name), value)
     _locate_weights(resolved, flags)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import threading
 import time
@@ -25,6 +26,42 @@ PROGRESS_INTERVAL_S = 30.0  # off a TTY, the longest stretch without a progress 
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 if not err.is_terminal:
     err.width = 160  # logs and CI: wide enough for inspect's tables without truncation
+
+QUIET, NORMAL, VERBOSE = -1, 0, 1
+LOGGERS = ("stages", "omnirl_cli")  # omnirl's own loggers; libraries keep their settings
+_LEVELS = {QUIET: logging.ERROR, NORMAL: logging.NOTSET, VERBOSE: logging.DEBUG}
+_verbosity = NORMAL
+
+
+class _ToStderr(logging.Handler):
+    """Log records as plain lines on the stderr console (looked up per record, as `err` does)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        err.print(self.format(record), markup=False, highlight=False)
+
+
+_handler = _ToStderr()
+_handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+
+
+def set_verbosity(level: int) -> None:
+    """-q (QUIET): no progress, no log lines, omnirl's loggers at ERROR; errors still print.
+    -v (VERBOSE): omnirl's loggers at DEBUG, each record with its level and logger name.
+    NORMAL restores the untouched state (warnings reach stderr through Python's last-resort handler)."""
+    global _verbosity
+    _verbosity = level
+    for name in LOGGERS:
+        logger = logging.getLogger(name)
+        logger.setLevel(_LEVELS[level])
+        if level == VERBOSE and _handler not in logger.handlers:
+            logger.addHandler(_handler)
+        elif level != VERBOSE and _handler in logger.handlers:
+            logger.removeHandler(_handler)
+
+
+def is_quiet() -> bool:
+    """True under -q/--quiet: progress and log lines stay off."""
+    return _verbosity == QUIET
 
 
 class _Quiet:
@@ -80,14 +117,14 @@ class _Lines(_Quiet):
 
 
 @contextmanager
-def progress(enabled: bool = True, interval: float = PROGRESS_INTERVAL_S) -> Iterator[Any]:
+def progress(enabled: bool = True, interval: float | None = None) -> Iterator[Any]:
     """A rich progress display on stderr; off a TTY, a plain progress line every `interval` seconds
-    (`_Lines`); nothing when `enabled` is false (--json)."""
-    if not enabled:
+    (default PROGRESS_INTERVAL_S, `_Lines`); nothing when `enabled` is false (--json) or under -q."""
+    if not enabled or is_quiet():
         yield _Quiet()
         return
     if not err.is_terminal:
-        lines = _Lines(interval)
+        lines = _Lines(PROGRESS_INTERVAL_S if interval is None else interval)
         timer = threading.Thread(target=lines.tick, daemon=True)
         timer.start()
         try:
@@ -113,8 +150,8 @@ def progress(enabled: bool = True, interval: float = PROGRESS_INTERVAL_S) -> Ite
 
 
 def log(message: str, *, quiet: bool = False) -> None:
-    """One log line on stderr (suppressed with `quiet`, used by --json)."""
-    if not quiet:
+    """One log line on stderr (suppressed with `quiet`, used by --json, and under -q)."""
+    if not quiet and not is_quiet():
         err.print(message)
 
 

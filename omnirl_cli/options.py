@@ -1,11 +1,20 @@
-"""Option types shared by several commands, so every command spells them the same way."""
+"""Option types shared by several commands, so every command spells them the same way.
+
+The common options also read OMNIRL_* environment variables (typer's `envvar=`, shown in --help):
+OMNIRL_CONFIG, OMNIRL_MODEL, OMNIRL_DTYPE, OMNIRL_FORMAT, OMNIRL_QUIET, OMNIRL_VERBOSE. Precedence,
+applied by `config.resolve`: flags > --set > OMNIRL_* > --config YAML > defaults.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
 import typer
+
+from .choices import Format
+from .console import QUIET, VERBOSE, set_verbosity
 
 IO = "Input / output"
 # Where --model and --adapter weights may be (stages.models.hub).
@@ -18,11 +27,15 @@ ADAPTER_HELP = (
     f"(`save_pretrained`; a VLM takes PEFT only); {WEIGHTS_FROM}"
 )
 RUN = "Run"
+# Said by the help of an option that has no default but may come from a preset: required after
+# resolution (`config.resolve(..., required=)`), not by typer, so --config can supply it.
+REQUIRED = "Required (a flag, or --config / --set)."
 
 ConfigOpt = Annotated[
     Path | None,
     typer.Option(
         "--config",
+        envvar="OMNIRL_CONFIG",
         help="YAML preset; top-level keys and a section named after the command fill options not given as flags.",
         rich_help_panel=RUN,
     ),
@@ -31,7 +44,8 @@ SetOpt = Annotated[
     list[str] | None,
     typer.Option(
         "--set",
-        help="Override a config value, e.g. --set steps=10 (repeatable). Flags win over --set, --set over YAML.",
+        help="Override a config value, e.g. --set steps=10 (repeatable). Flags > --set > OMNIRL_* variables > "
+        "YAML > defaults.",
         rich_help_panel=RUN,
     ),
 ]
@@ -43,7 +57,10 @@ JsonOpt = Annotated[
         rich_help_panel=RUN,
     ),
 ]
-OutOpt = Annotated[Path, typer.Option("--out", "-o", help="Output shard-set directory.", rich_help_panel=IO)]
+OutOpt = Annotated[
+    Path | None,
+    typer.Option("--out", "-o", help=f"Output shard-set directory. {REQUIRED}", rich_help_panel=IO),
+]
 InOpt = Annotated[
     list[Path],
     typer.Option(
@@ -54,8 +71,8 @@ InOpt = Annotated[
     ),
 ]
 FormatOpt = Annotated[
-    str,
-    typer.Option("--format", help="Shard format of the output: parquet or webdataset.", rich_help_panel=IO),
+    Format,
+    typer.Option("--format", envvar="OMNIRL_FORMAT", help="Shard format of the output.", rich_help_panel=IO),
 ]
 NumShardsOpt = Annotated[
     int | None,
@@ -102,5 +119,39 @@ RunNameOpt = Annotated[
         help="Name of the tracker run (default: the run directory's name); give every command of the run "
         "the same one.",
         rich_help_panel=TRACKING,
+    ),
+]
+
+
+def _set_level(level: int) -> Callable[[bool], None]:
+    def apply(value: bool) -> None:
+        if value:
+            set_verbosity(level)
+
+    return apply
+
+
+QuietOpt = Annotated[
+    bool,
+    typer.Option(
+        "--quiet",
+        "-q",
+        envvar="OMNIRL_QUIET",
+        expose_value=False,
+        callback=_set_level(QUIET),
+        help="Errors only: no progress, no log lines (omnirl's loggers at ERROR).",
+        rich_help_panel=RUN,
+    ),
+]
+VerboseOpt = Annotated[
+    bool,
+    typer.Option(
+        "--verbose",
+        "-v",
+        envvar="OMNIRL_VERBOSE",
+        expose_value=False,
+        callback=_set_level(VERBOSE),
+        help="Also omnirl's info and debug log records (e.g. remote-reward retries), with logger names.",
+        rich_help_panel=RUN,
     ),
 ]

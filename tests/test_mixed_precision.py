@@ -156,14 +156,25 @@ def test_launcher_settings_update_cannot_honour_are_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, var: str, value: str, names: tuple[str, ...]
 ) -> None:
     monkeypatch.setenv(var, value)
-    fails(["update", "--model", str(tmp_path / "m"), "--in", str(tmp_path / "x")], *names)
+    fails(
+        ["update", "--model", str(tmp_path / "m"), "--in", str(tmp_path / "x"), "--out", str(tmp_path / "o")],
+        *names,
+    )
 
 
 def test_impossible_precision_and_schedule_options_are_one_line_exit_2(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
-    args = ["update", "--model", str(tmp_path / "m"), "--in", str(tmp_path / "x")]
+    args = [
+        "update",
+        "--model",
+        str(tmp_path / "m"),
+        "--in",
+        str(tmp_path / "x"),
+        "--out",
+        str(tmp_path / "o"),
+    ]
     fails([*args, "--lr-scheduler", "cosine"], "--lr-scheduler cosine", "--lr-total-steps")
     fails([*args, "--lr-scheduler", "step"], "--lr-scheduler step", "constant, linear, cosine")
     fails([*args, "--lr-warmup-steps", "-1"], "--lr-warmup-steps -1")

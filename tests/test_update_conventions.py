@@ -225,7 +225,17 @@ def test_impossible_optimiser_values_are_one_line_exit_2(
     tmp_path: Path, args: list[str], option: str
 ) -> None:
     result = CliRunner().invoke(
-        app, ["update", "--model", str(tmp_path / "m"), "--in", str(tmp_path / "x"), *args]
+        app,
+        [
+            "update",
+            "--model",
+            str(tmp_path / "m"),
+            "--in",
+            str(tmp_path / "x"),
+            "--out",
+            str(tmp_path / "o"),
+            *args,
+        ],
     )
     assert result.exit_code == 2, result.output
     lines = [line for line in result.output.splitlines() if line.strip()]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from .advantage import advantage
 from .encode import encode
+from .env import env
 from .init_model import init_model
 from .inspect_cmd import inspect
 from .logprob import logprob
@@ -32,4 +33,5 @@ COMMANDS = [
     ("pretrain", pretrain),
     ("serve", serve),
     ("serve-reward", serve_reward),
+    ("env", env),
 ]

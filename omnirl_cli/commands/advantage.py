@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from ..choices import ESTIMATOR_ENTRY_POINTS, ESTIMATORS, Aggregation, StdMode, complete
 from ..config import resolve
-from ..console import emit_json, log
+from ..console import emit_json, log, progress
 from ..errors import handle_errors
 from ..options import ConfigOpt, FormatOpt, InOpt, JsonOpt, OutOpt, OverwriteOpt, SetOpt
 from ..runtime import check_format, open_inputs, plugin_files, run_config
@@ -18,17 +18,16 @@ from ..runtime import check_format, open_inputs, plugin_files, run_config
 def advantage(
     ctx: typer.Context,
     inputs: InOpt = None,
-    out: OutOpt = Path("advantages"),
+    out: OutOpt = None,
     estimator: Annotated[
         str,
         typer.Option(
             "--estimator",
+            autocompletion=complete(ESTIMATORS, ESTIMATOR_ENTRY_POINTS),
             help="grpo (flow_grpo: global std), grpo_group, dance (unbiased group std), drgrpo (no std), pairs (+1 best, −1 worst of each group: online DPO), or module:function.",
         ),
     ] = "grpo",
-    std: Annotated[
-        str | None, typer.Option("--std", help="Override the estimator's std: global, group or none.")
-    ] = None,
+    std: Annotated[StdMode | None, typer.Option("--std", help="Override the estimator's std.")] = None,
     clip: Annotated[float | None, typer.Option("--clip", help="Clip advantages to ±CLIP.")] = None,
     drop_zero_std: Annotated[
         bool,
@@ -37,7 +36,7 @@ def advantage(
         ),
     ] = False,
     aggregation: Annotated[
-        str,
+        Aggregation,
         typer.Option(
             "--aggregation",
             help="reward_aggr: normalise the weighted total reward (flow_grpo); "
@@ -56,7 +55,7 @@ def advantage(
 
     Example: [bold]omnirl advantage --in run/it0/samples --in run/it0/rewards --out run/it0/advantages[/]
     """
-    c = resolve(ctx, "advantage")
+    c = resolve(ctx, "advantage", required=("out",))
     from stages.advantage.stage import compute_advantages, reward_weights
     from stages.errors import UserInputError
     from stages.score.registry import reward_column
@@ -89,22 +88,25 @@ def advantage(
     elif c["aggregation"] != "reward_aggr":
         raise UserInputError(f"--aggregation {c['aggregation']}: choose reward_aggr or advantage_aggr")
     columns = ["sample_id", "group_id", "reward", *(reward_column(n) for n in weights or {})]
-    data = src.read_all(columns=columns)
-    cols, stats = compute_advantages(
-        data,
-        estimator=name,
-        clip=c["clip"],
-        drop_zero_std=c["drop_zero_std"],
-        num_steps=num_steps,
-        weights=weights,
-    )
-    if not writer.complete:
-        start = 0
-        for s, info in enumerate(src.manifests[0].shards):
-            if not writer.shard_done(s):
-                writer.write_shard(s, slice_batch(cols, start, start + info.rows))
-            start += info.rows
-        writer.finalize(extra={"stats": stats})
+    with progress(not json_) as bar:
+        task = bar.add_task("advantages", total=src.num_rows, rate="")
+        data = src.read_all(columns=columns)
+        cols, stats = compute_advantages(
+            data,
+            estimator=name,
+            clip=c["clip"],
+            drop_zero_std=c["drop_zero_std"],
+            num_steps=num_steps,
+            weights=weights,
+        )
+        if not writer.complete:
+            start = 0
+            for s, info in enumerate(src.manifests[0].shards):
+                if not writer.shard_done(s):
+                    writer.write_shard(s, slice_batch(cols, start, start + info.rows))
+                start += info.rows
+                bar.advance(task, info.rows)
+            writer.finalize(extra={"stats": stats})
     result = {"out": str(c["out"]), "estimator": name, **stats}
     if json_:
         emit_json(result)

@@ -7,10 +7,21 @@ from typing import Annotated
 
 import typer
 
+from ..choices import Dtype
 from ..config import resolve
 from ..console import emit_json, log
 from ..errors import handle_errors
-from ..options import WEIGHTS_FROM, ConfigOpt, FormatOpt, InOpt, JsonOpt, OutOpt, OverwriteOpt, SetOpt
+from ..options import (
+    REQUIRED,
+    WEIGHTS_FROM,
+    ConfigOpt,
+    FormatOpt,
+    InOpt,
+    JsonOpt,
+    OutOpt,
+    OverwriteOpt,
+    SetOpt,
+)
 from ..runtime import check_format, device, finalize, map_shards, open_inputs, policy_info, run_config
 
 
@@ -18,10 +29,16 @@ from ..runtime import check_format, device, finalize, map_shards, open_inputs, p
 def encode(
     ctx: typer.Context,
     inputs: InOpt = None,
-    out: OutOpt = Path("latents"),
+    out: OutOpt = None,
     model: Annotated[
-        Path, typer.Option("--model", "-m", help=f"Diffusers pipeline (its VAE encodes): {WEIGHTS_FROM}.")
-    ] = Path("model"),
+        Path | None,
+        typer.Option(
+            "--model",
+            "-m",
+            envvar="OMNIRL_MODEL",
+            help=f"Diffusers pipeline (its VAE encodes): {WEIGHTS_FROM}. {REQUIRED}",
+        ),
+    ] = None,
     resolution: Annotated[
         int,
         typer.Option(
@@ -32,7 +49,7 @@ def encode(
         ),
     ] = 512,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Images per VAE call.")] = 8,
-    dtype: Annotated[str, typer.Option("--dtype", help="fp32, bf16 or fp16.")] = "fp32",
+    dtype: Annotated[Dtype, typer.Option("--dtype", envvar="OMNIRL_DTYPE", help="Weights dtype.")] = "fp32",
     fmt: FormatOpt = "parquet",
     overwrite: OverwriteOpt = False,
     config: ConfigOpt = None,
@@ -43,7 +60,7 @@ def encode(
 
     Example: [bold]omnirl encode --model models/sd3 --in data/pairs --resolution 512 --out data/latents[/]
     """
-    c = resolve(ctx, "encode")
+    c = resolve(ctx, "encode", required=("model", "out"))
     from stages.models.diffusion import FlowPolicy
     from stages.offline.encode import encode_shard
     from stages.shards.writer import ShardSetWriter

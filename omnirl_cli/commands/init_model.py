@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from ..console import emit_json, err, log
+from ..choices import FAMILIES, ModelSize, complete
+from ..console import emit_json, log, progress
 from ..errors import handle_errors
 from ..options import JsonOpt
 
@@ -19,11 +19,13 @@ def init_model(
     family: Annotated[
         str,
         typer.Option(
-            "--family", help="Model family: sd3, flux, qwen_image, z_image (diffusion) or qwen2_5_vl (VLM)."
+            "--family",
+            autocompletion=complete(FAMILIES),
+            help="Model family: sd3, flux, qwen_image, z_image (diffusion) or qwen2_5_vl (VLM).",
         ),
     ] = "sd3",
     size: Annotated[
-        str,
+        ModelSize,
         typer.Option(
             "--size",
             help="tiny (fast tests), small (benchmarks) or, for sd3, demo (the pixel-VAE shape `omnirl pretrain` "
@@ -44,7 +46,8 @@ def init_model(
     """
     from stages.models.factory import init_model as build
 
-    with err.status(f"building {size} {family} model", spinner="dots") if not json_ else nullcontext():
+    with progress(not json_) as bar:
+        bar.add_task(f"building {size} {family} model", total=None, rate="")
         summary = build(family, out, size=size, seed=seed)
     if json_:
         emit_json(summary)

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from ..console import emit_json, err
+from ..console import emit_json, err, progress
 from ..errors import handle_errors
 from ..options import JsonOpt
 
@@ -148,7 +148,9 @@ def inspect(
 
     shard_set = ShardSet(path)
     if verify:
-        shard_set.verify()
+        with progress(not json_) as bar:
+            bar.add_task(f"verifying {shard_set.num_shards} shards", total=None, rate="")
+            shard_set.verify()
     info = describe(shard_set)
     info["verified"] = verify
     rows = _head_rows(path, head)

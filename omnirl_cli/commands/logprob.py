@@ -7,11 +7,13 @@ from typing import Annotated, Any
 
 import typer
 
+from ..choices import Dtype
 from ..config import resolve
 from ..console import emit_json, log
 from ..errors import handle_errors
 from ..options import (
     ADAPTER_HELP,
+    REQUIRED,
     WEIGHTS_FROM,
     ConfigOpt,
     FormatOpt,
@@ -28,15 +30,21 @@ from ..runtime import check_format, device, finalize, map_shards, open_inputs, p
 def logprob(
     ctx: typer.Context,
     inputs: InOpt = None,
-    out: OutOpt = Path("logprobs"),
+    out: OutOpt = None,
     model: Annotated[
-        Path, typer.Option("--model", "-m", help=f"Diffusers pipeline or transformers VLM: {WEIGHTS_FROM}.")
-    ] = Path("model"),
+        Path | None,
+        typer.Option(
+            "--model",
+            "-m",
+            envvar="OMNIRL_MODEL",
+            help=f"Diffusers pipeline or transformers VLM: {WEIGHTS_FROM}. {REQUIRED}",
+        ),
+    ] = None,
     adapter: Annotated[
         Path | None,
         typer.Option("--adapter", help=f"Adapter to replay under: {ADAPTER_HELP} (default: base model)."),
     ] = None,
-    dtype: Annotated[str, typer.Option("--dtype", help="fp32, bf16 or fp16.")] = "fp32",
+    dtype: Annotated[Dtype, typer.Option("--dtype", envvar="OMNIRL_DTYPE", help="Weights dtype.")] = "fp32",
     reference: Annotated[
         bool,
         typer.Option(
@@ -70,7 +78,7 @@ def logprob(
 
     Example: [bold]omnirl logprob --model models/sd3-tiny --adapter run/it0/policy --in run/it0/samples --out run/it0/logprobs[/]
     """
-    c = resolve(ctx, "logprob")
+    c = resolve(ctx, "logprob", required=("model", "out"))
     from stages.logprob.replay import replay_shard, replay_token_shard
     from stages.models.diffusion import FlowPolicy
     from stages.models.vlm import VLMPolicy

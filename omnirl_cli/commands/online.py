@@ -8,8 +8,9 @@ from typing import Annotated, Any
 
 import typer
 
+from ..choices import REWARD_ENTRY_POINTS, REWARDS, Dtype, complete
 from ..config import load_yaml, parse_set
-from ..console import emit_json, err
+from ..console import emit_json, err, is_quiet, log, progress
 from ..errors import handle_errors
 from ..options import WEIGHTS_FROM, JsonOpt, OverwriteOpt, ReportToOpt, RunNameOpt, SetOpt
 
@@ -42,9 +43,17 @@ def _dataclass(cls: type, values: dict[str, Any], section: str, rename: dict[str
 @handle_errors
 def online(
     config: Annotated[
-        Path, typer.Option("--config", help="YAML preset (sample / score / advantage / update sections).")
+        Path,
+        typer.Option(
+            "--config",
+            envvar="OMNIRL_CONFIG",
+            help="YAML preset (sample / score / advantage / update sections).",
+        ),
     ],
-    model: Annotated[Path, typer.Option("--model", "-m", help=f"Diffusers pipeline: {WEIGHTS_FROM}.")],
+    model: Annotated[
+        Path,
+        typer.Option("--model", "-m", envvar="OMNIRL_MODEL", help=f"Diffusers pipeline: {WEIGHTS_FROM}."),
+    ],
     prompts: Annotated[Path, typer.Option("--prompts", help="Prompt file (.txt, .jsonl, .csv, .parquet).")],
     out: Annotated[
         Path, typer.Option("--out", "-o", help="Run directory: it<K>/policy checkpoints (and shard sets).")
@@ -54,7 +63,12 @@ def online(
     ] = 4,
     reward: Annotated[
         list[str] | None,
-        typer.Option("--reward", "-r", help="NAME[=WEIGHT], repeatable (default: the preset's)."),
+        typer.Option(
+            "--reward",
+            "-r",
+            autocompletion=complete(REWARDS, REWARD_ENTRY_POINTS),
+            help="NAME[=WEIGHT], repeatable (default: the preset's).",
+        ),
     ] = None,
     reward_arg: Annotated[
         list[str] | None,
@@ -82,7 +96,7 @@ def online(
             "as the staged recipe; a fixed seed re-samples the same prompts and noise).",
         ),
     ] = None,
-    dtype: Annotated[str, typer.Option("--dtype", help="fp32, bf16 or fp16.")] = "fp32",
+    dtype: Annotated[Dtype, typer.Option("--dtype", envvar="OMNIRL_DTYPE", help="Weights dtype.")] = "fp32",
     threads: Annotated[int, typer.Option("--threads", min=1, help="torch threads per worker process.")] = 1,
     report_to: ReportToOpt = None,
     run_name: RunNameOpt = None,
@@ -161,8 +175,33 @@ def online(
     with tracking:
         if json_:
             emit_json({"out": str(out), "iterations": run_online(cfg, device=device(), tracking=tracking)})
+        elif is_quiet():
+            run_online(cfg, device=device(), tracking=tracking)
+        elif not err.is_terminal:
+            _run_lines(cfg, out, device(), tracking)
         else:
             _run_live(cfg, out, device(), tracking)
+
+
+def _run_lines(cfg: Any, out: Path, dev: Any, tracking: Any) -> None:
+    """Off a TTY (Slurm logs, pipes): one line per iteration, and the progress timer's line at least
+    every PROGRESS_INTERVAL_S seconds while an iteration runs."""
+    from stages.online.pipeline import run_online
+
+    log(f"omnirl online → {out} on {dev}")
+    with progress() as bar:
+        task = bar.add_task("online iterations", total=cfg.iterations, rate="")
+
+        def show(s: dict[str, Any]) -> None:
+            bar.update(task, completed=s["iteration"] + 1, rate=f"reward {s['reward_mean']:.5g}")
+            log(
+                f"it {s['iteration']}: reward {s['reward_mean']:.5g} ± {s['reward_std']:.3g}, zero-std "
+                f"{s['zero_std_ratio']:.2f}, pg_loss {s.get('actor/pg_loss', 0):+.3e}, ratio "
+                f"{s.get('actor/ratio_mean', 1):.5f}, {s['samples'] / s['seconds']:.1f} samples/s, "
+                f"{s['seconds']:.1f} s"
+            )
+
+        run_online(cfg, device=dev, on_iteration=show, tracking=tracking)
 
 
 def _run_live(cfg: Any, out: Path, dev: Any, tracking: Any) -> None:
@@ -203,9 +242,5 @@ def _run_live(cfg: Any, out: Path, dev: Any, tracking: Any) -> None:
             f"{s['seconds']:.1f}",
         )
 
-    try:
-        with Live(table, console=err, refresh_per_second=2):
-            run_online(cfg, device=dev, on_iteration=show, tracking=tracking)
-    finally:
-        if not err.is_terminal:  # Live ends its table with a newline on a terminal only
-            err.line()
+    with Live(table, console=err, refresh_per_second=2):
+        run_online(cfg, device=dev, on_iteration=show, tracking=tracking)

@@ -8,10 +8,11 @@ from typing import Annotated
 
 import typer
 
+from ..choices import VaeMode
 from ..config import resolve
 from ..console import emit_json, log, progress
 from ..errors import handle_errors
-from ..options import WEIGHTS_FROM, ConfigOpt, JsonOpt, SetOpt
+from ..options import REQUIRED, WEIGHTS_FROM, ConfigOpt, JsonOpt, SetOpt
 
 IO = "Input / output"
 TRAIN = "Training"
@@ -22,33 +23,34 @@ VAE = "Pixel VAE"
 def pretrain(
     ctx: typer.Context,
     model: Annotated[
-        Path,
+        Path | None,
         typer.Option(
             "--model",
             "-m",
-            help=f"Diffusers pipeline to start from, e.g. one `omnirl init-model` built: {WEIGHTS_FROM}.",
+            envvar="OMNIRL_MODEL",
+            help=f"Diffusers pipeline to start from, e.g. one `omnirl init-model` built: {WEIGHTS_FROM}. {REQUIRED}",
             rich_help_panel=IO,
         ),
-    ] = Path("model"),
+    ] = None,
     data: Annotated[
-        Path,
+        Path | None,
         typer.Option(
             "--data",
             help="Folder of PNG images and one .jsonl of captions (`prompt`, `caption` or `text`; row i ↔ "
             "the i-th PNG by name, or each row's `file_name`). Synthetic shapes: python "
-            "recipes/tasks/shapes.py --out DIR/captions.jsonl --num-prompts 4096 --images DIR.",
+            "recipes/tasks/shapes.py --out DIR/captions.jsonl --num-prompts 4096 --images DIR. " + REQUIRED,
             rich_help_panel=IO,
         ),
-    ] = Path("data"),
+    ] = None,
     out: Annotated[
-        Path,
+        Path | None,
         typer.Option(
             "--out",
             "-o",
-            help="New folder for the pretrained pipeline (from_pretrained-loadable).",
+            help=f"New folder for the pretrained pipeline (from_pretrained-loadable). {REQUIRED}",
             rich_help_panel=IO,
         ),
-    ] = Path("pretrained"),
+    ] = None,
     steps: Annotated[
         int, typer.Option("--steps", min=1, help="Optimizer steps.", rich_help_panel=TRAIN)
     ] = 1000,
@@ -108,7 +110,7 @@ def pretrain(
         ),
     ] = 0,
     vae: Annotated[
-        str,
+        VaeMode,
         typer.Option(
             "--vae",
             help="model: learn the model's own VAE latents. pixel: first fit the VAE as a pixel VAE (latent = "
@@ -151,7 +153,7 @@ def pretrain(
 
     Example: [bold]omnirl pretrain --model models/demo --data data/shapes --vae pixel --out models/demo-shapes[/]
     """
-    c = resolve(ctx, "pretrain")
+    c = resolve(ctx, "pretrain", required=("model", "data", "out"))
     from stages.models.diffusion import FlowPolicy
     from stages.pretrain.flow_matching import (
         PretrainConfig,

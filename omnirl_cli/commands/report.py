@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from ..console import emit_json, err
+from ..console import emit_json, err, progress
 from ..errors import handle_errors
 from ..options import JsonOpt, ReportToOpt, RunNameOpt
 
@@ -37,11 +37,15 @@ def report(
     from stages.tracking import Tracking, parse_report_to, replay
 
     tracking = Tracking(parse_report_to(report_to), run, run_name)
-    rows = collect(run)
-    curve = reward_curve(rows, run / "reward_curve.png")
     sheets = []
-    if grids:
-        for k, it in iterations(run):
+    with progress(not json_) as bar:
+        task = bar.add_task(f"report {run}", total=None, rate="")
+        rows = collect(run)
+        curve = reward_curve(rows, run / "reward_curve.png")
+        found = iterations(run) if grids else []
+        bar.update(task, total=len(found))
+        for k, it in found:
+            bar.advance(task)
             samples = it / "samples"
             if not (samples / "_manifest.json").is_file():
                 continue

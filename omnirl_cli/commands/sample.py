@@ -11,11 +11,13 @@ from typing import Annotated, Any
 
 import typer
 
+from ..choices import ENGINE_ENTRY_POINTS, ENGINES, Dtype, Layout, Sampler, WindowStrategy, complete
 from ..config import resolve
 from ..console import emit_json, log, progress
 from ..errors import handle_errors
 from ..options import (
     ADAPTER_HELP,
+    REQUIRED,
     WEIGHTS_FROM,
     ConfigOpt,
     FormatOpt,
@@ -48,16 +50,18 @@ PLANNED_SAMPLE_BYTES = 256
 @handle_errors
 def sample(
     ctx: typer.Context,
-    out: OutOpt = Path("samples"),
+    out: OutOpt = None,
     model: Annotated[
-        Path,
+        Path | None,
         typer.Option(
             "--model",
             "-m",
-            help=f"Diffusers pipeline, or a transformers VLM (Qwen2.5-VL): text responses; {WEIGHTS_FROM}.",
+            envvar="OMNIRL_MODEL",
+            help="Diffusers pipeline, or a transformers VLM (Qwen2.5-VL): text responses; "
+            + f"{WEIGHTS_FROM}. {REQUIRED}",
             rich_help_panel=MODEL,
         ),
-    ] = Path("model"),
+    ] = None,
     adapter: Annotated[
         Path | None,
         typer.Option(
@@ -67,17 +71,17 @@ def sample(
         ),
     ] = None,
     dtype: Annotated[
-        str, typer.Option("--dtype", help="fp32, bf16 or fp16.", rich_help_panel=MODEL)
+        Dtype, typer.Option("--dtype", envvar="OMNIRL_DTYPE", help="Weights dtype.", rich_help_panel=MODEL)
     ] = "fp32",
     prompts: Annotated[
-        Path,
+        Path | None,
         typer.Option(
             "--prompts",
             help="Prompt file: .txt, .jsonl, .csv or (verl-style) .parquet; for a VLM a verl (or --layout "
-            "easyr1) .parquet/.jsonl table with images.",
+            "easyr1) .parquet/.jsonl table with images. " + REQUIRED,
             rich_help_panel="Input / output",
         ),
-    ] = Path("prompts.txt"),
+    ] = None,
     num_prompts: Annotated[
         int | None,
         typer.Option(
@@ -116,7 +120,12 @@ def sample(
         ),
     ] = 512,
     sampler: Annotated[
-        str, typer.Option("--sampler", help="ode, sde (Flow-GRPO), cps or dance.", rich_help_panel=SAMPLING)
+        Sampler,
+        typer.Option(
+            "--sampler",
+            help="ode (Euler), sde (Flow-GRPO), cps (coefficients-preserving) or dance (DanceGRPO).",
+            rich_help_panel=SAMPLING,
+        ),
     ] = "sde",
     noise_level: Annotated[
         float, typer.Option("--noise-level", help="a (sde/cps) or η (dance).", rich_help_panel=SAMPLING)
@@ -139,7 +148,7 @@ def sample(
         ),
     ] = None,
     window_strategy: Annotated[
-        str,
+        WindowStrategy,
         typer.Option(
             "--window-strategy",
             help="random (Flow-GRPO-Fast), progressive (MixGRPO: slides with --iteration) or fixed.",
@@ -218,6 +227,7 @@ def sample(
         str | None,
         typer.Option(
             "--engine",
+            autocompletion=complete(ENGINES, ENGINE_ENTRY_POINTS),
             help="Rollout engine. Diffusion: diffusers (in this process, the default) or remote (an "
             "`omnirl serve` rollout server at --server-url: same samples, its own device); a plugin "
             "engine by name or module:Class. VLM: hf (transformers generate, the default) or openai (a "
@@ -292,7 +302,7 @@ def sample(
         ),
     ] = 512,
     layout: Annotated[
-        str,
+        Layout,
         typer.Option(
             "--layout",
             help="VLM prompt table: verl (prompt, images, reward_model.ground_truth, ...) or easyr1 "
@@ -333,7 +343,7 @@ def sample(
 
     VLM: [bold]omnirl sample --model models/vlm-tiny --prompts geo3k.parquet -n 5 --max-new-tokens 256 --out run/it0/samples[/]
     """
-    c = resolve(ctx, "sample")
+    c = resolve(ctx, "sample", required=("model", "prompts", "out"))
     from stages.models.vlm import is_vlm_model
 
     if is_vlm_model(c["model"]):

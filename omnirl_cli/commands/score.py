@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from ..choices import REWARD_ENTRY_POINTS, REWARDS, OnError, complete
 from ..config import resolve
 from ..console import emit_json, log
 from ..errors import handle_errors
@@ -29,12 +29,13 @@ from ..runtime import check_format, finalize, map_shards, open_inputs, plugin_fi
 def score(
     ctx: typer.Context,
     inputs: InOpt = None,
-    out: OutOpt = Path("rewards"),
+    out: OutOpt = None,
     reward: Annotated[
         list[str] | None,
         typer.Option(
             "--reward",
             "-r",
+            autocompletion=complete(REWARDS, REWARD_ENTRY_POINTS),
             help="NAME[=WEIGHT], repeatable: a built-in image reward (jpeg_compressibility, "
             "jpeg_incompressibility, ocr, pickscore, clipscore, image_similarity, aesthetic, geneval, "
             "geneval_strict, geneval_shapes, geneval_shapes_strict, vlm_judge) or text reward for VLM rollouts "
@@ -61,7 +62,7 @@ def score(
     ] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Samples per scorer call.")] = 32,
     on_error: Annotated[
-        str,
+        OnError,
         typer.Option(
             "--on-error", help="fail (default): stop on a failed/NaN score; zero: record 0 and flag it."
         ),
@@ -93,7 +94,7 @@ def score(
     CLIP: [bold]omnirl score --in run/it0/samples --reward pickscore --reward-arg pickscore.model=/models/PickScore_v1 \\
     --reward-arg pickscore.processor=/models/CLIP-ViT-H-14-laion2B-s32B-b79K --out run/it0/rewards[/]
     """
-    c = resolve(ctx, "score")
+    c = resolve(ctx, "score", required=("out",))
     from stages.reporting import reward_statistics
     from stages.score.registry import check_reward_args, parse_reward_args, parse_reward_spec
     from stages.score.stage import needed_columns, score_shard

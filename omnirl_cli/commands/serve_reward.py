@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from ..choices import REWARD_ENTRY_POINTS, REWARDS, complete
 from ..config import resolve
 from ..console import log
 from ..errors import handle_errors
@@ -23,6 +24,7 @@ def serve_reward(
         typer.Option(
             "--reward",
             "-r",
+            autocompletion=complete(REWARDS, REWARD_ENTRY_POINTS),
             help="NAME[=WEIGHT], repeatable: a reward to serve (built-in, module:function, path/file.py:function "
             "or entry point), as `omnirl score --reward` takes it. POST /NAME scores one, POST /score all "
             "(the weighted sum in `reward`).",

@@ -7,11 +7,24 @@ from typing import Annotated
 
 import typer
 
+from ..choices import (
+    ALGORITHMS,
+    AwmWeighting,
+    Dtype,
+    KlType,
+    LossAggMode,
+    LrScheduler,
+    MixedPrecision,
+    OldDecay,
+    Strategy,
+    complete,
+)
 from ..config import resolve
 from ..console import emit_json, log, progress
 from ..errors import handle_errors
 from ..options import (
     ADAPTER_HELP,
+    REQUIRED,
     WEIGHTS_FROM,
     ConfigOpt,
     InOpt,
@@ -32,10 +45,16 @@ LOSS = "Loss"
 def update(
     ctx: typer.Context,
     inputs: InOpt = None,
-    out: OutOpt = Path("policy"),
+    out: OutOpt = None,
     model: Annotated[
-        Path, typer.Option("--model", "-m", help=f"Diffusers pipeline or transformers VLM: {WEIGHTS_FROM}.")
-    ] = Path("model"),
+        Path | None,
+        typer.Option(
+            "--model",
+            "-m",
+            envvar="OMNIRL_MODEL",
+            help=f"Diffusers pipeline or transformers VLM: {WEIGHTS_FROM}. {REQUIRED}",
+        ),
+    ] = None,
     adapter: Annotated[
         Path | None,
         typer.Option(
@@ -45,18 +64,19 @@ def update(
         ),
     ] = None,
     dtype: Annotated[
-        str,
+        Dtype,
         typer.Option(
             "--dtype",
-            help="Storage dtype of the frozen weights: fp32, bf16 or fp16. Trained weights (LoRA, or all "
+            envvar="OMNIRL_DTYPE",
+            help="Storage dtype of the frozen weights. Trained weights (LoRA, or all "
             "with --full) are always fp32 (diffusers' cast_training_params), so AdamW steps in fp32.",
         ),
     ] = "fp32",
     mixed_precision: Annotated[
-        str | None,
+        MixedPrecision | None,
         typer.Option(
             "--mixed-precision",
-            help="Autocast of the forward and loss: no, bf16 or fp16, as Accelerate names them (fp16 with a "
+            help="Autocast of the forward and loss, as Accelerate names it (fp16 with a "
             "dynamic loss scale, torch.amp.GradScaler: an overflow skips the step and halves the scale, logged as "
             "actor/grad_scale; not with FSDP2). Default: the launcher's (accelerate launch --mixed_precision, "
             "ACCELERATE_MIXED_PRECISION), else no. Recorded in the adapter's update_config.",
@@ -64,7 +84,7 @@ def update(
         ),
     ] = None,
     strategy: Annotated[
-        str,
+        Strategy,
         typer.Option(
             "--strategy",
             help="How the trained module is spread over the launcher's processes: ddp (Accelerate's DDP), "
@@ -88,6 +108,7 @@ def update(
         str,
         typer.Option(
             "--algo",
+            autocompletion=complete(ALGORITHMS),
             help="flow_grpo (first int(K·f) steps), dance_grpo (random steps per sample), mix_grpo (the stored "
             "window), grpo_guard (GRPO-Guard's RatioNorm ratio with the exact step std, as flow_grpo; on "
             "dance steps verl-omni scales by η·|Δσ| instead; needs `logprob --means`); on final latents: nft "
@@ -122,7 +143,7 @@ def update(
         ),
     ] = None,
     loss_agg_mode: Annotated[
-        str | None,
+        LossAggMode | None,
         typer.Option(
             "--loss-agg-mode",
             help="VLM aggregation of the policy, KL and entropy terms (verl loss_agg_mode, default token-mean): "
@@ -132,7 +153,7 @@ def update(
         ),
     ] = None,
     kl_type: Annotated[
-        str,
+        KlType,
         typer.Option(
             "--kl-type",
             help="VLM KL estimator for --beta: k1, abs, k2 (mse), k3 (low_var_kl, clamped), k1+, k3+.",
@@ -178,7 +199,7 @@ def update(
         ),
     ] = 1.0,
     old_decay: Annotated[
-        str,
+        OldDecay,
         typer.Option(
             "--old-decay",
             help="NFT old-policy schedule: copy, linear_to_0_5, delayed_linear_to_0_999.",
@@ -186,7 +207,7 @@ def update(
         ),
     ] = "linear_to_0_5",
     awm_weighting: Annotated[
-        str,
+        AwmWeighting,
         typer.Option("--awm-weighting", help="AWM pseudo log-prob: uniform or ghuber.", rich_help_panel=LOSS),
     ] = "uniform",
     awm_p: Annotated[
@@ -228,7 +249,7 @@ def update(
         float, typer.Option("--adam-eps", help="AdamW ε > 0 (flow_grpo 1e-8).", rich_help_panel=OPT)
     ] = 1e-8,
     lr_scheduler: Annotated[
-        str,
+        LrScheduler,
         typer.Option(
             "--lr-scheduler",
             help="LR schedule over the optimizer steps of the whole run, continued across updates from the "
@@ -340,7 +361,7 @@ def update(
     VLM: [bold]omnirl update --model models/vlm --in run/it0/samples --in run/it0/advantages --algo dapo \\
     --lr 1e-6 --beta 0 --out run/it1/policy[/]
     """
-    c = resolve(ctx, "update")
+    c = resolve(ctx, "update", required=("model", "out"))
     from stages.dist import world_and_rank
     from stages.tracking import open_tracking
     from stages.update.stage import run_update

@@ -1,0 +1,105 @@
+"""The names choice options accept, for `--help`, shell completion and validation without importing torch.
+
+Closed sets are `Literal` types: typer lists them in help as <a|b|c>, completes them and refuses other
+flag values; `config.resolve` checks values from --config, --set and OMNIRL_* variables against the
+same sets. Open registries that plugins extend (rewards, algorithms, advantage estimators, model
+families) stay plain strings whose built-in names are offered by completion only, so a
+`module:attribute` plugin is never refused here. Each set mirrors the stage constant that validates it
+(tests/test_cli_conventions.py holds them equal), because importing the stages here would load torch
+on every `--help` and TAB.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+Dtype = Literal["fp32", "bf16", "fp16"]  # stages.models.diffusion.DTYPES
+Format = Literal["parquet", "webdataset"]  # stages.shards.manifest.FORMATS
+Sampler = Literal["ode", "sde", "cps", "dance"]  # stages.sample.samplers.SAMPLERS
+WindowStrategy = Literal["random", "progressive", "fixed"]  # windows.STRATEGIES but "all" (= --sde-window 0)
+Layout = Literal["verl", "easyr1"]  # stages.sample.vlm_data.read_vlm_prompts
+OnError = Literal["fail", "zero"]  # stages.score.scoring.ON_ERROR_MODES
+StdMode = Literal["global", "group", "none"]  # stages.advantage.estimators.STD_MODES
+Aggregation = Literal["reward_aggr", "advantage_aggr"]  # stages.advantage.estimators.AGGREGATIONS
+MixedPrecision = Literal["no", "bf16", "fp16"]  # stages.update.trainer.MIXED_PRECISIONS
+Strategy = Literal["auto", "ddp", "fsdp2"]  # stages.update.parallel.STRATEGIES
+LrScheduler = Literal["constant", "linear", "cosine"]  # stages.update.trainer.LR_SCHEDULERS
+LossAggMode = Literal[
+    "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
+]  # stages.update.token_losses.AGG_MODES
+KlType = Literal["k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl", "k1+", "k3+"]  # token_losses.KL_KINDS
+OldDecay = Literal["copy", "linear_to_0_5", "delayed_linear_to_0_999"]  # family_losses.NFT_DECAY_SCHEDULES
+AwmWeighting = Literal["uniform", "ghuber"]  # stages.update.family_losses.AWM_WEIGHTINGS
+VaeMode = Literal["model", "pixel"]  # stages.pretrain.flow_matching.VAE_MODES
+ModelSize = Literal["tiny", "small", "demo"]  # the SIZES of the families' builders
+
+# Built-in names of the open registries (completion only; plugins are accepted beside them).
+# Rollout engines: stages.sample.engines' diffusion engines, then stages.sample.vlm_stage.ENGINES.
+ENGINES = ("diffusers", "remote", "hf", "openai")
+ENGINE_ENTRY_POINTS = "omnirl.engines"
+ALGORITHMS = (
+    "flow_grpo",
+    "dance_grpo",
+    "mix_grpo",
+    "grpo_guard",
+    "nft",
+    "awm",
+    "dpo",
+    "grpo",
+    "dapo",
+    "gspo",
+)  # stages.update.losses.ALGORITHMS
+ESTIMATORS = (
+    "grpo",
+    "grpo_group",
+    "dance",
+    "drgrpo",
+    "grpo_verl",
+    "grpo_trl",
+    "grpo_batch_std",
+    "pairs",
+)  # stages.advantage.estimators.ESTIMATORS and pair advantages
+FAMILIES = ("flux", "qwen2_5_vl", "qwen_image", "sd3", "z_image")  # stages.models.factory.FAMILIES
+REWARDS = (
+    "accuracy",
+    "aesthetic",
+    "bleu",
+    "clipscore",
+    "format_boxed",
+    "format_think_answer",
+    "geneval",
+    "geneval_shapes",
+    "geneval_shapes_strict",
+    "geneval_strict",
+    "image_similarity",
+    "jpeg_compressibility",
+    "jpeg_incompressibility",
+    "length_penalty",
+    "meteor",
+    "ocr",
+    "pickscore",
+    "repetition_penalty",
+    "rouge_l",
+    "rouge_l_recall",
+    "text_similarity",
+    "vlm_judge",
+)  # stages.score.registry built-ins
+# The entry-point groups through which installed packages add rewards and advantage estimators.
+REWARD_ENTRY_POINTS = "omnirl.rewards"  # stages.score.registry.ENTRY_POINT_GROUP
+ESTIMATOR_ENTRY_POINTS = "omnirl.advantages"  # stages.advantage.estimators.ENTRY_POINT_GROUP
+
+
+def complete(names: tuple[str, ...], entry_points: str | None = None) -> Callable[[str], list[str]]:
+    """A typer `autocompletion` callback offering `names` (and the installed entry points of the group
+    `entry_points`) that start with what was typed."""
+
+    def offer(incomplete: str) -> list[str]:
+        found = list(names)
+        if entry_points:
+            from importlib.metadata import entry_points as installed
+
+            found += sorted({ep.name for ep in installed(group=entry_points)} - set(names))
+        return [name for name in found if name.startswith(incomplete)]
+
+    return offer

@@ -1,0 +1,148 @@
+"""`omnirl env`: the versions, devices, accelerate config and environment variables a bug report needs."""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from ..console import emit_json, err
+from ..errors import handle_errors
+from ..options import JsonOpt
+
+# Environment variables that steer a run: omnirl's own, Accelerate's (a launcher passes its settings
+# this way), the Hugging Face cache and offline switches, torchrun's rank layout, device visibility.
+ENV_PREFIXES = ("OMNIRL_", "ACCELERATE_", "HF_")
+ENV_NAMES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")
+SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "CREDENTIAL")
+
+
+def _version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _requirement_name(spec: str) -> str:
+    return re.match(r"[A-Za-z0-9._-]+", spec).group(0)  # type: ignore[union-attr]
+
+
+def packages() -> tuple[dict[str, str | None], dict[str, dict[str, Any]]]:
+    """Installed versions of omnirl's dependencies, and per extra whether all its packages are present
+    (both read from omnirl's own package metadata, so the lists follow pyproject.toml)."""
+    try:
+        requires = metadata.metadata("omnirl").get_all("Requires-Dist") or []
+    except metadata.PackageNotFoundError:
+        requires = []
+    core: dict[str, str | None] = {}
+    extras: dict[str, dict[str, str | None]] = {}
+    for spec in requires:
+        name = _requirement_name(spec)
+        extra = re.search(r"""extra\s*==\s*["']([^"']+)["']""", spec)
+        (extras.setdefault(extra.group(1), {}) if extra else core)[name] = _version(name)
+    return core, {
+        extra: {"installed": all(v is not None for v in found.values()), "packages": found}
+        for extra, found in extras.items()
+    }
+
+
+def devices() -> dict[str, Any]:
+    """The accelerator torch sees (type, count, names), CPU cores and torch's thread count."""
+    import torch  # out-of-tree backends (torch_npu) register themselves through torch's backend autoload
+
+    info: dict[str, Any] = {
+        "torch": torch.__version__,
+        "accelerator": None,
+        "count": 0,
+        "names": [],
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+    }
+    if torch.accelerator.is_available():
+        kind = torch.accelerator.current_accelerator().type
+        count = torch.accelerator.device_count()
+        module = torch.get_device_module(kind)
+        names = (
+            [module.get_device_name(i) for i in range(count)] if hasattr(module, "get_device_name") else []
+        )
+        info.update(accelerator=kind, count=count, names=names)
+    return info
+
+
+def accelerate_config() -> dict[str, Any]:
+    """The config file `accelerate launch` reads without --config_file, and what it holds."""
+    import yaml
+    from accelerate.commands.config.config_args import default_config_file
+
+    path = Path(default_config_file)
+    config = None
+    if path.is_file():
+        try:
+            config = yaml.safe_load(path.read_text())
+        except (OSError, yaml.YAMLError) as exc:
+            config = f"unreadable: {type(exc).__name__}"
+    return {"path": str(path), "exists": path.is_file(), "config": config}
+
+
+def environment() -> dict[str, str]:
+    """The run-steering environment variables that are set; values of secrets are redacted."""
+    found = {
+        name: value
+        for name, value in os.environ.items()
+        if name.startswith(ENV_PREFIXES) or name in ENV_NAMES or name.endswith("_VISIBLE_DEVICES")
+    }
+    return {
+        name: "<redacted>" if any(word in name.upper() for word in SECRET_WORDS) else value
+        for name, value in sorted(found.items())
+    }
+
+
+@handle_errors
+def env(json_: JsonOpt = False) -> None:
+    """Print what a bug report needs: omnirl, Python and package versions, which optional extras are
+    installed, the accelerator torch sees (type, count, names), the accelerate config file in effect
+    and the OMNIRL_*, ACCELERATE_*, HF_* and launcher variables that are set (secrets redacted).
+
+    Example: [bold]omnirl env --json > env.json[/]
+    """
+    core, extras = packages()
+    report = {
+        "omnirl": _version("omnirl"),
+        "python": {"version": platform.python_version(), "executable": sys.executable},
+        "platform": platform.platform(),
+        "packages": core,
+        "extras": extras,
+        "devices": devices(),
+        "accelerate_config": accelerate_config(),
+        "environment": environment(),
+    }
+    if json_:
+        emit_json(report)
+        return
+    dev = report["devices"]
+    lines = [
+        f"omnirl {report['omnirl']}  python {report['python']['version']} ({sys.executable})",
+        f"platform {report['platform']}",
+        "packages: " + ", ".join(f"{k} {v or 'missing'}" for k, v in core.items()),
+        "extras: " + ", ".join(f"{k} {'yes' if e['installed'] else 'no'}" for k, e in extras.items()),
+        f"devices: torch {dev['torch']}, "
+        + (
+            f"{dev['count']} × {dev['accelerator']} {dev['names']}"
+            if dev["accelerator"]
+            else "no accelerator"
+        )
+        + f", {dev['cpu_count']} CPUs, {dev['torch_threads']} torch threads",
+        f"accelerate config: {report['accelerate_config']['path']}"
+        + ("" if report["accelerate_config"]["exists"] else " (none)"),
+    ]
+    if isinstance(report["accelerate_config"]["config"], dict):
+        lines += [f"  {k}: {v}" for k, v in report["accelerate_config"]["config"].items()]
+    lines.append("environment:" + ("" if report["environment"] else " (no OMNIRL_*, ACCELERATE_*, HF_* set)"))
+    lines += [f"  {k}={v}" for k, v in report["environment"].items()]
+    for line in lines:
+        err.print(line, markup=False)

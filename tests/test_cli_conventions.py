@@ -393,13 +393,13 @@ def test_online_off_a_tty_prints_a_line_per_iteration_and_timer_lines(
     monkeypatch.setattr(console, "PROGRESS_INTERVAL_S", 0.05)
     stats = {"reward_std": 0.1, "zero_std_ratio": 0.0, "samples": 4, "seconds": 2.0}
 
-    def fake_run(cfg, device, on_iteration):
+    def fake_run(cfg, device, on_iteration, tracking):
         for k, reward in ((0, 0.25), (1, 0.5)):
             time.sleep(0.2)  # a long iteration: the timer still reports
             on_iteration({**stats, "iteration": k, "reward_mean": reward, "actor/pg_loss": 0.001})
 
     monkeypatch.setattr(pipeline, "run_online", fake_run)
-    _run_lines(SimpleNamespace(iterations=2), tmp_path / "run", "cpu")
+    _run_lines(SimpleNamespace(iterations=2), tmp_path / "run", "cpu", None)
     lines = capsys.readouterr().err.splitlines()
     assert lines[0] == f"omnirl online → {tmp_path / 'run'} on cpu"
     assert [line.split(",")[0] for line in lines if line.startswith("it ")] == [
@@ -413,11 +413,11 @@ def test_online_off_a_tty_prints_a_line_per_iteration_and_timer_lines(
 
 def test_every_long_command_reports_progress() -> None:
     """A command that can run for minutes draws progress (lines every 30 s off a TTY): through
-    `console.progress` directly or `runtime.map_shards`. serve-reward serves; env is instant."""
+    `console.progress` directly or `runtime.map_shards`. serve-reward and serve serve; env is instant."""
     import inspect
 
     for name, func in COMMANDS:
-        if name in ("serve-reward", "env"):
+        if name in ("serve-reward", "serve", "env"):
             continue
         source = inspect.getsource(sys.modules[func.__module__])
         assert "progress(" in source or "map_shards(" in source, name

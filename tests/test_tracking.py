@@ -137,7 +137,17 @@ def test_a_tracker_missing_from_the_environment_is_one_line(
     )
     # checked before any work: the score inputs do not even exist
     fails(
-        ["score", "--in", "nowhere", "--reward", "jpeg_compressibility", "--report-to", "wandb"],
+        [
+            "score",
+            "--in",
+            "nowhere",
+            "--out",
+            "r",
+            "--reward",
+            "jpeg_compressibility",
+            "--report-to",
+            "wandb",
+        ],
         "pip install wandb",
     )
     fails(

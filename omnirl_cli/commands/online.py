@@ -45,7 +45,14 @@ def online(
         Path, typer.Option("--config", help="YAML preset (sample / score / advantage / update sections).")
     ],
     model: Annotated[Path, typer.Option("--model", "-m", help="Diffusers pipeline folder.")],
-    prompts: Annotated[Path, typer.Option("--prompts", help="Prompt file (.txt, .jsonl, .csv, .parquet).")],
+    prompts: Annotated[
+        list[str],
+        typer.Option(
+            "--prompts",
+            help="Prompt source, as for `omnirl sample`: a file, folder or glob, a save_to_disk folder or a "
+            "cached Hugging Face dataset NAME@SPLIT; repeat to read several.",
+        ),
+    ],
     out: Annotated[
         Path, typer.Option("--out", "-o", help="Run directory: it<K>/policy checkpoints (and shard sets).")
     ],

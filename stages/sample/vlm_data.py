@@ -82,7 +82,12 @@ def _as_messages(value: Any, where: str) -> list[dict[str, Any]]:
             and isinstance(m.get("content"), (str, list))
         ):
             raise UserInputError(f"{where}: every chat message needs a 'role' and text 'content'")
-        out.append({k: v for k, v in m.items() if v is not None})
+        content = m["content"]
+        if isinstance(
+            content, list
+        ):  # typed parts read from Parquet carry every struct field, unset ones None
+            content = [{k: v for k, v in p.items() if v is not None} for p in content if isinstance(p, dict)]
+        out.append({**{k: v for k, v in m.items() if v is not None}, "content": content})
     if not any(m["role"] == "user" for m in out):
         raise UserInputError(f"{where}: the prompt's chat messages have no user message")
     return out

@@ -52,13 +52,12 @@ class _Cached(datasets.ArrowBasedBuilder):
 
 
 @pytest.fixture
-def hf_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """An empty Hugging Face home, offline, for this test only."""
+def hf_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, offline: None) -> Path:
+    """An empty Hugging Face home for this test only; any network access fails the test (`offline`)."""
     home = tmp_path / "hf"
     monkeypatch.setenv("HF_HOME", str(home))
     monkeypatch.delenv("HF_DATASETS_CACHE", raising=False)
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     return home
 
 

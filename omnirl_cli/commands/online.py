@@ -49,6 +49,7 @@ def online(
         list[str],
         typer.Option(
             "--prompts",
+            metavar="SOURCE",
             help="Prompt source, as for `omnirl sample`: a file, folder or glob, a save_to_disk folder or a "
             "cached Hugging Face dataset NAME@SPLIT; repeat to read several.",
         ),

@@ -63,6 +63,7 @@ def sample(
         list[str] | None,
         typer.Option(
             "--prompts",
+            metavar="SOURCE",
             help="Prompt source: a .txt/.jsonl/.csv/.parquet file, a folder or glob of .parquet/.jsonl files, "
             "a save_to_disk folder (FOLDER@SPLIT for several splits) or a Hugging Face dataset NAME@SPLIT / "
             "NAME:CONFIG@SPLIT from the local cache (never downloaded). Repeat to read several, in order. "

@@ -81,29 +81,40 @@ def _decode_data_url(url: Any) -> Image.Image:
         raise BadRequest(HTTPStatus.BAD_REQUEST, "BadRequestError", "an image URL does not decode") from None
 
 
-def _user_turn(messages: Any) -> tuple[str, list[Image.Image]]:
-    """(question, images) of a single user message whose content is a string or a list of parts."""
+def _chat(messages: Any) -> tuple[list[dict[str, Any]], list[Image.Image]]:
+    """(messages with each image_url part as an image part, the decoded images in order), as vLLM
+    reads a chat request: any roles and turns, content a string or a list of parts."""
     if not isinstance(messages, list) or not messages:
         raise BadRequest(
             HTTPStatus.BAD_REQUEST, "BadRequestError", "`messages` must be a non-empty list", "messages"
         )
-    if len(messages) != 1 or not isinstance(messages[0], dict) or messages[0].get("role") != "user":
-        raise BadRequest(
-            HTTPStatus.BAD_REQUEST, "BadRequestError", "this server takes one user message", "messages"
-        )
-    content = messages[0].get("content")
-    if isinstance(content, str):
-        return content, []
-    texts, images = [], []
-    for part in content if isinstance(content, list) else [None]:
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind == "text":
-            texts.append(str(part.get("text", "")))
-        elif kind == "image_url":
-            images.append(_decode_data_url((part.get("image_url") or {}).get("url")))
-        else:
-            raise BadRequest(HTTPStatus.BAD_REQUEST, "BadRequestError", f"unsupported content part {part!r}")
-    return "".join(texts), images
+    out, images = [], []
+    for message in messages:
+        if not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant"):
+            raise BadRequest(
+                HTTPStatus.BAD_REQUEST, "BadRequestError", f"bad message {message!r}", "messages"
+            )
+        content = message.get("content")
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind == "text":
+                    parts.append({"type": "text", "text": str(part.get("text", ""))})
+                elif kind == "image_url":
+                    images.append(_decode_data_url((part.get("image_url") or {}).get("url")))
+                    parts.append({"type": "image"})
+                else:
+                    raise BadRequest(
+                        HTTPStatus.BAD_REQUEST, "BadRequestError", f"unsupported content part {part!r}"
+                    )
+            content = parts
+        elif not isinstance(content, str):
+            raise BadRequest(
+                HTTPStatus.BAD_REQUEST, "BadRequestError", f"bad content {content!r}", "messages"
+            )
+        out.append({"role": message["role"], "content": content})
+    return out, images
 
 
 def generation_defaults(model_dir: str) -> dict[str, Any]:
@@ -192,7 +203,7 @@ class PolicyApp:
                 f"The model `{request.get('model')}` does not exist.",
                 "model",
             )
-        question, images = _user_turn(request.get("messages"))
+        messages, images = _chat(request.get("messages"))
         n = int(request.get("n") or 1)
         params = self.sampling(request)
         if int(request.get("top_logprobs") or 0) != 0:
@@ -200,7 +211,7 @@ class PolicyApp:
         seed = request.get("seed")
         knobs = {k: params[k] for k in ("top_k", "min_p", "repetition_penalty")}
         with self.lock, _hf_sampling(self.policy.model, **knobs):
-            prompt = self.policy.chat_inputs([question], [images])
+            prompt = self.policy.chat_inputs([messages], [images])
             roll = self.policy.generate(
                 prompt,
                 n=n,

@@ -80,7 +80,7 @@ def _render(info: dict[str, Any], head: list[dict[str, Any]], sha: dict[str, str
 
         def add(node: Tree, parents: list[dict[str, Any]]) -> None:
             for p in parents:
-                label = f"{p.get('path')}  [dim]omnirl {p.get('command', '?')}[/]"
+                label = f"{p.get('path') or p.get('source')}  [dim]omnirl {p.get('command', '?')}[/]"
                 if not p.get("exists", True):
                     label += "  [yellow](gone)[/]"
                 elif not p.get("unchanged", True):

@@ -54,7 +54,15 @@ def online(
         Path,
         typer.Option("--model", "-m", envvar="OMNIRL_MODEL", help=f"Diffusers pipeline: {WEIGHTS_FROM}."),
     ],
-    prompts: Annotated[Path, typer.Option("--prompts", help="Prompt file (.txt, .jsonl, .csv, .parquet).")],
+    prompts: Annotated[
+        list[str],
+        typer.Option(
+            "--prompts",
+            metavar="SOURCE",
+            help="Prompt source, as for `omnirl sample`: a file, folder or glob, a save_to_disk folder or a "
+            "cached Hugging Face dataset NAME@SPLIT; repeat to read several.",
+        ),
+    ],
     out: Annotated[
         Path, typer.Option("--out", "-o", help="Run directory: it<K>/policy checkpoints (and shard sets).")
     ],

@@ -74,11 +74,14 @@ def sample(
         Dtype, typer.Option("--dtype", envvar="OMNIRL_DTYPE", help="Weights dtype.", rich_help_panel=MODEL)
     ] = "fp32",
     prompts: Annotated[
-        Path | None,
+        list[str] | None,
         typer.Option(
             "--prompts",
-            help="Prompt file: .txt, .jsonl, .csv or (verl-style) .parquet; for a VLM a verl (or --layout "
-            "easyr1) .parquet/.jsonl table with images. " + REQUIRED,
+            metavar="SOURCE",
+            help="Prompt source: a .txt/.jsonl/.csv/.parquet file, a folder or glob of .parquet/.jsonl files, "
+            "a save_to_disk folder (FOLDER@SPLIT for several splits) or a Hugging Face dataset NAME@SPLIT / "
+            "NAME:CONFIG@SPLIT from the local cache (never downloaded). Repeat to read several, in order. "
+            "For a VLM: verl (or --layout easyr1) rows with images. " + REQUIRED,
             rich_help_panel="Input / output",
         ),
     ] = None,
@@ -351,15 +354,17 @@ def sample(
         return
     from stages.models.factory import default_text_length
     from stages.sample.engines import DEFAULT_ENGINE, EngineOptions, engine_class
-    from stages.sample.prompts import pick_prompts, read_prompts
+    from stages.sample.prompts import sample_prompts
     from stages.sample.rollout import SampleConfig
+    from stages.sample.sources import PromptSource
     from stages.sample.stage import KINDS, run_sample
 
     # the T5 length the model was made for (its card's text_length, else 128), recorded for replay
     cfg = SampleConfig.from_options({**c, "max_sequence_length": default_text_length(c["model"])})
     cfg.validate()
     engine_type = engine_class(c["engine"] or DEFAULT_ENGINE)
-    picked = pick_prompts(read_prompts(c["prompts"]), c["num_prompts"], c["seed"])
+    source = PromptSource(c["prompts"])
+    picked = sample_prompts(source, c["num_prompts"], c["seed"])
     _check_memory(
         c,
         len(picked) * c["group_size"],
@@ -367,7 +372,7 @@ def sample(
         f"planning {len(picked)} prompts × {c['group_size']} samples",
     )
     resolve_num_shards(c, len(picked), c["group_size"])
-    writer = _writer(c, KINDS, json_, exclude=ROLLOUT_PLACEMENT)
+    writer = _writer(c, KINDS, json_, source, exclude=ROLLOUT_PLACEMENT)
     if writer is None:
         return
     engine = engine_type.open(EngineOptions.from_options(c), device())
@@ -426,9 +431,9 @@ def _shard_indices(c: dict) -> list[int]:
     return shards
 
 
-def _writer(c: dict, kinds: dict[str, str], json_: bool, exclude: tuple[str, ...] = ()) -> Any:
-    """The output writer, or None (after saying so) when the output is already complete; the options
-    in `exclude` stay out of the output's identity (`run_config`)."""
+def _writer(c: dict, kinds: dict[str, str], json_: bool, source: Any, exclude: tuple[str, ...] = ()) -> Any:
+    """The output writer (the prompt source in its lineage), or None (after saying so) when the output
+    is already complete; the options in `exclude` stay out of the output's identity (`run_config`)."""
     _shard_indices(c)  # a bad --shard-index fails before any model is loaded
     from stages.shards.writer import ShardSetWriter
 
@@ -438,7 +443,7 @@ def _writer(c: dict, kinds: dict[str, str], json_: bool, exclude: tuple[str, ...
         format=check_format(c["fmt"]),
         command="sample",
         config=run_config(c, exclude),
-        parents=[c["prompts"]],
+        parents=[source],
         policy=policy_info(c["model"], c["adapter"]),
         kinds=kinds,
         overwrite=c["overwrite"],
@@ -521,8 +526,8 @@ def _combine(results: list[dict], unit: str) -> dict:
 def _sample_vlm(c: dict, json_: bool) -> None:
     """`sample` for a vision-language model: text responses per (images, question) prompt."""
     from stages.models.vlm import VLMPolicy, model_type
-    from stages.sample.prompts import pick_prompts
-    from stages.sample.vlm_data import read_vlm_prompts
+    from stages.sample.sources import PromptSource
+    from stages.sample.vlm_data import sample_vlm_prompts
     from stages.sample.vlm_stage import KINDS, VLMSampleConfig, run_vlm_sample
 
     c["engine"] = c["engine"] or "hf"
@@ -538,21 +543,23 @@ def _sample_vlm(c: dict, json_: bool) -> None:
         served_model=c["served_model"],
     )
     cfg.validate()
-    rows = read_vlm_prompts(
-        c["prompts"],
+    source = PromptSource(c["prompts"])
+    picked = sample_vlm_prompts(
+        source,
+        c["num_prompts"],
+        c["seed"],
         layout=c["layout"],
         prompt_key=c["prompt_key"],
         answer_key=c["answer_key"],
         image_key=c["image_key"],
     )
-    picked = pick_prompts(rows, c["num_prompts"], c["seed"])
     # A group's padded token columns stay in memory until its shard is written: an int64 id and a bool
     # mask per prompt and response position, an fp32 log-prob per response position.
     token_bytes = 9 * cfg.max_prompt_length + 13 * cfg.max_new_tokens
     what = f"holding the token columns of one group of {c['group_size']} responses"
     _check_memory(c, c["group_size"], token_bytes, what)
     resolve_num_shards(c, len(picked), c["group_size"])
-    writer = _writer(c, KINDS, json_)
+    writer = _writer(c, KINDS, json_, source)
     if writer is None:
         return
     policy = (

@@ -148,7 +148,7 @@ def replay_token_shard(
     sampling weights the prompts are padded as in the rollout. With `reference`, also the frozen base
     model's `ref_log_probs` [N, T] (KL). Stats compare with the rollout log-probs on valid tokens.
     """
-    from stages.sample.vlm_stage import prompt_inputs, response_batch, row_images, token_column
+    from stages.sample.vlm_stage import prompt_inputs, response_batch, row_images, row_prompts, token_column
     from stages.shards.reader import concat_batches, slice_batch
 
     check_finite(shard, shard["sample_id"], where=where, hint=CORRUPT)
@@ -161,7 +161,7 @@ def replay_token_shard(
         stop = min(len(ids), start + rows_per_batch)
         part = slice_batch(shard, start, stop)
         inputs = prompt_inputs(
-            policy, list(part["prompt"]), images[start:stop], part["prompt_ids"], part["prompt_mask"], where
+            policy, row_prompts(part), images[start:stop], part["prompt_ids"], part["prompt_mask"], where
         )
         tokens, mask = response_batch(part, policy.device)
         width = part["response_ids"].shape[1]

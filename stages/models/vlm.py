@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,6 +82,12 @@ def is_vlm_model(model_dir: str | Path) -> bool:
         return model_type(model_dir) in VLM_MODEL_TYPES
     except (json.JSONDecodeError, AttributeError):
         raise UserInputError(f"--model {model_dir}: config.json is not a JSON object") from None
+
+
+def user_turn(question: str, num_images: int) -> list[dict[str, Any]]:
+    """A plain question as chat messages: one user turn, its images first, then the text."""
+    parts = [{"type": "image"} for _ in range(num_images)]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": question}]}]
 
 
 class VLMPolicy:
@@ -248,21 +254,29 @@ class VLMPolicy:
         config = {"kind": kind, **base, **extra}
         (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
 
-    def chat_inputs(self, questions: list[str], images: list[list[Any]]) -> dict[str, torch.Tensor]:
-        """Left-padded processor inputs for one user turn per prompt (images first, then the text)."""
-        texts = [
-            self.processor.apply_chat_template(
-                [
-                    {
-                        "role": "user",
-                        "content": [*({"type": "image"} for _ in imgs), {"type": "text", "text": q}],
-                    }
-                ],
-                add_generation_prompt=True,
-                tokenize=False,
+    def chat_inputs(
+        self, prompts: Sequence[str | list[dict[str, Any]]], images: list[list[Any]]
+    ) -> dict[str, torch.Tensor]:
+        """Left-padded processor inputs, one row per prompt: its chat messages (typed content parts,
+        `stages.sample.vlm_data.build_messages`; a plain question is `user_turn`) through the chat
+        template with the generation prompt, and its images in the order of its image parts."""
+        texts = []
+        for k, (prompt, imgs) in enumerate(zip(prompts, images, strict=True)):
+            messages = user_turn(prompt, len(imgs)) if isinstance(prompt, str) else prompt
+            placed = sum(
+                1
+                for m in messages
+                if isinstance(m["content"], list)
+                for part in m["content"]
+                if part.get("type") == "image"
             )
-            for q, imgs in zip(questions, images, strict=True)
-        ]
+            if placed != len(imgs):
+                raise UserInputError(
+                    f"prompt {k}: {placed} image parts in its messages but {len(imgs)} images"
+                )
+            texts.append(
+                self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            )
         flat = [im for imgs in images for im in imgs] or None
         inputs = self.processor(
             text=texts, images=flat, return_tensors="pt", padding=True, padding_side="left"

@@ -3,8 +3,8 @@
 One POST `/chat/completions` per prompt asks for n responses with the prompt's seed and every
 sampling parameter that shapes the distribution (`NEUTRAL_SAMPLING`), the sampled tokens as ids
 (vLLM's `return_tokens_as_token_ids`, tokens come back as "token_id:<int>") and their log-probs
-(`logprobs`, `top_logprobs: 0`); the images go in the user turn, before the question, as base64
-data URLs. Requests run concurrently; the served model list is checked once before sampling.
+(`logprobs`, `top_logprobs: 0`); the prompt's chat messages go as they are, each image part an
+`image_url` part holding a base64 data URL (a plain question: one user turn, images first). Requests run concurrently; the served model list is checked once before sampling.
 Only the standard library talks HTTP, so the engine adds no dependency.
 
 The sampling parameters. For a parameter a request leaves out, `vllm serve` uses the model's
@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from stages.errors import OmnirlError, RuntimeFailure, UserInputError
-from stages.models.vlm import VISION_TOKENS, Rollout
+from stages.models.vlm import VISION_TOKENS, Rollout, user_turn
 
 START_HINT = "start `vllm serve MODEL` or fix --server-url"
 TOKEN_ID_PREFIX = "token_id:"
@@ -76,9 +76,30 @@ def image_data_url(blob: bytes, where: str) -> str:
     return f"data:{mime};base64,{base64.b64encode(blob).decode('ascii')}"
 
 
+def chat_messages(
+    prompt: str | list[dict[str, Any]], images: list[bytes], where: str
+) -> list[dict[str, Any]]:
+    """The OpenAI chat messages of a prompt: its messages (a plain question: `user_turn`) with each image
+    part, in order, an `image_url` part holding the next image as a base64 data URL."""
+    messages = user_turn(prompt, len(images)) if isinstance(prompt, str) else prompt
+    urls = iter([image_data_url(b, f"{where}, image {k}") for k, b in enumerate(images)])
+    out = []
+    for m in messages:
+        content = m["content"]
+        if isinstance(content, list):
+            content = [
+                {"type": "image_url", "image_url": {"url": next(urls)}}
+                if part.get("type") == "image"
+                else {k: v for k, v in part.items() if v is not None}
+                for part in content
+            ]
+        out.append({**m, "content": content})
+    return out
+
+
 def chat_request(
     model: str,
-    question: str,
+    prompt: str | list[dict[str, Any]],
     images: list[bytes],
     *,
     n: int,
@@ -89,17 +110,12 @@ def chat_request(
     where: str = "prompt",
     banned_ids: list[int] | None = None,
 ) -> dict[str, Any]:
-    """The JSON body asking for n responses to one user turn (images first, then the question), every
-    sampling parameter explicit (`NEUTRAL_SAMPLING`); `banned_ids` (the vision markers) get OpenAI's
-    strongest logit bias, −100."""
-    content = [
-        {"type": "image_url", "image_url": {"url": image_data_url(b, f"{where}, image {k}")}}
-        for k, b in enumerate(images)
-    ]
-    content.append({"type": "text", "text": question})
+    """The JSON body asking for n responses to a prompt (`chat_messages`), every sampling parameter
+    explicit (`NEUTRAL_SAMPLING`); `banned_ids` (the vision markers) get OpenAI's strongest logit
+    bias, −100."""
     return {
         "model": model,
-        "messages": [{"role": "user", "content": content}],
+        "messages": chat_messages(prompt, images, where),
         "n": n,
         "temperature": temperature,
         "top_p": top_p,
@@ -286,7 +302,7 @@ def parse_choices(
 def generate_openai(
     base_url: str,
     model: str,
-    questions: list[str],
+    questions: list[str | list[dict[str, Any]]],
     images: list[list[bytes]],
     *,
     tokenizer: Any,
@@ -301,7 +317,8 @@ def generate_openai(
 ) -> Rollout:
     """n responses per prompt from the server at `base_url` (e.g. http://host:8000/v1) serving `model`.
 
-    Same conventions as `VLMPolicy.generate`: rows prompt by prompt, n each; ids int64 [B·n, max_new_tokens]
+    `questions` are plain questions or chat messages (`chat_messages`). Same conventions as
+    `VLMPolicy.generate`: rows prompt by prompt, n each; ids int64 [B·n, max_new_tokens]
     right-padded with the pad id; mask bool (the returned tokens up to and including the first eos);
     log-probs float32 [B·n, max_new_tokens], 0 at padding; text decoded without special tokens.
     """

@@ -1,21 +1,23 @@
-"""Prompt files: text (one per line), JSONL, CSV, Parquet, and verl-style Parquet.
+"""Prompts for diffusion sampling from any prompt source (`stages.sample.sources`): text (one per line),
+JSONL, CSV, Parquet, verl-style Parquet, folders, globs, saved and Hub datasets.
 
-Every format yields `Prompt(text, negative, meta)`: `meta` carries the row's other fields (an OCR
+Every row yields `Prompt(text, negative, meta)`: `meta` carries the row's other fields (an OCR
 target, a GenEval spec, verl's `reward_model` / `extra_info` ...) to the scorers as `prompt_meta`.
 """
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from stages.errors import UserInputError
-from stages.tables import read_rows, read_text
+from stages.sample.sources import PromptSource, SourceRow
+
+T = TypeVar("T")
 
 PROMPT_KEYS = ("prompt", "text", "caption", "problem")
 
@@ -27,76 +29,80 @@ class Prompt:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
-def _chat_text(messages: list[Any], path: Path, row: int) -> str:
+def _chat_text(messages: list[Any], where: str) -> str:
     """The user's text of a verl chat-message prompt (`[{role, content}, ...]`)."""
     texts = [
         m.get("content", "") for m in messages if isinstance(m, dict) and m.get("role", "user") == "user"
     ]
     texts = [t if isinstance(t, str) else json.dumps(t) for t in texts]
     if not texts:
-        raise UserInputError(f"{path}: row {row}: the prompt's chat messages have no user message")
+        raise UserInputError(f"{where}: the prompt's chat messages have no user message")
     return "\n".join(texts)
 
 
-def _from_record(rec: dict[str, Any], path: Path, row: int) -> Prompt:
+def _from_record(rec: dict[str, Any], where: str) -> Prompt:
     key = next((k for k in PROMPT_KEYS if k in rec), None)
     if key is None:
-        raise UserInputError(
-            f"{path}: row {row}: no prompt column (expected one of {', '.join(PROMPT_KEYS)})"
-        )
+        raise UserInputError(f"{where}: no prompt column (expected one of {', '.join(PROMPT_KEYS)})")
     value = rec[key]
     if isinstance(value, list):
-        text = _chat_text(value, path, row)
+        text = _chat_text(value, where)
     elif isinstance(value, str):
         text = value
     else:
         raise UserInputError(
-            f"{path}: row {row}: column '{key}' must be text or chat messages, got {type(value).__name__}"
+            f"{where}: column '{key}' must be text or chat messages, got {type(value).__name__}"
         )
     negative = rec.get("negative_prompt") or ""
     meta = {k: v for k, v in rec.items() if k not in (key, "negative_prompt")}
     return Prompt(text=text, negative=str(negative), meta=meta)
 
 
-def read_prompts(path: str | Path) -> list[Prompt]:
-    """Read a prompt file; the format follows the suffix (.txt, .jsonl, .json, .csv, .parquet)."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserInputError(f"--prompts {path}: no such file")
-    suffix = path.suffix.lower()
-    if suffix in (".txt", ".text", ""):
-        lines = read_text(path, "--prompts").splitlines()
-        prompts = [Prompt(line.strip()) for line in lines if line.strip()]
-    elif suffix in (".jsonl", ".json", ".parquet"):
-        rows = read_rows(path, "--prompts")
-        prompts = [
-            _from_record(r if isinstance(r, dict) else {"prompt": r}, path, i) for i, r in enumerate(rows)
-        ]
-    elif suffix == ".csv":
-        reader = csv.DictReader(io.StringIO(read_text(path, "--prompts"), newline=""))
-        try:
-            prompts = [_from_record(rec, path, i) for i, rec in enumerate(reader)]
-        except csv.Error as exc:
-            raise UserInputError(
-                f"--prompts {path}: line {reader.line_num + 1} is not valid CSV ({exc})"
-            ) from None
-    else:
-        raise UserInputError(
-            f"--prompts {path}: unknown prompt format '{suffix}' (use .txt, .jsonl, .csv or .parquet)"
-        )
-    if not prompts:
-        raise UserInputError(f"--prompts {path}: the file holds no prompts")
-    return prompts
+def _prompt(row: SourceRow) -> Prompt:
+    return _from_record(row.data, row.where)
+
+
+def read_prompts(source: PromptSource | str | Path | Sequence[str | Path]) -> list[Prompt]:
+    """Every prompt of a source (files, folders, globs, saved or Hub datasets: `stages.sample.sources`)."""
+    return [p for _, p in pick_rows(source, None, 0, _prompt)]
+
+
+def sample_prompts(
+    source: PromptSource | str | Path | Sequence[str | Path], num: int | None, seed: int
+) -> list[tuple[int, Prompt]]:
+    """`pick_prompts` over a source, reading only the picked rows (a large Parquet set is streamed)."""
+    return pick_rows(source, num, seed, _prompt)
+
+
+def pick_indices(total: int, num: int | None, seed: int) -> list[int] | None:
+    """`num` of `total` row indices drawn without replacement with `seed`, sorted (None: all rows)."""
+    if num is None or num >= total:
+        return None
+    if num <= 0:
+        raise UserInputError(f"--num-prompts {num}: must be positive")
+    return sorted(random.Random(seed).sample(range(total), num))
+
+
+def pick_rows(
+    source: PromptSource | str | Path | Sequence[str | Path],
+    num: int | None,
+    seed: int,
+    convert: Callable[[SourceRow], T],
+) -> list[tuple[int, T]]:
+    """(index in the source, `convert(row)`) for `num` rows drawn with `seed` (all, in order, when None)."""
+    if not isinstance(source, PromptSource):
+        source = PromptSource(source)
+    total = source.num_rows
+    if not total:
+        raise UserInputError(f"--prompts {source.label}: holds no prompts")
+    return [(row.index, convert(row)) for row in source.rows(pick_indices(total, num, seed))]
 
 
 def pick_prompts(prompts: list[Prompt], num: int | None, seed: int) -> list[tuple[int, Prompt]]:
     """`num` prompts drawn without replacement with `seed` (all, in order, when `num` is None).
 
-    Returns (index in the file, prompt) pairs so group ids stay stable across runs.
+    Returns (index in the file, prompt) pairs so group ids stay stable across runs; the same draw as
+    `sample_prompts` over the file.
     """
-    indexed = list(enumerate(prompts))
-    if num is None or num >= len(prompts):
-        return indexed
-    if num <= 0:
-        raise UserInputError(f"--num-prompts {num}: must be positive")
-    return sorted(random.Random(seed).sample(indexed, num), key=lambda t: t[0])
+    picked = pick_indices(len(prompts), num, seed)
+    return [(i, prompts[i]) for i in (range(len(prompts)) if picked is None else picked)]

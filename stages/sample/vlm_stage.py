@@ -3,8 +3,9 @@
 Row layout (one row per response, groups contiguous, a shard holds whole groups):
 
 - sample_id (`<rollout>-g000003-001`), group_id (`<rollout>-g000003`) with the rollout's `rollout_id`,
-  prompt (the question), prompt_meta (json: ground_truth, data_source, extra_info,
-  max_response_length), seed, policy_version;
+  prompt (the user turns' text), messages (json: the chat messages as the model saw them, system and
+  earlier turns included, images as `{"type": "image"}` parts at their positions), prompt_meta (json:
+  ground_truth, data_source, extra_info, max_response_length), seed, policy_version;
 - images (binary): the prompt's encoded image files packed into one blob (`pack_images`), stored in
   the FIRST row of each group only (the others hold b""), so images are stored once per prompt;
 - prompt_ids int64 [P] / prompt_mask bool [P]: the processor-expanded prompt (image pad tokens
@@ -38,7 +39,7 @@ from stages.sample.stage import in_rollout, rollout_id, split_groups, write_shar
 from stages.sample.vlm_data import VLMPrompt, decode_image, pack_images, unpack_images
 from stages.shards.writer import ShardSetWriter
 
-KINDS = {"images": "binary", "prompt_meta": "json"}
+KINDS = {"images": "binary", "prompt_meta": "json", "messages": "json"}
 ENGINES = ("hf", "openai")
 
 
@@ -134,7 +135,7 @@ def generate_batch(
 ) -> tuple[dict[str, torch.Tensor], Rollout]:
     """Prompt inputs (one row per prompt) and n responses per prompt from the configured engine."""
     images = [[decode_image(b, f"prompt {i}") for b in p.images] for i, p in prompts]
-    inputs = policy.chat_inputs([p.question for _, p in prompts], images)
+    inputs = policy.chat_inputs([p.messages for _, p in prompts], images)
     if cfg.engine == "hf":
         rollout = policy.generate(
             inputs,
@@ -150,7 +151,7 @@ def generate_batch(
         rollout = generate_openai(
             str(cfg.server_url),
             str(cfg.served_model),
-            [p.question for _, p in prompts],
+            [p.messages for _, p in prompts],
             [p.images for _, p in prompts],
             tokenizer=policy.processor.tokenizer,
             n=n,
@@ -193,6 +194,7 @@ def sample_vlm_shard(
                 "sample_id": [f"{g}-{m:03d}" for _, _, g, m in rows],
                 "group_id": [g for _, _, g, _ in rows],
                 "prompt": [p.question for _, p, _, _ in rows],
+                "messages": [p.messages for _, p, _, _ in rows],
                 "prompt_meta": [{**p.meta, "max_response_length": cfg.max_new_tokens} for _, p, _, _ in rows],
                 "images": [pack_images(p.images) if m == 0 else b"" for _, p, _, m in rows],
                 "prompt_ids": prompt_ids.repeat_interleave(n, dim=0),
@@ -243,9 +245,15 @@ def run_vlm_sample(
     )
 
 
+def row_prompts(shard: dict[str, Any]) -> list[Any]:
+    """Each row's prompt as sampled: its chat messages (rollouts written before the `messages` column
+    hold only the question, which was asked as one user turn, images first)."""
+    return list(shard["messages"] if "messages" in shard else shard["prompt"])
+
+
 def prompt_inputs(
     policy: VLMPolicy,
-    questions: list[str],
+    prompts: list[Any],
     images: list[list[bytes]],
     prompt_ids: torch.Tensor,
     prompt_mask: torch.Tensor,
@@ -257,7 +265,7 @@ def prompt_inputs(
     (another processor, changed images) the log-probs would be of a different prompt, so it is an error.
     """
     decoded = [[decode_image(b, where) for b in row] for row in images]
-    inputs = policy.chat_inputs(questions, decoded)
+    inputs = policy.chat_inputs(prompts, decoded)
     width = int(prompt_mask.sum(-1).max()) if len(prompt_mask) else 0
     ids, mask = inputs["input_ids"].cpu(), inputs["attention_mask"].cpu().bool()
     if ids.shape[1] > prompt_ids.shape[1] or not torch.equal(

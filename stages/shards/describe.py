@@ -81,6 +81,9 @@ def lineage(directory: Path, parents: list[dict], depth: int) -> list[dict]:
     out = []
     for p in parents:
         entry = dict(p)
+        if "path" not in p:  # an input named otherwise (a Hub dataset, several prompt files): as recorded
+            out.append(entry)
+            continue
         path = (directory / p["path"]).resolve() if not Path(p["path"]).is_absolute() else Path(p["path"])
         entry["resolved"] = str(path)
         if "manifest_sha256" in p:
@@ -102,7 +105,7 @@ def lineage(directory: Path, parents: list[dict], depth: int) -> list[dict]:
                 entry["created"] = m.created
                 entry["parents"] = lineage(path, m.parents, depth - 1)
         else:
-            entry["exists"] = path.is_file()
+            entry["exists"] = path.exists()
         out.append(entry)
     return out
 

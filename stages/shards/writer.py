@@ -14,6 +14,7 @@ import os
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
 
 from stages.errors import UserInputError
 from stages.shards.atomic import atomic_output, atomic_write_bytes, fsync_dir, remove_stale_temps, sha256_file
@@ -33,11 +34,34 @@ from stages.shards.manifest import (
 from stages.shards.schema import Batch, Column, infer_columns
 
 
-def parent_entry(parent: str | Path, out_dir: Path) -> dict:
-    """Lineage record of an input: a shard set's manifest hash, or a plain file's sha256.
+@runtime_checkable
+class Input(Protocol):
+    """An input that is not one shard set or file (e.g. a prompt source of several files or a Hub
+    dataset): it gives its own lineage record ({"path"} or {"source"}, with "sha256") and the local
+    paths it reads."""
 
-    The path is stored relative to `out_dir` so a run tree can be moved as a whole.
+    @property
+    def paths(self) -> list[Path]: ...
+
+    def lineage(self) -> dict[str, Any]: ...
+
+
+def input_paths(parents: Sequence[str | Path | Input]) -> list[Path]:
+    """Every local path the inputs read (an output must be none of them, nor inside one)."""
+    return [p for parent in parents for p in (parent.paths if isinstance(parent, Input) else [Path(parent)])]
+
+
+def parent_entry(parent: str | Path | Input, out_dir: Path) -> dict:
+    """Lineage record of an input: a shard set's manifest hash, a plain file's sha256, or the record
+    an `Input` gives.
+
+    A path is stored relative to `out_dir` so a run tree can be moved as a whole.
     """
+    if isinstance(parent, Input):
+        entry = parent.lineage()
+        if "path" in entry:
+            entry["path"] = Path(os.path.relpath(Path(entry["path"]).resolve(), out_dir.resolve())).as_posix()
+        return entry
     p = Path(parent)
     rel = Path(os.path.relpath(p.resolve(), out_dir.resolve())).as_posix()
     if p.is_dir():
@@ -117,7 +141,7 @@ class ShardSetWriter:
         format: str = "parquet",
         command: str,
         config: dict,
-        parents: Sequence[str | Path] = (),
+        parents: Sequence[str | Path | Input] = (),
         policy: dict | None = None,
         kinds: dict[str, str] | None = None,
         overwrite: bool = False,
@@ -127,7 +151,7 @@ class ShardSetWriter:
         if not isinstance(num_shards, int) or num_shards < 1:
             raise UserInputError(f"--num-shards must be a positive integer, got {num_shards!r}")
         self.out_dir = Path(out_dir)
-        check_output_path(self.out_dir, parents)
+        check_output_path(self.out_dir, input_paths(parents))
         self.num_shards = num_shards
         self.format = format
         self.command = command
@@ -138,7 +162,7 @@ class ShardSetWriter:
         self.inherited = next(
             (
                 {k: m.extra[k] for k in ROLLOUT_KEYS if k in m.extra}
-                for m in (read_manifest(p) for p in parents if Path(p).is_dir())
+                for m in (read_manifest(p) for p in parents if not isinstance(p, Input) and Path(p).is_dir())
                 if "modality" in (m.extra or {})
             ),
             {},

@@ -383,7 +383,7 @@ class TokenPolicyGradient:
         return 1.0 / slots
 
     def __init__(self, policy: VLMPolicy, data: dict[str, Any], sample_cfg: Any, cfg: Any, algo: Algorithm):
-        from stages.sample.vlm_stage import row_images
+        from stages.sample.vlm_stage import row_images, row_prompts
 
         self.policy, self.data, self.sample_cfg, self.cfg, self.algo = policy, data, sample_cfg, cfg, algo
         self.old = data.get("old_log_probs", data.get("log_probs"))
@@ -392,6 +392,7 @@ class TokenPolicyGradient:
                 "--in: neither old_log_probs (omnirl logprob) nor log_probs (omnirl sample) is present"
             )
         self.images = row_images(data, "--in")
+        self.prompts = row_prompts(data)
         self.low, self.high = cfg.clip_bounds()
         self.mode = cfg.loss_agg_mode or "token-mean"
         self.counts: dict[int, tuple[float, float]] = {}
@@ -417,7 +418,7 @@ class TokenPolicyGradient:
         index = torch.tensor(idx)
         inputs = prompt_inputs(
             policy,
-            [data["prompt"][i] for i in idx],
+            [self.prompts[i] for i in idx],
             [self.images[i] for i in idx],
             data["prompt_ids"][index],
             data["prompt_mask"][index],

@@ -45,6 +45,7 @@ import torch
 
 from stages.errors import OmnirlError, RuntimeFailure, UserInputError
 from stages.models.vlm import VISION_TOKENS, Rollout, user_turn
+from stages.web import error_message, one_line
 
 START_HINT = "start `vllm serve MODEL` or fix --server-url"
 TOKEN_ID_PREFIX = "token_id:"
@@ -132,29 +133,13 @@ def chat_request(
     }
 
 
-def _one_line(text: str, limit: int = 300) -> str:
-    return " ".join(text.split())[:limit]
-
-
 def _error_detail(error: urllib.error.HTTPError) -> str:
-    """The message of an error reply: OpenAI's {"error": {"message"}}, older vLLM's {"message"} or FastAPI's {"detail"}."""
+    """The message of an error reply (`stages.web.error_message`), else the HTTP reason."""
     try:
         raw = error.read()
     except OSError:
         raw = b""
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        return _one_line(raw.decode("utf-8", "replace")) or str(error.reason)
-    inner = body.get("error") if isinstance(body, dict) else None
-    for source in (inner, body):
-        if isinstance(source, dict):
-            for key in ("message", "detail"):
-                if source.get(key):
-                    return _one_line(str(source[key]))
-        if isinstance(source, str) and source:
-            return _one_line(source)
-    return _one_line(str(body))
+    return error_message(raw) or str(error.reason)
 
 
 def _request_json(
@@ -204,21 +189,21 @@ def _request_json(
                 f"{url}: no answer within {timeout:g} s; the server is stuck or overloaded (check its log)"
             ) from None
         if isinstance(reason, (ConnectionRefusedError, socket.gaierror)) or not isinstance(reason, OSError):
-            raise UserInputError(f"{url}: cannot connect ({_one_line(str(reason))}); {START_HINT}") from None
-        raise RuntimeFailure(f"{url}: the connection failed ({_one_line(str(reason))}); retry") from None
+            raise UserInputError(f"{url}: cannot connect ({one_line(str(reason))}); {START_HINT}") from None
+        raise RuntimeFailure(f"{url}: the connection failed ({one_line(str(reason))}); retry") from None
     except TimeoutError:
         raise RuntimeFailure(
             f"{url}: no answer within {timeout:g} s; the server is stuck or overloaded (check its log)"
         ) from None
     except (ValueError, http.client.InvalidURL) as e:  # "unknown url type", a bad port...
-        raise UserInputError(f"{url}: not a usable URL ({_one_line(str(e))}); fix --server-url") from None
+        raise UserInputError(f"{url}: not a usable URL ({one_line(str(e))}); fix --server-url") from None
     except (http.client.HTTPException, OSError) as e:
-        raise RuntimeFailure(f"{url}: the connection failed ({_one_line(repr(e))}); retry") from None
+        raise RuntimeFailure(f"{url}: the connection failed ({one_line(repr(e))}); retry") from None
     try:
         return json.loads(raw)
     except ValueError:
         raise bad_reply(
-            f"{url}: the reply is not JSON ({_one_line(raw[:80].decode('utf-8', 'replace'))!r}); "
+            f"{url}: the reply is not JSON ({one_line(raw[:80].decode('utf-8', 'replace'))!r}); "
             + (START_HINT if bad_reply is UserInputError else "check the server log")
         ) from None
 

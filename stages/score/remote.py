@@ -83,6 +83,7 @@ from PIL import Image
 
 from stages.errors import RuntimeFailure, UserInputError
 from stages.score.registry import REMOTE_PREFIX
+from stages.web import error_message, one_line
 
 logger = logging.getLogger(__name__)
 
@@ -127,10 +128,6 @@ class RemoteRewardError(RuntimeFailure):
     failed on a batch: a per-batch failure, which ``--on-error zero`` may record as 0 and flag."""
 
 
-def _one_line(text: str, limit: int = 300) -> str:
-    return " ".join(str(text).split())[:limit]
-
-
 def png_bytes(image: Image.Image, compress_level: int = 1) -> bytes:
     """`image` as PNG (lossless: the receiver decodes the same pixels); level 1 favours speed."""
     buffer = io.BytesIO()
@@ -151,24 +148,6 @@ def check_url(url: str, where: str) -> urllib.parse.SplitResult:
     except ValueError:
         raise UserInputError(f"{where}: {url!r} has a port that is not a number") from None
     return parts
-
-
-def _error_message(raw: bytes) -> str:
-    """The message of an error reply: omnirl's / OpenAI's ``{"error": {"message"}}``, FastAPI's
-    ``{"detail"}``, else the text."""
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        return _one_line(raw.decode("utf-8", "replace"))
-    inner = body.get("error") if isinstance(body, dict) else None
-    for source in (inner, body):
-        if isinstance(source, dict):
-            for key in ("message", "detail"):
-                if source.get(key):
-                    return _one_line(source[key])
-        if isinstance(source, str) and source:
-            return _one_line(source)
-    return _one_line(str(body))
 
 
 def _retry_after(error: urllib.error.HTTPError) -> float | None:
@@ -219,7 +198,7 @@ class Transport:
                 with urllib.request.urlopen(request, timeout=self.timeout) as response:
                     raw = response.read()
             except urllib.error.HTTPError as exc:
-                detail = _error_message(exc.read() if exc.fp else b"") or str(exc.reason)
+                detail = error_message(exc.read() if exc.fp else b"") or str(exc.reason)
                 if exc.code not in RETRY_STATUSES and exc.code < 500:
                     raise self._refused(url, exc.code, detail, len(data)) from None
                 last = f"HTTP {exc.code}: {detail}"
@@ -228,20 +207,20 @@ class Transport:
                     wait = min(max(wait, after), MAX_RETRY_AFTER_S)
             except urllib.error.URLError as exc:
                 if not isinstance(exc.reason, OSError):  # "unknown url type" and the like
-                    raise UserInputError(f"{url}: not a usable URL ({_one_line(exc.reason)})") from None
-                last = _one_line(exc.reason)
+                    raise UserInputError(f"{url}: not a usable URL ({one_line(exc.reason)})") from None
+                last = one_line(exc.reason)
             except (http.client.HTTPException, OSError) as exc:  # timeout, reset, disconnect, cut reply
                 last = (
                     f"no reply within {self.timeout:g} s"
                     if isinstance(exc, TimeoutError)
-                    else _one_line(f"{type(exc).__name__}: {exc}")
+                    else one_line(f"{type(exc).__name__}: {exc}")
                 )
             else:
                 try:
                     return json.loads(raw)
                 except ValueError:
                     raise UserInputError(
-                        f"{url}: the reply is not JSON ({_one_line(raw[:80].decode('utf-8', 'replace'))!r}); "
+                        f"{url}: the reply is not JSON ({one_line(raw[:80].decode('utf-8', 'replace'))!r}); "
                         f"does the server speak protocol={self.protocol}?"
                     ) from None
             if attempt + 1 < tries:
@@ -308,7 +287,7 @@ class OmnirlProtocol:
             if failed:
                 raise RemoteRewardError(
                     f"{self.url}: the server's reward failed on the batch that starts with prompt "
-                    f"{prompt!r}: {_one_line(failed)}"
+                    f"{prompt!r}: {one_line(failed)}"
                 )
             rewards = reply.get("rewards")
             if self.reward is None:
@@ -381,7 +360,7 @@ class ChatProtocol:
             logger.warning(
                 "%s: no score in the answer %r for prompt %r; recorded as None",
                 self.url,
-                _one_line(str(answer), 200),
+                one_line(str(answer), 200),
                 prompt,
             )
         return [value]

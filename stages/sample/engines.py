@@ -189,4 +189,6 @@ class DiffusersEngine(RolloutEngine):
         return self.policy.latent_shape(resolution)
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "device": str(self.policy.device)}
+        """The engine and its device type (not the index: under a launcher each rank has its own, and
+        the shard set is the same bytes as one process's)."""
+        return {"name": self.name, "device": self.policy.device.type}

@@ -155,3 +155,39 @@ VerboseOpt = Annotated[
         rich_help_panel=RUN,
     ),
 ]
+
+SERVER = "Server"
+HostOpt = Annotated[
+    str,
+    typer.Option(
+        "--host",
+        help="Address to bind: 127.0.0.1 (default) keeps it on this machine; 0.0.0.0 opens it.",
+        rich_help_panel=SERVER,
+    ),
+]
+PortOpt = Annotated[
+    int,
+    typer.Option(
+        "--port", min=0, max=65535, help="Port to bind; 0 picks a free one (printed).", rich_help_panel=SERVER
+    ),
+]
+TokenEnvOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--token-env",
+        help="Environment variable holding a bearer token every request but GET /health must carry.",
+        rich_help_panel=SERVER,
+    ),
+]
+MaxRequestMbOpt = Annotated[
+    int,
+    typer.Option(
+        "--max-request-mb", min=1, help="Largest request body, in MiB (413 above).", rich_help_panel=SERVER
+    ),
+]
+MaxBatchOpt = Annotated[
+    int,
+    typer.Option(
+        "--max-batch", min=1, help="Most samples in one request (413 above).", rich_help_panel=SERVER
+    ),
+]

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from stages.errors import UserInputError
 
-from .console import progress
+from .console import log, progress
 
 
 def quiet_libraries() -> None:
@@ -167,3 +170,55 @@ def plugin_files(names: list[str]) -> list[Path]:
     from stages.plugins import spec_file
 
     return list(dict.fromkeys(f for f in map(spec_file, names) if f is not None))
+
+
+def server_token(c: dict) -> str | None:
+    """The bearer token `--token-env VAR` names (None without the option); an unset VAR is a usage error."""
+    if not c["token_env"]:
+        return None
+    token = os.environ.get(c["token_env"])
+    if not token:
+        raise UserInputError(f"--token-env {c['token_env']}: ${c['token_env']} is not set; export the token")
+    return token
+
+
+def serve_until_stopped(
+    bind: Callable[[str, int], Any],
+    c: dict,
+    *,
+    token: str | None,
+    json_: bool,
+    ready: Callable[[Any], dict],
+    banner: str,
+) -> None:
+    """Bind a server (`bind(host, port)`) on --host/--port and serve until SIGTERM or Ctrl-C.
+
+    When ready it says so: with --json one JSON line on stdout (`ready(server)` plus the pid, for the
+    process that started it), else `banner` with the URL. Serving off the loopback without a token
+    gets a warning.
+    """
+    from stages.web import is_loopback
+
+    try:
+        server = bind(c["host"], c["port"])
+    except OSError as exc:
+        raise UserInputError(
+            f"--host {c['host']} --port {c['port']}: cannot bind ({exc.strerror or exc}); "
+            "pick a free --port (0 picks one) or a local address"
+        ) from None
+    if not is_loopback(c["host"]) and token is None:
+        log(
+            f"[yellow]warning:[/] serving on {c['host']} without --token-env: anyone who reaches it can use it"
+        )
+    try:  # from here on, SIGTERM or Ctrl-C (a KeyboardInterrupt, see handle_errors) is a normal stop
+        if json_:
+            sys.stdout.write(json.dumps({**ready(server), "pid": os.getpid()}, sort_keys=True) + "\n")
+            sys.stdout.flush()
+        else:
+            log(f"[green]serving[/] {banner} at {server.url}; Ctrl-C stops")
+        server.serve_forever(poll_interval=0.2)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    log("[green]stopped[/] server", quiet=json_)

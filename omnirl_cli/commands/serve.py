@@ -2,27 +2,42 @@
 
 from __future__ import annotations
 
-import json
-import os
-import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from ..choices import Dtype
 from ..config import resolve
-from ..console import log
 from ..errors import handle_errors
-from ..options import ADAPTER_HELP, ConfigOpt, JsonOpt, SetOpt
-from ..runtime import device
+from ..options import (
+    ADAPTER_HELP,
+    REQUIRED,
+    WEIGHTS_FROM,
+    ConfigOpt,
+    HostOpt,
+    JsonOpt,
+    MaxBatchOpt,
+    MaxRequestMbOpt,
+    PortOpt,
+    SetOpt,
+    TokenEnvOpt,
+)
+from ..runtime import device, serve_until_stopped, server_token
 
 
 @handle_errors
 def serve(
     ctx: typer.Context,
-    model: Annotated[Path, typer.Option("--model", "-m", help="Diffusers pipeline folder to serve.")] = Path(
-        "model"
-    ),
+    model: Annotated[
+        Path | None,
+        typer.Option(
+            "--model",
+            "-m",
+            envvar="OMNIRL_MODEL",
+            help=f"Diffusers pipeline to serve: {WEIGHTS_FROM}. {REQUIRED}",
+        ),
+    ] = None,
     adapter: Annotated[
         Path | None,
         typer.Option(
@@ -30,34 +45,16 @@ def serve(
             help=f"Adapter to start with: {ADAPTER_HELP}. POST /omnirl/v1/weights loads another one later.",
         ),
     ] = None,
-    dtype: Annotated[str, typer.Option("--dtype", help="fp32, bf16 or fp16.")] = "fp32",
+    dtype: Annotated[Dtype, typer.Option("--dtype", envvar="OMNIRL_DTYPE", help="Weights dtype.")] = "fp32",
     served_model_name: Annotated[
         str | None,
         typer.Option("--served-model-name", help="The model id of /v1/models (default: the folder name)."),
     ] = None,
-    host: Annotated[
-        str,
-        typer.Option(
-            "--host", help="Address to bind: 127.0.0.1 (default) keeps it on this machine; 0.0.0.0 opens it."
-        ),
-    ] = "127.0.0.1",
-    port: Annotated[
-        int, typer.Option("--port", min=0, max=65535, help="Port to bind; 0 picks a free one (printed).")
-    ] = 18091,
-    token_env: Annotated[
-        str | None,
-        typer.Option(
-            "--token-env",
-            help="Environment variable holding a bearer token every request but GET /health must carry "
-            "(clients: --server-token-env VAR).",
-        ),
-    ] = None,
-    max_request_mb: Annotated[
-        int, typer.Option("--max-request-mb", min=1, help="Largest request body, in MiB (413 above).")
-    ] = 16,
-    max_batch: Annotated[
-        int, typer.Option("--max-batch", min=1, help="Most samples in one request (413 above).")
-    ] = 64,
+    host: HostOpt = "127.0.0.1",
+    port: PortOpt = 18091,
+    token_env: TokenEnvOpt = None,
+    max_request_mb: MaxRequestMbOpt = 16,
+    max_batch: MaxBatchOpt = 64,
     config: ConfigOpt = None,
     set_: SetOpt = None,
     json_: JsonOpt = False,
@@ -75,18 +72,11 @@ def serve(
     [bold]omnirl sample --engine remote --server-url http://127.0.0.1:18091 --model models/sd3-tiny
     --prompts prompts.txt --out run/it0/samples[/]
     """
-    c = resolve(ctx, "serve")
-    from stages.errors import UserInputError
+    c = resolve(ctx, "serve", required=("model",))
     from stages.sample.rollout_server import RolloutService
-    from stages.web import JsonServer, is_loopback
+    from stages.web import JsonServer
 
-    token = None
-    if c["token_env"]:
-        token = os.environ.get(c["token_env"])
-        if not token:
-            raise UserInputError(
-                f"--token-env {c['token_env']}: ${c['token_env']} is not set; export the token"
-            )
+    token = server_token(c)
     service = RolloutService(
         c["model"],
         c["adapter"],
@@ -97,35 +87,11 @@ def serve(
         max_request_bytes=c["max_request_mb"] * 2**20,
         max_batch=c["max_batch"],
     )
-    try:
-        server = JsonServer(service, c["host"], c["port"])
-    except OSError as exc:
-        raise UserInputError(
-            f"--host {c['host']} --port {c['port']}: cannot bind ({exc.strerror or exc}); "
-            "pick a free --port (0 picks one) or a local address"
-        ) from None
-    if not is_loopback(c["host"]) and token is None:
-        log(
-            f"[yellow]warning:[/] serving on {c['host']} without --token-env: anyone who reaches it can use it"
-        )
-    try:  # from here on, SIGTERM or Ctrl-C (a KeyboardInterrupt, see handle_errors) is a normal stop
-        if json_:
-            ready = {
-                "url": server.url,
-                "model": service.served_name,
-                "weights": service.weights,
-                "pid": os.getpid(),
-            }
-            sys.stdout.write(json.dumps(ready, sort_keys=True) + "\n")
-            sys.stdout.flush()
-        else:
-            log(
-                f"[green]serving[/] {service.served_name} ({service.engine.family}, weights version "
-                f"{service.weights['version']}) at {server.url}; Ctrl-C stops"
-            )
-        server.serve_forever(poll_interval=0.2)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.server_close()
-    log("[green]stopped[/] rollout server", quiet=json_)
+    serve_until_stopped(
+        lambda host, port: JsonServer(service, host, port),
+        c,
+        token=token,
+        json_=json_,
+        ready=lambda server: {"url": server.url, "model": service.served_name, "weights": service.weights},
+        banner=f"{service.served_name} ({service.engine.family}, weights version {service.weights['version']})",
+    )

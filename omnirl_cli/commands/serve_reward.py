@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
-import json
-import os
-import sys
 from typing import Annotated
 
 import typer
 
 from ..choices import REWARD_ENTRY_POINTS, REWARDS, complete
 from ..config import resolve
-from ..console import log
 from ..errors import handle_errors
-from ..options import ConfigOpt, JsonOpt, SetOpt
+from ..options import (
+    ConfigOpt,
+    HostOpt,
+    JsonOpt,
+    MaxBatchOpt,
+    MaxRequestMbOpt,
+    PortOpt,
+    SetOpt,
+    TokenEnvOpt,
+)
+from ..runtime import serve_until_stopped, server_token
 
 
 @handle_errors
@@ -37,29 +43,11 @@ def serve_reward(
             help="NAME.KEY=VALUE, repeatable: an argument of reward NAME, as `omnirl score --reward-arg`.",
         ),
     ] = None,
-    host: Annotated[
-        str,
-        typer.Option(
-            "--host", help="Address to bind: 127.0.0.1 (default) keeps it on this machine; 0.0.0.0 opens it."
-        ),
-    ] = "127.0.0.1",
-    port: Annotated[
-        int, typer.Option("--port", min=0, max=65535, help="Port to bind; 0 picks a free one (printed).")
-    ] = 18090,
-    token_env: Annotated[
-        str | None,
-        typer.Option(
-            "--token-env",
-            help="Environment variable holding a bearer token every POST must carry (clients: "
-            "--reward-arg remote:URL.token_env=VAR).",
-        ),
-    ] = None,
-    max_request_mb: Annotated[
-        int, typer.Option("--max-request-mb", min=1, help="Largest request body, in MiB (413 above).")
-    ] = 64,
-    max_batch: Annotated[
-        int, typer.Option("--max-batch", min=1, help="Most images in one request (413 above).")
-    ] = 256,
+    host: HostOpt = "127.0.0.1",
+    port: PortOpt = 18090,
+    token_env: TokenEnvOpt = None,
+    max_request_mb: MaxRequestMbOpt = 64,
+    max_batch: MaxBatchOpt = 256,
     config: ConfigOpt = None,
     set_: SetOpt = None,
     json_: JsonOpt = False,
@@ -78,7 +66,7 @@ def serve_reward(
     c = resolve(ctx, "serve-reward")
     from stages.errors import UserInputError
     from stages.score.registry import check_reward_args, parse_reward_args, parse_reward_spec, reward_kind
-    from stages.score.reward_server import RewardServer, RewardService, is_loopback
+    from stages.score.reward_server import RewardServer, RewardService
 
     specs = [parse_reward_spec(s) for s in c["reward"] or []]
     if not specs:
@@ -91,13 +79,7 @@ def serve_reward(
                 f"--reward {name}: it scores {reward_kind(name)}s; serve-reward serves image rewards"
             )
     args = check_reward_args([name for name, _ in specs], parse_reward_args(c["reward_args"]))
-    token = None
-    if c["token_env"]:
-        token = os.environ.get(c["token_env"])
-        if not token:
-            raise UserInputError(
-                f"--token-env {c['token_env']}: ${c['token_env']} is not set; export the token"
-            )
+    token = server_token(c)
     service = RewardService(
         specs,
         args,
@@ -105,30 +87,11 @@ def serve_reward(
         max_request_bytes=c["max_request_mb"] * 2**20,
         max_batch=c["max_batch"],
     )
-    try:
-        server = RewardServer(service, c["host"], c["port"])
-    except OSError as exc:
-        raise UserInputError(
-            f"--host {c['host']} --port {c['port']}: cannot bind ({exc.strerror or exc}); "
-            "pick a free --port (0 picks one) or a local address"
-        ) from None
-    if not is_loopback(c["host"]) and token is None:
-        log(
-            f"[yellow]warning:[/] serving on {c['host']} without --token-env: anyone who reaches it can use it"
-        )
-    try:  # from here on, SIGTERM or Ctrl-C (a KeyboardInterrupt, see handle_errors) is a normal stop
-        if json_:
-            ready = {"url": server.url, "rewards": service.weights, "pid": os.getpid()}
-            sys.stdout.write(json.dumps(ready, sort_keys=True) + "\n")
-            sys.stdout.flush()
-        else:
-            names = ", ".join(service.weights)
-            log(
-                f"[green]serving[/] {names} at {server.url} (POST /NAME or /score, GET /health); Ctrl-C stops"
-            )
-        server.serve_forever(poll_interval=0.2)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.server_close()
-    log("[green]stopped[/] reward server", quiet=json_)
+    serve_until_stopped(
+        lambda host, port: RewardServer(service, host, port),
+        c,
+        token=token,
+        json_=json_,
+        ready=lambda server: {"url": server.url, "rewards": service.weights},
+        banner=f"{', '.join(service.weights)} (POST /NAME or /score, GET /health)",
+    )

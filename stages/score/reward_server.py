@@ -42,14 +42,14 @@ from PIL import Image
 
 from stages.errors import UserInputError
 from stages.score.registry import RewardArgs, get_reward
-from stages.web import HttpError, JsonServer, JsonService, is_loopback, parse_json_object
+from stages.web import HttpError, JsonServer, JsonService, parse_json_object
 
 logger = logging.getLogger(__name__)
 
 TOTAL_ROUTES = ("", "score")
 MAX_PIXELS = 2**26  # 8192 × 8192: far above any rollout, far below what would exhaust memory
 
-__all__ = ["HttpError", "RewardServer", "RewardService", "is_loopback"]
+__all__ = ["HttpError", "RewardServer", "RewardService"]
 
 
 def _decode(item: Any, index: int, max_pixels: int) -> Image.Image:

@@ -217,17 +217,18 @@ def run_update(
     last = metrics[-1] if metrics else {}
     resume = trainer_state(par, optimizer, ema, old_weights, scaler)
     weights = par.module_state()
+    result = {
+        "out": str(out),
+        "skipped": False,
+        "step": step,
+        "optimizer_steps": len(metrics),
+        "rows_read": rows_read,
+        "last": last,
+    }
     world, rank = world_and_rank()
     if rank != 0:  # rank 0 writes the one adapter; the others wait until it is in place
         torch.distributed.barrier()
-        return {
-            "out": str(out),
-            "skipped": False,
-            "step": step,
-            "optimizer_steps": len(metrics),
-            "rows_read": rows_read,
-            "last": last,
-        }
+        return result
     try:
         save_policy(
             policy,
@@ -246,11 +247,4 @@ def run_update(
     finally:
         if world > 1:
             torch.distributed.barrier()
-    return {
-        "out": str(out),
-        "skipped": False,
-        "step": step,
-        "optimizer_steps": len(metrics),
-        "rows_read": rows_read,
-        "last": last,
-    }
+    return result

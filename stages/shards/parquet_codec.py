@@ -1,7 +1,7 @@
 """Parquet encoding of one shard, and zero-copy decoding into torch.
 
-The layout (schema version 2) is one Hugging Face `datasets` maps as it is, so
-`load_dataset("parquet", data_dir=SET)` gives each column its shape and decodes the images:
+The layout (schema version 2) is one Hugging Face `datasets` maps as it is, so `load_dataset(SET)`
+or `Dataset.from_parquet("SET/*.parquet")` gives each column its shape and decodes the images:
 
 - tensor columns with per-row shape () are primitive columns; others are fixed-size lists nested
   once per dimension with non-nullable elements (`datasets`: List(List(Value, length=W), length=H),

@@ -39,14 +39,16 @@ def jpeg_bytes(seed: int) -> bytes:
 HOW = ["directory", "data_files", "from_parquet"]
 
 
-def load(path: Path, how: str):
+def load(path: Path, how: str, cache: Path):
     """The shard set as `datasets` loads it: the directory (it picks the Parquet files by extension),
-    the parquet builder on the shard glob, or `Dataset.from_parquet` on it."""
+    the parquet builder on the shard glob, or `Dataset.from_parquet` on it (its cache in `cache`)."""
     if how == "directory":
-        return datasets.load_dataset(str(path), split="train")
+        return datasets.load_dataset(str(path), split="train", cache_dir=str(cache))
     if how == "data_files":
-        return datasets.load_dataset("parquet", data_files=f"{path}/*.parquet", split="train")
-    return datasets.Dataset.from_parquet(f"{path}/*.parquet")
+        return datasets.load_dataset(
+            "parquet", data_files=f"{path}/*.parquet", split="train", cache_dir=str(cache)
+        )
+    return datasets.Dataset.from_parquet(f"{path}/*.parquet", cache_dir=str(cache))
 
 
 def storage_bits(t: torch.Tensor) -> np.ndarray:
@@ -75,12 +77,12 @@ def arrow_values(ds, name: str, shape: tuple[int, ...]) -> np.ndarray:
     return values.to_numpy(zero_copy_only=False).reshape(len(ds), *shape)
 
 
-def assert_loads_like_manifest(path: Path, how: str) -> None:
+def assert_loads_like_manifest(path: Path, how: str, cache: Path) -> None:
     """Every tensor column of the set: the feature's shape is the manifest's, the numpy column is
     [rows, *shape] in the storage dtype and holds the bits omnirl reads; ids and images agree."""
     shard_set = ShardSet(path)
     want = shard_set.read_all()
-    ds = load(path, how)
+    ds = load(path, how, cache)
     assert ds.num_rows == shard_set.num_rows and ds.column_names == list(shard_set.columns)
     as_numpy, as_torch = ds.with_format("numpy"), ds.with_format("torch")
     for name, col in shard_set.columns.items():
@@ -124,8 +126,8 @@ def test_every_dtype_and_shape_loads_with_the_manifests_shape(tmp_path: Path, ho
     for i, batch in enumerate(shards):
         writer.write_shard(i, batch)
     writer.finalize()
-    assert_loads_like_manifest(tmp_path / "set", how)
-    ds = load(tmp_path / "set", how)
+    assert_loads_like_manifest(tmp_path / "set", how, tmp_path / "cache")
+    ds = load(tmp_path / "set", how, tmp_path / "cache")
     assert ds.features["images"] == datasets.List(datasets.Image())
     rows = ds["images"]
     want = [row for batch in shards for row in batch["images"]]
@@ -144,10 +146,12 @@ def test_every_dtype_and_shape_loads_with_the_manifests_shape(tmp_path: Path, ho
 
 
 @pytest.mark.parametrize("stage", ["samples", "logprobs", "advantages"])
-def test_stage_outputs_load_with_the_manifests_shapes(staged: dict[str, Path], stage: str) -> None:
+def test_stage_outputs_load_with_the_manifests_shapes(
+    staged: dict[str, Path], stage: str, tmp_path: Path
+) -> None:
     """A diffusion rollout and the column groups derived from it, as written by the commands."""
     for how in HOW:
-        assert_loads_like_manifest(staged[stage], how)
+        assert_loads_like_manifest(staged[stage], how, tmp_path / how)
 
 
 # ----------------------------------------------------------------------------- schema version 1

@@ -166,7 +166,9 @@ def test_verl_rows_round_trip_through_sample(vlm_run: dict[str, Path], tiny_vlm:
         assert image_tokens == (4 if k != 1 else 4 + 9)  # 56² px → 2×2 merged patches; 84² → 3×3
 
 
-def test_rollout_loads_in_hf_datasets_with_images_as_pil_lists(vlm_run: dict[str, Path]) -> None:
+def test_rollout_loads_in_hf_datasets_with_images_as_pil_lists(
+    vlm_run: dict[str, Path], tmp_path: Path
+) -> None:
     """`datasets` gives the manifest's shapes for the rollout and its column groups, and each row's
     images as a list of PIL images (the prompt's, in the first row of its group)."""
     import datasets
@@ -175,12 +177,14 @@ def test_rollout_loads_in_hf_datasets_with_images_as_pil_lists(vlm_run: dict[str
     rows = pq.read_table(vlm_run["data"]).to_pylist()
     for stage in ("samples", "logprobs", "advantages"):
         shard_set = ShardSet(vlm_run[stage])
-        ds = datasets.load_dataset("parquet", data_files=f"{vlm_run[stage]}/*.parquet", split="train")
+        ds = datasets.load_dataset(
+            "parquet", data_files=f"{vlm_run[stage]}/*.parquet", split="train", cache_dir=str(tmp_path)
+        )
         as_numpy = ds.with_format("numpy")[:]
         for name, col in shard_set.columns.items():
             if col.kind == "tensor":
                 assert as_numpy[name].shape == (shard_set.num_rows, *col.shape), (stage, name)
-    ds = datasets.Dataset.from_parquet(f"{vlm_run['samples']}/*.parquet")
+    ds = datasets.Dataset.from_parquet(f"{vlm_run['samples']}/*.parquet", cache_dir=str(tmp_path))
     assert ds.features["images"] == datasets.List(datasets.Image())
     for i, images in enumerate(ds["images"]):
         k, member = divmod(i, N)

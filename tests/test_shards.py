@@ -271,20 +271,30 @@ def test_parquet_layout(tmp_path) -> None:
     pf = pq.ParquetFile(tmp_path / "set" / "part-00000-of-00001.parquet")
     schema = pf.schema_arrow
     lat = schema.field("latents")
-    assert isinstance(lat.type, pa.FixedShapeTensorType)
-    assert lat.type.value_type == pa.uint16() and lat.type.shape == [2, 2, 4, 4]
-    assert lat.metadata[b"omnirl.dtype"] == b"bfloat16"
+    # one fixed-size list per dimension, non-nullable down to the uint16 bits of the bf16 values
+    t, sizes = lat.type, []
+    while pa.types.is_fixed_size_list(t):
+        sizes.append(t.list_size)
+        assert not t.value_field.nullable
+        t = t.value_type
+    assert sizes == [2, 2, 4, 4] and t == pa.uint16()
+    assert lat.metadata[b"omnirl.dtype"] == b"bfloat16" and lat.metadata[b"omnirl.shape"] == b"[2, 2, 4, 4]"
     assert schema.field("reward.ocr").type == pa.float32()
     assert schema.field("prompt_meta").metadata[b"omnirl.kind"] == b"json"
-    assert schema.field("image").type == pa.large_binary()
+    encoded_file = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    assert schema.field("image").type == encoded_file and schema.field("video").type == pa.large_binary()
+    features = json.loads(schema.metadata[b"huggingface"])["info"]["features"]
+    assert features == {"image": {"_type": "Image"}}  # the rest datasets infers from the types
     rg = pf.metadata.row_group(0)
     chunks = {rg.column(i).path_in_schema: rg.column(i) for i in range(rg.num_columns)}
-    for path in ("latents.list.element", "log_probs.list.element", "reward.ocr"):
+    latents = "latents" + ".list.element" * 4
+    for path in (latents, "log_probs.list.element", "reward.ocr"):
         assert not chunks[path].has_dictionary_page, path
         assert chunks[path].has_offset_index, path
     assert chunks["prompt"].has_dictionary_page
     assert chunks["prompt"].compression == "ZSTD"
-    assert chunks["latents.list.element"].compression == "UNCOMPRESSED"
+    for path in (latents, "image.bytes", "video"):
+        assert chunks[path].compression == "UNCOMPRESSED", path
 
 
 def test_parquet_read_is_zero_copy(tmp_path) -> None:
@@ -300,7 +310,9 @@ def test_parquet_read_is_zero_copy(tmp_path) -> None:
     table = pq.read_table(pa.BufferReader(sink.getvalue()))
     got = parquet_codec.table_to_batch(table, cols, "mem")
     for name in ("x", "h"):
-        values = table.column(name).chunk(0).storage.values
+        values = table.column(name).chunk(0)
+        while pa.types.is_fixed_size_list(values.type):
+            values = values.values
         assert (
             got[name].data_ptr() == values.buffers()[1].address + values.offset * values.type.bit_width // 8
         ), name
@@ -357,6 +369,30 @@ def test_webdataset_layout_and_real_library(tmp_path) -> None:
         assert d["prompt_meta.json"] == (b"null" if meta is None else meta)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_image_lists_round_trip(tmp_path, fmt: str) -> None:
+    jpeg = io.BytesIO()
+    Image.new("RGB", (5, 3), (10, 200, 30)).save(jpeg, format="JPEG")
+    rows = [[png_bytes(1), jpeg.getvalue()], [], [png_bytes(2)]]
+    batch = {"sample_id": ["a", "b", "c"], "images": rows}
+    write_set(tmp_path / "set", [batch], fmt, kinds={"images": "image_list"})
+    shard_set = ShardSet(tmp_path / "set")
+    assert shard_set.columns["images"] == Column("images", "image_list")
+    assert shard_set.read_shard(0, ["images"]) == {"images": rows}
+    if fmt == "webdataset":
+        with tarfile.open(tmp_path / "set" / "part-00000-of-00001.tar") as tf:
+            names = [m.name for m in tf.getmembers() if ".images." in m.name]
+        assert names == [
+            "00000_000000000.images.0.png",
+            "00000_000000000.images.1.jpg",
+            "00000_000000002.images.0.png",
+        ]
+        with pytest.raises(UserInputError, match="row 1 of shard 0 has only empty image lists"):
+            write_set(tmp_path / "only", [{"images": rows}], fmt, kinds={"images": "image_list"})
+    with pytest.raises(UserInputError, match="declared image_list but a row is not a list"):
+        write_set(tmp_path / "bad", [{"images": [b"x"]}], fmt, kinds={"images": "image_list"})
+
+
 def test_webdataset_reads_members_written_by_numpy_save(tmp_path) -> None:
     """A tar whose .npy members come from numpy.save (big-endian here) still decodes."""
     col = Column("x", "tensor", "float32", (2,))
@@ -382,7 +418,7 @@ def test_manifest_contents(tmp_path, fmt: str) -> None:
     write_set(tmp_path / "set", shards, fmt, kinds=KINDS, policy={"adapter": "run/it0/policy", "version": 3})
     m = read_manifest(tmp_path / "set")
     raw = json.loads((tmp_path / "set" / MANIFEST_NAME).read_text())
-    assert raw["format"] == fmt and raw["schema_version"] == 1 and raw["command"] == "test"
+    assert raw["format"] == fmt and raw["schema_version"] == 2 and raw["command"] == "test"
     assert raw["config"] == {"t": 1} and raw["config_hash"] == config_hash({"t": 1})
     assert raw["policy"] == {"adapter": "run/it0/policy", "version": 3}
     assert m.num_rows == 7 and [s.rows for s in m.shards] == [3, 4]

@@ -132,6 +132,29 @@ def test_tampered_completed_shard_is_rewritten_on_resume(tmp_path) -> None:
     assert w2.shard_done(0) and not w2.shard_done(1)
 
 
+def test_shards_of_an_older_layout_are_rewritten_never_mixed(tmp_path) -> None:
+    """Completion records and damaged sets from before schema version 2 are not resumed shard by
+    shard: the new layout would sit beside the old one in one set."""
+    out = tmp_path / "out"
+    w = make_writer(out)
+    w.write_shard(0, shard_batch(0))
+    record = out / ".part-00000-of-00004.parquet.done.json"
+    rec = json.loads(record.read_text())
+    assert rec["schema_version"] == 2
+    del rec["schema_version"]  # as omnirl before version 2 wrote it
+    record.write_text(json.dumps(rec))
+    assert not make_writer(out).shard_done(0)
+    # a finished version-1 set with one damaged shard: every shard is written again on resume
+    write_all(tmp_path / "old")
+    manifest = json.loads((tmp_path / "old" / MANIFEST_NAME).read_text())
+    manifest["schema_version"] = 1
+    (tmp_path / "old" / MANIFEST_NAME).write_text(json.dumps(manifest))
+    (tmp_path / "old" / "part-00002-of-00004.parquet").write_bytes(b"damaged")
+    w = make_writer(tmp_path / "old")
+    assert not w.complete and not any(w.shard_done(i) for i in range(NUM_SHARDS))
+    assert not (tmp_path / "old" / MANIFEST_NAME).exists()
+
+
 @pytest.mark.parametrize("fmt", ["parquet", "webdataset"])
 def test_rerun_with_same_config_is_complete(tmp_path, fmt: str) -> None:
     first = write_all(tmp_path / "out", fmt).manifest

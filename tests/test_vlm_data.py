@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from stages.errors import UserInputError
-from stages.sample.vlm_data import pack_images, read_vlm_prompts, unpack_images
+from stages.sample.vlm_data import read_vlm_prompts, unpack_images
 
 
 def _png(colour: tuple[int, int, int]) -> bytes:
@@ -62,10 +62,13 @@ def test_easyr1_rows_and_placeholder_checks(tmp_path: Path) -> None:
         read_vlm_prompts(path)
 
 
-def test_packed_images_round_trip_and_every_cut_or_pad_is_a_one_line_error() -> None:
+def test_packed_images_of_schema_1_unpack_and_every_cut_or_pad_is_a_one_line_error() -> None:
     images = [_png((255, 0, 0)), b"", _png((0, 0, 255))]
-    blob = pack_images(images)
-    assert unpack_images(blob, "s") == images and unpack_images(pack_images([]), "s") == []
+    # the version-1 blob, byte by byte: magic, count (u32 LE), lengths (u64 LE each), the files
+    header = b"OMNIIMG1" + len(images).to_bytes(4, "little")
+    blob = header + b"".join(len(b).to_bytes(8, "little") for b in images) + b"".join(images)
+    assert unpack_images(blob, "s") == images
+    assert unpack_images(b"OMNIIMG1" + bytes(4), "s") == []
     for cut in range(len(blob)):  # includes blobs shorter than the header their count announces
         with pytest.raises(UserInputError, match=r"^s: the (images column|packed images)"):
             unpack_images(blob[:cut], "s")

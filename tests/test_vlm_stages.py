@@ -133,7 +133,6 @@ def vlm_run(tmp_path_factory: pytest.TempPathFactory, tiny_vlm: Path) -> dict[st
 
 def test_verl_rows_round_trip_through_sample(vlm_run: dict[str, Path], tiny_vlm: Path) -> None:
     from stages.models.qwen2_5_vl import load_processor
-    from stages.sample.vlm_data import unpack_images
 
     rows = pq.read_table(vlm_run["data"]).to_pylist()
     data = ShardSet(vlm_run["samples"]).read_all()
@@ -150,10 +149,7 @@ def test_verl_rows_round_trip_through_sample(vlm_run: dict[str, Path], tiny_vlm:
         assert meta["max_response_length"] == MAX_NEW
         assert data["prompt"][i] == f"How many dots? {k}"
         # images once per prompt: the first row of the group holds the original files, byte for byte
-        if member == 0:
-            assert unpack_images(data["images"][i], "t") == [im["bytes"] for im in rows[k]["images"]]
-        else:
-            assert data["images"][i] == b""
+        assert data["images"][i] == ([im["bytes"] for im in rows[k]["images"]] if member == 0 else [])
         mask = data["response_mask"][i]
         assert int(mask.sum()) == int(data["response_length"][i]) and bool(mask[0])
         assert not mask[int(mask.sum()) :].any()  # one valid prefix
@@ -168,6 +164,37 @@ def test_verl_rows_round_trip_through_sample(vlm_run: dict[str, Path], tiny_vlm:
             ).sum()
         )
         assert image_tokens == (4 if k != 1 else 4 + 9)  # 56² px → 2×2 merged patches; 84² → 3×3
+
+
+def test_rollout_loads_in_hf_datasets_with_images_as_pil_lists(
+    vlm_run: dict[str, Path], tmp_path: Path
+) -> None:
+    """`datasets` gives the manifest's shapes for the rollout and its column groups, and each row's
+    images as a list of PIL images (the prompt's, in the first row of its group)."""
+    import datasets
+    import numpy as np
+
+    rows = pq.read_table(vlm_run["data"]).to_pylist()
+    for stage in ("samples", "logprobs", "advantages"):
+        shard_set = ShardSet(vlm_run[stage])
+        ds = datasets.load_dataset(
+            "parquet", data_files=f"{vlm_run[stage]}/*.parquet", split="train", cache_dir=str(tmp_path)
+        )
+        as_numpy = ds.with_format("numpy")[:]
+        for name, col in shard_set.columns.items():
+            if col.kind == "tensor":
+                assert as_numpy[name].shape == (shard_set.num_rows, *col.shape), (stage, name)
+    ds = datasets.Dataset.from_parquet(f"{vlm_run['samples']}/*.parquet", cache_dir=str(tmp_path))
+    assert ds.features["images"] == datasets.List(datasets.Image())
+    for i, images in enumerate(ds["images"]):
+        k, member = divmod(i, N)
+        want = [im["bytes"] for im in rows[k]["images"]] if member == 0 else []
+        assert len(images) == len(want) and all(isinstance(im, Image.Image) for im in images)
+        for im, data in zip(images, want):
+            assert np.array_equal(np.asarray(im), np.asarray(Image.open(io.BytesIO(data))))
+    head = run("inspect", str(vlm_run["samples"]), "--head", "2")["head"]
+    first = rows[0]["images"][0]["bytes"]
+    assert [r["images"] for r in head] == [f"<1 images {len(first)} B>", "<0 images 0 B>"]
 
 
 def test_score_reads_the_response_strings_and_lengths(vlm_run: dict[str, Path]) -> None:

@@ -125,6 +125,8 @@ def _head_rows(path: Path, n: int) -> list[dict[str, Any]]:
                     row[name] = f"[{'×'.join(map(str, value.shape))}]"
             elif col.kind in ("binary", "image", "video"):
                 row[name] = f"<{col.kind} {len(value)} B>"
+            elif col.kind == "image_list":
+                row[name] = f"<{len(value)} images {sum(map(len, value))} B>"
             else:
                 text = str(value)
                 row[name] = text if len(text) <= 60 else text[:57] + "..."

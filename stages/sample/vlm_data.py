@@ -189,17 +189,9 @@ def sample_vlm_prompts(
     return pick_rows(source, num, seed, partial(vlm_prompt, **keys))
 
 
-def pack_images(images: list[bytes]) -> bytes:
-    """Several encoded image files as one blob: magic, count (u32), lengths (u64 each), the files.
-
-    A prompt's images are stored once, in the first row of its group (see `stages.sample.vlm_stage`).
-    """
-    header = _PACK_MAGIC + struct.pack(f"<I{len(images)}Q", len(images), *(len(b) for b in images))
-    return header + b"".join(images)
-
-
 def unpack_images(blob: bytes, where: str) -> list[bytes]:
-    """Inverse of `pack_images`; a malformed blob names `where` (the shard set and sample)."""
+    """The image files of a schema-version-1 VLM rollout, packed into one blob: magic `OMNIIMG1`,
+    count (u32), lengths (u64 each), the files. A malformed blob names `where` (set and sample)."""
     blob = bytes(blob)
     start = len(_PACK_MAGIC) + 4
     if not blob.startswith(_PACK_MAGIC) or len(blob) < start:

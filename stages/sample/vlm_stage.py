@@ -6,8 +6,9 @@ Row layout (one row per response, groups contiguous, a shard holds whole groups)
   prompt (the user turns' text), messages (json: the chat messages as the model saw them, system and
   earlier turns included, images as `{"type": "image"}` parts at their positions), prompt_meta (json:
   ground_truth, data_source, extra_info, max_response_length), seed, policy_version;
-- images (binary): the prompt's encoded image files packed into one blob (`pack_images`), stored in
-  the FIRST row of each group only (the others hold b""), so images are stored once per prompt;
+- images (image_list): the prompt's encoded image files, in the FIRST row of each group only (the
+  others hold []), so images are stored once per prompt (in Parquet `datasets`' List(Image)); sets
+  of schema version 1 hold them packed into one binary blob (`unpack_images`) and are still read;
 - prompt_ids int64 [P] / prompt_mask bool [P]: the processor-expanded prompt (image pad tokens
   included), left-padded to `max_prompt_length`; the training forward rebuilds pixel values from the
   images and checks that the processor gives these ids again;
@@ -36,10 +37,10 @@ from stages.finite import MODEL_HINT, check_finite
 from stages.models.vlm import Rollout, VLMPolicy
 from stages.sample.rollout import derive_seed
 from stages.sample.stage import in_rollout, rollout_id, split_groups, write_shards
-from stages.sample.vlm_data import VLMPrompt, decode_image, pack_images, unpack_images
+from stages.sample.vlm_data import VLMPrompt, decode_image, unpack_images
 from stages.shards.writer import ShardSetWriter
 
-KINDS = {"images": "binary", "prompt_meta": "json", "messages": "json"}
+KINDS = {"images": "image_list", "prompt_meta": "json", "messages": "json"}
 ENGINES = ("hf", "openai")
 
 
@@ -113,9 +114,11 @@ def row_images(shard: dict[str, Any], where: str) -> list[list[bytes]]:
     """Each row's image files, taken from the first row of its group (where `sample` stored them)."""
     out: list[list[bytes]] = []
     leader: dict[str, list[bytes]] = {}
-    for sid, gid, blob in zip(shard["sample_id"], shard["group_id"], shard["images"]):
-        if blob:
-            leader[gid] = unpack_images(blob, f"{where}: sample {sid!r}")
+    for sid, gid, stored in zip(shard["sample_id"], shard["group_id"], shard["images"]):
+        if isinstance(stored, list):
+            leader.setdefault(gid, stored)
+        elif stored:
+            leader[gid] = unpack_images(stored, f"{where}: sample {sid!r}")
         if gid not in leader:
             raise UserInputError(
                 f"{where}: sample {sid!r} comes before the first row of its group {gid!r}; "
@@ -196,7 +199,7 @@ def sample_vlm_shard(
                 "prompt": [p.question for _, p, _, _ in rows],
                 "messages": [p.messages for _, p, _, _ in rows],
                 "prompt_meta": [{**p.meta, "max_response_length": cfg.max_new_tokens} for _, p, _, _ in rows],
-                "images": [pack_images(p.images) if m == 0 else b"" for _, p, _, m in rows],
+                "images": [list(p.images) if m == 0 else [] for _, p, _, m in rows],
                 "prompt_ids": prompt_ids.repeat_interleave(n, dim=0),
                 "prompt_mask": prompt_mask.repeat_interleave(n, dim=0),
                 "response_ids": right_pad(out.response_ids.cpu(), cfg.max_new_tokens, pad_id),

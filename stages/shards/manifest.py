@@ -17,7 +17,9 @@ from stages.shards.atomic import atomic_write_bytes
 from stages.shards.schema import Column
 
 MANIFEST_NAME = "_manifest.json"
-SCHEMA_VERSION = 1
+# 2: Parquet tensors as nested fixed-size lists and images as {bytes, path} structs, which Hugging
+# Face `datasets` reads (1: `arrow.fixed_shape_tensor` and plain binary); every version is still read.
+SCHEMA_VERSION = 2
 FORMATS = ("parquet", "webdataset")
 # What a rollout's manifest `extra` says about it (its model family and output modality); every set
 # derived from it inherits them.

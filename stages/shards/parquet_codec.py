@@ -1,12 +1,21 @@
 """Parquet encoding of one shard, and zero-copy decoding into torch.
 
-Tensor columns with per-row shape () are primitive Arrow columns; others are the canonical
-`arrow.fixed_shape_tensor` extension. bf16 is stored as uint16 bits and bool as uint8, with the
-logical dtype in the field metadata (`omnirl.dtype`) and in the manifest. Tensor columns have no
-dictionary encoding and no statistics (neither pays on tensors). Float tensors and encoded
-images/videos are stored uncompressed: float mantissas shrink <10% under zstd at half the write
-speed, PNG/MP4 not at all. Everything else is zstd. Row groups hold about `ROW_GROUP_BYTES` of
-uncompressed data; the page index is written.
+The layout (schema version 2) is one Hugging Face `datasets` maps as it is, so `load_dataset(SET)`
+or `Dataset.from_parquet("SET/*.parquet")` gives each column its shape and decodes the images:
+
+- tensor columns with per-row shape () are primitive columns; others are fixed-size lists nested
+  once per dimension with non-nullable elements (`datasets`: List(List(Value, length=W), length=H),
+  [N, *shape] in its numpy/torch formats). bf16 is stored as uint16 bits and bool as uint8, with the
+  logical dtype in the field metadata (`omnirl.dtype`) and in the manifest;
+- image columns are `{bytes, path}` structs (its `Image` feature, path null), an image_list column a
+  list of them per row; the schema metadata key `huggingface` names their `datasets` features, which
+  is how it knows these are images. Videos stay plain binary (MP4 bytes).
+
+Schema version 1 shards (tensors as `arrow.fixed_shape_tensor`, images as plain binary) are still
+read. Tensor columns have no dictionary encoding and no statistics (neither pays on tensors).
+Float tensors and encoded images/videos are stored uncompressed: float mantissas shrink <10% under
+zstd at half the write speed, PNG/MP4 not at all. Everything else is zstd. Row groups hold about
+`ROW_GROUP_BYTES` of uncompressed data; the page index is written.
 
 Decoded tensors of a one-row-group shard are views of Arrow buffers (read-only memory):
 `clone()` before in-place ops.
@@ -53,6 +62,9 @@ _ARROW_STORAGE = {
     "uint8": pa.uint8(),
     "bool": pa.uint8(),
 }
+# `datasets`' Image storage: the encoded file, or a path to it (always null here).
+ENCODED_FILE = pa.struct([pa.field("bytes", pa.binary()), pa.field("path", pa.string())])
+_IMAGE_KINDS = ("image", "image_list")
 
 
 def _numpy_storage(col: Column) -> np.dtype:
@@ -63,11 +75,29 @@ def _numpy_storage(col: Column) -> np.dtype:
 def arrow_type(col: Column) -> pa.DataType:
     """Arrow type of a column as stored in Parquet."""
     if col.kind == "tensor":
-        value_type = _ARROW_STORAGE[col.dtype]
-        return pa.fixed_shape_tensor(value_type, list(col.shape)) if col.shape else value_type
+        out = _ARROW_STORAGE[col.dtype]
+        for size in reversed(col.shape):
+            out = pa.list_(pa.field("element", out, nullable=False), size)
+        return out
     if col.kind in ("string", "json"):
         return pa.large_string()
+    if col.kind == "image":
+        return ENCODED_FILE
+    if col.kind == "image_list":
+        return pa.list_(ENCODED_FILE)
     return pa.large_binary()
+
+
+def datasets_features(columns: list[Column]) -> dict:
+    """The `datasets` features (`Features.to_dict()` form) of the image columns, which their Arrow type
+    alone does not announce; `datasets` infers every other column from its type. Written in forms
+    that every `datasets` from 3.0 on parses (`Sequence`, which it reads as `List`)."""
+    image = {"_type": "Image"}
+    return {
+        c.name: image if c.kind == "image" else {"feature": image, "_type": "Sequence"}
+        for c in columns
+        if c.kind in _IMAGE_KINDS
+    }
 
 
 def _field(col: Column) -> pa.Field:
@@ -75,30 +105,55 @@ def _field(col: Column) -> pa.Field:
     if col.kind == "tensor":
         meta["omnirl.dtype"] = col.dtype
         meta["omnirl.shape"] = json.dumps(list(col.shape))
-    return pa.field(col.name, arrow_type(col), nullable=False, metadata=meta)
+    # `datasets` applies a feature from the schema metadata only to a field equal to the one it would
+    # write itself, and it writes nullable fields.
+    nullable = col.kind in _IMAGE_KINDS
+    return pa.field(col.name, arrow_type(col), nullable=nullable, metadata=meta)
 
 
-def _to_arrow(col: Column, value) -> pa.Array:
+def _encoded_files(values) -> pa.Array | pa.ChunkedArray:
+    """`{bytes, path: null}` structs of encoded files (chunked where the bytes pass 2 GiB)."""
+    data = pa.array([bytes(v) if isinstance(v, memoryview) else v for v in values], type=pa.binary())
+    chunks = [
+        pa.StructArray.from_arrays([c, pa.nulls(len(c), pa.string())], fields=list(ENCODED_FILE))
+        for c in (data.chunks if isinstance(data, pa.ChunkedArray) else [data])
+    ]
+    return chunks[0] if len(chunks) == 1 else pa.chunked_array(chunks, ENCODED_FILE)
+
+
+def _to_arrow(col: Column, value) -> pa.Array | pa.ChunkedArray:
     if col.kind == "tensor":
         arr = tensor_to_storage(as_cpu_tensor(col.name, value)).view(_numpy_storage(col))
-        flat = pa.array(arr.reshape(-1), type=_ARROW_STORAGE[col.dtype])
-        if not col.shape:
-            return flat
-        storage = pa.FixedSizeListArray.from_arrays(flat, int(np.prod(col.shape)))
-        return pa.ExtensionArray.from_storage(arrow_type(col), storage)
+        out = pa.array(arr.reshape(-1), type=_ARROW_STORAGE[col.dtype])
+        for size in reversed(col.shape):
+            out = pa.FixedSizeListArray.from_arrays(
+                out, type=pa.list_(pa.field("element", out.type, nullable=False), size)
+            )
+        return out
     if col.kind == "string":
         return pa.array(value, type=pa.large_string())
     if col.kind == "json":
         return pa.array([json_text(col.name, i, v) for i, v in enumerate(value)], type=pa.large_string())
+    if col.kind == "image":
+        return _encoded_files(value)
+    if col.kind == "image_list":
+        rows = [[{"bytes": bytes(b), "path": None} for b in row] for row in value]
+        return pa.array(rows, type=arrow_type(col))
     return pa.array([bytes(v) if isinstance(v, memoryview) else v for v in value], type=pa.large_binary())
 
 
-def _leaf_path(col: Column) -> str:
-    return f"{col.name}.list.element" if col.kind == "tensor" and col.shape else col.name
+def _leaves(col: Column) -> list[str]:
+    """The Parquet leaf column paths of a column (what compression and encodings are set on)."""
+    if col.kind == "tensor":
+        return [col.name + ".list.element" * len(col.shape)]
+    if col.kind in _IMAGE_KINDS:
+        prefix = f"{col.name}.list.element" if col.kind == "image_list" else col.name
+        return [f"{prefix}.bytes", f"{prefix}.path"]
+    return [col.name]
 
 
 def _compression(col: Column) -> str:
-    if col.kind in ("image", "video") or (col.kind == "tensor" and col.dtype in _FLOATS):
+    if col.kind in ("image", "image_list", "video") or (col.kind == "tensor" and col.dtype in _FLOATS):
         return "none"
     return "zstd"
 
@@ -106,16 +161,20 @@ def _compression(col: Column) -> str:
 def encode(batch: Batch, columns: list[Column], sink, shard_index: int) -> int:
     """Write one shard to the file object `sink`; returns its row count."""
     n = batch_num_rows(batch)
-    schema = pa.schema([_field(c) for c in columns])
+    features = datasets_features(columns)
+    metadata = {"huggingface": json.dumps({"info": {"features": features}})} if features else None
+    schema = pa.schema([_field(c) for c in columns], metadata=metadata)
     table = pa.Table.from_arrays([_to_arrow(c, batch[c.name]) for c in columns], schema=schema)
     per_row = table.nbytes / n if n else 1
-    text = [_leaf_path(c) for c in columns if c.kind in ("string", "json")]
+    text = [c.name for c in columns if c.kind in ("string", "json")]
+    compression = {leaf: _compression(c) for c in columns for leaf in _leaves(c)}
     pq.write_table(
         table,
         sink,
         row_group_size=max(1, int(ROW_GROUP_BYTES // max(per_row, 1))),
-        compression={_leaf_path(c): _compression(c) for c in columns},
-        compression_level={_leaf_path(c): ZSTD_LEVEL for c in columns if _compression(c) == "zstd"} or None,
+        compression=compression,
+        compression_level={leaf: ZSTD_LEVEL for leaf, codec in compression.items() if codec == "zstd"}
+        or None,
         use_dictionary=text,
         write_statistics=text + [c.name for c in columns if c.kind == "tensor" and not c.shape],
         write_page_index=True,
@@ -125,20 +184,32 @@ def encode(batch: Batch, columns: list[Column], sink, shard_index: int) -> int:
 
 
 def _tensor(col: Column, chunk: pa.Array, where: str) -> torch.Tensor:
-    if col.shape:
-        if not isinstance(chunk, pa.FixedShapeTensorArray):
-            raise CorruptShardError(
-                f"{where}: column '{col.name}' is {chunk.type}, expected a fixed_shape_tensor"
-            )
+    if isinstance(chunk, pa.FixedShapeTensorArray):  # schema version 1
         arr = chunk.to_numpy_ndarray()
+    elif chunk.type != arrow_type(col):
+        raise CorruptShardError(
+            f"{where}: column '{col.name}' is {chunk.type}, the manifest says {col.dtype}{list(col.shape)}"
+        )
     else:
-        arr = chunk.to_numpy(zero_copy_only=True)
+        flat = chunk
+        for _ in col.shape:
+            flat = flat.flatten()
+        arr = flat.to_numpy(zero_copy_only=True).reshape(len(chunk), *col.shape)
     if arr.dtype != _numpy_storage(col) or tuple(arr.shape[1:]) != col.shape:
         raise CorruptShardError(
             f"{where}: column '{col.name}' holds {arr.dtype}{list(arr.shape[1:])}, "
             f"the manifest says {col.dtype}{list(col.shape)}"
         )
     return storage_to_tensor(arr, col.dtype)
+
+
+def _file_bytes(col: Column, chunk: pa.Array, where: str) -> list[bytes]:
+    """The encoded files of an image column (a struct column, or plain binary in version 1)."""
+    if pa.types.is_struct(chunk.type):
+        chunk = chunk.flatten()[chunk.type.get_field_index("bytes")]
+    if chunk.null_count:
+        raise CorruptShardError(f"{where}: column '{col.name}' has a row without file bytes")
+    return chunk.to_pylist()
 
 
 def table_to_batch(table: pa.Table, columns: list[Column], where: str) -> Batch:
@@ -151,6 +222,13 @@ def table_to_batch(table: pa.Table, columns: list[Column], where: str) -> Batch:
             out[col.name] = _tensor(col, chunk, where)
         elif col.kind == "json":
             out[col.name] = [json.loads(s) for s in chunk.to_pylist()]
+        elif col.kind == "image":
+            out[col.name] = _file_bytes(col, chunk, where)
+        elif col.kind == "image_list":
+            if chunk.null_count:
+                raise CorruptShardError(f"{where}: column '{col.name}' has a null row")
+            files = iter(_file_bytes(col, chunk.flatten(), where))
+            out[col.name] = [[next(files) for _ in range(n)] for n in chunk.value_lengths().to_pylist()]
         else:
             out[col.name] = chunk.to_pylist()
     return out

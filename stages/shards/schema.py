@@ -2,7 +2,8 @@
 
 A batch is a dict of equally long columns: a tensor column is a `torch.Tensor` [N, *shape]; a
 string column a `list[str]`; a json column a list of JSON-serialisable values; binary, image and
-video columns are lists of already-encoded bytes (raw / PNG / MP4).
+video columns are lists of already-encoded bytes (raw / PNG or JPEG / MP4); an image_list column
+holds a list of encoded image files per row (`list[list[bytes]]`, possibly empty).
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from stages.errors import UserInputError
 
 Batch = dict[str, Any]
 
-KINDS = ("tensor", "string", "json", "binary", "image", "video")
+KINDS = ("tensor", "string", "json", "binary", "image", "video", "image_list")
 BYTES_KINDS = ("binary", "image", "video")
+_BYTES = (bytes, bytearray, memoryview)
 
 
 @dataclass(frozen=True)
@@ -170,7 +172,7 @@ def _infer_list_kind(name: str, items: list | tuple) -> str:
         )
     if all(isinstance(v, str) for v in items):
         return "string"
-    is_bytes = [isinstance(v, (bytes, bytearray, memoryview)) for v in items]
+    is_bytes = [isinstance(v, _BYTES) for v in items]
     if all(is_bytes):
         return "binary"
     if any(is_bytes):
@@ -183,8 +185,14 @@ def _infer_list_kind(name: str, items: list | tuple) -> str:
 def _check_list_kind(name: str, items: list | tuple, kind: str) -> None:
     if kind == "string" and not all(isinstance(v, str) for v in items):
         raise UserInputError(f"column '{name}' is declared string but holds non-str values")
-    if kind in BYTES_KINDS and not all(isinstance(v, (bytes, bytearray, memoryview)) for v in items):
+    if kind in BYTES_KINDS and not all(isinstance(v, _BYTES) for v in items):
         raise UserInputError(f"column '{name}' is declared {kind} but holds values that are not bytes")
+    if kind == "image_list" and not all(
+        isinstance(v, (list, tuple)) and all(isinstance(b, _BYTES) for b in v) for v in items
+    ):
+        raise UserInputError(
+            f"column '{name}' is declared image_list but a row is not a list of encoded image bytes"
+        )
     if kind == "tensor":
         raise UserInputError(
             f"column '{name}' is declared tensor but is a list; pass a torch.Tensor [N, ...]"
@@ -195,7 +203,8 @@ def infer_columns(batch: Batch, kinds: dict[str, str] | None = None) -> list[Col
     """The schema of a batch, in column order; `kinds` overrides inference per column.
 
     Tensor -> tensor; all-str list -> string; all-bytes list -> binary (or image/video/json via
-    `kinds`); any other list (dicts, lists, numbers, None) -> json. Bytes in a json column are
+    `kinds`); any other list (dicts, lists, numbers, None) -> json; a list of lists of image bytes
+    is image_list only when declared. Bytes in a json column are
     taken as UTF-8 JSON text.
     """
     kinds = kinds or {}

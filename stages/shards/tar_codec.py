@@ -2,7 +2,9 @@
 
 Each row is a sample with key `<shard:05d>_<row:09d>` (no dots); each column is one member
 `<key>.<column>.<ext>`: tensors as `.npy` (bf16 as uint16 bits, no pickle), strings `.txt`, JSON
-`.json`, images `.png`, videos `.mp4`, other bytes `.bin`. Headers are deterministic (mtime 0,
+`.json`, images `.png`, videos `.mp4`, other bytes `.bin`; an image_list row is one member per
+image, `<key>.<column>.<i>.<ext>` (ext from the file's magic bytes, none for an empty list), so a
+row needs at least one member of another column. Headers are deterministic (mtime 0,
 uid 0), so equal batches give byte-identical tars. The reader walks the tar headers once and
 copies each row's npy payload straight into a preallocated [N, *shape] tensor.
 """
@@ -17,7 +19,7 @@ import tarfile
 import numpy as np
 import pyarrow as pa
 
-from stages.errors import CorruptShardError
+from stages.errors import CorruptShardError, UserInputError
 from stages.shards.schema import (
     TENSOR_DTYPES,
     Batch,
@@ -38,6 +40,7 @@ EXTENSIONS = {
     "video": "mp4",
     "binary": "bin",
 }
+_IMAGE_MAGIC = ((b"\x89PNG", "png"), (b"\xff\xd8", "jpg"), (b"GIF8", "gif"), (b"BM", "bmp"))
 _BLOCK = tarfile.BLOCKSIZE
 _RECORD = tarfile.RECORDSIZE
 
@@ -63,6 +66,14 @@ def _member_header(name: str, size: int) -> bytes:
     return info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
 
 
+def image_extension(data: bytes) -> str:
+    """The usual file extension of an encoded image, from its magic bytes ("img" when unknown)."""
+    head = bytes(data[:12])
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return "webp"
+    return next((ext for magic, ext in _IMAGE_MAGIC if head.startswith(magic)), "img")
+
+
 def _row_payloads(col: Column, value) -> tuple[bytes, list]:
     """(prefix shared by every row, per-row payload buffers) for one column."""
     if col.kind == "tensor":
@@ -79,13 +90,24 @@ def _row_payloads(col: Column, value) -> tuple[bytes, list]:
 def encode(batch: Batch, columns: list[Column], sink, shard_index: int) -> int:
     """Write one shard as a tar to the file object `sink`; returns its row count."""
     n = batch_num_rows(batch)
-    payloads = [(c, EXTENSIONS[c.kind], *_row_payloads(c, batch[c.name])) for c in columns]
+    payloads = [(c, *_row_payloads(c, batch[c.name])) for c in columns]
     for r in range(n):
         key = sample_key(shard_index, r)
-        for col, ext, prefix, rows in payloads:
-            data = rows[r]
+        members = [
+            (f"{key}.{col.name}.{i}.{image_extension(data)}", b"", data)
+            if col.kind == "image_list"
+            else (f"{key}.{col.name}.{EXTENSIONS[col.kind]}", prefix, data)
+            for col, prefix, rows in payloads
+            for i, data in (enumerate(rows[r]) if col.kind == "image_list" else [(0, rows[r])])
+        ]
+        if not members:
+            raise UserInputError(
+                f"row {r} of shard {shard_index} has only empty image lists, which a WebDataset tar cannot "
+                "hold; add a column such as sample_id"
+            )
+        for name, prefix, data in members:
             size = len(prefix) + memoryview(data).nbytes
-            sink.write(_member_header(f"{key}.{col.name}.{ext}", size) + prefix)
+            sink.write(_member_header(name, size) + prefix)
             sink.write(data)
             if size % _BLOCK:
                 sink.write(bytes(_BLOCK - size % _BLOCK))
@@ -126,6 +148,7 @@ def _members(buf: pa.Buffer, where: str):
 def decode(buf: pa.Buffer, columns: list[Column], num_rows: int, where: str) -> Batch:
     """Read the requested columns of one tar shard held in `buf` (rows in member order)."""
     wanted = {c.name: i for i, c in enumerate(columns)}
+    lists = [c.kind == "image_list" for c in columns]
     spans: list[list] = []
     keys: list[str] = []
     for name, offset, size in _members(buf, where):
@@ -133,20 +156,36 @@ def decode(buf: pa.Buffer, columns: list[Column], num_rows: int, where: str) -> 
         column = field.rpartition(".")[0]
         if not keys or keys[-1] != key:
             keys.append(key)
-            spans.append([None] * len(columns))
+            spans.append([[] if is_list else None for is_list in lists])
         i = wanted.get(column)
-        if i is not None:
+        if i is not None and not lists[i]:
             spans[-1][i] = (name, offset, size)
+            continue
+        column, _, index = column.rpartition(".")
+        i = wanted.get(column)
+        if i is not None and lists[i] and index.isdigit():
+            spans[-1][i].append((int(index), offset, size))
     if len(keys) != num_rows:
         raise CorruptShardError(f"{where}: has {len(keys)} samples, the manifest says {num_rows}")
     out: Batch = {}
     for i, col in enumerate(columns):
         members = [row[i] for row in spans]
+        if col.kind == "image_list":
+            out[col.name] = [_image_list(col, buf, m, where, key) for key, m in zip(keys, members)]
+            continue
         missing = [k for k, m in zip(keys, members) if m is None]
         if missing:
             raise CorruptShardError(f"{where}: sample {missing[0]} has no member for column '{col.name}'")
         out[col.name] = _decode_column(col, buf, members, where)
     return out
+
+
+def _image_list(col: Column, buf: pa.Buffer, members: list, where: str, key: str) -> list[bytes]:
+    """One row's images from its `<key>.<column>.<i>.<ext>` members, in index order."""
+    members = sorted(members)
+    if [i for i, _, _ in members] != list(range(len(members))):
+        raise CorruptShardError(f"{where}: sample {key} has gaps in the image numbers of column '{col.name}'")
+    return [buf.slice(offset, size).to_pybytes() for _, offset, size in members]
 
 
 def _decode_column(col: Column, buf: pa.Buffer, members: list, where: str):

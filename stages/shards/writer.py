@@ -24,6 +24,7 @@ from stages.shards.manifest import (
     FORMATS,
     MANIFEST_NAME,
     ROLLOUT_KEYS,
+    SCHEMA_VERSION,
     Manifest,
     ShardInfo,
     config_hash,
@@ -200,10 +201,12 @@ class ShardSetWriter:
                 self.complete = True
                 return
             # A damaged shard of this very run: the intact shards get their completion records
-            # back, the set is unlisted, and the resumed run writes only the damaged shards again.
-            for i, info in enumerate(old.shards):
-                if i not in damaged:
-                    self._write_record(i, info, old.columns)
+            # back, the set is unlisted, and the resumed run writes only the damaged shards again
+            # (all of them when the set has an older layout, so one set never mixes two).
+            if old.schema_version == SCHEMA_VERSION:
+                for i, info in enumerate(old.shards):
+                    if i not in damaged:
+                        self._write_record(i, info, old.columns)
             self._unlist()
             return
         if not overwrite:
@@ -266,7 +269,7 @@ class ShardSetWriter:
         """The completion record of a shard if it belongs to this run and its file has the listed size."""
         try:
             rec = json.loads(self._record_path(index).read_bytes())
-            if rec["fingerprint"] != self.fingerprint:
+            if rec["fingerprint"] != self.fingerprint or rec.get("schema_version", 1) != SCHEMA_VERSION:
                 return None
             info = ShardInfo.from_json(rec)
             columns = [Column.from_json(c) for c in rec["columns"]]
@@ -325,7 +328,12 @@ class ShardSetWriter:
         return info
 
     def _write_record(self, index: int, info: ShardInfo, columns: list[Column]) -> None:
-        record = {**info.to_json(), "fingerprint": self.fingerprint, "config_hash": self.config_hash}
+        record = {
+            **info.to_json(),
+            "fingerprint": self.fingerprint,
+            "config_hash": self.config_hash,
+            "schema_version": SCHEMA_VERSION,
+        }
         record["columns"] = [c.to_json() for c in columns]
         atomic_write_bytes(self._record_path(index), json.dumps(record).encode())
 

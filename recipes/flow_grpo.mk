@@ -19,6 +19,8 @@ REWARD     ?= --reward jpeg_compressibility
 # each time, which makes the reward curve a clean measure of how the policy changed.
 SEED       ?=
 FLAGS      ?= --json --overwrite
+# A held-out prompt file: each iteration's policy is also evaluated on it (recipes/eval.mk).
+EVAL_PROMPTS ?=
 
 ITERS   := $(shell seq 0 $(ITERATIONS))
 next     = $(shell expr $(1) + 1)
@@ -30,6 +32,10 @@ seed     = $(if $(SEED),$(SEED),$(1))
 .PHONY: all
 # N updates, plus the samples and rewards of the last policy so the report shows where it ended.
 all: $(RUN)/it$(ITERATIONS)/rewards/_manifest.json
+ifneq ($(EVAL_PROMPTS),)
+include $(dir $(lastword $(MAKEFILE_LIST)))eval.mk
+all: eval
+endif
 
 define iteration
 $(call it,$(1))/samples/_manifest.json: $(call policy,$(1)) $(CONFIG)

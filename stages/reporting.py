@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -58,28 +59,45 @@ def reward_statistics(rewards: Mapping[str, Any], meta: Sequence[Any] | None = N
     return stats
 
 
-def collect(run: Path) -> list[dict[str, Any]]:
-    """One summary row per iteration that has scored samples."""
+def reward_stats(rewards_dir: Path) -> dict[str, Any]:
+    """Summary of one rewards shard set: samples, mean, standard error of the mean (sample std / √n),
+    std, min, max of `reward`, and the mean of every `reward.<name>` column as `reward.<name>_mean`
+    (for a 0/1 reward such as `geneval_shapes_strict`, its accuracy)."""
     from stages.shards.reader import ShardSet
 
+    rewards = ShardSet(rewards_dir).read_all()
+    r = rewards["reward"].double()
+    n = int(r.numel())
+    row: dict[str, Any] = {
+        "samples": n,
+        "reward_mean": float(r.mean()),
+        "reward_se": float(r.std() / math.sqrt(n)) if n > 1 else 0.0,
+        "reward_std": float(r.std(unbiased=False)),
+        "reward_min": float(r.min()),
+        "reward_max": float(r.max()),
+    }
+    for key in rewards:
+        if key.startswith("reward.") and rewards[key].dtype.is_floating_point:
+            row[f"{key}_mean"] = float(rewards[key].double().mean())
+    return row
+
+
+def collect(run: Path) -> list[dict[str, Any]]:
+    """One summary row per iteration that has scored samples (`reward_stats` of it<K>/rewards), with the
+    advantage, replay and update statistics, and under `eval` the `reward_stats` of it<K>/eval/rewards:
+    the policy of iteration K on a held-out prompt set (what `recipes/eval.mk` writes)."""
     rows = []
     for k, it in iterations(run):
         rewards_dir = it / "rewards"
-        if not (rewards_dir / MANIFEST_NAME).is_file():
+        eval_dir = it / "eval" / "rewards"
+        has_eval = (eval_dir / MANIFEST_NAME).is_file()
+        if not (rewards_dir / MANIFEST_NAME).is_file() and not has_eval:
             continue
-        rewards = ShardSet(rewards_dir).read_all()
-        r = rewards["reward"].double()
-        row: dict[str, Any] = {
-            "iteration": k,
-            "samples": int(r.numel()),
-            "reward_mean": float(r.mean()),
-            "reward_std": float(r.std(unbiased=False)),
-            "reward_min": float(r.min()),
-            "reward_max": float(r.max()),
-        }
-        for key in rewards:
-            if key.startswith("reward.") and rewards[key].dtype.is_floating_point:
-                row[f"{key}_mean"] = float(rewards[key].double().mean())
+        row: dict[str, Any] = {"iteration": k}
+        if (rewards_dir / MANIFEST_NAME).is_file():
+            row.update(reward_stats(rewards_dir))
+        if has_eval:
+            row["eval"] = reward_stats(eval_dir)
         adv_dir = it / "advantages"
         if (adv_dir / MANIFEST_NAME).is_file():
             stats = read_manifest(adv_dir).extra.get("stats", {})
@@ -99,49 +117,171 @@ def collect(run: Path) -> list[dict[str, Any]]:
     return rows
 
 
+CURVE_SERIES = (
+    ("sampled (training) reward", None, (30, 90, 200), (205, 222, 245)),
+    ("held-out eval reward", "eval", (210, 90, 20), (250, 222, 200)),
+)
+
+
 def reward_curve(rows: list[dict[str, Any]], path: Path, *, size: tuple[int, int] = (640, 400)) -> Path:
-    """Mean reward per iteration with a ±std band, as a PNG at `path`."""
+    """Mean reward per iteration with a ±1 standard-error band, as a PNG at `path`: the training
+    samples' reward and, where the rows have one, the held-out evaluation's (`collect`'s `eval`)."""
     from PIL import Image, ImageDraw
 
-    if not rows:
+    series = []
+    for name, key, line, band in CURVE_SERIES:
+        points = [
+            (r["iteration"], s["reward_mean"], s.get("reward_se", 0.0))
+            for r in rows
+            if (s := (r.get(key) if key else r)) and "reward_mean" in s
+        ]
+        if points:
+            series.append((name, points, line, band))
+    if not series:
         raise UserInputError("no scored iterations to plot (no it<K>/rewards shard sets)")
     w, h = size
-    left, right, top, bottom = 70, 20, 30, 45
+    left, right, top, bottom = 70, 20, 30 + 14 * len(series), 45
     img = Image.new("RGB", size, "white")
     draw = ImageDraw.Draw(img)
-    xs = [r["iteration"] for r in rows]
-    lo = min(r["reward_mean"] - r["reward_std"] for r in rows)
-    hi = max(r["reward_mean"] + r["reward_std"] for r in rows)
+    xs = [x for _, points, _, _ in series for x, _, _ in points]
+    lo = min(m - se for _, points, _, _ in series for _, m, se in points)
+    hi = max(m + se for _, points, _, _ in series for _, m, se in points)
     if hi - lo < 1e-12:
         lo, hi = lo - 0.5, hi + 0.5
-    x_span = max(xs) - min(xs) or 1
+    x_min, x_span = min(xs), (max(xs) - min(xs)) or 1
 
     def px(x: float, y: float) -> tuple[float, float]:
         return (
-            left + (x - min(xs)) / x_span * (w - left - right),
+            left + (x - x_min) / x_span * (w - left - right),
             top + (hi - y) / (hi - lo) * (h - top - bottom),
         )
 
-    band = [px(r["iteration"], r["reward_mean"] + r["reward_std"]) for r in rows]
-    band += [px(r["iteration"], r["reward_mean"] - r["reward_std"]) for r in reversed(rows)]
-    if len(rows) > 1:
-        draw.polygon(band, fill=(205, 222, 245))
+    for _, points, _, band in series:
+        if len(points) > 1:
+            outline = [px(x, m + se) for x, m, se in points] + [
+                px(x, m - se) for x, m, se in reversed(points)
+            ]
+            draw.polygon(outline, fill=band)
     draw.line([(left, top), (left, h - bottom), (w - right, h - bottom)], fill="black")
     for i in range(5):
         y = lo + (hi - lo) * i / 4
-        _, yy = px(min(xs), y)
+        _, yy = px(x_min, y)
         draw.line([(left - 4, yy), (left, yy)], fill="black")
         draw.text((5, yy - 6), f"{y:.3g}", fill="black")
-    for x in xs:
+    for x in sorted(set(xs)):
         xx, _ = px(x, lo)
         draw.text((xx - 4, h - bottom + 6), str(x), fill="black")
-    points = [px(r["iteration"], r["reward_mean"]) for r in rows]
-    if len(points) > 1:
-        draw.line(points, fill=(30, 90, 200), width=3)
-    for x, y in points:
-        draw.ellipse([x - 4, y - 4, x + 4, y + 4], fill=(30, 90, 200))
-    draw.text((left, 8), "mean reward per iteration (band: ±1 std)", fill="black")
+    for row, (name, points, line, _) in enumerate(series):
+        centres = [px(x, m) for x, m, _ in points]
+        if len(centres) > 1:
+            draw.line(centres, fill=line, width=3)
+        for x, y in centres:
+            draw.ellipse([x - 4, y - 4, x + 4, y + 4], fill=line)
+        draw.line([(left, 28 + 14 * row), (left + 24, 28 + 14 * row)], fill=line, width=3)
+        draw.text((left + 30, 22 + 14 * row), "  ".join(name.split()), fill="black")
+    draw.text((left, 8), "mean  reward  per  iteration  (band:  ±1  standard  error)", fill="black")
     draw.text((w // 2 - 20, h - 18), "iteration", fill="black")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    img.save(path)
+    return path
+
+
+LABEL_WIDTH = 170  # the prompt column beside each grid row
+LINE_HEIGHT = 14
+
+
+def _groups(samples: Path, rewards: Path | None) -> list[tuple[str, list[tuple[bytes, float | None]]]]:
+    """The first shard's prompt groups in order: (prompt, [(PNG bytes, reward or None)])."""
+    from stages.shards.reader import ShardSet, open_inputs
+
+    paths = [samples] + ([rewards] if rewards and (rewards / MANIFEST_NAME).is_file() else [])
+    src = open_inputs(paths) if len(paths) > 1 else ShardSet(samples)
+    cols = ["sample_id", "group_id", "prompt", "image"] + (["reward"] if len(paths) > 1 else [])
+    data = src.read_shard(0, columns=cols)
+    order: dict[str, list[int]] = {}
+    for i, g in enumerate(data["group_id"]):
+        order.setdefault(g, []).append(i)
+    return [
+        (
+            data["prompt"][members[0]],
+            [(data["image"][i], float(data["reward"][i]) if "reward" in data else None) for i in members],
+        )
+        for members in order.values()
+    ]
+
+
+def _wrap(text: str, width: int, draw: Any) -> list[str]:
+    """`text` broken at spaces into lines at most `width` pixels wide in the default font (words two
+    spaces apart: its space is a sliver)."""
+    lines: list[str] = []
+    for word in text.split():
+        trial = f"{lines[-1]}  {word}" if lines else word
+        if lines and draw.textlength(trial) <= width:
+            lines[-1] = trial
+        else:
+            lines.append(word)
+    return lines
+
+
+def _reward_colour(value: float, lo: float, hi: float) -> tuple[int, int, int]:
+    """Red (lowest reward of the grid) to green (highest)."""
+    t = 0.5 if hi - lo < 1e-12 else (value - lo) / (hi - lo)
+    return round(220 * (1 - t)), round(170 * t), 40
+
+
+def _draw_rows(
+    blocks: list[list[tuple[str, list[tuple[bytes, float | None]]]]],
+    headers: list[str] | None,
+    path: Path,
+    *,
+    per_group: int,
+    cell: int,
+) -> Path:
+    """Rows of images with the prompt beside each: `blocks` are side-by-side column blocks (one per
+    policy) over the same prompts; each tile is labelled with its reward and underlined in a colour
+    from red (the grid's lowest reward) to green (its highest)."""
+    from PIL import Image, ImageDraw
+
+    rewards = [r for block in blocks for _, members in block for _, r in members[:per_group] if r is not None]
+    lo, hi = (min(rewards), max(rewards)) if rewards else (0.0, 0.0)
+    n_rows = len(blocks[0])
+    widths = [min(per_group, max(len(m) for _, m in block)) for block in blocks]
+    gap = 12
+    top = LINE_HEIGHT + 4 if headers else 0
+    row_h = cell + LINE_HEIGHT + 4
+    width = LABEL_WIDTH + sum(n * cell for n in widths) + gap * (len(blocks) - 1)
+    img = Image.new("RGB", (width, top + n_rows * row_h), "white")
+    draw = ImageDraw.Draw(img)
+    x0s = []
+    x = LABEL_WIDTH
+    for n in widths:
+        x0s.append(x)
+        x += n * cell + gap
+    for x0, header in zip(x0s, headers or []):
+        draw.text((x0 + 2, 2), "  ".join(header.split()), fill="black")
+    for r in range(n_rows):
+        y = top + r * row_h
+        prompt = blocks[0][r][0]
+        for i, line in enumerate(_wrap(prompt, LABEL_WIDTH - 8, draw)[: cell // LINE_HEIGHT]):
+            draw.text((4, y + LINE_HEIGHT + 4 + i * LINE_HEIGHT), line, fill="black")
+        for x0, n, block in zip(x0s, widths, blocks):
+            for c, (png, reward) in enumerate(block[r][1][:n]):
+                tile = (
+                    Image.open(io.BytesIO(png)).convert("RGB").resize((cell, cell), Image.Resampling.NEAREST)
+                )
+                img.paste(tile, (x0 + c * cell, y + LINE_HEIGHT))
+                if reward is not None:
+                    colour = _reward_colour(reward, lo, hi)
+                    draw.text((x0 + c * cell + 2, y), f"{reward:.3f}", fill=colour)
+                    draw.rectangle(
+                        [
+                            x0 + c * cell + 1,
+                            y + LINE_HEIGHT + cell,
+                            x0 + (c + 1) * cell - 2,
+                            y + LINE_HEIGHT + cell + 2,
+                        ],
+                        fill=colour,
+                    )
     path.parent.mkdir(parents=True, exist_ok=True)
     img.save(path)
     return path
@@ -150,32 +290,29 @@ def reward_curve(rows: list[dict[str, Any]], path: Path, *, size: tuple[int, int
 def image_grid(
     samples: Path, rewards: Path | None, path: Path, *, groups: int = 4, per_group: int = 8, cell: int = 96
 ) -> Path:
-    """A grid of the first `groups` prompt groups (rows) × `per_group` members, labelled with rewards."""
-    from PIL import Image, ImageDraw
+    """A grid of the first `groups` prompt groups (rows, the prompt beside each) × `per_group` members,
+    each labelled with its reward."""
+    return _draw_rows([_groups(samples, rewards)[:groups]], None, path, per_group=per_group, cell=cell)
 
-    from stages.shards.reader import ShardSet, open_inputs
 
-    paths = [samples] + ([rewards] if rewards and (rewards / MANIFEST_NAME).is_file() else [])
-    src = open_inputs(paths) if len(paths) > 1 else ShardSet(samples)
-    cols = ["sample_id", "group_id", "image"] + (["reward"] if len(paths) > 1 else [])
-    data = src.read_shard(0, columns=cols)
-    order: dict[str, list[int]] = {}
-    for i, g in enumerate(data["group_id"]):
-        order.setdefault(g, []).append(i)
-    chosen = list(order.items())[:groups]
-    n_cols = min(per_group, max(len(v) for _, v in chosen))
-    label = 14
-    img = Image.new("RGB", (n_cols * cell, len(chosen) * (cell + label)), "white")
-    draw = ImageDraw.Draw(img)
-    for r, (_, members) in enumerate(chosen):
-        for c, i in enumerate(members[:n_cols]):
-            tile = Image.open(io.BytesIO(data["image"][i])).convert("RGB").resize((cell, cell))
-            img.paste(tile, (c * cell, r * (cell + label) + label))
-            if "reward" in data:
-                draw.text((c * cell + 2, r * (cell + label)), f"{float(data['reward'][i]):.3f}", fill="black")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    img.save(path)
-    return path
+def comparison_grid(
+    before: tuple[Path, Path | None],
+    after: tuple[Path, Path | None],
+    path: Path,
+    *,
+    headers: tuple[str, str] = ("before", "after"),
+    groups: int = 8,
+    per_group: int = 4,
+    cell: int = 64,
+) -> Path | None:
+    """Before/after grid: per prompt (rows, the prompt beside each), `per_group` samples of the
+    `before` (samples, rewards) sets next to the same prompt's samples of `after`. Meant for two
+    rollouts of the same prompts and seeds (a held-out evaluation, or a fixed-seed recipe), so a
+    column is the same starting noise under two policies; None when their prompts differ."""
+    first, last = _groups(*before), _groups(*after)
+    if [p for p, _ in first] != [p for p, _ in last]:
+        return None
+    return _draw_rows([first[:groups], last[:groups]], list(headers), path, per_group=per_group, cell=cell)
 
 
 def response_sheet(samples: Path, rewards: Path | None, path: Path, *, groups: int = 8) -> Path:

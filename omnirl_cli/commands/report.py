@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -22,8 +22,12 @@ def report(
     run_name: RunNameOpt = None,
     json_: JsonOpt = False,
 ) -> None:
-    """Summarise a run: per-iteration reward table, RUN/reward_curve.png and RUN/it<K>/grid.png
-    (for a VLM run RUN/it<K>/responses.md: each group's responses with their rewards, best first).
+    """Summarise a run: per-iteration reward table (mean ± standard error; the mean of each named reward,
+    e.g. a strict accuracy; the held-out evaluation in it<K>/eval when there is one), RUN/reward_curve.png,
+    RUN/it<K>/grid.png (for a VLM run RUN/it<K>/responses.md: each group's responses with their rewards,
+    best first) and RUN/before_after.png: the first and last iteration's samples of the same prompts
+    side by side (the held-out evaluation's, else the training samples' when the recipe re-samples the
+    same prompts and seeds). Every grid row has its prompt beside it.
 
     --report-to replays the run into trackers: each iteration's reward statistics, every metrics.jsonl
     record and the grids / response sheets. Points a stage or an earlier report already sent to that
@@ -31,13 +35,21 @@ def report(
 
     Example: [bold]omnirl report runs/demo --report-to tensorboard[/]
     """
-    from stages.reporting import collect, image_grid, iterations, response_sheet, reward_curve
+    from stages.reporting import (
+        collect,
+        comparison_grid,
+        image_grid,
+        iterations,
+        response_sheet,
+        reward_curve,
+    )
     from stages.shards.manifest import read_manifest
     from stages.shards.reader import rollout_modality
     from stages.tracking import Tracking, parse_report_to, replay
 
     tracking = Tracking(parse_report_to(report_to), run, run_name)
     sheets = []
+    image_sets: dict[str, list[tuple[int, Path]]] = {"eval": [], "samples": []}
     with progress(not json_) as bar:
         task = bar.add_task(f"report {run}", total=None, rate="")
         rows = collect(run)
@@ -47,43 +59,91 @@ def report(
         for k, it in found:
             bar.advance(task)
             samples = it / "samples"
+            if (it / "eval" / "samples" / "_manifest.json").is_file():
+                image_sets["eval"].append((k, it / "eval"))
             if not (samples / "_manifest.json").is_file():
                 continue
             if rollout_modality([read_manifest(samples)]) == "text":
                 sheets.append((k, response_sheet(samples, it / "rewards", it / "responses.md")))
             else:
+                image_sets["samples"].append((k, it))
                 sheets.append((k, image_grid(samples, it / "rewards", it / "grid.png")))
     grid_paths = [str(path) for _, path in sheets]
+    comparison = None
+    for name, found_sets in image_sets.items():
+        if len(found_sets) > 1:
+            (k0, first), (k1, last) = found_sets[0], found_sets[-1]
+            sets = [(d / "samples", d / "rewards") for d in (first, last)]
+            where = "held-out eval" if name == "eval" else "samples"
+            comparison = comparison_grid(
+                sets[0], sets[1], run / "before_after.png", headers=(f"it{k0} ({where})", f"it{k1} ({where})")
+            )
+            if comparison is not None:
+                break
     with tracking:
         sent = replay(tracking, run, sheets)
     if json_:
         tracked = {"trackers": tracking.names, "points_sent": sent} if tracking else {}
-        emit_json({"iterations": rows, "reward_curve": str(curve), "grids": grid_paths, **tracked})
+        emit_json(
+            {
+                "iterations": rows,
+                "reward_curve": str(curve),
+                "grids": grid_paths,
+                "before_after": str(comparison) if comparison else None,
+                **tracked,
+            }
+        )
         return
     from rich.table import Table
 
-    table = Table(title=f"{run}: reward per iteration")
-    cols = [
-        ("iteration", "it"),
-        ("samples", "n"),
-        ("reward_mean", "reward mean"),
-        ("reward_std", "std"),
-        ("zero_std_ratio", "zero-std"),
-        ("pg_loss", "pg_loss"),
-        ("ratio_mean", "ratio"),
-        ("clipfrac", "clipfrac"),
+    def se(stats: dict) -> str:
+        return f"{stats['reward_mean']:.4g} ± {stats['reward_se']:.2g}" if "reward_mean" in stats else ""
+
+    def named(stats: list[dict]) -> list[str]:
+        """The `reward.<name>` means that are not just the total (a reward weighted 1 alone)."""
+        keys = sorted({k for r in stats for k in r if k.startswith("reward.") and k.endswith("_mean")})
+        return [k for k in keys if any(r.get(k) != r.get("reward_mean") for r in stats)]
+
+    train_named = named(rows)
+    eval_named = named([r["eval"] for r in rows if "eval" in r])
+    cols: list[tuple[str, Any]] = [
+        ("it", lambda r: str(r["iteration"])),
+        ("n", lambda r: str(r.get("samples", ""))),
+        ("reward (mean ± se)", se),
+        *((key[len("reward.") : -len("_mean")], lambda r, key=key: _num(r.get(key))) for key in train_named),
     ]
-    for _, title in cols:
+    if any("eval" in r for r in rows):
+        cols += [
+            ("eval n", lambda r: str(r.get("eval", {}).get("samples", ""))),
+            ("eval reward (mean ± se)", lambda r: se(r.get("eval", {}))),
+            *(
+                (
+                    f"eval {key[len('reward.') : -len('_mean')]}",
+                    lambda r, key=key: _num(r.get("eval", {}).get(key)),
+                )
+                for key in eval_named
+            ),
+        ]
+    cols += [
+        (title, lambda r, key=key: _num(r.get(key)))
+        for key, title in (
+            ("zero_std_ratio", "zero-std"),
+            ("pg_loss", "pg_loss"),
+            ("ratio_mean", "ratio"),
+            ("clipfrac", "clipfrac"),
+        )
+    ]
+    table = Table(title=f"{run}: reward per iteration")
+    for title, _ in cols:
         table.add_column(title, justify="right")
     for r in rows:
-        table.add_row(
-            *(
-                ("" if r.get(k) is None else f"{r[k]:.4g}" if isinstance(r[k], float) else str(r[k]))
-                for k, _ in cols
-            )
-        )
+        table.add_row(*(cell(r) for _, cell in cols))
     err.print(table)
     shown = f"; per iteration: {run}/it<K>/{Path(grid_paths[-1]).name}" if grid_paths else ""
-    err.print(f"reward curve: {curve}{shown}")
+    err.print(f"reward curve: {curve}{shown}" + (f"; before/after: {comparison}" if comparison else ""))
     if tracking:
         err.print(f"sent {sent} new points to {', '.join(tracking.names)} (run {tracking.run_id})")
+
+
+def _num(value: Any) -> str:
+    return "" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value)

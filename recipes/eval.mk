@@ -1,0 +1,44 @@
+# Held-out evaluation of a run's policies: the policy of iteration K (the base model for K = 0)
+# samples EVAL_PROMPTS with one fixed seed and is scored, into RUN/it<K>/eval/{samples,rewards}, so
+# every iteration is measured on the same prompts and starting noise and `omnirl report RUN` can put
+# them in one table, one curve and a before/after grid.
+#
+# recipes/flow_grpo.mk includes this file when EVAL_PROMPTS is given (`make -f recipes/flow_grpo.mk
+# ... EVAL_PROMPTS=heldout.jsonl`); on its own it evaluates a finished run, e.g. an `omnirl online`
+# one (whose it<K>/policy checkpoints exist):
+#
+#   make -f recipes/eval.mk CONFIG=recipes/configs/demo_shapes.yaml MODEL=... RUN=runs/online \
+#        ITERATIONS=6 EVAL_PROMPTS=heldout.jsonl REWARD="--reward geneval_shapes"
+#
+# Sampling takes CONFIG's sample settings with EVAL_FLAGS on top (flags win): by default the
+# deterministic ODE sampler, so the evaluation shows the policy's mean behaviour, not its exploration.
+OMNIRL       ?= omnirl
+CONFIG       ?= recipes/configs/flow_grpo_sd3.yaml
+RUN          ?= runs/flow_grpo
+MODEL        ?= models/sd3-tiny
+ITERATIONS   ?= 4
+REWARD       ?= --reward jpeg_compressibility
+EVAL_PROMPTS ?= heldout.jsonl
+EVAL_SEED    ?= 0
+# The iterations to evaluate (default: all of 0..ITERATIONS).
+EVAL_ITERS   ?= $(shell seq 0 $(ITERATIONS))
+EVAL_FLAGS   ?= --sampler ode
+FLAGS        ?= --json --overwrite
+
+eval_policy  = $(if $(filter 0,$(1)),,$(RUN)/it$(1)/policy/omnirl_adapter.json)
+eval_adapter = $(if $(filter 0,$(1)),,--adapter $(RUN)/it$(1)/policy)
+
+.PHONY: eval
+eval: $(foreach i,$(EVAL_ITERS),$(RUN)/it$(i)/eval/rewards/_manifest.json)
+
+define evaluation
+$(RUN)/it$(1)/eval/samples/_manifest.json: $(call eval_policy,$(1)) $(CONFIG)
+	$(OMNIRL) sample --config $(CONFIG) --model $(MODEL) $(call eval_adapter,$(1)) --prompts $(EVAL_PROMPTS) \
+	  --seed $(EVAL_SEED) $(EVAL_FLAGS) --out $(RUN)/it$(1)/eval/samples $(FLAGS) >/dev/null
+
+$(RUN)/it$(1)/eval/rewards/_manifest.json: $(RUN)/it$(1)/eval/samples/_manifest.json
+	$(OMNIRL) score --config $(CONFIG) --in $(RUN)/it$(1)/eval/samples $(REWARD) \
+	  --out $(RUN)/it$(1)/eval/rewards $(FLAGS) >/dev/null
+endef
+
+$(foreach i,$(EVAL_ITERS),$(eval $(call evaluation,$(i))))

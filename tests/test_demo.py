@@ -1,0 +1,90 @@
+"""The shapes demo, shortened: the committed pretrained model trains through `omnirl online` with the demo
+preset, recipes/eval.mk evaluates its checkpoints on held-out prompts, and `omnirl report` gives the
+table, curve and grids with real values; `make -n demo` plans the staged recipe with that evaluation."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = ROOT / "recipes" / "models" / "demo-shapes"
+CONFIG = ROOT / "recipes" / "configs" / "demo_shapes.yaml"
+REWARD = "--reward geneval_shapes --reward geneval_shapes_strict=0"
+OMNIRL = f"{sys.executable} -m omnirl_cli"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+pytestmark = pytest.mark.slow
+
+
+def shapes(out: Path, n: int, seed: int) -> None:
+    subprocess.run(
+        [sys.executable, str(ROOT / "recipes/tasks/shapes.py"), "--out", str(out), "--num-prompts", str(n),
+         "--seed", str(seed), "--tags", "counting"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two online iterations of 4 prompts × the preset's group, evaluated before and after on 4 prompts."""
+    run = tmp_path_factory.mktemp("demo") / "run"
+    run.mkdir()
+    shapes(run / "prompts.jsonl", 16, 1)
+    shapes(run / "heldout.jsonl", 4, 2)
+    subprocess.run(
+        [sys.executable, "-m", "omnirl_cli", "online", "--config", str(CONFIG), "--model", str(MODEL),
+         "--prompts", str(run / "prompts.jsonl"), *REWARD.split(), "--iterations", "2",
+         "--set", "sample.num_prompts=4", "--save-trajectories", "--json", "--out", str(run)],
+        check=True, capture_output=True, env=ENV,
+    )  # fmt: skip
+    subprocess.run(
+        ["make", "--no-print-directory", "-f", str(ROOT / "recipes/eval.mk"), f"OMNIRL={OMNIRL}",
+         f"CONFIG={CONFIG}", f"MODEL={MODEL}", f"RUN={run}", "ITERATIONS=2", "EVAL_ITERS=0 2",
+         f"REWARD={REWARD}", f"EVAL_PROMPTS={run / 'heldout.jsonl'}",
+         "EVAL_FLAGS=--sampler ode --group-size 2 --num-prompts 4"],
+        cwd=ROOT, check=True, capture_output=True, env=ENV,
+    )  # fmt: skip
+    return run
+
+
+def test_report_has_real_values_curve_and_grids(demo: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "omnirl_cli", "report", str(demo), "--json"],
+        check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    info = json.loads(out.stdout)
+    rows = {r["iteration"]: r for r in info["iterations"]}
+    assert sorted(rows) == [0, 1, 2]
+    for k in (0, 1):  # the trained samples: the preset's group × 4 prompts, dense and strict rewards
+        row = rows[k]
+        strict = row["reward.geneval_shapes_strict_mean"]
+        assert row["samples"] % 4 == 0 and row["samples"] >= 16
+        assert 0 < row["reward_mean"] <= 1 and 0 <= strict <= 1 and row["reward_se"] > 0
+        assert strict * row["samples"] == pytest.approx(round(strict * row["samples"]))  # a share of 0/1s
+    for k in (0, 2):  # the held-out evaluation: 4 prompts × 2 seeds
+        assert rows[k]["eval"]["samples"] == 8 and -1 <= rows[k]["eval"]["reward_mean"] <= 1
+    assert "eval" not in rows[1]
+    # the pretrained model draws shapes the reward recognises: not every held-out sample fails
+    assert rows[0]["eval"]["reward_mean"] > 0
+    assert Path(info["before_after"]) == demo / "before_after.png"
+    with Image.open(info["before_after"]) as grid:
+        assert grid.height > 4 * 64  # one row per held-out prompt
+    assert (demo / "reward_curve.png").stat().st_size > 1000
+    assert sorted(Path(g).parent.name for g in info["grids"]) == ["it0", "it1"]
+
+
+def test_make_demo_plans_the_staged_recipe_with_the_evaluation(tmp_path: Path) -> None:
+    plan = subprocess.run(
+        ["make", "-n", "--no-print-directory", "demo", f"RUN={tmp_path / 'run'}", "DEMO_ITERATIONS=2"],
+        cwd=ROOT, check=True, capture_output=True, text=True,
+    ).stdout  # fmt: skip
+    commands = [line for line in plan.splitlines() if "omnirl " in line or "omnirl_cli" in line]
+    assert sum(" update " in c and "demo_shapes.yaml" in c for c in commands) == 2
+    assert sum(" sample " in c and "/eval/samples" in c and "--sampler ode" in c for c in commands) == 3
+    assert any(c.strip().startswith(".venv/bin/omnirl report") for c in commands)

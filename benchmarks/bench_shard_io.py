@@ -192,7 +192,7 @@ def main() -> None:
                 "raw_read_MBps": mb / best["raw read"],
                 "omnirl_read_cold_MBps": mb / best.get(f"{fmt} read cold", float("inf")),
                 "raw_read_cold_MBps": mb / best.get("raw read cold", float("inf")),
-                "disk_MB": sum(p.stat().st_size for p in (tmp / fmt).glob("part-*")) / 1e6,
+                "disk_MB": sum(p.stat().st_size for p in (tmp / fmt).glob("train-*")) / 1e6,
             }
             metrics[fmt] = m
             rows.append(

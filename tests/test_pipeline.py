@@ -330,9 +330,9 @@ def test_every_stage_reads_and_writes_webdataset(staged: dict[str, Path], tmp_pa
             staged["model"], staged["prompts"], wds["samples"], "--num-shards", "2", "--format", "webdataset"
         )
     )
-    assert sorted(p.name for p in wds["samples"].glob("part-*")) == [
-        "part-00000-of-00002.tar",
-        "part-00001-of-00002.tar",
+    assert sorted(p.name for p in wds["samples"].glob("train-*")) == [
+        "train-00000-of-00002.tar",
+        "train-00001-of-00002.tar",
     ]
     run(
         "score",

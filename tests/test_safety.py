@@ -199,11 +199,11 @@ def test_the_advice_for_a_corrupt_shard_repairs_it(tiny_sd3: Path, prompts: Path
     args = sample_args(tiny_sd3, prompts, out, "--num-shards", "3")
     run(*args)
     good = snapshot(out)
-    damaged = sorted(out.glob("part-*"))[1]
+    damaged = sorted(out.glob("train-*"))[1]
     blob = bytearray(damaged.read_bytes())
     blob[len(blob) // 2] ^= 0xFF
     damaged.write_bytes(bytes(blob))
-    kept = sorted(out.glob("part-*"))[0].stat().st_mtime_ns
+    kept = sorted(out.glob("train-*"))[0].stat().st_mtime_ns
     line = fails(
         ["score", "--in", str(out), "--reward", "jpeg_compressibility", "--out", str(tmp_path / "r")]
     )
@@ -217,7 +217,7 @@ def test_the_advice_for_a_corrupt_shard_repairs_it(tiny_sd3: Path, prompts: Path
     assert {k: v for k, v in snapshot(out).items() if k != MANIFEST_NAME} == {
         k: v for k, v in good.items() if k != MANIFEST_NAME
     }
-    assert sorted(out.glob("part-*"))[0].stat().st_mtime_ns == kept  # the intact shards were kept
+    assert sorted(out.glob("train-*"))[0].stat().st_mtime_ns == kept  # the intact shards were kept
     run("score", "--in", str(out), "--reward", "jpeg_compressibility", "--out", str(tmp_path / "r"))
 
 

@@ -128,7 +128,7 @@ def adapter(tiny_sd3: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _shards(out: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(out.glob("part-*"))}
+    return {p.name: p.read_bytes() for p in sorted(out.glob("train-*"))}
 
 
 def _remote(model: Path, prompts: Path, out: Path, url: str, *extra: str) -> list[str]:
@@ -170,11 +170,11 @@ def _client(model: Path, prompts: Path, out: Path, url: str, *extra: str) -> sub
 def _pause_after_first_shard(client: subprocess.Popen, out: Path) -> None:
     """Wait until shard 0 of 3 is written, then stop the client (SIGSTOP) before it finishes the run."""
     deadline = time.monotonic() + 120
-    while not (out / ".part-00000-of-00003.parquet.done.json").exists():
+    while not (out / ".train-00000-of-00003.parquet.done.json").exists():
         assert client.poll() is None and time.monotonic() < deadline, client.communicate()
         time.sleep(0.005)
     os.kill(client.pid, signal.SIGSTOP)
-    assert not (out / ".part-00002-of-00003.parquet.done.json").exists()
+    assert not (out / ".train-00002-of-00003.parquet.done.json").exists()
 
 
 def _free_port() -> int:

@@ -268,7 +268,7 @@ def test_numpy_and_non_contiguous_tensors_are_accepted(tmp_path) -> None:
 
 def test_parquet_layout(tmp_path) -> None:
     write_set(tmp_path / "set", [mixed_batch(6, 0)], "parquet", kinds=KINDS)
-    pf = pq.ParquetFile(tmp_path / "set" / "part-00000-of-00001.parquet")
+    pf = pq.ParquetFile(tmp_path / "set" / "train-00000-of-00001.parquet")
     schema = pf.schema_arrow
     lat = schema.field("latents")
     # one fixed-size list per dimension, non-nullable down to the uint16 bits of the bf16 values
@@ -327,7 +327,7 @@ def test_parquet_many_row_groups(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(parquet_codec, "ROW_GROUP_BYTES", 1000)
     batch = mixed_batch(9, 4)
     write_set(tmp_path / "set", [batch], "parquet", kinds=KINDS)
-    assert pq.ParquetFile(tmp_path / "set" / "part-00000-of-00001.parquet").num_row_groups > 2
+    assert pq.ParquetFile(tmp_path / "set" / "train-00000-of-00001.parquet").num_row_groups > 2
     assert_batches_equal(ShardSet(tmp_path / "set").read_shard(0), batch)
 
 
@@ -339,7 +339,7 @@ def test_webdataset_layout_and_real_library(tmp_path) -> None:
 
     batch = mixed_batch(5, 2)
     write_set(tmp_path / "set", [batch], "webdataset", kinds=KINDS)
-    path = tmp_path / "set" / "part-00000-of-00001.tar"
+    path = tmp_path / "set" / "train-00000-of-00001.tar"
     with tarfile.open(path) as tf:
         names = tf.getnames()
     assert names[:3] == [
@@ -380,7 +380,7 @@ def test_image_lists_round_trip(tmp_path, fmt: str) -> None:
     assert shard_set.columns["images"] == Column("images", "image_list")
     assert shard_set.read_shard(0, ["images"]) == {"images": rows}
     if fmt == "webdataset":
-        with tarfile.open(tmp_path / "set" / "part-00000-of-00001.tar") as tf:
+        with tarfile.open(tmp_path / "set" / "train-00000-of-00001.tar") as tf:
             names = [m.name for m in tf.getmembers() if ".images." in m.name]
         assert names == [
             "00000_000000000.images.0.png",
@@ -423,7 +423,7 @@ def test_manifest_contents(tmp_path, fmt: str) -> None:
     assert raw["policy"] == {"adapter": "run/it0/policy", "version": 3}
     assert m.num_rows == 7 and [s.rows for s in m.shards] == [3, 4]
     ext = "parquet" if fmt == "parquet" else "tar"
-    assert [s.file for s in m.shards] == [f"part-00000-of-00002.{ext}", f"part-00001-of-00002.{ext}"]
+    assert [s.file for s in m.shards] == [f"train-00000-of-00002.{ext}", f"train-00001-of-00002.{ext}"]
     for s in m.shards:
         data = (tmp_path / "set" / s.file).read_bytes()
         assert s.bytes == len(data)

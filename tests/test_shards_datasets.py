@@ -1,7 +1,7 @@
 """Shard sets as Hugging Face `datasets` reads them, and sets in the layout of schema version 1.
 
-`load_dataset(SET)`, `load_dataset("parquet", data_files=SET/*.parquet)` and `Dataset.from_parquet` must give every tensor column the
-manifest's per-row shape with the stored bits, and images as PIL images (a list per row for an
+`load_dataset(SET)`, `load_dataset("parquet", data_dir=SET)`, `load_dataset("parquet",
+data_files=SET/*.parquet)` and `Dataset.from_parquet` must give every tensor column the manifest's per-row shape with the stored bits, and images as PIL images (a list per row for an
 image_list column). Version-1 sets (fixed_shape_tensor columns, plain binary images, VLM images
 packed into one blob) are built here with pyarrow directly and must still read in omnirl.
 """
@@ -36,14 +36,17 @@ def jpeg_bytes(seed: int) -> bytes:
     return buf.getvalue()
 
 
-HOW = ["directory", "data_files", "from_parquet"]
+HOW = ["directory", "data_dir", "data_files", "from_parquet"]
 
 
 def load(path: Path, how: str, cache: Path):
     """The shard set as `datasets` loads it: the directory (it picks the Parquet files by extension),
-    the parquet builder on the shard glob, or `Dataset.from_parquet` on it (its cache in `cache`)."""
+    the parquet builder on the directory (it takes the `train-*` shards as the train split, not the
+    manifest) or on the shard glob, or `Dataset.from_parquet` on it (its cache in `cache`)."""
     if how == "directory":
         return datasets.load_dataset(str(path), split="train", cache_dir=str(cache))
+    if how == "data_dir":
+        return datasets.load_dataset("parquet", data_dir=str(path), split="train", cache_dir=str(cache))
     if how == "data_files":
         return datasets.load_dataset(
             "parquet", data_files=f"{path}/*.parquet", split="train", cache_dir=str(cache)
@@ -185,7 +188,7 @@ def write_v1_set(path: Path, batch: dict, kinds: dict[str, str]) -> None:
         arrays.append(flat)
         columns.append(col)
     path.mkdir(parents=True)
-    shard = path / "part-00000-of-00001.parquet"
+    shard = path / "train-00000-of-00001.parquet"
     pq.write_table(pa.Table.from_arrays(arrays, schema=pa.schema(fields)), shard, store_schema=True)
     data = shard.read_bytes()
     rows = len(next(iter(batch.values())))

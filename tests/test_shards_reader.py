@@ -109,7 +109,7 @@ def test_checksum_mismatch_in_manifest(tmp_path) -> None:
     s = ShardSet(out)
     s.read_shard(0)
     with pytest.raises(
-        CorruptShardError, match=r"part-00001-of-00002.parquet: sha256 .* manifest's 0000000000000000"
+        CorruptShardError, match=r"train-00001-of-00002.parquet: sha256 .* manifest's 0000000000000000"
     ):
         s.read_shard(1)
     assert ShardSet(out, verify=False).read_shard(1)["prompt"] == [f"prompt 1 {r}" for r in range(4)]
@@ -183,7 +183,7 @@ def test_zip_sample_id_mismatch_names_both_files(tmp_path) -> None:
     z.read_shard(0, ["reward"])
     with pytest.raises(
         UserInputError,
-        match=rf"sample_id differs at row 2 of shard 1: {a}/part-00001-of-00002.parquet vs {b}/part-00001-of-00002.parquet",
+        match=rf"sample_id differs at row 2 of shard 1: {a}/train-00001-of-00002.parquet vs {b}/train-00001-of-00002.parquet",
     ):
         z.read_shard(1, ["reward"])
 
@@ -193,7 +193,7 @@ def test_zip_row_count_mismatch_names_both_files(tmp_path) -> None:
     b = write(tmp_path / "rewards", rewards(rows=(3, 5)), parents=[a])
     with pytest.raises(
         UserInputError,
-        match=rf"{a}/part-00001-of-00002.parquet has 4 rows but {b}/part-00001-of-00002.parquet has 5",
+        match=rf"{a}/train-00001-of-00002.parquet has 4 rows but {b}/train-00001-of-00002.parquet has 5",
     ):
         open_inputs([a, b])
 
@@ -303,7 +303,7 @@ def test_describe_stats_on_known_values(tmp_path) -> None:
     )
     assert d["policy"] == {"adapter": "a", "version": 2} and len(d["config_hash"]) == 64
     assert d["columns"][1] == {"name": "x", "kind": "tensor", "dtype": "float32", "shape": []}
-    assert d["shards"][0]["rows"] == 3 and d["shards"][0]["file"] == "part-00000-of-00002.parquet"
+    assert d["shards"][0]["rows"] == 3 and d["shards"][0]["file"] == "train-00000-of-00002.parquet"
 
     xs = d["stats"]["x"]
     assert xs["count"] == 4 and xs["nan_count"] == 1 and xs["inf_count"] == 2

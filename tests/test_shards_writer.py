@@ -49,7 +49,7 @@ def write_all(out, fmt: str = "parquet", **kw) -> ShardSetWriter:
 
 
 def file_hashes(d: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.glob("part-*"))}
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.glob("train-*"))}
 
 
 def _crash_child(out: str) -> None:
@@ -74,11 +74,11 @@ def test_sigkill_mid_run_then_resume_is_byte_identical(tmp_path) -> None:
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
 
     assert not (out / MANIFEST_NAME).exists()
-    assert sorted(p.name for p in out.glob("part-*")) == [
-        "part-00000-of-00004.parquet",
-        "part-00001-of-00004.parquet",
+    assert sorted(p.name for p in out.glob("train-*")) == [
+        "train-00000-of-00004.parquet",
+        "train-00001-of-00004.parquet",
     ]
-    leftovers = list(out.glob(".part-00002-of-00004.parquet.tmp-*"))
+    leftovers = list(out.glob(".train-00002-of-00004.parquet.tmp-*"))
     assert len(leftovers) == 1 and leftovers[0].stat().st_size > 0
     with pytest.raises(UserInputError, match="not a finished output"):
         ShardSet(out)
@@ -115,7 +115,7 @@ def test_exception_mid_shard_leaves_no_partial_file(tmp_path, monkeypatch, fmt: 
         w.write_shard(1, shard_batch(1))
     names = sorted(p.name for p in (tmp_path / "out").iterdir())
     ext = "parquet" if fmt == "parquet" else "tar"
-    assert names == [f".part-00000-of-00004.{ext}.done.json", f"part-00000-of-00004.{ext}"]
+    assert names == [f".train-00000-of-00004.{ext}.done.json", f"train-00000-of-00004.{ext}"]
     assert w.shard_done(0) and not w.shard_done(1)
 
 
@@ -138,7 +138,7 @@ def test_shards_of_an_older_layout_are_rewritten_never_mixed(tmp_path) -> None:
     out = tmp_path / "out"
     w = make_writer(out)
     w.write_shard(0, shard_batch(0))
-    record = out / ".part-00000-of-00004.parquet.done.json"
+    record = out / ".train-00000-of-00004.parquet.done.json"
     rec = json.loads(record.read_text())
     assert rec["schema_version"] == 2
     del rec["schema_version"]  # as omnirl before version 2 wrote it
@@ -149,7 +149,7 @@ def test_shards_of_an_older_layout_are_rewritten_never_mixed(tmp_path) -> None:
     manifest = json.loads((tmp_path / "old" / MANIFEST_NAME).read_text())
     manifest["schema_version"] = 1
     (tmp_path / "old" / MANIFEST_NAME).write_text(json.dumps(manifest))
-    (tmp_path / "old" / "part-00002-of-00004.parquet").write_bytes(b"damaged")
+    (tmp_path / "old" / "train-00002-of-00004.parquet").write_bytes(b"damaged")
     w = make_writer(tmp_path / "old")
     assert not w.complete and not any(w.shard_done(i) for i in range(NUM_SHARDS))
     assert not (tmp_path / "old" / MANIFEST_NAME).exists()
@@ -173,9 +173,9 @@ def test_different_config_needs_overwrite(tmp_path) -> None:
     with pytest.raises(UserInputError, match="different format or shard count"):
         make_writer(out, num_shards=2)
     w = write_all(out, config={"n": 8}, num_shards=2, overwrite=True)
-    assert sorted(p.name for p in out.glob("part-*")) == [
-        "part-00000-of-00002.parquet",
-        "part-00001-of-00002.parquet",
+    assert sorted(p.name for p in out.glob("train-*")) == [
+        "train-00000-of-00002.parquet",
+        "train-00001-of-00002.parquet",
     ]
     assert read_manifest(out).config == {"n": 8} and w.complete
     assert ShardSet(out).num_rows == 10
@@ -215,15 +215,15 @@ def test_schema_mismatch_across_shards(tmp_path) -> None:
     bad["latents"] = bad["latents"].to(torch.float16)
     with pytest.raises(
         UserInputError,
-        match=r"'latents' is tensor float32\[3, 2, 4, 4\] in part-00000-of-00004.parquet "
-        r"but tensor float16\[3, 2, 4, 4\] in part-00001-of-00004.parquet",
+        match=r"'latents' is tensor float32\[3, 2, 4, 4\] in train-00000-of-00004.parquet "
+        r"but tensor float16\[3, 2, 4, 4\] in train-00001-of-00004.parquet",
     ):
         w.write_shard(1, bad)
     missing = shard_batch(1)
     del missing["prompt_meta"]
     with pytest.raises(
         UserInputError,
-        match=r"'prompt_meta' is json in part-00000-of-00004\.parquet but absent in part-00001",
+        match=r"'prompt_meta' is json in train-00000-of-00004\.parquet but absent in train-00001",
     ):
         w.write_shard(1, missing)
     assert not w.shard_file(1).exists()
@@ -235,12 +235,12 @@ def test_several_writers_then_one_finalize(tmp_path) -> None:
     for i in range(3):
         ranks[i % 2].write_shard(i, shard_batch(i))
     with pytest.raises(
-        UserInputError, match=r"1 of 4 shards are not written yet \(part-00003-of-00004.parquet\)"
+        UserInputError, match=r"1 of 4 shards are not written yet \(train-00003-of-00004.parquet\)"
     ):
         ranks[0].finalize()
     ranks[1].write_shard(3, shard_batch(3))
     m = ranks[0].finalize()
-    assert m.num_rows == 20 and [s.file for s in m.shards][-1] == "part-00003-of-00004.parquet"
+    assert m.num_rows == 20 and [s.file for s in m.shards][-1] == "train-00003-of-00004.parquet"
     assert file_hashes(out) == file_hashes(write_all(tmp_path / "single").out_dir)
 
 
@@ -254,7 +254,7 @@ def test_finalize_detects_schema_mismatch_between_ranks(tmp_path) -> None:
     b.write_shard(3, bad)
     with pytest.raises(
         UserInputError,
-        match=r"'log_probs' is tensor float32.*part-00000-of-00004\.parquet.*float64.*part-00003",
+        match=r"'log_probs' is tensor float32.*train-00000-of-00004\.parquet.*float64.*train-00003",
     ):
         a.finalize()
     assert not (out / MANIFEST_NAME).exists()
@@ -276,12 +276,12 @@ def test_bad_arguments(tmp_path) -> None:
 def test_completion_record_is_hidden_and_removed(tmp_path) -> None:
     out = tmp_path / "out"
     out.mkdir()
-    (out / "part-00007-of-00009.parquet").write_bytes(b"left over from an unfinished run")
-    (out / ".part-00001-of-00004.parquet.tmp-1-abc").write_bytes(b"crash leftover")
+    (out / "train-00007-of-00009.parquet").write_bytes(b"left over from an unfinished run")
+    (out / ".train-00001-of-00004.parquet.tmp-1-abc").write_bytes(b"crash leftover")
     (out / "notes.txt").write_text("user file")
     w = make_writer(out)
     info = w.write_shard(0, shard_batch(0))
-    rec = json.loads((tmp_path / "out" / ".part-00000-of-00004.parquet.done.json").read_text())
+    rec = json.loads((tmp_path / "out" / ".train-00000-of-00004.parquet.done.json").read_text())
     assert rec["sha256"] == info.sha256 and rec["rows"] == 5 and rec["config_hash"] == w.config_hash
     assert {c["name"] for c in rec["columns"]} == {"sample_id", "latents", "log_probs", "prompt_meta"}
     for i in range(1, NUM_SHARDS):
@@ -290,7 +290,7 @@ def test_completion_record_is_hidden_and_removed(tmp_path) -> None:
     assert sorted(p.name for p in out.iterdir()) == [
         MANIFEST_NAME,
         "notes.txt",
-        *[f"part-0000{i}-of-00004.parquet" for i in range(NUM_SHARDS)],
+        *[f"train-0000{i}-of-00004.parquet" for i in range(NUM_SHARDS)],
     ]
 
 

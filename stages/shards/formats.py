@@ -20,6 +20,12 @@ def codec(format: str) -> ModuleType:
         raise UserInputError(f"unknown shard format {format!r}; use one of {', '.join(FORMATS)}") from None
 
 
+# Shard files this writer owns in a shard-set directory: `train-…` since schema version 2 (Hugging Face's
+# split naming, so `load_dataset("parquet", data_dir=SET)` takes the shards as the train split and not
+# the manifest), `part-…` before it.
+SHARD_GLOBS = ("train-*-of-*.*", "part-*-of-*.*")
+
+
 def shard_file_name(index: int, num_shards: int, format: str) -> str:
-    """`part-00000-of-00004.parquet` (zero-based index, like Hugging Face datasets)."""
-    return f"part-{index:05d}-of-{num_shards:05d}.{codec(format).SUFFIX}"
+    """`train-00000-of-00004.parquet` (zero-based index, Hugging Face datasets' shard naming)."""
+    return f"train-{index:05d}-of-{num_shards:05d}.{codec(format).SUFFIX}"

@@ -1,7 +1,7 @@
 """Writing a shard set: one shard file at a time, resumable, with the manifest written last.
 
 Each shard is written to a hidden temp file, fsynced and renamed into place; then a hidden
-completion record `.part-....done.json` (rows, bytes, sha256, run fingerprint, columns) is
+completion record `.train-....done.json` (rows, bytes, sha256, run fingerprint, columns) is
 written. A re-run with the same fingerprint skips shards whose record and bytes still match. In
 distributed runs every process writes its own shard indices into the same directory and one of
 them calls `finalize()` once all exist.
@@ -19,7 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 from stages.errors import UserInputError
 from stages.shards.atomic import atomic_output, atomic_write_bytes, fsync_dir, remove_stale_temps, sha256_file
 from stages.shards.digest import content_digest
-from stages.shards.formats import codec, shard_file_name
+from stages.shards.formats import SHARD_GLOBS, codec, shard_file_name
 from stages.shards.manifest import (
     FORMATS,
     MANIFEST_NAME,
@@ -219,7 +219,7 @@ class ShardSetWriter:
             )
         self._unlist()
         keep = {shard_file_name(i, self.num_shards, self.format) for i in range(self.num_shards)}
-        for p in self.out_dir.glob("part-*-of-*.*"):
+        for p in [p for pattern in SHARD_GLOBS for p in self.out_dir.glob(pattern)]:
             if p.name not in keep:
                 p.unlink(missing_ok=True)
         fsync_dir(self.out_dir)
@@ -248,7 +248,8 @@ class ShardSetWriter:
 
     def _remove_unlisted(self, listed: set[str]) -> None:
         """Drop completion records, crash leftovers and shard files of other runs after finalizing."""
-        for p in [*self.out_dir.glob(".part-*"), *self.out_dir.glob("part-*-of-*.*")]:
+        records = [p for pattern in SHARD_GLOBS for p in self.out_dir.glob(f".{pattern}")]
+        for p in [*records, *(p for pattern in SHARD_GLOBS for p in self.out_dir.glob(pattern))]:
             if p.name not in listed:
                 p.unlink(missing_ok=True)
 

@@ -342,7 +342,8 @@ def train(
     spread by (`trainer_state` gathers the sharded state through it) and the fp16 loss scaler.
 
     Every rank runs grad_accum micro-batch slots per optimizer step (`_steps`), so the collectives of
-    DDP and FSDP2 stay in step; a non-finite loss is reported by every rank at the step's end, before any weight moves.
+    DDP and FSDP2 stay in step; a non-finite loss is reported by every rank at the step's end, before
+    any weight moves.
     """
     cfg.validate()
     algo = get_algorithm(cfg.algo)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -30,6 +30,21 @@ RUN = "Run"
 # Said by the help of an option that has no default but may come from a preset: required after
 # resolution (`config.resolve(..., required=)`), not by typer, so --config can supply it.
 REQUIRED = "Required (a flag, or --config / --set)."
+
+
+def model_opt(what: str, panel: str | None = None) -> Any:
+    """The required `--model` option (also OMNIRL_MODEL, --config or --set) of a command taking `what`."""
+    return Annotated[
+        Path | None,
+        typer.Option(
+            "--model",
+            "-m",
+            envvar="OMNIRL_MODEL",
+            help=f"{what}: {WEIGHTS_FROM}. {REQUIRED}",
+            rich_help_panel=panel,
+        ),
+    ]
+
 
 ConfigOpt = Annotated[
     Path | None,

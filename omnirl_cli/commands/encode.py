@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -12,8 +11,6 @@ from ..config import resolve
 from ..console import emit_json, log
 from ..errors import handle_errors
 from ..options import (
-    REQUIRED,
-    WEIGHTS_FROM,
     ConfigOpt,
     FormatOpt,
     InOpt,
@@ -21,6 +18,7 @@ from ..options import (
     OutOpt,
     OverwriteOpt,
     SetOpt,
+    model_opt,
 )
 from ..runtime import check_format, device, finalize, map_shards, open_inputs, policy_info, run_config
 
@@ -30,15 +28,7 @@ def encode(
     ctx: typer.Context,
     inputs: InOpt = None,
     out: OutOpt = None,
-    model: Annotated[
-        Path | None,
-        typer.Option(
-            "--model",
-            "-m",
-            envvar="OMNIRL_MODEL",
-            help=f"Diffusers pipeline (its VAE encodes): {WEIGHTS_FROM}. {REQUIRED}",
-        ),
-    ] = None,
+    model: model_opt("Diffusers pipeline (its VAE encodes)") = None,
     resolution: Annotated[
         int,
         typer.Option(

@@ -13,8 +13,6 @@ from ..console import emit_json, log
 from ..errors import handle_errors
 from ..options import (
     ADAPTER_HELP,
-    REQUIRED,
-    WEIGHTS_FROM,
     ConfigOpt,
     FormatOpt,
     InOpt,
@@ -22,6 +20,7 @@ from ..options import (
     OutOpt,
     OverwriteOpt,
     SetOpt,
+    model_opt,
 )
 from ..runtime import check_format, device, finalize, map_shards, open_inputs, policy_info, run_config
 
@@ -31,15 +30,7 @@ def logprob(
     ctx: typer.Context,
     inputs: InOpt = None,
     out: OutOpt = None,
-    model: Annotated[
-        Path | None,
-        typer.Option(
-            "--model",
-            "-m",
-            envvar="OMNIRL_MODEL",
-            help=f"Diffusers pipeline or transformers VLM: {WEIGHTS_FROM}. {REQUIRED}",
-        ),
-    ] = None,
+    model: model_opt("Diffusers pipeline or transformers VLM") = None,
     adapter: Annotated[
         Path | None,
         typer.Option("--adapter", help=f"Adapter to replay under: {ADAPTER_HELP} (default: base model)."),

@@ -12,7 +12,7 @@ from ..choices import VaeMode
 from ..config import resolve
 from ..console import emit_json, log, progress
 from ..errors import handle_errors
-from ..options import REQUIRED, WEIGHTS_FROM, ConfigOpt, JsonOpt, SetOpt
+from ..options import REQUIRED, ConfigOpt, JsonOpt, SetOpt, model_opt
 
 IO = "Input / output"
 TRAIN = "Training"
@@ -22,16 +22,7 @@ VAE = "Pixel VAE"
 @handle_errors
 def pretrain(
     ctx: typer.Context,
-    model: Annotated[
-        Path | None,
-        typer.Option(
-            "--model",
-            "-m",
-            envvar="OMNIRL_MODEL",
-            help=f"Diffusers pipeline to start from, e.g. one `omnirl init-model` built: {WEIGHTS_FROM}. {REQUIRED}",
-            rich_help_panel=IO,
-        ),
-    ] = None,
+    model: model_opt("Diffusers pipeline to start from, e.g. one `omnirl init-model` built", IO) = None,
     data: Annotated[
         Path | None,
         typer.Option(

@@ -18,7 +18,6 @@ from ..errors import handle_errors
 from ..options import (
     ADAPTER_HELP,
     REQUIRED,
-    WEIGHTS_FROM,
     ConfigOpt,
     FormatOpt,
     JsonOpt,
@@ -27,6 +26,7 @@ from ..options import (
     OverwriteOpt,
     SetOpt,
     ShardRowsOpt,
+    model_opt,
 )
 from ..runtime import (
     ROLLOUT_PLACEMENT,
@@ -51,17 +51,7 @@ PLANNED_SAMPLE_BYTES = 256
 def sample(
     ctx: typer.Context,
     out: OutOpt = None,
-    model: Annotated[
-        Path | None,
-        typer.Option(
-            "--model",
-            "-m",
-            envvar="OMNIRL_MODEL",
-            help="Diffusers pipeline, or a transformers VLM (Qwen2.5-VL): text responses; "
-            + f"{WEIGHTS_FROM}. {REQUIRED}",
-            rich_help_panel=MODEL,
-        ),
-    ] = None,
+    model: model_opt("Diffusers pipeline, or a transformers VLM (Qwen2.5-VL): text responses", MODEL) = None,
     adapter: Annotated[
         Path | None,
         typer.Option(

@@ -12,8 +12,6 @@ from ..config import resolve
 from ..errors import handle_errors
 from ..options import (
     ADAPTER_HELP,
-    REQUIRED,
-    WEIGHTS_FROM,
     ConfigOpt,
     HostOpt,
     JsonOpt,
@@ -22,6 +20,7 @@ from ..options import (
     PortOpt,
     SetOpt,
     TokenEnvOpt,
+    model_opt,
 )
 from ..runtime import device, serve_until_stopped, server_token
 
@@ -29,15 +28,7 @@ from ..runtime import device, serve_until_stopped, server_token
 @handle_errors
 def serve(
     ctx: typer.Context,
-    model: Annotated[
-        Path | None,
-        typer.Option(
-            "--model",
-            "-m",
-            envvar="OMNIRL_MODEL",
-            help=f"Diffusers pipeline to serve: {WEIGHTS_FROM}. {REQUIRED}",
-        ),
-    ] = None,
+    model: model_opt("Diffusers pipeline to serve") = None,
     adapter: Annotated[
         Path | None,
         typer.Option(

@@ -24,8 +24,6 @@ from ..console import emit_json, log, progress
 from ..errors import handle_errors
 from ..options import (
     ADAPTER_HELP,
-    REQUIRED,
-    WEIGHTS_FROM,
     ConfigOpt,
     InOpt,
     JsonOpt,
@@ -34,6 +32,7 @@ from ..options import (
     ReportToOpt,
     RunNameOpt,
     SetOpt,
+    model_opt,
 )
 from ..runtime import device, open_inputs, run_config
 
@@ -46,15 +45,7 @@ def update(
     ctx: typer.Context,
     inputs: InOpt = None,
     out: OutOpt = None,
-    model: Annotated[
-        Path | None,
-        typer.Option(
-            "--model",
-            "-m",
-            envvar="OMNIRL_MODEL",
-            help=f"Diffusers pipeline or transformers VLM: {WEIGHTS_FROM}. {REQUIRED}",
-        ),
-    ] = None,
+    model: model_opt("Diffusers pipeline or transformers VLM") = None,
     adapter: Annotated[
         Path | None,
         typer.Option(

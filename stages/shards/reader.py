@@ -375,10 +375,10 @@ class ZippedShardSets:
             lo, hi = torch.searchsorted(wanted, torch.tensor([start, stop])).tolist()
             if hi > lo:
                 shard = self.read_shard(i, columns)
-                local = (wanted[lo:hi] - start).tolist()
+                local = wanted[lo:hi] - start
                 parts.append(
                     {
-                        k: v[torch.tensor(local)] if isinstance(v, torch.Tensor) else [v[j] for j in local]
+                        k: v[local] if isinstance(v, torch.Tensor) else [v[j] for j in local.tolist()]
                         for k, v in shard.items()
                     }
                 )

@@ -221,8 +221,10 @@ def sample(
         typer.Option(
             "--engine",
             autocompletion=complete(ENGINES, ENGINE_ENTRY_POINTS),
-            help="Rollout engine. Diffusion: diffusers (in this process, the default) or remote (an "
-            "`omnirl serve` rollout server at --server-url: same samples, its own device); a plugin "
+            help="Rollout engine. Diffusion: diffusers (in this process, the default), remote (an "
+            "`omnirl serve` rollout server at --server-url: same samples, its own device) or vllm-omni "
+            "(a `vllm serve --omni` at --server-url: images only, --sampler ode; without --server-url, "
+            "vLLM-Omni in this process with omnirl's pipeline: replayable trajectories); a plugin "
             "engine by name or module:Class. VLM: hf (transformers generate, the default) or openai (a "
             "`vllm serve` / OpenAI-compatible server at --server-url).",
             rich_help_panel=ENGINE,
@@ -232,8 +234,8 @@ def sample(
         str | None,
         typer.Option(
             "--server-url",
-            help="Base URL of the server: `omnirl serve`'s http://host:port, or an OpenAI API root "
-            "http://host:8000/v1 for a VLM.",
+            help="Base URL of the server: `omnirl serve`'s or `vllm serve --omni`'s http://host:port, or an "
+            "OpenAI API root http://host:8000/v1 for a VLM.",
             rich_help_panel=ENGINE,
         ),
     ] = None,
@@ -273,7 +275,9 @@ def sample(
     served_model: Annotated[
         str | None,
         typer.Option(
-            "--served-model", help="Model name the server serves (its /v1/models).", rich_help_panel=VLM
+            "--served-model",
+            help="Model name the server serves (its /v1/models; vllm-omni: default its only one).",
+            rich_help_panel=ENGINE,
         ),
     ] = None,
     temperature: Annotated[

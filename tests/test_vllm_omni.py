@@ -133,6 +133,11 @@ def test_images_mode_samples_one_request_per_sample_with_its_seed_then_scores_an
     assert engine["name"] == "vllm-omni" and engine["mode"] == "images" and engine["trajectory"] == "absent"
     assert engine["served_model"] == SERVED and engine["server_url"] == fake.url
 
+    # its samples are not the diffusers engine's: the output is not resumed by another engine
+    fails(
+        sample_args(tiny_sd3, prompts, out, "--sampler", "ode", "--batch-size", "2"), str(out), "--overwrite"
+    )
+
     rewards = run("score", "--in", str(out), "--reward", "jpeg_compressibility", "--out", str(tmp_path / "r"))
     assert rewards["rows"] == 4
     scored = ShardSet(tmp_path / "r").read_all()["reward"].tolist()
@@ -181,6 +186,8 @@ def test_a_4xx_is_not_retried_and_a_503_is(
     sent = [b["seed"] for b in fake.log()]
     assert len(sent) == 6 and len(set(sent)) == 4  # two requests retried, with their own seeds
 
+    dead = _args(tiny_sd3, prompts, tmp_path / "x", "http://127.0.0.1:9", "--server-startup-timeout", "1")
+    _exit_1(dead, "127.0.0.1:9", "no healthy vLLM-Omni server within 1 s")
     fails(
         _args(tiny_sd3, prompts, tmp_path / "c", fake.url, "--served-model", "other"),
         "--served-model",

@@ -366,10 +366,13 @@ def sample(
         f"planning {len(picked)} prompts × {c['group_size']} samples",
     )
     resolve_num_shards(c, len(picked), c["group_size"])
-    writer = _writer(c, KINDS, json_, source, exclude=ROLLOUT_PLACEMENT)
+    options = EngineOptions.from_options(c)
+    # an engine drawing other samples than diffusers (vLLM-Omni's images API) joins the run's identity
+    placement = ROLLOUT_PLACEMENT if engine_type.same_samples(options) else ("server_url",)
+    writer = _writer(c, KINDS, json_, source, exclude=placement)
     if writer is None:
         return
-    engine = engine_type.open(EngineOptions.from_options(c), device())
+    engine = engine_type.open(options, device())
     try:
         extra = {
             "sample_config": asdict(cfg),

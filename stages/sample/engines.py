@@ -80,6 +80,13 @@ class RolloutEngine(ABC):
     def open(cls, options: EngineOptions, device: Any) -> RolloutEngine:
         """The engine for `options`; `device` is this process's device (an engine may use its own)."""
 
+    @classmethod
+    def same_samples(cls, options: EngineOptions) -> bool:
+        """Whether this engine, opened with `options`, draws the diffusers engine's samples (the same
+        family adapter and `samplers.step`): then where a rollout runs is no part of its identity, and a
+        run resumes on any such engine. An engine that samples otherwise returns False."""
+        return True
+
     @abstractmethod
     def rollout(
         self,

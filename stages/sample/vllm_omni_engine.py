@@ -125,6 +125,11 @@ class VllmOmniEngine(RolloutEngine):
             lora = {"name": adapter.name, "path": str(adapter), "scale": 1.0}
         return cls(client, family, served, lora)
 
+    @classmethod
+    def same_samples(cls, options: EngineOptions) -> bool:
+        """Images mode samples with the server's own pipeline; RL mode with omnirl's."""
+        return not options.server_url
+
     @staticmethod
     def _served_model(client: JsonClient, wanted: str | None) -> str:
         """The model name to send: --served-model when the server lists it, else the one it serves."""

@@ -1,5 +1,7 @@
-"""msgpack replies (``Accept: application/x-msgpack``): the same protocol v1 reply with raw bytes in place
-of base64, decoded to the same columns, about a quarter smaller; a JSON client still gets JSON."""
+"""Rollout protocol v1 on the wire: msgpack replies (``Accept: application/x-msgpack``) are the same reply
+with raw bytes in place of base64, decoded to the same columns, a quarter smaller, while a JSON client
+still gets JSON; a batch the server aborts is drawn again by the `remote` engine with the same request,
+a bounded number of times."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import torch
 from PIL import Image
 
 from stages.sample.rollout import SampleConfig
-from stages.sample.rollout_protocol import decode_response, encode_request, encode_response
+from stages.sample.rollout_protocol import MAX_REDRAWS, decode_response, encode_request, encode_response
 from stages.sample.tensor_codec import CodecError, decode_tensor, encode_tensor
 from stages.web import JsonClient, JsonServer, JsonService, pack_binary, unpack_binary
 
@@ -92,6 +94,49 @@ def test_the_server_answers_msgpack_only_to_a_client_that_asks() -> None:
             reply = client.call("/anything")
             assert reply["t"]["encoding"] == encoding
             assert decode_tensor(reply["t"], "t").tolist() == [1.0, 1.0, 1.0]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+class _Aborting(JsonService):
+    """A protocol v1 server that aborts its first `aborts` rollouts, then answers `columns`."""
+
+    def __init__(self, aborts: int, columns: dict[str, Any]):
+        super().__init__(token=None, max_request_bytes=1 << 20)
+        self.aborts, self.columns, self.bodies = aborts, columns, []
+
+    def post(self, path: str, raw: bytes) -> dict[str, Any]:
+        body = json.loads(raw)
+        self.bodies.append(body)
+        if len(self.bodies) <= self.aborts:
+            base = {k: body[k] for k in ("protocol", "version", "request_id")}
+            return {**base, "weight_version": 0, "finish_reason": "abort"}
+        return encode_response(body["request_id"], 2, self.columns)
+
+
+@pytest.mark.parametrize("aborts", [2, MAX_REDRAWS + 1])
+def test_the_remote_engine_draws_an_aborted_batch_again_a_bounded_number_of_times(aborts: int) -> None:
+    from stages.errors import RuntimeFailure
+    from stages.sample.remote_engine import RemoteEngine, RolloutClient
+
+    _, _, columns = _reply(2, (4, 4, 4), 3)
+    service = _Aborting(aborts, columns)
+    server = JsonServer(service)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        client = RolloutClient(server.url, token=None, timeout=10, retries=0)
+        engine = RemoteEngine(client, {"family": "sd3"}, {"model_sha256": None})
+        cfg = SampleConfig(steps=3, resolution=32)
+        batch = (["p", "p"], ["", ""], [0, 1], [0, 0])
+        if aborts > MAX_REDRAWS:
+            with pytest.raises(RuntimeFailure, match=f"aborted {MAX_REDRAWS + 1} times"):
+                engine.rollout(cfg, *batch, groups=[0, 0], sample_ids=["a", "b"])
+        else:
+            got = engine.rollout(cfg, *batch, groups=[0, 0], sample_ids=["a", "b"])
+            assert torch.equal(got["latents"], columns["latents"]) and engine.server_weights["version"] == 2
+        assert len(service.bodies) == min(aborts + 1, MAX_REDRAWS + 1)
+        assert all(b == service.bodies[0] for b in service.bodies)  # the same request: ids and seeds
     finally:
         server.shutdown()
         server.server_close()

@@ -61,6 +61,17 @@ class EngineOptions:
         "server_retries": "retries",
     }
 
+    def token(self) -> str | None:
+        """The server's bearer token, from the environment variable --server-token-env names."""
+        import os
+
+        if not self.token_env:
+            return None
+        token = os.environ.get(self.token_env)
+        if not token:
+            raise UserInputError(f"--server-token-env {self.token_env}: ${self.token_env} is not set")
+        return token
+
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> EngineOptions:
         """The options of resolved command options (`OPTION_NAMES` maps the differently named ones)."""

@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -88,15 +87,11 @@ class RemoteEngine(RolloutEngine):
 
         if not options.server_url:
             raise UserInputError(f"--engine remote needs --server-url; {START_HINT}")
-        token = None
-        if options.token_env:
-            token = os.environ.get(options.token_env)
-            if not token:
-                raise UserInputError(
-                    f"--server-token-env {options.token_env}: ${options.token_env} is not set"
-                )
         client = RolloutClient(
-            options.server_url, token=token, timeout=options.request_timeout, retries=options.retries
+            options.server_url,
+            token=options.token(),
+            timeout=options.request_timeout,
+            retries=options.retries,
         )
         weights = {
             "model_sha256": content_digest(options.model, "--model"),

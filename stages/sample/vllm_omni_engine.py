@@ -102,15 +102,10 @@ class VllmOmniEngine(RolloutEngine):
     def open(cls, options: EngineOptions, device: Any) -> RolloutEngine:
         if not options.server_url:
             return VllmOmniRLEngine.open(options, device)
-        import os
-
         family = model_family(Path(options.model))
-        token = os.environ.get(options.token_env) if options.token_env else None
-        if options.token_env and not token:
-            raise UserInputError(f"--server-token-env {options.token_env}: ${options.token_env} is not set")
         client = JsonClient(
             options.server_url,
-            token=token,
+            token=options.token(),
             timeout=options.request_timeout,
             retries=options.retries,
             what="a `vllm serve --omni`",
@@ -137,7 +132,9 @@ class VllmOmniEngine(RolloutEngine):
         data = reply.get("data") if isinstance(reply, dict) else None
         ids = [m.get("id") for m in data if isinstance(m, dict)] if isinstance(data, list) else []
         if not ids:
-            raise UserInputError(f"{client.url}/v1/models lists no model; is it {VLLM_HINT[9:]}?")
+            raise UserInputError(
+                f"{client.url}/v1/models lists no model; is it a `vllm serve --omni`? {VLLM_HINT}"
+            )
         if wanted is not None:
             if wanted not in ids:
                 raise UserInputError(
@@ -237,6 +234,7 @@ class VllmOmniEngine(RolloutEngine):
 # ---------------------------------------------------------------- RL mode
 
 PIPELINE_CLASS = "stages.sample.vllm_omni_pipeline:OmnirlRolloutPipeline"
+MAX_PIPELINE_BATCH = 1024  # samples in one request to the custom pipeline
 EXTRA_KEY = "omnirl"  # the key of the protocol v1 request in extra_args, and of omnirl's custom_output
 
 
@@ -251,7 +249,7 @@ def pipeline_fields(policy: Any, body: dict[str, Any], weight_version: int) -> d
     from stages.sample.rollout import rollout_batch
     from stages.sample.rollout_protocol import decode_request, refuse_settings
 
-    request = decode_request(body, max_samples=len(body.get("samples") or []) or 1)
+    request = decode_request(body, max_samples=MAX_PIPELINE_BATCH)
     refuse_settings(request.cfg)
     columns = rollout_batch(
         policy,
@@ -341,8 +339,8 @@ class VllmOmniRLEngine(RolloutEngine):
         self.params_class = params_class
         self.family = family
         self.options = options
-        self.weights = {"model_sha256": None, "adapter_sha256": None, "version": None}
-        self.weight_version: int | None = None
+        self.weights = {"model_sha256": None, "adapter_sha256": None, "version": None}  # the ones loaded
+        self.weight_version: int | None = None  # reported by the pipeline with each batch
 
     @classmethod
     def open(cls, options: EngineOptions, device: Any) -> VllmOmniRLEngine:
@@ -419,7 +417,6 @@ class VllmOmniRLEngine(RolloutEngine):
             "name": self.name,
             "mode": "rl",
             "pipeline": PIPELINE_CLASS,
-            "weight_version": self.weight_version,
         }
 
     def close(self) -> None:

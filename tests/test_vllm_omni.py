@@ -166,7 +166,7 @@ def test_images_mode_samples_one_request_per_sample_with_its_seed_then_scores_an
     assert tuple(latents.shape) == (4, *FlowPolicy.load(tiny_sd3).latent_shape(32))
 
 
-def test_a_4xx_is_not_retried_and_a_503_is(
+def test_a_4xx_is_not_retried_a_503_is_and_a_500_once(
     fake: FakeServer, tiny_sd3: Path, prompts: Path, tmp_path: Path
 ) -> None:
     fake.faults()
@@ -185,6 +185,15 @@ def test_a_4xx_is_not_retried_and_a_503_is(
     assert result["rows"] == 4 and result["complete"]
     sent = [b["seed"] for b in fake.log()]
     assert len(sent) == 6 and len(set(sent)) == 4  # two requests retried, with their own seeds
+
+    # vLLM-Omni's engine error shape {"error": {"message", ...}}: a 500 is retried once, not more
+    fake.faults("500", "500")
+    _exit_1(
+        _args(tiny_sd3, prompts, tmp_path / "e", fake.url, "--batch-size", "1"),
+        "HTTP 500",
+        "generation failed",
+    )
+    assert len(fake.log()) == 2
 
     dead = _args(tiny_sd3, prompts, tmp_path / "x", "http://127.0.0.1:9", "--server-startup-timeout", "1")
     _exit_1(dead, "127.0.0.1:9", "no healthy vLLM-Omni server within 1 s")

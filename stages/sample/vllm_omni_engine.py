@@ -334,12 +334,12 @@ class VllmOmniRLEngine(RolloutEngine):
 
     name = "vllm-omni"
 
-    def __init__(self, omni: Any, params_class: Any, family: str, options: EngineOptions):
+    def __init__(self, omni: Any, params_class: Any, family: str):
         self.omni = omni
         self.params_class = params_class
         self.family = family
-        self.options = options
-        self.weights = {"model_sha256": None, "adapter_sha256": None, "version": None}  # the ones loaded
+        # null digests: the pipeline holds the weights `open` gave it, no others to check against
+        self.weights = {"model_sha256": None, "adapter_sha256": None, "version": None}
         self.weight_version: int | None = None  # reported by the pipeline with each batch
 
     @classmethod
@@ -364,7 +364,7 @@ class VllmOmniRLEngine(RolloutEngine):
             diffusion_load_format="custom_pipeline",
             custom_pipeline_args=pipeline_args,
         )
-        return cls(omni, OmniDiffusionSamplingParams, family, options)
+        return cls(omni, OmniDiffusionSamplingParams, family)
 
     def rollout(
         self,

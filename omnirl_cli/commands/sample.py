@@ -221,8 +221,10 @@ def sample(
         typer.Option(
             "--engine",
             autocompletion=complete(ENGINES, ENGINE_ENTRY_POINTS),
-            help="Rollout engine. Diffusion: diffusers (in this process, the default) or remote (an "
-            "`omnirl serve` rollout server at --server-url: same samples, its own device); a plugin "
+            help="Rollout engine. Diffusion: diffusers (in this process, the default), remote (an "
+            "`omnirl serve` rollout server at --server-url: same samples, its own device) or vllm-omni "
+            "(a `vllm serve --omni` at --server-url: images only, --sampler ode; without --server-url, "
+            "vLLM-Omni in this process with omnirl's pipeline: replayable trajectories); a plugin "
             "engine by name or module:Class. VLM: hf (transformers generate, the default) or openai (a "
             "`vllm serve` / OpenAI-compatible server at --server-url).",
             rich_help_panel=ENGINE,
@@ -232,8 +234,8 @@ def sample(
         str | None,
         typer.Option(
             "--server-url",
-            help="Base URL of the server: `omnirl serve`'s http://host:port, or an OpenAI API root "
-            "http://host:8000/v1 for a VLM.",
+            help="Base URL of the server: `omnirl serve`'s or `vllm serve --omni`'s http://host:port, or an "
+            "OpenAI API root http://host:8000/v1 for a VLM.",
             rich_help_panel=ENGINE,
         ),
     ] = None,
@@ -273,7 +275,9 @@ def sample(
     served_model: Annotated[
         str | None,
         typer.Option(
-            "--served-model", help="Model name the server serves (its /v1/models).", rich_help_panel=VLM
+            "--served-model",
+            help="Model name the server serves (its /v1/models; vllm-omni: default its only one).",
+            rich_help_panel=ENGINE,
         ),
     ] = None,
     temperature: Annotated[
@@ -362,10 +366,13 @@ def sample(
         f"planning {len(picked)} prompts × {c['group_size']} samples",
     )
     resolve_num_shards(c, len(picked), c["group_size"])
-    writer = _writer(c, KINDS, json_, source, exclude=ROLLOUT_PLACEMENT)
+    options = EngineOptions.from_options(c)
+    # an engine drawing other samples than diffusers (vLLM-Omni's images API) joins the run's identity
+    placement = ROLLOUT_PLACEMENT if engine_type.same_samples(options) else ("server_url",)
+    writer = _writer(c, KINDS, json_, source, exclude=placement)
     if writer is None:
         return
-    engine = engine_type.open(EngineOptions.from_options(c), device())
+    engine = engine_type.open(options, device())
     try:
         extra = {
             "sample_config": asdict(cfg),

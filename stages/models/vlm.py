@@ -70,6 +70,17 @@ class Rollout:
     text: list[str]
 
 
+@dataclass
+class ResponseForward:
+    """One forward over prompt + response: log-probs [B, T], entropies [B, T] (or None) and, for an MoE
+    model asked for them, each layer's router logits [B·L, E] over the attention mask [B, L]."""
+
+    log_probs: torch.Tensor
+    entropy: torch.Tensor | None = None
+    router_logits: tuple[torch.Tensor, ...] | None = None
+    attention_mask: torch.Tensor | None = None
+
+
 @contextmanager
 def _quiet_peft() -> Iterator[None]:
     """Silence the transformers deprecation notice PEFT triggers on every wrap, load and save."""
@@ -370,19 +381,43 @@ class VLMPolicy:
         """Log-probs of the response tokens [B, T] and, with `entropy`, each token distribution's
         entropy [B, T] (None otherwise). With gradient it keeps several [B, T, V] buffers for the
         backward, so a caller that only logs it passes `entropy_grad=False`."""
+        out = self.response_forward(prompt, response_ids, response_mask, temperature, entropy, entropy_grad)
+        return out.log_probs, out.entropy
+
+    @property
+    def moe(self) -> bool:
+        """True for a mixture-of-experts language model (the Qwen3-Omni thinker), whose forward can
+        return its router logits."""
+        text = self.module.config.get_text_config()
+        return int(getattr(text, "num_experts", 0) or 0) > 0
+
+    def response_forward(
+        self,
+        prompt: dict[str, torch.Tensor],
+        response_ids: torch.Tensor,
+        response_mask: torch.Tensor,
+        temperature: float = 1.0,
+        entropy: bool = False,
+        entropy_grad: bool = True,
+        router: bool = False,
+    ) -> ResponseForward:
+        """`response_stats` in one forward over prompt + response, plus, with `router` (MoE models), the
+        router logits of every layer and the attention mask they are over (`ResponseForward`)."""
         inputs = self._forward_inputs(prompt, response_ids, response_mask)
         t = response_ids.shape[1]
+        out = self.model(**inputs, logits_to_keep=t + 1, **({"output_router_logits": True} if router else {}))
         # logits only where a response token is predicted: the last prompt position onwards (a model
         # that ignores logits_to_keep, as the Qwen3-Omni thinker does, returns them all)
-        logits = self.model(**inputs, logits_to_keep=t + 1).logits[:, -(t + 1) : -1]
-        aligned = self.allowed(logits)
+        aligned = self.allowed(out.logits[:, -(t + 1) : -1])
         logp = token_log_probs(aligned, response_ids, temperature)
-        if not entropy:
-            return logp, None
-        if not entropy_grad:
+        ent = None
+        if entropy and not entropy_grad:
             with torch.no_grad():
-                return logp, token_entropy(aligned.detach(), temperature)
-        return logp, token_entropy(aligned, temperature)
+                ent = token_entropy(aligned.detach(), temperature)
+        elif entropy:
+            ent = token_entropy(aligned, temperature)
+        logits = tuple(out.router_logits) if router else None
+        return ResponseForward(logp, ent, logits, inputs["attention_mask"] if router else None)
 
     def allowed(self, logits: torch.Tensor) -> torch.Tensor:
         """Logits [..., V] with the vision markers (`VISION_TOKENS`) pushed to a finite −1e9, so they get

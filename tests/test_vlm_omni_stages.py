@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from helpers import ins, run, torchrun
+from helpers import fails, ins, run, torchrun
 from PIL import Image
 
 from stages.sample.vlm_audio import wav_bytes
@@ -201,3 +201,20 @@ def test_two_ranks_equal_one_process(omni_run: dict, tiny_omni: Path, tmp_path: 
     assert one.keys() == two.keys()
     for k in one:
         torch.testing.assert_close(two[k], one[k], rtol=0, atol=1e-6)
+
+
+def test_sample_refuses_a_row_whose_audio_does_not_decode(tiny_omni: Path, tmp_path: Path) -> None:
+    rows = omni_rows(tmp_path)
+    rows[2]["audios"][1] = {"bytes": b"ID3 but no frames", "path": None}
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "bad.parquet")
+    args = ["sample", "--model", str(tiny_omni), "--prompts", str(tmp_path / "bad.parquet"), "-n", "2"]
+    fails([*args, "--out", str(tmp_path / "s")], "bad.parquet", "row 2", "does not decode")
+    rows[2]["audios"] = rows[2]["audios"][:1]  # two <audio> placeholders, one clip
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "short.parquet")
+    args[4] = str(tmp_path / "short.parquet")
+    fails(
+        [*args, "--out", str(tmp_path / "s2")],
+        "short.parquet",
+        "row 2",
+        "2 <audio> placeholders but 1 audios",
+    )

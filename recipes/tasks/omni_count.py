@@ -22,10 +22,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from visual_count import COLOURS, SHAPES, compute_score, draw  # noqa: E402
+from visual_count import COLOURS, SHAPES, compute_score, draw
 
-from stages.sample.vlm_audio import wav_bytes  # noqa: E402
-from stages.score.text_rewards import verl_compute_score  # noqa: E402
+from stages.sample.vlm_audio import wav_bytes
+from stages.score.text_rewards import verl_compute_score
 
 DATA_SOURCE = "omnirl/omni_count"
 MODES = ("text", "image", "audio")

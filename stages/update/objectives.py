@@ -491,7 +491,7 @@ class TokenPolicyGradient:
         aux = moe.aux_loss(logits, mask, *self.experts)
         metrics = {
             **moe.load_metrics(moe.expert_load(logits, mask, self.experts[1])),
-            "moe/aux_loss": float(aux),
+            "moe/aux_loss": float(aux.detach()),
         }
         return (loss + self.aux_coef * aux if self.aux_coef else loss), metrics
 

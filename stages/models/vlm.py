@@ -343,7 +343,9 @@ class VLMPolicy:
         Qwen3-Omni thinker derives them from the ids and grids; a weightless policy runs no forward)."""
         if self.model is None:
             return False
-        return "mm_token_type_ids" in inspect.signature(type(self.module).forward).parameters
+        model = self.module
+        model = model.get_base_model() if hasattr(model, "get_base_model") else model  # under PEFT
+        return "mm_token_type_ids" in inspect.signature(type(model).forward).parameters
 
     def _forward_inputs(
         self, prompt: dict[str, torch.Tensor], response_ids: torch.Tensor, response_mask: torch.Tensor

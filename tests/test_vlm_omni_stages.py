@@ -218,3 +218,12 @@ def test_sample_refuses_a_row_whose_audio_does_not_decode(tiny_omni: Path, tmp_p
         "row 2",
         "2 <audio> placeholders but 1 audios",
     )
+
+
+def test_audio_key_names_another_column(tiny_omni: Path, tmp_path: Path) -> None:
+    row = omni_rows(tmp_path)[3]
+    row["sounds"] = row.pop("audios")
+    pq.write_table(pa.Table.from_pylist([row]), tmp_path / "sounds.parquet")
+    args = ["--model", str(tiny_omni), "--prompts", str(tmp_path / "sounds.parquet"), "-n", "1"]
+    run("sample", *args, "--max-new-tokens", "2", "--audio-key", "sounds", "--out", str(tmp_path / "s"))
+    assert ShardSet(tmp_path / "s").read_all()["audios"] == [[row["sounds"][0]["bytes"]]]

@@ -60,7 +60,14 @@ ESTIMATORS = (
     "grpo_batch_std",
     "pairs",
 )  # stages.advantage.estimators.ESTIMATORS and pair advantages
-FAMILIES = ("flux", "qwen2_5_vl", "qwen_image", "sd3", "z_image")  # stages.models.factory.FAMILIES
+FAMILIES = (
+    "flux",
+    "qwen2_5_vl",
+    "qwen3_omni_thinker",
+    "qwen_image",
+    "sd3",
+    "z_image",
+)  # stages.models.factory.FAMILIES
 REWARDS = (
     "accuracy",
     "aesthetic",

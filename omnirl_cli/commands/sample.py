@@ -310,6 +310,15 @@ def sample(
     prompt_key: Annotated[str, typer.Option("--prompt-key", rich_help_panel=VLM)] = "problem",
     answer_key: Annotated[str, typer.Option("--answer-key", rich_help_panel=VLM)] = "answer",
     image_key: Annotated[str, typer.Option("--image-key", rich_help_panel=VLM)] = "images",
+    audio_key: Annotated[
+        str,
+        typer.Option(
+            "--audio-key",
+            help="Omni models: the column listing each row's audio clips (paths, bytes, or arrays with a "
+            "sampling rate), taken in the order of the <audio> placeholders.",
+            rich_help_panel=VLM,
+        ),
+    ] = "audios",
     num_shards: NumShardsOpt = None,
     shard_rows: ShardRowsOpt = 256,
     shard_index: Annotated[
@@ -549,6 +558,7 @@ def _sample_vlm(c: dict, json_: bool) -> None:
         prompt_key=c["prompt_key"],
         answer_key=c["answer_key"],
         image_key=c["image_key"],
+        audio_key=c["audio_key"],
     )
     # A group's padded token columns stay in memory until its shard is written: an int64 id and a bool
     # mask per prompt and response position, an fp32 log-prob per response position.

@@ -23,36 +23,43 @@ from typing import Any
 from stages.errors import UserInputError
 from stages.sample.prompts import pick_rows
 from stages.sample.sources import PromptSource, SourceRow
+from stages.sample.vlm_audio import audio_bytes
 from stages.tables import image_bytes
 
 PLACEHOLDER = "<image>"
 VIDEO_PLACEHOLDER = "<video>"
-_PLACEHOLDERS = re.compile(f"({PLACEHOLDER}|{VIDEO_PLACEHOLDER})")
+AUDIO_PLACEHOLDER = "<audio>"
+_PLACEHOLDERS = re.compile(f"({PLACEHOLDER}|{VIDEO_PLACEHOLDER}|{AUDIO_PLACEHOLDER})")
 _PACK_MAGIC = b"OMNIIMG1"
 
 
 @dataclass
 class VLMPrompt:
     """A prompt row: `messages` as the model sees them (each `{"type": "image"}` part takes the next
-    of `images`), `question` the user turns' text without placeholders (the rollout's `prompt` column,
-    what rewards and reports read), `meta` what text rewards read."""
+    of `images`, each `{"type": "audio"}` part the next of `audios`, encoded audio files), `question`
+    the user turns' text without placeholders (the rollout's `prompt` column, what rewards and reports
+    read), `meta` what text rewards read."""
 
     question: str
     images: list[bytes]
     meta: dict[str, Any] = field(default_factory=dict)
     messages: list[dict[str, Any]] = field(default_factory=list)
+    audios: list[bytes] = field(default_factory=list)
 
 
 def typed_parts(content: str) -> list[dict[str, Any]]:
     """verl's rule for a message of a row with images or videos: the text is cut at every `<image>` /
     `<video>` placeholder, each placeholder becoming an `{"type": "image"}` / `{"type": "video"}` part at
-    its position and each non-empty piece between them a text part (kept as it is, spaces included)."""
+    its position and each non-empty piece between them a text part (kept as it is, spaces included).
+    `<audio>` becomes an `{"type": "audio"}` part likewise."""
     parts: list[dict[str, Any]] = []
     for piece in _PLACEHOLDERS.split(content):
         if piece == PLACEHOLDER:
             parts.append({"type": "image"})
         elif piece == VIDEO_PLACEHOLDER:
             parts.append({"type": "video"})
+        elif piece == AUDIO_PLACEHOLDER:
+            parts.append({"type": "audio"})
         elif piece:
             parts.append({"type": "text", "text": piece})
     return parts
@@ -93,13 +100,16 @@ def _as_messages(value: Any, where: str) -> list[dict[str, Any]]:
     return out
 
 
-def build_messages(value: Any, num_images: int, num_videos: int, where: str) -> list[dict[str, Any]]:
+def build_messages(
+    value: Any, num_images: int, num_videos: int, where: str, num_audios: int = 0
+) -> list[dict[str, Any]]:
     """The chat messages of a row as verl's `RLHFDataset._build_messages` makes them: system, user and
-    assistant turns kept in order; in a row with images or videos every string content cut into typed
-    parts (`typed_parts`). The image parts must match the images one to one; a row whose text holds no
-    placeholder at all gets its images before the text of its first user turn."""
+    assistant turns kept in order; in a row with images, videos or audios every string content cut into
+    typed parts (`typed_parts`). The image parts must match the images one to one, the audio parts the
+    audios; a row whose text holds no placeholder of a kind gets its items of that kind before the text
+    of its first user turn."""
     messages = _as_messages(value, where)
-    if num_images or num_videos:
+    if num_images or num_videos or num_audios:
         messages = [
             {**m, "content": typed_parts(m["content"]) if isinstance(m["content"], str) else m["content"]}
             for m in messages
@@ -116,10 +126,31 @@ def build_messages(value: Any, num_images: int, num_videos: int, where: str) -> 
             f"{where}: {placed} {PLACEHOLDER} placeholders but {num_images} images; "
             "a row needs one image per placeholder"
         )
+    messages = _place_audios(messages, num_audios, where)
     if videos or num_videos:
         raise UserInputError(
             f"{where}: {videos} {VIDEO_PLACEHOLDER} placeholders and {num_videos} videos; omnirl samples "
             "vision-language prompts with images only, drop the videos"
+        )
+    return messages
+
+
+def _place_audios(messages: list[dict[str, Any]], num_audios: int, where: str) -> list[dict[str, Any]]:
+    """`build_messages`' rule for audio parts: as many as the row has audios, or, with no `<audio>`
+    placeholder at all, the audios first in the first user turn."""
+    placed = _count(messages, "audio")
+    if placed == 0 and num_audios:
+        first = next(i for i, m in enumerate(messages) if m["role"] == "user")
+        parts = [{"type": "audio"} for _ in range(num_audios)]
+        return [
+            *messages[:first],
+            {**messages[first], "content": parts + messages[first]["content"]},
+            *messages[first + 1 :],
+        ]
+    if placed != num_audios:
+        raise UserInputError(
+            f"{where}: {placed} {AUDIO_PLACEHOLDER} placeholders but {num_audios} audios; "
+            "a row needs one audio per placeholder"
         )
     return messages
 
@@ -146,8 +177,10 @@ def vlm_prompt(
     prompt_key: str = "problem",
     answer_key: str = "answer",
     image_key: str = "images",
+    audio_key: str = "audios",
 ) -> VLMPrompt:
-    """One row of a verl table (`layout="verl"`) or an EasyR1-style table (`layout="easyr1"`)."""
+    """One row of a verl table (`layout="verl"`) or an EasyR1-style table (`layout="easyr1"`); its
+    `audio_key` column (`audios`) lists the row's audio clips (forms: `stages.sample.vlm_audio`)."""
     data, where = row.data, row.where
     if layout == "verl":
         if "prompt" not in data:
@@ -171,8 +204,9 @@ def vlm_prompt(
             "extra_info": {"index": row.index},
         }
     images = [image_bytes(im, row.base, where) for im in (data.get(image_key) or [])]
-    messages = build_messages(prompt, len(images), len(data.get("videos") or []), where)
-    return VLMPrompt(question_text(messages), images, meta, messages)
+    audios = [audio_bytes(a, row.base, where) for a in (data.get(audio_key) or [])]
+    messages = build_messages(prompt, len(images), len(data.get("videos") or []), where, len(audios))
+    return VLMPrompt(question_text(messages), images, meta, messages, audios)
 
 
 def read_vlm_prompts(

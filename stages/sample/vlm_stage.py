@@ -9,6 +9,8 @@ Row layout (one row per response, groups contiguous, a shard holds whole groups)
 - images (image_list): the prompt's encoded image files, in the FIRST row of each group only (the
   others hold []), so images are stored once per prompt (in Parquet `datasets`' List(Image)); sets
   of schema version 1 hold them packed into one binary blob (`unpack_images`) and are still read;
+- audios (audio_list): likewise the prompt's audio files (omni models), [] in every row of a prompt
+  without audio; rollouts written before audio support have no such column;
 - prompt_ids int64 [P] / prompt_mask bool [P]: the processor-expanded prompt (image pad tokens
   included), left-padded to `max_prompt_length`; the training forward rebuilds pixel values from the
   images and checks that the processor gives these ids again;
@@ -37,10 +39,11 @@ from stages.finite import MODEL_HINT, check_finite
 from stages.models.vlm import Rollout, VLMPolicy
 from stages.sample.rollout import derive_seed
 from stages.sample.stage import in_rollout, rollout_id, split_groups, write_shards
+from stages.sample.vlm_audio import decode_audio
 from stages.sample.vlm_data import VLMPrompt, decode_image, unpack_images
 from stages.shards.writer import ShardSetWriter
 
-KINDS = {"images": "image_list", "prompt_meta": "json", "messages": "json"}
+KINDS = {"images": "image_list", "audios": "audio_list", "prompt_meta": "json", "messages": "json"}
 ENGINES = ("hf", "openai")
 
 
@@ -128,6 +131,28 @@ def row_images(shard: dict[str, Any], where: str) -> list[list[bytes]]:
     return out
 
 
+def row_audios(shard: dict[str, Any]) -> list[list[bytes]]:
+    """Each row's audio files, taken from the first row of its group (none in rollouts without audio)."""
+    if "audios" not in shard:
+        return [[] for _ in shard["sample_id"]]
+    leader: dict[str, list[bytes]] = {}
+    for gid, stored in zip(shard["group_id"], shard["audios"]):
+        leader.setdefault(gid, list(stored))
+    return [leader[gid] for gid in shard["group_id"]]
+
+
+def decode_audios(policy: VLMPolicy, audios: list[list[bytes]], where: str) -> list[list[Any]] | None:
+    """Each row's audio files as waveforms at the processor's sampling rate; None when no row has audio."""
+    if not any(audios):
+        return None
+    extractor = getattr(policy.processor, "feature_extractor", None)
+    if extractor is None:
+        raise UserInputError(
+            f"--model {policy.model_path}: its processor takes no audio; use an omni model for audio prompts"
+        )
+    return [[decode_audio(b, extractor.sampling_rate, where) for b in row] for row in audios]
+
+
 def prompt_seed(cfg: VLMSampleConfig, index: int) -> int:
     """The sampling seed of the generate call that starts at prompt `index` (a server gets one per prompt)."""
     return derive_seed(cfg.seed, "vlm", index)
@@ -138,7 +163,8 @@ def generate_batch(
 ) -> tuple[dict[str, torch.Tensor], Rollout]:
     """Prompt inputs (one row per prompt) and n responses per prompt from the configured engine."""
     images = [[decode_image(b, f"prompt {i}") for b in p.images] for i, p in prompts]
-    inputs = policy.chat_inputs([p.messages for _, p in prompts], images)
+    audios = decode_audios(policy, [p.audios for _, p in prompts], f"prompt {prompts[0][0]}")
+    inputs = policy.chat_inputs([p.messages for _, p in prompts], images, audios=audios)
     if cfg.engine == "hf":
         rollout = policy.generate(
             inputs,
@@ -150,6 +176,9 @@ def generate_batch(
         )
     else:
         from stages.sample.openai_engine import generate_openai
+
+        if audios:
+            raise UserInputError("--engine openai sends images only; sample audio prompts with --engine hf")
 
         rollout = generate_openai(
             str(cfg.server_url),
@@ -200,6 +229,7 @@ def sample_vlm_shard(
                 "messages": [p.messages for _, p, _, _ in rows],
                 "prompt_meta": [{**p.meta, "max_response_length": cfg.max_new_tokens} for _, p, _, _ in rows],
                 "images": [list(p.images) if m == 0 else [] for _, p, _, m in rows],
+                "audios": [list(p.audios) if m == 0 else [] for _, p, _, m in rows],
                 "prompt_ids": prompt_ids.repeat_interleave(n, dim=0),
                 "prompt_mask": prompt_mask.repeat_interleave(n, dim=0),
                 "response_ids": right_pad(out.response_ids.cpu(), cfg.max_new_tokens, pad_id),
@@ -261,14 +291,17 @@ def prompt_inputs(
     prompt_ids: torch.Tensor,
     prompt_mask: torch.Tensor,
     where: str,
+    audios: list[list[bytes]] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Processor inputs for stored rows (one prompt per row), checked against their stored prompt ids.
+    """Processor inputs for stored rows (one prompt per row, `audios` their audio files from
+    `row_audios`), checked against their stored prompt ids.
 
     The processor rebuilds pixel values from the images; if its ids differ from what `sample` stored
     (another processor, changed images) the log-probs would be of a different prompt, so it is an error.
     """
     decoded = [[decode_image(b, where) for b in row] for row in images]
-    inputs = policy.chat_inputs(prompts, decoded)
+    waves = decode_audios(policy, audios or [[] for _ in prompts], where)
+    inputs = policy.chat_inputs(prompts, decoded, audios=waves)
     width = int(prompt_mask.sum(-1).max()) if len(prompt_mask) else 0
     ids, mask = inputs["input_ids"].cpu(), inputs["attention_mask"].cpu().bool()
     if ids.shape[1] > prompt_ids.shape[1] or not torch.equal(

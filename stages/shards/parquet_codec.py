@@ -9,7 +9,9 @@ or `Dataset.from_parquet("SET/*.parquet")` gives each column its shape and decod
   logical dtype in the field metadata (`omnirl.dtype`) and in the manifest;
 - image columns are `{bytes, path}` structs (its `Image` feature, path null), an image_list column a
   list of them per row; the schema metadata key `huggingface` names their `datasets` features, which
-  is how it knows these are images. Videos stay plain binary (MP4 bytes).
+  is how it knows these are images. Videos stay plain binary (MP4 bytes). An audio_list column is a
+  list of the same structs with no feature named (`datasets` reads them as dicts; its Audio
+  feature would decode them with torchcodec).
 
 Schema version 1 shards (tensors as `arrow.fixed_shape_tensor`, images as plain binary) are still
 read. Tensor columns have no dictionary encoding and no statistics (neither pays on tensors).
@@ -34,6 +36,7 @@ import torch
 
 from stages.errors import CorruptShardError
 from stages.shards.schema import (
+    FILE_LIST_KINDS,
     TENSOR_DTYPES,
     Batch,
     Column,
@@ -65,6 +68,7 @@ _ARROW_STORAGE = {
 # `datasets`' Image storage: the encoded file, or a path to it (always null here).
 ENCODED_FILE = pa.struct([pa.field("bytes", pa.binary()), pa.field("path", pa.string())])
 _IMAGE_KINDS = ("image", "image_list")
+_STRUCT_KINDS = ("image", *FILE_LIST_KINDS)  # stored as {bytes, path} structs
 
 
 def _numpy_storage(col: Column) -> np.dtype:
@@ -83,7 +87,7 @@ def arrow_type(col: Column) -> pa.DataType:
         return pa.large_string()
     if col.kind == "image":
         return ENCODED_FILE
-    if col.kind == "image_list":
+    if col.kind in FILE_LIST_KINDS:
         return pa.list_(ENCODED_FILE)
     return pa.large_binary()
 
@@ -107,7 +111,7 @@ def _field(col: Column) -> pa.Field:
         meta["omnirl.shape"] = json.dumps(list(col.shape))
     # `datasets` applies a feature from the schema metadata only to a field equal to the one it would
     # write itself, and it writes nullable fields.
-    nullable = col.kind in _IMAGE_KINDS
+    nullable = col.kind in _STRUCT_KINDS
     return pa.field(col.name, arrow_type(col), nullable=nullable, metadata=meta)
 
 
@@ -136,7 +140,7 @@ def _to_arrow(col: Column, value) -> pa.Array | pa.ChunkedArray:
         return pa.array([json_text(col.name, i, v) for i, v in enumerate(value)], type=pa.large_string())
     if col.kind == "image":
         return _encoded_files(value)
-    if col.kind == "image_list":
+    if col.kind in FILE_LIST_KINDS:
         rows = [[{"bytes": bytes(b), "path": None} for b in row] for row in value]
         return pa.array(rows, type=arrow_type(col))
     return pa.array([bytes(v) if isinstance(v, memoryview) else v for v in value], type=pa.large_binary())
@@ -146,14 +150,14 @@ def _leaves(col: Column) -> list[str]:
     """The Parquet leaf column paths of a column (what compression and encodings are set on)."""
     if col.kind == "tensor":
         return [col.name + ".list.element" * len(col.shape)]
-    if col.kind in _IMAGE_KINDS:
-        prefix = f"{col.name}.list.element" if col.kind == "image_list" else col.name
+    if col.kind in _STRUCT_KINDS:
+        prefix = f"{col.name}.list.element" if col.kind in FILE_LIST_KINDS else col.name
         return [f"{prefix}.bytes", f"{prefix}.path"]
     return [col.name]
 
 
 def _compression(col: Column) -> str:
-    if col.kind in ("image", "image_list", "video") or (col.kind == "tensor" and col.dtype in _FLOATS):
+    if col.kind in (*_STRUCT_KINDS, "video") or (col.kind == "tensor" and col.dtype in _FLOATS):
         return "none"
     return "zstd"
 
@@ -224,7 +228,7 @@ def table_to_batch(table: pa.Table, columns: list[Column], where: str) -> Batch:
             out[col.name] = [json.loads(s) for s in chunk.to_pylist()]
         elif col.kind == "image":
             out[col.name] = _file_bytes(col, chunk, where)
-        elif col.kind == "image_list":
+        elif col.kind in FILE_LIST_KINDS:
             if chunk.null_count:
                 raise CorruptShardError(f"{where}: column '{col.name}' has a null row")
             files = iter(_file_bytes(col, chunk.flatten(), where))

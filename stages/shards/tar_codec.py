@@ -2,8 +2,8 @@
 
 Each row is a sample with key `<shard:05d>_<row:09d>` (no dots); each column is one member
 `<key>.<column>.<ext>`: tensors as `.npy` (bf16 as uint16 bits, no pickle), strings `.txt`, JSON
-`.json`, images `.png`, videos `.mp4`, other bytes `.bin`; an image_list row is one member per
-image, `<key>.<column>.<i>.<ext>` (ext from the file's magic bytes, none for an empty list), so a
+`.json`, images `.png`, videos `.mp4`, other bytes `.bin`; an image_list (audio_list) row is one
+member per image (clip), `<key>.<column>.<i>.<ext>` (ext from the file's magic bytes, none for an empty list), so a
 row needs at least one member of another column. Headers are deterministic (mtime 0,
 uid 0), so equal batches give byte-identical tars. The reader walks the tar headers once and
 copies each row's npy payload straight into a preallocated [N, *shape] tensor.
@@ -21,6 +21,7 @@ import pyarrow as pa
 
 from stages.errors import CorruptShardError, UserInputError
 from stages.shards.schema import (
+    FILE_LIST_KINDS,
     TENSOR_DTYPES,
     Batch,
     Column,
@@ -41,6 +42,7 @@ EXTENSIONS = {
     "binary": "bin",
 }
 _IMAGE_MAGIC = ((b"\x89PNG", "png"), (b"\xff\xd8", "jpg"), (b"GIF8", "gif"), (b"BM", "bmp"))
+_AUDIO_MAGIC = ((b"RIFF", "wav"), (b"fLaC", "flac"), (b"OggS", "ogg"), (b"ID3", "mp3"), (b"\xff\xfb", "mp3"))
 _BLOCK = tarfile.BLOCKSIZE
 _RECORD = tarfile.RECORDSIZE
 
@@ -74,6 +76,13 @@ def image_extension(data: bytes) -> str:
     return next((ext for magic, ext in _IMAGE_MAGIC if head.startswith(magic)), "img")
 
 
+def file_extension(kind: str, data: bytes) -> str:
+    """The extension of one file of an image_list / audio_list row ("img" / "audio" when unknown)."""
+    if kind == "image_list":
+        return image_extension(data)
+    return next((ext for magic, ext in _AUDIO_MAGIC if bytes(data[:4]).startswith(magic)), "audio")
+
+
 def _row_payloads(col: Column, value) -> tuple[bytes, list]:
     """(prefix shared by every row, per-row payload buffers) for one column."""
     if col.kind == "tensor":
@@ -94,11 +103,11 @@ def encode(batch: Batch, columns: list[Column], sink, shard_index: int) -> int:
     for r in range(n):
         key = sample_key(shard_index, r)
         members = [
-            (f"{key}.{col.name}.{i}.{image_extension(data)}", b"", data)
-            if col.kind == "image_list"
+            (f"{key}.{col.name}.{i}.{file_extension(col.kind, data)}", b"", data)
+            if col.kind in FILE_LIST_KINDS
             else (f"{key}.{col.name}.{EXTENSIONS[col.kind]}", prefix, data)
             for col, prefix, rows in payloads
-            for i, data in (enumerate(rows[r]) if col.kind == "image_list" else [(0, rows[r])])
+            for i, data in (enumerate(rows[r]) if col.kind in FILE_LIST_KINDS else [(0, rows[r])])
         ]
         if not members:
             raise UserInputError(
@@ -148,7 +157,7 @@ def _members(buf: pa.Buffer, where: str):
 def decode(buf: pa.Buffer, columns: list[Column], num_rows: int, where: str) -> Batch:
     """Read the requested columns of one tar shard held in `buf` (rows in member order)."""
     wanted = {c.name: i for i, c in enumerate(columns)}
-    lists = [c.kind == "image_list" for c in columns]
+    lists = [c.kind in FILE_LIST_KINDS for c in columns]
     spans: list[list] = []
     keys: list[str] = []
     for name, offset, size in _members(buf, where):
@@ -170,7 +179,7 @@ def decode(buf: pa.Buffer, columns: list[Column], num_rows: int, where: str) -> 
     out: Batch = {}
     for i, col in enumerate(columns):
         members = [row[i] for row in spans]
-        if col.kind == "image_list":
+        if col.kind in FILE_LIST_KINDS:
             out[col.name] = [_image_list(col, buf, m, where, key) for key, m in zip(keys, members)]
             continue
         missing = [k for k, m in zip(keys, members) if m is None]

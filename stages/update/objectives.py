@@ -383,7 +383,7 @@ class TokenPolicyGradient:
         return 1.0 / slots
 
     def __init__(self, policy: VLMPolicy, data: dict[str, Any], sample_cfg: Any, cfg: Any, algo: Algorithm):
-        from stages.sample.vlm_stage import row_images, row_prompts
+        from stages.sample.vlm_stage import row_audios, row_images, row_prompts
 
         self.policy, self.data, self.sample_cfg, self.cfg, self.algo = policy, data, sample_cfg, cfg, algo
         self.old = data.get("old_log_probs", data.get("log_probs"))
@@ -392,10 +392,20 @@ class TokenPolicyGradient:
                 "--in: neither old_log_probs (omnirl logprob) nor log_probs (omnirl sample) is present"
             )
         self.images = row_images(data, "--in")
+        self.audios = row_audios(data)
         self.prompts = row_prompts(data)
         self.low, self.high = cfg.clip_bounds()
         self.mode = cfg.loss_agg_mode or "token-mean"
         self.counts: dict[int, tuple[float, float]] = {}
+        self.router = policy.moe
+        if self.router:  # MoE: expert loads in the metrics, the configured load-balancing loss
+            from stages.models import moe
+
+            config = policy.module.config
+            text = config.get_text_config()
+            self.aux_coef = moe.aux_loss_coef(config, getattr(cfg, "router_aux_loss_coef", None))
+            self.experts = (int(text.num_experts), int(text.num_experts_per_tok))
+            self.metric_keys = (*type(self).metric_keys, *moe.metric_keys(moe.sparse_layers(text)))
 
     def epoch(self, rows: list[int], micro: int, rng: random.Random) -> list[Chunk]:
         from stages.dist import world_and_rank
@@ -423,6 +433,7 @@ class TokenPolicyGradient:
             data["prompt_ids"][index],
             data["prompt_mask"][index],
             "--in",
+            [self.audios[i] for i in idx],
         )
         tokens, mask = response_batch(
             {"response_ids": data["response_ids"][index], "response_mask": data["response_mask"][index]},
@@ -431,9 +442,10 @@ class TokenPolicyGradient:
         width = tokens.shape[1]
         temperature = self.sample_cfg.temperature
         bonus = cfg.entropy_coef != 0
-        logp, entropy = policy.response_stats(
-            inputs, tokens, mask, temperature, entropy=True, entropy_grad=bonus
+        forward = policy.response_forward(
+            inputs, tokens, mask, temperature, entropy=True, entropy_grad=bonus, router=self.router
         )
+        logp, entropy = forward.log_probs, forward.entropy
         ref = None
         if cfg.beta != 0 and "ref_log_probs" in data:
             ref = data["ref_log_probs"][index, :width].to(policy.device)
@@ -465,7 +477,23 @@ class TokenPolicyGradient:
             num_seqs=num_seqs,
         )
         keys = ("pg_loss", "kl_loss", "entropy", "ratio_mean", "pg_clipfrac", "pg_clipfrac_dual", "ppo_kl")
-        yield loss, [float(m.get(k, 0.0)) for k in keys]
+        values = [float(m.get(k, 0.0)) for k in keys]
+        if self.router:
+            loss, extra = self._router_terms(loss, forward)
+            values += [extra[k] for k in self.metric_keys[len(values) :]]
+        yield loss, values
+
+    def _router_terms(self, loss: torch.Tensor, forward: Any) -> tuple[torch.Tensor, dict[str, float]]:
+        """The loss plus `aux_coef`·load-balancing loss, and the `moe/*` metrics of this micro-batch."""
+        from stages.models import moe
+
+        logits, mask = forward.router_logits, forward.attention_mask
+        aux = moe.aux_loss(logits, mask, *self.experts)
+        metrics = {
+            **moe.load_metrics(moe.expert_load(logits, mask, self.experts[1])),
+            "moe/aux_loss": float(aux.detach()),
+        }
+        return (loss + self.aux_coef * aux if self.aux_coef else loss), metrics
 
 
 def make_objective(

@@ -385,6 +385,9 @@ class ShardSetWriter:
 def _describe_column(c: Column | None) -> str:
     if c is None:
         return "absent"
+    if c.kind == "video" and c.shape:
+        frames, height, width = c.shape
+        return f"video of {frames} frames {width}×{height} at {c.fps:g} fps"
     return f"tensor {c.dtype}{list(c.shape)}" if c.kind == "tensor" else c.kind
 
 

@@ -187,6 +187,11 @@ class ShardSetWriter:
         inputs = [p.get("manifest_sha256") or p.get("sha256") for p in self.parents]
         return config_hash({"config_hash": self.config_hash, "policy": self.policy, "inputs": inputs})
 
+    @property
+    def columns(self) -> list[Column] | None:
+        """The columns of the shards written or found complete so far (None before any)."""
+        return self._columns
+
     def _check_existing(self, overwrite: bool) -> None:
         try:
             old = read_manifest(self.out_dir)

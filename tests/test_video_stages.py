@@ -21,7 +21,13 @@ from stages.models.diffusion import FlowPolicy
 from stages.reporting import KEY_FRAMES, LABEL_WIDTH, LINE_HEIGHT, contact_sheet, video_preview
 from stages.score import registry
 from stages.score.image_rewards import jpeg_size_kb
-from stages.score.registry import FrameAggregate, get_reward, parse_reward_spec, reward_kind
+from stages.score.registry import (
+    FrameAggregate,
+    check_reward_args,
+    get_reward,
+    parse_reward_spec,
+    reward_kind,
+)
 from stages.score.scoring import score_batch
 from stages.shards import ShardSet, read_manifest
 from stages.shards.writer import ShardSetWriter
@@ -213,6 +219,7 @@ def red(images, prompts, meta):
 
 
 def test_frame_aggregations_give_hand_computed_values(monkeypatch) -> None:
+    registry.available_rewards()  # the built-ins are in the registry before it is copied
     monkeypatch.setattr(registry, "_PLUGINS", {})
     monkeypatch.setattr(registry, "_REGISTRY", {**registry._REGISTRY, "red": red})
     monkeypatch.setattr(registry, "_KINDS", {**registry._KINDS, "red": "image"})
@@ -265,6 +272,17 @@ def test_temporal_consistency_is_the_clip_cosine_of_consecutive_frames(tmp_path:
         assert value == pytest.approx(sum(cosines) / len(cosines), abs=1e-5)
     assert got[2] is None  # one frame: no consecutive pair
     assert reward_kind("temporal_consistency") == "video"
+    # a CLIP image reward on frames takes its own arguments, and is its per-frame value aggregated
+    resolved = check_reward_args(["clipscore@frames=min"], {"clipscore": {"model": str(model_dir)}})
+    assert resolved == {"clipscore@frames=min": {"model": str(model_dir)}}
+    per_frame = get_reward("clipscore", resolved["clipscore@frames=min"])
+    mins = get_reward("clipscore@frames=min", resolved["clipscore@frames=min"])(
+        videos, ["a", "b", "c"], [{}] * 3
+    )
+    for frames, prompt, value in zip(videos, "abc", mins):
+        assert value == pytest.approx(
+            min(per_frame(frames, [prompt] * len(frames), [{}] * len(frames))), abs=1e-6
+        )
 
 
 def test_video_ocr_is_flow_grpos_frame_sampled_definition(monkeypatch) -> None:

@@ -3,12 +3,13 @@
 `encode_mp4(frames, fps)` writes an MP4 that standard players and tools read (ffprobe, browsers,
 `datasets`' Video feature): H.264 High profile in yuv420p at constant quality `crf` (18: visually
 lossless; 0 is not lossless here since yuv420p halves the chroma resolution), one frame per input frame
-at a constant `fps`, no timestamps of the wall clock, so the same frames give the same bytes. Width and height must be even (yuv420p).
+at a constant `fps`, no timestamps of the wall clock, so the same frames give the same bytes. Width and
+height must be even (yuv420p). Measured on smooth colour frames: 37.6 dB PSNR, max |Δ| 19 of 255.
 
 `decode_mp4(data)` gives the frames (RGB PIL images) and fps back; `probe_mp4(data)` only the
-geometry, from the container's index, without decoding. Bytes that are not a readable MP4, and a
-file cut short (fewer frames than its index lists), raise `MediaDecodeError`: the stages turn it into
-one line naming the shard and row (`stages.errors.CorruptRowError`).
+geometry, from the container's index, without decoding. Bytes that are not an MP4, a file cut short
+(its top-level boxes do not fill it exactly) and data the decoder rejects raise `MediaDecodeError`:
+the stages turn it into one line naming the shard and row (`stages.errors.CorruptRowError`).
 
 PyAV is the optional extra ``omnirl[video]``; it is imported on first use.
 """

@@ -228,12 +228,29 @@ def _lookup(name: str) -> tuple[Any, str]:
     return obj, f"{name} (entry point)"
 
 
+def _modifiers(spec: str, mods: str) -> dict[str, str]:
+    """The ``@KEY=VALUE`` modifiers of `--reward` value `spec`, checked against `MODIFIERS`."""
+    found = _MODIFIER_RE.findall(mods)
+    for key, value in found:
+        if key not in MODIFIERS:
+            raise UserInputError(
+                f"--reward {spec!r}: unknown modifier @{key}=; use @frames={'|'.join(FRAME_AGGREGATIONS)}"
+            )
+        if value not in MODIFIERS[key]:
+            raise UserInputError(
+                f"--reward {spec!r}: @{key}={value} is not one of {', '.join(MODIFIERS[key])}; e.g. @{key}=mean"
+            )
+    if len(found) > len(dict(found)):
+        raise UserInputError(f"--reward {spec!r}: give each @KEY= modifier once")
+    return dict(found)
+
+
 def split_reward_name(name: str) -> tuple[str, dict[str, str]]:
-    """A reward name without its trailing ``@KEY=VALUE`` modifiers, and the modifiers:
+    """A reward name without its trailing ``@KEY=VALUE`` modifiers, and the (checked) modifiers:
     ``"pickscore@frames=mean"`` → ``("pickscore", {"frames": "mean"})``."""
     match = _SPEC_RE.fullmatch(name)
     mods = match.group("mods") if match and match.group("weight") is None else ""
-    return name[: len(name) - len(mods)], dict(_MODIFIER_RE.findall(mods))
+    return name[: len(name) - len(mods)], _modifiers(name, mods)
 
 
 def frame_indices(count: int, how: str) -> list[int]:
@@ -318,7 +335,7 @@ def get_reward(name: str, args: Mapping[str, Any] | None = None) -> Scorer:
 
 
 def reward_kind(name: str) -> str:
-    """``"image"`` or ``"text"``: the kind a registered reward was declared with; for a plugin, its
+    """``"image"``, ``"video"`` or ``"text"``: the kind a registered reward was declared with; for a plugin, its
     ``reward_kind`` attribute (set by the `text_rewards` adapters), ``"image"`` when it has none.
 
     An ``@frames=AGG`` name is a video reward over an image reward.
@@ -420,18 +437,7 @@ def parse_reward_spec(spec: str) -> tuple[str, float]:
         raise UserInputError(
             f"--reward {spec!r}: missing reward name; write NAME or NAME=WEIGHT, e.g. ocr=1.0"
         )
-    for key, value in _MODIFIER_RE.findall(mods):
-        if key not in MODIFIERS:
-            raise UserInputError(
-                f"--reward {spec!r}: unknown modifier @{key}=; use @frames={'|'.join(FRAME_AGGREGATIONS)}"
-            )
-        if value not in MODIFIERS[key]:
-            raise UserInputError(
-                f"--reward {spec!r}: @{key}={value} is not one of {', '.join(MODIFIERS[key])}; "
-                f"e.g. {name}@{key}=mean"
-            )
-    if len(_MODIFIER_RE.findall(mods)) > 1:
-        raise UserInputError(f"--reward {spec!r}: give @frames= once")
+    _modifiers(spec, mods)
     name += mods
     if not sep:
         return name, 1.0

@@ -89,7 +89,9 @@ REWARDS = (
     "repetition_penalty",
     "rouge_l",
     "rouge_l_recall",
+    "temporal_consistency",
     "text_similarity",
+    "video_ocr",
     "vlm_judge",
 )  # stages.score.registry built-ins
 # The entry-point groups through which installed packages add rewards and advantage estimators.

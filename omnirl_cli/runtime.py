@@ -66,8 +66,10 @@ def map_shards(
     Shards finished by an earlier (crashed) run are skipped, so every per-shard stage resumes. Under a
     launcher (torchrun, `accelerate launch`) rank r takes the shards s with s % world == r and every rank
     waits for the others at the end, even one without a shard, so `finalize` then sees every shard.
+    A row that `fn` cannot decode (`CorruptRowError`) is reported with the input file that holds it.
     """
     from stages.dist import barrier, rank_shards
+    from stages.errors import CorruptRowError, CorruptShardError
 
     sizes = [info.rows for info in src.manifests[0].shards]
     mine = rank_shards(range(src.num_shards))
@@ -78,7 +80,12 @@ def map_shards(
             if writer.shard_done(s):
                 display.advance(task, sizes[s])
                 continue
-            writer.write_shard(s, fn(src.read_shard(s, columns=columns), lambda n: display.advance(task, n)))
+            shard = src.read_shard(s, columns=columns)
+            try:
+                out = fn(shard, lambda n: display.advance(task, n))
+            except CorruptRowError as exc:
+                raise CorruptShardError(f"{src.shard_path(s, exc.column)}: {exc}") from exc
+            writer.write_shard(s, out)
             written.append(s)
     barrier()
     return written

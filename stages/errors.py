@@ -22,6 +22,16 @@ class CorruptShardError(UserInputError):
     """A shard file whose bytes do not match its manifest, or that cannot be decoded."""
 
 
+class CorruptRowError(CorruptShardError):
+    """One row's stored media (an MP4, a PNG) cannot be decoded. `column` and `row` (the row's index in
+    its shard) let the command that read the shard name its file (`omnirl_cli.runtime.map_shards`)."""
+
+    def __init__(self, column: str, row: int, message: str) -> None:
+        super().__init__(message)
+        self.column = column
+        self.row = row
+
+
 class NonFiniteError(UserInputError):
     """NaN or inf in rewards, log-probs or losses: never trained on silently."""
 

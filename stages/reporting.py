@@ -2,6 +2,8 @@
 
 A run directory holds `it<K>/{samples,rewards,advantages,...}` shard sets and `it<K>/policy`
 adapters (the layout the recipes write). Plots are drawn with Pillow, so no plotting stack is needed.
+A video run's grids are contact sheets: each sample is its first, middle and last frame side by side
+(`KEY_FRAMES`); `video_preview` animates the first samples together as a GIF.
 """
 
 from __future__ import annotations
@@ -188,15 +190,41 @@ def reward_curve(rows: list[dict[str, Any]], path: Path, *, size: tuple[int, int
 
 LABEL_WIDTH = 170  # the prompt column beside each grid row
 LINE_HEIGHT = 14
+KEY_FRAMES = 3  # a video's tile in a contact sheet: its first, middle and last frame
 
 
-def _groups(samples: Path, rewards: Path | None) -> list[tuple[str, list[tuple[bytes, float | None]]]]:
-    """The first shard's prompt groups in order: (prompt, [(PNG bytes, reward or None)])."""
+def key_frame_indices(count: int) -> list[int]:
+    """The first, middle and last frame of a `count`-frame video (repeated for very short ones)."""
+    return [0, (count - 1) // 2, count - 1]
+
+
+def _tile(data: bytes, media: str, cell: int) -> Any:
+    """One sample's tile: its image `cell`×`cell`, or for a video its key frames side by side
+    (`KEY_FRAMES`·`cell` wide)."""
+    from PIL import Image
+
+    if media != "video":
+        return Image.open(io.BytesIO(data)).convert("RGB").resize((cell, cell), Image.Resampling.NEAREST)
+    from stages.media.video import decode_mp4
+
+    frames = decode_mp4(data).frames
+    strip = Image.new("RGB", (KEY_FRAMES * cell, cell), "white")
+    for j, index in enumerate(key_frame_indices(len(frames))):
+        strip.paste(frames[index].resize((cell, cell), Image.Resampling.NEAREST), (j * cell, 0))
+    return strip
+
+
+def _groups(
+    samples: Path, rewards: Path | None, media: str = "image"
+) -> list[tuple[str, list[tuple[bytes, float | None]]]]:
+    """The first shard's prompt groups in order: (prompt, [(PNG or, for `media` "video", MP4 bytes,
+    reward or None)])."""
     from stages.shards.reader import ShardSet, open_inputs
 
+    column = "video" if media == "video" else "image"
     paths = [samples] + ([rewards] if rewards and (rewards / MANIFEST_NAME).is_file() else [])
     src = open_inputs(paths) if len(paths) > 1 else ShardSet(samples)
-    cols = ["sample_id", "group_id", "prompt", "image"] + (["reward"] if len(paths) > 1 else [])
+    cols = ["sample_id", "group_id", "prompt", column] + (["reward"] if len(paths) > 1 else [])
     data = src.read_shard(0, columns=cols)
     order: dict[str, list[int]] = {}
     for i, g in enumerate(data["group_id"]):
@@ -204,7 +232,7 @@ def _groups(samples: Path, rewards: Path | None) -> list[tuple[str, list[tuple[b
     return [
         (
             data["prompt"][members[0]],
-            [(data["image"][i], float(data["reward"][i]) if "reward" in data else None) for i in members],
+            [(data[column][i], float(data["reward"][i]) if "reward" in data else None) for i in members],
         )
         for members in order.values()
     ]
@@ -236,10 +264,11 @@ def _draw_rows(
     *,
     per_group: int,
     cell: int,
+    media: str = "image",
 ) -> Path:
-    """Rows of images with the prompt beside each: `blocks` are side-by-side column blocks (one per
-    policy) over the same prompts; each tile is labelled with its reward and underlined in a colour
-    from red (the grid's lowest reward) to green (its highest)."""
+    """Rows of images (for `media` "video", key-frame strips) with the prompt beside each: `blocks` are
+    side-by-side column blocks (one per policy) over the same prompts; each tile is labelled with its
+    reward and underlined in a colour from red (the grid's lowest reward) to green (its highest)."""
     from PIL import Image, ImageDraw
 
     rewards = [r for block in blocks for _, members in block for _, r in members[:per_group] if r is not None]
@@ -249,14 +278,15 @@ def _draw_rows(
     gap = 12
     top = LINE_HEIGHT + 4 if headers else 0
     row_h = cell + LINE_HEIGHT + 4
-    width = LABEL_WIDTH + sum(n * cell for n in widths) + gap * (len(blocks) - 1)
+    tile_w = cell * (KEY_FRAMES if media == "video" else 1)
+    width = LABEL_WIDTH + sum(n * tile_w for n in widths) + gap * (len(blocks) - 1)
     img = Image.new("RGB", (width, top + n_rows * row_h), "white")
     draw = ImageDraw.Draw(img)
     x0s = []
     x = LABEL_WIDTH
     for n in widths:
         x0s.append(x)
-        x += n * cell + gap
+        x += n * tile_w + gap
     for x0, header in zip(x0s, headers or []):
         draw.text((x0 + 2, 2), "  ".join(header.split()), fill="black")
     for r in range(n_rows):
@@ -265,19 +295,16 @@ def _draw_rows(
         for i, line in enumerate(_wrap(prompt, LABEL_WIDTH - 8, draw)[: cell // LINE_HEIGHT]):
             draw.text((4, y + LINE_HEIGHT + 4 + i * LINE_HEIGHT), line, fill="black")
         for x0, n, block in zip(x0s, widths, blocks):
-            for c, (png, reward) in enumerate(block[r][1][:n]):
-                tile = (
-                    Image.open(io.BytesIO(png)).convert("RGB").resize((cell, cell), Image.Resampling.NEAREST)
-                )
-                img.paste(tile, (x0 + c * cell, y + LINE_HEIGHT))
+            for c, (data, reward) in enumerate(block[r][1][:n]):
+                img.paste(_tile(data, media, cell), (x0 + c * tile_w, y + LINE_HEIGHT))
                 if reward is not None:
                     colour = _reward_colour(reward, lo, hi)
-                    draw.text((x0 + c * cell + 2, y), f"{reward:.3f}", fill=colour)
+                    draw.text((x0 + c * tile_w + 2, y), f"{reward:.3f}", fill=colour)
                     draw.rectangle(
                         [
-                            x0 + c * cell + 1,
+                            x0 + c * tile_w + 1,
                             y + LINE_HEIGHT + cell,
-                            x0 + (c + 1) * cell - 2,
+                            x0 + (c + 1) * tile_w - 2,
                             y + LINE_HEIGHT + cell + 2,
                         ],
                         fill=colour,
@@ -295,6 +322,50 @@ def image_grid(
     return _draw_rows([_groups(samples, rewards)[:groups]], None, path, per_group=per_group, cell=cell)
 
 
+def contact_sheet(
+    samples: Path, rewards: Path | None, path: Path, *, groups: int = 4, per_group: int = 4, cell: int = 64
+) -> Path:
+    """A video rollout's grid: the first `groups` prompt groups (rows, the prompt beside each) ×
+    `per_group` samples, each shown as its first, middle and last frame and labelled with its reward.
+    The PNG is LABEL_WIDTH + per_group·KEY_FRAMES·cell wide and groups·(cell + LINE_HEIGHT + 4) high."""
+    rows = _groups(samples, rewards, "video")[:groups]
+    return _draw_rows([rows], None, path, per_group=per_group, cell=cell, media="video")
+
+
+def video_preview(
+    samples: Path, path: Path, *, count: int = 8, columns: int = 4, cell: int = 96, max_frames: int = 48
+) -> Path:
+    """An animated GIF of the first `count` samples of a video rollout, playing together in a grid of
+    `columns` (`cell`-pixel tiles) at their fps; longer videos are shown every k-th frame (at most
+    `max_frames` frames, k times as long each). A video that ends early holds its last frame."""
+    from PIL import Image
+
+    from stages.media.video import decode_mp4
+    from stages.shards.reader import ShardSet
+
+    blobs = ShardSet(samples).read_shard(0, columns=["video"])["video"][:count]
+    videos = [decode_mp4(blob) for blob in blobs]
+    if not videos:
+        raise UserInputError(f"{samples}: no video to preview")
+    length = max(len(v.frames) for v in videos)
+    step = max(1, math.ceil(length / max_frames))
+    columns = min(columns, len(videos))
+    rows = math.ceil(len(videos) / columns)
+    pictures = []
+    for t in range(0, length, step):
+        canvas = Image.new("RGB", (columns * cell, rows * cell), "white")
+        for i, video in enumerate(videos):
+            frame = video.frames[min(t, len(video.frames) - 1)].resize(
+                (cell, cell), Image.Resampling.BILINEAR
+            )
+            canvas.paste(frame, ((i % columns) * cell, (i // columns) * cell))
+        pictures.append(canvas)
+    duration = max(20, round(1000 * step / videos[0].fps))  # GIF frame times are in 10 ms units
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pictures[0].save(path, save_all=True, append_images=pictures[1:], duration=duration, loop=0)
+    return path
+
+
 def comparison_grid(
     before: tuple[Path, Path | None],
     after: tuple[Path, Path | None],
@@ -304,15 +375,18 @@ def comparison_grid(
     groups: int = 8,
     per_group: int = 4,
     cell: int = 64,
+    media: str = "image",
 ) -> Path | None:
     """Before/after grid: per prompt (rows, the prompt beside each), `per_group` samples of the
-    `before` (samples, rewards) sets next to the same prompt's samples of `after`. Meant for two
-    rollouts of the same prompts and seeds (a held-out evaluation, or a fixed-seed recipe), so a
-    column is the same starting noise under two policies; None when their prompts differ."""
-    first, last = _groups(*before), _groups(*after)
+    `before` (samples, rewards) sets next to the same prompt's samples of `after` (key-frame strips for
+    `media` "video"). Meant for two rollouts of the same prompts and seeds (a held-out evaluation, or a
+    fixed-seed recipe), so a column is the same starting noise under two policies; None when their
+    prompts differ."""
+    first, last = _groups(*before, media), _groups(*after, media)
     if [p for p, _ in first] != [p for p, _ in last]:
         return None
-    return _draw_rows([first[:groups], last[:groups]], list(headers), path, per_group=per_group, cell=cell)
+    blocks = [first[:groups], last[:groups]]
+    return _draw_rows(blocks, list(headers), path, per_group=per_group, cell=cell, media=media)
 
 
 def response_sheet(samples: Path, rewards: Path | None, path: Path, *, groups: int = 8) -> Path:

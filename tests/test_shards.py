@@ -15,6 +15,7 @@ import torch
 from PIL import Image
 
 from stages.errors import UserInputError
+from stages.media.video import encode_mp4
 from stages.shards import (
     Column,
     ShardSet,
@@ -78,6 +79,13 @@ def png_bytes(seed: int, size: int = 8) -> bytes:
     return buf.getvalue()
 
 
+def mp4_bytes(seed: int, frames: int = 2, size: int = 8, fps: float = 16) -> bytes:
+    """A real MP4 of `frames` random `size`×`size` frames (a video column's rows are probed on write)."""
+    rng = np.random.default_rng(seed)
+    pictures = [Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)) for _ in range(frames)]
+    return encode_mp4(pictures, fps)
+
+
 def mixed_batch(rows: int, seed: int) -> dict:
     """One of every column kind, with awkward values."""
     texts = ["", "plain", "héllo wörld", "日本語のテキスト", "emoji 🚀✨", "line\nbreak\ttab", "a.b.c"]
@@ -96,7 +104,7 @@ def mixed_batch(rows: int, seed: int) -> dict:
         "prompt_meta": [metas[(r + seed) % len(metas)] for r in range(rows)],
         "blob": [bytes([r % 256, 0, 255]) * r for r in range(rows)],
         "image": [png_bytes(seed * 100 + r) for r in range(rows)],
-        "video": [b"\x00\x00\x00\x18ftypmp42" + bytes([r]) for r in range(rows)],
+        "video": [mp4_bytes(seed * 100 + r) for r in range(rows)],
         "reward.ocr": make_tensor(torch.float32, (), rows, seed),
         "latents": make_tensor(torch.bfloat16, (2, 2, 4, 4), rows, seed + 1),
         "log_probs": make_tensor(torch.float32, (3,), rows, seed + 2),
@@ -282,9 +290,12 @@ def test_parquet_layout(tmp_path) -> None:
     assert schema.field("reward.ocr").type == pa.float32()
     assert schema.field("prompt_meta").metadata[b"omnirl.kind"] == b"json"
     encoded_file = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
-    assert schema.field("image").type == encoded_file and schema.field("video").type == pa.large_binary()
+    assert schema.field("image").type == encoded_file and schema.field("video").type == encoded_file
+    video = schema.field("video").metadata
+    assert video[b"omnirl.shape"] == b"[2, 8, 8]" and float(video[b"omnirl.fps"]) == 16.0
     features = json.loads(schema.metadata[b"huggingface"])["info"]["features"]
-    assert features == {"image": {"_type": "Image"}}  # the rest datasets infers from the types
+    # the rest datasets infers from the types
+    assert features == {"image": {"_type": "Image"}, "video": {"decode": False, "_type": "Video"}}
     rg = pf.metadata.row_group(0)
     chunks = {rg.column(i).path_in_schema: rg.column(i) for i in range(rg.num_columns)}
     latents = "latents" + ".list.element" * 4
@@ -293,7 +304,7 @@ def test_parquet_layout(tmp_path) -> None:
         assert chunks[path].has_offset_index, path
     assert chunks["prompt"].has_dictionary_page
     assert chunks["prompt"].compression == "ZSTD"
-    for path in (latents, "image.bytes", "video"):
+    for path in (latents, "image.bytes", "video.bytes"):
         assert chunks[path].compression == "UNCOMPRESSED", path
 
 

@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from PIL import Image
-from test_shards import DTYPES, SHAPES, bits, make_tensor, png_bytes
+from test_shards import DTYPES, SHAPES, bits, make_tensor, mp4_bytes, png_bytes, write_set
 
 from stages.shards import Column, ShardSet, ShardSetWriter
 from stages.shards.manifest import MANIFEST_NAME
@@ -105,6 +105,32 @@ def assert_loads_like_manifest(path: Path, how: str, cache: Path) -> None:
         assert isinstance(ds.features["image"], datasets.Image)
         for pil, data in zip(ds["image"], want["image"]):
             assert np.array_equal(np.asarray(pil), np.asarray(Image.open(io.BytesIO(data))))
+    if "video" in want:
+        # declared Video(decode=False): rows are the MP4 files as stored, loadable without torchcodec
+        assert ds.features["video"] == datasets.Video(decode=False)
+        assert [row["bytes"] for row in ds["video"]] == want["video"]
+
+
+@pytest.mark.parametrize("how", HOW)
+def test_video_columns_load_as_video_files(tmp_path: Path, how: str) -> None:
+    shards = [
+        {"sample_id": [f"s{s}-{r}" for r in range(2)], "video": [mp4_bytes(10 * s + r) for r in range(2)]}
+        for s in range(2)
+    ]
+    write_set(tmp_path / "set", shards, "parquet", kinds={"video": "video"})
+    assert_loads_like_manifest(tmp_path / "set", how, tmp_path / "cache")
+
+
+def test_webdataset_video_members_load_as_video_files(tmp_path: Path) -> None:
+    batch = {"sample_id": ["a", "b"], "video": [mp4_bytes(1), mp4_bytes(2)]}
+    write_set(tmp_path / "set", [batch], "webdataset", kinds={"video": "video"})
+    ds = datasets.load_dataset(
+        "webdataset", data_files=f"{tmp_path}/set/*.tar", split="train", cache_dir=str(tmp_path / "cache")
+    )
+    # datasets maps the .mp4 members to its Video feature; without decoding, they are the stored files
+    assert isinstance(ds.features["video.mp4"], datasets.Video)
+    ds = ds.cast_column("video.mp4", datasets.Video(decode=False))
+    assert [row["bytes"] for row in ds["video.mp4"]] == batch["video"]
 
 
 @pytest.mark.parametrize("how", HOW)

@@ -406,7 +406,7 @@ def test_text_rewards_are_registered_as_text():
     assert reward_kind("text_similarity") == reward_kind("length_penalty") == "text"
     assert reward_kind("jpeg_compressibility") == reward_kind("ocr") == "image"
     with pytest.raises(ValueError, match="kind"):
-        register_reward("some_video_reward", kind="video")
+        register_reward("some_audio_reward", kind="audio")
 
 
 def test_score_batch_combines_text_rewards():

@@ -54,6 +54,9 @@ def _render(info: dict[str, Any], head: list[dict[str, Any]], sha: dict[str, str
         shape = (
             ("×".join(str(d) for d in col.get("shape") or ()) or "scalar") if col["kind"] == "tensor" else ""
         )
+        if col["kind"] == "video" and col.get("shape"):
+            frames, height, width = col["shape"]
+            shape = f"{frames} frames {width}×{height} @ {col['fps']:g} fps"
         row = [col["name"], col["kind"], col.get("dtype") or "", shape]
         if st:
             row += [

@@ -25,7 +25,8 @@ def report(
     """Summarise a run: per-iteration reward table (mean ± standard error; the mean of each named reward,
     e.g. a strict accuracy; the held-out evaluation in it<K>/eval when there is one), RUN/reward_curve.png,
     RUN/it<K>/grid.png (for a VLM run RUN/it<K>/responses.md: each group's responses with their rewards,
-    best first) and RUN/before_after.png: the first and last iteration's samples of the same prompts
+    best first; for a video run a contact sheet, each sample as its first, middle and last frame, plus
+    RUN/it<K>/preview.gif, the first samples playing together) and RUN/before_after.png: the first and last iteration's samples of the same prompts
     side by side (the held-out evaluation's, else the training samples' when the recipe re-samples the
     same prompts and seeds). Every grid row has its prompt beside it.
 
@@ -38,10 +39,12 @@ def report(
     from stages.reporting import (
         collect,
         comparison_grid,
+        contact_sheet,
         image_grid,
         iterations,
         response_sheet,
         reward_curve,
+        video_preview,
     )
     from stages.shards.manifest import read_manifest
     from stages.shards.reader import rollout_modality
@@ -49,7 +52,9 @@ def report(
 
     tracking = Tracking(parse_report_to(report_to), run, run_name)
     sheets = []
-    image_sets: dict[str, list[tuple[int, Path]]] = {"eval": [], "samples": []}
+    previews = []
+    # per kind of rollout: (iteration, directory holding samples/ and rewards/, its media)
+    image_sets: dict[str, list[tuple[int, Path, str]]] = {"eval": [], "samples": []}
     with progress(not json_) as bar:
         task = bar.add_task(f"report {run}", total=None, rate="")
         rows = collect(run)
@@ -59,24 +64,34 @@ def report(
         for k, it in found:
             bar.advance(task)
             samples = it / "samples"
-            if (it / "eval" / "samples" / "_manifest.json").is_file():
-                image_sets["eval"].append((k, it / "eval"))
+            evaluated = it / "eval" / "samples"
+            if (evaluated / "_manifest.json").is_file():
+                image_sets["eval"].append((k, it / "eval", rollout_modality([read_manifest(evaluated)])))
             if not (samples / "_manifest.json").is_file():
                 continue
-            if rollout_modality([read_manifest(samples)]) == "text":
+            modality = rollout_modality([read_manifest(samples)])
+            if modality == "text":
                 sheets.append((k, response_sheet(samples, it / "rewards", it / "responses.md")))
+            elif modality == "video":
+                image_sets["samples"].append((k, it, modality))
+                sheets.append((k, contact_sheet(samples, it / "rewards", it / "grid.png")))
+                previews.append(str(video_preview(samples, it / "preview.gif")))
             else:
-                image_sets["samples"].append((k, it))
+                image_sets["samples"].append((k, it, modality))
                 sheets.append((k, image_grid(samples, it / "rewards", it / "grid.png")))
     grid_paths = [str(path) for _, path in sheets]
     comparison = None
     for name, found_sets in image_sets.items():
-        if len(found_sets) > 1:
-            (k0, first), (k1, last) = found_sets[0], found_sets[-1]
+        if len(found_sets) > 1 and found_sets[0][2] == found_sets[-1][2] != "text":
+            (k0, first, media), (k1, last, _) = found_sets[0], found_sets[-1]
             sets = [(d / "samples", d / "rewards") for d in (first, last)]
             where = "held-out eval" if name == "eval" else "samples"
             comparison = comparison_grid(
-                sets[0], sets[1], run / "before_after.png", headers=(f"it{k0} ({where})", f"it{k1} ({where})")
+                sets[0],
+                sets[1],
+                run / "before_after.png",
+                headers=(f"it{k0} ({where})", f"it{k1} ({where})"),
+                media=media,
             )
             if comparison is not None:
                 break
@@ -89,6 +104,7 @@ def report(
                 "iterations": rows,
                 "reward_curve": str(curve),
                 "grids": grid_paths,
+                "previews": previews,
                 "before_after": str(comparison) if comparison else None,
                 **tracked,
             }

@@ -41,6 +41,7 @@ from ..runtime import (
 SAMPLING = "Sampling"
 MODEL = "Model"
 VLM = "Vision-language models"
+VIDEO = "Video"
 ENGINE = "Rollout engine"
 # Least memory a diffusion rollout holds per sample before any model output: every sample is planned
 # up front (ids and seeds, about 270 bytes each, measured for `stages.sample.stage.plan_rows`).
@@ -319,6 +320,25 @@ def sample(
             rich_help_panel=VLM,
         ),
     ] = "audios",
+    fps: Annotated[
+        float,
+        typer.Option(
+            "--fps",
+            min=0.001,
+            help="Frames per second of a video family's MP4 `video` column (Wan 2.1: 16, Wan 2.2 TI2V-5B: 24); "
+            "image families ignore it.",
+            rich_help_panel=VIDEO,
+        ),
+    ] = 16.0,
+    save_frames: Annotated[
+        bool,
+        typer.Option(
+            "--save-frames",
+            help="A video family also stores every decoded frame losslessly: a `frames` column of PNGs per "
+            "sample (score then reads them instead of decoding the MP4).",
+            rich_help_panel=VIDEO,
+        ),
+    ] = False,
     num_shards: NumShardsOpt = None,
     shard_rows: ShardRowsOpt = 256,
     shard_index: Annotated[
@@ -336,6 +356,8 @@ def sample(
     json_: JsonOpt = False,
 ) -> None:
     """Sample GROUP images per prompt and write trajectories: stored latents, log-probs, σ, final latent, PNG.
+
+    A video family (its decode gives frame lists) writes an MP4 `video` column at --fps instead of the PNG.
 
     Each sample has its own seed, so a sample never depends on the batch size. A re-run skips shards
     that are complete and verified.
@@ -355,6 +377,7 @@ def sample(
     if is_vlm_model(c["model"]):
         _sample_vlm(c, json_)
         return
+    from stages.media import output_modality
     from stages.models.factory import default_text_length
     from stages.sample.engines import DEFAULT_ENGINE, EngineOptions, engine_class
     from stages.sample.prompts import sample_prompts
@@ -383,13 +406,12 @@ def sample(
         return
     engine = engine_type.open(options, device())
     try:
-        extra = {
-            "sample_config": asdict(cfg),
-            "family": engine.family,
-            "modality": "image",
-            "engine": engine.describe(),
-        }
-        _run(c, json_, writer, len(picked), "images", extra, partial(run_sample, engine, cfg, picked))
+        extra = {"sample_config": asdict(cfg), "family": engine.family, "engine": engine.describe()}
+
+        def with_modality(columns: list) -> dict:
+            return {**extra, "modality": output_modality([col.kind for col in columns])}
+
+        _run(c, json_, writer, len(picked), "images", with_modality, partial(run_sample, engine, cfg, picked))
     finally:
         engine.close()
 
@@ -468,11 +490,13 @@ def _run(
     writer: Any,
     num_prompts: int,
     unit: str,
-    extra: dict,
+    extra: dict | Callable[[list], dict],
     sample_fn: Callable[..., dict],
 ) -> None:
     """Sample this process's shards with a progress bar, write the manifest once every shard exists,
     then report. `sample_fn(group_size, writer, num_shards=, shard_indices=, policy_version=, on_batch=)`.
+    `extra` is the manifest's extra, or a function of the written columns giving it (the rollout's
+    modality follows from its media columns).
 
     Under a launcher (torchrun, `accelerate launch`) rank r samples the shards s with s % world == r;
     after every rank is done (one without a shard too), rank 0 writes the manifest and reports for all.
@@ -502,7 +526,7 @@ def _run(
     result = _combine(results, unit)
     manifest = None
     if all(writer.shard_done(s) for s in range(c["num_shards"])):
-        manifest = writer.finalize(extra=extra)
+        manifest = writer.finalize(extra=extra(writer.columns) if callable(extra) else extra)
     result.update(out=str(c["out"]), complete=manifest is not None, skipped=False)
     if json_:
         emit_json(result)

@@ -36,9 +36,12 @@ def score(
             "--reward",
             "-r",
             autocompletion=complete(REWARDS, REWARD_ENTRY_POINTS),
-            help="NAME[=WEIGHT], repeatable: a built-in image reward (jpeg_compressibility, "
+            help="NAME[@frames=AGG][=WEIGHT], repeatable: a built-in image reward (jpeg_compressibility, "
             "jpeg_incompressibility, ocr, pickscore, clipscore, image_similarity, aesthetic, geneval, "
-            "geneval_strict, geneval_shapes, geneval_shapes_strict, vlm_judge) or text reward for VLM rollouts "
+            "geneval_strict, geneval_shapes, geneval_shapes_strict, vlm_judge), for video rollouts an image "
+            "reward on the frames with @frames=mean|min|first|last (e.g. pickscore@frames=mean=0.5) or a video "
+            "reward (temporal_consistency: CLIP cosine of consecutive frames; video_ocr: flow_grpo's Wan OCR "
+            "over every 4th frame), or a text reward for VLM rollouts "
             "(format_think_answer, format_boxed, accuracy, bleu, rouge_l, rouge_l_recall, meteor, text_similarity, "
             "length_penalty, repetition_penalty), remote:http://HOST:PORT/NAME (a reward served by `omnirl "
             "serve-reward`), module:function or path/file.py:function, or an 'omnirl.rewards' entry point. The "
@@ -57,6 +60,8 @@ def score(
             "clip-vit-large-patch14 (the cosine, ~0.2-0.35). image_similarity: CLIP image-image cosine to the "
             "prompt row's reference_image file, or to reference=IMAGE. aesthetic: LAION MLP on the normalised "
             "CLIP ViT-L/14 image embedding, mlp=sac+logos+ava1-l14-linearMSE.pth or .safetensors (~1-10). "
+            "temporal_consistency takes the CLIP arguments; video_ocr frame_interval=N (4). NAME@frames=AGG uses "
+            "NAME's arguments. "
             "Model paths are part of the output's identity (with their content digests).",
         ),
     ] = None,
@@ -79,7 +84,8 @@ def score(
 
     A scorer that fails or returns NaN stops the run naming the sample, unless --on-error zero.
     Plugins take (images: list[PIL.Image], prompts: list[str], meta: list[dict]) and return one float
-    (or None) per sample; text plugins take the response strings instead and set `reward_kind = "text"`
+    (or None) per sample; video plugins set `reward_kind = "video"` and take one list of frames
+    (PIL images) per sample instead of an image; text plugins take the response strings instead and set `reward_kind = "text"`
     (wrap verl `compute_score` or trl reward functions with stages.score.text_rewards.verl_compute_score
     / trl_reward). Meta holds the prompt row's ground_truth, data_source, extra_info,
     max_response_length and response_length.
@@ -140,7 +146,7 @@ def score(
         return out
 
     if not writer.complete:
-        map_shards(src, writer, "scoring", needed_columns(modality), score_one, bar=not json_)
+        map_shards(src, writer, "scoring", needed_columns(modality, src.columns), score_one, bar=not json_)
     if not finalize(writer):
         return
     from stages.shards.reader import ShardSet

@@ -1,13 +1,13 @@
 """Rollouts: denoise a batch with the chosen sampler and record the stochastic (trainable) steps.
 
 One row per generated sample, in the trajectory schema of DESIGN.md: only the stored window's
-latents [K+1, C, h, w], log-probs [K], timesteps [K] and σ [K+1], plus the final latent and a PNG.
+latents [K+1, C, h, w], log-probs [K], timesteps [K] and σ [K+1], plus the final latent and its decoded
+media (`stages.media.media_columns`: a PNG, or for a video family an MP4 at `fps`).
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
@@ -16,6 +16,7 @@ import torch
 
 from stages.errors import UserInputError
 from stages.finite import MODEL_HINT, check_finite
+from stages.media import media_columns
 from stages.models.diffusion import FlowPolicy, seed_generator
 from stages.sample.samplers import SAMPLERS, step
 from stages.sample.windows import WindowSchedule
@@ -42,6 +43,8 @@ class SampleConfig:
     seed: int = 0
     batch_size: int = 8
     max_sequence_length: int = 128
+    fps: float = 16.0  # frames per second of a video family's MP4 (Wan 2.1: 16, Wan 2.2 TI2V-5B: 24)
+    save_frames: bool = False  # a video family also stores its frames losslessly (PNG per frame)
     # command options named otherwise than the field they set
     OPTION_NAMES: ClassVar[dict[str, str]] = {"sde_window": "window", "sde_window_range": "window_range"}
 
@@ -60,6 +63,8 @@ class SampleConfig:
             raise UserInputError(f"--steps {self.steps}: must be at least 1")
         if self.window < 0:
             raise UserInputError(f"--sde-window {self.window}: must be >= 0")
+        if not self.fps > 0:
+            raise UserInputError(f"--fps {self.fps}: the frame rate must be positive")
         if self.window:
             self.schedule()
 
@@ -99,12 +104,6 @@ def stored_steps(cfg: SampleConfig, group: Hashable) -> list[int]:
         return list(range(cfg.steps))
     seed = derive_seed(cfg.seed, "window", group) if cfg.window_strategy == "random" else 0
     return cfg.schedule().steps_for_iteration(cfg.iteration, seed=seed)
-
-
-def png_bytes(image: Any) -> bytes:
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")
-    return buf.getvalue()
 
 
 @torch.no_grad()
@@ -180,7 +179,7 @@ def rollout_batch(
         result["timesteps"] = torch.stack([sigmas[w] * 1000 for w in windows]).float().cpu()
         result["sigmas"] = torch.stack([sigmas[[*w, w[-1] + 1]] for w in windows]).float().cpu()
     check_finite(result, sample_ids, where="sample", hint=MODEL_HINT)
-    result["image"] = [png_bytes(im) for im in policy.decode(x)]
+    result.update(media_columns(policy.decode(x), cfg.fps, save_frames=cfg.save_frames))
     return result
 
 

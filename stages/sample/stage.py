@@ -12,12 +12,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from stages.errors import UserInputError
+from stages.media import FRAMES_COLUMN
 from stages.sample.engines import RolloutEngine
 from stages.sample.prompts import Prompt
 from stages.sample.rollout import SampleConfig, derive_seed
 from stages.shards.writer import ShardSetWriter
 
-KINDS = {"image": "image", "prompt_meta": "json"}
+KINDS = {"image": "image", "video": "video", FRAMES_COLUMN: "image_list", "prompt_meta": "json"}
 
 
 @dataclass

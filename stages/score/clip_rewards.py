@@ -22,6 +22,8 @@ the text tower's length (77). Embeddings are L2-normalised in float32. The numbe
 - ``image_similarity``: cos(image, reference image) in [−1, 1], both through the CLIP image tower.
 - ``aesthetic``: LAION's MLP (``sac+logos+ava1-l14-linearMSE``) on the normalised CLIP ViT-L/14 image
   embedding; the raw predicted rating, about 1–10 (typically 4–7).
+- ``temporal_consistency`` (a video reward): the mean over t of cos(frame t, frame t+1) of the CLIP
+  image embeddings of a video's frames, in [−1, 1] (1: no visible change); ``None`` for a one-frame video.
 """
 
 from __future__ import annotations
@@ -291,6 +293,29 @@ class ImageSimilarity(ClipReward):
         table = dict(zip(unique, self.image_embeddings([_open_image(path) for path in unique]), strict=True))
         reference = torch.stack([table[path] for path in references])
         return (self.image_embeddings(images) * reference).sum(-1)
+
+
+@register_reward("temporal_consistency", kind="video")
+class TemporalConsistency(ClipReward):
+    """Mean CLIP image-embedding cosine of consecutive frames of each video (temporal consistency).
+
+    All frames of a batch go through the image tower together (`batch_size` per forward).
+    """
+
+    reward = "temporal_consistency"
+    model_help = "a CLIP checkpoint folder, e.g. openai/clip-vit-large-patch14"
+
+    def __call__(
+        self, videos: Sequence[Sequence[Image.Image]], prompts: Sequence[str], meta: Sequence[dict]
+    ) -> list[float | None]:
+        embeddings = self.image_embeddings([frame for frames in videos for frame in frames])
+        out: list[float | None] = []
+        start = 0
+        for frames in videos:
+            e = embeddings[start : start + len(frames)]
+            start += len(frames)
+            out.append(float((e[:-1] * e[1:]).sum(-1).double().mean()) if len(frames) > 1 else None)
+        return out
 
 
 def _open_image(path: Path) -> Image.Image:

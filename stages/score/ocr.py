@@ -13,6 +13,13 @@ Differences from the reference, on purpose:
   one, is a bad prompt file: `UserInputError` naming the prompt.
 - Failures: Flow-GRPO turns an OCR exception into reward 0. Here the sample's score is ``None``
   ("could not score"), so the caller reports it and decides (fail, or record 0 and flag the row).
+
+``video_ocr`` is flow_grpo's OCR reward of its Wan video task (`OcrScorer_video_or_image`), on every
+`frame_interval`-th frame (frames 0, 4, 8, ... by default): per frame, with the same target and
+normalisation, r = 1 − min(d, len(target))/len(target) where d is the Levenshtein distance between the
+recognized text and the target (no substring shortcut in that task); the video's reward is the mean r
+over the sampled frames with r > 0, and 0 when there is none. An OCR failure on any sampled frame makes
+the video's score ``None`` (flow_grpo counts that frame as r = 0).
 """
 
 from __future__ import annotations
@@ -125,3 +132,47 @@ def ocr(images: Sequence[Image.Image], prompts: Sequence[str], meta: Sequence[di
             continue
         scores.append(ocr_text_reward(recognized, target))
     return scores
+
+
+def frame_ocr_reward(recognized: str, target: str) -> float:
+    """1 − min(d, len(target))/len(target) with d the Levenshtein distance of the normalized texts
+    (flow_grpo's per-frame video OCR reward: no substring shortcut)."""
+    recognized, target = _normalize(recognized), _normalize(target)
+    if not target:
+        raise ValueError("the OCR target text is empty after removing spaces")
+    return 1.0 - min(levenshtein(recognized, target), len(target)) / len(target)
+
+
+@register_reward("video_ocr", kind="video")
+class VideoOcr:
+    """OCR reward of a video (flow_grpo's Wan task, module docstring): the mean per-frame OCR reward over
+    every `frame_interval`-th frame that reads any of the target (r > 0), 0 when none does."""
+
+    def __init__(self, frame_interval: int = 4):
+        if frame_interval < 1:
+            raise UserInputError(
+                f"reward 'video_ocr': frame_interval={frame_interval} must be at least 1; "
+                "pass --reward-arg video_ocr.frame_interval=4"
+            )
+        self.frame_interval = frame_interval
+
+    def __call__(
+        self, videos: Sequence[Sequence[Image.Image]], prompts: Sequence[str], meta: Sequence[dict]
+    ) -> list[float | None]:
+        targets = [ocr_target(prompt, item) for prompt, item in zip(prompts, meta, strict=True)]
+        _get_engine()
+        scores: list[float | None] = []
+        for index, (frames, target) in enumerate(zip(videos, targets, strict=True)):
+            try:
+                rewards = [
+                    frame_ocr_reward(recognize_text(f), target) for f in frames[:: self.frame_interval]
+                ]
+            except Exception as exc:  # the engine's failure modes are not documented; the caller reports None
+                logger.warning(
+                    "reward 'video_ocr': OCR failed on batch item %d (%s: %s)", index, type(exc).__name__, exc
+                )
+                scores.append(None)
+                continue
+            read = [r for r in rewards if r > 0]
+            scores.append(sum(read) / len(read) if read else 0.0)
+        return scores

@@ -2,8 +2,9 @@
 
 A scorer is a callable ``scorer(images, prompts, meta) -> list[float | None]``:
 
-- ``images[i]`` is the decoded output of sample i (a ``PIL.Image.Image`` for image rollouts; text and
-  VLM scorers receive whatever their stage decodes, possibly ``None``, and read ``meta[i]``);
+- ``images[i]`` is the decoded output of sample i: a ``PIL.Image.Image`` for image rollouts; for video
+  rollouts the list of its frames (``list[PIL.Image.Image]``, RGB, in order); text and VLM scorers
+  receive whatever their stage decodes, possibly ``None``, and read ``meta[i]``;
 - ``prompts[i]`` is its text condition, ``meta[i]`` its task metadata dict (``prompt_meta``);
 - it returns one value per sample, ``None`` meaning "could not score this sample". The caller
   (`stages.score.scoring.score_batch`) reports ``None``; it never silently becomes 0.
@@ -28,6 +29,16 @@ Users add scorers without forking, in two ways:
 another protocol): `stages.score.remote.RemoteReward`, configured by reward arguments like a class.
 
 A plugin attribute that is a class is instantiated like a registered class (so it can hold a model).
+
+Reward kinds. A scorer declares what it scores (``register_reward(kind=...)``, or a plugin's
+``reward_kind`` attribute): ``"image"`` (the default), ``"text"`` or ``"video"`` (frame lists). The
+rollout's modality must match (`stages.score.stage`).
+
+Frame aggregation. ``NAME@frames=AGG`` turns image reward NAME into a video reward: NAME scores the
+frames of every video and AGG reduces them to one value per video: ``mean``, ``min`` (over all frames),
+``first`` or ``last`` (only that frame is scored). A frame NAME could not score makes the video's value
+``None``. The weight follows as usual: ``--reward pickscore@frames=mean=0.5``; NAME's reward arguments
+apply (``--reward-arg pickscore.model=...``); its column is ``reward.pickscore@frames=mean``.
 """
 
 from __future__ import annotations
@@ -67,7 +78,12 @@ _BUILTIN_MODULES = (
 )
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_\-]*$")
 
-REWARD_KINDS = ("image", "text")
+REWARD_KINDS = ("image", "text", "video")
+FRAME_AGGREGATIONS = ("mean", "min", "first", "last")
+# `NAME@KEY=VALUE` spec modifiers: the values each key takes
+MODIFIERS: dict[str, tuple[str, ...]] = {"frames": FRAME_AGGREGATIONS}
+_SPEC_RE = re.compile(r"(?P<name>.*?)(?P<mods>(?:@[A-Za-z_]+=[A-Za-z0-9_.\-]*)*)(?:=(?P<weight>[^=]*))?")
+_MODIFIER_RE = re.compile(r"@([A-Za-z_]+)=([A-Za-z0-9_.\-]*)")
 
 _REGISTRY: dict[str, Any] = {}  # name -> scorer function, or a scorer class configured by reward args
 _KINDS: dict[str, str] = {}
@@ -79,8 +95,9 @@ _builtins_loaded = False
 def register_reward(name: str, *, kind: str = "image") -> Callable[[_F], _F]:
     """Decorator registering a scorer under `name` (letters, digits, `_`, `-`).
 
-    `kind` says what the scorer's first argument holds: ``"image"`` (decoded samples) or ``"text"``
-    (response strings, see `stages.score.text_rewards`); `reward_kind` reports it.
+    `kind` says what the scorer's first argument holds: ``"image"`` (decoded samples), ``"video"``
+    (one list of frames per sample) or ``"text"`` (response strings, see `stages.score.text_rewards`);
+    `reward_kind` reports it.
     Registering a different object under a taken name is a programming error (ValueError), so two
     modules cannot silently shadow each other; re-registering the same object is a no-op.
     """
@@ -211,14 +228,96 @@ def _lookup(name: str) -> tuple[Any, str]:
     return obj, f"{name} (entry point)"
 
 
+def _modifiers(spec: str, mods: str) -> dict[str, str]:
+    """The ``@KEY=VALUE`` modifiers of `--reward` value `spec`, checked against `MODIFIERS`."""
+    found = _MODIFIER_RE.findall(mods)
+    for key, value in found:
+        if key not in MODIFIERS:
+            raise UserInputError(
+                f"--reward {spec!r}: unknown modifier @{key}=; use @frames={'|'.join(FRAME_AGGREGATIONS)}"
+            )
+        if value not in MODIFIERS[key]:
+            raise UserInputError(
+                f"--reward {spec!r}: @{key}={value} is not one of {', '.join(MODIFIERS[key])}; e.g. @{key}=mean"
+            )
+    if len(found) > len(dict(found)):
+        raise UserInputError(f"--reward {spec!r}: give each @KEY= modifier once")
+    return dict(found)
+
+
+def split_reward_name(name: str) -> tuple[str, dict[str, str]]:
+    """A reward name without its trailing ``@KEY=VALUE`` modifiers, and the (checked) modifiers:
+    ``"pickscore@frames=mean"`` → ``("pickscore", {"frames": "mean"})``."""
+    match = _SPEC_RE.fullmatch(name)
+    mods = match.group("mods") if match and match.group("weight") is None else ""
+    return name[: len(name) - len(mods)], _modifiers(name, mods)
+
+
+def frame_indices(count: int, how: str) -> list[int]:
+    """The frames of a `count`-frame video that aggregation `how` scores: all, or the first / last."""
+    if how == "first":
+        return [0] if count else []
+    if how == "last":
+        return [count - 1] if count else []
+    return list(range(count))
+
+
+class FrameAggregate:
+    """Image reward `scorer` applied to the frames of each video (one call for the whole batch),
+    reduced per video by `how` (`FRAME_AGGREGATIONS`): the scorer of ``NAME@frames=HOW``."""
+
+    reward_kind = "video"
+
+    def __init__(self, scorer: Scorer, how: str) -> None:
+        self.scorer = scorer
+        self.how = how
+
+    @property
+    def weight_paths(self) -> Any:
+        """The wrapped reward's model files (part of a run's identity), if it declares them."""
+        return getattr(self.scorer, "weight_paths", None)
+
+    def __call__(
+        self, videos: Sequence[Sequence[Any]], prompts: Sequence[str], meta: Sequence[dict]
+    ) -> list[float | None]:
+        picks = [frame_indices(len(frames), self.how) for frames in videos]
+        owners = [b for b, frames in enumerate(picks) for _ in frames]
+        flat = [videos[b][i] for b, frames in enumerate(picks) for i in frames]
+        values = (
+            list(self.scorer(flat, [prompts[b] for b in owners], [meta[b] for b in owners])) if flat else []
+        )
+        if len(values) != len(flat):
+            raise ValueError(f"the image reward returned {len(values)} scores for {len(flat)} frames")
+        out: list[float | None] = []
+        start = 0
+        for frames in picks:
+            part = values[start : start + len(frames)]
+            start += len(frames)
+            numbers = [float(v) for v in part if v is not None]
+            if not part or len(numbers) < len(part) or not all(math.isfinite(v) for v in numbers):
+                out.append(None)
+            else:
+                out.append(min(numbers) if self.how == "min" else math.fsum(numbers) / len(numbers))
+        return out
+
+
 def get_reward(name: str, args: Mapping[str, Any] | None = None) -> Scorer:
     """Return the scorer for `name`: a registered name, a `module:attribute` plugin, or an entry point,
-    configured with the reward arguments `args` (a class only; see the module docstring).
+    configured with the reward arguments `args` (a class only; see the module docstring); with an
+    ``@frames=AGG`` modifier, that image reward aggregated over each video's frames (`FrameAggregate`).
 
     Classes and plugins are loaded (and instantiated) once per process per distinct converted `args`
     and cached, so a model-backed scorer loads its model once however its arguments were spelt.
     """
     _load_builtins()
+    base, mods = split_reward_name(name)
+    if mods:
+        reward_kind(name)  # an @frames reward must wrap an image reward
+        key = (name, _args_key(args))
+        with _lock:
+            if key not in _PLUGINS:
+                _PLUGINS[key] = FrameAggregate(get_reward(base, args), mods["frames"])
+            return _PLUGINS[key]
     registered = _REGISTRY.get(name)
     if registered is not None and not isinstance(registered, type):
         resolve_reward_args(registered, name, args)
@@ -236,11 +335,20 @@ def get_reward(name: str, args: Mapping[str, Any] | None = None) -> Scorer:
 
 
 def reward_kind(name: str) -> str:
-    """``"image"`` or ``"text"``: the kind a registered reward was declared with; for a plugin, its
+    """``"image"``, ``"video"`` or ``"text"``: the kind a registered reward was declared with; for a plugin, its
     ``reward_kind`` attribute (set by the `text_rewards` adapters), ``"image"`` when it has none.
 
+    An ``@frames=AGG`` name is a video reward over an image reward.
     Nothing is instantiated: a configurable reward's kind is known before its arguments are checked."""
     _load_builtins()
+    base, mods = split_reward_name(name)
+    if mods:
+        kind = reward_kind(base)
+        if kind != "image":
+            raise UserInputError(
+                f"reward {name!r}: @frames= aggregates an image reward over video frames, but {base!r} scores {kind}s"
+            )
+        return "video"
     if name in _REGISTRY:
         kind = _KINDS[name]
     else:
@@ -259,15 +367,17 @@ def check_reward_args(names: Sequence[str], reward_args: RewardArgs | None) -> d
     converted, for the rewards of `names` that have any: the form recorded in a run's identity.
 
     Arguments for a reward that is not scored are dropped with a warning (a preset may configure more
-    rewards than a run's ``--reward`` picks).
+    rewards than a run's ``--reward`` picks). The arguments of NAME also configure ``NAME@frames=AGG``
+    (returned under that name too).
     """
     reward_args = dict(reward_args or {})
-    for extra in sorted(set(reward_args) - set(names)):
+    bases = {name: split_reward_name(name)[0] for name in names}
+    for extra in sorted(set(reward_args) - set(bases.values())):
         logger.warning("--reward-arg %s.*: %r is not a --reward of this run; ignored", extra, extra)
     resolved: dict[str, dict[str, Any]] = {}
-    for name in names:
-        obj, _ = _lookup(name)
-        args = resolve_reward_args(obj, name, reward_args.get(name))
+    for name, base in bases.items():
+        obj, _ = _lookup(base)
+        args = resolve_reward_args(obj, base, reward_args.get(base))
         get_reward(name, args)
         if args:
             resolved[name] = args
@@ -310,20 +420,25 @@ def reward_column(name: str) -> str:
 
 
 def parse_reward_spec(spec: str) -> tuple[str, float]:
-    """Parse one `--reward` value: ``NAME`` (weight 1) or ``NAME=WEIGHT``.
+    """Parse one `--reward` value: ``NAME[@frames=AGG][=WEIGHT]`` (weight 1 when absent).
 
-    NAME may be a plugin ``package.module:attribute``; the weight follows the last ``=``.
-    Zero and negative weights are allowed (a zero-weight reward is computed and logged, not trained on).
+    NAME may be a plugin ``package.module:attribute``; ``@frames=AGG`` (mean, min, first, last) applies
+    image reward NAME to video frames (module docstring); the weight follows the last ``=``. The name
+    returned keeps the modifier (``pickscore@frames=mean``). Zero and negative weights are allowed (a
+    zero-weight reward is computed and logged, not trained on).
     """
     text = spec.strip()
-    name, sep, weight_text = text.rpartition("=")
-    if not sep:
-        name, weight_text = text, ""
-    name = name.strip()
+    match = _SPEC_RE.fullmatch(text)
+    mods, weight_text = (match.group("mods"), match.group("weight")) if match else ("", None)
+    name = (match.group("name") if match else text).strip()
+    sep = weight_text is not None
+    weight_text = weight_text or ""
     if not name:
         raise UserInputError(
             f"--reward {spec!r}: missing reward name; write NAME or NAME=WEIGHT, e.g. ocr=1.0"
         )
+    _modifiers(spec, mods)
+    name += mods
     if not sep:
         return name, 1.0
     try:

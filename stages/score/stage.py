@@ -1,31 +1,66 @@
 """The `score` stage: rewards for every sample of a shard set, written as their own column group.
 
-An image rollout's scorers get the decoded images; a text-response rollout's (VLM `sample`) get the
-response strings, with `response_length` (tokens) added to each row's meta for length rewards. Each
-reward's declared kind (`registry.reward_kind`) must match the rollout.
+An image rollout's scorers get the decoded images; a video rollout's get each sample's frames (a list
+of RGB PIL images: the lossless `frames` column when `sample --save-frames` wrote one, else the decoded
+MP4); a text-response rollout's (VLM `sample`) get the response strings, with `response_length`
+(tokens) added to each row's meta for length rewards. Each reward's declared kind
+(`registry.reward_kind`) must match the rollout.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
-from stages.errors import UserInputError
+from stages.errors import CorruptRowError, UserInputError
+from stages.media import FRAMES_COLUMN
+from stages.media.video import MediaDecodeError, decode_mp4
 from stages.sample.vlm_data import decode_image
 from stages.score.registry import RewardArgs, reward_kind
 from stages.score.scoring import score_batch
 
 BASE = ("sample_id", "prompt", "prompt_meta")
+RERUN = "re-run `omnirl sample` for this rollout (or fix the file)"
 
 
-def needed_columns(modality: str) -> list[str]:
-    """The input columns `score_shard` reads from a rollout of `modality` ("image" or "text")."""
-    return [*BASE, "response_text", "response_length"] if modality == "text" else [*BASE, "image"]
+def needed_columns(modality: str, available: Collection[str] = ()) -> list[str]:
+    """The input columns `score_shard` reads from a rollout of `modality` ("image", "video" or "text")
+    whose shard sets hold the columns `available`."""
+    if modality == "text":
+        return [*BASE, "response_text", "response_length"]
+    if modality == "video":
+        return [*BASE, FRAMES_COLUMN if FRAMES_COLUMN in available else "video"]
+    return [*BASE, "image"]
 
 
 def decode_images(blobs: Sequence[bytes], sample_ids: Sequence[str]) -> list[Any]:
     """PNG/JPEG bytes → RGB PIL images; an undecodable blob names its sample."""
     return [decode_image(blob, f"sample {sid!r}") for blob, sid in zip(blobs, sample_ids)]
+
+
+def decode_videos(shard: dict[str, Any], start: int, stop: int) -> list[list[Any]]:
+    """The frames (RGB PIL images) of rows [start, stop) of a video rollout's shard: its `frames` column
+    when it has one, else its MP4s decoded. An undecodable row is a `CorruptRowError` naming the row."""
+    ids = shard["sample_id"]
+    if FRAMES_COLUMN in shard:
+        return [
+            [
+                decode_image(png, f"column '{FRAMES_COLUMN}' row {row} (sample {ids[row]!r})")
+                for png in shard[FRAMES_COLUMN][row]
+            ]
+            for row in range(start, stop)
+        ]
+    out = []
+    for row in range(start, stop):
+        try:
+            out.append(decode_mp4(shard["video"][row]).frames)
+        except MediaDecodeError as exc:
+            raise CorruptRowError(
+                "video",
+                row,
+                f"column 'video' row {row} (sample {ids[row]!r}) is not a readable MP4: {exc}; {RERUN}",
+            ) from None
+    return out
 
 
 def score_shard(
@@ -44,7 +79,7 @@ def score_shard(
     reward (`registry.get_reward`); `seconds[name]` accumulates each reward's time (`score_batch`)."""
     import torch
 
-    missing = [c for c in needed_columns(modality) if c not in shard]
+    missing = [c for c in needed_columns(modality, shard) if c not in shard]
     if missing:
         raise UserInputError(
             f"--in: column '{missing[0]}' is missing; score reads the output of `omnirl sample`"
@@ -53,9 +88,13 @@ def score_shard(
     want = modality
     for name, _ in specs:
         if reward_kind(name) != want:
+            hint = (
+                f"; score its frames with {name}@frames=mean (or min, first, last)"
+                if (want == "video" and reward_kind(name) == "image")
+                else "; pick a reward of the matching kind"
+            )
             raise UserInputError(
-                f"--reward {name}: it scores {reward_kind(name)}s but this rollout has {want} outputs; "
-                "pick a reward of the matching kind"
+                f"--reward {name}: it scores {reward_kind(name)}s but this rollout has {want} outputs{hint}"
             )
     n = len(shard["sample_id"])
     parts: list[dict[str, Any]] = []
@@ -66,11 +105,12 @@ def score_shard(
         if text:
             for row, length in zip(meta, shard["response_length"][start:stop].tolist()):
                 row["response_length"] = int(length)
-        outputs = (
-            list(shard["response_text"][start:stop])
-            if text
-            else decode_images(shard["image"][start:stop], ids)
-        )
+        if text:
+            outputs = list(shard["response_text"][start:stop])
+        elif modality == "video":
+            outputs = decode_videos(shard, start, stop)
+        else:
+            outputs = decode_images(shard["image"][start:stop], ids)
         parts.append(
             score_batch(
                 specs,

@@ -7,11 +7,14 @@ or `Dataset.from_parquet("SET/*.parquet")` gives each column its shape and decod
   once per dimension with non-nullable elements (`datasets`: List(List(Value, length=W), length=H),
   [N, *shape] in its numpy/torch formats). bf16 is stored as uint16 bits and bool as uint8, with the
   logical dtype in the field metadata (`omnirl.dtype`) and in the manifest;
-- image columns are `{bytes, path}` structs (its `Image` feature, path null), an image_list column a
-  list of them per row; the schema metadata key `huggingface` names their `datasets` features, which
-  is how it knows these are images. Videos stay plain binary (MP4 bytes). An audio_list column is a
-  list of the same structs with no feature named (`datasets` reads them as dicts; its Audio
-  feature would decode them with torchcodec).
+- image and video columns are `{bytes, path}` structs (its `Image` / `Video` features, path null), an
+  image_list column a list of them per row; the schema metadata key `huggingface` names their
+  `datasets` features, which is how it knows these are images and videos. Videos are declared
+  `Video(decode=False)`, so rows load as `{bytes, path}` without torchcodec (`cast_column("video",
+  Video())` decodes them where torchcodec is installed). A video field's metadata also holds its
+  frame shape (`omnirl.shape`: frames, height, width) and `omnirl.fps`.
+  An audio_list column is a list of the same structs with no feature named (`datasets` reads them
+  as dicts; its Audio feature would decode them with torchcodec).
 
 Schema version 1 shards (tensors as `arrow.fixed_shape_tensor`, images as plain binary) are still
 read. Tensor columns have no dictionary encoding and no statistics (neither pays on tensors).
@@ -67,8 +70,7 @@ _ARROW_STORAGE = {
 }
 # `datasets`' Image storage: the encoded file, or a path to it (always null here).
 ENCODED_FILE = pa.struct([pa.field("bytes", pa.binary()), pa.field("path", pa.string())])
-_IMAGE_KINDS = ("image", "image_list")
-_STRUCT_KINDS = ("image", *FILE_LIST_KINDS)  # stored as {bytes, path} structs
+_STRUCT_KINDS = ("image", "video", *FILE_LIST_KINDS)  # stored as {bytes, path} structs
 
 
 def _numpy_storage(col: Column) -> np.dtype:
@@ -85,7 +87,7 @@ def arrow_type(col: Column) -> pa.DataType:
         return out
     if col.kind in ("string", "json"):
         return pa.large_string()
-    if col.kind == "image":
+    if col.kind in ("image", "video"):
         return ENCODED_FILE
     if col.kind in FILE_LIST_KINDS:
         return pa.list_(ENCODED_FILE)
@@ -93,22 +95,26 @@ def arrow_type(col: Column) -> pa.DataType:
 
 
 def datasets_features(columns: list[Column]) -> dict:
-    """The `datasets` features (`Features.to_dict()` form) of the image columns, which their Arrow type
-    alone does not announce; `datasets` infers every other column from its type. Written in forms
-    that every `datasets` from 3.0 on parses (`Sequence`, which it reads as `List`)."""
+    """The `datasets` features (`Features.to_dict()` form) of the image and video columns, which their
+    Arrow type alone does not announce; `datasets` infers every other column from its type. Written in
+    forms that every `datasets` from 3.2 on parses (`Sequence`, which it reads as `List`; `Video`)."""
     image = {"_type": "Image"}
-    return {
-        c.name: image if c.kind == "image" else {"feature": image, "_type": "Sequence"}
-        for c in columns
-        if c.kind in _IMAGE_KINDS
+    features = {
+        "image": image,
+        "image_list": {"feature": image, "_type": "Sequence"},
+        "video": {"decode": False, "_type": "Video"},
     }
+    return {c.name: features[c.kind] for c in columns if c.kind in features}
 
 
 def _field(col: Column) -> pa.Field:
     meta = {"omnirl.kind": col.kind}
     if col.kind == "tensor":
         meta["omnirl.dtype"] = col.dtype
+    if col.kind in ("tensor", "video"):
         meta["omnirl.shape"] = json.dumps(list(col.shape))
+    if col.fps is not None:
+        meta["omnirl.fps"] = repr(col.fps)
     # `datasets` applies a feature from the schema metadata only to a field equal to the one it would
     # write itself, and it writes nullable fields.
     nullable = col.kind in _STRUCT_KINDS
@@ -138,7 +144,7 @@ def _to_arrow(col: Column, value) -> pa.Array | pa.ChunkedArray:
         return pa.array(value, type=pa.large_string())
     if col.kind == "json":
         return pa.array([json_text(col.name, i, v) for i, v in enumerate(value)], type=pa.large_string())
-    if col.kind == "image":
+    if col.kind in ("image", "video"):
         return _encoded_files(value)
     if col.kind in FILE_LIST_KINDS:
         rows = [[{"bytes": bytes(b), "path": None} for b in row] for row in value]
@@ -157,7 +163,7 @@ def _leaves(col: Column) -> list[str]:
 
 
 def _compression(col: Column) -> str:
-    if col.kind in (*_STRUCT_KINDS, "video") or (col.kind == "tensor" and col.dtype in _FLOATS):
+    if col.kind in _STRUCT_KINDS or (col.kind == "tensor" and col.dtype in _FLOATS):
         return "none"
     return "zstd"
 
@@ -208,7 +214,7 @@ def _tensor(col: Column, chunk: pa.Array, where: str) -> torch.Tensor:
 
 
 def _file_bytes(col: Column, chunk: pa.Array, where: str) -> list[bytes]:
-    """The encoded files of an image column (a struct column, or plain binary in version 1)."""
+    """The encoded files of an image or video column (a struct column, or plain binary before)."""
     if pa.types.is_struct(chunk.type):
         chunk = chunk.flatten()[chunk.type.get_field_index("bytes")]
     if chunk.null_count:
@@ -226,7 +232,7 @@ def table_to_batch(table: pa.Table, columns: list[Column], where: str) -> Batch:
             out[col.name] = _tensor(col, chunk, where)
         elif col.kind == "json":
             out[col.name] = [json.loads(s) for s in chunk.to_pylist()]
-        elif col.kind == "image":
+        elif col.kind in ("image", "video"):
             out[col.name] = _file_bytes(col, chunk, where)
         elif col.kind in FILE_LIST_KINDS:
             if chunk.null_count:

@@ -310,6 +310,14 @@ class ZippedShardSets:
     def paths(self) -> list[Path]:
         return [s.path for s in self.sets]
 
+    def shard_path(self, index: int, column: str | None = None) -> Path:
+        """The file of shard `index` in the input that holds `column` (the first input without one)."""
+        return (
+            self._owner.get(column, self.sets[0]).shard_path(index)
+            if column
+            else self.sets[0].shard_path(index)
+        )
+
     @property
     def manifests(self) -> list[Manifest]:
         return [s.manifest for s in self.sets]

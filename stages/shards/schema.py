@@ -5,6 +5,9 @@ string column a `list[str]`; a json column a list of JSON-serialisable values; b
 video columns are lists of already-encoded bytes (raw / PNG or JPEG / MP4); an image_list column
 holds a list of encoded image files per row (`list[list[bytes]]`, possibly empty), an audio_list
 column likewise a list of encoded audio files (WAV, FLAC, MP3, ...).
+
+A video column's rows share one geometry, read from each MP4's index when the column is written
+(`stages.media.video.probe_mp4`): its `shape` is (frames, height, width) and its `fps` the frame rate.
 """
 
 from __future__ import annotations
@@ -59,7 +62,8 @@ _BY_TORCH = {d.torch: d for d in TENSOR_DTYPES.values()}
 
 @dataclass(frozen=True)
 class Column:
-    """One column of a shard set: its kind, and for tensors the logical dtype and per-row shape.
+    """One column of a shard set: its kind, for tensors the logical dtype and per-row shape, for videos
+    the per-row (frames, height, width) and the frame rate.
 
     `shape` is the shape of ONE row; () is a scalar per row.
     """
@@ -68,19 +72,32 @@ class Column:
     kind: str
     dtype: str | None = None
     shape: tuple[int, ...] = ()
+    fps: float | None = None
 
     def to_json(self) -> dict:
         """Plain-JSON form stored in the manifest and in shard completion records."""
-        return {"name": self.name, "kind": self.kind, "dtype": self.dtype, "shape": list(self.shape)}
+        out = {"name": self.name, "kind": self.kind, "dtype": self.dtype, "shape": list(self.shape)}
+        if self.fps is not None:
+            out["fps"] = self.fps
+        return out
 
     @classmethod
     def from_json(cls, d: dict) -> Column:
         """Inverse of `to_json`; raises ValueError/KeyError/TypeError on malformed input."""
-        col = cls(str(d["name"]), str(d["kind"]), d.get("dtype"), tuple(int(s) for s in d.get("shape", ())))
+        fps = d.get("fps")
+        col = cls(
+            str(d["name"]),
+            str(d["kind"]),
+            d.get("dtype"),
+            tuple(int(s) for s in d.get("shape", ())),
+            None if fps is None else float(fps),
+        )
         if col.kind not in KINDS:
             raise ValueError(f"unknown column kind {col.kind!r}")
         if (col.kind == "tensor") != (col.dtype in TENSOR_DTYPES):
             raise ValueError(f"column {col.name!r}: kind {col.kind!r} with dtype {col.dtype!r}")
+        if col.fps is not None and col.kind != "video":
+            raise ValueError(f"column {col.name!r}: only a video column has an fps")
         return col
 
     @property
@@ -230,8 +247,31 @@ def infer_columns(batch: Batch, kinds: dict[str, str] | None = None) -> list[Col
             kind = _infer_list_kind(name, value)
         else:
             _check_list_kind(name, value, kind)
-        columns.append(Column(name, kind))
+        columns.append(_video_column(name, value) if kind == "video" else Column(name, kind))
     return columns
+
+
+def _video_column(name: str, rows: list | tuple) -> Column:
+    """A video column with the geometry and frame rate every row's MP4 index gives (all equal)."""
+    from stages.media.video import MediaDecodeError, probe_mp4
+
+    first = None
+    for i, data in enumerate(rows):
+        try:
+            info = probe_mp4(bytes(data))
+        except MediaDecodeError as exc:
+            raise UserInputError(f"column '{name}' row {i}: {exc}") from None
+        geometry = ((info.frames, info.height, info.width), info.fps)
+        if first is None:
+            first = geometry
+        elif geometry != first:
+            (f0, h0, w0), fps0 = first
+            raise UserInputError(
+                f"column '{name}' row {i} is {info.frames} frames of {info.width}×{info.height} at {info.fps:g} fps, "
+                f"row 0 {f0} frames of {w0}×{h0} at {fps0:g} fps; the videos of a column share one geometry"
+            )
+    shape, fps = first or ((), None)
+    return Column(name, "video", shape=shape, fps=fps)
 
 
 def json_text(name: str, row: int, value: Any) -> str:

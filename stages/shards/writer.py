@@ -187,6 +187,11 @@ class ShardSetWriter:
         inputs = [p.get("manifest_sha256") or p.get("sha256") for p in self.parents]
         return config_hash({"config_hash": self.config_hash, "policy": self.policy, "inputs": inputs})
 
+    @property
+    def columns(self) -> list[Column] | None:
+        """The columns of the shards written or found complete so far (None before any)."""
+        return self._columns
+
     def _check_existing(self, overwrite: bool) -> None:
         try:
             old = read_manifest(self.out_dir)
@@ -385,6 +390,9 @@ class ShardSetWriter:
 def _describe_column(c: Column | None) -> str:
     if c is None:
         return "absent"
+    if c.kind == "video" and c.shape:
+        frames, height, width = c.shape
+        return f"video of {frames} frames {width}×{height} at {c.fps:g} fps"
     return f"tensor {c.dtype}{list(c.shape)}" if c.kind == "tensor" else c.kind
 
 

@@ -1,0 +1,50 @@
+"""Encoded media of a rollout's outputs: PNG images and MP4 videos, and the columns that hold them.
+
+A family adapter's `decode` returns one output per sample: a PIL image (an image family) or a list of
+PIL frames (a video family). `media_columns` turns them into the shard columns `sample` writes
+(`image`: PNG bytes; `video`: MP4 bytes, `stages.media.video`), and `output_modality` names the kind
+of rollout those columns make ("image" or "video", recorded in the manifest for the stages after it).
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from typing import Any
+
+from stages.media.video import encode_mp4
+
+FRAMES_COLUMN = "frames"  # the lossless frames of a video rollout (`--save-frames`): PNG per frame
+
+
+def png_bytes(image: Any) -> bytes:
+    """A PIL image as PNG file bytes."""
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def is_video(output: Any) -> bool:
+    """Whether one decoded output is a video (a list or tuple of frames) rather than an image."""
+    return isinstance(output, (list, tuple))
+
+
+def media_columns(outputs: Sequence[Any], fps: float, *, save_frames: bool = False) -> dict[str, list]:
+    """The media columns of B decoded outputs: ``{"image": [PNG bytes]}`` for images, or
+    ``{"video": [MP4 bytes]}`` for frame lists (at `fps`), plus ``{"frames": [[PNG bytes per frame]]}``
+    with `save_frames`. A batch mixes no images and videos."""
+    videos = [is_video(o) for o in outputs]
+    if any(videos) and not all(videos):
+        raise ValueError("a decoded batch mixes images and frame lists")
+    if not all(videos) or not outputs:
+        return {"image": [png_bytes(o) for o in outputs]}
+    out: dict[str, list] = {"video": [encode_mp4(frames, fps) for frames in outputs]}
+    if save_frames:
+        out[FRAMES_COLUMN] = [[png_bytes(f) for f in frames] for frames in outputs]
+    return out
+
+
+def output_modality(kinds: Sequence[str]) -> str:
+    """The modality of a diffusion rollout whose columns have `kinds`: "video" when it holds a video
+    column, else "image"."""
+    return "video" if "video" in kinds else "image"

@@ -112,6 +112,25 @@ def sample(
             rich_help_panel=SAMPLING,
         ),
     ] = 512,
+    frames: Annotated[
+        int,
+        typer.Option(
+            "--frames",
+            min=1,
+            help="Frames per sample for a video family (Wan: 1 plus a multiple of 4, its pipeline's 81); "
+            "image families take 1.",
+            rich_help_panel=SAMPLING,
+        ),
+    ] = 1,
+    fps: Annotated[
+        int,
+        typer.Option(
+            "--fps",
+            min=1,
+            help="Frame rate recorded with a video family's clips (Wan 2.1: 16, Wan 2.2: 16 or 24).",
+            rich_help_panel=SAMPLING,
+        ),
+    ] = 16,
     sampler: Annotated[
         Sampler,
         typer.Option(
@@ -333,6 +352,9 @@ def sample(
 
     Example: [bold]omnirl sample --model models/sd3-tiny --prompts prompts.txt -n 8 --steps 10 \\
     --resolution 64 --sampler sde --noise-level 0.7 --out run/it0/samples[/]
+
+    Video (Wan): [bold]omnirl sample --model models/wan-tiny --prompts prompts.txt -n 4 --resolution 32 \\
+    --frames 5 --out run/it0/samples[/]
 
     VLM: [bold]omnirl sample --model models/vlm-tiny --prompts geo3k.parquet -n 5 --max-new-tokens 256 --out run/it0/samples[/]
     """

@@ -1,7 +1,8 @@
 """Rollouts: denoise a batch with the chosen sampler and record the stochastic (trainable) steps.
 
 One row per generated sample, in the trajectory schema of DESIGN.md: only the stored window's
-latents [K+1, C, h, w], log-probs [K], timesteps [K] and σ [K+1], plus the final latent and a PNG.
+latents [K+1, *latent] (image: [C, h, w], video: [C, F, h, w]), log-probs [K], timesteps [K] and
+σ [K+1], plus the final latent and a PNG.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ class SampleConfig:
     steps: int = 10
     guidance: float = 4.5
     resolution: int = 512
+    frames: int = 1
+    fps: int = 16
     sampler: str = "sde"
     noise_level: float = 0.7
     window: int = 0
@@ -58,6 +61,8 @@ class SampleConfig:
             raise UserInputError(f"--sampler {self.sampler}: choose one of {', '.join(SAMPLERS)}")
         if self.steps < 1:
             raise UserInputError(f"--steps {self.steps}: must be at least 1")
+        if self.frames < 1 or self.fps < 1:
+            raise UserInputError(f"--frames {self.frames} / --fps {self.fps}: both must be at least 1")
         if self.window < 0:
             raise UserInputError(f"--sde-window {self.window}: must be >= 0")
         if self.window:
@@ -133,7 +138,7 @@ def rollout_batch(
     windows = [placed[g] for g in groups]
     if len({len(w) for w in windows}) > 1:
         raise ValueError("every sample of a batch must store the same number of steps")
-    x = policy.initial_noise(init_seeds, cfg.resolution)
+    x = policy.initial_noise(init_seeds, cfg.resolution, cfg.frames)
     cond = policy.encode(prompts, negatives, policy.needs_negative(cfg.guidance), cfg.max_sequence_length)
     gens = [seed_generator(s) for s in seeds]
     latents: list[list[torch.Tensor]] = [[] for _ in range(batch)]
@@ -180,7 +185,8 @@ def rollout_batch(
         result["timesteps"] = torch.stack([sigmas[w] * 1000 for w in windows]).float().cpu()
         result["sigmas"] = torch.stack([sigmas[[*w, w[-1] + 1]] for w in windows]).float().cpu()
     check_finite(result, sample_ids, where="sample", hint=MODEL_HINT)
-    result["image"] = [png_bytes(im) for im in policy.decode(x)]
+    # a video family decodes to frame lists: its first frame stands for it until the video column exists
+    result["image"] = [png_bytes(im[0] if isinstance(im, list) else im) for im in policy.decode(x)]
     return result
 
 

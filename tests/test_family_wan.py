@@ -1,0 +1,232 @@
+"""What is particular to Wan 2.1 / 2.2 (stages/models/wan.py): the adapter reproduces `WanPipeline`'s own
+denoising loop for the three variants (2.1; 2.2 TI2V-5B with its 48-channel VAE and per-token timesteps;
+2.2 A14B with two experts switching at the boundary), rollouts on 5-D latents replay exactly through
+`omnirl logprob`, including an SDE window across the expert switch, and a LoRA trained on both A14B
+experts reloads through diffusers' own loaders and reproduces the frames."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers import PROMPTS, fails, ins, run
+from safetensors.torch import load_file
+
+from stages.models.diffusion import LORA_WEIGHTS, FlowPolicy
+from stages.sample.rollout import SampleConfig, rollout_batch
+from stages.shards.reader import ShardSet
+
+# init-model family → its tiny build's side in pixels (5 frames: 2 latent frames of 4×4)
+SIDES = {"wan2_1": 32, "wan2_2_5b": 64, "wan2_2_a14b": 32}
+FRAMES = 5
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("wan")
+    built = {}
+    for family in SIDES:
+        summary = run("init-model", "--family", family, "--size", "tiny", str(root / family))
+        assert summary["pipeline_class"] == "WanPipeline" and summary["family"] == family
+        built[family] = root / family
+    return built
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("wan-prompts") / "prompts.txt"
+    path.write_text("\n".join(PROMPTS) + "\n")
+    return path
+
+
+def stock_pipe(model: Path):
+    from diffusers import WanPipeline
+
+    pipe = WanPipeline.from_pretrained(model)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def stock_call(pipe, prompts, negatives, x_t, steps, guidance, side, output_type="latent"):
+    """`WanPipeline.__call__` from the noise x_t [B, C, F', h, w] (copies of the prompt lists)."""
+    return pipe(
+        list(prompts),
+        negative_prompt=list(negatives),
+        height=side,
+        width=side,
+        num_frames=FRAMES,
+        num_inference_steps=steps,
+        guidance_scale=guidance,
+        latents=x_t.clone(),
+        output_type=output_type,
+        max_sequence_length=64,
+    ).frames
+
+
+def ode_rollout(policy: FlowPolicy, side: int, steps: int, guidance: float, negatives: list[str]) -> dict:
+    n = len(negatives)
+    cfg = SampleConfig(
+        steps=steps,
+        guidance=guidance,
+        resolution=side,
+        frames=FRAMES,
+        sampler="ode",
+        batch_size=n,
+        max_sequence_length=64,
+    )
+    seeds = list(range(1, n + 1))
+    return rollout_batch(
+        policy,
+        cfg,
+        PROMPTS[:n],
+        negatives,
+        seeds,
+        seeds,
+        groups=list(range(n)),
+        sample_ids=[str(s) for s in seeds],
+    )
+
+
+@pytest.mark.parametrize("family", sorted(SIDES))
+def test_ode_rollout_equals_the_stock_pipeline(models: dict[str, Path], family: str) -> None:
+    side = SIDES[family]
+    policy = FlowPolicy.load(models[family])
+    assert policy.family.name == family and policy.family.media == "video"
+    negatives = ["", "blurry, low quality"]
+    ours = ode_rollout(policy, side, 8, 5.0, negatives)
+    pipe = stock_pipe(models[family])
+    x_t = policy.initial_noise([1, 2], side, FRAMES)
+    channels = 48 if family == "wan2_2_5b" else 16
+    assert x_t.shape == (2, channels, 2, 4, 4)
+    theirs = stock_call(pipe, PROMPTS[:2], negatives, x_t, 8, 5.0, side)
+    assert (ours["final_latent"] - theirs).abs().max().item() == 0.0
+    # decoding is the pipeline's: per sample a list of FRAMES PIL frames, pixel for pixel
+    frames = policy.decode(ours["final_latent"])
+    stock = stock_call(pipe, PROMPTS[:2], negatives, x_t, 8, 5.0, side, output_type="pil")
+    assert [len(f) for f in frames] == [FRAMES, FRAMES] and frames[0][0].size == (side, side)
+    for video, reference in zip(frames, stock):
+        for frame, expected in zip(video, reference):
+            assert np.array_equal(np.asarray(frame), np.asarray(expected))
+
+
+def test_the_experts_switch_at_the_boundary(models: dict[str, Path]) -> None:
+    """A14B: steps with σ·1000 ≥ 0.875·1000 run `transformer`, the rest `transformer_2` (with 8 steps of
+    shift 3: the first three); a batch whose rows straddle the switch runs each row on its own expert."""
+    policy = FlowPolicy.load(models["wan2_2_a14b"])
+    assert policy.family.trained_modules() == ("transformer", "transformer_2")
+    sigmas = policy.sigmas(8, 32)
+    assert ((sigmas[:-1] * 1000) >= 875).tolist() == [True] * 3 + [False] * 5
+    x = policy.initial_noise([3, 4], 32, FRAMES)
+    cond = policy.encode(PROMPTS[:2], None, cfg=True, max_sequence_length=64)
+    mixed = torch.stack([sigmas[2], sigmas[3]])
+    with torch.no_grad():
+        v = policy.velocity(x, mixed, cond, 4.0)
+        high = policy.velocity(x[:1], sigmas[2], cond.select([0]), 4.0)
+        low = policy.velocity(x[1:], sigmas[3], cond.select([1]), 4.0)
+        torch.testing.assert_close(v, torch.cat([high, low]), rtol=0, atol=1e-6)
+        # the experts differ: the low-noise row through the high-noise expert is another velocity
+        with_high = policy.family._guided(
+            policy.parts["transformer"], x[1:], sigmas[3:4] * 1000, cond.select([1]), 4.0
+        )
+    assert (with_high - low).abs().max().item() > 1e-3
+
+
+def test_latent_shapes_and_bad_inputs_are_one_line(
+    models: dict[str, Path], prompts: Path, tmp_path: Path
+) -> None:
+    policy = FlowPolicy.load(models["wan2_1"])
+    assert policy.latent_shape(32, 1) == (16, 1, 4, 4)
+    assert policy.latent_shape(64, 9) == (16, 3, 8, 8)
+    assert FlowPolicy.load(models["wan2_2_5b"]).latent_shape(128, 13) == (48, 4, 8, 8)
+    card = json.loads((models["wan2_2_5b"] / "omnirl_model.json").read_text())
+    assert card["details"]["latent_shape"] == [48, 2, 4, 4] and card["details"]["image_size"] == 64
+    sample = [
+        "sample", "--model", str(models["wan2_1"]), "--prompts", str(prompts), "-n", "1", "--steps", "2",
+        "--out", str(tmp_path / "out"),
+    ]  # fmt: skip
+    fails([*sample, "--resolution", "32", "--frames", "4"], "--frames 4", "multiple of 4")
+    fails([*sample, "--resolution", "24", "--frames", "5"], "--resolution 24", "16")
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_image_family_refuses_frames(tiny_sd3: Path, prompts: Path, tmp_path: Path) -> None:
+    fails(
+        ["sample", "--model", str(tiny_sd3), "--prompts", str(prompts), "-n", "1", "--steps", "2",
+         "--resolution", "32", "--frames", "5", "--out", str(tmp_path / "out")],
+        "--frames 5", "images",
+    )  # fmt: skip
+
+
+def staged(model: Path, prompts: Path, root: Path, *window: str) -> dict:
+    """sample (SDE, 5 frames) → logprob; returns the replay summary."""
+    side = SIDES[model.name]
+    run(
+        "sample", "--model", str(model), "--prompts", str(prompts), "-n", "2", "--steps", "8",
+        "--batch-size", "3", "--resolution", str(side), "--frames", str(FRAMES), "--guidance", "4",
+        *window, "--out", str(root / "samples"),
+    )  # fmt: skip
+    return run(
+        "logprob", "--model", str(model), "--in", str(root / "samples"), "--out", str(root / "logprobs")
+    )
+
+
+@pytest.mark.parametrize("family", ["wan2_1", "wan2_2_5b"])
+def test_rollout_replays_exactly(models: dict[str, Path], prompts: Path, tmp_path: Path, family: str) -> None:
+    replay = staged(models[family], prompts, tmp_path, "--sde-window", "2")
+    assert replay["abs_delta_max"] == 0.0 and replay["rows"] == 6
+    latents = ShardSet(tmp_path / "samples").columns["latents"]
+    channels = 48 if family == "wan2_2_5b" else 16
+    assert latents.shape == (3, channels, 2, 4, 4)  # [K+1, C, F', h, w]
+
+
+def test_a14b_lora_on_both_experts_reloads_through_diffusers(
+    models: dict[str, Path], prompts: Path, tmp_path: Path
+) -> None:
+    """An SDE window over steps 1-3 spans the switch (σ·1000 947, 883 | 801): replay is exact, a flow_grpo
+    step moves the LoRA of both experts, and diffusers' loaders (the expert's LoRA into transformer_2 with
+    load_into_transformer_2) rebuild the policy's frames exactly."""
+    model = models["wan2_2_a14b"]
+    window = ("--sde-window", "3", "--window-strategy", "fixed", "--window-start", "1")
+    replay = staged(model, prompts, tmp_path, *window)
+    assert replay["abs_delta_max"] == 0.0
+    sigmas = ShardSet(tmp_path / "samples").read_all(columns=["sigmas"])["sigmas"]
+    assert ((sigmas[:, :-1] * 1000) >= 875).tolist() == [[True, True, False]] * 6
+    run(
+        "score",
+        "--in",
+        str(tmp_path / "samples"),
+        "--reward",
+        "jpeg_compressibility",
+        "--out",
+        str(tmp_path / "rewards"),
+    )
+    run("advantage", *ins(tmp_path / "samples", tmp_path / "rewards"), "--out", str(tmp_path / "advantages"))
+    out = tmp_path / "policy"
+    result = run(
+        "update", "--model", str(model), *ins(tmp_path / "samples", tmp_path / "logprobs", tmp_path / "advantages"),
+        "--algo", "flow_grpo", "--lora-rank", "4", "--lora-alpha", "8", "--lr", "1e-3", "--out", str(out),
+    )  # fmt: skip
+    assert result["optimizer_steps"] >= 1
+    for weights in (out / LORA_WEIGHTS, out / "transformer_2" / LORA_WEIGHTS):
+        trained = load_file(weights)
+        assert all(k.startswith("transformer.") for k in trained)
+        assert max(v.abs().max().item() for k, v in trained.items() if "lora_B" in k) > 0  # it moved
+
+    ours = FlowPolicy.load(model, adapter=out)
+    pipe = stock_pipe(model)
+    pipe.load_lora_weights(str(out), adapter_name="default")
+    pipe.load_lora_weights(str(out / "transformer_2"), adapter_name="default", load_into_transformer_2=True)
+    for name in ("transformer", "transformer_2"):
+        loaded = {n: p for n, p in ours.parts[name].named_parameters() if "lora_" in n}
+        stock = {n: p for n, p in getattr(pipe, name).named_parameters() if "lora_" in n}
+        assert loaded.keys() == stock.keys() and len(loaded) == 2 * 8 * 2  # 2 blocks × attn1/attn2 q,k,v,out
+        assert all(torch.equal(v, stock[n]) for n, v in loaded.items())
+    x_t = ours.initial_noise([1, 2], 32, FRAMES)
+    mine = ode_rollout(ours, 32, 8, 4.0, ["", ""])["final_latent"]
+    theirs = stock_call(pipe, PROMPTS[:2], ["", ""], x_t, 8, 4.0, 32)
+    assert (mine - theirs).abs().max().item() == 0.0
+    base = ode_rollout(FlowPolicy.load(model), 32, 8, 4.0, ["", ""])["final_latent"]
+    assert (mine - base).abs().max().item() > 0  # the adapter changes the frames

@@ -230,3 +230,61 @@ def test_a14b_lora_on_both_experts_reloads_through_diffusers(
     assert (mine - theirs).abs().max().item() == 0.0
     base = ode_rollout(FlowPolicy.load(model), 32, 8, 4.0, ["", ""])["final_latent"]
     assert (mine - base).abs().max().item() > 0  # the adapter changes the frames
+
+
+def test_a_checkpoint_without_a_card_encodes_wans_512_tokens(models: dict[str, Path], tmp_path: Path) -> None:
+    import shutil
+
+    from stages.models.factory import default_text_length
+
+    assert default_text_length(models["wan2_1"]) == 64  # the tiny build's card
+    bare = tmp_path / "bare"
+    shutil.copytree(models["wan2_1"], bare)
+    (bare / "omnirl_model.json").unlink()
+    assert default_text_length(bare) == 512  # WanPipeline's own max_sequence_length
+
+
+@pytest.fixture(scope="module")
+def wan_run(
+    models: dict[str, Path], prompts: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
+    """One staged Wan 2.1 iteration (every step stochastic and stored) for the algorithms."""
+    root = tmp_path_factory.mktemp("wan-run")
+    model = models["wan2_1"]
+    run(
+        "sample", "--model", str(model), "--prompts", str(prompts), "-n", "2", "--steps", "3",
+        "--batch-size", "3", "--resolution", "32", "--frames", str(FRAMES), "--guidance", "4",
+        "--out", str(root / "samples"),
+    )  # fmt: skip
+    run(
+        "score",
+        "--in",
+        str(root / "samples"),
+        "--reward",
+        "jpeg_compressibility",
+        "--out",
+        str(root / "rewards"),
+    )
+    run(
+        "logprob",
+        "--model",
+        str(model),
+        "--in",
+        str(root / "samples"),
+        "--means",
+        "--out",
+        str(root / "logprobs"),
+    )
+    run("advantage", *ins(root / "samples", root / "rewards"), "--out", str(root / "advantages"))
+    return {"model": model, **{k: root / k for k in ("samples", "rewards", "logprobs", "advantages")}}
+
+
+@pytest.mark.parametrize("algo", ["flow_grpo", "dance_grpo", "mix_grpo", "grpo_guard", "nft", "awm", "dpo"])
+def test_every_algorithm_trains_on_video_latents(wan_run: dict[str, Path], tmp_path: Path, algo: str) -> None:
+    inputs = ("samples", "rewards") if algo == "dpo" else ("samples", "logprobs", "advantages")
+    result = run(
+        "update", "--model", str(wan_run["model"]), *ins(*(wan_run[k] for k in inputs)), "--algo", algo,
+        "--lora-rank", "4", "--lora-alpha", "8", "--lr", "1e-3", "--out", str(tmp_path / "policy"),
+    )  # fmt: skip
+    assert result["optimizer_steps"] >= 1
+    assert all(np.isfinite(v) for v in result["last"].values() if isinstance(v, float))

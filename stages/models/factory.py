@@ -273,5 +273,16 @@ def model_details(model: str | Path) -> dict[str, Any]:
 
 
 def default_text_length(model: str | Path) -> int:
-    """The text (T5) length a model folder asks for in its card's `details.text_length`, else 128."""
-    return int(model_details(model).get("text_length", DEFAULT_TEXT_LENGTH))
+    """The text length a model folder asks for: its card's `details.text_length`, else its pipeline
+    family's own (`FamilyAdapter.text_length`, e.g. Wan's 512), else 128."""
+    details = model_details(model)
+    if "text_length" in details:
+        return int(details["text_length"])
+    index = Path(model) / "model_index.json"
+    try:
+        pipeline_class = json.loads(index.read_bytes())["_class_name"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return DEFAULT_TEXT_LENGTH
+    from stages.models.families import family_text_length
+
+    return family_text_length(str(pipeline_class)) or DEFAULT_TEXT_LENGTH

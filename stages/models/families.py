@@ -100,6 +100,9 @@ class FamilyAdapter:
     trained_module: ClassVar[str] = "transformer"
     # "image": decode gives a PIL image per sample; "video": a list of PIL frames per sample.
     media: ClassVar[str] = "image"
+    # The text length the family's pipeline encodes with, used when a model card names none (None:
+    # omnirl's default, `stages.models.factory.DEFAULT_TEXT_LENGTH`).
+    text_length: ClassVar[int | None] = None
     # "true": guidance > 1 runs an unconditional branch; "distilled": guidance is a model input.
     cfg_kind: ClassVar[str] = "true"
     # The guidance a policy is trained at when no rollout records one (offline pairs / latents):
@@ -192,6 +195,14 @@ def _load(spec: str, what: str) -> type[FamilyAdapter]:
         return getattr(importlib.import_module(module_name), attribute)
     except (ImportError, AttributeError) as exc:
         raise UserInputError(f"{what}: the family adapter {spec!r} cannot be loaded ({exc})") from None
+
+
+def family_text_length(pipeline_class: str) -> int | None:
+    """The `text_length` of a pipeline class's adapter (None without one: loading the model says so)."""
+    try:
+        return adapter_class(pipeline_class, pipeline_class).text_length
+    except UserInputError:
+        return None
 
 
 def supported_pipelines() -> list[str]:

@@ -257,6 +257,7 @@ class WanAdapter(FamilyAdapter):
     name = "wan2_1"
     media = "video"
     lora_targets = WAN_LORA_TARGETS
+    text_length = 512  # WanPipeline's max_sequence_length (flow_grpo's Wan trainer encodes 512 too)
 
     def __init__(self, pipe: Any) -> None:
         super().__init__(pipe)

@@ -288,3 +288,46 @@ def test_every_algorithm_trains_on_video_latents(wan_run: dict[str, Path], tmp_p
     )  # fmt: skip
     assert result["optimizer_steps"] >= 1
     assert all(np.isfinite(v) for v in result["last"].values() if isinstance(v, float))
+
+
+ONLINE_PRESET = """\
+# A14B with an SDE window over steps 1-3, across the expert switch
+sample:
+  steps: 8
+  guidance: 4.0
+  resolution: 32
+  frames: 5
+  sampler: sde
+  noise_level: 0.7
+  sde_window: 3
+  window_strategy: fixed
+  window_start: 1
+  group_size: 2
+  batch_size: 3
+advantage:
+  estimator: grpo
+update:
+  algo: flow_grpo
+  lr: 1.0e-3
+  clip_range: 0.2
+  lora_rank: 4
+  lora_alpha: 8
+"""
+
+
+def test_online_trains_both_a14b_experts(models: dict[str, Path], prompts: Path, tmp_path: Path) -> None:
+    preset = tmp_path / "preset.yaml"
+    preset.write_text(ONLINE_PRESET)
+    out = tmp_path / "online"
+    result = run(
+        "online", "--config", str(preset), "--model", str(models["wan2_2_a14b"]), "--prompts", str(prompts),
+        "--out", str(out), "--iterations", "1", "--reward", "jpeg_compressibility", "--save-trajectories",
+    )  # fmt: skip
+    first = result["iterations"][0]
+    assert first["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-5)  # on-policy up to batching rounding
+    assert ShardSet(out / "it0" / "samples").columns["latents"].shape == (4, 16, 2, 4, 4)
+    for weights in (
+        out / "it1" / "policy" / LORA_WEIGHTS,
+        out / "it1" / "policy" / "transformer_2" / LORA_WEIGHTS,
+    ):
+        assert max(v.abs().max().item() for k, v in load_file(weights).items() if "lora_B" in k) > 0

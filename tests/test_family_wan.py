@@ -182,31 +182,42 @@ def test_rollout_replays_exactly(models: dict[str, Path], prompts: Path, tmp_pat
     assert latents.shape == (3, channels, 2, 4, 4)  # [K+1, C, F', h, w]
 
 
-def test_a14b_lora_on_both_experts_reloads_through_diffusers(
-    models: dict[str, Path], prompts: Path, tmp_path: Path
-) -> None:
-    """An SDE window over steps 1-3 spans the switch (σ·1000 947, 883 | 801): replay is exact, a flow_grpo
-    step moves the LoRA of both experts, and diffusers' loaders (the expert's LoRA into transformer_2 with
-    load_into_transformer_2) rebuild the policy's frames exactly."""
+@pytest.fixture(scope="module")
+def a14b_run(
+    models: dict[str, Path], prompts: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
+    """An A14B rollout whose SDE window over steps 1-3 spans the switch (σ·1000 947, 883 | 801), replayed,
+    scored and given advantages."""
+    root = tmp_path_factory.mktemp("a14b-run")
     model = models["wan2_2_a14b"]
     window = ("--sde-window", "3", "--window-strategy", "fixed", "--window-start", "1")
-    replay = staged(model, prompts, tmp_path, *window)
+    replay = staged(model, prompts, root, *window)
     assert replay["abs_delta_max"] == 0.0
-    sigmas = ShardSet(tmp_path / "samples").read_all(columns=["sigmas"])["sigmas"]
-    assert ((sigmas[:, :-1] * 1000) >= 875).tolist() == [[True, True, False]] * 6
     run(
         "score",
         "--in",
-        str(tmp_path / "samples"),
+        str(root / "samples"),
         "--reward",
         "jpeg_compressibility",
         "--out",
-        str(tmp_path / "rewards"),
+        str(root / "rewards"),
     )
-    run("advantage", *ins(tmp_path / "samples", tmp_path / "rewards"), "--out", str(tmp_path / "advantages"))
+    run("advantage", *ins(root / "samples", root / "rewards"), "--out", str(root / "advantages"))
+    return {"model": model, **{k: root / k for k in ("samples", "logprobs", "rewards", "advantages")}}
+
+
+def test_a14b_lora_on_both_experts_reloads_through_diffusers(
+    a14b_run: dict[str, Path], tmp_path: Path
+) -> None:
+    """Replay across the switch is exact (the fixture), a flow_grpo step moves the LoRA of both experts, and
+    diffusers' loaders (the second expert's LoRA with load_into_transformer_2) rebuild the policy's frames
+    exactly."""
+    model = a14b_run["model"]
+    sigmas = ShardSet(a14b_run["samples"]).read_all(columns=["sigmas"])["sigmas"]
+    assert ((sigmas[:, :-1] * 1000) >= 875).tolist() == [[True, True, False]] * 6
     out = tmp_path / "policy"
     result = run(
-        "update", "--model", str(model), *ins(tmp_path / "samples", tmp_path / "logprobs", tmp_path / "advantages"),
+        "update", "--model", str(model), *ins(*(a14b_run[k] for k in ("samples", "logprobs", "advantages"))),
         "--algo", "flow_grpo", "--lora-rank", "4", "--lora-alpha", "8", "--lr", "1e-3", "--out", str(out),
     )  # fmt: skip
     assert result["optimizer_steps"] >= 1
@@ -230,6 +241,23 @@ def test_a14b_lora_on_both_experts_reloads_through_diffusers(
     assert (mine - theirs).abs().max().item() == 0.0
     base = ode_rollout(FlowPolicy.load(model), 32, 8, 4.0, ["", ""])["final_latent"]
     assert (mine - base).abs().max().item() > 0  # the adapter changes the frames
+
+
+def test_a14b_full_weights_of_both_experts_reload(a14b_run: dict[str, Path], tmp_path: Path) -> None:
+    """--full trains and saves both experts (with a KL reference: the frozen copies of both), and loading
+    the adapter puts both in place (diffusers would load an optional component from the model folder)."""
+    out = tmp_path / "full"
+    run(
+        "update", "--model", str(a14b_run["model"]), *ins(*(a14b_run[k] for k in ("samples", "logprobs", "advantages"))),
+        "--full", "--beta", "0.01", "--lr", "1e-4", "--out", str(out),
+    )  # fmt: skip
+    trained = FlowPolicy.load(a14b_run["model"], adapter=out)
+    for name in ("transformer", "transformer_2"):
+        saved = load_file(out / name / "diffusion_pytorch_model.safetensors")
+        base = load_file(a14b_run["model"] / name / "diffusion_pytorch_model.safetensors")
+        assert max((saved[k] - base[k]).abs().max().item() for k in saved) > 0  # it moved
+        loaded = dict(trained.parts[name].named_parameters())
+        assert all(torch.equal(loaded[k], v) for k, v in saved.items())
 
 
 def test_a_checkpoint_without_a_card_encodes_wans_512_tokens(models: dict[str, Path], tmp_path: Path) -> None:

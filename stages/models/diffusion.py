@@ -295,14 +295,18 @@ class FlowPolicy:
             check_adapter_layout(
                 adapter, config, lora_files=(LORA_WEIGHTS, PEFT_CONFIG), full_file=f"{trained}/config.json"
             )
+        full: dict[str, torch.nn.Module] = {}
         if config and config["kind"] == "full":  # each trained module it holds, of the index's class
             for name in trained_folders(Path(adapter), index):
                 library, class_name = index[name]
                 with adapter_loading(adapter, model_path):
-                    kwargs[name] = getattr(importlib.import_module(library), class_name).from_pretrained(
+                    full[name] = getattr(importlib.import_module(library), class_name).from_pretrained(
                         Path(adapter) / name, dtype=torch_dtype
                     )
-        pipe = DiffusionPipeline.from_pretrained(model_path, **kwargs)
+        pipe = DiffusionPipeline.from_pretrained(model_path, **kwargs, **full)
+        # diffusers loads an optional component (Wan's transformer, transformer_2) from the model folder
+        # even when one is passed, so the adapter's modules are put in place afterwards as well
+        pipe.register_modules(**full)
         family = family_class(pipe)
         pipe.set_progress_bar_config(disable=True)
         pipe.to(device)

@@ -141,6 +141,12 @@ def test_latent_shapes_and_bad_inputs_are_one_line(
     assert policy.latent_shape(32, 1) == (16, 1, 4, 4)
     assert policy.latent_shape(64, 9) == (16, 3, 8, 8)
     assert FlowPolicy.load(models["wan2_2_5b"]).latent_shape(128, 13) == (48, 4, 8, 8)
+    # one-frame clips encode back through the VAE (offline data, `omnirl encode`): the frames=1 latent
+    frames = policy.decode(policy.initial_noise([5, 6], 32, 1) * 0.5)
+    assert [len(f) for f in frames] == [1, 1] and frames[0][0].size == (32, 32)
+    back = policy.encode_images([f[0] for f in frames], 32)
+    assert back.shape == (2, 16, 1, 4, 4) and torch.isfinite(back).all()
+    assert torch.equal(policy.encode_images([f[0] for f in frames], 32), back)  # the posterior mode
     card = json.loads((models["wan2_2_5b"] / "omnirl_model.json").read_text())
     assert card["details"]["latent_shape"] == [48, 2, 4, 4] and card["details"]["image_size"] == 64
     sample = [

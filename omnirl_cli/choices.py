@@ -60,7 +60,16 @@ ESTIMATORS = (
     "grpo_batch_std",
     "pairs",
 )  # stages.advantage.estimators.ESTIMATORS and pair advantages
-FAMILIES = ("flux", "qwen2_5_vl", "qwen_image", "sd3", "z_image")  # stages.models.factory.FAMILIES
+FAMILIES = (  # stages.models.factory.FAMILIES
+    "flux",
+    "qwen2_5_vl",
+    "qwen_image",
+    "sd3",
+    "wan2_1",
+    "wan2_2_5b",
+    "wan2_2_a14b",
+    "z_image",
+)
 REWARDS = (
     "accuracy",
     "aesthetic",

@@ -83,6 +83,11 @@ class Experts(torch.nn.ModuleDict):
         """The experts' dtype (they share one)."""
         return next(iter(self.values())).dtype
 
+    @property
+    def _no_split_modules(self) -> list[str]:
+        """The experts' block classes, so FSDP2 shards every block of each expert (`update.parallel`)."""
+        return sorted({name for expert in self.values() for name in expert._no_split_modules or ()})
+
 
 class FamilyAdapter:
     """What one pipeline family needs beyond the generic policy. Subclass it, set the class

@@ -365,3 +365,22 @@ def test_online_trains_both_a14b_experts(models: dict[str, Path], prompts: Path,
         out / "it1" / "policy" / "transformer_2" / LORA_WEIGHTS,
     ):
         assert max(v.abs().max().item() for k, v in load_file(weights).items() if "lora_B" in k) > 0
+
+
+@pytest.mark.distributed
+def test_two_ranks_train_both_experts_as_one_process(a14b_run: dict[str, Path], tmp_path: Path) -> None:
+    """DDP over the experts module (each micro-batch runs one or both experts; the other's LoRA gets no
+    gradient on that rank) adds the same gradients as one process."""
+    from helpers import torchrun
+
+    args = [
+        "update", "--model", str(a14b_run["model"]), *ins(*(a14b_run[k] for k in ("samples", "logprobs", "advantages"))),
+        "--lora-rank", "4", "--lora-alpha", "8", "--lr", "1e-3", "--no-shuffle", "--micro-batch", "1",
+    ]  # fmt: skip
+    run(*args, "--grad-accum", "2", "--out", str(tmp_path / "one"))
+    torchrun(*args, "--grad-accum", "1", "--out", str(tmp_path / "two"))
+    for weights in (LORA_WEIGHTS, f"transformer_2/{LORA_WEIGHTS}"):
+        one, two = load_file(tmp_path / "one" / weights), load_file(tmp_path / "two" / weights)
+        assert one.keys() == two.keys()
+        for k in one:
+            torch.testing.assert_close(two[k], one[k], rtol=0, atol=1e-5)

@@ -384,3 +384,26 @@ def test_two_ranks_train_both_experts_as_one_process(a14b_run: dict[str, Path], 
         assert one.keys() == two.keys()
         for k in one:
             torch.testing.assert_close(two[k], one[k], rtol=0, atol=1e-5)
+
+
+def test_a_published_unipc_scheduler_gives_its_own_flow_sigmas(models: dict[str, Path]) -> None:
+    """Published Wan checkpoints ship UniPC with flow sigmas: samples step on that σ table (as flow_grpo's
+    Wan trainer does): shift·s/(1 + (shift − 1)·s) on s = linspace(1, 1/1000, N+1)[:-1], then 0, starting
+    at exactly 1 (UniPC's own 1 − 1e-6 would defeat the SDE's σ = 1 guard); a UniPC without flow sigmas
+    is a one-line error."""
+    from diffusers import UniPCMultistepScheduler
+
+    from stages.errors import UserInputError
+
+    policy = FlowPolicy.load(models["wan2_1"])
+    policy.pipe.scheduler = UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0
+    )
+    sigmas = policy.sigmas(8, 32)
+    s = np.linspace(1, 1 / 1000, 9)[:-1]
+    expected = [*(3 * s / (1 + 2 * s)), 0.0]
+    assert sigmas[0].item() == 1.0
+    torch.testing.assert_close(sigmas, torch.tensor(expected, dtype=torch.float32), rtol=0, atol=1e-6)
+    policy.pipe.scheduler = UniPCMultistepScheduler()
+    with pytest.raises(UserInputError, match="use_flow_sigmas"):
+        policy.sigmas(8, 32)

@@ -13,10 +13,10 @@ The variants share one pipeline class and one adapter:
 What is kept from the real models, because sampling and training code depends on it: the transformer's
 (1, 2, 2) patches, 3-axis RoPE, timestep on the 0–1000 scale, the UMT5 encoder whose embeddings are cut
 to each prompt's tokens and zero-padded to max_sequence_length (no text mask), the VAE's per-channel
-latents_mean/latents_std, true CFG as two forwards, and flow-matching Euler on a fixed-shift σ
-schedule. Published checkpoints ship a UniPC multistep scheduler; RL samples with Euler/SDE steps on the
-same shifted σ (flow_grpo, DanceGRPO, verl-omni), so the adapter builds that schedule from the
-checkpoint's `flow_shift`. What shrinks: widths, depths, the vocabulary
+latents_mean/latents_std, true CFG as two forwards, and a fixed-shift flow-matching σ schedule. Published
+checkpoints ship a UniPC multistep scheduler with flow sigmas; RL takes Euler/SDE steps on its σ table
+(flow_grpo's Wan trainer steps its SDE on the shipped scheduler's `sigmas`), so the adapter reads the σ
+from whichever flow scheduler the checkpoint has. What shrinks: widths, depths, the vocabulary
 (`stages.models.tokenizers.build_t5_tokenizer`) and the VAE's width.
 """
 
@@ -265,21 +265,33 @@ class WanAdapter(FamilyAdapter):
         two = pipe.transformer_2 is not None and config.boundary_ratio is not None
         self.boundary = config.boundary_ratio * NUM_TRAIN_TIMESTEPS if two else None
         self.name = "wan2_2_a14b" if two else "wan2_2_5b" if config.expand_timesteps else "wan2_1"
-        scheduler = pipe.scheduler
-        if not isinstance(scheduler, FlowMatchEulerDiscreteScheduler):  # a published UniPC scheduler
-            scheduler = FlowMatchEulerDiscreteScheduler(
-                num_train_timesteps=scheduler.config.num_train_timesteps,
-                shift=scheduler.config.get("flow_shift") or 1.0,
-            )
-        self.scheduler = scheduler
 
     def trained_modules(self) -> tuple[str, ...]:
         """Both experts for A14B (an SDE window may span the switch), else the one transformer."""
         return (HIGH_NOISE, LOW_NOISE) if self.boundary is not None else (HIGH_NOISE,)
 
     def sigmas(self, num_steps: int, resolution: int) -> torch.Tensor:
-        """The fixed-shift flow-matching schedule (the checkpoint's `flow_shift` for a UniPC scheduler)."""
-        return flow_match_sigmas(self.scheduler, num_steps)
+        """The checkpoint scheduler's σ table [N+1]: flow-matching Euler's fixed-shift schedule, or a
+        published UniPC scheduler's flow sigmas (`use_flow_sigmas`: linspace(1, 1/1000, N+1)[:-1] shifted
+        by its `flow_shift`, then 0); the model is fed σ·1000 either way (UniPC's own timesteps are those
+        truncated to integers)."""
+        scheduler = self.pipe.scheduler
+        if isinstance(scheduler, FlowMatchEulerDiscreteScheduler):
+            return flow_match_sigmas(scheduler, num_steps)
+        if not scheduler.config.get("use_flow_sigmas", False):
+            raise UserInputError(
+                f"the model's scheduler {type(scheduler).__name__} has no flow-matching σ (use_flow_sigmas); "
+                "give the pipeline folder a FlowMatchEulerDiscreteScheduler or UniPC with use_flow_sigmas"
+            )
+        if num_steps < 1:
+            raise UserInputError(f"--steps {num_steps}: the number of sampling steps must be at least 1")
+        scheduler.set_timesteps(num_steps)
+        sigmas = scheduler.sigmas.to(dtype=torch.float32).clone()
+        # UniPC lowers σ_0 = 1 by 1e-6 for its own log-SNR; an Euler/SDE step starts from pure noise
+        # (the SDE's σ = 1 guard then applies, instead of a noise scale of √(σ/(1 − σ)) ≈ 1000)
+        if abs(float(sigmas[0]) - 1.0) < 1e-5:
+            sigmas[0] = 1.0
+        return sigmas
 
     def latent_shape(self, resolution: int, frames: int = 1) -> tuple[int, ...]:
         """(C, F', h, w) of `frames` frames of `resolution`²: F' = (frames − 1)/4 + 1 latent frames, the side

@@ -280,7 +280,7 @@ class WanAdapter(FamilyAdapter):
             return flow_match_sigmas(scheduler, num_steps)
         if not scheduler.config.get("use_flow_sigmas", False):
             raise UserInputError(
-                f"the model's scheduler {type(scheduler).__name__} has no flow-matching σ (use_flow_sigmas); "
+                f"--model: its scheduler {type(scheduler).__name__} has no flow-matching σ (use_flow_sigmas); "
                 "give the pipeline folder a FlowMatchEulerDiscreteScheduler or UniPC with use_flow_sigmas"
             )
         if num_steps < 1:

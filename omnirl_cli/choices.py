@@ -60,14 +60,17 @@ ESTIMATORS = (
     "grpo_batch_std",
     "pairs",
 )  # stages.advantage.estimators.ESTIMATORS and pair advantages
-FAMILIES = (
+FAMILIES = (  # stages.models.factory.FAMILIES
     "flux",
     "qwen2_5_vl",
     "qwen3_omni_thinker",
     "qwen_image",
     "sd3",
+    "wan2_1",
+    "wan2_2_5b",
+    "wan2_2_a14b",
     "z_image",
-)  # stages.models.factory.FAMILIES
+)
 REWARDS = (
     "accuracy",
     "aesthetic",

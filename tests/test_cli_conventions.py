@@ -119,7 +119,7 @@ def test_a_plugin_estimator_passes_the_open_option(tiny_shard_set: Path, tmp_pat
 def test_choice_sets_mirror_the_stage_constants() -> None:
     """The CLI's lists are copies (importing the stages would load torch for --help): held equal here."""
     from stages.advantage.estimators import AGGREGATIONS, ESTIMATORS, STD_MODES
-    from stages.models import flux, qwen2_5_vl, qwen3_omni, qwen_image, sd3, z_image
+    from stages.models import flux, qwen2_5_vl, qwen3_omni, qwen_image, sd3, wan, z_image
     from stages.models.diffusion import DTYPES
     from stages.models.factory import FAMILIES
     from stages.pretrain.flow_matching import VAE_MODES
@@ -156,7 +156,7 @@ def test_choice_sets_mirror_the_stage_constants() -> None:
     ]
     for literal, constant in pairs:
         assert get_args(literal) == tuple(constant), literal
-    sizes = {s for m in (flux, qwen2_5_vl, qwen3_omni, qwen_image, sd3, z_image) for s in m.SIZES}
+    sizes = {s for m in (flux, qwen2_5_vl, qwen3_omni, qwen_image, sd3, wan, z_image) for s in m.SIZES}
     assert set(get_args(choices.ModelSize)) == sizes
     assert set(choices.ALGORITHMS) == set(ALGORITHMS)
     assert (*engine_names(), *ENGINES) == choices.ENGINES

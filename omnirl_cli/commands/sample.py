@@ -113,6 +113,16 @@ def sample(
             rich_help_panel=SAMPLING,
         ),
     ] = 512,
+    frames: Annotated[
+        int,
+        typer.Option(
+            "--frames",
+            min=1,
+            help="Frames per sample for a video family (Wan: 1 plus a multiple of 4, its pipeline's 81); "
+            "image families take 1.",
+            rich_help_panel=SAMPLING,
+        ),
+    ] = 1,
     sampler: Annotated[
         Sampler,
         typer.Option(
@@ -368,6 +378,9 @@ def sample(
 
     Example: [bold]omnirl sample --model models/sd3-tiny --prompts prompts.txt -n 8 --steps 10 \\
     --resolution 64 --sampler sde --noise-level 0.7 --out run/it0/samples[/]
+
+    Video (Wan): [bold]omnirl sample --model models/wan-tiny --prompts prompts.txt -n 4 --resolution 32 \\
+    --frames 5 --out run/it0/samples[/]
 
     VLM: [bold]omnirl sample --model models/vlm-tiny --prompts geo3k.parquet -n 5 --max-new-tokens 256 --out run/it0/samples[/]
     """

@@ -33,8 +33,9 @@ def replay_batch(
 ) -> dict[str, Any]:
     """Log-probs [B, K] of the stored transitions latents[:, j] → latents[:, j+1] under `policy`.
 
-    With `reference`, also the frozen base model's step means `ref_means` [B, K, C, h, w] (for KL);
-    with `means`, the step means under `policy` itself, `old_means` [B, K, C, h, w] (GRPO-Guard).
+    With `reference`, also the frozen base model's step means `ref_means` [B, K, *latent] (for KL);
+    with `means`, the step means under `policy` itself, `old_means` [B, K, *latent] (GRPO-Guard); a
+    latent is [C, h, w] for images and [C, F, h, w] for video.
     """
     latents, sigmas = batch["latents"], batch["sigmas"]
     k = latents.shape[1] - 1

@@ -88,6 +88,16 @@ def read_adapter_config(adapter: str | Path, option: str = "--adapter") -> dict[
     return config
 
 
+def trained_folders(adapter: Path, index: dict[str, Any]) -> list[str]:
+    """The pipeline modules a full adapter folder holds: the components of the pipeline index (a
+    `[library, class]` entry) with a `<name>/config.json` in the folder."""
+    return [
+        name
+        for name, entry in index.items()
+        if isinstance(entry, list) and len(entry) == 2 and (adapter / name / "config.json").is_file()
+    ]
+
+
 def check_adapter_layout(
     adapter: str | Path, config: dict[str, Any], *, lora_files: tuple[str, ...], full_file: str
 ) -> None:
@@ -116,6 +126,18 @@ def lora_metadata(config: Any) -> dict[str, Any]:
     config from (`LoraConfig(**metadata)`): sets become sorted lists."""
     meta = config.to_dict()
     return {k: (sorted(v) if isinstance(v, set) else v) for k, v in meta.items()}
+
+
+def load_expert_loras(pipe: Any, experts: tuple[str, ...], folder: Path) -> None:
+    """Apply the LoRA of each further expert (Wan 2.2 A14B's `transformer_2`) from its subfolder
+    `<folder>/<expert>/pytorch_lora_weights.safetensors` (keys under "transformer.", as diffusers saves
+    each expert's LoRA) through the pipeline's `load_lora_weights(..., load_into_<expert>=True)`, as
+    diffusers loads one LoRA per expert. An expert without a subfolder stays bare."""
+    for expert in experts:
+        if (folder / expert / LORA_WEIGHTS).is_file():
+            pipe.load_lora_weights(
+                str(folder / expert), adapter_name="default", **{f"load_into_{expert}": True}
+            )
 
 
 def load_lora(pipe: Any, trained: str, folder: Path) -> None:
@@ -203,8 +225,12 @@ class FlowPolicy:
         self.adapter = adapter
         self.device = device
         self.dtype = dtype
-        self.transformer = getattr(pipe, family.trained_module)
-        self.lora = bool(getattr(self.transformer, "peft_config", None))
+        # the trained pipeline modules by attribute (one, or each expert), and the network they form
+        self.parts: dict[str, torch.nn.Module] = {
+            name: getattr(pipe, name) for name in family.trained_modules()
+        }
+        self.transformer = family.trained_network(self.parts)
+        self.lora = any(getattr(part, "peft_config", None) for part in self.parts.values())
         self._prompt_cache: dict[tuple[str, str], tuple[dict, dict]] = {}
         self._reference: torch.nn.Module | None = None
 
@@ -216,21 +242,19 @@ class FlowPolicy:
     def untrained_loras(self) -> list[str]:
         """Pipeline components besides the trained module that carry LoRA layers (a diffusers LoRA file's
         text-encoder weights): applied when sampling, but never trained or saved."""
-        trained = self.family.trained_module
         return sorted(
             name
             for name, module in self.pipe.components.items()
-            if name != trained and getattr(module, "peft_config", None)
+            if name not in self.parts and getattr(module, "peft_config", None)
         )
 
     def gradient_checkpointing(self) -> None:
         """Recompute the trained module's activations in the backward instead of keeping them
         (diffusers' per-block checkpointing): less memory, one more forward per trained step."""
-        if not getattr(self.module, "_supports_gradient_checkpointing", False):
-            raise UserInputError(
-                f"--gradient-checkpointing: {type(self.module).__name__} does not support it"
-            )
-        self.module.enable_gradient_checkpointing()
+        for part in self.parts.values():
+            if not getattr(part, "_supports_gradient_checkpointing", False):
+                raise UserInputError(f"--gradient-checkpointing: {type(part).__name__} does not support it")
+            part.enable_gradient_checkpointing()
 
     # ---------------------------------------------------------------- loading
     @classmethod
@@ -271,13 +295,18 @@ class FlowPolicy:
             check_adapter_layout(
                 adapter, config, lora_files=(LORA_WEIGHTS, PEFT_CONFIG), full_file=f"{trained}/config.json"
             )
-        if config and config["kind"] == "full":  # the trained module's class, as the index names it
-            library, class_name = index[trained]
-            with adapter_loading(adapter, model_path):
-                kwargs[trained] = getattr(importlib.import_module(library), class_name).from_pretrained(
-                    Path(adapter) / trained, dtype=torch_dtype
-                )
-        pipe = DiffusionPipeline.from_pretrained(model_path, **kwargs)
+        full: dict[str, torch.nn.Module] = {}
+        if config and config["kind"] == "full":  # each trained module it holds, of the index's class
+            for name in trained_folders(Path(adapter), index):
+                library, class_name = index[name]
+                with adapter_loading(adapter, model_path):
+                    full[name] = getattr(importlib.import_module(library), class_name).from_pretrained(
+                        Path(adapter) / name, dtype=torch_dtype
+                    )
+        pipe = DiffusionPipeline.from_pretrained(model_path, **kwargs, **full)
+        # diffusers loads an optional component (Wan's transformer, transformer_2) from the model folder
+        # even when one is passed, so the adapter's modules are put in place afterwards as well
+        pipe.register_modules(**full)
         family = family_class(pipe)
         pipe.set_progress_bar_config(disable=True)
         pipe.to(device)
@@ -288,6 +317,7 @@ class FlowPolicy:
         if config and config["kind"] == "lora":
             with adapter_loading(adapter, model_path):
                 load_lora(pipe, family.trained_module, Path(adapter))
+                load_expert_loras(pipe, family.trained_modules()[1:], Path(adapter))
             if not getattr(getattr(pipe, family.trained_module), "peft_config", None):
                 raise UserInputError(
                     f"--adapter {adapter}: none of its LoRA weights fit the {family.trained_module} of --model "
@@ -306,17 +336,19 @@ class FlowPolicy:
         self, *, rank: int = 32, alpha: int = 64, targets: tuple[str, ...] | None = None, seed: int = 0
     ) -> None:
         """Attach a fresh LoRA adapter (gaussian A, zero B: the policy starts equal to the base model) on
-        `targets`, by default the family's (the reference trainers' list)."""
+        `targets`, by default the family's (the reference trainers' list), to every trained module (each
+        expert gets its own)."""
         from peft import LoraConfig
 
         targets = self.family.lora_targets if targets is None else targets
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            self.transformer.add_adapter(
-                LoraConfig(
-                    r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=list(targets)
+            for part in self.parts.values():
+                part.add_adapter(
+                    LoraConfig(
+                        r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=list(targets)
+                    )
                 )
-            )
         self.lora = True
 
     def trainable_parameters(self, full: bool = False) -> list[torch.nn.Parameter]:
@@ -344,19 +376,25 @@ class FlowPolicy:
         transformer (loaded once from the model folder) stands in for the trained one.
         """
         if self.lora:
-            self.transformer.disable_adapters()
+            adapted = [part for part in self.parts.values() if getattr(part, "peft_config", None)]
+            for part in adapted:
+                part.disable_adapters()
             try:
                 yield
             finally:
-                self.transformer.enable_adapters()
+                for part in adapted:
+                    part.enable_adapters()
             return
         if self._reference is None:
-            self._reference = (
-                type(unwrap(self.transformer))
-                .from_pretrained(Path(self.model_path) / self.family.trained_module, dtype=self.dtype)
-                .to(self.device)
-                .requires_grad_(False)
-                .eval()
+            self._reference = self.family.trained_network(
+                {
+                    name: type(part)
+                    .from_pretrained(Path(self.model_path) / name, dtype=self.dtype)
+                    .to(self.device)
+                    .requires_grad_(False)
+                    .eval()
+                    for name, part in self.parts.items()
+                }
             )
         trained, self.transformer = self.transformer, self._reference
         try:
@@ -411,28 +449,38 @@ class FlowPolicy:
         """Write the trained weights so `pipe.load_lora_weights(out)` (LoRA) or `from_pretrained` (full) loads them.
 
         state: the trained module's full state dict when it is sharded (gathered by the caller);
-        None reads the module's own.
+        None reads the module's own. With several experts, the first one's LoRA is the folder's own
+        file and each further expert's goes to `out/<expert>/` (`load_expert_loras`); full weights go to
+        `out/<module>/` for every trained module.
         """
         from safetensors.torch import save_file
 
         out.mkdir(parents=True, exist_ok=True)
-        module = self.module
-        state = module.state_dict() if state is None else state
-        trained = self.family.trained_module
-        if kind == "lora":
-            from peft.utils import get_peft_model_state_dict
+        state = self.module.state_dict() if state is None else state
+        first = self.family.trained_module
+        for name, part in self.parts.items():
+            own = (
+                state
+                if len(self.parts) == 1
+                else {k.removeprefix(f"{name}."): v for k, v in state.items() if k.startswith(f"{name}.")}
+            )
+            if kind == "lora":
+                from peft.utils import get_peft_model_state_dict
 
-            layers = get_peft_model_state_dict(module, state_dict=state, adapter_name="default")
-            meta = lora_metadata(module.peft_config["default"])
-            type(self.pipe).save_lora_weights(
-                out, **{f"{trained}_lora_layers": layers, f"{trained}_lora_adapter_metadata": meta}
-            )
-        else:  # the files diffusers' save_pretrained writes: config.json and one safetensors file
-            module.save_config(out / trained)
-            weights = {k: v.detach().contiguous() for k, v in state.items()}
-            save_file(
-                weights, out / trained / "diffusion_pytorch_model.safetensors", metadata={"format": "pt"}
-            )
+                if not getattr(part, "peft_config", None):
+                    continue
+                layers = get_peft_model_state_dict(part, state_dict=own, adapter_name="default")
+                meta = lora_metadata(part.peft_config["default"])
+                type(self.pipe).save_lora_weights(
+                    out if name == first else out / name,
+                    **{f"{first}_lora_layers": layers, f"{first}_lora_adapter_metadata": meta},
+                )
+            else:  # the files diffusers' save_pretrained writes: config.json and one safetensors file
+                part.save_config(out / name)
+                weights = {k: v.detach().contiguous() for k, v in own.items()}
+                save_file(
+                    weights, out / name / "diffusion_pytorch_model.safetensors", metadata={"format": "pt"}
+                )
         config = {"kind": kind, **base_model_record(self.model_path), **extra}
         (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
 
@@ -441,17 +489,22 @@ class FlowPolicy:
         """The family's own σ schedule [N+1] (ends in 0), float32, for `resolution`² samples."""
         return self.family.sigmas(num_steps, resolution)
 
-    def latent_shape(self, resolution: int) -> tuple[int, ...]:
-        """The stored latent of one `resolution`² sample (the family's layout)."""
-        return self.family.latent_shape(resolution)
+    def latent_shape(self, resolution: int, frames: int = 1) -> tuple[int, ...]:
+        """The stored latent of one `resolution`² sample of `frames` frames (the family's layout); more
+        than one frame from an image family is a one-line error naming --frames."""
+        if frames != 1 and self.family.media != "video":
+            raise UserInputError(
+                f"--frames {frames}: --model {self.model_path} makes images ({self.family.name}); leave --frames at 1"
+            )
+        return self.family.latent_shape(resolution, frames)
 
     def needs_negative(self, guidance: float) -> bool:
         """Whether sampling with `guidance` runs an unconditional branch (the family's CFG kind)."""
         return self.family.needs_negative(guidance)
 
-    def initial_noise(self, seeds: list[int], resolution: int) -> torch.Tensor:
+    def initial_noise(self, seeds: list[int], resolution: int, frames: int = 1) -> torch.Tensor:
         """x_T [B, *latent_shape] drawn per sample from its own seed (batching never changes it)."""
-        shape = self.latent_shape(resolution)
+        shape = self.latent_shape(resolution, frames)
         noise = [torch.randn(shape, generator=seed_generator(s), dtype=torch.float32) for s in seeds]
         return torch.stack(noise).to(self.device)
 
@@ -487,5 +540,6 @@ class FlowPolicy:
 
     @torch.no_grad()
     def decode(self, x0: torch.Tensor) -> list[Any]:
-        """Latents [B, *latent_shape] → PIL images."""
+        """Latents [B, *latent_shape] → per sample a PIL image, or a list of PIL frames for a video
+        family (`FamilyAdapter.media`)."""
         return self.family.decode(x0)

@@ -35,6 +35,9 @@ FAMILIES: dict[str, str] = {
     "qwen3_omni_thinker": "stages.models.qwen3_omni:build_qwen3_omni_thinker",
     "qwen_image": "stages.models.qwen_image:build_qwen_image",
     "sd3": "stages.models.sd3:build_sd3",
+    "wan2_1": "stages.models.wan:build_wan2_1",
+    "wan2_2_5b": "stages.models.wan:build_wan2_2_5b",
+    "wan2_2_a14b": "stages.models.wan:build_wan2_2_a14b",
     "z_image": "stages.models.z_image:build_z_image",
 }
 
@@ -271,5 +274,16 @@ def model_details(model: str | Path) -> dict[str, Any]:
 
 
 def default_text_length(model: str | Path) -> int:
-    """The text (T5) length a model folder asks for in its card's `details.text_length`, else 128."""
-    return int(model_details(model).get("text_length", DEFAULT_TEXT_LENGTH))
+    """The text length a model folder asks for: its card's `details.text_length`, else its pipeline
+    family's own (`FamilyAdapter.text_length`, e.g. Wan's 512), else 128."""
+    details = model_details(model)
+    if "text_length" in details:
+        return int(details["text_length"])
+    index = Path(model) / "model_index.json"
+    try:
+        pipeline_class = json.loads(index.read_bytes())["_class_name"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return DEFAULT_TEXT_LENGTH
+    from stages.models.families import family_text_length
+
+    return family_text_length(str(pipeline_class)) or DEFAULT_TEXT_LENGTH

@@ -30,6 +30,7 @@ BUILTIN: dict[str, str] = {
     "FluxPipeline": "stages.models.flux:FluxAdapter",
     "QwenImagePipeline": "stages.models.qwen_image:QwenImageAdapter",
     "StableDiffusion3Pipeline": "stages.models.sd3:SD3Adapter",
+    "WanPipeline": "stages.models.wan:WanAdapter",
     "ZImagePipeline": "stages.models.z_image:ZImageAdapter",
 }
 
@@ -68,15 +69,45 @@ class Condition:
         return Condition(pick(self.pos), pick(self.neg))
 
 
+class Experts(torch.nn.ModuleDict):
+    """Several trained networks of one pipeline as one module (Wan 2.2 A14B's high- and low-noise
+    experts): parameters are named "<pipeline attribute>.<name>", so the trainer, the optimizer, EMA
+    and weight swaps see one module, and `experts(name, **inputs)` runs one expert through this
+    module's own forward (a data-parallel wrapper's forward reaches it)."""
+
+    def forward(self, name: str, **inputs: Any) -> Any:
+        return self[name](**inputs)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The experts' dtype (they share one)."""
+        return next(iter(self.values())).dtype
+
+    @property
+    def _no_split_modules(self) -> list[str]:
+        """The experts' block classes, so FSDP2 shards every block of each expert (`update.parallel`)."""
+        return sorted({name for expert in self.values() for name in expert._no_split_modules or ()})
+
+
 class FamilyAdapter:
     """What one pipeline family needs beyond the generic policy. Subclass it, set the class
-    attributes and implement the methods; `pipe` is the loaded diffusers pipeline."""
+    attributes and implement the methods; `pipe` is the loaded diffusers pipeline.
+
+    Media. An image family (`media` "image") decodes a batch to one PIL image per sample. A video
+    family (`media` "video") has latents [C, F, h, w] and decodes a batch to one list of PIL frames
+    per sample (all of `frames` frames, in order); `latent_shape` takes the frame count.
+    """
 
     name: ClassVar[str]
     # The reference trainers' default LoRA target modules (README's families table says whose).
     lora_targets: ClassVar[tuple[str, ...]]
     # The pipeline attribute that is trained and saved (its class reloads full weights).
     trained_module: ClassVar[str] = "transformer"
+    # "image": decode gives a PIL image per sample; "video": a list of PIL frames per sample.
+    media: ClassVar[str] = "image"
+    # The text length the family's pipeline encodes with, used when a model card names none (None:
+    # omnirl's default, `stages.models.factory.DEFAULT_TEXT_LENGTH`).
+    text_length: ClassVar[int | None] = None
     # "true": guidance > 1 runs an unconditional branch; "distilled": guidance is a model input.
     cfg_kind: ClassVar[str] = "true"
     # The guidance a policy is trained at when no rollout records one (offline pairs / latents):
@@ -93,13 +124,26 @@ class FamilyAdapter:
         """The unconditional prediction as guidance should combine it: detached when `detach_uncond`."""
         return uncond.detach() if self.detach_uncond else uncond
 
+    def trained_modules(self) -> tuple[str, ...]:
+        """The pipeline attributes that are trained and saved: `trained_module` alone, or every expert
+        of a pipeline that switches between several (each carries its own LoRA)."""
+        return (self.trained_module,)
+
+    def trained_network(self, modules: dict[str, torch.nn.Module]) -> torch.nn.Module:
+        """The one module `velocity` is given, built from the trained `modules` (attribute → module):
+        the module itself when there is one, else the `Experts` of all of them."""
+        if len(modules) == 1:
+            return next(iter(modules.values()))
+        return Experts(modules)
+
     def sigmas(self, num_steps: int, resolution: int) -> torch.Tensor:
         """The σ schedule [N+1] (ends in 0), float32, as the family's own pipeline computes it."""
         raise NotImplementedError
 
-    def latent_shape(self, resolution: int) -> tuple[int, ...]:
-        """The stored (unpacked) latent of one `resolution`² sample, any rank; a side the family
-        cannot take is a one-line UserInputError naming --resolution."""
+    def latent_shape(self, resolution: int, frames: int = 1) -> tuple[int, ...]:
+        """The stored (unpacked) latent of one `resolution`² sample of `frames` frames, any rank (an
+        image family is only asked for 1 frame); a side or frame count the family cannot take is a
+        one-line UserInputError naming --resolution or --frames."""
         raise NotImplementedError
 
     def needs_negative(self, guidance: float) -> bool:
@@ -130,7 +174,8 @@ class FamilyAdapter:
         raise NotImplementedError
 
     def decode(self, x0: torch.Tensor) -> list[Any]:
-        """Latents [B, *latent_shape] → PIL images. The default is the AutoencoderKL form z/scale + shift
+        """Latents [B, *latent_shape] → per sample a PIL image, or for a video family a list of PIL
+        frames. The default is the AutoencoderKL form z/scale + shift
         that SD3, FLUX.1 and Z-Image share; other VAEs override it."""
         vae = self.pipe.vae
         z = x0.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
@@ -155,6 +200,14 @@ def _load(spec: str, what: str) -> type[FamilyAdapter]:
         return getattr(importlib.import_module(module_name), attribute)
     except (ImportError, AttributeError) as exc:
         raise UserInputError(f"{what}: the family adapter {spec!r} cannot be loaded ({exc})") from None
+
+
+def family_text_length(pipeline_class: str) -> int | None:
+    """The `text_length` of a pipeline class's adapter (None without one: loading the model says so)."""
+    try:
+        return adapter_class(pipeline_class, pipeline_class).text_length
+    except UserInputError:
+        return None
 
 
 def supported_pipelines() -> list[str]:

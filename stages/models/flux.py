@@ -257,7 +257,7 @@ class FluxAdapter(FamilyAdapter):
             )
         return factor
 
-    def latent_shape(self, resolution: int) -> tuple[int, ...]:
+    def latent_shape(self, resolution: int, frames: int = 1) -> tuple[int, ...]:
         """(16, h, w) of a `resolution`² image, stored unpacked."""
         side = resolution // self._factor(resolution)
         return (self.pipe.transformer.config.in_channels // 4, side, side)

@@ -215,7 +215,7 @@ class QwenImageAdapter(FamilyAdapter):
         mu = dynamic_shift_mu(seq_len, config)
         return flow_match_sigmas(self.pipe.scheduler, num_steps, mu=mu)
 
-    def latent_shape(self, resolution: int) -> tuple[int, ...]:
+    def latent_shape(self, resolution: int, frames: int = 1) -> tuple[int, ...]:
         """(16, h, w) of a `resolution`² image: the side must be a multiple of the VAE factor × 2."""
         side = self._latent_side(resolution)
         return (self.pipe.transformer.config.out_channels, side, side)

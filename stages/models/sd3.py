@@ -255,7 +255,7 @@ class SD3Adapter(FamilyAdapter):
         """The scheduler's fixed-shift schedule (shift 3 for SD3.5)."""
         return flow_match_sigmas(self.pipe.scheduler, num_steps)
 
-    def latent_shape(self, resolution: int) -> tuple[int, ...]:
+    def latent_shape(self, resolution: int, frames: int = 1) -> tuple[int, ...]:
         """(C, h, w) of a `resolution`² image; the side must be a positive multiple of the VAE factor ×
         the transformer's patch size, as the diffusers SD3 pipeline requires."""
         factor = self.pipe.vae_scale_factor

@@ -219,7 +219,7 @@ class ZImageAdapter(FamilyAdapter):
         scheduler.set_timesteps(sigmas=torch.linspace(1.0, 1 / num_steps, num_steps).tolist(), mu=mu)
         return scheduler.sigmas.to(dtype=torch.float32).clone()
 
-    def latent_shape(self, resolution: int) -> tuple[int, ...]:
+    def latent_shape(self, resolution: int, frames: int = 1) -> tuple[int, ...]:
         """(C, h, w) of a `resolution`² image; the side must be a positive multiple of twice the VAE
         factor (2×2 patches), as `ZImagePipeline` requires."""
         factor = self.pipe.vae_scale_factor

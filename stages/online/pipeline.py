@@ -275,7 +275,8 @@ class Workers:
 
     @staticmethod
     def _fields(cfg: OnlineConfig, latent: tuple[int, ...]) -> list[Any]:
-        """Ring fields for the rows of any iteration; `latent` is one latent's [C, h, w].
+        """Ring fields for the rows of any iteration; `latent` is one latent's shape ([C, h, w], or
+        [C, F, h, w] for video).
 
         The stored-step count K may change between iterations (a MixGRPO window shrinks near the end
         of its range), so the K dimensions are ragged, sized for the most any iteration stores: an SDE
@@ -502,7 +503,13 @@ def run_online(
     if start >= cfg.iterations:
         return summaries
     workers = Workers(
-        cfg, start, adapter, params, step, policy.latent_shape(cfg.sample.resolution), policy.device
+        cfg,
+        start,
+        adapter,
+        params,
+        step,
+        policy.latent_shape(cfg.sample.resolution, cfg.sample.frames),
+        policy.device,
     )
     try:
         for k in range(start, cfg.iterations):

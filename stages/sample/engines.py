@@ -113,8 +113,8 @@ class RolloutEngine(ABC):
         """One batch of B samples under `SampleConfig` `cfg`: the columns of `rollout_batch`."""
 
     @abstractmethod
-    def latent_shape(self, resolution: int) -> tuple[int, ...]:
-        """The stored latent of one `resolution`² sample."""
+    def latent_shape(self, resolution: int, frames: int = 1) -> tuple[int, ...]:
+        """The stored latent of one `resolution`² sample of `frames` frames."""
 
     def describe(self) -> dict[str, Any]:
         """What the manifest records about the engine (`extra["engine"]`)."""
@@ -207,8 +207,8 @@ class DiffusersEngine(RolloutEngine):
             self.policy, cfg, prompts, negatives, seeds, init_seeds, groups=groups, sample_ids=sample_ids
         )
 
-    def latent_shape(self, resolution: int) -> tuple[int, ...]:
-        return self.policy.latent_shape(resolution)
+    def latent_shape(self, resolution: int, frames: int = 1) -> tuple[int, ...]:
+        return self.policy.latent_shape(resolution, frames)
 
     def describe(self) -> dict[str, Any]:
         """The engine and its device type (not the index: under a launcher each rank has its own, and

@@ -148,8 +148,8 @@ class RemoteEngine(RolloutEngine):
         self.server_weights["version"] = version
         return columns
 
-    def latent_shape(self, resolution: int) -> tuple[int, ...]:
-        reply = self.client.call("/omnirl/v1/latent_shape", {"resolution": resolution})
+    def latent_shape(self, resolution: int, frames: int = 1) -> tuple[int, ...]:
+        reply = self.client.call("/omnirl/v1/latent_shape", {"resolution": resolution, "frames": frames})
         return tuple(int(d) for d in reply["latent_shape"])
 
     def describe(self) -> dict[str, Any]:

@@ -29,6 +29,7 @@ class SampleConfig:
     steps: int = 10
     guidance: float = 4.5
     resolution: int = 512
+    frames: int = 1  # a video family's frames per sample; image families take 1
     sampler: str = "sde"
     noise_level: float = 0.7
     window: int = 0
@@ -61,6 +62,8 @@ class SampleConfig:
             raise UserInputError(f"--sampler {self.sampler}: choose one of {', '.join(SAMPLERS)}")
         if self.steps < 1:
             raise UserInputError(f"--steps {self.steps}: must be at least 1")
+        if self.frames < 1:
+            raise UserInputError(f"--frames {self.frames}: must be at least 1")
         if self.window < 0:
             raise UserInputError(f"--sde-window {self.window}: must be >= 0")
         if not self.fps > 0:
@@ -132,7 +135,7 @@ def rollout_batch(
     windows = [placed[g] for g in groups]
     if len({len(w) for w in windows}) > 1:
         raise ValueError("every sample of a batch must store the same number of steps")
-    x = policy.initial_noise(init_seeds, cfg.resolution)
+    x = policy.initial_noise(init_seeds, cfg.resolution, cfg.frames)
     cond = policy.encode(prompts, negatives, policy.needs_negative(cfg.guidance), cfg.max_sequence_length)
     gens = [seed_generator(s) for s in seeds]
     latents: list[list[torch.Tensor]] = [[] for _ in range(batch)]

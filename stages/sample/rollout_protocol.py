@@ -294,5 +294,7 @@ def refuse_settings(cfg: SampleConfig) -> None:
         cfg.validate()
     except UserInputError as exc:
         raise ProtocolError(f"sampling_params: {exc}") from None
-    if cfg.steps > 1000 or cfg.resolution > 8192:
-        raise ProtocolError("sampling_params: steps must be at most 1000 and resolution at most 8192")
+    if cfg.steps > 1000 or cfg.resolution > 8192 or cfg.frames > 4096:
+        raise ProtocolError(
+            "sampling_params: steps must be at most 1000, resolution at most 8192 and frames at most 4096"
+        )

@@ -16,7 +16,7 @@ Routes (JSON in and out, never pickle; HTTP, token and size checks in `stages.we
 - ``GET /omnirl/v1/weights`` the weights held; ``POST /omnirl/v1/weights`` ``{"adapter": PATH | null,
   "version": int | null}`` loads an adapter folder from the server's file system (null: the base
   model) without a restart and answers the new weights; version defaults to the adapter's step;
-- ``POST /omnirl/v1/latent_shape`` ``{"resolution": R}`` → ``{"latent_shape": [...]}``.
+- ``POST /omnirl/v1/latent_shape`` ``{"resolution": R, "frames": F}`` (F default 1) → ``{"latent_shape": [...]}``.
 
 Refusals: 400 a malformed request, 401 a missing token, 404 an unknown route, 409 a rollout that asks
 for other weights than the server holds, 411/413 (`stages.web`), 413 a batch over --max-batch or
@@ -53,7 +53,8 @@ from stages.web import HttpError, JsonService, parse_json_object
 IMAGES_ROUTE = "/v1/images/generations"
 WEIGHTS_ROUTE = "/omnirl/v1/weights"
 LATENT_ROUTE = "/omnirl/v1/latent_shape"
-MAX_PIXELS = 2**26  # pixels in one request (samples × resolution²)
+MAX_PIXELS = 2**26  # pixels in one request (samples × frames × resolution²)
+MAX_FRAMES = 4096  # frames of one sample
 _SIZE_RE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
 # vLLM-Omni 0.30.0 bounds of /v1/images/generations
 MAX_IMAGES, MAX_IMAGE_STEPS, MAX_GUIDANCE = 10, 200, 20.0
@@ -172,11 +173,12 @@ class RolloutService(JsonService):
         except ProtocolError as exc:
             raise HttpError(HTTPStatus.BAD_REQUEST, str(exc)) from None
 
-    def _check_pixels(self, samples: int, resolution: int) -> None:
-        if samples * resolution * resolution > self.max_pixels:
+    def _check_pixels(self, samples: int, resolution: int, frames: int = 1) -> None:
+        if samples * frames * resolution * resolution > self.max_pixels:
+            per = f"{frames} frames of {resolution}²" if frames > 1 else f"{resolution}²"
             raise HttpError(
                 HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                f"{samples} samples of {resolution}² pixels, more than the server's {self.max_pixels}; "
+                f"{samples} samples of {per} pixels, more than the server's {self.max_pixels}; "
                 "send fewer samples per request",
             )
 
@@ -192,7 +194,7 @@ class RolloutService(JsonService):
             )
         request = decode_request(body, max_samples=self.max_batch)
         refuse_settings(request.cfg)
-        self._check_pixels(len(request.prompts), request.cfg.resolution)
+        self._check_pixels(len(request.prompts), request.cfg.resolution, request.cfg.frames)
         windows = {len(stored_steps(request.cfg, g)) for g in request.groups}
         if len(windows) > 1:
             raise ProtocolError("the samples' groups place windows of different lengths; batch them apart")
@@ -285,9 +287,12 @@ class RolloutService(JsonService):
         }
 
     def latent_shape(self, raw: bytes) -> dict[str, Any]:
-        """``POST /omnirl/v1/latent_shape``: the stored latent of one resolution² sample."""
-        resolution = _int_field(parse_json_object(raw), "resolution", 0, 1, 8192)
+        """``POST /omnirl/v1/latent_shape``: the stored latent of one resolution² sample (of `frames`
+        frames, default 1)."""
+        body = parse_json_object(raw)
+        resolution = _int_field(body, "resolution", 0, 1, 8192)
+        frames = _int_field(body, "frames", 1, 1, MAX_FRAMES)
         try:
-            return {"latent_shape": list(self.engine.latent_shape(resolution))}
+            return {"latent_shape": list(self.engine.latent_shape(resolution, frames))}
         except UserInputError as exc:
             raise HttpError(HTTPStatus.BAD_REQUEST, str(exc)) from None

@@ -21,7 +21,8 @@ HEAVY_RANK = 2  # per-row tensor dimensions from which a column is read per rank
 
 
 def is_heavy(column: Column) -> bool:
-    """A tensor column whose rows are at least 2-D ([K+1, C, h, w] latents, [C, h, w] final latents)."""
+    """A tensor column whose rows are at least 2-D ([K+1, *latent] latents, [*latent] final latents; a
+    latent is [C, h, w], or [C, F, h, w] for video)."""
     return column.kind == "tensor" and len(column.shape) >= HEAVY_RANK
 
 

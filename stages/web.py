@@ -4,9 +4,10 @@ A `JsonService` decides what a request means; `JsonServer` (threaded) and its ha
 
 - ``GET`` paths in `JsonService.public_paths` (``/health``) answer without a token, for probes;
 - every other request must carry the service's bearer token, when it has one (401 otherwise);
-- a POST needs a Content-Length (411; chunked bodies are not read) of at most
-  `JsonService.max_request_bytes` (413); a body refused unread is drained when it is at most
-  `DRAIN_FACTOR` × the limit (so the client reads the reply), else the connection is closed;
+- a POST needs a Content-Length (411; chunked bodies are not read) of at most the
+  `JsonService.body_limit` of its path (413; `max_request_bytes` unless a route takes more); a body
+  refused unread is drained when it is at most `DRAIN_FACTOR` × the limit (so the client reads the
+  reply), else the connection is closed;
 - a refusal replies ``{"error": {"code": STATUS, "message": ...}}`` and the server keeps serving; an
   exception other than `HttpError` is a 500 with its one-line message (and a logged traceback).
 
@@ -90,6 +91,10 @@ class JsonService:
         scheme, _, value = (header or "").partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), self.token.encode())
 
+    def body_limit(self, path: str) -> tuple[int, str]:
+        """(the largest POST body `path` takes, in bytes; the server option that sets it)."""
+        return self.max_request_bytes, "--max-request-mb"
+
     def get(self, path: str) -> dict[str, Any]:
         """The reply to ``GET path`` (the path without query); `HttpError` when refused."""
         raise HttpError(HTTPStatus.NOT_FOUND, f"no route GET {path}")
@@ -164,9 +169,9 @@ class JsonHandler(BaseHTTPRequestHandler):
             return
         self._answer(self.service.get, path)
 
-    def _drain(self, length: int) -> bool:
+    def _drain(self, length: int, limit: int) -> bool:
         """Read and drop a refused body of `length` bytes when it is small enough; False: close instead."""
-        if length > DRAIN_FACTOR * self.service.max_request_bytes:
+        if length > DRAIN_FACTOR * limit:
             return False
         while length > 0:
             chunk = self.rfile.read(min(length, _CHUNK))
@@ -188,16 +193,17 @@ class JsonHandler(BaseHTTPRequestHandler):
             self._refuse(HttpError(HTTPStatus.LENGTH_REQUIRED, "send a valid Content-Length"), close=True)
             return
         refusal = None
+        limit, option = service.body_limit(urllib.parse.urlsplit(self.path).path.rstrip("/"))
         if not service.authorized(self.headers.get("Authorization")):
             refusal = HttpError(HTTPStatus.UNAUTHORIZED, "a valid bearer token is required")
-        elif length > service.max_request_bytes:
+        elif length > limit:
             refusal = HttpError(
                 HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                f"the body is {length} bytes, more than --max-request-mb "
-                f"({service.max_request_bytes} bytes); send less per request",
+                f"the body is {length} bytes, more than the server's {option} ({limit} bytes); "
+                "send less per request",
             )
         if refusal is not None:
-            self._refuse(refusal, close=not self._drain(length))
+            self._refuse(refusal, close=not self._drain(length, limit))
             return
         raw = self.rfile.read(length)
         if len(raw) < length:  # the client went away mid-body

@@ -24,6 +24,7 @@ from stages.dist import unwrap
 from stages.errors import UserInputError
 from stages.models.families import Condition, FamilyAdapter, adapter_class
 from stages.models.hub import base_model_record
+from stages.models.lora_weights import lora_config_dict, lora_file, swap_lora
 
 ADAPTER_CONFIG = "omnirl_adapter.json"
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
@@ -42,6 +43,15 @@ ADAPTER_FORMS = (
     f"`save_lora_weights` writes) or a PEFT LoRA folder ({PEFT_CONFIG}, as `save_pretrained` writes)"
 )
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def check_pipeline_folder(model: str | Path, option: str = "--model") -> Path:
+    """`model` as a Path when it is a diffusers pipeline folder (has model_index.json): checked before
+    anything hashes or loads it, since any folder (even /tmp) could be walked otherwise."""
+    path = Path(model)
+    if not (path / "model_index.json").is_file():
+        raise UserInputError(f"{option} {model}: not a diffusers pipeline folder (no model_index.json)")
+    return path
 
 
 def seed_generator(seed: int) -> torch.Generator:
@@ -111,13 +121,6 @@ def check_adapter_layout(
     )
 
 
-def lora_metadata(config: Any) -> dict[str, Any]:
-    """A PEFT `LoraConfig` as the JSON-able dict diffusers stores beside LoRA weights and rebuilds the
-    config from (`LoraConfig(**metadata)`): sets become sorted lists."""
-    meta = config.to_dict()
-    return {k: (sorted(v) if isinstance(v, set) else v) for k, v in meta.items()}
-
-
 def load_lora(pipe: Any, trained: str, folder: Path) -> None:
     """Apply a LoRA folder to the pipeline's trained module as adapter "default".
 
@@ -148,7 +151,7 @@ def load_lora(pipe: Any, trained: str, folder: Path) -> None:
     from peft.utils import get_peft_model_state_dict
 
     state = {k.removeprefix(PEFT_PREFIX): v for k, v in load_file(folder / PEFT_WEIGHTS).items()}
-    config = lora_metadata(LoraConfig.from_pretrained(str(folder)))
+    config = lora_config_dict(LoraConfig.from_pretrained(str(folder)))
     module.load_lora_adapter(state, prefix=None, adapter_name="default", metadata=config)
     # diffusers only warns about weights that fit no layer; those layers would keep their init
     unused = sorted(set(state) - set(get_peft_model_state_dict(module, adapter_name="default")))
@@ -249,11 +252,7 @@ class FlowPolicy:
 
         diffusers_logging.disable_progress_bar()
 
-        model_path = Path(model_path)
-        if not (model_path / "model_index.json").is_file():
-            raise UserInputError(
-                f"--model {model_path}: not a diffusers pipeline folder (no model_index.json)"
-            )
+        model_path = check_pipeline_folder(model_path)
         if dtype not in DTYPES:
             raise UserInputError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
         torch_dtype = DTYPES[dtype]
@@ -399,6 +398,19 @@ class FlowPolicy:
             for name, value in swapped.items():
                 params[name].data = value
 
+    # ---------------------------------------------------------------- LoRA in memory
+    def lora_file(self) -> bytes:
+        """The trained module's LoRA as the bytes of a diffusers LoRA file (`lora_weights.lora_file`)."""
+        return lora_file(self.module, self.family.trained_module)
+
+    def set_lora(self, layers: dict[str, torch.Tensor] | None, config: dict[str, Any] | None) -> str:
+        """Swap LoRA `layers` of `config` onto the trained module in place of its adapter (None: the base
+        model), without reloading anything (`lora_weights.swap_lora`); returns how it was done."""
+        how = swap_lora(self.module, layers, config)
+        self.lora = bool(getattr(self.module, "peft_config", None))
+        self.adapter = None
+        return how
+
     # ---------------------------------------------------------------- saving
     def save_adapter(
         self,
@@ -423,7 +435,7 @@ class FlowPolicy:
             from peft.utils import get_peft_model_state_dict
 
             layers = get_peft_model_state_dict(module, state_dict=state, adapter_name="default")
-            meta = lora_metadata(module.peft_config["default"])
+            meta = lora_config_dict(module.peft_config["default"])
             type(self.pipe).save_lora_weights(
                 out, **{f"{trained}_lora_layers": layers, f"{trained}_lora_adapter_metadata": meta}
             )

@@ -49,6 +49,7 @@ BACKOFF_S = 0.5
 MAX_BACKOFF_S = 30.0
 RETRY_STATUSES = frozenset({502, 503, 504})
 CONNECT_TIMEOUT_S = 5.0
+WEIGHTS_ROUTE = "/omnirl/v1/weights"
 START_HINT = "start it with `omnirl serve --model M --port P` and pass --server-url http://HOST:P"
 
 
@@ -80,12 +81,30 @@ class RolloutClient:
         self.timeout = timeout
         self.retries = retries
 
-    def _once(self, path: str, body: dict[str, Any] | None, timeout: float) -> Any:
-        """One request; the decoded JSON reply. `_Retry` for what may pass, `UserInputError` else."""
+    @classmethod
+    def from_options(cls, options: EngineOptions) -> RolloutClient:
+        """The client of `options.server_url`, with the token of `options.token_env`."""
+        if not options.server_url:
+            raise UserInputError(f"--engine remote needs --server-url; {START_HINT}")
+        token = None
+        if options.token_env:
+            token = os.environ.get(options.token_env)
+            if not token:
+                raise UserInputError(
+                    f"--server-token-env {options.token_env}: ${options.token_env} is not set"
+                )
+        return cls(options.server_url, token=token, timeout=options.request_timeout, retries=options.retries)
+
+    def _once(self, path: str, body: dict[str, Any] | bytes | None, timeout: float) -> Any:
+        """One request (a JSON body, or raw bytes); the decoded JSON reply. `_Retry` for what may pass,
+        `UserInputError` else."""
         url = self.url + path
         headers = {"Accept": "application/json"}
         data = None
-        if body is not None:
+        if isinstance(body, bytes):
+            data = body
+            headers["Content-Type"] = "application/octet-stream"
+        elif body is not None:
             data = json.dumps(body).encode("utf-8")
             headers["Content-Type"] = "application/json"
         if self.token:
@@ -144,7 +163,7 @@ class RolloutClient:
             )
         return UserInputError(f"{url}: HTTP {code} ({detail})")
 
-    def call(self, path: str, body: dict[str, Any] | None = None) -> Any:
+    def call(self, path: str, body: dict[str, Any] | bytes | None = None) -> Any:
         """The reply to `body` at `path` (GET without a body), retried as the module docstring says."""
         start = time.monotonic()
         last, fives = "", 0
@@ -206,35 +225,28 @@ class RolloutClient:
 class RemoteEngine(RolloutEngine):
     """Rollouts computed by `omnirl serve` (module docstring)."""
 
-    def __init__(self, client: RolloutClient, health: dict[str, Any], weights: dict[str, Any]):
+    def __init__(
+        self, client: RolloutClient, health: dict[str, Any], weights: dict[str, Any], pushed: bool = False
+    ):
         self.client = client
         self.family = str(health.get("family"))
         self.weights = weights  # what every request asks the server to hold
         self.server_weights = dict(health.get("weights") or {})
+        self.pushed = pushed  # the run pushes its weights: samples record the version the server used
 
     @classmethod
     def open(cls, options: EngineOptions, device: Any) -> RemoteEngine:
+        """The client of `options.server_url`, once healthy and holding the weights of `options` (with
+        `options.pushed_weights`: holding the model; the adapter is the one the run pushes)."""
         from stages.shards.digest import content_digest
 
-        if not options.server_url:
-            raise UserInputError(f"--engine remote needs --server-url; {START_HINT}")
-        token = None
-        if options.token_env:
-            token = os.environ.get(options.token_env)
-            if not token:
-                raise UserInputError(
-                    f"--server-token-env {options.token_env}: ${options.token_env} is not set"
-                )
-        client = RolloutClient(
-            options.server_url, token=token, timeout=options.request_timeout, retries=options.retries
-        )
-        weights = {
-            "model_sha256": content_digest(options.model, "--model"),
-            "adapter_sha256": None
-            if options.adapter is None
-            else content_digest(options.adapter, "--adapter"),
-            "version": None,
-        }
+        client = RolloutClient.from_options(options)
+        weights: dict[str, Any] = {"model_sha256": content_digest(options.model, "--model")}
+        if not options.pushed_weights:
+            weights["adapter_sha256"] = (
+                None if options.adapter is None else content_digest(options.adapter, "--adapter")
+            )
+            weights["version"] = None
         health = client.wait_healthy(options.startup_timeout)
         held = health.get("weights") or {}
         if held.get("model_sha256") != weights["model_sha256"]:
@@ -242,14 +254,14 @@ class RemoteEngine(RolloutEngine):
                 f"--server-url {client.url} serves model {health.get('model')!r}, not the weights of --model "
                 f"{options.model}; start `omnirl serve --model {options.model}`"
             )
-        if held.get("adapter_sha256") != weights["adapter_sha256"]:
+        if not options.pushed_weights and held.get("adapter_sha256") != weights["adapter_sha256"]:
             have = held.get("adapter") or "the base model"
             want = options.adapter or "the base model (no --adapter)"
             raise UserInputError(
                 f"--server-url {client.url} holds {have}, not {want}; load it with POST "
                 f"{client.url}/omnirl/v1/weights or restart `omnirl serve` with that --adapter"
             )
-        return cls(client, health, weights)
+        return cls(client, health, weights, options.pushed_weights)
 
     def rollout(
         self,
@@ -275,7 +287,30 @@ class RemoteEngine(RolloutEngine):
                 f"{self.client.url}{ROUTE}: a malformed reply ({exc}); check the server"
             ) from None
         self.server_weights["version"] = version
+        if self.pushed:
+            import torch
+
+            columns["policy_version"] = torch.full((len(ids),), version, dtype=torch.int64)
         return columns
+
+    def push_weights(self, lora: bytes, version: int) -> dict[str, Any]:
+        """Send a LoRA file's bytes as weights `version` (``POST /omnirl/v1/weights?sha256=&version=``);
+        the server swaps them in before answering. Returns its reply (weights held, how loaded)."""
+        digest = hashlib.sha256(lora).hexdigest()
+        query = urllib.parse.urlencode({"sha256": digest, "version": int(version)})
+        reply = self.client.call(f"{WEIGHTS_ROUTE}?{query}", lora)
+        held = reply.get("weights") if isinstance(reply, dict) else None
+        if (
+            not isinstance(held, dict)
+            or held.get("adapter_sha256") != digest
+            or held.get("version") != version
+        ):
+            raise RuntimeFailure(
+                f"{self.client.url}{WEIGHTS_ROUTE}: the server did not take weights version {version} (it "
+                f"answered {one_line(reply)!r}); check the server"
+            )
+        self.server_weights = dict(held)
+        return reply
 
     def latent_shape(self, resolution: int) -> tuple[int, ...]:
         reply = self.client.call("/omnirl/v1/latent_shape", {"resolution": resolution})

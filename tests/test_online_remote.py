@@ -208,3 +208,23 @@ def test_a_pushed_lora_swaps_in_place_and_equals_the_in_process_adapter(
         assert torch.equal(pushed[key], local[key]), key
     assert pushed["image"] == local["image"]
     assert not torch.equal(base["final_latent"], pushed["final_latent"])  # the push changed the samples
+
+
+def test_a_lora_that_does_not_fit_leaves_the_pipeline_as_it_was(tiny_sd3: Path, adapter: Path) -> None:
+    from stages.errors import UserInputError
+    from stages.models.diffusion import FlowPolicy
+    from stages.models.lora_weights import read_lora_file
+
+    policy = FlowPolicy.load(tiny_sd3, adapter=adapter)
+    before = {n: p.detach().clone() for n, p in policy.transformer.named_parameters()}
+    raw = (adapter / "pytorch_lora_weights.safetensors").read_bytes()
+    layers, config = read_lora_file(raw, "transformer")
+    first = next(iter(layers))
+    with pytest.raises(UserInputError, match=f"lacks {first}"):  # same config: checked before copying
+        policy.set_lora({k: v for k, v in layers.items() if k != first}, config)
+    with pytest.raises(UserInputError, match="has shape"):  # rank 2: unloaded, added, refused, restored
+        policy.set_lora(layers, {**config, "r": 2})
+    after = dict(policy.transformer.named_parameters())
+    assert after.keys() == before.keys() and all(torch.equal(after[n], before[n]) for n in before)
+    with pytest.raises(ValueError, match="safetensors"):
+        read_lora_file(raw[:100], "transformer")

@@ -408,7 +408,6 @@ class FlowPolicy:
         model), without reloading anything (`lora_weights.swap_lora`); returns how it was done."""
         how = swap_lora(self.module, layers, config)
         self.lora = bool(getattr(self.module, "peft_config", None))
-        self.adapter = None
         return how
 
     # ---------------------------------------------------------------- saving

@@ -13,6 +13,11 @@ returns the same samples. Connection errors, timeouts, 502, 503 and 504 are retr
 a 500 once; a 4xx never (the request is wrong: exit 2). A server that stays down is a `RuntimeFailure`
 naming the URL; the shards written before it are kept and a re-run resumes after them. Every reply is
 validated (`rollout_protocol.decode_response`: request id, count, shapes, finiteness).
+
+A run that trains (`online --engine remote`) opens the engine with `EngineOptions.pushed_weights`: it
+sends each new LoRA itself (`push_weights`: the LoRA file's bytes with their SHA-256 and a version;
+retried like a batch, since the same bytes and version may be sent twice), its requests accept any
+adapter the server holds, and each sample records the version the server used.
 """
 
 from __future__ import annotations

@@ -82,7 +82,7 @@ class OnlineConfig:
     dtype: str = "fp32"
     threads: int = 1
     seed: int | None = None
-    engine: str = "diffusers"  # the sampler's rollout engine: diffusers (in-process) or one taking pushes
+    engine: str = DEFAULT_ENGINE  # the sampler's rollout engine: diffusers (in-process) or one taking pushes
     rollout: EngineOptions | None = None  # how to reach a remote engine (server URL, token, timeouts)
 
     def engine_options(self) -> EngineOptions:

@@ -228,3 +228,15 @@ def test_a_lora_that_does_not_fit_leaves_the_pipeline_as_it_was(tiny_sd3: Path, 
     assert after.keys() == before.keys() and all(torch.equal(after[n], before[n]) for n in before)
     with pytest.raises(ValueError, match="safetensors"):
         read_lora_file(raw[:100], "transformer")
+
+
+def test_the_prompt_cache_keeps_text_lengths_apart(tiny_sd3: Path) -> None:
+    """A server keeps its policy (and prompt cache) across weight swaps and clients: a request at
+    another text length must not get the embeddings cached at the first one."""
+    from stages.models.diffusion import FlowPolicy
+
+    policy = FlowPolicy.load(tiny_sd3)
+    short, long = (policy.encode(["a cat"], None, False, n).pos for n in (32, 128))
+    assert [v.shape for v in short.values()] != [v.shape for v in long.values()]
+    again = policy.encode(["a cat"], None, False, 32).pos
+    assert all(torch.equal(again[k], short[k]) for k in short)

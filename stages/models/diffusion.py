@@ -208,7 +208,7 @@ class FlowPolicy:
         self.dtype = dtype
         self.transformer = getattr(pipe, family.trained_module)
         self.lora = bool(getattr(self.transformer, "peft_config", None))
-        self._prompt_cache: dict[tuple[str, str], tuple[dict, dict]] = {}
+        self._prompt_cache: dict[tuple[str, str, int], tuple[dict, dict]] = {}
         self._reference: torch.nn.Module | None = None
 
     @property
@@ -470,17 +470,17 @@ class FlowPolicy:
     def encode(
         self, prompts: list[str], negative: list[str] | None, cfg: bool, max_sequence_length: int = 128
     ) -> Condition:
-        """Frozen text conditioning, cached per unique (prompt, negative) pair; negatives when `cfg`."""
+        """Frozen text conditioning, cached per unique (prompt, negative, text length): a server keeps
+        its policy across requests that ask for other lengths; negatives when `cfg`."""
         negative = negative or [""] * len(prompts)
-        missing = [
-            (p, n) for p, n in dict.fromkeys(zip(prompts, negative)) if (p, n) not in self._prompt_cache
-        ]
+        keys = [(p, n, max_sequence_length) for p, n in zip(prompts, negative)]
+        missing = [key for key in dict.fromkeys(keys) if key not in self._prompt_cache]
         if missing:
             encoded = self.family.encode_prompts(
-                [p for p, _ in missing], [n for _, n in missing], self.device, max_sequence_length
+                [p for p, _, _ in missing], [n for _, n, _ in missing], self.device, max_sequence_length
             )
             self._prompt_cache.update(zip(missing, encoded))
-        parts = [self._prompt_cache[(p, n)] for p, n in zip(prompts, negative)]
+        parts = [self._prompt_cache[key] for key in keys]
         pos = self.family.collate([part[0] for part in parts])
         return Condition(pos, self.family.collate([part[1] for part in parts]) if cfg else None)
 

@@ -240,3 +240,25 @@ def test_the_prompt_cache_keeps_text_lengths_apart(tiny_sd3: Path) -> None:
     assert [v.shape for v in short.values()] != [v.shape for v in long.values()]
     again = policy.encode(["a cat"], None, False, 32).pos
     assert all(torch.equal(again[k], short[k]) for k in short)
+
+
+def test_a_server_holding_a_full_adapter_reloads_the_base_for_a_pushed_lora(
+    tiny_sd3: Path, tmp_path: Path
+) -> None:
+    """A LoRA cannot swap onto a full fine-tune in place: the base pipeline is loaded beside, the
+    LoRA put on it, then swapped in; after that pushes copy in place again."""
+    from stages.models.diffusion import FlowPolicy
+    from stages.sample.rollout_server import RolloutService
+
+    policy = FlowPolicy.load(tiny_sd3)
+    policy.trainable_parameters(full=True)
+    policy.save_adapter(tmp_path / "full", kind="full", extra={"step": 3})
+    policy.add_lora(rank=4, alpha=8)
+    raw = policy.lora_file()
+    service = RolloutService(tiny_sd3, tmp_path / "full")
+    assert service.weights["version"] == 3 and service.full
+    query = {"sha256": [hashlib.sha256(raw).hexdigest()]}
+    reply = service.load_weights(raw, {**query, "version": ["4"]})
+    assert reply["load"]["how"] == "reloaded, replaced" and not service.full
+    assert reply["weights"]["adapter"] == "pushed" and reply["weights"]["version"] == 4
+    assert service.load_weights(raw, {**query, "version": ["5"]})["load"]["how"] == "copied"

@@ -143,9 +143,17 @@ def reward_mean(rewards_dir: Path) -> float:
 
 
 def online(
-    omnirl: str, files: dict[str, Path], out: Path, n: int, staleness: int, threads: int, env: dict[str, str]
+    omnirl: str,
+    files: dict[str, Path],
+    out: Path,
+    n: int,
+    staleness: int,
+    threads: int,
+    env: dict[str, str],
+    extra: tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    """One `omnirl online` launch of N iterations from scratch; wall time and its `--json` per-iteration seconds."""
+    """One `omnirl online` launch of N iterations from scratch (plus `extra` options); wall time and its
+    `--json` per-iteration seconds."""
     shutil.rmtree(out, ignore_errors=True)
     wall, stdout = run(
         [
@@ -168,6 +176,7 @@ def online(
             "--threads",
             str(threads),
             "--json",
+            *extra,
         ],
         env,
     )
@@ -184,6 +193,7 @@ def online(
         "waiting": [it["seconds_waiting"] for it in its],
         "training": [it["seconds_training"] for it in its],
         "policy_versions": [it["policy_versions"] for it in its],
+        "version_gaps": [it["version_gaps"] for it in its],
         "reward_means": [it["reward_mean"] for it in its],
     }
 

@@ -206,3 +206,46 @@ MaxBatchOpt = Annotated[
         "--max-batch", min=1, help="Most samples in one request (413 above).", rich_help_panel=SERVER
     ),
 ]
+
+ENGINE = "Rollout engine"
+# How to reach a rollout server (`--engine remote`, VLM `--engine openai`): stages' EngineOptions.
+ServerUrlOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--server-url",
+        help="Base URL of the server: `omnirl serve`'s or `vllm serve --omni`'s http://host:port, or an "
+        "OpenAI API root http://host:8000/v1 for a VLM.",
+        rich_help_panel=ENGINE,
+    ),
+]
+ServerTokenEnvOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--server-token-env",
+        help="Environment variable holding the rollout server's bearer token (its --token-env).",
+        rich_help_panel=ENGINE,
+    ),
+]
+ServerTimeoutOpt = Annotated[
+    float,
+    typer.Option("--server-timeout", min=1, help="Seconds to wait for one reply.", rich_help_panel=ENGINE),
+]
+ServerStartupTimeoutOpt = Annotated[
+    float,
+    typer.Option(
+        "--server-startup-timeout",
+        min=0,
+        help="Seconds to wait for the server's GET /health to answer 200 before giving up.",
+        rich_help_panel=ENGINE,
+    ),
+]
+ServerRetriesOpt = Annotated[
+    int,
+    typer.Option(
+        "--server-retries",
+        min=0,
+        help="Further tries of a batch after a connection error, 502, 503 or 504 (backoff with jitter, "
+        "the same seeds; a 4xx is never retried).",
+        rich_help_panel=ENGINE,
+    ),
+]

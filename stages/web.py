@@ -5,9 +5,10 @@ A `JsonService` decides what a request means; `JsonServer` (threaded) and its ha
 
 - ``GET`` paths in `JsonService.public_paths` (``/health``) answer without a token, for probes;
 - every other request must carry the service's bearer token, when it has one (401 otherwise);
-- a POST needs a Content-Length (411; chunked bodies are not read) of at most
-  `JsonService.max_request_bytes` (413); a body refused unread is drained when it is at most
-  `DRAIN_FACTOR` × the limit (so the client reads the reply), else the connection is closed;
+- a POST needs a Content-Length (411; chunked bodies are not read) of at most the
+  `JsonService.body_limit` of its path (413; `max_request_bytes` unless a route takes more); a body
+  refused unread is drained when it is at most `DRAIN_FACTOR` × the limit (so the client reads the
+  reply), else the connection is closed;
 - a refusal replies ``{"error": {"code": STATUS, "message": ...}}`` and the server keeps serving; an
   exception other than `HttpError` is a 500 with its one-line message (and a logged traceback).
 
@@ -156,6 +157,10 @@ class JsonService:
         scheme, _, value = (header or "").partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), self.token.encode())
 
+    def body_limit(self, path: str) -> tuple[int, str]:
+        """(the largest POST body `path` takes, in bytes; the server option that sets it)."""
+        return self.max_request_bytes, "--max-request-mb"
+
     def get(self, path: str) -> dict[str, Any]:
         """The reply to ``GET path`` (the path without query); `HttpError` when refused."""
         raise HttpError(HTTPStatus.NOT_FOUND, f"no route GET {path}")
@@ -234,9 +239,9 @@ class JsonHandler(BaseHTTPRequestHandler):
             return
         self._answer(self.service.get, path)
 
-    def _drain(self, length: int) -> bool:
+    def _drain(self, length: int, limit: int) -> bool:
         """Read and drop a refused body of `length` bytes when it is small enough; False: close instead."""
-        if length > DRAIN_FACTOR * self.service.max_request_bytes:
+        if length > DRAIN_FACTOR * limit:
             return False
         while length > 0:
             chunk = self.rfile.read(min(length, _CHUNK))
@@ -258,16 +263,17 @@ class JsonHandler(BaseHTTPRequestHandler):
             self._refuse(HttpError(HTTPStatus.LENGTH_REQUIRED, "send a valid Content-Length"), close=True)
             return
         refusal = None
+        limit, option = service.body_limit(urllib.parse.urlsplit(self.path).path.rstrip("/"))
         if not service.authorized(self.headers.get("Authorization")):
             refusal = HttpError(HTTPStatus.UNAUTHORIZED, "a valid bearer token is required")
-        elif length > service.max_request_bytes:
+        elif length > limit:
             refusal = HttpError(
                 HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                f"the body is {length} bytes, more than --max-request-mb "
-                f"({service.max_request_bytes} bytes); send less per request",
+                f"the body is {length} bytes, more than the server's {option} ({limit} bytes); "
+                "send less per request",
             )
         if refusal is not None:
-            self._refuse(refusal, close=not self._drain(length))
+            self._refuse(refusal, close=not self._drain(length, limit))
             return
         raw = self.rfile.read(length)
         if len(raw) < length:  # the client went away mid-body
@@ -351,13 +357,16 @@ class JsonClient:
         self.option, self.what, self.noun, self.hint = option, what, noun, hint
         self.binary = binary  # ask for msgpack replies (the server may still answer JSON)
 
-    def once(self, path: str, body: dict[str, Any] | None, timeout: float) -> Any:
+    def once(self, path: str, body: dict[str, Any] | bytes | None, timeout: float) -> Any:
         """One request; the decoded JSON reply (None for an empty one). `Retryable` for what may pass,
         `UserInputError` for what will not."""
         url = self.url + path
         headers = {"Accept": f"{MSGPACK}, application/json;q=0.5" if self.binary else "application/json"}
         data = None
-        if body is not None:
+        if isinstance(body, bytes):  # a file pushed as it is (a LoRA's safetensors)
+            data = body
+            headers["Content-Type"] = "application/octet-stream"
+        elif body is not None:
             data = json.dumps(body).encode("utf-8")
             headers["Content-Type"] = "application/json"
         if self.token:
@@ -417,7 +426,7 @@ class JsonClient:
             )
         return UserInputError(f"{url}: HTTP {code} ({detail})")
 
-    def call(self, path: str, body: dict[str, Any] | None = None) -> Any:
+    def call(self, path: str, body: dict[str, Any] | bytes | None = None) -> Any:
         """The reply to `body` at `path` (GET without a body), retried as the module docstring says;
         `RuntimeFailure` once the retries are spent."""
         start = time.monotonic()

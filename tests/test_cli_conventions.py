@@ -391,7 +391,7 @@ def test_online_off_a_tty_prints_a_line_per_iteration_and_timer_lines(
     from omnirl_cli.commands.online import _run_lines
 
     monkeypatch.setattr(console, "PROGRESS_INTERVAL_S", 0.05)
-    stats = {"reward_std": 0.1, "zero_std_ratio": 0.0, "samples": 4, "seconds": 2.0}
+    stats = {"reward_std": 0.1, "zero_std_ratio": 0.0, "samples": 4, "seconds": 2.0, "version_gap_max": 0}
 
     def fake_run(cfg, device, on_iteration, tracking):
         for k, reward in ((0, 0.25), (1, 0.5)):

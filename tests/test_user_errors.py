@@ -98,6 +98,28 @@ def test_a_pairs_table_in_another_encoding(tmp_path: Path) -> None:
     assert not out.exists()
 
 
+# ------------------------------------------------------------------------------ --model
+
+
+def test_a_model_folder_that_is_not_a_pipeline_is_refused_before_it_is_read(
+    prompts: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`sample --model /tmp` would hash all of /tmp: the folder is checked first, in one line."""
+    import stages.shards.digest
+
+    folder = tmp_path / "not-a-model"
+    (folder / "big").mkdir(parents=True)
+    (folder / "big" / "file.bin").write_bytes(b"x" * 1024)
+
+    def walked(*args: object, **kwargs: object) -> None:
+        raise AssertionError(f"content_digest{args} ran before the --model check")
+
+    monkeypatch.setattr(stages.shards.digest, "content_digest", walked)
+    out = tmp_path / "samples"
+    fails(sample_cmd(folder, prompts, out), f"--model {folder}", "model_index.json")
+    assert not out.exists()
+
+
 # ------------------------------------------------------------------------------ --resolution
 
 

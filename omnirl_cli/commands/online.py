@@ -8,11 +8,24 @@ from typing import Annotated, Any
 
 import typer
 
-from ..choices import REWARD_ENTRY_POINTS, REWARDS, Dtype, complete
+from ..choices import ENGINE_ENTRY_POINTS, ENGINES, REWARD_ENTRY_POINTS, REWARDS, Dtype, complete
 from ..config import load_yaml, parse_set
 from ..console import emit_json, err, is_quiet, log, progress
 from ..errors import handle_errors
-from ..options import WEIGHTS_FROM, JsonOpt, OverwriteOpt, ReportToOpt, RunNameOpt, SetOpt
+from ..options import (
+    ENGINE,
+    WEIGHTS_FROM,
+    JsonOpt,
+    OverwriteOpt,
+    ReportToOpt,
+    RunNameOpt,
+    ServerRetriesOpt,
+    ServerStartupTimeoutOpt,
+    ServerTimeoutOpt,
+    ServerTokenEnvOpt,
+    ServerUrlOpt,
+    SetOpt,
+)
 
 # Preset keys of the `sample` section that are named differently in SampleConfig.
 RUN_KEYS = ("group_size", "num_prompts")
@@ -106,6 +119,22 @@ def online(
     ] = None,
     dtype: Annotated[Dtype, typer.Option("--dtype", envvar="OMNIRL_DTYPE", help="Weights dtype.")] = "fp32",
     threads: Annotated[int, typer.Option("--threads", min=1, help="torch threads per worker process.")] = 1,
+    engine: Annotated[
+        str,
+        typer.Option(
+            "--engine",
+            autocompletion=complete(ENGINES, ENGINE_ENTRY_POINTS),
+            help="Where the sampler rolls out: diffusers (a worker process on the trainer's device, the "
+            "default) or remote (a client of `omnirl serve --model M` at --server-url, on the server's "
+            "device: the driver pushes each new LoRA to it, and the version gap is the staleness).",
+            rich_help_panel=ENGINE,
+        ),
+    ] = "diffusers",
+    server_url: ServerUrlOpt = None,
+    server_token_env: ServerTokenEnvOpt = None,
+    server_timeout: ServerTimeoutOpt = 600.0,
+    server_startup_timeout: ServerStartupTimeoutOpt = 600.0,
+    server_retries: ServerRetriesOpt = 8,
     report_to: ReportToOpt = None,
     run_name: RunNameOpt = None,
     overwrite: OverwriteOpt = False,
@@ -121,7 +150,10 @@ def online(
     directories and starts over). SIGTERM stops the run as Ctrl-C does (exit 130); the workers end
     with the driver, even when it is killed. With --max-staleness 0 and the same seeds an iteration
     computes what the staged commands compute. --report-to logs each iteration's reward statistics and
-    actor metrics as the staged score and update do (the run directory is --out).
+    actor metrics as the staged score and update do (the run directory is --out). With --engine remote
+    the sampler is a client of `omnirl serve` (same model) and each update's LoRA is pushed to it; each
+    iteration reports its samples' version gaps (iterations between the weights that drew them and the
+    ones trained), at most --max-staleness.
 
     Example: [bold]omnirl online --config recipes/configs/demo_tiny.yaml --model models/sd3-tiny \\
     --prompts recipes/demo_prompts.txt --reward jpeg_compressibility --iterations 4 --out runs/online[/]
@@ -130,6 +162,7 @@ def online(
     from stages.models.hub import locate
     from stages.models.vlm import is_vlm_model
     from stages.online.pipeline import OnlineConfig, prepare_run, run_online
+    from stages.sample.engines import EngineOptions
     from stages.sample.prompts import read_prompts
     from stages.sample.rollout import SampleConfig
     from stages.score.registry import check_reward_args, parse_reward_args, parse_reward_spec
@@ -178,6 +211,17 @@ def online(
         dtype=dtype,
         threads=threads,
         seed=seed,
+        engine=engine,
+        rollout=EngineOptions.from_options(
+            {
+                "model": model,
+                "server_url": server_url,
+                "server_token_env": server_token_env,
+                "server_timeout": server_timeout,
+                "server_startup_timeout": server_startup_timeout,
+                "server_retries": server_retries,
+            }
+        ),
     )
     prepare_run(cfg, overwrite=overwrite)
     with tracking:
@@ -205,7 +249,8 @@ def _run_lines(cfg: Any, out: Path, dev: Any, tracking: Any) -> None:
             log(
                 f"it {s['iteration']}: reward {s['reward_mean']:.5g} ± {s['reward_std']:.3g}, zero-std "
                 f"{s['zero_std_ratio']:.2f}, pg_loss {s.get('actor/pg_loss', 0):+.3e}, ratio "
-                f"{s.get('actor/ratio_mean', 1):.5f}, {s['samples'] / s['seconds']:.1f} samples/s, "
+                f"{s.get('actor/ratio_mean', 1):.5f}, version gap ≤ {s['version_gap_max']}, "
+                f"{s['samples'] / s['seconds']:.1f} samples/s, "
                 f"{s['seconds']:.1f} s"
             )
 
@@ -228,6 +273,7 @@ def _run_live(cfg: Any, out: Path, dev: Any, tracking: Any) -> None:
         "pg_loss",
         "ratio",
         "versions",
+        "gap",
         "samples/s",
         "wait s",
         "train s",
@@ -244,6 +290,7 @@ def _run_live(cfg: Any, out: Path, dev: Any, tracking: Any) -> None:
             f"{s.get('actor/pg_loss', 0):+.3e}",
             f"{s.get('actor/ratio_mean', 1):.5f}",
             ",".join(map(str, s["policy_versions"])),
+            ",".join(map(str, s["version_gaps"])),
             f"{s['samples'] / s['seconds']:.1f}",
             f"{s['seconds_waiting']:.1f}",
             f"{s['seconds_training']:.1f}",

@@ -17,6 +17,7 @@ from ..console import emit_json, log, progress
 from ..errors import handle_errors
 from ..options import (
     ADAPTER_HELP,
+    ENGINE,
     REQUIRED,
     ConfigOpt,
     FormatOpt,
@@ -24,6 +25,11 @@ from ..options import (
     NumShardsOpt,
     OutOpt,
     OverwriteOpt,
+    ServerRetriesOpt,
+    ServerStartupTimeoutOpt,
+    ServerTimeoutOpt,
+    ServerTokenEnvOpt,
+    ServerUrlOpt,
     SetOpt,
     ShardRowsOpt,
     model_opt,
@@ -42,7 +48,6 @@ SAMPLING = "Sampling"
 MODEL = "Model"
 VLM = "Vision-language models"
 VIDEO = "Video"
-ENGINE = "Rollout engine"
 # Least memory a diffusion rollout holds per sample before any model output: every sample is planned
 # up front (ids and seeds, about 270 bytes each, measured for `stages.sample.stage.plan_rows`).
 PLANNED_SAMPLE_BYTES = 256
@@ -241,48 +246,11 @@ def sample(
             rich_help_panel=ENGINE,
         ),
     ] = None,
-    server_url: Annotated[
-        str | None,
-        typer.Option(
-            "--server-url",
-            help="Base URL of the server: `omnirl serve`'s or `vllm serve --omni`'s http://host:port, or an "
-            "OpenAI API root http://host:8000/v1 for a VLM.",
-            rich_help_panel=ENGINE,
-        ),
-    ] = None,
-    server_token_env: Annotated[
-        str | None,
-        typer.Option(
-            "--server-token-env",
-            help="Environment variable holding the rollout server's bearer token (its --token-env).",
-            rich_help_panel=ENGINE,
-        ),
-    ] = None,
-    server_timeout: Annotated[
-        float,
-        typer.Option(
-            "--server-timeout", min=1, help="Seconds to wait for one reply.", rich_help_panel=ENGINE
-        ),
-    ] = 600.0,
-    server_startup_timeout: Annotated[
-        float,
-        typer.Option(
-            "--server-startup-timeout",
-            min=0,
-            help="Seconds to wait for the server's GET /health to answer 200 before giving up.",
-            rich_help_panel=ENGINE,
-        ),
-    ] = 600.0,
-    server_retries: Annotated[
-        int,
-        typer.Option(
-            "--server-retries",
-            min=0,
-            help="Further tries of a batch after a connection error, 502, 503 or 504 (backoff with jitter, "
-            "the same seeds; a 4xx is never retried).",
-            rich_help_panel=ENGINE,
-        ),
-    ] = 8,
+    server_url: ServerUrlOpt = None,
+    server_token_env: ServerTokenEnvOpt = None,
+    server_timeout: ServerTimeoutOpt = 600.0,
+    server_startup_timeout: ServerStartupTimeoutOpt = 600.0,
+    server_retries: ServerRetriesOpt = 8,
     served_model: Annotated[
         str | None,
         typer.Option(
@@ -391,6 +359,7 @@ def sample(
         _sample_vlm(c, json_)
         return
     from stages.media import output_modality
+    from stages.models.diffusion import check_pipeline_folder
     from stages.models.factory import default_text_length
     from stages.sample.engines import DEFAULT_ENGINE, EngineOptions, engine_class
     from stages.sample.prompts import sample_prompts
@@ -398,6 +367,7 @@ def sample(
     from stages.sample.sources import PromptSource
     from stages.sample.stage import KINDS, run_sample
 
+    check_pipeline_folder(c["model"])  # before anything reads or hashes what may be any folder
     # the T5 length the model was made for (its card's text_length, else 128), recorded for replay
     cfg = SampleConfig.from_options({**c, "max_sequence_length": default_text_length(c["model"])})
     cfg.validate()

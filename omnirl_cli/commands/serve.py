@@ -12,6 +12,7 @@ from ..config import resolve
 from ..errors import handle_errors
 from ..options import (
     ADAPTER_HELP,
+    SERVER,
     ConfigOpt,
     HostOpt,
     JsonOpt,
@@ -46,6 +47,15 @@ def serve(
     token_env: TokenEnvOpt = None,
     max_request_mb: MaxRequestMbOpt = 16,
     max_batch: MaxBatchOpt = 64,
+    max_weights_mb: Annotated[
+        int,
+        typer.Option(
+            "--max-weights-mb",
+            min=1,
+            help="Largest LoRA file a client may push to POST /omnirl/v1/weights, in MiB (413 above).",
+            rich_help_panel=SERVER,
+        ),
+    ] = 1024,
     config: ConfigOpt = None,
     set_: SetOpt = None,
     json_: JsonOpt = False,
@@ -55,9 +65,11 @@ def serve(
     Routes: POST /omnirl/v1/rollout (omnirl rollout protocol v1: SDE trajectories that `omnirl
     logprob` replays exactly; clients: `omnirl sample --engine remote --server-url URL`), POST
     /v1/images/generations (vLLM-Omni's images API, b64_json PNGs), GET/POST /omnirl/v1/weights (the
-    weights held; load another adapter folder without a restart), GET /health, GET /v1/models. JSON
-    only, no pickle; a malformed or oversized request gets a 4xx and the server keeps serving. When
-    ready it prints its URL (with --json, one JSON line on stdout: url, model, weights, pid).
+    weights held; swap in another adapter folder, or a LoRA file a trainer pushes with its SHA-256 and
+    version, without a restart), GET /health, GET /v1/models. JSON only, no pickle; a malformed or
+    oversized request gets a 4xx and the server keeps serving. When ready it prints its URL (with
+    --json, one JSON line on stdout: url, model, weights, pid). `omnirl online --engine remote` pushes
+    each new policy version to it.
 
     Example: [bold]omnirl serve --model models/sd3-tiny --port 18091[/], then
     [bold]omnirl sample --engine remote --server-url http://127.0.0.1:18091 --model models/sd3-tiny
@@ -77,6 +89,7 @@ def serve(
         token=token,
         max_request_bytes=c["max_request_mb"] * 2**20,
         max_batch=c["max_batch"],
+        max_weights_bytes=c["max_weights_mb"] * 2**20,
     )
     serve_until_stopped(
         lambda host, port: JsonServer(service, host, port),

@@ -24,6 +24,7 @@ from stages.dist import unwrap
 from stages.errors import UserInputError
 from stages.models.families import Condition, FamilyAdapter, adapter_class
 from stages.models.hub import base_model_record
+from stages.models.lora_weights import lora_config_dict, lora_file, swap_lora
 
 ADAPTER_CONFIG = "omnirl_adapter.json"
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
@@ -42,6 +43,15 @@ ADAPTER_FORMS = (
     f"`save_lora_weights` writes) or a PEFT LoRA folder ({PEFT_CONFIG}, as `save_pretrained` writes)"
 )
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def check_pipeline_folder(model: str | Path, option: str = "--model") -> Path:
+    """`model` as a Path when it is a diffusers pipeline folder (has model_index.json): checked before
+    anything hashes or loads it, since any folder (even /tmp) could be walked otherwise."""
+    path = Path(model)
+    if not (path / "model_index.json").is_file():
+        raise UserInputError(f"{option} {model}: not a diffusers pipeline folder (no model_index.json)")
+    return path
 
 
 def seed_generator(seed: int) -> torch.Generator:
@@ -121,13 +131,6 @@ def check_adapter_layout(
     )
 
 
-def lora_metadata(config: Any) -> dict[str, Any]:
-    """A PEFT `LoraConfig` as the JSON-able dict diffusers stores beside LoRA weights and rebuilds the
-    config from (`LoraConfig(**metadata)`): sets become sorted lists."""
-    meta = config.to_dict()
-    return {k: (sorted(v) if isinstance(v, set) else v) for k, v in meta.items()}
-
-
 def load_expert_loras(pipe: Any, experts: tuple[str, ...], folder: Path) -> None:
     """Apply the LoRA of each further expert (Wan 2.2 A14B's `transformer_2`) from its subfolder
     `<folder>/<expert>/pytorch_lora_weights.safetensors` (keys under "transformer.", as diffusers saves
@@ -170,7 +173,7 @@ def load_lora(pipe: Any, trained: str, folder: Path) -> None:
     from peft.utils import get_peft_model_state_dict
 
     state = {k.removeprefix(PEFT_PREFIX): v for k, v in load_file(folder / PEFT_WEIGHTS).items()}
-    config = lora_metadata(LoraConfig.from_pretrained(str(folder)))
+    config = lora_config_dict(LoraConfig.from_pretrained(str(folder)))
     module.load_lora_adapter(state, prefix=None, adapter_name="default", metadata=config)
     # diffusers only warns about weights that fit no layer; those layers would keep their init
     unused = sorted(set(state) - set(get_peft_model_state_dict(module, adapter_name="default")))
@@ -231,7 +234,7 @@ class FlowPolicy:
         }
         self.transformer = family.trained_network(self.parts)
         self.lora = any(getattr(part, "peft_config", None) for part in self.parts.values())
-        self._prompt_cache: dict[tuple[str, str], tuple[dict, dict]] = {}
+        self._prompt_cache: dict[tuple[str, str, int], tuple[dict, dict]] = {}
         self._reference: torch.nn.Module | None = None
 
     @property
@@ -273,11 +276,7 @@ class FlowPolicy:
 
         diffusers_logging.disable_progress_bar()
 
-        model_path = Path(model_path)
-        if not (model_path / "model_index.json").is_file():
-            raise UserInputError(
-                f"--model {model_path}: not a diffusers pipeline folder (no model_index.json)"
-            )
+        model_path = check_pipeline_folder(model_path)
         if dtype not in DTYPES:
             raise UserInputError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
         torch_dtype = DTYPES[dtype]
@@ -437,6 +436,27 @@ class FlowPolicy:
             for name, value in swapped.items():
                 params[name].data = value
 
+    # ---------------------------------------------------------------- LoRA in memory
+    def _one_trained_module(self, what: str) -> None:
+        if len(self.parts) > 1:
+            raise UserInputError(
+                f"{what} takes a family with one trained module; this one trains {', '.join(self.parts)}: "
+                "load the adapter folder instead (`omnirl serve --adapter`, or POST its path)"
+            )
+
+    def lora_file(self) -> bytes:
+        """The trained module's LoRA as the bytes of a diffusers LoRA file (`lora_weights.lora_file`)."""
+        self._one_trained_module("sending LoRA weights as one file")
+        return lora_file(self.module, self.family.trained_module)
+
+    def set_lora(self, layers: dict[str, torch.Tensor] | None, config: dict[str, Any] | None) -> str:
+        """Swap LoRA `layers` of `config` onto the trained module in place of its adapter (None: the base
+        model), without reloading anything (`lora_weights.swap_lora`); returns how it was done."""
+        self._one_trained_module("swapping LoRA weights in place")
+        how = swap_lora(self.module, layers, config)
+        self.lora = bool(getattr(self.module, "peft_config", None))
+        return how
+
     # ---------------------------------------------------------------- saving
     def save_adapter(
         self,
@@ -470,7 +490,7 @@ class FlowPolicy:
                 if not getattr(part, "peft_config", None):
                     continue
                 layers = get_peft_model_state_dict(part, state_dict=own, adapter_name="default")
-                meta = lora_metadata(part.peft_config["default"])
+                meta = lora_config_dict(part.peft_config["default"])
                 type(self.pipe).save_lora_weights(
                     out if name == first else out / name,
                     **{f"{first}_lora_layers": layers, f"{first}_lora_adapter_metadata": meta},
@@ -512,17 +532,17 @@ class FlowPolicy:
     def encode(
         self, prompts: list[str], negative: list[str] | None, cfg: bool, max_sequence_length: int = 128
     ) -> Condition:
-        """Frozen text conditioning, cached per unique (prompt, negative) pair; negatives when `cfg`."""
+        """Frozen text conditioning, cached per unique (prompt, negative, text length): a server keeps
+        its policy across requests that ask for other lengths; negatives when `cfg`."""
         negative = negative or [""] * len(prompts)
-        missing = [
-            (p, n) for p, n in dict.fromkeys(zip(prompts, negative)) if (p, n) not in self._prompt_cache
-        ]
+        keys = [(p, n, max_sequence_length) for p, n in zip(prompts, negative)]
+        missing = [key for key in dict.fromkeys(keys) if key not in self._prompt_cache]
         if missing:
             encoded = self.family.encode_prompts(
-                [p for p, _ in missing], [n for _, n in missing], self.device, max_sequence_length
+                [p for p, _, _ in missing], [n for _, n, _ in missing], self.device, max_sequence_length
             )
             self._prompt_cache.update(zip(missing, encoded))
-        parts = [self._prompt_cache[(p, n)] for p, n in zip(prompts, negative)]
+        parts = [self._prompt_cache[key] for key in keys]
         pos = self.family.collate([part[0] for part in parts])
         return Condition(pos, self.family.collate([part[1] for part in parts]) if cfg else None)
 

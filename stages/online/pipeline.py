@@ -10,8 +10,16 @@ k+1 overlaps training on k, and every sample records the version that drew it.
 
 Every stage is the same library function the staged commands call (`sample_shard`, `score_shard`,
 `compute_advantages`, `train`), with the recipe's seeds (iteration k samples and shuffles with seed k), so with
-staleness 0 an online iteration reproduces the staged one. The sampler runs on the trainer's device, so
-its rollout log-probs are the trainer's (ratio 1 on-policy).
+staleness 0 an online iteration reproduces the staged one. The in-process sampler (``--engine diffusers``)
+runs on the trainer's device (Accelerate's), so its rollout log-probs are the trainer's (ratio 1
+on-policy).
+
+Remote rollout (``--engine remote``): the sampler worker is a client of an `omnirl serve` that holds the
+same model and owns its device. Instead of the shared tensors, the driver pushes each new LoRA to the
+server (`RolloutEngine.push_weights`, version = optimizer step) before publishing the version number;
+the server swaps it in place, and every sample records the version the server used. Staleness is the
+version gap: iteration k's samples drawn with the weights of update j have gap k − j, at most
+max_staleness (the sampler waits as above, and refuses replies from older weights than were pushed).
 
 Lifetimes. Workers end with the driver however it ends: each watches the pipe that `multiprocessing`
 keeps open to its parent (EOF = the driver died, even by SIGKILL) and exits; they start with SIGINT
@@ -41,6 +49,7 @@ from typing import Any
 import torch
 
 from stages.errors import RuntimeFailure, UserInputError
+from stages.sample.engines import DEFAULT_ENGINE, EngineOptions
 from stages.sample.prompts import Prompt
 from stages.sample.rollout import SampleConfig
 from stages.tracking import Tracking
@@ -73,6 +82,18 @@ class OnlineConfig:
     dtype: str = "fp32"
     threads: int = 1
     seed: int | None = None
+    engine: str = DEFAULT_ENGINE  # the sampler's rollout engine: diffusers (in-process) or one taking pushes
+    rollout: EngineOptions | None = None  # how to reach a remote engine (server URL, token, timeouts)
+
+    def engine_options(self) -> EngineOptions:
+        """The sampler engine's options: this run's model, and weights the driver pushes."""
+        base = self.rollout or EngineOptions(model=Path(self.model))
+        return replace(base, model=Path(self.model), adapter=None, dtype=self.dtype, pushed_weights=True)
+
+    @property
+    def in_process(self) -> bool:
+        """Whether the sampler runs the pipeline itself (weights through shared memory, not pushed)."""
+        return self.engine == DEFAULT_ENGINE
 
     def sampling(self, k: int) -> SampleConfig:
         """Iteration k's sampling settings: seed k (or the fixed --seed) and window position k."""
@@ -143,24 +164,31 @@ def _sampler_main(
     ring: Any,
     to_scorer: Any,
 ) -> None:
-    """Worker: sample iterations start..iterations−1 on `device` (the trainer's), each with weights no
-    staler than max_staleness.
+    """Worker: sample iterations start..iterations−1, each with weights no staler than max_staleness:
+    in-process on `device` (the trainer's) with the weights of the shared tensors, or on the engine
+    the driver pushes them to (module docstring).
 
     `version` counts published updates (iterations); `step` is their optimizer step, recorded per sample.
-    Every batch names the device it was sampled on, so the driver can report it.
+    Every batch names where it was sampled, so the driver can report it.
     """
     from stages.models.diffusion import FlowPolicy
     from stages.online.ring import RingClosed
-    from stages.sample.engines import DiffusersEngine
+    from stages.sample.engines import DiffusersEngine, open_engine
     from stages.sample.stage import in_rollout, sample_shard
     from stages.shards.manifest import config_hash
 
     _exit_with_parent()
     run = config_hash(run_identity(cfg))  # with the iteration, the rollout id of each iteration's ids
     torch.set_num_threads(cfg.threads)
-    policy = FlowPolicy.load(cfg.model, adapter=adapter, device=device, dtype=cfg.dtype)
-    params = _trainable(policy, cfg.update)
-    engine = DiffusersEngine(policy)
+    params: dict[str, torch.Tensor] = {}
+    if cfg.in_process:
+        policy = FlowPolicy.load(cfg.model, adapter=adapter, device=device, dtype=cfg.dtype)
+        params = _trainable(policy, cfg.update)
+        engine: Any = DiffusersEngine(policy)
+        where = str(policy.device)
+    else:
+        engine = open_engine(cfg.engine, cfg.engine_options(), device)
+        where = f"{cfg.engine} {engine.describe().get('server_url', '')}".strip()
 
     def stop_if_closed(_: int) -> None:  # between batches: the driver may have stopped meanwhile
         if ring.closed:
@@ -174,13 +202,19 @@ def _sampler_main(
             with lock, torch.no_grad():
                 for name, p in params.items():
                     p.copy_(weights[name])
-                drawn_with = step.value
+                drawn_with = step.value  # pushed engines: the server holds this version or a newer one
             cols = in_rollout(
                 sample_shard(
                     engine, cfg.sampling(k), iteration_rows(cfg, k), drawn_with, on_batch=stop_if_closed
                 ),
                 config_hash({"run": run, "iteration": k})[:8],
             )
+            used = int(cols["policy_version"].min())
+            if used < drawn_with:
+                raise RuntimeFailure(
+                    f"--engine {cfg.engine}: sampled iteration {k} with weights version {used}, older than "
+                    f"the {drawn_with} this run pushed; another client changed the server's weights"
+                )
             meta = {
                 key: cols[key]
                 for key in ("sample_id", "group_id", "prompt", "negative_prompt", "prompt_meta")
@@ -196,10 +230,12 @@ def _sampler_main(
             )
             ring.put(
                 {name: cols[name] for name in TENSORS if name in cols},
-                {"k": k, **meta, "image": cols["image"], "device": str(policy.device)},
+                {"k": k, **meta, "image": cols["image"], "device": where},
             )
     except RingClosed:  # the driver is shutting down: what the scorer has not read is moot
         to_scorer.cancel_join_thread()
+    finally:
+        engine.close()
 
 
 def _scorer_main(cfg: OnlineConfig, inbox: Any, outbox: Any) -> None:
@@ -339,8 +375,8 @@ class Workers:
     def publish(self, params: dict[str, torch.Tensor], version: int, step: int) -> None:
         """Hand the trained weights to the sampler as update number `version` (optimizer step `step`)."""
         with self.lock, torch.no_grad():
-            for name, p in params.items():
-                self.weights[name].copy_(p.detach())
+            for name, shared in self.weights.items():  # none when the driver pushes them to the engine
+                shared.copy_(params[name].detach())
             self.step.value = step
             self.version.value = version
 
@@ -364,7 +400,17 @@ def last_checkpoint(out: Path) -> int:
 
 
 # OnlineConfig fields that never change a run's results: where it is written, how far it goes, how fast.
-NOT_IDENTITY = ("model", "prompts", "out", "iterations", "save_trajectories", "threads")
+# The rollout engine neither: remote samples equal in-process ones (tests/test_online_remote.py).
+NOT_IDENTITY = (
+    "model",
+    "prompts",
+    "out",
+    "iterations",
+    "save_trajectories",
+    "threads",
+    "engine",
+    "rollout",
+)
 
 
 def run_identity(cfg: OnlineConfig) -> dict[str, Any]:
@@ -372,7 +418,8 @@ def run_identity(cfg: OnlineConfig) -> dict[str, Any]:
     (content digests of the model folder, of the prompts as read, of file plugins' sources and of the
     files reward arguments name, `registry.reward_files`).
 
-    Not part of it: --iterations (a re-run goes further), --threads, --save-trajectories and --out.
+    Not part of it: --iterations (a re-run goes further), --threads, --save-trajectories, --out and
+    where the sampler runs (--engine, --server-url).
     """
     from stages.plugins import spec_file
     from stages.score.registry import reward_files
@@ -439,7 +486,8 @@ def prepare_run(cfg: OnlineConfig, *, overwrite: bool = False) -> int:
     or, with `overwrite`, its it<K> directories are removed and the run starts over. The same run
     resumes after its last checkpoint.
     """
-    from stages.models.diffusion import DTYPES
+    from stages.models.diffusion import DTYPES, check_pipeline_folder
+    from stages.sample.engines import engine_class
     from stages.score.registry import reward_kind
     from stages.shards.atomic import atomic_write_bytes
 
@@ -452,8 +500,18 @@ def prepare_run(cfg: OnlineConfig, *, overwrite: bool = False) -> int:
             raise UserInputError(f"--reward {name}: it scores text; omnirl online trains on images")
     if cfg.dtype not in DTYPES:
         raise UserInputError(f"--dtype {cfg.dtype}: choose one of {', '.join(DTYPES)}")
-    if not (Path(cfg.model) / "model_index.json").is_file():
-        raise UserInputError(f"--model {cfg.model}: not a diffusers pipeline folder (no model_index.json)")
+    check_pipeline_folder(cfg.model)
+    engine_class(cfg.engine)
+    if not cfg.in_process and not cfg.engine_options().server_url:
+        raise UserInputError(
+            f"--engine {cfg.engine} needs --server-url: start `omnirl serve --model {cfg.model} --port P` "
+            "and pass --server-url http://HOST:P"
+        )
+    if not cfg.in_process and cfg.update.full:
+        raise UserInputError(
+            f"--engine {cfg.engine}: the driver pushes LoRA weights to it; full fine-tuning "
+            "(update.full) samples with --engine diffusers"
+        )
     cfg.sample.validate()
     cfg.update.validate()
     iteration_rows(cfg, 0)  # group size and prompt count
@@ -502,11 +560,18 @@ def run_online(
     summaries: list[dict[str, Any]] = []
     if start >= cfg.iterations:
         return summaries
+    pusher = None
+    if not cfg.in_process:  # the server samples iteration `start` with the weights trained so far
+        from stages.sample.engines import open_engine
+
+        pusher = open_engine(cfg.engine, cfg.engine_options(), policy.device)
+        pusher.push_weights(policy.lora_file(), step)
+    published = {step: start}  # optimizer step of each published version → its iteration count
     workers = Workers(
         cfg,
         start,
         adapter,
-        params,
+        params if cfg.in_process else {},
         step,
         policy.latent_shape(cfg.sample.resolution, cfg.sample.frames),
         policy.device,
@@ -516,6 +581,7 @@ def run_online(
             t0 = time.perf_counter()
             data, rewards, sampled_on = workers.receive(k)
             t_wait = time.perf_counter() - t0
+            gaps = version_gaps(data["policy_version"], published, k)
             data["reward"] = rewards["reward"]
             adv, stats = compute_advantages(
                 data,
@@ -532,7 +598,10 @@ def run_online(
             t_train = time.perf_counter() - t1
             step = metrics[-1]["step"] if metrics else step
             state = trainer_state(par, optimizer, ema, old_weights, scaler)
+            if pusher is not None:
+                pusher.push_weights(policy.lora_file(), step)
             workers.publish(params, k + 1, step)
+            published[step] = k + 1
             save_policy(
                 policy,
                 cfg.out / f"it{k + 1}" / "policy",
@@ -546,6 +615,7 @@ def run_online(
                 _save_trajectories(cfg, k, data, rewards, adv, stats, policy.family.name)
             if tracking:
                 tracking.log_rewards(k, rewards, data.get("prompt_meta"))
+                tracking.log("rollout", k, {"rollout/version_gap_max": max(gaps)})
                 tracking.log_update(metrics)
             summary = {
                 "iteration": k,
@@ -554,6 +624,8 @@ def run_online(
                 "reward_std": float(rewards["reward"].std(unbiased=False)),
                 "zero_std_ratio": stats["zero_std_ratio"],
                 "policy_versions": sorted({int(v) for v in data["policy_version"]}),
+                "version_gaps": sorted(set(gaps)),
+                "version_gap_max": max(gaps),
                 "device": str(policy.device),
                 "sampler_device": sampled_on,
                 "step": step,
@@ -571,7 +643,20 @@ def run_online(
                 on_iteration(summary)
     finally:
         workers.shutdown()
+        if pusher is not None:
+            pusher.close()
     return summaries
+
+
+def version_gaps(versions: torch.Tensor, published: dict[int, int], k: int) -> list[int]:
+    """Each iteration-k sample's staleness: k − the iteration count of the weights that drew it, from
+    its recorded version (an optimizer step) and `published` (step → iteration count)."""
+    unknown = sorted({int(v) for v in versions} - set(published))
+    if unknown:
+        raise RuntimeFailure(
+            f"iteration {k} was sampled with weights version {unknown[0]}, which this run never published"
+        )
+    return [k - published[int(v)] for v in versions]
 
 
 def _save_trajectories(

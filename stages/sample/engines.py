@@ -54,6 +54,9 @@ class EngineOptions:
     startup_timeout: float = 600.0  # seconds to wait for the server's /health before giving up
     request_timeout: float = 600.0  # seconds to wait for one reply
     retries: int = 8  # further tries of a request after a connection error, 502, 503 or 504
+    # The run pushes its own weights to the engine (`push_weights`; `online`): a server's adapter is not
+    # checked against --adapter, and each sample records the weights version the engine used.
+    pushed_weights: bool = False
     OPTION_NAMES: ClassVar[dict[str, str]] = {
         "server_token_env": "token_env",
         "server_startup_timeout": "startup_timeout",
@@ -119,6 +122,13 @@ class RolloutEngine(ABC):
     def describe(self) -> dict[str, Any]:
         """What the manifest records about the engine (`extra["engine"]`)."""
         return {"name": self.name}
+
+    def push_weights(self, lora: bytes, version: int) -> dict[str, Any]:
+        """Make the engine sample with a LoRA (the bytes of a diffusers LoRA file,
+        `stages.models.lora_weights`) as weights `version`, for an engine that holds its own copy of the
+        weights (a server); opened with `EngineOptions.pushed_weights`, its rollouts then return each
+        sample's `policy_version`."""
+        raise UserInputError(f"--engine {self.name}: it does not take pushed weights")
 
     def close(self) -> None:  # noqa: B027  (most engines hold nothing to release)
         """Release what the engine holds (connections, models)."""

@@ -14,6 +14,11 @@ a 500 once; a 4xx never (the request is wrong: exit 2). A server that stays down
 naming the URL; the shards written before it are kept and a re-run resumes after them. Every reply is
 validated (`rollout_protocol.decode_response`: request id, count, shapes, finiteness); an aborted
 batch is drawn again with the same seeds (`rollout_protocol.redraw_aborted`).
+
+A run that trains (`online --engine remote`) opens the engine with `EngineOptions.pushed_weights`: it
+sends each new LoRA itself (`push_weights`: the LoRA file's bytes with their SHA-256 and a version;
+retried like a batch, since the same bytes and version may be sent twice), its requests accept any
+adapter the server holds, and each sample records the version the server used.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import urllib.parse
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -36,10 +42,11 @@ from stages.sample.rollout_protocol import (
     encode_request,
     redraw_aborted,
 )
-from stages.web import JsonClient
+from stages.web import JsonClient, one_line
 
 logger = logging.getLogger(__name__)
 
+WEIGHTS_ROUTE = "/omnirl/v1/weights"
 START_HINT = "start it with `omnirl serve --model M --port P` and pass --server-url http://HOST:P"
 
 
@@ -75,14 +82,19 @@ class RolloutClient(JsonClient):
 class RemoteEngine(RolloutEngine):
     """Rollouts computed by `omnirl serve` (module docstring)."""
 
-    def __init__(self, client: RolloutClient, health: dict[str, Any], weights: dict[str, Any]):
+    def __init__(
+        self, client: RolloutClient, health: dict[str, Any], weights: dict[str, Any], pushed: bool = False
+    ):
         self.client = client
         self.family = str(health.get("family"))
         self.weights = weights  # what every request asks the server to hold
         self.server_weights = dict(health.get("weights") or {})
+        self.pushed = pushed  # the run pushes its weights: samples record the version the server used
 
     @classmethod
     def open(cls, options: EngineOptions, device: Any) -> RemoteEngine:
+        """The client of `options.server_url`, once healthy and holding the weights of `options` (with
+        `options.pushed_weights`: holding the model; the adapter is the one the run pushes)."""
         from stages.shards.digest import content_digest
 
         if not options.server_url:
@@ -93,13 +105,12 @@ class RemoteEngine(RolloutEngine):
             timeout=options.request_timeout,
             retries=options.retries,
         )
-        weights = {
-            "model_sha256": content_digest(options.model, "--model"),
-            "adapter_sha256": None
-            if options.adapter is None
-            else content_digest(options.adapter, "--adapter"),
-            "version": None,
-        }
+        weights: dict[str, Any] = {"model_sha256": content_digest(options.model, "--model")}
+        if not options.pushed_weights:
+            weights["adapter_sha256"] = (
+                None if options.adapter is None else content_digest(options.adapter, "--adapter")
+            )
+            weights["version"] = None
         health = client.wait_healthy(options.startup_timeout)
         held = health.get("weights") or {}
         if held.get("model_sha256") != weights["model_sha256"]:
@@ -107,14 +118,14 @@ class RemoteEngine(RolloutEngine):
                 f"--server-url {client.url} serves model {health.get('model')!r}, not the weights of --model "
                 f"{options.model}; start `omnirl serve --model {options.model}`"
             )
-        if held.get("adapter_sha256") != weights["adapter_sha256"]:
+        if not options.pushed_weights and held.get("adapter_sha256") != weights["adapter_sha256"]:
             have = held.get("adapter") or "the base model"
             want = options.adapter or "the base model (no --adapter)"
             raise UserInputError(
                 f"--server-url {client.url} holds {have}, not {want}; load it with POST "
                 f"{client.url}/omnirl/v1/weights or restart `omnirl serve` with that --adapter"
             )
-        return cls(client, health, weights)
+        return cls(client, health, weights, options.pushed_weights)
 
     def rollout(
         self,
@@ -146,7 +157,30 @@ class RemoteEngine(RolloutEngine):
 
         version, columns = redraw_aborted(draw, f"{self.client.url}{ROUTE} samples {ids[0]}..{ids[-1]}")
         self.server_weights["version"] = version
+        if self.pushed:
+            import torch
+
+            columns["policy_version"] = torch.full((len(ids),), version, dtype=torch.int64)
         return columns
+
+    def push_weights(self, lora: bytes, version: int) -> dict[str, Any]:
+        """Send a LoRA file's bytes as weights `version` (``POST /omnirl/v1/weights?sha256=&version=``);
+        the server swaps them in before answering. Returns its reply (weights held, how loaded)."""
+        digest = hashlib.sha256(lora).hexdigest()
+        query = urllib.parse.urlencode({"sha256": digest, "version": int(version)})
+        reply = self.client.call(f"{WEIGHTS_ROUTE}?{query}", lora)
+        held = reply.get("weights") if isinstance(reply, dict) else None
+        if (
+            not isinstance(held, dict)
+            or held.get("adapter_sha256") != digest
+            or held.get("version") != version
+        ):
+            raise RuntimeFailure(
+                f"{self.client.url}{WEIGHTS_ROUTE}: the server did not take weights version {version} (it "
+                f"answered {one_line(reply)!r}); check the server"
+            )
+        self.server_weights = dict(held)
+        return reply
 
     def latent_shape(self, resolution: int, frames: int = 1) -> tuple[int, ...]:
         reply = self.client.call("/omnirl/v1/latent_shape", {"resolution": resolution, "frames": frames})

@@ -9,7 +9,9 @@
 
 `seed` drives a sample's SDE noise, `init_seed` its x_T, `group` (the prompt's index) places its SDE
 window (`rollout.stored_steps`), so a batch sent again returns the same samples. `weights` names the
-weights the client expects (null: any); a server holding other weights answers 409. Reply::
+weights the client expects: the model's digest (null: any weights) with the adapter's (null: the base
+model; left out: any adapter, for a run that pushes its own) and a version (null or left out: any); a
+server holding other weights answers 409. Reply::
 
     {"protocol", "version", "request_id", "weight_version": int, "finish_reason": "stop",
      "media": [{"format": "png", "encoding": "base64", "data": str}],   # one per sample, in order
@@ -119,7 +121,7 @@ def encode_request(
         "request_id": request_id,
         "sampling_params": _sampling_params(cfg),
         "samples": samples,
-        "weights": {k: weights.get(k) for k in WEIGHT_KEYS},
+        "weights": {k: weights[k] for k in WEIGHT_KEYS if k in weights},
     }
 
 
@@ -276,10 +278,13 @@ def decode_response(body: Any, request: dict[str, Any]) -> tuple[int, dict[str, 
 def check_weights(expected: dict[str, Any], held: dict[str, Any]) -> str | None:
     """Why the weights a request expects are not the `held` ones, or None when they are.
 
-    A request naming a model digest names the adapter too (null: the base model); a null model digest
-    accepts any weights, a null version any version.
+    A request naming a model digest names the adapter too (null: the base model), unless it leaves the
+    key out (any adapter: a run that pushes its own); a null model digest accepts any weights, a null
+    version any version.
     """
-    keys = ["model_sha256", "adapter_sha256"] if expected.get("model_sha256") is not None else []
+    keys = []
+    if expected.get("model_sha256") is not None:
+        keys = ["model_sha256", *(["adapter_sha256"] if "adapter_sha256" in expected else [])]
     if expected.get("version") is not None:
         keys.append("version")
     for key in keys:

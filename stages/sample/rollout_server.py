@@ -13,24 +13,35 @@ Routes (JSON in and out, never pickle; HTTP, token and size checks in `stages.we
   it is not the served name), ``response_format`` b64_json; deterministic (ode) sampling; the reply is
   ``{"created", "data": [{"b64_json", "url": null, "revised_prompt": null}], "output_format": "png",
   "size", "metrics"}``; other fields are ignored;
-- ``GET /omnirl/v1/weights`` the weights held; ``POST /omnirl/v1/weights`` ``{"adapter": PATH | null,
-  "version": int | null}`` loads an adapter folder from the server's file system (null: the base
-  model) without a restart and answers the new weights; version defaults to the adapter's step;
+- ``GET /omnirl/v1/weights`` the weights held; ``POST /omnirl/v1/weights`` changes them without a
+  restart and answers ``{"weights", "load": {"how", "seconds"}}``, either
+  - a JSON body ``{"adapter": PATH | null, "version": int | null}``: an adapter folder on the server's
+    file system (null: the base model); version defaults to the adapter's step; or
+  - a pushed LoRA: ``?sha256=HEX&version=N`` with the bytes of a diffusers LoRA file as the body
+    (`stages.models.lora_weights`, what `omnirl update` writes as pytorch_lora_weights.safetensors), at
+    most --max-weights-mb; the body's SHA-256 must be HEX (400 otherwise); the weights record it as
+    adapter "pushed" with that digest;
+  a LoRA (pushed, or a folder in diffusers' layout) is swapped onto the pipeline in place
+  (`FlowPolicy.set_lora`: copied into the LoRA layers of the same config, else unloaded and added);
+  other adapters (PEFT folders, full fine-tunes) load as a second pipeline beside, then swap in;
 - ``POST /omnirl/v1/latent_shape`` ``{"resolution": R, "frames": F}`` (F default 1) → ``{"latent_shape": [...]}``.
 
 Refusals: 400 a malformed request, 401 a missing token, 404 an unknown route, 409 a rollout that asks
 for other weights than the server holds, 411/413 (`stages.web`), 413 a batch over --max-batch or
-`max_pixels`, 422 an adapter that does not load. One request runs the model at a time (a lock), so
-several clients may call the server; a new adapter loads beside the old one, which keeps serving.
+`max_pixels`, 422 an adapter that does not load (the weights held stay as they were). One request
+runs the model at a time (a lock), so several clients may call the server; a LoRA swap holds that
+lock while it copies, a pipeline loaded beside does not.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import re
 import secrets
 import threading
 import time
+import urllib.parse
 from http import HTTPStatus
 from pathlib import Path
 from typing import Any
@@ -53,6 +64,8 @@ from stages.web import HttpError, JsonService, parse_json_object
 IMAGES_ROUTE = "/v1/images/generations"
 WEIGHTS_ROUTE = "/omnirl/v1/weights"
 LATENT_ROUTE = "/omnirl/v1/latent_shape"
+PUSHED = "pushed"  # the `adapter` of weights a client pushed as a LoRA file
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 MAX_PIXELS = 2**26  # pixels in one request (samples × frames × resolution²)
 MAX_FRAMES = 4096  # frames of one sample
 _SIZE_RE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
@@ -82,14 +95,14 @@ class RolloutService(JsonService):
         max_request_bytes: int = 64 * 2**20,
         max_batch: int = 64,
         max_pixels: int = MAX_PIXELS,
+        max_weights_bytes: int = 1024 * 2**20,
     ):
+        from stages.models.diffusion import check_pipeline_folder
         from stages.models.factory import default_text_length
         from stages.shards.digest import content_digest
 
         super().__init__(token=token, max_request_bytes=max_request_bytes)
-        self.model = Path(model)
-        if not (self.model / "model_index.json").is_file():  # before hashing what may be any folder
-            raise UserInputError(f"--model {model}: not a diffusers pipeline folder (no model_index.json)")
+        self.model = check_pipeline_folder(model)  # before hashing what may be any folder
         self.device = device
         self.dtype = dtype
         self.served_name = served_name or self.model.name
@@ -97,45 +110,125 @@ class RolloutService(JsonService):
         self.max_pixels = max_pixels
         self.text_length = default_text_length(self.model)
         self.model_sha256 = content_digest(self.model, "--model")
+        self.max_weights_bytes = max_weights_bytes
         self.lock = threading.Lock()  # the model runs one request at a time
         self.loading = threading.Lock()  # one adapter loads at a time
-        self.engine, self.weights = self._load(adapter, None)
+        self.weights = self._start(adapter)
+        self.engine = self._open(adapter)
 
     # ---------------------------------------------------------------- weights
-    def _load(
-        self, adapter: str | Path | None, version: int | None
-    ) -> tuple[DiffusersEngine, dict[str, Any]]:
-        """A new engine holding `adapter` (None: the base model) and its weights record."""
-        from stages.models.diffusion import FlowPolicy, read_adapter_config
+    def _open(self, adapter: str | Path | None) -> DiffusersEngine:
+        from stages.models.diffusion import FlowPolicy
+
+        return DiffusersEngine(
+            FlowPolicy.load(self.model, adapter=adapter, device=self.device, dtype=self.dtype)
+        )
+
+    def _record(self, adapter: str | None, digest: str | None, version: int) -> dict[str, Any]:
+        return {
+            "model_sha256": self.model_sha256,
+            "adapter": adapter,
+            "adapter_sha256": digest,
+            "version": version,
+        }
+
+    def _start(self, adapter: str | Path | None) -> dict[str, Any]:
+        from stages.models.diffusion import read_adapter_config
         from stages.shards.digest import content_digest
 
-        if adapter is not None:
-            step = int(read_adapter_config(adapter).get("step", 0))
-        policy = FlowPolicy.load(self.model, adapter=adapter, device=self.device, dtype=self.dtype)
-        weights = {
-            "model_sha256": self.model_sha256,
-            "adapter": None if adapter is None else str(adapter),
-            "adapter_sha256": None if adapter is None else content_digest(adapter, "adapter"),
-            "version": (0 if adapter is None else step) if version is None else version,
-        }
-        return DiffusersEngine(policy), weights
+        self.full = False  # whether the pipeline holds a full adapter (no LoRA swaps onto it in place)
+        if adapter is None:
+            return self._record(None, None, 0)
+        config = read_adapter_config(adapter)
+        self.full = config["kind"] == "full"
+        return self._record(str(adapter), content_digest(adapter, "adapter"), int(config.get("step", 0)))
 
-    def load_weights(self, raw: bytes) -> dict[str, Any]:
-        """``POST /omnirl/v1/weights``: load the adapter beside the current weights, then swap them in."""
-        body = parse_json_object(raw)
-        adapter, version = body.get("adapter"), body.get("version")
-        if adapter is not None and not isinstance(adapter, str):
-            raise HttpError(HTTPStatus.BAD_REQUEST, "adapter must be a folder path on the server or null")
-        if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
-            raise HttpError(HTTPStatus.BAD_REQUEST, "version must be an integer or null")
+    def _swap(self, layers: Any, config: Any, record: dict[str, Any]) -> dict[str, Any]:
+        """Swap a LoRA (None: the base model) onto the pipeline in place (`FlowPolicy.set_lora`); a
+        pipeline holding a full adapter or text-encoder LoRA layers is reloaded beside instead."""
+        if self.full or self.engine.policy.untrained_loras():
+            engine = self._open(None)
+            how = engine.policy.set_lora(layers, config)
+            with self.lock:
+                self.engine, self.weights, self.full = engine, record, False
+            return {"how": f"reloaded, {how}"}
+        with self.lock:  # no rollout sees half-copied weights
+            how = self.engine.policy.set_lora(layers, config)
+            self.weights = record
+        return {"how": how}
+
+    def _load_folder(self, adapter: str | None, version: int | None) -> dict[str, Any]:
+        """``POST /omnirl/v1/weights`` with a folder path (module docstring)."""
+        from stages.models.diffusion import LORA_WEIGHTS, read_adapter_config
+        from stages.models.lora_weights import read_lora_file
+        from stages.shards.digest import content_digest
+
+        if adapter is None:
+            return self._swap(None, None, self._record(None, None, 0 if version is None else version))
+        config = read_adapter_config(adapter, "adapter")
+        digest = content_digest(adapter, "adapter")
+        step = int(config.get("step", 0)) if version is None else version
+        file = Path(adapter) / LORA_WEIGHTS
+        if config["kind"] == "lora" and file.is_file():
+            try:
+                layers, lora = read_lora_file(file.read_bytes(), self.engine.policy.family.trained_module)
+            except ValueError:  # another trainer's file (text-encoder layers, no config): load it whole
+                pass
+            else:
+                return self._swap(layers, lora, self._record(adapter, digest, step))
+        engine = self._open(adapter)  # a PEFT folder or a full adapter: a pipeline beside, then swapped
+        with self.lock:
+            self.engine, self.full = engine, config["kind"] == "full"
+            self.weights = self._record(adapter, digest, step)
+        return {"how": "reloaded"}
+
+    def _load_pushed(self, raw: bytes, query: dict[str, list[str]]) -> dict[str, Any]:
+        """``POST /omnirl/v1/weights?sha256=HEX&version=N`` with a LoRA file's bytes (module docstring)."""
+        from stages.models.lora_weights import read_lora_file
+
+        digest = query["sha256"][-1].lower()
+        if not _HEX64.match(digest):
+            raise HttpError(HTTPStatus.BAD_REQUEST, "sha256 must be 64 hex digits (the body's SHA-256)")
+        try:
+            version = int(query.get("version", [""])[-1])
+        except ValueError:
+            raise HttpError(
+                HTTPStatus.BAD_REQUEST, "a pushed adapter needs ?version=N (an integer)"
+            ) from None
+        actual = hashlib.sha256(raw).hexdigest()
+        if actual != digest:
+            raise HttpError(
+                HTTPStatus.BAD_REQUEST,
+                f"the body's sha256 is {actual[:12]}…, the request says {digest[:12]}…: the body was cut or "
+                "changed on the way; send it again",
+            )
+        try:
+            layers, lora = read_lora_file(raw, self.engine.policy.family.trained_module)
+        except ValueError as exc:
+            raise HttpError(HTTPStatus.UNPROCESSABLE_ENTITY, f"the pushed adapter: {exc}") from None
+        return self._swap(layers, lora, self._record(PUSHED, digest, version))
+
+    def load_weights(self, raw: bytes, query: dict[str, list[str]]) -> dict[str, Any]:
+        """``POST /omnirl/v1/weights``: a pushed LoRA file (``?sha256=``) or a JSON body naming a folder;
+        answers the weights now held and how they were loaded (``how``, ``seconds``)."""
+        t0 = time.perf_counter()
         with self.loading:
             try:
-                engine, weights = self._load(adapter, version)
+                if "sha256" in query:
+                    load = self._load_pushed(raw, query)
+                else:
+                    body = parse_json_object(raw)
+                    adapter, version = body.get("adapter"), body.get("version")
+                    if adapter is not None and not isinstance(adapter, str):
+                        raise HttpError(
+                            HTTPStatus.BAD_REQUEST, "adapter must be a folder path on the server or null"
+                        )
+                    if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
+                        raise HttpError(HTTPStatus.BAD_REQUEST, "version must be an integer or null")
+                    load = self._load_folder(adapter, version)
             except UserInputError as exc:
                 raise HttpError(HTTPStatus.UNPROCESSABLE_ENTITY, str(exc)) from None
-            with self.lock:
-                self.engine, self.weights = engine, weights
-        return {"weights": dict(weights)}
+        return {"weights": dict(self.weights), "load": {**load, "seconds": time.perf_counter() - t0}}
 
     # ---------------------------------------------------------------- routes
     def health(self) -> dict[str, Any]:
@@ -159,17 +252,23 @@ class RolloutService(JsonService):
             HTTPStatus.NOT_FOUND, f"no route GET {path}; GET /health, /v1/models or {WEIGHTS_ROUTE}"
         )
 
+    def body_limit(self, path: str) -> tuple[int, str]:
+        if path == WEIGHTS_ROUTE:
+            return self.max_weights_bytes, "--max-weights-mb"
+        return super().body_limit(path)
+
     def post(self, path: str, raw: bytes) -> dict[str, Any]:
-        routes = {
-            ROUTE: self.rollout,
-            IMAGES_ROUTE: self.images,
-            WEIGHTS_ROUTE: self.load_weights,
-            LATENT_ROUTE: self.latent_shape,
-        }
-        if path.rstrip("/") not in routes:
-            raise HttpError(HTTPStatus.NOT_FOUND, f"no route POST {path}; POST {', '.join(routes)}")
+        parts = urllib.parse.urlsplit(path)
+        route = parts.path.rstrip("/")
+        if route == WEIGHTS_ROUTE:
+            return self.load_weights(raw, urllib.parse.parse_qs(parts.query))
+        routes = {ROUTE: self.rollout, IMAGES_ROUTE: self.images, LATENT_ROUTE: self.latent_shape}
+        if route not in routes:
+            raise HttpError(
+                HTTPStatus.NOT_FOUND, f"no route POST {path}; POST {', '.join([*routes, WEIGHTS_ROUTE])}"
+            )
         try:
-            return routes[path.rstrip("/")](raw)
+            return routes[route](raw)
         except ProtocolError as exc:
             raise HttpError(HTTPStatus.BAD_REQUEST, str(exc)) from None
 

@@ -123,8 +123,9 @@ def sample_shard(
             negative_prompt=[r.prompt.negative for r in chunk],
             prompt_meta=[r.prompt.meta for r in chunk],
             seed=torch.tensor([r.seed for r in chunk], dtype=torch.int64),
-            policy_version=torch.full((len(chunk),), policy_version, dtype=torch.int64),
         )
+        # an engine the run pushes weights to reports the version each sample used (`push_weights`)
+        out.setdefault("policy_version", torch.full((len(chunk),), policy_version, dtype=torch.int64))
         batches.append(out)
         if on_batch:
             on_batch(len(chunk))

@@ -88,7 +88,9 @@ def _layer(
     return picked
 
 
-def _coerce(name: str, value: Any, default: Any, origin: str) -> Any:
+def coerce(name: str, value: Any, default: Any, origin: str) -> Any:
+    """`value` (from YAML or --set) as the type of the option's `default` (YAML reads 2e-3 as a
+    string); one that does not convert is a usage error naming it."""
     if default is None or value is None:
         return value
     try:
@@ -129,7 +131,7 @@ def _check_choice(flag: str, value: Any, choices: tuple[str, ...], origin: str) 
 
 def _convert(ctx: typer.Context, param: Any, flag: str, value: Any, origin: str) -> Any:
     """A preset's value as the option's own type would parse the flag (a Path, a number in range, one
-    of the names of a choice); a list or mapping is left as `_coerce` made it."""
+    of the names of a choice); a list or mapping is left as `coerce` made it."""
     choices = choices_of(param)
     if choices is not None:
         return _check_choice(flag, value, choices, origin)
@@ -174,7 +176,7 @@ def resolve(ctx: typer.Context, command: str, required: tuple[str, ...] = ()) ->
         for name, value in _layer(layer, command, params, aliases, origin).items():
             if name in kept or name in META_PARAMS:
                 continue
-            value = _coerce(name, value, defaults.get(name), origin)
+            value = coerce(name, value, defaults.get(name), origin)
             resolved[name] = _convert(ctx, options[name], flags.get(name, name), value, origin)
     for name in required:
         if resolved.get(name) in (None, [], ()):

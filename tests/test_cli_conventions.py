@@ -441,3 +441,25 @@ def test_every_preset_value_parses_as_its_flag_would(preset: Path) -> None:
     for section in yaml.safe_load(preset.read_text()):
         command = ROOT.commands[section]
         resolve(command.make_context(section, ["--config", str(preset)], resilient_parsing=True), section)
+
+
+def test_online_sections_take_yaml_numbers_as_their_fields_types(tmp_path: Path) -> None:
+    """YAML 1.1 reads `2e-3` as a string: an online section's value is converted to its field's type
+    (as the staged commands' flags are), and one that does not convert is one line naming it."""
+    from omnirl_cli.commands.online import _dataclass
+    from stages.errors import UserInputError
+    from stages.update.trainer import UpdateConfig
+
+    assert _dataclass(UpdateConfig, {"lr": "2e-3", "inner_epochs": "2"}, "update").lr == 0.002
+    assert _dataclass(UpdateConfig, {"inner_epochs": "2"}, "update").inner_epochs == 2
+    with pytest.raises(UserInputError, match=r"update\.lr='fast' is not a valid float"):
+        _dataclass(UpdateConfig, {"lr": "fast"}, "update")
+    preset = tmp_path / "preset.yaml"
+    preset.write_text("update:\n  lr: 1e-4\n")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a cat\n")
+    fails(
+        ["online", "--config", str(preset), "--model", str(tmp_path), "--prompts", str(prompts),
+         "--out", str(tmp_path / "o"), "--reward", "jpeg_compressibility", "--set", "update.lr=fast"],
+        "update.lr",
+    )  # fmt: skip

@@ -204,7 +204,7 @@ def a14b_run(
         "--in",
         str(root / "samples"),
         "--reward",
-        "jpeg_compressibility",
+        "jpeg_compressibility@frames=mean",
         "--out",
         str(root / "rewards"),
     )
@@ -295,7 +295,7 @@ def wan_run(
         "--in",
         str(root / "samples"),
         "--reward",
-        "jpeg_compressibility",
+        "jpeg_compressibility@frames=mean",
         "--out",
         str(root / "rewards"),
     )
@@ -355,11 +355,15 @@ def test_online_trains_both_a14b_experts(models: dict[str, Path], prompts: Path,
     out = tmp_path / "online"
     result = run(
         "online", "--config", str(preset), "--model", str(models["wan2_2_a14b"]), "--prompts", str(prompts),
-        "--out", str(out), "--iterations", "1", "--reward", "jpeg_compressibility", "--save-trajectories",
+        "--out", str(out), "--iterations", "1", "--reward", "jpeg_compressibility@frames=mean", "--save-trajectories",
     )  # fmt: skip
     first = result["iterations"][0]
     assert first["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-5)  # on-policy up to batching rounding
-    assert ShardSet(out / "it0" / "samples").columns["latents"].shape == (4, 16, 2, 4, 4)
+    samples = ShardSet(out / "it0" / "samples")
+    assert samples.columns["latents"].shape == (4, 16, 2, 4, 4)
+    assert (
+        samples.columns["video"].kind == "video" and "image" not in samples.columns
+    )  # MP4s, scored per frame
     for weights in (
         out / "it1" / "policy" / LORA_WEIGHTS,
         out / "it1" / "policy" / "transformer_2" / LORA_WEIGHTS,

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
 from ..choices import ENGINE_ENTRY_POINTS, ENGINES, REWARD_ENTRY_POINTS, REWARDS, Dtype, complete
-from ..config import load_yaml, parse_set
+from ..config import coerce, load_yaml, parse_set
 from ..console import emit_json, err, is_quiet, log, progress
 from ..errors import handle_errors
 from ..options import (
@@ -41,14 +41,15 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 def _dataclass(cls: type, values: dict[str, Any], section: str, rename: dict[str, str] | None = None) -> Any:
     from stages.errors import UserInputError
 
-    names = {f.name for f in fields(cls)}
+    defaults = {f.name: None if f.default is MISSING else f.default for f in fields(cls)}
     kwargs = {}
     for key, value in values.items():
         name = (rename or {}).get(key.replace("-", "_"), key.replace("-", "_"))
-        if name not in names:
+        if name not in defaults:
             raise UserInputError(
                 f"--config: '{section}.{key}' is not a setting of omnirl online's {section} stage"
             )
+        value = coerce(f"{section}.{key}", value, defaults[name], "--config/--set")
         kwargs[name] = tuple(value) if isinstance(value, list) else value
     return cls(**kwargs)
 

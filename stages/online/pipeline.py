@@ -49,12 +49,14 @@ from typing import Any
 import torch
 
 from stages.errors import RuntimeFailure, UserInputError
+from stages.media import FRAMES_COLUMN, output_modality
 from stages.sample.engines import DEFAULT_ENGINE, EngineOptions
 from stages.sample.prompts import Prompt
 from stages.sample.rollout import SampleConfig
 from stages.tracking import Tracking
 from stages.update.trainer import UpdateConfig
 
+MEDIA = ("image", "video", FRAMES_COLUMN)  # the decoded outputs' columns a rollout may hold
 TENSORS = ("latents", "log_probs", "sigmas", "timesteps", "final_latent", "seed", "policy_version")
 POLL = 0.5
 RUN_FILE = "online_run.json"
@@ -219,18 +221,19 @@ def _sampler_main(
                 key: cols[key]
                 for key in ("sample_id", "group_id", "prompt", "negative_prompt", "prompt_meta")
             }
+            media = {name: cols[name] for name in MEDIA if name in cols}
             to_scorer.put(
                 {
                     "k": k,
                     "sample_id": cols["sample_id"],
                     "prompt": cols["prompt"],
                     "prompt_meta": cols["prompt_meta"],
-                    "image": cols["image"],
+                    **media,
                 }
             )
             ring.put(
                 {name: cols[name] for name in TENSORS if name in cols},
-                {"k": k, **meta, "image": cols["image"], "device": where},
+                {"k": k, **meta, **media, "device": where},
             )
     except RingClosed:  # the driver is shutting down: what the scorer has not read is moot
         to_scorer.cancel_join_thread()
@@ -239,7 +242,7 @@ def _sampler_main(
 
 
 def _scorer_main(cfg: OnlineConfig, inbox: Any, outbox: Any) -> None:
-    """Worker: score every iteration's images; a failure is sent back, never turned into 0."""
+    """Worker: score every iteration's images or videos; a failure is sent back, never turned into 0."""
     from stages.score.stage import score_shard
 
     _exit_with_parent()
@@ -249,7 +252,8 @@ def _scorer_main(cfg: OnlineConfig, inbox: Any, outbox: Any) -> None:
         if job is None:
             return
         try:
-            scored = score_shard(job, cfg.rewards, modality="image", reward_args=cfg.reward_args)
+            modality = output_modality(list(job))
+            scored = score_shard(job, cfg.rewards, modality=modality, reward_args=cfg.reward_args)
             outbox.put({"k": job["k"], **scored})
         except Exception as exc:  # reported by the driver with the worker's name
             outbox.put({"k": job["k"], "error": f"{type(exc).__name__}: {exc}"})
@@ -496,8 +500,8 @@ def prepare_run(cfg: OnlineConfig, *, overwrite: bool = False) -> int:
     if not cfg.rewards:
         raise UserInputError("--reward: give at least one reward, e.g. --reward jpeg_compressibility")
     for name, _ in cfg.rewards:
-        if reward_kind(name) != "image":
-            raise UserInputError(f"--reward {name}: it scores text; omnirl online trains on images")
+        if reward_kind(name) == "text":
+            raise UserInputError(f"--reward {name}: it scores text; omnirl online trains on images or videos")
     if cfg.dtype not in DTYPES:
         raise UserInputError(f"--dtype {cfg.dtype}: choose one of {', '.join(DTYPES)}")
     check_pipeline_folder(cfg.model)
@@ -549,12 +553,14 @@ def run_online(
     (at the iteration) and actor metrics (at their optimizer steps) once its checkpoint is written."""
     from stages.advantage.stage import compute_advantages
     from stages.models.diffusion import FlowPolicy
+    from stages.score.stage import check_reward_kinds
     from stages.update.stage import save_policy
     from stages.update.trainer import load_state, train, trainer_state
 
     start = prepare_run(cfg, overwrite=overwrite)
     adapter = cfg.out / f"it{start}" / "policy" if start else None
     policy = FlowPolicy.load(cfg.model, adapter=adapter, device=device, dtype=cfg.dtype)
+    check_reward_kinds(cfg.rewards, policy.family.media)
     params = _trainable(policy, cfg.update)
     state, step = load_state(adapter)
     summaries: list[dict[str, Any]] = []
@@ -673,11 +679,12 @@ def _save_trajectories(
     from stages.shards.writer import ShardSetWriter
 
     it = cfg.out / f"it{k}"
-    columns = ("sample_id", "group_id", "prompt", "negative_prompt", "prompt_meta", "image", *TENSORS)
+    columns = ("sample_id", "group_id", "prompt", "negative_prompt", "prompt_meta", *MEDIA, *TENSORS)
+    modality = output_modality([c for c in MEDIA if c in data])
     parts = {
         "samples": (
             {c: data[c] for c in columns if c in data},
-            {"sample_config": asdict(cfg.sampling(k)), "family": family, "modality": "image"},
+            {"sample_config": asdict(cfg.sampling(k)), "family": family, "modality": modality},
         ),
         "rewards": ({key: v for key, v in rewards.items() if key != "k"}, {}),
         "advantages": (adv, {"stats": stats}),

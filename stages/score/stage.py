@@ -63,6 +63,22 @@ def decode_videos(shard: dict[str, Any], start: int, stop: int) -> list[list[Any
     return out
 
 
+def check_reward_kinds(specs: list[tuple[str, float]], modality: str) -> None:
+    """Every reward of `specs` scores outputs of `modality` ("image", "video" or "text"); else a
+    one-line error naming the reward (and, for an image reward on videos, its `@frames=` form)."""
+    for name, _ in specs:
+        kind = reward_kind(name)
+        if kind != modality:
+            hint = (
+                f"; score its frames with {name}@frames=mean (or min, first, last)"
+                if (modality == "video" and kind == "image")
+                else "; pick a reward of the matching kind"
+            )
+            raise UserInputError(
+                f"--reward {name}: it scores {kind}s but this rollout has {modality} outputs{hint}"
+            )
+
+
 def score_shard(
     shard: dict[str, Any],
     specs: list[tuple[str, float]],
@@ -85,17 +101,7 @@ def score_shard(
             f"--in: column '{missing[0]}' is missing; score reads the output of `omnirl sample`"
         )
     text = modality == "text"
-    want = modality
-    for name, _ in specs:
-        if reward_kind(name) != want:
-            hint = (
-                f"; score its frames with {name}@frames=mean (or min, first, last)"
-                if (want == "video" and reward_kind(name) == "image")
-                else "; pick a reward of the matching kind"
-            )
-            raise UserInputError(
-                f"--reward {name}: it scores {reward_kind(name)}s but this rollout has {want} outputs{hint}"
-            )
+    check_reward_kinds(specs, modality)
     n = len(shard["sample_id"])
     parts: list[dict[str, Any]] = []
     for start in range(0, n, batch_size):

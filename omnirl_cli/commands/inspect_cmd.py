@@ -127,6 +127,9 @@ def _head_rows(path: Path, n: int) -> list[dict[str, Any]]:
                 row[name] = f"<{col.kind} {len(value)} B>"
             elif col.kind == "image_list":
                 row[name] = f"<{len(value)} images {sum(map(len, value))} B>"
+            elif col.kind == "video_list":
+                frames = [f for video in value for f in video]
+                row[name] = f"<{len(value)} videos {len(frames)} frames {sum(map(len, frames))} B>"
             else:
                 text = str(value)
                 row[name] = text if len(text) <= 60 else text[:57] + "..."

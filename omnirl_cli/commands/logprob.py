@@ -131,7 +131,8 @@ def logprob(
         if tokens:
             columns = ["sample_id", "group_id", "prompt", "images", "prompt_ids", "prompt_mask"]
             columns += ["response_ids", "response_mask", "log_probs"]
-            columns += ["messages"] if "messages" in src.columns else []  # absent in older rollouts
+            # absent in older rollouts
+            columns += [name for name in ("messages", "videos") if name in src.columns]
         elif stored:
             columns = ["sample_id", "prompt", "negative_prompt", "latents", "sigmas", "log_probs"]
         else:

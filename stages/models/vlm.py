@@ -33,6 +33,9 @@ from stages.models.diffusion import (
 from stages.models.hub import base_model_record
 from stages.models.tokens import token_entropy, token_log_probs
 
+# A video's frame rate when its part names none (qwen-vl-utils' sampling rate).
+VIDEO_FPS = 2.0
+
 # Vision markers a response must never contain: sampled into a response, an image pad token would
 # make the model look for image features that do not exist. They are removed from the policy's
 # distribution (at sampling and in every log-prob), as trl does after its issue #3847.
@@ -101,8 +104,6 @@ class VLMPolicy:
         self.lora = bool(getattr(model, "peft_config", None))
         self._reference: torch.nn.Module | None = None
         tok = processor.tokenizer
-        self.image_token_id = tok.convert_tokens_to_ids("<|image_pad|>")
-        self.video_token_id = tok.convert_tokens_to_ids("<|video_pad|>")
         self.pad_id = tok.pad_token_id
         self.banned_ids = sorted(
             {
@@ -255,56 +256,79 @@ class VLMPolicy:
         (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
 
     def chat_inputs(
-        self, prompts: Sequence[str | list[dict[str, Any]]], images: list[list[Any]]
+        self,
+        prompts: Sequence[str | list[dict[str, Any]]],
+        images: list[list[Any]],
+        *,
+        videos: list[list[Any]] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Left-padded processor inputs, one row per prompt: its chat messages (typed content parts,
         `stages.sample.vlm_data.build_messages`; a plain question is `user_turn`) through the chat
-        template with the generation prompt, and its images in the order of its image parts."""
-        texts = []
-        for k, (prompt, imgs) in enumerate(zip(prompts, images, strict=True)):
-            messages = user_turn(prompt, len(imgs)) if isinstance(prompt, str) else prompt
-            placed = sum(
-                1
-                for m in messages
-                if isinstance(m["content"], list)
-                for part in m["content"]
-                if part.get("type") == "image"
-            )
-            if placed != len(imgs):
-                raise UserInputError(
-                    f"prompt {k}: {placed} image parts in its messages but {len(imgs)} images"
-                )
+        template with the generation prompt, and its media in the order of their parts.
+
+        images[k]: prompt k's PIL images; videos[k]: its videos, each a list of PIL frames whose frame
+        rate is the `fps` of its video part. Every media type is passed to the processor as one flat
+        list (None when no prompt has any), so a batch may mix text-only prompts with prompts that have
+        media; the processor's outputs (pixel values, grids, frame timing) go to the model as they are.
+        """
+        media = {"image": images, "video": videos or [[] for _ in prompts]}
+        texts, fps = [], []
+        for k, prompt in enumerate(prompts):
+            messages = user_turn(prompt, len(images[k])) if isinstance(prompt, str) else prompt
+            for kind, items in media.items():
+                parts = [
+                    part
+                    for m in messages
+                    if isinstance(m["content"], list)
+                    for part in m["content"]
+                    if part.get("type") == kind
+                ]
+                if len(parts) != len(items[k]):
+                    raise UserInputError(
+                        f"prompt {k}: {len(parts)} {kind} parts in its messages but {len(items[k])} {kind}s"
+                    )
+                if kind == "video":
+                    fps += [float(part.get("fps") or VIDEO_FPS) for part in parts]
             texts.append(
                 self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             )
-        flat = [im for imgs in images for im in imgs] or None
+        flat = {f"{kind}s": [x for row in items for x in row] or None for kind, items in media.items()}
+        extra: dict[str, Any] = {}
+        if flat["videos"]:
+            if getattr(self.processor, "video_processor", None) is None:
+                raise UserInputError(
+                    f"--model {self.model_path}: its processor has no video processor; "
+                    "sample videos with a model that has one (omnirl init-model builds it)"
+                )
+            from transformers.video_utils import VideoMetadata
+
+            extra["video_metadata"] = [
+                VideoMetadata(total_num_frames=len(v), fps=r, frames_indices=list(range(len(v))))
+                for v, r in zip(flat["videos"], fps)
+            ]
+            extra["do_sample_frames"] = False
         inputs = self.processor(
-            text=texts, images=flat, return_tensors="pt", padding=True, padding_side="left"
+            text=texts, **flat, **extra, return_tensors="pt", padding=True, padding_side="left"
         )
         if "mm_token_type_ids" not in inputs:
             raise UserInputError("the processor gave no mm_token_type_ids; image positions would be wrong")
-        return {k: v.to(self.device) for k, v in inputs.items()}
+        return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
 
     def _forward_inputs(
         self, prompt: dict[str, torch.Tensor], response_ids: torch.Tensor, response_mask: torch.Tensor
     ) -> dict[str, torch.Tensor]:
-        from stages.models.qwen2_5_vl import mm_token_type_ids
-
+        """Prompt inputs extended by the responses: ids, mask and `mm_token_type_ids` (response tokens are
+        text to the model, even a sampled `<|image_pad|>`, as in `generate`); every other processor
+        output (pixel values, grids, frame timing, audio features) is passed on as it is."""
         ids = torch.cat([prompt["input_ids"], response_ids], dim=1)
         mask = torch.cat([prompt["attention_mask"], response_mask.to(prompt["attention_mask"].dtype)], dim=1)
-        types = mm_token_type_ids(
-            prompt["input_ids"], image_token_id=self.image_token_id, video_token_id=self.video_token_id
-        )
-        # Generated tokens are text to the model, even a sampled <|image_pad|> (as in `generate`).
+        types = prompt["mm_token_type_ids"]
         out = {
             "input_ids": ids,
             "attention_mask": mask,
             "mm_token_type_ids": torch.cat([types, torch.zeros_like(response_ids, dtype=types.dtype)], dim=1),
         }
-        for key in ("pixel_values", "image_grid_thw"):
-            if key in prompt:
-                out[key] = prompt[key]
-        return out
+        return {**{k: v for k, v in prompt.items() if k not in out}, **out}
 
     def response_log_probs(
         self,

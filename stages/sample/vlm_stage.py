@@ -9,6 +9,10 @@ Row layout (one row per response, groups contiguous, a shard holds whole groups)
 - images (image_list): the prompt's encoded image files, in the FIRST row of each group only (the
   others hold []), so images are stored once per prompt (in Parquet `datasets`' List(Image)); sets
   of schema version 1 hold them packed into one binary blob (`unpack_images`) and are still read;
+  a text-only prompt holds [] everywhere;
+- videos (video_list): likewise the prompt's videos, each a list of encoded frames (Parquet:
+  List(List(Image))); each video's frame rate is the `fps` of its part in `messages`. Rollouts
+  written before video support have no such column (no videos);
 - prompt_ids int64 [P] / prompt_mask bool [P]: the processor-expanded prompt (image pad tokens
   included), left-padded to `max_prompt_length`; the training forward rebuilds pixel values from the
   images and checks that the processor gives these ids again;
@@ -37,10 +41,12 @@ from stages.finite import MODEL_HINT, check_finite
 from stages.models.vlm import Rollout, VLMPolicy
 from stages.sample.rollout import derive_seed
 from stages.sample.stage import in_rollout, rollout_id, split_groups, write_shards
-from stages.sample.vlm_data import VLMPrompt, decode_image, unpack_images
+from stages.sample.vlm_data import IMAGE, MEDIA_KINDS, VIDEO, VLMPrompt, decode_image, unpack_images
 from stages.shards.writer import ShardSetWriter
 
-KINDS = {"images": "image_list", "prompt_meta": "json", "messages": "json"}
+# The rollout's media columns: one per `MEDIA_KINDS` entry, named by its verl column, and their kinds.
+MEDIA_COLUMNS = {IMAGE.column: "image_list", VIDEO.column: "video_list"}
+KINDS = {**MEDIA_COLUMNS, "prompt_meta": "json", "messages": "json"}
 ENGINES = ("hf", "openai")
 
 
@@ -110,22 +116,37 @@ def right_pad(x: torch.Tensor, length: int, value: Any) -> torch.Tensor:
     return torch.cat([x, torch.full((len(x), length - x.shape[1]), value, dtype=x.dtype)], dim=1)
 
 
-def row_images(shard: dict[str, Any], where: str) -> list[list[bytes]]:
-    """Each row's image files, taken from the first row of its group (where `sample` stored them)."""
-    out: list[list[bytes]] = []
-    leader: dict[str, list[bytes]] = {}
-    for sid, gid, stored in zip(shard["sample_id"], shard["group_id"], shard["images"]):
-        if isinstance(stored, list):
-            leader.setdefault(gid, stored)
-        elif stored:
-            leader[gid] = unpack_images(stored, f"{where}: sample {sid!r}")
+def row_media(shard: dict[str, Any], where: str) -> list[dict[str, list[Any]]]:
+    """Each row's media per column (`MEDIA_COLUMNS`), taken from the first row of its group (where
+    `sample` stored them); a column the rollout does not have gives every row none."""
+    out: list[dict[str, list[Any]]] = []
+    leader: dict[str, dict[str, list[Any]]] = {}
+    present = [c for c in MEDIA_COLUMNS if c in shard]
+    for r, (sid, gid) in enumerate(zip(shard["sample_id"], shard["group_id"])):
+        first = gid not in leader
+        for column in present:
+            stored = shard[column][r]
+            if isinstance(stored, list):
+                if first:
+                    leader.setdefault(gid, {})[column] = stored
+            elif stored:  # schema version 1: images packed into one blob
+                leader.setdefault(gid, {})[column] = unpack_images(stored, f"{where}: sample {sid!r}")
         if gid not in leader:
             raise UserInputError(
                 f"{where}: sample {sid!r} comes before the first row of its group {gid!r}; "
                 "read whole groups in their stored order"
             )
-        out.append(leader[gid])
+        out.append({c: leader[gid].get(c, []) for c in MEDIA_COLUMNS})
     return out
+
+
+def decode_media(media: dict[str, list[Any]], where: str) -> dict[str, list[Any]]:
+    """A row's stored media → the processor's inputs per column: images as RGB PIL images, videos as
+    lists of RGB PIL frames."""
+    return {
+        IMAGE.column: [decode_image(b, where) for b in media.get(IMAGE.column, [])],
+        VIDEO.column: [[decode_image(b, where) for b in video] for video in media.get(VIDEO.column, [])],
+    }
 
 
 def prompt_seed(cfg: VLMSampleConfig, index: int) -> int:
@@ -137,8 +158,12 @@ def generate_batch(
     policy: VLMPolicy, cfg: VLMSampleConfig, prompts: list[tuple[int, VLMPrompt]], n: int, seed: int
 ) -> tuple[dict[str, torch.Tensor], Rollout]:
     """Prompt inputs (one row per prompt) and n responses per prompt from the configured engine."""
-    images = [[decode_image(b, f"prompt {i}") for b in p.images] for i, p in prompts]
-    inputs = policy.chat_inputs([p.messages for _, p in prompts], images)
+    media = [decode_media(p.media, f"prompt {i}") for i, p in prompts]
+    inputs = policy.chat_inputs(
+        [p.messages for _, p in prompts],
+        [m[IMAGE.column] for m in media],
+        videos=[m[VIDEO.column] for m in media],
+    )
     if cfg.engine == "hf":
         rollout = policy.generate(
             inputs,
@@ -151,6 +176,10 @@ def generate_batch(
     else:
         from stages.sample.openai_engine import generate_openai
 
+        if any(p.videos for _, p in prompts):
+            raise UserInputError(
+                "--engine openai sends images only; sample prompts with videos with --engine hf"
+            )
         rollout = generate_openai(
             str(cfg.server_url),
             str(cfg.served_model),
@@ -199,7 +228,10 @@ def sample_vlm_shard(
                 "prompt": [p.question for _, p, _, _ in rows],
                 "messages": [p.messages for _, p, _, _ in rows],
                 "prompt_meta": [{**p.meta, "max_response_length": cfg.max_new_tokens} for _, p, _, _ in rows],
-                "images": [list(p.images) if m == 0 else [] for _, p, _, m in rows],
+                **{
+                    kind.column: [list(p.media.get(kind.column, [])) if m == 0 else [] for _, p, _, m in rows]
+                    for kind in MEDIA_KINDS
+                },
                 "prompt_ids": prompt_ids.repeat_interleave(n, dim=0),
                 "prompt_mask": prompt_mask.repeat_interleave(n, dim=0),
                 "response_ids": right_pad(out.response_ids.cpu(), cfg.max_new_tokens, pad_id),
@@ -257,18 +289,21 @@ def row_prompts(shard: dict[str, Any]) -> list[Any]:
 def prompt_inputs(
     policy: VLMPolicy,
     prompts: list[Any],
-    images: list[list[bytes]],
+    media: list[dict[str, list[Any]]],
     prompt_ids: torch.Tensor,
     prompt_mask: torch.Tensor,
     where: str,
 ) -> dict[str, torch.Tensor]:
-    """Processor inputs for stored rows (one prompt per row), checked against their stored prompt ids.
+    """Processor inputs for stored rows (one prompt per row, its media from `row_media`), checked
+    against their stored prompt ids.
 
-    The processor rebuilds pixel values from the images; if its ids differ from what `sample` stored
-    (another processor, changed images) the log-probs would be of a different prompt, so it is an error.
+    The processor rebuilds pixel values from the media; if its ids differ from what `sample` stored
+    (another processor, changed media) the log-probs would be of a different prompt, so it is an error.
     """
-    decoded = [[decode_image(b, where) for b in row] for row in images]
-    inputs = policy.chat_inputs(prompts, decoded)
+    decoded = [decode_media(row, where) for row in media]
+    inputs = policy.chat_inputs(
+        prompts, [d[IMAGE.column] for d in decoded], videos=[d[VIDEO.column] for d in decoded]
+    )
     width = int(prompt_mask.sum(-1).max()) if len(prompt_mask) else 0
     ids, mask = inputs["input_ids"].cpu(), inputs["attention_mask"].cpu().bool()
     if ids.shape[1] > prompt_ids.shape[1] or not torch.equal(

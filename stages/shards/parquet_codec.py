@@ -8,8 +8,9 @@ or `Dataset.from_parquet("SET/*.parquet")` gives each column its shape and decod
   [N, *shape] in its numpy/torch formats). bf16 is stored as uint16 bits and bool as uint8, with the
   logical dtype in the field metadata (`omnirl.dtype`) and in the manifest;
 - image columns are `{bytes, path}` structs (its `Image` feature, path null), an image_list column a
-  list of them per row; the schema metadata key `huggingface` names their `datasets` features, which
-  is how it knows these are images. Videos stay plain binary (MP4 bytes).
+  list of them per row, a video_list column a list of lists of them (videos of frames, List(List(Image)));
+  the schema metadata key `huggingface` names their `datasets` features, which is how it knows these
+  are images. Videos stay plain binary (MP4 bytes).
 
 Schema version 1 shards (tensors as `arrow.fixed_shape_tensor`, images as plain binary) are still
 read. Tensor columns have no dictionary encoding and no statistics (neither pays on tensors).
@@ -64,7 +65,7 @@ _ARROW_STORAGE = {
 }
 # `datasets`' Image storage: the encoded file, or a path to it (always null here).
 ENCODED_FILE = pa.struct([pa.field("bytes", pa.binary()), pa.field("path", pa.string())])
-_IMAGE_KINDS = ("image", "image_list")
+_IMAGE_KINDS = ("image", "image_list", "video_list")
 
 
 def _numpy_storage(col: Column) -> np.dtype:
@@ -85,6 +86,8 @@ def arrow_type(col: Column) -> pa.DataType:
         return ENCODED_FILE
     if col.kind == "image_list":
         return pa.list_(ENCODED_FILE)
+    if col.kind == "video_list":
+        return pa.list_(pa.list_(ENCODED_FILE))
     return pa.large_binary()
 
 
@@ -92,12 +95,16 @@ def datasets_features(columns: list[Column]) -> dict:
     """The `datasets` features (`Features.to_dict()` form) of the image columns, which their Arrow type
     alone does not announce; `datasets` infers every other column from its type. Written in forms
     that every `datasets` from 3.0 on parses (`Sequence`, which it reads as `List`)."""
-    image = {"_type": "Image"}
-    return {
-        c.name: image if c.kind == "image" else {"feature": image, "_type": "Sequence"}
-        for c in columns
-        if c.kind in _IMAGE_KINDS
-    }
+    image: dict = {"_type": "Image"}
+    nested = {"image": image, "image_list": 1, "video_list": 2}
+    out = {}
+    for c in columns:
+        if c.kind in _IMAGE_KINDS:
+            feature = image
+            for _ in range(nested[c.kind] if c.kind != "image" else 0):
+                feature = {"feature": feature, "_type": "Sequence"}
+            out[c.name] = feature
+    return out
 
 
 def _field(col: Column) -> pa.Field:
@@ -139,6 +146,9 @@ def _to_arrow(col: Column, value) -> pa.Array | pa.ChunkedArray:
     if col.kind == "image_list":
         rows = [[{"bytes": bytes(b), "path": None} for b in row] for row in value]
         return pa.array(rows, type=arrow_type(col))
+    if col.kind == "video_list":
+        rows = [[[{"bytes": bytes(b), "path": None} for b in video] for video in row] for row in value]
+        return pa.array(rows, type=arrow_type(col))
     return pa.array([bytes(v) if isinstance(v, memoryview) else v for v in value], type=pa.large_binary())
 
 
@@ -147,13 +157,13 @@ def _leaves(col: Column) -> list[str]:
     if col.kind == "tensor":
         return [col.name + ".list.element" * len(col.shape)]
     if col.kind in _IMAGE_KINDS:
-        prefix = f"{col.name}.list.element" if col.kind == "image_list" else col.name
+        prefix = col.name + ".list.element" * {"image": 0, "image_list": 1, "video_list": 2}[col.kind]
         return [f"{prefix}.bytes", f"{prefix}.path"]
     return [col.name]
 
 
 def _compression(col: Column) -> str:
-    if col.kind in ("image", "image_list", "video") or (col.kind == "tensor" and col.dtype in _FLOATS):
+    if col.kind in (*_IMAGE_KINDS, "video") or (col.kind == "tensor" and col.dtype in _FLOATS):
         return "none"
     return "zstd"
 
@@ -229,6 +239,16 @@ def table_to_batch(table: pa.Table, columns: list[Column], where: str) -> Batch:
                 raise CorruptShardError(f"{where}: column '{col.name}' has a null row")
             files = iter(_file_bytes(col, chunk.flatten(), where))
             out[col.name] = [[next(files) for _ in range(n)] for n in chunk.value_lengths().to_pylist()]
+        elif col.kind == "video_list":
+            videos = chunk.flatten()
+            if chunk.null_count or videos.null_count:
+                raise CorruptShardError(f"{where}: column '{col.name}' has a null row or video")
+            files = iter(_file_bytes(col, videos.flatten(), where))
+            frames = iter(videos.value_lengths().to_pylist())
+            out[col.name] = [
+                [[next(files) for _ in range(next(frames))] for _ in range(n)]
+                for n in chunk.value_lengths().to_pylist()
+            ]
         else:
             out[col.name] = chunk.to_pylist()
     return out

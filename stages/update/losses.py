@@ -112,7 +112,7 @@ def clipped_policy_loss(
 
 PG_COLUMNS = ("latents", "sigmas", "log_probs", "old_log_probs", "ref_means", "old_means")
 TOKEN_COLUMNS = (
-    *("sample_id", "group_id", "images", "messages", "prompt_ids", "prompt_mask", "response_ids"),
+    *("sample_id", "group_id", "images", "videos", "messages", "prompt_ids", "prompt_mask", "response_ids"),
     "response_mask",
     *("log_probs", "old_log_probs", "ref_log_probs"),
 )

@@ -129,11 +129,15 @@ def modes_run(tmp_path_factory: pytest.TempPathFactory, tiny_vlm: Path) -> dict[
         "--out",
         str(paths["samples"]),
     )
-    run(
+    paths["score"] = run(
         "score",
         *ins(paths["samples"]),
         "--reward",
         "test_vlm_modes:letter_share",
+        "--reward",
+        "format_think_answer",
+        "--reward",
+        "omnirl_length=0.1",
         "--out",
         str(paths["rewards"]),
     )
@@ -221,3 +225,27 @@ def test_update_replays_the_rollout_and_trains(modes_run: dict[str, Path]) -> No
     assert metrics[0]["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-5)  # on-policy: replay == rollout
     assert metrics[0]["actor/ppo_kl"] == pytest.approx(0.0, abs=1e-6)
     assert metrics[0]["actor/grad_norm"] > 0
+
+
+def test_truncated_responses_are_flagged_counted_and_get_format_zero(
+    modes_run: dict[str, Path], tiny_vlm: Path
+) -> None:
+    """A response is truncated when it fills --max-new-tokens without a stop token (<|im_end|>,
+    <|endoftext|>): the rollout flags it, score counts it and format_think_answer gives it 0."""
+    from stages.models.qwen2_5_vl import load_processor
+    from stages.score.text_rewards import omnirl_length_value
+
+    tok = load_processor(tiny_vlm).tokenizer
+    stops = torch.tensor(tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"]))
+    data = ShardSet(modes_run["samples"]).read_all()
+    rewards = ShardSet(modes_run["rewards"]).read_all()
+    length = data["response_length"]
+    last = data["response_ids"].gather(1, (length - 1)[:, None])[:, 0]
+    expected = (length == MAX_NEW) & ~torch.isin(last, stops)
+    assert torch.equal(data["truncated"], expected)
+    assert modes_run["score"]["truncated"] == int(expected.sum()) > 0
+    assert (rewards["reward.format_think_answer"][expected] == 0).all()
+    for i, text in enumerate(data["response_text"]):
+        marks = sum(ch in ",.;!" for ch in text)
+        value = omnirl_length_value(len(text), marks)
+        assert rewards["reward.omnirl_length"][i].item() == pytest.approx(value, rel=1e-6, abs=1e-7)

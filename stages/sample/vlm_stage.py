@@ -17,7 +17,9 @@ Row layout (one row per response, groups contiguous, a shard holds whole groups)
   included), left-padded to `max_prompt_length`; the training forward rebuilds pixel values from the
   images and checks that the processor gives these ids again;
 - response_ids int64 [T] / response_mask bool [T] (up to and including the first eos, right-padded
-  to `max_new_tokens`), response_text, response_length, log_probs float32 [T] (0 at padding).
+  to `max_new_tokens`), response_text, response_length, log_probs float32 [T] (0 at padding);
+  truncated (bool): the response reached `max_new_tokens` without a stop token (OmniRL's
+  `max_output_token_length` cut; format rewards score it 0).
 
 The engines: `hf` (transformers `generate` under the policy's weights; the rollout log-probs match a
 replay to float rounding) and `openai` (a server speaking the OpenAI chat API, e.g. `vllm serve`;
@@ -221,6 +223,11 @@ def sample_vlm_shard(
         groups = [f"g{i:06d}" for i, _ in chunk]
         rows = [(i, p, g, m) for (i, p), g in zip(chunk, groups) for m in range(n)]
         mask = right_pad(out.response_mask.cpu(), cfg.max_new_tokens, False)
+        length = mask.sum(-1)
+        last = out.response_ids.cpu().gather(
+            1, (length.clamp(min=1) - 1).clamp(max=out.response_ids.shape[1] - 1)[:, None]
+        )[:, 0]
+        stopped = torch.isin(last, torch.tensor(policy.stop_ids, dtype=last.dtype))
         batches.append(
             {
                 "sample_id": [f"{g}-{m:03d}" for _, _, g, m in rows],
@@ -237,7 +244,8 @@ def sample_vlm_shard(
                 "response_ids": right_pad(out.response_ids.cpu(), cfg.max_new_tokens, pad_id),
                 "response_mask": mask,
                 "response_text": list(out.text),
-                "response_length": mask.sum(-1).to(torch.int64),
+                "response_length": length.to(torch.int64),
+                "truncated": (length >= cfg.max_new_tokens) & ~stopped,
                 "log_probs": right_pad(out.log_probs.float().cpu(), cfg.max_new_tokens, 0.0),
                 "seed": torch.full((len(rows),), seed, dtype=torch.int64),
                 "policy_version": torch.full((len(rows),), policy_version, dtype=torch.int64),

@@ -1,8 +1,9 @@
 """The `score` stage: rewards for every sample of a shard set, written as their own column group.
 
 An image rollout's scorers get the decoded images; a text-response rollout's (VLM `sample`) get the
-response strings, with `response_length` (tokens) added to each row's meta for length rewards. Each
-reward's declared kind (`registry.reward_kind`) must match the rollout.
+response strings, with `response_length` (tokens) and `truncated` (`truncated_rows`) added to each
+row's meta for length and format rewards. Each reward's declared kind (`registry.reward_kind`) must
+match the rollout.
 """
 
 from __future__ import annotations
@@ -21,6 +22,20 @@ BASE = ("sample_id", "prompt", "prompt_meta")
 def needed_columns(modality: str) -> list[str]:
     """The input columns `score_shard` reads from a rollout of `modality` ("image" or "text")."""
     return [*BASE, "response_text", "response_length"] if modality == "text" else [*BASE, "image"]
+
+
+def text_columns(available: Sequence[str]) -> list[str]:
+    """The columns a text rollout's scoring reads, with `truncated` where the rollout has it."""
+    return needed_columns("text") + (["truncated"] if "truncated" in available else [])
+
+
+def truncated_rows(shard: dict[str, Any]) -> list[bool]:
+    """Per row, whether the response was cut at the sampling cap: the rollout's `truncated` column, or
+    in rollouts written before it, a response as long as its meta's max_response_length."""
+    if "truncated" in shard:
+        return [bool(t) for t in shard["truncated"].tolist()]
+    caps = [(m or {}).get("max_response_length") for m in shard["prompt_meta"]]
+    return [cap is not None and n >= cap for n, cap in zip(shard["response_length"].tolist(), caps)]
 
 
 def decode_images(blobs: Sequence[bytes], sample_ids: Sequence[str]) -> list[Any]:
@@ -58,14 +73,17 @@ def score_shard(
                 "pick a reward of the matching kind"
             )
     n = len(shard["sample_id"])
+    truncated = truncated_rows(shard) if text else []
     parts: list[dict[str, Any]] = []
     for start in range(0, n, batch_size):
         stop = min(n, start + batch_size)
         ids = list(shard["sample_id"][start:stop])
         meta = [dict(m) if isinstance(m, dict) else {} for m in shard["prompt_meta"][start:stop]]
         if text:
-            for row, length in zip(meta, shard["response_length"][start:stop].tolist()):
+            lengths = shard["response_length"][start:stop].tolist()
+            for row, length, cut in zip(meta, lengths, truncated[start:stop]):
                 row["response_length"] = int(length)
+                row["truncated"] = cut
         outputs = (
             list(shard["response_text"][start:stop])
             if text

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import ins, run
+from helpers import ins, run, torchrun
 from PIL import Image
 
 from stages.score.text_rewards import verl_compute_score
@@ -50,7 +50,7 @@ def mp4(frames: int = 8, rate: int = 4, size: int = 56) -> bytes:
         stream.width = stream.height = size
         stream.pix_fmt = "yuv420p"
         for k in range(frames):
-            image = Image.new("RGB", (size, size), (30 * k, 255 - 30 * k, 128))
+            image = Image.new("RGB", (size, size), (15 * k, 255 - 15 * k, 128))
             for packet in stream.encode(av.VideoFrame.from_image(image)):
                 container.mux(packet)
         for packet in stream.encode():
@@ -249,3 +249,56 @@ def test_truncated_responses_are_flagged_counted_and_get_format_zero(
         marks = sum(ch in ",.;!" for ch in text)
         value = omnirl_length_value(len(text), marks)
         assert rewards["reward.omnirl_length"][i].item() == pytest.approx(value, rel=1e-6, abs=1e-7)
+
+
+@pytest.mark.distributed
+def test_two_ranks_equal_one_process_on_a_mixed_batch(
+    modes_run: dict[str, Path], tiny_vlm: Path, tmp_path: Path
+) -> None:
+    """torchrun with 2 gloo ranks × 1 micro-batch = 1 process × 2 accumulated micro-batches on the
+    rollout that mixes text-only, image and video rows: same loss, gradient norm and weights."""
+    from safetensors.torch import load_file
+
+    common = [
+        "--model",
+        str(tiny_vlm),
+        *ins(modes_run["samples"], modes_run["logprobs"], modes_run["advantages"]),
+    ]
+    common += ["--no-shuffle", "--micro-batch", "8", "--lora-rank", "4", "--lr", "1e-2", "--algo", "grpo"]
+    run("update", *common, "--grad-accum", "2", "--out", str(tmp_path / "one"))
+    torchrun("update", *common, "--grad-accum", "1", "--out", str(tmp_path / "two"))
+    m1 = [json.loads(x) for x in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
+    m2 = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in m1] == [m["step"] for m in m2] == [1]
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/ratio_mean"):
+        assert m2[0][key] == pytest.approx(m1[0][key], rel=1e-5, abs=1e-9)
+    one = load_file(tmp_path / "one" / "adapter_model.safetensors")
+    two = load_file(tmp_path / "two" / "adapter_model.safetensors")
+    assert one.keys() == two.keys()
+    assert max(float(one[k].abs().max()) for k in one if "lora_B" in k) > 1e-4
+    for k in one:
+        torch.testing.assert_close(two[k], one[k], rtol=0, atol=1e-6)
+
+
+def test_video_files_are_sampled_at_2_fps_and_bad_files_name_the_row(tmp_path: Path) -> None:
+    """8 frames at 4 fps (2 s) → 2 s · 2 fps = 4 frames at indices round(k·7/3) = 0, 2, 5, 7, rate 2;
+    16 frames at 4 fps → 8 frames; 2 frames → the minimum of 4 is capped at the file's 2."""
+    from stages.errors import UserInputError
+    from stages.sample.vlm_data import decode_video_file, video_frames
+
+    frames, rate = decode_video_file(mp4(), "row 0")
+    assert rate == 2.0 and len(frames) == 4
+    reds = [np.asarray(Image.open(io.BytesIO(f)))[..., 0].mean() for f in frames]
+    assert np.allclose(reds, [0, 30, 75, 105], atol=8)  # frame k is (15k, 255 − 15k, 128), lossy
+    assert len(decode_video_file(mp4(frames=16), "r")[0]) == 8
+    assert decode_video_file(mp4(frames=2), "r")[1] == 4.0  # both frames kept: 2/2 · 4 fps
+    (tmp_path / "clip.mp4").write_bytes(mp4(frames=16))  # 4 s at 1 fps: frames 0, 5, 10, 15
+    by_path, rate = video_frames({"video": "clip.mp4", "fps": 1.0}, tmp_path, "r")
+    reds = [np.asarray(Image.open(io.BytesIO(f)))[..., 0].mean() for f in by_path]
+    assert rate == 1.0 and np.allclose(reds, [0, 75, 150, 225], atol=8)
+    listed = video_frames({"video": [png(1), png(2)], "fps": 3}, tmp_path, "r")
+    assert listed == ([png(1), png(2)], 3.0)
+    with pytest.raises(UserInputError, match=r"^data\.jsonl: row 3: a video is not a readable video file$"):
+        decode_video_file(b"not a video", "data.jsonl: row 3")
+    with pytest.raises(UserInputError, match="a video is an empty list of frames"):
+        video_frames([], tmp_path, "r")

@@ -267,7 +267,7 @@ def token_objective(
     """The objective over rows with the given response lengths (prompt handling stubbed out)."""
     from stages.sample import vlm_stage
 
-    monkeypatch.setattr(vlm_stage, "row_images", lambda data, where: [[] for _ in data["sample_id"]])
+    monkeypatch.setattr(vlm_stage, "row_media", lambda data, where: [{} for _ in data["sample_id"]])
     monkeypatch.setattr(vlm_stage, "prompt_inputs", lambda *args: {})
     n, width = len(lengths), max(lengths) + 1
     mask = torch.tensor([[t < m for t in range(width)] for m in lengths])

@@ -302,3 +302,32 @@ def test_video_files_are_sampled_at_2_fps_and_bad_files_name_the_row(tmp_path: P
         decode_video_file(b"not a video", "data.jsonl: row 3")
     with pytest.raises(UserInputError, match="a video is an empty list of frames"):
         video_frames([], tmp_path, "r")
+
+
+def test_frames_video_processor_lays_patches_out_as_the_image_processor(tiny_vlm: Path) -> None:
+    """A still image is a 2-frame video of itself (Qwen-VL duplicates it over the temporal patch), so
+    a video of two equal frames must give transformers' image processor's pixel rows and grid exactly;
+    an odd frame count repeats the last frame, and the processor expands the video pad tokens and
+    times each temporal patch as 2/fps seconds."""
+    from stages.models.qwen2_5_vl import load_processor
+
+    processor = load_processor(tiny_vlm)
+    frame = Image.open(io.BytesIO(png(7, size=84)))
+    image = processor.image_processor(images=[frame], return_tensors="pt")
+    video = processor.video_processor([[frame, frame]], return_tensors="pt")
+    assert video["video_grid_thw"].tolist() == image["image_grid_thw"].tolist() == [[1, 6, 6]]
+    assert torch.equal(video["pixel_values_videos"], image["pixel_values"])
+    other = Image.open(io.BytesIO(png(8, size=84)))
+    odd = processor.video_processor([[frame, frame, other]], return_tensors="pt")
+    tail = processor.video_processor([[other, other]], return_tensors="pt")["pixel_values_videos"]
+    assert odd["video_grid_thw"].tolist() == [[2, 6, 6]]
+    assert torch.equal(odd["pixel_values_videos"], torch.cat([image["pixel_values"], tail]))
+    from stages.models.vlm import VLMPolicy
+
+    policy = VLMPolicy.for_prompts(tiny_vlm)
+    messages = [{"role": "user", "content": [{"type": "video", "fps": 4.0}, {"type": "text", "text": "?"}]}]
+    inputs = policy.chat_inputs([messages], [[]], videos=[[[frame, frame, other]]])
+    video_pad = processor.tokenizer.convert_tokens_to_ids("<|video_pad|>")
+    assert int((inputs["input_ids"] == video_pad).sum()) == 2 * 6 * 6 // 4
+    assert int((inputs["mm_token_type_ids"] == 2).sum()) == 18
+    assert inputs["second_per_grid_ts"].tolist() == [0.5]

@@ -33,8 +33,8 @@ from stages.models.diffusion import (
 from stages.models.hub import base_model_record
 from stages.models.tokens import token_entropy, token_log_probs
 
-# A video's frame rate when its part names none (qwen-vl-utils' sampling rate).
-VIDEO_FPS = 2.0
+# The processor argument that takes each media type's items (one flat list over the batch).
+PROCESSOR_ARGS = {"image": "images", "video": "videos"}
 
 # Vision markers a response must never contain: sampled into a response, an image pad token would
 # make the model look for image features that do not exist. They are removed from the policy's
@@ -267,7 +267,7 @@ class VLMPolicy:
         template with the generation prompt, and its media in the order of their parts.
 
         images[k]: prompt k's PIL images; videos[k]: its videos, each a list of PIL frames whose frame
-        rate is the `fps` of its video part. Every media type is passed to the processor as one flat
+        rate is the `fps` of its video part (required: it times the video's temporal patches). Every media type is passed to the processor as one flat
         list (None when no prompt has any), so a batch may mix text-only prompts with prompts that have
         media; the processor's outputs (pixel values, grids, frame timing) go to the model as they are.
         """
@@ -288,11 +288,15 @@ class VLMPolicy:
                         f"prompt {k}: {len(parts)} {kind} parts in its messages but {len(items[k])} {kind}s"
                     )
                 if kind == "video":
-                    fps += [float(part.get("fps") or VIDEO_FPS) for part in parts]
+                    if not all(isinstance(part.get("fps"), (int, float)) for part in parts):
+                        raise UserInputError(f"prompt {k}: a video part has no frame rate ('fps')")
+                    fps += [float(part["fps"]) for part in parts]
             texts.append(
                 self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             )
-        flat = {f"{kind}s": [x for row in items for x in row] or None for kind, items in media.items()}
+        flat = {
+            PROCESSOR_ARGS[kind]: [x for row in items for x in row] or None for kind, items in media.items()
+        }
         extra: dict[str, Any] = {}
         if flat["videos"]:
             if getattr(self.processor, "video_processor", None) is None:

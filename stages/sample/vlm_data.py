@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 from stages.errors import UserInputError
-from stages.models.vlm import VIDEO_FPS
 from stages.sample.prompts import pick_rows
 from stages.sample.sources import PromptSource, SourceRow
 from stages.tables import image_bytes
@@ -54,8 +53,9 @@ VIDEO_PLACEHOLDER = VIDEO.placeholder
 _PLACEHOLDERS = re.compile("(" + "|".join(re.escape(k.placeholder) for k in MEDIA_KINDS) + ")")
 _BY_PLACEHOLDER = {k.placeholder: k for k in MEDIA_KINDS}
 _PACK_MAGIC = b"OMNIIMG1"
-# Frame sampling of a video file, qwen-vl-utils' defaults: VIDEO_FPS (2) frames per second, a frame
-# count that is a multiple of 2 (the temporal patch) and at least 4.
+# Frame sampling of a video file, qwen-vl-utils' defaults: 2 frames per second (also the rate of a
+# video given as frames), a frame count that is a multiple of 2 (the temporal patch) and at least 4.
+VIDEO_FPS = 2.0
 VIDEO_FRAME_FACTOR = 2
 VIDEO_MIN_FRAMES = 4
 VIDEO_MAX_FRAMES = 768

@@ -206,6 +206,11 @@ def test_rollout_stores_each_modes_media_once_per_group(modes_run: dict[str, Pat
         assert fps == ([2.0] if mode in ("frames", "mp4", "mixed") else [])
     # the text-only rows' messages stay plain strings, as verl keeps a row without media
     assert data["messages"][rows["text"][0]] == [{"role": "user", "content": "What is two plus two?"}]
+    head = run("inspect", str(modes_run["samples"]), "--head", str(len(data["sample_id"])))["head"]
+    lead = rows["frames"][0]
+    size = sum(map(len, videos["frames"][0]))
+    assert head[lead]["videos"] == f"<1 videos 4 frames {size} B>"
+    assert head[lead + 1]["videos"] == "<0 videos 0 frames 0 B>"
 
 
 def test_every_mode_replays_within_1e5(modes_run: dict[str, Path]) -> None:

@@ -213,15 +213,30 @@ def test_rollout_stores_each_modes_media_once_per_group(modes_run: dict[str, Pat
     assert head[lead + 1]["videos"] == "<0 videos 0 frames 0 B>"
 
 
-def test_every_mode_replays_within_1e5(modes_run: dict[str, Path]) -> None:
+def test_every_mode_replays_within_1e5(modes_run: dict[str, Path], tiny_vlm: Path) -> None:
+    """`logprob` (sampling batches) and one forward over all rows at once, as an `update` micro-batch
+    mixing every mode builds it, both give each mode's rollout log-probs back to 1e-5."""
+    from stages.models.vlm import VLMPolicy
+    from stages.sample.vlm_stage import prompt_inputs, response_batch, row_media, row_prompts
+
     assert modes_run["replay"]["abs_delta_max"] < 1e-5
     data = ShardSet(modes_run["samples"]).read_all()
     old = ShardSet(modes_run["logprobs"]).read_all()["old_log_probs"]
-    mask = data["response_mask"]
+    policy = VLMPolicy.load(tiny_vlm)
+    inputs = prompt_inputs(
+        policy, row_prompts(data), row_media(data, "s"), data["prompt_ids"], data["prompt_mask"], "s"
+    )
+    tokens, mask = response_batch(data, policy.device)
+    with torch.no_grad():
+        mixed = policy.response_log_probs(inputs, tokens, mask)
+    width = tokens.shape[1]
     for mode, members in by_mode(data).items():
         index = torch.tensor(members)
-        delta = (old[index] - data["log_probs"][index]).abs()[mask[index]]
+        valid = data["response_mask"][index]
+        delta = (old[index] - data["log_probs"][index]).abs()[valid]
         assert delta.numel() > 0 and float(delta.max()) < 1e-5, mode
+        together = (mixed[index] - data["log_probs"][index, :width]).abs()[mask[index]]
+        assert float(together.max()) < 1e-5, mode
 
 
 def test_update_replays_the_rollout_and_trains(modes_run: dict[str, Path]) -> None:

@@ -7,7 +7,6 @@ latents [K+1, C, h, w], log-probs [K], timesteps [K] and σ [K+1], plus the fina
 from __future__ import annotations
 
 import hashlib
-import io
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
@@ -19,6 +18,7 @@ from stages.finite import MODEL_HINT, check_finite
 from stages.models.diffusion import FlowPolicy, seed_generator
 from stages.sample.samplers import SAMPLERS, step
 from stages.sample.windows import WindowSchedule
+from stages.tables import png_bytes
 
 
 @dataclass
@@ -99,12 +99,6 @@ def stored_steps(cfg: SampleConfig, group: Hashable) -> list[int]:
         return list(range(cfg.steps))
     seed = derive_seed(cfg.seed, "window", group) if cfg.window_strategy == "random" else 0
     return cfg.schedule().steps_for_iteration(cfg.iteration, seed=seed)
-
-
-def png_bytes(image: Any) -> bytes:
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")
-    return buf.getvalue()
 
 
 @torch.no_grad()

@@ -31,7 +31,7 @@ from typing import Any
 from stages.errors import UserInputError
 from stages.sample.prompts import pick_rows
 from stages.sample.sources import PromptSource, SourceRow
-from stages.tables import image_bytes
+from stages.tables import image_bytes, png_bytes
 
 
 @dataclass(frozen=True)
@@ -190,13 +190,6 @@ def _media_list(value: Any, column: str, where: str) -> list[Any]:
     if not isinstance(value, (list, tuple)):
         raise UserInputError(f"{where}: column '{column}' must hold a list per row")
     return list(value)
-
-
-def png_bytes(image: Any) -> bytes:
-    """A PIL image as lossless PNG bytes."""
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")
-    return buf.getvalue()
 
 
 def decode_video_file(blob: bytes, where: str, fps: float = VIDEO_FPS) -> tuple[list[bytes], float]:

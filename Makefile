@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 RUN    ?= runs/demo
 
-.PHONY: install test test-fast test-gpu lint format demo demo-online demo-model demo-jpeg demo-vlm bench clean
+.PHONY: install test test-fast test-gpu lint format demo demo-online demo-model demo-jpeg demo-vlm demo-omni bench clean
 
 install: $(STAMP)
 
@@ -116,6 +116,19 @@ demo-vlm: install
 	  CONFIG=recipes/configs/vlm_demo_tiny.yaml MODEL=$(VLM_RUN)/model PROMPTS=$(VLM_RUN)/prompts.parquet \
 	  RUN=$(VLM_RUN) ITERATIONS=$(VLM_ITERATIONS)
 	$(VENV)/bin/omnirl report $(VLM_RUN)
+
+# GRPO on the built-in tiny Qwen3-Omni thinker (MoE, vision and audio towers): build it, draw the omni
+# counting prompts (a digit asked in text, in an image of shapes or in a sound of beeps; every batch
+# mixes the three), run recipes/vlm_grpo.mk for OMNI_ITERATIONS iterations, then print the reward table.
+OMNI_RUN ?= runs/demo-omni
+OMNI_ITERATIONS ?= 4
+demo-omni: install
+	test -f $(OMNI_RUN)/model/omnirl_model.json || $(VENV)/bin/omnirl init-model --family qwen3_omni_thinker --size tiny --seed 0 $(OMNI_RUN)/model
+	test -f $(OMNI_RUN)/prompts.parquet || $(PY) recipes/tasks/omni_count.py --out $(OMNI_RUN)/prompts.parquet --num-prompts 384 --seed 0
+	OMP_NUM_THREADS=1 PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(MAKE) --no-print-directory -f recipes/vlm_grpo.mk \
+	  CONFIG=recipes/configs/omni_demo_tiny.yaml MODEL=$(OMNI_RUN)/model PROMPTS=$(OMNI_RUN)/prompts.parquet \
+	  RUN=$(OMNI_RUN) ITERATIONS=$(OMNI_ITERATIONS)
+	$(VENV)/bin/omnirl report $(OMNI_RUN)
 
 bench: install
 	$(PY) benchmarks/run_all.py

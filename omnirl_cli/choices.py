@@ -36,7 +36,7 @@ ModelSize = Literal["tiny", "small", "demo"]  # the SIZES of the families' build
 
 # Built-in names of the open registries (completion only; plugins are accepted beside them).
 # Rollout engines: stages.sample.engines' diffusion engines, then stages.sample.vlm_stage.ENGINES.
-ENGINES = ("diffusers", "remote", "hf", "openai")
+ENGINES = ("diffusers", "remote", "vllm-omni", "hf", "openai")
 ENGINE_ENTRY_POINTS = "omnirl.engines"
 ALGORITHMS = (
     "flow_grpo",
@@ -60,7 +60,14 @@ ESTIMATORS = (
     "grpo_batch_std",
     "pairs",
 )  # stages.advantage.estimators.ESTIMATORS and pair advantages
-FAMILIES = ("flux", "qwen2_5_vl", "qwen_image", "sd3", "z_image")  # stages.models.factory.FAMILIES
+FAMILIES = (
+    "flux",
+    "qwen2_5_vl",
+    "qwen3_omni_thinker",
+    "qwen_image",
+    "sd3",
+    "z_image",
+)  # stages.models.factory.FAMILIES
 REWARDS = (
     "accuracy",
     "aesthetic",

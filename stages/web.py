@@ -1,4 +1,5 @@
-"""JSON over HTTP for omnirl's servers (`omnirl serve-reward`, `omnirl serve`), stdlib only, no pickle.
+"""JSON over HTTP for omnirl's servers (`omnirl serve-reward`, `omnirl serve`) and their clients, stdlib
+only, no pickle.
 
 A `JsonService` decides what a request means; `JsonServer` (threaded) and its handler do the HTTP:
 
@@ -10,27 +11,47 @@ A `JsonService` decides what a request means; `JsonServer` (threaded) and its ha
 - a refusal replies ``{"error": {"code": STATUS, "message": ...}}`` and the server keeps serving; an
   exception other than `HttpError` is a 500 with its one-line message (and a logged traceback).
 
-Clients parse both this error shape (also OpenAI's) and FastAPI's ``{"detail": ...}``: `error_message`.
+A request whose ``Accept`` names ``application/x-msgpack`` (`MSGPACK`) gets its reply as msgpack, every
+``{"encoding": "base64", "data": str}`` object in it carried as ``{"encoding": "raw", "data": bytes}``
+(`pack_binary`): a third smaller and no base64 work for large tensors and video.
+
+Clients parse both this error shape (also OpenAI's) and FastAPI's ``{"detail": ...}`` (a string, or
+pydantic's list of ``{"loc", "msg"}``): `error_message`. `JsonClient` is the client side: health
+polling with a start-up budget; retries with exponential backoff and jitter on connection errors,
+timeouts, 502, 503 and 504 (a 500 once); a 4xx never (the request is wrong: `UserInputError`).
 """
 
 from __future__ import annotations
 
 import hmac
+import http.client
 import ipaddress
 import json
 import logging
+import random
 import socket
 import sys
+import time
+import urllib.error
 import urllib.parse
+import urllib.request
+from collections.abc import Callable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+from stages.errors import RuntimeFailure, UserInputError
 
 logger = logging.getLogger(__name__)
 
 DRAIN_FACTOR = 4
 CONNECTION_TIMEOUT_S = 120.0  # a connection idle or stalled this long is closed
 _CHUNK = 1 << 20
+MSGPACK = "application/x-msgpack"
+BACKOFF_S = 0.5
+MAX_BACKOFF_S = 30.0
+RETRY_STATUSES = frozenset({502, 503, 504})
+CONNECT_TIMEOUT_S = 5.0
 
 
 class HttpError(Exception):
@@ -67,11 +88,56 @@ def error_message(raw: bytes) -> str:
     for source in (inner, body):
         if isinstance(source, dict):
             for key in ("message", "detail"):
+                if isinstance(source.get(key), list):  # pydantic's validation errors (FastAPI 422)
+                    return one_line("; ".join(_validation_error(e) for e in source[key]))
                 if source.get(key):
                     return one_line(source[key])
         if isinstance(source, str) and source:
             return one_line(source)
     return one_line(str(body))
+
+
+def _validation_error(error: Any) -> str:
+    """``body.n: Input should be less than or equal to 10`` of one pydantic error object."""
+    if not isinstance(error, dict):
+        return str(error)
+    loc = ".".join(str(part) for part in error.get("loc") or [])
+    return f"{loc}: {error.get('msg', '')}" if loc else str(error.get("msg", error))
+
+
+def _binary(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        if obj.get("encoding") == "base64" and isinstance(obj.get("data"), str):
+            import base64
+
+            return {**obj, "encoding": "raw", "data": base64.b64decode(obj["data"])}
+        return {k: _binary(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_binary(v) for v in obj]
+    return obj
+
+
+def pack_binary(payload: Any) -> bytes:
+    """`payload` as msgpack, its base64 objects as raw bytes (module docstring)."""
+    import msgpack
+
+    return msgpack.packb(_binary(payload), use_bin_type=True)
+
+
+def unpack_binary(raw: bytes) -> Any:
+    """A `pack_binary` body (raw objects stay raw: the decoders take both); `ValueError` when it is not
+    msgpack. Maps, arrays, strings, bytes and numbers only: msgpack extension types are refused."""
+    import msgpack
+
+    try:
+        return msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except (msgpack.UnpackException, ValueError, TypeError) as exc:
+        raise ValueError(f"not a msgpack body ({type(exc).__name__})") from None
+
+
+def wants_binary(accept: str | None) -> bool:
+    """Whether an ``Accept`` header names msgpack."""
+    return MSGPACK in (accept or "").lower()
 
 
 class JsonService:
@@ -125,9 +191,13 @@ class JsonHandler(BaseHTTPRequestHandler):
         return self.server.service  # type: ignore[attr-defined]
 
     def _reply(self, status: int, payload: dict[str, Any], *, close: bool = False) -> None:
-        data = json.dumps(payload, allow_nan=False).encode("utf-8")
+        binary = status == HTTPStatus.OK and wants_binary(self.headers.get("Accept"))
+        if binary:
+            data, kind = pack_binary(payload), MSGPACK
+        else:
+            data, kind = json.dumps(payload, allow_nan=False).encode("utf-8"), "application/json"
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", kind)
         self.send_header("Content-Length", str(len(data)))
         if status == HTTPStatus.UNAUTHORIZED:
             self.send_header("WWW-Authenticate", "Bearer")
@@ -231,3 +301,172 @@ class JsonServer(ThreadingHTTPServer):
         if isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):
             return
         logger.exception("%s: error serving %s", type(self).__name__, client_address)
+
+
+class Retryable(Exception):
+    """A failure a later try may not meet (the server is down, restarting or overloaded): its one-line
+    description and the HTTP status (None: no reply)."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+def backoff(attempt: int, base: float = BACKOFF_S, rng: random.Random | None = None) -> float:
+    """Seconds to wait before retry `attempt` (0-based): base·2^attempt capped at `MAX_BACKOFF_S`,
+    times a uniform jitter in [0.5, 1.5) so that clients of one restarted server spread out."""
+    return min(base * 2**attempt, MAX_BACKOFF_S) * (0.5 + (rng or random).random())
+
+
+class JsonClient:
+    """JSON requests to one server at `url` (given as `option`), with a bearer token, timeouts and
+    retries (module docstring). `what` names the server expected there, `noun` its kind and `hint` says
+    how to start it, for the one-line errors of a URL that reaches something else; `binary` asks for
+    msgpack replies."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        token: str | None,
+        timeout: float,
+        retries: int,
+        option: str = "--server-url",
+        what: str = "the server",
+        noun: str = "server",
+        hint: str = "",
+        binary: bool = False,
+    ):
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
+            raise UserInputError(f"{option} {url!r}: not an http(s)://HOST:PORT URL; pass {what}'s address")
+        try:
+            parts.port  # noqa: B018  (raises on a port that is not a number)
+        except ValueError:
+            raise UserInputError(f"{option} {url!r}: the port is not a number") from None
+        self.url = url.rstrip("/")
+        self.token = token
+        self.timeout = timeout
+        self.retries = retries
+        self.option, self.what, self.noun, self.hint = option, what, noun, hint
+        self.binary = binary  # ask for msgpack replies (the server may still answer JSON)
+
+    def once(self, path: str, body: dict[str, Any] | None, timeout: float) -> Any:
+        """One request; the decoded JSON reply (None for an empty one). `Retryable` for what may pass,
+        `UserInputError` for what will not."""
+        url = self.url + path
+        headers = {"Accept": f"{MSGPACK}, application/json;q=0.5" if self.binary else "application/json"}
+        data = None
+        if body is not None:
+            data = json.dumps(body).encode("utf-8")
+            headers["Content-Type"] = "application/json"
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        request = urllib.request.Request(
+            url, data=data, headers=headers, method="GET" if data is None else "POST"
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                raw = response.read()
+                kind = response.headers.get("Content-Type") or ""
+        except urllib.error.HTTPError as exc:
+            detail = error_message(exc.read() if exc.fp else b"") or str(exc.reason)
+            if exc.code >= 500:
+                raise Retryable(f"HTTP {exc.code}: {detail}", exc.code) from None
+            raise self.refused(url, exc.code, detail) from None
+        except urllib.error.URLError as exc:
+            reason = exc.reason
+            if isinstance(reason, socket.gaierror):
+                raise UserInputError(
+                    f"{url}: the host does not resolve ({one_line(reason)}); fix {self.option}"
+                ) from None
+            if not isinstance(reason, OSError):
+                raise UserInputError(
+                    f"{url}: not a usable URL ({one_line(reason)}); fix {self.option}"
+                ) from None
+            raise Retryable(one_line(reason)) from None
+        except (http.client.HTTPException, OSError) as exc:  # timeout, reset, cut reply
+            what = (
+                f"no reply within {timeout:g} s"
+                if isinstance(exc, TimeoutError)
+                else f"{type(exc).__name__}: {exc}"
+            )
+            raise Retryable(one_line(what)) from None
+        if not raw.strip():
+            return None
+        try:
+            return unpack_binary(raw) if self.binary and wants_binary(kind) else json.loads(raw)
+        except ValueError:
+            raise UserInputError(
+                f"{url}: the reply is not JSON ({one_line(raw[:80].decode('utf-8', 'replace'))!r}); "
+                f"is this {self.what}? {self.hint}"
+            ) from None
+
+    def refused(self, url: str, code: int, detail: str) -> UserInputError:
+        """The one-line error for a 4xx reply, which a retry cannot fix."""
+        if code in (401, 403):
+            how = (
+                "the token is refused; pass the server's token" if self.token else "the server wants a token"
+            )
+            return UserInputError(f"{url}: HTTP {code} ({detail}); {how} with --server-token-env VAR")
+        if code == 404:
+            return UserInputError(f"{url}: HTTP 404 ({detail}); is {self.option} {self.what}? {self.hint}")
+        if code == 413:
+            return UserInputError(
+                f"{url}: HTTP 413 ({detail}); lower --batch-size or raise the server's limits"
+            )
+        return UserInputError(f"{url}: HTTP {code} ({detail})")
+
+    def call(self, path: str, body: dict[str, Any] | None = None) -> Any:
+        """The reply to `body` at `path` (GET without a body), retried as the module docstring says;
+        `RuntimeFailure` once the retries are spent."""
+        start = time.monotonic()
+        last, fives = "", 0
+        for attempt in range(self.retries + 1):
+            try:
+                return self.once(path, body, self.timeout)
+            except Retryable as exc:
+                last = str(exc)
+                if exc.status is not None and exc.status not in RETRY_STATUSES:
+                    fives += 1
+                    if fives > 1:  # a 500 is retried once: it is more often a bug than a hiccup
+                        break
+            if attempt < self.retries:
+                wait = backoff(attempt)
+                logger.info(
+                    "%s%s: %s; retry %d of %d in %.1f s",
+                    self.url,
+                    path,
+                    last,
+                    attempt + 1,
+                    self.retries,
+                    wait,
+                )
+                time.sleep(wait)
+        raise RuntimeFailure(
+            f"{self.url}{path}: no answer after {attempt + 1} tries over {time.monotonic() - start:.1f} s "
+            f"(last: {last}); check the server (its log), then re-run: finished shards are kept"
+        )
+
+    def wait_healthy(self, budget: float, check: Callable[[Any], None] | None = None) -> Any:
+        """``GET /health`` until it answers 200 within `budget` seconds (connection refused and 5xx mean
+        "still starting"); its reply, after `check(reply)` (which raises for a server of another kind)."""
+        deadline = time.monotonic() + budget
+        last, attempt = "", 0
+        while True:
+            try:
+                reply = self.once("/health", None, min(self.timeout, CONNECT_TIMEOUT_S + 5))
+            except Retryable as exc:
+                last = str(exc)
+            else:
+                if check is not None:
+                    check(reply)
+                return reply
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeFailure(
+                    f"{self.url}: no healthy {self.noun} within {budget:g} s (last: {last}); {self.hint}, "
+                    "or raise --server-startup-timeout"
+                )
+            time.sleep(min(backoff(attempt, rng=random.Random(attempt)), 5.0, left))
+            attempt += 1

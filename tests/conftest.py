@@ -51,6 +51,16 @@ def tiny_vlm(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_omni(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen3-Omni thinker folder (seed 0) with its processor, loadable with `from_pretrained`."""
+    from stages.models.factory import init_model
+
+    out = tmp_path_factory.mktemp("models") / "qwen3_omni_thinker-tiny"
+    init_model("qwen3_omni_thinker", out, size="tiny", seed=0)
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_shard_set(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 6-row, 2-shard Parquet shard set with a tensor, a scalar, strings and JSON."""
     from stages.shards.writer import ShardSetWriter

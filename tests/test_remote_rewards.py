@@ -36,7 +36,7 @@ from PIL import Image
 
 from stages.errors import NonFiniteError, UserInputError
 from stages.score.registry import check_reward_args, get_reward, reward_column, reward_kind
-from stages.score.remote import final_score, three_axis_score
+from stages.score.rubrics import final_score, three_axis_score
 from stages.score.scoring import score_batch
 
 TASK = Path(__file__).resolve().parents[1] / "recipes" / "tasks" / "shapes.py"

@@ -253,12 +253,13 @@ def test_row_media_reads_lists_from_the_first_row_of_each_group() -> None:
         "group_id": ["g0", "g0", "g1", "g1"],
         "images": [[b"a", b"b"], [], [], []],
         "videos": [[], [], [[b"f0", b"f1"]], []],
+        "audios": [[b"w0"], [], [], []],
     }
     assert row_media(shard, "s") == [
-        {"images": [b"a", b"b"], "videos": []},
-        {"images": [b"a", b"b"], "videos": []},
-        {"images": [], "videos": [[b"f0", b"f1"]]},
-        {"images": [], "videos": [[b"f0", b"f1"]]},
+        {"images": [b"a", b"b"], "videos": [], "audios": [b"w0"]},
+        {"images": [b"a", b"b"], "videos": [], "audios": [b"w0"]},
+        {"images": [], "videos": [[b"f0", b"f1"]], "audios": []},
+        {"images": [], "videos": [[b"f0", b"f1"]], "audios": []},
     ]
     # schema version 1: a group's later rows hold b"", so one read without its first row is an error
     with pytest.raises(UserInputError, match="sample 'g0-001' comes before the first row of its group"):

@@ -21,12 +21,12 @@ from PIL import Image
 from stages.errors import RuntimeFailure, UserInputError
 from stages.models.vlm import VLMPolicy
 from stages.score.registry import get_reward, reward_files, reward_kind
+from stages.score.remote import CHAT_PROTOCOLS
 from stages.score.scoring import score_batch
 from stages.score.vlm_judge import (
     PRESETS,
     VLMJudge,
     ocr_answer_reward,
-    parse_final_score,
     parse_yes_no,
 )
 
@@ -47,15 +47,22 @@ IMAGES = [_image(COLOURS[0]), _image(COLOURS[1], (112, 56)), _image(COLOURS[2], 
 # --- parsing on hand-made answers ----------------------------------------------------------------
 
 
-def test_final_score_parse() -> None:
-    assert parse_final_score("Final Score: 4") == 4 / 5
-    assert parse_final_score("Sharp and on topic.\nFinal Score: 3.5") == 3.5 / 5
-    assert parse_final_score("**Final Score:** 5") == 1.0
-    assert parse_final_score("**Final Score**: 2") == 2 / 5
-    assert parse_final_score("final score:1") == 1 / 5
-    assert parse_final_score("Final Score: 2 ... Final Score: 5") == 2 / 5  # the first, as flow_grpo
-    for bad in ("Final Score: 0", "Final Score: 6", "Final Score: 5.5", "Score: 4", "Final Score: four", ""):
-        assert parse_final_score(bad) is None, bad
+def test_unifiedreward_presets_are_the_remote_protocols_rubrics() -> None:
+    """One rubric per name: `vlm_judge preset=` and `remote: protocol=` ask the same question, resize
+    alike and read an answer to the same number (flow_grpo's case-sensitive "Final Score:" pattern)."""
+    answers = [
+        "Final Score: 4",
+        "**Final Score:** 5",
+        "final score: 3",
+        "Final Score: 5.5",
+        "Alignment Score: 2\nCoherence Score: 4\nStyle Score: 3",
+    ]
+    for name in ("unifiedreward", "unifiedreward2"):
+        preset, protocol = PRESETS[name], CHAT_PROTOCOLS[name]
+        assert (preset.question, preset.image_size) == (protocol["question"], protocol["image_size"])
+        assert [preset.parse(a, None) for a in answers] == [protocol["parse"](a) for a in answers]
+    assert [PRESETS["unifiedreward"].parse(a, None) for a in answers] == [0.8, None, None, 1.1, None]
+    assert PRESETS["unifiedreward2"].parse(answers[4], None) == pytest.approx(0.5)
 
 
 def test_yes_no_parse() -> None:
@@ -239,6 +246,10 @@ CANNED = {
     "unifiedreward": (
         ["Final Score: 4", "Clear.\nFinal Score: 2.5", "I cannot rate this."],
         [0.8, 0.5, None],
+    ),
+    "unifiedreward2": (
+        ["Alignment Score (1-5): 5\nCoherence Score (1-5): 5\nStyle Score (1-5): 5", "1, 2, 3", "No idea."],
+        [1.0, 0.25, None],
     ),
     "yes_no": (["Yes.", "no", "Maybe"], [1.0, 0.0, None]),
 }

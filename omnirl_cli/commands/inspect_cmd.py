@@ -125,8 +125,9 @@ def _head_rows(path: Path, n: int) -> list[dict[str, Any]]:
                     row[name] = f"[{'×'.join(map(str, value.shape))}]"
             elif col.kind in ("binary", "image", "video"):
                 row[name] = f"<{col.kind} {len(value)} B>"
-            elif col.kind == "image_list":
-                row[name] = f"<{len(value)} images {sum(map(len, value))} B>"
+            elif col.kind in ("image_list", "audio_list"):
+                what = "images" if col.kind == "image_list" else "audios"
+                row[name] = f"<{len(value)} {what} {sum(map(len, value))} B>"
             elif col.kind == "video_list":
                 frames = [f for video in value for f in video]
                 row[name] = f"<{len(value)} videos {len(frames)} frames {sum(map(len, frames))} B>"

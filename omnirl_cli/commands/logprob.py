@@ -73,6 +73,7 @@ def logprob(
     from stages.logprob.replay import replay_shard, replay_token_shard
     from stages.models.diffusion import FlowPolicy
     from stages.models.vlm import VLMPolicy
+    from stages.sample.engines import check_replayable
     from stages.sample.rollout import sample_config_of
     from stages.sample.vlm_stage import vlm_sample_config_of
     from stages.shards.reader import rollout_modality
@@ -81,6 +82,7 @@ def logprob(
     src = open_inputs(c["inputs"])
     tokens = rollout_modality(src.manifests) == "text"
     sample_cfg = vlm_sample_config_of(src.manifests) if tokens else sample_config_of(src.manifests)
+    check_replayable(src.manifests)
     # an ODE rollout (NFT, AWM) stores no steps: nothing to replay
     stored = tokens or "latents" in src.columns
     writer = ShardSetWriter(
@@ -132,7 +134,7 @@ def logprob(
             columns = ["sample_id", "group_id", "prompt", "images", "prompt_ids", "prompt_mask"]
             columns += ["response_ids", "response_mask", "log_probs"]
             # absent in older rollouts
-            columns += [name for name in ("messages", "videos") if name in src.columns]
+            columns += [name for name in ("messages", "videos", "audios") if name in src.columns]
         elif stored:
             columns = ["sample_id", "prompt", "negative_prompt", "latents", "sigmas", "log_probs"]
         else:

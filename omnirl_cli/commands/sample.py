@@ -221,8 +221,10 @@ def sample(
         typer.Option(
             "--engine",
             autocompletion=complete(ENGINES, ENGINE_ENTRY_POINTS),
-            help="Rollout engine. Diffusion: diffusers (in this process, the default) or remote (an "
-            "`omnirl serve` rollout server at --server-url: same samples, its own device); a plugin "
+            help="Rollout engine. Diffusion: diffusers (in this process, the default), remote (an "
+            "`omnirl serve` rollout server at --server-url: same samples, its own device) or vllm-omni "
+            "(a `vllm serve --omni` at --server-url: images only, --sampler ode; without --server-url, "
+            "vLLM-Omni in this process with omnirl's pipeline: replayable trajectories); a plugin "
             "engine by name or module:Class. VLM: hf (transformers generate, the default) or openai (a "
             "`vllm serve` / OpenAI-compatible server at --server-url).",
             rich_help_panel=ENGINE,
@@ -232,8 +234,8 @@ def sample(
         str | None,
         typer.Option(
             "--server-url",
-            help="Base URL of the server: `omnirl serve`'s http://host:port, or an OpenAI API root "
-            "http://host:8000/v1 for a VLM.",
+            help="Base URL of the server: `omnirl serve`'s or `vllm serve --omni`'s http://host:port, or an "
+            "OpenAI API root http://host:8000/v1 for a VLM.",
             rich_help_panel=ENGINE,
         ),
     ] = None,
@@ -273,7 +275,9 @@ def sample(
     served_model: Annotated[
         str | None,
         typer.Option(
-            "--served-model", help="Model name the server serves (its /v1/models).", rich_help_panel=VLM
+            "--served-model",
+            help="Model name the server serves (its /v1/models; vllm-omni: default its only one).",
+            rich_help_panel=ENGINE,
         ),
     ] = None,
     temperature: Annotated[
@@ -315,6 +319,15 @@ def sample(
             rich_help_panel=VLM,
         ),
     ] = "videos",
+    audio_key: Annotated[
+        str,
+        typer.Option(
+            "--audio-key",
+            help="Omni models: the column listing each row's audio clips (paths, bytes, or arrays with a "
+            "sampling rate), taken in the order of the <audio> placeholders (needs PyAV).",
+            rich_help_panel=VLM,
+        ),
+    ] = "audios",
     num_shards: NumShardsOpt = None,
     shard_rows: ShardRowsOpt = 256,
     shard_index: Annotated[
@@ -371,10 +384,13 @@ def sample(
         f"planning {len(picked)} prompts × {c['group_size']} samples",
     )
     resolve_num_shards(c, len(picked), c["group_size"])
-    writer = _writer(c, KINDS, json_, source, exclude=ROLLOUT_PLACEMENT)
+    options = EngineOptions.from_options(c)
+    # an engine drawing other samples than diffusers (vLLM-Omni's images API) joins the run's identity
+    placement = ROLLOUT_PLACEMENT if engine_type.same_samples(options) else ("server_url",)
+    writer = _writer(c, KINDS, json_, source, exclude=placement)
     if writer is None:
         return
-    engine = engine_type.open(EngineOptions.from_options(c), device())
+    engine = engine_type.open(options, device())
     try:
         extra = {
             "sample_config": asdict(cfg),
@@ -552,6 +568,7 @@ def _sample_vlm(c: dict, json_: bool) -> None:
         answer_key=c["answer_key"],
         image_key=c["image_key"],
         video_key=c["video_key"],
+        audio_key=c["audio_key"],
     )
     # A group's padded token columns stay in memory until its shard is written: an int64 id and a bool
     # mask per prompt and response position, an fp32 log-prob per response position.

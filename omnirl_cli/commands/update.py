@@ -155,6 +155,16 @@ def update(
         float,
         typer.Option("--entropy-coef", help="VLM: loss −= coef·entropy (verl 0).", rich_help_panel=LOSS),
     ] = 0.0,
+    router_aux_loss_coef: Annotated[
+        float | None,
+        typer.Option(
+            "--router-aux-loss-coef",
+            help="MoE VLM (Qwen3-Omni thinker): loss += coef·load-balancing loss of the routers, as "
+            "transformers trains. Default: the config's router_aux_loss_coef when its "
+            "output_router_logits is set, else 0. Router loads are reported either way (moe/*).",
+            rich_help_panel=LOSS,
+        ),
+    ] = None,
     adv_clip: Annotated[
         float | None,
         typer.Option(
@@ -304,7 +314,8 @@ def update(
         bool,
         typer.Option(
             "--train-vision",
-            help="VLM with --full: train the vision tower too (frozen by default).",
+            help="VLM with --full: train the encoder towers too (vision, and audio in omni models; "
+            "frozen by default).",
             rich_help_panel=OPT,
         ),
     ] = False,

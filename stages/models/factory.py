@@ -32,6 +32,7 @@ MODEL_CARD_VERSION = 1
 FAMILIES: dict[str, str] = {
     "flux": "stages.models.flux:build_flux",
     "qwen2_5_vl": "stages.models.qwen2_5_vl:build_qwen2_5_vl",
+    "qwen3_omni_thinker": "stages.models.qwen3_omni:build_qwen3_omni_thinker",
     "qwen_image": "stages.models.qwen_image:build_qwen_image",
     "sd3": "stages.models.sd3:build_sd3",
     "z_image": "stages.models.z_image:build_z_image",

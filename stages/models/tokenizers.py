@@ -17,6 +17,7 @@ import math
 import re
 import string
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from itertools import pairwise
 
@@ -266,19 +267,27 @@ def _qwen2_vocab_and_merges(extra_text: str = "") -> tuple[dict[str, int], list[
     return vocab, merges
 
 
-def build_qwen2_tokenizer(model_max_length: int = 4096, extra_text: str = "") -> Qwen2Tokenizer:
+def build_qwen2_tokenizer(
+    model_max_length: int = 4096,
+    extra_text: str = "",
+    *,
+    special_tokens: Sequence[str] = QWEN2_SPECIAL_TOKENS,
+    named_tokens: Mapping[str, str] | None = None,
+) -> Qwen2Tokenizer:
     """A Qwen2 byte-level BPE tokenizer learned from `VLM_CORPUS` and `PROMPT_CORPUS` (about 2.5k tokens).
 
     Laid out like Qwen2.5-VL's: BPE tokens first, then the ChatML/vision special tokens of
-    `QWEN2_SPECIAL_TOKENS` in their published order (`<|endoftext|>` pads, `<|im_end|>` ends a turn),
+    `special_tokens` in their published order (`<|endoftext|>` pads, `<|im_end|>` ends a turn),
     then the `REASONING_TAGS` as ordinary added tokens, so they stay whole but survive
     `decode(skip_special_tokens=True)`, which format rewards rely on. Any byte sequence encodes.
     `extra_text` joins the training text, so a pipeline's fixed prompt template comes out in whole words
     (Qwen-Image drops a fixed count of template tokens: it must tokenise to that count).
+    `named_tokens` gives special tokens attribute names (`image_token` → `tokenizer.image_token` and
+    `tokenizer.image_token_id`), which processors such as Qwen3-Omni's read.
     """
     vocab, merges = _qwen2_vocab_and_merges(extra_text)
     vocab = dict(vocab)
-    for token in QWEN2_SPECIAL_TOKENS:
+    for token in special_tokens:
         vocab[token] = len(vocab)
     tokenizer = Qwen2Tokenizer(
         vocab=vocab,
@@ -286,8 +295,13 @@ def build_qwen2_tokenizer(model_max_length: int = 4096, extra_text: str = "") ->
         unk_token=None,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
-        extra_special_tokens=list(QWEN2_SPECIAL_TOKENS),
+        extra_special_tokens=dict(named_tokens) if named_tokens else list(special_tokens),
         model_max_length=model_max_length,
     )
+    if named_tokens:  # the unnamed ones stay whole and special too
+        tokenizer.add_tokens(
+            [AddedToken(token, special=True, normalized=False) for token in special_tokens],
+            special_tokens=True,
+        )
     tokenizer.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in REASONING_TAGS])
     return tokenizer

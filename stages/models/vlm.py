@@ -1,7 +1,9 @@
-"""Vision-language models (Qwen2.5-VL first) seen as RL policies over response tokens.
+"""Vision-language and omni models (Qwen2.5-VL, the Qwen3-Omni thinker) seen as RL policies over
+response tokens.
 
-A `VLMPolicy` builds chat inputs with the model's processor (always with `mm_token_type_ids`, without
-which transformers 5 silently gives image tokens 1-D positions), samples responses with HF
+A `VLMPolicy` builds chat inputs with the model's processor (for Qwen2.5-VL always with
+`mm_token_type_ids`, without which transformers 5 silently gives image tokens 1-D positions; the
+thinker derives its positions from the ids, grids and audio lengths), samples responses with HF
 `generate`, and scores response tokens under its current weights. The rollout log-probs come from the
 raw logits `generate` returns, divided by the temperature (no top-p warping), exactly as the replay
 computes them, so the two agree to float rounding (the replay is one full forward, the rollout an
@@ -10,7 +12,10 @@ incremental one with a KV cache).
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import json
+import re
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
@@ -33,20 +38,33 @@ from stages.models.diffusion import (
 from stages.models.hub import base_model_record
 from stages.models.tokens import token_entropy, token_log_probs
 
-# The processor argument that takes each media type's items (one flat list over the batch).
-PROCESSOR_ARGS = {"image": "images", "video": "videos"}
+# The processor argument that takes each media type's items (one flat list over the batch), and the
+# processor part a type beyond images needs (Qwen2.5-VL has no feature extractor, the thinker no
+# video processor).
+PROCESSOR_ARGS = {"image": "images", "video": "videos", "audio": "audio"}
+PROCESSOR_PARTS = {"video": "video_processor", "audio": "feature_extractor"}
 
 # Vision markers a response must never contain: sampled into a response, an image pad token would
 # make the model look for image features that do not exist. They are removed from the policy's
 # distribution (at sampling and in every log-prob), as trl does after its issue #3847.
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+# The audio markers of omni models, banned likewise (absent from a vision-only vocabulary).
+AUDIO_TOKENS = ("<|audio_start|>", "<|audio_end|>", "<|audio_pad|>")
 BANNED_LOGIT = -1e9
 
-# `config.json` model types this module loads as policies.
-VLM_MODEL_TYPES = ("qwen2_5_vl",)
+# `config.json` model types this module loads as policies, and the module of each family (its
+# `load_processor` reads the folder's processor; importing it registers omnirl's processor classes).
+VLM_FAMILIES = {
+    "qwen2_5_vl": "stages.models.qwen2_5_vl",
+    "qwen3_omni_moe_thinker": "stages.models.qwen3_omni",
+}
+VLM_MODEL_TYPES = tuple(VLM_FAMILIES)
 
-# LoRA targets: the language model's projections; the vision tower stays frozen unless asked.
+# LoRA targets: the language model's projections (in an MoE model the experts are fused tensors, so the
+# attention projections); the vision and audio towers stay frozen unless asked.
 TEXT_LORA_TARGETS = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+# The encoder towers' module names (Qwen2.5-VL: visual; Qwen3-Omni thinker: visual and audio_tower).
+TOWERS = (".visual.", ".audio_tower.")
 
 
 @dataclass
@@ -58,6 +76,17 @@ class Rollout:
     response_mask: torch.Tensor
     log_probs: torch.Tensor
     text: list[str]
+
+
+@dataclass
+class ResponseForward:
+    """One forward over prompt + response: log-probs [B, T], entropies [B, T] (or None) and, for an MoE
+    model asked for them, each layer's router logits [B·L, E] over the attention mask [B, L]."""
+
+    log_probs: torch.Tensor
+    entropy: torch.Tensor | None = None
+    router_logits: tuple[torch.Tensor, ...] | None = None
+    attention_mask: torch.Tensor | None = None
 
 
 @contextmanager
@@ -87,6 +116,11 @@ def is_vlm_model(model_dir: str | Path) -> bool:
         raise UserInputError(f"--model {model_dir}: config.json is not a JSON object") from None
 
 
+def load_processor(model_dir: str | Path) -> Any:
+    """The processor of a VLM folder, read by its family's module (local files only)."""
+    return importlib.import_module(VLM_FAMILIES[model_type(model_dir)]).load_processor(model_dir)
+
+
 def user_turn(question: str, num_images: int) -> list[dict[str, Any]]:
     """A plain question as chat messages: one user turn, its images first, then the text."""
     parts = [{"type": "image"} for _ in range(num_images)]
@@ -108,7 +142,7 @@ class VLMPolicy:
         self.banned_ids = sorted(
             {
                 i
-                for i in tok.convert_tokens_to_ids(list(VISION_TOKENS))
+                for i in tok.convert_tokens_to_ids([*VISION_TOKENS, *AUDIO_TOKENS])
                 if i is not None and i != tok.unk_token_id
             }
         )
@@ -132,14 +166,12 @@ class VLMPolicy:
         device: torch.device | str = "cpu",
         dtype: str = "fp32",
     ) -> VLMPolicy:
-        """Load a Qwen2.5-VL folder and its processor from disk (no network), then an omnirl adapter.
+        """Load a VLM folder (`VLM_FAMILIES`) and its processor from disk (no network), then an omnirl adapter.
 
         A LoRA adapter is a PEFT folder (`PeftModel.from_pretrained` loads it); a full one holds the
         whole fine-tuned model, loaded in place of the base weights.
         """
-        from transformers import Qwen2_5_VLForConditionalGeneration
-
-        from stages.models.qwen2_5_vl import load_processor
+        from transformers import AutoModelForImageTextToText
 
         model_dir = Path(model_dir)
         if not (model_dir / "config.json").is_file():
@@ -151,7 +183,7 @@ class VLMPolicy:
             check_adapter_layout(adapter, config, lora_files=(PEFT_CONFIG,), full_file="config.json")
         full = bool(config and config["kind"] == "full")
         with adapter_loading(adapter, model_dir) if full else nullcontext():
-            model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+            model = AutoModelForImageTextToText.from_pretrained(
                 Path(adapter) if full else model_dir, dtype=DTYPES[dtype]
             )
         if config and config["kind"] == "lora":
@@ -167,22 +199,28 @@ class VLMPolicy:
         """Attach a fresh LoRA adapter to the language model (zero B: the policy starts unchanged)."""
         from peft import LoraConfig, get_peft_model
 
+        # The regex is resolved to full module names here: PEFT rewrites a regex on MoE models whose
+        # experts transformers 5 fused (Qwen3-Omni) into bare leaf names, which would also wrap the
+        # audio tower's q/k/v projections.
+        targets = [name for name, _ in self.model.named_modules() if re.fullmatch(TEXT_LORA_TARGETS, name)]
         with torch.random.fork_rng(devices=[]), _quiet_peft():
             torch.manual_seed(seed)
             self.model = get_peft_model(
-                self.model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=TEXT_LORA_TARGETS)
+                self.model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets)
             )
         self.lora = True
 
     def trainable_parameters(
         self, *, full: bool = False, train_vision: bool = False
     ) -> list[torch.nn.Parameter]:
-        """Mark and return the trained weights: LoRA, or everything but (unless asked) the vision tower.
+        """Mark and return the trained weights: LoRA, or everything but (unless asked) the encoder towers
+        (`TOWERS`: vision, and audio in omni models).
         They are cast to fp32 whatever --dtype (diffusers' `cast_training_params`), so the optimizer
         steps in fp32; --dtype stays the storage dtype of the frozen weights."""
         params = []
         for name, p in self.model.named_parameters():
-            train = ("lora_" in name) if not full else (train_vision or ".visual." not in f".{name}")
+            tower = any(t in f".{name}" for t in TOWERS)
+            train = ("lora_" in name) if not full else (train_vision or not tower)
             p.requires_grad_(train)
             if train:
                 p.data = p.data.float()
@@ -202,8 +240,6 @@ class VLMPolicy:
     @classmethod
     def for_prompts(cls, model_dir: str | Path) -> VLMPolicy:
         """A weightless policy that only builds prompt inputs (remote engines sample; no model is loaded)."""
-        from stages.models.qwen2_5_vl import load_processor
-
         return cls(None, load_processor(model_dir), device=torch.device("cpu"), model_path=str(model_dir))
 
     @contextmanager
@@ -261,17 +297,24 @@ class VLMPolicy:
         images: list[list[Any]],
         *,
         videos: list[list[Any]] | None = None,
+        audios: list[list[Any]] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Left-padded processor inputs, one row per prompt: its chat messages (typed content parts,
         `stages.sample.vlm_data.build_messages`; a plain question is `user_turn`) through the chat
         template with the generation prompt, and its media in the order of their parts.
 
         images[k]: prompt k's PIL images; videos[k]: its videos, each a list of PIL frames whose frame
-        rate is the `fps` of its video part (required: it times the video's temporal patches). Every media type is passed to the processor as one flat
-        list (None when no prompt has any), so a batch may mix text-only prompts with prompts that have
-        media; the processor's outputs (pixel values, grids, frame timing) go to the model as they are.
+        rate is the `fps` of its video part (required: it times the video's temporal patches); audios[k]:
+        its audio clips as float32 waveforms [S] at the processor's sampling rate (omni models). Every
+        media type is passed to the processor as one flat list (None when no prompt has any), so a batch
+        may mix text-only prompts with prompts that have media; the processor's outputs (pixel values,
+        grids, frame timing, audio features) go to the model as they are.
         """
-        media = {"image": images, "video": videos or [[] for _ in prompts]}
+        media = {
+            "image": images,
+            "video": videos or [[] for _ in prompts],
+            "audio": audios or [[] for _ in prompts],
+        }
         texts, fps = [], []
         for k, prompt in enumerate(prompts):
             messages = user_turn(prompt, len(images[k])) if isinstance(prompt, str) else prompt
@@ -297,13 +340,14 @@ class VLMPolicy:
         flat = {
             PROCESSOR_ARGS[kind]: [x for row in items for x in row] or None for kind, items in media.items()
         }
+        for kind, part in PROCESSOR_PARTS.items():
+            if flat[PROCESSOR_ARGS[kind]] and getattr(self.processor, part, None) is None:
+                raise UserInputError(
+                    f"--model {self.model_path}: its processor has no {part} and takes no {kind}s; "
+                    f"sample {kind} prompts with a model whose processor has one"
+                )
         extra: dict[str, Any] = {}
         if flat["videos"]:
-            if getattr(self.processor, "video_processor", None) is None:
-                raise UserInputError(
-                    f"--model {self.model_path}: its processor has no video processor; "
-                    "sample videos with a model that has one (omnirl init-model builds it)"
-                )
             from transformers.video_utils import VideoMetadata
 
             extra["video_metadata"] = [
@@ -312,26 +356,42 @@ class VLMPolicy:
             ]
             extra["do_sample_frames"] = False
         inputs = self.processor(
-            text=texts, **flat, **extra, return_tensors="pt", padding=True, padding_side="left"
+            text=texts,
+            **{arg: items for arg, items in flat.items() if items},
+            **extra,
+            return_tensors="pt",
+            padding=True,
+            padding_side="left",
         )
-        if "mm_token_type_ids" not in inputs:
+        if "mm_token_type_ids" not in inputs and self._takes_token_types:
             raise UserInputError("the processor gave no mm_token_type_ids; image positions would be wrong")
         return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
+    @property
+    def _takes_token_types(self) -> bool:
+        """True for models whose forward needs `mm_token_type_ids` for 3-D positions (Qwen2.5-VL; the
+        Qwen3-Omni thinker derives them from the ids and grids; a weightless policy runs no forward)."""
+        if self.model is None:
+            return False
+        model = self.module
+        model = model.get_base_model() if hasattr(model, "get_base_model") else model  # under PEFT
+        return "mm_token_type_ids" in inspect.signature(type(model).forward).parameters
 
     def _forward_inputs(
         self, prompt: dict[str, torch.Tensor], response_ids: torch.Tensor, response_mask: torch.Tensor
     ) -> dict[str, torch.Tensor]:
-        """Prompt inputs extended by the responses: ids, mask and `mm_token_type_ids` (response tokens are
-        text to the model, even a sampled `<|image_pad|>`, as in `generate`); every other processor
-        output (pixel values, grids, frame timing, audio features) is passed on as it is."""
+        """Prompt inputs extended by the responses: ids, mask and, where the processor gives them,
+        `mm_token_type_ids` (response tokens are text, even a sampled `<|image_pad|>`, as in `generate`);
+        every other processor output (pixel values, grids, frame timing, audio features) is passed on as
+        it is."""
         ids = torch.cat([prompt["input_ids"], response_ids], dim=1)
         mask = torch.cat([prompt["attention_mask"], response_mask.to(prompt["attention_mask"].dtype)], dim=1)
-        types = prompt["mm_token_type_ids"]
-        out = {
-            "input_ids": ids,
-            "attention_mask": mask,
-            "mm_token_type_ids": torch.cat([types, torch.zeros_like(response_ids, dtype=types.dtype)], dim=1),
-        }
+        out = {"input_ids": ids, "attention_mask": mask}
+        if "mm_token_type_ids" in prompt:
+            types = prompt["mm_token_type_ids"]
+            out["mm_token_type_ids"] = torch.cat(
+                [types, torch.zeros_like(response_ids, dtype=types.dtype)], dim=1
+            )
         return {**{k: v for k, v in prompt.items() if k not in out}, **out}
 
     def response_log_probs(
@@ -356,18 +416,43 @@ class VLMPolicy:
         """Log-probs of the response tokens [B, T] and, with `entropy`, each token distribution's
         entropy [B, T] (None otherwise). With gradient it keeps several [B, T, V] buffers for the
         backward, so a caller that only logs it passes `entropy_grad=False`."""
+        out = self.response_forward(prompt, response_ids, response_mask, temperature, entropy, entropy_grad)
+        return out.log_probs, out.entropy
+
+    @property
+    def moe(self) -> bool:
+        """True for a mixture-of-experts language model (the Qwen3-Omni thinker), whose forward can
+        return its router logits."""
+        text = self.module.config.get_text_config()
+        return int(getattr(text, "num_experts", 0) or 0) > 0
+
+    def response_forward(
+        self,
+        prompt: dict[str, torch.Tensor],
+        response_ids: torch.Tensor,
+        response_mask: torch.Tensor,
+        temperature: float = 1.0,
+        entropy: bool = False,
+        entropy_grad: bool = True,
+        router: bool = False,
+    ) -> ResponseForward:
+        """`response_stats` in one forward over prompt + response, plus, with `router` (MoE models), the
+        router logits of every layer and the attention mask they are over (`ResponseForward`)."""
         inputs = self._forward_inputs(prompt, response_ids, response_mask)
         t = response_ids.shape[1]
-        # logits only where a response token is predicted: the last prompt position onwards
-        logits = self.model(**inputs, logits_to_keep=t + 1).logits[:, :-1]
-        aligned = self.allowed(logits)
+        out = self.model(**inputs, logits_to_keep=t + 1, **({"output_router_logits": True} if router else {}))
+        # logits only where a response token is predicted: the last prompt position onwards (a model
+        # that ignores logits_to_keep, as the Qwen3-Omni thinker does, returns them all)
+        aligned = self.allowed(out.logits[:, -(t + 1) : -1])
         logp = token_log_probs(aligned, response_ids, temperature)
-        if not entropy:
-            return logp, None
-        if not entropy_grad:
+        ent = None
+        if entropy and not entropy_grad:
             with torch.no_grad():
-                return logp, token_entropy(aligned.detach(), temperature)
-        return logp, token_entropy(aligned, temperature)
+                ent = token_entropy(aligned.detach(), temperature)
+        elif entropy:
+            ent = token_entropy(aligned, temperature)
+        logits = tuple(out.router_logits) if router else None
+        return ResponseForward(logp, ent, logits, inputs["attention_mask"] if router else None)
 
     def allowed(self, logits: torch.Tensor) -> torch.Tensor:
         """Logits [..., V] with the vision markers (`VISION_TOKENS`) pushed to a finite −1e9, so they get
@@ -394,12 +479,17 @@ class VLMPolicy:
         A response ends at its first stop token (`stop_ids`), which it keeps; the rest is padding.
         """
         batch = prompt["input_ids"].shape[0]
+        per_prompt = n
+        if "input_features" in prompt:  # `generate` would repeat audio clips one by one, not per prompt
+            from stages.models.qwen3_omni import repeat_prompts
+
+            prompt, per_prompt = repeat_prompts(prompt, n, self.module.config), 1
         torch.manual_seed(seed)
         # Every sampling knob is explicit, so a checkpoint's generation_config (Qwen ships top_k,
         # repetition_penalty) cannot change the distribution the log-probs describe.
         out = self.model.generate(
             **prompt,
-            num_return_sequences=n,  # the images are encoded once per prompt, not once per response
+            num_return_sequences=per_prompt,  # the images are encoded once per prompt, not per response
             do_sample=True,
             temperature=temperature,
             top_p=top_p,

@@ -9,7 +9,9 @@ Built in:
 
 - ``diffusers``: the pipeline in this process, on this process's device (the default);
 - ``remote``: an `omnirl serve` rollout server over HTTP (`stages.sample.remote_engine`), which owns
-  its device; its samples equal the in-process ones bit for bit on the same device and threads.
+  its device; its samples equal the in-process ones bit for bit on the same device and threads;
+- ``vllm-omni``: vLLM-Omni (`stages.sample.vllm_omni_engine`): its images API over HTTP (images only,
+  no trajectory), or in process with omnirl's custom pipeline (RL mode, the same trajectories).
 
 A package adds an engine with `register_engine` or an entry point in group ``omnirl.engines``
 (``name = "pkg.module:EngineClass"``); ``module:Class`` names one directly.
@@ -29,7 +31,8 @@ from stages.plugins import entry_point_names, load_entry_point, load_object
 
 ENTRY_POINT_GROUP = "omnirl.engines"
 DEFAULT_ENGINE = "diffusers"
-_BUILTIN_MODULES = ("stages.sample.remote_engine",)
+_BUILTIN_MODULES = ("stages.sample.remote_engine", "stages.sample.vllm_omni_engine")
+TRAJECTORY_ABSENT = "absent"  # `describe()["trajectory"]` of an engine that returns media only
 _ENGINES: dict[str, type[RolloutEngine]] = {}
 _E = TypeVar("_E", bound="type[RolloutEngine]")
 
@@ -46,6 +49,7 @@ class EngineOptions:
     adapter: Path | None = None
     dtype: str = "fp32"
     server_url: str | None = None
+    served_model: str | None = None  # the model name a vLLM-Omni server serves (its /v1/models)
     token_env: str | None = None  # the environment variable holding the server's bearer token
     startup_timeout: float = 600.0  # seconds to wait for the server's /health before giving up
     request_timeout: float = 600.0  # seconds to wait for one reply
@@ -56,6 +60,17 @@ class EngineOptions:
         "server_timeout": "request_timeout",
         "server_retries": "retries",
     }
+
+    def token(self) -> str | None:
+        """The server's bearer token, from the environment variable --server-token-env names."""
+        import os
+
+        if not self.token_env:
+            return None
+        token = os.environ.get(self.token_env)
+        if not token:
+            raise UserInputError(f"--server-token-env {self.token_env}: ${self.token_env} is not set")
+        return token
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> EngineOptions:
@@ -75,6 +90,13 @@ class RolloutEngine(ABC):
     @abstractmethod
     def open(cls, options: EngineOptions, device: Any) -> RolloutEngine:
         """The engine for `options`; `device` is this process's device (an engine may use its own)."""
+
+    @classmethod
+    def same_samples(cls, options: EngineOptions) -> bool:
+        """Whether this engine, opened with `options`, draws the diffusers engine's samples (the same
+        family adapter and `samplers.step`): then where a rollout runs is no part of its identity, and a
+        run resumes on any such engine. An engine that samples otherwise returns False."""
+        return True
 
     @abstractmethod
     def rollout(
@@ -192,3 +214,15 @@ class DiffusersEngine(RolloutEngine):
         """The engine and its device type (not the index: under a launcher each rank has its own, and
         the shard set is the same bytes as one process's)."""
         return {"name": self.name, "device": self.policy.device.type}
+
+
+def check_replayable(manifests: Sequence[Any], option: str = "--in") -> None:
+    """Refuse a rollout whose manifest records no trajectory (vLLM-Omni images mode): nothing to replay."""
+    for manifest in manifests:
+        engine = (getattr(manifest, "extra", None) or {}).get("engine") or {}
+        if engine.get("trajectory") == TRAJECTORY_ABSENT:
+            raise UserInputError(
+                f"{option}: sampled by {engine.get('name')} in {engine.get('mode')} mode, which returns images "
+                "only (no trajectory to replay); train it with nft, awm or dpo after `omnirl encode`, or "
+                "sample with --engine remote / vllm-omni RL mode"
+            )

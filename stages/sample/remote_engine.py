@@ -12,22 +12,15 @@ returns the same samples. Connection errors, timeouts, 502, 503 and 504 are retr
 ``--server-retries`` times with exponential backoff (0.5 s doubling, capped at 30 s) and ±50% jitter;
 a 500 once; a 4xx never (the request is wrong: exit 2). A server that stays down is a `RuntimeFailure`
 naming the URL; the shards written before it are kept and a re-run resumes after them. Every reply is
-validated (`rollout_protocol.decode_response`: request id, count, shapes, finiteness).
+validated (`rollout_protocol.decode_response`: request id, count, shapes, finiteness); an aborted
+batch is drawn again with the same seeds (`rollout_protocol.redraw_aborted`).
 """
 
 from __future__ import annotations
 
 import hashlib
-import http.client
 import json
 import logging
-import os
-import random
-import socket
-import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -37,169 +30,45 @@ from stages.sample.rollout_protocol import (
     PROTOCOL,
     ROUTE,
     VERSION,
+    Aborted,
     ProtocolError,
     decode_response,
     encode_request,
+    redraw_aborted,
 )
-from stages.web import error_message, one_line
+from stages.web import JsonClient
 
 logger = logging.getLogger(__name__)
 
-BACKOFF_S = 0.5
-MAX_BACKOFF_S = 30.0
-RETRY_STATUSES = frozenset({502, 503, 504})
-CONNECT_TIMEOUT_S = 5.0
 START_HINT = "start it with `omnirl serve --model M --port P` and pass --server-url http://HOST:P"
 
 
-class _Retry(Exception):
-    """A failure a later try may not meet (the server is down, restarting or overloaded)."""
-
-
-def backoff(attempt: int, base: float = BACKOFF_S, rng: random.Random | None = None) -> float:
-    """Seconds to wait before retry `attempt` (0-based): base·2^attempt capped at `MAX_BACKOFF_S`,
-    times a uniform jitter in [0.5, 1.5) so that clients of one restarted server spread out."""
-    return min(base * 2**attempt, MAX_BACKOFF_S) * (0.5 + (rng or random).random())
-
-
-class RolloutClient:
+class RolloutClient(JsonClient):
     """JSON requests to one `omnirl serve` at `url`, with its token, timeouts and retries."""
 
     def __init__(self, url: str, *, token: str | None, timeout: float, retries: int):
-        parts = urllib.parse.urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
-            raise UserInputError(
-                f"--server-url {url!r}: not an http(s)://HOST:PORT URL; pass the address `omnirl serve` printed"
-            )
-        try:
-            parts.port  # noqa: B018  (raises on a port that is not a number)
-        except ValueError:
-            raise UserInputError(f"--server-url {url!r}: the port is not a number") from None
-        self.url = url.rstrip("/")
-        self.token = token
-        self.timeout = timeout
-        self.retries = retries
-
-    def _once(self, path: str, body: dict[str, Any] | None, timeout: float) -> Any:
-        """One request; the decoded JSON reply. `_Retry` for what may pass, `UserInputError` else."""
-        url = self.url + path
-        headers = {"Accept": "application/json"}
-        data = None
-        if body is not None:
-            data = json.dumps(body).encode("utf-8")
-            headers["Content-Type"] = "application/json"
-        if self.token:
-            headers["Authorization"] = f"Bearer {self.token}"
-        request = urllib.request.Request(
-            url, data=data, headers=headers, method="GET" if data is None else "POST"
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=timeout) as response:
-                raw = response.read()
-        except urllib.error.HTTPError as exc:
-            detail = error_message(exc.read() if exc.fp else b"") or str(exc.reason)
-            if exc.code in RETRY_STATUSES or exc.code >= 500:
-                raise _Retry(f"HTTP {exc.code}: {detail}", exc.code) from None
-            raise self._refused(url, exc.code, detail) from None
-        except urllib.error.URLError as exc:
-            reason = exc.reason
-            if isinstance(reason, socket.gaierror):
-                raise UserInputError(
-                    f"{url}: the host does not resolve ({one_line(reason)}); fix --server-url"
-                ) from None
-            if not isinstance(reason, OSError):
-                raise UserInputError(
-                    f"{url}: not a usable URL ({one_line(reason)}); fix --server-url"
-                ) from None
-            raise _Retry(one_line(reason)) from None
-        except (http.client.HTTPException, OSError) as exc:  # timeout, reset, cut reply
-            what = (
-                f"no reply within {timeout:g} s"
-                if isinstance(exc, TimeoutError)
-                else f"{type(exc).__name__}: {exc}"
-            )
-            raise _Retry(one_line(what)) from None
-        try:
-            return json.loads(raw)
-        except ValueError:
-            raise UserInputError(
-                f"{url}: the reply is not JSON ({one_line(raw[:80].decode('utf-8', 'replace'))!r}); "
-                f"is this `omnirl serve`? {START_HINT}"
-            ) from None
-
-    def _refused(self, url: str, code: int, detail: str) -> UserInputError:
-        """The one-line error for a 4xx reply, which a retry cannot fix."""
-        if code in (401, 403):
-            how = (
-                "the token is refused; pass the server's token" if self.token else "the server wants a token"
-            )
-            return UserInputError(f"{url}: HTTP {code} ({detail}); {how} with --server-token-env VAR")
-        if code == 404:
-            return UserInputError(
-                f"{url}: HTTP 404 ({detail}); is --server-url an `omnirl serve`? {START_HINT}"
-            )
-        if code == 413:
-            return UserInputError(
-                f"{url}: HTTP 413 ({detail}); lower --batch-size or raise the server's limits"
-            )
-        return UserInputError(f"{url}: HTTP {code} ({detail})")
-
-    def call(self, path: str, body: dict[str, Any] | None = None) -> Any:
-        """The reply to `body` at `path` (GET without a body), retried as the module docstring says."""
-        start = time.monotonic()
-        last, fives = "", 0
-        for attempt in range(self.retries + 1):
-            try:
-                return self._once(path, body, self.timeout)
-            except _Retry as exc:
-                last = str(exc.args[0])
-                status = exc.args[1] if len(exc.args) > 1 else None
-                if status is not None and status not in RETRY_STATUSES:
-                    fives += 1
-                    if fives > 1:  # a 500 is retried once: it is more often a bug than a hiccup
-                        break
-            if attempt < self.retries:
-                wait = backoff(attempt)
-                logger.info(
-                    "%s%s: %s; retry %d of %d in %.1f s",
-                    self.url,
-                    path,
-                    last,
-                    attempt + 1,
-                    self.retries,
-                    wait,
-                )
-                time.sleep(wait)
-        raise RuntimeFailure(
-            f"{self.url}{path}: no answer after {attempt + 1} tries over {time.monotonic() - start:.1f} s "
-            f"(last: {last}); check the server (its log), then re-run: finished shards are kept"
+        super().__init__(
+            url,
+            token=token,
+            timeout=timeout,
+            retries=retries,
+            what="`omnirl serve`",
+            noun="rollout server",
+            hint=START_HINT,
+            binary=True,
         )
 
-    def wait_healthy(self, budget: float) -> dict[str, Any]:
-        """``GET /health`` until it answers 200 within `budget` seconds; its reply."""
-        deadline = time.monotonic() + budget
-        last, attempt = "", 0
-        while True:
-            try:
-                reply = self._once("/health", None, min(self.timeout, CONNECT_TIMEOUT_S + 5))
-            except _Retry as exc:
-                last = str(exc.args[0])
-            else:
-                if not isinstance(reply, dict) or f"{PROTOCOL}/{VERSION}" not in (
-                    reply.get("protocols") or []
-                ):
-                    raise UserInputError(
-                        f"{self.url}/health: not an `omnirl serve` speaking {PROTOCOL}/{VERSION}; {START_HINT}"
-                    )
-                return reply
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise RuntimeFailure(
-                    f"{self.url}: no healthy rollout server within {budget:g} s (last: {last}); {START_HINT}, "
-                    "or raise --server-startup-timeout"
+    def wait_healthy(self, budget: float, check: Any = None) -> dict[str, Any]:
+        """``GET /health`` until it answers 200 within `budget` seconds; its reply, which must name
+        protocol v1."""
+
+        def speaks_v1(reply: Any) -> None:
+            if not isinstance(reply, dict) or f"{PROTOCOL}/{VERSION}" not in (reply.get("protocols") or []):
+                raise UserInputError(
+                    f"{self.url}/health: not an `omnirl serve` speaking {PROTOCOL}/{VERSION}; {START_HINT}"
                 )
-            time.sleep(min(backoff(attempt, rng=random.Random(attempt)), 5.0, left))
-            attempt += 1
+
+        return super().wait_healthy(budget, check or speaks_v1)
 
 
 @register_engine("remote")
@@ -218,15 +87,11 @@ class RemoteEngine(RolloutEngine):
 
         if not options.server_url:
             raise UserInputError(f"--engine remote needs --server-url; {START_HINT}")
-        token = None
-        if options.token_env:
-            token = os.environ.get(options.token_env)
-            if not token:
-                raise UserInputError(
-                    f"--server-token-env {options.token_env}: ${options.token_env} is not set"
-                )
         client = RolloutClient(
-            options.server_url, token=token, timeout=options.request_timeout, retries=options.retries
+            options.server_url,
+            token=options.token(),
+            timeout=options.request_timeout,
+            retries=options.retries,
         )
         weights = {
             "model_sha256": content_digest(options.model, "--model"),
@@ -267,13 +132,19 @@ class RemoteEngine(RolloutEngine):
         body = encode_request(
             request_id, cfg, prompts, negatives, seeds, init_seeds, list(groups), ids, self.weights
         )
-        reply = self.client.call(ROUTE, body)
-        try:
-            version, columns = decode_response(reply, body)
-        except ProtocolError as exc:
-            raise RuntimeFailure(
-                f"{self.client.url}{ROUTE}: a malformed reply ({exc}); check the server"
-            ) from None
+
+        def draw() -> tuple[int, dict[str, Any]]:
+            reply = self.client.call(ROUTE, body)
+            try:
+                return decode_response(reply, body)
+            except Aborted:
+                raise
+            except ProtocolError as exc:
+                raise RuntimeFailure(
+                    f"{self.client.url}{ROUTE}: a malformed reply ({exc}); check the server"
+                ) from None
+
+        version, columns = redraw_aborted(draw, f"{self.client.url}{ROUTE} samples {ids[0]}..{ids[-1]}")
         self.server_weights["version"] = version
         return columns
 

@@ -12,22 +12,30 @@ window (`rollout.stored_steps`), so a batch sent again returns the same samples.
 weights the client expects (null: any); a server holding other weights answers 409. Reply::
 
     {"protocol", "version", "request_id", "weight_version": int, "finish_reason": "stop",
-     "media": [{"format": "png", "data": base64}],                 # one per sample, in order
+     "media": [{"format": "png", "encoding": "base64", "data": str}],   # one per sample, in order
      "final_latent": tensor [B, *latent],
      "trajectory": {"latents": [B, K+1, *latent], "sigmas": [B, K+1],
                     "timesteps": [B, K], "log_probs": [B, K]} | null}   # null for the ode sampler
 
-Tensors are `stages.sample.tensor_codec` objects, always float32 (never downcast).
+Tensors are `stages.sample.tensor_codec` objects, always float32 (never downcast). A client that sends
+``Accept: application/x-msgpack`` gets the same reply as msgpack, every ``"encoding": "base64"`` object
+(tensors, media) turned into ``"encoding": "raw"`` with its bytes (`stages.web.pack_binary`).
+
+A reply whose ``finish_reason`` is ``"abort"`` (the server dropped the batch: a weight update, sleep,
+an explicit abort) carries nothing else; the client draws the same samples again, with the same seeds,
+up to `MAX_REDRAWS` times (`redraw_aborted`), then stops in one line. A group is never padded.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, TypeVar
 
-from stages.errors import UserInputError
+from stages.errors import RuntimeFailure, UserInputError
 from stages.sample.rollout import SampleConfig, stored_steps
 from stages.sample.tensor_codec import CodecError, decode_tensor, encode_tensor
 
@@ -38,10 +46,32 @@ WEIGHT_KEYS = ("model_sha256", "adapter_sha256", "version")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 MAX_SEED = 2**63 - 1
 TRAJECTORY = ("latents", "log_probs", "timesteps", "sigmas")  # in the column order of rollout_batch
+logger = logging.getLogger(__name__)
+MAX_REDRAWS = 4  # further draws of an aborted sample before the run stops
+_T = TypeVar("_T")
 
 
 class ProtocolError(ValueError):
     """A request or reply that is not protocol v1 (one line: what and where)."""
+
+
+class Aborted(ProtocolError):
+    """The server aborted the request (``finish_reason`` "abort", or no media): draw it again."""
+
+
+def redraw_aborted(draw: Callable[[], _T], what: str, attempts: int = MAX_REDRAWS) -> _T:
+    """`draw()` again, with the same inputs, while it raises `Aborted`, at most `attempts` more times;
+    then a `RuntimeFailure` naming `what` (the samples and the server)."""
+    for attempt in range(attempts + 1):
+        try:
+            return draw()
+        except Aborted as exc:
+            last = exc
+            logger.info("%s: aborted (%s); drawing it again, %d of %d", what, exc, attempt + 1, attempts)
+    raise RuntimeFailure(
+        f"{what}: aborted {attempts + 1} times in a row (last: {last}); the server keeps dropping requests "
+        "(weight updates, sleep?): check it, then re-run: finished shards are kept"
+    )
 
 
 @dataclass
@@ -160,6 +190,11 @@ def decode_request(body: dict[str, Any], *, max_samples: int) -> RolloutRequest:
     )
 
 
+def media_item(png: bytes) -> dict[str, Any]:
+    """One ``media`` entry of a reply: a PNG, base64-encoded."""
+    return {"format": "png", "encoding": "base64", "data": base64.b64encode(png).decode("ascii")}
+
+
 def encode_response(request_id: str, weight_version: int, columns: dict[str, Any]) -> dict[str, Any]:
     """The reply carrying `rollout_batch`'s `columns` (module docstring)."""
     trajectory = {k: encode_tensor(columns[k].float()) for k in TRAJECTORY} if "latents" in columns else None
@@ -169,7 +204,7 @@ def encode_response(request_id: str, weight_version: int, columns: dict[str, Any
         "request_id": request_id,
         "weight_version": int(weight_version),
         "finish_reason": "stop",
-        "media": [{"format": "png", "data": base64.b64encode(b).decode("ascii")} for b in columns["image"]],
+        "media": [media_item(b) for b in columns["image"]],
         "final_latent": encode_tensor(columns["final_latent"].float()),
         "trajectory": trajectory,
     }
@@ -184,6 +219,8 @@ def decode_response(body: Any, request: dict[str, Any]) -> tuple[int, dict[str, 
     _check_version(body)
     if body.get("request_id") != request["request_id"]:
         raise ProtocolError(f"reply to request {body.get('request_id')!r}, sent {request['request_id']!r}")
+    if body.get("finish_reason") == "abort":
+        raise Aborted(f"finish_reason 'abort': the server dropped request {request['request_id']}")
     if body.get("finish_reason") != "stop":
         raise ProtocolError(f"finish_reason {body.get('finish_reason')!r}, not 'stop'")
     version = body.get("weight_version")
@@ -197,7 +234,8 @@ def decode_response(body: Any, request: dict[str, Any]) -> tuple[int, dict[str, 
     images = []
     for i, item in enumerate(media):
         try:
-            blob = base64.b64decode(item["data"], validate=True) if item.get("format") == "png" else b""
+            data = item["data"] if item.get("format") == "png" else b""
+            blob = data if isinstance(data, bytes) else base64.b64decode(data, validate=True)
         except (binascii.Error, ValueError, TypeError, KeyError, AttributeError):
             blob = b""
         if not blob.startswith(PNG_SIGNATURE):

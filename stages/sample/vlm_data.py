@@ -1,20 +1,20 @@
 """Prompt rows for vision-language RL: verl's Parquet layout as is, and EasyR1-style raw columns.
 
-verl: `data_source`, `prompt` (chat messages whose text holds literal `<image>` / `<video>`
-placeholders), `images` (list of {bytes, path} structs, raw bytes or paths), `videos`,
-`reward_model.ground_truth`, `extra_info`. EasyR1: `problem`, `answer`, `images`, `videos` (keys
-configurable). Rows come from any prompt source (`stages.sample.sources`). Each row becomes a
+verl: `data_source`, `prompt` (chat messages whose text holds literal `<image>` / `<video>` /
+`<audio>` placeholders), `images` (list of {bytes, path} structs, raw bytes or paths), `videos`,
+`audios`, `reward_model.ground_truth`, `extra_info`. EasyR1: `problem`, `answer`, `images`, `videos`,
+`audios` (keys configurable). Rows come from any prompt source (`stages.sample.sources`). Each row becomes a
 `VLMPrompt` whose messages are built as verl builds them (system and multi-turn messages kept, each
 placeholder a typed content part at its position), whose media are encoded files per kind (stored
 once per prompt downstream) and whose metadata carries what text rewards read (`ground_truth`,
 `data_source`, `extra_info`).
 
 Input modes: a row without media (no media column, null or an empty list) is a text-only prompt; a
-row may hold several images and videos, and one batch may mix rows of every kind. Each media kind is
+row may hold several images, videos and audio clips, and one batch may mix rows of every kind. Each media kind is
 one `MediaKind` entry (its column, placeholder and content-part type) in `MEDIA_KINDS`; a kind's
 values are normalised to a list of encoded files per item: an image is one PNG/JPEG file, a video a
-list of frame files (given as frames, or decoded from a video file with PyAV, `decode_video_file`).
-A new kind (audio) is one more entry and one more normaliser.
+list of frame files (given as frames, or decoded from a video file with PyAV, `decode_video_file`),
+an audio clip one audio file, checked to decode at sample time (`stages.sample.vlm_audio`).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from typing import Any
 from stages.errors import UserInputError
 from stages.sample.prompts import pick_rows
 from stages.sample.sources import PromptSource, SourceRow
+from stages.sample.vlm_audio import audio_bytes
 from stages.tables import image_bytes, png_bytes
 
 
@@ -47,9 +48,11 @@ class MediaKind:
 
 IMAGE = MediaKind("image", "images", "<image>")
 VIDEO = MediaKind("video", "videos", "<video>")
-MEDIA_KINDS = (IMAGE, VIDEO)
+AUDIO = MediaKind("audio", "audios", "<audio>")
+MEDIA_KINDS = (IMAGE, VIDEO, AUDIO)
 PLACEHOLDER = IMAGE.placeholder
 VIDEO_PLACEHOLDER = VIDEO.placeholder
+AUDIO_PLACEHOLDER = AUDIO.placeholder
 _PLACEHOLDERS = re.compile("(" + "|".join(re.escape(k.placeholder) for k in MEDIA_KINDS) + ")")
 _BY_PLACEHOLDER = {k.placeholder: k for k in MEDIA_KINDS}
 _PACK_MAGIC = b"OMNIIMG1"
@@ -68,7 +71,8 @@ class VLMPrompt:
     `prompt` column, what rewards and reports read), `meta` what text rewards read.
 
     media: per kind column, the row's items as encoded files: `images` a list of PNG/JPEG files,
-    `videos` a list of videos, each a list of frame files (its frame rate is the part's `fps`).
+    `videos` a list of videos, each a list of frame files (its frame rate is the part's `fps`),
+    `audios` a list of audio files (`stages.sample.vlm_audio`).
     """
 
     question: str
@@ -83,6 +87,10 @@ class VLMPrompt:
     @property
     def videos(self) -> list[list[bytes]]:
         return self.media.get(VIDEO.column, [])
+
+    @property
+    def audios(self) -> list[bytes]:
+        return self.media.get(AUDIO.column, [])
 
 
 def typed_parts(content: str) -> list[dict[str, Any]]:
@@ -246,8 +254,10 @@ def vlm_prompt(
     answer_key: str = "answer",
     image_key: str = "images",
     video_key: str = "videos",
+    audio_key: str = "audios",
 ) -> VLMPrompt:
-    """One row of a verl table (`layout="verl"`) or an EasyR1-style table (`layout="easyr1"`)."""
+    """One row of a verl table (`layout="verl"`) or an EasyR1-style table (`layout="easyr1"`); its
+    `audio_key` column (`audios`) lists the row's audio clips (forms: `stages.sample.vlm_audio`)."""
     data, where = row.data, row.where
     if layout == "verl":
         if "prompt" not in data:
@@ -272,15 +282,16 @@ def vlm_prompt(
         }
     images = [image_bytes(im, row.base, where) for im in _media_list(data.get(image_key), image_key, where)]
     videos = [video_frames(v, row.base, where) for v in _media_list(data.get(video_key), video_key, where)]
+    audios = [audio_bytes(a, row.base, where) for a in _media_list(data.get(audio_key), audio_key, where)]
     messages = build_messages(
         prompt,
-        {IMAGE.type: len(images), VIDEO.type: len(videos)},
+        {IMAGE.type: len(images), VIDEO.type: len(videos), AUDIO.type: len(audios)},
         where,
-        {IMAGE.type: image_key, VIDEO.type: video_key},
+        {IMAGE.type: image_key, VIDEO.type: video_key, AUDIO.type: audio_key},
     )
     for part, (_, fps) in zip(media_parts(messages, VIDEO.type), videos):
         part["fps"] = fps
-    media = {IMAGE.column: images, VIDEO.column: [frames for frames, _ in videos]}
+    media = {IMAGE.column: images, VIDEO.column: [frames for frames, _ in videos], AUDIO.column: audios}
     return VLMPrompt(question_text(messages), media, meta, messages)
 
 

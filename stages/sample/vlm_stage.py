@@ -13,6 +13,8 @@ Row layout (one row per response, groups contiguous, a shard holds whole groups)
 - videos (video_list): likewise the prompt's videos, each a list of encoded frames (Parquet:
   List(List(Image))); each video's frame rate is the `fps` of its part in `messages`. Rollouts
   written before video support have no such column (no videos);
+- audios (audio_list): likewise the prompt's audio files (omni models); rollouts written before audio
+  support have no such column (no audio);
 - prompt_ids int64 [P] / prompt_mask bool [P]: the processor-expanded prompt (image pad tokens
   included), left-padded to `max_prompt_length`; the training forward rebuilds pixel values from the
   images and checks that the processor gives these ids again;
@@ -43,11 +45,12 @@ from stages.finite import MODEL_HINT, check_finite
 from stages.models.vlm import Rollout, VLMPolicy
 from stages.sample.rollout import derive_seed
 from stages.sample.stage import in_rollout, rollout_id, split_groups, write_shards
-from stages.sample.vlm_data import IMAGE, MEDIA_KINDS, VIDEO, VLMPrompt, decode_image, unpack_images
+from stages.sample.vlm_audio import decode_audio
+from stages.sample.vlm_data import AUDIO, IMAGE, MEDIA_KINDS, VIDEO, VLMPrompt, decode_image, unpack_images
 from stages.shards.writer import ShardSetWriter
 
 # The rollout's media columns: one per `MEDIA_KINDS` entry, named by its verl column, and their kinds.
-MEDIA_COLUMNS = {IMAGE.column: "image_list", VIDEO.column: "video_list"}
+MEDIA_COLUMNS = {IMAGE.column: "image_list", VIDEO.column: "video_list", AUDIO.column: "audio_list"}
 KINDS = {**MEDIA_COLUMNS, "prompt_meta": "json", "messages": "json"}
 ENGINES = ("hf", "openai")
 
@@ -142,13 +145,31 @@ def row_media(shard: dict[str, Any], where: str) -> list[dict[str, list[Any]]]:
     return out
 
 
-def decode_media(media: dict[str, list[Any]], where: str) -> dict[str, list[Any]]:
+def decode_media(policy: VLMPolicy, media: dict[str, list[Any]], where: str) -> dict[str, list[Any]]:
     """A row's stored media → the processor's inputs per column: images as RGB PIL images, videos as
-    lists of RGB PIL frames."""
+    lists of RGB PIL frames, audio clips as mono float32 waveforms [S] at the processor's sampling rate
+    (a processor without a feature extractor takes no audio: `VLMPolicy.chat_inputs` says so)."""
+    extractor = getattr(policy.processor, "feature_extractor", None)
+    rate = getattr(extractor, "sampling_rate", None)
     return {
         IMAGE.column: [decode_image(b, where) for b in media.get(IMAGE.column, [])],
         VIDEO.column: [[decode_image(b, where) for b in video] for video in media.get(VIDEO.column, [])],
+        AUDIO.column: [decode_audio(b, rate, where) for b in media.get(AUDIO.column, [])],
     }
+
+
+def media_inputs(
+    policy: VLMPolicy, prompts: list[Any], media: list[dict[str, list[Any]]], where: list[str]
+) -> dict[str, torch.Tensor]:
+    """`VLMPolicy.chat_inputs` of prompts with their media (`decode_media` per row; `where[k]` names
+    row k in an error)."""
+    decoded = [decode_media(policy, row, w) for row, w in zip(media, where)]
+    return policy.chat_inputs(
+        prompts,
+        [d[IMAGE.column] for d in decoded],
+        videos=[d[VIDEO.column] for d in decoded],
+        audios=[d[AUDIO.column] for d in decoded],
+    )
 
 
 def prompt_seed(cfg: VLMSampleConfig, index: int) -> int:
@@ -160,11 +181,11 @@ def generate_batch(
     policy: VLMPolicy, cfg: VLMSampleConfig, prompts: list[tuple[int, VLMPrompt]], n: int, seed: int
 ) -> tuple[dict[str, torch.Tensor], Rollout]:
     """Prompt inputs (one row per prompt) and n responses per prompt from the configured engine."""
-    media = [decode_media(p.media, f"prompt {i}") for i, p in prompts]
-    inputs = policy.chat_inputs(
+    inputs = media_inputs(
+        policy,
         [p.messages for _, p in prompts],
-        [m[IMAGE.column] for m in media],
-        videos=[m[VIDEO.column] for m in media],
+        [p.media for _, p in prompts],
+        [f"prompt {i}" for i, _ in prompts],
     )
     if cfg.engine == "hf":
         rollout = policy.generate(
@@ -178,9 +199,9 @@ def generate_batch(
     else:
         from stages.sample.openai_engine import generate_openai
 
-        if any(p.videos for _, p in prompts):
+        if any(p.videos or p.audios for _, p in prompts):
             raise UserInputError(
-                "--engine openai sends images only; sample prompts with videos with --engine hf"
+                "--engine openai sends images only; sample prompts with videos or audio with --engine hf"
             )
         rollout = generate_openai(
             str(cfg.server_url),
@@ -308,10 +329,7 @@ def prompt_inputs(
     The processor rebuilds pixel values from the media; if its ids differ from what `sample` stored
     (another processor, changed media) the log-probs would be of a different prompt, so it is an error.
     """
-    decoded = [decode_media(row, where) for row in media]
-    inputs = policy.chat_inputs(
-        prompts, [d[IMAGE.column] for d in decoded], videos=[d[VIDEO.column] for d in decoded]
-    )
+    inputs = media_inputs(policy, prompts, media, [where] * len(prompts))
     width = int(prompt_mask.sum(-1).max()) if len(prompt_mask) else 0
     ids, mask = inputs["input_ids"].cpu(), inputs["attention_mask"].cpu().bool()
     if ids.shape[1] > prompt_ids.shape[1] or not torch.equal(

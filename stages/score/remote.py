@@ -33,21 +33,21 @@ batch). With a URL path ``/NAME`` the server scores only reward NAME and the cli
 ``flow_grpo/rewards.py``): UnifiedReward-7b-v1.5 behind an OpenAI-compatible server (sglang, vLLM).
 The URL is the API root (``http://host:17140/v1``); one ``POST /chat/completions`` per image with
 ``model`` (default ``UnifiedReward-7b-v1.5``), ``temperature`` 0 and one user turn: the image resized
-to 512×512 (PIL's default filter), as a base64 PNG data URL, then the question. The reply's
-``choices[0].message.content`` is searched for ``Final Score:`` followed by a 1–5 number (flow_grpo's
-pattern ``Final Score:\\s*([1-5](?:\\.\\d+)?)``); reward = that number / 5. flow_grpo scores an answer
-without one 0; here it is None (reported, never a silent 0). The question is our wording of the
-rubric (alignment with the caption and overall quality, a 1–5 score after "Final Score:"); flow_grpo's
-exact question is in that function, pass it with ``template=`` to reproduce its numbers.
+to 512×512 (PIL's default filter), as a base64 PNG data URL, then the question. The answer is read
+with the ``unifiedreward`` rubric (`stages.score.rubrics`: flow_grpo's "Final Score:" pattern,
+reward = score / 5). flow_grpo scores an answer without one 0; here it is None (reported, never a
+silent 0).
 
 ``unifiedreward2`` — verl-omni's UnifiedReward-2.0 scorer (verl-project/verl-omni,
 ``verl_omni/utils/reward_score/unified_reward.py``): the same chat request with ``model`` (default
 ``CodeGoat24/UnifiedReward-2.0-qwen3vl-2b``), ``temperature`` 0, ``top_p`` 1, ``max_tokens`` 512 and the
-image unresized. The answer gives three 1–5 point scores, ``Alignment Score (1-5): x``, ``Coherence
-Score (1-5): y`` and ``Style Score (1-5): z`` (case-insensitive, "(1-5)" optional; a later line for the
-same axis wins); when none of those lines is found, the first three numbers in the answer stand for
-them (verl-omni's fallback). reward = (clip(mean of the axes read, 1, 5) − 1) / 4 ∈ [0, 1]; an answer
-with neither is None (verl-omni: 0). The question is our wording; pass verl-omni's with ``template=``.
+image unresized, read with the ``unifiedreward2`` rubric (three 1–5 axis scores → [0, 1]; an answer
+without them is None where verl-omni scores 0).
+
+``vlm_judge url=... preset=unifiedreward|unifiedreward2`` asks the same rubric through the OpenAI
+engine's client (or a local model) and gives the same numbers; these protocols reproduce the two
+projects' request fields exactly. The questions are our wording of the rubrics: pass a project's own
+question with ``template=`` to reproduce its numbers.
 
 Not spoken: flow_grpo's GenEval and DeQA servers (yifan123/reward-server ``app_geneval.py``,
 ``app_deqa.py``; clients ``geneval_score`` / ``deqa_score_remote``), flow_grpo's
@@ -68,7 +68,6 @@ import json
 import logging
 import math
 import os
-import re
 import threading
 import time
 import urllib.error
@@ -83,37 +82,15 @@ from PIL import Image
 
 from stages.errors import RuntimeFailure, UserInputError
 from stages.score.registry import REMOTE_PREFIX
+from stages.score.rubrics import PROMPT_FIELD, RUBRICS
 from stages.web import error_message, one_line
 
 logger = logging.getLogger(__name__)
 
-PROMPT_FIELD = "{prompt}"
 MAX_BACKOFF_S = 30.0
 MAX_RETRY_AFTER_S = 60.0
 RETRY_STATUSES = frozenset({408, 429})  # plus every 5xx
 TOTAL_PATHS = ("", "score")  # URL paths whose reply the client takes as the server's weighted sum
-
-FLOW_GRPO_IMAGE_SIZE = 512
-FLOW_GRPO_SCALE = 5.0
-_FINAL_SCORE_RE = re.compile(r"Final Score:\s*([1-5](?:\.\d+)?)")
-_FLOAT = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"  # 3, 3., 3.5, .5, 1e2, signed
-_NUMBER_RE = re.compile(_FLOAT)
-_AXIS_RE = re.compile(rf"(Alignment|Coherence|Style)\s+Score\s*(?:\(1-5\))?\s*:\s*({_FLOAT})", re.IGNORECASE)
-AXES = ("alignment", "coherence", "style")
-
-UNIFIEDREWARD_QUESTION = (
-    "Rate this generated image against its caption on two things: how faithfully it shows the "
-    "caption's objects, attributes and relations, and its visual quality (sharpness, detail, colour, "
-    "appeal). End with one overall score from 1 to 5 written after 'Final Score:'.\n"
-    f"Caption: [{PROMPT_FIELD}]"
-)
-UNIFIEDREWARD2_QUESTION = (
-    "Assess this generated image against its caption and rate it from 1 to 5 on three axes: "
-    "Alignment (does the content match the caption), Coherence (is it free of glitches and distorted "
-    "objects) and Style (how appealing it looks, whatever the caption says). Answer in exactly this "
-    "form:\nAlignment Score (1-5): X\nCoherence Score (1-5): Y\nStyle Score (1-5): Z\n"
-    f"Caption: [{PROMPT_FIELD}]"
-)
 
 PICKLE_PROTOCOLS = {
     "flow_grpo_geneval": "flow_grpo's GenEval server (yifan123/reward-server app_geneval.py)",
@@ -366,40 +343,21 @@ class ChatProtocol:
         return [value]
 
 
-def final_score(answer: str) -> float | None:
-    """flow_grpo's UnifiedReward parse: the 1–5 number after "Final Score:" / 5; None without one."""
-    match = _FINAL_SCORE_RE.search(answer)
-    return float(match.group(1)) / FLOW_GRPO_SCALE if match else None
-
-
-def three_axis_score(answer: str) -> float | None:
-    """verl-omni's UnifiedReward-2.0 aggregate: (clip(mean of the axis scores, 1, 5) − 1) / 4, the axes
-    read from "<Axis> Score (1-5): x" lines, else the answer's first three numbers; None without."""
-    scores = {m.group(1).lower(): float(m.group(2)) for m in _AXIS_RE.finditer(answer)}
-    if not scores:
-        numbers = _NUMBER_RE.findall(answer)
-        if len(numbers) < len(AXES):
-            return None
-        scores = dict(zip(AXES, map(float, numbers)))
-    mean = sum(scores.values()) / len(scores)
-    return (min(max(mean, 1.0), 5.0) - 1.0) / 4.0
-
-
+# Each chat protocol asks its rubric (`stages.score.rubrics`) with the request fields of the project
+# whose client it reproduces.
+_CHAT_SAMPLING: dict[str, dict[str, Any]] = {
+    "unifiedreward": {"temperature": 0.0},
+    "unifiedreward2": {"temperature": 0.0, "top_p": 1.0, "max_tokens": 512},
+}
 CHAT_PROTOCOLS: dict[str, dict[str, Any]] = {
-    "unifiedreward": {
-        "model": "UnifiedReward-7b-v1.5",
-        "question": UNIFIEDREWARD_QUESTION,
-        "sampling": {"temperature": 0.0},
-        "image_size": FLOW_GRPO_IMAGE_SIZE,
-        "parse": final_score,
-    },
-    "unifiedreward2": {
-        "model": "CodeGoat24/UnifiedReward-2.0-qwen3vl-2b",
-        "question": UNIFIEDREWARD2_QUESTION,
-        "sampling": {"temperature": 0.0, "top_p": 1.0, "max_tokens": 512},
-        "image_size": 0,
-        "parse": three_axis_score,
-    },
+    name: {
+        "model": RUBRICS[name].model,
+        "question": RUBRICS[name].question,
+        "sampling": sampling,
+        "image_size": RUBRICS[name].image_size,
+        "parse": RUBRICS[name].parse,
+    }
+    for name, sampling in _CHAT_SAMPLING.items()
 }
 PROTOCOLS = ("omnirl", *CHAT_PROTOCOLS)
 

@@ -15,11 +15,10 @@ Presets (``preset=``), each a question and a parse of the answer:
   (``meta["ocr_text"]``/``meta["text"]``, else the prompt's first quoted span). Whitespace runs in the
   answer (a VLM may break lines) count as spaces, which the formula removes. verl-omni trains
   with such a judge (Qwen3-VL OCR).
-- ``unifiedreward``: UnifiedReward's rubric (alignment with the caption plus overall quality, a
-  1–5 score after "Final Score:", the first in the answer as in flow_grpo, whose pattern also takes
-  5.x: here a score outside 1–5 does not parse); reward = score / 5, in [0.2, 1]. The question here is our
-  wording of that rubric; to reproduce flow_grpo's numbers exactly pass its question with
-  ``template=``. As flow_grpo does, the image is resized to 512×512 first (``image_size=``).
+- ``unifiedreward`` / ``unifiedreward2``: flow_grpo's UnifiedReward and verl-omni's UnifiedReward-2.0
+  rubrics (`stages.score.rubrics`: question, answer parse, image size), the same definitions that
+  ``remote:URL protocol=unifiedreward|unifiedreward2`` asks, so both give the same numbers;
+  reward in [0.2, 1] and [0, 1].
 - ``yes_no``: "Does this image match: {prompt}? Answer yes or no."; reward 1 for yes, 0 for no.
 
 ``template=`` replaces the preset's question (``{prompt}`` stands for the sample's prompt); the
@@ -56,26 +55,14 @@ from stages.errors import OmnirlError, RuntimeFailure, UserInputError
 from stages.score.clip_rewards import local_path
 from stages.score.ocr import ocr_target, ocr_text_reward
 from stages.score.registry import register_reward
+from stages.score.rubrics import PROMPT_FIELD, RUBRICS
 
 logger = logging.getLogger(__name__)
 
 NAME = "vlm_judge"
-PROMPT_FIELD = "{prompt}"
-UNIFIEDREWARD_SCALE = 5.0
 RETRY_BASE_DELAY_S = 1.0
 
-_FINAL_SCORE_RE = re.compile(r"Final Score[\s*]*:[\s*]*([0-9]+(?:\.[0-9]+)?)", re.IGNORECASE)
 _YES_NO_RE = re.compile(r"^\W*(yes|no)\b", re.IGNORECASE)
-
-
-def parse_final_score(answer: str) -> float | None:
-    """UnifiedReward's rubric: the first number after "Final Score:" (1 ≤ x ≤ 5) divided by 5;
-    None when there is none or it lies outside 1–5."""
-    match = _FINAL_SCORE_RE.search(answer)
-    if match is None:
-        return None
-    score = float(match.group(1))
-    return score / UNIFIEDREWARD_SCALE if 1.0 <= score <= UNIFIEDREWARD_SCALE else None
 
 
 def parse_yes_no(answer: str) -> float | None:
@@ -114,24 +101,21 @@ PRESETS: dict[str, Preset] = {
         image_size=0,
         needs_target=True,
     ),
-    "unifiedreward": Preset(
-        question=(
-            "Judge this image, generated from the caption below, on two criteria. 1. Alignment: how "
-            "faithfully it depicts the caption's objects, their attributes and their relations. "
-            "2. Quality: how clear, detailed, well coloured and aesthetically pleasing it looks. "
-            "Then give one overall score from 1 to 5 after 'Final Score:'.\n"
-            f"Caption: [{PROMPT_FIELD}]"
-        ),
-        parse=lambda answer, target: parse_final_score(answer),
-        max_tokens=512,
-        image_size=512,
-    ),
     "yes_no": Preset(
         question=f"Does this image match: {PROMPT_FIELD}? Answer yes or no.",
         parse=lambda answer, target: parse_yes_no(answer),
         max_tokens=16,
         image_size=0,
     ),
+    **{
+        name: Preset(
+            question=rubric.question,
+            parse=lambda answer, target, parse=rubric.parse: parse(answer),
+            max_tokens=rubric.max_tokens,
+            image_size=rubric.image_size,
+        )
+        for name, rubric in RUBRICS.items()
+    },
 }
 
 # Messages of the OpenAI engine name the sampling command's flags; a judge is set by reward arguments.

@@ -10,7 +10,9 @@ or `Dataset.from_parquet("SET/*.parquet")` gives each column its shape and decod
 - image columns are `{bytes, path}` structs (its `Image` feature, path null), an image_list column a
   list of them per row, a video_list column a list of lists of them (videos of frames, List(List(Image)));
   the schema metadata key `huggingface` names their `datasets` features, which is how it knows these
-  are images. Videos stay plain binary (MP4 bytes).
+  are images. Videos stay plain binary (MP4 bytes). An audio_list column is a list of the same structs
+  with no feature named (`datasets` reads them as dicts; its Audio feature would decode them with
+  torchcodec).
 
 Schema version 1 shards (tensors as `arrow.fixed_shape_tensor`, images as plain binary) are still
 read. Tensor columns have no dictionary encoding and no statistics (neither pays on tensors).
@@ -35,6 +37,7 @@ import torch
 
 from stages.errors import CorruptShardError
 from stages.shards.schema import (
+    FILE_LIST_KINDS,
     TENSOR_DTYPES,
     Batch,
     Column,
@@ -66,6 +69,9 @@ _ARROW_STORAGE = {
 # `datasets`' Image storage: the encoded file, or a path to it (always null here).
 ENCODED_FILE = pa.struct([pa.field("bytes", pa.binary()), pa.field("path", pa.string())])
 _IMAGE_KINDS = ("image", "image_list", "video_list")
+# Columns stored as {bytes, path} structs, and the list levels above the structs.
+_STRUCT_DEPTH = {"image": 0, "image_list": 1, "audio_list": 1, "video_list": 2}
+_STRUCT_KINDS = tuple(_STRUCT_DEPTH)
 
 
 def _numpy_storage(col: Column) -> np.dtype:
@@ -84,7 +90,7 @@ def arrow_type(col: Column) -> pa.DataType:
         return pa.large_string()
     if col.kind == "image":
         return ENCODED_FILE
-    if col.kind == "image_list":
+    if col.kind in FILE_LIST_KINDS:
         return pa.list_(ENCODED_FILE)
     if col.kind == "video_list":
         return pa.list_(pa.list_(ENCODED_FILE))
@@ -95,13 +101,11 @@ def datasets_features(columns: list[Column]) -> dict:
     """The `datasets` features (`Features.to_dict()` form) of the image columns, which their Arrow type
     alone does not announce; `datasets` infers every other column from its type. Written in forms
     that every `datasets` from 3.0 on parses (`Sequence`, which it reads as `List`)."""
-    image: dict = {"_type": "Image"}
-    nested = {"image": image, "image_list": 1, "video_list": 2}
     out = {}
     for c in columns:
         if c.kind in _IMAGE_KINDS:
-            feature = image
-            for _ in range(nested[c.kind] if c.kind != "image" else 0):
+            feature: dict = {"_type": "Image"}
+            for _ in range(_STRUCT_DEPTH[c.kind]):
                 feature = {"feature": feature, "_type": "Sequence"}
             out[c.name] = feature
     return out
@@ -114,7 +118,7 @@ def _field(col: Column) -> pa.Field:
         meta["omnirl.shape"] = json.dumps(list(col.shape))
     # `datasets` applies a feature from the schema metadata only to a field equal to the one it would
     # write itself, and it writes nullable fields.
-    nullable = col.kind in _IMAGE_KINDS
+    nullable = col.kind in _STRUCT_KINDS
     return pa.field(col.name, arrow_type(col), nullable=nullable, metadata=meta)
 
 
@@ -143,7 +147,7 @@ def _to_arrow(col: Column, value) -> pa.Array | pa.ChunkedArray:
         return pa.array([json_text(col.name, i, v) for i, v in enumerate(value)], type=pa.large_string())
     if col.kind == "image":
         return _encoded_files(value)
-    if col.kind == "image_list":
+    if col.kind in FILE_LIST_KINDS:
         rows = [[{"bytes": bytes(b), "path": None} for b in row] for row in value]
         return pa.array(rows, type=arrow_type(col))
     if col.kind == "video_list":
@@ -156,14 +160,14 @@ def _leaves(col: Column) -> list[str]:
     """The Parquet leaf column paths of a column (what compression and encodings are set on)."""
     if col.kind == "tensor":
         return [col.name + ".list.element" * len(col.shape)]
-    if col.kind in _IMAGE_KINDS:
-        prefix = col.name + ".list.element" * {"image": 0, "image_list": 1, "video_list": 2}[col.kind]
+    if col.kind in _STRUCT_KINDS:
+        prefix = col.name + ".list.element" * _STRUCT_DEPTH[col.kind]
         return [f"{prefix}.bytes", f"{prefix}.path"]
     return [col.name]
 
 
 def _compression(col: Column) -> str:
-    if col.kind in (*_IMAGE_KINDS, "video") or (col.kind == "tensor" and col.dtype in _FLOATS):
+    if col.kind in (*_STRUCT_KINDS, "video") or (col.kind == "tensor" and col.dtype in _FLOATS):
         return "none"
     return "zstd"
 
@@ -234,7 +238,7 @@ def table_to_batch(table: pa.Table, columns: list[Column], where: str) -> Batch:
             out[col.name] = [json.loads(s) for s in chunk.to_pylist()]
         elif col.kind == "image":
             out[col.name] = _file_bytes(col, chunk, where)
-        elif col.kind == "image_list":
+        elif col.kind in FILE_LIST_KINDS:
             if chunk.null_count:
                 raise CorruptShardError(f"{where}: column '{col.name}' has a null row")
             files = iter(_file_bytes(col, chunk.flatten(), where))

@@ -3,9 +3,9 @@
 A batch is a dict of equally long columns: a tensor column is a `torch.Tensor` [N, *shape]; a
 string column a `list[str]`; a json column a list of JSON-serialisable values; binary, image and
 video columns are lists of already-encoded bytes (raw / PNG or JPEG / MP4); an image_list column
-holds a list of encoded image files per row (`list[list[bytes]]`, possibly empty); a video_list
-column a list of videos per row, each a non-empty list of encoded frame images
-(`list[list[list[bytes]]]`).
+holds a list of encoded image files per row (`list[list[bytes]]`, possibly empty), an audio_list
+column likewise a list of encoded audio files (WAV, FLAC, MP3, ...); a video_list column a list of
+videos per row, each a non-empty list of encoded frame images (`list[list[list[bytes]]]`).
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from stages.errors import UserInputError
 
 Batch = dict[str, Any]
 
-KINDS = ("tensor", "string", "json", "binary", "image", "video", "image_list", "video_list")
+KINDS = ("tensor", "string", "json", "binary", "image", "video", "image_list", "audio_list", "video_list")
 BYTES_KINDS = ("binary", "image", "video")
+FILE_LIST_KINDS = ("image_list", "audio_list")  # a list of encoded files per row
 _BYTES = (bytes, bytearray, memoryview)
 
 
@@ -189,11 +190,11 @@ def _check_list_kind(name: str, items: list | tuple, kind: str) -> None:
         raise UserInputError(f"column '{name}' is declared string but holds non-str values")
     if kind in BYTES_KINDS and not all(isinstance(v, _BYTES) for v in items):
         raise UserInputError(f"column '{name}' is declared {kind} but holds values that are not bytes")
-    if kind == "image_list" and not all(
+    if kind in FILE_LIST_KINDS and not all(
         isinstance(v, (list, tuple)) and all(isinstance(b, _BYTES) for b in v) for v in items
     ):
         raise UserInputError(
-            f"column '{name}' is declared image_list but a row is not a list of encoded image bytes"
+            f"column '{name}' is declared {kind} but a row is not a list of encoded file bytes"
         )
     if kind == "video_list" and not all(
         isinstance(v, (list, tuple))

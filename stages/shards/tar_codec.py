@@ -2,10 +2,10 @@
 
 Each row is a sample with key `<shard:05d>_<row:09d>` (no dots); each column is one member
 `<key>.<column>.<ext>`: tensors as `.npy` (bf16 as uint16 bits, no pickle), strings `.txt`, JSON
-`.json`, images `.png`, videos `.mp4`, other bytes `.bin`; an image_list row is one member per
-image, `<key>.<column>.<i>.<ext>` (ext from the file's magic bytes, none for an empty list), a
-video_list row one member per frame, `<key>.<column>.<i>.<j>.<ext>` (video i, frame j), so a row
-needs at least one member of another column. Headers are deterministic (mtime 0,
+`.json`, images `.png`, videos `.mp4`, other bytes `.bin`; an image_list (audio_list) row is one
+member per image (clip), `<key>.<column>.<i>.<ext>` (ext from the file's magic bytes, none for an
+empty list), a video_list row one member per frame, `<key>.<column>.<i>.<j>.<ext>` (video i, frame
+j), so a row needs at least one member of another column. Headers are deterministic (mtime 0,
 uid 0), so equal batches give byte-identical tars. The reader walks the tar headers once and
 copies each row's npy payload straight into a preallocated [N, *shape] tensor.
 """
@@ -22,6 +22,7 @@ import pyarrow as pa
 
 from stages.errors import CorruptShardError, UserInputError
 from stages.shards.schema import (
+    FILE_LIST_KINDS,
     TENSOR_DTYPES,
     Batch,
     Column,
@@ -42,6 +43,7 @@ EXTENSIONS = {
     "binary": "bin",
 }
 _IMAGE_MAGIC = ((b"\x89PNG", "png"), (b"\xff\xd8", "jpg"), (b"GIF8", "gif"), (b"BM", "bmp"))
+_AUDIO_MAGIC = ((b"RIFF", "wav"), (b"fLaC", "flac"), (b"OggS", "ogg"), (b"ID3", "mp3"), (b"\xff\xfb", "mp3"))
 _BLOCK = tarfile.BLOCKSIZE
 _RECORD = tarfile.RECORDSIZE
 
@@ -75,6 +77,14 @@ def image_extension(data: bytes) -> str:
     return next((ext for magic, ext in _IMAGE_MAGIC if head.startswith(magic)), "img")
 
 
+def file_extension(kind: str, data: bytes) -> str:
+    """The extension of one file of an image_list / video_list / audio_list row ("img" / "audio" when
+    unknown)."""
+    if kind != "audio_list":
+        return image_extension(data)
+    return next((ext for magic, ext in _AUDIO_MAGIC if bytes(data[:4]).startswith(magic)), "audio")
+
+
 def _row_payloads(col: Column, value) -> tuple[bytes, list]:
     """(prefix shared by every row, per-row payload buffers) for one column."""
     if col.kind == "tensor":
@@ -88,12 +98,12 @@ def _row_payloads(col: Column, value) -> tuple[bytes, list]:
     return b"", list(value)
 
 
-_LIST_KINDS = ("image_list", "video_list")
+_LIST_KINDS = (*FILE_LIST_KINDS, "video_list")
 
 
 def _numbered(col: Column, row: list) -> list[tuple[str, bytes]]:
-    """A list row's files with their member numbers: `i` per image, `i.j` per frame j of video i."""
-    if col.kind == "image_list":
+    """A list row's files with their member numbers: `i` per image (clip), `i.j` per frame j of video i."""
+    if col.kind in FILE_LIST_KINDS:
         return [(str(i), data) for i, data in enumerate(row)]
     return [(f"{i}.{j}", data) for i, video in enumerate(row) for j, data in enumerate(video)]
 
@@ -105,7 +115,7 @@ def encode(batch: Batch, columns: list[Column], sink, shard_index: int) -> int:
     for r in range(n):
         key = sample_key(shard_index, r)
         members = [
-            (f"{key}.{col.name}.{i}.{image_extension(data)}", b"", data)
+            (f"{key}.{col.name}.{i}.{file_extension(col.kind, data)}", b"", data)
             if col.kind in _LIST_KINDS
             else (f"{key}.{col.name}.{EXTENSIONS[col.kind]}", prefix, data)
             for col, prefix, rows in payloads
@@ -174,7 +184,7 @@ def decode(buf: pa.Buffer, columns: list[Column], num_rows: int, where: str) -> 
             continue
         column, _, index = column.rpartition(".")
         i = wanted.get(column)
-        if i is not None and columns[i].kind == "image_list" and index.isdigit():
+        if i is not None and columns[i].kind in FILE_LIST_KINDS and index.isdigit():
             spans[-1][i].append(((int(index),), offset, size))
             continue
         column, _, video = column.rpartition(".")
@@ -186,7 +196,7 @@ def decode(buf: pa.Buffer, columns: list[Column], num_rows: int, where: str) -> 
     out: Batch = {}
     for i, col in enumerate(columns):
         members = [row[i] for row in spans]
-        if col.kind == "image_list":
+        if col.kind in FILE_LIST_KINDS:
             out[col.name] = [_image_list(col, buf, m, where, key) for key, m in zip(keys, members)]
             continue
         if col.kind == "video_list":

@@ -396,6 +396,15 @@ class TokenPolicyGradient:
         self.low, self.high = cfg.clip_bounds()
         self.mode = cfg.loss_agg_mode or "token-mean"
         self.counts: dict[int, tuple[float, float]] = {}
+        self.router = policy.moe
+        if self.router:  # MoE: expert loads in the metrics, the configured load-balancing loss
+            from stages.models import moe
+
+            config = policy.module.config
+            text = config.get_text_config()
+            self.aux_coef = moe.aux_loss_coef(config, getattr(cfg, "router_aux_loss_coef", None))
+            self.experts = (int(text.num_experts), int(text.num_experts_per_tok))
+            self.metric_keys = (*type(self).metric_keys, *moe.metric_keys(moe.sparse_layers(text)))
 
     def epoch(self, rows: list[int], micro: int, rng: random.Random) -> list[Chunk]:
         from stages.dist import world_and_rank
@@ -431,9 +440,10 @@ class TokenPolicyGradient:
         width = tokens.shape[1]
         temperature = self.sample_cfg.temperature
         bonus = cfg.entropy_coef != 0
-        logp, entropy = policy.response_stats(
-            inputs, tokens, mask, temperature, entropy=True, entropy_grad=bonus
+        forward = policy.response_forward(
+            inputs, tokens, mask, temperature, entropy=True, entropy_grad=bonus, router=self.router
         )
+        logp, entropy = forward.log_probs, forward.entropy
         ref = None
         if cfg.beta != 0 and "ref_log_probs" in data:
             ref = data["ref_log_probs"][index, :width].to(policy.device)
@@ -465,7 +475,23 @@ class TokenPolicyGradient:
             num_seqs=num_seqs,
         )
         keys = ("pg_loss", "kl_loss", "entropy", "ratio_mean", "pg_clipfrac", "pg_clipfrac_dual", "ppo_kl")
-        yield loss, [float(m.get(k, 0.0)) for k in keys]
+        values = [float(m.get(k, 0.0)) for k in keys]
+        if self.router:
+            loss, extra = self._router_terms(loss, forward)
+            values += [extra[k] for k in self.metric_keys[len(values) :]]
+        yield loss, values
+
+    def _router_terms(self, loss: torch.Tensor, forward: Any) -> tuple[torch.Tensor, dict[str, float]]:
+        """The loss plus `aux_coef`·load-balancing loss, and the `moe/*` metrics of this micro-batch."""
+        from stages.models import moe
+
+        logits, mask = forward.router_logits, forward.attention_mask
+        aux = moe.aux_loss(logits, mask, *self.experts)
+        metrics = {
+            **moe.load_metrics(moe.expert_load(logits, mask, self.experts[1])),
+            "moe/aux_loss": float(aux.detach()),
+        }
+        return (loss + self.aux_coef * aux if self.aux_coef else loss), metrics
 
 
 def make_objective(

@@ -85,6 +85,7 @@ class UpdateConfig:
     loss_agg_mode: str | None = None
     kl_type: str = "low_var_kl"
     entropy_coef: float = 0.0
+    router_aux_loss_coef: float | None = None
     dual_clip: float | None = None
     train_vision: bool = False
     detach_uncond: bool = True

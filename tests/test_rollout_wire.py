@@ -1,0 +1,142 @@
+"""Rollout protocol v1 on the wire: msgpack replies (``Accept: application/x-msgpack``) are the same reply
+with raw bytes in place of base64, decoded to the same columns, a quarter smaller, while a JSON client
+still gets JSON; a batch the server aborts is drawn again by the `remote` engine with the same request,
+a bounded number of times."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import threading
+from typing import Any
+
+import pytest
+import torch
+from PIL import Image
+
+from stages.sample.rollout import SampleConfig
+from stages.sample.rollout_protocol import MAX_REDRAWS, decode_response, encode_request, encode_response
+from stages.sample.tensor_codec import CodecError, decode_tensor, encode_tensor
+from stages.web import JsonClient, JsonServer, JsonService, pack_binary, unpack_binary
+
+
+def _png(side: int, seed: int) -> bytes:
+    g = torch.Generator().manual_seed(seed)
+    pixels = torch.randint(0, 256, (side, side, 3), generator=g, dtype=torch.uint8).numpy()
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _reply(batch: int, latent: tuple[int, ...], steps: int) -> tuple[dict[str, Any], dict[str, Any], dict]:
+    """A request of `batch` samples storing all `steps` SDE steps, its reply and the columns it carries."""
+    cfg = SampleConfig(steps=steps, resolution=32)
+    ids = [f"g000000-{i:03d}" for i in range(batch)]
+    request = encode_request(
+        "r1", cfg, ["p"] * batch, [""] * batch, list(range(batch)), [0] * batch, [0] * batch, ids, {}
+    )
+    g = torch.Generator().manual_seed(0)
+    columns = {
+        "final_latent": torch.randn(batch, *latent, generator=g),
+        "latents": torch.randn(batch, steps + 1, *latent, generator=g),
+        "log_probs": torch.randn(batch, steps, generator=g),
+        "timesteps": torch.rand(batch, steps, generator=g) * 1000,
+        "sigmas": torch.rand(batch, steps + 1, generator=g),
+        "image": [_png(32, i) for i in range(batch)],
+    }
+    return request, encode_response("r1", 5, columns), columns
+
+
+def test_a_msgpack_reply_round_trips_to_the_same_columns_and_is_smaller() -> None:
+    # a video-sized trajectory: 2 samples × 11 latents of [16, 9, 30, 52] (Wan 2.1 at 480p, 33 frames)
+    request, reply, columns = _reply(2, (16, 9, 30, 52), 10)
+    packed, text = pack_binary(reply), json.dumps(reply).encode()
+    version, decoded = decode_response(unpack_binary(packed), request)
+    assert version == 5 and decoded["image"] == columns["image"]
+    for key in ("final_latent", "latents", "log_probs", "timesteps", "sigmas"):
+        assert torch.equal(decoded[key], columns[key]), key
+    raw = sum(columns[k].numel() * 4 for k in ("final_latent", "latents", "log_probs", "timesteps", "sigmas"))
+    raw += sum(len(b) for b in columns["image"])
+    assert raw < len(packed) < raw * 1.001  # the bytes themselves plus a small envelope
+    assert len(text) / len(packed) == pytest.approx(4 / 3, rel=0.01)  # base64's 4 characters per 3 bytes
+    print(
+        f"\nreply of {raw / 2**20:.1f} MiB: JSON+base64 {len(text) / 2**20:.2f} MiB, msgpack {len(packed) / 2**20:.2f} MiB"
+    )
+
+
+def test_raw_tensors_are_checked_like_base64_ones() -> None:
+    obj = unpack_binary(
+        pack_binary({"t": encode_tensor(torch.arange(6, dtype=torch.float32).reshape(2, 3))})
+    )["t"]
+    assert obj["encoding"] == "raw" and isinstance(obj["data"], bytes)
+    assert decode_tensor(obj, "t").tolist() == [[0, 1, 2], [3, 4, 5]]
+    with pytest.raises(CodecError, match="t: 20 bytes"):
+        decode_tensor({**obj, "data": obj["data"][:-4]}, "t")
+    with pytest.raises(CodecError, match="not bytes"):
+        decode_tensor({**obj, "data": base64.b64encode(obj["data"]).decode()}, "t")
+    with pytest.raises(ValueError, match="msgpack"):
+        unpack_binary(b"\xc1")  # a byte msgpack never uses
+
+
+class _Echo(JsonService):
+    def get(self, path: str) -> dict[str, Any]:
+        return {"status": "ok", "t": encode_tensor(torch.ones(3))}
+
+
+def test_the_server_answers_msgpack_only_to_a_client_that_asks() -> None:
+    server = JsonServer(_Echo(token=None, max_request_bytes=1024))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        for binary, encoding in ((True, "raw"), (False, "base64")):
+            client = JsonClient(server.url, token=None, timeout=10, retries=0, binary=binary)
+            reply = client.call("/anything")
+            assert reply["t"]["encoding"] == encoding
+            assert decode_tensor(reply["t"], "t").tolist() == [1.0, 1.0, 1.0]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+class _Aborting(JsonService):
+    """A protocol v1 server that aborts its first `aborts` rollouts, then answers `columns`."""
+
+    def __init__(self, aborts: int, columns: dict[str, Any]):
+        super().__init__(token=None, max_request_bytes=1 << 20)
+        self.aborts, self.columns, self.bodies = aborts, columns, []
+
+    def post(self, path: str, raw: bytes) -> dict[str, Any]:
+        body = json.loads(raw)
+        self.bodies.append(body)
+        if len(self.bodies) <= self.aborts:
+            base = {k: body[k] for k in ("protocol", "version", "request_id")}
+            return {**base, "weight_version": 0, "finish_reason": "abort"}
+        return encode_response(body["request_id"], 2, self.columns)
+
+
+@pytest.mark.parametrize("aborts", [2, MAX_REDRAWS + 1])
+def test_the_remote_engine_draws_an_aborted_batch_again_a_bounded_number_of_times(aborts: int) -> None:
+    from stages.errors import RuntimeFailure
+    from stages.sample.remote_engine import RemoteEngine, RolloutClient
+
+    _, _, columns = _reply(2, (4, 4, 4), 3)
+    service = _Aborting(aborts, columns)
+    server = JsonServer(service)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        client = RolloutClient(server.url, token=None, timeout=10, retries=0)
+        engine = RemoteEngine(client, {"family": "sd3"}, {"model_sha256": None})
+        cfg = SampleConfig(steps=3, resolution=32)
+        batch = (["p", "p"], ["", ""], [0, 1], [0, 0])
+        if aborts > MAX_REDRAWS:
+            with pytest.raises(RuntimeFailure, match=f"aborted {MAX_REDRAWS + 1} times"):
+                engine.rollout(cfg, *batch, groups=[0, 0], sample_ids=["a", "b"])
+        else:
+            got = engine.rollout(cfg, *batch, groups=[0, 0], sample_ids=["a", "b"])
+            assert torch.equal(got["latents"], columns["latents"]) and engine.server_weights["version"] == 2
+        assert len(service.bodies) == min(aborts + 1, MAX_REDRAWS + 1)
+        assert all(b == service.bodies[0] for b in service.bodies)  # the same request: ids and seeds
+    finally:
+        server.shutdown()
+        server.server_close()

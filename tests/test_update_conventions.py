@@ -249,12 +249,15 @@ class FakeVLM:
     """What TokenPolicyGradient uses of a VLMPolicy: a fixed table of response log-probs and entropies."""
 
     device = torch.device("cpu")
+    moe = False
 
     def __init__(self, logp: torch.Tensor, entropy: torch.Tensor) -> None:
         self.logp, self.entropy = logp, entropy
 
-    def response_stats(self, inputs, tokens, mask, temperature, *, entropy, entropy_grad):
-        return self.logp[:, : tokens.shape[1]], self.entropy[:, : tokens.shape[1]]
+    def response_forward(self, inputs, tokens, mask, temperature, *, entropy, entropy_grad, router):
+        from stages.models.vlm import ResponseForward
+
+        return ResponseForward(self.logp[:, : tokens.shape[1]], self.entropy[:, : tokens.shape[1]])
 
 
 def token_objective(

@@ -2,19 +2,20 @@
 
 verl: `data_source`, `prompt` (chat messages whose text holds literal `<image>` / `<video>` /
 `<audio>` placeholders), `images` (list of {bytes, path} structs, raw bytes or paths), `videos`,
-`audios`, `reward_model.ground_truth`, `extra_info`. EasyR1: `problem`, `answer`, `images`, `videos`,
-`audios` (keys configurable). Rows come from any prompt source (`stages.sample.sources`). Each row becomes a
-`VLMPrompt` whose messages are built as verl builds them (system and multi-turn messages kept, each
-placeholder a typed content part at its position), whose media are encoded files per kind (stored
-once per prompt downstream) and whose metadata carries what text rewards read (`ground_truth`,
-`data_source`, `extra_info`).
+`audios`, `reward_model.ground_truth`, `extra_info`. EasyR1: `problem`, `answer`, `images`,
+`videos`, `audios` (keys configurable). Rows come from any prompt source (`stages.sample.sources`).
+Each row becomes a `VLMPrompt` whose messages are built as verl builds them (system and multi-turn
+messages kept, each placeholder a typed content part at its position), whose media are encoded files
+per kind (stored once per prompt downstream) and whose metadata carries what text rewards read
+(`ground_truth`, `data_source`, `extra_info`).
 
 Input modes: a row without media (no media column, null or an empty list) is a text-only prompt; a
-row may hold several images, videos and audio clips, and one batch may mix rows of every kind. Each media kind is
-one `MediaKind` entry (its column, placeholder and content-part type) in `MEDIA_KINDS`; a kind's
-values are normalised to a list of encoded files per item: an image is one PNG/JPEG file, a video a
-list of frame files (given as frames, or decoded from a video file with PyAV, `decode_video_file`),
-an audio clip one audio file, checked to decode at sample time (`stages.sample.vlm_audio`).
+row may hold several images, videos and audio clips, and one batch may mix rows of every kind. Each
+media kind is one `MediaKind` entry (its column, placeholder and content-part type) in `MEDIA_KINDS`;
+a kind's values are normalised to a list of encoded files per item: an image is one PNG/JPEG file, a
+video a list of frame files (given as frames, or decoded from a video file with PyAV,
+`decode_video_file`), an audio clip one audio file, checked to decode at sample time
+(`stages.sample.vlm_audio`).
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ with clear errors."""
 from __future__ import annotations
 
 import codecs
+import io
 import json
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,13 @@ def read_rows(path: Path, option: str) -> list[dict[str, Any]]:
                     raise UserInputError(f"{option} {path}: line {i + 1} is not valid JSON") from None
         return rows
     raise UserInputError(f"{option} {path}: use a .parquet or .jsonl table")
+
+
+def png_bytes(image: Any) -> bytes:
+    """A PIL image as lossless PNG bytes."""
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
 
 
 def image_bytes(value: Any, base: Path, where: str) -> bytes:

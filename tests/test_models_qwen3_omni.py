@@ -105,6 +105,31 @@ def test_repeat_prompts_repeats_each_prompts_media_as_a_group(tiny_omni: Path) -
         assert torch.equal(value, expected[key]), key
 
 
+def test_repeat_prompts_repeats_each_prompts_videos_as_a_group() -> None:
+    """Videos (patches, grids, seconds per grid) follow their prompt like images: prompt 0 holds videos
+    v0 (grid 2×2×2: 8 patches, 2 tokens) and v1 (1×2×2: 4 patches, 1 token), prompt 1 holds v2."""
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(vision_config=SimpleNamespace(spatial_merge_size=2), video_token_id=9)
+    ids = torch.tensor([[9, 9, 9, 1], [0, 0, 9, 1]])
+    grid = torch.tensor([[2, 2, 2], [1, 2, 2], [1, 2, 2]])
+    patches = torch.arange(16.0)[:, None].expand(16, 3)  # v0: rows 0-7, v1: 8-11, v2: 12-15
+    inputs = {
+        "input_ids": ids,
+        "attention_mask": ids > 0,
+        "pixel_values_videos": patches,
+        "video_grid_thw": grid,
+        "video_second_per_grid": torch.tensor([0.5, 1.0, 2.0]),
+    }
+    out = repeat_prompts(inputs, 2, config)
+    assert torch.equal(out["input_ids"], ids.repeat_interleave(2, dim=0))
+    order = [0, 1, 0, 1, 2, 2]
+    assert torch.equal(out["video_grid_thw"], grid[order])
+    assert out["video_second_per_grid"].tolist() == [0.5, 1.0, 0.5, 1.0, 2.0, 2.0]
+    rows = [*range(12), *range(12), *range(12, 16), *range(12, 16)]
+    assert torch.equal(out["pixel_values_videos"], patches[rows])
+
+
 @pytest.fixture(scope="module")
 def mixed() -> tuple[list, list, list]:
     """Text-only, one image, two audio clips, and image + audio prompts."""

@@ -404,6 +404,38 @@ def test_image_lists_round_trip(tmp_path, fmt: str) -> None:
         write_set(tmp_path / "bad", [{"images": [b"x"]}], fmt, kinds={"images": "image_list"})
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_video_lists_round_trip(tmp_path, fmt: str) -> None:
+    """Videos as lists of frame files, several per row or none, come back byte for byte; Parquet reads
+    as `datasets` List(List(Image)) with the frames decoded."""
+    rows = [[[png_bytes(1), png_bytes(2)], [png_bytes(3)]], [], [[png_bytes(4), png_bytes(5), png_bytes(6)]]]
+    batch = {"sample_id": ["a", "b", "c"], "videos": rows}
+    write_set(tmp_path / "set", [batch], fmt, kinds={"videos": "video_list"})
+    shard_set = ShardSet(tmp_path / "set")
+    assert shard_set.columns["videos"] == Column("videos", "video_list")
+    assert shard_set.read_shard(0, ["videos"]) == {"videos": rows}
+    if fmt == "webdataset":
+        with tarfile.open(tmp_path / "set" / "train-00000-of-00001.tar") as tf:
+            names = [m.name for m in tf.getmembers() if ".videos." in m.name]
+        assert names[:3] == [
+            "00000_000000000.videos.0.0.png",
+            "00000_000000000.videos.0.1.png",
+            "00000_000000000.videos.1.0.png",
+        ]
+    else:
+        import datasets
+
+        ds = datasets.Dataset.from_parquet(str(tmp_path / "set" / "*.parquet"), cache_dir=str(tmp_path / "c"))
+        assert ds.features["videos"] == datasets.List(datasets.List(datasets.Image()))
+        decoded = ds["videos"]
+        assert [[len(v) for v in row] for row in decoded] == [[2, 1], [], [3]]
+        first = decoded[0][0][1]
+        assert np.array_equal(np.asarray(first), np.asarray(Image.open(io.BytesIO(png_bytes(2)))))
+    for bad in ([[b"x"]], [[[]]]):
+        with pytest.raises(UserInputError, match="declared video_list but a row is not a list of videos"):
+            write_set(tmp_path / "bad", [{"videos": bad}], fmt, kinds={"videos": "video_list"})
+
+
 def test_webdataset_reads_members_written_by_numpy_save(tmp_path) -> None:
     """A tar whose .npy members come from numpy.save (big-endian here) still decodes."""
     col = Column("x", "tensor", "float32", (2,))

@@ -243,7 +243,7 @@ def pack_v1(images: list[bytes]) -> bytes:
 
 
 def test_schema_version_1_sets_still_read(tmp_path: Path) -> None:
-    from stages.sample.vlm_stage import row_images
+    from stages.sample.vlm_stage import row_media
 
     batch = {
         "sample_id": ["g0-000", "g0-001", "g1-000", "g1-001"],
@@ -265,15 +265,28 @@ def test_schema_version_1_sets_still_read(tmp_path: Path) -> None:
         else:
             assert got[name] == value, name
     shard_set.verify()
-    assert row_images(got, "v1") == [[png_bytes(0), jpeg_bytes(1)]] * 2 + [[], []]
+    media = row_media(got, "v1")
+    assert [m["images"] for m in media] == [[png_bytes(0), jpeg_bytes(1)]] * 2 + [[], []]
+    assert [m["videos"] for m in media] == [[]] * 4  # no videos column: no videos
 
 
-def test_row_images_reads_lists_from_the_first_row_of_each_group() -> None:
-    from stages.sample.vlm_stage import row_images
+def test_row_media_reads_lists_from_the_first_row_of_each_group() -> None:
+    from stages.errors import UserInputError
+    from stages.sample.vlm_stage import row_media
 
     shard = {
         "sample_id": ["g0-000", "g0-001", "g1-000", "g1-001"],
         "group_id": ["g0", "g0", "g1", "g1"],
         "images": [[b"a", b"b"], [], [], []],
+        "videos": [[], [], [[b"f0", b"f1"]], []],
+        "audios": [[b"w0"], [], [], []],
     }
-    assert row_images(shard, "s") == [[b"a", b"b"], [b"a", b"b"], [], []]
+    assert row_media(shard, "s") == [
+        {"images": [b"a", b"b"], "videos": [], "audios": [b"w0"]},
+        {"images": [b"a", b"b"], "videos": [], "audios": [b"w0"]},
+        {"images": [], "videos": [[b"f0", b"f1"]], "audios": []},
+        {"images": [], "videos": [[b"f0", b"f1"]], "audios": []},
+    ]
+    # schema version 1: a group's later rows hold b"", so one read without its first row is an error
+    with pytest.raises(UserInputError, match="sample 'g0-001' comes before the first row of its group"):
+        row_media({"sample_id": ["g0-001"], "group_id": ["g0"], "images": [b""]}, "s")

@@ -493,3 +493,91 @@ def test_adapted_plugin_is_a_text_reward(tmp_path, monkeypatch, scratch_registry
         reward_kind("omnirl_test_text_plugin:odd")
     register_reward("scratch_text", kind="text")(lambda responses, prompts, meta: [])
     assert reward_kind("scratch_text") == "text"
+
+
+# --- OmniRL's scheme --------------------------------------------------------------------------------
+
+OMNI_GT = {"ground_truth": "the cat is on the mat"}
+OMNI_RESPONSE = "<think>look</think><answer>The cat sat on the mat.</answer>"
+
+
+def test_rouge_n_counts_clipped_ngram_overlap() -> None:
+    from stages.score.text_metrics import rouge_n_score
+
+    cand, ref = tokenize("the cat sat on the mat"), tokenize("the cat is on the mat")
+    # unigrams: the×2, cat, on, mat shared (5 of 6 on each side); bigrams: the cat, on the, the mat (3 of 5)
+    assert rouge_n_score(cand, ref) == pytest.approx((5 / 6, 5 / 6, 5 / 6))
+    assert rouge_n_score(cand, ref, 2) == pytest.approx((3 / 5, 3 / 5, 3 / 5))
+    # clipping: "the the the" against "the cat" shares one "the": P 1/3, R 1/2, F1 0.4
+    assert rouge_n_score(["the"] * 3, ["the", "cat"]) == pytest.approx((1 / 3, 1 / 2, 0.4))
+    assert rouge_n_score(["x"], ref) == (0.0, 0.0, 0.0)
+
+
+def test_omnirl_accuracy_weighs_bleu_rouge_and_meteor() -> None:
+    scorer = get_reward("omnirl_accuracy")
+    bleu2 = math.sqrt(5 / 6 * 3 / 5)  # p1 5/6, p2 3/5, equal lengths: no brevity penalty
+    rouge1 = 5 / 6
+    # METEOR: 5 matches in 2 chunks (the cat | on the mat): F_mean 5/6, penalty 0.5·(2/5)³
+    meteor_value = 5 / 6 * (1 - 0.5 * (2 / 5) ** 3)
+    no_tag = "The cat sat on the mat."
+    assert scorer([OMNI_RESPONSE, no_tag, None], ["q"] * 3, [OMNI_GT] * 3) == pytest.approx(
+        [0.5 * bleu2 + 0.5 * rouge1, 0.0, None]
+    )
+    weighted = get_reward("omnirl_accuracy", {"bleu": "0.2", "rouge": "0.3", "meteor": "0.5"})
+    assert weighted([OMNI_RESPONSE], ["q"], [OMNI_GT]) == pytest.approx(
+        [0.2 * bleu2 + 0.3 * rouge1 + 0.5 * meteor_value]
+    )
+    loose = get_reward("omnirl_accuracy", {"require_answer": "false", "rouge": "1", "bleu": "0"})
+    assert loose([no_tag], ["q"], [OMNI_GT]) == pytest.approx([rouge1])
+    assert reward_kind("omnirl_accuracy") == reward_kind("omnirl_length") == "text"
+    with pytest.raises(UserInputError, match="must not all be 0"):
+        get_reward("omnirl_accuracy", {"bleu": "0", "rouge": "0"})
+    with pytest.raises(UserInputError, match=r"meteor=-1\.0 must be a finite number"):
+        get_reward("omnirl_accuracy", {"meteor": "-1"})
+
+
+def test_omnirl_length_follows_its_formula() -> None:
+    from stages.score.text_rewards import omnirl_length_value
+
+    # ℓ ≤ L: ℓ·(1 + sin(πℓ/2L)) · (½ + ½d) / 500, no decay below L
+    assert omnirl_length_value(250, 0) == pytest.approx(250 * (1 + math.sin(math.pi / 4)) * 0.5 / 500)
+    assert omnirl_length_value(500, 0) == pytest.approx(0.9)  # 2L · 0.9¹ · ½ / 500
+    assert omnirl_length_value(1000, 0) == pytest.approx((1000 + math.log(501)) * 0.81 * 0.5 / 500)
+    assert omnirl_length_value(10, 2) == pytest.approx(10 * (1 + math.sin(math.pi / 100)) * 0.6 / 500)
+    assert omnirl_length_value(0, 0) == 0.0
+    scorer = get_reward("omnirl_length")
+    text = "a, b. c; d! " * 10  # 120 characters, 40 of them marks
+    assert scorer([text], ["q"], [{}]) == pytest.approx([omnirl_length_value(120, 40)])
+    short = get_reward("omnirl_length", {"target": "100", "decay": "0.5", "scale": "100"})
+    assert short([text], ["q"], [{}]) == pytest.approx(
+        [(200 + math.log(21)) * 0.5 * (0.5 + 0.5 * 40 / 120) / 100]
+    )
+    with pytest.raises(UserInputError, match="decay in"):
+        get_reward("omnirl_length", {"decay": "1.5"})
+
+
+def test_truncated_responses_get_format_zero_and_are_counted(tmp_path) -> None:
+    """The score stage marks responses cut at the sampling cap; format rewards give them 0, the other
+    rewards score them as usual."""
+    import torch
+
+    from stages.score.stage import score_shard, truncated_rows
+
+    good = "<think>a</think><answer>b c</answer>"
+    shard = {
+        "sample_id": ["s0", "s1", "s2"],
+        "prompt": ["q"] * 3,
+        "prompt_meta": [{"ground_truth": "b c", "max_response_length": 8}] * 3,
+        "response_text": [good, good, "\\boxed{2}"],
+        "response_length": torch.tensor([5, 8, 8]),
+        "truncated": torch.tensor([False, True, False]),  # s2 ended with a stop token at the cap
+    }
+    specs = [("format_think_answer", 1.0), ("format_boxed", 1.0), ("omnirl_accuracy", 1.0)]
+    out = score_shard(shard, specs, modality="text")
+    assert out["reward.format_think_answer"].tolist() == [1.0, 0.0, 0.0]
+    assert out["reward.format_boxed"].tolist() == [0.0, 0.0, 1.0]
+    assert out["reward.omnirl_accuracy"].tolist() == [1.0, 1.0, 0.0]  # BLEU, ROUGE of "b c" vs "b c"
+    assert truncated_rows(shard) == [False, True, False]
+    # a rollout written before the column: a response as long as the cap counts as truncated
+    old = {k: v for k, v in shard.items() if k != "truncated"}
+    assert truncated_rows(old) == [False, True, True]

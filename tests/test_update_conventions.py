@@ -249,12 +249,15 @@ class FakeVLM:
     """What TokenPolicyGradient uses of a VLMPolicy: a fixed table of response log-probs and entropies."""
 
     device = torch.device("cpu")
+    moe = False
 
     def __init__(self, logp: torch.Tensor, entropy: torch.Tensor) -> None:
         self.logp, self.entropy = logp, entropy
 
-    def response_stats(self, inputs, tokens, mask, temperature, *, entropy, entropy_grad):
-        return self.logp[:, : tokens.shape[1]], self.entropy[:, : tokens.shape[1]]
+    def response_forward(self, inputs, tokens, mask, temperature, *, entropy, entropy_grad, router):
+        from stages.models.vlm import ResponseForward
+
+        return ResponseForward(self.logp[:, : tokens.shape[1]], self.entropy[:, : tokens.shape[1]])
 
 
 def token_objective(
@@ -267,7 +270,7 @@ def token_objective(
     """The objective over rows with the given response lengths (prompt handling stubbed out)."""
     from stages.sample import vlm_stage
 
-    monkeypatch.setattr(vlm_stage, "row_images", lambda data, where: [[] for _ in data["sample_id"]])
+    monkeypatch.setattr(vlm_stage, "row_media", lambda data, where: [{} for _ in data["sample_id"]])
     monkeypatch.setattr(vlm_stage, "prompt_inputs", lambda *args: {})
     n, width = len(lengths), max(lengths) + 1
     mask = torch.tensor([[t < m for t in range(width)] for m in lengths])

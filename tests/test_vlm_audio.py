@@ -97,7 +97,9 @@ def test_placeholders_take_the_clips_in_order(tmp_path: Path) -> None:
     (p,) = read_vlm_prompts(path)  # no placeholder: the clip goes first
     assert p.messages[0]["content"] == [{"type": "audio"}, {"type": "text", "text": "What is it?"}]
     pq.write_table(pa.Table.from_pylist(_rows([{"bytes": a, "path": None}], "<audio><audio>?")), path)
-    with pytest.raises(UserInputError, match="row 0: 2 <audio> placeholders but 1 audios"):
+    with pytest.raises(
+        UserInputError, match="row 0: 2 <audio> placeholders but column 'audios' holds 1 audios"
+    ):
         read_vlm_prompts(path)
 
 

@@ -56,7 +56,7 @@ def test_easyr1_rows_and_placeholder_checks(tmp_path: Path) -> None:
     )
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"problem": "<image><image>Two?", "answer": "x", "images": ["a.png"]}) + "\n")
-    with pytest.raises(UserInputError, match="2 <image> placeholders but 1 images"):
+    with pytest.raises(UserInputError, match="2 <image> placeholders but column 'images' holds 1 images"):
         read_vlm_prompts(bad, layout="easyr1")
     with pytest.raises(UserInputError, match="no 'prompt' column"):
         read_vlm_prompts(path)

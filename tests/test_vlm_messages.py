@@ -96,7 +96,7 @@ def test_placeholders_become_typed_parts_at_their_positions() -> None:
     assert easy.messages == [
         {"role": "user", "content": [{"type": "text", "text": "Sum?"}, {"type": "image"}]}
     ]
-    bare = build_messages("Which?", 2, 0, "r")
+    bare = build_messages("Which?", {"image": 2}, "r")
     assert bare == [
         {
             "role": "user",
@@ -108,9 +108,30 @@ def test_placeholders_become_typed_parts_at_their_positions() -> None:
 @pytest.mark.parametrize(
     ("prompt", "images", "videos", "message"),
     [
-        ("<image><image>Two?", 1, 0, "rows.parquet: row 3: 2 <image> placeholders but 1 images"),
-        ("One?<image>", 2, 0, "rows.parquet: row 3: 1 <image> placeholders but 2 images"),
-        ("Clip <video>", 0, 1, "rows.parquet: row 3: 1 <video> placeholders and 1 videos; omnirl samples"),
+        (
+            "<image><image>Two?",
+            1,
+            0,
+            "rows.parquet: row 3: 2 <image> placeholders but column 'images' holds 1 images",
+        ),
+        (
+            "One?<image>",
+            2,
+            0,
+            "rows.parquet: row 3: 1 <image> placeholders but column 'images' holds 2 images",
+        ),
+        (
+            "Clip <video><video>",
+            0,
+            1,
+            "rows.parquet: row 3: 2 <video> placeholders but column 'videos' holds 1 videos",
+        ),
+        (
+            "<image> and <video>",
+            1,
+            0,
+            "rows.parquet: row 3: 1 <video> placeholders but column 'videos' holds 0",
+        ),
         (
             [{"role": "system", "content": "hi"}],
             0,
@@ -124,7 +145,7 @@ def test_a_row_that_does_not_add_up_is_a_one_line_error_naming_it(
     prompt: object, images: int, videos: int, message: str
 ) -> None:
     with pytest.raises(UserInputError, match="^" + message.replace("(", r"\(").replace("?", r"\?")):
-        build_messages(prompt, images, videos, "rows.parquet: row 3")
+        build_messages(prompt, {"image": images, "video": videos}, "rows.parquet: row 3")
 
 
 def test_chat_template_output_is_exact(tiny_vlm: Path) -> None:
@@ -180,5 +201,13 @@ def test_a_placeholder_mismatch_in_a_table_names_the_row(tiny_vlm: Path, tmp_pat
     pq.write_table(pa.Table.from_pylist(rows), data)
     fails(
         ["sample", "--model", str(tiny_vlm), "--prompts", str(data), "--out", str(tmp_path / "out")],
-        f"{data}: row 1: 2 <image> placeholders but 1 images",
+        f"{data}: row 1: 2 <image> placeholders but column 'images' holds 1 images",
+    )
+    rows = [{**ROWS[1], "clips": None}, {**ROWS[1], "prompt": [{"role": "user", "content": "<video>?"}]}]
+    rows[1]["clips"] = [[{"bytes": _png((56, 56), (0, 0, 0)), "path": None}]] * 2
+    pq.write_table(pa.Table.from_pylist(rows), data)
+    args = ["sample", "--model", str(tiny_vlm), "--prompts", str(data), "--video-key", "clips"]
+    fails(
+        [*args, "--out", str(tmp_path / "out")],
+        f"{data}: row 1: 1 <video> placeholders but column 'clips' holds 2 videos",
     )

@@ -216,7 +216,7 @@ def test_sample_refuses_a_row_whose_audio_does_not_decode(tiny_omni: Path, tmp_p
         [*args, "--out", str(tmp_path / "s2")],
         "short.parquet",
         "row 2",
-        "2 <audio> placeholders but 1 audios",
+        "2 <audio> placeholders but column 'audios' holds 1 audios",
     )
 
 

@@ -88,7 +88,7 @@ def test_vision_markers_are_never_sampled_and_carry_no_probability(tiny_vlm: Pat
     """A policy that strongly prefers <|image_pad|> (trl #3847's failure) still answers in text, and
     the rollout and replay log-probs describe the same distribution without the markers."""
     policy = VLMPolicy.load(tiny_vlm)
-    pad = policy.image_token_id
+    pad = policy.processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
     assert pad in policy.banned_ids and len(policy.banned_ids) == 4
 
     def prefer_image_pad(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:

@@ -131,6 +131,9 @@ def _head_rows(path: Path, n: int) -> list[dict[str, Any]]:
             elif col.kind in ("image_list", "audio_list"):
                 what = "images" if col.kind == "image_list" else "audios"
                 row[name] = f"<{len(value)} {what} {sum(map(len, value))} B>"
+            elif col.kind == "video_list":
+                frames = [f for video in value for f in video]
+                row[name] = f"<{len(value)} videos {len(frames)} frames {sum(map(len, frames))} B>"
             else:
                 text = str(value)
                 row[name] = text if len(text) <= 60 else text[:57] + "..."

@@ -133,7 +133,8 @@ def logprob(
         if tokens:
             columns = ["sample_id", "group_id", "prompt", "images", "prompt_ids", "prompt_mask"]
             columns += ["response_ids", "response_mask", "log_probs"]
-            columns += [c for c in ("messages", "audios") if c in src.columns]  # absent in older rollouts
+            # absent in older rollouts
+            columns += [name for name in ("messages", "videos", "audios") if name in src.columns]
         elif stored:
             columns = ["sample_id", "prompt", "negative_prompt", "latents", "sigmas", "log_probs"]
         else:

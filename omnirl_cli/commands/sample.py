@@ -281,20 +281,29 @@ def sample(
         Layout,
         typer.Option(
             "--layout",
-            help="VLM prompt table: verl (prompt, images, reward_model.ground_truth, ...) or easyr1 "
-            "(--prompt-key, --answer-key, --image-key).",
+            help="VLM prompt table: verl (prompt, images, videos, reward_model.ground_truth, ...) or "
+            "easyr1 (--prompt-key, --answer-key, --image-key, --video-key). A row without images or "
+            "videos is text-only; each <image>/<video> placeholder takes the next item of its column.",
             rich_help_panel=VLM,
         ),
     ] = "verl",
     prompt_key: Annotated[str, typer.Option("--prompt-key", rich_help_panel=VLM)] = "problem",
     answer_key: Annotated[str, typer.Option("--answer-key", rich_help_panel=VLM)] = "answer",
     image_key: Annotated[str, typer.Option("--image-key", rich_help_panel=VLM)] = "images",
+    video_key: Annotated[
+        str,
+        typer.Option(
+            "--video-key",
+            help="Column of a row's videos: each a list of frames or a video file (MP4 needs PyAV).",
+            rich_help_panel=VLM,
+        ),
+    ] = "videos",
     audio_key: Annotated[
         str,
         typer.Option(
             "--audio-key",
             help="Omni models: the column listing each row's audio clips (paths, bytes, or arrays with a "
-            "sampling rate), taken in the order of the <audio> placeholders.",
+            "sampling rate), taken in the order of the <audio> placeholders (needs PyAV).",
             rich_help_panel=VLM,
         ),
     ] = "audios",
@@ -565,6 +574,7 @@ def _sample_vlm(c: dict, json_: bool) -> None:
         prompt_key=c["prompt_key"],
         answer_key=c["answer_key"],
         image_key=c["image_key"],
+        video_key=c["video_key"],
         audio_key=c["audio_key"],
     )
     # A group's padded token columns stay in memory until its shard is written: an int64 id and a bool

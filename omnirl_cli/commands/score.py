@@ -42,8 +42,8 @@ def score(
             "reward on the frames with @frames=mean|min|first|last (e.g. pickscore@frames=mean=0.5) or a video "
             "reward (temporal_consistency: CLIP cosine of consecutive frames; video_ocr: flow_grpo's Wan OCR "
             "over every 4th frame), or a text reward for VLM rollouts "
-            "(format_think_answer, format_boxed, accuracy, bleu, rouge_l, rouge_l_recall, meteor, text_similarity, "
-            "length_penalty, repetition_penalty), remote:http://HOST:PORT/NAME (a reward served by `omnirl "
+            "(format_think_answer, format_boxed, accuracy, bleu, rouge_1, rouge_l, rouge_l_recall, meteor, "
+            "text_similarity, length_penalty, repetition_penalty, omnirl_accuracy, omnirl_length), remote:http://HOST:PORT/NAME (a reward served by `omnirl "
             "serve-reward`), module:function or path/file.py:function, or an 'omnirl.rewards' entry point. The "
             "total is the weighted sum.",
         ),
@@ -62,7 +62,9 @@ def score(
             "CLIP ViT-L/14 image embedding, mlp=sac+logos+ava1-l14-linearMSE.pth or .safetensors (~1-10). "
             "temporal_consistency takes the CLIP arguments; video_ocr frame_interval=N (4). NAME@frames=AGG uses "
             "NAME's arguments. "
-            "Model paths are part of the output's identity (with their content digests).",
+            "Model paths are part of the output's identity (with their content digests). omnirl_accuracy: "
+            "bleu=, rouge=, meteor= (metric weights, OmniRL 0.5/0.5/0), require_answer=true; omnirl_length: "
+            "target= (500 characters), decay= (0.9), scale= (500).",
         ),
     ] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Samples per scorer call.")] = 32,
@@ -88,7 +90,9 @@ def score(
     (PIL images) per sample instead of an image; text plugins take the response strings instead and set `reward_kind = "text"`
     (wrap verl `compute_score` or trl reward functions with stages.score.text_rewards.verl_compute_score
     / trl_reward). Meta holds the prompt row's ground_truth, data_source, extra_info,
-    max_response_length and response_length.
+    max_response_length, response_length and truncated (the response hit --max-new-tokens, OmniRL's
+    max_output_token_length, without a stop token: every format reward scores it 0; the result counts
+    them as "truncated").
 
     --report-to logs reward/mean, reward/std and reward.<name>/mean, /std at the iteration K of --out
     RUN/it<K>/rewards (0 outside that layout).
@@ -103,7 +107,7 @@ def score(
     c = resolve(ctx, "score", required=("out",))
     from stages.reporting import reward_statistics
     from stages.score.registry import check_reward_args, parse_reward_args, parse_reward_spec
-    from stages.score.stage import needed_columns, score_shard
+    from stages.score.stage import needed_columns, score_shard, text_columns, truncated_rows
     from stages.shards.reader import rollout_modality
     from stages.shards.writer import ShardSetWriter
     from stages.tracking import open_tracking, run_location
@@ -146,7 +150,10 @@ def score(
         return out
 
     if not writer.complete:
-        map_shards(src, writer, "scoring", needed_columns(modality, src.columns), score_one, bar=not json_)
+        columns = (
+            text_columns(list(src.columns)) if modality == "text" else needed_columns(modality, src.columns)
+        )
+        map_shards(src, writer, "scoring", columns, score_one, bar=not json_)
     if not finalize(writer):
         return
     from stages.shards.reader import ShardSet
@@ -154,6 +161,8 @@ def score(
     rewards = ShardSet(c["out"]).read_all()
     meta = src.read_all(["prompt_meta"])["prompt_meta"] if "prompt_meta" in src.columns else None
     result = {"out": str(c["out"]), "rows": len(rewards["sample_id"]), **reward_statistics(rewards, meta)}
+    if modality == "text":  # responses cut at the sampling cap: their format rewards are 0
+        result["truncated"] = sum(truncated_rows(src.read_all(text_columns(list(src.columns)))))
     with tracking:
         tracking.log_rewards(run_location(c["out"])[1] or 0, rewards, meta)
     # this process's scoring speed per reward (images are decoded once per batch for all of them)

@@ -149,34 +149,20 @@ def replay_token_shard(
     sampling weights the prompts are padded as in the rollout. With `reference`, also the frozen base
     model's `ref_log_probs` [N, T] (KL). Stats compare with the rollout log-probs on valid tokens.
     """
-    from stages.sample.vlm_stage import (
-        prompt_inputs,
-        response_batch,
-        row_audios,
-        row_images,
-        row_prompts,
-        token_column,
-    )
+    from stages.sample.vlm_stage import prompt_inputs, response_batch, row_media, row_prompts, token_column
     from stages.shards.reader import concat_batches, slice_batch
 
     check_finite(shard, shard["sample_id"], where=where, hint=CORRUPT)
     ids = list(shard["group_id"])
     n = ids.count(ids[0]) if ids else 1
     rows_per_batch = cfg.prompts_per_call(n) * n
-    images = row_images(shard, where)
-    audios = row_audios(shard)
+    media = row_media(shard, where)
     parts = []
     for start in range(0, len(ids), rows_per_batch):
         stop = min(len(ids), start + rows_per_batch)
         part = slice_batch(shard, start, stop)
         inputs = prompt_inputs(
-            policy,
-            row_prompts(part),
-            images[start:stop],
-            part["prompt_ids"],
-            part["prompt_mask"],
-            where,
-            audios[start:stop],
+            policy, row_prompts(part), media[start:stop], part["prompt_ids"], part["prompt_mask"], where
         )
         tokens, mask = response_batch(part, policy.device)
         width = part["response_ids"].shape[1]

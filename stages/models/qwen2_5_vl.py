@@ -9,28 +9,33 @@ with the default system prompt, and tied embeddings (as in Qwen2.5-VL-3B). What 
 depths, the vocabulary (see `stages.models.tokenizers.build_qwen2_tokenizer`) and the image pixel
 budget (56x56 to 112x112 pixels, i.e. 4 to 16 image tokens).
 
-The processor is `Qwen2_5_VLImageTextProcessor`: transformers' `Qwen2_5_VLProcessor` without its video
-processor, which transformers can only build with torchvision (not installed here; its PyPI wheels need
-the GPU build of torch). Importing this module registers the class so `AutoProcessor.from_pretrained` finds it by the
-name saved in `processor_config.json`; images are processed exactly as by the full processor, which also
-returns the `mm_token_type_ids` the model needs for 3-D rope positions.
+The processor is `Qwen2_5_VLImageTextProcessor`: transformers' `Qwen2_5_VLProcessor` with
+`QwenVLFramesVideoProcessor` in place of its video processor, which transformers can only build with
+torchvision (not installed here; its PyPI wheels need the GPU build of torch). Importing this module
+registers both classes so `AutoProcessor.from_pretrained` finds them by the names saved with the
+folder; images are processed exactly as by the full processor, which also returns the
+`mm_token_type_ids` the model needs for 3-D rope positions, and videos (lists of frames) in the same
+patch layout as transformers' `Qwen2VLVideoProcessor`.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-import torch
+import numpy as np
 from transformers import (
+    AutoImageProcessor,
     AutoProcessor,
     GenerationConfig,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2_5_VLProcessor,
 )
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil, smart_resize
+from transformers.video_processing_utils import BatchFeature, VideoProcessorMixin
 
 from stages.models.factory import choose_size, finish_model_dir, no_progress_bars, parameter_count, seeded
 from stages.models.tokenizers import build_qwen2_tokenizer
@@ -41,8 +46,6 @@ SPATIAL_MERGE_SIZE = 2
 TEMPORAL_PATCH_SIZE = 2
 ROPE_THETA = 1_000_000.0
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
-IMAGE_TOKEN_TYPE = 1
-VIDEO_TOKEN_TYPE = 2
 
 # ChatML as Qwen2.5-VL renders it: a default system turn when the conversation has none, each image
 # part as <|vision_start|><|image_pad|><|vision_end|> (the processor expands the pad), and
@@ -69,20 +72,147 @@ CHAT_TEMPLATE = (
 )
 
 
+class QwenVLFramesVideoProcessor(VideoProcessorMixin):
+    """Qwen2-VL-style video processing on PIL frames with numpy (no torchvision): the frames of a video
+    are resized to one size (`smart_resize` of the first frame within [min_pixels, max_pixels], both
+    sides multiples of patch × merge), scaled to [0, 1], normalised with the CLIP mean/std, padded to a
+    multiple of `temporal_patch_size` frames by repeating the last, and cut into patches of
+    temporal_patch_size × patch × patch pixels ordered as transformers' `Qwen2VLVideoProcessor` orders
+    them (merge windows contiguous). A video of T frames at h × w pixels gives grid
+    (⌈T/tps⌉, h/patch, w/patch) and rows of 3·tps·patch² values.
+
+    Frames are taken as given (no frame sampling: `stages.sample.vlm_data` samples video files);
+    `video_metadata` is returned as passed, so the processor derives each video's
+    `second_per_grid_ts` from its frame rate. The patch layout is the one every Qwen-VL-style model
+    (Qwen2-VL, Qwen2.5-VL, the Qwen-Omni thinkers) reads; sizes come from the instance.
+    """
+
+    model_input_names: ClassVar[list[str]] = ["pixel_values_videos", "video_grid_thw"]
+
+    def __init__(
+        self,
+        min_pixels: int = 56 * 56,
+        max_pixels: int = 28 * 28 * 768,
+        patch_size: int = PATCH_SIZE,
+        temporal_patch_size: int = TEMPORAL_PATCH_SIZE,
+        merge_size: int = SPATIAL_MERGE_SIZE,
+        image_mean: list[float] | None = None,
+        image_std: list[float] | None = None,
+        **kwargs: Any,
+    ):
+        super().__init__(**kwargs)
+        self.min_pixels, self.max_pixels = min_pixels, max_pixels
+        self.patch_size, self.temporal_patch_size, self.merge_size = (
+            patch_size,
+            temporal_patch_size,
+            merge_size,
+        )
+        self.image_mean = list(image_mean or OPENAI_CLIP_MEAN)
+        self.image_std = list(image_std or OPENAI_CLIP_STD)
+
+    def to_dict(self) -> dict[str, Any]:
+        keys = ("min_pixels", "max_pixels", "patch_size", "temporal_patch_size", "merge_size")
+        return {
+            **{k: getattr(self, k) for k in keys},
+            "image_mean": self.image_mean,
+            "image_std": self.image_std,
+            "video_processor_type": type(self).__name__,
+        }
+
+    def patchify(self, frames: list[Any]) -> tuple[np.ndarray, list[int]]:
+        """One video's PIL frames → its patch rows [grid_t·grid_h·grid_w, 3·tps·patch²] and grid."""
+        from PIL import Image
+
+        factor = self.patch_size * self.merge_size
+        width, height = frames[0].size
+        h, w = smart_resize(
+            height, width, factor=factor, min_pixels=self.min_pixels, max_pixels=self.max_pixels
+        )
+        mean, std = np.asarray(self.image_mean, np.float32), np.asarray(self.image_std, np.float32)
+        video = np.stack(
+            [
+                (
+                    np.asarray(f.convert("RGB").resize((w, h), Image.Resampling.BICUBIC), np.float32) / 255
+                    - mean
+                )
+                / std
+                for f in frames
+            ]
+        ).transpose(0, 3, 1, 2)  # [T, C, h, w]
+        if pad := -len(video) % self.temporal_patch_size:
+            video = np.concatenate([video, np.repeat(video[-1:], pad, axis=0)])
+        tps, p, m = self.temporal_patch_size, self.patch_size, self.merge_size
+        grid = [len(video) // tps, h // p, w // p]
+        patches = video.reshape(grid[0], tps, 3, grid[1] // m, m, p, grid[2] // m, m, p)
+        patches = patches.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
+        return patches.reshape(grid[0] * grid[1] * grid[2], 3 * tps * p * p), grid
+
+    def preprocess(  # type: ignore[override]
+        self,
+        videos: list[list[Any]],
+        video_metadata: Any = None,
+        return_metadata: bool = False,
+        return_tensors: str | None = None,
+        **kwargs: Any,
+    ) -> BatchFeature:
+        """videos: a list of videos, each a list of PIL frames → pixel_values_videos and video_grid_thw."""
+        rows, grids = zip(*(self.patchify(list(frames)) for frames in videos))
+        data: dict[str, Any] = {
+            "pixel_values_videos": np.concatenate(rows),
+            "video_grid_thw": np.asarray(grids, dtype=np.int64),
+        }
+        out = BatchFeature(data=data, tensor_type=return_tensors)
+        if return_metadata:
+            out["video_metadata"] = video_metadata
+        return out
+
+
 class Qwen2_5_VLImageTextProcessor(Qwen2_5_VLProcessor):
-    """`Qwen2_5_VLProcessor` for images and text only: same prompt expansion, pixel values, grids and
-    `mm_token_type_ids`, but no video processor, so it builds and loads without torchvision."""
+    """`Qwen2_5_VLProcessor` with `QwenVLFramesVideoProcessor` as its video processor (or none, in
+    folders built before it): same prompt expansion, pixel values, grids and `mm_token_type_ids`, but
+    it builds and loads without torchvision."""
 
     def __init__(
         self,
         image_processor: Any = None,
         tokenizer: Any = None,
+        video_processor: Any = None,
         chat_template: str | None = None,
         **kwargs: Any,
     ):
         super().__init__(
-            image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template, **kwargs
+            image_processor=image_processor,
+            tokenizer=tokenizer,
+            video_processor=video_processor,
+            chat_template=chat_template,
+            **kwargs,
         )
+
+    def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
+        """transformers looks the video processor's base class up through `AutoVideoProcessor`, which
+        needs torchvision; this one takes `QwenVLFramesVideoProcessor` or None."""
+        if argument_name != "video_processor":
+            return super().check_argument_for_proper_class(argument_name, argument)
+        if argument is not None and not isinstance(argument, QwenVLFramesVideoProcessor):
+            raise TypeError(
+                f"video_processor must be a QwenVLFramesVideoProcessor, got {type(argument).__name__}"
+            )
+        return QwenVLFramesVideoProcessor
+
+    @classmethod
+    def _get_arguments_from_pretrained(
+        cls, pretrained_model_name_or_path: Any, processor_dict: dict | None = None, **kwargs: Any
+    ) -> list[Any]:
+        """The image processor and tokenizer as transformers loads them, and the video processor from
+        the `video_processor` entry of processor_config.json (transformers' `AutoVideoProcessor` needs
+        torchvision); None in folders built before it."""
+        kwargs.pop("subfolder", None)
+        image_processor = AutoImageProcessor.from_pretrained(pretrained_model_name_or_path, **kwargs)
+        tokenizer = cls._load_tokenizer_from_pretrained("tokenizer", pretrained_model_name_or_path, **kwargs)
+        config = dict((processor_dict or {}).get("video_processor") or {})
+        if config.pop("video_processor_type", None) != QwenVLFramesVideoProcessor.__name__:
+            return [image_processor, tokenizer, None]
+        return [image_processor, tokenizer, QwenVLFramesVideoProcessor(**config)]
 
 
 # Keyed by a name rather than Qwen2_5_VLConfig, so real checkpoints keep resolving to transformers' own
@@ -131,19 +261,6 @@ SIZES: dict[str, Qwen2_5_VLSize] = {
         max_pixels=112 * 112,
     ),
 }
-
-
-def mm_token_type_ids(input_ids: torch.Tensor, *, image_token_id: int, video_token_id: int) -> torch.Tensor:
-    """Per-token modality of processor-expanded ids, (B, L) int: 0 text, 1 `<|image_pad|>`, 2 `<|video_pad|>`.
-
-    Qwen2.5-VL in transformers 5 computes 3-D rope positions only when the forward gets this tensor
-    (the processor returns it for the prompt); without it the model silently falls back to 1-D positions.
-    Use it for prompt + completion ids, where completion tokens are text.
-    """
-    types = torch.zeros_like(input_ids, dtype=torch.int64)
-    types[input_ids == image_token_id] = IMAGE_TOKEN_TYPE
-    types[input_ids == video_token_id] = VIDEO_TOKEN_TYPE
-    return types
 
 
 def load_processor(model_dir: str | Path) -> Qwen2_5_VLProcessor:
@@ -226,8 +343,12 @@ def build_qwen2_5_vl(out_dir: str | Path, *, size: str, seed: int) -> dict[str, 
         temporal_patch_size=TEMPORAL_PATCH_SIZE,
         merge_size=SPATIAL_MERGE_SIZE,
     )
+    video_processor = QwenVLFramesVideoProcessor(min_pixels=spec.min_pixels, max_pixels=spec.max_pixels)
     processor = Qwen2_5_VLImageTextProcessor(
-        image_processor=image_processor, tokenizer=tokenizer, chat_template=CHAT_TEMPLATE
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=video_processor,
+        chat_template=CHAT_TEMPLATE,
     )
     config = _config(spec, tokenizer)
     with seeded(seed, "model"):

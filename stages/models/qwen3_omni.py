@@ -339,6 +339,14 @@ def _groups(row_tokens: torch.Tensor, item_tokens: list[int]) -> list[list[int]]
     return groups
 
 
+# The thinker's visual inputs: patches [sum of grid rows, D], grids [items, 3], the placeholder token id
+# (config attribute) and any further per-item tensors.
+_VISUAL_INPUTS = (
+    ("pixel_values", "image_grid_thw", "image_token_id", ()),
+    ("pixel_values_videos", "video_grid_thw", "video_token_id", ("video_second_per_grid",)),
+)
+
+
 def repeat_prompts(inputs: dict[str, torch.Tensor], n: int, config: Any) -> dict[str, torch.Tensor]:
     """Thinker inputs with each prompt repeated n times in place (B prompts -> B·n rows), media included.
 
@@ -358,15 +366,19 @@ def repeat_prompts(inputs: dict[str, torch.Tensor], n: int, config: Any) -> dict
         order = torch.tensor([i for g in groups for _ in range(n) for i in g], dtype=torch.long)
         for key in ("input_features", "feature_attention_mask"):
             out[key] = inputs[key][order.to(inputs[key].device)]
-    if "pixel_values" in inputs:
-        grid = inputs["image_grid_thw"]
+    merge = config.vision_config.spatial_merge_size
+    for pixels, grids, token, per_item in _VISUAL_INPUTS:
+        if pixels not in inputs:
+            continue
+        grid = inputs[grids]
         rows = grid.prod(-1).tolist()
-        merge = config.vision_config.spatial_merge_size
-        groups = _groups((ids == config.image_token_id).sum(-1), [r // merge**2 for r in rows])
+        groups = _groups((ids == getattr(config, token)).sum(-1), [r // merge**2 for r in rows])
         starts = [sum(rows[:i]) for i in range(len(rows))]
         order = [i for g in groups for _ in range(n) for i in g]
-        out["image_grid_thw"] = grid[torch.tensor(order, dtype=torch.long, device=grid.device)]
-        out["pixel_values"] = torch.cat(
-            [inputs["pixel_values"][starts[i] : starts[i] + rows[i]] for i in order]
-        )
+        index = torch.tensor(order, dtype=torch.long, device=grid.device)
+        out[grids] = grid[index]
+        out[pixels] = torch.cat([inputs[pixels][starts[i] : starts[i] + rows[i]] for i in order])
+        for key in per_item:
+            if key in inputs:
+                out[key] = inputs[key][index.to(inputs[key].device)]
     return out

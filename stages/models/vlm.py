@@ -38,6 +38,12 @@ from stages.models.diffusion import (
 from stages.models.hub import base_model_record
 from stages.models.tokens import token_entropy, token_log_probs
 
+# The processor argument that takes each media type's items (one flat list over the batch), and the
+# processor part a type beyond images needs (Qwen2.5-VL has no feature extractor, the thinker no
+# video processor).
+PROCESSOR_ARGS = {"image": "images", "video": "videos", "audio": "audio"}
+PROCESSOR_PARTS = {"video": "video_processor", "audio": "feature_extractor"}
+
 # Vision markers a response must never contain: sampled into a response, an image pad token would
 # make the model look for image features that do not exist. They are removed from the policy's
 # distribution (at sampling and in every log-prob), as trl does after its issue #3847.
@@ -132,7 +138,6 @@ class VLMPolicy:
         self.lora = bool(getattr(model, "peft_config", None))
         self._reference: torch.nn.Module | None = None
         tok = processor.tokenizer
-        self.image_token_id = tok.convert_tokens_to_ids("<|image_pad|>")
         self.pad_id = tok.pad_token_id
         self.banned_ids = sorted(
             {
@@ -291,51 +296,76 @@ class VLMPolicy:
         prompts: Sequence[str | list[dict[str, Any]]],
         images: list[list[Any]],
         *,
+        videos: list[list[Any]] | None = None,
         audios: list[list[Any]] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Left-padded processor inputs, one row per prompt: its chat messages (typed content parts,
         `stages.sample.vlm_data.build_messages`; a plain question is `user_turn`) through the chat
         template with the generation prompt, and its media in the order of their parts.
 
-        images[k]: prompt k's PIL images; audios[k]: its audio clips as float32 waveforms [S] at the
-        processor's sampling rate (omni models). Each media type goes to the processor as one flat list
-        (None when no prompt has any), so text-only prompts may share a batch with prompts with media.
+        images[k]: prompt k's PIL images; videos[k]: its videos, each a list of PIL frames whose frame
+        rate is the `fps` of its video part (required: it times the video's temporal patches); audios[k]:
+        its audio clips as float32 waveforms [S] at the processor's sampling rate (omni models). Every
+        media type is passed to the processor as one flat list (None when no prompt has any), so a batch
+        may mix text-only prompts with prompts that have media; the processor's outputs (pixel values,
+        grids, frame timing, audio features) go to the model as they are.
         """
-        media = {"image": images, "audio": audios or [[] for _ in prompts]}
-        texts = []
+        media = {
+            "image": images,
+            "video": videos or [[] for _ in prompts],
+            "audio": audios or [[] for _ in prompts],
+        }
+        texts, fps = [], []
         for k, prompt in enumerate(prompts):
             messages = user_turn(prompt, len(images[k])) if isinstance(prompt, str) else prompt
             for kind, items in media.items():
-                placed = sum(
-                    1
+                parts = [
+                    part
                     for m in messages
                     if isinstance(m["content"], list)
                     for part in m["content"]
                     if part.get("type") == kind
-                )
-                if placed != len(items[k]):
+                ]
+                if len(parts) != len(items[k]):
                     raise UserInputError(
-                        f"prompt {k}: {placed} {kind} parts in its messages but {len(items[k])} {kind}s"
+                        f"prompt {k}: {len(parts)} {kind} parts in its messages but {len(items[k])} {kind}s"
                     )
+                if kind == "video":
+                    if not all(isinstance(part.get("fps"), (int, float)) for part in parts):
+                        raise UserInputError(f"prompt {k}: a video part has no frame rate ('fps')")
+                    fps += [float(part["fps"]) for part in parts]
             texts.append(
                 self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             )
-        flat = {kind: [x for row in items for x in row] or None for kind, items in media.items()}
-        if flat["audio"] and getattr(self.processor, "feature_extractor", None) is None:
-            raise UserInputError(
-                f"--model {self.model_path}: its processor takes no audio; use an omni model for audio prompts"
-            )
+        flat = {
+            PROCESSOR_ARGS[kind]: [x for row in items for x in row] or None for kind, items in media.items()
+        }
+        for kind, part in PROCESSOR_PARTS.items():
+            if flat[PROCESSOR_ARGS[kind]] and getattr(self.processor, part, None) is None:
+                raise UserInputError(
+                    f"--model {self.model_path}: its processor has no {part} and takes no {kind}s; "
+                    f"sample {kind} prompts with a model whose processor has one"
+                )
+        extra: dict[str, Any] = {}
+        if flat["videos"]:
+            from transformers.video_utils import VideoMetadata
+
+            extra["video_metadata"] = [
+                VideoMetadata(total_num_frames=len(v), fps=r, frames_indices=list(range(len(v))))
+                for v, r in zip(flat["videos"], fps)
+            ]
+            extra["do_sample_frames"] = False
         inputs = self.processor(
             text=texts,
-            images=flat["image"],
-            **({"audio": flat["audio"]} if flat["audio"] else {}),
+            **{arg: items for arg, items in flat.items() if items},
+            **extra,
             return_tensors="pt",
             padding=True,
             padding_side="left",
         )
         if "mm_token_type_ids" not in inputs and self._takes_token_types:
             raise UserInputError("the processor gave no mm_token_type_ids; image positions would be wrong")
-        return {k: v.to(self.device) for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+        return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
 
     @property
     def _takes_token_types(self) -> bool:
@@ -352,7 +382,8 @@ class VLMPolicy:
     ) -> dict[str, torch.Tensor]:
         """Prompt inputs extended by the responses: ids, mask and, where the processor gives them,
         `mm_token_type_ids` (response tokens are text, even a sampled `<|image_pad|>`, as in `generate`);
-        every other processor output (pixel values, grids, audio features) is passed on as it is."""
+        every other processor output (pixel values, grids, frame timing, audio features) is passed on as
+        it is."""
         ids = torch.cat([prompt["input_ids"], response_ids], dim=1)
         mask = torch.cat([prompt["attention_mask"], response_mask.to(prompt["attention_mask"].dtype)], dim=1)
         out = {"input_ids": ids, "attention_mask": mask}

@@ -1,12 +1,21 @@
 """Prompt rows for vision-language RL: verl's Parquet layout as is, and EasyR1-style raw columns.
 
-verl: `data_source`, `prompt` (chat messages whose text holds literal `<image>` placeholders),
-`images` (list of {bytes, path} structs, raw bytes or paths), `reward_model.ground_truth`,
-`extra_info`. EasyR1: `problem`, `answer`, `images` (keys configurable). Rows come from any prompt
-source (`stages.sample.sources`). Each row becomes a `VLMPrompt` whose messages are built as verl builds
-them (system and multi-turn messages kept, each placeholder a typed content part at its position),
-whose images are encoded bytes (stored once per prompt downstream) and whose metadata carries what
-text rewards read (`ground_truth`, `data_source`, `extra_info`).
+verl: `data_source`, `prompt` (chat messages whose text holds literal `<image>` / `<video>` /
+`<audio>` placeholders), `images` (list of {bytes, path} structs, raw bytes or paths), `videos`,
+`audios`, `reward_model.ground_truth`, `extra_info`. EasyR1: `problem`, `answer`, `images`,
+`videos`, `audios` (keys configurable). Rows come from any prompt source (`stages.sample.sources`).
+Each row becomes a `VLMPrompt` whose messages are built as verl builds them (system and multi-turn
+messages kept, each placeholder a typed content part at its position), whose media are encoded files
+per kind (stored once per prompt downstream) and whose metadata carries what text rewards read
+(`ground_truth`, `data_source`, `extra_info`).
+
+Input modes: a row without media (no media column, null or an empty list) is a text-only prompt; a
+row may hold several images, videos and audio clips, and one batch may mix rows of every kind. Each
+media kind is one `MediaKind` entry (its column, placeholder and content-part type) in `MEDIA_KINDS`;
+a kind's values are normalised to a list of encoded files per item: an image is one PNG/JPEG file, a
+video a list of frame files (given as frames, or decoded from a video file with PyAV,
+`decode_video_file`), an audio clip one audio file, checked to decode at sample time
+(`stages.sample.vlm_audio`).
 """
 
 from __future__ import annotations
@@ -24,55 +33,89 @@ from stages.errors import UserInputError
 from stages.sample.prompts import pick_rows
 from stages.sample.sources import PromptSource, SourceRow
 from stages.sample.vlm_audio import audio_bytes
-from stages.tables import image_bytes
+from stages.tables import image_bytes, png_bytes
 
-PLACEHOLDER = "<image>"
-VIDEO_PLACEHOLDER = "<video>"
-AUDIO_PLACEHOLDER = "<audio>"
-_PLACEHOLDERS = re.compile(f"({PLACEHOLDER}|{VIDEO_PLACEHOLDER}|{AUDIO_PLACEHOLDER})")
+
+@dataclass(frozen=True)
+class MediaKind:
+    """One kind of media a prompt row can carry: its `type` (the content part `{"type": type}` and the
+    processor's argument `type + "s"`), the verl/EasyR1 column holding a row's items and the literal
+    placeholder that marks each item's position in the text."""
+
+    type: str
+    column: str
+    placeholder: str
+
+
+IMAGE = MediaKind("image", "images", "<image>")
+VIDEO = MediaKind("video", "videos", "<video>")
+AUDIO = MediaKind("audio", "audios", "<audio>")
+MEDIA_KINDS = (IMAGE, VIDEO, AUDIO)
+PLACEHOLDER = IMAGE.placeholder
+VIDEO_PLACEHOLDER = VIDEO.placeholder
+AUDIO_PLACEHOLDER = AUDIO.placeholder
+_PLACEHOLDERS = re.compile("(" + "|".join(re.escape(k.placeholder) for k in MEDIA_KINDS) + ")")
+_BY_PLACEHOLDER = {k.placeholder: k for k in MEDIA_KINDS}
 _PACK_MAGIC = b"OMNIIMG1"
+# Frame sampling of a video file, qwen-vl-utils' defaults: 2 frames per second (also the rate of a
+# video given as frames), a frame count that is a multiple of 2 (the temporal patch) and at least 4.
+VIDEO_FPS = 2.0
+VIDEO_FRAME_FACTOR = 2
+VIDEO_MIN_FRAMES = 4
+VIDEO_MAX_FRAMES = 768
 
 
 @dataclass
 class VLMPrompt:
-    """A prompt row: `messages` as the model sees them (each `{"type": "image"}` part takes the next
-    of `images`, each `{"type": "audio"}` part the next of `audios`, encoded audio files), `question`
-    the user turns' text without placeholders (the rollout's `prompt` column, what rewards and reports
-    read), `meta` what text rewards read."""
+    """A prompt row: `messages` as the model sees them (each `{"type": KIND}` part takes the next item
+    of `media[KIND's column]`), `question` the user turns' text without placeholders (the rollout's
+    `prompt` column, what rewards and reports read), `meta` what text rewards read.
+
+    media: per kind column, the row's items as encoded files: `images` a list of PNG/JPEG files,
+    `videos` a list of videos, each a list of frame files (its frame rate is the part's `fps`),
+    `audios` a list of audio files (`stages.sample.vlm_audio`).
+    """
 
     question: str
-    images: list[bytes]
+    media: dict[str, list[Any]] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
     messages: list[dict[str, Any]] = field(default_factory=list)
-    audios: list[bytes] = field(default_factory=list)
+
+    @property
+    def images(self) -> list[bytes]:
+        return self.media.get(IMAGE.column, [])
+
+    @property
+    def videos(self) -> list[list[bytes]]:
+        return self.media.get(VIDEO.column, [])
+
+    @property
+    def audios(self) -> list[bytes]:
+        return self.media.get(AUDIO.column, [])
 
 
 def typed_parts(content: str) -> list[dict[str, Any]]:
-    """verl's rule for a message of a row with images or videos: the text is cut at every `<image>` /
-    `<video>` placeholder, each placeholder becoming an `{"type": "image"}` / `{"type": "video"}` part at
-    its position and each non-empty piece between them a text part (kept as it is, spaces included).
-    `<audio>` becomes an `{"type": "audio"}` part likewise."""
+    """verl's rule for a message of a row with media: the text is cut at every placeholder (`<image>`,
+    `<video>`), each becoming a `{"type": "image"}` / `{"type": "video"}` part at its position and each
+    non-empty piece between them a text part (kept as it is, spaces included)."""
     parts: list[dict[str, Any]] = []
     for piece in _PLACEHOLDERS.split(content):
-        if piece == PLACEHOLDER:
-            parts.append({"type": "image"})
-        elif piece == VIDEO_PLACEHOLDER:
-            parts.append({"type": "video"})
-        elif piece == AUDIO_PLACEHOLDER:
-            parts.append({"type": "audio"})
+        if piece in _BY_PLACEHOLDER:
+            parts.append({"type": _BY_PLACEHOLDER[piece].type})
         elif piece:
             parts.append({"type": "text", "text": piece})
     return parts
 
 
-def _count(messages: list[dict[str, Any]], kind: str) -> int:
-    return sum(
-        1
+def media_parts(messages: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    """The `{"type": kind}` content parts of chat messages, in order."""
+    return [
+        part
         for m in messages
         if isinstance(m["content"], list)
         for part in m["content"]
         if isinstance(part, dict) and part.get("type") == kind
-    )
+    ]
 
 
 def _as_messages(value: Any, where: str) -> list[dict[str, Any]]:
@@ -101,57 +144,34 @@ def _as_messages(value: Any, where: str) -> list[dict[str, Any]]:
 
 
 def build_messages(
-    value: Any, num_images: int, num_videos: int, where: str, num_audios: int = 0
+    value: Any, counts: dict[str, int], where: str, columns: dict[str, str] | None = None
 ) -> list[dict[str, Any]]:
     """The chat messages of a row as verl's `RLHFDataset._build_messages` makes them: system, user and
-    assistant turns kept in order; in a row with images, videos or audios every string content cut into
-    typed parts (`typed_parts`). The image parts must match the images one to one, the audio parts the
-    audios; a row whose text holds no placeholder of a kind gets its items of that kind before the text
-    of its first user turn."""
+    assistant turns kept in order; in a row with media every string content cut into typed parts
+    (`typed_parts`). `counts` is the number of items per media type ("image", "video"); each type's
+    parts must match its items one to one, except that a type with items but no placeholder at all
+    gets its parts before the text of the first user turn (images, then videos). A mismatch names the
+    row and the column (`columns`: type → column name, default `MediaKind.column`)."""
     messages = _as_messages(value, where)
-    if num_images or num_videos or num_audios:
+    if any(counts.values()):
         messages = [
             {**m, "content": typed_parts(m["content"]) if isinstance(m["content"], str) else m["content"]}
             for m in messages
         ]
-    placed, videos = _count(messages, "image"), _count(messages, "video")
-    if placed == 0 and num_images:
+    leading: list[dict[str, Any]] = []
+    for kind in MEDIA_KINDS:
+        items, placed = counts.get(kind.type, 0), len(media_parts(messages, kind.type))
+        if placed == 0 and items:
+            leading += [{"type": kind.type} for _ in range(items)]
+        elif placed != items:
+            column = (columns or {}).get(kind.type, kind.column)
+            raise UserInputError(
+                f"{where}: {placed} {kind.placeholder} placeholders but column '{column}' holds "
+                f"{items} {kind.type}s; a row needs one {kind.type} per placeholder"
+            )
+    if leading:
         first = next(i for i, m in enumerate(messages) if m["role"] == "user")
-        messages[first] = {
-            **messages[first],
-            "content": [{"type": "image"} for _ in range(num_images)] + messages[first]["content"],
-        }
-    elif placed != num_images:
-        raise UserInputError(
-            f"{where}: {placed} {PLACEHOLDER} placeholders but {num_images} images; "
-            "a row needs one image per placeholder"
-        )
-    messages = _place_audios(messages, num_audios, where)
-    if videos or num_videos:
-        raise UserInputError(
-            f"{where}: {videos} {VIDEO_PLACEHOLDER} placeholders and {num_videos} videos; omnirl samples "
-            "vision-language prompts with images only, drop the videos"
-        )
-    return messages
-
-
-def _place_audios(messages: list[dict[str, Any]], num_audios: int, where: str) -> list[dict[str, Any]]:
-    """`build_messages`' rule for audio parts: as many as the row has audios, or, with no `<audio>`
-    placeholder at all, the audios first in the first user turn."""
-    placed = _count(messages, "audio")
-    if placed == 0 and num_audios:
-        first = next(i for i, m in enumerate(messages) if m["role"] == "user")
-        parts = [{"type": "audio"} for _ in range(num_audios)]
-        return [
-            *messages[:first],
-            {**messages[first], "content": parts + messages[first]["content"]},
-            *messages[first + 1 :],
-        ]
-    if placed != num_audios:
-        raise UserInputError(
-            f"{where}: {placed} {AUDIO_PLACEHOLDER} placeholders but {num_audios} audios; "
-            "a row needs one audio per placeholder"
-        )
+        messages[first] = {**messages[first], "content": leading + messages[first]["content"]}
     return messages
 
 
@@ -170,6 +190,63 @@ def question_text(messages: list[dict[str, Any]]) -> str:
     return "\n".join(texts).strip()
 
 
+def _media_list(value: Any, column: str, where: str) -> list[Any]:
+    """A row's media column as a list: null or absent is none (a text-only row)."""
+    if value is None:
+        return []
+    if hasattr(value, "tolist") and not isinstance(value, (bytes, bytearray)):
+        value = value.tolist()
+    if not isinstance(value, (list, tuple)):
+        raise UserInputError(f"{where}: column '{column}' must hold a list per row")
+    return list(value)
+
+
+def decode_video_file(blob: bytes, where: str, fps: float = VIDEO_FPS) -> tuple[list[bytes], float]:
+    """A video file (any container PyAV reads, e.g. MP4) → frames sampled as qwen-vl-utils samples
+    them, as PNG files, and their frame rate: round(seconds · fps) frames, rounded to a multiple of
+    `VIDEO_FRAME_FACTOR` within [`VIDEO_MIN_FRAMES`, min(`VIDEO_MAX_FRAMES`, frames in the file)], taken
+    at evenly spaced indices; the rate is frames kept / frames in the file × the file's rate. Stored
+    as frames, the video replays without decoding it again."""
+    try:
+        import av
+    except ImportError:
+        raise UserInputError(
+            f"{where}: a video file needs PyAV (pip install av); or give the video as a list of frames"
+        ) from None
+    try:
+        with av.open(io.BytesIO(blob)) as container:
+            stream = container.streams.video[0]
+            frames = [frame.to_image() for frame in container.decode(stream)]
+            rate = float(stream.average_rate or stream.guessed_rate or 0)
+    except (av.FFmpegError, IndexError, ValueError):
+        raise UserInputError(f"{where}: a video is not a readable video file") from None
+    if not frames or rate <= 0:
+        raise UserInputError(f"{where}: a video file has no frames or no frame rate")
+    total = len(frames)
+    wanted = round(total / rate * fps / VIDEO_FRAME_FACTOR) * VIDEO_FRAME_FACTOR
+    ceiling = max(VIDEO_FRAME_FACTOR, min(VIDEO_MAX_FRAMES, total) // VIDEO_FRAME_FACTOR * VIDEO_FRAME_FACTOR)
+    count = min(max(wanted, VIDEO_MIN_FRAMES), ceiling)
+    index = [round(k * (total - 1) / max(1, count - 1)) for k in range(count)]
+    return [png_bytes(frames[i]) for i in index], count / total * rate
+
+
+def video_frames(value: Any, base: Path, where: str) -> tuple[list[bytes], float]:
+    """One video of a row → (frame files, frame rate). A video is a list of frames (each as an image
+    is given), a video file (bytes, {bytes, path} struct or path; `decode_video_file`), or a dict
+    `{"video": frames or file, "fps": rate}` (qwen-vl-utils' form; frames default to `VIDEO_FPS`)."""
+    fps = None
+    if isinstance(value, dict) and "video" in value:
+        fps = value.get("fps")
+        value = value["video"]
+    if hasattr(value, "tolist") and not isinstance(value, (bytes, bytearray)):
+        value = value.tolist()
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise UserInputError(f"{where}: a video is an empty list of frames")
+        return [image_bytes(frame, base, where) for frame in value], float(fps or VIDEO_FPS)
+    return decode_video_file(image_bytes(value, base, where), where, float(fps or VIDEO_FPS))
+
+
 def vlm_prompt(
     row: SourceRow,
     *,
@@ -177,6 +254,7 @@ def vlm_prompt(
     prompt_key: str = "problem",
     answer_key: str = "answer",
     image_key: str = "images",
+    video_key: str = "videos",
     audio_key: str = "audios",
 ) -> VLMPrompt:
     """One row of a verl table (`layout="verl"`) or an EasyR1-style table (`layout="easyr1"`); its
@@ -203,10 +281,19 @@ def vlm_prompt(
             "data_source": row.name,
             "extra_info": {"index": row.index},
         }
-    images = [image_bytes(im, row.base, where) for im in (data.get(image_key) or [])]
-    audios = [audio_bytes(a, row.base, where) for a in (data.get(audio_key) or [])]
-    messages = build_messages(prompt, len(images), len(data.get("videos") or []), where, len(audios))
-    return VLMPrompt(question_text(messages), images, meta, messages, audios)
+    images = [image_bytes(im, row.base, where) for im in _media_list(data.get(image_key), image_key, where)]
+    videos = [video_frames(v, row.base, where) for v in _media_list(data.get(video_key), video_key, where)]
+    audios = [audio_bytes(a, row.base, where) for a in _media_list(data.get(audio_key), audio_key, where)]
+    messages = build_messages(
+        prompt,
+        {IMAGE.type: len(images), VIDEO.type: len(videos), AUDIO.type: len(audios)},
+        where,
+        {IMAGE.type: image_key, VIDEO.type: video_key, AUDIO.type: audio_key},
+    )
+    for part, (_, fps) in zip(media_parts(messages, VIDEO.type), videos):
+        part["fps"] = fps
+    media = {IMAGE.column: images, VIDEO.column: [frames for frames, _ in videos], AUDIO.column: audios}
+    return VLMPrompt(question_text(messages), media, meta, messages)
 
 
 def read_vlm_prompts(

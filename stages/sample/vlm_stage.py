@@ -9,13 +9,19 @@ Row layout (one row per response, groups contiguous, a shard holds whole groups)
 - images (image_list): the prompt's encoded image files, in the FIRST row of each group only (the
   others hold []), so images are stored once per prompt (in Parquet `datasets`' List(Image)); sets
   of schema version 1 hold them packed into one binary blob (`unpack_images`) and are still read;
-- audios (audio_list): likewise the prompt's audio files (omni models), [] in every row of a prompt
-  without audio; rollouts written before audio support have no such column;
+  a text-only prompt holds [] everywhere;
+- videos (video_list): likewise the prompt's videos, each a list of encoded frames (Parquet:
+  List(List(Image))); each video's frame rate is the `fps` of its part in `messages`. Rollouts
+  written before video support have no such column (no videos);
+- audios (audio_list): likewise the prompt's audio files (omni models); rollouts written before audio
+  support have no such column (no audio);
 - prompt_ids int64 [P] / prompt_mask bool [P]: the processor-expanded prompt (image pad tokens
   included), left-padded to `max_prompt_length`; the training forward rebuilds pixel values from the
   images and checks that the processor gives these ids again;
 - response_ids int64 [T] / response_mask bool [T] (up to and including the first eos, right-padded
-  to `max_new_tokens`), response_text, response_length, log_probs float32 [T] (0 at padding).
+  to `max_new_tokens`), response_text, response_length, log_probs float32 [T] (0 at padding);
+  truncated (bool): the response reached `max_new_tokens` without a stop token (OmniRL's
+  `max_output_token_length` cut; format rewards score it 0).
 
 The engines: `hf` (transformers `generate` under the policy's weights; the rollout log-probs match a
 replay to float rounding) and `openai` (a server speaking the OpenAI chat API, e.g. `vllm serve`;
@@ -40,10 +46,12 @@ from stages.models.vlm import Rollout, VLMPolicy
 from stages.sample.rollout import derive_seed
 from stages.sample.stage import in_rollout, rollout_id, split_groups, write_shards
 from stages.sample.vlm_audio import decode_audio
-from stages.sample.vlm_data import VLMPrompt, decode_image, unpack_images
+from stages.sample.vlm_data import AUDIO, IMAGE, MEDIA_KINDS, VIDEO, VLMPrompt, decode_image, unpack_images
 from stages.shards.writer import ShardSetWriter
 
-KINDS = {"images": "image_list", "audios": "audio_list", "prompt_meta": "json", "messages": "json"}
+# The rollout's media columns: one per `MEDIA_KINDS` entry, named by its verl column, and their kinds.
+MEDIA_COLUMNS = {IMAGE.column: "image_list", VIDEO.column: "video_list", AUDIO.column: "audio_list"}
+KINDS = {**MEDIA_COLUMNS, "prompt_meta": "json", "messages": "json"}
 ENGINES = ("hf", "openai")
 
 
@@ -113,44 +121,55 @@ def right_pad(x: torch.Tensor, length: int, value: Any) -> torch.Tensor:
     return torch.cat([x, torch.full((len(x), length - x.shape[1]), value, dtype=x.dtype)], dim=1)
 
 
-def row_images(shard: dict[str, Any], where: str) -> list[list[bytes]]:
-    """Each row's image files, taken from the first row of its group (where `sample` stored them)."""
-    out: list[list[bytes]] = []
-    leader: dict[str, list[bytes]] = {}
-    for sid, gid, stored in zip(shard["sample_id"], shard["group_id"], shard["images"]):
-        if isinstance(stored, list):
-            leader.setdefault(gid, stored)
-        elif stored:
-            leader[gid] = unpack_images(stored, f"{where}: sample {sid!r}")
+def row_media(shard: dict[str, Any], where: str) -> list[dict[str, list[Any]]]:
+    """Each row's media per column (`MEDIA_COLUMNS`), taken from the first row of its group (where
+    `sample` stored them); a column the rollout does not have gives every row none."""
+    out: list[dict[str, list[Any]]] = []
+    leader: dict[str, dict[str, list[Any]]] = {}
+    present = [c for c in MEDIA_COLUMNS if c in shard]
+    for r, (sid, gid) in enumerate(zip(shard["sample_id"], shard["group_id"])):
+        first = gid not in leader
+        for column in present:
+            stored = shard[column][r]
+            if isinstance(stored, list):
+                if first:
+                    leader.setdefault(gid, {})[column] = stored
+            elif stored:  # schema version 1: images packed into one blob
+                leader.setdefault(gid, {})[column] = unpack_images(stored, f"{where}: sample {sid!r}")
         if gid not in leader:
             raise UserInputError(
                 f"{where}: sample {sid!r} comes before the first row of its group {gid!r}; "
                 "read whole groups in their stored order"
             )
-        out.append(leader[gid])
+        out.append({c: leader[gid].get(c, []) for c in MEDIA_COLUMNS})
     return out
 
 
-def row_audios(shard: dict[str, Any]) -> list[list[bytes]]:
-    """Each row's audio files, taken from the first row of its group (none in rollouts without audio)."""
-    if "audios" not in shard:
-        return [[] for _ in shard["sample_id"]]
-    leader: dict[str, list[bytes]] = {}
-    for gid, stored in zip(shard["group_id"], shard["audios"]):
-        leader.setdefault(gid, list(stored))
-    return [leader[gid] for gid in shard["group_id"]]
-
-
-def decode_audios(policy: VLMPolicy, audios: list[list[bytes]], where: str) -> list[list[Any]] | None:
-    """Each row's audio files as waveforms at the processor's sampling rate; None when no row has audio."""
-    if not any(audios):
-        return None
+def decode_media(policy: VLMPolicy, media: dict[str, list[Any]], where: str) -> dict[str, list[Any]]:
+    """A row's stored media → the processor's inputs per column: images as RGB PIL images, videos as
+    lists of RGB PIL frames, audio clips as mono float32 waveforms [S] at the processor's sampling rate
+    (a processor without a feature extractor takes no audio: `VLMPolicy.chat_inputs` says so)."""
     extractor = getattr(policy.processor, "feature_extractor", None)
-    if extractor is None:
-        raise UserInputError(
-            f"--model {policy.model_path}: its processor takes no audio; use an omni model for audio prompts"
-        )
-    return [[decode_audio(b, extractor.sampling_rate, where) for b in row] for row in audios]
+    rate = getattr(extractor, "sampling_rate", None)
+    return {
+        IMAGE.column: [decode_image(b, where) for b in media.get(IMAGE.column, [])],
+        VIDEO.column: [[decode_image(b, where) for b in video] for video in media.get(VIDEO.column, [])],
+        AUDIO.column: [decode_audio(b, rate, where) for b in media.get(AUDIO.column, [])],
+    }
+
+
+def media_inputs(
+    policy: VLMPolicy, prompts: list[Any], media: list[dict[str, list[Any]]], where: list[str]
+) -> dict[str, torch.Tensor]:
+    """`VLMPolicy.chat_inputs` of prompts with their media (`decode_media` per row; `where[k]` names
+    row k in an error)."""
+    decoded = [decode_media(policy, row, w) for row, w in zip(media, where)]
+    return policy.chat_inputs(
+        prompts,
+        [d[IMAGE.column] for d in decoded],
+        videos=[d[VIDEO.column] for d in decoded],
+        audios=[d[AUDIO.column] for d in decoded],
+    )
 
 
 def prompt_seed(cfg: VLMSampleConfig, index: int) -> int:
@@ -162,9 +181,12 @@ def generate_batch(
     policy: VLMPolicy, cfg: VLMSampleConfig, prompts: list[tuple[int, VLMPrompt]], n: int, seed: int
 ) -> tuple[dict[str, torch.Tensor], Rollout]:
     """Prompt inputs (one row per prompt) and n responses per prompt from the configured engine."""
-    images = [[decode_image(b, f"prompt {i}") for b in p.images] for i, p in prompts]
-    audios = decode_audios(policy, [p.audios for _, p in prompts], f"prompt {prompts[0][0]}")
-    inputs = policy.chat_inputs([p.messages for _, p in prompts], images, audios=audios)
+    inputs = media_inputs(
+        policy,
+        [p.messages for _, p in prompts],
+        [p.media for _, p in prompts],
+        [f"prompt {i}" for i, _ in prompts],
+    )
     if cfg.engine == "hf":
         rollout = policy.generate(
             inputs,
@@ -177,9 +199,10 @@ def generate_batch(
     else:
         from stages.sample.openai_engine import generate_openai
 
-        if audios:
-            raise UserInputError("--engine openai sends images only; sample audio prompts with --engine hf")
-
+        if any(p.videos or p.audios for _, p in prompts):
+            raise UserInputError(
+                "--engine openai sends images only; sample prompts with videos or audio with --engine hf"
+            )
         rollout = generate_openai(
             str(cfg.server_url),
             str(cfg.served_model),
@@ -221,6 +244,11 @@ def sample_vlm_shard(
         groups = [f"g{i:06d}" for i, _ in chunk]
         rows = [(i, p, g, m) for (i, p), g in zip(chunk, groups) for m in range(n)]
         mask = right_pad(out.response_mask.cpu(), cfg.max_new_tokens, False)
+        length = mask.sum(-1)
+        last = out.response_ids.cpu().gather(
+            1, (length.clamp(min=1) - 1).clamp(max=out.response_ids.shape[1] - 1)[:, None]
+        )[:, 0]
+        stopped = torch.isin(last, torch.tensor(policy.stop_ids, dtype=last.dtype))
         batches.append(
             {
                 "sample_id": [f"{g}-{m:03d}" for _, _, g, m in rows],
@@ -228,14 +256,17 @@ def sample_vlm_shard(
                 "prompt": [p.question for _, p, _, _ in rows],
                 "messages": [p.messages for _, p, _, _ in rows],
                 "prompt_meta": [{**p.meta, "max_response_length": cfg.max_new_tokens} for _, p, _, _ in rows],
-                "images": [list(p.images) if m == 0 else [] for _, p, _, m in rows],
-                "audios": [list(p.audios) if m == 0 else [] for _, p, _, m in rows],
+                **{
+                    kind.column: [list(p.media.get(kind.column, [])) if m == 0 else [] for _, p, _, m in rows]
+                    for kind in MEDIA_KINDS
+                },
                 "prompt_ids": prompt_ids.repeat_interleave(n, dim=0),
                 "prompt_mask": prompt_mask.repeat_interleave(n, dim=0),
                 "response_ids": right_pad(out.response_ids.cpu(), cfg.max_new_tokens, pad_id),
                 "response_mask": mask,
                 "response_text": list(out.text),
-                "response_length": mask.sum(-1).to(torch.int64),
+                "response_length": length.to(torch.int64),
+                "truncated": (length >= cfg.max_new_tokens) & ~stopped,
                 "log_probs": right_pad(out.log_probs.float().cpu(), cfg.max_new_tokens, 0.0),
                 "seed": torch.full((len(rows),), seed, dtype=torch.int64),
                 "policy_version": torch.full((len(rows),), policy_version, dtype=torch.int64),
@@ -287,21 +318,18 @@ def row_prompts(shard: dict[str, Any]) -> list[Any]:
 def prompt_inputs(
     policy: VLMPolicy,
     prompts: list[Any],
-    images: list[list[bytes]],
+    media: list[dict[str, list[Any]]],
     prompt_ids: torch.Tensor,
     prompt_mask: torch.Tensor,
     where: str,
-    audios: list[list[bytes]] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Processor inputs for stored rows (one prompt per row, `audios` their audio files from
-    `row_audios`), checked against their stored prompt ids.
+    """Processor inputs for stored rows (one prompt per row, its media from `row_media`), checked
+    against their stored prompt ids.
 
-    The processor rebuilds pixel values from the images; if its ids differ from what `sample` stored
-    (another processor, changed images) the log-probs would be of a different prompt, so it is an error.
+    The processor rebuilds pixel values from the media; if its ids differ from what `sample` stored
+    (another processor, changed media) the log-probs would be of a different prompt, so it is an error.
     """
-    decoded = [[decode_image(b, where) for b in row] for row in images]
-    waves = decode_audios(policy, audios or [[] for _ in prompts], where)
-    inputs = policy.chat_inputs(prompts, decoded, audios=waves)
+    inputs = media_inputs(policy, prompts, media, [where] * len(prompts))
     width = int(prompt_mask.sum(-1).max()) if len(prompt_mask) else 0
     ids, mask = inputs["input_ids"].cpu(), inputs["attention_mask"].cpu().bool()
     if ids.shape[1] > prompt_ids.shape[1] or not torch.equal(

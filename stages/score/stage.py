@@ -3,8 +3,8 @@
 An image rollout's scorers get the decoded images; a video rollout's get each sample's frames (a list
 of RGB PIL images: the lossless `frames` column when `sample --save-frames` wrote one, else the decoded
 MP4); a text-response rollout's (VLM `sample`) get the response strings, with `response_length`
-(tokens) added to each row's meta for length rewards. Each reward's declared kind
-(`registry.reward_kind`) must match the rollout.
+(tokens) and `truncated` (`truncated_rows`) added to each row's meta for length and format rewards.
+Each reward's declared kind (`registry.reward_kind`) must match the rollout.
 """
 
 from __future__ import annotations
@@ -31,6 +31,20 @@ def needed_columns(modality: str, available: Collection[str] = ()) -> list[str]:
     if modality == "video":
         return [*BASE, FRAMES_COLUMN if FRAMES_COLUMN in available else "video"]
     return [*BASE, "image"]
+
+
+def text_columns(available: Sequence[str]) -> list[str]:
+    """The columns a text rollout's scoring reads, with `truncated` where the rollout has it."""
+    return needed_columns("text") + (["truncated"] if "truncated" in available else [])
+
+
+def truncated_rows(shard: dict[str, Any]) -> list[bool]:
+    """Per row, whether the response was cut at the sampling cap: the rollout's `truncated` column, or
+    in rollouts written before it, a response as long as its meta's max_response_length."""
+    if "truncated" in shard:
+        return [bool(t) for t in shard["truncated"].tolist()]
+    caps = [(m or {}).get("max_response_length") for m in shard["prompt_meta"]]
+    return [cap is not None and n >= cap for n, cap in zip(shard["response_length"].tolist(), caps)]
 
 
 def decode_images(blobs: Sequence[bytes], sample_ids: Sequence[str]) -> list[Any]:
@@ -103,14 +117,17 @@ def score_shard(
     text = modality == "text"
     check_reward_kinds(specs, modality)
     n = len(shard["sample_id"])
+    truncated = truncated_rows(shard) if text else []
     parts: list[dict[str, Any]] = []
     for start in range(0, n, batch_size):
         stop = min(n, start + batch_size)
         ids = list(shard["sample_id"][start:stop])
         meta = [dict(m) if isinstance(m, dict) else {} for m in shard["prompt_meta"][start:stop]]
         if text:
-            for row, length in zip(meta, shard["response_length"][start:stop].tolist()):
+            lengths = shard["response_length"][start:stop].tolist()
+            for row, length, cut in zip(meta, lengths, truncated[start:stop]):
                 row["response_length"] = int(length)
+                row["truncated"] = cut
         if text:
             outputs = list(shard["response_text"][start:stop])
         elif modality == "video":

@@ -1,4 +1,4 @@
-"""Reference-based text metrics on token lists: sentence BLEU, ROUGE-L and exact-match METEOR.
+"""Reference-based text metrics on token lists: sentence BLEU, ROUGE-N, ROUGE-L and exact-match METEOR.
 
 Own implementations of the published formulas (no nltk, no rouge-score, no WordNet), so text rewards
 need no extra package and no download:
@@ -7,6 +7,8 @@ need no extra package and no download:
   precisions p_n over all references and the brevity penalty BP = exp(1 − r/c) when c ≤ r (c the
   candidate length, r the reference length closest to c, the shorter one on a tie). No smoothing:
   a p_n of 0 makes BLEU 0.
+- ROUGE-N (Lin 2004): o = Σ_g min(count_cand(g), count_ref(g)) over the n-grams g, precision
+  o/(cand n-grams), recall o/(ref n-grams), F_β as below (no stemming, no stop words).
 - ROUGE-L (Lin 2004): LCS-based recall LCS/|ref|, precision LCS/|cand| and
   F_β = (1 + β²)·P·R / (R + β²·P).
 - METEOR (Banerjee & Lavie 2005) with the exact-match module only: m aligned unigrams,
@@ -75,22 +77,34 @@ def lcs_length(a: Sequence[str], b: Sequence[str]) -> int:
     return previous[-1]
 
 
-class RougeL(NamedTuple):
-    """ROUGE-L precision (LCS/|candidate|), recall (LCS/|reference|) and F_β."""
+class Rouge(NamedTuple):
+    """ROUGE precision, recall and F_β."""
 
     precision: float
     recall: float
     f: float
 
 
-def rouge_l_score(candidate: Sequence[str], reference: Sequence[str], beta: float = 1.0) -> RougeL:
-    """ROUGE-L of `candidate` against `reference`; β > 1 weighs recall more (β = 1: F1)."""
-    lcs = lcs_length(candidate, reference)
-    if lcs == 0:
-        return RougeL(0.0, 0.0, 0.0)
-    precision, recall = lcs / len(candidate), lcs / len(reference)
+def _rouge(overlap: int, candidate_total: int, reference_total: int, beta: float) -> Rouge:
+    if overlap == 0:
+        return Rouge(0.0, 0.0, 0.0)
+    precision, recall = overlap / candidate_total, overlap / reference_total
     f = (1 + beta**2) * precision * recall / (recall + beta**2 * precision)
-    return RougeL(precision, recall, f)
+    return Rouge(precision, recall, f)
+
+
+def rouge_n_score(candidate: Sequence[str], reference: Sequence[str], n: int = 1, beta: float = 1.0) -> Rouge:
+    """ROUGE-N of `candidate` against `reference` (clipped n-gram overlap); β = 1: F1."""
+    if n < 1:
+        raise ValueError(f"n must be ≥ 1, got {n}")
+    cand, ref = ngrams(candidate, n), ngrams(reference, n)
+    overlap = sum(min(count, ref[gram]) for gram, count in cand.items())
+    return _rouge(overlap, sum(cand.values()), sum(ref.values()), beta)
+
+
+def rouge_l_score(candidate: Sequence[str], reference: Sequence[str], beta: float = 1.0) -> Rouge:
+    """ROUGE-L of `candidate` against `reference`; β > 1 weighs recall more (β = 1: F1)."""
+    return _rouge(lcs_length(candidate, reference), len(candidate), len(reference), beta)
 
 
 def align_exact(candidate: Sequence[str], reference: Sequence[str]) -> list[tuple[int, int]]:

@@ -13,7 +13,13 @@ task metadata. The meta keys read here:
 - ``data_source``, ``extra_info``: passed through to verl ``compute_score`` plugins;
 - per-reward options, listed with each reward (``answer_type``, ``iou_threshold``,
   ``similarity_weights``, ``max_response_length``, ``overlong_cache``, ``overlong_factor``,
-  ``response_length``, ``repetition_ngram``, ``repetition_max_penalty``).
+  ``response_length``, ``repetition_ngram``, ``repetition_max_penalty``);
+- ``truncated``: set by the score stage when the response hit the sampling cap (``--max-new-tokens``,
+  OmniRL's ``max_output_token_length``) without a stop token; every format reward scores it 0.
+
+OmniRL's scheme (alibaba/OmniRL): ``omnirl_length`` + ``omnirl_accuracy`` + ``format_think_answer``,
+weight 1 each; the accuracy's metric weights and the length's constants are reward arguments
+(``--reward-arg omnirl_accuracy.meteor=0.2``).
 
 Each reward below is written as a per-sample rule ``rule(response, meta) -> float``; `_text_scorer`
 turns it into the batch scorer of the same name and registers it. Rewards are separate and combined by `score_batch` weights, e.g. verl's geo3k score is
@@ -47,6 +53,8 @@ ANSWER_TYPES = ("math", "choice", "box")
 NUMBER_TOLERANCE = 1e-6
 BLEU_MAX_N = 2
 DEFAULT_SIMILARITY_WEIGHTS = {"bleu": 1 / 3, "rouge_l": 1 / 3, "meteor": 1 / 3}
+SIMILARITY_METRICS = ("bleu", "rouge_l", "rouge_1", "meteor")
+OMNIRL_PUNCTUATION = ",.;!"
 OVERLONG_CACHE_FRACTION = 0.2
 DEFAULT_REPETITION_NGRAM = 3
 DEFAULT_REPETITION_MAX_PENALTY = -1.0
@@ -159,16 +167,17 @@ def _references(gt: Any) -> list[str]:
 @_text_scorer("format_think_answer")
 def format_think_answer(response: str, meta: dict) -> float:
     """1 if the whole response is ``<think>…</think>`` then ``<answer>…</answer>`` (only whitespace
-    between them, newlines allowed inside: R1 / VLM-R1 fullmatch with DOTALL), else 0."""
-    return 1.0 if _THINK_ANSWER_RE.fullmatch(response) else 0.0
+    between them, newlines allowed inside: R1 / VLM-R1 fullmatch with DOTALL), else 0; 0 when
+    truncated."""
+    return 1.0 if not meta.get("truncated") and _THINK_ANSWER_RE.fullmatch(response) else 0.0
 
 
 @_text_scorer("format_boxed")
 def format_boxed(response: str, meta: dict) -> float:
     r"""1 if the last ``\boxed{`` of the response closes (balanced braces) around a non-empty
-    answer, else 0 (none, truncated, or ``\boxed{}``)."""
+    answer, else 0 (none, cut off, or ``\boxed{}``); 0 when truncated."""
     content = last_boxed(response)
-    return 1.0 if content is not None and content.strip() else 0.0
+    return 1.0 if not meta.get("truncated") and content is not None and content.strip() else 0.0
 
 
 # --- accuracy --------------------------------------------------------------------------------------
@@ -343,6 +352,8 @@ def _similarity(metric: str, candidate: list[str], references: list[list[str]]) 
         return text_metrics.bleu_score(candidate, references, max_n=BLEU_MAX_N)
     if metric == "rouge_l":
         return max(text_metrics.rouge_l_score(candidate, ref).f for ref in references)
+    if metric == "rouge_1":
+        return max(text_metrics.rouge_n_score(candidate, ref, 1).f for ref in references)
     if metric == "rouge_l_recall":
         return max(text_metrics.rouge_l_score(candidate, ref).recall for ref in references)
     return max(text_metrics.meteor_score(candidate, ref) for ref in references)
@@ -359,6 +370,13 @@ def bleu(response: str, meta: dict) -> float:
 def rouge_l(response: str, meta: dict) -> float:
     """ROUGE-L F1 of the answer against the ground truth (best reference)."""
     return _similarity("rouge_l", _answer_tokens(response), _reference_tokens("rouge_l", meta))
+
+
+@_text_scorer("rouge_1")
+def rouge_1(response: str, meta: dict) -> float:
+    """ROUGE-1 F1 (clipped unigram overlap, no stemming) of the answer against the ground truth (best
+    reference): coverage of the reference's words, OmniRL's ROUGE term."""
+    return _similarity("rouge_1", _answer_tokens(response), _reference_tokens("rouge_1", meta))
 
 
 @_text_scorer("rouge_l_recall")
@@ -378,13 +396,13 @@ def _similarity_weights(row: dict) -> dict[str, float]:
     if not isinstance(weights, dict) or not weights:
         raise UserInputError(
             f"reward 'text_similarity': meta similarity_weights {weights!r} must be a non-empty dict "
-            f"over {', '.join(DEFAULT_SIMILARITY_WEIGHTS)}"
+            f"over {', '.join(SIMILARITY_METRICS)}"
         )
     for key, value in weights.items():
-        if key not in DEFAULT_SIMILARITY_WEIGHTS:
+        if key not in SIMILARITY_METRICS:
             raise UserInputError(
                 f"reward 'text_similarity': unknown metric {key!r} in similarity_weights; "
-                f"use {', '.join(DEFAULT_SIMILARITY_WEIGHTS)}"
+                f"use {', '.join(SIMILARITY_METRICS)}"
             )
         if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
             raise UserInputError(
@@ -397,13 +415,99 @@ def _similarity_weights(row: dict) -> dict[str, float]:
 
 @_text_scorer("text_similarity")
 def text_similarity(response: str, meta: dict) -> float:
-    """Σ_k w_k·metric_k / Σ_k w_k over bleu, rouge_l (F1) and meteor, in [0, 1]; weights from meta
-    ``similarity_weights`` (a dict naming only the metrics to use) or DEFAULT_SIMILARITY_WEIGHTS."""
+    """Σ_k w_k·metric_k / Σ_k w_k over bleu, rouge_l (F1), rouge_1 (F1) and meteor, in [0, 1]; weights
+    from meta ``similarity_weights`` (a dict naming only the metrics to use) or
+    DEFAULT_SIMILARITY_WEIGHTS (bleu, rouge_l, meteor, 1/3 each)."""
     weights = _similarity_weights(meta)
     candidate = _answer_tokens(response)
     references = _reference_tokens("text_similarity", meta)
     total = sum(w * _similarity(metric, candidate, references) for metric, w in weights.items() if w)
     return total / sum(weights.values())
+
+
+class _TextReward:
+    """A configurable text reward (its reward arguments are the constructor's): `rule` per sample,
+    None for a response the stage could not decode."""
+
+    reward_kind = TEXT_KIND
+
+    def rule(self, response: str, meta: dict) -> float:
+        raise NotImplementedError
+
+    def __call__(
+        self, responses: Sequence[str | None], prompts: Sequence[str], meta: Sequence[dict]
+    ) -> list[float | None]:
+        return [None if r is None else self.rule(r, row) for r, row in zip(responses, meta, strict=True)]
+
+
+def _weight(name: str, key: str, value: float) -> float:
+    if not math.isfinite(value) or value < 0:
+        raise UserInputError(f"reward {name!r}: {key}={value!r} must be a finite number ≥ 0")
+    return float(value)
+
+
+@register_reward("omnirl_accuracy", kind=TEXT_KIND)
+class OmniRLAccuracy(_TextReward):
+    """OmniRL's unified accuracy for generative answers: bleu·Rb + rouge·Rr + meteor·Rm, where
+    Rb = sentence BLEU (n ≤ 2, weights ½/½, no smoothing: local matching), Rr = ROUGE-1 F1 (coverage
+    of the reference's information) and Rm = exact-match METEOR (coherence: order and fragmentation),
+    each of the `<answer>…</answer>` content against the ground truth (best reference), on
+    `text_metrics.tokenize` tokens. The defaults (½, ½, 0) are what OmniRL's code runs (its README
+    also names METEOR, which its code never computes); with `require_answer` a response without an
+    answer tag scores 0, as in OmniRL, otherwise the response without its think block is scored."""
+
+    def __init__(
+        self, bleu: float = 0.5, rouge: float = 0.5, meteor: float = 0.0, require_answer: bool = True
+    ):
+        self.weights = {
+            metric: _weight("omnirl_accuracy", key, value)
+            for metric, key, value in (
+                ("bleu", "bleu", bleu),
+                ("rouge_1", "rouge", rouge),
+                ("meteor", "meteor", meteor),
+            )
+        }
+        if not any(self.weights.values()):
+            raise UserInputError("reward 'omnirl_accuracy': bleu, rouge and meteor must not all be 0")
+        self.require_answer = require_answer
+
+    def rule(self, response: str, meta: dict) -> float:
+        references = _reference_tokens("omnirl_accuracy", meta)
+        if self.require_answer and not _ANSWER_RE.search(response):
+            return 0.0
+        candidate = _answer_tokens(response)
+        return sum(w * _similarity(m, candidate, references) for m, w in self.weights.items() if w)
+
+
+def omnirl_length_value(
+    length: int, punctuation: int, target: int = 500, decay: float = 0.9, scale: float = 500.0
+) -> float:
+    """OmniRL's length reward of a response of `length` characters, `punctuation` of them in ",.;!":
+    base = ℓ·(1 + sin(πℓ/2L)) for ℓ ≤ L, else 2L + ln(ℓ − L + 1); times decay^⌊ℓ/L⌋ and (½ + ½·d) with
+    d = punctuation/ℓ; divided by `scale`. L = `target` characters: it rises to ≈ 2·(½ + ½d) just below
+    L, then decays slowly (ℓ = L: 0.9·(…), 2L: ≈ 0.81·(…))."""
+    if length == 0:
+        return 0.0
+    if length <= target:
+        base = length * (1 + math.sin(math.pi * length / (2 * target)))
+    else:
+        base = 2 * target + math.log(length - target + 1)
+    return base * decay ** (length // target) * (0.5 + 0.5 * punctuation / length) / scale
+
+
+@register_reward("omnirl_length", kind=TEXT_KIND)
+class OmniRLLength(_TextReward):
+    """`omnirl_length_value` of the response's characters: rewards answers up to `target` characters
+    (OmniRL: 500), scaled by `scale` (500) into the range of the accuracy and format rewards."""
+
+    def __init__(self, target: int = 500, decay: float = 0.9, scale: float = 500.0):
+        if target < 1 or not 0 < decay <= 1 or not scale > 0:
+            raise UserInputError("reward 'omnirl_length': target must be ≥ 1, decay in (0, 1] and scale > 0")
+        self.target, self.decay, self.scale = target, decay, scale
+
+    def rule(self, response: str, meta: dict) -> float:
+        marks = sum(ch in OMNIRL_PUNCTUATION for ch in response)
+        return omnirl_length_value(len(response), marks, self.target, self.decay, self.scale)
 
 
 # --- length and repetition -------------------------------------------------------------------------

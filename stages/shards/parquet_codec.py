@@ -8,13 +8,13 @@ or `Dataset.from_parquet("SET/*.parquet")` gives each column its shape and decod
   [N, *shape] in its numpy/torch formats). bf16 is stored as uint16 bits and bool as uint8, with the
   logical dtype in the field metadata (`omnirl.dtype`) and in the manifest;
 - image and video columns are `{bytes, path}` structs (its `Image` / `Video` features, path null), an
-  image_list column a list of them per row; the schema metadata key `huggingface` names their
-  `datasets` features, which is how it knows these are images and videos. Videos are declared
-  `Video(decode=False)`, so rows load as `{bytes, path}` without torchcodec (`cast_column("video",
-  Video())` decodes them where torchcodec is installed). A video field's metadata also holds its
-  frame shape (`omnirl.shape`: frames, height, width) and `omnirl.fps`.
-  An audio_list column is a list of the same structs with no feature named (`datasets` reads them
-  as dicts; its Audio feature would decode them with torchcodec).
+  image_list column a list of them per row, a video_list column a list of lists of them (videos of
+  frames, List(List(Image))); the schema metadata key `huggingface` names their `datasets` features,
+  which is how it knows these are images and videos. Videos are declared `Video(decode=False)`, so
+  rows load as `{bytes, path}` without torchcodec (`cast_column("video", Video())` decodes them where
+  torchcodec is installed). A video field's metadata also holds its frame shape (`omnirl.shape`:
+  frames, height, width) and `omnirl.fps`. An audio_list column is a list of the same structs with no
+  feature named (`datasets` reads them as dicts; its Audio feature would decode them with torchcodec).
 
 Schema version 1 shards (tensors as `arrow.fixed_shape_tensor`, images as plain binary) are still
 read. Tensor columns have no dictionary encoding and no statistics (neither pays on tensors).
@@ -70,7 +70,10 @@ _ARROW_STORAGE = {
 }
 # `datasets`' Image storage: the encoded file, or a path to it (always null here).
 ENCODED_FILE = pa.struct([pa.field("bytes", pa.binary()), pa.field("path", pa.string())])
-_STRUCT_KINDS = ("image", "video", *FILE_LIST_KINDS)  # stored as {bytes, path} structs
+_IMAGE_KINDS = ("image", "image_list", "video_list")
+# Columns stored as {bytes, path} structs, and the list levels above the structs.
+_STRUCT_DEPTH = {"image": 0, "video": 0, "image_list": 1, "audio_list": 1, "video_list": 2}
+_STRUCT_KINDS = tuple(_STRUCT_DEPTH)
 
 
 def _numpy_storage(col: Column) -> np.dtype:
@@ -91,6 +94,8 @@ def arrow_type(col: Column) -> pa.DataType:
         return ENCODED_FILE
     if col.kind in FILE_LIST_KINDS:
         return pa.list_(ENCODED_FILE)
+    if col.kind == "video_list":
+        return pa.list_(pa.list_(ENCODED_FILE))
     return pa.large_binary()
 
 
@@ -98,13 +103,16 @@ def datasets_features(columns: list[Column]) -> dict:
     """The `datasets` features (`Features.to_dict()` form) of the image and video columns, which their
     Arrow type alone does not announce; `datasets` infers every other column from its type. Written in
     forms that every `datasets` from 3.2 on parses (`Sequence`, which it reads as `List`; `Video`)."""
-    image = {"_type": "Image"}
-    features = {
-        "image": image,
-        "image_list": {"feature": image, "_type": "Sequence"},
-        "video": {"decode": False, "_type": "Video"},
-    }
-    return {c.name: features[c.kind] for c in columns if c.kind in features}
+    out: dict = {}
+    for c in columns:
+        if c.kind == "video":
+            out[c.name] = {"decode": False, "_type": "Video"}
+        elif c.kind in _IMAGE_KINDS:
+            feature: dict = {"_type": "Image"}
+            for _ in range(_STRUCT_DEPTH[c.kind]):
+                feature = {"feature": feature, "_type": "Sequence"}
+            out[c.name] = feature
+    return out
 
 
 def _field(col: Column) -> pa.Field:
@@ -149,6 +157,9 @@ def _to_arrow(col: Column, value) -> pa.Array | pa.ChunkedArray:
     if col.kind in FILE_LIST_KINDS:
         rows = [[{"bytes": bytes(b), "path": None} for b in row] for row in value]
         return pa.array(rows, type=arrow_type(col))
+    if col.kind == "video_list":
+        rows = [[[{"bytes": bytes(b), "path": None} for b in video] for video in row] for row in value]
+        return pa.array(rows, type=arrow_type(col))
     return pa.array([bytes(v) if isinstance(v, memoryview) else v for v in value], type=pa.large_binary())
 
 
@@ -157,7 +168,7 @@ def _leaves(col: Column) -> list[str]:
     if col.kind == "tensor":
         return [col.name + ".list.element" * len(col.shape)]
     if col.kind in _STRUCT_KINDS:
-        prefix = f"{col.name}.list.element" if col.kind in FILE_LIST_KINDS else col.name
+        prefix = col.name + ".list.element" * _STRUCT_DEPTH[col.kind]
         return [f"{prefix}.bytes", f"{prefix}.path"]
     return [col.name]
 
@@ -239,6 +250,16 @@ def table_to_batch(table: pa.Table, columns: list[Column], where: str) -> Batch:
                 raise CorruptShardError(f"{where}: column '{col.name}' has a null row")
             files = iter(_file_bytes(col, chunk.flatten(), where))
             out[col.name] = [[next(files) for _ in range(n)] for n in chunk.value_lengths().to_pylist()]
+        elif col.kind == "video_list":
+            videos = chunk.flatten()
+            if chunk.null_count or videos.null_count:
+                raise CorruptShardError(f"{where}: column '{col.name}' has a null row or video")
+            files = iter(_file_bytes(col, videos.flatten(), where))
+            frames = iter(videos.value_lengths().to_pylist())
+            out[col.name] = [
+                [[next(files) for _ in range(next(frames))] for _ in range(n)]
+                for n in chunk.value_lengths().to_pylist()
+            ]
         else:
             out[col.name] = chunk.to_pylist()
     return out

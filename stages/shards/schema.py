@@ -4,7 +4,8 @@ A batch is a dict of equally long columns: a tensor column is a `torch.Tensor` [
 string column a `list[str]`; a json column a list of JSON-serialisable values; binary, image and
 video columns are lists of already-encoded bytes (raw / PNG or JPEG / MP4); an image_list column
 holds a list of encoded image files per row (`list[list[bytes]]`, possibly empty), an audio_list
-column likewise a list of encoded audio files (WAV, FLAC, MP3, ...).
+column likewise a list of encoded audio files (WAV, FLAC, MP3, ...); a video_list column a list of
+videos per row, each a non-empty list of encoded frame images (`list[list[list[bytes]]]`).
 
 A video column's rows share one geometry, read from each MP4's index when the column is written
 (`stages.media.video.probe_mp4`): its `shape` is (frames, height, width) and its `fps` the frame rate.
@@ -24,7 +25,7 @@ from stages.errors import UserInputError
 
 Batch = dict[str, Any]
 
-KINDS = ("tensor", "string", "json", "binary", "image", "video", "image_list", "audio_list")
+KINDS = ("tensor", "string", "json", "binary", "image", "video", "image_list", "audio_list", "video_list")
 BYTES_KINDS = ("binary", "image", "video")
 FILE_LIST_KINDS = ("image_list", "audio_list")  # a list of encoded files per row
 _BYTES = (bytes, bytearray, memoryview)
@@ -212,6 +213,15 @@ def _check_list_kind(name: str, items: list | tuple, kind: str) -> None:
         raise UserInputError(
             f"column '{name}' is declared {kind} but a row is not a list of encoded file bytes"
         )
+    if kind == "video_list" and not all(
+        isinstance(v, (list, tuple))
+        and all(isinstance(f, (list, tuple)) and f and all(isinstance(b, _BYTES) for b in f) for f in v)
+        for v in items
+    ):
+        raise UserInputError(
+            f"column '{name}' is declared video_list but a row is not a list of videos, "
+            "each a non-empty list of encoded frame images"
+        )
     if kind == "tensor":
         raise UserInputError(
             f"column '{name}' is declared tensor but is a list; pass a torch.Tensor [N, ...]"
@@ -223,7 +233,7 @@ def infer_columns(batch: Batch, kinds: dict[str, str] | None = None) -> list[Col
 
     Tensor -> tensor; all-str list -> string; all-bytes list -> binary (or image/video/json via
     `kinds`); any other list (dicts, lists, numbers, None) -> json; a list of lists of image bytes
-    is image_list only when declared. Bytes in a json column are
+    is image_list (and one level deeper video_list) only when declared. Bytes in a json column are
     taken as UTF-8 JSON text.
     """
     kinds = kinds or {}

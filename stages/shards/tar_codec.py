@@ -3,8 +3,9 @@
 Each row is a sample with key `<shard:05d>_<row:09d>` (no dots); each column is one member
 `<key>.<column>.<ext>`: tensors as `.npy` (bf16 as uint16 bits, no pickle), strings `.txt`, JSON
 `.json`, images `.png`, videos `.mp4`, other bytes `.bin`; an image_list (audio_list) row is one
-member per image (clip), `<key>.<column>.<i>.<ext>` (ext from the file's magic bytes, none for an empty list), so a
-row needs at least one member of another column. Headers are deterministic (mtime 0,
+member per image (clip), `<key>.<column>.<i>.<ext>` (ext from the file's magic bytes, none for an
+empty list), a video_list row one member per frame, `<key>.<column>.<i>.<j>.<ext>` (video i, frame
+j), so a row needs at least one member of another column. Headers are deterministic (mtime 0,
 uid 0), so equal batches give byte-identical tars. The reader walks the tar headers once and
 copies each row's npy payload straight into a preallocated [N, *shape] tensor.
 """
@@ -77,8 +78,9 @@ def image_extension(data: bytes) -> str:
 
 
 def file_extension(kind: str, data: bytes) -> str:
-    """The extension of one file of an image_list / audio_list row ("img" / "audio" when unknown)."""
-    if kind == "image_list":
+    """The extension of one file of an image_list / video_list / audio_list row ("img" / "audio" when
+    unknown)."""
+    if kind != "audio_list":
         return image_extension(data)
     return next((ext for magic, ext in _AUDIO_MAGIC if bytes(data[:4]).startswith(magic)), "audio")
 
@@ -96,6 +98,16 @@ def _row_payloads(col: Column, value) -> tuple[bytes, list]:
     return b"", list(value)
 
 
+_LIST_KINDS = (*FILE_LIST_KINDS, "video_list")
+
+
+def _numbered(col: Column, row: list) -> list[tuple[str, bytes]]:
+    """A list row's files with their member numbers: `i` per image (clip), `i.j` per frame j of video i."""
+    if col.kind in FILE_LIST_KINDS:
+        return [(str(i), data) for i, data in enumerate(row)]
+    return [(f"{i}.{j}", data) for i, video in enumerate(row) for j, data in enumerate(video)]
+
+
 def encode(batch: Batch, columns: list[Column], sink, shard_index: int) -> int:
     """Write one shard as a tar to the file object `sink`; returns its row count."""
     n = batch_num_rows(batch)
@@ -104,10 +116,10 @@ def encode(batch: Batch, columns: list[Column], sink, shard_index: int) -> int:
         key = sample_key(shard_index, r)
         members = [
             (f"{key}.{col.name}.{i}.{file_extension(col.kind, data)}", b"", data)
-            if col.kind in FILE_LIST_KINDS
+            if col.kind in _LIST_KINDS
             else (f"{key}.{col.name}.{EXTENSIONS[col.kind]}", prefix, data)
             for col, prefix, rows in payloads
-            for i, data in (enumerate(rows[r]) if col.kind in FILE_LIST_KINDS else [(0, rows[r])])
+            for i, data in (_numbered(col, rows[r]) if col.kind in _LIST_KINDS else [(0, rows[r])])
         ]
         if not members:
             raise UserInputError(
@@ -157,7 +169,7 @@ def _members(buf: pa.Buffer, where: str):
 def decode(buf: pa.Buffer, columns: list[Column], num_rows: int, where: str) -> Batch:
     """Read the requested columns of one tar shard held in `buf` (rows in member order)."""
     wanted = {c.name: i for i, c in enumerate(columns)}
-    lists = [c.kind in FILE_LIST_KINDS for c in columns]
+    lists = [c.kind in _LIST_KINDS for c in columns]
     spans: list[list] = []
     keys: list[str] = []
     for name, offset, size in _members(buf, where):
@@ -172,8 +184,13 @@ def decode(buf: pa.Buffer, columns: list[Column], num_rows: int, where: str) -> 
             continue
         column, _, index = column.rpartition(".")
         i = wanted.get(column)
-        if i is not None and lists[i] and index.isdigit():
-            spans[-1][i].append((int(index), offset, size))
+        if i is not None and columns[i].kind in FILE_LIST_KINDS and index.isdigit():
+            spans[-1][i].append(((int(index),), offset, size))
+            continue
+        column, _, video = column.rpartition(".")
+        i = wanted.get(column)
+        if i is not None and columns[i].kind == "video_list" and video.isdigit() and index.isdigit():
+            spans[-1][i].append(((int(video), int(index)), offset, size))
     if len(keys) != num_rows:
         raise CorruptShardError(f"{where}: has {len(keys)} samples, the manifest says {num_rows}")
     out: Batch = {}
@@ -181,6 +198,9 @@ def decode(buf: pa.Buffer, columns: list[Column], num_rows: int, where: str) -> 
         members = [row[i] for row in spans]
         if col.kind in FILE_LIST_KINDS:
             out[col.name] = [_image_list(col, buf, m, where, key) for key, m in zip(keys, members)]
+            continue
+        if col.kind == "video_list":
+            out[col.name] = [_video_list(col, buf, m, where, key) for key, m in zip(keys, members)]
             continue
         missing = [k for k, m in zip(keys, members) if m is None]
         if missing:
@@ -192,9 +212,23 @@ def decode(buf: pa.Buffer, columns: list[Column], num_rows: int, where: str) -> 
 def _image_list(col: Column, buf: pa.Buffer, members: list, where: str, key: str) -> list[bytes]:
     """One row's images from its `<key>.<column>.<i>.<ext>` members, in index order."""
     members = sorted(members)
-    if [i for i, _, _ in members] != list(range(len(members))):
+    if [i for (i,), _, _ in members] != list(range(len(members))):
         raise CorruptShardError(f"{where}: sample {key} has gaps in the image numbers of column '{col.name}'")
     return [buf.slice(offset, size).to_pybytes() for _, offset, size in members]
+
+
+def _video_list(col: Column, buf: pa.Buffer, members: list, where: str, key: str) -> list[list[bytes]]:
+    """One row's videos from its `<key>.<column>.<i>.<j>.<ext>` members (video i, frame j), in order."""
+    videos: list[list[bytes]] = []
+    for (i, j), offset, size in sorted(members):
+        if i == len(videos) and j == 0:
+            videos.append([])
+        elif i != len(videos) - 1 or j != len(videos[-1]):
+            raise CorruptShardError(
+                f"{where}: sample {key} has gaps in the video or frame numbers of column '{col.name}'"
+            )
+        videos[-1].append(buf.slice(offset, size).to_pybytes())
+    return videos
 
 
 def _decode_column(col: Column, buf: pa.Buffer, members: list, where: str):

@@ -112,8 +112,8 @@ def clipped_policy_loss(
 
 PG_COLUMNS = ("latents", "sigmas", "log_probs", "old_log_probs", "ref_means", "old_means")
 TOKEN_COLUMNS = (
-    *("sample_id", "group_id", "images", "audios", "messages", "prompt_ids", "prompt_mask", "response_ids"),
-    "response_mask",
+    *("sample_id", "group_id", "images", "videos", "audios", "messages", "prompt_ids", "prompt_mask"),
+    *("response_ids", "response_mask"),
     *("log_probs", "old_log_probs", "ref_log_probs"),
 )
 TOKEN_NEEDS = ("images", "prompt_ids", "prompt_mask", "response_ids", "response_mask")

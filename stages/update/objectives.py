@@ -383,7 +383,7 @@ class TokenPolicyGradient:
         return 1.0 / slots
 
     def __init__(self, policy: VLMPolicy, data: dict[str, Any], sample_cfg: Any, cfg: Any, algo: Algorithm):
-        from stages.sample.vlm_stage import row_audios, row_images, row_prompts
+        from stages.sample.vlm_stage import row_media, row_prompts
 
         self.policy, self.data, self.sample_cfg, self.cfg, self.algo = policy, data, sample_cfg, cfg, algo
         self.old = data.get("old_log_probs", data.get("log_probs"))
@@ -391,8 +391,7 @@ class TokenPolicyGradient:
             raise UserInputError(
                 "--in: neither old_log_probs (omnirl logprob) nor log_probs (omnirl sample) is present"
             )
-        self.images = row_images(data, "--in")
-        self.audios = row_audios(data)
+        self.media = row_media(data, "--in")
         self.prompts = row_prompts(data)
         self.low, self.high = cfg.clip_bounds()
         self.mode = cfg.loss_agg_mode or "token-mean"
@@ -429,11 +428,10 @@ class TokenPolicyGradient:
         inputs = prompt_inputs(
             policy,
             [self.prompts[i] for i in idx],
-            [self.images[i] for i in idx],
+            [self.media[i] for i in idx],
             data["prompt_ids"][index],
             data["prompt_mask"][index],
             "--in",
-            [self.audios[i] for i in idx],
         )
         tokens, mask = response_batch(
             {"response_ids": data["response_ids"][index], "response_mask": data["response_mask"][index]},

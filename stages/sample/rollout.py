@@ -20,7 +20,6 @@ from stages.media import media_columns
 from stages.models.diffusion import FlowPolicy, seed_generator
 from stages.sample.samplers import SAMPLERS, step
 from stages.sample.windows import WindowSchedule
-from stages.tables import png_bytes
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Sampling overhead per model family: omnirl's `sample` stage ÷ the family's stock diffusers pipeline call.
 
-For each family in `--families` (sd3, flux, qwen_image, z_image; default all) a `small` pipeline (random
-weights, 128 px) is loaded once in this process, and both sides use it with the same B prompts (empty
+For each family in `--families` (sd3, flux, qwen_image, z_image, wan2_1; default all) a `small` pipeline
+(random weights, 128 px; Wan 2.1 clips of `--frames` frames) is loaded once in this process, and both sides use it with the same B prompts (empty
 negatives), steps, resolution, guidance and `max_sequence_length`, on a fixed number of torch threads:
 
 - diffusers: `pipe(prompt=..., num_inference_steps=..., <guidance>, output_type="pil")`, the Euler ODE
@@ -11,8 +11,8 @@ negatives), steps, resolution, guidance and `max_sequence_length`, on a fixed nu
   forwards a step); Z-Image's `guidance_scale` w > 0 is CFG (2B rows). Each family's default scale is
   its Flow-GRPO recipe's (recipes/configs/flow_grpo_<family>.yaml).
 - omnirl: what `omnirl sample` runs after start-up: a `ShardSetWriter`, `run_sample` (Flow-GRPO
-  SDE steps with per-sample noise and log-probs, stored latents, PNG encoding, one fsync'd shard)
-  and `finalize`.
+  SDE steps with per-sample noise and log-probs, stored latents, PNG encoding, or for Wan the MP4
+  encoding of each clip, one fsync'd shard) and `finalize`.
 
 Each repeat uses new prompts, so omnirl's prompt cache never spares it the text encoding diffusers
 does on every call. After a two-step warm-up of every (family, side), each repeat runs every family's
@@ -24,8 +24,8 @@ takes their fastest transformer time over all runs plus each side's fastest rema
 sampler step math, text encoding, VAE decoding, conversion to PIL, PNG encoding and the shard write;
 "other" is the rest.
 
-    python benchmarks/bench_sample.py [--families sd3,flux,qwen_image,z_image] [--batch 4] [--steps 10]
-        [--resolution 128] [--repeats 3]
+    python benchmarks/bench_sample.py [--families sd3,flux,qwen_image,z_image,wan2_1] [--batch 4]
+        [--steps 10] [--resolution 128] [--frames 9] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ import torch
 
 from benchmarks.common import record
 
-REGIONS = ("transformer", "step_math", "text_encode", "vae_decode", "to_pil", "png", "shard_write")
+REGIONS = ("transformer", "step_math", "text_encode", "vae_decode", "to_pil", "png", "mp4", "shard_write")
 TARGET = 1.05
 
 
@@ -76,7 +76,10 @@ STOCK_CALLS: dict[str, StockCall] = {
     "qwen_image": StockCall(4.0, "true_cfg_scale", negative=True),
     # CFG pos + w·(pos − neg) for any w > 0, both branches in one 2B batch; negatives default to "".
     "z_image": StockCall(3.0, "guidance_scale", negative=False),
+    # Video: CFG for guidance > 1 as two forwards a step (cond, then uncond); negatives default to "".
+    "wan2_1": StockCall(4.5, "guidance_scale", negative=False),
 }
+VIDEO_FAMILIES = ("wan2_1",)  # called with num_frames; omnirl writes their MP4 `video` column
 
 
 def family_list(text: str) -> list[str]:
@@ -211,6 +214,7 @@ def main() -> None:
     )
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--resolution", type=int, default=128)
+    ap.add_argument("--frames", type=int, default=9, help="frames per clip of the video families (Wan: 4k+1)")
     ap.add_argument("--max-sequence-length", type=int, default=128)
     ap.add_argument(
         "--sde-window", type=int, default=0, help="omnirl's stored SDE steps (0: all, as Flow-GRPO)"
@@ -224,6 +228,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from transformers.utils import logging as transformers_logging
 
+    from stages import media
     from stages.models.diffusion import FlowPolicy
     from stages.sample import rollout
     from stages.sample.engines import DiffusersEngine
@@ -257,8 +262,12 @@ def main() -> None:
         def prompts_for(tag: str) -> list[str]:
             return [f"a watercolor lighthouse on a cliff at dusk, take {tag}.{i}" for i in range(args.batch)]
 
+        def frames(family: str) -> dict[str, int]:
+            return {"num_frames": args.frames} if family in VIDEO_FAMILIES else {}
+
         def diffusers_call(family: str, texts: list[str], steps: int) -> None:
             policies[family].pipe(
+                **frames(family),
                 prompt=texts,
                 num_inference_steps=steps,
                 **STOCK_CALLS[family].kwargs(guidance[family], len(texts)),
@@ -274,6 +283,7 @@ def main() -> None:
                 steps=steps,
                 guidance=guidance[family],
                 resolution=args.resolution,
+                frames=args.frames if family in VIDEO_FAMILIES else 1,
                 sampler="sde",
                 window=min(args.sde_window, steps),
                 seed=0,
@@ -307,14 +317,18 @@ def main() -> None:
         runs: dict[str, dict[str, list[dict[str, float]]]] = {f: {s: [] for s in sides} for f in families}
         with ExitStack() as stack:
             stack.enter_context(probes.patch(rollout, "step", "step_math"))
-            stack.enter_context(probes.patch(rollout, "png_bytes", "png"))
+            stack.enter_context(probes.patch(media, "png_bytes", "png"))
+            stack.enter_context(probes.patch(media, "encode_mp4", "mp4"))
             for policy in policies.values():
                 pipe = policy.pipe
                 stack.enter_context(probes.module(pipe.transformer, "transformer"))
+                video = getattr(pipe, "video_processor", None)
                 for owner, attr, name in (
                     (pipe, "encode_prompt", "text_encode"),
                     (pipe.vae, "decode", "vae_decode"),
-                    (pipe.image_processor, "postprocess", "to_pil"),
+                    (video, "postprocess_video", "to_pil")
+                    if video is not None
+                    else (pipe.image_processor, "postprocess", "to_pil"),
                     (pipe.scheduler, "step", "step_math"),
                 ):
                     stack.enter_context(probes.patch(owner, attr, name))
@@ -349,7 +363,7 @@ def main() -> None:
                 "seconds": b["total"],
                 "÷ diffusers": b["total"] / best["diffusers"]["total"],
                 "pooled ÷ diffusers": pooled if side == "omnirl" else 1.0,
-                "images/s": args.batch / b["total"],
+                "samples/s": args.batch / b["total"],
                 **{k: b[k] for k in (*REGIONS, "other")},
             }
             for side, b in best.items()
@@ -366,13 +380,13 @@ def main() -> None:
             metrics,
             rows,
             description=(
-                f"omnirl `sample` (writer + run_sample + finalize: SDE with log-probs, PNG, {args.format} shard) ÷ "
+                f"omnirl `sample` (writer + run_sample + finalize: SDE with log-probs, PNG or MP4, {args.format} shard) ÷ "
                 f"the family's stock diffusers pipeline call, same `small` model per family, {args.batch} prompts, "
-                f"{args.steps} steps, {args.resolution} px, guidance ({scales}), max_sequence_length "
+                f"{args.steps} steps, {args.resolution} px ({args.frames} frames per Wan clip), guidance ({scales}), max_sequence_length "
                 f"{args.max_sequence_length}, {args.threads} threads; best of {args.repeats} alternating runs per "
                 f"family, families interleaved in one process (load average {metrics['load_average_before']:.1f} "
                 f"on {os.cpu_count()} CPUs). Target <= {TARGET}. Pooled ratio: the fastest shared transformer "
-                "time + each side's fastest rest. Columns after images/s: seconds of each side's best run per "
+                "time + each side's fastest rest. Columns after samples/s: seconds of each side's best run per "
                 "region; other = the rest."
             ),
         )

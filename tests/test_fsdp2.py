@@ -173,6 +173,15 @@ def test_fsdp2_sharded_state_resumes_as_the_full_state(
     for x, y in zip(_metrics(full / "it2"), _metrics(sharded / "it2"), strict=True):
         assert y["actor/grad_norm"] == x["actor/grad_norm"] and y["actor/pg_loss"] == x["actor/pg_loss"]
 
+    # One process resumes from the 2 ranks' shards as from the whole tensors (DCP reads them by name).
+    monkeypatch.delenv("FSDP_STATE_DICT_TYPE")
+    single = ("--no-shuffle", "--micro-batch", "1", "--algo", "nft", "--ema", "--full", "--lr", "1e-4")
+    for layout in (full, sharded):
+        run(*staged_update_args(staged, layout / "one", *single, "--adapter", str(layout / "it1")))
+    a, b = load_file(full / "one" / FULL), load_file(sharded / "one" / FULL)
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=0)
+
 
 def test_sharded_state_round_trips_into_a_plain_process(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -238,27 +238,31 @@ class Parallel:
 
     # ------------------------------------------------------------ full tensors for saving and resuming
     def gather(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """`tensors` whole: shards gathered one at a time into host memory on every rank (a collective
-        under FSDP2: every rank calls it); tensors that are not sharded are returned as they are."""
-        return {k: full(v).detach().cpu() if is_sharded(v) else v for k, v in tensors.items()}
-
-    def module_state(self, trained_only: bool = False) -> dict[str, torch.Tensor] | None:
-        """The trained module's state dict, whole, when it is sharded, else None (the module's own
-        state_dict is whole). A collective under FSDP2: every rank calls it; each tensor is gathered in
-        turn and kept by rank 0 alone (the rank that writes it), the others get {}. trained_only: only
-        the parameters that train (a LoRA's), not the frozen base weights an adapter does not hold."""
-        if self.kind != "fsdp2":
-            return None
+        """`tensors` whole on rank 0, the rank that writes them: shards are gathered one at a time into host
+        memory (a collective under FSDP2: every rank calls it) and the other ranks drop each at once, so
+        only rank 0 ever holds them all; tensors that are not sharded are returned as they are."""
         keep = world_and_rank()[1] == 0
-        wanted = {n for n, p in self.module.named_parameters() if p.requires_grad} if trained_only else None
         out = {}
-        for k, v in self.module.state_dict().items():
-            if wanted is not None and k not in wanted:
+        for k, v in tensors.items():
+            if not is_sharded(v):
+                out[k] = v
                 continue
             whole = full(v)
             if keep:
                 out[k] = whole.detach().cpu()
         return out
+
+    def module_state(self, trained_only: bool = False) -> dict[str, torch.Tensor] | None:
+        """The trained module's state dict, whole on rank 0 (`gather`), when it is sharded, else None (the
+        module's own state_dict is whole). trained_only: only the parameters that train (a LoRA's), not
+        the frozen base weights an adapter does not hold."""
+        if self.kind != "fsdp2":
+            return None
+        state = self.module.state_dict()
+        if trained_only:
+            wanted = {n for n, p in self.module.named_parameters() if p.requires_grad}
+            state = {k: v for k, v in state.items() if k in wanted}
+        return self.gather(state)
 
     def shard_like(
         self, tensors: dict[str, torch.Tensor], named: dict[str, torch.Tensor]
@@ -278,7 +282,7 @@ class Parallel:
         return out
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """The optimizer's state_dict with full tensors (the single-process layout)."""
+        """The optimizer's state_dict with full tensors (the single-process layout), on rank 0 (`gather`)."""
         state = optimizer.state_dict()
         if self.kind != "fsdp2":
             return state

@@ -496,8 +496,8 @@ def trainer_state(
     scaler: torch.amp.GradScaler,
 ) -> dict[str, Any]:
     """What the next update resumes from (every rank calls it), in `load_state`'s form: optimizer, ema
-    ({shadow, updates}), old_weights (NFT) and grad_scaler (fp16), each possibly None, whole (gathered
-    under FSDP2). When `par.sharded_state`, "shards" holds this rank's shards of the optimizer, ema
+    ({shadow, updates}), old_weights (NFT) and grad_scaler (fp16), each possibly None, whole (under FSDP2
+    gathered onto rank 0, the rank that writes them). When `par.sharded_state`, "shards" holds this rank's shards of the optimizer, ema
     and old_weights instead (`sharded_state.collect`), and those three keep only the EMA's counter."""
     if par.sharded_state:
         shadow = ema.shadow if ema is not None else None

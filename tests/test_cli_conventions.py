@@ -122,6 +122,7 @@ def test_choice_sets_mirror_the_stage_constants() -> None:
     from stages.models import flux, qwen2_5_vl, qwen3_omni, qwen_image, sd3, wan, z_image
     from stages.models.diffusion import DTYPES
     from stages.models.factory import FAMILIES
+    from stages.precision import MIXED_PRECISIONS
     from stages.pretrain.flow_matching import VAE_MODES
     from stages.sample.engines import ENTRY_POINT_GROUP as ENGINE_ENTRY_POINT_GROUP
     from stages.sample.engines import engine_names
@@ -135,7 +136,7 @@ def test_choice_sets_mirror_the_stage_constants() -> None:
     from stages.update.losses import ALGORITHMS
     from stages.update.parallel import STRATEGIES
     from stages.update.token_losses import AGG_MODES, KL_KINDS
-    from stages.update.trainer import LR_SCHEDULERS, MIXED_PRECISIONS
+    from stages.update.trainer import LR_SCHEDULERS
 
     pairs = [
         (choices.Dtype, DTYPES),

@@ -184,6 +184,27 @@ def test_sample_score_logprob_on_two_ranks_write_the_bytes_of_one_process(
     assert reports == [{**single, "out": str(two / "logprobs")}]
 
 
+def test_logprob_replays_under_the_launchers_mixed_precision_on_two_ranks_as_one_process(
+    staged: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from stages.shards.reader import ShardSet
+
+    logprob = ["logprob", "--model", str(staged["model"]), "--adapter", str(staged["policy1"])]
+    logprob += ["--in", str(staged["samples"])]
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+    run(*logprob, "--out", str(tmp_path / "fp32"))
+    run(*logprob, "--mixed-precision", "bf16", "--out", str(tmp_path / "one"))
+    monkeypatch.setenv(
+        "ACCELERATE_MIXED_PRECISION", "bf16"
+    )  # what `accelerate launch --mixed_precision bf16` sets
+    torchrun(*logprob, "--out", str(tmp_path / "two"))
+    assert same_output(tmp_path / "one", tmp_path / "two")["config"]["mixed_precision"] == "bf16"
+    bf16, fp32 = (ShardSet(tmp_path / d).read_all()["old_log_probs"] for d in ("one", "fp32"))
+    assert not torch.equal(bf16, fp32)  # the launcher's autocast took effect
+    # within bf16's relative rounding (2^-8) of these log-probs, which are of order 1 (mean |logp| 1.75)
+    torch.testing.assert_close(bf16, fp32, rtol=0, atol=2.0**-8)
+
+
 def test_a_slurm_task_on_two_ranks_leaves_one_idle_and_the_array_completes(
     staged: dict[str, Path], tmp_path: Path
 ) -> None:

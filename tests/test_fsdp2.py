@@ -13,6 +13,8 @@ import torch
 from helpers import fails, run, staged_update_args, torchrun
 from safetensors.torch import load_file
 
+from stages.errors import UserInputError
+
 LORA = "pytorch_lora_weights.safetensors"
 FULL = Path("transformer") / "diffusion_pytorch_model.safetensors"
 
@@ -112,3 +114,143 @@ def test_fsdp2_refuses_no_launcher_and_weight_swapping_without_reshard_after_for
     monkeypatch.setenv("LOCAL_RANK", "0")  # as under a launcher; refused before any process group is made
     monkeypatch.setenv("FSDP_RESHARD_AFTER_FORWARD", "false")  # the gathered weights would be stale
     fails(args, "fsdp_reshard_after_forward", "old/EMA policy")
+
+
+def _dcp(folder: Path) -> dict:
+    """A DCP folder's whole contents as nested dicts of tensors (read without a process group)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(folder, folder.parent / "whole.pt")
+    return torch.load(folder.parent / "whole.pt", weights_only=True)
+
+
+@pytest.mark.distributed
+def test_fsdp2_sharded_state_resumes_as_the_full_state(
+    staged: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # NFT with EMA: optimizer moments, EMA and old policy are all trainer state. Two updates in a row on
+    # 2 ranks, once with whole tensors (the default) and once with each rank's shards (DCP).
+    common = ("--no-shuffle", "--micro-batch", "1", "--grad-accum", "1", "--algo", "nft", "--ema")
+    common += ("--strategy", "fsdp2", "--full", "--lr", "1e-4")
+    for layout in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
+        monkeypatch.setenv("FSDP_STATE_DICT_TYPE", layout)
+        first, second = tmp_path / layout / "it1", tmp_path / layout / "it2"
+        torchrun(*staged_update_args(staged, first, *common))
+        torchrun(*staged_update_args(staged, second, *common, "--adapter", str(first)))
+    full, sharded = tmp_path / "FULL_STATE_DICT", tmp_path / "SHARDED_STATE_DICT"
+
+    state = sharded / "it1" / "trainer_state"
+    assert sorted(p.name for p in (state / "sharded").iterdir()) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]
+    assert not (state / "optimizer.pt").exists() and not (state / "ema.safetensors").exists()
+    info = json.loads((state / "state.json").read_text())
+    assert info["sharded"] == ["ema", "old_weights", "optimizer"] and info["sharded_world_size"] == 2
+    # The shards hold exactly the whole tensors the default layout writes.
+    whole, ref = _dcp(state / "sharded"), full / "it1" / "trainer_state"
+    for part in ("ema", "old_weights"):
+        expected = load_file(ref / f"{part}.safetensors")
+        assert whole[part].keys() == expected.keys()
+        for k in expected:
+            torch.testing.assert_close(whole[part][k], expected[k], rtol=0, atol=0)
+    optimizer = torch.load(ref / "optimizer.pt", weights_only=True)
+    names = list(whole["optimizer"]["state"])  # by parameter name, in the optimizer's order
+    assert len(names) == len(optimizer["state"]) and names == whole["optimizer"]["param_groups"][0]["params"]
+    for i, name in enumerate(names):
+        for moment in ("exp_avg", "exp_avg_sq", "step"):
+            torch.testing.assert_close(
+                whole["optimizer"]["state"][name][moment], optimizer["state"][i][moment]
+            )
+
+    # The adapter itself stays whole and loadable; resuming from the shards gives the same bytes.
+    for it in ("it1", "it2"):
+        a, b = load_file(full / it / FULL), load_file(sharded / it / FULL)
+        assert a.keys() == b.keys()
+        for k in a:
+            torch.testing.assert_close(b[k], a[k], rtol=0, atol=0)
+    for x, y in zip(_metrics(full / "it2"), _metrics(sharded / "it2"), strict=True):
+        assert y["actor/grad_norm"] == x["actor/grad_norm"] and y["actor/pg_loss"] == x["actor/pg_loss"]
+
+    # One process resumes from the 2 ranks' shards as from the whole tensors (DCP reads them by name).
+    monkeypatch.delenv("FSDP_STATE_DICT_TYPE")
+    single = ("--no-shuffle", "--micro-batch", "1", "--algo", "nft", "--ema", "--full", "--lr", "1e-4")
+    for layout in (full, sharded):
+        run(*staged_update_args(staged, layout / "one", *single, "--adapter", str(layout / "it1")))
+    a, b = load_file(full / "one" / FULL), load_file(sharded / "one" / FULL)
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=0)
+
+
+def test_sharded_state_round_trips_into_a_plain_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Without a process group DCP writes one shard and reads it back into whole tensors: the layout a
+    # one-process or DDP run resumes a sharded checkpoint into (by parameter name, not position).
+    from stages.update import sharded_state
+    from stages.update.trainer import load_state
+
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    module[0].bias.requires_grad_(False)  # a frozen parameter has no optimizer state
+    named = {n: p for n, p in module.named_parameters() if p.requires_grad}
+    optimizer = torch.optim.AdamW(named.values(), lr=1e-2)
+    for _ in range(3):
+        module(torch.randn(5, 3)).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    ema = {k: v.detach() * 0.5 for k, v in named.items()}
+    state = sharded_state.collect(module, optimizer, {"ema": ema, "old_weights": None})
+    folder = tmp_path / "trainer_state"
+    assert sharded_state.save(folder, state) == ["ema", "optimizer"]
+
+    fresh = torch.optim.AdamW(named.values(), lr=5.0)
+    loaded = sharded_state.load(folder, ["ema", "optimizer"], module, fresh, named)
+    assert loaded.keys() == {"ema"}
+    for k in ema:
+        torch.testing.assert_close(loaded["ema"][k], ema[k], rtol=0, atol=0)
+    before, after = optimizer.state_dict(), fresh.state_dict()
+    assert after["param_groups"][0]["lr"] == 1e-2  # the saved groups; `train` then applies this run's
+    for i, s in before["state"].items():
+        for key, value in s.items():
+            torch.testing.assert_close(after["state"][i][key], value, rtol=0, atol=0)
+
+    # A sharded folder whose index (.metadata, written last by DCP) is missing is refused in one line.
+    (folder / "state.json").write_text(json.dumps({"step": 3, "sharded": ["ema", "optimizer"]}))
+    pending, step = load_state(tmp_path)
+    assert (
+        step == 3 and pending["sharded"]["parts"] == ["ema", "optimizer"] and pending["ema"]["shadow"] is None
+    )
+    (folder / "sharded" / ".metadata").unlink()
+    with pytest.raises(UserInputError, match=r"has no \.metadata; it is incomplete"):
+        load_state(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("value", "layout"),
+    [(None, "full"), ("FULL_STATE_DICT", "full"), ("SHARDED_STATE_DICT", "sharded"), ("3", "sharded")],
+)
+def test_the_launchers_state_dict_type_picks_the_layout(
+    value: str | None, layout: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from stages.update.parallel import launcher_state_dict_type
+
+    if value is None:
+        monkeypatch.delenv("FSDP_STATE_DICT_TYPE", raising=False)
+    else:
+        monkeypatch.setenv("FSDP_STATE_DICT_TYPE", value)
+    assert launcher_state_dict_type() == layout
+
+
+def test_fsdp1s_local_state_dict_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from stages.update.parallel import launcher_strategy
+
+    for var, value in {
+        "ACCELERATE_USE_FSDP": "true",
+        "FSDP_VERSION": "2",
+        "FSDP_STATE_DICT_TYPE": "LOCAL_STATE_DICT",
+    }.items():
+        monkeypatch.setenv(var, value)
+    with pytest.raises(UserInputError, match="fsdp_state_dict_type LOCAL_STATE_DICT"):
+        launcher_strategy()

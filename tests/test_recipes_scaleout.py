@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import socket
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -161,7 +163,8 @@ def test_slurm_profile_names_existing_rules_and_options() -> None:
     assert {f"--{key}" for key in profile if not key.startswith("slurm-")} <= options
     for rule, resources in profile["set-resources"].items():
         assert set(resources) <= PLUGIN_RESOURCES, rule
-        assert (resources.get("gpu", 0) >= 1) is (rule in GPU_RULES), rule
+        # GPUs are the Snakefile's (its processes per job): a profile's set-resources would override them
+        assert "gpu" not in resources and ("cpus_per_gpu" in resources) is (rule in GPU_RULES), rule
     assert set(profile["default-resources"]) <= PLUGIN_RESOURCES
 
 
@@ -280,3 +283,72 @@ def test_sample_array_submits_tasks_then_an_afterok_finaliser(tmp_path: Path) ->
         params = _omnirl_params(argv)
         assert (params["num_shards"], params["shard_index"]) == (shards, task)
         assert argv[:-2] == final_argv and argv[-2:] == ["--shard-index", str(task)]
+
+
+def _dry_run(tmp_path: Path, *config: str) -> tuple[dict[str, list[str]], dict[str, int]]:
+    """`snakemake -n -p` of one iteration with `config`: each rule's first shell command (argv, without
+    the redirection) and the GPUs its jobs ask for (resource gpu, 0 if none)."""
+    snakemake = Path(sys.executable).parent / "snakemake"
+    base = [f"run={tmp_path / 'run'}", "model=models/m", "prompts=p.txt", "iterations=1"]
+    base += ["preset=recipes/configs/demo_tiny.yaml"]
+    argv = [str(snakemake), "-s", "recipes/Snakefile", "-n", "-p", "--cores", "1", "--config", *base, *config]
+    text = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    commands: dict[str, list[str]] = {}
+    gpus: dict[str, int] = {}
+    for block in re.split(r"^rule ", text, flags=re.M)[1:]:
+        rule = block.split(":", 1)[0]
+        shell = re.search(r"^Shell command: (.*?)(?: > /dev/null)?$", block, re.M)
+        if shell and shell.group(1) != "None":  # rule all runs nothing
+            commands.setdefault(rule, shlex.split(shell.group(1)))
+            gpu = re.search(r"^    resources: .*\bgpu=(\d+)", block, re.M)
+            gpus[rule] = int(gpu.group(1)) if gpu else 0
+    return commands, gpus
+
+
+def _snakemake_installed() -> bool:
+    return (Path(sys.executable).parent / "snakemake").exists()
+
+
+@pytest.mark.skipif(not _snakemake_installed(), reason="snakemake is a dev extra")
+def test_snakefile_launches_each_rule_with_its_processes(tmp_path: Path, clean_env: None) -> None:
+    from torch.distributed.run import get_args_parser
+
+    commands, gpus = _dry_run(tmp_path, "sample_procs=2", "logprob_procs=4", "update_procs=8")
+    procs = {}
+    for rule, argv in commands.items():
+        if argv[0] == "torchrun":
+            args = get_args_parser().parse_args(argv[1:])
+            assert args.standalone and args.module and args.training_script == "omnirl_cli"
+            procs[rule], omnirl = int(args.nproc_per_node), args.training_script_args
+        else:
+            assert argv[0] == "omnirl"
+            procs[rule], omnirl = 1, argv[1:]
+        assert omnirl[0] == rule
+        _omnirl_params(omnirl)  # every option on the line is omnirl's
+    assert procs == {"sample": 2, "score": 1, "logprob": 4, "advantage": 1, "update": 8}
+    # a job asks the scheduler for one GPU per process; advantage for none
+    assert gpus == {**procs, "advantage": 0}
+
+
+@pytest.mark.skipif(not _snakemake_installed(), reason="snakemake is a dev extra")
+@pytest.mark.parametrize(("name", "strategy"), [("ddp_8gpu.yaml", "ddp"), ("fsdp2_8gpu.yaml", "fsdp2")])
+def test_snakefile_with_an_accelerate_config_launches_every_gpu_rule_through_it(
+    tmp_path: Path, clean_env: None, name: str, strategy: str
+) -> None:
+    from stages.precision import resolve_mixed_precision
+    from stages.update.parallel import launcher_state_dict_type, resolve_strategy
+
+    config = f"accelerate_config=recipes/accelerate/{name}"
+    commands, gpus = _dry_run(tmp_path, config, "update_procs=4", "logprob_procs=2")
+    assert commands["advantage"][0] == "omnirl" and gpus["advantage"] == 0  # CPU work stays one process
+    for rule in ("sample", "score", "logprob", "update"):
+        argv = commands[rule]
+        assert argv[:2] == ["accelerate", "launch"], rule
+        args, env = _launch(argv[2:])
+        assert args.module and args.training_script_args[0] == rule
+        _omnirl_params(args.training_script_args)
+        assert int(args.num_processes) == gpus[rule] == {"logprob": 2, "update": 4}.get(rule, 1)
+        os.environ.update(env)
+        assert resolve_mixed_precision(None) == "bf16"  # logprob replays as update trains: the file's
+    assert resolve_strategy("auto", 4) == strategy  # the update's launch environment, set last
+    assert launcher_state_dict_type() == ("sharded" if strategy == "fsdp2" else "full")

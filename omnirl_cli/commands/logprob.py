@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from ..choices import Dtype
+from ..choices import Dtype, MixedPrecision
 from ..config import resolve
 from ..console import emit_json, log
 from ..errors import handle_errors
@@ -50,6 +50,15 @@ def logprob(
             help="Also store the step means under these weights (old_means, for --algo grpo_guard).",
         ),
     ] = False,
+    mixed_precision: Annotated[
+        MixedPrecision | None,
+        typer.Option(
+            "--mixed-precision",
+            help="Autocast of the replayed forward, as `update --mixed-precision` (give both the same, so the "
+            "old log-probs carry the trainer's numerics). Default: the launcher's (accelerate launch "
+            "--mixed_precision, ACCELERATE_MIXED_PRECISION), else no. Part of the output's identity.",
+        ),
+    ] = None,
     fmt: FormatOpt = "parquet",
     overwrite: OverwriteOpt = False,
     config: ConfigOpt = None,
@@ -73,12 +82,14 @@ def logprob(
     from stages.logprob.replay import replay_shard, replay_token_shard
     from stages.models.diffusion import FlowPolicy
     from stages.models.vlm import VLMPolicy
+    from stages.precision import autocast, resolve_mixed_precision
     from stages.sample.engines import check_replayable
     from stages.sample.rollout import sample_config_of
     from stages.sample.vlm_stage import vlm_sample_config_of
     from stages.shards.reader import rollout_modality
     from stages.shards.writer import ShardSetWriter
 
+    c["mixed_precision"] = resolve_mixed_precision(c["mixed_precision"])  # the launcher's enters the identity
     src = open_inputs(c["inputs"])
     tokens = rollout_modality(src.manifests) == "text"
     sample_cfg = vlm_sample_config_of(src.manifests) if tokens else sample_config_of(src.manifests)
@@ -108,27 +119,30 @@ def logprob(
             if not stored:
                 advance(len(shard["sample_id"]))
                 return {"sample_id": shard["sample_id"]}
-            if tokens:
-                cols, stats = replay_token_shard(
-                    policy,
-                    sample_cfg,
-                    shard,
-                    reference=c["reference"],
-                    where=str(src.paths[0]),
-                    on_batch=advance,
-                )
-            else:
-                cols, stats = replay_shard(
-                    policy,
-                    sample_cfg,
-                    shard,
-                    reference=c["reference"],
-                    means=c["means"],
-                    where=str(src.paths[0]),
-                    on_batch=advance,
-                )
+            with autocast(c["mixed_precision"], policy.device):
+                cols, stats = replay_stored(shard, advance)
             found.append(stats)
             return cols
+
+        def replay_stored(shard: dict, advance: Any) -> tuple[dict, dict]:
+            if tokens:
+                return replay_token_shard(
+                    policy,
+                    sample_cfg,
+                    shard,
+                    reference=c["reference"],
+                    where=str(src.paths[0]),
+                    on_batch=advance,
+                )
+            return replay_shard(
+                policy,
+                sample_cfg,
+                shard,
+                reference=c["reference"],
+                means=c["means"],
+                where=str(src.paths[0]),
+                on_batch=advance,
+            )
 
         if tokens:
             columns = ["sample_id", "group_id", "prompt", "images", "prompt_ids", "prompt_mask"]

@@ -354,6 +354,8 @@ def update(
     Under torchrun or `accelerate launch` each rank takes its grad_accum micro-batches of every step:
     N ranks equal one process with N·grad_accum (DDP, or FSDP2 with --strategy fsdp2 or an fsdp_version 2
     accelerate config; recipes/accelerate/ has configs). Rank 0 writes the adapter and prints the report.
+    Under FSDP2 with fsdp_state_dict_type SHARDED_STATE_DICT (FSDP_STATE_DICT_TYPE) each rank writes its shards of
+    the trainer state (torch.distributed.checkpoint, trainer_state/sharded); the adapter stays one loadable folder.
 
     --report-to logs every metrics.jsonl record as it is made, at its global optimizer step.
 

@@ -14,8 +14,9 @@ FSDP1 and torch.compile settings are refused with one line, never silently ignor
 
 Both reduce with a mean over ranks; the trainer scales each loss by the world size so that gradients
 are sums over the whole optimizer step divided by its exact weight (torchtune's scale-grads rule).
-Trainer state (optimizer, EMA, DiffusionNFT's old policy) is always saved as full tensors in the
-single-process layout, so a run may resume under another strategy or world size.
+Trainer state (optimizer, EMA, DiffusionNFT's old policy) is saved as full tensors in the single-process
+layout, so a run may resume under another strategy or world size; under FSDP2 with the launcher's
+`fsdp_state_dict_type: SHARDED_STATE_DICT` each rank writes its own shards instead (`sharded_state.py`).
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ def launcher_strategy() -> str | None:
             f"accelerate launch: FSDP version {version} (FSDP_VERSION) is not supported by update; set "
             "fsdp_version: 2 in the accelerate config (recipes/accelerate/fsdp2_8gpu.yaml)"
         )
+    launcher_state_dict_type()
     return "fsdp2"
 
 
@@ -75,6 +77,23 @@ def launcher_checkpointing() -> bool:
     """Whether the accelerate config asks FSDP for activation checkpointing (fsdp_activation_checkpointing):
     update honours it as --gradient-checkpointing."""
     return _flag("ACCELERATE_USE_FSDP") and _flag("FSDP_ACTIVATION_CHECKPOINTING")
+
+
+def launcher_state_dict_type() -> str:
+    """The trainer-state layout the launcher asks for: "sharded" for `fsdp_state_dict_type:
+    SHARDED_STATE_DICT` (FSDP_STATE_DICT_TYPE), else "full" (also when unset: Accelerate's own FSDP2
+    default is sharded, omnirl's stays full). LOCAL_STATE_DICT (FSDP1's) is refused with one line."""
+    value = os.environ.get("FSDP_STATE_DICT_TYPE", "FULL_STATE_DICT").upper()
+    names = {"1": "FULL_STATE_DICT", "2": "LOCAL_STATE_DICT", "3": "SHARDED_STATE_DICT"}
+    value = names.get(value, value)
+    if value == "FULL_STATE_DICT":
+        return "full"
+    if value == "SHARDED_STATE_DICT":
+        return "sharded"
+    raise UserInputError(
+        f"accelerate launch: fsdp_state_dict_type {value} (FSDP_STATE_DICT_TYPE) is not supported by update; "
+        "use FULL_STATE_DICT or SHARDED_STATE_DICT"
+    )
 
 
 def resolve_strategy(strategy: str, world: int) -> str:
@@ -135,6 +154,12 @@ class Parallel:
         self.world = world_and_rank()[0]
         self.wrapper: Any = None
         self.plugin: Any = None
+
+    @property
+    def sharded_state(self) -> bool:
+        """Whether trainer state is saved as each rank's shards (FSDP2 with a sharded state dict type);
+        under DDP or one process the state is whole on every rank anyway."""
+        return self.kind == "fsdp2" and launcher_state_dict_type() == "sharded"
 
     @classmethod
     def setup(cls, module: torch.nn.Module, strategy: str, *, swaps_weights: bool = False) -> Parallel:
@@ -213,14 +238,31 @@ class Parallel:
 
     # ------------------------------------------------------------ full tensors for saving and resuming
     def gather(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """`tensors` whole: shards gathered one at a time into host memory on every rank (a collective
-        under FSDP2: every rank calls it); tensors that are not sharded are returned as they are."""
-        return {k: full(v).detach().cpu() if is_sharded(v) else v for k, v in tensors.items()}
+        """`tensors` whole on rank 0, the rank that writes them: shards are gathered one at a time into host
+        memory (a collective under FSDP2: every rank calls it) and the other ranks drop each at once, so
+        only rank 0 ever holds them all; tensors that are not sharded are returned as they are."""
+        keep = world_and_rank()[1] == 0
+        out = {}
+        for k, v in tensors.items():
+            if not is_sharded(v):
+                out[k] = v
+                continue
+            whole = full(v)
+            if keep:
+                out[k] = whole.detach().cpu()
+        return out
 
-    def module_state(self) -> dict[str, torch.Tensor] | None:
-        """The trained module's whole state dict when it is sharded (every rank calls it), else None
-        (the module's own state_dict is whole)."""
-        return self.gather(self.module.state_dict()) if self.kind == "fsdp2" else None
+    def module_state(self, trained_only: bool = False) -> dict[str, torch.Tensor] | None:
+        """The trained module's state dict, whole on rank 0 (`gather`), when it is sharded, else None (the
+        module's own state_dict is whole). trained_only: only the parameters that train (a LoRA's), not
+        the frozen base weights an adapter does not hold."""
+        if self.kind != "fsdp2":
+            return None
+        state = self.module.state_dict()
+        if trained_only:
+            wanted = {n for n, p in self.module.named_parameters() if p.requires_grad}
+            state = {k: v for k, v in state.items() if k in wanted}
+        return self.gather(state)
 
     def shard_like(
         self, tensors: dict[str, torch.Tensor], named: dict[str, torch.Tensor]
@@ -231,14 +273,16 @@ class Parallel:
         out = {}
         for k, v in tensors.items():
             p = named[k]
-            if is_sharded(p):
+            if is_sharded(v):  # already laid out (a sharded checkpoint, `sharded_state.load`)
+                out[k] = v
+            elif is_sharded(p):
                 out[k] = distribute_tensor(v.to(p.device, p.dtype), p.device_mesh, p.placements)
             else:
                 out[k] = v.to(p.device, p.dtype)
         return out
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """The optimizer's state_dict with full tensors (the single-process layout)."""
+        """The optimizer's state_dict with full tensors (the single-process layout), on rank 0 (`gather`)."""
         state = optimizer.state_dict()
         if self.kind != "fsdp2":
             return state

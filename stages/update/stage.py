@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from stages.dist import world_and_rank
+from stages.dist import barrier, gather, world_and_rank
 from stages.errors import UserInputError
 from stages.finite import check_finite
 from stages.models.diffusion import ADAPTER_CONFIG, FlowPolicy, read_adapter_config
@@ -80,32 +80,46 @@ def save_policy(
     extra: dict[str, Any],
     weights: dict[str, torch.Tensor] | None = None,
 ) -> None:
-    """Write a policy directory atomically: metrics, trainer state (`trainer_state`), weights, then
-    omnirl_adapter.json. `weights`: the trained module's whole state dict when it is sharded.
+    """Write a policy directory atomically (every rank calls it): metrics, trainer state (`trainer_state`),
+    weights, then omnirl_adapter.json. `weights`: the trained module's whole state dict when it is sharded.
 
     Everything is written into a hidden sibling, which then replaces `out` in one step: a kill leaves
-    the previous adapter (or none) and litter that the next update of `out` removes.
+    the previous adapter (or none) and litter that the next update of `out` removes. Rank 0 writes all
+    of it, except a sharded trainer state, whose shards every rank writes into the same sibling.
     """
-    recover_dir(out)
+    rank = world_and_rank()[1]
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    failed = None
+    if rank == 0:
+        try:
+            recover_dir(out)
+            tmp.mkdir(parents=True)
+        except OSError as e:
+            failed = e
+    # every rank learns rank 0's folder (or its failure) before writing into it
+    name, failed = gather((tmp.name, failed))[0]
+    if failed is not None:
+        raise failed
+    tmp = out.parent / name
     try:
-        tmp.mkdir(parents=True)
-        with open(tmp / METRICS, "w") as fh:
-            for record in metrics:
-                fh.write(json.dumps(record) + "\n")
         save_state(tmp, state, step, cfg)
-        policy.save_adapter(
-            tmp,
-            kind="full" if cfg.full else "lora",
-            extra={"step": step, "algo": cfg.algo, "update_config": asdict(cfg), **extra},
-            state=weights,
-        )
-        for path in tmp.rglob("*.safetensors"):
-            canonical_safetensors_header(path)
-        replace_dir(tmp, out)
+        if rank == 0:
+            with open(tmp / METRICS, "w") as fh:
+                for record in metrics:
+                    fh.write(json.dumps(record) + "\n")
+            policy.save_adapter(
+                tmp,
+                kind="full" if cfg.full else "lora",
+                extra={"step": step, "algo": cfg.algo, "update_config": asdict(cfg), **extra},
+                state=weights,
+            )
+            for path in tmp.rglob("*.safetensors"):
+                canonical_safetensors_header(path)
+            replace_dir(tmp, out)
     finally:
-        if tmp.exists():
+        if rank == 0 and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+        barrier()
 
 
 def canonical_safetensors_header(path: Path) -> None:
@@ -216,7 +230,7 @@ def run_update(
     step = metrics[-1]["step"] if metrics else start
     last = metrics[-1] if metrics else {}
     resume = trainer_state(par, optimizer, ema, old_weights, scaler)
-    weights = par.module_state()
+    weights = par.module_state(trained_only=not cfg.full)
     result = {
         "out": str(out),
         "skipped": False,
@@ -225,26 +239,18 @@ def run_update(
         "rows_read": rows_read,
         "last": last,
     }
-    world, rank = world_and_rank()
-    if rank != 0:  # rank 0 writes the one adapter; the others wait until it is in place
-        torch.distributed.barrier()
-        return result
-    try:
-        save_policy(
-            policy,
-            out,
-            resume,
-            metrics,
-            step,
-            cfg,
-            weights=weights,
-            extra={
-                "config_hash": digest,
-                "parent_adapter": str(adapter) if adapter else None,
-                "inputs": [str(p) for p in inputs.paths],
-            },
-        )
-    finally:
-        if world > 1:
-            torch.distributed.barrier()
+    save_policy(  # rank 0 writes the one adapter; every rank returns once it is in place
+        policy,
+        out,
+        resume,
+        metrics,
+        step,
+        cfg,
+        weights=weights,
+        extra={
+            "config_hash": digest,
+            "parent_adapter": str(adapter) if adapter else None,
+            "inputs": [str(p) for p in inputs.paths],
+        },
+    )
     return result

@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import time
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,8 @@ from stages.dist import all_reduce_sum, world_and_rank
 from stages.errors import NonFiniteError, UserInputError
 from stages.models.diffusion import FlowPolicy
 from stages.models.vlm import VLMPolicy
+from stages.precision import autocast, launcher_mixed_precision, resolve_mixed_precision
+from stages.update import sharded_state
 from stages.update.family_losses import AWM_WEIGHTINGS, NFT_DECAY_SCHEDULES, nft_old_decay
 from stages.update.losses import get_algorithm
 from stages.update.objectives import make_objective
@@ -39,15 +40,7 @@ from stages.update.token_losses import AGG_MODES, KL_KINDS
 Policy = FlowPolicy | VLMPolicy
 STATE_DIR = "trainer_state"
 METRICS = "metrics.jsonl"
-# --mixed-precision → the autocast dtype (None: no autocast). fp16 runs with a dynamic loss scale.
-MIXED_PRECISIONS: dict[str, torch.dtype | None] = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 LR_SCHEDULERS = ("constant", "linear", "cosine")
-
-
-def launcher_mixed_precision() -> str:
-    """The launcher's mixed precision (`accelerate launch --mixed_precision` or the `accelerate config`
-    file set ACCELERATE_MIXED_PRECISION), else "no"."""
-    return os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
 
 
 @dataclass
@@ -136,8 +129,7 @@ class UpdateConfig:
 
     def autocast(self, device: torch.device) -> AbstractContextManager[Any]:
         """The context the forward and loss run in: autocast to --mixed-precision on `device`'s type."""
-        dtype = MIXED_PRECISIONS[self.mixed_precision]
-        return nullcontext() if dtype is None else torch.autocast(device_type=device.type, dtype=dtype)
+        return autocast(self.mixed_precision, device)
 
     def advantage_clip(self) -> float | None:
         """|A| bound: --adv-clip, else the --algo's (5 for the diffusion family, none for grpo/dapo/gspo);
@@ -187,11 +179,7 @@ class UpdateConfig:
 
     def _validate_precision(self) -> None:
         launcher_strategy()
-        if self.mixed_precision not in MIXED_PRECISIONS:
-            raise UserInputError(
-                f"--mixed-precision {self.mixed_precision} (or accelerate launch's --mixed_precision): "
-                f"choose one of {', '.join(MIXED_PRECISIONS)}"
-            )
+        resolve_mixed_precision(self.mixed_precision)
 
     def validate(self) -> None:
         """Raise a one-line UserInputError naming the first impossible setting."""
@@ -363,11 +351,13 @@ def train(
     params = list(named.values())
     settings = cfg.optimizer_settings()
     optimizer = torch.optim.AdamW(params, **settings)
+    if state.get("sharded") is not None:  # each rank reads its shards; the optimizer's in place
+        state = _resume_sharded(state, par, optimizer, named)
     if state.get("optimizer") is not None:
-        # The moments carry over; the hyper-parameters are this run's (a new --lr takes effect).
         par.load_optimizer_state(optimizer, state["optimizer"])
-        for group in optimizer.param_groups:
-            group.update(settings)
+    # The moments carry over; the hyper-parameters are this run's (a new --lr takes effect).
+    for group in optimizer.param_groups:
+        group.update(settings)
     if cfg.mixed_precision == "fp16" and par.kind == "fsdp2":
         raise UserInputError(
             "--mixed-precision fp16 with FSDP2: the loss scale is not sharded yet; use bf16 (or --strategy ddp)"
@@ -482,6 +472,23 @@ def train(
     return optimizer, ema, new_old, metrics, par, scaler
 
 
+def _resume_sharded(
+    state: dict[str, Any], par: Parallel, optimizer: torch.optim.Optimizer, named: dict[str, torch.Tensor]
+) -> dict[str, Any]:
+    """`state` with a sharded checkpoint (`load_state`'s "sharded": its folder and parts) read into this
+    run's layout: the optimizer loaded in place, ema's shadow and old_weights filled (this rank's shards
+    under FSDP2, whole tensors otherwise)."""
+    folder, parts = state["sharded"]["folder"], state["sharded"]["parts"]
+    loaded = sharded_state.load(folder, parts, par.module, optimizer, named)
+    ema = state.get("ema")
+    return {
+        **state,
+        "sharded": None,
+        "ema": {**ema, "shadow": loaded["ema"]} if ema is not None and "ema" in loaded else None,
+        "old_weights": loaded.get("old_weights"),
+    }
+
+
 def trainer_state(
     par: Parallel,
     optimizer: torch.optim.Optimizer,
@@ -489,9 +496,21 @@ def trainer_state(
     old_weights: dict[str, torch.Tensor] | None,
     scaler: torch.amp.GradScaler,
 ) -> dict[str, Any]:
-    """What the next update resumes from, whole (a collective under FSDP2: every rank calls it), in
-    `load_state`'s form: optimizer, ema ({shadow, updates}), old_weights (NFT) and grad_scaler (fp16),
-    each possibly None."""
+    """What the next update resumes from (every rank calls it), in `load_state`'s form: optimizer, ema
+    ({shadow, updates}), old_weights (NFT) and grad_scaler (fp16), each possibly None, whole (under FSDP2
+    gathered onto rank 0, the rank that writes them). When `par.sharded_state`, "shards" holds this rank's shards of the optimizer, ema
+    and old_weights instead (`sharded_state.collect`), and those three keep only the EMA's counter."""
+    if par.sharded_state:
+        shadow = ema.shadow if ema is not None else None
+        return {
+            "shards": sharded_state.collect(
+                par.module, optimizer, {"ema": shadow, "old_weights": old_weights}
+            ),
+            "optimizer": None,
+            "ema": {"shadow": None, "updates": ema.updates} if ema is not None else None,
+            "old_weights": None,
+            "grad_scaler": scaler.state_dict() if scaler.is_enabled() else None,
+        }
     return {
         "optimizer": par.optimizer_state(optimizer),
         "ema": {"shadow": par.gather(ema.shadow), "updates": ema.updates} if ema is not None else None,
@@ -501,15 +520,20 @@ def trainer_state(
 
 
 def save_state(out: Path, state: dict[str, Any], step: int, cfg: UpdateConfig) -> None:
-    """Write a `trainer_state`: optimizer (torch format, read back with weights_only=True), EMA and
-    NFT old policy (safetensors), counters."""
+    """Write a `trainer_state` (every rank calls it): optimizer (torch format, read back with
+    weights_only=True), EMA and NFT old policy (safetensors), counters; rank 0 writes them all. A sharded
+    state goes to a DCP folder instead, each rank writing its own shards (`sharded_state.save`)."""
     from safetensors.torch import save_file
 
     folder = out / STATE_DIR
     folder.mkdir(parents=True, exist_ok=True)
-    torch.save(state["optimizer"], folder / "optimizer.pt")
+    sharded = sharded_state.save(folder, state["shards"]) if state.get("shards") else None
+    if world_and_rank()[1] != 0:
+        return
+    if state.get("optimizer") is not None:
+        torch.save(state["optimizer"], folder / "optimizer.pt")
     ema = state.get("ema")
-    if ema is not None:
+    if ema is not None and ema["shadow"] is not None:
         save_file({k: v.contiguous() for k, v in ema["shadow"].items()}, folder / "ema.safetensors")
     if state.get("old_weights") is not None:
         save_file(
@@ -520,6 +544,7 @@ def save_state(out: Path, state: dict[str, Any], step: int, cfg: UpdateConfig) -
         "ema_updates": ema["updates"] if ema else 0,
         "grad_scaler": state.get("grad_scaler"),
         "update_config": asdict(cfg),
+        **({"sharded": sharded, "sharded_world_size": world_and_rank()[0]} if sharded else {}),
     }
     (folder / "state.json").write_text(json.dumps(info, indent=2, sort_keys=True))
 
@@ -527,7 +552,9 @@ def save_state(out: Path, state: dict[str, Any], step: int, cfg: UpdateConfig) -
 def load_state(adapter: Path | None) -> tuple[dict[str, Any], int]:
     """What the update that wrote `adapter` left for the next one, and its step.
 
-    Keys: optimizer, ema ({shadow, updates}), old_weights (NFT) and grad_scaler (fp16), each None when absent.
+    Keys: optimizer, ema ({shadow, updates}), old_weights (NFT) and grad_scaler (fp16), each None when
+    absent. A sharded state (`sharded_state`) is read later, into the sharded run (`train`): "sharded"
+    then names its folder and parts, and ema's shadow is None until then.
     """
     from safetensors.torch import load_file
 
@@ -536,6 +563,18 @@ def load_state(adapter: Path | None) -> tuple[dict[str, Any], int]:
     if folder is None or not (folder / "state.json").is_file():
         return state, 0
     info = json.loads((folder / "state.json").read_text())
+    if info.get("sharded"):
+        parts = list(info["sharded"])
+        if not (folder / sharded_state.SHARDED_DIR / ".metadata").is_file():
+            raise UserInputError(
+                f"--adapter {adapter}: its sharded trainer state ({folder / sharded_state.SHARDED_DIR}) has no "
+                ".metadata; it is incomplete, resume from an earlier adapter"
+            )
+        state["sharded"] = {"folder": folder, "parts": parts}
+        if "ema" in parts:
+            state["ema"] = {"shadow": None, "updates": info.get("ema_updates", 0)}
+        state["grad_scaler"] = info.get("grad_scaler")
+        return state, int(info.get("step", 0))
     if (folder / "optimizer.pt").is_file():
         state["optimizer"] = torch.load(folder / "optimizer.pt", weights_only=True)
     if (folder / "ema.safetensors").is_file():

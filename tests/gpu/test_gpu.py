@@ -89,3 +89,35 @@ def test_bf16_update_trains_and_reports_throughput(
     assert abs(metrics[0]["actor/ratio_mean"] - 1) <= 1e-3  # the first step replays the rollout's weights
     rate = sum(m["perf/sample_steps_per_s"] for m in metrics) / len(metrics)
     print(f"\n[gpu] update ({strategy}): {rate:.2f} sample-steps/s (small SD3, {DTYPE}, LoRA 32)")
+
+
+def test_fsdp2_sharded_trainer_state_resumes_on_the_device(
+    rollout: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FSDP_STATE_DICT_TYPE=SHARDED_STATE_DICT on the accelerator's process group: the trainer state is
+    written by torch.distributed.checkpoint and read back by FSDP2 and by a plain process."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    def args(out: Path, *extra: str) -> list[str]:
+        return [
+            "update", "--model", str(rollout["model"]), *ins(rollout["samples"], rollout["logprobs"], rollout["advantages"]),
+            "--dtype", DTYPE, "--mixed-precision", "bf16" if ACCELERATOR else "no", "--lr", "1e-4", "--micro-batch", "4",
+            "--out", str(out), *extra,
+        ]  # fmt: skip
+
+    monkeypatch.setenv("FSDP_STATE_DICT_TYPE", "SHARDED_STATE_DICT")
+    first = torchrun(*args(tmp_path / "it1", "--strategy", "fsdp2"), ranks=1)[0]
+    assert (tmp_path / "it1" / "trainer_state" / "sharded" / ".metadata").is_file()
+    second = torchrun(
+        *args(tmp_path / "it2", "--strategy", "fsdp2", "--adapter", str(tmp_path / "it1")), ranks=1
+    )[0]
+    monkeypatch.delenv("FSDP_STATE_DICT_TYPE")
+    plain = run(*args(tmp_path / "plain", "--adapter", str(tmp_path / "it1")))
+    steps = 2 * first["optimizer_steps"]
+    assert second["step"] == plain["step"] == steps
+    # AdamW's step counters went on from the shards (a fresh optimizer would count from 0)
+    dcp_to_torch_save(tmp_path / "it2" / "trainer_state" / "sharded", tmp_path / "it2.pt")
+    resumed = torch.load(tmp_path / "it2.pt", weights_only=True)["optimizer"]["state"]
+    assert resumed and {float(s["step"]) for s in resumed.values()} == {float(steps)}
+    whole = torch.load(tmp_path / "plain" / "trainer_state" / "optimizer.pt", weights_only=True)["state"]
+    assert whole and {float(s["step"]) for s in whole.values()} == {float(steps)}

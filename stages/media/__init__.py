@@ -8,20 +8,13 @@ of rollout those columns make ("image" or "video", recorded in the manifest for 
 
 from __future__ import annotations
 
-import io
 from collections.abc import Sequence
 from typing import Any
 
 from stages.media.video import encode_mp4
+from stages.tables import png_bytes
 
 FRAMES_COLUMN = "frames"  # the lossless frames of a video rollout (`--save-frames`): PNG per frame
-
-
-def png_bytes(image: Any) -> bytes:
-    """A PIL image as PNG file bytes."""
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")
-    return buf.getvalue()
 
 
 def is_video(output: Any) -> bool:

@@ -284,9 +284,9 @@ def outputs_to_reply(outputs: Sequence[Any], request: dict[str, Any]) -> dict[st
     ``error``). An output with an error that names an abort, or without images, is ``finish_reason``
     "abort"; another error, or no omnirl record, is a `ProtocolError`. Check the result with
     `rollout_protocol.decode_response`."""
-    from stages.sample.rollout import png_bytes
     from stages.sample.rollout_protocol import PROTOCOL, VERSION, media_item
     from stages.sample.tensor_codec import encode_tensor
+    from stages.tables import png_bytes
 
     base = {"protocol": PROTOCOL, "version": VERSION, "request_id": request["request_id"]}
     if len(outputs) != 1:

@@ -242,14 +242,14 @@ def test_vlm_update_under_bf16_autocast_stays_near_the_fp32_run(
 ) -> None:
     monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
     seen: list[torch.dtype | None] = []
-    forward = VLMPolicy.response_stats
+    forward = VLMPolicy.response_forward
 
     def recording(self: VLMPolicy, *args: Any, **kwargs: Any) -> Any:
         kind = self.device.type
         seen.append(torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None)
         return forward(self, *args, **kwargs)
 
-    monkeypatch.setattr(VLMPolicy, "response_stats", recording)
+    monkeypatch.setattr(VLMPolicy, "response_forward", recording)
     args = (
         "--algo",
         "grpo",

@@ -39,8 +39,8 @@ from stages.models.hub import base_model_record
 from stages.models.tokens import token_entropy, token_log_probs
 
 # The processor argument that takes each media type's items (one flat list over the batch), and the
-# processor part a type beyond images needs (Qwen2.5-VL has no feature extractor, the thinker no
-# video processor).
+# processor part a type beyond images needs (Qwen2.5-VL has no feature extractor; folders built before
+# the frames video processor have no video processor).
 PROCESSOR_ARGS = {"image": "images", "video": "videos", "audio": "audio"}
 PROCESSOR_PARTS = {"video": "video_processor", "audio": "feature_extractor"}
 
@@ -480,7 +480,9 @@ class VLMPolicy:
         """
         batch = prompt["input_ids"].shape[0]
         per_prompt = n
-        if "input_features" in prompt:  # `generate` would repeat audio clips one by one, not per prompt
+        # The thinker's audio clips and videos: `generate` would repeat clips one by one, not per prompt,
+        # and videos not at all (its placeholders would outnumber their features).
+        if "input_features" in prompt or "video_second_per_grid" in prompt:
             from stages.models.qwen3_omni import repeat_prompts
 
             prompt, per_prompt = repeat_prompts(prompt, n, self.module.config), 1

@@ -260,3 +260,91 @@ def test_thinker_video_processor_matches_its_image_processor_and_times_each_vide
     pads = (inputs["input_ids"] == processor.tokenizer.convert_tokens_to_ids("<|video_pad|>")).sum(-1)
     assert pads.tolist() == [2 * 4, 4]
     assert inputs["video_second_per_grid"].tolist() == [0.5, 1.0]  # temporal patch 2 / fps
+
+
+def whole_qwen3_omni(thinker_dir: Path, out: Path) -> Path:
+    """A whole `qwen3_omni_moe` folder (thinker + tiny talker + tiny code2wav, as the published
+    checkpoints hold them) whose thinker has `thinker_dir`'s weights, with its processor."""
+    from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
+
+    from stages.models.vlm import VLMPolicy
+
+    thinker = VLMPolicy.load(thinker_dir)
+    layer = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
+    rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [4, 2, 2], "interleaved": True}
+    moe = {"num_experts": 2, "num_experts_per_tok": 1, "moe_intermediate_size": 16}
+    codec = {"codec_pad_id": 58, "codec_bos_id": 59, "codec_eos_token_id": 60, "codec_nothink_id": 61}
+    config = Qwen3OmniMoeConfig(
+        thinker_config=thinker.module.config.to_dict(),
+        talker_config={
+            "text_config": {
+                **layer,
+                **moe,
+                "num_key_value_heads": 1,
+                "head_dim": 16,
+                "vocab_size": 64,
+                "shared_expert_intermediate_size": 16,
+                "rope_parameters": rope,
+            },
+            "code_predictor_config": {
+                **layer,
+                "num_key_value_heads": 1,
+                "head_dim": 16,
+                "vocab_size": 64,
+                "num_code_groups": 2,
+            },
+            "num_code_groups": 2,
+            "thinker_hidden_size": 64,
+            "accept_hidden_layer": 1,
+            "spatial_merge_size": 2,
+            "codec_think_bos_id": 62,
+            "codec_think_eos_id": 63,
+            **codec,
+        },
+        code2wav_config={
+            **layer,
+            "num_key_value_heads": 2,
+            "codebook_size": 64,
+            "num_quantizers": 2,
+            "upsample_rates": [2, 2],
+            "upsampling_ratios": [2],
+            "decoder_dim": 32,
+            "sliding_window": 8,
+        },
+    )
+    whole = Qwen3OmniMoeForConditionalGeneration(config)
+    whole.thinker.load_state_dict(thinker.module.state_dict())
+    whole.generation_config = thinker.module.generation_config
+    assert sum(p.numel() for p in whole.talker.parameters()) > 0
+    whole.save_pretrained(out)
+    thinker.processor.save_pretrained(out)
+    return out
+
+
+def test_a_whole_qwen3_omni_folder_loads_as_its_thinker(
+    omni_run: dict, tiny_omni: Path, tmp_path: Path
+) -> None:
+    """`--model` on a whole Qwen3-Omni folder (model_type qwen3_omni_moe) loads only its thinker: the
+    same rollout as the thinker-only folder with the same weights, replayed to 1e-5."""
+    from safetensors.torch import load_file
+
+    from stages.models.vlm import VLMPolicy, is_vlm_model
+
+    whole = whole_qwen3_omni(tiny_omni, tmp_path / "whole")
+    assert {k.split(".")[0] for k in load_file(whole / "model.safetensors")} == {
+        "thinker",
+        "talker",
+        "code2wav",
+    }
+    assert is_vlm_model(whole)
+    policy = VLMPolicy.load(whole)
+    assert type(policy.module).__name__ == "Qwen3OmniMoeThinkerForConditionalGeneration"
+    assert not any(n.startswith(("talker", "code2wav")) for n, _ in policy.module.named_parameters())
+    assert policy.stop_ids == VLMPolicy.load(tiny_omni).stop_ids
+    args = ["--prompts", str(omni_run["data"]), "-n", "2", "--max-new-tokens", "4", "--batch-size", "8"]
+    for name, model in (("a", tiny_omni), ("b", whole)):
+        run("sample", "--model", str(model), *args, "--out", str(tmp_path / name))
+    a, b = (ShardSet(tmp_path / name).read_all() for name in "ab")
+    assert torch.equal(a["response_ids"], b["response_ids"]) and torch.equal(a["log_probs"], b["log_probs"])
+    replay = run("logprob", "--model", str(whole), *ins(tmp_path / "b"), "--out", str(tmp_path / "lp"))
+    assert replay["abs_delta_max"] <= 1e-5

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
+import torch
 from transformers import (
     AutoProcessor,
     GenerationConfig,
@@ -274,6 +275,11 @@ SIZES: dict[str, Qwen2_5_VLSize] = {
         max_pixels=112 * 112,
     ),
 }
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype) -> Qwen2_5_VLForConditionalGeneration:
+    """A Qwen2.5-VL folder's model (local files only)."""
+    return Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=dtype)
 
 
 def load_processor(model_dir: str | Path) -> Qwen2_5_VLProcessor:

@@ -20,6 +20,7 @@ and a replay in other micro-batches would not reproduce the rollout's log-probs.
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ import torch
 from transformers import (
     AutoProcessor,
     GenerationConfig,
+    Qwen3OmniMoeForConditionalGeneration,
     Qwen3OmniMoeProcessor,
     Qwen3OmniMoeThinkerConfig,
     Qwen3OmniMoeThinkerForConditionalGeneration,
@@ -42,6 +44,8 @@ from stages.models.tokenizers import QWEN2_SPECIAL_TOKENS, build_qwen2_tokenizer
 
 FAMILY = "qwen3_omni_thinker"
 MODEL_TYPE = "qwen3_omni_moe_thinker"
+# The model type of a whole Qwen3-Omni checkpoint (thinker + talker + code2wav); the policy is its thinker.
+FULL_MODEL_TYPE = "qwen3_omni_moe"
 PATCH_SIZE = 16
 SPATIAL_MERGE_SIZE = 2
 TEMPORAL_PATCH_SIZE = 2
@@ -200,6 +204,24 @@ SIZES: dict[str, Qwen3OmniThinkerSize] = {
         max_pixels=128 * 128,
     ),
 }
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype) -> Qwen3OmniMoeThinkerForConditionalGeneration:
+    """The thinker of a thinker folder or of a whole Qwen3-Omni folder (`FULL_MODEL_TYPE`: thinker,
+    talker and code2wav, the thinker's weights under `thinker.`), local files only.
+
+    A whole folder is loaded as `Qwen3OmniMoeForConditionalGeneration` with `enable_audio_output=False`,
+    which builds the thinker alone, so the talker's and code2wav's weights are never materialised;
+    the folder's generation config goes with the thinker (its stop ids).
+    """
+    if json.loads((Path(model_dir) / "config.json").read_text()).get("model_type") != FULL_MODEL_TYPE:
+        return Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(model_dir, dtype=dtype)
+    whole = Qwen3OmniMoeForConditionalGeneration.from_pretrained(
+        model_dir, dtype=dtype, enable_audio_output=False
+    )
+    thinker = whole.thinker
+    thinker.generation_config = whole.generation_config
+    return thinker
 
 
 def load_processor(model_dir: str | Path) -> Qwen3OmniMoeProcessor:

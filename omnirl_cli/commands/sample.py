@@ -57,7 +57,11 @@ PLANNED_SAMPLE_BYTES = 256
 def sample(
     ctx: typer.Context,
     out: OutOpt = None,
-    model: model_opt("Diffusers pipeline, or a transformers VLM (Qwen2.5-VL): text responses", MODEL) = None,
+    model: model_opt(
+        "Diffusers pipeline, or a transformers VLM (Qwen2.5-VL, a Qwen3-Omni thinker, or a whole Qwen3-Omni "
+        "folder, of which only the thinker loads): text responses",
+        MODEL,
+    ) = None,
     adapter: Annotated[
         Path | None,
         typer.Option(

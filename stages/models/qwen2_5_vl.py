@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
+import torch
 from transformers import (
-    AutoImageProcessor,
     AutoProcessor,
     GenerationConfig,
     Qwen2_5_VLConfig,
@@ -35,6 +35,7 @@ from transformers import (
 )
 from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil, smart_resize
+from transformers.processing_utils import MODALITY_TO_AUTOPROCESSOR_MAPPING
 from transformers.video_processing_utils import BatchFeature, VideoProcessorMixin
 
 from stages.models.factory import choose_size, finish_model_dir, no_progress_bars, parameter_count, seeded
@@ -167,7 +168,46 @@ class QwenVLFramesVideoProcessor(VideoProcessorMixin):
         return out
 
 
-class Qwen2_5_VLImageTextProcessor(Qwen2_5_VLProcessor):
+class FramesVideoProcessing:
+    """Processor mixin (list it before the transformers processor class): `QwenVLFramesVideoProcessor`
+    as the `video_processor` component, or None in folders built before it. transformers checks and
+    loads a video processor through `AutoVideoProcessor`, which needs torchvision; here it is checked
+    against the frames class and built from the `video_processor` entry of processor_config.json, and
+    every other component is loaded as transformers loads it."""
+
+    def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
+        if argument_name != "video_processor":
+            return super().check_argument_for_proper_class(argument_name, argument)  # type: ignore[misc]
+        if argument is not None and not isinstance(argument, QwenVLFramesVideoProcessor):
+            raise TypeError(
+                f"video_processor must be a QwenVLFramesVideoProcessor, got {type(argument).__name__}"
+            )
+        return QwenVLFramesVideoProcessor
+
+    @classmethod
+    def _get_arguments_from_pretrained(
+        cls, pretrained_model_name_or_path: Any, processor_dict: dict | None = None, **kwargs: Any
+    ) -> list[Any]:
+        """The components in `__init__` order: the tokenizer and other processors as transformers loads
+        them, the video processor from processor_config.json (None when it names no frames processor)."""
+        kwargs.pop("subfolder", None)
+        args: list[Any] = []
+        for name in cls.get_attributes():  # type: ignore[attr-defined]
+            if name == "video_processor":
+                config = dict((processor_dict or {}).get("video_processor") or {})
+                frames = config.pop("video_processor_type", None) == QwenVLFramesVideoProcessor.__name__
+                args.append(QwenVLFramesVideoProcessor(**config) if frames else None)
+            elif name == "tokenizer":
+                args.append(
+                    cls._load_tokenizer_from_pretrained(name, pretrained_model_name_or_path, **kwargs)
+                )  # type: ignore[attr-defined]
+            else:
+                auto = MODALITY_TO_AUTOPROCESSOR_MAPPING[name]
+                args.append(auto.from_pretrained(pretrained_model_name_or_path, **kwargs))
+        return args
+
+
+class Qwen2_5_VLImageTextProcessor(FramesVideoProcessing, Qwen2_5_VLProcessor):
     """`Qwen2_5_VLProcessor` with `QwenVLFramesVideoProcessor` as its video processor (or none, in
     folders built before it): same prompt expansion, pixel values, grids and `mm_token_type_ids`, but
     it builds and loads without torchvision."""
@@ -187,32 +227,6 @@ class Qwen2_5_VLImageTextProcessor(Qwen2_5_VLProcessor):
             chat_template=chat_template,
             **kwargs,
         )
-
-    def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
-        """transformers looks the video processor's base class up through `AutoVideoProcessor`, which
-        needs torchvision; this one takes `QwenVLFramesVideoProcessor` or None."""
-        if argument_name != "video_processor":
-            return super().check_argument_for_proper_class(argument_name, argument)
-        if argument is not None and not isinstance(argument, QwenVLFramesVideoProcessor):
-            raise TypeError(
-                f"video_processor must be a QwenVLFramesVideoProcessor, got {type(argument).__name__}"
-            )
-        return QwenVLFramesVideoProcessor
-
-    @classmethod
-    def _get_arguments_from_pretrained(
-        cls, pretrained_model_name_or_path: Any, processor_dict: dict | None = None, **kwargs: Any
-    ) -> list[Any]:
-        """The image processor and tokenizer as transformers loads them, and the video processor from
-        the `video_processor` entry of processor_config.json (transformers' `AutoVideoProcessor` needs
-        torchvision); None in folders built before it."""
-        kwargs.pop("subfolder", None)
-        image_processor = AutoImageProcessor.from_pretrained(pretrained_model_name_or_path, **kwargs)
-        tokenizer = cls._load_tokenizer_from_pretrained("tokenizer", pretrained_model_name_or_path, **kwargs)
-        config = dict((processor_dict or {}).get("video_processor") or {})
-        if config.pop("video_processor_type", None) != QwenVLFramesVideoProcessor.__name__:
-            return [image_processor, tokenizer, None]
-        return [image_processor, tokenizer, QwenVLFramesVideoProcessor(**config)]
 
 
 # Keyed by a name rather than Qwen2_5_VLConfig, so real checkpoints keep resolving to transformers' own
@@ -261,6 +275,11 @@ SIZES: dict[str, Qwen2_5_VLSize] = {
         max_pixels=112 * 112,
     ),
 }
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype) -> Qwen2_5_VLForConditionalGeneration:
+    """A Qwen2.5-VL folder's model (local files only)."""
+    return Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=dtype)
 
 
 def load_processor(model_dir: str | Path) -> Qwen2_5_VLProcessor:

@@ -10,8 +10,9 @@ What shrinks: widths, depths, experts (4, top-2), the vocabulary (`build_qwen2_t
 (32), and the image pixel budget (64x64 to 128x128 pixels, i.e. 4 to 16 image tokens).
 
 The processor is `Qwen3OmniThinkerProcessor`: transformers' `Qwen3OmniMoeProcessor` with a locally
-configured `WhisperFeatureExtractor` and without its video processor (transformers builds that only
-with torchvision, which is not installed here). It also extracts each audio's features on its own
+configured `WhisperFeatureExtractor` and `QwenVLFramesVideoProcessor` as its video processor
+(transformers builds its own only with torchvision, which is not installed here); each video is timed
+by its own frame rate. It also extracts each audio's features on its own
 (`_process_audio`): the Whisper extractor pads a batch to its longest clip and the STFT frames at a
 clip's end then see its neighbours' padding, so a clip's features would depend on the batch it is in
 and a replay in other micro-batches would not reproduce the rollout's log-probs.
@@ -19,6 +20,7 @@ and a replay in other micro-batches would not reproduce the rollout's log-probs.
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -28,19 +30,22 @@ import torch
 from transformers import (
     AutoProcessor,
     GenerationConfig,
+    Qwen3OmniMoeForConditionalGeneration,
     Qwen3OmniMoeProcessor,
     Qwen3OmniMoeThinkerConfig,
     Qwen3OmniMoeThinkerForConditionalGeneration,
     WhisperFeatureExtractor,
 )
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-from transformers.processing_utils import OmniModalProcessorMixin
 
 from stages.models.factory import choose_size, finish_model_dir, no_progress_bars, parameter_count, seeded
+from stages.models.qwen2_5_vl import FramesVideoProcessing, QwenVLFramesVideoProcessor
 from stages.models.tokenizers import QWEN2_SPECIAL_TOKENS, build_qwen2_tokenizer
 
 FAMILY = "qwen3_omni_thinker"
 MODEL_TYPE = "qwen3_omni_moe_thinker"
+# The model type of a whole Qwen3-Omni checkpoint (thinker + talker + code2wav); the policy is its thinker.
+FULL_MODEL_TYPE = "qwen3_omni_moe"
 PATCH_SIZE = 16
 SPATIAL_MERGE_SIZE = 2
 TEMPORAL_PATCH_SIZE = 2
@@ -84,31 +89,37 @@ CHAT_TEMPLATE = (
 )
 
 
-class Qwen3OmniThinkerProcessor(Qwen3OmniMoeProcessor):
-    """`Qwen3OmniMoeProcessor` for text, images and audio: same prompt expansion, pixel values, grids,
-    log-mel features and `feature_attention_mask`, with two differences. The video processor is optional
-    (it needs torchvision), and each audio's features are extracted alone, then zero-padded to the
-    batch's longest, so they do not depend on which clips share the batch."""
+class Qwen3OmniThinkerProcessor(FramesVideoProcessing, Qwen3OmniMoeProcessor):
+    """`Qwen3OmniMoeProcessor` for text, images, videos (lists of frames) and audio: same prompt
+    expansion, pixel values, grids, log-mel features and `feature_attention_mask`, with three
+    differences. The video processor is `QwenVLFramesVideoProcessor` (transformers' needs torchvision),
+    or None in folders built before it; each video is timed by its own frame rate (`video_metadata`)
+    instead of one `fps` for the batch; and each audio's features are extracted alone, then
+    zero-padded to the batch's longest, so they do not depend on which clips share the batch."""
 
     def __init__(
         self,
         image_processor: Any = None,
+        video_processor: Any = None,
         feature_extractor: Any = None,
         tokenizer: Any = None,
         chat_template: str | None = None,
         **kwargs: Any,
     ):
-        # ProcessorMixin takes its components from this signature; Qwen3OmniMoeProcessor.__init__ would
-        # pass a video processor in the feature extractor's place, so it is skipped and its token
-        # attributes are set here.
-        OmniModalProcessorMixin.__init__(
-            self, image_processor, feature_extractor, tokenizer, chat_template=chat_template
-        )
-        for kind in ("image", "audio", "video"):
-            setattr(self, f"{kind}_token", getattr(tokenizer, f"{kind}_token"))
-            setattr(self, f"{kind}_token_id", getattr(tokenizer, f"{kind}_token_id"))
-        for name in ("vision_bos_token", "vision_eos_token", "audio_bos_token", "audio_eos_token"):
-            setattr(self, name, getattr(tokenizer, name))
+        super().__init__(image_processor, video_processor, feature_extractor, tokenizer, chat_template)
+
+    def _process_videos(self, videos: Any, **kwargs: Any) -> tuple[dict[str, Any], list[str]]:
+        """transformers' video expansion, with `video_second_per_grid` [V] = temporal_patch_size / fps
+        of each video's metadata (the time one temporal patch spans, which places its M-RoPE t index).
+        Audio taken from a video's own track (`load_audio_from_video`) is not supported."""
+        if kwargs.get("load_audio_from_video"):
+            raise ValueError("load_audio_from_video is not supported by this processor")
+        out, replacements = super()._process_videos(videos, **kwargs)
+        metadata = kwargs["videos_kwargs"].get("video_metadata")
+        if metadata is not None:
+            tps = self.video_processor.temporal_patch_size
+            out["video_second_per_grid"] = [tps / m.fps for m in metadata]
+        return out, replacements
 
     def _process_audio(self, audio: Any, **kwargs: Any) -> tuple[dict[str, Any], list[str]]:
         """Per-clip log-mel features [A, mels, F_max] (zero after each clip's own frames), their
@@ -193,6 +204,24 @@ SIZES: dict[str, Qwen3OmniThinkerSize] = {
         max_pixels=128 * 128,
     ),
 }
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype) -> Qwen3OmniMoeThinkerForConditionalGeneration:
+    """The thinker of a thinker folder or of a whole Qwen3-Omni folder (`FULL_MODEL_TYPE`: thinker,
+    talker and code2wav, the thinker's weights under `thinker.`), local files only.
+
+    A whole folder is loaded as `Qwen3OmniMoeForConditionalGeneration` with `enable_audio_output=False`,
+    which builds the thinker alone, so the talker's and code2wav's weights are never materialised;
+    the folder's generation config goes with the thinker (its stop ids).
+    """
+    if json.loads((Path(model_dir) / "config.json").read_text()).get("model_type") != FULL_MODEL_TYPE:
+        return Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(model_dir, dtype=dtype)
+    whole = Qwen3OmniMoeForConditionalGeneration.from_pretrained(
+        model_dir, dtype=dtype, enable_audio_output=False
+    )
+    thinker = whole.thinker
+    thinker.generation_config = whole.generation_config
+    return thinker
 
 
 def load_processor(model_dir: str | Path) -> Qwen3OmniMoeProcessor:
@@ -283,8 +312,16 @@ def build_qwen3_omni_thinker(out_dir: str | Path, *, size: str, seed: int) -> di
     feature_extractor = WhisperFeatureExtractor(
         feature_size=spec.mel_bins, sampling_rate=SAMPLING_RATE, hop_length=HOP_LENGTH, n_fft=400
     )
+    video_processor = QwenVLFramesVideoProcessor(
+        min_pixels=spec.min_pixels,
+        max_pixels=spec.max_pixels,
+        patch_size=PATCH_SIZE,
+        temporal_patch_size=TEMPORAL_PATCH_SIZE,
+        merge_size=SPATIAL_MERGE_SIZE,
+    )
     processor = Qwen3OmniThinkerProcessor(
         image_processor=image_processor,
+        video_processor=video_processor,
         feature_extractor=feature_extractor,
         tokenizer=tokenizer,
         chat_template=CHAT_TEMPLATE,

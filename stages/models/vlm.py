@@ -39,8 +39,8 @@ from stages.models.hub import base_model_record
 from stages.models.tokens import token_entropy, token_log_probs
 
 # The processor argument that takes each media type's items (one flat list over the batch), and the
-# processor part a type beyond images needs (Qwen2.5-VL has no feature extractor, the thinker no
-# video processor).
+# processor part a type beyond images needs (Qwen2.5-VL has no feature extractor; folders built before
+# the frames video processor have no video processor).
 PROCESSOR_ARGS = {"image": "images", "video": "videos", "audio": "audio"}
 PROCESSOR_PARTS = {"video": "video_processor", "audio": "feature_extractor"}
 
@@ -53,10 +53,12 @@ AUDIO_TOKENS = ("<|audio_start|>", "<|audio_end|>", "<|audio_pad|>")
 BANNED_LOGIT = -1e9
 
 # `config.json` model types this module loads as policies, and the module of each family (its
-# `load_processor` reads the folder's processor; importing it registers omnirl's processor classes).
+# `load_model` and `load_processor` read the folder's model and processor; importing it registers
+# omnirl's processor classes). A whole Qwen3-Omni folder (qwen3_omni_moe) loads as its thinker.
 VLM_FAMILIES = {
     "qwen2_5_vl": "stages.models.qwen2_5_vl",
     "qwen3_omni_moe_thinker": "stages.models.qwen3_omni",
+    "qwen3_omni_moe": "stages.models.qwen3_omni",
 }
 VLM_MODEL_TYPES = tuple(VLM_FAMILIES)
 
@@ -121,6 +123,11 @@ def load_processor(model_dir: str | Path) -> Any:
     return importlib.import_module(VLM_FAMILIES[model_type(model_dir)]).load_processor(model_dir)
 
 
+def load_model(model_dir: str | Path, dtype: torch.dtype) -> Any:
+    """The policy network of a VLM folder, read by its family's module (local files only)."""
+    return importlib.import_module(VLM_FAMILIES[model_type(model_dir)]).load_model(model_dir, dtype)
+
+
 def user_turn(question: str, num_images: int) -> list[dict[str, Any]]:
     """A plain question as chat messages: one user turn, its images first, then the text."""
     parts = [{"type": "image"} for _ in range(num_images)]
@@ -166,13 +173,12 @@ class VLMPolicy:
         device: torch.device | str = "cpu",
         dtype: str = "fp32",
     ) -> VLMPolicy:
-        """Load a VLM folder (`VLM_FAMILIES`) and its processor from disk (no network), then an omnirl adapter.
+        """Load a VLM folder (`VLM_FAMILIES`; of a whole Qwen3-Omni folder only the thinker) and its
+        processor from disk (no network), then an omnirl adapter.
 
         A LoRA adapter is a PEFT folder (`PeftModel.from_pretrained` loads it); a full one holds the
         whole fine-tuned model, loaded in place of the base weights.
         """
-        from transformers import AutoModelForImageTextToText
-
         model_dir = Path(model_dir)
         if not (model_dir / "config.json").is_file():
             raise UserInputError(f"--model {model_dir}: not a transformers model folder (no config.json)")
@@ -183,9 +189,7 @@ class VLMPolicy:
             check_adapter_layout(adapter, config, lora_files=(PEFT_CONFIG,), full_file="config.json")
         full = bool(config and config["kind"] == "full")
         with adapter_loading(adapter, model_dir) if full else nullcontext():
-            model = AutoModelForImageTextToText.from_pretrained(
-                Path(adapter) if full else model_dir, dtype=DTYPES[dtype]
-            )
+            model = load_model(Path(adapter) if full else model_dir, DTYPES[dtype])
         if config and config["kind"] == "lora":
             from peft import PeftModel
 
@@ -252,8 +256,7 @@ class VLMPolicy:
             return
         if self._reference is None:
             self._reference = (
-                type(unwrap(self.model))
-                .from_pretrained(self.model_path, dtype=next(self.model.parameters()).dtype)
+                load_model(self.model_path, next(self.model.parameters()).dtype)
                 .to(self.device)
                 .requires_grad_(False)
                 .eval()
@@ -480,7 +483,9 @@ class VLMPolicy:
         """
         batch = prompt["input_ids"].shape[0]
         per_prompt = n
-        if "input_features" in prompt:  # `generate` would repeat audio clips one by one, not per prompt
+        # The thinker's audio clips and videos: `generate` would repeat clips one by one, not per prompt,
+        # and videos not at all (its placeholders would outnumber their features).
+        if "input_features" in prompt or "video_second_per_grid" in prompt:
             from stages.models.qwen3_omni import repeat_prompts
 
             prompt, per_prompt = repeat_prompts(prompt, n, self.module.config), 1

@@ -8,12 +8,14 @@ and `logprob` replays a bf16 rollout under bf16 by default, so the rollout log-p
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
+import test_online
 import torch
-from helpers import PROMPTS, fails, run, sample_args
+from helpers import PROMPTS, fails, online_args, run, sample_args
 
 from stages.models.clip import build_tiny_clip
 from stages.models.diffusion import FlowPolicy
@@ -156,3 +158,36 @@ def test_a_mixed_precision_the_stages_cannot_run_is_refused_in_one_line(
         "encode": ["--model", str(tmp_path / "m"), "--in", str(tmp_path / "x")],
     }[command]
     fails([command, *args, "--out", str(tmp_path / "o")], "--mixed-precision fp8", "no, bf16, fp16")
+
+
+def test_online_samples_under_the_launchers_bf16_as_sample_does(
+    staged: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from stages.online.pipeline import RUN_FILE
+
+    preset = tmp_path / "preset.yaml"
+    preset.write_text(test_online.PRESET)
+    monkeypatch.setenv(LAUNCHER, "bf16")
+    out = tmp_path / "online"
+    run(
+        *online_args(
+            preset,
+            staged,
+            out,
+            "--reward",
+            "jpeg_compressibility",
+            "--iterations",
+            "1",
+            "--save-trajectories",
+        )
+    )
+    monkeypatch.delenv(LAUNCHER)
+    sampled = tmp_path / "sampled"
+    model = ["--model", str(staged["model"]), "--prompts", str(staged["prompts"])]
+    run("sample", "--config", str(preset), *model, "--mixed-precision", "bf16", "--out", str(sampled))
+    online = ShardSet(out / "it0" / "samples").read_all(["latents", "log_probs"])
+    staged_bf16 = ShardSet(sampled).read_all(["latents", "log_probs"])
+    assert torch.equal(online["latents"], staged_bf16["latents"])
+    assert torch.equal(online["log_probs"], staged_bf16["log_probs"])
+    identity = json.loads((out / RUN_FILE).read_text())["settings"]
+    assert identity["sample"]["mixed_precision"] == identity["update"]["mixed_precision"] == "bf16"

@@ -112,7 +112,6 @@ def score_shard(
     it changes torch-model rewards (CLIP, VLM judge); other rewards compute as they would without it."""
     import torch
 
-    from stages.dist import device
     from stages.precision import autocast
 
     missing = [c for c in needed_columns(modality, shard) if c not in shard]
@@ -124,6 +123,12 @@ def score_shard(
     check_reward_kinds(specs, modality)
     n = len(shard["sample_id"])
     truncated = truncated_rows(shard) if text else []
+    if mixed_precision != "no":  # the device is only asked for when it is needed (scorer workers)
+        from stages.dist import device
+
+        on = device()
+    else:
+        on = torch.device("cpu")
     parts: list[dict[str, Any]] = []
     for start in range(0, n, batch_size):
         stop = min(n, start + batch_size)
@@ -140,7 +145,7 @@ def score_shard(
             outputs = decode_videos(shard, start, stop)
         else:
             outputs = decode_images(shard["image"][start:stop], ids)
-        with autocast(mixed_precision, device()):
+        with autocast(mixed_precision, on):
             parts.append(
                 score_batch(
                     specs,

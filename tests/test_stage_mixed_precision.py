@@ -12,13 +12,17 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import test_online
+import test_vlm_stages
 import torch
 from helpers import PROMPTS, fails, online_args, run, sample_args
 
 from stages.models.clip import build_tiny_clip
 from stages.models.diffusion import FlowPolicy
+from stages.models.vlm import VLMPolicy
 from stages.shards.manifest import read_manifest
 from stages.shards.reader import ShardSet
 
@@ -191,3 +195,29 @@ def test_online_samples_under_the_launchers_bf16_as_sample_does(
     assert torch.equal(online["log_probs"], staged_bf16["log_probs"])
     identity = json.loads((out / RUN_FILE).read_text())["settings"]
     assert identity["sample"]["mixed_precision"] == identity["update"]["mixed_precision"] == "bf16"
+
+
+def test_a_vlm_rollout_generates_and_replays_under_the_launchers_bf16(
+    tiny_vlm: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[Any] = []
+    generate = VLMPolicy.generate
+
+    def recording(self: VLMPolicy, *args: Any, **kwargs: Any) -> Any:
+        kind = self.device.type
+        seen.append(torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None)
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(VLMPolicy, "generate", recording)
+    data = tmp_path / "dots.parquet"
+    pq.write_table(pa.Table.from_pylist(test_vlm_stages.fix_placeholders(test_vlm_stages.verl_rows())), data)
+    monkeypatch.setenv(LAUNCHER, "bf16")
+    samples = tmp_path / "samples"
+    args = ["--model", str(tiny_vlm), "--prompts", str(data), "-n", "2", "--max-new-tokens", "6"]
+    run("sample", *args, "--max-prompt-length", "96", "--out", str(samples))
+    assert seen and set(seen) == {torch.bfloat16}
+    assert read_manifest(samples).extra["vlm_sample_config"]["mixed_precision"] == "bf16"
+    monkeypatch.delenv(LAUNCHER)  # logprob then replays under the rollout's bf16
+    replay = run("logprob", "--model", str(tiny_vlm), "--in", str(samples), "--out", str(tmp_path / "lp"))
+    assert read_manifest(tmp_path / "lp").config["mixed_precision"] == "bf16"
+    assert 0 <= replay["abs_delta_max"] < 0.1  # generate's cached decoding vs one forward, both in bf16

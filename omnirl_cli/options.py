@@ -117,7 +117,7 @@ def mixed_precision_opt(forwards: str, panel: str | None = None) -> Any:
         MixedPrecision | None,
         typer.Option(
             "--mixed-precision",
-            help=f"Autocast of {forwards} (no, bf16, fp16). Default: the launcher's (accelerate launch "
+            help=f"Autocast of {forwards}. Default: the launcher's (accelerate launch "
             "--mixed_precision, ACCELERATE_MIXED_PRECISION), else no. Part of the output's identity.",
             rich_help_panel=panel,
         ),

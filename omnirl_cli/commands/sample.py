@@ -71,8 +71,9 @@ def sample(
         Dtype, typer.Option("--dtype", envvar="OMNIRL_DTYPE", help="Weights dtype.", rich_help_panel=MODEL)
     ] = "fp32",
     mixed_precision: mixed_precision_opt(
-        "the model forwards (text encoders, transformer, VAE decode; VLM: generate with --engine hf, "
-        "recorded only for a remote server); `logprob` replays under the rollout's setting",
+        "the model forwards (text encoders, transformer, VAE decode, also on an `omnirl serve` server; VLM: "
+        "generate with --engine hf; only recorded where a server samples its own way: --engine openai, "
+        "vllm-omni images); `logprob` replays under the rollout's setting",
         MODEL,
     ) = None,
     prompts: Annotated[

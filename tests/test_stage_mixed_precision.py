@@ -221,3 +221,15 @@ def test_a_vlm_rollout_generates_and_replays_under_the_launchers_bf16(
     replay = run("logprob", "--model", str(tiny_vlm), "--in", str(samples), "--out", str(tmp_path / "lp"))
     assert read_manifest(tmp_path / "lp").config["mixed_precision"] == "bf16"
     assert 0 <= replay["abs_delta_max"] < 0.1  # generate's cached decoding vs one forward, both in bf16
+
+
+def test_a_rollout_servers_request_carries_the_mixed_precision_and_refuses_an_unknown_one() -> None:
+    from stages.sample.rollout import SampleConfig
+    from stages.sample.rollout_protocol import ProtocolError, decode_request, encode_request, refuse_settings
+
+    cfg = SampleConfig(mixed_precision="bf16")
+    body = encode_request("r", cfg, ["p"], [""], [1], [2], [0], ["s0"], {})
+    assert decode_request(body, max_samples=4).cfg.mixed_precision == "bf16"  # the server autocasts as asked
+    body["sampling_params"]["mixed_precision"] = "fp8"
+    with pytest.raises(ProtocolError, match="--mixed-precision fp8"):
+        refuse_settings(decode_request(body, max_samples=4).cfg)

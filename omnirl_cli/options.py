@@ -13,7 +13,7 @@ from typing import Annotated, Any
 
 import typer
 
-from .choices import Format
+from .choices import Format, MixedPrecision
 from .console import QUIET, VERBOSE, set_verbosity
 
 IO = "Input / output"
@@ -108,6 +108,22 @@ ShardRowsOpt = Annotated[
         rich_help_panel=IO,
     ),
 ]
+
+
+def mixed_precision_opt(forwards: str, panel: str | None = None) -> Any:
+    """--mixed-precision of a command whose `forwards` (model calls) run under autocast: no, bf16 or
+    fp16 as Accelerate names them; default the launcher's, resolved by `stages.precision`."""
+    return Annotated[
+        MixedPrecision | None,
+        typer.Option(
+            "--mixed-precision",
+            help=f"Autocast of {forwards}. Default: the launcher's (accelerate launch "
+            "--mixed_precision, ACCELERATE_MIXED_PRECISION), else no. Part of the output's identity.",
+            rich_help_panel=panel,
+        ),
+    ]
+
+
 OverwriteOpt = Annotated[
     bool,
     typer.Option(

@@ -1,8 +1,9 @@
 """Mixed precision as Accelerate names it: which autocast the forward runs under.
 
 The setting is a command's --mixed-precision, else the launcher's (`accelerate launch --mixed_precision`
-or the `accelerate config` file, which set ACCELERATE_MIXED_PRECISION), else "no". `update` trains under
-it and `logprob` replays under it, so old log-probs carry the trainer's numerics.
+or the `accelerate config` file, which set ACCELERATE_MIXED_PRECISION), else the command's fallback ("no";
+`logprob`: the rollout's). `update` trains under it, `sample`, `score` and `encode` run their model
+forwards under it, and `logprob` replays under it, so old log-probs carry the rollout's or trainer's numerics.
 """
 
 from __future__ import annotations
@@ -19,15 +20,16 @@ from stages.errors import UserInputError
 MIXED_PRECISIONS: dict[str, torch.dtype | None] = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def launcher_mixed_precision() -> str:
+def launcher_mixed_precision(default: str = "no") -> str:
     """The launcher's mixed precision (`accelerate launch --mixed_precision` or the `accelerate config`
-    file set ACCELERATE_MIXED_PRECISION), else "no"."""
-    return os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+    file set ACCELERATE_MIXED_PRECISION), else `default`."""
+    return os.environ.get("ACCELERATE_MIXED_PRECISION", default).lower()
 
 
-def resolve_mixed_precision(value: str | None) -> str:
-    """`value` (a --mixed-precision), else the launcher's; refused in one line unless Accelerate names it."""
-    mode = launcher_mixed_precision() if value is None else value
+def resolve_mixed_precision(value: str | None, default: str = "no") -> str:
+    """`value` (a --mixed-precision), else the launcher's, else `default`; refused in one line unless
+    Accelerate names it."""
+    mode = launcher_mixed_precision(default) if value is None else value
     if mode not in MIXED_PRECISIONS:
         raise UserInputError(
             f"--mixed-precision {mode} (or accelerate launch's --mixed_precision): "

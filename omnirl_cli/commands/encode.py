@@ -18,6 +18,7 @@ from ..options import (
     OutOpt,
     OverwriteOpt,
     SetOpt,
+    mixed_precision_opt,
     model_opt,
 )
 from ..runtime import check_format, device, finalize, map_shards, open_inputs, policy_info, run_config
@@ -40,6 +41,7 @@ def encode(
     ] = 512,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Images per VAE call.")] = 8,
     dtype: Annotated[Dtype, typer.Option("--dtype", envvar="OMNIRL_DTYPE", help="Weights dtype.")] = "fp32",
+    mixed_precision: mixed_precision_opt("the VAE encoder's forward") = None,
     fmt: FormatOpt = "parquet",
     overwrite: OverwriteOpt = False,
     config: ConfigOpt = None,
@@ -53,7 +55,10 @@ def encode(
     c = resolve(ctx, "encode", required=("model", "out"))
     from stages.models.diffusion import FlowPolicy
     from stages.offline.encode import encode_shard
+    from stages.precision import resolve_mixed_precision
     from stages.shards.writer import ShardSetWriter
+
+    c["mixed_precision"] = resolve_mixed_precision(c["mixed_precision"])  # the launcher's enters the identity
 
     src = open_inputs(c["inputs"])
     if "image" not in src.columns:
@@ -78,7 +83,12 @@ def encode(
             "encoding",
             ["sample_id", "image"],
             lambda shard, advance: encode_shard(
-                policy, shard, resolution=c["resolution"], batch_size=c["batch_size"], on_batch=advance
+                policy,
+                shard,
+                resolution=c["resolution"],
+                batch_size=c["batch_size"],
+                mixed_precision=c["mixed_precision"],
+                on_batch=advance,
             ),
             bar=not json_,
         )

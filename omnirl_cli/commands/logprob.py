@@ -56,7 +56,8 @@ def logprob(
             "--mixed-precision",
             help="Autocast of the replayed forward, as `update --mixed-precision` (give both the same, so the "
             "old log-probs carry the trainer's numerics). Default: the launcher's (accelerate launch "
-            "--mixed_precision, ACCELERATE_MIXED_PRECISION), else no. Part of the output's identity.",
+            "--mixed_precision, ACCELERATE_MIXED_PRECISION), else the rollout's `sample --mixed-precision` "
+            "(so the replay reproduces the rollout log-probs). Part of the output's identity.",
         ),
     ] = None,
     fmt: FormatOpt = "parquet",
@@ -89,10 +90,11 @@ def logprob(
     from stages.shards.reader import rollout_modality
     from stages.shards.writer import ShardSetWriter
 
-    c["mixed_precision"] = resolve_mixed_precision(c["mixed_precision"])  # the launcher's enters the identity
     src = open_inputs(c["inputs"])
     tokens = rollout_modality(src.manifests) == "text"
     sample_cfg = vlm_sample_config_of(src.manifests) if tokens else sample_config_of(src.manifests)
+    # the option, else the launcher's, else the rollout's: a plain replay reproduces the rollout's numerics
+    c["mixed_precision"] = resolve_mixed_precision(c["mixed_precision"], sample_cfg.mixed_precision)
     check_replayable(src.manifests)
     # an ODE rollout (NFT, AWM) stores no steps: nothing to replay
     stored = tokens or "latents" in src.columns

@@ -163,6 +163,7 @@ def online(
     from stages.models.hub import locate
     from stages.models.vlm import is_vlm_model
     from stages.online.pipeline import OnlineConfig, prepare_run, run_online
+    from stages.precision import launcher_mixed_precision
     from stages.sample.engines import EngineOptions
     from stages.sample.prompts import read_prompts
     from stages.sample.rollout import SampleConfig
@@ -184,7 +185,12 @@ def online(
     from stages.models.factory import default_text_length
 
     # the T5 length the model was made for (its card's text_length, else 128) unless the preset sets one
-    sample = {"max_sequence_length": default_text_length(model), **(preset.get("sample") or {})}
+    # and the launcher's mixed precision (as the update's) unless it sets sample.mixed_precision
+    sample = {
+        "max_sequence_length": default_text_length(model),
+        "mixed_precision": launcher_mixed_precision(),
+        **(preset.get("sample") or {}),
+    }
     run = {key: sample.pop(key) for key in RUN_KEYS if key in sample}
     adv = dict(preset.get("advantage") or {})
     unknown = sorted(set(adv) - {"estimator", "clip", "drop_zero_std"})

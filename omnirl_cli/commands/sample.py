@@ -32,6 +32,7 @@ from ..options import (
     ServerUrlOpt,
     SetOpt,
     ShardRowsOpt,
+    mixed_precision_opt,
     model_opt,
 )
 from ..runtime import (
@@ -73,6 +74,12 @@ def sample(
     dtype: Annotated[
         Dtype, typer.Option("--dtype", envvar="OMNIRL_DTYPE", help="Weights dtype.", rich_help_panel=MODEL)
     ] = "fp32",
+    mixed_precision: mixed_precision_opt(
+        "the model forwards (text encoders, transformer, VAE decode, also on an `omnirl serve` server; VLM: "
+        "generate with --engine hf; only recorded where a server samples its own way: --engine openai, "
+        "vllm-omni images); `logprob` replays under the rollout's setting",
+        MODEL,
+    ) = None,
     prompts: Annotated[
         list[str] | None,
         typer.Option(
@@ -367,6 +374,9 @@ def sample(
     """
     c = resolve(ctx, "sample", required=("model", "prompts", "out"))
     from stages.models.vlm import is_vlm_model
+    from stages.precision import resolve_mixed_precision
+
+    c["mixed_precision"] = resolve_mixed_precision(c["mixed_precision"])  # the launcher's enters the identity
 
     if is_vlm_model(c["model"]):
         _sample_vlm(c, json_)
@@ -567,6 +577,7 @@ def _sample_vlm(c: dict, json_: bool) -> None:
         batch_size=c["batch_size"],
         server_url=c["server_url"],
         served_model=c["served_model"],
+        mixed_precision=c["mixed_precision"],
     )
     cfg.validate()
     source = PromptSource(c["prompts"])

@@ -21,6 +21,7 @@ from ..options import (
     ReportToOpt,
     RunNameOpt,
     SetOpt,
+    mixed_precision_opt,
 )
 from ..runtime import check_format, finalize, map_shards, open_inputs, plugin_files, run_config
 
@@ -74,6 +75,10 @@ def score(
             "--on-error", help="fail (default): stop on a failed/NaN score; zero: record 0 and flag it."
         ),
     ] = "fail",
+    mixed_precision: mixed_precision_opt(
+        "the rewards' model forwards on this process's device (CLIP rewards, vlm_judge); recorded for "
+        "rewards that are not torch models or run remotely"
+    ) = None,
     fmt: FormatOpt = "parquet",
     report_to: ReportToOpt = None,
     run_name: RunNameOpt = None,
@@ -105,6 +110,7 @@ def score(
     --reward-arg pickscore.processor=/models/CLIP-ViT-H-14-laion2B-s32B-b79K --out run/it0/rewards[/]
     """
     c = resolve(ctx, "score", required=("out",))
+    from stages.precision import resolve_mixed_precision
     from stages.reporting import reward_statistics
     from stages.score.registry import check_reward_args, parse_reward_args, parse_reward_spec
     from stages.score.stage import needed_columns, score_shard, text_columns, truncated_rows
@@ -112,6 +118,7 @@ def score(
     from stages.shards.writer import ShardSetWriter
     from stages.tracking import open_tracking, run_location
 
+    c["mixed_precision"] = resolve_mixed_precision(c["mixed_precision"])  # the launcher's enters the identity
     tracking = open_tracking(c["report_to"], c["out"], c["run_name"])
     specs = [parse_reward_spec(s) for s in c["reward"] or []]
     if not specs:
@@ -145,6 +152,7 @@ def score(
             on_batch=advance,
             reward_args=reward_args,
             seconds=seconds,
+            mixed_precision=c["mixed_precision"],
         )
         scored[0] += len(out["sample_id"])
         return out

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from stages.models.diffusion import FlowPolicy
+from stages.precision import autocast
 from stages.score.stage import decode_images
 
 
@@ -15,9 +16,11 @@ def encode_shard(
     *,
     resolution: int,
     batch_size: int = 8,
+    mixed_precision: str = "no",
     on_batch: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
-    """Columns sample_id and final_latent [N, C, h, w] (the VAE posterior mode, SD3-scaled)."""
+    """Columns sample_id and final_latent [N, C, h, w] (the VAE posterior mode, SD3-scaled, float32);
+    the VAE encoder runs under `mixed_precision`'s autocast (`stages.precision`)."""
     import torch
 
     ids = list(shard["sample_id"])
@@ -25,7 +28,8 @@ def encode_shard(
     for start in range(0, len(ids), batch_size):
         chunk = slice(start, start + batch_size)
         images = decode_images(shard["image"][chunk], ids[chunk])
-        latents.append(policy.encode_images(images, resolution).cpu())
+        with autocast(mixed_precision, policy.device):
+            latents.append(policy.encode_images(images, resolution).cpu())
         if on_batch:
             on_batch(len(images))
     return {"sample_id": ids, "final_latent": torch.cat(latents)}

@@ -253,7 +253,13 @@ def _scorer_main(cfg: OnlineConfig, inbox: Any, outbox: Any) -> None:
             return
         try:
             modality = output_modality(list(job))
-            scored = score_shard(job, cfg.rewards, modality=modality, reward_args=cfg.reward_args)
+            scored = score_shard(
+                job,
+                cfg.rewards,
+                modality=modality,
+                reward_args=cfg.reward_args,
+                mixed_precision=cfg.sample.mixed_precision,
+            )
             outbox.put({"k": job["k"], **scored})
         except Exception as exc:  # reported by the driver with the worker's name
             outbox.put({"k": job["k"], "error": f"{type(exc).__name__}: {exc}"})

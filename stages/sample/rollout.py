@@ -18,6 +18,7 @@ from stages.errors import UserInputError
 from stages.finite import MODEL_HINT, check_finite
 from stages.media import media_columns
 from stages.models.diffusion import FlowPolicy, seed_generator
+from stages.precision import MIXED_PRECISIONS, autocast
 from stages.sample.samplers import SAMPLERS, step
 from stages.sample.windows import WindowSchedule
 
@@ -46,6 +47,7 @@ class SampleConfig:
     max_sequence_length: int = 128
     fps: float = 16.0  # frames per second of a video family's MP4 (Wan 2.1: 16, Wan 2.2 TI2V-5B: 24)
     save_frames: bool = False  # a video family also stores its frames losslessly (PNG per frame)
+    mixed_precision: str = "no"  # autocast of the model forwards (`stages.precision`); replay uses the same
     # command options named otherwise than the field they set
     OPTION_NAMES: ClassVar[dict[str, str]] = {"sde_window": "window", "sde_window_range": "window_range"}
 
@@ -68,6 +70,10 @@ class SampleConfig:
             raise UserInputError(f"--sde-window {self.window}: must be >= 0")
         if not self.fps > 0:
             raise UserInputError(f"--fps {self.fps}: the frame rate must be positive")
+        if self.mixed_precision not in MIXED_PRECISIONS:
+            raise UserInputError(
+                f"--mixed-precision {self.mixed_precision}: choose one of {', '.join(MIXED_PRECISIONS)}"
+            )
         if self.window:
             self.schedule()
 
@@ -127,63 +133,65 @@ def rollout_batch(
     --same-noise), `groups` (each sample's prompt group) place its SDE window (`stored_steps`), so
     samples of different groups in one batch may store different steps. Noise is drawn per sample on
     the CPU, only at the sample's own stochastic steps, so batching never changes a sample. A NaN or
-    ±inf the model produces stops the batch before decoding, naming the sample (`sample_ids`).
+    ±inf the model produces stops the batch before decoding, naming the sample (`sample_ids`). The
+    model forwards (text encoders, transformer, VAE decode) run under `cfg.mixed_precision`'s autocast.
     """
-    batch = len(prompts)
-    sigmas = policy.sigmas(cfg.steps, cfg.resolution).to(policy.device)
-    placed = {g: stored_steps(cfg, g) for g in dict.fromkeys(groups)}
-    windows = [placed[g] for g in groups]
-    if len({len(w) for w in windows}) > 1:
-        raise ValueError("every sample of a batch must store the same number of steps")
-    x = policy.initial_noise(init_seeds, cfg.resolution, cfg.frames)
-    cond = policy.encode(prompts, negatives, policy.needs_negative(cfg.guidance), cfg.max_sequence_length)
-    gens = [seed_generator(s) for s in seeds]
-    latents: list[list[torch.Tensor]] = [[] for _ in range(batch)]
-    log_probs: list[list[torch.Tensor]] = [[] for _ in range(batch)]
-    for i in range(cfg.steps):
-        v = policy.velocity(x, sigmas[i], cond, cfg.guidance)
-        rows = [b for b in range(batch) if i in windows[b]]
-        if len(rows) < batch:  # a deterministic step for the samples outside their window
-            x_next = step("ode", v, x, sigmas[i], sigmas[i + 1], noise_level=0.0).prev_sample
-        if rows:
-            noise = torch.stack(
-                [
-                    torch.randn(x.shape[1:], generator=g) if b in rows else torch.zeros(x.shape[1:])
-                    for b, g in enumerate(gens)
-                ]
-            ).to(x.device)
-            sde = step(
-                cfg.sampler,
-                v,
-                x,
-                sigmas[i],
-                sigmas[i + 1],
-                noise_level=cfg.noise_level,
-                sigma_max_safe=sigmas[1],
-                noise=noise,
-            )
-            if len(rows) == batch:
-                x_next = sde.prev_sample
-            else:
-                stochastic = torch.zeros(batch, dtype=torch.bool)
-                stochastic[rows] = True
-                stochastic = stochastic.to(x.device).view(-1, *([1] * (x.ndim - 1)))
-                x_next = torch.where(stochastic, sde.prev_sample, x_next)
-            for b in rows:
-                latents[b].append(x[b])
-                log_probs[b].append(sde.log_prob[b])
-                if i == windows[b][-1]:
-                    latents[b].append(x_next[b])
-        x = x_next
-    result: dict[str, Any] = {"final_latent": x.float().cpu()}
-    if windows[0]:
-        result["latents"] = torch.stack([torch.stack(ls) for ls in latents]).float().cpu()
-        result["log_probs"] = torch.stack([torch.stack(lp) for lp in log_probs]).float().cpu()
-        result["timesteps"] = torch.stack([sigmas[w] * 1000 for w in windows]).float().cpu()
-        result["sigmas"] = torch.stack([sigmas[[*w, w[-1] + 1]] for w in windows]).float().cpu()
-    check_finite(result, sample_ids, where="sample", hint=MODEL_HINT)
-    result.update(media_columns(policy.decode(x), cfg.fps, save_frames=cfg.save_frames))
-    return result
+    with autocast(cfg.mixed_precision, policy.device):  # every model forward, as `logprob` replays
+        batch = len(prompts)
+        sigmas = policy.sigmas(cfg.steps, cfg.resolution).to(policy.device)
+        placed = {g: stored_steps(cfg, g) for g in dict.fromkeys(groups)}
+        windows = [placed[g] for g in groups]
+        if len({len(w) for w in windows}) > 1:
+            raise ValueError("every sample of a batch must store the same number of steps")
+        x = policy.initial_noise(init_seeds, cfg.resolution, cfg.frames)
+        cond = policy.encode(prompts, negatives, policy.needs_negative(cfg.guidance), cfg.max_sequence_length)
+        gens = [seed_generator(s) for s in seeds]
+        latents: list[list[torch.Tensor]] = [[] for _ in range(batch)]
+        log_probs: list[list[torch.Tensor]] = [[] for _ in range(batch)]
+        for i in range(cfg.steps):
+            v = policy.velocity(x, sigmas[i], cond, cfg.guidance)
+            rows = [b for b in range(batch) if i in windows[b]]
+            if len(rows) < batch:  # a deterministic step for the samples outside their window
+                x_next = step("ode", v, x, sigmas[i], sigmas[i + 1], noise_level=0.0).prev_sample
+            if rows:
+                noise = torch.stack(
+                    [
+                        torch.randn(x.shape[1:], generator=g) if b in rows else torch.zeros(x.shape[1:])
+                        for b, g in enumerate(gens)
+                    ]
+                ).to(x.device)
+                sde = step(
+                    cfg.sampler,
+                    v,
+                    x,
+                    sigmas[i],
+                    sigmas[i + 1],
+                    noise_level=cfg.noise_level,
+                    sigma_max_safe=sigmas[1],
+                    noise=noise,
+                )
+                if len(rows) == batch:
+                    x_next = sde.prev_sample
+                else:
+                    stochastic = torch.zeros(batch, dtype=torch.bool)
+                    stochastic[rows] = True
+                    stochastic = stochastic.to(x.device).view(-1, *([1] * (x.ndim - 1)))
+                    x_next = torch.where(stochastic, sde.prev_sample, x_next)
+                for b in rows:
+                    latents[b].append(x[b])
+                    log_probs[b].append(sde.log_prob[b])
+                    if i == windows[b][-1]:
+                        latents[b].append(x_next[b])
+            x = x_next
+        result: dict[str, Any] = {"final_latent": x.float().cpu()}
+        if windows[0]:
+            result["latents"] = torch.stack([torch.stack(ls) for ls in latents]).float().cpu()
+            result["log_probs"] = torch.stack([torch.stack(lp) for lp in log_probs]).float().cpu()
+            result["timesteps"] = torch.stack([sigmas[w] * 1000 for w in windows]).float().cpu()
+            result["sigmas"] = torch.stack([sigmas[[*w, w[-1] + 1]] for w in windows]).float().cpu()
+        check_finite(result, sample_ids, where="sample", hint=MODEL_HINT)
+        result.update(media_columns(policy.decode(x), cfg.fps, save_frames=cfg.save_frames))
+        return result
 
 
 def sample_config_of(manifests: list[Any]) -> SampleConfig:

@@ -43,6 +43,7 @@ import torch
 from stages.errors import UserInputError
 from stages.finite import MODEL_HINT, check_finite
 from stages.models.vlm import Rollout, VLMPolicy
+from stages.precision import autocast
 from stages.sample.rollout import derive_seed
 from stages.sample.stage import in_rollout, rollout_id, split_groups, write_shards
 from stages.sample.vlm_audio import decode_audio
@@ -68,6 +69,7 @@ class VLMSampleConfig:
     batch_size: int = 8
     server_url: str | None = None
     served_model: str | None = None
+    mixed_precision: str = "no"  # autocast of generate (engine hf; `stages.precision`); replay uses the same
 
     def validate(self) -> None:
         if self.engine not in ENGINES:
@@ -188,14 +190,15 @@ def generate_batch(
         [f"prompt {i}" for i, _ in prompts],
     )
     if cfg.engine == "hf":
-        rollout = policy.generate(
-            inputs,
-            n=n,
-            temperature=cfg.temperature,
-            top_p=cfg.top_p,
-            max_new_tokens=cfg.max_new_tokens,
-            seed=seed,
-        )
+        with autocast(cfg.mixed_precision, policy.device):
+            rollout = policy.generate(
+                inputs,
+                n=n,
+                temperature=cfg.temperature,
+                top_p=cfg.top_p,
+                max_new_tokens=cfg.max_new_tokens,
+                seed=seed,
+            )
     else:
         from stages.sample.openai_engine import generate_openai
 

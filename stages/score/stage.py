@@ -103,11 +103,16 @@ def score_shard(
     on_batch: Callable[[int], None] | None = None,
     reward_args: RewardArgs | None = None,
     seconds: dict[str, float] | None = None,
+    mixed_precision: str = "no",
 ) -> dict[str, Any]:
     """Columns sample_id, reward [N] and reward.<name> [N] for one shard's rows of a rollout of
     `modality` (its manifest's: images, or VLM text responses); `reward_args[name]` configures a
-    reward (`registry.get_reward`); `seconds[name]` accumulates each reward's time (`score_batch`)."""
+    reward (`registry.get_reward`); `seconds[name]` accumulates each reward's time (`score_batch`).
+    The scorers run under `mixed_precision`'s autocast on this process's device (`stages.precision`):
+    it changes torch-model rewards (CLIP, VLM judge); other rewards compute as they would without it."""
     import torch
+
+    from stages.precision import autocast
 
     missing = [c for c in needed_columns(modality, shard) if c not in shard]
     if missing:
@@ -118,6 +123,12 @@ def score_shard(
     check_reward_kinds(specs, modality)
     n = len(shard["sample_id"])
     truncated = truncated_rows(shard) if text else []
+    if mixed_precision != "no":  # the device is only asked for when it is needed (scorer workers)
+        from stages.dist import device
+
+        on = device()
+    else:
+        on = torch.device("cpu")
     parts: list[dict[str, Any]] = []
     for start in range(0, n, batch_size):
         stop = min(n, start + batch_size)
@@ -134,18 +145,19 @@ def score_shard(
             outputs = decode_videos(shard, start, stop)
         else:
             outputs = decode_images(shard["image"][start:stop], ids)
-        parts.append(
-            score_batch(
-                specs,
-                outputs,
-                list(shard["prompt"][start:stop]),
-                meta,
-                sample_ids=ids,
-                on_error=on_error,
-                reward_args=reward_args,
-                seconds=seconds,
+        with autocast(mixed_precision, on):
+            parts.append(
+                score_batch(
+                    specs,
+                    outputs,
+                    list(shard["prompt"][start:stop]),
+                    meta,
+                    sample_ids=ids,
+                    on_error=on_error,
+                    reward_args=reward_args,
+                    seconds=seconds,
+                )
             )
-        )
         if on_batch:
             on_batch(stop - start)
     out: dict[str, Any] = {"sample_id": list(shard["sample_id"])}

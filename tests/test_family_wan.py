@@ -411,3 +411,45 @@ def test_a_published_unipc_scheduler_gives_its_own_flow_sigmas(models: dict[str,
     policy.pipe.scheduler = UniPCMultistepScheduler()
     with pytest.raises(UserInputError, match="use_flow_sigmas"):
         policy.sigmas(8, 32)
+
+
+@pytest.mark.parametrize("family", ["wan2_1", "sd3"])
+def test_bf16_latents_replay_exactly_in_half_the_bytes(
+    models: dict[str, Path], tiny_sd3: Path, prompts: Path, tmp_path: Path, family: str
+) -> None:
+    """`--latent-dtype bf16` stores bf16 latents whose own log-probs replay with |Δlogp| = 0; the window
+    starts at x_T, so its first latent is the fp32 run's x_T rounded to bf16."""
+    model = tiny_sd3 if family == "sd3" else models[family]
+    frames = ("--frames", str(FRAMES)) if family != "sd3" else ()
+    data = {}
+    for dtype in ("fp32", "bf16"):
+        root = tmp_path / dtype
+        run(
+            "sample", "--model", str(model), "--prompts", str(prompts), "-n", "2", "--steps", "4",
+            "--batch-size", "3", "--resolution", "32", *frames, "--guidance", "1",
+            "--latent-dtype", dtype, "--out", str(root / "samples"),
+        )  # fmt: skip
+        replay = run(
+            "logprob", "--model", str(model), "--in", str(root / "samples"), "--out", str(root / "logprobs")
+        )
+        assert replay["abs_delta_max"] == 0.0 and replay["rows"] == 6
+        samples = ShardSet(root / "samples")
+        assert samples.manifest.extra["sample_config"]["latent_dtype"] == dtype
+        data[dtype] = samples.read_all(["latents", "final_latent", "log_probs"])
+    columns = ShardSet(tmp_path / "bf16" / "samples").columns
+    assert columns["latents"].dtype == columns["final_latent"].dtype == "bfloat16"
+    fp32, bf16 = data["fp32"], data["bf16"]
+    assert bf16["latents"].dtype == torch.bfloat16 and bf16["latents"].shape == fp32["latents"].shape
+    assert bf16["latents"].nbytes * 2 == fp32["latents"].nbytes
+    assert torch.equal(bf16["latents"][:, 0], fp32["latents"][:, 0].bfloat16())
+    # rounding each step moves the trajectory by about bf16's resolution, not more
+    assert 0 < (bf16["final_latent"].float() - fp32["final_latent"]).abs().max() < 0.1
+    assert not torch.equal(bf16["log_probs"], fp32["log_probs"])
+
+
+def test_an_unknown_latent_dtype_is_one_line(tiny_sd3: Path, prompts: Path, tmp_path: Path) -> None:
+    fails(
+        ["sample", "--model", str(tiny_sd3), "--prompts", str(prompts), "--latent-dtype", "fp16",
+         "--out", str(tmp_path / "s")],
+        "--latent-dtype",
+    )  # fmt: skip

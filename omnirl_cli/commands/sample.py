@@ -11,7 +11,16 @@ from typing import Annotated, Any
 
 import typer
 
-from ..choices import ENGINE_ENTRY_POINTS, ENGINES, Dtype, Layout, Sampler, WindowStrategy, complete
+from ..choices import (
+    ENGINE_ENTRY_POINTS,
+    ENGINES,
+    Dtype,
+    LatentDtype,
+    Layout,
+    Sampler,
+    WindowStrategy,
+    complete,
+)
 from ..config import resolve
 from ..console import emit_json, log, progress
 from ..errors import handle_errors
@@ -326,6 +335,16 @@ def sample(
             rich_help_panel=VIDEO,
         ),
     ] = False,
+    latent_dtype: Annotated[
+        LatentDtype,
+        typer.Option(
+            "--latent-dtype",
+            help="Dtype of the stored latents and final latent. bf16 halves the largest columns (video); "
+            "the rollout then carries its latents in bf16 between steps, so its log-probs are those of the "
+            "stored latents and `omnirl logprob` replays them exactly.",
+            rich_help_panel=SAMPLING,
+        ),
+    ] = "fp32",
     num_shards: NumShardsOpt = None,
     shard_rows: ShardRowsOpt = 256,
     shard_index: Annotated[

@@ -345,6 +345,24 @@ def sample(
             rich_help_panel=SAMPLING,
         ),
     ] = "fp32",
+    vae_tiling: Annotated[
+        bool,
+        typer.Option(
+            "--vae-tiling",
+            help="Decode in overlapping spatial tiles (the VAE's enable_tiling()): less memory for large "
+            "videos; pixels at tile seams may differ slightly. The diffusers engine only.",
+            rich_help_panel=VIDEO,
+        ),
+    ] = False,
+    vae_slicing: Annotated[
+        bool,
+        typer.Option(
+            "--vae-slicing",
+            help="Decode one sample of a batch at a time (the VAE's enable_slicing()): less memory, the same "
+            "pixels. The diffusers engine only.",
+            rich_help_panel=VIDEO,
+        ),
+    ] = False,
     num_shards: NumShardsOpt = None,
     shard_rows: ShardRowsOpt = 256,
     shard_index: Annotated[
@@ -386,10 +404,11 @@ def sample(
     if is_vlm_model(c["model"]):
         _sample_vlm(c, json_)
         return
+    from stages.errors import UserInputError
     from stages.media import output_modality
     from stages.models.diffusion import check_pipeline_folder
     from stages.models.factory import default_text_length
-    from stages.sample.engines import DEFAULT_ENGINE, EngineOptions, engine_class
+    from stages.sample.engines import DEFAULT_ENGINE, DiffusersEngine, EngineOptions, engine_class
     from stages.sample.prompts import sample_prompts
     from stages.sample.rollout import SampleConfig
     from stages.sample.sources import PromptSource
@@ -400,6 +419,12 @@ def sample(
     cfg = SampleConfig.from_options({**c, "max_sequence_length": default_text_length(c["model"])})
     cfg.validate()
     engine_type = engine_class(c["engine"] or DEFAULT_ENGINE)
+    vae_options = [name for name in ("vae_tiling", "vae_slicing") if c[name]]
+    if vae_options and not issubclass(engine_type, DiffusersEngine):
+        raise UserInputError(
+            f"--{vae_options[0].replace('_', '-')}: --engine {engine_type.name} decodes elsewhere; drop it "
+            "(a server's VAE is set where it runs)"
+        )
     source = PromptSource(c["prompts"])
     picked = sample_prompts(source, c["num_prompts"], c["seed"])
     _check_memory(

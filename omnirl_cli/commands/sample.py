@@ -358,8 +358,8 @@ def sample(
         bool,
         typer.Option(
             "--vae-slicing",
-            help="Decode one sample of a batch at a time (the VAE's enable_slicing()): less memory, the same "
-            "pixels. The diffusers engine only.",
+            help="Decode one sample of a batch at a time (the VAE's enable_slicing()): less memory; each sample "
+            "decodes as it would alone (a batched decode differs by float rounding). The diffusers engine only.",
             rich_help_panel=VIDEO,
         ),
     ] = False,

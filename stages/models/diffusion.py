@@ -262,7 +262,7 @@ class FlowPolicy:
     def vae_memory(self, *, tiling: bool = False, slicing: bool = False) -> None:
         """Decode with less memory (video): the VAE decodes in overlapping spatial tiles (`tiling`, its
         `enable_tiling()`; may change pixels at tile seams) and/or one sample at a time (`slicing`,
-        `enable_slicing()`; the same pixels). A VAE without the method is a one-line error."""
+        `enable_slicing()`; each sample's pixels as decoded alone). A VAE without the method is a one-line error."""
         vae = self.pipe.vae
         for option, wanted, method in (
             ("--vae-tiling", tiling, "enable_tiling"),

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Literal
 
 Dtype = Literal["fp32", "bf16", "fp16"]  # stages.models.diffusion.DTYPES
+LatentDtype = Literal["fp32", "bf16"]  # stages.sample.rollout.LATENT_DTYPES
 Format = Literal["parquet", "webdataset"]  # stages.shards.manifest.FORMATS
 Sampler = Literal["ode", "sde", "cps", "dance"]  # stages.sample.samplers.SAMPLERS
 WindowStrategy = Literal["random", "progressive", "fixed"]  # windows.STRATEGIES but "all" (= --sde-window 0)

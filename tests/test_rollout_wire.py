@@ -29,17 +29,20 @@ def _png(side: int, seed: int) -> bytes:
     return buf.getvalue()
 
 
-def _reply(batch: int, latent: tuple[int, ...], steps: int) -> tuple[dict[str, Any], dict[str, Any], dict]:
+def _reply(
+    batch: int, latent: tuple[int, ...], steps: int, latent_dtype: str = "fp32"
+) -> tuple[dict[str, Any], dict[str, Any], dict]:
     """A request of `batch` samples storing all `steps` SDE steps, its reply and the columns it carries."""
-    cfg = SampleConfig(steps=steps, resolution=32)
+    cfg = SampleConfig(steps=steps, resolution=32, latent_dtype=latent_dtype)
+    stored = torch.bfloat16 if latent_dtype == "bf16" else torch.float32
     ids = [f"g000000-{i:03d}" for i in range(batch)]
     request = encode_request(
         "r1", cfg, ["p"] * batch, [""] * batch, list(range(batch)), [0] * batch, [0] * batch, ids, {}
     )
     g = torch.Generator().manual_seed(0)
     columns = {
-        "final_latent": torch.randn(batch, *latent, generator=g),
-        "latents": torch.randn(batch, steps + 1, *latent, generator=g),
+        "final_latent": torch.randn(batch, *latent, generator=g).to(stored),
+        "latents": torch.randn(batch, steps + 1, *latent, generator=g).to(stored),
         "log_probs": torch.randn(batch, steps, generator=g),
         "timesteps": torch.rand(batch, steps, generator=g) * 1000,
         "sigmas": torch.rand(batch, steps + 1, generator=g),
@@ -63,6 +66,15 @@ def test_a_msgpack_reply_round_trips_to_the_same_columns_and_is_smaller() -> Non
     print(
         f"\nreply of {raw / 2**20:.1f} MiB: JSON+base64 {len(text) / 2**20:.2f} MiB, msgpack {len(packed) / 2**20:.2f} MiB"
     )
+
+
+def test_bf16_latents_come_back_in_bf16() -> None:
+    """The server's bf16 latents travel upcast (exact) and are stored in the dtype the request asked for."""
+    request, reply, columns = _reply(2, (4, 2, 4, 4), 3, latent_dtype="bf16")
+    _, decoded = decode_response(unpack_binary(pack_binary(reply)), request)
+    for key in ("final_latent", "latents"):
+        assert decoded[key].dtype == torch.bfloat16 and torch.equal(decoded[key], columns[key]), key
+    assert decoded["log_probs"].dtype == torch.float32
 
 
 def test_raw_tensors_are_checked_like_base64_ones() -> None:

@@ -11,7 +11,16 @@ from typing import Annotated, Any
 
 import typer
 
-from ..choices import ENGINE_ENTRY_POINTS, ENGINES, Dtype, Layout, Sampler, WindowStrategy, complete
+from ..choices import (
+    ENGINE_ENTRY_POINTS,
+    ENGINES,
+    Dtype,
+    LatentDtype,
+    Layout,
+    Sampler,
+    WindowStrategy,
+    complete,
+)
 from ..config import resolve
 from ..console import emit_json, log, progress
 from ..errors import handle_errors
@@ -337,6 +346,34 @@ def sample(
             rich_help_panel=VIDEO,
         ),
     ] = False,
+    latent_dtype: Annotated[
+        LatentDtype,
+        typer.Option(
+            "--latent-dtype",
+            help="Dtype of the stored latents and final latent. bf16 halves the largest columns (video); "
+            "the rollout then carries its latents in bf16 between steps, so its log-probs are those of the "
+            "stored latents and `omnirl logprob` replays them exactly.",
+            rich_help_panel=SAMPLING,
+        ),
+    ] = "fp32",
+    vae_tiling: Annotated[
+        bool,
+        typer.Option(
+            "--vae-tiling",
+            help="Decode in overlapping spatial tiles (the VAE's enable_tiling()): less memory for large "
+            "videos; pixels at tile seams may differ slightly. The diffusers engine only.",
+            rich_help_panel=VIDEO,
+        ),
+    ] = False,
+    vae_slicing: Annotated[
+        bool,
+        typer.Option(
+            "--vae-slicing",
+            help="Decode one sample of a batch at a time (the VAE's enable_slicing()): less memory; each sample "
+            "decodes as it would alone (a batched decode differs by float rounding). The diffusers engine only.",
+            rich_help_panel=VIDEO,
+        ),
+    ] = False,
     num_shards: NumShardsOpt = None,
     shard_rows: ShardRowsOpt = 256,
     shard_index: Annotated[
@@ -381,10 +418,11 @@ def sample(
     if is_vlm_model(c["model"]):
         _sample_vlm(c, json_)
         return
+    from stages.errors import UserInputError
     from stages.media import output_modality
     from stages.models.diffusion import check_pipeline_folder
     from stages.models.factory import default_text_length
-    from stages.sample.engines import DEFAULT_ENGINE, EngineOptions, engine_class
+    from stages.sample.engines import DEFAULT_ENGINE, DiffusersEngine, EngineOptions, engine_class
     from stages.sample.prompts import sample_prompts
     from stages.sample.rollout import SampleConfig
     from stages.sample.sources import PromptSource
@@ -395,6 +433,12 @@ def sample(
     cfg = SampleConfig.from_options({**c, "max_sequence_length": default_text_length(c["model"])})
     cfg.validate()
     engine_type = engine_class(c["engine"] or DEFAULT_ENGINE)
+    vae_options = [name for name in ("vae_tiling", "vae_slicing") if c[name]]
+    if vae_options and not issubclass(engine_type, DiffusersEngine):
+        raise UserInputError(
+            f"--{vae_options[0].replace('_', '-')}: --engine {engine_type.name} decodes elsewhere; drop it "
+            "(a server's VAE is set where it runs)"
+        )
     source = PromptSource(c["prompts"])
     picked = sample_prompts(source, c["num_prompts"], c["seed"])
     _check_memory(

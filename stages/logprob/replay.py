@@ -2,7 +2,7 @@
 
 Diffusion rollouts: the replay calls the same `FlowPolicy.velocity` and `samplers.step` as the
 rollout, in the same batches, so under the sampling weights it reproduces the rollout log-probs
-exactly (fp32). Text rollouts (VLM): one forward over prompt + response per sampling batch gives every
+exactly (fp32 math on the latents as stored, fp32 or bf16: `--latent-dtype`). Text rollouts (VLM): one forward over prompt + response per sampling batch gives every
 response token's log-prob; it matches the incremental (KV-cached) rollout to float rounding.
 """
 

@@ -259,6 +259,24 @@ class FlowPolicy:
                 raise UserInputError(f"--gradient-checkpointing: {type(part).__name__} does not support it")
             part.enable_gradient_checkpointing()
 
+    def vae_memory(self, *, tiling: bool = False, slicing: bool = False) -> None:
+        """Decode with less memory (video): the VAE decodes in overlapping spatial tiles (`tiling`, its
+        `enable_tiling()`; may change pixels at tile seams) and/or one sample at a time (`slicing`,
+        `enable_slicing()`; each sample's pixels as decoded alone). A VAE without the method is a one-line error."""
+        vae = self.pipe.vae
+        for option, wanted, method in (
+            ("--vae-tiling", tiling, "enable_tiling"),
+            ("--vae-slicing", slicing, "enable_slicing"),
+        ):
+            if not wanted:
+                continue
+            enable = getattr(vae, method, None)
+            if not callable(enable):
+                raise UserInputError(
+                    f"{option}: the {type(vae).__name__} VAE of {self.family.name} has no {method}(); drop {option}"
+                )
+            enable()
+
     # ---------------------------------------------------------------- loading
     @classmethod
     def load(

@@ -52,7 +52,7 @@ from stages.errors import RuntimeFailure, UserInputError
 from stages.media import FRAMES_COLUMN, output_modality
 from stages.sample.engines import DEFAULT_ENGINE, EngineOptions
 from stages.sample.prompts import Prompt
-from stages.sample.rollout import SampleConfig
+from stages.sample.rollout import LATENT_DTYPES, SampleConfig
 from stages.tracking import Tracking
 from stages.update.trainer import UpdateConfig
 
@@ -332,14 +332,15 @@ class Workers:
 
         scfg = cfg.sample
         most = 0 if scfg.sampler == "ode" else (scfg.window or scfg.steps)
+        stored = LATENT_DTYPES[scfg.latent_dtype]
         fields = [
-            Field("final_latent", latent, torch.float32),
+            Field("final_latent", latent, stored),
             Field("seed", (), torch.int64),
             Field("policy_version", (), torch.int64),
         ]
         if most:
             fields += [
-                Field("latents", (most + 1, *latent), torch.float32, ragged=(0,)),
+                Field("latents", (most + 1, *latent), stored, ragged=(0,)),
                 Field("log_probs", (most,), torch.float32, ragged=(0,)),
                 Field("sigmas", (most + 1,), torch.float32, ragged=(0,)),
                 Field("timesteps", (most,), torch.float32, ragged=(0,)),

@@ -54,6 +54,8 @@ class EngineOptions:
     startup_timeout: float = 600.0  # seconds to wait for the server's /health before giving up
     request_timeout: float = 600.0  # seconds to wait for one reply
     retries: int = 8  # further tries of a request after a connection error, 502, 503 or 504
+    vae_tiling: bool = False  # decode in spatial tiles (`FlowPolicy.vae_memory`; the diffusers engine)
+    vae_slicing: bool = False  # decode one sample at a time
     # The run pushes its own weights to the engine (`push_weights`; `online`): a server's adapter is not
     # checked against --adapter, and each sample records the weights version the engine used.
     pushed_weights: bool = False
@@ -196,9 +198,9 @@ class DiffusersEngine(RolloutEngine):
     def open(cls, options: EngineOptions, device: Any) -> DiffusersEngine:
         from stages.models.diffusion import FlowPolicy
 
-        return cls(
-            FlowPolicy.load(options.model, adapter=options.adapter, device=device, dtype=options.dtype)
-        )
+        policy = FlowPolicy.load(options.model, adapter=options.adapter, device=device, dtype=options.dtype)
+        policy.vae_memory(tiling=options.vae_tiling, slicing=options.vae_slicing)
+        return cls(policy)
 
     def rollout(
         self,

@@ -3,6 +3,10 @@
 One row per generated sample, in the trajectory schema of DESIGN.md: only the stored window's
 latents [K+1, C, h, w], log-probs [K], timesteps [K] and σ [K+1], plus the final latent and its decoded
 media (`stages.media.media_columns`: a PNG, or for a video family an MP4 at `fps`).
+
+Latents are stored in `SampleConfig.latent_dtype` (`LATENT_DTYPES`; bf16 halves the largest columns).
+The rollout itself carries x in that dtype between steps, so every log-prob it records is the one of
+the latents as stored, and `omnirl logprob` replays them exactly.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ from stages.models.diffusion import FlowPolicy, seed_generator
 from stages.precision import MIXED_PRECISIONS, autocast
 from stages.sample.samplers import SAMPLERS, step
 from stages.sample.windows import WindowSchedule
+
+# --latent-dtype: the dtype of the stored latents, and of x between the rollout's steps
+LATENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass
@@ -48,6 +55,7 @@ class SampleConfig:
     fps: float = 16.0  # frames per second of a video family's MP4 (Wan 2.1: 16, Wan 2.2 TI2V-5B: 24)
     save_frames: bool = False  # a video family also stores its frames losslessly (PNG per frame)
     mixed_precision: str = "no"  # autocast of the model forwards (`stages.precision`); replay uses the same
+    latent_dtype: str = "fp32"  # dtype of the stored latents and final latent (`LATENT_DTYPES`)
     # command options named otherwise than the field they set
     OPTION_NAMES: ClassVar[dict[str, str]] = {"sde_window": "window", "sde_window_range": "window_range"}
 
@@ -64,6 +72,10 @@ class SampleConfig:
             raise UserInputError(f"--sampler {self.sampler}: choose one of {', '.join(SAMPLERS)}")
         if self.steps < 1:
             raise UserInputError(f"--steps {self.steps}: must be at least 1")
+        if self.latent_dtype not in LATENT_DTYPES:
+            raise UserInputError(
+                f"--latent-dtype {self.latent_dtype}: choose one of {', '.join(LATENT_DTYPES)}"
+            )
         if self.frames < 1:
             raise UserInputError(f"--frames {self.frames}: must be at least 1")
         if self.window < 0:
@@ -135,6 +147,10 @@ def rollout_batch(
     the CPU, only at the sample's own stochastic steps, so batching never changes a sample. A NaN or
     ±inf the model produces stops the batch before decoding, naming the sample (`sample_ids`). The
     model forwards (text encoders, transformer, VAE decode) run under `cfg.mixed_precision`'s autocast.
+
+    x lives in `cfg.latent_dtype` between steps (each step's math is fp32, `samplers.step` rounds its
+    x' to the dtype of x), so a stored step's log-prob is that of its stored, rounded x'. The latents
+    and final latent come back in that dtype, log-probs, timesteps and σ in fp32.
     """
     with autocast(cfg.mixed_precision, policy.device):  # every model forward, as `logprob` replays
         batch = len(prompts)
@@ -143,13 +159,13 @@ def rollout_batch(
         windows = [placed[g] for g in groups]
         if len({len(w) for w in windows}) > 1:
             raise ValueError("every sample of a batch must store the same number of steps")
-        x = policy.initial_noise(init_seeds, cfg.resolution, cfg.frames)
+        x = policy.initial_noise(init_seeds, cfg.resolution, cfg.frames).to(LATENT_DTYPES[cfg.latent_dtype])
         cond = policy.encode(prompts, negatives, policy.needs_negative(cfg.guidance), cfg.max_sequence_length)
         gens = [seed_generator(s) for s in seeds]
         latents: list[list[torch.Tensor]] = [[] for _ in range(batch)]
         log_probs: list[list[torch.Tensor]] = [[] for _ in range(batch)]
         for i in range(cfg.steps):
-            v = policy.velocity(x, sigmas[i], cond, cfg.guidance)
+            v = policy.velocity(x.float(), sigmas[i], cond, cfg.guidance)
             rows = [b for b in range(batch) if i in windows[b]]
             if len(rows) < batch:  # a deterministic step for the samples outside their window
                 x_next = step("ode", v, x, sigmas[i], sigmas[i + 1], noise_level=0.0).prev_sample
@@ -183,14 +199,14 @@ def rollout_batch(
                     if i == windows[b][-1]:
                         latents[b].append(x_next[b])
             x = x_next
-        result: dict[str, Any] = {"final_latent": x.float().cpu()}
+        result: dict[str, Any] = {"final_latent": x.cpu()}
         if windows[0]:
-            result["latents"] = torch.stack([torch.stack(ls) for ls in latents]).float().cpu()
+            result["latents"] = torch.stack([torch.stack(ls) for ls in latents]).cpu()
             result["log_probs"] = torch.stack([torch.stack(lp) for lp in log_probs]).float().cpu()
             result["timesteps"] = torch.stack([sigmas[w] * 1000 for w in windows]).float().cpu()
             result["sigmas"] = torch.stack([sigmas[[*w, w[-1] + 1]] for w in windows]).float().cpu()
         check_finite(result, sample_ids, where="sample", hint=MODEL_HINT)
-        result.update(media_columns(policy.decode(x), cfg.fps, save_frames=cfg.save_frames))
+        result.update(media_columns(policy.decode(x.float()), cfg.fps, save_frames=cfg.save_frames))
         return result
 
 

@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, TypeVar
 
 from stages.errors import RuntimeFailure, UserInputError
-from stages.sample.rollout import SampleConfig, stored_steps
+from stages.sample.rollout import LATENT_DTYPES, SampleConfig, stored_steps
 from stages.sample.tensor_codec import CodecError, decode_tensor, encode_tensor
 
 PROTOCOL = "omnirl-rollout"
@@ -250,7 +250,8 @@ def decode_response(body: Any, request: dict[str, Any]) -> tuple[int, dict[str, 
         latent = list(final.shape[1:])
         cfg = SampleConfig.from_options(request["sampling_params"])
         steps = len(stored_steps(cfg, samples[0]["group"]))
-        columns: dict[str, Any] = {"final_latent": final}
+        stored = LATENT_DTYPES[cfg.latent_dtype]  # the server's latents, sent upcast, are exact in it
+        columns: dict[str, Any] = {"final_latent": final.to(stored)}
         trajectory = body.get("trajectory")
         if steps == 0:
             if trajectory is not None:
@@ -269,6 +270,7 @@ def decode_response(body: Any, request: dict[str, Any]) -> tuple[int, dict[str, 
                 columns[key] = decode_tensor(
                     trajectory.get(key), f"trajectory.{key}", shape=shape, dtype="float32"
                 )
+            columns["latents"] = columns["latents"].to(stored)
     except CodecError as exc:
         raise ProtocolError(str(exc)) from None
     columns["image"] = images

@@ -230,3 +230,13 @@ def adapter_class(pipeline_class: str, model: str) -> type[FamilyAdapter]:
         f"{', '.join(supported_pipelines())}); a package can add one through the {ENTRY_POINT_GROUP!r} "
         "entry point"
     )
+
+
+def latent_normalisation(vae: Any, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A 3-D VAE's per-channel `latents_mean` and 1/`latents_std` (Wan's and Qwen-Image's VAEs), shaped
+    [1, C, 1, 1, 1] on the device and dtype of `like`: latents are (z − mean) · std⁻¹."""
+    config = vae.config
+    shape = (1, config.z_dim, 1, 1, 1)
+    mean = torch.tensor(config.latents_mean).view(shape).to(like.device, like.dtype)
+    inv_std = 1.0 / torch.tensor(config.latents_std).view(shape).to(like.device, like.dtype)
+    return mean, inv_std

@@ -28,7 +28,7 @@ from transformers import Qwen2_5_VLForConditionalGeneration
 
 from stages.errors import UserInputError
 from stages.models.factory import choose_size, save_pipeline, seeded, zero_residual_branches
-from stages.models.families import Condition, FamilyAdapter, Tensors
+from stages.models.families import Condition, FamilyAdapter, Tensors, latent_normalisation
 from stages.models.packing import PATCH, pack, unpack
 from stages.models.qwen2_5_vl import SIZES as TEXT_SIZES
 from stages.models.qwen2_5_vl import Qwen2_5_VLSize, _config
@@ -284,14 +284,6 @@ class QwenImageAdapter(FamilyAdapter):
             v = combined * (torch.norm(v, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True))
         return unpack(v, h, w)
 
-    def _normalisation(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The VAE's per-channel latents_mean and 1/latents_std, shaped [1, C, 1, 1, 1] like z's frames."""
-        config = self.pipe.vae.config
-        shape = (1, config.z_dim, 1, 1, 1)
-        mean = torch.tensor(config.latents_mean).view(shape).to(z.device, z.dtype)
-        inv_std = 1.0 / torch.tensor(config.latents_std).view(shape).to(z.device, z.dtype)
-        return mean, inv_std
-
     def encode_images(self, images: list[Any], resolution: int, device: torch.device) -> torch.Tensor:
         """VAE posterior mode of one-frame videos, then (z − mean)/std per channel, the inverse of `decode`."""
         self.latent_shape(resolution)
@@ -300,13 +292,13 @@ class QwenImageAdapter(FamilyAdapter):
             images, height=resolution, width=resolution, resize_mode="crop"
         )
         z = vae.encode(pixels.to(device, vae.dtype).unsqueeze(2)).latent_dist.mode()
-        mean, inv_std = self._normalisation(z)
+        mean, inv_std = latent_normalisation(self.pipe.vae, z)
         return ((z - mean) * inv_std)[:, :, 0].float()
 
     def decode(self, x0: torch.Tensor) -> list[Any]:
         """Latents [B, C, h, w] → one-frame VAE decode after z = x/std⁻¹ + mean, as the pipeline does."""
         vae = self.pipe.vae
         z = x0.to(vae.dtype).unsqueeze(2)
-        mean, inv_std = self._normalisation(z)
+        mean, inv_std = latent_normalisation(self.pipe.vae, z)
         image = vae.decode(z / inv_std + mean, return_dict=False)[0][:, :, 0]
         return self.pipe.image_processor.postprocess(image, output_type="pil")

@@ -33,7 +33,7 @@ from transformers import UMT5Config, UMT5EncoderModel
 
 from stages.errors import UserInputError
 from stages.models.factory import choose_size, save_pipeline, seeded, zero_residual_branches
-from stages.models.families import Condition, FamilyAdapter, Tensors
+from stages.models.families import Condition, FamilyAdapter, Tensors, latent_normalisation
 from stages.models.schedules import flow_match_sigmas
 from stages.models.tokenizers import build_t5_tokenizer
 
@@ -389,20 +389,12 @@ class WanAdapter(FamilyAdapter):
             v = uncond + guidance * (v - uncond)
         return v
 
-    def _normalisation(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The VAE's per-channel latents_mean and 1/latents_std, shaped [1, C, 1, 1, 1] like `like`."""
-        config = self.pipe.vae.config
-        shape = (1, config.z_dim, 1, 1, 1)
-        mean = torch.tensor(config.latents_mean).view(shape).to(like.device, like.dtype)
-        inv_std = 1.0 / torch.tensor(config.latents_std).view(shape).to(like.device, like.dtype)
-        return mean, inv_std
-
     def decode(self, x0: torch.Tensor) -> list[Any]:
         """Latents [B, C, F', h, w] → per sample the list of its PIL frames, after z = x/std⁻¹ + mean,
         as the pipeline decodes."""
         vae = self.pipe.vae
         z = x0.to(vae.dtype)
-        mean, inv_std = self._normalisation(z)
+        mean, inv_std = latent_normalisation(self.pipe.vae, z)
         video = vae.decode(z / inv_std + mean, return_dict=False)[0]
         return self.pipe.video_processor.postprocess_video(video, output_type="pil")
 
@@ -415,5 +407,5 @@ class WanAdapter(FamilyAdapter):
             images, height=resolution, width=resolution, resize_mode="crop"
         )
         z = vae.encode(pixels.to(device, vae.dtype).unsqueeze(2)).latent_dist.mode()
-        mean, inv_std = self._normalisation(z)
+        mean, inv_std = latent_normalisation(self.pipe.vae, z)
         return ((z - mean) * inv_std).float()

@@ -167,10 +167,9 @@ class VllmOmniEngine(RolloutEngine):
             body["lora"] = self.lora
         return body
 
-    def _draw(self, body: dict[str, Any], resolution: int, sample_id: str) -> bytes:
-        """One sample's PNG; `Aborted` when the reply holds no image."""
+    def _draw(self, body: dict[str, Any], resolution: int, where: str) -> bytes:
+        """One sample's PNG (`where` names it in errors); `Aborted` when the reply holds no image."""
         reply = self.client.call(IMAGES_ROUTE, body)
-        where = f"{self.client.url}{IMAGES_ROUTE} sample {sample_id} (seed {body['seed']})"
         try:
             data = reply.get("data") if isinstance(reply, dict) else None
             if not isinstance(data, list):
@@ -209,13 +208,13 @@ class VllmOmniEngine(RolloutEngine):
         def one(i: int) -> bytes:
             body = self.request_body(cfg, prompts[i], negatives[i], seeds[i])
             what = f"{self.client.url}{IMAGES_ROUTE} sample {sample_ids[i]} (seed {seeds[i]})"
-            return redraw_aborted(lambda: self._draw(body, cfg.resolution, sample_ids[i]), what)
+            return redraw_aborted(lambda: self._draw(body, cfg.resolution, what), what)
 
         with ThreadPoolExecutor(max_workers=min(len(prompts), MAX_CONCURRENCY)) as pool:
             images = list(pool.map(one, range(len(prompts))))
         return {"image": images}
 
-    def latent_shape(self, resolution: int) -> tuple[int, ...]:
+    def latent_shape(self, resolution: int, frames: int = 1) -> tuple[int, ...]:
         raise UserInputError(
             "--engine vllm-omni with --server-url returns images only (no latents); use RL mode or --engine remote"
         )
@@ -407,7 +406,7 @@ class VllmOmniRLEngine(RolloutEngine):
         self.weight_version, columns = redraw_aborted(draw, what)
         return columns
 
-    def latent_shape(self, resolution: int) -> tuple[int, ...]:
+    def latent_shape(self, resolution: int, frames: int = 1) -> tuple[int, ...]:
         raise UserInputError(
             "--engine vllm-omni reports no latent shape outside a rollout; use --engine diffusers or remote"
         )

@@ -7,14 +7,16 @@ experts reloads through diffusers' own loaders and reproduces the frames."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from helpers import PROMPTS, fails, ins, run
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
+from stages.errors import UserInputError
 from stages.models.diffusion import LORA_WEIGHTS, FlowPolicy
 from stages.sample.rollout import SampleConfig, rollout_batch
 from stages.shards.reader import ShardSet
@@ -248,6 +250,14 @@ def test_a14b_lora_on_both_experts_reloads_through_diffusers(
     base = ode_rollout(FlowPolicy.load(model), 32, 8, 4.0, ["", ""])["final_latent"]
     assert (mine - base).abs().max().item() > 0  # the adapter changes the frames
 
+    # a second expert's LoRA that fits none of its layers is refused in one line, never left bare
+    stray = tmp_path / "stray"
+    shutil.copytree(out, stray)
+    second = stray / "transformer_2" / LORA_WEIGHTS
+    save_file({k.replace(".blocks.", ".elsewhere."): v for k, v in load_file(second).items()}, second)
+    with pytest.raises(UserInputError, match=r"do not load onto --model .*Target modules .*elsewhere"):
+        FlowPolicy.load(model, adapter=stray)
+
 
 def test_a14b_full_weights_of_both_experts_reload(a14b_run: dict[str, Path], tmp_path: Path) -> None:
     """--full trains and saves both experts (with a KL reference: the frozen copies of both), and loading
@@ -396,8 +406,6 @@ def test_a_published_unipc_scheduler_gives_its_own_flow_sigmas(models: dict[str,
     at exactly 1 (UniPC's own 1 − 1e-6 would defeat the SDE's σ = 1 guard); a UniPC without flow sigmas
     is a one-line error."""
     from diffusers import UniPCMultistepScheduler
-
-    from stages.errors import UserInputError
 
     policy = FlowPolicy.load(models["wan2_1"])
     policy.pipe.scheduler = UniPCMultistepScheduler(

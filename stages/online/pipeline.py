@@ -568,6 +568,11 @@ def run_online(
     adapter = cfg.out / f"it{start}" / "policy" if start else None
     policy = FlowPolicy.load(cfg.model, adapter=adapter, device=device, dtype=cfg.dtype)
     check_reward_kinds(cfg.rewards, policy.family.media)
+    if not cfg.in_process and len(policy.parts) > 1:
+        raise UserInputError(
+            f"--engine {cfg.engine}: the driver pushes one LoRA file, and this model trains "
+            f"{', '.join(policy.parts)}; train it with --engine diffusers"
+        )
     params = _trainable(policy, cfg.update)
     state, step = load_state(adapter)
     summaries: list[dict[str, Any]] = []

@@ -36,8 +36,6 @@ from stages.sample.rollout_protocol import (
     PROTOCOL,
     ROUTE,
     VERSION,
-    Aborted,
-    ProtocolError,
     decode_response,
     encode_request,
     redraw_aborted,
@@ -144,18 +142,10 @@ class RemoteEngine(RolloutEngine):
             request_id, cfg, prompts, negatives, seeds, init_seeds, list(groups), ids, self.weights
         )
 
-        def draw() -> tuple[int, dict[str, Any]]:
-            reply = self.client.call(ROUTE, body)
-            try:
-                return decode_response(reply, body)
-            except Aborted:
-                raise
-            except ProtocolError as exc:
-                raise RuntimeFailure(
-                    f"{self.client.url}{ROUTE}: a malformed reply ({exc}); check the server"
-                ) from None
-
-        version, columns = redraw_aborted(draw, f"{self.client.url}{ROUTE} samples {ids[0]}..{ids[-1]}")
+        version, columns = redraw_aborted(
+            lambda: decode_response(self.client.call(ROUTE, body), body),
+            f"{self.client.url}{ROUTE} samples {ids[0]}..{ids[-1]}",
+        )
         self.server_weights["version"] = version
         if self.pushed:
             import torch

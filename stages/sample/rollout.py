@@ -21,6 +21,7 @@ import torch
 from stages.errors import UserInputError
 from stages.finite import MODEL_HINT, check_finite
 from stages.media import media_columns
+from stages.media.video import fps_fraction
 from stages.models.diffusion import FlowPolicy, seed_generator
 from stages.precision import MIXED_PRECISIONS, autocast
 from stages.sample.samplers import SAMPLERS, step
@@ -80,8 +81,7 @@ class SampleConfig:
             raise UserInputError(f"--frames {self.frames}: must be at least 1")
         if self.window < 0:
             raise UserInputError(f"--sde-window {self.window}: must be >= 0")
-        if not self.fps > 0:
-            raise UserInputError(f"--fps {self.fps}: the frame rate must be positive")
+        fps_fraction(self.fps)  # a positive frame rate, as the MP4 writer needs it
         if self.mixed_precision not in MIXED_PRECISIONS:
             raise UserInputError(
                 f"--mixed-precision {self.mixed_precision}: choose one of {', '.join(MIXED_PRECISIONS)}"

@@ -63,13 +63,16 @@ class Aborted(ProtocolError):
 
 def redraw_aborted(draw: Callable[[], _T], what: str, attempts: int = MAX_REDRAWS) -> _T:
     """`draw()` again, with the same inputs, while it raises `Aborted`, at most `attempts` more times;
-    then a `RuntimeFailure` naming `what` (the samples and the server)."""
+    then a `RuntimeFailure` naming `what` (the samples and the server), as is any other `ProtocolError`
+    (a malformed reply) at once."""
     for attempt in range(attempts + 1):
         try:
             return draw()
         except Aborted as exc:
             last = exc
             logger.info("%s: aborted (%s); drawing it again, %d of %d", what, exc, attempt + 1, attempts)
+        except ProtocolError as exc:
+            raise RuntimeFailure(f"{what}: a malformed reply ({exc}); check the server") from None
     raise RuntimeFailure(
         f"{what}: aborted {attempts + 1} times in a row (last: {last}); the server keeps dropping requests "
         "(weight updates, sleep?): check it, then re-run: finished shards are kept"

@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from stages.errors import RuntimeFailure, UserInputError
+from stages.errors import UserInputError
 from stages.sample.engines import TRAJECTORY_ABSENT, EngineOptions, RolloutEngine, register_engine
 from stages.sample.rollout_protocol import (
     PNG_SIGNATURE,
@@ -167,22 +167,18 @@ class VllmOmniEngine(RolloutEngine):
             body["lora"] = self.lora
         return body
 
-    def _draw(self, body: dict[str, Any], resolution: int, where: str) -> bytes:
-        """One sample's PNG (`where` names it in errors); `Aborted` when the reply holds no image."""
+    def _draw(self, body: dict[str, Any], resolution: int) -> bytes:
+        """One sample's PNG; `Aborted` when the reply holds no image, `ProtocolError` when it is malformed
+        (`redraw_aborted` turns either into a one-line failure naming the sample)."""
         reply = self.client.call(IMAGES_ROUTE, body)
-        try:
-            data = reply.get("data") if isinstance(reply, dict) else None
-            if not isinstance(data, list):
-                raise ProtocolError("the reply has no data list")
-            if not data:
-                raise Aborted("no image in the reply")
-            if len(data) != 1:
-                raise ProtocolError(f"{len(data)} images for n=1")
-            return decode_png(data[0], resolution, "data[0]")
-        except Aborted:
-            raise
-        except ProtocolError as exc:
-            raise RuntimeFailure(f"{where}: a malformed reply ({exc}); check the server") from None
+        data = reply.get("data") if isinstance(reply, dict) else None
+        if not isinstance(data, list):
+            raise ProtocolError("the reply has no data list")
+        if not data:
+            raise Aborted("no image in the reply")
+        if len(data) != 1:
+            raise ProtocolError(f"{len(data)} images for n=1")
+        return decode_png(data[0], resolution, "data[0]")
 
     def rollout(
         self,
@@ -208,7 +204,7 @@ class VllmOmniEngine(RolloutEngine):
         def one(i: int) -> bytes:
             body = self.request_body(cfg, prompts[i], negatives[i], seeds[i])
             what = f"{self.client.url}{IMAGES_ROUTE} sample {sample_ids[i]} (seed {seeds[i]})"
-            return redraw_aborted(lambda: self._draw(body, cfg.resolution, what), what)
+            return redraw_aborted(lambda: self._draw(body, cfg.resolution), what)
 
         with ThreadPoolExecutor(max_workers=min(len(prompts), MAX_CONCURRENCY)) as pool:
             images = list(pool.map(one, range(len(prompts))))
@@ -339,7 +335,6 @@ class VllmOmniRLEngine(RolloutEngine):
         self.family = family
         # null digests: the pipeline holds the weights `open` gave it, no others to check against
         self.weights = {"model_sha256": None, "adapter_sha256": None, "version": None}
-        self.weight_version: int | None = None  # reported by the pipeline with each batch
 
     @classmethod
     def open(cls, options: EngineOptions, device: Any) -> VllmOmniRLEngine:
@@ -396,14 +391,9 @@ class VllmOmniRLEngine(RolloutEngine):
 
         def draw() -> tuple[int, dict[str, Any]]:
             outputs = list(self.omni.generate([prompts[0]], [params], use_tqdm=False))
-            try:
-                return decode_response(outputs_to_reply(outputs, body), body)
-            except Aborted:
-                raise
-            except ProtocolError as exc:
-                raise RuntimeFailure(f"{what}: a malformed output ({exc})") from None
+            return decode_response(outputs_to_reply(outputs, body), body)
 
-        self.weight_version, columns = redraw_aborted(draw, what)
+        _, columns = redraw_aborted(draw, what)
         return columns
 
     def latent_shape(self, resolution: int, frames: int = 1) -> tuple[int, ...]:

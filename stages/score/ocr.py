@@ -59,15 +59,17 @@ def _normalize(text: str) -> str:
     return text.replace(" ", "").lower()
 
 
-def ocr_text_reward(recognized: str, target: str) -> float:
-    """1 − min(d, len(target))/len(target), with d = 0 when the target occurs in the recognized text.
+def ocr_text_reward(recognized: str, target: str, *, substring: bool = True) -> float:
+    """1 − min(d, len(target))/len(target), d the Levenshtein distance, taken as 0 when the target occurs
+    in the recognized text (`substring`; flow_grpo's per-frame video reward has no such shortcut).
 
     Both strings are normalized (spaces removed, lowercased) first; the target must stay non-empty.
     """
     recognized, target = _normalize(recognized), _normalize(target)
     if not target:
         raise ValueError("the OCR target text is empty after removing spaces")
-    distance = 0 if target in recognized else min(levenshtein(recognized, target), len(target))
+    found = substring and target in recognized
+    distance = 0 if found else min(levenshtein(recognized, target), len(target))
     return 1.0 - distance / len(target)
 
 
@@ -134,15 +136,6 @@ def ocr(images: Sequence[Image.Image], prompts: Sequence[str], meta: Sequence[di
     return scores
 
 
-def frame_ocr_reward(recognized: str, target: str) -> float:
-    """1 − min(d, len(target))/len(target) with d the Levenshtein distance of the normalized texts
-    (flow_grpo's per-frame video OCR reward: no substring shortcut)."""
-    recognized, target = _normalize(recognized), _normalize(target)
-    if not target:
-        raise ValueError("the OCR target text is empty after removing spaces")
-    return 1.0 - min(levenshtein(recognized, target), len(target)) / len(target)
-
-
 @register_reward("video_ocr", kind="video")
 class VideoOcr:
     """OCR reward of a video (flow_grpo's Wan task, module docstring): the mean per-frame OCR reward over
@@ -164,15 +157,14 @@ class VideoOcr:
         scores: list[float | None] = []
         for index, (frames, target) in enumerate(zip(videos, targets, strict=True)):
             try:
-                rewards = [
-                    frame_ocr_reward(recognize_text(f), target) for f in frames[:: self.frame_interval]
-                ]
+                texts = [recognize_text(f) for f in frames[:: self.frame_interval]]
             except Exception as exc:  # the engine's failure modes are not documented; the caller reports None
                 logger.warning(
                     "reward 'video_ocr': OCR failed on batch item %d (%s: %s)", index, type(exc).__name__, exc
                 )
                 scores.append(None)
                 continue
+            rewards = [ocr_text_reward(text, target, substring=False) for text in texts]
             read = [r for r in rewards if r > 0]
             scores.append(sum(read) / len(read) if read else 0.0)
         return scores

@@ -73,6 +73,21 @@ _CHOICE_LEAD_RE = re.compile(r"\s*(?:\(([A-E])\)|([A-E])(?![A-Za-z0-9]))")
 _MATH_NOISE = ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "^{\\circ}", "^\\circ", "°", "$")
 
 
+def _score_rows(
+    name: str, rule: Callable[[str, dict], float], responses: Sequence[str | None], meta: Sequence[dict]
+) -> list[float | None]:
+    """`rule(response, meta_row)` per sample (None for a response the stage could not decode); a batch
+    whose lengths differ or that holds a non-string response is a one-line error naming reward `name`."""
+    if len(meta) != len(responses):
+        raise UserInputError(f"reward {name!r}: got {len(responses)} responses but {len(meta)} meta rows")
+    out: list[float | None] = []
+    for response, row in zip(responses, meta):
+        if response is not None and not isinstance(response, str):
+            raise UserInputError(f"reward {name!r} scores response strings, got a {type(response).__name__}")
+        out.append(None if response is None else rule(response, row))
+    return out
+
+
 def _text_scorer(name: str) -> Callable[[Callable[[str, dict], float]], TextScorer]:
     """Register a per-sample rule `rule(response, meta) -> float` as the batch text scorer `name`."""
 
@@ -80,18 +95,7 @@ def _text_scorer(name: str) -> Callable[[Callable[[str, dict], float]], TextScor
         def scorer(
             responses: Sequence[str | None], prompts: Sequence[str], meta: Sequence[dict]
         ) -> list[float | None]:
-            if len(meta) != len(responses):
-                raise UserInputError(
-                    f"reward {name!r}: got {len(responses)} responses but {len(meta)} meta rows"
-                )
-            out: list[float | None] = []
-            for response, row in zip(responses, meta):
-                if response is not None and not isinstance(response, str):
-                    raise UserInputError(
-                        f"reward {name!r} scores response strings, got a {type(response).__name__}"
-                    )
-                out.append(None if response is None else rule(response, row))
-            return out
+            return _score_rows(name, rule, responses, meta)
 
         scorer.__name__ = scorer.__qualname__ = name
         scorer.__doc__ = rule.__doc__
@@ -430,6 +434,7 @@ class _TextReward:
     None for a response the stage could not decode."""
 
     reward_kind = TEXT_KIND
+    name = ""  # the registered name, in errors
 
     def rule(self, response: str, meta: dict) -> float:
         raise NotImplementedError
@@ -437,7 +442,7 @@ class _TextReward:
     def __call__(
         self, responses: Sequence[str | None], prompts: Sequence[str], meta: Sequence[dict]
     ) -> list[float | None]:
-        return [None if r is None else self.rule(r, row) for r, row in zip(responses, meta, strict=True)]
+        return _score_rows(self.name, self.rule, responses, meta)
 
 
 def _weight(name: str, key: str, value: float) -> float:
@@ -455,6 +460,8 @@ class OmniRLAccuracy(_TextReward):
     `text_metrics.tokenize` tokens. The defaults (½, ½, 0) are what OmniRL's code runs (its README
     also names METEOR, which its code never computes); with `require_answer` a response without an
     answer tag scores 0, as in OmniRL, otherwise the response without its think block is scored."""
+
+    name = "omnirl_accuracy"
 
     def __init__(
         self, bleu: float = 0.5, rouge: float = 0.5, meteor: float = 0.0, require_answer: bool = True
@@ -499,6 +506,8 @@ def omnirl_length_value(
 class OmniRLLength(_TextReward):
     """`omnirl_length_value` of the response's characters: rewards answers up to `target` characters
     (OmniRL: 500), scaled by `scale` (500) into the range of the accuracy and format rewards."""
+
+    name = "omnirl_length"
 
     def __init__(self, target: int = 500, decay: float = 0.9, scale: float = 500.0):
         if target < 1 or not 0 < decay <= 1 or not scale > 0:

@@ -181,12 +181,9 @@ def plugin_files(names: list[str]) -> list[Path]:
 
 def server_token(c: dict) -> str | None:
     """The bearer token `--token-env VAR` names (None without the option); an unset VAR is a usage error."""
-    if not c["token_env"]:
-        return None
-    token = os.environ.get(c["token_env"])
-    if not token:
-        raise UserInputError(f"--token-env {c['token_env']}: ${c['token_env']} is not set; export the token")
-    return token
+    from stages.web import env_token
+
+    return env_token(c["token_env"], f"--token-env {c['token_env']}")
 
 
 def serve_until_stopped(

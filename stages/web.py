@@ -29,6 +29,7 @@ import http.client
 import ipaddress
 import json
 import logging
+import os
 import random
 import socket
 import sys
@@ -71,6 +72,18 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def env_token(var: str | None, where: str) -> str | None:
+    """The secret in environment variable `var` (None without one): a bearer token or API key, never
+    written on a command line. An unset or empty `var` is a one-line usage error starting with `where`
+    (the option or reward argument that named it)."""
+    if not var:
+        return None
+    token = os.environ.get(var)
+    if not token:
+        raise UserInputError(f"{where}: ${var} is not set; export it")
+    return token
 
 
 def one_line(text: Any, limit: int = 300) -> str:

@@ -68,14 +68,9 @@ class EngineOptions:
 
     def token(self) -> str | None:
         """The server's bearer token, from the environment variable --server-token-env names."""
-        import os
+        from stages.web import env_token
 
-        if not self.token_env:
-            return None
-        token = os.environ.get(self.token_env)
-        if not token:
-            raise UserInputError(f"--server-token-env {self.token_env}: ${self.token_env} is not set")
-        return token
+        return env_token(self.token_env, f"--server-token-env {self.token_env}")
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> EngineOptions:

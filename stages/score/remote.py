@@ -67,7 +67,6 @@ import io
 import json
 import logging
 import math
-import os
 import threading
 import time
 import urllib.error
@@ -83,7 +82,7 @@ from PIL import Image
 from stages.errors import RuntimeFailure, UserInputError
 from stages.score.registry import REMOTE_PREFIX
 from stages.score.rubrics import PROMPT_FIELD, RUBRICS
-from stages.web import error_message, one_line
+from stages.web import env_token, error_message, one_line
 
 logger = logging.getLogger(__name__)
 
@@ -400,13 +399,7 @@ class RemoteReward:
                 raise UserInputError(f"{source}: {key}={value} must be at least {least}")
         if not (math.isfinite(timeout) and timeout > 0 and math.isfinite(backoff) and backoff >= 0):
             raise UserInputError(f"{source}: timeout={timeout} must be > 0 and backoff={backoff} ≥ 0 seconds")
-        token = None
-        if token_env:
-            token = os.environ.get(token_env)
-            if not token:
-                raise UserInputError(
-                    f"{source}: token_env={token_env} but ${token_env} is not set; export it"
-                )
+        token = env_token(token_env, f"{source}: token_env={token_env}")
         self.transport = Transport(self.name, protocol, token, token_env, timeout, retries, backoff)
         self.concurrency = concurrency
         self.protocol: OmnirlProtocol | ChatProtocol

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import io
 import logging
-import os
 import re
 import threading
 import time
@@ -56,6 +55,7 @@ from stages.score.clip_rewards import local_path
 from stages.score.ocr import ocr_target, ocr_text_reward
 from stages.score.registry import register_reward
 from stages.score.rubrics import PROMPT_FIELD, RUBRICS
+from stages.web import env_token
 
 logger = logging.getLogger(__name__)
 
@@ -218,12 +218,7 @@ class VLMJudge:
                 )
             self.url = str(url).rstrip("/")
             if token_env is not None:
-                self._api_key = os.environ.get(token_env)
-                if not self._api_key:
-                    raise UserInputError(
-                        f"reward {NAME!r}: environment variable {token_env} (token_env) is not set; "
-                        "export it with the server's API key"
-                    )
+                self._api_key = env_token(token_env, f"reward {NAME!r}: token_env={token_env}")
         self.last_answers: list[str | None] = []
         self._lock = threading.Lock()
         self._policy: Any = None

@@ -54,6 +54,21 @@ def check_pipeline_folder(model: str | Path, option: str = "--model") -> Path:
     return path
 
 
+def pipeline_index(model: str | Path, option: str = "--model") -> dict[str, Any]:
+    """The model_index.json of pipeline folder `model` (its `_class_name` names the pipeline, each
+    component entry its library and class); not a pipeline folder, or an unreadable index, is one line."""
+    path = check_pipeline_folder(model, option)
+    try:
+        index = json.loads((path / "model_index.json").read_bytes())
+        if not isinstance(index, dict) or not isinstance(index.get("_class_name"), str):
+            raise ValueError
+    except (OSError, ValueError):
+        raise UserInputError(
+            f"{option} {model}: model_index.json is not a diffusers pipeline index"
+        ) from None
+    return index
+
+
 def seed_generator(seed: int) -> torch.Generator:
     """A CPU generator for one sample: noise never depends on batch composition or device."""
     return torch.Generator("cpu").manual_seed(int(seed))
@@ -298,13 +313,8 @@ class FlowPolicy:
         if dtype not in DTYPES:
             raise UserInputError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
         torch_dtype = DTYPES[dtype]
-        try:
-            index = json.loads((model_path / "model_index.json").read_bytes())
-            family_class = adapter_class(str(index["_class_name"]), str(model_path))
-        except (ValueError, KeyError, TypeError):
-            raise UserInputError(
-                f"--model {model_path}: model_index.json is not a diffusers pipeline index"
-            ) from None
+        index = pipeline_index(model_path)
+        family_class = adapter_class(index["_class_name"], str(model_path))
         kwargs: dict[str, Any] = {"dtype": torch_dtype}
         config = read_adapter_config(adapter) if adapter else None
         if config:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import base64
 import binascii
 import io
-import json
 from collections.abc import Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -54,16 +53,10 @@ TRUE_CFG_FAMILIES = frozenset({"qwen_image"})
 
 def model_family(model: Path) -> str:
     """The family name of a local pipeline folder, from its model_index.json (no weights loaded)."""
+    from stages.models.diffusion import pipeline_index
     from stages.models.families import adapter_class
 
-    index = model / "model_index.json"
-    try:
-        pipeline = str(json.loads(index.read_bytes())["_class_name"])
-    except (OSError, ValueError, KeyError, TypeError):
-        raise UserInputError(
-            f"--model {model}: not a diffusers pipeline folder (no readable model_index.json)"
-        ) from None
-    return adapter_class(pipeline, str(model)).name
+    return adapter_class(pipeline_index(model)["_class_name"], str(model)).name
 
 
 def decode_png(item: Any, resolution: int, where: str) -> bytes:

@@ -318,7 +318,10 @@ def test_video_files_are_sampled_at_2_fps_and_bad_files_name_the_row(tmp_path: P
     assert rate == 1.0 and np.allclose(reds, [0, 75, 150, 225], atol=8)
     listed = video_frames({"video": [png(1), png(2)], "fps": 3}, tmp_path, "r")
     assert listed == ([png(1), png(2)], 3.0)
-    with pytest.raises(UserInputError, match=r"^data\.jsonl: row 3: a video is not a readable video file$"):
+    with pytest.raises(
+        UserInputError,
+        match=r"^data\.jsonl: row 3: a video file: not a readable video file \(.+\); or give the video as a list of frames$",
+    ):
         decode_video_file(b"not a video", "data.jsonl: row 3")
     with pytest.raises(UserInputError, match="a video is an empty list of frames"):
         video_frames([], tmp_path, "r")

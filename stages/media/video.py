@@ -53,13 +53,15 @@ class Video:
     fps: float
 
 
-def _av() -> Any:
+def pyav(purpose: str = "video outputs", extra: str = "video") -> Any:
+    """The `av` module (PyAV, FFmpeg bindings, imported on first use); missing, a one-line error
+    saying what needs it and which extra installs it."""
     try:
         import av
-    except ImportError as exc:
+    except ImportError:
         raise UserInputError(
-            "video outputs need PyAV (FFmpeg bindings): pip install 'omnirl[video]'"
-        ) from exc
+            f"{purpose} need PyAV (FFmpeg bindings): pip install 'omnirl[{extra}]'"
+        ) from None
     return av
 
 
@@ -73,7 +75,7 @@ def fps_fraction(fps: float) -> Fraction:
 def encode_mp4(frames: Sequence[Any], fps: float, *, crf: int = DEFAULT_CRF) -> bytes:
     """MP4 bytes of `frames` (PIL images of one even width × height, any mode: converted to RGB) played
     at `fps` frames per second."""
-    av = _av()
+    av = pyav()
     if not frames:
         raise ValueError("a video needs at least one frame")
     width, height = frames[0].size
@@ -143,9 +145,28 @@ def _rate(stream: Any) -> float:
     return float(rate) if rate else 0.0
 
 
+def decode_video(data: bytes) -> Video:
+    """The frames (RGB PIL images) and frame rate of a video file in any container FFmpeg reads (a
+    prompt's video: MP4, WebM, MKV, ...); `MediaDecodeError` when it is unreadable, has no video
+    stream, no frames or no frame rate."""
+    av = pyav("video files", "video")
+    try:
+        with av.open(io.BytesIO(bytes(data)), mode="r") as container:
+            if not container.streams.video:
+                raise MediaDecodeError("the file has no video stream")
+            stream = container.streams.video[0]
+            frames = [frame.to_image() for frame in container.decode(stream)]
+            rate = _rate(stream)
+    except av.FFmpegError as exc:
+        raise MediaDecodeError(f"not a readable video file ({_reason(exc)})") from None
+    if not frames or rate <= 0:
+        raise MediaDecodeError("the file has no frames or no frame rate")
+    return Video(frames, rate)
+
+
 def probe_mp4(data: bytes) -> VideoInfo:
     """Frame count, fps and size of an MP4 from its index (nothing is decoded)."""
-    av = _av()
+    av = pyav()
     with _open(av, data) as container:
         stream = container.streams.video[0]
         return VideoInfo(
@@ -156,7 +177,7 @@ def probe_mp4(data: bytes) -> VideoInfo:
 def decode_mp4(data: bytes) -> Video:
     """The frames (RGB PIL images) and fps of MP4 bytes; `MediaDecodeError` when the bytes are not a
     readable MP4 or hold fewer frames than the index lists (a truncated file)."""
-    av = _av()
+    av = pyav()
     with _open(av, data) as container:
         stream = container.streams.video[0]
         listed = int(stream.frames)

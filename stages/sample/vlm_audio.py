@@ -17,21 +17,14 @@ from typing import Any
 import numpy as np
 
 from stages.errors import UserInputError
+from stages.media.video import pyav
 
 _HINT = "fix the data (a WAV/FLAC/MP3/OGG file, its path, or an (array, sampling_rate) pair)"
 
 
-def _av() -> Any:
-    try:
-        import av
-    except ImportError:
-        raise UserInputError("audio prompts need PyAV: pip install 'omnirl[audio]'") from None
-    return av
-
-
 def wav_bytes(samples: Any, rate: int) -> bytes:
     """A float32 WAV file of a waveform [S] (or [channels, S], averaged to mono) at `rate` Hz."""
-    av = _av()
+    av = pyav("audio prompts", "audio")
     wave = np.asarray(samples, dtype=np.float32)
     wave = wave.mean(0) if wave.ndim == 2 else wave
     buf = io.BytesIO()
@@ -73,7 +66,7 @@ def decode_audio(blob: bytes, rate: int | None, where: str) -> np.ndarray:
 
     A file that does not decode, or holds no audio, is a one-line error naming `where`.
     """
-    av = _av()
+    av = pyav("audio prompts", "audio")
     try:
         with av.open(io.BytesIO(bytes(blob)), "r") as container:
             if not container.streams.audio:

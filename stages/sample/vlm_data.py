@@ -204,21 +204,13 @@ def decode_video_file(blob: bytes, where: str, fps: float = VIDEO_FPS) -> tuple[
     `VIDEO_FRAME_FACTOR` within [`VIDEO_MIN_FRAMES`, min(`VIDEO_MAX_FRAMES`, frames in the file)], taken
     at evenly spaced indices; the rate is frames kept / frames in the file × the file's rate. Stored
     as frames, the video replays without decoding it again."""
+    from stages.media.video import MediaDecodeError, decode_video
+
     try:
-        import av
-    except ImportError:
-        raise UserInputError(
-            f"{where}: a video file needs PyAV (pip install av); or give the video as a list of frames"
-        ) from None
-    try:
-        with av.open(io.BytesIO(blob)) as container:
-            stream = container.streams.video[0]
-            frames = [frame.to_image() for frame in container.decode(stream)]
-            rate = float(stream.average_rate or stream.guessed_rate or 0)
-    except (av.FFmpegError, IndexError, ValueError):
-        raise UserInputError(f"{where}: a video is not a readable video file") from None
-    if not frames or rate <= 0:
-        raise UserInputError(f"{where}: a video file has no frames or no frame rate")
+        video = decode_video(blob)
+    except MediaDecodeError as exc:
+        raise UserInputError(f"{where}: a video file: {exc}; or give the video as a list of frames") from None
+    frames, rate = video.frames, video.fps
     total = len(frames)
     wanted = round(total / rate * fps / VIDEO_FRAME_FACTOR) * VIDEO_FRAME_FACTOR
     ceiling = max(VIDEO_FRAME_FACTOR, min(VIDEO_MAX_FRAMES, total) // VIDEO_FRAME_FACTOR * VIDEO_FRAME_FACTOR)

@@ -110,15 +110,22 @@ ShardRowsOpt = Annotated[
 ]
 
 
-def mixed_precision_opt(forwards: str, panel: str | None = None) -> Any:
+def mixed_precision_opt(
+    forwards: str,
+    panel: str | None = None,
+    *,
+    fallback: str = "no",
+    recorded: str = "Part of the output's identity.",
+) -> Any:
     """--mixed-precision of a command whose `forwards` (model calls) run under autocast: no, bf16 or
-    fp16 as Accelerate names them; default the launcher's, resolved by `stages.precision`."""
+    fp16 as Accelerate names them; default the launcher's, else `fallback`, resolved by
+    `stages.precision`. `recorded` says where the resolved value is kept."""
     return Annotated[
         MixedPrecision | None,
         typer.Option(
             "--mixed-precision",
             help=f"Autocast of {forwards}. Default: the launcher's (accelerate launch "
-            "--mixed_precision, ACCELERATE_MIXED_PRECISION), else no. Part of the output's identity.",
+            f"--mixed_precision, ACCELERATE_MIXED_PRECISION), else {fallback}. {recorded}",
             rich_help_panel=panel,
         ),
     ]

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from ..choices import Dtype, MixedPrecision
+from ..choices import Dtype
 from ..config import resolve
 from ..console import emit_json, log
 from ..errors import handle_errors
@@ -20,6 +20,7 @@ from ..options import (
     OutOpt,
     OverwriteOpt,
     SetOpt,
+    mixed_precision_opt,
     model_opt,
 )
 from ..runtime import check_format, device, finalize, map_shards, open_inputs, policy_info, run_config
@@ -50,16 +51,11 @@ def logprob(
             help="Also store the step means under these weights (old_means, for --algo grpo_guard).",
         ),
     ] = False,
-    mixed_precision: Annotated[
-        MixedPrecision | None,
-        typer.Option(
-            "--mixed-precision",
-            help="Autocast of the replayed forward, as `update --mixed-precision` (give both the same, so the "
-            "old log-probs carry the trainer's numerics). Default: the launcher's (accelerate launch "
-            "--mixed_precision, ACCELERATE_MIXED_PRECISION), else the rollout's `sample --mixed-precision` "
-            "(so the replay reproduces the rollout log-probs). Part of the output's identity.",
-        ),
-    ] = None,
+    mixed_precision: mixed_precision_opt(
+        "the replayed forward, as `update --mixed-precision` (give both the same, so the old log-probs "
+        "carry the trainer's numerics)",
+        fallback="the rollout's `sample --mixed-precision` (so the replay reproduces the rollout log-probs)",
+    ) = None,
     fmt: FormatOpt = "parquet",
     overwrite: OverwriteOpt = False,
     config: ConfigOpt = None,

@@ -14,7 +14,6 @@ from ..choices import (
     KlType,
     LossAggMode,
     LrScheduler,
-    MixedPrecision,
     OldDecay,
     Strategy,
     complete,
@@ -32,6 +31,7 @@ from ..options import (
     ReportToOpt,
     RunNameOpt,
     SetOpt,
+    mixed_precision_opt,
     model_opt,
 )
 from ..runtime import device, open_inputs, run_config
@@ -63,17 +63,12 @@ def update(
             "with --full) are always fp32 (diffusers' cast_training_params), so AdamW steps in fp32.",
         ),
     ] = "fp32",
-    mixed_precision: Annotated[
-        MixedPrecision | None,
-        typer.Option(
-            "--mixed-precision",
-            help="Autocast of the forward and loss, as Accelerate names it (fp16 with a "
-            "dynamic loss scale, torch.amp.GradScaler: an overflow skips the step and halves the scale, logged as "
-            "actor/grad_scale; not with FSDP2). Default: the launcher's (accelerate launch --mixed_precision, "
-            "ACCELERATE_MIXED_PRECISION), else no. Recorded in the adapter's update_config.",
-            rich_help_panel=OPT,
-        ),
-    ] = None,
+    mixed_precision: mixed_precision_opt(
+        "the forward and loss (fp16 with a dynamic loss scale, torch.amp.GradScaler: an overflow skips the "
+        "step and halves the scale, logged as actor/grad_scale; not with FSDP2)",
+        OPT,
+        recorded="Recorded in the adapter's update_config.",
+    ) = None,
     strategy: Annotated[
         Strategy,
         typer.Option(

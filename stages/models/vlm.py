@@ -128,6 +128,17 @@ def load_model(model_dir: str | Path, dtype: torch.dtype) -> Any:
     return importlib.import_module(VLM_FAMILIES[model_type(model_dir)]).load_model(model_dir, dtype)
 
 
+def media_parts(messages: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    """The `{"type": kind}` content parts of chat messages, in order."""
+    return [
+        part
+        for m in messages
+        if isinstance(m["content"], list)
+        for part in m["content"]
+        if isinstance(part, dict) and part.get("type") == kind
+    ]
+
+
 def user_turn(question: str, num_images: int) -> list[dict[str, Any]]:
     """A plain question as chat messages: one user turn, its images first, then the text."""
     parts = [{"type": "image"} for _ in range(num_images)]
@@ -322,13 +333,7 @@ class VLMPolicy:
         for k, prompt in enumerate(prompts):
             messages = user_turn(prompt, len(images[k])) if isinstance(prompt, str) else prompt
             for kind, items in media.items():
-                parts = [
-                    part
-                    for m in messages
-                    if isinstance(m["content"], list)
-                    for part in m["content"]
-                    if part.get("type") == kind
-                ]
+                parts = media_parts(messages, kind)
                 if len(parts) != len(items[k]):
                     raise UserInputError(
                         f"prompt {k}: {len(parts)} {kind} parts in its messages but {len(items[k])} {kind}s"

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from stages.errors import UserInputError
+from stages.models.vlm import media_parts
 from stages.sample.prompts import pick_rows
 from stages.sample.sources import PromptSource, SourceRow
 from stages.sample.vlm_audio import audio_bytes
@@ -102,17 +103,6 @@ def typed_parts(content: str) -> list[dict[str, Any]]:
         elif piece:
             parts.append({"type": "text", "text": piece})
     return parts
-
-
-def media_parts(messages: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
-    """The `{"type": kind}` content parts of chat messages, in order."""
-    return [
-        part
-        for m in messages
-        if isinstance(m["content"], list)
-        for part in m["content"]
-        if isinstance(part, dict) and part.get("type") == kind
-    ]
 
 
 def _as_messages(value: Any, where: str) -> list[dict[str, Any]]:

@@ -7,7 +7,8 @@ its URL by `remote_reward_class`, whose reward arguments (``--reward-arg remote:
 - ``token_env=VAR``: the environment variable holding a bearer token, sent as ``Authorization: Bearer``
   (the token itself never reaches a manifest or a log);
 - ``timeout=`` seconds to wait for each reply (60), ``retries=`` further tries after a failed one (5),
-  ``backoff=`` seconds before the first retry (0.5), doubled after each (capped at 30 s; a 429's
+  ``backoff=`` seconds before the first retry (0.5), doubled after each (capped at 30 s, times a
+  0.5–1.5 jitter as the rollout clients; a 429's
   ``Retry-After`` is honoured up to 60 s);
 - ``batch_size=`` images per request (32) and ``concurrency=`` requests in flight at once (4);
 - ``model=`` and ``template=`` (chat protocols only): the served model name and the question, with
@@ -82,11 +83,10 @@ from PIL import Image
 from stages.errors import RuntimeFailure, UserInputError
 from stages.score.registry import REMOTE_PREFIX
 from stages.score.rubrics import PROMPT_FIELD, RUBRICS
-from stages.web import env_token, error_message, one_line
+from stages.web import backoff, env_token, error_message, one_line
 
 logger = logging.getLogger(__name__)
 
-MAX_BACKOFF_S = 30.0
 MAX_RETRY_AFTER_S = 60.0
 RETRY_STATUSES = frozenset({408, 429})  # plus every 5xx
 TOTAL_PATHS = ("", "score")  # URL paths whose reply the client takes as the server's weighted sum
@@ -168,7 +168,7 @@ class Transport:
         start = time.monotonic()
         last = ""
         for attempt in range(tries):
-            wait = min(self.backoff * 2**attempt, MAX_BACKOFF_S)
+            wait = backoff(attempt, self.backoff)
             try:
                 request = urllib.request.Request(url, data=data, headers=headers, method="POST")
                 with urllib.request.urlopen(request, timeout=self.timeout) as response:

@@ -10,8 +10,10 @@ tests/reference-oracles.txt with ``pip --target --no-deps``), and join ``sys.pat
   transformers imports torchvision whenever it is installed, having it in the environment would break
   every transformers import of the project. `_tolerate_missing_torchvision_ops` wraps
   ``torch.library.register_fake`` so that the decorator it returns skips an operator that does not
-  exist (a RuntimeError) instead of raising: torchvision then imports, its pure-Python transforms
-  (all the oracles use) work, and only its compiled operators (nms, roi_align, ...) stay missing.
+  exist (a RuntimeError) instead of raising, while torchvision imports: it then imports, its
+  pure-Python transforms (all the oracles use) work, and only its compiled operators (nms, roi_align,
+  ...) stay missing. transformers' own torchvision check is settled (False) before, so the rest of the
+  test process sees the project's environment.
 - image-reward 1.5 pins timm 0.6.13 while open_clip needs timm ≥ 1.0.17, and hpsv2 1.2.0 pins
   pytest 7.2 and protobuf < 4: neither resolves beside the project's pins, hence ``--no-deps``.
 - the packages' ``__init__`` modules import what the oracles do not need and cannot run here (hpsv2's
@@ -26,9 +28,11 @@ tests/reference-oracles.txt with ``pip --target --no-deps``), and join ``sys.pat
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
 import types
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +42,10 @@ import torch
 ORACLE_DIR = Path(__file__).resolve().parents[1] / ".venv" / "reference-oracles"
 
 
-def _tolerate_missing_torchvision_ops() -> None:
+@contextlib.contextmanager
+def _tolerate_missing_torchvision_ops() -> Iterator[None]:
+    """While torchvision imports: a `register_fake` whose decorator skips an operator that does not exist."""
     register_fake = torch.library.register_fake
-    if getattr(register_fake, "tolerates_missing_ops", False):
-        return
 
     def tolerant(*args: Any, **kwargs: Any) -> Any:
         decorate = register_fake(*args, **kwargs)
@@ -54,8 +58,11 @@ def _tolerate_missing_torchvision_ops() -> None:
 
         return apply
 
-    tolerant.tolerates_missing_ops = True  # type: ignore[attr-defined]
     torch.library.register_fake = tolerant
+    try:
+        yield
+    finally:
+        torch.library.register_fake = register_fake
 
 
 def _bare_package(name: str) -> None:
@@ -100,9 +107,15 @@ def oracle_modules(*names: str) -> list[types.ModuleType]:
     pytest skip when `ORACLE_DIR` has not been installed."""
     if not ORACLE_DIR.is_dir():
         pytest.skip(f"reference implementations not installed in {ORACLE_DIR}: run make install")
+    from transformers.utils import import_utils
+
+    # Settle transformers' (cached) torchvision check before torchvision becomes importable, so that the
+    # rest of the process keeps the project's environment: no torchvision-backed image processors.
+    import_utils.is_torchvision_available()
     if str(ORACLE_DIR) not in sys.path:
         sys.path.append(str(ORACLE_DIR))  # after the project's own paths: fairscale ships a `benchmarks`
-    _tolerate_missing_torchvision_ops()
+    with _tolerate_missing_torchvision_ops():
+        import torchvision  # noqa: F401
     for package in ("hpsv2", "hpsv2.src", "hpsv2.src.open_clip", "ImageReward", "ImageReward.models"):
         _bare_package(package)
     _transformers_4_helpers()

@@ -9,6 +9,7 @@ reference's own preprocessing, tokenizer and forward give the numbers our scorer
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import pickle
 import string
@@ -17,6 +18,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from helpers import fails, run
 from PIL import Image
 from reference_oracles import oracle_modules
 
@@ -258,3 +260,52 @@ def test_imagereward_preprocessing_is_torchvisions(imagereward):
 
     for image in IMAGES:
         assert torch.equal(resize_crop_pixels(image, 32), reference_module._transform(32)(image))
+
+
+# --- through `omnirl score` ---------------------------------------------------------------------------
+
+
+def test_score_cli_runs_both_with_reward_args(hps, imagereward, tmp_path):
+    """Flags reach both scorers (strings converted), the numbers equal the in-process ones, and a
+    missing model is the one-line error naming the argument."""
+    from stages.shards.reader import ShardSet
+    from stages.shards.writer import ShardSetWriter
+
+    images, prompts = IMAGES[:4], PROMPTS
+    samples = tmp_path / "samples"
+    writer = ShardSetWriter(
+        samples, num_shards=1, command="sample", config={}, kinds={"image": "image", "prompt_meta": "json"}
+    )
+    blobs = []
+    for image in images:
+        buffer = io.BytesIO()
+        image.convert("RGB").save(buffer, format="PNG")
+        blobs.append(buffer.getvalue())
+    rows = {"sample_id": [f"s{i}" for i in range(4)], "prompt": prompts, "prompt_meta": [{}] * 4}
+    writer.write_shard(0, {**rows, "image": blobs})
+    writer.finalize(extra={"modality": "image"})
+    flags = [f"--reward-arg=hpsv2.{k}={v}" for k, v in hps.args.items()]
+    flags += [f"--reward-arg=imagereward.{k}={v}" for k, v in imagereward.args.items()]
+    run(
+        "score",
+        "--in",
+        str(samples),
+        "--reward",
+        "hpsv2",
+        "--reward",
+        "imagereward",
+        *flags,
+        "--out",
+        str(tmp_path / "r"),
+    )
+    table = ShardSet(tmp_path / "r").read_all()
+    rgb = [image.convert("RGB") for image in images]
+    for name, args in (("hpsv2", hps.args), ("imagereward", imagereward.args)):
+        expected = get_reward(name, args)(rgb, prompts, [{}] * 4)
+        assert table[f"reward.{name}"].tolist() == pytest.approx(expected, abs=1e-6)
+    digests = ShardSet(tmp_path / "r").manifest.config["reward_args_sha256"]
+    assert {"hpsv2.model", "hpsv2.tokenizer", "imagereward.model", "imagereward.tokenizer"} <= set(digests)
+    fails(
+        ["score", "--in", str(samples), "--reward", "imagereward", "--out", str(tmp_path / "r2")],
+        "imagereward.model",
+    )

@@ -2,7 +2,7 @@
 tests/test_reference_rewards.py).
 
 They live outside the project's environment, in `ORACLE_DIR` (`make install` puts them there from
-tests/reference-oracles.txt with ``pip --target --no-deps``), and join ``sys.path`` only when a test asks for them, because:
+tests/reference-oracles.txt with ``pip --target --no-deps``), and join ``sys.path`` only while a test imports them, because:
 
 - open_clip, hpsv2 and ImageReward import torchvision, and the torchvision wheel available for torch
   2.13 here (0.28.0, a CUDA build) cannot load its C++ operators on a CPU-only torch. Its
@@ -112,14 +112,18 @@ def oracle_modules(*names: str) -> list[types.ModuleType]:
     # Settle transformers' (cached) torchvision check before torchvision becomes importable, so that the
     # rest of the process keeps the project's environment: no torchvision-backed image processors.
     import_utils.is_torchvision_available()
-    if str(ORACLE_DIR) not in sys.path:
-        sys.path.append(str(ORACLE_DIR))  # after the project's own paths: fairscale ships a `benchmarks`
-    with _tolerate_missing_torchvision_ops():
-        import torchvision  # noqa: F401
     for package in ("hpsv2", "hpsv2.src", "hpsv2.src.open_clip", "ImageReward", "ImageReward.models"):
         _bare_package(package)
     _transformers_4_helpers()
-    modules = [importlib.import_module(name) for name in names]
+    # On sys.path only while importing: worker processes the project spawns copy the parent's sys.path,
+    # and torchvision must stay invisible to them. (Appended: fairscale ships a `benchmarks` package.)
+    sys.path.append(str(ORACLE_DIR))
+    try:
+        with _tolerate_missing_torchvision_ops():
+            import torchvision  # noqa: F401
+        modules = [importlib.import_module(name) for name in names]
+    finally:
+        sys.path.remove(str(ORACLE_DIR))
     med = sys.modules.get("ImageReward.models.BLIP.med")
     if med is not None:
         _med_on_transformers_5(med)

@@ -131,6 +131,7 @@ def open_clip_to_transformers(
             "max_position_embeddings": int(state["positional_embedding"].shape[0]),
             "hidden_act": "gelu",
             "layer_norm_eps": LAYER_NORM_EPS,
+            "bos_token_id": tokenizer.convert_tokens_to_ids(tokenizer.bos_token),
             "eos_token_id": eos,
             "pad_token_id": eos,
         },

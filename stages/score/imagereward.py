@@ -125,6 +125,8 @@ def split_checkpoint(
         hidden_act="gelu",
         layer_norm_eps=TEXT_LAYER_NORM_EPS,
         is_decoder=True,  # builds the cross-attention of every layer; called as an encoder (bidirectional)
+        bos_token_id=None,  # generation ids ([DEC], [SEP]): the encoder never reads them
+        sep_token_id=None,
     )
     return vision_config, vision, text_config, text, mlp
 

@@ -309,3 +309,10 @@ def test_score_cli_runs_both_with_reward_args(hps, imagereward, tmp_path):
         ["score", "--in", str(samples), "--reward", "imagereward", "--out", str(tmp_path / "r2")],
         "imagereward.model",
     )
+
+
+def test_imagereward_bf16_stays_near_fp32(imagereward):
+    images, prompts = _pairs()
+    full = get_reward("imagereward", imagereward.args)(images[:8], prompts[:8], [{}] * 8)
+    half = get_reward("imagereward", {**imagereward.args, "dtype": "bf16"})(images[:8], prompts[:8], [{}] * 8)
+    assert half == pytest.approx(full, abs=0.05) and half != full

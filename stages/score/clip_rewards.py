@@ -1,4 +1,4 @@
-"""CLIP-based image rewards: PickScore, CLIP score, CLIP image similarity, LAION aesthetic (and HPS v2.1).
+"""CLIP-based image rewards: PickScore, CLIP score, CLIP image similarity, LAION aesthetic.
 
 Every scorer is a class registered with `register_reward`, configured by reward arguments
 (``--reward-arg NAME.KEY=VALUE``, see `stages.score.registry`):
@@ -384,6 +384,12 @@ def read_state_dict(reward: str, key: str, path: Path, what: str) -> dict[str, t
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise UserInputError(f"reward {reward!r}: {key}={path} holds no tensor state dict; pass {what}")
     return {k.removeprefix("module."): v for k, v in state.items()}
+
+
+def layer_count(state: dict[str, torch.Tensor], prefix: str) -> int:
+    """How many numbered blocks ``{prefix}{i}.*`` a state dict holds (the depth of a tower)."""
+    indices = {int(k[len(prefix) :].split(".")[0]) for k in state if k.startswith(prefix)}
+    return max(indices) + 1 if indices else 0
 
 
 def load_aesthetic_mlp(path: Path) -> torch.nn.Module:

@@ -36,7 +36,7 @@ from PIL import Image
 
 from stages.errors import UserInputError
 from stages.models.clip import CLIP_MEAN, CLIP_STD
-from stages.score.clip_rewards import ClipReward, local_path, read_state_dict
+from stages.score.clip_rewards import ClipReward, layer_count, local_path, read_state_dict
 from stages.score.registry import register_reward
 
 HPS_TOKENIZER = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
@@ -51,11 +51,6 @@ _BLOCK = {
     "mlp.c_proj": "mlp.fc2",
 }
 _IGNORED = ("attn_mask",)  # a buffer some open_clip checkpoints carry; rebuilt by the model
-
-
-def _tower_layers(state: dict[str, torch.Tensor], prefix: str) -> int:
-    indices = {int(k[len(prefix) :].split(".")[0]) for k in state if k.startswith(prefix)}
-    return max(indices) + 1 if indices else 0
 
 
 def _map_tower(state: dict[str, torch.Tensor], src: str, dst: str, out: dict[str, torch.Tensor]) -> None:
@@ -126,7 +121,7 @@ def open_clip_to_transformers(
             "vocab_size": int(state["token_embedding.weight"].shape[0]),
             "hidden_size": text_width,
             "intermediate_size": int(state[f"{text_blocks}0.mlp.c_fc.weight"].shape[0]),
-            "num_hidden_layers": _tower_layers(state, text_blocks),
+            "num_hidden_layers": layer_count(state, text_blocks),
             "num_attention_heads": text_heads,
             "max_position_embeddings": int(state["positional_embedding"].shape[0]),
             "hidden_act": "gelu",
@@ -138,7 +133,7 @@ def open_clip_to_transformers(
         vision_config={
             "hidden_size": vision_width,
             "intermediate_size": int(state[f"{vision_blocks}0.mlp.c_fc.weight"].shape[0]),
-            "num_hidden_layers": _tower_layers(state, vision_blocks),
+            "num_hidden_layers": layer_count(state, vision_blocks),
             "num_attention_heads": vision_heads,
             "image_size": grid * patch_size,
             "patch_size": patch_size,

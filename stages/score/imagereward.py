@@ -33,7 +33,7 @@ from PIL import Image
 
 from stages.errors import UserInputError
 from stages.models.clip import CLIP_MEAN, CLIP_STD, AestheticMLP
-from stages.score.clip_rewards import ModelReward, local_path, read_state_dict
+from stages.score.clip_rewards import ModelReward, layer_count, local_path, read_state_dict
 from stages.score.registry import register_reward
 
 IMAGEREWARD_TOKENIZER = "google-bert/bert-base-uncased"
@@ -74,11 +74,6 @@ def _vit_key(key: str) -> str:
     return f"encoder.layers.{index}.{_VIT_BLOCK[module]}.{kind}"
 
 
-def _layers(state: dict[str, torch.Tensor], prefix: str) -> int:
-    indices = {int(k[len(prefix) :].split(".")[0]) for k in state if k.startswith(prefix)}
-    return max(indices) + 1 if indices else 0
-
-
 def split_checkpoint(
     state: dict[str, torch.Tensor], vision_heads: int, text_heads: int
 ) -> tuple[Any, dict, Any, dict, dict]:
@@ -106,7 +101,7 @@ def split_checkpoint(
     vision_config = BlipVisionConfig(
         hidden_size=vision_width,
         intermediate_size=int(vision["encoder.layers.0.mlp.fc1.weight"].shape[0]),
-        num_hidden_layers=_layers(vision, "encoder.layers."),
+        num_hidden_layers=layer_count(vision, "encoder.layers."),
         num_attention_heads=vision_heads,
         image_size=grid * patch_size,
         patch_size=patch_size,
@@ -119,7 +114,7 @@ def split_checkpoint(
         hidden_size=int(words.shape[1]),
         encoder_hidden_size=vision_width,
         intermediate_size=int(text["encoder.layer.0.intermediate.dense.weight"].shape[0]),
-        num_hidden_layers=_layers(text, "encoder.layer."),
+        num_hidden_layers=layer_count(text, "encoder.layer."),
         num_attention_heads=text_heads,
         max_position_embeddings=int(text["embeddings.position_embeddings.weight"].shape[0]),
         hidden_act="gelu",

@@ -11,11 +11,12 @@ RUN    ?= runs/demo
 install: $(STAMP)
 
 # CPU torch first (from local disk), then the project pinned to it by constraints.txt.
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml constraints.txt tests/reference-oracles.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	$(PY) -m pip install -q --no-deps --upgrade --target $(VENV)/reference-oracles -r tests/reference-oracles.txt
 	touch $(STAMP)
 
 test: install

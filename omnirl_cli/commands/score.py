@@ -38,7 +38,8 @@ def score(
             "-r",
             autocompletion=complete(REWARDS, REWARD_ENTRY_POINTS),
             help="NAME[@frames=AGG][=WEIGHT], repeatable: a built-in image reward (jpeg_compressibility, "
-            "jpeg_incompressibility, ocr, pickscore, clipscore, image_similarity, aesthetic, geneval, "
+            "jpeg_incompressibility, ocr, pickscore, clipscore, image_similarity, aesthetic, hpsv2, imagereward, "
+            "geneval, "
             "geneval_strict, geneval_shapes, geneval_shapes_strict, vlm_judge), for video rollouts an image "
             "reward on the frames with @frames=mean|min|first|last (e.g. pickscore@frames=mean=0.5) or a video "
             "reward (temporal_consistency: CLIP cosine of consecutive frames; video_ocr: flow_grpo's Wan OCR "
@@ -61,6 +62,12 @@ def score(
             "clip-vit-large-patch14 (the cosine, ~0.2-0.35). image_similarity: CLIP image-image cosine to the "
             "prompt row's reference_image file, or to reference=IMAGE. aesthetic: LAION MLP on the normalised "
             "CLIP ViT-L/14 image embedding, mlp=sac+logos+ava1-l14-linearMSE.pth or .safetensors (~1-10). "
+            "hpsv2: HPS v2.1, cos(image, text) of the ViT-H-14 in model=HPS_v2.1_compressed.pt (read with "
+            "weights_only=True), image letterboxed to 224 as hpsv2 does, tokenizer=a CLIP tokenizer folder "
+            "(default: laion/CLIP-ViT-H-14-laion2B-s32B-b79K in the HF cache) (~0.2-0.35). imagereward: "
+            "ImageReward v1.0's normalised score (MLP on BLIP's image-grounded [CLS] - 0.1672)/1.0333 with "
+            "model=ImageReward.pt, tokenizer=a bert-base-uncased folder (default: google-bert/bert-base-uncased "
+            "in the HF cache) (~-2..2). "
             "temporal_consistency takes the CLIP arguments; video_ocr frame_interval=N (4). NAME@frames=AGG uses "
             "NAME's arguments. "
             "Model paths are part of the output's identity (with their content digests). omnirl_accuracy: "

@@ -1,4 +1,4 @@
-"""CLIP-based image rewards: PickScore, CLIP score, CLIP image similarity, LAION aesthetic (and HPS v2.1).
+"""CLIP-based image rewards: PickScore, CLIP score, CLIP image similarity, LAION aesthetic.
 
 Every scorer is a class registered with `register_reward`, configured by reward arguments
 (``--reward-arg NAME.KEY=VALUE``, see `stages.score.registry`):
@@ -78,26 +78,18 @@ def _normalized(features: torch.Tensor) -> torch.Tensor:
     return features / features.norm(dim=-1, keepdim=True)
 
 
-class ClipReward:
-    """Shared loading and embedding of the CLIP rewards; subclasses define `scores`."""
+class ModelReward:
+    """A reward computed by a model that loads once from local files: the arguments every model-based reward
+    takes (``model``, ``device``, ``dtype``, ``batch_size``), checked when the scorer is built, and loading on
+    first use behind a lock. Subclasses define `_load` and `scores`."""
 
-    reward = "clip"
-    model_help = "a CLIP checkpoint folder or cached Hub id"
+    reward = "model"
+    model_help = "a checkpoint"
 
     def __init__(
-        self,
-        model: str | None = None,
-        processor: str | None = None,
-        device: str | None = None,
-        dtype: str = "fp32",
-        batch_size: int = 32,
+        self, model: str | None = None, device: str | None = None, dtype: str = "fp32", batch_size: int = 32
     ):
         self.model_path = local_path(self.reward, "model", model, self.model_help)
-        self.processor_path = (
-            local_path(self.reward, "processor", processor, "the folder of the CLIP processor")
-            if processor is not None
-            else self.model_path
-        )
         if dtype not in DTYPE_NAMES:
             raise UserInputError(
                 f"reward {self.reward!r}: dtype={dtype} is not one of {', '.join(DTYPE_NAMES)}; "
@@ -112,28 +104,77 @@ class ClipReward:
         self.dtype = dtype
         self.batch_size = batch_size
         self._lock = threading.Lock()
-        self._loaded: tuple[Any, Any, torch.device] | None = None
+        self._loaded: Any = None
 
     @property
     def weight_paths(self) -> dict[str, Path]:
         """The local files whose content determines this reward's numbers (for a run's identity)."""
-        return {"model": self.model_path, "processor": self.processor_path}
+        return {"model": self.model_path}
 
-    def load(self) -> tuple[Any, Any, torch.device]:
-        """(CLIPModel in eval mode without gradients, CLIPProcessor, device), loaded on first use."""
+    def load(self) -> Any:
+        """What `_load` returns (the model, its processor, the device), loaded on first use."""
         with self._lock:
             if self._loaded is None:
                 self._loaded = self._load()
             return self._loaded
 
+    def _load(self) -> Any:
+        raise NotImplementedError
+
+    def device(self) -> torch.device:
+        """The ``device`` argument, else the device `stages.dist.device` gives."""
+        from stages.dist import device as default_device
+
+        return torch.device(self.device_name) if self.device_name else default_device()
+
+    def scores(
+        self, images: Sequence[Image.Image], prompts: Sequence[str], meta: Sequence[dict]
+    ) -> torch.Tensor:
+        """One score per sample, float32 [N]; each reward defines it."""
+        raise NotImplementedError
+
+    def __call__(
+        self, images: Sequence[Image.Image], prompts: Sequence[str], meta: Sequence[dict]
+    ) -> list[float]:
+        return [float(v) for v in self.scores(images, prompts, meta)] if len(images) else []
+
+
+class ClipReward(ModelReward):
+    """Shared loading and embedding of the CLIP rewards; subclasses define `scores`."""
+
+    reward = "clip"
+    model_help = "a CLIP checkpoint folder or cached Hub id"
+
+    def __init__(
+        self,
+        model: str | None = None,
+        processor: str | None = None,
+        device: str | None = None,
+        dtype: str = "fp32",
+        batch_size: int = 32,
+    ):
+        super().__init__(model, device, dtype, batch_size)
+        self.processor_path = (
+            local_path(self.reward, "processor", processor, "the folder of the CLIP processor")
+            if processor is not None
+            else self.model_path
+        )
+
+    @property
+    def weight_paths(self) -> dict[str, Path]:
+        return {"model": self.model_path, "processor": self.processor_path}
+
+    def load(self) -> tuple[Any, Any, torch.device]:
+        """(CLIPModel in eval mode without gradients, CLIPProcessor, device), loaded on first use."""
+        return super().load()
+
     def _load(self) -> tuple[Any, Any, torch.device]:
         from transformers import CLIPModel, CLIPProcessor
 
-        from stages.dist import device as default_device
         from stages.models.diffusion import DTYPES
         from stages.models.factory import no_progress_bars
 
-        device = torch.device(self.device_name) if self.device_name else default_device()
+        device = self.device()
         try:
             with no_progress_bars():
                 model = CLIPModel.from_pretrained(
@@ -149,14 +190,24 @@ class ClipReward:
         model.requires_grad_(False)
         return model, processor, device
 
+    def pixel_values(self, processor: Any, images: Sequence[Image.Image]) -> torch.Tensor:
+        """Model inputs [N, 3, S, S] of `images` through the checkpoint's CLIP image processor (RGB)."""
+        chunk = [image.convert("RGB") for image in images]
+        return processor.image_processor(images=chunk, return_tensors="pt")["pixel_values"]
+
+    def tokens(self, processor: Any, prompts: Sequence[str], length: int) -> Any:
+        """`input_ids` and `attention_mask` [N, L] of `prompts`, padded to the longest, truncated to `length`."""
+        return processor.tokenizer(
+            list(prompts), padding=True, truncation=True, max_length=length, return_tensors="pt"
+        )
+
     @torch.inference_mode()
     def image_embeddings(self, images: Sequence[Image.Image]) -> torch.Tensor:
         """L2-normalised CLIP image embeddings, float32 [N, D] on the CPU, `batch_size` images per forward."""
         model, processor, device = self.load()
         parts = []
         for start in range(0, len(images), self.batch_size):
-            chunk = [image.convert("RGB") for image in images[start : start + self.batch_size]]
-            pixels = processor.image_processor(images=chunk, return_tensors="pt")["pixel_values"]
+            pixels = self.pixel_values(processor, images[start : start + self.batch_size])
             output = model.get_image_features(pixel_values=pixels.to(device, model.dtype))
             parts.append(_normalized(_features(output)).cpu())
         return torch.cat(parts) if parts else torch.zeros(0, model.config.projection_dim)
@@ -169,13 +220,7 @@ class ClipReward:
         length = model.config.text_config.max_position_embeddings
         parts = []
         for start in range(0, len(prompts), self.batch_size):
-            tokens = processor.tokenizer(
-                list(prompts[start : start + self.batch_size]),
-                padding=True,
-                truncation=True,
-                max_length=length,
-                return_tensors="pt",
-            )
+            tokens = self.tokens(processor, prompts[start : start + self.batch_size], length)
             output = model.get_text_features(
                 input_ids=tokens["input_ids"].to(device), attention_mask=tokens["attention_mask"].to(device)
             )
@@ -185,17 +230,6 @@ class ClipReward:
     def logit_scale(self) -> float:
         """exp(logit_scale): the checkpoint's learned temperature (100 for openai CLIP)."""
         return float(self.load()[0].logit_scale.float().exp())
-
-    def scores(
-        self, images: Sequence[Image.Image], prompts: Sequence[str], meta: Sequence[dict]
-    ) -> torch.Tensor:
-        """One score per sample, float32 [N]; each reward defines it."""
-        raise NotImplementedError
-
-    def __call__(
-        self, images: Sequence[Image.Image], prompts: Sequence[str], meta: Sequence[dict]
-    ) -> list[float]:
-        return [float(v) for v in self.scores(images, prompts, meta)] if len(images) else []
 
 
 class TextImageScore(ClipReward):
@@ -328,24 +362,45 @@ def _open_image(path: Path) -> Image.Image:
         ) from None
 
 
-def load_aesthetic_mlp(path: Path) -> torch.nn.Module:
-    """LAION's aesthetic MLP from `path`: safetensors, or the published `.pth` state dict read with
-    ``torch.load(weights_only=True)``. The layer widths come from the weights; eval mode."""
-    from stages.models.clip import AestheticMLP
-
+def read_state_dict(reward: str, key: str, path: Path, what: str) -> dict[str, torch.Tensor]:
+    """The tensors of the weights file reward argument `key` names: safetensors, or a torch checkpoint read
+    with ``torch.load(weights_only=True)`` (never unpickling code). A checkpoint that wraps its weights in
+    ``{"state_dict": ...}`` (HPSv2's) is unwrapped and a DataParallel ``module.`` prefix dropped. Anything
+    else is a `UserInputError` naming the file and `what` it should be."""
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 
-        state = load_file(str(path))
+        state: Any = load_file(str(path))
     else:
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as exc:  # torch raises several types for a file it cannot read safely
             raise UserInputError(
-                f"reward 'aesthetic': mlp={path} is not a tensor state dict ({type(exc).__name__}); "
-                "pass the sac+logos+ava1-l14-linearMSE .pth or a .safetensors file"
+                f"reward {reward!r}: {key}={path} is not a tensor state dict ({type(exc).__name__}); "
+                f"pass {what}"
             ) from exc
-    first = state.get("layers.0.weight") if isinstance(state, dict) else None
+    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
+        state = state["state_dict"]
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise UserInputError(f"reward {reward!r}: {key}={path} holds no tensor state dict; pass {what}")
+    return {k.removeprefix("module."): v for k, v in state.items()}
+
+
+def layer_count(state: dict[str, torch.Tensor], prefix: str) -> int:
+    """How many numbered blocks ``{prefix}{i}.*`` a state dict holds (the depth of a tower)."""
+    indices = {int(k[len(prefix) :].split(".")[0]) for k in state if k.startswith(prefix)}
+    return max(indices) + 1 if indices else 0
+
+
+def load_aesthetic_mlp(path: Path) -> torch.nn.Module:
+    """LAION's aesthetic MLP from `path`: safetensors, or the published `.pth` state dict read with
+    ``torch.load(weights_only=True)``. The layer widths come from the weights; eval mode."""
+    from stages.models.clip import AestheticMLP
+
+    state = read_state_dict(
+        "aesthetic", "mlp", path, "the sac+logos+ava1-l14-linearMSE .pth or a .safetensors file"
+    )
+    first = state.get("layers.0.weight")
     if first is None or first.ndim != 2:
         raise UserInputError(
             f"reward 'aesthetic': mlp={path} has no layers.0.weight; expected LAION's keys "

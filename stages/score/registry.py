@@ -72,6 +72,8 @@ _BUILTIN_MODULES = (
     "stages.score.ocr",
     "stages.score.text_rewards",
     "stages.score.clip_rewards",
+    "stages.score.hps",
+    "stages.score.imagereward",
     "stages.score.geneval_shapes",
     "stages.score.vlm_judge",
     "stages.score.geneval_detect",

@@ -301,3 +301,59 @@ def test_rl_mode_without_vllm_omni_installed_is_one_line(
         pytest.skip("vllm-omni is installed")
     args = sample_args(tiny_sd3, prompts, tmp_path / "s", "--engine", "vllm-omni")
     fails(args, "--engine vllm-omni", "omnirl[vllm-omni]", "--server-url")
+
+
+# ---- video families: /v1/videos/sync -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def wan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("vllm_omni_wan") / "wan2_1"
+    run("init-model", "--family", "wan2_1", "--size", "tiny", str(out))
+    return out
+
+
+def test_images_mode_samples_a_video_family_through_videos_sync(
+    fake: FakeServer, wan: Path, prompts: Path, tmp_path: Path
+) -> None:
+    """A video family: one multipart /v1/videos/sync form per sample with its seed; the MP4 that comes
+    back is stored as the video column byte for byte; an aborted reply (empty body) and a 503 are drawn
+    again with the same seed; an MP4 of other frames stops the run in one line."""
+    from stages.media.video import encode_mp4
+
+    fake.faults("abort", "503")
+    out = tmp_path / "videos"
+    result = run(*_args(wan, prompts, out, fake.url, "--frames", "5", "--fps", "8"))
+    assert result["rows"] == 4 and result["complete"]
+    rows = ShardSet(out).read_all()
+    assert "image" not in rows and "final_latent" not in rows
+    sent = fake.log()
+    assert len(sent) == 6  # 4 samples, one drawn again after the abort, one retried after the 503
+    by_seed = {int(form["seed"]): form for form in sent}
+    assert sorted(by_seed) == sorted(rows["seed"].tolist())
+    for prompt, seed, mp4 in zip(rows["prompt"], rows["seed"].tolist(), rows["video"]):
+        assert by_seed[seed] == {
+            "model": SERVED,
+            "prompt": prompt,
+            "size": "32x32",
+            "num_frames": "5",
+            "fps": "8",
+            "num_inference_steps": "4",
+            "guidance_scale": "1.0",
+            "seed": str(seed),
+        }
+        frames = [Image.fromarray(fake_image(prompt, seed + f, 32, 32)) for f in range(5)]
+        assert mp4 == encode_mp4(frames, 8)  # the fake's MP4 of that seed, as it sent it
+    column = ShardSet(out).columns["video"]
+    assert (column.kind, column.shape, column.fps) == ("video", (5, 32, 32), 8.0)
+
+    fake.faults(*["wrong_frames"] * 4)
+    _exit_1(_args(wan, prompts, tmp_path / "bad", fake.url, "--frames", "5"), "/v1/videos/sync", "4 frames")
+    assert not list((tmp_path / "bad").glob("train-*"))
+    fake.faults()
+    fails(
+        _args(wan, prompts, tmp_path / "sf", fake.url, "--frames", "5", "--save-frames"),
+        "--save-frames",
+        "MP4",
+    )
+    fails(_args(wan, prompts, tmp_path / "fps", fake.url, "--frames", "5", "--fps", "7.5"), "--fps 7.5")

@@ -5,8 +5,11 @@ sample is one ``POST /v1/images/generations`` (vLLM-Omni 0.30.0 field names: ``p
 ``negative_prompt``, ``model``, ``n`` = 1, ``size`` "RxR", ``num_inference_steps``, ``guidance_scale``
 (Qwen-Image: ``true_cfg_scale``), ``seed``, ``response_format`` b64_json, ``output_format`` png, and
 ``lora`` {name, path} for an --adapter), sent ``--batch-size`` at a time; its seed is the sample's, so
-a sample does not depend on the batching. The server returns media only: a sample has its PNG, no
-trajectory and no final latent. Such a rollout suits scoring and evaluation, and NFT/AWM/DPO through
+a sample does not depend on the batching. A video family's sample is one ``POST /v1/videos/sync``
+instead (a ``multipart/form-data`` form: ``prompt``, ``negative_prompt``, ``model``, ``size`` "RxR",
+``num_frames``, ``fps``, ``num_inference_steps``, ``guidance_scale``, ``seed``, ``lora`` as JSON),
+whose reply is the MP4 itself, checked for its frame count and size, stored as the ``video`` column.
+The server returns media only: a sample has its PNG or MP4, no trajectory and no final latent. Such a rollout suits scoring and evaluation, and NFT/AWM/DPO through
 ``omnirl encode`` (the VAE re-encodes the PNG: an approximate ``final_latent``); the manifest records
 ``trajectory: absent``, so ``omnirl logprob`` refuses it (`engines.check_replayable`). Only ``--sampler ode``
 describes it (the server's own scheduler, deterministic given the seed).
@@ -29,6 +32,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import json
 from collections.abc import Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -42,21 +46,23 @@ from stages.sample.rollout_protocol import (
     ProtocolError,
     redraw_aborted,
 )
-from stages.web import JsonClient
+from stages.web import JsonClient, encode_form
 
 IMAGES_ROUTE = "/v1/images/generations"
+VIDEOS_ROUTE = "/v1/videos/sync"
 VLLM_HINT = "start it with `vllm serve MODEL --omni --port P` and pass --server-url http://HOST:P"
 MAX_CONCURRENCY = 32  # requests in flight at once (a batch's samples)
 # families whose pipeline takes the CFG scale as true_cfg_scale (guidance_scale is distilled guidance)
 TRUE_CFG_FAMILIES = frozenset({"qwen_image"})
 
 
-def model_family(model: Path) -> str:
-    """The family name of a local pipeline folder, from its model_index.json (no weights loaded)."""
+def model_family(model: Path) -> Any:
+    """The family adapter class of a local pipeline folder (its ``name``, its ``media``), from its
+    model_index.json (no weights loaded)."""
     from stages.models.diffusion import pipeline_index
     from stages.models.families import adapter_class
 
-    return adapter_class(pipeline_index(model)["_class_name"], str(model)).name
+    return adapter_class(pipeline_index(model)["_class_name"], str(model))
 
 
 def decode_png(item: Any, resolution: int, where: str) -> bytes:
@@ -85,11 +91,19 @@ class VllmOmniEngine(RolloutEngine):
     """vLLM-Omni's images API over HTTP (images mode; module docstring); `open` without --server-url
     gives the in-process RL mode instead."""
 
-    def __init__(self, client: JsonClient, family: str, served_model: str, lora: dict[str, Any] | None):
+    def __init__(
+        self,
+        client: JsonClient,
+        family: str,
+        served_model: str,
+        lora: dict[str, Any] | None,
+        media: str = "image",
+    ):
         self.client = client
         self.family = family
         self.served_model = served_model
         self.lora = lora
+        self.media = media  # "image": /v1/images/generations; "video": /v1/videos/sync
 
     @classmethod
     def open(cls, options: EngineOptions, device: Any) -> RolloutEngine:
@@ -111,7 +125,7 @@ class VllmOmniEngine(RolloutEngine):
         if options.adapter is not None:  # a path the server reads: the same file system, or a shared one
             adapter = Path(options.adapter).resolve()
             lora = {"name": adapter.name, "path": str(adapter), "scale": 1.0}
-        return cls(client, family, served, lora)
+        return cls(client, family.name, served, lora, family.media)
 
     @classmethod
     def same_samples(cls, options: EngineOptions) -> bool:
@@ -160,6 +174,45 @@ class VllmOmniEngine(RolloutEngine):
             body["lora"] = self.lora
         return body
 
+    def video_form(self, cfg: Any, prompt: str, negative: str, seed: int) -> dict[str, Any]:
+        """The ``/v1/videos/sync`` form fields of one sample (its seed; ``fps`` an integer, as the
+        server's form takes it)."""
+        fields: dict[str, Any] = {
+            "model": self.served_model,
+            "prompt": prompt,
+            "size": f"{cfg.resolution}x{cfg.resolution}",
+            "num_frames": cfg.frames,
+            "fps": int(cfg.fps),
+            "num_inference_steps": cfg.steps,
+            "guidance_scale": cfg.guidance,
+            "seed": int(seed),
+        }
+        if negative:
+            fields["negative_prompt"] = negative
+        if self.lora is not None:
+            fields["lora"] = json.dumps(self.lora)
+        return fields
+
+    def _draw_video(self, fields: dict[str, Any], cfg: Any) -> bytes:
+        """One sample's MP4, checked: an MP4 of `cfg.frames` frames of resolution² (`Aborted` when the
+        reply is empty)."""
+        from stages.media.video import MediaDecodeError, probe_mp4
+
+        blob = self.client.call(VIDEOS_ROUTE, encode_form(fields), accept="video/mp4")
+        if not blob:
+            raise Aborted("no video in the reply")
+        try:
+            info = probe_mp4(blob)
+        except MediaDecodeError as exc:
+            raise ProtocolError(f"the reply is not an MP4 ({exc})") from None
+        got = (info.frames, info.width, info.height)
+        if got != (cfg.frames, cfg.resolution, cfg.resolution):
+            raise ProtocolError(
+                f"the MP4 holds {got[0]} frames of {got[1]}x{got[2]}, not the {cfg.frames} of "
+                f"{cfg.resolution}x{cfg.resolution} asked"
+            )
+        return blob
+
     def _draw(self, body: dict[str, Any], resolution: int) -> bytes:
         """One sample's PNG; `Aborted` when the reply holds no image, `ProtocolError` when it is malformed
         (`redraw_aborted` turns either into a one-line failure naming the sample)."""
@@ -193,15 +246,30 @@ class VllmOmniEngine(RolloutEngine):
             raise UserInputError(
                 "--same-noise: vLLM-Omni draws a sample's noise from its seed alone; drop --same-noise"
             )
+        video = self.media == "video"
+        if video and cfg.save_frames:
+            raise UserInputError(
+                "--save-frames: vLLM-Omni's /v1/videos/sync returns the MP4 only (no lossless frames); "
+                "drop --save-frames, or sample with --engine remote"
+            )
+        if video and cfg.fps != int(cfg.fps):
+            raise UserInputError(f"--fps {cfg.fps:g}: vLLM-Omni's videos API takes whole frames per second")
 
         def one(i: int) -> bytes:
+            what = f"sample {sample_ids[i]} (seed {seeds[i]})"
+            if video:
+                fields = self.video_form(cfg, prompts[i], negatives[i], seeds[i])
+                return redraw_aborted(
+                    lambda: self._draw_video(fields, cfg), f"{self.client.url}{VIDEOS_ROUTE} {what}"
+                )
             body = self.request_body(cfg, prompts[i], negatives[i], seeds[i])
-            what = f"{self.client.url}{IMAGES_ROUTE} sample {sample_ids[i]} (seed {seeds[i]})"
-            return redraw_aborted(lambda: self._draw(body, cfg.resolution), what)
+            return redraw_aborted(
+                lambda: self._draw(body, cfg.resolution), f"{self.client.url}{IMAGES_ROUTE} {what}"
+            )
 
         with ThreadPoolExecutor(max_workers=min(len(prompts), MAX_CONCURRENCY)) as pool:
-            images = list(pool.map(one, range(len(prompts))))
-        return {"image": images}
+            media = list(pool.map(one, range(len(prompts))))
+        return {self.media: media}
 
     def latent_shape(self, resolution: int, frames: int = 1) -> tuple[int, ...]:
         raise UserInputError(
@@ -340,7 +408,7 @@ class VllmOmniRLEngine(RolloutEngine):
                 "it (pip install 'omnirl[vllm-omni]'; GPU only), or pass --server-url of a "
                 "`vllm serve --omni` (images only)"
             ) from None
-        family = model_family(Path(options.model))
+        family = model_family(Path(options.model)).name
         pipeline_args = {
             "pipeline_class": PIPELINE_CLASS,
             "adapter": None if options.adapter is None else str(Path(options.adapter).resolve()),

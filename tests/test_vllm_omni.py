@@ -357,3 +357,39 @@ def test_images_mode_samples_a_video_family_through_videos_sync(
         "MP4",
     )
     fails(_args(wan, prompts, tmp_path / "fps", fake.url, "--frames", "5", "--fps", "7.5"), "--fps 7.5")
+
+
+def test_the_custom_pipeline_returns_a_video_family_s_mp4s_and_frames(wan: Path) -> None:
+    """RL mode for a video family: the custom pipeline's record carries the MP4s (and saved frames), so
+    the duck-typed output converts to the diffusers engine's video columns and 5-D latents bit for bit."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from stages.models.diffusion import FlowPolicy
+    from stages.sample.engines import DiffusersEngine
+    from stages.sample.rollout import SampleConfig
+    from stages.sample.rollout_protocol import decode_response, encode_request
+    from stages.sample.vllm_omni_engine import outputs_to_reply, pipeline_fields
+
+    policy = FlowPolicy.load(wan)
+    cfg = SampleConfig(steps=3, guidance=1.0, resolution=32, frames=5, window=1, save_frames=True)
+    cfg.max_sequence_length = 64
+    batch = (["a red apple"], [""], [11], [21])
+    body = encode_request("req-v", cfg, *batch, [0], ["v0"], {})
+    fields = pipeline_fields(policy, body, weight_version=0)
+    assert fields["output"] == []  # no images: the media travel encoded in the record
+    out = SimpleNamespace(
+        images=fields["output"],
+        error=None,
+        **{
+            k: fields[k]
+            for k in ("trajectory_latents", "trajectory_log_probs", "trajectory_timesteps", "custom_output")
+        },
+    )
+    _, columns = decode_response(outputs_to_reply([out], body), body)
+    expected = DiffusersEngine(policy).rollout(cfg, *batch, groups=[0], sample_ids=["v0"])
+    assert columns["video"] == expected["video"] and columns["frames"] == expected["frames"]
+    assert "image" not in columns and columns["latents"].shape == (1, 2, 16, 2, 4, 4)
+    for key in ("final_latent", "latents", "log_probs"):
+        assert torch.equal(columns[key], expected[key]), key

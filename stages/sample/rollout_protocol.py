@@ -215,23 +215,28 @@ def media_item(blob: bytes, fmt: str = "png") -> dict[str, Any]:
     return {"format": fmt, "encoding": "base64", "data": base64.b64encode(blob).decode("ascii")}
 
 
+def media_fields(columns: dict[str, Any]) -> dict[str, Any]:
+    """The ``media`` (and, for saved frames, ``frames``) fields of a reply carrying `columns`."""
+    column = media_column(columns)
+    fields: dict[str, Any] = {"media": [media_item(b, MEDIA_FORMATS[column]) for b in columns[column]]}
+    if FRAMES_COLUMN in columns:
+        fields[FRAMES_COLUMN] = [[media_item(png) for png in frames] for frames in columns[FRAMES_COLUMN]]
+    return fields
+
+
 def encode_response(request_id: str, weight_version: int, columns: dict[str, Any]) -> dict[str, Any]:
     """The reply carrying `rollout_batch`'s `columns` (module docstring)."""
     trajectory = {k: encode_tensor(columns[k].float()) for k in TRAJECTORY} if "latents" in columns else None
-    column = media_column(columns)
-    reply = {
+    return {
         "protocol": PROTOCOL,
         "version": VERSION,
         "request_id": request_id,
         "weight_version": int(weight_version),
         "finish_reason": "stop",
-        "media": [media_item(b, MEDIA_FORMATS[column]) for b in columns[column]],
+        **media_fields(columns),
         "final_latent": encode_tensor(columns["final_latent"].float()),
         "trajectory": trajectory,
     }
-    if FRAMES_COLUMN in columns:
-        reply[FRAMES_COLUMN] = [[media_item(png) for png in frames] for frames in columns[FRAMES_COLUMN]]
-    return reply
 
 
 def _media_blob(item: Any, where: str, formats: tuple[str, ...]) -> tuple[str, bytes]:

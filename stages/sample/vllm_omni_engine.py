@@ -296,14 +296,16 @@ EXTRA_KEY = "omnirl"  # the key of the protocol v1 request in extra_args, and of
 
 def pipeline_fields(policy: Any, body: dict[str, Any], weight_version: int) -> dict[str, Any]:
     """What omnirl's custom pipeline returns for one protocol v1 request `body` (one batch of B samples),
-    as the fields of vLLM-Omni's ``DiffusionOutput``: ``output`` (B PIL images), ``trajectory_latents``
-    [B, K+1, *latent], ``trajectory_log_probs`` [B, K], ``trajectory_timesteps`` [B, K] (fp32; None for
-    the ode sampler) and ``custom_output[EXTRA_KEY]``: request id, weight version, σ window [B, K+1]
-    and final latent [B, *latent]. Computed by `rollout_batch` (the family adapter, `samplers.step`)."""
+    as the fields of vLLM-Omni's ``DiffusionOutput``: ``output`` (B PIL images; empty for a video
+    family), ``trajectory_latents`` [B, K+1, *latent], ``trajectory_log_probs`` [B, K],
+    ``trajectory_timesteps`` [B, K] (fp32; None for the ode sampler) and ``custom_output[EXTRA_KEY]``:
+    request id, weight version, σ window [B, K+1], final latent [B, *latent] and the encoded media of
+    protocol v1 (``media``: PNGs or MP4s, ``frames`` where saved), whatever the family's media column.
+    Computed by `rollout_batch` (the family adapter, `samplers.step`)."""
     from PIL import Image
 
     from stages.sample.rollout import rollout_batch
-    from stages.sample.rollout_protocol import decode_request, refuse_settings
+    from stages.sample.rollout_protocol import decode_request, media_fields, refuse_settings
 
     request = decode_request(body, max_samples=MAX_PIPELINE_BATCH)
     refuse_settings(request.cfg)
@@ -318,7 +320,7 @@ def pipeline_fields(policy: Any, body: dict[str, Any], weight_version: int) -> d
         sample_ids=request.sample_ids,
     )
     return {
-        "output": [Image.open(io.BytesIO(png)) for png in columns["image"]],
+        "output": [Image.open(io.BytesIO(png)) for png in columns.get("image", [])],
         "trajectory_latents": columns.get("latents"),
         "trajectory_log_probs": columns.get("log_probs"),
         "trajectory_timesteps": columns.get("timesteps"),
@@ -328,6 +330,7 @@ def pipeline_fields(policy: Any, body: dict[str, Any], weight_version: int) -> d
                 "weight_version": int(weight_version),
                 "sigmas": columns.get("sigmas"),
                 "final_latent": columns["final_latent"],
+                **media_fields(columns),
             }
         },
         "error": None,
@@ -337,9 +340,10 @@ def pipeline_fields(policy: Any, body: dict[str, Any], weight_version: int) -> d
 def outputs_to_reply(outputs: Sequence[Any], request: dict[str, Any]) -> dict[str, Any]:
     """The protocol v1 reply to `request` (an `encode_request` body) of vLLM-Omni's ``generate`` outputs
     for it (one ``OmniRequestOutput``, duck-typed: ``images``, ``trajectory_*``, ``custom_output``,
-    ``error``). An output with an error that names an abort, or without images, is ``finish_reason``
-    "abort"; another error, or no omnirl record, is a `ProtocolError`. Check the result with
-    `rollout_protocol.decode_response`."""
+    ``error``). The media are the record's encoded ones (PNGs or a video family's MP4s, with saved
+    frames), else PNGs of ``images``. An output with an error that names an abort, or without media,
+    is ``finish_reason`` "abort"; another error, or no omnirl record, is a `ProtocolError`. Check the
+    result with `rollout_protocol.decode_response`."""
     from stages.sample.rollout_protocol import PROTOCOL, VERSION, media_item
     from stages.sample.tensor_codec import encode_tensor
     from stages.tables import png_bytes
@@ -350,11 +354,12 @@ def outputs_to_reply(outputs: Sequence[Any], request: dict[str, Any]) -> dict[st
     out = outputs[0]
     error = getattr(out, "error", None)
     images = list(getattr(out, "images", None) or [])
-    if (error and "abort" in str(error).lower()) or (not error and not images):
+    record = (getattr(out, "custom_output", None) or {}).get(EXTRA_KEY)
+    media = record.get("media") if isinstance(record, dict) else None
+    if (error and "abort" in str(error).lower()) or (not error and not images and not media):
         return {**base, "weight_version": 0, "finish_reason": "abort"}
     if error:
         raise ProtocolError(f"vLLM-Omni reports {str(error)[:200]!r}")
-    record = (getattr(out, "custom_output", None) or {}).get(EXTRA_KEY)
     if not isinstance(record, dict) or record.get("request_id") != request["request_id"]:
         raise ProtocolError(
             "the output carries no omnirl record of this request: is the custom pipeline "
@@ -377,7 +382,8 @@ def outputs_to_reply(outputs: Sequence[Any], request: dict[str, Any]) -> dict[st
         **base,
         "weight_version": record.get("weight_version"),
         "finish_reason": "stop",
-        "media": [media_item(png_bytes(im)) for im in images],
+        "media": media or [media_item(png_bytes(im)) for im in images],
+        **({"frames": record["frames"]} if "frames" in record else {}),
         "final_latent": tensor(record.get("final_latent")),
         "trajectory": trajectory,
     }

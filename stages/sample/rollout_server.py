@@ -285,7 +285,10 @@ class RolloutService(JsonService):
                 f"weights {name!r} version {version} hold adapter_sha256 {held[version][2]['adapter_sha256']!r}, "
                 f"not the {digest!r} asked",
             )
-        self._activate((name, version))
+        try:
+            self._activate((name, version))
+        except UserInputError as exc:  # a model whose LoRA does not swap in place (two experts)
+            raise HttpError(HTTPStatus.UNPROCESSABLE_ENTITY, str(exc)) from None
         return int(version)
 
     def named_weights(self) -> dict[str, Any]:

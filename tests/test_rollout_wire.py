@@ -201,3 +201,33 @@ def test_the_remote_engine_draws_an_aborted_batch_again_a_bounded_number_of_time
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_forms_round_trip_and_refuse_what_a_form_route_cannot_take() -> None:
+    """`encode_form` (the vLLM-Omni video client) and `parse_form` (`omnirl serve`'s /v1/videos/sync):
+    multipart text fields survive exactly, urlencoded ones too; files, other content types and broken
+    bodies are 400s."""
+    from stages.web import HttpError, encode_form, parse_form
+
+    fields = {"prompt": "héllo\r\nwörld -- 日本", "seed": 7, "guidance_scale": 4.5, "empty": ""}
+    form = encode_form(fields)
+    assert form.content_type.startswith("multipart/form-data; boundary=")
+    assert parse_form(form.data, form.content_type) == {k: str(v) for k, v in fields.items()}
+    assert parse_form(b"prompt=a+cat&seed=3", "application/x-www-form-urlencoded") == {
+        "prompt": "a cat",
+        "seed": "3",
+    }
+    boundary = "xyz"
+    upload = (
+        f'--{boundary}\r\nContent-Disposition: form-data; name="input_reference"; filename="a.png"\r\n\r\n'
+        f"PNG\r\n--{boundary}--\r\n"
+    ).encode()
+    refused = [
+        (upload, f"multipart/form-data; boundary={boundary}", "files are not taken"),
+        (b'{"prompt": "a"}', "application/json", "multipart/form-data"),
+        (b"no parts here", "multipart/form-data; boundary=zzz", "well-formed"),
+    ]
+    for body, kind, message in refused:
+        with pytest.raises(HttpError, match=message) as info:
+            parse_form(body, kind)
+        assert info.value.status == 400

@@ -30,7 +30,8 @@ PIXEL_FORMAT = "yuv420p"
 DEFAULT_CRF = 18
 # x264's macroblock-tree rate control made the same frames give different bytes now and then (measured:
 # 2-3 distinct files in 20-60 encodes of one tiny clip in one process); without it 310 encodes of four
-# clips gave one file each, so a rollout server's MP4s equal the in-process ones byte for byte
+# clips gave one file each, so a rollout server's MP4s equal the in-process ones byte for byte. The cost
+# is size: a 16-frame 64² moving gradient took 4.9 KB at 43.3 dB PSNR, 2.5 KB at 42.6 dB with it
 X264_PARAMS = "mbtree=0"
 # fps as an exact fraction: 16, 24, 30000/1001 (NTSC 29.97) ... are all within this denominator
 FPS_DENOMINATOR = 1001

@@ -10,7 +10,9 @@ A `JsonService` decides what a request means; `JsonServer` (threaded) and its ha
   refused unread is drained when it is at most `DRAIN_FACTOR` × the limit (so the client reads the
   reply), else the connection is closed;
 - a refusal replies ``{"error": {"code": STATUS, "message": ...}}`` and the server keeps serving; an
-  exception other than `HttpError` is a 500 with its one-line message (and a logged traceback).
+  exception other than `HttpError` is a 500 with its one-line message (and a logged traceback);
+- a route may answer a file instead of JSON (`RawReply`: an MP4 with its headers), and read an HTML
+  form (`parse_form`: ``multipart/form-data`` or urlencoded, as FastAPI's ``Form`` fields take it).
 
 A request whose ``Accept`` names ``application/x-msgpack`` (`MSGPACK`) gets its reply as msgpack, every
 ``{"encoding": "base64", "data": str}`` object in it carried as ``{"encoding": "raw", "data": bytes}``
@@ -37,7 +39,8 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -54,6 +57,23 @@ BACKOFF_S = 0.5
 MAX_BACKOFF_S = 30.0
 RETRY_STATUSES = frozenset({502, 503, 504})
 CONNECT_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class RawReply:
+    """A reply that is a file (an MP4), sent as it is with its content type and extra headers."""
+
+    data: bytes
+    content_type: str
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Payload:
+    """A request body that is not JSON (a pushed file, an encoded form) and its content type."""
+
+    data: bytes
+    content_type: str = "application/octet-stream"
 
 
 class HttpError(Exception):
@@ -182,6 +202,64 @@ class JsonService:
         """The reply to ``POST path`` with body `raw`; `HttpError` when refused."""
         raise HttpError(HTTPStatus.NOT_FOUND, f"no route POST {path}")
 
+    def post_request(self, path: str, raw: bytes, content_type: str) -> dict[str, Any] | RawReply:
+        """The reply to ``POST path`` with body `raw` sent as `content_type`: `post`, unless a service
+        reads the content type (a form route) or answers a file."""
+        return self.post(path, raw)
+
+
+def parse_form(raw: bytes, content_type: str) -> dict[str, str]:
+    """The text fields of an HTML form body: ``multipart/form-data`` (file parts are refused) or
+    ``application/x-www-form-urlencoded``; a repeated field keeps its last value. 400 for anything else."""
+    import email.parser
+    import email.policy
+
+    kind = content_type.split(";", 1)[0].strip().lower()
+    if kind == "application/x-www-form-urlencoded":
+        try:
+            pairs = urllib.parse.parse_qsl(raw.decode("utf-8"), keep_blank_values=True, strict_parsing=True)
+        except (UnicodeDecodeError, ValueError):
+            raise HttpError(HTTPStatus.BAD_REQUEST, "the body is not a urlencoded form") from None
+        return dict(pairs)
+    if kind != "multipart/form-data":
+        raise HttpError(
+            HTTPStatus.BAD_REQUEST,
+            f"Content-Type {kind or '(none)'}: send the fields as multipart/form-data (curl -F NAME=VALUE)",
+        )
+    head = f"Content-Type: {content_type}\r\nMIME-Version: 1.0\r\n\r\n".encode("latin-1", "replace")
+    message = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(head + raw)
+    if not message.is_multipart() or message.defects:
+        raise HttpError(HTTPStatus.BAD_REQUEST, "the body is not a well-formed multipart/form-data form")
+    fields: dict[str, str] = {}
+    for part in message.iter_parts():
+        name = part.get_param("name", header="content-disposition")
+        if not name:
+            raise HttpError(HTTPStatus.BAD_REQUEST, "a form part has no name")
+        if part.get_filename() is not None:
+            raise HttpError(HTTPStatus.BAD_REQUEST, f"form field {name}: files are not taken here")
+        payload = part.get_payload(decode=True) or b""
+        try:
+            fields[str(name)] = payload.decode(part.get_content_charset() or "utf-8")
+        except (UnicodeDecodeError, LookupError):
+            raise HttpError(HTTPStatus.BAD_REQUEST, f"form field {name} is not UTF-8 text") from None
+    return fields
+
+
+def encode_form(fields: Mapping[str, Any]) -> Payload:
+    """`fields` (each value as its `str`) as a ``multipart/form-data`` body, what ``curl -F`` sends."""
+    import secrets
+
+    boundary = f"omnirl-{secrets.token_hex(12)}"
+    parts = []
+    for name, value in fields.items():
+        parts.append(
+            f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n'.encode()
+            + str(value).encode("utf-8")
+            + b"\r\n"
+        )
+    body = b"".join(parts) + f"--{boundary}--\r\n".encode()
+    return Payload(body, f"multipart/form-data; boundary={boundary}")
+
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
     """A request body that must be a JSON object (400 otherwise)."""
@@ -208,15 +286,19 @@ class JsonHandler(BaseHTTPRequestHandler):
     def service(self) -> JsonService:
         return self.server.service  # type: ignore[attr-defined]
 
-    def _reply(self, status: int, payload: dict[str, Any], *, close: bool = False) -> None:
-        binary = status == HTTPStatus.OK and wants_binary(self.headers.get("Accept"))
-        if binary:
+    def _reply(self, status: int, payload: dict[str, Any] | RawReply, *, close: bool = False) -> None:
+        extra: dict[str, str] = {}
+        if isinstance(payload, RawReply):
+            data, kind, extra = payload.data, payload.content_type, payload.headers
+        elif status == HTTPStatus.OK and wants_binary(self.headers.get("Accept")):
             data, kind = pack_binary(payload), MSGPACK
         else:
             data, kind = json.dumps(payload, allow_nan=False).encode("utf-8"), "application/json"
         self.send_response(status)
         self.send_header("Content-Type", kind)
         self.send_header("Content-Length", str(len(data)))
+        for name, value in extra.items():
+            self.send_header(name, value)
         if status == HTTPStatus.UNAUTHORIZED:
             self.send_header("WWW-Authenticate", "Bearer")
         if close:
@@ -292,7 +374,7 @@ class JsonHandler(BaseHTTPRequestHandler):
         if len(raw) < length:  # the client went away mid-body
             self.close_connection = True
             return
-        self._answer(service.post, self.path, raw)
+        self._answer(service.post_request, self.path, raw, self.headers.get("Content-Type") or "")
 
 
 class JsonServer(ThreadingHTTPServer):
@@ -370,15 +452,26 @@ class JsonClient:
         self.option, self.what, self.noun, self.hint = option, what, noun, hint
         self.binary = binary  # ask for msgpack replies (the server may still answer JSON)
 
-    def once(self, path: str, body: dict[str, Any] | bytes | None, timeout: float) -> Any:
-        """One request; the decoded JSON reply (None for an empty one). `Retryable` for what may pass,
-        `UserInputError` for what will not."""
+    def once(
+        self,
+        path: str,
+        body: dict[str, Any] | bytes | Payload | None,
+        timeout: float,
+        accept: str | None = None,
+    ) -> Any:
+        """One request; the decoded JSON reply (None for an empty one), or with `accept` (a file's media
+        type, e.g. video/mp4) the reply's bytes. `Retryable` for what may pass, `UserInputError` for what
+        will not."""
         url = self.url + path
         headers = {"Accept": f"{MSGPACK}, application/json;q=0.5" if self.binary else "application/json"}
+        if accept:
+            headers["Accept"] = accept
         data = None
         if isinstance(body, bytes):  # a file pushed as it is (a LoRA's safetensors)
-            data = body
-            headers["Content-Type"] = "application/octet-stream"
+            body = Payload(body)
+        if isinstance(body, Payload):
+            data = body.data
+            headers["Content-Type"] = body.content_type
         elif body is not None:
             data = json.dumps(body).encode("utf-8")
             headers["Content-Type"] = "application/json"
@@ -414,6 +507,8 @@ class JsonClient:
                 else f"{type(exc).__name__}: {exc}"
             )
             raise Retryable(one_line(what)) from None
+        if accept:
+            return raw
         if not raw.strip():
             return None
         try:
@@ -439,14 +534,16 @@ class JsonClient:
             )
         return UserInputError(f"{url}: HTTP {code} ({detail})")
 
-    def call(self, path: str, body: dict[str, Any] | bytes | None = None) -> Any:
-        """The reply to `body` at `path` (GET without a body), retried as the module docstring says;
-        `RuntimeFailure` once the retries are spent."""
+    def call(
+        self, path: str, body: dict[str, Any] | bytes | Payload | None = None, *, accept: str | None = None
+    ) -> Any:
+        """The reply to `body` at `path` (GET without a body; `accept`: a file's bytes, see `once`),
+        retried as the module docstring says; `RuntimeFailure` once the retries are spent."""
         start = time.monotonic()
         last, fives = "", 0
         for attempt in range(self.retries + 1):
             try:
-                return self.once(path, body, self.timeout)
+                return self.once(path, body, self.timeout, accept)
             except Retryable as exc:
                 last = str(exc)
                 if exc.status is not None and exc.status not in RETRY_STATUSES:

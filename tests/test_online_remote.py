@@ -1,8 +1,8 @@
 """`omnirl online --engine remote` against a real `omnirl serve` on 127.0.0.1, and pushed LoRA weights.
 
 With staleness 0 the remote run writes the same bytes as the in-process run (samples, rewards,
-advantages, checkpoints) and every sample's version gap is 0; with staleness 1 the gaps stay within 1
-and each sample's version is the step of the update its gap names. A LoRA file pushed to
+advantages, checkpoints) and every sample's version gap is 0; with staleness 1 the gaps stay within 1,
+one version per iteration (the sampler pins it), and each sample's version is the step of the update its gap names. A LoRA file pushed to
 /omnirl/v1/weights swaps onto the server's pipeline in place, changes the next samples and equals the
 in-process `--adapter` samples; a cut, oversized or malformed push is refused and the weights stay.
 """
@@ -83,9 +83,12 @@ def test_remote_online_equals_in_process_online_at_staleness_0(
     assert [it["version_gaps"] for it in remote] == [[0], [0]] == [it["version_gaps"] for it in local]
     assert [it["policy_versions"] for it in remote] == [[0], [remote[0]["step"]]]
     assert remote[0]["sampler_device"] == f"remote {server.url}"
-    # the pushed weights are the last checkpoint's, under its optimizer step
-    weights = _request(server.url, "GET", "/omnirl/v1/weights")[1]["weights"]
-    assert weights["adapter"] == "pushed" and weights["version"] == remote[1]["step"]
+    # the pushed weights are the last checkpoint's, under its optimizer step and the run's own name; the
+    # server's unnamed weights stay the base model
+    held = _request(server.url, "GET", "/omnirl/v1/weights")[1]
+    name = "online-" + hashlib.sha256(str((tmp_path / "remote").resolve()).encode()).hexdigest()[:12]
+    assert held["named_weights"][name]["versions"] == [remote[0]["step"], remote[1]["step"]]
+    assert held["weights"]["adapter"] is None
     for k in (0, 1):
         for part in ("samples", "rewards", "advantages"):
             a, b = tmp_path / "local" / f"it{k}" / part, tmp_path / "remote" / f"it{k}" / part
@@ -120,6 +123,7 @@ def test_remote_online_at_staleness_1_keeps_gaps_within_1(
         k = it["iteration"]
         versions = ShardSet(tmp_path / "s1" / f"it{k}" / "samples").read_all()["policy_version"]
         assert {int(v) for v in versions} <= {steps[k], steps[k - 1] if k else 0}
+        assert len(set(versions.tolist())) == 1  # the sampler pinned one version for the iteration
         assert sorted({k - next(j for j, s in steps.items() if s == v) for v in versions.tolist()}) == sorted(
             it["version_gaps"]
         )
@@ -132,6 +136,13 @@ def test_online_remote_needs_a_server_url_and_lora(files: dict[str, Path], tmp_p
     fails(
         [*base, "--server-url", "http://127.0.0.1:1", "--set", "update.full=true"], "--engine remote", "full"
     )
+    # vLLM-Omni takes no pushed weights in either mode: refused before anything is opened or written
+    vllm = online_args(
+        files["preset"], files, out, "--reward", "jpeg_compressibility", "--engine", "vllm-omni"
+    )
+    for extra in ([], ["--server-url", "http://127.0.0.1:1"]):
+        fails([*vllm, *extra], "--engine vllm-omni", "no pushed weights", "--engine remote")
+    assert not out.exists()
 
 
 # ---- pushed LoRA weights ----------------------------------------------------------------------------

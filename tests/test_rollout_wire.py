@@ -16,7 +16,13 @@ import torch
 from PIL import Image
 
 from stages.sample.rollout import SampleConfig
-from stages.sample.rollout_protocol import MAX_REDRAWS, decode_response, encode_request, encode_response
+from stages.sample.rollout_protocol import (
+    MAX_REDRAWS,
+    ProtocolError,
+    decode_response,
+    encode_request,
+    encode_response,
+)
 from stages.sample.tensor_codec import CodecError, decode_tensor, encode_tensor
 from stages.web import JsonClient, JsonServer, JsonService, pack_binary, unpack_binary
 
@@ -75,6 +81,49 @@ def test_bf16_latents_come_back_in_bf16() -> None:
     for key in ("final_latent", "latents"):
         assert decoded[key].dtype == torch.bfloat16 and torch.equal(decoded[key], columns[key]), key
     assert decoded["log_probs"].dtype == torch.float32
+
+
+def test_a_video_reply_carries_mp4s_and_frames_in_both_encodings() -> None:
+    """A video family's reply: one MP4 per sample (and, with save_frames, its PNG frames) beside 5-D
+    latents; msgpack and JSON decode to the same video/frames columns; formats are checked."""
+    from test_shards import mp4_bytes
+
+    cfg = SampleConfig(steps=2, resolution=8, frames=5, save_frames=True)
+    request = encode_request("r1", cfg, ["p"] * 2, [""] * 2, [0, 1], [0, 0], [0, 0], ["a", "b"], {})
+    columns = {
+        "final_latent": torch.randn(2, 16, 2, 4, 4),
+        "latents": torch.randn(2, 3, 16, 2, 4, 4),
+        "log_probs": torch.randn(2, 2),
+        "timesteps": torch.rand(2, 2),
+        "sigmas": torch.rand(2, 3),
+        "video": [mp4_bytes(0, frames=5), mp4_bytes(1, frames=5)],
+        "frames": [[_png(8, 10 * i + j) for j in range(5)] for i in range(2)],
+    }
+    reply = encode_response("r1", 0, columns)
+    assert [m["format"] for m in reply["media"]] == ["mp4", "mp4"] and "image" not in json.dumps(reply)
+    for body in (json.loads(json.dumps(reply)), unpack_binary(pack_binary(reply))):
+        _, back = decode_response(body, request)
+        assert sorted(back) == sorted(columns)
+        assert back["video"] == columns["video"] and back["frames"] == columns["frames"]
+        assert torch.equal(back["latents"], columns["latents"])
+    png = _png(8, 0)
+    broken = [
+        ({**reply, "media": [reply["media"][0], {"format": "png", **_b64(png)}]}, "mixes formats"),
+        ({**reply, "media": [{"format": "mp4", **_b64(png)}] * 2}, "not a base64 PNG or MP4"),
+        ({k: v for k, v in reply.items() if k != "frames"}, "frames must list 2"),
+        ({**reply, "frames": [[{"format": "png", **_b64(columns["video"][0])}]] * 2}, r"frames\[0\]\[0\]"),
+    ]
+    for body, message in broken:
+        with pytest.raises(ProtocolError, match=message):
+            decode_response(body, request)
+    plain = SampleConfig(steps=2, resolution=8, frames=5)  # no save_frames: the frames field is not read
+    request = encode_request("r1", plain, ["p"] * 2, [""] * 2, [0, 1], [0, 0], [0, 0], ["a", "b"], {})
+    _, back = decode_response({k: v for k, v in reply.items() if k != "frames"}, request)
+    assert "frames" not in back and back["video"] == columns["video"]
+
+
+def _b64(blob: bytes) -> dict[str, str]:
+    return {"encoding": "base64", "data": base64.b64encode(blob).decode()}
 
 
 def test_raw_tensors_are_checked_like_base64_ones() -> None:
@@ -152,3 +201,33 @@ def test_the_remote_engine_draws_an_aborted_batch_again_a_bounded_number_of_time
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_forms_round_trip_and_refuse_what_a_form_route_cannot_take() -> None:
+    """`encode_form` (the vLLM-Omni video client) and `parse_form` (`omnirl serve`'s /v1/videos/sync):
+    multipart text fields survive exactly, urlencoded ones too; files, other content types and broken
+    bodies are 400s."""
+    from stages.web import HttpError, encode_form, parse_form
+
+    fields = {"prompt": "héllo\r\nwörld -- 日本", "seed": 7, "guidance_scale": 4.5, "empty": ""}
+    form = encode_form(fields)
+    assert form.content_type.startswith("multipart/form-data; boundary=")
+    assert parse_form(form.data, form.content_type) == {k: str(v) for k, v in fields.items()}
+    assert parse_form(b"prompt=a+cat&seed=3", "application/x-www-form-urlencoded") == {
+        "prompt": "a cat",
+        "seed": "3",
+    }
+    boundary = "xyz"
+    upload = (
+        f'--{boundary}\r\nContent-Disposition: form-data; name="input_reference"; filename="a.png"\r\n\r\n'
+        f"PNG\r\n--{boundary}--\r\n"
+    ).encode()
+    refused = [
+        (upload, f"multipart/form-data; boundary={boundary}", "files are not taken"),
+        (b'{"prompt": "a"}', "application/json", "multipart/form-data"),
+        (b"no parts here", "multipart/form-data; boundary=zzz", "well-formed"),
+    ]
+    for body, kind, message in refused:
+        with pytest.raises(HttpError, match=message) as info:
+            parse_form(body, kind)
+        assert info.value.status == 400

@@ -113,17 +113,8 @@ def reference(tiny_sd3: Path, prompts: Path, tmp_path_factory: pytest.TempPathFa
 @pytest.fixture(scope="module")
 def adapter(tiny_sd3: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A LoRA adapter (rank 4, random B so that it changes the samples) at optimizer step 7."""
-    from stages.models.diffusion import FlowPolicy
-
-    policy = FlowPolicy.load(tiny_sd3)
-    policy.add_lora(rank=4, alpha=8)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in policy.transformer.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
     out = tmp_path_factory.mktemp("serve") / "adapter"
-    policy.save_adapter(out, kind="lora", extra={"step": 7})
+    _random_lora(tiny_sd3, 1, out, step=7)
     return out
 
 
@@ -156,6 +147,88 @@ def test_remote_samples_equal_in_process_ones_and_replay_exactly(
     assert replay["abs_delta_max"] == 0.0
     run("logprob", "--model", str(tiny_sd3), "--in", str(reference), "--out", str(tmp_path / "lp0"))
     assert _shards(tmp_path / "lp") == _shards(tmp_path / "lp0")
+
+
+@pytest.fixture(scope="module")
+def wan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Wan 2.1 (a video family: 5 frames of 32² are 2 latent frames of 4×4)."""
+    out = tmp_path_factory.mktemp("serve-wan") / "wan2_1"
+    run("init-model", "--family", "wan2_1", "--size", "tiny", str(out))
+    return out
+
+
+def test_a_video_family_samples_through_serve_as_in_process(wan: Path, tmp_path: Path) -> None:
+    """Wan through `omnirl serve`: the MP4 video column, the lossless frames and the 5-D window latents
+    come back, so the shards are the in-process ones byte for byte and `logprob` replays them exactly."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red ball\na blue cube\n")
+    video = ("--frames", "5", "--fps", "8", "--save-frames", "--sde-window", "2", "--batch-size", "2")
+    local = tmp_path / "local"
+    run(*sample_args(wan, prompts, local, *video))
+    srv = Server(wan)
+    try:
+        out = tmp_path / "remote"
+        result = run(*sample_args(wan, prompts, out, *video, "--engine", "remote", "--server-url", srv.url))
+        _check_videos_sync(srv.url, wan)
+    finally:
+        code, err = srv.stop()
+    assert code == 0 and "Traceback" not in err, err
+    assert result["rows"] == 4 and _shards(out) == _shards(local)
+    manifest = json.loads((out / "_manifest.json").read_text())
+    columns = {c["name"]: c for c in manifest["columns"]}
+    assert "image" not in columns and columns["video"]["kind"] == "video" and "frames" in columns
+    assert columns["latents"]["shape"] == [3, 16, 2, 4, 4]  # [K+1, C, F', h, w]
+    replay = run("logprob", "--model", str(wan), "--in", str(out), "--out", str(tmp_path / "lp"))
+    assert replay["abs_delta_max"] == 0.0 and replay["rows"] == 4
+
+
+def _check_videos_sync(url: str, wan: Path) -> None:
+    """vLLM-Omni's /v1/videos/sync on a Wan server: a multipart form in, the MP4 out, equal to the
+    in-process ODE sample of that seed; refusals are one-line 400s."""
+    from stages.media.video import probe_mp4
+    from stages.models.diffusion import FlowPolicy
+    from stages.models.factory import default_text_length
+    from stages.sample.rollout import rollout_batch
+    from stages.web import encode_form
+
+    fields = {"model": "wan2_1", "prompt": "a red ball", "size": "32x32", "num_frames": 5, "fps": 8}
+    form = encode_form({**fields, "num_inference_steps": 3, "guidance_scale": 2.0, "seed": 11})
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=120)
+    try:
+        conn.request("POST", "/v1/videos/sync", body=form.data, headers={"Content-Type": form.content_type})
+        reply = conn.getresponse()
+        mp4 = reply.read()
+        assert reply.status == 200 and reply.getheader("Content-Type") == "video/mp4"
+        assert reply.getheader("X-Model") == "wan2_1" and float(reply.getheader("X-Inference-Time-S")) > 0
+    finally:
+        conn.close()
+    info = probe_mp4(mp4)
+    assert (info.frames, info.width, info.height, info.fps) == (5, 32, 32, 8.0)
+    policy = FlowPolicy.load(wan)
+    cfg = SampleConfig(
+        steps=3, guidance=2.0, resolution=32, frames=5, fps=8.0, sampler="ode",
+        max_sequence_length=default_text_length(wan),
+    )  # fmt: skip
+    local = rollout_batch(policy, cfg, ["a red ball"], [""], [11], [11], groups=[0], sample_ids=["v"])
+    assert local["video"][0] == mp4
+    refused = [
+        ({**fields, "size": "32x16"}, "square"),
+        ({k: v for k, v in fields.items() if k != "num_frames"}, "num_frames"),
+        ({**fields, "num_inference_steps": "many"}, "num_inference_steps must be an integer"),
+        ({**fields, "model": "other"}, "not served here"),
+        ({**fields, "num_frames": 4}, "--frames 4"),
+    ]
+    for body, message in refused:
+        form = encode_form(body)
+        status, error = _request(
+            url, "POST", "/v1/videos/sync", raw=form.data, headers={"Content-Type": form.content_type}
+        )
+        assert status == 400 and message in error["error"]["message"], (body, error)
+    status, error = _request(url, "POST", "/v1/videos/sync", fields)  # JSON is not a form
+    assert status == 400 and "multipart/form-data" in error["error"]["message"]
+    status, error = _request(url, "POST", "/v1/images/generations", {"prompt": "a red ball"})
+    assert status == 400 and "/v1/videos/sync" in error["error"]["message"]
 
 
 # ---- faults: the server dies mid-run ----------------------------------------------------------------
@@ -301,6 +374,90 @@ def _rollout_body(n: int = 2, **params: Any) -> dict[str, Any]:
         "r1", cfg, ["a cat"] * n, [""] * n, list(range(n)), list(range(n)), [0] * n,
         [f"s{i}" for i in range(n)], {},
     )  # fmt: skip
+
+
+def _random_lora(model: Path, seed: int, out: Path, step: int = 0) -> bytes:
+    """A rank-4 LoRA with random B (so it changes the samples) saved at `out`; its LoRA file's bytes."""
+    from stages.models.diffusion import FlowPolicy
+
+    policy = FlowPolicy.load(model)
+    policy.add_lora(rank=4, alpha=8)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in policy.transformer.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    policy.save_adapter(out, kind="lora", extra={"step": step})
+    return policy.lora_file()
+
+
+def test_named_weights_let_two_trainers_share_a_server_and_a_request_pin_a_version(
+    tiny_sd3: Path, tmp_path: Path
+) -> None:
+    """Two clients push their own LoRA under their own name and interleave batches: each gets the samples
+    of its LoRA (equal to in-process ones), unnamed requests still get the server's own weights, a
+    request pins a version the server holds, and one it no longer holds is a one-line 409."""
+    from stages.errors import UserInputError
+    from stages.models.diffusion import FlowPolicy
+    from stages.sample.engines import DiffusersEngine, EngineOptions
+    from stages.sample.remote_engine import RemoteEngine
+
+    files = {name: _random_lora(tiny_sd3, seed, tmp_path / name) for name, seed in (("a", 1), ("b", 2))}
+    cfg = SampleConfig(steps=3, guidance=1.0, resolution=32, window=2, max_sequence_length=32)
+    batch = (["a red ball", "two cats"], ["", ""], [5, 6], [7, 8])
+    kw = {"groups": [0, 1], "sample_ids": ["s0", "s1"]}
+
+    def local(adapter: Path | None) -> dict[str, Any]:
+        return DiffusersEngine(FlowPolicy.load(tiny_sd3, adapter=adapter)).rollout(cfg, *batch, **kw)
+
+    def same(got: dict[str, Any], want: dict[str, Any]) -> bool:
+        return got["image"] == want["image"] and all(
+            torch.equal(got[k], want[k]) for k in ("final_latent", "latents", "log_probs")
+        )
+
+    want = {"a": local(tmp_path / "a"), "b": local(tmp_path / "b"), None: local(None)}
+    srv = Server(tiny_sd3)
+    try:
+        trainers = {
+            name: RemoteEngine.open(
+                EngineOptions(model=tiny_sd3, server_url=srv.url, pushed_weights=True, weights_name=name),
+                "cpu",
+            )
+            for name in ("a", "b")
+        }
+        for name, engine in trainers.items():
+            assert engine.push_weights(files[name], 1)["load"]["how"] == "stored"
+        plain = RemoteEngine.open(EngineOptions(model=tiny_sd3, server_url=srv.url), "cpu")
+        for name in ("a", "b", None, "b", "a"):
+            engine = plain if name is None else trainers[name]
+            got = engine.rollout(cfg, *batch, **kw)
+            assert same(got, want[name]), name
+            if name is not None:
+                assert got["policy_version"].tolist() == [1, 1]
+        a = trainers["a"]
+        a.push_weights(files["b"], 2)  # "a" now holds versions 1 and 2
+        a.pin_weights(1)
+        assert same(a.rollout(cfg, *batch, **kw), want["a"])
+        a.pin_weights(None)  # the latest
+        got = a.rollout(cfg, *batch, **kw)
+        assert same(got, want["b"]) and got["policy_version"].tolist() == [2, 2]
+        a.push_weights(files["a"], 3)  # keeps the latest two: 2 and 3
+        a.pin_weights(1)
+        with pytest.raises(UserInputError, match=r"HTTP 409.*'a' version 1 was asked.*versions \[2, 3\]"):
+            a.rollout(cfg, *batch, **kw)
+        status, health = _request(srv.url, "GET", "/health")
+        assert (
+            health["named_weights"]["a"]["versions"] == [2, 3]
+            and health["named_weights"]["b"]["version"] == 1
+        )
+        assert health["weights"]["adapter"] is None  # the unnamed weights are untouched
+        body = _rollout_body()
+        body["weights"] = {"name": "nobody"}
+        status, reply = _request(srv.url, "POST", "/omnirl/v1/rollout", body)
+        assert status == 409 and "no weights named 'nobody'" in reply["error"]["message"]
+    finally:
+        code, err = srv.stop()
+    assert code == 0 and "Traceback" not in err, err
 
 
 def test_malformed_and_oversized_requests_get_4xx_and_the_server_keeps_serving(server: Server) -> None:

@@ -301,3 +301,95 @@ def test_rl_mode_without_vllm_omni_installed_is_one_line(
         pytest.skip("vllm-omni is installed")
     args = sample_args(tiny_sd3, prompts, tmp_path / "s", "--engine", "vllm-omni")
     fails(args, "--engine vllm-omni", "omnirl[vllm-omni]", "--server-url")
+
+
+# ---- video families: /v1/videos/sync -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def wan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("vllm_omni_wan") / "wan2_1"
+    run("init-model", "--family", "wan2_1", "--size", "tiny", str(out))
+    return out
+
+
+def test_images_mode_samples_a_video_family_through_videos_sync(
+    fake: FakeServer, wan: Path, prompts: Path, tmp_path: Path
+) -> None:
+    """A video family: one multipart /v1/videos/sync form per sample with its seed; the MP4 that comes
+    back is stored as the video column byte for byte; an aborted reply (empty body) and a 503 are drawn
+    again with the same seed; an MP4 of other frames stops the run in one line."""
+    from stages.media.video import encode_mp4
+
+    fake.faults("abort", "503")
+    out = tmp_path / "videos"
+    result = run(*_args(wan, prompts, out, fake.url, "--frames", "5", "--fps", "8"))
+    assert result["rows"] == 4 and result["complete"]
+    rows = ShardSet(out).read_all()
+    assert "image" not in rows and "final_latent" not in rows
+    sent = fake.log()
+    assert len(sent) == 6  # 4 samples, one drawn again after the abort, one retried after the 503
+    by_seed = {int(form["seed"]): form for form in sent}
+    assert sorted(by_seed) == sorted(rows["seed"].tolist())
+    for prompt, seed, mp4 in zip(rows["prompt"], rows["seed"].tolist(), rows["video"]):
+        assert by_seed[seed] == {
+            "model": SERVED,
+            "prompt": prompt,
+            "size": "32x32",
+            "num_frames": "5",
+            "fps": "8",
+            "num_inference_steps": "4",
+            "guidance_scale": "1.0",
+            "seed": str(seed),
+        }
+        frames = [Image.fromarray(fake_image(prompt, seed + f, 32, 32)) for f in range(5)]
+        assert mp4 == encode_mp4(frames, 8)  # the fake's MP4 of that seed, as it sent it
+    column = ShardSet(out).columns["video"]
+    assert (column.kind, column.shape, column.fps) == ("video", (5, 32, 32), 8.0)
+
+    fake.faults(*["wrong_frames"] * 4)
+    _exit_1(_args(wan, prompts, tmp_path / "bad", fake.url, "--frames", "5"), "/v1/videos/sync", "4 frames")
+    assert not list((tmp_path / "bad").glob("train-*"))
+    fake.faults()
+    fails(
+        _args(wan, prompts, tmp_path / "sf", fake.url, "--frames", "5", "--save-frames"),
+        "--save-frames",
+        "MP4",
+    )
+    fails(_args(wan, prompts, tmp_path / "fps", fake.url, "--frames", "5", "--fps", "7.5"), "--fps 7.5")
+
+
+def test_the_custom_pipeline_returns_a_video_family_s_mp4s_and_frames(wan: Path) -> None:
+    """RL mode for a video family: the custom pipeline's record carries the MP4s (and saved frames), so
+    the duck-typed output converts to the diffusers engine's video columns and 5-D latents bit for bit."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from stages.models.diffusion import FlowPolicy
+    from stages.sample.engines import DiffusersEngine
+    from stages.sample.rollout import SampleConfig
+    from stages.sample.rollout_protocol import decode_response, encode_request
+    from stages.sample.vllm_omni_engine import outputs_to_reply, pipeline_fields
+
+    policy = FlowPolicy.load(wan)
+    cfg = SampleConfig(steps=3, guidance=1.0, resolution=32, frames=5, window=1, save_frames=True)
+    cfg.max_sequence_length = 64
+    batch = (["a red apple"], [""], [11], [21])
+    body = encode_request("req-v", cfg, *batch, [0], ["v0"], {})
+    fields = pipeline_fields(policy, body, weight_version=0)
+    assert fields["output"] == []  # no images: the media travel encoded in the record
+    out = SimpleNamespace(
+        images=fields["output"],
+        error=None,
+        **{
+            k: fields[k]
+            for k in ("trajectory_latents", "trajectory_log_probs", "trajectory_timesteps", "custom_output")
+        },
+    )
+    _, columns = decode_response(outputs_to_reply([out], body), body)
+    expected = DiffusersEngine(policy).rollout(cfg, *batch, groups=[0], sample_ids=["v0"])
+    assert columns["video"] == expected["video"] and columns["frames"] == expected["frames"]
+    assert "image" not in columns and columns["latents"].shape == (1, 2, 16, 2, 4, 4)
+    for key in ("final_latent", "latents", "log_probs"):
+        assert torch.equal(columns[key], expected[key]), key

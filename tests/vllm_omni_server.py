@@ -13,9 +13,18 @@
   400 ``{"detail": str}``, engine errors 500 ``{"error": {message, type, code, request_id,
   error_stage_id}}``. Image i is `fake_image(prompt, seed + i, W, H)`: noise drawn from the prompt and
   seed, so a test can tell which seed a sample was drawn with;
-- ``POST /fake/faults`` ``{"faults": [KIND, ...]}`` queues faults, one per following image request:
-  ``503``, ``500``, ``abort`` (200 with no image), ``bad_png``, ``wrong_size``, ``two_images``;
-- ``GET /fake/log``: the image request bodies received (refused ones too), in order; ``POST /fake/reset`` clears both.
+- ``POST /v1/videos/sync``: a ``multipart/form-data`` form (FastAPI ``Form`` fields, as vLLM-Omni
+  reads them): ``prompt`` (required), ``model`` (400 "Model mismatch" when not NAME), ``size`` "WxH" or
+  ``width``/``height``, ``num_frames``, ``fps`` (default 24), ``num_inference_steps`` 1–200,
+  ``guidance_scale`` 0–20, ``seed`` (random when absent), ``negative_prompt``, ``lora`` (JSON);
+  unparsable or out-of-bound values are 422 ``{"detail": [...]}`` with ``loc`` ["body", KEY]. The reply
+  is the MP4 itself (``video/mp4``, headers ``X-Request-Id``, ``X-Model``, ``X-Inference-Time-S``),
+  of `fake_image(prompt, seed + f, W, H)` for frame f;
+- ``POST /fake/faults`` ``{"faults": [KIND, ...]}`` queues faults, one per following image or video
+  request: ``503``, ``500``, ``abort`` (200 with no image / an empty body), ``bad_png`` (also: a video
+  reply that is not an MP4), ``wrong_size``, ``two_images``, ``wrong_frames`` (one frame too few);
+- ``GET /fake/log``: the image request bodies and video form fields received (refused ones too), in
+  order; ``POST /fake/reset`` clears both.
 """
 
 from __future__ import annotations
@@ -176,6 +185,76 @@ class FakeOmni:
         return 200, reply
 
 
+def parse_multipart(raw: bytes, content_type: str) -> dict[str, str]:
+    """The fields of a multipart/form-data body (the stdlib e-mail parser; files are not expected)."""
+    import email.parser
+    import email.policy
+
+    message = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(
+        f"Content-Type: {content_type}\r\n\r\n".encode() + raw
+    )
+    if not message.is_multipart():
+        raise Invalid(422, [{"type": "missing", "loc": ["body", "prompt"], "msg": "Field required"}])
+    return {
+        str(part.get_param("name", header="content-disposition")): part.get_payload(decode=True).decode()
+        for part in message.iter_parts()
+    }
+
+
+VIDEO_INTS = {"width": (1, None), "height": (1, None), "num_frames": (1, None), "fps": (1, None),
+              "num_inference_steps": (1, 200), "seed": (None, None)}  # fmt: skip
+
+
+def validate_video(form: dict[str, str], served: str) -> dict[str, Any]:
+    """The typed fields of a videos form, or `Invalid` as FastAPI and vLLM-Omni's handler refuse it."""
+    errors: list[dict[str, Any]] = []
+    fields: dict[str, Any] = dict(form)
+    if "prompt" not in form:
+        errors.append({"type": "missing", "loc": ["body", "prompt"], "msg": "Field required", "input": None})
+    for key, (lo, hi) in VIDEO_INTS.items():
+        if key not in form:
+            continue
+        try:
+            fields[key] = int(form[key])
+        except ValueError:
+            errors.append(
+                {"type": "int_parsing", "loc": ["body", key], "msg": "Input should be a valid integer"}
+            )
+            continue
+        if (lo is not None and fields[key] < lo) or (hi is not None and fields[key] > hi):
+            errors.append(_bound_error(key, fields[key], lo or 0, hi or MAX_SEED, True))
+    if "guidance_scale" in form:
+        try:
+            fields["guidance_scale"] = float(form["guidance_scale"])
+        except ValueError:
+            errors.append(
+                {
+                    "type": "float_parsing",
+                    "loc": ["body", "guidance_scale"],
+                    "msg": "Input should be a valid number",
+                }
+            )
+        else:
+            if not 0 <= fields["guidance_scale"] <= 20:
+                errors.append(_bound_error("guidance_scale", fields["guidance_scale"], 0, 20, False))
+    if errors:
+        raise Invalid(422, errors)
+    if fields.get("model") not in (None, served):
+        raise Invalid(
+            400, f"Model mismatch: request specifies '{fields['model']}' but server is running '{served}'."
+        )
+    if "size" in fields:
+        match = SIZE_RE.match(fields["size"])
+        if not match:
+            raise Invalid(
+                422, [{"type": "string_pattern_mismatch", "loc": ["body", "size"], "msg": "bad size"}]
+            )
+        fields["width"], fields["height"] = (int(v) for v in match.groups())
+    if "lora" in fields:
+        fields["lora"] = json.loads(fields["lora"])
+    return fields
+
+
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
 
@@ -209,8 +288,47 @@ class Handler(BaseHTTPRequestHandler):
         else:
             self._reply(404, {"detail": "Not Found"})
 
+    def _video(self, raw: bytes) -> None:
+        """``POST /v1/videos/sync`` (module docstring)."""
+        from stages.media.video import encode_mp4
+
+        try:
+            form = parse_multipart(raw, self.headers.get("Content-Type") or "")
+            with self.fake.lock:
+                self.fake.log.append(dict(form))
+                fault = self.fake.faults.pop(0) if self.fake.faults else None
+            fields = validate_video(form, self.fake.served)
+        except Invalid as exc:
+            self._reply(exc.status, {"detail": exc.detail})
+            return
+        if fault in ("503", "500"):
+            self._reply(int(fault), {"detail": f"fault {fault}"})
+            return
+        seed = fields.get("seed", random.randrange(2**62))
+        width, height = fields.get("width", 64), fields.get("height", 64)
+        frames = fields.get("num_frames", 5) - (fault == "wrong_frames")
+        pictures = [
+            Image.fromarray(fake_image(fields["prompt"], seed + f, width, height)) for f in range(frames)
+        ]
+        data = encode_mp4(pictures, fields.get("fps", 24))
+        if fault == "abort":
+            data = b""
+        elif fault == "bad_png":
+            data = b"GIF89a not an mp4"
+        self.send_response(200)
+        self.send_header("Content-Type", "video/mp4")
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("X-Request-Id", "video_sync-1")
+        self.send_header("X-Model", self.fake.served)
+        self.send_header("X-Inference-Time-S", "0.001")
+        self.end_headers()
+        self.wfile.write(data)
+
     def do_POST(self) -> None:
         raw = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+        if self.path == "/v1/videos/sync":
+            self._video(raw)
+            return
         try:
             body = json.loads(raw)
         except ValueError:

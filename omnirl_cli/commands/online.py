@@ -127,7 +127,9 @@ def online(
             autocompletion=complete(ENGINES, ENGINE_ENTRY_POINTS),
             help="Where the sampler rolls out: diffusers (a worker process on the trainer's device, the "
             "default) or remote (a client of `omnirl serve --model M` at --server-url, on the server's "
-            "device: the driver pushes each new LoRA to it, and the version gap is the staleness).",
+            "device: the driver pushes each new LoRA to it under a name of this run's own, each iteration "
+            "samples with one version, and the version gap is the staleness); vllm-omni takes no pushed "
+            "weights and is refused.",
             rich_help_panel=ENGINE,
         ),
     ] = "diffusers",

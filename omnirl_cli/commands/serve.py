@@ -64,7 +64,8 @@ def serve(
 
     Routes: POST /omnirl/v1/rollout (omnirl rollout protocol v1: SDE trajectories that `omnirl
     logprob` replays exactly; clients: `omnirl sample --engine remote --server-url URL`), POST
-    /v1/images/generations (vLLM-Omni's images API, b64_json PNGs), GET/POST /omnirl/v1/weights (the
+    /v1/images/generations (vLLM-Omni's images API, b64_json PNGs), POST /v1/videos/sync (its videos
+    API for a video family: a form in, the MP4 out), GET/POST /omnirl/v1/weights (the
     weights held; swap in another adapter folder, or a LoRA file a trainer pushes with its SHA-256 and
     version, without a restart), GET /health, GET /v1/models. JSON only, no pickle; a malformed or
     oversized request gets a 4xx and the server keeps serving. When ready it prints its URL (with

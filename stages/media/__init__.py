@@ -8,13 +8,16 @@ of rollout those columns make ("image" or "video", recorded in the manifest for 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from stages.media.video import encode_mp4
 from stages.tables import png_bytes
 
 FRAMES_COLUMN = "frames"  # the lossless frames of a video rollout (`--save-frames`): PNG per frame
+# the media columns a decoded batch may make, and the file format of their cells
+MEDIA_FORMATS = {"image": "png", "video": "mp4"}
+_SIGNATURES = {"png": lambda b: b.startswith(b"\x89PNG\r\n\x1a\n"), "mp4": lambda b: b[4:8] == b"ftyp"}
 
 
 def is_video(output: Any) -> bool:
@@ -41,3 +44,18 @@ def output_modality(kinds: Sequence[str]) -> str:
     """The modality of a diffusion rollout whose columns have `kinds`: "video" when it holds a video
     column, else "image"."""
     return "video" if "video" in kinds else "image"
+
+
+def media_column(columns: Mapping[str, Any]) -> str:
+    """The name of the media column among a rollout's `columns` (`MEDIA_FORMATS`: "image" or "video")."""
+    found = [name for name in MEDIA_FORMATS if name in columns]
+    if len(found) != 1:
+        raise ValueError(f"a rollout holds one media column of {list(MEDIA_FORMATS)}, not {found}")
+    return found[0]
+
+
+def has_signature(fmt: str, blob: bytes) -> bool:
+    """Whether `blob` starts like a file of format `fmt` ("png": its 8-byte signature; "mp4": an ISO
+    media file, whose first box is ``ftyp``). Unknown formats never match."""
+    check = _SIGNATURES.get(fmt)
+    return check is not None and check(blob)

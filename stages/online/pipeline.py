@@ -16,10 +16,13 @@ on-policy).
 
 Remote rollout (``--engine remote``): the sampler worker is a client of an `omnirl serve` that holds the
 same model and owns its device. Instead of the shared tensors, the driver pushes each new LoRA to the
-server (`RolloutEngine.push_weights`, version = optimizer step) before publishing the version number;
-the server swaps it in place, and every sample records the version the server used. Staleness is the
-version gap: iteration k's samples drawn with the weights of update j have gap k − j, at most
-max_staleness (the sampler waits as above, and refuses replies from older weights than were pushed).
+server (`RolloutEngine.push_weights`, version = optimizer step, under a name of this run's own so that
+other runs sharing the server keep theirs) before publishing the version number; the sampler pins each
+iteration to the version published when it starts (`RolloutEngine.pin_weights`: the server keeps the
+latest two versions of a name, so a push meanwhile does not change it), and every sample records the
+version the server used. Staleness is the version gap: iteration k's samples drawn with the weights of
+update j have gap k − j, at most max_staleness (the sampler waits as above, and refuses replies from
+older weights than were pushed).
 
 Lifetimes. Workers end with the driver however it ends: each watches the pipe that `multiprocessing`
 keeps open to its parent (EOF = the driver died, even by SIGKILL) and exits; they start with SIGINT
@@ -88,9 +91,18 @@ class OnlineConfig:
     rollout: EngineOptions | None = None  # how to reach a remote engine (server URL, token, timeouts)
 
     def engine_options(self) -> EngineOptions:
-        """The sampler engine's options: this run's model, and weights the driver pushes."""
+        """The sampler engine's options: this run's model, and weights the driver pushes under a name of
+        this run's own (from its --out), so other runs sharing the server keep theirs."""
         base = self.rollout or EngineOptions(model=Path(self.model))
-        return replace(base, model=Path(self.model), adapter=None, dtype=self.dtype, pushed_weights=True)
+        name = "online-" + hashlib.sha256(str(Path(self.out).resolve()).encode()).hexdigest()[:12]
+        return replace(
+            base,
+            model=Path(self.model),
+            adapter=None,
+            dtype=self.dtype,
+            pushed_weights=True,
+            weights_name=name,
+        )
 
     @property
     def in_process(self) -> bool:
@@ -205,6 +217,8 @@ def _sampler_main(
                 for name, p in params.items():
                     p.copy_(weights[name])
                 drawn_with = step.value  # pushed engines: the server holds this version or a newer one
+            if not cfg.in_process:
+                engine.pin_weights(drawn_with)  # the whole iteration with one version
             cols = in_rollout(
                 sample_shard(
                     engine, cfg.sampling(k), iteration_rows(cfg, k), drawn_with, on_batch=stop_if_closed
@@ -512,7 +526,12 @@ def prepare_run(cfg: OnlineConfig, *, overwrite: bool = False) -> int:
     if cfg.dtype not in DTYPES:
         raise UserInputError(f"--dtype {cfg.dtype}: choose one of {', '.join(DTYPES)}")
     check_pipeline_folder(cfg.model)
-    engine_class(cfg.engine)
+    if not cfg.in_process and not engine_class(cfg.engine).takes_pushed_weights:
+        raise UserInputError(
+            f"--engine {cfg.engine}: omnirl online pushes each new LoRA to its sampler, and this engine takes "
+            f"no pushed weights; sample with --engine remote (an `omnirl serve --model {cfg.model}` at "
+            "--server-url) or --engine diffusers"
+        )
     if not cfg.in_process and not cfg.engine_options().server_url:
         raise UserInputError(
             f"--engine {cfg.engine} needs --server-url: start `omnirl serve --model {cfg.model} --port P` "

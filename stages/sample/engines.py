@@ -59,6 +59,8 @@ class EngineOptions:
     # The run pushes its own weights to the engine (`push_weights`; `online`): a server's adapter is not
     # checked against --adapter, and each sample records the weights version the engine used.
     pushed_weights: bool = False
+    # the name the run's pushed weights go under on a shared server (several trainers on one server)
+    weights_name: str | None = None
     OPTION_NAMES: ClassVar[dict[str, str]] = {
         "server_token_env": "token_env",
         "server_startup_timeout": "startup_timeout",
@@ -84,6 +86,7 @@ class RolloutEngine(ABC):
     """A place where diffusion rollouts run; `open` it, `rollout` batches, then `close` it."""
 
     name: ClassVar[str]
+    takes_pushed_weights: ClassVar[bool] = False  # `push_weights` and `pin_weights` work (`online`)
     family: str  # the model family it samples (`FamilyAdapter.name`), recorded in the manifest
 
     @classmethod
@@ -125,6 +128,11 @@ class RolloutEngine(ABC):
         `stages.models.lora_weights`) as weights `version`, for an engine that holds its own copy of the
         weights (a server); opened with `EngineOptions.pushed_weights`, its rollouts then return each
         sample's `policy_version`."""
+        raise UserInputError(f"--engine {self.name}: it does not take pushed weights")
+
+    def pin_weights(self, version: int | None) -> None:
+        """Sample the following batches with pushed weights `version` only (None: whatever the engine
+        holds), so one iteration of `online` never mixes versions; for an engine that takes pushes."""
         raise UserInputError(f"--engine {self.name}: it does not take pushed weights")
 
     def close(self) -> None:  # noqa: B027  (most engines hold nothing to release)

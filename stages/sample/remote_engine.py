@@ -18,7 +18,10 @@ batch is drawn again with the same seeds (`rollout_protocol.redraw_aborted`).
 A run that trains (`online --engine remote`) opens the engine with `EngineOptions.pushed_weights`: it
 sends each new LoRA itself (`push_weights`: the LoRA file's bytes with their SHA-256 and a version;
 retried like a batch, since the same bytes and version may be sent twice), its requests accept any
-adapter the server holds, and each sample records the version the server used.
+adapter the server holds, and each sample records the version the server used. With
+`EngineOptions.weights_name` its pushes and requests name its weights, so several trainers share one
+server without overwriting each other's, and `pin_weights` makes the requests ask for one version (409
+when the server no longer holds it).
 """
 
 from __future__ import annotations
@@ -80,6 +83,8 @@ class RolloutClient(JsonClient):
 class RemoteEngine(RolloutEngine):
     """Rollouts computed by `omnirl serve` (module docstring)."""
 
+    takes_pushed_weights = True
+
     def __init__(
         self, client: RolloutClient, health: dict[str, Any], weights: dict[str, Any], pushed: bool = False
     ):
@@ -104,6 +109,8 @@ class RemoteEngine(RolloutEngine):
             retries=options.retries,
         )
         weights: dict[str, Any] = {"model_sha256": content_digest(options.model, "--model")}
+        if options.weights_name is not None:
+            weights["name"] = options.weights_name
         if not options.pushed_weights:
             weights["adapter_sha256"] = (
                 None if options.adapter is None else content_digest(options.adapter, "--adapter")
@@ -157,7 +164,10 @@ class RemoteEngine(RolloutEngine):
         """Send a LoRA file's bytes as weights `version` (``POST /omnirl/v1/weights?sha256=&version=``);
         the server swaps them in before answering. Returns its reply (weights held, how loaded)."""
         digest = hashlib.sha256(lora).hexdigest()
-        query = urllib.parse.urlencode({"sha256": digest, "version": int(version)})
+        fields: dict[str, Any] = {"sha256": digest, "version": int(version)}
+        if "name" in self.weights:
+            fields["name"] = self.weights["name"]
+        query = urllib.parse.urlencode(fields)
         reply = self.client.call(f"{WEIGHTS_ROUTE}?{query}", lora)
         held = reply.get("weights") if isinstance(reply, dict) else None
         if (
@@ -171,6 +181,13 @@ class RemoteEngine(RolloutEngine):
             )
         self.server_weights = dict(held)
         return reply
+
+    def pin_weights(self, version: int | None) -> None:
+        """Ask every following request for weights `version` (None: any the server holds)."""
+        if version is None:
+            self.weights.pop("version", None)
+        else:
+            self.weights["version"] = int(version)
 
     def latent_shape(self, resolution: int, frames: int = 1) -> tuple[int, ...]:
         reply = self.client.call("/omnirl/v1/latent_shape", {"resolution": resolution, "frames": frames})

@@ -5,19 +5,27 @@
     {"protocol": "omnirl-rollout", "version": 1, "request_id": str,
      "sampling_params": {SampleConfig fields but batch_size},      # sampler, σ steps, window settings
      "samples": [{"sample_id", "prompt", "negative_prompt", "seed", "init_seed", "group"}],
-     "weights": {"model_sha256": str | null, "adapter_sha256": str | null, "version": int | null}}
+     "weights": {"model_sha256": str | null, "adapter_sha256": str | null, "version": int | null,
+                 "name": str}}                                    # name: optional, named weights
 
 `seed` drives a sample's SDE noise, `init_seed` its x_T, `group` (the prompt's index) places its SDE
 window (`rollout.stored_steps`), so a batch sent again returns the same samples. `weights` names the
 weights the client expects: the model's digest (null: any weights) with the adapter's (null: the base
 model; left out: any adapter, for a run that pushes its own) and a version (null or left out: any); a
-server holding other weights answers 409. Reply::
+server holding other weights answers 409. With a ``name`` the request asks for the weights pushed under
+that name (several trainers share one server, each with its own LoRA): the version given (null or left
+out: the latest it holds), 409 when the server no longer holds that version. Reply::
 
     {"protocol", "version", "request_id", "weight_version": int, "finish_reason": "stop",
-     "media": [{"format": "png", "encoding": "base64", "data": str}],   # one per sample, in order
+     "media": [{"format": "png" | "mp4", "encoding": "base64", "data": str}],  # one per sample, in order
+     "frames": [[{"format": "png", ...}]],          # only for a video with save_frames: PNG per frame
      "final_latent": tensor [B, *latent],
      "trajectory": {"latents": [B, K+1, *latent], "sigmas": [B, K+1],
                     "timesteps": [B, K], "log_probs": [B, K]} | null}   # null for the ode sampler
+
+``media`` carries the rollout's media column (`stages.media.MEDIA_FORMATS`): a PNG per sample for an
+image family, the MP4 of its frames (at ``sampling_params.fps``) for a video family, whose latents are
+5-D (``[C, F', h, w]``); the client stores them as its ``image`` or ``video`` column, byte for byte.
 
 Tensors are `stages.sample.tensor_codec` objects, always float32 (never downcast). A client that sends
 ``Accept: application/x-msgpack`` gets the same reply as msgpack, every ``"encoding": "base64"`` object
@@ -38,14 +46,16 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, TypeVar
 
 from stages.errors import RuntimeFailure, UserInputError
+from stages.media import FRAMES_COLUMN, MEDIA_FORMATS, has_signature, media_column
 from stages.sample.rollout import LATENT_DTYPES, SampleConfig, stored_steps
 from stages.sample.tensor_codec import CodecError, decode_tensor, encode_tensor
 
 PROTOCOL = "omnirl-rollout"
 VERSION = 1
 ROUTE = "/omnirl/v1/rollout"
-WEIGHT_KEYS = ("model_sha256", "adapter_sha256", "version")
+WEIGHT_KEYS = ("model_sha256", "adapter_sha256", "version", "name")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+FORMAT_COLUMNS = {fmt: column for column, fmt in MEDIA_FORMATS.items()}  # "png" → "image", "mp4" → "video"
 MAX_SEED = 2**63 - 1
 TRAJECTORY = ("latents", "log_probs", "timesteps", "sigmas")  # in the column order of rollout_batch
 logger = logging.getLogger(__name__)
@@ -166,6 +176,11 @@ def decode_request(body: dict[str, Any], *, max_samples: int) -> RolloutRequest:
         raise ProtocolError(f"{len(samples)} samples in one request, more than the server's --max-batch")
     if not isinstance(weights, dict) or set(weights) - set(WEIGHT_KEYS):
         raise ProtocolError(f"weights must be an object with keys among {list(WEIGHT_KEYS)}")
+    version = weights.get("version")
+    if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
+        raise ProtocolError("weights.version must be an integer or null")
+    if "name" in weights and not isinstance(weights["name"], str):
+        raise ProtocolError("weights.name must be a string")
     columns: dict[str, list[Any]] = {k: [] for k in ("sample_id", "prompt", "negative_prompt", "group")}
     seeds, init_seeds = [], []
     for i, sample in enumerate(samples):
@@ -195,9 +210,18 @@ def decode_request(body: dict[str, Any], *, max_samples: int) -> RolloutRequest:
     )
 
 
-def media_item(png: bytes) -> dict[str, Any]:
-    """One ``media`` entry of a reply: a PNG, base64-encoded."""
-    return {"format": "png", "encoding": "base64", "data": base64.b64encode(png).decode("ascii")}
+def media_item(blob: bytes, fmt: str = "png") -> dict[str, Any]:
+    """One ``media`` entry of a reply: a file of format `fmt` (png, mp4), base64-encoded."""
+    return {"format": fmt, "encoding": "base64", "data": base64.b64encode(blob).decode("ascii")}
+
+
+def media_fields(columns: dict[str, Any]) -> dict[str, Any]:
+    """The ``media`` (and, for saved frames, ``frames``) fields of a reply carrying `columns`."""
+    column = media_column(columns)
+    fields: dict[str, Any] = {"media": [media_item(b, MEDIA_FORMATS[column]) for b in columns[column]]}
+    if FRAMES_COLUMN in columns:
+        fields[FRAMES_COLUMN] = [[media_item(png) for png in frames] for frames in columns[FRAMES_COLUMN]]
+    return fields
 
 
 def encode_response(request_id: str, weight_version: int, columns: dict[str, Any]) -> dict[str, Any]:
@@ -209,15 +233,55 @@ def encode_response(request_id: str, weight_version: int, columns: dict[str, Any
         "request_id": request_id,
         "weight_version": int(weight_version),
         "finish_reason": "stop",
-        "media": [media_item(b) for b in columns["image"]],
+        **media_fields(columns),
         "final_latent": encode_tensor(columns["final_latent"].float()),
         "trajectory": trajectory,
     }
 
 
+def _media_blob(item: Any, where: str, formats: tuple[str, ...]) -> tuple[str, bytes]:
+    """(format, bytes) of one media entry whose format is one of `formats`, checked by its signature."""
+    fmt = item.get("format") if isinstance(item, dict) else None
+    try:
+        data = item["data"] if fmt in formats else b""
+        blob = data if isinstance(data, bytes) else base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError, TypeError, KeyError):
+        blob = b""
+    if not has_signature(str(fmt), blob):
+        raise ProtocolError(f"{where} is not a base64 {' or '.join(f.upper() for f in formats)}")
+    return str(fmt), blob
+
+
+def _decode_media(body: dict[str, Any], batch: int, save_frames: bool) -> dict[str, list[Any]]:
+    """The media columns of a reply: ``image`` (PNGs) or ``video`` (MP4s), one format for the batch,
+    plus ``frames`` (a PNG per frame) for a video of a `save_frames` request."""
+    media = body.get("media")
+    if not isinstance(media, list) or len(media) != batch:
+        raise ProtocolError(f"media must list {batch} files, one per sample")
+    decoded = [_media_blob(item, f"media[{i}]", tuple(FORMAT_COLUMNS)) for i, item in enumerate(media)]
+    fmts = sorted({fmt for fmt, _ in decoded})
+    if len(fmts) > 1:
+        raise ProtocolError(f"media mixes formats {fmts}")
+    column = FORMAT_COLUMNS[fmts[0]]
+    columns: dict[str, list[Any]] = {column: [blob for _, blob in decoded]}
+    if column == "video" and save_frames:
+        frames = body.get(FRAMES_COLUMN)
+        if (
+            not isinstance(frames, list)
+            or len(frames) != batch
+            or not all(isinstance(f, list) for f in frames)
+        ):
+            raise ProtocolError(f"{FRAMES_COLUMN} must list {batch} lists of PNG frames (save_frames)")
+        columns[FRAMES_COLUMN] = [
+            [_media_blob(item, f"{FRAMES_COLUMN}[{i}][{j}]", ("png",))[1] for j, item in enumerate(row)]
+            for i, row in enumerate(frames)
+        ]
+    return columns
+
+
 def decode_response(body: Any, request: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     """(weight version, the `rollout_batch` columns) of a reply to `request` (an `encode_request` body),
-    checked: the request id, one PNG per sample, float32 tensors of consistent shapes whose window
+    checked: the request id, one PNG or MP4 per sample (and PNG frames where asked), float32 tensors of consistent shapes whose window
     length is the one `request`'s settings place, every value finite. `ProtocolError` otherwise."""
     if not isinstance(body, dict):
         raise ProtocolError("the reply is not a JSON object")
@@ -233,19 +297,7 @@ def decode_response(body: Any, request: dict[str, Any]) -> tuple[int, dict[str, 
         raise ProtocolError("weight_version must be an integer")
     samples = request["samples"]
     batch = len(samples)
-    media = body.get("media")
-    if not isinstance(media, list) or len(media) != batch:
-        raise ProtocolError(f"media must list {batch} images, one per sample")
-    images = []
-    for i, item in enumerate(media):
-        try:
-            data = item["data"] if item.get("format") == "png" else b""
-            blob = data if isinstance(data, bytes) else base64.b64decode(data, validate=True)
-        except (binascii.Error, ValueError, TypeError, KeyError, AttributeError):
-            blob = b""
-        if not blob.startswith(PNG_SIGNATURE):
-            raise ProtocolError(f"media[{i}] is not a base64 PNG")
-        images.append(blob)
+    media = _decode_media(body, batch, bool(request["sampling_params"].get("save_frames")))
     try:
         final = decode_tensor(body.get("final_latent"), "final_latent", dtype="float32")
         if final.ndim < 2 or final.shape[0] != batch:
@@ -276,7 +328,7 @@ def decode_response(body: Any, request: dict[str, Any]) -> tuple[int, dict[str, 
             columns["latents"] = columns["latents"].to(stored)
     except CodecError as exc:
         raise ProtocolError(str(exc)) from None
-    columns["image"] = images
+    columns.update(media)
     return version, columns
 
 

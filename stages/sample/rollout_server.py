@@ -13,6 +13,13 @@ Routes (JSON in and out, never pickle; HTTP, token and size checks in `stages.we
   it is not the served name), ``response_format`` b64_json; deterministic (ode) sampling; the reply is
   ``{"created", "data": [{"b64_json", "url": null, "revised_prompt": null}], "output_format": "png",
   "size", "metrics"}``; other fields are ignored;
+- ``POST /v1/videos/sync`` (a video family): vLLM-Omni's synchronous videos API, a form
+  (``multipart/form-data`` or urlencoded, as its FastAPI ``Form`` fields): ``prompt``, ``model``,
+  ``size`` "WxH" or ``width``/``height`` (square), ``num_frames`` (or ``seconds`` × ``fps``), ``fps``
+  (default 24), ``num_inference_steps`` (1–200), ``guidance_scale`` (0–20), ``negative_prompt``,
+  ``seed`` (random when absent); deterministic (ode) sampling; the reply is the MP4 itself
+  (``video/mp4``) with headers ``X-Request-Id``, ``X-Model``, ``X-Inference-Time-S``,
+  ``X-Stage-Durations``, ``X-Peak-Memory-MB``; other fields are ignored;
 - ``GET /omnirl/v1/weights`` the weights held; ``POST /omnirl/v1/weights`` changes them without a
   restart and answers ``{"weights", "load": {"how", "seconds"}}``, either
   - a JSON body ``{"adapter": PATH | null, "version": int | null}``: an adapter folder on the server's
@@ -24,10 +31,15 @@ Routes (JSON in and out, never pickle; HTTP, token and size checks in `stages.we
   a LoRA (pushed, or a folder in diffusers' layout) is swapped onto the pipeline in place
   (`FlowPolicy.set_lora`: copied into the LoRA layers of the same config, else unloaded and added);
   other adapters (PEFT folders, full fine-tunes) load as a second pipeline beside, then swap in;
+  with a ``name`` (``?name=NAME``, or ``"name"`` in the JSON body) the LoRA is kept as version N of the
+  named weights NAME instead (the latest `KEEP_VERSIONS` pushed of each name), leaving the unnamed
+  weights as they are: several trainers share the server, each rollout request naming its weights
+  (``weights.name``, optionally pinning ``weights.version``; 409 for a name or version not held) and
+  the pipeline swapping them in before the batch when another batch used other weights;
 - ``POST /omnirl/v1/latent_shape`` ``{"resolution": R, "frames": F}`` (F default 1) → ``{"latent_shape": [...]}``.
 
 Refusals: 400 a malformed request, 401 a missing token, 404 an unknown route, 409 a rollout that asks
-for other weights than the server holds, 411/413 (`stages.web`), 413 a batch over --max-batch or
+for other weights than the server holds (or named weights, or a version of them, it does not hold), 411/413 (`stages.web`), 413 a batch over --max-batch or
 `max_pixels`, 422 an adapter that does not load (the weights held stay as they were). One request
 runs the model at a time (a lock), so several clients may call the server; a LoRA swap holds that
 lock while it copies, a pipeline loaded beside does not.
@@ -59,18 +71,36 @@ from stages.sample.rollout_protocol import (
     encode_response,
     refuse_settings,
 )
-from stages.web import HttpError, JsonService, parse_json_object
+from stages.web import HttpError, JsonService, RawReply, parse_form, parse_json_object
 
 IMAGES_ROUTE = "/v1/images/generations"
+VIDEOS_ROUTE = "/v1/videos/sync"
+VIDEO_FPS = 24  # vLLM-Omni's default frames per second of /v1/videos
 WEIGHTS_ROUTE = "/omnirl/v1/weights"
 LATENT_ROUTE = "/omnirl/v1/latent_shape"
 PUSHED = "pushed"  # the `adapter` of weights a client pushed as a LoRA file
+# versions of each named weights the server keeps (the latest pushed): a sampler at --max-staleness 1
+# pins the version before the one its trainer pushes meanwhile
+KEEP_VERSIONS = 2
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 MAX_PIXELS = 2**26  # pixels in one request (samples × frames × resolution²)
 MAX_FRAMES = 4096  # frames of one sample
 _SIZE_RE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
 # vLLM-Omni 0.30.0 bounds of /v1/images/generations
 MAX_IMAGES, MAX_IMAGE_STEPS, MAX_GUIDANCE = 10, 200, 20.0
+
+
+def _weights_name(value: Any) -> str | None:
+    """The `name` of named weights (None: the unnamed ones); 400 unless 1–64 letters, digits, ``._-``."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not _NAME.match(value):
+        raise HttpError(
+            HTTPStatus.BAD_REQUEST,
+            "name must be 1-64 letters, digits, '.', '_' or '-' (not starting with one of those signs)",
+        )
+    return value
 
 
 def _int_field(body: dict[str, Any], key: str, default: int, lo: int, hi: int) -> int:
@@ -115,6 +145,12 @@ class RolloutService(JsonService):
         self.loading = threading.Lock()  # one adapter loads at a time
         self.weights = self._start(adapter)
         self.engine = self._open(adapter)
+        # named weights (several trainers on one server): name → version → (layers, config, record),
+        # the latest KEEP_VERSIONS pushed of each; `active` is the one on the pipeline (None: the
+        # unnamed weights, `self.weights`, whose LoRA `default_lora` holds once swapped away from)
+        self.named: dict[str, dict[int, tuple[Any, Any, dict[str, Any]]]] = {}
+        self.active: tuple[str, int] | None = None
+        self.default_lora: tuple[Any, Any] | None = None
 
     # ---------------------------------------------------------------- weights
     def _open(self, adapter: str | Path | None) -> DiffusersEngine:
@@ -124,13 +160,16 @@ class RolloutService(JsonService):
             FlowPolicy.load(self.model, adapter=adapter, device=self.device, dtype=self.dtype)
         )
 
-    def _record(self, adapter: str | None, digest: str | None, version: int) -> dict[str, Any]:
-        return {
+    def _record(
+        self, adapter: str | None, digest: str | None, version: int, name: str | None = None
+    ) -> dict[str, Any]:
+        record = {
             "model_sha256": self.model_sha256,
             "adapter": adapter,
             "adapter_sha256": digest,
             "version": version,
         }
+        return record if name is None else {"name": name, **record}
 
     def _start(self, adapter: str | Path | None) -> dict[str, Any]:
         from stages.models.diffusion import read_adapter_config
@@ -151,19 +190,128 @@ class RolloutService(JsonService):
             how = engine.policy.set_lora(layers, config)
             with self.lock:
                 self.engine, self.weights, self.full = engine, record, False
+                self.active, self.default_lora = None, (layers, config)
             return {"how": f"reloaded, {how}"}
         with self.lock:  # no rollout sees half-copied weights
             how = self.engine.policy.set_lora(layers, config)
             self.weights = record
+            self.active, self.default_lora = None, (layers, config)
         return {"how": how}
 
-    def _load_folder(self, adapter: str | None, version: int | None) -> dict[str, Any]:
+    def _store_named(self, name: str, layers: Any, config: Any, record: dict[str, Any]) -> dict[str, Any]:
+        """Keep LoRA `layers` as version ``record["version"]`` of the weights `name` (the latest
+        KEEP_VERSIONS pushed stay); the pipeline changes only when a request asks for them."""
+        if self.full or self.engine.policy.untrained_loras():
+            raise HttpError(
+                HTTPStatus.UNPROCESSABLE_ENTITY,
+                "named weights are LoRAs swapped onto the base model, and this server holds a full adapter or "
+                "text-encoder LoRAs (its --adapter); serve the base model for named weights",
+            )
+        version = record["version"]
+        with self.lock:
+            held = self.named.setdefault(name, {})
+            held.pop(version, None)
+            held[version] = (layers, config, record)
+            while len(held) > KEEP_VERSIONS:
+                held.pop(next(iter(held)))  # the oldest pushed
+            if self.active == (name, version):  # replaced while on the pipeline: swap the new bytes in
+                self.engine.policy.set_lora(layers, config)
+            return {"how": "stored", "weights": {**record, "versions": sorted(held)}}
+
+    def _activate(self, target: tuple[str, int] | None) -> None:
+        """Put the unnamed weights (None) or version `target` of named weights on the pipeline, in place;
+        the caller holds the model lock."""
+        from stages.models.lora_weights import read_lora_file
+
+        if target == self.active:
+            return
+        if target is None:
+            layers, config = self.default_lora  # type: ignore[misc]  (kept when swapped away)
+        else:
+            if self.full:
+                raise HttpError(
+                    HTTPStatus.CONFLICT,
+                    "the server now holds a full adapter: named LoRAs no longer swap onto it; push again "
+                    "after loading a LoRA or the base model",
+                )
+            if self.active is None and self.default_lora is None:
+                policy = self.engine.policy
+                self.default_lora = (
+                    read_lora_file(policy.lora_file(), policy.family.trained_module)
+                    if policy.lora
+                    else (None, None)
+                )
+            layers, config, _ = self.named[target[0]][target[1]]
+        self.engine.policy.set_lora(layers, config)
+        self.active = target
+
+    def _select(self, weights: dict[str, Any]) -> int:
+        """Put the weights a rollout request names on the pipeline (the caller holds the model lock);
+        their version. 409 when the server does not hold them (module docstring)."""
+        name = weights.get("name")
+        if name is None:
+            conflict = check_weights(weights, self.weights)
+            if conflict:
+                raise HttpError(
+                    HTTPStatus.CONFLICT,
+                    f"{conflict}; load those weights (POST {WEIGHTS_ROUTE}) or restart with that --adapter",
+                )
+            self._activate(None)
+            return int(self.weights["version"])
+        model = weights.get("model_sha256")
+        if model is not None and model != self.model_sha256:
+            raise HttpError(
+                HTTPStatus.CONFLICT,
+                f"model_sha256 {model!r} was asked, the server holds {self.model_sha256!r}",
+            )
+        held = self.named.get(name)
+        if not held:
+            raise HttpError(
+                HTTPStatus.CONFLICT,
+                f"no weights named {name!r} here; push them first (POST {WEIGHTS_ROUTE}?name={name}&sha256=...&version=N)",
+            )
+        version = weights.get("version")
+        version = max(held) if version is None else version
+        if version not in held:
+            raise HttpError(
+                HTTPStatus.CONFLICT,
+                f"weights {name!r} version {version} was asked; the server holds versions "
+                f"{sorted(held)} of it (the latest {KEEP_VERSIONS} pushed): push that version again",
+            )
+        digest = weights.get("adapter_sha256")
+        if digest is not None and digest != held[version][2]["adapter_sha256"]:
+            raise HttpError(
+                HTTPStatus.CONFLICT,
+                f"weights {name!r} version {version} hold adapter_sha256 {held[version][2]['adapter_sha256']!r}, "
+                f"not the {digest!r} asked",
+            )
+        try:
+            self._activate((name, version))
+        except UserInputError as exc:  # a model whose LoRA does not swap in place (two experts)
+            raise HttpError(HTTPStatus.UNPROCESSABLE_ENTITY, str(exc)) from None
+        return int(version)
+
+    def named_weights(self) -> dict[str, Any]:
+        """``{name: {"versions", "version", "adapter_sha256"}}`` of the named weights held (latest last)."""
+        with self.lock:
+            return {
+                name: {
+                    "versions": sorted(held),
+                    "version": max(held),
+                    "adapter_sha256": held[max(held)][2]["adapter_sha256"],
+                }
+                for name, held in self.named.items()
+            }
+
+    def _load_folder(self, adapter: str | None, version: int | None, name: str | None) -> dict[str, Any]:
         """``POST /omnirl/v1/weights`` with a folder path (module docstring)."""
         from stages.models.diffusion import LORA_WEIGHTS, read_adapter_config
         from stages.models.lora_weights import read_lora_file
         from stages.shards.digest import content_digest
 
         if adapter is None:
+            if name is not None:
+                return self._store_named(name, None, None, self._record(None, None, version or 0, name))
             return self._swap(None, None, self._record(None, None, 0 if version is None else version))
         config = read_adapter_config(adapter, "adapter")
         digest = content_digest(adapter, "adapter")
@@ -175,15 +323,25 @@ class RolloutService(JsonService):
             except ValueError:  # another trainer's file (text-encoder layers, no config): load it whole
                 pass
             else:
-                return self._swap(layers, lora, self._record(adapter, digest, step))
+                record = self._record(adapter, digest, step, name)
+                if name is not None:
+                    return self._store_named(name, layers, lora, record)
+                return self._swap(layers, lora, record)
+        if name is not None:
+            raise HttpError(
+                HTTPStatus.UNPROCESSABLE_ENTITY,
+                f"named weights must be a LoRA in diffusers' layout ({LORA_WEIGHTS}); {adapter} is not",
+            )
         engine = self._open(adapter)  # a PEFT folder or a full adapter: a pipeline beside, then swapped
         with self.lock:
             self.engine, self.full = engine, config["kind"] == "full"
             self.weights = self._record(adapter, digest, step)
+            self.active, self.default_lora = None, None
         return {"how": "reloaded"}
 
-    def _load_pushed(self, raw: bytes, query: dict[str, list[str]]) -> dict[str, Any]:
-        """``POST /omnirl/v1/weights?sha256=HEX&version=N`` with a LoRA file's bytes (module docstring)."""
+    def _load_pushed(self, raw: bytes, query: dict[str, list[str]], name: str | None) -> dict[str, Any]:
+        """``POST /omnirl/v1/weights?sha256=HEX&version=N[&name=NAME]`` with a LoRA file's bytes (module
+        docstring)."""
         from stages.models.lora_weights import read_lora_file
 
         digest = query["sha256"][-1].lower()
@@ -206,6 +364,8 @@ class RolloutService(JsonService):
             layers, lora = read_lora_file(raw, self.engine.policy.family.trained_module)
         except ValueError as exc:
             raise HttpError(HTTPStatus.UNPROCESSABLE_ENTITY, f"the pushed adapter: {exc}") from None
+        if name is not None:
+            return self._store_named(name, layers, lora, self._record(PUSHED, digest, version, name))
         return self._swap(layers, lora, self._record(PUSHED, digest, version))
 
     def load_weights(self, raw: bytes, query: dict[str, list[str]]) -> dict[str, Any]:
@@ -215,20 +375,23 @@ class RolloutService(JsonService):
         with self.loading:
             try:
                 if "sha256" in query:
-                    load = self._load_pushed(raw, query)
+                    name = _weights_name(query.get("name", [None])[-1])
+                    load = self._load_pushed(raw, query, name)
                 else:
                     body = parse_json_object(raw)
                     adapter, version = body.get("adapter"), body.get("version")
+                    name = _weights_name(body.get("name"))
                     if adapter is not None and not isinstance(adapter, str):
                         raise HttpError(
                             HTTPStatus.BAD_REQUEST, "adapter must be a folder path on the server or null"
                         )
                     if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
                         raise HttpError(HTTPStatus.BAD_REQUEST, "version must be an integer or null")
-                    load = self._load_folder(adapter, version)
+                    load = self._load_folder(adapter, version, name)
             except UserInputError as exc:
                 raise HttpError(HTTPStatus.UNPROCESSABLE_ENTITY, str(exc)) from None
-        return {"weights": dict(self.weights), "load": {**load, "seconds": time.perf_counter() - t0}}
+        held = load.pop("weights", None) or dict(self.weights)  # the named weights stored, else those held
+        return {"weights": held, "load": {**load, "seconds": time.perf_counter() - t0}}
 
     # ---------------------------------------------------------------- routes
     def health(self) -> dict[str, Any]:
@@ -238,6 +401,7 @@ class RolloutService(JsonService):
             "model": self.served_name,
             "family": self.engine.family,
             "weights": dict(self.weights),
+            "named_weights": self.named_weights(),
         }
 
     def get(self, path: str) -> dict[str, Any]:
@@ -247,7 +411,7 @@ class RolloutService(JsonService):
             card = {"id": self.served_name, "object": "model", "created": 0, "owned_by": "omnirl"}
             return {"object": "list", "data": [card]}
         if path == WEIGHTS_ROUTE:
-            return {"weights": dict(self.weights)}
+            return {"weights": dict(self.weights), "named_weights": self.named_weights()}
         raise HttpError(
             HTTPStatus.NOT_FOUND, f"no route GET {path}; GET /health, /v1/models or {WEIGHTS_ROUTE}"
         )
@@ -257,6 +421,11 @@ class RolloutService(JsonService):
             return self.max_weights_bytes, "--max-weights-mb"
         return super().body_limit(path)
 
+    def post_request(self, path: str, raw: bytes, content_type: str) -> dict[str, Any] | RawReply:
+        if urllib.parse.urlsplit(path).path.rstrip("/") == VIDEOS_ROUTE:
+            return self.videos(parse_form(raw, content_type))
+        return self.post(path, raw)
+
     def post(self, path: str, raw: bytes) -> dict[str, Any]:
         parts = urllib.parse.urlsplit(path)
         route = parts.path.rstrip("/")
@@ -265,7 +434,8 @@ class RolloutService(JsonService):
         routes = {ROUTE: self.rollout, IMAGES_ROUTE: self.images, LATENT_ROUTE: self.latent_shape}
         if route not in routes:
             raise HttpError(
-                HTTPStatus.NOT_FOUND, f"no route POST {path}; POST {', '.join([*routes, WEIGHTS_ROUTE])}"
+                HTTPStatus.NOT_FOUND,
+                f"no route POST {path}; POST {', '.join([*routes, VIDEOS_ROUTE, WEIGHTS_ROUTE])}",
             )
         try:
             return routes[route](raw)
@@ -298,12 +468,7 @@ class RolloutService(JsonService):
         if len(windows) > 1:
             raise ProtocolError("the samples' groups place windows of different lengths; batch them apart")
         with self.lock:
-            conflict = check_weights(request.weights, self.weights)
-            if conflict:
-                raise HttpError(
-                    HTTPStatus.CONFLICT,
-                    f"{conflict}; load those weights (POST {WEIGHTS_ROUTE}) or restart with that --adapter",
-                )
+            version = self._select(request.weights)
             columns = self.engine.rollout(
                 request.cfg,
                 request.prompts,
@@ -313,12 +478,18 @@ class RolloutService(JsonService):
                 groups=request.groups,
                 sample_ids=request.sample_ids,
             )
-            version = self.weights["version"]
         return encode_response(request.request_id, version, columns)
 
-    def images(self, raw: bytes) -> dict[str, Any]:
-        """``POST /v1/images/generations`` as vLLM-Omni answers it (module docstring)."""
-        body = parse_json_object(raw)
+    def _generation(self, body: dict[str, Any], media: str) -> str:
+        """The prompt of an images or videos request for `media` ("image", "video"), after the checks
+        both routes share: this model makes that media, the prompt is given, the model is served here."""
+        made = self.engine.policy.family.media
+        if made != media:
+            route = VIDEOS_ROUTE if made == "video" else IMAGES_ROUTE
+            raise HttpError(
+                HTTPStatus.BAD_REQUEST,
+                f"{self.served_name} is a {made} model: it makes no {media}s; POST {route}",
+            )
         prompt = body.get("prompt")
         if not isinstance(prompt, str) or not prompt:
             raise HttpError(HTTPStatus.BAD_REQUEST, "prompt is required (a non-empty string)")
@@ -328,6 +499,32 @@ class RolloutService(JsonService):
                 HTTPStatus.BAD_REQUEST,
                 f"model {model!r} is not served here; this serves {self.served_name!r}",
             )
+        return prompt
+
+    def _sample_one_kind(
+        self, cfg: SampleConfig, prompts: list[str], negatives: list[str], seeds: list[int]
+    ) -> dict[str, Any]:
+        """ODE samples of the unnamed weights, one per seed (x_T from the seed too); settings the family
+        refuses are 400."""
+        with self.lock:
+            self._activate(None)
+            try:
+                return self.engine.rollout(
+                    cfg,
+                    prompts,
+                    negatives,
+                    seeds,
+                    seeds,
+                    groups=[0] * len(seeds),
+                    sample_ids=[f"{self.engine.policy.family.media}-{i}" for i in range(len(seeds))],
+                )
+            except UserInputError as exc:
+                raise HttpError(HTTPStatus.BAD_REQUEST, str(exc)) from None
+
+    def images(self, raw: bytes) -> dict[str, Any]:
+        """``POST /v1/images/generations`` as vLLM-Omni answers it (module docstring)."""
+        body = parse_json_object(raw)
+        prompt = self._generation(body, "image")
         if body.get("response_format", "b64_json") != "b64_json":
             raise HttpError(HTTPStatus.BAD_REQUEST, "response_format: only b64_json is served")
         negative = body.get("negative_prompt") or ""
@@ -358,21 +555,8 @@ class RolloutService(JsonService):
             sampler="ode",
             max_sequence_length=self.text_length,
         )
-        seeds = [seed + i for i in range(n)]
         t0 = time.perf_counter()
-        with self.lock:
-            try:
-                columns = self.engine.rollout(
-                    cfg,
-                    [prompt] * n,
-                    [negative] * n,
-                    seeds,
-                    seeds,
-                    groups=[0] * n,
-                    sample_ids=[f"image-{i}" for i in range(n)],
-                )
-            except UserInputError as exc:
-                raise HttpError(HTTPStatus.BAD_REQUEST, str(exc)) from None
+        columns = self._sample_one_kind(cfg, [prompt] * n, [negative] * n, [seed + i for i in range(n)])
         data = [
             {"b64_json": base64.b64encode(png).decode("ascii"), "url": None, "revised_prompt": None}
             for png in columns["image"]
@@ -384,6 +568,68 @@ class RolloutService(JsonService):
             "size": size,
             "metrics": {"seconds": time.perf_counter() - t0},
         }
+
+    def videos(self, form: dict[str, str]) -> RawReply:
+        """``POST /v1/videos/sync`` as vLLM-Omni answers it (module docstring): one MP4."""
+        fields: dict[str, Any] = dict(form)
+        for key in ("width", "height", "num_frames", "fps", "num_inference_steps", "seed", "seconds"):
+            if key in fields:
+                try:
+                    fields[key] = int(fields[key])
+                except ValueError:
+                    raise HttpError(HTTPStatus.BAD_REQUEST, f"{key} must be an integer") from None
+        if "guidance_scale" in fields:
+            try:
+                fields["guidance_scale"] = float(fields["guidance_scale"])
+            except ValueError:
+                raise HttpError(HTTPStatus.BAD_REQUEST, "guidance_scale must be a number") from None
+        prompt = self._generation(fields, "video")
+        width, height = fields.get("width"), fields.get("height")
+        if "size" in fields:
+            match = _SIZE_RE.match(fields["size"])
+            if match is None:
+                raise HttpError(
+                    HTTPStatus.BAD_REQUEST, f"size {fields['size']!r}: give 'WxH', e.g. '480x480'"
+                )
+            width, height = int(match.group(1)), int(match.group(2))
+        if width is None or height is None or width != height or width < 1:
+            raise HttpError(
+                HTTPStatus.BAD_REQUEST,
+                "give a square size 'WxH' (or width and height): this server samples square videos",
+            )
+        fps = _int_field(fields, "fps", VIDEO_FPS, 1, 1000)
+        if "num_frames" not in fields and "seconds" in fields:
+            fields["num_frames"] = _int_field(fields, "seconds", 1, 1, 3600) * fps
+        if "num_frames" not in fields:
+            raise HttpError(HTTPStatus.BAD_REQUEST, "num_frames (or seconds) is required")
+        frames = _int_field(fields, "num_frames", 1, 1, MAX_FRAMES)
+        self._check_pixels(1, width, frames)
+        guidance = fields.get("guidance_scale", SampleConfig.guidance)
+        if not 0 <= guidance <= MAX_GUIDANCE:
+            raise HttpError(
+                HTTPStatus.BAD_REQUEST, f"guidance_scale must be a number in [0, {MAX_GUIDANCE:g}]"
+            )
+        cfg = SampleConfig(
+            steps=_int_field(fields, "num_inference_steps", SampleConfig.steps, 1, MAX_IMAGE_STEPS),
+            guidance=float(guidance),
+            resolution=width,
+            frames=frames,
+            fps=float(fps),
+            sampler="ode",
+            max_sequence_length=self.text_length,
+        )
+        seed = _int_field(fields, "seed", secrets.randbelow(2**62), 0, 2**63 - 1)
+        negative = fields.get("negative_prompt") or ""
+        t0 = time.perf_counter()
+        columns = self._sample_one_kind(cfg, [prompt], [negative], [seed])
+        headers = {
+            "X-Request-Id": f"video_sync-{secrets.token_hex(16)}",
+            "X-Model": self.served_name,
+            "X-Inference-Time-S": f"{time.perf_counter() - t0:.3f}",
+            "X-Stage-Durations": "{}",
+            "X-Peak-Memory-MB": "0.000",
+        }
+        return RawReply(columns["video"][0], "video/mp4", headers)
 
     def latent_shape(self, raw: bytes) -> dict[str, Any]:
         """``POST /omnirl/v1/latent_shape``: the stored latent of one resolution² sample (of `frames`

@@ -5,8 +5,11 @@ sample is one ``POST /v1/images/generations`` (vLLM-Omni 0.30.0 field names: ``p
 ``negative_prompt``, ``model``, ``n`` = 1, ``size`` "RxR", ``num_inference_steps``, ``guidance_scale``
 (Qwen-Image: ``true_cfg_scale``), ``seed``, ``response_format`` b64_json, ``output_format`` png, and
 ``lora`` {name, path} for an --adapter), sent ``--batch-size`` at a time; its seed is the sample's, so
-a sample does not depend on the batching. The server returns media only: a sample has its PNG, no
-trajectory and no final latent. Such a rollout suits scoring and evaluation, and NFT/AWM/DPO through
+a sample does not depend on the batching. A video family's sample is one ``POST /v1/videos/sync``
+instead (a ``multipart/form-data`` form: ``prompt``, ``negative_prompt``, ``model``, ``size`` "RxR",
+``num_frames``, ``fps``, ``num_inference_steps``, ``guidance_scale``, ``seed``, ``lora`` as JSON),
+whose reply is the MP4 itself, checked for its frame count and size, stored as the ``video`` column.
+The server returns media only: a sample has its PNG or MP4, no trajectory and no final latent. Such a rollout suits scoring and evaluation, and NFT/AWM/DPO through
 ``omnirl encode`` (the VAE re-encodes the PNG: an approximate ``final_latent``); the manifest records
 ``trajectory: absent``, so ``omnirl logprob`` refuses it (`engines.check_replayable`). Only ``--sampler ode``
 describes it (the server's own scheduler, deterministic given the seed).
@@ -29,6 +32,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import json
 from collections.abc import Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -42,21 +46,23 @@ from stages.sample.rollout_protocol import (
     ProtocolError,
     redraw_aborted,
 )
-from stages.web import JsonClient
+from stages.web import JsonClient, encode_form
 
 IMAGES_ROUTE = "/v1/images/generations"
+VIDEOS_ROUTE = "/v1/videos/sync"
 VLLM_HINT = "start it with `vllm serve MODEL --omni --port P` and pass --server-url http://HOST:P"
 MAX_CONCURRENCY = 32  # requests in flight at once (a batch's samples)
 # families whose pipeline takes the CFG scale as true_cfg_scale (guidance_scale is distilled guidance)
 TRUE_CFG_FAMILIES = frozenset({"qwen_image"})
 
 
-def model_family(model: Path) -> str:
-    """The family name of a local pipeline folder, from its model_index.json (no weights loaded)."""
+def model_family(model: Path) -> Any:
+    """The family adapter class of a local pipeline folder (its ``name``, its ``media``), from its
+    model_index.json (no weights loaded)."""
     from stages.models.diffusion import pipeline_index
     from stages.models.families import adapter_class
 
-    return adapter_class(pipeline_index(model)["_class_name"], str(model)).name
+    return adapter_class(pipeline_index(model)["_class_name"], str(model))
 
 
 def decode_png(item: Any, resolution: int, where: str) -> bytes:
@@ -85,11 +91,19 @@ class VllmOmniEngine(RolloutEngine):
     """vLLM-Omni's images API over HTTP (images mode; module docstring); `open` without --server-url
     gives the in-process RL mode instead."""
 
-    def __init__(self, client: JsonClient, family: str, served_model: str, lora: dict[str, Any] | None):
+    def __init__(
+        self,
+        client: JsonClient,
+        family: str,
+        served_model: str,
+        lora: dict[str, Any] | None,
+        media: str = "image",
+    ):
         self.client = client
         self.family = family
         self.served_model = served_model
         self.lora = lora
+        self.media = media  # "image": /v1/images/generations; "video": /v1/videos/sync
 
     @classmethod
     def open(cls, options: EngineOptions, device: Any) -> RolloutEngine:
@@ -111,7 +125,7 @@ class VllmOmniEngine(RolloutEngine):
         if options.adapter is not None:  # a path the server reads: the same file system, or a shared one
             adapter = Path(options.adapter).resolve()
             lora = {"name": adapter.name, "path": str(adapter), "scale": 1.0}
-        return cls(client, family, served, lora)
+        return cls(client, family.name, served, lora, family.media)
 
     @classmethod
     def same_samples(cls, options: EngineOptions) -> bool:
@@ -160,6 +174,45 @@ class VllmOmniEngine(RolloutEngine):
             body["lora"] = self.lora
         return body
 
+    def video_form(self, cfg: Any, prompt: str, negative: str, seed: int) -> dict[str, Any]:
+        """The ``/v1/videos/sync`` form fields of one sample (its seed; ``fps`` an integer, as the
+        server's form takes it)."""
+        fields: dict[str, Any] = {
+            "model": self.served_model,
+            "prompt": prompt,
+            "size": f"{cfg.resolution}x{cfg.resolution}",
+            "num_frames": cfg.frames,
+            "fps": int(cfg.fps),
+            "num_inference_steps": cfg.steps,
+            "guidance_scale": cfg.guidance,
+            "seed": int(seed),
+        }
+        if negative:
+            fields["negative_prompt"] = negative
+        if self.lora is not None:
+            fields["lora"] = json.dumps(self.lora)
+        return fields
+
+    def _draw_video(self, fields: dict[str, Any], cfg: Any) -> bytes:
+        """One sample's MP4, checked: an MP4 of `cfg.frames` frames of resolution² (`Aborted` when the
+        reply is empty)."""
+        from stages.media.video import MediaDecodeError, probe_mp4
+
+        blob = self.client.call(VIDEOS_ROUTE, encode_form(fields), accept="video/mp4")
+        if not blob:
+            raise Aborted("no video in the reply")
+        try:
+            info = probe_mp4(blob)
+        except MediaDecodeError as exc:
+            raise ProtocolError(f"the reply is not an MP4 ({exc})") from None
+        got = (info.frames, info.width, info.height)
+        if got != (cfg.frames, cfg.resolution, cfg.resolution):
+            raise ProtocolError(
+                f"the MP4 holds {got[0]} frames of {got[1]}x{got[2]}, not the {cfg.frames} of "
+                f"{cfg.resolution}x{cfg.resolution} asked"
+            )
+        return blob
+
     def _draw(self, body: dict[str, Any], resolution: int) -> bytes:
         """One sample's PNG; `Aborted` when the reply holds no image, `ProtocolError` when it is malformed
         (`redraw_aborted` turns either into a one-line failure naming the sample)."""
@@ -193,15 +246,30 @@ class VllmOmniEngine(RolloutEngine):
             raise UserInputError(
                 "--same-noise: vLLM-Omni draws a sample's noise from its seed alone; drop --same-noise"
             )
+        video = self.media == "video"
+        if video and cfg.save_frames:
+            raise UserInputError(
+                "--save-frames: vLLM-Omni's /v1/videos/sync returns the MP4 only (no lossless frames); "
+                "drop --save-frames, or sample with --engine remote"
+            )
+        if video and cfg.fps != int(cfg.fps):
+            raise UserInputError(f"--fps {cfg.fps:g}: vLLM-Omni's videos API takes whole frames per second")
 
         def one(i: int) -> bytes:
+            what = f"sample {sample_ids[i]} (seed {seeds[i]})"
+            if video:
+                fields = self.video_form(cfg, prompts[i], negatives[i], seeds[i])
+                return redraw_aborted(
+                    lambda: self._draw_video(fields, cfg), f"{self.client.url}{VIDEOS_ROUTE} {what}"
+                )
             body = self.request_body(cfg, prompts[i], negatives[i], seeds[i])
-            what = f"{self.client.url}{IMAGES_ROUTE} sample {sample_ids[i]} (seed {seeds[i]})"
-            return redraw_aborted(lambda: self._draw(body, cfg.resolution), what)
+            return redraw_aborted(
+                lambda: self._draw(body, cfg.resolution), f"{self.client.url}{IMAGES_ROUTE} {what}"
+            )
 
         with ThreadPoolExecutor(max_workers=min(len(prompts), MAX_CONCURRENCY)) as pool:
-            images = list(pool.map(one, range(len(prompts))))
-        return {"image": images}
+            media = list(pool.map(one, range(len(prompts))))
+        return {self.media: media}
 
     def latent_shape(self, resolution: int, frames: int = 1) -> tuple[int, ...]:
         raise UserInputError(
@@ -228,14 +296,16 @@ EXTRA_KEY = "omnirl"  # the key of the protocol v1 request in extra_args, and of
 
 def pipeline_fields(policy: Any, body: dict[str, Any], weight_version: int) -> dict[str, Any]:
     """What omnirl's custom pipeline returns for one protocol v1 request `body` (one batch of B samples),
-    as the fields of vLLM-Omni's ``DiffusionOutput``: ``output`` (B PIL images), ``trajectory_latents``
-    [B, K+1, *latent], ``trajectory_log_probs`` [B, K], ``trajectory_timesteps`` [B, K] (fp32; None for
-    the ode sampler) and ``custom_output[EXTRA_KEY]``: request id, weight version, σ window [B, K+1]
-    and final latent [B, *latent]. Computed by `rollout_batch` (the family adapter, `samplers.step`)."""
+    as the fields of vLLM-Omni's ``DiffusionOutput``: ``output`` (B PIL images; empty for a video
+    family), ``trajectory_latents`` [B, K+1, *latent], ``trajectory_log_probs`` [B, K],
+    ``trajectory_timesteps`` [B, K] (fp32; None for the ode sampler) and ``custom_output[EXTRA_KEY]``:
+    request id, weight version, σ window [B, K+1], final latent [B, *latent] and the encoded media of
+    protocol v1 (``media``: PNGs or MP4s, ``frames`` where saved), whatever the family's media column.
+    Computed by `rollout_batch` (the family adapter, `samplers.step`)."""
     from PIL import Image
 
     from stages.sample.rollout import rollout_batch
-    from stages.sample.rollout_protocol import decode_request, refuse_settings
+    from stages.sample.rollout_protocol import decode_request, media_fields, refuse_settings
 
     request = decode_request(body, max_samples=MAX_PIPELINE_BATCH)
     refuse_settings(request.cfg)
@@ -250,7 +320,7 @@ def pipeline_fields(policy: Any, body: dict[str, Any], weight_version: int) -> d
         sample_ids=request.sample_ids,
     )
     return {
-        "output": [Image.open(io.BytesIO(png)) for png in columns["image"]],
+        "output": [Image.open(io.BytesIO(png)) for png in columns.get("image", [])],
         "trajectory_latents": columns.get("latents"),
         "trajectory_log_probs": columns.get("log_probs"),
         "trajectory_timesteps": columns.get("timesteps"),
@@ -260,6 +330,7 @@ def pipeline_fields(policy: Any, body: dict[str, Any], weight_version: int) -> d
                 "weight_version": int(weight_version),
                 "sigmas": columns.get("sigmas"),
                 "final_latent": columns["final_latent"],
+                **media_fields(columns),
             }
         },
         "error": None,
@@ -269,9 +340,10 @@ def pipeline_fields(policy: Any, body: dict[str, Any], weight_version: int) -> d
 def outputs_to_reply(outputs: Sequence[Any], request: dict[str, Any]) -> dict[str, Any]:
     """The protocol v1 reply to `request` (an `encode_request` body) of vLLM-Omni's ``generate`` outputs
     for it (one ``OmniRequestOutput``, duck-typed: ``images``, ``trajectory_*``, ``custom_output``,
-    ``error``). An output with an error that names an abort, or without images, is ``finish_reason``
-    "abort"; another error, or no omnirl record, is a `ProtocolError`. Check the result with
-    `rollout_protocol.decode_response`."""
+    ``error``). The media are the record's encoded ones (PNGs or a video family's MP4s, with saved
+    frames), else PNGs of ``images``. An output with an error that names an abort, or without media,
+    is ``finish_reason`` "abort"; another error, or no omnirl record, is a `ProtocolError`. Check the
+    result with `rollout_protocol.decode_response`."""
     from stages.sample.rollout_protocol import PROTOCOL, VERSION, media_item
     from stages.sample.tensor_codec import encode_tensor
     from stages.tables import png_bytes
@@ -282,11 +354,12 @@ def outputs_to_reply(outputs: Sequence[Any], request: dict[str, Any]) -> dict[st
     out = outputs[0]
     error = getattr(out, "error", None)
     images = list(getattr(out, "images", None) or [])
-    if (error and "abort" in str(error).lower()) or (not error and not images):
+    record = (getattr(out, "custom_output", None) or {}).get(EXTRA_KEY)
+    media = record.get("media") if isinstance(record, dict) else None
+    if (error and "abort" in str(error).lower()) or (not error and not images and not media):
         return {**base, "weight_version": 0, "finish_reason": "abort"}
     if error:
         raise ProtocolError(f"vLLM-Omni reports {str(error)[:200]!r}")
-    record = (getattr(out, "custom_output", None) or {}).get(EXTRA_KEY)
     if not isinstance(record, dict) or record.get("request_id") != request["request_id"]:
         raise ProtocolError(
             "the output carries no omnirl record of this request: is the custom pipeline "
@@ -309,7 +382,8 @@ def outputs_to_reply(outputs: Sequence[Any], request: dict[str, Any]) -> dict[st
         **base,
         "weight_version": record.get("weight_version"),
         "finish_reason": "stop",
-        "media": [media_item(png_bytes(im)) for im in images],
+        "media": media or [media_item(png_bytes(im)) for im in images],
+        **({"frames": record["frames"]} if "frames" in record else {}),
         "final_latent": tensor(record.get("final_latent")),
         "trajectory": trajectory,
     }
@@ -340,7 +414,7 @@ class VllmOmniRLEngine(RolloutEngine):
                 "it (pip install 'omnirl[vllm-omni]'; GPU only), or pass --server-url of a "
                 "`vllm serve --omni` (images only)"
             ) from None
-        family = model_family(Path(options.model))
+        family = model_family(Path(options.model)).name
         pipeline_args = {
             "pipeline_class": PIPELINE_CLASS,
             "adapter": None if options.adapter is None else str(Path(options.adapter).resolve()),

@@ -15,6 +15,7 @@ from stages.media.video import encode_mp4
 from stages.tables import png_bytes
 
 FRAMES_COLUMN = "frames"  # the lossless frames of a video rollout (`--save-frames`): PNG per frame
+MEDIA_COLUMNS = ("image", "video", FRAMES_COLUMN)  # the decoded outputs' columns a rollout may hold
 
 
 def is_video(output: Any) -> bool:

@@ -79,7 +79,10 @@ def test_deferred_media_misuse_is_one_line(deferred: dict[str, Path], tmp_path: 
     out = str(tmp_path / "out")
     reward = ["--reward", "jpeg_compressibility", "--out", out]
     fails(["score", "--in", str(samples), "--keep-media", *reward], "--keep-media", "stores its media")
-    fails(["score", "--in", str(samples), "--vae-tiling", *reward], "--vae-tiling")
+    # a preset's top-level model: key reaches score too: ignored (and no part of the identity) there
+    again = run("score", "--in", str(samples), "--model", str(model), "--vae-tiling", *reward)
+    assert again["reward/mean"] == run("score", "--in", str(samples), *reward)["reward/mean"]
+    assert read_manifest(tmp_path / "out").config["model"] is None
     fails(
         sample_args(model, prompts, tmp_path / "s", "--defer-decode", "--vae-slicing"),
         "--vae-slicing",
@@ -88,12 +91,15 @@ def test_deferred_media_misuse_is_one_line(deferred: dict[str, Path], tmp_path: 
     remote = ("--defer-decode", "--engine", "remote", "--server-url", "http://127.0.0.1:9")
     fails(sample_args(model, prompts, tmp_path / "s", *remote), "--defer-decode", "remote")
     away = deferred["root"] / "moved"
+    again_out = ["--reward", "jpeg_compressibility", "--out", str(tmp_path / "deferred_rewards")]
     deferred["copy"].rename(away)
     try:
         fails(
-            ["score", "--in", str(deferred["deferred"]), *reward], "--model", str(deferred["copy"].resolve())
+            ["score", "--in", str(deferred["deferred"]), *again_out],
+            "--model",
+            str(deferred["copy"].resolve()),
         )
-        run("score", "--in", str(deferred["deferred"]), "--model", str(model), *reward)
+        run("score", "--in", str(deferred["deferred"]), "--model", str(model), *again_out)
     finally:
         away.rename(deferred["copy"])
 

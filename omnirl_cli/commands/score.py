@@ -90,7 +90,8 @@ def score(
             "--model",
             "-m",
             help=f"Deferred media (`sample --defer-decode`): the pipeline whose VAE decodes the final latents, "
-            f"{WEIGHTS_FROM} (default: the model folder the rollout's manifest records).",
+            f"{WEIGHTS_FROM} (default: the model folder the rollout's manifest records; ignored for a rollout "
+            "that stores its media).",
             rich_help_panel=DEFERRED,
         ),
     ] = None,
@@ -107,7 +108,8 @@ def score(
         bool,
         typer.Option(
             "--vae-tiling",
-            help="Deferred media: decode in overlapping spatial tiles (as `sample --vae-tiling`).",
+            help="Deferred media: decode in overlapping spatial tiles (as `sample --vae-tiling`); ignored for a "
+            "rollout that stores its media.",
             rich_help_panel=DEFERRED,
         ),
     ] = False,
@@ -115,7 +117,8 @@ def score(
         bool,
         typer.Option(
             "--vae-slicing",
-            help="Deferred media: decode one sample at a time (as `sample --vae-slicing`).",
+            help="Deferred media: decode one sample at a time (as `sample --vae-slicing`); ignored for a rollout "
+            "that stores its media.",
             rich_help_panel=DEFERRED,
         ),
     ] = False,
@@ -255,7 +258,8 @@ def _identity(c: dict, specs: list[tuple[str, float]]) -> dict:
 def _deferred(c: dict, src: Any, modality: str) -> tuple[Any, Callable[[list], dict] | None]:
     """For a rollout whose media is deferred (`stages.media.deferred`): the `LatentDecoder` of its final
     latents and, with --keep-media, the function making a batch's media columns; (None, None) for a
-    rollout that stores its media, where the deferred-media options are refused."""
+    rollout that stores its media. There --keep-media is refused, and --model, --vae-tiling and
+    --vae-slicing (names a preset's top-level keys share with other commands) are left out of `c`."""
     from stages.errors import UserInputError
     from stages.media import MEDIA_COLUMNS, media_columns
     from stages.media.deferred import LatentDecoder, deferred_media
@@ -264,11 +268,9 @@ def _deferred(c: dict, src: Any, modality: str) -> tuple[Any, Callable[[list], d
 
     record = deferred_media(src.manifests)
     if record is None or any(col in src.columns for col in MEDIA_COLUMNS):
-        given = [
-            f"--{k.replace('_', '-')}" for k in ("model", "keep_media", "vae_tiling", "vae_slicing") if c[k]
-        ]
-        if given:
-            raise UserInputError(f"{given[0]}: --in stores its media (nothing to decode); drop {given[0]}")
+        if c["keep_media"]:
+            raise UserInputError("--keep-media: --in stores its media already (nothing to decode); drop it")
+        c.update(model=None, vae_tiling=False, vae_slicing=False)
         return None, None
     model = c["model"] or Path(record["model"])
     if c["model"] is None and not Path(model).is_dir():

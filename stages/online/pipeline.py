@@ -233,9 +233,10 @@ def _sampler_main(
                     **media,
                 }
             )
+            kept = media if cfg.save_trajectories and stores_media(cfg, k) else {}  # the driver only saves it
             ring.put(
                 {name: cols[name] for name in TENSORS if name in cols},
-                {"k": k, **meta, **media, "device": where},
+                {"k": k, **meta, **kept, "device": where},
             )
     except RingClosed:  # the driver is shutting down: what the scorer has not read is moot
         to_scorer.cancel_join_thread()
@@ -639,7 +640,7 @@ def run_online(
                 extra={"online_iteration": k + 1, "max_staleness": cfg.max_staleness},
             )
             if cfg.save_trajectories:
-                _save_trajectories(cfg, k, data, rewards, adv, stats, policy.family.name)
+                _save_trajectories(cfg, k, data, rewards, adv, stats, policy.family)
             if tracking:
                 tracking.log_rewards(k, rewards, data.get("prompt_meta"))
                 tracking.log("rollout", k, {"rollout/version_gap_max": max(gaps)})
@@ -699,23 +700,27 @@ def _save_trajectories(
     rewards: dict[str, Any],
     adv: dict[str, Any],
     stats: dict[str, Any],
-    family: str,
+    family: Any,
 ) -> None:
-    """The shard sets the staged commands would have written for iteration k; its samples hold media
-    only when `stores_media(cfg, k)`, else the manifest records it as deferred (`stages.media.deferred`)."""
+    """The shard sets the staged commands would have written for iteration k (`family`: the policy's
+    `FamilyAdapter`); its samples hold media only when `stores_media(cfg, k)` (the sampler sends it to the
+    driver only then), else the manifest records it as deferred (`stages.media.deferred`)."""
     from stages.media.deferred import deferred_record
     from stages.sample.stage import KINDS
     from stages.shards.writer import ShardSetWriter
 
     it = cfg.out / f"it{k}"
-    media = MEDIA_COLUMNS if stores_media(cfg, k) else ()
-    columns = ("sample_id", "group_id", "prompt", "negative_prompt", "prompt_meta", *media, *TENSORS)
-    modality = output_modality([c for c in MEDIA_COLUMNS if c in data])
-    deferred = {} if media else deferred_record(cfg.model, cfg.dtype)
+    columns = ("sample_id", "group_id", "prompt", "negative_prompt", "prompt_meta", *MEDIA_COLUMNS, *TENSORS)
+    deferred = {} if stores_media(cfg, k) else deferred_record(cfg.model, cfg.dtype)
     parts = {
         "samples": (
             {c: data[c] for c in columns if c in data},
-            {"sample_config": asdict(cfg.sampling(k)), "family": family, "modality": modality, **deferred},
+            {
+                "sample_config": asdict(cfg.sampling(k)),
+                "family": family.name,
+                "modality": family.media,
+                **deferred,
+            },
         ),
         "rewards": ({key: v for key, v in rewards.items() if key != "k"}, {}),
         "advantages": (adv, {"stats": stats}),

@@ -50,6 +50,20 @@ def test_a_deferred_rollout_stores_final_latents_and_records_its_decode(deferred
         assert torch.equal(mine[key], theirs[key]), key
 
 
+def test_stages_after_sample_take_a_deferred_rollout(deferred: dict[str, Path], tmp_path: Path) -> None:
+    run(
+        "logprob",
+        "--model",
+        str(deferred["model"]),
+        "--in",
+        str(deferred["deferred"]),
+        "--out",
+        str(tmp_path / "lp"),
+    )
+    mine = ShardSet(tmp_path / "lp").read_all(["old_log_probs"])["old_log_probs"]
+    assert torch.equal(mine, ShardSet(deferred["logprobs"]).read_all(["old_log_probs"])["old_log_probs"])
+
+
 def test_score_decodes_in_the_rollouts_batches_to_equal_rewards(
     deferred: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -91,15 +105,15 @@ def test_deferred_media_misuse_is_one_line(deferred: dict[str, Path], tmp_path: 
     remote = ("--defer-decode", "--engine", "remote", "--server-url", "http://127.0.0.1:9")
     fails(sample_args(model, prompts, tmp_path / "s", *remote), "--defer-decode", "remote")
     away = deferred["root"] / "moved"
-    again_out = ["--reward", "jpeg_compressibility", "--out", str(tmp_path / "deferred_rewards")]
+    deferred_out = ["--reward", "jpeg_compressibility", "--out", str(tmp_path / "deferred_rewards")]
     deferred["copy"].rename(away)
     try:
         fails(
-            ["score", "--in", str(deferred["deferred"]), *again_out],
+            ["score", "--in", str(deferred["deferred"]), *deferred_out],
             "--model",
             str(deferred["copy"].resolve()),
         )
-        run("score", "--in", str(deferred["deferred"]), "--model", str(model), *again_out)
+        run("score", "--in", str(deferred["deferred"]), "--model", str(model), *deferred_out)
     finally:
         away.rename(deferred["copy"])
 

@@ -214,17 +214,28 @@ def _tile(data: bytes, media: str, cell: int) -> Any:
     return strip
 
 
+def _rollout(samples: Path, rewards: Path | None) -> Any:
+    """The samples shard set, zipped with its rewards when they exist."""
+    from stages.shards.reader import ShardSet, open_inputs
+
+    paths = [samples] + ([rewards] if rewards and (rewards / MANIFEST_NAME).is_file() else [])
+    return open_inputs(paths) if len(paths) > 1 else ShardSet(samples)
+
+
+def has_media(samples: Path, rewards: Path | None, media: str = "image") -> bool:
+    """Whether the samples or their rewards hold the `media` column a grid draws: a rollout sampled with
+    --defer-decode (`stages.media.deferred`) has one only where `score --keep-media` wrote it."""
+    return ("video" if media == "video" else "image") in _rollout(samples, rewards).columns
+
+
 def _groups(
     samples: Path, rewards: Path | None, media: str = "image"
 ) -> list[tuple[str, list[tuple[bytes, float | None]]]]:
     """The first shard's prompt groups in order: (prompt, [(PNG or, for `media` "video", MP4 bytes,
-    reward or None)])."""
-    from stages.shards.reader import ShardSet, open_inputs
-
+    reward or None)]); the media from the samples, or from the rewards (`score --keep-media`)."""
     column = "video" if media == "video" else "image"
-    paths = [samples] + ([rewards] if rewards and (rewards / MANIFEST_NAME).is_file() else [])
-    src = open_inputs(paths) if len(paths) > 1 else ShardSet(samples)
-    cols = ["sample_id", "group_id", "prompt", column] + (["reward"] if len(paths) > 1 else [])
+    src = _rollout(samples, rewards)
+    cols = ["sample_id", "group_id", "prompt", column] + (["reward"] if "reward" in src.columns else [])
     data = src.read_shard(0, columns=cols)
     order: dict[str, list[int]] = {}
     for i, g in enumerate(data["group_id"]):
@@ -333,17 +344,24 @@ def contact_sheet(
 
 
 def video_preview(
-    samples: Path, path: Path, *, count: int = 8, columns: int = 4, cell: int = 96, max_frames: int = 48
+    samples: Path,
+    path: Path,
+    *,
+    count: int = 8,
+    columns: int = 4,
+    cell: int = 96,
+    max_frames: int = 48,
+    rewards: Path | None = None,
 ) -> Path:
     """An animated GIF of the first `count` samples of a video rollout, playing together in a grid of
     `columns` (`cell`-pixel tiles) at their fps; longer videos are shown every k-th frame (at most
-    `max_frames` frames, k times as long each). A video that ends early holds its last frame."""
+    `max_frames` frames, k times as long each). A video that ends early holds its last frame. The videos
+    come from the samples, or from `rewards` where `score --keep-media` wrote them."""
     from PIL import Image
 
     from stages.media.video import decode_mp4
-    from stages.shards.reader import ShardSet
 
-    blobs = ShardSet(samples).read_shard(0, columns=["video"])["video"][:count]
+    blobs = _rollout(samples, rewards).read_shard(0, columns=["video"])["video"][:count]
     videos = [decode_mp4(blob) for blob in blobs]
     if not videos:
         raise UserInputError(f"{samples}: no video to preview")

@@ -31,6 +31,8 @@ def _render(info: dict[str, Any], head: list[dict[str, Any]], sha: dict[str, str
     from rich.table import Table
     from rich.tree import Tree
 
+    from stages.media.deferred import DEFERRED
+
     err.print(
         f"[bold]{info['path']}[/]  {info['format']} v{info['schema_version']}  "
         f"[bold]{info['num_rows']}[/] rows in {info['num_shards']} shard(s)"
@@ -41,6 +43,12 @@ def _render(info: dict[str, Any], head: list[dict[str, Any]], sha: dict[str, str
     )
     if info.get("policy"):
         err.print("policy: " + ", ".join(f"{k}={v}" for k, v in info["policy"].items()))
+    deferred = (info.get("extra") or {}).get(DEFERRED)
+    if deferred:
+        err.print(
+            f"media: deferred (final latents, no image/video column); `omnirl score` decodes them with the "
+            f"VAE of {deferred['model']}"
+        )
 
     stats = info.get("stats", {})
     cols = Table(title="columns", title_justify="left")

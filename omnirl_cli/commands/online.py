@@ -110,6 +110,16 @@ def online(
         bool,
         typer.Option("--save-trajectories", help="Also write it<K>/samples, rewards, advantages shard sets."),
     ] = False,
+    media_every: Annotated[
+        int,
+        typer.Option(
+            "--media-every",
+            min=1,
+            help="With --save-trajectories: store the image/video columns only in every N-th iteration's "
+            "samples (0, N, 2N, ...) and the last; the others keep their final latents, recorded as deferred "
+            "media (`omnirl score --keep-media` decodes them). Every iteration is still decoded and scored.",
+        ),
+    ] = 1,
     seed: Annotated[
         int | None,
         typer.Option(
@@ -217,6 +227,7 @@ def online(
         drop_zero_std=bool(adv.get("drop_zero_std")),
         max_staleness=max_staleness,
         save_trajectories=save_trajectories,
+        media_every=media_every,
         dtype=dtype,
         threads=threads,
         seed=seed,

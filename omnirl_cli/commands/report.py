@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from ..console import emit_json, err, progress
+from ..console import emit_json, err, log, progress
 from ..errors import handle_errors
 from ..options import JsonOpt, ReportToOpt, RunNameOpt
 
@@ -40,6 +40,7 @@ def report(
         collect,
         comparison_grid,
         contact_sheet,
+        has_media,
         image_grid,
         iterations,
         response_sheet,
@@ -53,6 +54,7 @@ def report(
     tracking = Tracking(parse_report_to(report_to), run, run_name)
     sheets = []
     previews = []
+    skipped: list[int] = []  # iterations without media to draw
     # per kind of rollout: (iteration, directory holding samples/ and rewards/, its media)
     image_sets: dict[str, list[tuple[int, Path, str]]] = {"eval": [], "samples": []}
     with progress(not json_) as bar:
@@ -66,16 +68,25 @@ def report(
             samples = it / "samples"
             evaluated = it / "eval" / "samples"
             if (evaluated / "_manifest.json").is_file():
-                image_sets["eval"].append((k, it / "eval", rollout_modality([read_manifest(evaluated)])))
+                media = rollout_modality([read_manifest(evaluated)])
+                if media == "text" or has_media(evaluated, it / "eval" / "rewards", media):
+                    image_sets["eval"].append((k, it / "eval", media))
             if not (samples / "_manifest.json").is_file():
                 continue
             modality = rollout_modality([read_manifest(samples)])
-            if modality == "text":
+            if modality != "text" and not has_media(samples, it / "rewards", modality):
+                skipped.append(k)
+                log(
+                    f"it{k}: no grid: its samples hold no {modality}s (deferred media: `omnirl score "
+                    "--keep-media` writes them)",
+                    quiet=json_,
+                )
+            elif modality == "text":
                 sheets.append((k, response_sheet(samples, it / "rewards", it / "responses.md")))
             elif modality == "video":
                 image_sets["samples"].append((k, it, modality))
                 sheets.append((k, contact_sheet(samples, it / "rewards", it / "grid.png")))
-                previews.append(str(video_preview(samples, it / "preview.gif")))
+                previews.append(str(video_preview(samples, it / "preview.gif", rewards=it / "rewards")))
             else:
                 image_sets["samples"].append((k, it, modality))
                 sheets.append((k, image_grid(samples, it / "rewards", it / "grid.png")))
@@ -105,6 +116,7 @@ def report(
                 "reward_curve": str(curve),
                 "grids": grid_paths,
                 "previews": previews,
+                "no_media": skipped,
                 "before_after": str(comparison) if comparison else None,
                 **tracked,
             }

@@ -374,6 +374,17 @@ def sample(
             rich_help_panel=VIDEO,
         ),
     ] = False,
+    defer_decode: Annotated[
+        bool,
+        typer.Option(
+            "--defer-decode",
+            help="Skip the VAE decode: write each sample's final latent and no image/video column (the "
+            "manifest records the media as deferred); `omnirl score` decodes the latents to the same pixels "
+            "(--keep-media there stores them). Saves the decode's time and memory, and the media's disk. "
+            "The diffusers engine only.",
+            rich_help_panel=VIDEO,
+        ),
+    ] = False,
     num_shards: NumShardsOpt = None,
     shard_rows: ShardRowsOpt = 256,
     shard_index: Annotated[
@@ -393,6 +404,7 @@ def sample(
     """Sample GROUP images per prompt and write trajectories: stored latents, log-probs, σ, final latent, PNG.
 
     A video family (its decode gives frame lists) writes an MP4 `video` column at --fps instead of the PNG.
+    --defer-decode writes no media: `omnirl score` decodes the final latents.
 
     Each sample has its own seed, so a sample never depends on the batch size. A re-run skips shards
     that are complete and verified.
@@ -420,6 +432,7 @@ def sample(
         return
     from stages.errors import UserInputError
     from stages.media import output_modality
+    from stages.media.deferred import deferred_record
     from stages.models.diffusion import check_pipeline_folder
     from stages.models.factory import default_text_length
     from stages.sample.engines import DEFAULT_ENGINE, DiffusersEngine, EngineOptions, engine_class
@@ -439,6 +452,11 @@ def sample(
             f"--{vae_options[0].replace('_', '-')}: --engine {engine_type.name} decodes elsewhere; drop it "
             "(a server's VAE is set where it runs)"
         )
+    if c["defer_decode"] and not issubclass(engine_type, DiffusersEngine):
+        raise UserInputError(f"--defer-decode: --engine {engine_type.name} returns decoded media; drop it")
+    if c["defer_decode"] and vae_options:
+        option = f"--{vae_options[0].replace('_', '-')}"
+        raise UserInputError(f"{option}: --defer-decode runs no decode here; pass {option} to `omnirl score`")
     source = PromptSource(c["prompts"])
     picked = sample_prompts(source, c["num_prompts"], c["seed"])
     _check_memory(
@@ -457,9 +475,11 @@ def sample(
     engine = engine_type.open(options, device())
     try:
         extra = {"sample_config": asdict(cfg), "family": engine.family, "engine": engine.describe()}
+        if c["defer_decode"]:  # no media column to tell the modality: the family's decode does
+            extra.update(modality=engine.policy.family.media, **deferred_record(c["model"], c["dtype"]))
 
         def with_modality(columns: list) -> dict:
-            return {**extra, "modality": output_modality([col.kind for col in columns])}
+            return {"modality": output_modality([col.kind for col in columns]), **extra}
 
         _run(c, json_, writer, len(picked), "images", with_modality, partial(run_sample, engine, cfg, picked))
     finally:

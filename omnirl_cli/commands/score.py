@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Annotated
+from functools import partial
+from pathlib import Path
+from typing import Annotated, Any
 
 import typer
 
@@ -12,6 +14,7 @@ from ..config import resolve
 from ..console import emit_json, log
 from ..errors import handle_errors
 from ..options import (
+    WEIGHTS_FROM,
     ConfigOpt,
     FormatOpt,
     InOpt,
@@ -23,7 +26,9 @@ from ..options import (
     SetOpt,
     mixed_precision_opt,
 )
-from ..runtime import check_format, finalize, map_shards, open_inputs, plugin_files, run_config
+from ..runtime import check_format, device, finalize, map_shards, open_inputs, plugin_files, run_config
+
+DEFERRED = "Deferred media"
 
 
 @handle_errors
@@ -86,6 +91,44 @@ def score(
         "the rewards' model forwards on this process's device (CLIP rewards, vlm_judge); recorded for "
         "rewards that are not torch models or run remotely"
     ) = None,
+    model: Annotated[
+        Path | None,
+        typer.Option(
+            "--model",
+            "-m",
+            help=f"Deferred media (`sample --defer-decode`): the pipeline whose VAE decodes the final latents, "
+            f"{WEIGHTS_FROM} (default: the model folder the rollout's manifest records; ignored for a rollout "
+            "that stores its media).",
+            rich_help_panel=DEFERRED,
+        ),
+    ] = None,
+    keep_media: Annotated[
+        bool,
+        typer.Option(
+            "--keep-media",
+            help="Deferred media: also write the decoded media (image PNG / video MP4, and frames where the "
+            "rollout asked for --save-frames) in this command's output, where `omnirl report` finds them.",
+            rich_help_panel=DEFERRED,
+        ),
+    ] = False,
+    vae_tiling: Annotated[
+        bool,
+        typer.Option(
+            "--vae-tiling",
+            help="Deferred media: decode in overlapping spatial tiles (as `sample --vae-tiling`); ignored for a "
+            "rollout that stores its media.",
+            rich_help_panel=DEFERRED,
+        ),
+    ] = False,
+    vae_slicing: Annotated[
+        bool,
+        typer.Option(
+            "--vae-slicing",
+            help="Deferred media: decode one sample at a time (as `sample --vae-slicing`); ignored for a rollout "
+            "that stores its media.",
+            rich_help_panel=DEFERRED,
+        ),
+    ] = False,
     fmt: FormatOpt = "parquet",
     report_to: ReportToOpt = None,
     run_name: RunNameOpt = None,
@@ -109,6 +152,10 @@ def score(
     --report-to logs reward/mean, reward/std and reward.<name>/mean, /std at the iteration K of --out
     RUN/it<K>/rewards (0 outside that layout).
 
+    A rollout sampled with --defer-decode holds final latents, no media: score decodes them with the VAE
+    of the rollout's model (or --model) on this process's device, in the rollout's batches and under its
+    --dtype and --mixed-precision, so the rewards equal those of the decoded rollout's PNGs (frames).
+
     VLM: [bold]omnirl score --in run/it0/samples --reward accuracy=0.9 --reward format_boxed=0.1 --out run/it0/rewards[/]
 
     Example: [bold]omnirl score --in run/it0/samples --reward ocr --reward jpeg_compressibility=0.1 --out run/it0/rewards[/]
@@ -119,6 +166,7 @@ def score(
     c = resolve(ctx, "score", required=("out",))
     from stages.precision import resolve_mixed_precision
     from stages.reporting import reward_statistics
+    from stages.sample.stage import KINDS
     from stages.score.registry import check_reward_args, parse_reward_args, parse_reward_spec
     from stages.score.stage import needed_columns, score_shard, text_columns, truncated_rows
     from stages.shards.reader import rollout_modality
@@ -136,6 +184,7 @@ def score(
     c["reward_args"] = reward_args or None
     src = open_inputs(c["inputs"])
     modality = rollout_modality(src.manifests)
+    decoder, keep = _deferred(c, src, modality)
     writer = ShardSetWriter(
         c["out"],
         num_shards=src.num_shards,
@@ -144,6 +193,7 @@ def score(
         config=_identity(c, specs),
         parents=[*src.paths, *plugin_files([name for name, _ in specs])],
         policy=src.manifests[0].policy,
+        kinds=KINDS if keep else None,
         overwrite=c["overwrite"],
     )
     seconds: dict[str, float] = {}  # per reward, this process's scoring time
@@ -160,13 +210,17 @@ def score(
             reward_args=reward_args,
             seconds=seconds,
             mixed_precision=c["mixed_precision"],
+            decoder=decoder,
+            keep_media=keep,
         )
         scored[0] += len(out["sample_id"])
         return out
 
     if not writer.complete:
         columns = (
-            text_columns(list(src.columns)) if modality == "text" else needed_columns(modality, src.columns)
+            text_columns(list(src.columns))
+            if modality == "text"
+            else needed_columns(modality, src.columns, deferred=decoder is not None)
         )
         map_shards(src, writer, "scoring", columns, score_one, bar=not json_)
     if not finalize(writer):
@@ -206,3 +260,43 @@ def _identity(c: dict, specs: list[tuple[str, float]]) -> dict:
     if digests:
         config["reward_args_sha256"] = digests
     return config
+
+
+def _deferred(c: dict, src: Any, modality: str) -> tuple[Any, Callable[[list], dict] | None]:
+    """For a rollout whose media is deferred (`stages.media.deferred`): the `LatentDecoder` of its final
+    latents and, with --keep-media, the function making a batch's media columns; (None, None) for a
+    rollout that stores its media. There --keep-media is refused, and --model, --vae-tiling and
+    --vae-slicing (names a preset's top-level keys share with other commands) are left out of `c`."""
+    from stages.errors import UserInputError
+    from stages.media import MEDIA_COLUMNS, media_columns
+    from stages.media.deferred import LatentDecoder, deferred_media
+    from stages.models.diffusion import load_decoder
+    from stages.sample.rollout import sample_config_of
+
+    record = deferred_media(src.manifests)
+    if record is None or any(col in src.columns for col in MEDIA_COLUMNS):
+        if c["keep_media"]:
+            raise UserInputError("--keep-media: --in stores its media already (nothing to decode); drop it")
+        c.update(model=None, vae_tiling=False, vae_slicing=False)
+        return None, None
+    model = c["model"] or Path(record["model"])
+    if c["model"] is None and not Path(model).is_dir():
+        raise UserInputError(
+            f"--in: its media is deferred and the model folder it records, {model}, is gone; pass --model "
+            "with the pipeline it was sampled with"
+        )
+    cfg = sample_config_of(src.manifests)
+    on = device()
+    family = load_decoder(
+        model, device=on, dtype=record["dtype"], tiling=c["vae_tiling"], slicing=c["vae_slicing"]
+    )
+    if family.media != modality:
+        raise UserInputError(
+            f"--model {model}: its {family.name} VAE decodes {family.media}s but --in is a {modality} rollout; "
+            "pass the pipeline it was sampled with"
+        )
+    decoder = LatentDecoder(
+        family.decode, batch_size=cfg.batch_size, mixed_precision=cfg.mixed_precision, device=on
+    )
+    keep = partial(media_columns, fps=cfg.fps, save_frames=cfg.save_frames) if c["keep_media"] else None
+    return decoder, keep

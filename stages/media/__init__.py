@@ -18,6 +18,7 @@ FRAMES_COLUMN = "frames"  # the lossless frames of a video rollout (`--save-fram
 # the media columns a decoded batch may make, and the file format of their cells
 MEDIA_FORMATS = {"image": "png", "video": "mp4"}
 _SIGNATURES = {"png": lambda b: b.startswith(b"\x89PNG\r\n\x1a\n"), "mp4": lambda b: b[4:8] == b"ftyp"}
+MEDIA_COLUMNS = (*MEDIA_FORMATS, FRAMES_COLUMN)  # the decoded outputs' columns a rollout may hold
 
 
 def is_video(output: Any) -> bool:

@@ -224,6 +224,58 @@ def adapter_loading(adapter: str | Path, model: str | Path) -> Iterator[None]:
             lg.setLevel(level)
 
 
+def vae_memory(vae: Any, family: str, *, tiling: bool = False, slicing: bool = False) -> None:
+    """Decode with less memory (video): the VAE decodes in overlapping spatial tiles (`tiling`, its
+    `enable_tiling()`; may change pixels at tile seams) and/or one sample at a time (`slicing`,
+    `enable_slicing()`; each sample's pixels as decoded alone). A VAE without the method is a one-line error."""
+    for option, wanted, method in (
+        ("--vae-tiling", tiling, "enable_tiling"),
+        ("--vae-slicing", slicing, "enable_slicing"),
+    ):
+        if not wanted:
+            continue
+        enable = getattr(vae, method, None)
+        if not callable(enable):
+            raise UserInputError(
+                f"{option}: the {type(vae).__name__} VAE of {family} has no {method}(); drop {option}"
+            )
+        enable()
+
+
+def load_decoder(
+    model_path: str | Path,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: str = "fp32",
+    tiling: bool = False,
+    slicing: bool = False,
+) -> FamilyAdapter:
+    """The family adapter of a pipeline folder loaded with its VAE alone (every other component None:
+    no transformer, text encoder or tokenizer is read), for `decode` of stored latents exactly as
+    `FlowPolicy.decode` decodes them under the same `dtype` and device; `tiling`/`slicing` as
+    `vae_memory`. An adapter never changes the VAE, so none is taken."""
+    from diffusers import DiffusionPipeline
+    from diffusers.utils import logging as diffusers_logging
+
+    diffusers_logging.disable_progress_bar()
+    model_path = check_pipeline_folder(model_path)
+    if dtype not in DTYPES:
+        raise UserInputError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
+    index = pipeline_index(model_path)
+    family_class = adapter_class(index["_class_name"], str(model_path))
+    if not isinstance(index.get("vae"), list):
+        raise UserInputError(
+            f"--model {model_path}: its model_index.json lists no vae; pass the pipeline folder"
+        )
+    others = {name: None for name, entry in index.items() if isinstance(entry, list) and name != "vae"}
+    pipe = DiffusionPipeline.from_pretrained(model_path, dtype=DTYPES[dtype], **others)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.vae.to(device).requires_grad_(False).eval()
+    family = family_class(pipe)
+    vae_memory(pipe.vae, family.name, tiling=tiling, slicing=slicing)
+    return family
+
+
 class FlowPolicy:
     """A flow-matching pipeline of any supported family as a policy over denoising steps."""
 
@@ -275,22 +327,8 @@ class FlowPolicy:
             part.enable_gradient_checkpointing()
 
     def vae_memory(self, *, tiling: bool = False, slicing: bool = False) -> None:
-        """Decode with less memory (video): the VAE decodes in overlapping spatial tiles (`tiling`, its
-        `enable_tiling()`; may change pixels at tile seams) and/or one sample at a time (`slicing`,
-        `enable_slicing()`; each sample's pixels as decoded alone). A VAE without the method is a one-line error."""
-        vae = self.pipe.vae
-        for option, wanted, method in (
-            ("--vae-tiling", tiling, "enable_tiling"),
-            ("--vae-slicing", slicing, "enable_slicing"),
-        ):
-            if not wanted:
-                continue
-            enable = getattr(vae, method, None)
-            if not callable(enable):
-                raise UserInputError(
-                    f"{option}: the {type(vae).__name__} VAE of {self.family.name} has no {method}(); drop {option}"
-                )
-            enable()
+        """Decode with less memory (`vae_memory`, the module function)."""
+        vae_memory(self.pipe.vae, self.family.name, tiling=tiling, slicing=slicing)
 
     # ---------------------------------------------------------------- loading
     @classmethod

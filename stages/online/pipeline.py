@@ -52,14 +52,13 @@ from typing import Any
 import torch
 
 from stages.errors import RuntimeFailure, UserInputError
-from stages.media import FRAMES_COLUMN, output_modality
+from stages.media import MEDIA_COLUMNS, output_modality
 from stages.sample.engines import DEFAULT_ENGINE, EngineOptions
 from stages.sample.prompts import Prompt
 from stages.sample.rollout import LATENT_DTYPES, SampleConfig
 from stages.tracking import Tracking
 from stages.update.trainer import UpdateConfig
 
-MEDIA = ("image", "video", FRAMES_COLUMN)  # the decoded outputs' columns a rollout may hold
 TENSORS = ("latents", "log_probs", "sigmas", "timesteps", "final_latent", "seed", "policy_version")
 POLL = 0.5
 RUN_FILE = "online_run.json"
@@ -84,6 +83,9 @@ class OnlineConfig:
     drop_zero_std: bool = False
     max_staleness: int = 0
     save_trajectories: bool = False
+    # with save_trajectories: media columns only every N-th iteration and the last (the others keep final
+    # latents, `stages.media.deferred`); every iteration is still decoded in memory and scored
+    media_every: int = 1
     dtype: str = "fp32"
     threads: int = 1
     seed: int | None = None
@@ -235,7 +237,7 @@ def _sampler_main(
                 key: cols[key]
                 for key in ("sample_id", "group_id", "prompt", "negative_prompt", "prompt_meta")
             }
-            media = {name: cols[name] for name in MEDIA if name in cols}
+            media = {name: cols[name] for name in MEDIA_COLUMNS if name in cols}
             to_scorer.put(
                 {
                     "k": k,
@@ -245,9 +247,10 @@ def _sampler_main(
                     **media,
                 }
             )
+            kept = media if cfg.save_trajectories and stores_media(cfg, k) else {}  # the driver only saves it
             ring.put(
                 {name: cols[name] for name in TENSORS if name in cols},
-                {"k": k, **meta, **media, "device": where},
+                {"k": k, **meta, **kept, "device": where},
             )
     except RingClosed:  # the driver is shutting down: what the scorer has not read is moot
         to_scorer.cancel_join_thread()
@@ -432,6 +435,7 @@ NOT_IDENTITY = (
     "out",
     "iterations",
     "save_trajectories",
+    "media_every",
     "threads",
     "engine",
     "rollout",
@@ -443,7 +447,7 @@ def run_identity(cfg: OnlineConfig) -> dict[str, Any]:
     (content digests of the model folder, of the prompts as read, of file plugins' sources and of the
     files reward arguments name, `registry.reward_files`).
 
-    Not part of it: --iterations (a re-run goes further), --threads, --save-trajectories, --out and
+    Not part of it: --iterations (a re-run goes further), --threads, --save-trajectories, --media-every, --out and
     where the sampler runs (--engine, --server-url).
     """
     from stages.plugins import spec_file
@@ -518,6 +522,12 @@ def prepare_run(cfg: OnlineConfig, *, overwrite: bool = False) -> int:
 
     if cfg.max_staleness not in (0, 1):
         raise UserInputError(f"--max-staleness {cfg.max_staleness}: choose 0 or 1")
+    if cfg.media_every < 1:
+        raise UserInputError(f"--media-every {cfg.media_every}: must be at least 1")
+    if cfg.media_every > 1 and not cfg.save_trajectories:
+        raise UserInputError(
+            f"--media-every {cfg.media_every}: it thins stored media; add --save-trajectories"
+        )
     if not cfg.rewards:
         raise UserInputError("--reward: give at least one reward, e.g. --reward jpeg_compressibility")
     for name, _ in cfg.rewards:
@@ -649,7 +659,7 @@ def run_online(
                 extra={"online_iteration": k + 1, "max_staleness": cfg.max_staleness},
             )
             if cfg.save_trajectories:
-                _save_trajectories(cfg, k, data, rewards, adv, stats, policy.family.name)
+                _save_trajectories(cfg, k, data, rewards, adv, stats, policy.family)
             if tracking:
                 tracking.log_rewards(k, rewards, data.get("prompt_meta"))
                 tracking.log("rollout", k, {"rollout/version_gap_max": max(gaps)})
@@ -696,6 +706,12 @@ def version_gaps(versions: torch.Tensor, published: dict[int, int], k: int) -> l
     return [k - published[int(v)] for v in versions]
 
 
+def stores_media(cfg: OnlineConfig, k: int) -> bool:
+    """Whether iteration k's saved samples hold their media: every `media_every`-th iteration (0, N,
+    2N, ...) and the run's last."""
+    return k % cfg.media_every == 0 or k == cfg.iterations - 1
+
+
 def _save_trajectories(
     cfg: OnlineConfig,
     k: int,
@@ -703,19 +719,27 @@ def _save_trajectories(
     rewards: dict[str, Any],
     adv: dict[str, Any],
     stats: dict[str, Any],
-    family: str,
+    family: Any,
 ) -> None:
-    """The shard sets the staged commands would have written for iteration k."""
+    """The shard sets the staged commands would have written for iteration k (`family`: the policy's
+    `FamilyAdapter`); its samples hold media only when `stores_media(cfg, k)` (the sampler sends it to the
+    driver only then), else the manifest records it as deferred (`stages.media.deferred`)."""
+    from stages.media.deferred import deferred_record
     from stages.sample.stage import KINDS
     from stages.shards.writer import ShardSetWriter
 
     it = cfg.out / f"it{k}"
-    columns = ("sample_id", "group_id", "prompt", "negative_prompt", "prompt_meta", *MEDIA, *TENSORS)
-    modality = output_modality([c for c in MEDIA if c in data])
+    columns = ("sample_id", "group_id", "prompt", "negative_prompt", "prompt_meta", *MEDIA_COLUMNS, *TENSORS)
+    deferred = {} if stores_media(cfg, k) else deferred_record(cfg.model, cfg.dtype)
     parts = {
         "samples": (
             {c: data[c] for c in columns if c in data},
-            {"sample_config": asdict(cfg.sampling(k)), "family": family, "modality": modality},
+            {
+                "sample_config": asdict(cfg.sampling(k)),
+                "family": family.name,
+                "modality": family.media,
+                **deferred,
+            },
         ),
         "rewards": ({key: v for key, v in rewards.items() if key != "k"}, {}),
         "advantages": (adv, {"stats": stats}),

@@ -56,6 +56,7 @@ class EngineOptions:
     retries: int = 8  # further tries of a request after a connection error, 502, 503 or 504
     vae_tiling: bool = False  # decode in spatial tiles (`FlowPolicy.vae_memory`; the diffusers engine)
     vae_slicing: bool = False  # decode one sample at a time
+    defer_decode: bool = False  # no VAE decode: final latents only, decoded by `score` (the diffusers engine)
     # The run pushes its own weights to the engine (`push_weights`; `online`): a server's adapter is not
     # checked against --adapter, and each sample records the weights version the engine used.
     pushed_weights: bool = False
@@ -193,9 +194,10 @@ def open_engine(name: str, options: EngineOptions, device: Any) -> RolloutEngine
 class DiffusersEngine(RolloutEngine):
     """The diffusers pipeline in this process (`FlowPolicy`), on the given device."""
 
-    def __init__(self, policy: Any):
+    def __init__(self, policy: Any, *, decode: bool = True):
         self.policy = policy
         self.family = policy.family.name
+        self.decode = decode  # False: rollouts return no media (`EngineOptions.defer_decode`)
 
     @classmethod
     def open(cls, options: EngineOptions, device: Any) -> DiffusersEngine:
@@ -203,7 +205,7 @@ class DiffusersEngine(RolloutEngine):
 
         policy = FlowPolicy.load(options.model, adapter=options.adapter, device=device, dtype=options.dtype)
         policy.vae_memory(tiling=options.vae_tiling, slicing=options.vae_slicing)
-        return cls(policy)
+        return cls(policy, decode=not options.defer_decode)
 
     def rollout(
         self,
@@ -219,7 +221,15 @@ class DiffusersEngine(RolloutEngine):
         from stages.sample.rollout import rollout_batch
 
         return rollout_batch(
-            self.policy, cfg, prompts, negatives, seeds, init_seeds, groups=groups, sample_ids=sample_ids
+            self.policy,
+            cfg,
+            prompts,
+            negatives,
+            seeds,
+            init_seeds,
+            groups=groups,
+            sample_ids=sample_ids,
+            decode=self.decode,
         )
 
     def latent_shape(self, resolution: int, frames: int = 1) -> tuple[int, ...]:

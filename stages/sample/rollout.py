@@ -138,6 +138,7 @@ def rollout_batch(
     *,
     groups: Sequence[Hashable],
     sample_ids: Sequence[str],
+    decode: bool = True,
 ) -> dict[str, Any]:
     """Denoise one batch of B samples; returns the recorded columns (tensors with leading dim B).
 
@@ -151,6 +152,9 @@ def rollout_batch(
     x lives in `cfg.latent_dtype` between steps (each step's math is fp32, `samplers.step` rounds its
     x' to the dtype of x), so a stored step's log-prob is that of its stored, rounded x'. The latents
     and final latent come back in that dtype, log-probs, timesteps and σ in fp32.
+
+    Without `decode` (`sample --defer-decode`) the VAE is never run: no media column, only the final
+    latent, which `stages.media.deferred.LatentDecoder` decodes later to the same pixels.
     """
     with autocast(cfg.mixed_precision, policy.device):  # every model forward, as `logprob` replays
         batch = len(prompts)
@@ -206,7 +210,8 @@ def rollout_batch(
             result["timesteps"] = torch.stack([sigmas[w] * 1000 for w in windows]).float().cpu()
             result["sigmas"] = torch.stack([sigmas[[*w, w[-1] + 1]] for w in windows]).float().cpu()
         check_finite(result, sample_ids, where="sample", hint=MODEL_HINT)
-        result.update(media_columns(policy.decode(x.float()), cfg.fps, save_frames=cfg.save_frames))
+        if decode:
+            result.update(media_columns(policy.decode(x.float()), cfg.fps, save_frames=cfg.save_frames))
         return result
 
 

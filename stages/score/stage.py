@@ -2,9 +2,10 @@
 
 An image rollout's scorers get the decoded images; a video rollout's get each sample's frames (a list
 of RGB PIL images: the lossless `frames` column when `sample --save-frames` wrote one, else the decoded
-MP4); a text-response rollout's (VLM `sample`) get the response strings, with `response_length`
-(tokens) and `truncated` (`truncated_rows`) added to each row's meta for length and format rewards.
-Each reward's declared kind (`registry.reward_kind`) must match the rollout.
+MP4); a rollout whose media is deferred (`sample --defer-decode`) has its final latents decoded here
+(`stages.media.deferred`); a text-response rollout's (VLM `sample`) get the response strings, with
+`response_length` (tokens) and `truncated` (`truncated_rows`) added to each row's meta for length and
+format rewards. Each reward's declared kind (`registry.reward_kind`) must match the rollout.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 from stages.errors import CorruptRowError, UserInputError
 from stages.media import FRAMES_COLUMN
+from stages.media.deferred import LatentDecoder
 from stages.media.video import MediaDecodeError, decode_mp4
 from stages.sample.vlm_data import decode_image
 from stages.score.registry import RewardArgs, reward_kind
@@ -23,11 +25,13 @@ BASE = ("sample_id", "prompt", "prompt_meta")
 RERUN = "re-run `omnirl sample` for this rollout (or fix the file)"
 
 
-def needed_columns(modality: str, available: Collection[str] = ()) -> list[str]:
+def needed_columns(modality: str, available: Collection[str] = (), *, deferred: bool = False) -> list[str]:
     """The input columns `score_shard` reads from a rollout of `modality` ("image", "video" or "text")
-    whose shard sets hold the columns `available`."""
+    whose shard sets hold the columns `available`; a `deferred` rollout's final latents instead of media."""
     if modality == "text":
         return [*BASE, "response_text", "response_length"]
+    if deferred:
+        return [*BASE, "final_latent"]
     if modality == "video":
         return [*BASE, FRAMES_COLUMN if FRAMES_COLUMN in available else "video"]
     return [*BASE, "image"]
@@ -104,17 +108,23 @@ def score_shard(
     reward_args: RewardArgs | None = None,
     seconds: dict[str, float] | None = None,
     mixed_precision: str = "no",
+    decoder: LatentDecoder | None = None,
+    keep_media: Callable[[list[Any]], dict[str, list]] | None = None,
 ) -> dict[str, Any]:
     """Columns sample_id, reward [N] and reward.<name> [N] for one shard's rows of a rollout of
     `modality` (its manifest's: images, or VLM text responses); `reward_args[name]` configures a
     reward (`registry.get_reward`); `seconds[name]` accumulates each reward's time (`score_batch`).
     The scorers run under `mixed_precision`'s autocast on this process's device (`stages.precision`):
-    it changes torch-model rewards (CLIP, VLM judge); other rewards compute as they would without it."""
+    it changes torch-model rewards (CLIP, VLM judge); other rewards compute as they would without it.
+
+    A deferred rollout (`stages.media.deferred`) is scored from its final latents, which `decoder`
+    decodes batch by batch; `keep_media` (`stages.media.media_columns` at the rollout's fps) then turns
+    each batch's outputs into media columns added to the result."""
     import torch
 
     from stages.precision import autocast
 
-    missing = [c for c in needed_columns(modality, shard) if c not in shard]
+    missing = [c for c in needed_columns(modality, shard, deferred=decoder is not None) if c not in shard]
     if missing:
         raise UserInputError(
             f"--in: column '{missing[0]}' is missing; score reads the output of `omnirl sample`"
@@ -130,6 +140,8 @@ def score_shard(
     else:
         on = torch.device("cpu")
     parts: list[dict[str, Any]] = []
+    kept: list[dict[str, list]] = []
+    decoded = decoder.rows(shard["final_latent"]) if decoder is not None else None
     for start in range(0, n, batch_size):
         stop = min(n, start + batch_size)
         ids = list(shard["sample_id"][start:stop])
@@ -141,6 +153,10 @@ def score_shard(
                 row["truncated"] = cut
         if text:
             outputs = list(shard["response_text"][start:stop])
+        elif decoded is not None:
+            outputs = decoded(start, stop)
+            if keep_media is not None:
+                kept.append(keep_media(outputs))
         elif modality == "video":
             outputs = decode_videos(shard, start, stop)
         else:
@@ -163,4 +179,6 @@ def score_shard(
     out: dict[str, Any] = {"sample_id": list(shard["sample_id"])}
     for key in parts[0] if parts else ():
         out[key] = torch.cat([p[key] for p in parts])
+    for key in kept[0] if kept else ():
+        out[key] = [blob for part in kept for blob in part[key]]
     return out

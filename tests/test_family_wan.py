@@ -52,23 +52,33 @@ def stock_pipe(model: Path):
     return pipe
 
 
-def stock_call(pipe, prompts, negatives, x_t, steps, guidance, side, output_type="latent"):
-    """`WanPipeline.__call__` from the noise x_t [B, C, F', h, w] (copies of the prompt lists)."""
+def stock_call(pipe, prompts, negatives, x_t, steps, guidance, side, output_type="latent", **kwargs):
+    """`WanPipeline.__call__` from the noise x_t [B, C, F', h, w] (copies of the prompt lists); `side` is
+    one side or (height, width)."""
+    height, width = side if isinstance(side, tuple) else (side, side)
     return pipe(
         list(prompts),
         negative_prompt=list(negatives),
-        height=side,
-        width=side,
+        height=height,
+        width=width,
         num_frames=FRAMES,
         num_inference_steps=steps,
         guidance_scale=guidance,
         latents=x_t.clone(),
         output_type=output_type,
         max_sequence_length=64,
+        **kwargs,
     ).frames
 
 
-def ode_rollout(policy: FlowPolicy, side: int, steps: int, guidance: float, negatives: list[str]) -> dict:
+def ode_rollout(
+    policy: FlowPolicy,
+    side: int | tuple[int, int],
+    steps: int,
+    guidance: float,
+    negatives: list[str],
+    **cfg_kw,
+) -> dict:
     n = len(negatives)
     cfg = SampleConfig(
         steps=steps,
@@ -78,6 +88,7 @@ def ode_rollout(policy: FlowPolicy, side: int, steps: int, guidance: float, nega
         sampler="ode",
         batch_size=n,
         max_sequence_length=64,
+        **cfg_kw,
     )
     seeds = list(range(1, n + 1))
     return rollout_batch(
@@ -109,6 +120,28 @@ def test_ode_rollout_equals_the_stock_pipeline(models: dict[str, Path], family: 
     frames = policy.decode(ours["final_latent"])
     stock = stock_call(pipe, PROMPTS[:2], negatives, x_t, 8, 5.0, side, output_type="pil")
     assert [len(f) for f in frames] == [FRAMES, FRAMES] and frames[0][0].size == (side, side)
+    for video, reference in zip(frames, stock):
+        for frame, expected in zip(video, reference):
+            assert np.array_equal(np.asarray(frame), np.asarray(expected))
+
+
+@pytest.mark.parametrize("family", ["wan2_1", "wan2_2_5b"])
+def test_a_non_square_clip_equals_the_stock_pipeline(models: dict[str, Path], family: str) -> None:
+    """--resolution HxW: height 1×, width 2× the tiny side (flow_grpo's Wan samples 240x416), latents
+    [C, F', h, 2h], the stock pipeline's final latent and frames exactly."""
+    side = SIDES[family]
+    size = (side, 2 * side)
+    policy = FlowPolicy.load(models[family])
+    negatives = ["", "blurry"]
+    ours = ode_rollout(policy, f"{side}x{2 * side}", 4, 5.0, negatives)
+    x_t = policy.initial_noise([1, 2], size, FRAMES)
+    assert x_t.shape[-2:] == (4, 8)
+    pipe = stock_pipe(models[family])
+    theirs = stock_call(pipe, PROMPTS[:2], negatives, x_t, 4, 5.0, size)
+    assert (ours["final_latent"] - theirs).abs().max().item() == 0.0
+    frames = policy.decode(ours["final_latent"])
+    stock = stock_call(pipe, PROMPTS[:2], negatives, x_t, 4, 5.0, size, output_type="pil")
+    assert frames[0][0].size == (2 * side, side)  # PIL: (width, height)
     for video, reference in zip(frames, stock):
         for frame, expected in zip(video, reference):
             assert np.array_equal(np.asarray(frame), np.asarray(expected))
@@ -157,6 +190,9 @@ def test_latent_shapes_and_bad_inputs_are_one_line(
     ]  # fmt: skip
     fails([*sample, "--resolution", "32", "--frames", "4"], "--frames 4", "multiple of 4")
     fails([*sample, "--resolution", "24", "--frames", "5"], "--resolution 24", "16")
+    fails([*sample, "--resolution", "32x40", "--frames", "5"], "--resolution 32x40", "multiple of 16")
+    fails([*sample, "--resolution", "32by40"], "--resolution '32by40'", "HEIGHTxWIDTH")
+    assert policy.latent_shape("64x32", 5) == (16, 2, 8, 4)
     assert not (tmp_path / "out").exists()
 
 
@@ -168,13 +204,12 @@ def test_an_image_family_refuses_frames(tiny_sd3: Path, prompts: Path, tmp_path:
     )  # fmt: skip
 
 
-def staged(model: Path, prompts: Path, root: Path, *window: str) -> dict:
-    """sample (SDE, 5 frames) → logprob; returns the replay summary."""
-    side = SIDES[model.name]
+def staged(model: Path, prompts: Path, root: Path, *window: str, resolution: str | None = None) -> dict:
+    """sample (SDE, 5 frames, the tiny side unless `resolution`) → logprob; returns the replay summary."""
     run(
         "sample", "--model", str(model), "--prompts", str(prompts), "-n", "2", "--steps", "8",
-        "--batch-size", "3", "--resolution", str(side), "--frames", str(FRAMES), "--guidance", "4",
-        *window, "--out", str(root / "samples"),
+        "--batch-size", "3", "--resolution", resolution or str(SIDES[model.name]), "--frames", str(FRAMES),
+        "--guidance", "4", *window, "--out", str(root / "samples"),
     )  # fmt: skip
     return run(
         "logprob", "--model", str(model), "--in", str(root / "samples"), "--out", str(root / "logprobs")
@@ -188,6 +223,14 @@ def test_rollout_replays_exactly(models: dict[str, Path], prompts: Path, tmp_pat
     latents = ShardSet(tmp_path / "samples").columns["latents"]
     channels = 48 if family == "wan2_2_5b" else 16
     assert latents.shape == (3, channels, 2, 4, 4)  # [K+1, C, F', h, w]
+
+
+def test_a_non_square_rollout_replays_exactly(models: dict[str, Path], prompts: Path, tmp_path: Path) -> None:
+    replay = staged(models["wan2_1"], prompts, tmp_path, "--sde-window", "2", resolution="64x32")
+    assert replay["abs_delta_max"] == 0.0 and replay["rows"] == 6
+    samples = ShardSet(tmp_path / "samples")
+    assert samples.columns["latents"].shape == (3, 16, 2, 8, 4)  # [K+1, C, F', h, w]: 64 high, 32 wide
+    assert samples.manifest.extra["sample_config"]["resolution"] == [64, 32]
 
 
 @pytest.fixture(scope="module")

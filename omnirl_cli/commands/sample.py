@@ -130,14 +130,14 @@ def sample(
         ),
     ] = 4.5,
     resolution: Annotated[
-        int,
+        str,
         typer.Option(
             "--resolution",
-            min=1,
-            help="Image side in pixels: a multiple of the VAE factor × patch size (SD3: 16).",
+            help="Sample size in pixels: a side (512) or HEIGHTxWIDTH (240x416, flow_grpo's Wan), each a "
+            "multiple of the VAE factor × patch size (SD3: 16, Wan 2.1: 16, Wan 2.2 TI2V-5B: 32).",
             rich_help_panel=SAMPLING,
         ),
-    ] = 512,
+    ] = "512",
     frames: Annotated[
         int,
         typer.Option(

@@ -33,7 +33,15 @@ from transformers import UMT5Config, UMT5EncoderModel
 
 from stages.errors import UserInputError
 from stages.models.factory import choose_size, save_pipeline, seeded, zero_residual_branches
-from stages.models.families import Condition, FamilyAdapter, Tensors, latent_normalisation
+from stages.models.families import (
+    Condition,
+    FamilyAdapter,
+    Resolution,
+    Tensors,
+    latent_grid,
+    latent_normalisation,
+    parse_resolution,
+)
 from stages.models.schedules import flow_match_sigmas
 from stages.models.tokenizers import build_t5_tokenizer
 
@@ -270,7 +278,7 @@ class WanAdapter(FamilyAdapter):
         """Both experts for A14B (an SDE window may span the switch), else the one transformer."""
         return (HIGH_NOISE, LOW_NOISE) if self.boundary is not None else (HIGH_NOISE,)
 
-    def sigmas(self, num_steps: int, resolution: int) -> torch.Tensor:
+    def sigmas(self, num_steps: int, resolution: Resolution) -> torch.Tensor:
         """The checkpoint scheduler's σ table [N+1]: flow-matching Euler's fixed-shift schedule, or a
         published UniPC scheduler's flow sigmas (`use_flow_sigmas`: linspace(1, 1/1000, N+1)[:-1] shifted
         by its `flow_shift`, then 0); the model is fed σ·1000 either way (UniPC's own timesteps are those
@@ -293,24 +301,19 @@ class WanAdapter(FamilyAdapter):
             sigmas[0] = 1.0
         return sigmas
 
-    def latent_shape(self, resolution: int, frames: int = 1) -> tuple[int, ...]:
-        """(C, F', h, w) of `frames` frames of `resolution`²: F' = (frames − 1)/4 + 1 latent frames, the side
+    def latent_shape(self, resolution: Resolution, frames: int = 1) -> tuple[int, ...]:
+        """(C, F', h, w) of `frames` frames of `resolution`: F' = (frames − 1)/4 + 1 latent frames, each side
         a multiple of the VAE factor × 2 (the transformer's patch), as `WanPipeline` requires."""
         pipe = self.pipe
         spatial, temporal = pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal
         multiple = spatial * pipe.transformer.config.patch_size[1]
-        if resolution < 1 or resolution % multiple:
-            raise UserInputError(
-                f"--resolution {resolution}: must be a positive multiple of {multiple} for this model "
-                f"(VAE factor {spatial} × 2×2 patches)"
-            )
+        h, w = latent_grid(resolution, spatial, multiple, f"VAE factor {spatial} × 2×2 patches")
         if frames < 1 or (frames - 1) % temporal:
             raise UserInputError(
                 f"--frames {frames}: must be 1 plus a multiple of {temporal} for this model (the VAE's "
                 f"temporal factor), e.g. {4 * temporal + 1}"
             )
-        side = resolution // spatial
-        return (pipe.transformer.config.in_channels, (frames - 1) // temporal + 1, side, side)
+        return (pipe.transformer.config.in_channels, (frames - 1) // temporal + 1, h, w)
 
     def encode_prompts(
         self, prompts: list[str], negatives: list[str], device: torch.device, max_sequence_length: int
@@ -398,14 +401,13 @@ class WanAdapter(FamilyAdapter):
         video = vae.decode(z / inv_std + mean, return_dict=False)[0]
         return self.pipe.video_processor.postprocess_video(video, output_type="pil")
 
-    def encode_images(self, images: list[Any], resolution: int, device: torch.device) -> torch.Tensor:
+    def encode_images(self, images: list[Any], resolution: Resolution, device: torch.device) -> torch.Tensor:
         """PIL images → one-frame latents [B, C, 1, h, w] (resize + centre-crop, VAE posterior mode, then
         (z − mean)/std per channel): the inverse of `decode` for --frames 1."""
         self.latent_shape(resolution)
+        height, width = parse_resolution(resolution)
         vae = self.pipe.vae
-        pixels = self.pipe.video_processor.preprocess(
-            images, height=resolution, width=resolution, resize_mode="crop"
-        )
+        pixels = self.pipe.video_processor.preprocess(images, height=height, width=width, resize_mode="crop")
         z = vae.encode(pixels.to(device, vae.dtype).unsqueeze(2)).latent_dist.mode()
         mean, inv_std = latent_normalisation(self.pipe.vae, z)
         return ((z - mean) * inv_std).float()

@@ -23,6 +23,7 @@ from stages.finite import MODEL_HINT, check_finite
 from stages.media import media_columns
 from stages.media.video import fps_fraction
 from stages.models.diffusion import FlowPolicy, seed_generator
+from stages.models.families import parse_resolution
 from stages.precision import MIXED_PRECISIONS, autocast
 from stages.sample.samplers import SAMPLERS, step
 from stages.sample.windows import WindowSchedule
@@ -37,7 +38,8 @@ class SampleConfig:
 
     steps: int = 10
     guidance: float = 4.5
-    resolution: int = 512
+    # (height, width) in pixels; also given as one side (square) or "HxW" (`parse_resolution`)
+    resolution: tuple[int, int] = (512, 512)
     frames: int = 1  # a video family's frames per sample; image families take 1
     sampler: str = "sde"
     noise_level: float = 0.7
@@ -59,6 +61,9 @@ class SampleConfig:
     latent_dtype: str = "fp32"  # dtype of the stored latents and final latent (`LATENT_DTYPES`)
     # command options named otherwise than the field they set
     OPTION_NAMES: ClassVar[dict[str, str]] = {"sde_window": "window", "sde_window_range": "window_range"}
+
+    def __post_init__(self) -> None:
+        self.resolution = parse_resolution(self.resolution)
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> SampleConfig:
@@ -215,9 +220,7 @@ def sample_config_of(manifests: list[Any]) -> SampleConfig:
     for manifest in manifests:
         recorded = (manifest.extra or {}).get("sample_config")
         if recorded:
-            window_range = recorded.get("window_range")
-            recorded = {**recorded, "window_range": tuple(window_range) if window_range else None}
-            return SampleConfig(**recorded)
+            return SampleConfig.from_options(recorded)
     raise UserInputError(
         "--in: none of the inputs was written by `omnirl sample`; pass the samples shard set first"
     )

@@ -8,7 +8,7 @@ Routes (JSON in and out, never pickle; HTTP, token and size checks in `stages.we
 - ``POST /omnirl/v1/rollout``: omnirl rollout protocol v1 (`stages.sample.rollout_protocol`): the
   trajectories of `rollout_batch`, which `omnirl logprob` replays exactly;
 - ``POST /v1/images/generations``: vLLM-Omni's (OpenAI's) images API: ``prompt``, ``n`` (1–10),
-  ``size`` ("WxH", square), ``num_inference_steps`` (1–200), ``guidance_scale`` (0–20),
+  ``size`` ("WxH"), ``num_inference_steps`` (1–200), ``guidance_scale`` (0–20),
   ``negative_prompt``, ``seed`` (random when absent; image i draws from seed + i), ``model`` (400 when
   it is not the served name), ``response_format`` b64_json; deterministic (ode) sampling; the reply is
   ``{"created", "data": [{"b64_json", "url": null, "revised_prompt": null}], "output_format": "png",
@@ -24,7 +24,8 @@ Routes (JSON in and out, never pickle; HTTP, token and size checks in `stages.we
   a LoRA (pushed, or a folder in diffusers' layout) is swapped onto the pipeline in place
   (`FlowPolicy.set_lora`: copied into the LoRA layers of the same config, else unloaded and added);
   other adapters (PEFT folders, full fine-tunes) load as a second pipeline beside, then swap in;
-- ``POST /omnirl/v1/latent_shape`` ``{"resolution": R, "frames": F}`` (F default 1) → ``{"latent_shape": [...]}``.
+- ``POST /omnirl/v1/latent_shape`` ``{"resolution": R or [H, W], "frames": F}`` (R a square's side, F
+  default 1) → ``{"latent_shape": [...]}``.
 
 Refusals: 400 a malformed request, 401 a missing token, 404 an unknown route, 409 a rollout that asks
 for other weights than the server holds, 411/413 (`stages.web`), 413 a batch over --max-batch or
@@ -66,7 +67,8 @@ WEIGHTS_ROUTE = "/omnirl/v1/weights"
 LATENT_ROUTE = "/omnirl/v1/latent_shape"
 PUSHED = "pushed"  # the `adapter` of weights a client pushed as a LoRA file
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
-MAX_PIXELS = 2**26  # pixels in one request (samples × frames × resolution²)
+MAX_PIXELS = 2**26  # pixels in one request (samples × frames × height × width)
+MAX_SIDE = 8192  # pixels of one side
 MAX_FRAMES = 4096  # frames of one sample
 _SIZE_RE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
 # vLLM-Omni 0.30.0 bounds of /v1/images/generations
@@ -78,6 +80,18 @@ def _int_field(body: dict[str, Any], key: str, default: int, lo: int, hi: int) -
     if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
         raise HttpError(HTTPStatus.BAD_REQUEST, f"{key} must be an integer in [{lo}, {hi}]")
     return value
+
+
+def _resolution_field(body: dict[str, Any], key: str) -> tuple[int, int]:
+    """(height, width) of a field holding one side (a square) or [height, width], each in [1, MAX_SIDE]."""
+    value = body.get(key)
+    sides = value if isinstance(value, list) and len(value) == 2 else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_SIDE for v in sides):
+        raise HttpError(
+            HTTPStatus.BAD_REQUEST, f"{key} must be an integer or [height, width], each in [1, {MAX_SIDE}]"
+        )
+    height, width = sides * 2 if len(sides) == 1 else sides
+    return height, width
 
 
 class RolloutService(JsonService):
@@ -272,9 +286,10 @@ class RolloutService(JsonService):
         except ProtocolError as exc:
             raise HttpError(HTTPStatus.BAD_REQUEST, str(exc)) from None
 
-    def _check_pixels(self, samples: int, resolution: int, frames: int = 1) -> None:
-        if samples * frames * resolution * resolution > self.max_pixels:
-            per = f"{frames} frames of {resolution}²" if frames > 1 else f"{resolution}²"
+    def _check_pixels(self, samples: int, resolution: tuple[int, int], frames: int = 1) -> None:
+        height, width = resolution
+        if samples * frames * height * width > self.max_pixels:
+            per = f"{frames} frames of {height}x{width}" if frames > 1 else f"{height}x{width}"
             raise HttpError(
                 HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
                 f"{samples} samples of {per} pixels, more than the server's {self.max_pixels}; "
@@ -347,9 +362,11 @@ class RolloutService(JsonService):
             )
         size = body.get("size", "512x512")
         match = _SIZE_RE.match(size) if isinstance(size, str) else None
-        if match is None or match.group(1) != match.group(2) or int(match.group(1)) < 1:
-            raise HttpError(HTTPStatus.BAD_REQUEST, f"size {size!r}: give a square 'WxH', e.g. '512x512'")
-        resolution = int(match.group(1))
+        if match is None or min(int(match.group(1)), int(match.group(2))) < 1:
+            raise HttpError(
+                HTTPStatus.BAD_REQUEST, f"size {size!r}: give 'WxH' (width first), e.g. '416x240'"
+            )
+        resolution = (int(match.group(2)), int(match.group(1)))  # (height, width)
         self._check_pixels(n, resolution)
         cfg = SampleConfig(
             steps=steps,
@@ -386,10 +403,10 @@ class RolloutService(JsonService):
         }
 
     def latent_shape(self, raw: bytes) -> dict[str, Any]:
-        """``POST /omnirl/v1/latent_shape``: the stored latent of one resolution² sample (of `frames`
-        frames, default 1)."""
+        """``POST /omnirl/v1/latent_shape``: the stored latent of one sample of `resolution` (one side or
+        [height, width]) and `frames` frames (default 1)."""
         body = parse_json_object(raw)
-        resolution = _int_field(body, "resolution", 0, 1, 8192)
+        resolution = _resolution_field(body, "resolution")
         frames = _int_field(body, "frames", 1, 1, MAX_FRAMES)
         try:
             return {"latent_shape": list(self.engine.latent_shape(resolution, frames))}

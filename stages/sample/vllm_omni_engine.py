@@ -59,8 +59,15 @@ def model_family(model: Path) -> str:
     return adapter_class(pipeline_index(model)["_class_name"], str(model)).name
 
 
-def decode_png(item: Any, resolution: int, where: str) -> bytes:
-    """The PNG bytes of one ``data[i]`` of an images reply, checked: base64 PNG of resolution² pixels."""
+def images_size(resolution: tuple[int, int]) -> str:
+    """The images API's ``size`` of a (height, width): "WxH", width first."""
+    height, width = resolution
+    return f"{width}x{height}"
+
+
+def decode_png(item: Any, resolution: tuple[int, int], where: str) -> bytes:
+    """The PNG bytes of one ``data[i]`` of an images reply, checked: a base64 PNG of `resolution`
+    (height, width)."""
     from PIL import Image, UnidentifiedImageError
 
     try:
@@ -75,8 +82,8 @@ def decode_png(item: Any, resolution: int, where: str) -> bytes:
             size = image.size
     except (UnidentifiedImageError, OSError, ValueError):
         raise ProtocolError(f"{where} is a PNG that does not decode") from None
-    if size != (resolution, resolution):
-        raise ProtocolError(f"{where} is {size[0]}x{size[1]}, not the {resolution}x{resolution} asked")
+    if f"{size[0]}x{size[1]}" != images_size(resolution):
+        raise ProtocolError(f"{where} is {size[0]}x{size[1]} (WxH), not the {images_size(resolution)} asked")
     return blob
 
 
@@ -147,7 +154,7 @@ class VllmOmniEngine(RolloutEngine):
             "model": self.served_model,
             "prompt": prompt,
             "n": 1,
-            "size": f"{cfg.resolution}x{cfg.resolution}",
+            "size": images_size(cfg.resolution),
             "num_inference_steps": cfg.steps,
             guidance: cfg.guidance,
             "seed": int(seed),
@@ -160,7 +167,7 @@ class VllmOmniEngine(RolloutEngine):
             body["lora"] = self.lora
         return body
 
-    def _draw(self, body: dict[str, Any], resolution: int) -> bytes:
+    def _draw(self, body: dict[str, Any], resolution: tuple[int, int]) -> bytes:
         """One sample's PNG; `Aborted` when the reply holds no image, `ProtocolError` when it is malformed
         (`redraw_aborted` turns either into a one-line failure naming the sample)."""
         reply = self.client.call(IMAGES_ROUTE, body)
@@ -203,7 +210,7 @@ class VllmOmniEngine(RolloutEngine):
             images = list(pool.map(one, range(len(prompts))))
         return {"image": images}
 
-    def latent_shape(self, resolution: int, frames: int = 1) -> tuple[int, ...]:
+    def latent_shape(self, resolution: Any, frames: int = 1) -> tuple[int, ...]:
         raise UserInputError(
             "--engine vllm-omni with --server-url returns images only (no latents); use RL mode or --engine remote"
         )
@@ -372,8 +379,8 @@ class VllmOmniRLEngine(RolloutEngine):
             request_id, cfg, prompts, negatives, seeds, init_seeds, list(groups), ids, self.weights
         )
         params = self.params_class(
-            height=cfg.resolution,
-            width=cfg.resolution,
+            height=cfg.resolution[0],
+            width=cfg.resolution[1],
             num_inference_steps=cfg.steps,
             guidance_scale=cfg.guidance,
             seed=int(seeds[0]),
@@ -389,7 +396,7 @@ class VllmOmniRLEngine(RolloutEngine):
         _, columns = redraw_aborted(draw, what)
         return columns
 
-    def latent_shape(self, resolution: int, frames: int = 1) -> tuple[int, ...]:
+    def latent_shape(self, resolution: Any, frames: int = 1) -> tuple[int, ...]:
         raise UserInputError(
             "--engine vllm-omni reports no latent shape outside a rollout; use --engine diffusers or remote"
         )

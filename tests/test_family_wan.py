@@ -147,6 +147,22 @@ def test_a_non_square_clip_equals_the_stock_pipeline(models: dict[str, Path], fa
             assert np.array_equal(np.asarray(frame), np.asarray(expected))
 
 
+def test_a14b_low_noise_guidance_equals_the_stock_pipelines_guidance_scale_2(models: dict[str, Path]) -> None:
+    """--guidance-2: the low-noise expert combines u + w₂(c − u), as `WanPipeline(guidance_scale_2=)`; unset,
+    it is --guidance, the pipeline's own default."""
+    model = models["wan2_2_a14b"]
+    policy = FlowPolicy.load(model)
+    negatives = ["", "blurry"]
+    x_t = policy.initial_noise([1, 2], 32, FRAMES)
+    pipe = stock_pipe(model)
+    ours = ode_rollout(policy, 32, 8, 5.0, negatives, guidance_2=2.0)["final_latent"]
+    theirs = stock_call(pipe, PROMPTS[:2], negatives, x_t, 8, 5.0, 32, guidance_scale_2=2.0)
+    assert (ours - theirs).abs().max().item() == 0.0
+    same = ode_rollout(policy, 32, 8, 5.0, negatives)["final_latent"]
+    assert torch.equal(same, stock_call(pipe, PROMPTS[:2], negatives, x_t, 8, 5.0, 32, guidance_scale_2=5.0))
+    assert (same - ours).abs().max().item() > 1e-3  # the second scale matters
+
+
 def test_the_experts_switch_at_the_boundary(models: dict[str, Path]) -> None:
     """A14B: steps with σ·1000 ≥ 0.875·1000 run `transformer`, the rest `transformer_2` (with 8 steps of
     shift 3: the first three); a batch whose rows straddle the switch runs each row on its own expert."""
@@ -164,7 +180,7 @@ def test_the_experts_switch_at_the_boundary(models: dict[str, Path]) -> None:
         torch.testing.assert_close(v, torch.cat([high, low]), rtol=0, atol=1e-6)
         # the experts differ: the low-noise row through the high-noise expert is another velocity
         with_high = policy.family._guided(
-            policy.parts["transformer"], x[1:], sigmas[3:4] * 1000, cond.select([1]), 4.0
+            policy.parts["transformer"], x[1:], sigmas[3:4] * 1000, cond.select([1]), 4.0, True
         )
     assert (with_high - low).abs().max().item() > 1e-3
 
@@ -231,6 +247,31 @@ def test_a_non_square_rollout_replays_exactly(models: dict[str, Path], prompts: 
     samples = ShardSet(tmp_path / "samples")
     assert samples.columns["latents"].shape == (3, 16, 2, 8, 4)  # [K+1, C, F', h, w]: 64 high, 32 wide
     assert samples.manifest.extra["sample_config"]["resolution"] == [64, 32]
+
+
+def test_a14b_low_noise_guidance_replays_exactly_and_is_recorded(
+    models: dict[str, Path], prompts: Path, tmp_path: Path
+) -> None:
+    window = ("--sde-window", "3", "--window-strategy", "fixed", "--window-start", "1")  # across the switch
+    replay = staged(models["wan2_2_a14b"], prompts, tmp_path, *window, "--guidance-2", "2.5")
+    assert replay["abs_delta_max"] == 0.0 and replay["rows"] == 6
+    assert ShardSet(tmp_path / "samples").manifest.extra["sample_config"]["guidance_2"] == 2.5
+
+
+def test_low_noise_guidance_needs_two_experts_and_cfg(
+    models: dict[str, Path], prompts: Path, tmp_path: Path
+) -> None:
+    sample = [
+        "sample", "--prompts", str(prompts), "-n", "1", "--steps", "2", "--resolution", "32", "--frames", "5",
+        "--out", str(tmp_path / "out"),
+    ]  # fmt: skip
+    fails([*sample, "--model", str(models["wan2_1"]), "--guidance-2", "3"], "--guidance-2 3", "two-expert")
+    line = fails(
+        [*sample, "--model", str(models["wan2_2_a14b"]), "--guidance", "1", "--guidance-2", "3"],
+        "--guidance-2",
+    )
+    assert "--guidance" in line and "> 1" in line
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.fixture(scope="module")

@@ -84,6 +84,10 @@ def test_a_request_carries_height_and_width_and_a_square_as_one_side(resolution:
     assert request["sampling_params"]["resolution"] == wire
     decoded = decode_request(request, max_samples=4).cfg
     assert decoded == cfg and decoded.resolution == SampleConfig(resolution=wire).resolution
+    assert "guidance_2" not in request["sampling_params"]  # unset: left out, so an older server answers
+    cfg.guidance_2 = 2.0
+    request = json.loads(json.dumps(encode_request("r", cfg, ["p"], [""], [1], [1], [0], ["s"], {})))
+    assert decode_request(request, max_samples=4).cfg.guidance_2 == 2.0
     bad = {**request, "sampling_params": {**request["sampling_params"], "resolution": "wide"}}
     with pytest.raises(ProtocolError, match="--resolution 'wide'"):
         decode_request(bad, max_samples=4)

@@ -129,6 +129,15 @@ def sample(
             rich_help_panel=SAMPLING,
         ),
     ] = 4.5,
+    guidance_2: Annotated[
+        float | None,
+        typer.Option(
+            "--guidance-2",
+            help="Guidance of the low-noise expert of a two-expert model (Wan 2.2 A14B; WanPipeline's "
+            "guidance_scale_2), recorded for replay. Default: --guidance.",
+            rich_help_panel=SAMPLING,
+        ),
+    ] = None,
     resolution: Annotated[
         str,
         typer.Option(

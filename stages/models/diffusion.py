@@ -576,11 +576,27 @@ class FlowPolicy:
         return Condition(pos, self.family.collate([part[1] for part in parts]) if cfg else None)
 
     def velocity(
-        self, x: torch.Tensor, sigma: torch.Tensor, cond: Condition, guidance: float
+        self,
+        x: torch.Tensor,
+        sigma: torch.Tensor,
+        cond: Condition,
+        guidance: float,
+        guidance_2: float | None = None,
     ) -> torch.Tensor:
-        """Guided velocity v(x, σ) [B, *latent_shape] in fp32 (σ a scalar or [B]), by the family."""
+        """Guided velocity v(x, σ) [B, *latent_shape] in fp32 (σ a scalar or [B]), by the family.
+        `guidance_2`: the low-noise expert's guidance of a two-expert model (None: `guidance`); any other
+        model refuses it in one line."""
         sigma = sigma.to(self.device, torch.float32).expand(x.shape[0])
-        return self.family.velocity(self.transformer, x, sigma, cond.to(self.transformer.dtype), guidance)
+        extra = {}
+        if guidance_2 is not None:
+            if len(self.parts) < 2:
+                raise UserInputError(
+                    f"--guidance-2 {guidance_2:g}: --model {self.model_path} ({self.family.name}) has one "
+                    "transformer; it guides the low-noise expert of a two-expert model (Wan 2.2 A14B)"
+                )
+            extra["guidance_2"] = guidance_2
+        cond = cond.to(self.transformer.dtype)
+        return self.family.velocity(self.transformer, x, sigma, cond, guidance, **extra)
 
     @torch.no_grad()
     def encode_images(self, images: list[Any], resolution: Resolution) -> torch.Tensor:

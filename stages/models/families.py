@@ -224,7 +224,8 @@ class FamilyAdapter:
         guidance: float,
     ) -> torch.Tensor:
         """Guided velocity v(x, σ) in fp32 and x's layout ([B, *latent_shape]); σ is [B]. The
-        transformer is passed in because the policy swaps it (reference model)."""
+        transformer is passed in because the policy swaps it (reference model). A family with several
+        experts (`trained_modules`) also takes `guidance_2`, its low-noise expert's guidance."""
         raise NotImplementedError
 
     def decode(self, x0: torch.Tensor) -> list[Any]:

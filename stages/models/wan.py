@@ -260,7 +260,7 @@ class WanAdapter(FamilyAdapter):
     """Wan 2.1 / 2.2: latents [C, F, h, w], timestep σ·1000 (per latent token for TI2V-5B), UMT5 text
     zero-padded to max_sequence_length, true CFG as two forwards (cond, then uncond) combined
     u + w(c − u). A14B: rows whose σ·1000 ≥ boundary_ratio·1000 run `transformer`, the others
-    `transformer_2`, with the same --guidance (the pipeline's guidance_scale_2 defaults to it)."""
+    `transformer_2`, which combines with --guidance-2 (the pipeline's guidance_scale_2; default --guidance)."""
 
     name = "wan2_1"
     media = "video"
@@ -336,16 +336,28 @@ class WanAdapter(FamilyAdapter):
         sigma: torch.Tensor,
         cond: Condition,
         guidance: float,
+        guidance_2: float | None = None,
     ) -> torch.Tensor:
         """Guided velocity [B, C, F, h, w] in fp32. With two experts each row runs the expert of its own
-        σ (a batch whose rows all sit on one side, as in sampling, runs whole)."""
+        σ (a batch whose rows all sit on one side, as in sampling, runs whole), the low-noise one combining
+        with `guidance_2` (None: `guidance`); as in `WanPipeline`, whether CFG runs at all follows
+        `guidance` (> 1) for both experts, so a `guidance_2` without it is a one-line error."""
         timestep = sigma * NUM_TRAIN_TIMESTEPS
+        cfg = self.needs_negative(guidance)
+        if guidance_2 is not None and not cfg:
+            raise UserInputError(
+                f"--guidance-2 {guidance_2:g}: WanPipeline runs CFG only when --guidance > 1 (for both experts); "
+                "raise --guidance or drop --guidance-2"
+            )
         if self.boundary is None:
-            return self._guided(transformer, x, timestep, cond, guidance)
+            return self._guided(transformer, x, timestep, cond, guidance, cfg)
+        scales = {HIGH_NOISE: guidance, LOW_NOISE: guidance if guidance_2 is None else guidance_2}
         high = timestep >= self.boundary
         if bool(high.all()) or not bool(high.any()):
-            expert = partial(transformer, HIGH_NOISE if bool(high.all()) else LOW_NOISE)
-            return self._guided(expert, x, timestep, cond, guidance, transformer.dtype)
+            name = HIGH_NOISE if bool(high.all()) else LOW_NOISE
+            return self._guided(
+                partial(transformer, name), x, timestep, cond, scales[name], cfg, transformer.dtype
+            )
         v = torch.empty(x.shape, dtype=torch.float32, device=x.device)
         for name, rows in ((HIGH_NOISE, high), (LOW_NOISE, ~high)):
             index = rows.nonzero().flatten()
@@ -354,7 +366,8 @@ class WanAdapter(FamilyAdapter):
                 x[index],
                 timestep[index],
                 cond.select(index),
-                guidance,
+                scales[name],
+                cfg,
                 transformer.dtype,
             )
         return v
@@ -366,11 +379,12 @@ class WanAdapter(FamilyAdapter):
         timestep: torch.Tensor,
         cond: Condition,
         guidance: float,
+        cfg: bool,
         dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
-        """One expert's CFG prediction, as `WanPipeline.__call__` computes it: the conditional forward,
-        then the unconditional one, u + w(c − u); timestep [B], or [B, F'·h/2·w/2] per token (5B).
-        `run` is the expert (or a call of it); `dtype` its weights' (default: `run.dtype`)."""
+        """One expert's prediction, as `WanPipeline.__call__` computes it: the conditional forward, and with
+        `cfg` the unconditional one, u + w(c − u) for w = `guidance`; timestep [B], or [B, F'·h/2·w/2] per
+        token (5B). `run` is the expert (or a call of it); `dtype` its weights' (default: `run.dtype`)."""
         model_in = x.to(dtype or run.dtype)
         if self.pipe.config.expand_timesteps:
             frames, h, w = x.shape[2:]
@@ -386,7 +400,7 @@ class WanAdapter(FamilyAdapter):
             )[0].float()
 
         v = forward(cond.pos)
-        if self.needs_negative(guidance):
+        if cfg:
             assert cond.neg is not None
             uncond = self.unconditional(forward(cond.neg))
             v = uncond + guidance * (v - uncond)

@@ -38,6 +38,7 @@ class SampleConfig:
 
     steps: int = 10
     guidance: float = 4.5
+    guidance_2: float | None = None  # the low-noise expert's guidance (Wan 2.2 A14B); None: `guidance`
     # (height, width) in pixels; also given as one side (square) or "HxW" (`parse_resolution`)
     resolution: tuple[int, int] = (512, 512)
     frames: int = 1  # a video family's frames per sample; image families take 1
@@ -170,7 +171,7 @@ def rollout_batch(
         latents: list[list[torch.Tensor]] = [[] for _ in range(batch)]
         log_probs: list[list[torch.Tensor]] = [[] for _ in range(batch)]
         for i in range(cfg.steps):
-            v = policy.velocity(x.float(), sigmas[i], cond, cfg.guidance)
+            v = policy.velocity(x.float(), sigmas[i], cond, cfg.guidance, cfg.guidance_2)
             rows = [b for b in range(batch) if i in windows[b]]
             if len(rows) < batch:  # a deterministic step for the samples outside their window
                 x_next = step("ode", v, x, sigmas[i], sigmas[i + 1], noise_level=0.0).prev_sample

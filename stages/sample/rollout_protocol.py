@@ -104,10 +104,12 @@ def wire_resolution(resolution: Resolution) -> int | list[int]:
 
 
 def _sampling_params(cfg: SampleConfig) -> dict[str, Any]:
-    params = asdict(cfg)
+    """The settings of a request: fields at None are left out (their default), so a server that
+    predates a field still answers a request that does not use it."""
+    params = {k: v for k, v in asdict(cfg).items() if v is not None}
     params.pop("batch_size")
     params["resolution"] = wire_resolution(cfg.resolution)
-    if params["window_range"] is not None:
+    if "window_range" in params:
         params["window_range"] = list(params["window_range"])
     return params
 

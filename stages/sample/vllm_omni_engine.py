@@ -200,6 +200,11 @@ class VllmOmniEngine(RolloutEngine):
             raise UserInputError(
                 "--same-noise: vLLM-Omni draws a sample's noise from its seed alone; drop --same-noise"
             )
+        if cfg.guidance_2 is not None:
+            raise UserInputError(
+                "--guidance-2: --engine vllm-omni with --server-url asks the images API, which takes one "
+                "guidance scale; drop --guidance-2 (or use RL mode)"
+            )
 
         def one(i: int) -> bytes:
             body = self.request_body(cfg, prompts[i], negatives[i], seeds[i])

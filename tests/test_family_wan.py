@@ -274,6 +274,34 @@ def test_low_noise_guidance_needs_two_experts_and_cfg(
     assert not (tmp_path / "out").exists()
 
 
+def test_gradient_checkpointing_gives_the_same_loss_and_gradients(models: dict[str, Path]) -> None:
+    """`update --gradient-checkpointing` (diffusers' per-block recompute on every trained expert) changes
+    memory, not numbers: the same loss and the same gradient of every A14B weight, for a batch whose rows
+    straddle the expert switch, with two guidance scales."""
+    policy = FlowPolicy.load(models["wan2_2_a14b"])
+    params = policy.trainable_parameters(full=True)
+    sigmas = policy.sigmas(8, 32)
+    x = policy.initial_noise([3, 4], "32x64", FRAMES)
+    cond = policy.encode(PROMPTS[:2], None, cfg=True, max_sequence_length=64)
+    sigma = torch.stack([sigmas[2], sigmas[3]])
+
+    def loss_and_grads() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        for p in params:
+            p.grad = None
+        loss = policy.velocity(x, sigma, cond, 4.0, 2.0).pow(2).mean()
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in params]
+
+    plain_loss, plain = loss_and_grads()
+    policy.gradient_checkpointing()
+    assert all(part.gradient_checkpointing for part in policy.parts.values())
+    ckpt_loss, ckpt = loss_and_grads()
+    torch.testing.assert_close(ckpt_loss, plain_loss)
+    assert len(plain) == len(params) > 0 and sum(bool(g.abs().sum()) for g in plain) > len(params) // 2
+    for a, b in zip(plain, ckpt):
+        torch.testing.assert_close(b, a)
+
+
 @pytest.fixture(scope="module")
 def a14b_run(
     models: dict[str, Path], prompts: Path, tmp_path_factory: pytest.TempPathFactory

@@ -294,3 +294,19 @@ def latent_normalisation(vae: Any, like: torch.Tensor) -> tuple[torch.Tensor, to
     mean = torch.tensor(config.latents_mean).view(shape).to(like.device, like.dtype)
     inv_std = 1.0 / torch.tensor(config.latents_std).view(shape).to(like.device, like.dtype)
     return mean, inv_std
+
+
+def encode_3d(vae: Any, pixels: torch.Tensor) -> torch.Tensor:
+    """Pixels [B, 3, F, H, W] in [−1, 1] → latents [B, C, F', h, w] of a 3-D VAE, float32: its posterior
+    mode, then (z − mean)·std⁻¹ (`latent_normalisation`), as Wan's and Qwen-Image's pipelines scale them."""
+    z = vae.encode(pixels.to(dtype=vae.dtype)).latent_dist.mode()
+    mean, inv_std = latent_normalisation(vae, z)
+    return ((z - mean) * inv_std).float()
+
+
+def decode_3d(vae: Any, latents: torch.Tensor) -> torch.Tensor:
+    """Latents [B, C, F', h, w] → a 3-D VAE's pixels [B, 3, F, H, W]: z = x/std⁻¹ + mean, then decoded, as the
+    pipelines do before postprocessing."""
+    z = latents.to(vae.dtype)
+    mean, inv_std = latent_normalisation(vae, z)
+    return vae.decode(z / inv_std + mean, return_dict=False)[0]

@@ -32,8 +32,9 @@ from stages.models.families import (
     FamilyAdapter,
     Resolution,
     Tensors,
+    decode_3d,
+    encode_3d,
     latent_grid,
-    latent_normalisation,
     parse_resolution,
 )
 from stages.models.packing import PATCH, pack, unpack
@@ -288,16 +289,10 @@ class QwenImageAdapter(FamilyAdapter):
         """VAE posterior mode of one-frame videos, then (z − mean)/std per channel, the inverse of `decode`."""
         self.latent_shape(resolution)
         height, width = parse_resolution(resolution)
-        vae = self.pipe.vae
         pixels = self.pipe.image_processor.preprocess(images, height=height, width=width, resize_mode="crop")
-        z = vae.encode(pixels.to(device, vae.dtype).unsqueeze(2)).latent_dist.mode()
-        mean, inv_std = latent_normalisation(self.pipe.vae, z)
-        return ((z - mean) * inv_std)[:, :, 0].float()
+        return encode_3d(self.pipe.vae, pixels.to(device).unsqueeze(2))[:, :, 0]
 
     def decode(self, x0: torch.Tensor) -> list[Any]:
         """Latents [B, C, h, w] → one-frame VAE decode after z = x/std⁻¹ + mean, as the pipeline does."""
-        vae = self.pipe.vae
-        z = x0.to(vae.dtype).unsqueeze(2)
-        mean, inv_std = latent_normalisation(self.pipe.vae, z)
-        image = vae.decode(z / inv_std + mean, return_dict=False)[0][:, :, 0]
+        image = decode_3d(self.pipe.vae, x0.unsqueeze(2))[:, :, 0]
         return self.pipe.image_processor.postprocess(image, output_type="pil")

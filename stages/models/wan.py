@@ -38,8 +38,9 @@ from stages.models.families import (
     FamilyAdapter,
     Resolution,
     Tensors,
+    decode_3d,
+    encode_3d,
     latent_grid,
-    latent_normalisation,
     parse_resolution,
 )
 from stages.models.schedules import flow_match_sigmas
@@ -409,19 +410,12 @@ class WanAdapter(FamilyAdapter):
     def decode(self, x0: torch.Tensor) -> list[Any]:
         """Latents [B, C, F', h, w] → per sample the list of its PIL frames, after z = x/std⁻¹ + mean,
         as the pipeline decodes."""
-        vae = self.pipe.vae
-        z = x0.to(vae.dtype)
-        mean, inv_std = latent_normalisation(self.pipe.vae, z)
-        video = vae.decode(z / inv_std + mean, return_dict=False)[0]
-        return self.pipe.video_processor.postprocess_video(video, output_type="pil")
+        return self.pipe.video_processor.postprocess_video(decode_3d(self.pipe.vae, x0), output_type="pil")
 
     def encode_images(self, images: list[Any], resolution: Resolution, device: torch.device) -> torch.Tensor:
         """PIL images → one-frame latents [B, C, 1, h, w] (resize + centre-crop, VAE posterior mode, then
         (z − mean)/std per channel): the inverse of `decode` for --frames 1."""
         self.latent_shape(resolution)
         height, width = parse_resolution(resolution)
-        vae = self.pipe.vae
         pixels = self.pipe.video_processor.preprocess(images, height=height, width=width, resize_mode="crop")
-        z = vae.encode(pixels.to(device, vae.dtype).unsqueeze(2)).latent_dist.mode()
-        mean, inv_std = latent_normalisation(self.pipe.vae, z)
-        return ((z - mean) * inv_std).float()
+        return encode_3d(self.pipe.vae, pixels.to(device).unsqueeze(2))

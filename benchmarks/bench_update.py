@@ -1,7 +1,9 @@
 """Update efficiency per model family: `stages.update.trainer.train` ÷ a bare forward+backward of the
-same transformer.
+same transformer; with `--memory`, the peak memory of an update with and without activation
+checkpointing instead.
 
-For each family in `--families` (sd3, flux, qwen_image, z_image; default all), data: N real rollouts of
+For each family in `--families` (sd3, flux, qwen_image, z_image, wan2_1; default all; Wan 2.1 clips of
+`--frames` frames), data: N real rollouts of
 its `small` model (Flow-GRPO SDE sampler, a window of K stored steps, the family's recipe guidance as in
 `bench_sample.STOCK_CALLS`: CFG for SD3, Qwen-Image and Z-Image, distilled for FLUX.1), old log-probs =
 the rollout's, random per-sample advantages. Each (family, training mode) runs in its own subprocess
@@ -26,8 +28,15 @@ call comes first, so the worker's VmHWM right after it is the peak RSS of an upd
 breakdown of each side's best call times the transformer forward (hooks), `Tensor.backward`, the
 sampler step, the loss, clipping, the optimizer step and text encoding; "other" is the rest.
 
-    python benchmarks/bench_update.py [--families sd3,flux,qwen_image,z_image] [--samples 4]
-        [--stored-steps 2] [--modes lora full] [--repeats 3]
+With `--memory`, each (family, mode) runs one `train(...)` call (no bare side, no repeats) in two fresh
+processes, `gradient_checkpointing` off and on (`omnirl update --gradient-checkpointing`: diffusers'
+per-block checkpointing of every trained transformer). Measured on the CPU as peak RSS (VmHWM, the whole
+process) after the update, and as the update's own increment: that peak less the VmHWM just before it
+(model, rollouts and text embeddings loaded). Ratio = with ÷ without, of each; written to
+`results/update_memory.json`.
+
+    python benchmarks/bench_update.py [--families sd3,flux,qwen_image,z_image,wan2_1] [--samples 4]
+        [--stored-steps 2] [--modes lora full] [--repeats 3] [--frames 9] [--memory]
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ import tempfile
 import time
 from contextlib import ExitStack
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -49,7 +59,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from benchmarks.bench_sample import STOCK_CALLS, Probes, add_family_options, pooled_ratio, small_model
+from benchmarks.bench_sample import (
+    STOCK_CALLS,
+    VIDEO_FAMILIES,
+    Probes,
+    add_family_options,
+    pooled_ratio,
+    small_model,
+)
 from benchmarks.common import record
 
 if TYPE_CHECKING:
@@ -75,8 +92,11 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def make_rollouts(model: Path, args: argparse.Namespace, guidance: float, out: Path) -> dict[str, Any]:
-    """Sample `args.samples` trajectories with omnirl's rollout and save the training columns to `out`."""
+def make_rollouts(
+    model: Path, args: argparse.Namespace, guidance: float, frames: int, out: Path
+) -> dict[str, Any]:
+    """Sample `args.samples` trajectories (of `frames` frames) with omnirl's rollout and save the training
+    columns to `out`."""
     from stages.models.diffusion import FlowPolicy
     from stages.sample.rollout import SampleConfig, rollout_batch
 
@@ -85,6 +105,7 @@ def make_rollouts(model: Path, args: argparse.Namespace, guidance: float, out: P
         steps=args.steps,
         guidance=guidance,
         resolution=args.resolution,
+        frames=frames,
         sampler="sde",
         window=window,
         seed=0,
@@ -158,9 +179,13 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     from stages.update.trainer import UpdateConfig, train
 
     full = args.worker == "full"
-    sample_cfg = SampleConfig(**json.loads(args.sample_config))
+    sample_cfg = SampleConfig.from_options(json.loads(args.sample_config))
     cfg = UpdateConfig(
-        full=full, lora_rank=args.lora_rank, lora_alpha=2 * args.lora_rank, micro_batch=args.micro_batch
+        full=full,
+        lora_rank=args.lora_rank,
+        lora_alpha=2 * args.lora_rank,
+        micro_batch=args.micro_batch,
+        gradient_checkpointing=args.checkpointing,
     )
     family, model = args.model[0]  # the one FAMILY=PATH main passes
     policy = FlowPolicy.load(model)
@@ -179,11 +204,16 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     probes = Probes()
     calls = [0]
 
-    def omnirl_call() -> None:
+    def omnirl_call() -> list[dict[str, Any]]:
         calls[0] += 1
         fresh = [f"{p} (call {calls[0]})" for p in data["prompt"]]
         state, start = trainer.load_state(None)
-        train(policy, {**data, "prompt": fresh}, sample_cfg, cfg, state=state, start_step=start)
+        return train(policy, {**data, "prompt": fresh}, sample_cfg, cfg, state=state, start_step=start)[3]
+
+    if args.memory:  # one update: its peak memory, and its loss to show both settings train alike
+        metrics = omnirl_call()
+        losses = [m.get("actor/pg_loss") for m in metrics]
+        return {"rss_loaded_mb": rss_loaded, "rss_update_peak_mb": peak_rss_mb(), "losses": losses}
 
     def bare_call() -> None:
         bare_train(policy, data, cond, sample_cfg, cfg, args.micro_batch)
@@ -244,6 +274,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10, help="sampling steps")
     ap.add_argument("--stored-steps", type=int, default=2, help="K stored (trained) SDE steps per sample")
     ap.add_argument("--resolution", type=int, default=128)
+    ap.add_argument("--frames", type=int, default=9, help="frames per clip of the video families (Wan: 4k+1)")
+    ap.add_argument(
+        "--memory",
+        action="store_true",
+        help="measure the peak memory of one update with and without gradient checkpointing (no timing)",
+    )
     ap.add_argument("--lora-rank", type=int, default=32, help="LoRA rank r (alpha = 2r, the default 32/64)")
     ap.add_argument("--modes", nargs="+", default=["lora", "full"], choices=["lora", "full"])
     ap.add_argument(
@@ -255,6 +291,7 @@ def main() -> None:
     ap.add_argument("--worker", choices=["lora", "full"], help=argparse.SUPPRESS)
     ap.add_argument("--data", help=argparse.SUPPRESS)
     ap.add_argument("--sample-config", help=argparse.SUPPRESS)
+    ap.add_argument("--checkpointing", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     from transformers.utils import logging as transformers_logging
 
@@ -277,6 +314,7 @@ def main() -> None:
                 "steps",
                 "stored_steps",
                 "resolution",
+                "frames",
                 "lora_rank",
                 "threads",
                 "repeats",
@@ -293,38 +331,39 @@ def main() -> None:
         for family in families:
             model = small_model(models.get(family), tmp, family)
             data = tmp / f"data-{family}.pt"
-            sample_cfg = make_rollouts(model, args, guidance[family], data)
+            frames = args.frames if family in VIDEO_FAMILIES else 1
+            sample_cfg = make_rollouts(model, args, guidance[family], frames, data)
             metrics[family] = {}
+
+            base = [
+                sys.executable,
+                __file__,
+                "--model",
+                f"{family}={model}",
+                "--data",
+                str(data),
+                "--sample-config",
+                json.dumps(sample_cfg),
+                "--micro-batch",
+                str(args.micro_batch),
+                "--lora-rank",
+                str(args.lora_rank),
+                "--threads",
+                str(args.threads),
+                "--repeats",
+                str(args.repeats),
+            ]
+            run_worker = partial(worker_process, base, env)
             for mode in args.modes:
-                cmd = [
-                    sys.executable,
-                    __file__,
-                    "--worker",
-                    mode,
-                    "--model",
-                    f"{family}={model}",
-                    "--data",
-                    str(data),
-                    "--sample-config",
-                    json.dumps(sample_cfg),
-                    "--micro-batch",
-                    str(args.micro_batch),
-                    "--lora-rank",
-                    str(args.lora_rank),
-                    "--threads",
-                    str(args.threads),
-                    "--repeats",
-                    str(args.repeats),
-                ]
-                proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=True)
-                res = json.loads(
-                    next(ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT))[len(RESULT) :]
-                )
+                label = f"lora r{args.lora_rank}" if mode == "lora" else "full"
+                if args.memory:
+                    rows.append(memory_row(family, label, run_worker, mode, metrics[family]))
+                    continue
+                res = run_worker(mode)
                 best = {side: min(rs, key=lambda b: b["total"]) for side, rs in res["runs"].items()}
                 ratio = best["omnirl"]["total"] / best["bare"]["total"]
                 pooled = pooled_ratio(res["runs"], "omnirl", "bare", ("transformer_fwd", "backward"))
                 metrics[family][mode] = {**res, "best": best, "ratio": ratio, "ratio_pooled": pooled}
-                label = f"lora r{args.lora_rank}" if mode == "lora" else "full"
                 for side, b in best.items():
                     rows.append(
                         {
@@ -345,23 +384,79 @@ def main() -> None:
                     flush=True,
                 )
     metrics["load_average_after"] = os.getloadavg()[0]
-    if not args.no_record:
-        scales = ", ".join(f"{f} {guidance[f]}" for f in families)
+    if args.no_record:
+        return
+    scales = ", ".join(f"{f} {guidance[f]}" for f in families)
+    setting = (
+        f"each family's `small` model, {args.samples} samples × {args.stored_steps} stored steps, micro-batch "
+        f"{args.micro_batch}, {args.resolution} px ({args.frames} frames per Wan clip), guidance ({scales}; CFG "
+        f"except FLUX.1's distilled), {args.threads} threads"
+    )
+    load = f"load average {metrics['load_average_before']:.1f} on {os.cpu_count()} CPUs"
+    if args.memory:
+        path = record(
+            "update_memory",
+            metrics,
+            rows,
+            description=(
+                f"Peak memory of one stages.update.trainer.train call (flow_grpo) with and without activation "
+                f"checkpointing (`--gradient-checkpointing`), {setting}; one fresh process per setting ({load}). "
+                "CPU peak RSS = VmHWM of the whole process after the update; increment = that less the VmHWM "
+                "before it (model and data loaded). Ratios: with ÷ without."
+            ),
+        )
+    else:
         path = record(
             "update",
             metrics,
             rows,
             description=(
                 f"stages.update.trainer.train (flow_grpo) ÷ bare forward+MSE+backward of the same transformer and "
-                f"the same AdamW step, each family's `small` model, {args.samples} samples × {args.stored_steps} "
-                f"stored steps, micro-batch {args.micro_batch}, {args.resolution} px, guidance ({scales}; CFG "
-                f"except FLUX.1's distilled), {args.threads} threads; best of {args.repeats} alternating calls "
-                f"in one process per (family, mode) (load average {metrics['load_average_before']:.1f} on "
-                f"{os.cpu_count()} CPUs). Target <= {TARGET}. Peak RSS = VmHWM of that process after one "
+                f"the same AdamW step, {setting}; best of {args.repeats} alternating calls in one process per "
+                f"(family, mode) ({load}). Target <= {TARGET}. Peak RSS = VmHWM of that process after one "
                 "update. Columns after peak RSS: seconds of the best call per region; other = the rest."
             ),
         )
-        print("recorded", path)
+    print("recorded", path)
+
+
+def worker_process(base: list[str], env: dict[str, str], mode: str, *extra: str) -> dict[str, Any]:
+    """Run `base` (this script with a family's model and data) as a `mode` worker; its RESULT line."""
+    cmd = [*base, "--worker", mode, *extra]
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=True)
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT))
+    return json.loads(line[len(RESULT) :])
+
+
+def memory_row(family: str, label: str, run_worker: Any, mode: str, out: dict[str, Any]) -> dict[str, Any]:
+    """One update without and one with gradient checkpointing, each in a fresh worker; their peak RSS
+    and increments (module docstring), also stored in `out[mode]`."""
+    plain, ckpt = run_worker(mode, "--memory"), run_worker(mode, "--memory", "--checkpointing")
+    inc = {k: r["rss_update_peak_mb"] - r["rss_loaded_mb"] for k, r in (("plain", plain), ("ckpt", ckpt))}
+    peak_ratio = ckpt["rss_update_peak_mb"] / plain["rss_update_peak_mb"]
+    inc_ratio = inc["ckpt"] / inc["plain"]
+    out[mode] = {
+        "plain": plain,
+        "checkpointing": ckpt,
+        "peak_ratio": peak_ratio,
+        "increment_ratio": inc_ratio,
+    }
+    print(
+        f"{family} {label}: peak RSS {plain['rss_update_peak_mb']:.0f} → {ckpt['rss_update_peak_mb']:.0f} MB "
+        f"with checkpointing (× {peak_ratio:.3f}); the update's increment {inc['plain']:.0f} → "
+        f"{inc['ckpt']:.0f} MB (× {inc_ratio:.3f}); losses {plain['losses']} / {ckpt['losses']}",
+        flush=True,
+    )
+    return {
+        "family": family,
+        "mode": label,
+        "peak RSS MB": round(plain["rss_update_peak_mb"]),
+        "peak RSS MB, checkpointing": round(ckpt["rss_update_peak_mb"]),
+        "peak ratio": peak_ratio,
+        "increment MB": round(inc["plain"]),
+        "increment MB, checkpointing": round(inc["ckpt"]),
+        "increment ratio": inc_ratio,
+    }
 
 
 if __name__ == "__main__":

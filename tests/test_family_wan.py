@@ -52,23 +52,33 @@ def stock_pipe(model: Path):
     return pipe
 
 
-def stock_call(pipe, prompts, negatives, x_t, steps, guidance, side, output_type="latent"):
-    """`WanPipeline.__call__` from the noise x_t [B, C, F', h, w] (copies of the prompt lists)."""
+def stock_call(pipe, prompts, negatives, x_t, steps, guidance, side, output_type="latent", **kwargs):
+    """`WanPipeline.__call__` from the noise x_t [B, C, F', h, w] (copies of the prompt lists); `side` is
+    one side or (height, width)."""
+    height, width = side if isinstance(side, tuple) else (side, side)
     return pipe(
         list(prompts),
         negative_prompt=list(negatives),
-        height=side,
-        width=side,
+        height=height,
+        width=width,
         num_frames=FRAMES,
         num_inference_steps=steps,
         guidance_scale=guidance,
         latents=x_t.clone(),
         output_type=output_type,
         max_sequence_length=64,
+        **kwargs,
     ).frames
 
 
-def ode_rollout(policy: FlowPolicy, side: int, steps: int, guidance: float, negatives: list[str]) -> dict:
+def ode_rollout(
+    policy: FlowPolicy,
+    side: int | tuple[int, int],
+    steps: int,
+    guidance: float,
+    negatives: list[str],
+    **cfg_kw,
+) -> dict:
     n = len(negatives)
     cfg = SampleConfig(
         steps=steps,
@@ -78,6 +88,7 @@ def ode_rollout(policy: FlowPolicy, side: int, steps: int, guidance: float, nega
         sampler="ode",
         batch_size=n,
         max_sequence_length=64,
+        **cfg_kw,
     )
     seeds = list(range(1, n + 1))
     return rollout_batch(
@@ -114,6 +125,44 @@ def test_ode_rollout_equals_the_stock_pipeline(models: dict[str, Path], family: 
             assert np.array_equal(np.asarray(frame), np.asarray(expected))
 
 
+@pytest.mark.parametrize("family", ["wan2_1", "wan2_2_5b"])
+def test_a_non_square_clip_equals_the_stock_pipeline(models: dict[str, Path], family: str) -> None:
+    """--resolution HxW: height 1×, width 2× the tiny side (flow_grpo's Wan samples 240x416), latents
+    [C, F', h, 2h], the stock pipeline's final latent and frames exactly."""
+    side = SIDES[family]
+    size = (side, 2 * side)
+    policy = FlowPolicy.load(models[family])
+    negatives = ["", "blurry"]
+    ours = ode_rollout(policy, f"{side}x{2 * side}", 4, 5.0, negatives)
+    x_t = policy.initial_noise([1, 2], size, FRAMES)
+    assert x_t.shape[-2:] == (4, 8)
+    pipe = stock_pipe(models[family])
+    theirs = stock_call(pipe, PROMPTS[:2], negatives, x_t, 4, 5.0, size)
+    assert (ours["final_latent"] - theirs).abs().max().item() == 0.0
+    frames = policy.decode(ours["final_latent"])
+    stock = stock_call(pipe, PROMPTS[:2], negatives, x_t, 4, 5.0, size, output_type="pil")
+    assert frames[0][0].size == (2 * side, side)  # PIL: (width, height)
+    for video, reference in zip(frames, stock):
+        for frame, expected in zip(video, reference):
+            assert np.array_equal(np.asarray(frame), np.asarray(expected))
+
+
+def test_a14b_low_noise_guidance_equals_the_stock_pipelines_guidance_scale_2(models: dict[str, Path]) -> None:
+    """--guidance-2: the low-noise expert combines u + w₂(c − u), as `WanPipeline(guidance_scale_2=)`; unset,
+    it is --guidance, the pipeline's own default."""
+    model = models["wan2_2_a14b"]
+    policy = FlowPolicy.load(model)
+    negatives = ["", "blurry"]
+    x_t = policy.initial_noise([1, 2], 32, FRAMES)
+    pipe = stock_pipe(model)
+    ours = ode_rollout(policy, 32, 8, 5.0, negatives, guidance_2=2.0)["final_latent"]
+    theirs = stock_call(pipe, PROMPTS[:2], negatives, x_t, 8, 5.0, 32, guidance_scale_2=2.0)
+    assert (ours - theirs).abs().max().item() == 0.0
+    same = ode_rollout(policy, 32, 8, 5.0, negatives)["final_latent"]
+    assert torch.equal(same, stock_call(pipe, PROMPTS[:2], negatives, x_t, 8, 5.0, 32, guidance_scale_2=5.0))
+    assert (same - ours).abs().max().item() > 1e-3  # the second scale matters
+
+
 def test_the_experts_switch_at_the_boundary(models: dict[str, Path]) -> None:
     """A14B: steps with σ·1000 ≥ 0.875·1000 run `transformer`, the rest `transformer_2` (with 8 steps of
     shift 3: the first three); a batch whose rows straddle the switch runs each row on its own expert."""
@@ -131,7 +180,7 @@ def test_the_experts_switch_at_the_boundary(models: dict[str, Path]) -> None:
         torch.testing.assert_close(v, torch.cat([high, low]), rtol=0, atol=1e-6)
         # the experts differ: the low-noise row through the high-noise expert is another velocity
         with_high = policy.family._guided(
-            policy.parts["transformer"], x[1:], sigmas[3:4] * 1000, cond.select([1]), 4.0
+            policy.parts["transformer"], x[1:], sigmas[3:4] * 1000, cond.select([1]), 4.0, True
         )
     assert (with_high - low).abs().max().item() > 1e-3
 
@@ -157,6 +206,9 @@ def test_latent_shapes_and_bad_inputs_are_one_line(
     ]  # fmt: skip
     fails([*sample, "--resolution", "32", "--frames", "4"], "--frames 4", "multiple of 4")
     fails([*sample, "--resolution", "24", "--frames", "5"], "--resolution 24", "16")
+    fails([*sample, "--resolution", "32x40", "--frames", "5"], "--resolution 32x40", "multiple of 16")
+    fails([*sample, "--resolution", "32by40"], "--resolution '32by40'", "HEIGHTxWIDTH")
+    assert policy.latent_shape("64x32", 5) == (16, 2, 8, 4)
     assert not (tmp_path / "out").exists()
 
 
@@ -168,13 +220,12 @@ def test_an_image_family_refuses_frames(tiny_sd3: Path, prompts: Path, tmp_path:
     )  # fmt: skip
 
 
-def staged(model: Path, prompts: Path, root: Path, *window: str) -> dict:
-    """sample (SDE, 5 frames) → logprob; returns the replay summary."""
-    side = SIDES[model.name]
+def staged(model: Path, prompts: Path, root: Path, *window: str, resolution: str | None = None) -> dict:
+    """sample (SDE, 5 frames, the tiny side unless `resolution`) → logprob; returns the replay summary."""
     run(
         "sample", "--model", str(model), "--prompts", str(prompts), "-n", "2", "--steps", "8",
-        "--batch-size", "3", "--resolution", str(side), "--frames", str(FRAMES), "--guidance", "4",
-        *window, "--out", str(root / "samples"),
+        "--batch-size", "3", "--resolution", resolution or str(SIDES[model.name]), "--frames", str(FRAMES),
+        "--guidance", "4", *window, "--out", str(root / "samples"),
     )  # fmt: skip
     return run(
         "logprob", "--model", str(model), "--in", str(root / "samples"), "--out", str(root / "logprobs")
@@ -188,6 +239,67 @@ def test_rollout_replays_exactly(models: dict[str, Path], prompts: Path, tmp_pat
     latents = ShardSet(tmp_path / "samples").columns["latents"]
     channels = 48 if family == "wan2_2_5b" else 16
     assert latents.shape == (3, channels, 2, 4, 4)  # [K+1, C, F', h, w]
+
+
+def test_a_non_square_rollout_replays_exactly(models: dict[str, Path], prompts: Path, tmp_path: Path) -> None:
+    replay = staged(models["wan2_1"], prompts, tmp_path, "--sde-window", "2", resolution="64x32")
+    assert replay["abs_delta_max"] == 0.0 and replay["rows"] == 6
+    samples = ShardSet(tmp_path / "samples")
+    assert samples.columns["latents"].shape == (3, 16, 2, 8, 4)  # [K+1, C, F', h, w]: 64 high, 32 wide
+    assert samples.manifest.extra["sample_config"]["resolution"] == [64, 32]
+
+
+def test_a14b_low_noise_guidance_replays_exactly_and_is_recorded(
+    models: dict[str, Path], prompts: Path, tmp_path: Path
+) -> None:
+    window = ("--sde-window", "3", "--window-strategy", "fixed", "--window-start", "1")  # across the switch
+    replay = staged(models["wan2_2_a14b"], prompts, tmp_path, *window, "--guidance-2", "2.5")
+    assert replay["abs_delta_max"] == 0.0 and replay["rows"] == 6
+    assert ShardSet(tmp_path / "samples").manifest.extra["sample_config"]["guidance_2"] == 2.5
+
+
+def test_low_noise_guidance_needs_two_experts_and_cfg(
+    models: dict[str, Path], prompts: Path, tmp_path: Path
+) -> None:
+    sample = [
+        "sample", "--prompts", str(prompts), "-n", "1", "--steps", "2", "--resolution", "32", "--frames", "5",
+        "--out", str(tmp_path / "out"),
+    ]  # fmt: skip
+    fails([*sample, "--model", str(models["wan2_1"]), "--guidance-2", "3"], "--guidance-2 3", "two-expert")
+    line = fails(
+        [*sample, "--model", str(models["wan2_2_a14b"]), "--guidance", "1", "--guidance-2", "3"],
+        "--guidance-2",
+    )
+    assert "--guidance" in line and "> 1" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_gradient_checkpointing_gives_the_same_loss_and_gradients(models: dict[str, Path]) -> None:
+    """`update --gradient-checkpointing` (diffusers' per-block recompute on every trained expert) changes
+    memory, not numbers: the same loss and the same gradient of every A14B weight, for a batch whose rows
+    straddle the expert switch, with two guidance scales."""
+    policy = FlowPolicy.load(models["wan2_2_a14b"])
+    params = policy.trainable_parameters(full=True)
+    sigmas = policy.sigmas(8, 32)
+    x = policy.initial_noise([3, 4], "32x64", FRAMES)
+    cond = policy.encode(PROMPTS[:2], None, cfg=True, max_sequence_length=64)
+    sigma = torch.stack([sigmas[2], sigmas[3]])
+
+    def loss_and_grads() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        for p in params:
+            p.grad = None
+        loss = policy.velocity(x, sigma, cond, 4.0, 2.0).pow(2).mean()
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in params]
+
+    plain_loss, plain = loss_and_grads()
+    policy.gradient_checkpointing()
+    assert all(part.gradient_checkpointing for part in policy.parts.values())
+    ckpt_loss, ckpt = loss_and_grads()
+    torch.testing.assert_close(ckpt_loss, plain_loss)
+    assert len(plain) == len(params) > 0 and sum(bool(g.abs().sum()) for g in plain) > len(params) // 2
+    for a, b in zip(plain, ckpt):
+        torch.testing.assert_close(b, a)
 
 
 @pytest.fixture(scope="module")

@@ -60,27 +60,29 @@ def test_same_seed_same_bytes_and_batch_size_does_not_change_a_sample(
     assert not torch.allclose(ShardSet(other).read_all()["final_latent"], a["final_latent"])
 
 
-def test_ode_rollout_matches_the_diffusers_pipeline(tiny_sd3: Path) -> None:
+@pytest.mark.parametrize(("height", "width"), [(32, 32), (32, 64)])
+def test_ode_rollout_matches_the_diffusers_pipeline(tiny_sd3: Path, height: int, width: int) -> None:
     from diffusers import StableDiffusion3Pipeline
 
     from stages.models.diffusion import FlowPolicy
     from stages.sample.rollout import SampleConfig, rollout_batch
 
     policy = FlowPolicy.load(tiny_sd3)
-    cfg = SampleConfig(steps=5, guidance=3.0, resolution=32, sampler="ode", batch_size=2)
+    cfg = SampleConfig(steps=5, guidance=3.0, resolution=f"{height}x{width}", sampler="ode", batch_size=2)
     ours = rollout_batch(
         policy, cfg, PROMPTS[:2], ["", ""], [1, 2], [1, 2], groups=[0, 1], sample_ids=["a", "b"]
     )
     pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3)
     pipe.set_progress_bar_config(disable=True)
-    x_t = policy.initial_noise([1, 2], 32)
+    x_t = policy.initial_noise([1, 2], (height, width))
+    assert x_t.shape[-1] * height == x_t.shape[-2] * width  # the latent grid keeps the aspect
     theirs = pipe(
         PROMPTS[:2],
         latents=x_t,
         num_inference_steps=5,
         guidance_scale=3.0,
-        height=32,
-        width=32,
+        height=height,
+        width=width,
         output_type="latent",
         max_sequence_length=128,
     ).images

@@ -19,6 +19,7 @@ from stages.sample.rollout import SampleConfig
 from stages.sample.rollout_protocol import (
     MAX_REDRAWS,
     ProtocolError,
+    decode_request,
     decode_response,
     encode_request,
     encode_response,
@@ -72,6 +73,24 @@ def test_a_msgpack_reply_round_trips_to_the_same_columns_and_is_smaller() -> Non
     print(
         f"\nreply of {raw / 2**20:.1f} MiB: JSON+base64 {len(text) / 2**20:.2f} MiB, msgpack {len(packed) / 2**20:.2f} MiB"
     )
+
+
+@pytest.mark.parametrize(("resolution", "wire"), [("240x416", [240, 416]), (512, 512), ("64x64", 64)])
+def test_a_request_carries_height_and_width_and_a_square_as_one_side(resolution: Any, wire: Any) -> None:
+    """A non-square size travels as [height, width]; a square as the one side v1 always sent, so a request
+    of an older client (and to an older server) stays valid; decoding gives the same (height, width)."""
+    cfg = SampleConfig(steps=3, resolution=resolution, frames=5)
+    request = json.loads(json.dumps(encode_request("r", cfg, ["p"], [""], [1], [1], [0], ["s"], {})))
+    assert request["sampling_params"]["resolution"] == wire
+    decoded = decode_request(request, max_samples=4).cfg
+    assert decoded == cfg and decoded.resolution == SampleConfig(resolution=wire).resolution
+    assert "guidance_2" not in request["sampling_params"]  # unset: left out, so an older server answers
+    cfg.guidance_2 = 2.0
+    request = json.loads(json.dumps(encode_request("r", cfg, ["p"], [""], [1], [1], [0], ["s"], {})))
+    assert decode_request(request, max_samples=4).cfg.guidance_2 == 2.0
+    bad = {**request, "sampling_params": {**request["sampling_params"], "resolution": "wide"}}
+    with pytest.raises(ProtocolError, match="--resolution 'wide'"):
+        decode_request(bad, max_samples=4)
 
 
 def test_bf16_latents_come_back_in_bf16() -> None:

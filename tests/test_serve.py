@@ -480,7 +480,9 @@ def test_malformed_and_oversized_requests_get_4xx_and_the_server_keeps_serving(s
         (404, "GET", "/nothing", None, None),
         (422, "POST", "/omnirl/v1/weights", {"adapter": "/no/such/adapter"}, None),
         (400, "POST", "/v1/images/generations", {"prompt": "x", "n": 11}, None),
-        (400, "POST", "/v1/images/generations", {"prompt": "x", "size": "32x48"}, None),
+        (400, "POST", "/v1/images/generations", {"prompt": "x", "size": "32x36"}, None),
+        (400, "POST", "/omnirl/v1/latent_shape", {"resolution": [32, 0]}, None),
+        (400, "POST", "/omnirl/v1/latent_shape", {"resolution": [32, 36]}, None),
         (400, "POST", "/v1/images/generations", {"prompt": "x", "model": "other"}, None),
         (400, "POST", "/v1/images/generations", {"n": 1}, None),
         (400, "POST", "/v1/images/generations", {"prompt": "x", "guidance_scale": 21}, None),
@@ -538,6 +540,22 @@ def test_images_generations_returns_the_requested_pngs(server: Server) -> None:
     again = _request(server.url, "POST", "/v1/images/generations", {**body, "n": 1, "seed": 6})[1]
     assert again["data"][0]["b64_json"] == reply["data"][1]["b64_json"]  # image i draws from seed + i
     assert len({d["b64_json"] for d in reply["data"]}) == 3
+    # "WxH" is width first: 64 wide, 32 high
+    status, wide = _request(server.url, "POST", "/v1/images/generations", {**body, "n": 1, "size": "64x32"})
+    assert status == 200 and wide["size"] == "64x32", wide
+    assert Image.open(io.BytesIO(base64.b64decode(wide["data"][0]["b64_json"]))).size == (64, 32)
+
+
+def test_latent_shape_takes_a_side_or_height_and_width(server: Server, tiny_sd3: Path) -> None:
+    from stages.models.diffusion import FlowPolicy
+    from stages.sample.remote_engine import RemoteEngine, RolloutClient
+
+    policy = FlowPolicy.load(tiny_sd3)
+    for resolution, size in ((32, (32, 32)), ([32, 64], (32, 64))):
+        status, reply = _request(server.url, "POST", "/omnirl/v1/latent_shape", {"resolution": resolution})
+        assert status == 200 and reply["latent_shape"] == list(policy.latent_shape(size)), reply
+    engine = RemoteEngine(RolloutClient(server.url, token=None, timeout=30, retries=0), {}, {})
+    assert engine.latent_shape((32, 64)) == policy.latent_shape((32, 64))
 
 
 # ---- the protocol's checks of a reply ---------------------------------------------------------------

@@ -57,7 +57,14 @@ class FakeFlow:
     def encode(self, *args: object) -> None:
         return None
 
-    def velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond: object, guidance: float) -> torch.Tensor:
+    def velocity(
+        self,
+        x: torch.Tensor,
+        sigma: torch.Tensor,
+        cond: object,
+        guidance: float,
+        guidance_2: float | None = None,
+    ) -> torch.Tensor:
         return self.module.w * x + self.module.b
 
 

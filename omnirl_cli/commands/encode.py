@@ -31,14 +31,13 @@ def encode(
     out: OutOpt = None,
     model: model_opt("Diffusers pipeline (its VAE encodes)") = None,
     resolution: Annotated[
-        int,
+        str,
         typer.Option(
             "--resolution",
-            min=1,
-            help="Images are resized and centre-cropped to this side in pixels: a multiple of the VAE "
-            "factor × patch size (SD3: 16).",
+            help="Images are resized and centre-cropped to this size in pixels: a side (512) or "
+            "HEIGHTxWIDTH (240x416), each a multiple of the VAE factor × patch size (SD3: 16).",
         ),
-    ] = 512,
+    ] = "512",
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Images per VAE call.")] = 8,
     dtype: Annotated[Dtype, typer.Option("--dtype", envvar="OMNIRL_DTYPE", help="Weights dtype.")] = "fp32",
     mixed_precision: mixed_precision_opt("the VAE encoder's forward") = None,

@@ -129,15 +129,24 @@ def sample(
             rich_help_panel=SAMPLING,
         ),
     ] = 4.5,
-    resolution: Annotated[
-        int,
+    guidance_2: Annotated[
+        float | None,
         typer.Option(
-            "--resolution",
-            min=1,
-            help="Image side in pixels: a multiple of the VAE factor × patch size (SD3: 16).",
+            "--guidance-2",
+            help="Guidance of the low-noise expert of a two-expert model (Wan 2.2 A14B; WanPipeline's "
+            "guidance_scale_2), recorded for replay. Default: --guidance.",
             rich_help_panel=SAMPLING,
         ),
-    ] = 512,
+    ] = None,
+    resolution: Annotated[
+        str,
+        typer.Option(
+            "--resolution",
+            help="Sample size in pixels: a side (512) or HEIGHTxWIDTH (240x416, flow_grpo's Wan), each a "
+            "multiple of the VAE factor × patch size (SD3: 16, Wan 2.1: 16, Wan 2.2 TI2V-5B: 32).",
+            rich_help_panel=SAMPLING,
+        ),
+    ] = "512",
     frames: Annotated[
         int,
         typer.Option(

@@ -50,7 +50,7 @@ def replay_batch(
     for j in range(k):
         x = latents[:, j].to(policy.device).float()
         x_next = latents[:, j + 1].to(policy.device).float()
-        v = policy.velocity(x, sigmas[:, j], cond, cfg.guidance)
+        v = policy.velocity(x, sigmas[:, j], cond, cfg.guidance, cfg.guidance_2)
         out = step(
             cfg.sampler,
             v,
@@ -66,7 +66,7 @@ def replay_batch(
             old_means.append(out.mean)
         if reference:
             with policy.reference():
-                v_ref = policy.velocity(x, sigmas[:, j], cond, cfg.guidance)
+                v_ref = policy.velocity(x, sigmas[:, j], cond, cfg.guidance, cfg.guidance_2)
             ref = step(
                 cfg.sampler,
                 v_ref,

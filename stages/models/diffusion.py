@@ -22,7 +22,7 @@ from safetensors import SafetensorError
 
 from stages.dist import unwrap
 from stages.errors import UserInputError
-from stages.models.families import Condition, FamilyAdapter, adapter_class
+from stages.models.families import Condition, FamilyAdapter, Resolution, adapter_class
 from stages.models.hub import base_model_record
 from stages.models.lora_weights import lora_config_dict, lora_file, swap_lora
 
@@ -571,12 +571,13 @@ class FlowPolicy:
         (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
 
     # ---------------------------------------------------------------- math
-    def sigmas(self, num_steps: int, resolution: int) -> torch.Tensor:
-        """The family's own σ schedule [N+1] (ends in 0), float32, for `resolution`² samples."""
+    def sigmas(self, num_steps: int, resolution: Resolution) -> torch.Tensor:
+        """The family's own σ schedule [N+1] (ends in 0), float32, for samples of `resolution` (a side or
+        (height, width))."""
         return self.family.sigmas(num_steps, resolution)
 
-    def latent_shape(self, resolution: int, frames: int = 1) -> tuple[int, ...]:
-        """The stored latent of one `resolution`² sample of `frames` frames (the family's layout); more
+    def latent_shape(self, resolution: Resolution, frames: int = 1) -> tuple[int, ...]:
+        """The stored latent of one sample of `resolution` and `frames` frames (the family's layout); more
         than one frame from an image family is a one-line error naming --frames."""
         if frames != 1 and self.family.media != "video":
             raise UserInputError(
@@ -588,7 +589,7 @@ class FlowPolicy:
         """Whether sampling with `guidance` runs an unconditional branch (the family's CFG kind)."""
         return self.family.needs_negative(guidance)
 
-    def initial_noise(self, seeds: list[int], resolution: int, frames: int = 1) -> torch.Tensor:
+    def initial_noise(self, seeds: list[int], resolution: Resolution, frames: int = 1) -> torch.Tensor:
         """x_T [B, *latent_shape] drawn per sample from its own seed (batching never changes it)."""
         shape = self.latent_shape(resolution, frames)
         noise = [torch.randn(shape, generator=seed_generator(s), dtype=torch.float32) for s in seeds]
@@ -613,14 +614,30 @@ class FlowPolicy:
         return Condition(pos, self.family.collate([part[1] for part in parts]) if cfg else None)
 
     def velocity(
-        self, x: torch.Tensor, sigma: torch.Tensor, cond: Condition, guidance: float
+        self,
+        x: torch.Tensor,
+        sigma: torch.Tensor,
+        cond: Condition,
+        guidance: float,
+        guidance_2: float | None = None,
     ) -> torch.Tensor:
-        """Guided velocity v(x, σ) [B, *latent_shape] in fp32 (σ a scalar or [B]), by the family."""
+        """Guided velocity v(x, σ) [B, *latent_shape] in fp32 (σ a scalar or [B]), by the family.
+        `guidance_2`: the low-noise expert's guidance of a two-expert model (None: `guidance`); any other
+        model refuses it in one line."""
         sigma = sigma.to(self.device, torch.float32).expand(x.shape[0])
-        return self.family.velocity(self.transformer, x, sigma, cond.to(self.transformer.dtype), guidance)
+        extra = {}
+        if guidance_2 is not None:
+            if len(self.parts) < 2:
+                raise UserInputError(
+                    f"--guidance-2 {guidance_2:g}: --model {self.model_path} ({self.family.name}) has one "
+                    "transformer; it guides the low-noise expert of a two-expert model (Wan 2.2 A14B)"
+                )
+            extra["guidance_2"] = guidance_2
+        cond = cond.to(self.transformer.dtype)
+        return self.family.velocity(self.transformer, x, sigma, cond, guidance, **extra)
 
     @torch.no_grad()
-    def encode_images(self, images: list[Any], resolution: int) -> torch.Tensor:
+    def encode_images(self, images: list[Any], resolution: Resolution) -> torch.Tensor:
         """PIL images → latents [B, *latent_shape] (resized and centre-cropped), the inverse of `decode`."""
         return self.family.encode_images(images, resolution, self.device)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -35,6 +36,57 @@ BUILTIN: dict[str, str] = {
 }
 
 Tensors = dict[str, torch.Tensor]
+# A sample's size in pixels: one side (square) or (height, width).
+Resolution = int | tuple[int, int]
+RESOLUTION_HELP = "a side (512) or HEIGHTxWIDTH (240x416)"
+
+
+def parse_resolution(value: Any, option: str = "--resolution") -> tuple[int, int]:
+    """(height, width) in pixels of a resolution as a user or a file gives it: a side N (square), the
+    string "N" or "HxW", or a [height, width] pair (a config layer may wrap a scalar in a one-element
+    list). Anything else, or a side below 1, is a one-line UserInputError naming `option`."""
+    if isinstance(value, (list, tuple)) and len(value) == 1:
+        value = value[0]
+    try:
+        if isinstance(value, str):
+            parts = value.strip().lower().split("x")
+            if len(parts) not in (1, 2):
+                raise ValueError
+            sides = tuple(int(p) for p in parts)
+        elif isinstance(value, (list, tuple)) and len(value) == 2:
+            sides = tuple(operator.index(v) for v in value)
+        else:
+            sides = (operator.index(value),)
+    except (TypeError, ValueError):
+        raise UserInputError(f"{option} {value!r}: give {RESOLUTION_HELP}") from None
+    height, width = sides if len(sides) == 2 else sides * 2
+    if height < 1 or width < 1:
+        raise UserInputError(
+            f"{option} {_spelled(height, width)}: each side must be a positive number of pixels"
+        )
+    return height, width
+
+
+def _spelled(height: int, width: int) -> str:
+    return str(height) if height == width else f"{height}x{width}"
+
+
+def format_resolution(resolution: Resolution) -> str:
+    """A resolution as the option spells it: "512" for a square, "HxW" otherwise."""
+    return _spelled(*parse_resolution(resolution))
+
+
+def latent_grid(resolution: Resolution, factor: int, multiple: int, why: str = "") -> tuple[int, int]:
+    """The latent (h, w) of a `resolution` for a VAE of spatial `factor`: each pixel side must be a
+    positive multiple of `multiple` (the VAE factor × the transformer's patch), else a one-line
+    UserInputError naming --resolution (`why` says where the multiple comes from)."""
+    height, width = parse_resolution(resolution)
+    if height % multiple or width % multiple:
+        raise UserInputError(
+            f"--resolution {_spelled(height, width)}: height and width must each be a positive multiple "
+            f"of {multiple} for this model{f' ({why})' if why else ''}"
+        )
+    return height // factor, width // factor
 
 
 @dataclass
@@ -136,14 +188,16 @@ class FamilyAdapter:
             return next(iter(modules.values()))
         return Experts(modules)
 
-    def sigmas(self, num_steps: int, resolution: int) -> torch.Tensor:
-        """The σ schedule [N+1] (ends in 0), float32, as the family's own pipeline computes it."""
+    def sigmas(self, num_steps: int, resolution: Resolution) -> torch.Tensor:
+        """The σ schedule [N+1] (ends in 0), float32, as the family's own pipeline computes it for
+        samples of `resolution` (a side or (height, width))."""
         raise NotImplementedError
 
-    def latent_shape(self, resolution: int, frames: int = 1) -> tuple[int, ...]:
-        """The stored (unpacked) latent of one `resolution`² sample of `frames` frames, any rank (an
-        image family is only asked for 1 frame); a side or frame count the family cannot take is a
-        one-line UserInputError naming --resolution or --frames."""
+    def latent_shape(self, resolution: Resolution, frames: int = 1) -> tuple[int, ...]:
+        """The stored (unpacked) latent of one sample of `resolution` (a side or (height, width)) and
+        `frames` frames, any rank (an image family is only asked for 1 frame); a size or frame count the
+        family cannot take is a one-line UserInputError naming --resolution or --frames
+        (`latent_grid` checks the sides)."""
         raise NotImplementedError
 
     def needs_negative(self, guidance: float) -> bool:
@@ -170,7 +224,8 @@ class FamilyAdapter:
         guidance: float,
     ) -> torch.Tensor:
         """Guided velocity v(x, σ) in fp32 and x's layout ([B, *latent_shape]); σ is [B]. The
-        transformer is passed in because the policy swaps it (reference model)."""
+        transformer is passed in because the policy swaps it (reference model). A family with several
+        experts (`trained_modules`) also takes `guidance_2`, its low-noise expert's guidance."""
         raise NotImplementedError
 
     def decode(self, x0: torch.Tensor) -> list[Any]:
@@ -182,14 +237,13 @@ class FamilyAdapter:
         image = vae.decode(z, return_dict=False)[0]
         return self.pipe.image_processor.postprocess(image, output_type="pil")
 
-    def encode_images(self, images: list[Any], resolution: int, device: torch.device) -> torch.Tensor:
-        """PIL images → latents [B, *latent_shape] (resize + centre-crop), the inverse of `decode`: by
-        default the VAE posterior mode, then (z − shift)·scale."""
+    def encode_images(self, images: list[Any], resolution: Resolution, device: torch.device) -> torch.Tensor:
+        """PIL images → latents [B, *latent_shape] (resize + centre-crop to `resolution`), the inverse of
+        `decode`: by default the VAE posterior mode, then (z − shift)·scale."""
         self.latent_shape(resolution)
+        height, width = parse_resolution(resolution)
         vae = self.pipe.vae
-        pixels = self.pipe.image_processor.preprocess(
-            images, height=resolution, width=resolution, resize_mode="crop"
-        )
+        pixels = self.pipe.image_processor.preprocess(images, height=height, width=width, resize_mode="crop")
         z = vae.encode(pixels.to(device, vae.dtype)).latent_dist.mode()
         return ((z - vae.config.shift_factor) * vae.config.scaling_factor).float()
 
@@ -240,3 +294,19 @@ def latent_normalisation(vae: Any, like: torch.Tensor) -> tuple[torch.Tensor, to
     mean = torch.tensor(config.latents_mean).view(shape).to(like.device, like.dtype)
     inv_std = 1.0 / torch.tensor(config.latents_std).view(shape).to(like.device, like.dtype)
     return mean, inv_std
+
+
+def encode_3d(vae: Any, pixels: torch.Tensor) -> torch.Tensor:
+    """Pixels [B, 3, F, H, W] in [−1, 1] → latents [B, C, F', h, w] of a 3-D VAE, float32: its posterior
+    mode, then (z − mean)·std⁻¹ (`latent_normalisation`), as Wan's and Qwen-Image's pipelines scale them."""
+    z = vae.encode(pixels.to(dtype=vae.dtype)).latent_dist.mode()
+    mean, inv_std = latent_normalisation(vae, z)
+    return ((z - mean) * inv_std).float()
+
+
+def decode_3d(vae: Any, latents: torch.Tensor) -> torch.Tensor:
+    """Latents [B, C, F', h, w] → a 3-D VAE's pixels [B, 3, F, H, W]: z = x/std⁻¹ + mean, then decoded, as the
+    pipelines do before postprocessing."""
+    z = latents.to(vae.dtype)
+    mean, inv_std = latent_normalisation(vae, z)
+    return vae.decode(z / inv_std + mean, return_dict=False)[0]

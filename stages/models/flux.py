@@ -26,7 +26,7 @@ from transformers import CLIPTextConfig, CLIPTextModel
 
 from stages.errors import UserInputError
 from stages.models.factory import autoencoder_kl, choose_size, save_pipeline, seeded, t5_encoder
-from stages.models.families import Condition, FamilyAdapter, Tensors
+from stages.models.families import Condition, FamilyAdapter, Resolution, Tensors, latent_grid
 from stages.models.packing import pack, unpack
 from stages.models.schedules import dynamic_shift_mu, flow_match_sigmas
 from stages.models.tokenizers import build_clip_tokenizer, build_t5_tokenizer
@@ -247,27 +247,21 @@ class FluxAdapter(FamilyAdapter):
         """FluxPipeline's `guidance_scale` default (3.5, FLUX.1-dev); 1 for a model without the embedding."""
         return 3.5 if self.pipe.transformer.config.guidance_embeds else 1.0
 
-    def _factor(self, resolution: int) -> int:
-        """The VAE factor; a side that is not a positive multiple of 2 × it is a one-line error."""
+    def _grid(self, resolution: Resolution) -> tuple[int, int]:
+        """The unpacked latent (h, w); each side must be a positive multiple of 2 × the VAE factor."""
         factor = self.pipe.vae_scale_factor
-        if resolution < 1 or resolution % (2 * factor):
-            raise UserInputError(
-                f"--resolution {resolution}: must be a positive multiple of {2 * factor} for this FLUX model "
-                "(VAE factor × the 2×2 packing)"
-            )
-        return factor
+        return latent_grid(resolution, factor, 2 * factor, "VAE factor × the 2×2 packing")
 
-    def latent_shape(self, resolution: int, frames: int = 1) -> tuple[int, ...]:
-        """(16, h, w) of a `resolution`² image, stored unpacked."""
-        side = resolution // self._factor(resolution)
-        return (self.pipe.transformer.config.in_channels // 4, side, side)
+    def latent_shape(self, resolution: Resolution, frames: int = 1) -> tuple[int, ...]:
+        """(16, h, w) of an image of `resolution`, stored unpacked."""
+        return (self.pipe.transformer.config.in_channels // 4, *self._grid(resolution))
 
-    def sigmas(self, num_steps: int, resolution: int) -> torch.Tensor:
-        """linspace(1, 1/N, N) under the time shift μ of this resolution's packed sequence length, as
-        `FluxPipeline` sets the scheduler (μ from the scheduler config's base/max lengths and shifts)."""
-        side = resolution // self._factor(resolution)
-        config = self.pipe.scheduler.config
-        mu = dynamic_shift_mu((side // 2) ** 2, config)
+    def sigmas(self, num_steps: int, resolution: Resolution) -> torch.Tensor:
+        """linspace(1, 1/N, N) under the time shift μ of this resolution's packed sequence length
+        (h/2·w/2), as `FluxPipeline` sets the scheduler (μ from the scheduler config's base/max lengths
+        and shifts)."""
+        h, w = self._grid(resolution)
+        mu = dynamic_shift_mu((h // 2) * (w // 2), self.pipe.scheduler.config)
         return flow_match_sigmas(self.pipe.scheduler, num_steps, mu=mu)
 
     def encode_prompts(

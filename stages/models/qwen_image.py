@@ -26,9 +26,17 @@ from diffusers import (
 )
 from transformers import Qwen2_5_VLForConditionalGeneration
 
-from stages.errors import UserInputError
 from stages.models.factory import choose_size, save_pipeline, seeded, zero_residual_branches
-from stages.models.families import Condition, FamilyAdapter, Tensors, latent_normalisation
+from stages.models.families import (
+    Condition,
+    FamilyAdapter,
+    Resolution,
+    Tensors,
+    decode_3d,
+    encode_3d,
+    latent_grid,
+    parse_resolution,
+)
 from stages.models.packing import PATCH, pack, unpack
 from stages.models.qwen2_5_vl import SIZES as TEXT_SIZES
 from stages.models.qwen2_5_vl import Qwen2_5_VLSize, _config
@@ -196,29 +204,22 @@ class QwenImageAdapter(FamilyAdapter):
     name = FAMILY
     lora_targets = QWEN_IMAGE_LORA_TARGETS
 
-    def _latent_side(self, resolution: int) -> int:
+    def _grid(self, resolution: Resolution) -> tuple[int, int]:
+        """The unpacked latent (h, w); each side must be a positive multiple of the VAE factor × 2."""
         factor = self.pipe.vae_scale_factor
-        if resolution < 1 or resolution % (factor * PATCH):
-            raise UserInputError(
-                f"--resolution {resolution}: must be a positive multiple of {factor * PATCH} for this model "
-                f"(VAE factor {factor} × 2×2 packing)"
-            )
-        return resolution // factor
+        return latent_grid(resolution, factor, factor * PATCH, f"VAE factor {factor} × 2×2 packing")
 
-    def sigmas(self, num_steps: int, resolution: int) -> torch.Tensor:
+    def sigmas(self, num_steps: int, resolution: Resolution) -> torch.Tensor:
         """Linear σ from 1 to 1/N shifted by mu, the pipeline's linear map of the packed token count
         (h/2·w/2) between the scheduler's (base_image_seq_len, base_shift) and (max_image_seq_len,
         max_shift), then stretched to `shift_terminal`; 0 appended."""
-        side = self._latent_side(resolution)
-        config = self.pipe.scheduler.config
-        seq_len = (side // PATCH) ** 2
-        mu = dynamic_shift_mu(seq_len, config)
+        h, w = self._grid(resolution)
+        mu = dynamic_shift_mu((h // PATCH) * (w // PATCH), self.pipe.scheduler.config)
         return flow_match_sigmas(self.pipe.scheduler, num_steps, mu=mu)
 
-    def latent_shape(self, resolution: int, frames: int = 1) -> tuple[int, ...]:
-        """(16, h, w) of a `resolution`² image: the side must be a multiple of the VAE factor × 2."""
-        side = self._latent_side(resolution)
-        return (self.pipe.transformer.config.out_channels, side, side)
+    def latent_shape(self, resolution: Resolution, frames: int = 1) -> tuple[int, ...]:
+        """(16, h, w) of an image of `resolution`: each side a multiple of the VAE factor × 2."""
+        return (self.pipe.transformer.config.out_channels, *self._grid(resolution))
 
     def encode_prompts(
         self, prompts: list[str], negatives: list[str], device: torch.device, max_sequence_length: int
@@ -284,21 +285,14 @@ class QwenImageAdapter(FamilyAdapter):
             v = combined * (torch.norm(v, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True))
         return unpack(v, h, w)
 
-    def encode_images(self, images: list[Any], resolution: int, device: torch.device) -> torch.Tensor:
+    def encode_images(self, images: list[Any], resolution: Resolution, device: torch.device) -> torch.Tensor:
         """VAE posterior mode of one-frame videos, then (z − mean)/std per channel, the inverse of `decode`."""
         self.latent_shape(resolution)
-        vae = self.pipe.vae
-        pixels = self.pipe.image_processor.preprocess(
-            images, height=resolution, width=resolution, resize_mode="crop"
-        )
-        z = vae.encode(pixels.to(device, vae.dtype).unsqueeze(2)).latent_dist.mode()
-        mean, inv_std = latent_normalisation(self.pipe.vae, z)
-        return ((z - mean) * inv_std)[:, :, 0].float()
+        height, width = parse_resolution(resolution)
+        pixels = self.pipe.image_processor.preprocess(images, height=height, width=width, resize_mode="crop")
+        return encode_3d(self.pipe.vae, pixels.to(device).unsqueeze(2))[:, :, 0]
 
     def decode(self, x0: torch.Tensor) -> list[Any]:
         """Latents [B, C, h, w] → one-frame VAE decode after z = x/std⁻¹ + mean, as the pipeline does."""
-        vae = self.pipe.vae
-        z = x0.to(vae.dtype).unsqueeze(2)
-        mean, inv_std = latent_normalisation(self.pipe.vae, z)
-        image = vae.decode(z / inv_std + mean, return_dict=False)[0][:, :, 0]
+        image = decode_3d(self.pipe.vae, x0.unsqueeze(2))[:, :, 0]
         return self.pipe.image_processor.postprocess(image, output_type="pil")

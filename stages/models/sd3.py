@@ -26,7 +26,14 @@ from transformers import CLIPTextConfig, CLIPTextModelWithProjection
 
 from stages.errors import UserInputError
 from stages.models.factory import autoencoder_kl, choose_size, save_pipeline, seeded, t5_encoder
-from stages.models.families import Condition, FamilyAdapter, Tensors
+from stages.models.families import (
+    Condition,
+    FamilyAdapter,
+    Resolution,
+    Tensors,
+    format_resolution,
+    latent_grid,
+)
 from stages.models.schedules import flow_match_sigmas
 from stages.models.tokenizers import build_clip_tokenizer, build_t5_tokenizer
 
@@ -251,26 +258,25 @@ class SD3Adapter(FamilyAdapter):
     name = FAMILY
     lora_targets = SD3_LORA_TARGETS
 
-    def sigmas(self, num_steps: int, resolution: int) -> torch.Tensor:
+    def sigmas(self, num_steps: int, resolution: Resolution) -> torch.Tensor:
         """The scheduler's fixed-shift schedule (shift 3 for SD3.5)."""
         return flow_match_sigmas(self.pipe.scheduler, num_steps)
 
-    def latent_shape(self, resolution: int, frames: int = 1) -> tuple[int, ...]:
-        """(C, h, w) of a `resolution`² image; the side must be a positive multiple of the VAE factor ×
-        the transformer's patch size, as the diffusers SD3 pipeline requires."""
+    def latent_shape(self, resolution: Resolution, frames: int = 1) -> tuple[int, ...]:
+        """(C, h, w) of an image of `resolution`; each side must be a positive multiple of the VAE factor
+        × the transformer's patch size, as the diffusers SD3 pipeline requires, and fit its positional
+        table."""
         factor = self.pipe.vae_scale_factor
         config = self.pipe.transformer.config
         multiple = factor * config.patch_size
-        if resolution < 1 or resolution % multiple:
-            raise UserInputError(
-                f"--resolution {resolution}: must be a positive multiple of {multiple} for this model"
-            )
+        h, w = latent_grid(resolution, factor, multiple)
         largest = (config.pos_embed_max_size or 0) * multiple
-        if largest and resolution > largest:
+        if largest and max(h, w) * factor > largest:
             raise UserInputError(
-                f"--resolution {resolution}: this model's positional table covers at most {largest} px"
+                f"--resolution {format_resolution(resolution)}: this model's positional table covers at most "
+                f"{largest} px a side"
             )
-        return (config.in_channels, resolution // factor, resolution // factor)
+        return (config.in_channels, h, w)
 
     def encode_prompts(
         self, prompts: list[str], negatives: list[str], device: torch.device, max_sequence_length: int

@@ -33,7 +33,16 @@ from transformers import UMT5Config, UMT5EncoderModel
 
 from stages.errors import UserInputError
 from stages.models.factory import choose_size, save_pipeline, seeded, zero_residual_branches
-from stages.models.families import Condition, FamilyAdapter, Tensors, latent_normalisation
+from stages.models.families import (
+    Condition,
+    FamilyAdapter,
+    Resolution,
+    Tensors,
+    decode_3d,
+    encode_3d,
+    latent_grid,
+    parse_resolution,
+)
 from stages.models.schedules import flow_match_sigmas
 from stages.models.tokenizers import build_t5_tokenizer
 
@@ -252,7 +261,7 @@ class WanAdapter(FamilyAdapter):
     """Wan 2.1 / 2.2: latents [C, F, h, w], timestep σ·1000 (per latent token for TI2V-5B), UMT5 text
     zero-padded to max_sequence_length, true CFG as two forwards (cond, then uncond) combined
     u + w(c − u). A14B: rows whose σ·1000 ≥ boundary_ratio·1000 run `transformer`, the others
-    `transformer_2`, with the same --guidance (the pipeline's guidance_scale_2 defaults to it)."""
+    `transformer_2`, which combines with --guidance-2 (the pipeline's guidance_scale_2; default --guidance)."""
 
     name = "wan2_1"
     media = "video"
@@ -270,7 +279,7 @@ class WanAdapter(FamilyAdapter):
         """Both experts for A14B (an SDE window may span the switch), else the one transformer."""
         return (HIGH_NOISE, LOW_NOISE) if self.boundary is not None else (HIGH_NOISE,)
 
-    def sigmas(self, num_steps: int, resolution: int) -> torch.Tensor:
+    def sigmas(self, num_steps: int, resolution: Resolution) -> torch.Tensor:
         """The checkpoint scheduler's σ table [N+1]: flow-matching Euler's fixed-shift schedule, or a
         published UniPC scheduler's flow sigmas (`use_flow_sigmas`: linspace(1, 1/1000, N+1)[:-1] shifted
         by its `flow_shift`, then 0); the model is fed σ·1000 either way (UniPC's own timesteps are those
@@ -293,24 +302,19 @@ class WanAdapter(FamilyAdapter):
             sigmas[0] = 1.0
         return sigmas
 
-    def latent_shape(self, resolution: int, frames: int = 1) -> tuple[int, ...]:
-        """(C, F', h, w) of `frames` frames of `resolution`²: F' = (frames − 1)/4 + 1 latent frames, the side
+    def latent_shape(self, resolution: Resolution, frames: int = 1) -> tuple[int, ...]:
+        """(C, F', h, w) of `frames` frames of `resolution`: F' = (frames − 1)/4 + 1 latent frames, each side
         a multiple of the VAE factor × 2 (the transformer's patch), as `WanPipeline` requires."""
         pipe = self.pipe
         spatial, temporal = pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal
         multiple = spatial * pipe.transformer.config.patch_size[1]
-        if resolution < 1 or resolution % multiple:
-            raise UserInputError(
-                f"--resolution {resolution}: must be a positive multiple of {multiple} for this model "
-                f"(VAE factor {spatial} × 2×2 patches)"
-            )
+        h, w = latent_grid(resolution, spatial, multiple, f"VAE factor {spatial} × 2×2 patches")
         if frames < 1 or (frames - 1) % temporal:
             raise UserInputError(
                 f"--frames {frames}: must be 1 plus a multiple of {temporal} for this model (the VAE's "
                 f"temporal factor), e.g. {4 * temporal + 1}"
             )
-        side = resolution // spatial
-        return (pipe.transformer.config.in_channels, (frames - 1) // temporal + 1, side, side)
+        return (pipe.transformer.config.in_channels, (frames - 1) // temporal + 1, h, w)
 
     def encode_prompts(
         self, prompts: list[str], negatives: list[str], device: torch.device, max_sequence_length: int
@@ -333,16 +337,28 @@ class WanAdapter(FamilyAdapter):
         sigma: torch.Tensor,
         cond: Condition,
         guidance: float,
+        guidance_2: float | None = None,
     ) -> torch.Tensor:
         """Guided velocity [B, C, F, h, w] in fp32. With two experts each row runs the expert of its own
-        σ (a batch whose rows all sit on one side, as in sampling, runs whole)."""
+        σ (a batch whose rows all sit on one side, as in sampling, runs whole), the low-noise one combining
+        with `guidance_2` (None: `guidance`); as in `WanPipeline`, whether CFG runs at all follows
+        `guidance` (> 1) for both experts, so a `guidance_2` without it is a one-line error."""
         timestep = sigma * NUM_TRAIN_TIMESTEPS
+        cfg = self.needs_negative(guidance)
+        if guidance_2 is not None and not cfg:
+            raise UserInputError(
+                f"--guidance-2 {guidance_2:g}: WanPipeline runs CFG only when --guidance > 1 (for both experts); "
+                "raise --guidance or drop --guidance-2"
+            )
         if self.boundary is None:
-            return self._guided(transformer, x, timestep, cond, guidance)
+            return self._guided(transformer, x, timestep, cond, guidance, cfg)
+        scales = {HIGH_NOISE: guidance, LOW_NOISE: guidance if guidance_2 is None else guidance_2}
         high = timestep >= self.boundary
         if bool(high.all()) or not bool(high.any()):
-            expert = partial(transformer, HIGH_NOISE if bool(high.all()) else LOW_NOISE)
-            return self._guided(expert, x, timestep, cond, guidance, transformer.dtype)
+            name = HIGH_NOISE if bool(high.all()) else LOW_NOISE
+            return self._guided(
+                partial(transformer, name), x, timestep, cond, scales[name], cfg, transformer.dtype
+            )
         v = torch.empty(x.shape, dtype=torch.float32, device=x.device)
         for name, rows in ((HIGH_NOISE, high), (LOW_NOISE, ~high)):
             index = rows.nonzero().flatten()
@@ -351,7 +367,8 @@ class WanAdapter(FamilyAdapter):
                 x[index],
                 timestep[index],
                 cond.select(index),
-                guidance,
+                scales[name],
+                cfg,
                 transformer.dtype,
             )
         return v
@@ -363,11 +380,12 @@ class WanAdapter(FamilyAdapter):
         timestep: torch.Tensor,
         cond: Condition,
         guidance: float,
+        cfg: bool,
         dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
-        """One expert's CFG prediction, as `WanPipeline.__call__` computes it: the conditional forward,
-        then the unconditional one, u + w(c − u); timestep [B], or [B, F'·h/2·w/2] per token (5B).
-        `run` is the expert (or a call of it); `dtype` its weights' (default: `run.dtype`)."""
+        """One expert's prediction, as `WanPipeline.__call__` computes it: the conditional forward, and with
+        `cfg` the unconditional one, u + w(c − u) for w = `guidance`; timestep [B], or [B, F'·h/2·w/2] per
+        token (5B). `run` is the expert (or a call of it); `dtype` its weights' (default: `run.dtype`)."""
         model_in = x.to(dtype or run.dtype)
         if self.pipe.config.expand_timesteps:
             frames, h, w = x.shape[2:]
@@ -383,7 +401,7 @@ class WanAdapter(FamilyAdapter):
             )[0].float()
 
         v = forward(cond.pos)
-        if self.needs_negative(guidance):
+        if cfg:
             assert cond.neg is not None
             uncond = self.unconditional(forward(cond.neg))
             v = uncond + guidance * (v - uncond)
@@ -392,20 +410,12 @@ class WanAdapter(FamilyAdapter):
     def decode(self, x0: torch.Tensor) -> list[Any]:
         """Latents [B, C, F', h, w] → per sample the list of its PIL frames, after z = x/std⁻¹ + mean,
         as the pipeline decodes."""
-        vae = self.pipe.vae
-        z = x0.to(vae.dtype)
-        mean, inv_std = latent_normalisation(self.pipe.vae, z)
-        video = vae.decode(z / inv_std + mean, return_dict=False)[0]
-        return self.pipe.video_processor.postprocess_video(video, output_type="pil")
+        return self.pipe.video_processor.postprocess_video(decode_3d(self.pipe.vae, x0), output_type="pil")
 
-    def encode_images(self, images: list[Any], resolution: int, device: torch.device) -> torch.Tensor:
+    def encode_images(self, images: list[Any], resolution: Resolution, device: torch.device) -> torch.Tensor:
         """PIL images → one-frame latents [B, C, 1, h, w] (resize + centre-crop, VAE posterior mode, then
         (z − mean)/std per channel): the inverse of `decode` for --frames 1."""
         self.latent_shape(resolution)
-        vae = self.pipe.vae
-        pixels = self.pipe.video_processor.preprocess(
-            images, height=resolution, width=resolution, resize_mode="crop"
-        )
-        z = vae.encode(pixels.to(device, vae.dtype).unsqueeze(2)).latent_dist.mode()
-        mean, inv_std = latent_normalisation(self.pipe.vae, z)
-        return ((z - mean) * inv_std).float()
+        height, width = parse_resolution(resolution)
+        pixels = self.pipe.video_processor.preprocess(images, height=height, width=width, resize_mode="crop")
+        return encode_3d(self.pipe.vae, pixels.to(device).unsqueeze(2))

@@ -25,7 +25,7 @@ from transformers import Qwen3Config, Qwen3Model
 
 from stages.errors import UserInputError
 from stages.models.factory import autoencoder_kl, choose_size, save_pipeline, seeded
-from stages.models.families import Condition, FamilyAdapter, Tensors
+from stages.models.families import Condition, FamilyAdapter, Resolution, Tensors, latent_grid
 from stages.models.schedules import dynamic_shift_mu
 from stages.models.tokenizers import build_qwen2_tokenizer
 
@@ -208,7 +208,7 @@ class ZImageAdapter(FamilyAdapter):
             )
         return guidance > 0
 
-    def sigmas(self, num_steps: int, resolution: int) -> torch.Tensor:
+    def sigmas(self, num_steps: int, resolution: Resolution) -> torch.Tensor:
         """σ = linspace(1, 1/N, N) in float32, shifted by the scheduler (by `mu` of the image's patch
         count when it shifts dynamically), then 0: the list `ZImagePipeline` passes to `set_timesteps`."""
         if num_steps < 1:
@@ -219,17 +219,11 @@ class ZImageAdapter(FamilyAdapter):
         scheduler.set_timesteps(sigmas=torch.linspace(1.0, 1 / num_steps, num_steps).tolist(), mu=mu)
         return scheduler.sigmas.to(dtype=torch.float32).clone()
 
-    def latent_shape(self, resolution: int, frames: int = 1) -> tuple[int, ...]:
-        """(C, h, w) of a `resolution`² image; the side must be a positive multiple of twice the VAE
+    def latent_shape(self, resolution: Resolution, frames: int = 1) -> tuple[int, ...]:
+        """(C, h, w) of an image of `resolution`; each side must be a positive multiple of twice the VAE
         factor (2×2 patches), as `ZImagePipeline` requires."""
         factor = self.pipe.vae_scale_factor
-        multiple = 2 * factor
-        if resolution < 1 or resolution % multiple:
-            raise UserInputError(
-                f"--resolution {resolution}: must be a positive multiple of {multiple} for this model"
-            )
-        side = resolution // factor
-        return (self.pipe.transformer.config.in_channels, side, side)
+        return (self.pipe.transformer.config.in_channels, *latent_grid(resolution, factor, 2 * factor))
 
     def encode_prompts(
         self, prompts: list[str], negatives: list[str], device: torch.device, max_sequence_length: int

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from stages.models.diffusion import FlowPolicy
+from stages.models.families import Resolution
 from stages.precision import autocast
 from stages.score.stage import decode_images
 
@@ -14,12 +15,13 @@ def encode_shard(
     policy: FlowPolicy,
     shard: dict[str, Any],
     *,
-    resolution: int,
+    resolution: Resolution,
     batch_size: int = 8,
     mixed_precision: str = "no",
     on_batch: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
-    """Columns sample_id and final_latent [N, C, h, w] (the VAE posterior mode, SD3-scaled, float32);
+    """Columns sample_id and final_latent [N, C, h, w] of images resized and centre-cropped to
+    `resolution` (a side or (height, width); the VAE posterior mode, SD3-scaled, float32);
     the VAE encoder runs under `mixed_precision`'s autocast (`stages.precision`)."""
     import torch
 

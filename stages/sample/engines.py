@@ -24,10 +24,13 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from stages.errors import UserInputError
 from stages.plugins import entry_point_names, load_entry_point, load_object
+
+if TYPE_CHECKING:
+    from stages.models.families import Resolution
 
 ENTRY_POINT_GROUP = "omnirl.engines"
 DEFAULT_ENGINE = "diffusers"
@@ -117,8 +120,8 @@ class RolloutEngine(ABC):
         """One batch of B samples under `SampleConfig` `cfg`: the columns of `rollout_batch`."""
 
     @abstractmethod
-    def latent_shape(self, resolution: int, frames: int = 1) -> tuple[int, ...]:
-        """The stored latent of one `resolution`² sample of `frames` frames."""
+    def latent_shape(self, resolution: Resolution, frames: int = 1) -> tuple[int, ...]:
+        """The stored latent of one sample of `resolution` (a side or (height, width)) and `frames` frames."""
 
     def describe(self) -> dict[str, Any]:
         """What the manifest records about the engine (`extra["engine"]`)."""
@@ -232,7 +235,7 @@ class DiffusersEngine(RolloutEngine):
             decode=self.decode,
         )
 
-    def latent_shape(self, resolution: int, frames: int = 1) -> tuple[int, ...]:
+    def latent_shape(self, resolution: Resolution, frames: int = 1) -> tuple[int, ...]:
         return self.policy.latent_shape(resolution, frames)
 
     def describe(self) -> dict[str, Any]:

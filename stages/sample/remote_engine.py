@@ -34,6 +34,7 @@ from collections.abc import Hashable, Sequence
 from typing import Any
 
 from stages.errors import RuntimeFailure, UserInputError
+from stages.models.families import Resolution
 from stages.sample.engines import EngineOptions, RolloutEngine, register_engine
 from stages.sample.rollout_protocol import (
     PROTOCOL,
@@ -42,6 +43,7 @@ from stages.sample.rollout_protocol import (
     decode_response,
     encode_request,
     redraw_aborted,
+    wire_resolution,
 )
 from stages.web import JsonClient, one_line
 
@@ -189,8 +191,9 @@ class RemoteEngine(RolloutEngine):
         else:
             self.weights["version"] = int(version)
 
-    def latent_shape(self, resolution: int, frames: int = 1) -> tuple[int, ...]:
-        reply = self.client.call("/omnirl/v1/latent_shape", {"resolution": resolution, "frames": frames})
+    def latent_shape(self, resolution: Resolution, frames: int = 1) -> tuple[int, ...]:
+        body = {"resolution": wire_resolution(resolution), "frames": frames}
+        reply = self.client.call("/omnirl/v1/latent_shape", body)
         return tuple(int(d) for d in reply["latent_shape"])
 
     def describe(self) -> dict[str, Any]:

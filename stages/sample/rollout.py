@@ -23,6 +23,7 @@ from stages.finite import MODEL_HINT, check_finite
 from stages.media import media_columns
 from stages.media.video import fps_fraction
 from stages.models.diffusion import FlowPolicy, seed_generator
+from stages.models.families import parse_resolution
 from stages.precision import MIXED_PRECISIONS, autocast
 from stages.sample.samplers import SAMPLERS, step
 from stages.sample.windows import WindowSchedule
@@ -37,7 +38,9 @@ class SampleConfig:
 
     steps: int = 10
     guidance: float = 4.5
-    resolution: int = 512
+    guidance_2: float | None = None  # the low-noise expert's guidance (Wan 2.2 A14B); None: `guidance`
+    # (height, width) in pixels; also given as one side (square) or "HxW" (`parse_resolution`)
+    resolution: tuple[int, int] = (512, 512)
     frames: int = 1  # a video family's frames per sample; image families take 1
     sampler: str = "sde"
     noise_level: float = 0.7
@@ -59,6 +62,9 @@ class SampleConfig:
     latent_dtype: str = "fp32"  # dtype of the stored latents and final latent (`LATENT_DTYPES`)
     # command options named otherwise than the field they set
     OPTION_NAMES: ClassVar[dict[str, str]] = {"sde_window": "window", "sde_window_range": "window_range"}
+
+    def __post_init__(self) -> None:
+        self.resolution = parse_resolution(self.resolution)
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> SampleConfig:
@@ -169,7 +175,7 @@ def rollout_batch(
         latents: list[list[torch.Tensor]] = [[] for _ in range(batch)]
         log_probs: list[list[torch.Tensor]] = [[] for _ in range(batch)]
         for i in range(cfg.steps):
-            v = policy.velocity(x.float(), sigmas[i], cond, cfg.guidance)
+            v = policy.velocity(x.float(), sigmas[i], cond, cfg.guidance, cfg.guidance_2)
             rows = [b for b in range(batch) if i in windows[b]]
             if len(rows) < batch:  # a deterministic step for the samples outside their window
                 x_next = step("ode", v, x, sigmas[i], sigmas[i + 1], noise_level=0.0).prev_sample
@@ -220,9 +226,7 @@ def sample_config_of(manifests: list[Any]) -> SampleConfig:
     for manifest in manifests:
         recorded = (manifest.extra or {}).get("sample_config")
         if recorded:
-            window_range = recorded.get("window_range")
-            recorded = {**recorded, "window_range": tuple(window_range) if window_range else None}
-            return SampleConfig(**recorded)
+            return SampleConfig.from_options(recorded)
     raise UserInputError(
         "--in: none of the inputs was written by `omnirl sample`; pass the samples shard set first"
     )

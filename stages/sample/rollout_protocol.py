@@ -4,6 +4,7 @@
 
     {"protocol": "omnirl-rollout", "version": 1, "request_id": str,
      "sampling_params": {SampleConfig fields but batch_size},      # sampler, σ steps, window settings
+                                                                   # "resolution": [height, width], or one side (square)
      "samples": [{"sample_id", "prompt", "negative_prompt", "seed", "init_seed", "group"}],
      "weights": {"model_sha256": str | null, "adapter_sha256": str | null, "version": int | null,
                  "name": str}}                                    # name: optional, named weights
@@ -47,6 +48,7 @@ from typing import Any, TypeVar
 
 from stages.errors import RuntimeFailure, UserInputError
 from stages.media import FRAMES_COLUMN, MEDIA_FORMATS, has_signature, media_column
+from stages.models.families import Resolution, parse_resolution
 from stages.sample.rollout import LATENT_DTYPES, SampleConfig, stored_steps
 from stages.sample.tensor_codec import CodecError, decode_tensor, encode_tensor
 
@@ -104,10 +106,20 @@ class RolloutRequest:
     weights: dict[str, Any]
 
 
+def wire_resolution(resolution: Resolution) -> int | list[int]:
+    """A resolution as requests carry it: one side for a square (as v1 always sent it, so a server of
+    square sizes only still answers), else [height, width]."""
+    height, width = parse_resolution(resolution)
+    return height if height == width else [height, width]
+
+
 def _sampling_params(cfg: SampleConfig) -> dict[str, Any]:
-    params = asdict(cfg)
+    """The settings of a request: fields at None are left out (their default), so a server that
+    predates a field still answers a request that does not use it."""
+    params = {k: v for k, v in asdict(cfg).items() if v is not None}
     params.pop("batch_size")
-    if params["window_range"] is not None:
+    params["resolution"] = wire_resolution(cfg.resolution)
+    if "window_range" in params:
         params["window_range"] = list(params["window_range"])
     return params
 
@@ -168,7 +180,7 @@ def decode_request(body: dict[str, Any], *, max_samples: int) -> RolloutRequest:
         raise ProtocolError(f"sampling_params has unknown fields {unknown}")
     try:
         cfg = SampleConfig.from_options(params)
-    except TypeError as exc:
+    except (TypeError, UserInputError) as exc:
         raise ProtocolError(f"sampling_params: {exc}") from None
     if not isinstance(samples, list) or not samples:
         raise ProtocolError("samples must be a non-empty list")
@@ -356,7 +368,7 @@ def refuse_settings(cfg: SampleConfig) -> None:
         cfg.validate()
     except UserInputError as exc:
         raise ProtocolError(f"sampling_params: {exc}") from None
-    if cfg.steps > 1000 or cfg.resolution > 8192 or cfg.frames > 4096:
+    if cfg.steps > 1000 or max(cfg.resolution) > 8192 or cfg.frames > 4096:
         raise ProtocolError(
-            "sampling_params: steps must be at most 1000, resolution at most 8192 and frames at most 4096"
+            "sampling_params: steps must be at most 1000, resolution at most 8192 a side and frames at most 4096"
         )

@@ -8,15 +8,16 @@ Routes (JSON in and out, never pickle; HTTP, token and size checks in `stages.we
 - ``POST /omnirl/v1/rollout``: omnirl rollout protocol v1 (`stages.sample.rollout_protocol`): the
   trajectories of `rollout_batch`, which `omnirl logprob` replays exactly;
 - ``POST /v1/images/generations``: vLLM-Omni's (OpenAI's) images API: ``prompt``, ``n`` (1–10),
-  ``size`` ("WxH", square), ``num_inference_steps`` (1–200), ``guidance_scale`` (0–20),
+  ``size`` ("WxH"), ``num_inference_steps`` (1–200), ``guidance_scale`` (0–20),
   ``negative_prompt``, ``seed`` (random when absent; image i draws from seed + i), ``model`` (400 when
   it is not the served name), ``response_format`` b64_json; deterministic (ode) sampling; the reply is
   ``{"created", "data": [{"b64_json", "url": null, "revised_prompt": null}], "output_format": "png",
   "size", "metrics"}``; other fields are ignored;
 - ``POST /v1/videos/sync`` (a video family): vLLM-Omni's synchronous videos API, a form
   (``multipart/form-data`` or urlencoded, as its FastAPI ``Form`` fields): ``prompt``, ``model``,
-  ``size`` "WxH" or ``width``/``height`` (square), ``num_frames`` (or ``seconds`` × ``fps``), ``fps``
-  (default 24), ``num_inference_steps`` (1–200), ``guidance_scale`` (0–20), ``negative_prompt``,
+  ``size`` "WxH" or ``width``/``height``, ``num_frames`` (or ``seconds`` × ``fps``), ``fps``
+  (default 24), ``num_inference_steps`` (1–200), ``guidance_scale`` (0–20), ``guidance_scale_2`` (the
+  low-noise expert's, two-expert families), ``negative_prompt``,
   ``seed`` (random when absent); deterministic (ode) sampling; the reply is the MP4 itself
   (``video/mp4``) with headers ``X-Request-Id``, ``X-Model``, ``X-Inference-Time-S``,
   ``X-Stage-Durations``, ``X-Peak-Memory-MB``; other fields are ignored;
@@ -36,7 +37,8 @@ Routes (JSON in and out, never pickle; HTTP, token and size checks in `stages.we
   weights as they are: several trainers share the server, each rollout request naming its weights
   (``weights.name``, optionally pinning ``weights.version``; 409 for a name or version not held) and
   the pipeline swapping them in before the batch when another batch used other weights;
-- ``POST /omnirl/v1/latent_shape`` ``{"resolution": R, "frames": F}`` (F default 1) → ``{"latent_shape": [...]}``.
+- ``POST /omnirl/v1/latent_shape`` ``{"resolution": R or [H, W], "frames": F}`` (R a square's side, F
+  default 1) → ``{"latent_shape": [...]}``.
 
 Refusals: 400 a malformed request, 401 a missing token, 404 an unknown route, 409 a rollout that asks
 for other weights than the server holds (or named weights, or a version of them, it does not hold), 411/413 (`stages.web`), 413 a batch over --max-batch or
@@ -84,7 +86,8 @@ PUSHED = "pushed"  # the `adapter` of weights a client pushed as a LoRA file
 KEEP_VERSIONS = 2
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
-MAX_PIXELS = 2**26  # pixels in one request (samples × frames × resolution²)
+MAX_PIXELS = 2**26  # pixels in one request (samples × frames × height × width)
+MAX_SIDE = 8192  # pixels of one side
 MAX_FRAMES = 4096  # frames of one sample
 _SIZE_RE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
 # vLLM-Omni 0.30.0 bounds of /v1/images/generations
@@ -108,6 +111,18 @@ def _int_field(body: dict[str, Any], key: str, default: int, lo: int, hi: int) -
     if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
         raise HttpError(HTTPStatus.BAD_REQUEST, f"{key} must be an integer in [{lo}, {hi}]")
     return value
+
+
+def _resolution_field(body: dict[str, Any], key: str) -> tuple[int, int]:
+    """(height, width) of a field holding one side (a square) or [height, width], each in [1, MAX_SIDE]."""
+    value = body.get(key)
+    sides = value if isinstance(value, list) and len(value) == 2 else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_SIDE for v in sides):
+        raise HttpError(
+            HTTPStatus.BAD_REQUEST, f"{key} must be an integer or [height, width], each in [1, {MAX_SIDE}]"
+        )
+    height, width = sides * 2 if len(sides) == 1 else sides
+    return height, width
 
 
 class RolloutService(JsonService):
@@ -442,9 +457,10 @@ class RolloutService(JsonService):
         except ProtocolError as exc:
             raise HttpError(HTTPStatus.BAD_REQUEST, str(exc)) from None
 
-    def _check_pixels(self, samples: int, resolution: int, frames: int = 1) -> None:
-        if samples * frames * resolution * resolution > self.max_pixels:
-            per = f"{frames} frames of {resolution}²" if frames > 1 else f"{resolution}²"
+    def _check_pixels(self, samples: int, resolution: tuple[int, int], frames: int = 1) -> None:
+        height, width = resolution
+        if samples * frames * height * width > self.max_pixels:
+            per = f"{frames} frames of {height}x{width}" if frames > 1 else f"{height}x{width}"
             raise HttpError(
                 HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
                 f"{samples} samples of {per} pixels, more than the server's {self.max_pixels}; "
@@ -544,9 +560,11 @@ class RolloutService(JsonService):
             )
         size = body.get("size", "512x512")
         match = _SIZE_RE.match(size) if isinstance(size, str) else None
-        if match is None or match.group(1) != match.group(2) or int(match.group(1)) < 1:
-            raise HttpError(HTTPStatus.BAD_REQUEST, f"size {size!r}: give a square 'WxH', e.g. '512x512'")
-        resolution = int(match.group(1))
+        if match is None or min(int(match.group(1)), int(match.group(2))) < 1:
+            raise HttpError(
+                HTTPStatus.BAD_REQUEST, f"size {size!r}: give 'WxH' (width first), e.g. '416x240'"
+            )
+        resolution = (int(match.group(2)), int(match.group(1)))  # (height, width)
         self._check_pixels(n, resolution)
         cfg = SampleConfig(
             steps=steps,
@@ -578,11 +596,12 @@ class RolloutService(JsonService):
                     fields[key] = int(fields[key])
                 except ValueError:
                     raise HttpError(HTTPStatus.BAD_REQUEST, f"{key} must be an integer") from None
-        if "guidance_scale" in fields:
-            try:
-                fields["guidance_scale"] = float(fields["guidance_scale"])
-            except ValueError:
-                raise HttpError(HTTPStatus.BAD_REQUEST, "guidance_scale must be a number") from None
+        for key in ("guidance_scale", "guidance_scale_2"):
+            if key in fields:
+                try:
+                    fields[key] = float(fields[key])
+                except ValueError:
+                    raise HttpError(HTTPStatus.BAD_REQUEST, f"{key} must be a number") from None
         prompt = self._generation(fields, "video")
         width, height = fields.get("width"), fields.get("height")
         if "size" in fields:
@@ -592,10 +611,9 @@ class RolloutService(JsonService):
                     HTTPStatus.BAD_REQUEST, f"size {fields['size']!r}: give 'WxH', e.g. '480x480'"
                 )
             width, height = int(match.group(1)), int(match.group(2))
-        if width is None or height is None or width != height or width < 1:
+        if width is None or height is None or min(width, height) < 1:
             raise HttpError(
-                HTTPStatus.BAD_REQUEST,
-                "give a square size 'WxH' (or width and height): this server samples square videos",
+                HTTPStatus.BAD_REQUEST, "give a size 'WxH' (width first, e.g. '416x240') or width and height"
             )
         fps = _int_field(fields, "fps", VIDEO_FPS, 1, 1000)
         if "num_frames" not in fields and "seconds" in fields:
@@ -603,16 +621,17 @@ class RolloutService(JsonService):
         if "num_frames" not in fields:
             raise HttpError(HTTPStatus.BAD_REQUEST, "num_frames (or seconds) is required")
         frames = _int_field(fields, "num_frames", 1, 1, MAX_FRAMES)
-        self._check_pixels(1, width, frames)
+        self._check_pixels(1, (height, width), frames)
         guidance = fields.get("guidance_scale", SampleConfig.guidance)
-        if not 0 <= guidance <= MAX_GUIDANCE:
-            raise HttpError(
-                HTTPStatus.BAD_REQUEST, f"guidance_scale must be a number in [0, {MAX_GUIDANCE:g}]"
-            )
+        guidance_2 = fields.get("guidance_scale_2")
+        for key, value in (("guidance_scale", guidance), ("guidance_scale_2", guidance_2)):
+            if value is not None and not 0 <= value <= MAX_GUIDANCE:
+                raise HttpError(HTTPStatus.BAD_REQUEST, f"{key} must be a number in [0, {MAX_GUIDANCE:g}]")
         cfg = SampleConfig(
             steps=_int_field(fields, "num_inference_steps", SampleConfig.steps, 1, MAX_IMAGE_STEPS),
             guidance=float(guidance),
-            resolution=width,
+            guidance_2=guidance_2,
+            resolution=(height, width),
             frames=frames,
             fps=float(fps),
             sampler="ode",
@@ -632,10 +651,10 @@ class RolloutService(JsonService):
         return RawReply(columns["video"][0], "video/mp4", headers)
 
     def latent_shape(self, raw: bytes) -> dict[str, Any]:
-        """``POST /omnirl/v1/latent_shape``: the stored latent of one resolution² sample (of `frames`
-        frames, default 1)."""
+        """``POST /omnirl/v1/latent_shape``: the stored latent of one sample of `resolution` (one side or
+        [height, width]) and `frames` frames (default 1)."""
         body = parse_json_object(raw)
-        resolution = _int_field(body, "resolution", 0, 1, 8192)
+        resolution = _resolution_field(body, "resolution")
         frames = _int_field(body, "frames", 1, 1, MAX_FRAMES)
         try:
             return {"latent_shape": list(self.engine.latent_shape(resolution, frames))}

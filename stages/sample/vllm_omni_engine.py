@@ -65,8 +65,15 @@ def model_family(model: Path) -> Any:
     return adapter_class(pipeline_index(model)["_class_name"], str(model))
 
 
-def decode_png(item: Any, resolution: int, where: str) -> bytes:
-    """The PNG bytes of one ``data[i]`` of an images reply, checked: base64 PNG of resolution² pixels."""
+def images_size(resolution: tuple[int, int]) -> str:
+    """The images API's ``size`` of a (height, width): "WxH", width first."""
+    height, width = resolution
+    return f"{width}x{height}"
+
+
+def decode_png(item: Any, resolution: tuple[int, int], where: str) -> bytes:
+    """The PNG bytes of one ``data[i]`` of an images reply, checked: a base64 PNG of `resolution`
+    (height, width)."""
     from PIL import Image, UnidentifiedImageError
 
     try:
@@ -81,8 +88,8 @@ def decode_png(item: Any, resolution: int, where: str) -> bytes:
             size = image.size
     except (UnidentifiedImageError, OSError, ValueError):
         raise ProtocolError(f"{where} is a PNG that does not decode") from None
-    if size != (resolution, resolution):
-        raise ProtocolError(f"{where} is {size[0]}x{size[1]}, not the {resolution}x{resolution} asked")
+    if f"{size[0]}x{size[1]}" != images_size(resolution):
+        raise ProtocolError(f"{where} is {size[0]}x{size[1]} (WxH), not the {images_size(resolution)} asked")
     return blob
 
 
@@ -161,7 +168,7 @@ class VllmOmniEngine(RolloutEngine):
             "model": self.served_model,
             "prompt": prompt,
             "n": 1,
-            "size": f"{cfg.resolution}x{cfg.resolution}",
+            "size": images_size(cfg.resolution),
             "num_inference_steps": cfg.steps,
             guidance: cfg.guidance,
             "seed": int(seed),
@@ -180,13 +187,15 @@ class VllmOmniEngine(RolloutEngine):
         fields: dict[str, Any] = {
             "model": self.served_model,
             "prompt": prompt,
-            "size": f"{cfg.resolution}x{cfg.resolution}",
+            "size": images_size(cfg.resolution),
             "num_frames": cfg.frames,
             "fps": int(cfg.fps),
             "num_inference_steps": cfg.steps,
             "guidance_scale": cfg.guidance,
             "seed": int(seed),
         }
+        if cfg.guidance_2 is not None:
+            fields["guidance_scale_2"] = cfg.guidance_2
         if negative:
             fields["negative_prompt"] = negative
         if self.lora is not None:
@@ -194,7 +203,7 @@ class VllmOmniEngine(RolloutEngine):
         return fields
 
     def _draw_video(self, fields: dict[str, Any], cfg: Any) -> bytes:
-        """One sample's MP4, checked: an MP4 of `cfg.frames` frames of resolution² (`Aborted` when the
+        """One sample's MP4, checked: an MP4 of `cfg.frames` frames of cfg.resolution (`Aborted` when the
         reply is empty)."""
         from stages.media.video import MediaDecodeError, probe_mp4
 
@@ -205,15 +214,15 @@ class VllmOmniEngine(RolloutEngine):
             info = probe_mp4(blob)
         except MediaDecodeError as exc:
             raise ProtocolError(f"the reply is not an MP4 ({exc})") from None
-        got = (info.frames, info.width, info.height)
-        if got != (cfg.frames, cfg.resolution, cfg.resolution):
+        got = (info.frames, f"{info.width}x{info.height}")
+        if got != (cfg.frames, images_size(cfg.resolution)):
             raise ProtocolError(
-                f"the MP4 holds {got[0]} frames of {got[1]}x{got[2]}, not the {cfg.frames} of "
-                f"{cfg.resolution}x{cfg.resolution} asked"
+                f"the MP4 holds {got[0]} frames of {got[1]} (WxH), not the {cfg.frames} of "
+                f"{images_size(cfg.resolution)} asked"
             )
         return blob
 
-    def _draw(self, body: dict[str, Any], resolution: int) -> bytes:
+    def _draw(self, body: dict[str, Any], resolution: tuple[int, int]) -> bytes:
         """One sample's PNG; `Aborted` when the reply holds no image, `ProtocolError` when it is malformed
         (`redraw_aborted` turns either into a one-line failure naming the sample)."""
         reply = self.client.call(IMAGES_ROUTE, body)
@@ -254,6 +263,11 @@ class VllmOmniEngine(RolloutEngine):
             )
         if video and cfg.fps != int(cfg.fps):
             raise UserInputError(f"--fps {cfg.fps:g}: vLLM-Omni's videos API takes whole frames per second")
+        if cfg.guidance_2 is not None and not video:
+            raise UserInputError(
+                "--guidance-2: --engine vllm-omni with --server-url asks the images API, which takes one "
+                "guidance scale; drop --guidance-2 (or use RL mode)"
+            )
 
         def one(i: int) -> bytes:
             what = f"sample {sample_ids[i]} (seed {seeds[i]})"
@@ -271,7 +285,7 @@ class VllmOmniEngine(RolloutEngine):
             media = list(pool.map(one, range(len(prompts))))
         return {self.media: media}
 
-    def latent_shape(self, resolution: int, frames: int = 1) -> tuple[int, ...]:
+    def latent_shape(self, resolution: Any, frames: int = 1) -> tuple[int, ...]:
         raise UserInputError(
             "--engine vllm-omni with --server-url returns images only (no latents); use RL mode or --engine remote"
         )
@@ -446,8 +460,8 @@ class VllmOmniRLEngine(RolloutEngine):
             request_id, cfg, prompts, negatives, seeds, init_seeds, list(groups), ids, self.weights
         )
         params = self.params_class(
-            height=cfg.resolution,
-            width=cfg.resolution,
+            height=cfg.resolution[0],
+            width=cfg.resolution[1],
             num_inference_steps=cfg.steps,
             guidance_scale=cfg.guidance,
             seed=int(seeds[0]),
@@ -463,7 +477,7 @@ class VllmOmniRLEngine(RolloutEngine):
         _, columns = redraw_aborted(draw, what)
         return columns
 
-    def latent_shape(self, resolution: int, frames: int = 1) -> tuple[int, ...]:
+    def latent_shape(self, resolution: Any, frames: int = 1) -> tuple[int, ...]:
         raise UserInputError(
             "--engine vllm-omni reports no latent shape outside a rollout; use --engine diffusers or remote"
         )

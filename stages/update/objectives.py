@@ -138,14 +138,14 @@ class PolicyGradient:
                 prev_sample=x_next,
             )
 
-        out = replay(policy.velocity(x, s, cond, scfg.guidance))
+        out = replay(policy.velocity(x, s, cond, scfg.guidance, scfg.guidance_2))
         kl = None
         if cfg.beta > 0:
             if "ref_means" in data:
                 ref_mean = data["ref_means"][index, j].to(policy.device)
             else:
                 with torch.no_grad(), policy.reference():
-                    ref_mean = replay(policy.velocity(x, s, cond, scfg.guidance)).mean
+                    ref_mean = replay(policy.velocity(x, s, cond, scfg.guidance, scfg.guidance_2)).mean
             kl = kl_to_reference(out.mean, ref_mean, kl_std(scfg.sampler, out.diffusion, out.std))
         adv = data["advantages"][index, j].to(policy.device).float()
         old = self.old[index, j].to(policy.device).float()
@@ -256,14 +256,14 @@ class ForwardProcess:
             t = self.schedule[self.plan[index, col]].to(policy.device)
             eps = _noise(self.seed, idx, col, tuple(x0.shape[1:])).to(policy.device)
             x_t = _interpolate(x0, eps, t)
-            v = policy.velocity(x_t, t, cond, scfg.guidance)
+            v = policy.velocity(x_t, t, cond, scfg.guidance, scfg.guidance_2)
             v_ref = None
             if cfg.beta > 0:
                 with torch.no_grad(), policy.reference():
-                    v_ref = policy.velocity(x_t, t, cond, scfg.guidance)
+                    v_ref = policy.velocity(x_t, t, cond, scfg.guidance, scfg.guidance_2)
             if self.algo.name == "nft":
                 with torch.no_grad(), policy.weights(self.old_weights):
-                    v_old = policy.velocity(x_t, t, cond, scfg.guidance)
+                    v_old = policy.velocity(x_t, t, cond, scfg.guidance, scfg.guidance_2)
                 loss, m = nft_loss(
                     v,
                     v_old,
@@ -278,11 +278,11 @@ class ForwardProcess:
                 )
             else:
                 with torch.no_grad(), policy.weights(self.old_weights):
-                    v_old = policy.velocity(x_t, t, cond, scfg.guidance)
+                    v_old = policy.velocity(x_t, t, cond, scfg.guidance, scfg.guidance_2)
                 v_ema = None
                 if cfg.ema_beta > 0:
                     with torch.no_grad(), policy.weights(self.ema_weights):
-                        v_ema = policy.velocity(x_t, t, cond, scfg.guidance)
+                        v_ema = policy.velocity(x_t, t, cond, scfg.guidance, scfg.guidance_2)
                 loss, m = awm_loss(
                     v,
                     v_old,
@@ -350,9 +350,9 @@ class Preference:
             _noise(self.seed, pair_idx, 0, tuple(x0.shape[1:])).repeat_interleave(2, dim=0).to(policy.device)
         )
         x_t = _interpolate(x0, eps, t)
-        err = fm_error(policy.velocity(x_t, t, cond, scfg.guidance), eps, x0)
+        err = fm_error(policy.velocity(x_t, t, cond, scfg.guidance, scfg.guidance_2), eps, x0)
         with torch.no_grad(), policy.reference():
-            ref = fm_error(policy.velocity(x_t, t, cond, scfg.guidance), eps, x0)
+            ref = fm_error(policy.velocity(x_t, t, cond, scfg.guidance, scfg.guidance_2), eps, x0)
         loss, m = diffusion_dpo_loss(err[0::2], err[1::2], ref[0::2], ref[1::2], beta=self.cfg.dpo_beta)
         yield loss, [float(m.get(k, 0.0)) for k in self.metric_keys]
 

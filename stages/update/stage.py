@@ -207,7 +207,7 @@ def run_update(
             sample_cfg = replace(
                 OFFLINE,
                 guidance=policy.family.default_guidance,
-                resolution=int(encoded[0] or OFFLINE.resolution) if encoded else OFFLINE.resolution,
+                resolution=encoded[0] if encoded and encoded[0] else OFFLINE.resolution,
             )
     state, start = load_state(adapter)
     light, heavy = split_columns(

@@ -212,8 +212,19 @@ def _check_videos_sync(url: str, wan: Path) -> None:
     )  # fmt: skip
     local = rollout_batch(policy, cfg, ["a red ball"], [""], [11], [11], groups=[0], sample_ids=["v"])
     assert local["video"][0] == mp4
+    form = encode_form({**fields, "size": "32x16", "num_inference_steps": 1, "seed": 3})  # W×H, not square
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=120)
+    try:
+        conn.request("POST", "/v1/videos/sync", body=form.data, headers={"Content-Type": form.content_type})
+        reply = conn.getresponse()
+        wide = reply.read()
+        assert reply.status == 200, wide
+    finally:
+        conn.close()
+    assert (probe_mp4(wide).width, probe_mp4(wide).height) == (32, 16)
     refused = [
-        ({**fields, "size": "32x16"}, "square"),
+        ({**fields, "size": "32x20"}, "--resolution 20x32"),
+        ({**fields, "size": "32 by 32"}, "give 'WxH'"),
         ({k: v for k, v in fields.items() if k != "num_frames"}, "num_frames"),
         ({**fields, "num_inference_steps": "many"}, "num_inference_steps must be an integer"),
         ({**fields, "model": "other"}, "not served here"),

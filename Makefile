@@ -47,7 +47,7 @@ format: install
 DEMO_ITERATIONS ?= 8
 DEMO_MODEL      ?= recipes/models/demo-shapes
 DEMO_CONFIG     ?= recipes/configs/demo_shapes.yaml
-DEMO_TAGS       ?= counting
+DEMO_TAGS       ?= colors
 DEMO_PROMPTS    ?= 256
 DEMO_EVAL       ?= 64
 DEMO_JOBS       ?= 2

@@ -25,18 +25,18 @@ pytestmark = pytest.mark.slow
 def shapes(out: Path, n: int, seed: int) -> None:
     subprocess.run(
         [sys.executable, str(ROOT / "recipes/tasks/shapes.py"), "--out", str(out), "--num-prompts", str(n),
-         "--seed", str(seed), "--tags", "counting"],
+         "--seed", str(seed), "--tags", "colors"],
         check=True, capture_output=True,
     )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Two online iterations of 4 prompts × the preset's group, evaluated before and after on 4 prompts."""
+    """Two online iterations of 4 prompts × the preset's group, evaluated before and after on 8 prompts."""
     run = tmp_path_factory.mktemp("demo") / "run"
     run.mkdir()
     shapes(run / "prompts.jsonl", 16, 1)
-    shapes(run / "heldout.jsonl", 4, 2)
+    shapes(run / "heldout.jsonl", 8, 2)
     subprocess.run(
         [sys.executable, "-m", "omnirl_cli", "online", "--config", str(CONFIG), "--model", str(MODEL),
          "--prompts", str(run / "prompts.jsonl"), *REWARD.split(), "--iterations", "2",
@@ -47,7 +47,7 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ["make", "--no-print-directory", "-f", str(ROOT / "recipes/eval.mk"), f"OMNIRL={OMNIRL}",
          f"CONFIG={CONFIG}", f"MODEL={MODEL}", f"RUN={run}", "ITERATIONS=2", "EVAL_ITERS=0 2",
          f"REWARD={REWARD}", f"EVAL_PROMPTS={run / 'heldout.jsonl'}",
-         "EVAL_FLAGS=--sampler ode --group-size 2 --num-prompts 4"],
+         "EVAL_FLAGS=--sampler ode --group-size 2 --num-prompts 8"],
         cwd=ROOT, check=True, capture_output=True, env=ENV,
     )  # fmt: skip
     return run
@@ -67,14 +67,14 @@ def test_report_has_real_values_curve_and_grids(demo: Path) -> None:
         assert row["samples"] % 4 == 0 and row["samples"] >= 16
         assert 0 < row["reward_mean"] <= 1 and 0 <= strict <= 1 and row["reward_se"] > 0
         assert strict * row["samples"] == pytest.approx(round(strict * row["samples"]))  # a share of 0/1s
-    for k in (0, 2):  # the held-out evaluation: 4 prompts × 2 seeds
-        assert rows[k]["eval"]["samples"] == 8 and -1 <= rows[k]["eval"]["reward_mean"] <= 1
+    for k in (0, 2):  # the held-out evaluation: 8 prompts × 2 seeds
+        assert rows[k]["eval"]["samples"] == 16 and -1 <= rows[k]["eval"]["reward_mean"] <= 1
     assert "eval" not in rows[1]
     # the pretrained model draws shapes the reward recognises: not every held-out sample fails
     assert rows[0]["eval"]["reward_mean"] > 0
     assert Path(info["before_after"]) == demo / "before_after.png"
     with Image.open(info["before_after"]) as grid:
-        assert grid.height > 4 * 64  # one row per held-out prompt
+        assert grid.height > 8 * 64  # one row per held-out prompt
     assert (demo / "reward_curve.png").stat().st_size > 1000
     assert sorted(Path(g).parent.name for g in info["grids"]) == ["it0", "it1"]
 

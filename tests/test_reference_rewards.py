@@ -154,6 +154,10 @@ def test_hpsv2_refuses_unsafe_or_foreign_checkpoints(hps, tmp_path):
         get_reward("hpsv2", {**hps.args, "model": str(foreign)}).load()
     with pytest.raises(UserInputError, match=r"hpsv2\.model"):
         get_reward("hpsv2", {"tokenizer": hps.args["tokenizer"]})
+    with pytest.raises(
+        UserInputError, match=r"'hpsv2': vision_heads=0, text_heads=16 .* ViT-H-14 has 16 and 16"
+    ):
+        get_reward("hpsv2", {**hps.args, "vision_heads": "0", "text_heads": "16"})
 
 
 # --- ImageReward --------------------------------------------------------------------------------------
@@ -251,6 +255,8 @@ def test_imagereward_refuses_unsafe_or_foreign_checkpoints(imagereward, tmp_path
     torch.save(state, partial)
     with pytest.raises(UserInputError, match=r"does not match ImageReward's MLP head.*layers\.4\.bias"):
         get_reward("imagereward", {**imagereward.args, "model": str(partial)}).load()
+    with pytest.raises(UserInputError, match=r"'imagereward': vision_heads=3, text_heads=0 .* has 16 and 12"):
+        get_reward("imagereward", {**imagereward.args, "text_heads": "0"})
 
 
 def test_imagereward_preprocessing_is_torchvisions(imagereward):

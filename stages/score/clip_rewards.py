@@ -106,6 +106,17 @@ class ModelReward:
         self._lock = threading.Lock()
         self._loaded: Any = None
 
+    def set_heads(self, vision_heads: int, text_heads: int, published: str) -> None:
+        """Attention head counts of a checkpoint whose weight shapes do not tell them (`published`: the
+        released model's, named in the error)."""
+        if vision_heads < 1 or text_heads < 1:
+            raise UserInputError(
+                f"reward {self.reward!r}: vision_heads={vision_heads}, text_heads={text_heads} must be at "
+                f"least 1; {published}"
+            )
+        self.vision_heads = vision_heads
+        self.text_heads = text_heads
+
     @property
     def weight_paths(self) -> dict[str, Path]:
         """The local files whose content determines this reward's numbers (for a run's identity)."""

@@ -191,13 +191,7 @@ class HPSv2(ClipReward):
         self.processor_path = local_path(
             self.reward, "tokenizer", tokenizer, f"a CLIP tokenizer folder such as {HPS_TOKENIZER}"
         )
-        if vision_heads < 1 or text_heads < 1:
-            raise UserInputError(
-                f"reward 'hpsv2': vision_heads={vision_heads}, text_heads={text_heads} must be at least 1; "
-                "ViT-H-14 has 16 and 16"
-            )
-        self.vision_heads = vision_heads
-        self.text_heads = text_heads
+        self.set_heads(vision_heads, text_heads, "ViT-H-14 has 16 and 16")
 
     @property
     def weight_paths(self) -> dict[str, Path]:

@@ -174,13 +174,7 @@ class ImageRewardScore(ModelReward):
         self.tokenizer_path = local_path(
             self.reward, "tokenizer", tokenizer, f"a BERT tokenizer folder such as {IMAGEREWARD_TOKENIZER}"
         )
-        if vision_heads < 1 or text_heads < 1:
-            raise UserInputError(
-                f"reward 'imagereward': vision_heads={vision_heads}, text_heads={text_heads} must be at "
-                "least 1; ImageReward v1.0 has 16 and 12"
-            )
-        self.vision_heads = vision_heads
-        self.text_heads = text_heads
+        self.set_heads(vision_heads, text_heads, "ImageReward v1.0 has 16 and 12")
 
     @property
     def weight_paths(self) -> dict[str, Path]:

@@ -226,7 +226,7 @@ def test_forms_round_trip_and_refuse_what_a_form_route_cannot_take() -> None:
     """`encode_form` (the vLLM-Omni video client) and `parse_form` (`omnirl serve`'s /v1/videos/sync):
     multipart text fields survive exactly, urlencoded ones too; files, other content types and broken
     bodies are 400s."""
-    from stages.web import HttpError, encode_form, parse_form
+    from stages.web import HttpError, Payload, encode_form, parse_form
 
     fields = {"prompt": "héllo\r\nwörld -- 日本", "seed": 7, "guidance_scale": 4.5, "empty": ""}
     form = encode_form(fields)
@@ -250,3 +250,22 @@ def test_forms_round_trip_and_refuse_what_a_form_route_cannot_take() -> None:
         with pytest.raises(HttpError, match=message) as info:
             parse_form(body, kind)
         assert info.value.status == 400
+    # limits checked before the MIME parser runs (its time grows faster than a crafted body)
+    many = encode_form({f"a{i}": "v" for i in range(65)})
+    name = "--b\r\nContent-Disposition: form-data; name*=utf-8''a%0Ab; filename=\"f\"\r\n\r\nx\r\n--b--\r\n"
+    limits = [
+        (encode_form({"prompt": "x" * 70_000}), 413, "more than 65536"),
+        (many, 413, "more than 64 form fields"),
+        (
+            Payload("&".join(f"a{i}=v" for i in range(80)).encode(), "application/x-www-form-urlencoded"),
+            413,
+            "64",
+        ),
+        (Payload(name.encode(), "multipart/form-data; boundary=b"), 400, "'a b'|'a\\\\nb'"),
+    ]
+    for form, status, message in limits:
+        with pytest.raises(HttpError, match=message) as info:
+            parse_form(form.data, form.content_type)
+        assert info.value.status == status and "\n" not in str(info.value)
+    most = encode_form({f"a{i}": "v" for i in range(64)})
+    assert len(parse_form(most.data, most.content_type)) == 64

@@ -53,11 +53,13 @@ def encode(
     """
     c = resolve(ctx, "encode", required=("model", "out"))
     from stages.models.diffusion import FlowPolicy
+    from stages.models.families import resolution_identity
     from stages.offline.encode import encode_shard
     from stages.precision import resolve_mixed_precision
     from stages.shards.writer import ShardSetWriter
 
     c["mixed_precision"] = resolve_mixed_precision(c["mixed_precision"])  # the launcher's enters the identity
+    c["resolution"] = resolution_identity(c["resolution"])
 
     src = open_inputs(c["inputs"])
     if "image" not in src.columns:

@@ -117,7 +117,8 @@ def online(
             min=1,
             help="With --save-trajectories: store the image/video columns only in every N-th iteration's "
             "samples (0, N, 2N, ...) and the last; the others keep their final latents, recorded as deferred "
-            "media (`omnirl score --keep-media` decodes them). Every iteration is still decoded and scored.",
+            "media (`omnirl score --keep-media` decodes them). Every iteration is still decoded and scored. "
+            "In-process sampling only (--engine diffusers).",
         ),
     ] = 1,
     seed: Annotated[

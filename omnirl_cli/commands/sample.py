@@ -431,10 +431,12 @@ def sample(
     VLM: [bold]omnirl sample --model models/vlm-tiny --prompts geo3k.parquet -n 5 --max-new-tokens 256 --out run/it0/samples[/]
     """
     c = resolve(ctx, "sample", required=("model", "prompts", "out"))
+    from stages.models.families import resolution_identity
     from stages.models.vlm import is_vlm_model
     from stages.precision import resolve_mixed_precision
 
     c["mixed_precision"] = resolve_mixed_precision(c["mixed_precision"])  # the launcher's enters the identity
+    c["resolution"] = resolution_identity(c["resolution"])
 
     if is_vlm_model(c["model"]):
         _sample_vlm(c, json_)

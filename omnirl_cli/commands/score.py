@@ -184,7 +184,8 @@ def score(
     c["reward_args"] = reward_args or None
     src = open_inputs(c["inputs"])
     modality = rollout_modality(src.manifests)
-    decoder, keep = _deferred(c, src, modality)
+    open_decoder, keep = _deferred(c, src, modality)
+    decoder = None
     writer = ShardSetWriter(
         c["out"],
         num_shards=src.num_shards,
@@ -217,6 +218,7 @@ def score(
         return out
 
     if not writer.complete:
+        decoder = open_decoder() if open_decoder else None
         columns = (
             text_columns(list(src.columns))
             if modality == "text"
@@ -262,10 +264,13 @@ def _identity(c: dict, specs: list[tuple[str, float]]) -> dict:
     return config
 
 
-def _deferred(c: dict, src: Any, modality: str) -> tuple[Any, Callable[[list], dict] | None]:
-    """For a rollout whose media is deferred (`stages.media.deferred`): the `LatentDecoder` of its final
-    latents and, with --keep-media, the function making a batch's media columns; (None, None) for a
-    rollout that stores its media. There --keep-media is refused, and --model, --vae-tiling and
+def _deferred(
+    c: dict, src: Any, modality: str
+) -> tuple[Callable[[], Any] | None, Callable[[list], dict] | None]:
+    """For a rollout whose media is deferred (`stages.media.deferred`): a function loading the
+    `LatentDecoder` of its final latents (called only when there is scoring left to do, so a finished
+    run loads no VAE) and, with --keep-media, the function making a batch's media columns; (None, None)
+    for a rollout that stores its media. There --keep-media is refused, and --model, --vae-tiling and
     --vae-slicing (names a preset's top-level keys share with other commands) are left out of `c`."""
     from stages.errors import UserInputError
     from stages.media import MEDIA_COLUMNS, media_columns
@@ -280,23 +285,25 @@ def _deferred(c: dict, src: Any, modality: str) -> tuple[Any, Callable[[list], d
         c.update(model=None, vae_tiling=False, vae_slicing=False)
         return None, None
     model = c["model"] or Path(record["model"])
-    if c["model"] is None and not Path(model).is_dir():
-        raise UserInputError(
-            f"--in: its media is deferred and the model folder it records, {model}, is gone; pass --model "
-            "with the pipeline it was sampled with"
-        )
     cfg = sample_config_of(src.manifests)
-    on = device()
-    family = load_decoder(
-        model, device=on, dtype=record["dtype"], tiling=c["vae_tiling"], slicing=c["vae_slicing"]
-    )
-    if family.media != modality:
-        raise UserInputError(
-            f"--model {model}: its {family.name} VAE decodes {family.media}s but --in is a {modality} rollout; "
-            "pass the pipeline it was sampled with"
+    tiling, slicing = c["vae_tiling"], c["vae_slicing"]
+
+    def open_decoder() -> LatentDecoder:
+        if c["model"] is None and not Path(model).is_dir():
+            raise UserInputError(
+                f"--in: its media is deferred and the model folder it records, {model}, is gone; pass "
+                "--model with the pipeline it was sampled with"
+            )
+        on = device()
+        family = load_decoder(model, device=on, dtype=record["dtype"], tiling=tiling, slicing=slicing)
+        if family.media != modality:
+            raise UserInputError(
+                f"--model {model}: its {family.name} VAE decodes {family.media}s but --in is a {modality} "
+                "rollout; pass the pipeline it was sampled with"
+            )
+        return LatentDecoder(
+            family.decode, batch_size=cfg.batch_size, mixed_precision=cfg.mixed_precision, device=on
         )
-    decoder = LatentDecoder(
-        family.decode, batch_size=cfg.batch_size, mixed_precision=cfg.mixed_precision, device=on
-    )
+
     keep = partial(media_columns, fps=cfg.fps, save_frames=cfg.save_frames) if c["keep_media"] else None
-    return decoder, keep
+    return open_decoder, keep

@@ -76,6 +76,13 @@ def format_resolution(resolution: Resolution) -> str:
     return _spelled(*parse_resolution(resolution))
 
 
+def resolution_identity(resolution: Resolution) -> int | str:
+    """A resolution as run identities record it: one int for a square (as every run recorded it before
+    non-square sizes), "HxW" otherwise, so `512`, "512", "512x512" and [512, 512] are one run."""
+    height, width = parse_resolution(resolution)
+    return height if height == width else f"{height}x{width}"
+
+
 def latent_grid(resolution: Resolution, factor: int, multiple: int, why: str = "") -> tuple[int, int]:
     """The latent (h, w) of a `resolution` for a VAE of spatial `factor`: each pixel side must be a
     positive multiple of `multiple` (the VAE factor × the transformer's patch), else a one-line

@@ -40,6 +40,7 @@ import hashlib
 import json
 import queue
 import re
+import secrets
 import shutil
 import signal
 import threading
@@ -91,19 +92,21 @@ class OnlineConfig:
     seed: int | None = None
     engine: str = DEFAULT_ENGINE  # the sampler's rollout engine: diffusers (in-process) or one taking pushes
     rollout: EngineOptions | None = None  # how to reach a remote engine (server URL, token, timeouts)
+    # this driver's own name for the weights it pushes to a shared server: random, so two runs never
+    # share one (the same --out on two machines did); a resumed run pushes again before sampling
+    weights_name: str = field(default_factory=lambda: "online-" + secrets.token_hex(8))
 
     def engine_options(self) -> EngineOptions:
         """The sampler engine's options: this run's model, and weights the driver pushes under a name of
-        this run's own (from its --out), so other runs sharing the server keep theirs."""
+        this driver's own (`weights_name`), so other runs sharing the server keep theirs."""
         base = self.rollout or EngineOptions(model=Path(self.model))
-        name = "online-" + hashlib.sha256(str(Path(self.out).resolve()).encode()).hexdigest()[:12]
         return replace(
             base,
             model=Path(self.model),
             adapter=None,
             dtype=self.dtype,
             pushed_weights=True,
-            weights_name=name,
+            weights_name=self.weights_name,
         )
 
     @property
@@ -430,6 +433,7 @@ def last_checkpoint(out: Path) -> int:
 # OnlineConfig fields that never change a run's results: where it is written, how far it goes, how fast.
 # The rollout engine neither: remote samples equal in-process ones (tests/test_online_remote.py).
 NOT_IDENTITY = (
+    "weights_name",
     "model",
     "prompts",
     "out",
@@ -450,12 +454,14 @@ def run_identity(cfg: OnlineConfig) -> dict[str, Any]:
     Not part of it: --iterations (a re-run goes further), --threads, --save-trajectories, --media-every, --out and
     where the sampler runs (--engine, --server-url).
     """
+    from stages.models.families import resolution_identity
     from stages.plugins import spec_file
     from stages.score.registry import reward_files
     from stages.shards.digest import content_digest
 
     settings = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in NOT_IDENTITY}
     settings.update(sample=asdict(cfg.sample), update=asdict(cfg.update))
+    settings["sample"]["resolution"] = resolution_identity(cfg.sample.resolution)
     prompts = json.dumps([asdict(p) for p in cfg.prompts], sort_keys=True, default=str)
     inputs = {
         "model": content_digest(cfg.model, "--model"),
@@ -546,6 +552,12 @@ def prepare_run(cfg: OnlineConfig, *, overwrite: bool = False) -> int:
         raise UserInputError(
             f"--engine {cfg.engine} needs --server-url: start `omnirl serve --model {cfg.model} --port P` "
             "and pass --server-url http://HOST:P"
+        )
+    if not cfg.in_process and cfg.media_every > 1:
+        raise UserInputError(
+            f"--media-every {cfg.media_every}: iterations without media are decoded later by `omnirl score` "
+            f"with the local VAE, not the one --engine {cfg.engine} decoded with; sample in-process "
+            "(--engine diffusers) or keep --media-every 1"
         )
     if not cfg.in_process and cfg.update.full:
         raise UserInputError(

@@ -226,6 +226,12 @@ def sample_config_of(manifests: list[Any]) -> SampleConfig:
     for manifest in manifests:
         recorded = (manifest.extra or {}).get("sample_config")
         if recorded:
+            unknown = sorted(set(recorded) - {f.name for f in fields(SampleConfig)})
+            if unknown:
+                raise UserInputError(
+                    f"--in: the rollout records sampling settings this omnirl does not know ({', '.join(unknown)}); "
+                    "replay it with the omnirl version that sampled it"
+                )
             return SampleConfig.from_options(recorded)
     raise UserInputError(
         "--in: none of the inputs was written by `omnirl sample`; pass the samples shard set first"

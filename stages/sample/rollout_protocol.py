@@ -42,6 +42,7 @@ from __future__ import annotations
 import base64
 import binascii
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from typing import Any, TypeVar
@@ -56,6 +57,8 @@ PROTOCOL = "omnirl-rollout"
 VERSION = 1
 ROUTE = "/omnirl/v1/rollout"
 WEIGHT_KEYS = ("model_sha256", "adapter_sha256", "version", "name")
+WEIGHTS_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")  # of named weights
+WEIGHTS_NAME_RULE = "1-64 letters, digits, '.', '_' or '-' (not starting with one of those signs)"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 FORMAT_COLUMNS = {fmt: column for column, fmt in MEDIA_FORMATS.items()}  # "png" → "image", "mp4" → "video"
 MAX_SEED = 2**63 - 1
@@ -191,8 +194,8 @@ def decode_request(body: dict[str, Any], *, max_samples: int) -> RolloutRequest:
     version = weights.get("version")
     if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
         raise ProtocolError("weights.version must be an integer or null")
-    if "name" in weights and not isinstance(weights["name"], str):
-        raise ProtocolError("weights.name must be a string")
+    if "name" in weights and not (isinstance(weights["name"], str) and WEIGHTS_NAME.match(weights["name"])):
+        raise ProtocolError(f"weights.name must be {WEIGHTS_NAME_RULE}")
     columns: dict[str, list[Any]] = {k: [] for k in ("sample_id", "prompt", "negative_prompt", "group")}
     seeds, init_seeds = [], []
     for i, sample in enumerate(samples):

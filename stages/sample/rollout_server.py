@@ -67,6 +67,8 @@ from stages.sample.rollout_protocol import (
     PROTOCOL,
     ROUTE,
     VERSION,
+    WEIGHTS_NAME,
+    WEIGHTS_NAME_RULE,
     ProtocolError,
     check_weights,
     decode_request,
@@ -84,7 +86,6 @@ PUSHED = "pushed"  # the `adapter` of weights a client pushed as a LoRA file
 # versions of each named weights the server keeps (the latest pushed): a sampler at --max-staleness 1
 # pins the version before the one its trainer pushes meanwhile
 KEEP_VERSIONS = 2
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 MAX_PIXELS = 2**26  # pixels in one request (samples × frames × height × width)
 MAX_SIDE = 8192  # pixels of one side
@@ -98,11 +99,8 @@ def _weights_name(value: Any) -> str | None:
     """The `name` of named weights (None: the unnamed ones); 400 unless 1–64 letters, digits, ``._-``."""
     if value is None:
         return None
-    if not isinstance(value, str) or not _NAME.match(value):
-        raise HttpError(
-            HTTPStatus.BAD_REQUEST,
-            "name must be 1-64 letters, digits, '.', '_' or '-' (not starting with one of those signs)",
-        )
+    if not isinstance(value, str) or not WEIGHTS_NAME.match(value):
+        raise HttpError(HTTPStatus.BAD_REQUEST, f"name must be {WEIGHTS_NAME_RULE}")
     return value
 
 
@@ -111,6 +109,19 @@ def _int_field(body: dict[str, Any], key: str, default: int, lo: int, hi: int) -
     if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
         raise HttpError(HTTPStatus.BAD_REQUEST, f"{key} must be an integer in [{lo}, {hi}]")
     return value
+
+
+def _size_field(size: Any) -> tuple[int, int]:
+    """(height, width) of vLLM-Omni's ``size`` "WxH" (width first), each side in [1, MAX_SIDE]; 400
+    otherwise."""
+    match = _SIZE_RE.match(size) if isinstance(size, str) else None
+    width, height = (int(match.group(1)), int(match.group(2))) if match else (0, 0)
+    if not (1 <= width <= MAX_SIDE and 1 <= height <= MAX_SIDE):
+        raise HttpError(
+            HTTPStatus.BAD_REQUEST,
+            f"size {size!r}: give 'WxH' (width first, e.g. '416x240'), each side in [1, {MAX_SIDE}]",
+        )
+    return height, width
 
 
 def _resolution_field(body: dict[str, Any], key: str) -> tuple[int, int]:
@@ -286,7 +297,7 @@ class RolloutService(JsonService):
                 f"no weights named {name!r} here; push them first (POST {WEIGHTS_ROUTE}?name={name}&sha256=...&version=N)",
             )
         version = weights.get("version")
-        version = max(held) if version is None else version
+        version = next(reversed(held)) if version is None else version  # the latest pushed
         if version not in held:
             raise HttpError(
                 HTTPStatus.CONFLICT,
@@ -312,8 +323,8 @@ class RolloutService(JsonService):
             return {
                 name: {
                     "versions": sorted(held),
-                    "version": max(held),
-                    "adapter_sha256": held[max(held)][2]["adapter_sha256"],
+                    "version": next(reversed(held)),
+                    "adapter_sha256": held[next(reversed(held))][2]["adapter_sha256"],
                 }
                 for name, held in self.named.items()
             }
@@ -559,12 +570,7 @@ class RolloutService(JsonService):
                 HTTPStatus.BAD_REQUEST, f"guidance_scale must be a number in [0, {MAX_GUIDANCE:g}]"
             )
         size = body.get("size", "512x512")
-        match = _SIZE_RE.match(size) if isinstance(size, str) else None
-        if match is None or min(int(match.group(1)), int(match.group(2))) < 1:
-            raise HttpError(
-                HTTPStatus.BAD_REQUEST, f"size {size!r}: give 'WxH' (width first), e.g. '416x240'"
-            )
-        resolution = (int(match.group(2)), int(match.group(1)))  # (height, width)
+        resolution = _size_field(size)
         self._check_pixels(n, resolution)
         cfg = SampleConfig(
             steps=steps,
@@ -603,15 +609,11 @@ class RolloutService(JsonService):
                 except ValueError:
                     raise HttpError(HTTPStatus.BAD_REQUEST, f"{key} must be a number") from None
         prompt = self._generation(fields, "video")
-        width, height = fields.get("width"), fields.get("height")
         if "size" in fields:
-            match = _SIZE_RE.match(fields["size"])
-            if match is None:
-                raise HttpError(
-                    HTTPStatus.BAD_REQUEST, f"size {fields['size']!r}: give 'WxH', e.g. '480x480'"
-                )
-            width, height = int(match.group(1)), int(match.group(2))
-        if width is None or height is None or min(width, height) < 1:
+            height, width = _size_field(fields["size"])
+        elif "width" in fields and "height" in fields:
+            height, width = _size_field(f"{fields['width']}x{fields['height']}")
+        else:
             raise HttpError(
                 HTTPStatus.BAD_REQUEST, "give a size 'WxH' (width first, e.g. '416x240') or width and height"
             )

@@ -17,7 +17,7 @@ from test_shards import mp4_bytes, write_set
 
 from stages.errors import UserInputError
 from stages.media import media_columns, output_modality
-from stages.media.video import MediaDecodeError, decode_mp4, encode_mp4, probe_mp4
+from stages.media.video import MediaDecodeError, decode_mp4, encode_mp4, encode_mp4s, probe_mp4
 from stages.shards import ShardSet
 
 
@@ -86,6 +86,15 @@ def test_mp4_bytes_are_deterministic_and_need_even_sizes() -> None:
         encode_mp4([Image.new("RGB", (16, 8)), Image.new("RGB", (8, 8))], 16)
     with pytest.raises(UserInputError, match="--fps"):
         encode_mp4(frames, 0)
+
+
+def test_concurrent_batch_encoding_gives_each_clips_own_bytes_in_order() -> None:
+    clips = [smooth_frames(3 + i, 16 + 8 * i, 8) for i in range(5)]  # distinct lengths and sizes
+    alone = [encode_mp4(frames, 16) for frames in clips]
+    assert len(set(alone)) == 5
+    assert encode_mp4s(clips, 16) == alone
+    assert media_columns(clips, 16) == {"video": alone}
+    assert encode_mp4s(clips[:1], 16) == alone[:1] and encode_mp4s([], 16) == []
 
 
 def test_corrupt_and_truncated_mp4_raise_media_decode_error() -> None:

@@ -16,7 +16,7 @@ from PIL import Image
 from test_shards import mp4_bytes, write_set
 
 from stages.errors import UserInputError
-from stages.media import media_columns, output_modality
+from stages.media import media_columns, output_modality, video
 from stages.media.video import MediaDecodeError, decode_mp4, encode_mp4, encode_mp4s, probe_mp4
 from stages.shards import ShardSet
 
@@ -86,6 +86,15 @@ def test_mp4_bytes_are_deterministic_and_need_even_sizes() -> None:
         encode_mp4([Image.new("RGB", (16, 8)), Image.new("RGB", (8, 8))], 16)
     with pytest.raises(UserInputError, match="--fps"):
         encode_mp4(frames, 0)
+
+
+def test_mp4_bytes_do_not_depend_on_the_hosts_cpu_count(monkeypatch) -> None:
+    frames = smooth_frames(9, 128, 128)  # x264 with one thread encodes this clip to other bytes
+    here = encode_mp4(frames, 16)
+    for cpus in (1, 2, 16):
+        monkeypatch.setattr(video.os, "sched_getaffinity", lambda _pid, n=cpus: set(range(n)))
+        assert video.x264_threads() == max(2, cpus * 3 // 2)
+        assert encode_mp4(frames, 16) == here
 
 
 def test_concurrent_batch_encoding_gives_each_clips_own_bytes_in_order() -> None:

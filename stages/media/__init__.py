@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from stages.media.video import encode_mp4
+from stages.media.video import encode_mp4s
 from stages.tables import png_bytes
 
 FRAMES_COLUMN = "frames"  # the lossless frames of a video rollout (`--save-frames`): PNG per frame
@@ -28,14 +28,14 @@ def is_video(output: Any) -> bool:
 
 def media_columns(outputs: Sequence[Any], fps: float, *, save_frames: bool = False) -> dict[str, list]:
     """The media columns of B decoded outputs: ``{"image": [PNG bytes]}`` for images, or
-    ``{"video": [MP4 bytes]}`` for frame lists (at `fps`), plus ``{"frames": [[PNG bytes per frame]]}``
-    with `save_frames`. A batch mixes no images and videos."""
+    ``{"video": [MP4 bytes]}`` for frame lists (at `fps`, the clips encoded concurrently: `encode_mp4s`),
+    plus ``{"frames": [[PNG bytes per frame]]}`` with `save_frames`. A batch mixes no images and videos."""
     videos = [is_video(o) for o in outputs]
     if any(videos) and not all(videos):
         raise ValueError("a decoded batch mixes images and frame lists")
     if not all(videos) or not outputs:
         return {"image": [png_bytes(o) for o in outputs]}
-    out: dict[str, list] = {"video": [encode_mp4(frames, fps) for frames in outputs]}
+    out: dict[str, list] = {"video": encode_mp4s(outputs, fps)}
     if save_frames:
         out[FRAMES_COLUMN] = [[png_bytes(f) for f in frames] for frames in outputs]
     return out

@@ -3,9 +3,9 @@
 `encode_mp4(frames, fps)` writes an MP4 that standard players and tools read (ffprobe, browsers,
 `datasets`' Video feature): H.264 High profile in yuv420p at constant quality `crf` (18: visually
 lossless; 0 is not lossless here since yuv420p halves the chroma resolution), one frame per input frame
-at a constant `fps`, no timestamps of the wall clock and no macroblock-tree rate control
-(`X264_PARAMS`), so the same frames give the same bytes. Width and
-height must be even (yuv420p). Measured on smooth colour frames: 37.6 dB PSNR, max |Δ| 19 of 255.
+at a constant `fps`, no timestamps of the wall clock, no macroblock-tree rate control (`X264_PARAMS`)
+and at least two encoder threads (`x264_threads`), so the same frames give the same bytes on any host.
+Width and height must be even (yuv420p). Measured on smooth colour frames: 37.6 dB PSNR, max |Δ| 19 of 255.
 
 `decode_mp4(data)` gives the frames (RGB PIL images) and fps back; `probe_mp4(data)` only the
 geometry, from the container's index, without decoding. Bytes that are not an MP4, a file cut short
@@ -18,7 +18,9 @@ PyAV is the optional extra ``omnirl[video]``; it is imported on first use.
 from __future__ import annotations
 
 import io
+import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
@@ -33,6 +35,8 @@ DEFAULT_CRF = 18
 # clips gave one file each, so a rollout server's MP4s equal the in-process ones byte for byte. The cost
 # is size: a 16-frame 64² moving gradient took 4.9 KB at 43.3 dB PSNR, 2.5 KB at 42.6 dB with it
 X264_PARAMS = "mbtree=0"
+# x264's own default is 1.5 threads per CPU, so one thread on a one-CPU host, and one thread gave other
+# bytes than any 2 to 32 threads (measured on 9-128 px clips of 3-33 frames), which gave one file each
 # fps as an exact fraction: 16, 24, 30000/1001 (NTSC 29.97) ... are all within this denominator
 FPS_DENOMINATOR = 1001
 
@@ -78,6 +82,17 @@ def fps_fraction(fps: float) -> Fraction:
     return Fraction(fps).limit_denominator(FPS_DENOMINATOR)
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def x264_threads() -> int:
+    """x264's default thread count (1.5 per CPU this process may use) but at least 2, so that a one-CPU
+    host writes the same bytes as any other (see the note at `X264_PARAMS`)."""
+    return max(2, usable_cpus() * 3 // 2)
+
+
 def encode_mp4(frames: Sequence[Any], fps: float, *, crf: int = DEFAULT_CRF) -> bytes:
     """MP4 bytes of `frames` (PIL images of one even width × height, any mode: converted to RGB) played
     at `fps` frames per second."""
@@ -92,7 +107,7 @@ def encode_mp4(frames: Sequence[Any], fps: float, *, crf: int = DEFAULT_CRF) -> 
     with av.open(buf, mode="w", format="mp4") as container:
         stream = container.add_stream(CODEC, rate=rate)
         stream.width, stream.height, stream.pix_fmt = width, height, PIXEL_FORMAT
-        stream.options = {"crf": str(crf), "x264-params": X264_PARAMS}
+        stream.options = {"crf": str(crf), "x264-params": X264_PARAMS, "threads": str(x264_threads())}
         for i, image in enumerate(frames):
             if image.size != (width, height):
                 raise ValueError(f"frame {i} is {image.size[0]}×{image.size[1]}, frame 0 is {width}×{height}")
@@ -102,6 +117,18 @@ def encode_mp4(frames: Sequence[Any], fps: float, *, crf: int = DEFAULT_CRF) -> 
         for packet in stream.encode():
             container.mux(packet)
     return buf.getvalue()
+
+
+def encode_mp4s(clips: Sequence[Sequence[Any]], fps: float, *, crf: int = DEFAULT_CRF) -> list[bytes]:
+    """`encode_mp4` of each clip (a batch's videos), in order. The clips are encoded concurrently, one
+    encoder per clip on up to two threads per CPU (x264 waits between the frames of a short clip; 4 clips
+    of 9 frames at 128² took 0.10 s this way on 2 CPUs, 0.12 s on one thread per CPU, 0.18 s one by one):
+    FFmpeg encodes without Python's lock, and each clip's encoder is independent of the others, so the
+    bytes are those of encoding the clips one by one."""
+    if len(clips) < 2:
+        return [encode_mp4(frames, fps, crf=crf) for frames in clips]
+    with ThreadPoolExecutor(max_workers=min(len(clips), 2 * usable_cpus())) as pool:
+        return list(pool.map(lambda frames: encode_mp4(frames, fps, crf=crf), clips))
 
 
 def _check_boxes(data: bytes) -> None:

@@ -462,6 +462,14 @@ def test_named_weights_let_two_trainers_share_a_server_and_a_request_pin_a_versi
             and health["named_weights"]["b"]["version"] == 1
         )
         assert health["weights"]["adapter"] is None  # the unnamed weights are untouched
+        a.pin_weights(3)
+        assert same(a.rollout(cfg, *batch, **kw), want["a"])  # ("a", 3) is on the pipeline now
+        a.push_weights(files["b"], 3)  # that version again, other bytes: the next batch swaps them in
+        assert same(a.rollout(cfg, *batch, **kw), want["b"])
+        b = trainers["b"]
+        b.push_weights(files["a"], 0)  # a new run under the same name starts again at 0: the latest pushed
+        got = b.rollout(cfg, *batch, **kw)
+        assert same(got, want["a"]) and got["policy_version"].tolist() == [0, 0]
         body = _rollout_body()
         body["weights"] = {"name": "nobody"}
         status, reply = _request(srv.url, "POST", "/omnirl/v1/rollout", body)

@@ -172,10 +172,14 @@ class RolloutService(JsonService):
         self.weights = self._start(adapter)
         self.engine = self._open(adapter)
         # named weights (several trainers on one server): name → version → (layers, config, record),
-        # the latest KEEP_VERSIONS pushed of each; `active` is the one on the pipeline (None: the
-        # unnamed weights, `self.weights`, whose LoRA `default_lora` holds once swapped away from)
+        # the latest KEEP_VERSIONS pushed of each, behind `table` (never held while the model runs, so
+        # pushes and /health do not wait for a batch); `active` is the one on the pipeline (None: the
+        # unnamed weights, `self.weights`, whose LoRA `default_lora` holds once swapped away from) and
+        # `active_entry` the table entry it was copied from (a version pushed again is a new entry)
+        self.table = threading.Lock()
         self.named: dict[str, dict[int, tuple[Any, Any, dict[str, Any]]]] = {}
         self.active: tuple[str, int] | None = None
+        self.active_entry: tuple[Any, Any, dict[str, Any]] | None = None
         self.default_lora: tuple[Any, Any] | None = None
 
     # ---------------------------------------------------------------- weights
@@ -216,12 +220,12 @@ class RolloutService(JsonService):
             how = engine.policy.set_lora(layers, config)
             with self.lock:
                 self.engine, self.weights, self.full = engine, record, False
-                self.active, self.default_lora = None, (layers, config)
+                self.active, self.active_entry, self.default_lora = None, None, (layers, config)
             return {"how": f"reloaded, {how}"}
         with self.lock:  # no rollout sees half-copied weights
             how = self.engine.policy.set_lora(layers, config)
             self.weights = record
-            self.active, self.default_lora = None, (layers, config)
+            self.active, self.active_entry, self.default_lora = None, None, (layers, config)
         return {"how": how}
 
     def _store_named(self, name: str, layers: Any, config: Any, record: dict[str, Any]) -> dict[str, Any]:
@@ -234,22 +238,22 @@ class RolloutService(JsonService):
                 "text-encoder LoRAs (its --adapter); serve the base model for named weights",
             )
         version = record["version"]
-        with self.lock:
+        with self.table:  # a version on the pipeline now is swapped anew by the next batch asking for it
             held = self.named.setdefault(name, {})
             held.pop(version, None)
             held[version] = (layers, config, record)
             while len(held) > KEEP_VERSIONS:
                 held.pop(next(iter(held)))  # the oldest pushed
-            if self.active == (name, version):  # replaced while on the pipeline: swap the new bytes in
-                self.engine.policy.set_lora(layers, config)
             return {"how": "stored", "weights": {**record, "versions": sorted(held)}}
 
-    def _activate(self, target: tuple[str, int] | None) -> None:
-        """Put the unnamed weights (None) or version `target` of named weights on the pipeline, in place;
-        the caller holds the model lock."""
+    def _activate(
+        self, target: tuple[str, int] | None, entry: tuple[Any, Any, dict[str, Any]] | None = None
+    ) -> None:
+        """Put the unnamed weights (None) or version `target` of named weights (its table `entry`) on
+        the pipeline, in place; the caller holds the model lock."""
         from stages.models.lora_weights import read_lora_file
 
-        if target == self.active:
+        if target == self.active and entry is self.active_entry:
             return
         if target is None:
             layers, config = self.default_lora  # type: ignore[misc]  (kept when swapped away)
@@ -267,9 +271,9 @@ class RolloutService(JsonService):
                     if policy.lora
                     else (None, None)
                 )
-            layers, config, _ = self.named[target[0]][target[1]]
+            layers, config, _ = entry  # type: ignore[misc]
         self.engine.policy.set_lora(layers, config)
-        self.active = target
+        self.active, self.active_entry = target, entry
 
     def _select(self, weights: dict[str, Any]) -> int:
         """Put the weights a rollout request names on the pipeline (the caller holds the model lock);
@@ -290,7 +294,8 @@ class RolloutService(JsonService):
                 HTTPStatus.CONFLICT,
                 f"model_sha256 {model!r} was asked, the server holds {self.model_sha256!r}",
             )
-        held = self.named.get(name)
+        with self.table:
+            held = dict(self.named.get(name) or {})
         if not held:
             raise HttpError(
                 HTTPStatus.CONFLICT,
@@ -312,14 +317,14 @@ class RolloutService(JsonService):
                 f"not the {digest!r} asked",
             )
         try:
-            self._activate((name, version))
+            self._activate((name, version), held[version])
         except UserInputError as exc:  # a model whose LoRA does not swap in place (two experts)
             raise HttpError(HTTPStatus.UNPROCESSABLE_ENTITY, str(exc)) from None
         return int(version)
 
     def named_weights(self) -> dict[str, Any]:
         """``{name: {"versions", "version", "adapter_sha256"}}`` of the named weights held (latest last)."""
-        with self.lock:
+        with self.table:
             return {
                 name: {
                     "versions": sorted(held),
@@ -362,7 +367,7 @@ class RolloutService(JsonService):
         with self.lock:
             self.engine, self.full = engine, config["kind"] == "full"
             self.weights = self._record(adapter, digest, step)
-            self.active, self.default_lora = None, None
+            self.active, self.active_entry, self.default_lora = None, None, None
         return {"how": "reloaded"}
 
     def _load_pushed(self, raw: bytes, query: dict[str, list[str]], name: str | None) -> dict[str, Any]:

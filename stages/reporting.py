@@ -410,12 +410,9 @@ def comparison_grid(
 def response_sheet(samples: Path, rewards: Path | None, path: Path, *, groups: int = 8) -> Path:
     """A Markdown page of a text rollout: per prompt group (first `groups`), the question, its ground
     truth and every response with its reward, best first."""
-    from stages.shards.reader import ShardSet, open_inputs
-
-    paths = [samples] + ([rewards] if rewards and (rewards / MANIFEST_NAME).is_file() else [])
-    src = open_inputs(paths) if len(paths) > 1 else ShardSet(samples)
+    src = _rollout(samples, rewards)
     cols = ["sample_id", "group_id", "prompt", "prompt_meta", "response_text"]
-    data = src.read_shard(0, columns=cols + (["reward"] if len(paths) > 1 else []))
+    data = src.read_shard(0, columns=cols + (["reward"] if "reward" in src.columns else []))
     order: dict[str, list[int]] = {}
     for i, g in enumerate(data["group_id"]):
         order.setdefault(g, []).append(i)

@@ -242,6 +242,20 @@ def vae_memory(vae: Any, family: str, *, tiling: bool = False, slicing: bool = F
         enable()
 
 
+def _pipeline_to_load(model_path: str | Path, dtype: str) -> tuple[Path, dict[str, Any], type[FamilyAdapter]]:
+    """What loading a pipeline folder starts with (for `FlowPolicy.load` and `load_decoder`): the checked
+    folder, its model_index.json and its family's adapter class; a bad folder or `dtype` is one line.
+    Silences diffusers' progress bars."""
+    from diffusers.utils import logging as diffusers_logging
+
+    diffusers_logging.disable_progress_bar()
+    model_path = check_pipeline_folder(model_path)
+    if dtype not in DTYPES:
+        raise UserInputError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
+    index = pipeline_index(model_path)
+    return model_path, index, adapter_class(index["_class_name"], str(model_path))
+
+
 def load_decoder(
     model_path: str | Path,
     *,
@@ -255,14 +269,8 @@ def load_decoder(
     `FlowPolicy.decode` decodes them under the same `dtype` and device; `tiling`/`slicing` as
     `vae_memory`. An adapter never changes the VAE, so none is taken."""
     from diffusers import DiffusionPipeline
-    from diffusers.utils import logging as diffusers_logging
 
-    diffusers_logging.disable_progress_bar()
-    model_path = check_pipeline_folder(model_path)
-    if dtype not in DTYPES:
-        raise UserInputError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
-    index = pipeline_index(model_path)
-    family_class = adapter_class(index["_class_name"], str(model_path))
+    model_path, index, family_class = _pipeline_to_load(model_path, dtype)
     if not isinstance(index.get("vae"), list):
         raise UserInputError(
             f"--model {model_path}: its model_index.json lists no vae; pass the pipeline folder"
@@ -343,16 +351,9 @@ class FlowPolicy:
         """Load a pipeline folder with `from_pretrained` and apply an adapter folder, if any: one `omnirl
         update` wrote, or a diffusers LoRA folder (`pytorch_lora_weights.safetensors`) from another tool."""
         from diffusers import DiffusionPipeline
-        from diffusers.utils import logging as diffusers_logging
 
-        diffusers_logging.disable_progress_bar()
-
-        model_path = check_pipeline_folder(model_path)
-        if dtype not in DTYPES:
-            raise UserInputError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
+        model_path, index, family_class = _pipeline_to_load(model_path, dtype)
         torch_dtype = DTYPES[dtype]
-        index = pipeline_index(model_path)
-        family_class = adapter_class(index["_class_name"], str(model_path))
         kwargs: dict[str, Any] = {"dtype": torch_dtype}
         config = read_adapter_config(adapter) if adapter else None
         if config:

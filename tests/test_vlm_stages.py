@@ -448,3 +448,29 @@ def test_two_ranks_equal_one_process(vlm_run: dict[str, Path], tiny_vlm: Path, t
     assert max(float(one[k].abs().max()) for k in one if "lora_B" in k) > 1e-4
     for k in one:
         torch.testing.assert_close(two[k], one[k], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("model", "flag"),
+    [
+        ("vlm", ["--steps", "5"]),
+        ("vlm", ["--defer-decode"]),
+        ("vlm", ["--resolution", "64"]),
+        ("vlm", ["--frames", "5"]),
+        ("sd3", ["--temperature", "0.5"]),
+        ("sd3", ["--max-new-tokens", "8"]),
+    ],
+)
+def test_options_of_the_other_model_kind_are_refused(
+    vlm_run: dict[str, Path], tiny_vlm: Path, tiny_sd3: Path, tmp_path: Path, model: str, flag: list[str]
+) -> None:
+    """A diffusion option given with a VLM (or the reverse) is one line naming it, not silently unused."""
+    text = tmp_path / "prompts.txt"
+    text.write_text("a red circle\n")
+    weights, prompts = (tiny_vlm, vlm_run["data"]) if model == "vlm" else (tiny_sd3, text)
+    out = tmp_path / "s"
+    args = ["sample", "--model", str(weights), "--prompts", str(prompts), *flag, "--out", str(out)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1
+    assert result.output.startswith(f"error: {flag[0]}: a ") and "never reads it; drop it" in result.output
+    assert not out.exists()

@@ -58,6 +58,9 @@ SAMPLING = "Sampling"
 MODEL = "Model"
 VLM = "Vision-language models"
 VIDEO = "Video"
+# Sampling options a vision-language model's text rollout reads too; the rest of the Sampling and Video
+# panels are the diffusion rollout's own, and the Vision-language panel is the text rollout's own.
+SHARED_SAMPLING = frozenset({"num_prompts", "group_size", "seed", "batch_size", "iteration"})
 # Least memory a diffusion rollout holds per sample before any model output: every sample is planned
 # up front (ids and seeds, about 270 bytes each, measured for `stages.sample.stage.plan_rows`).
 PLANNED_SAMPLE_BYTES = 256
@@ -420,7 +423,8 @@ def sample(
 
     With a vision-language --model (Qwen2.5-VL), GROUP text responses per (images, question) row of a
     verl/EasyR1 table: prompt and response token ids, response text, rollout log-probs, images once per
-    prompt; the --steps/--guidance/sampler options do not apply.
+    prompt; the diffusion options (--steps, --guidance, the sampler, video) are refused, as the
+    Vision-language ones are for a diffusion --model.
 
     Example: [bold]omnirl sample --model models/sd3-tiny --prompts prompts.txt -n 8 --steps 10 \\
     --resolution 64 --sampler sde --noise-level 0.7 --out run/it0/samples[/]
@@ -435,10 +439,13 @@ def sample(
     from stages.models.vlm import is_vlm_model
     from stages.precision import resolve_mixed_precision
 
+    vlm = is_vlm_model(c["model"])
+    _refuse_foreign_options(ctx, c, vlm)
+
     c["mixed_precision"] = resolve_mixed_precision(c["mixed_precision"])  # the launcher's enters the identity
     c["resolution"] = resolution_identity(c["resolution"])
 
-    if is_vlm_model(c["model"]):
+    if vlm:
         _sample_vlm(c, json_)
         return
     from stages.errors import UserInputError
@@ -632,6 +639,21 @@ def _combine(results: list[dict], unit: str) -> dict:
         {"seconds": max(r["seconds"] for r in results), f"{unit}_per_s": sum(rates) if rates else None}
     )
     return combined
+
+
+def _refuse_foreign_options(ctx: typer.Context, c: dict, vlm: bool) -> None:
+    """An option the other kind of model reads (a diffusion --steps for a VLM, a --temperature for a
+    diffusion pipeline), set away from its default, is a `UserInputError` rather than silently unused."""
+    from stages.errors import UserInputError
+
+    for param in ctx.command.params:
+        panel = getattr(param, "rich_help_panel", None)
+        foreign = (
+            panel == VLM if not vlm else panel in (SAMPLING, VIDEO) and param.name not in SHARED_SAMPLING
+        )
+        if foreign and param.name and c.get(param.name) != param.default:
+            kind = "a vision-language --model samples text" if vlm else "a diffusion --model samples media"
+            raise UserInputError(f"{param.opts[0]}: {kind} and never reads it; drop it")
 
 
 def _sample_vlm(c: dict, json_: bool) -> None:

@@ -205,6 +205,10 @@ class JsonService:
         """The reply to ``POST path`` with body `raw`; `HttpError` when refused."""
         raise HttpError(HTTPStatus.NOT_FOUND, f"no route POST {path}")
 
+    def delete(self, path: str, query: dict[str, list[str]]) -> dict[str, Any]:
+        """The reply to ``DELETE path?query`` (no body); `HttpError` when refused."""
+        raise HttpError(HTTPStatus.NOT_FOUND, f"no route DELETE {path}")
+
     def post_request(self, path: str, raw: bytes, content_type: str) -> dict[str, Any] | RawReply:
         """The reply to ``POST path`` with body `raw` sent as `content_type`: `post`, unless a service
         reads the content type (a form route) or answers a file."""
@@ -352,6 +356,19 @@ class JsonHandler(BaseHTTPRequestHandler):
             return
         self._answer(self.service.get, path)
 
+    def do_DELETE(self) -> None:
+        parts = urllib.parse.urlsplit(self.path)
+        if (self.headers.get("Content-Length") or "0").strip() != "0" or self.headers.get(
+            "Transfer-Encoding"
+        ):
+            self._refuse(HttpError(HTTPStatus.BAD_REQUEST, "DELETE takes no body"), close=True)
+            return
+        if not self.service.authorized(self.headers.get("Authorization")):
+            self._refuse(HttpError(HTTPStatus.UNAUTHORIZED, "a valid bearer token is required"))
+            return
+        path = parts.path.rstrip("/") or "/"
+        self._answer(self.service.delete, path, urllib.parse.parse_qs(parts.query))
+
     def _drain(self, length: int, limit: int) -> bool:
         """Read and drop a refused body of `length` bytes when it is small enough; False: close instead."""
         if length > DRAIN_FACTOR * limit:
@@ -476,6 +493,7 @@ class JsonClient:
         body: dict[str, Any] | bytes | Payload | None,
         timeout: float,
         accept: str | None = None,
+        method: str | None = None,
     ) -> Any:
         """One request; the decoded JSON reply (None for an empty one), or with `accept` (a file's media
         type, e.g. video/mp4) the reply's bytes. `Retryable` for what may pass, `UserInputError` for what
@@ -496,7 +514,7 @@ class JsonClient:
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
         request = urllib.request.Request(
-            url, data=data, headers=headers, method="GET" if data is None else "POST"
+            url, data=data, headers=headers, method=method or ("GET" if data is None else "POST")
         )
         try:
             with urllib.request.urlopen(request, timeout=timeout) as response:
@@ -553,15 +571,21 @@ class JsonClient:
         return UserInputError(f"{url}: HTTP {code} ({detail})")
 
     def call(
-        self, path: str, body: dict[str, Any] | bytes | Payload | None = None, *, accept: str | None = None
+        self,
+        path: str,
+        body: dict[str, Any] | bytes | Payload | None = None,
+        *,
+        accept: str | None = None,
+        method: str | None = None,
     ) -> Any:
-        """The reply to `body` at `path` (GET without a body; `accept`: a file's bytes, see `once`),
-        retried as the module docstring says; `RuntimeFailure` once the retries are spent."""
+        """The reply to `body` at `path` (GET without a body, POST with one, unless `method`; `accept`: a
+        file's bytes, see `once`), retried as the module docstring says; `RuntimeFailure` once the
+        retries are spent."""
         start = time.monotonic()
         last, fives = "", 0
         for attempt in range(self.retries + 1):
             try:
-                return self.once(path, body, self.timeout, accept)
+                return self.once(path, body, self.timeout, accept, method)
             except Retryable as exc:
                 last = str(exc)
                 if exc.status is not None and exc.status not in RETRY_STATUSES:

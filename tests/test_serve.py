@@ -10,6 +10,7 @@ returns the PNGs asked for.
 from __future__ import annotations
 
 import base64
+import hashlib
 import http.client
 import io
 import json
@@ -427,7 +428,7 @@ def test_named_weights_let_two_trainers_share_a_server_and_a_request_pin_a_versi
         )
 
     want = {"a": local(tmp_path / "a"), "b": local(tmp_path / "b"), None: local(None)}
-    srv = Server(tiny_sd3)
+    srv = Server(tiny_sd3, "--max-named-weights", "2")
     try:
         trainers = {
             name: RemoteEngine.open(
@@ -474,6 +475,39 @@ def test_named_weights_let_two_trainers_share_a_server_and_a_request_pin_a_versi
         body["weights"] = {"name": "nobody"}
         status, reply = _request(srv.url, "POST", "/omnirl/v1/rollout", body)
         assert status == 409 and "no weights named 'nobody'" in reply["error"]["message"]
+        # two names held, the --max-named-weights: a third is refused until one is forgotten
+        status, reply = _request(srv.url, "POST", "/omnirl/v1/weights?" + urllib.parse.urlencode(
+            {"name": "c", "sha256": hashlib.sha256(files["a"]).hexdigest(), "version": 0}), raw=files["a"])  # fmt: skip
+        assert status == 409 and "holds 2 named weights, its --max-named-weights" in reply["error"]["message"]
+        status, reply = _request(srv.url, "DELETE", "/omnirl/v1/weights?name=a&version=2")
+        assert status == 200 and reply["deleted"] == {"name": "a", "versions": [2]}
+        assert reply["named_weights"]["a"]["versions"] == [3]
+        a.pin_weights(2)
+        with pytest.raises(UserInputError, match=r"HTTP 409.*'a' version 2 was asked.*versions \[3\]"):
+            a.rollout(cfg, *batch, **kw)
+        a.close()  # forgets "a" (every version) on the server
+        status, health = _request(srv.url, "GET", "/health")
+        assert set(health["named_weights"]) == {"b"}
+        for query, code, words in [
+            ("name=a", 404, "no weights named 'a'"),
+            ("name=b&version=7", 404, "'b' version 7 is not held (versions [0, 1])"),
+            ("name=b&version=x", 400, "version 'x' is not a non-negative integer"),
+            ("", 400, "name the weights to forget"),
+        ]:
+            status, reply = _request(srv.url, "DELETE", "/omnirl/v1/weights?" + query)
+            assert status == code and words in reply["error"]["message"], (query, reply)
+        status, reply = _request(srv.url, "DELETE", "/omnirl/v1/weights?name=b", raw=b"{}")
+        assert status == 400 and "DELETE takes no body" in reply["error"]["message"]
+        srv_health = _request(srv.url, "GET", "/health")[1]
+        assert set(srv_health["named_weights"]) == {"b"}  # the refused DELETE forgot nothing
+        status, reply = _request(srv.url, "DELETE", "/health")
+        assert status == 404 and "no route DELETE /health" in reply["error"]["message"]
+        assert trainers["b"].push_weights(files["b"], 1)["load"]["how"] == "stored"
+        c = RemoteEngine.open(
+            EngineOptions(model=tiny_sd3, server_url=srv.url, pushed_weights=True, weights_name="c"), "cpu"
+        )
+        assert c.push_weights(files["a"], 0)["load"]["how"] == "stored"  # room again
+        assert same(c.rollout(cfg, *batch, **kw), want["a"])
     finally:
         code, err = srv.stop()
     assert code == 0 and "Traceback" not in err, err

@@ -56,6 +56,16 @@ def serve(
             rich_help_panel=SERVER,
         ),
     ] = 1024,
+    max_named_weights: Annotated[
+        int,
+        typer.Option(
+            "--max-named-weights",
+            min=1,
+            help="Named weights (trainers sharing the server, each up to 2 LoRA versions) held at once; a "
+            "push of one more name is 409 until DELETE /omnirl/v1/weights?name=NAME forgets one.",
+            rich_help_panel=SERVER,
+        ),
+    ] = 16,
     config: ConfigOpt = None,
     set_: SetOpt = None,
     json_: JsonOpt = False,
@@ -65,9 +75,9 @@ def serve(
     Routes: POST /omnirl/v1/rollout (omnirl rollout protocol v1: SDE trajectories that `omnirl
     logprob` replays exactly; clients: `omnirl sample --engine remote --server-url URL`), POST
     /v1/images/generations (vLLM-Omni's images API, b64_json PNGs), POST /v1/videos/sync (its videos
-    API for a video family: a form in, the MP4 out), GET/POST /omnirl/v1/weights (the
+    API for a video family: a form in, the MP4 out), GET/POST/DELETE /omnirl/v1/weights (the
     weights held; swap in another adapter folder, or a LoRA file a trainer pushes with its SHA-256 and
-    version, without a restart), GET /health, GET /v1/models. JSON only, no pickle; a malformed or
+    version, without a restart; forget named weights), GET /health, GET /v1/models. JSON only, no pickle; a malformed or
     oversized request gets a 4xx and the server keeps serving. When ready it prints its URL (with
     --json, one JSON line on stdout: url, model, weights, pid). `omnirl online --engine remote` pushes
     each new policy version to it.
@@ -91,6 +101,7 @@ def serve(
         max_request_bytes=c["max_request_mb"] * 2**20,
         max_batch=c["max_batch"],
         max_weights_bytes=c["max_weights_mb"] * 2**20,
+        max_named=c["max_named_weights"],
     )
     serve_until_stopped(
         lambda host, port: JsonServer(service, host, port),

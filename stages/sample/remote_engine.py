@@ -95,6 +95,7 @@ class RemoteEngine(RolloutEngine):
         self.weights = weights  # what every request asks the server to hold
         self.server_weights = dict(health.get("weights") or {})
         self.pushed = pushed  # the run pushes its weights: samples record the version the server used
+        self.pushed_named = False  # this engine pushed named weights, which `close` forgets
 
     @classmethod
     def open(cls, options: EngineOptions, device: Any) -> RemoteEngine:
@@ -182,7 +183,22 @@ class RemoteEngine(RolloutEngine):
                 f"answered {one_line(reply)!r}); check the server"
             )
         self.server_weights = dict(held)
+        self.pushed_named = "name" in self.weights
         return reply
+
+    def close(self) -> None:
+        """Forget the named weights this engine pushed (``DELETE /omnirl/v1/weights?name=``), so a
+        finished run leaves the shared server's table; a failure is logged, never raised."""
+        if not self.pushed_named:
+            return
+        self.pushed_named = False
+        query = urllib.parse.urlencode({"name": self.weights["name"]})
+        try:
+            self.client.call(f"{WEIGHTS_ROUTE}?{query}", method="DELETE")
+        except (UserInputError, RuntimeFailure) as exc:
+            logger.warning(
+                "could not forget weights %r on %s: %s", self.weights["name"], self.client.url, exc
+            )
 
     def pin_weights(self, version: int | None) -> None:
         """Ask every following request for weights `version` (None: any the server holds)."""

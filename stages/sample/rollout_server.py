@@ -36,7 +36,11 @@ Routes (JSON in and out, never pickle; HTTP, token and size checks in `stages.we
   named weights NAME instead (the latest `KEEP_VERSIONS` pushed of each name), leaving the unnamed
   weights as they are: several trainers share the server, each rollout request naming its weights
   (``weights.name``, optionally pinning ``weights.version``; 409 for a name or version not held) and
-  the pipeline swapping them in before the batch when another batch used other weights;
+  the pipeline swapping them in before the batch when another batch used other weights; a push of a
+  new name when the server holds --max-named-weights names is 409 (delete one first);
+- ``DELETE /omnirl/v1/weights?name=NAME[&version=N]`` forgets named weights NAME (every version, or
+  version N), answering ``{"deleted": {"name", "versions"}, "named_weights"}``; 404 when not held
+  (`omnirl online` deletes its own at the end of a run);
 - ``POST /omnirl/v1/latent_shape`` ``{"resolution": R or [H, W], "frames": F}`` (R a square's side, F
   default 1) → ``{"latent_shape": [...]}``.
 
@@ -152,6 +156,7 @@ class RolloutService(JsonService):
         max_batch: int = 64,
         max_pixels: int = MAX_PIXELS,
         max_weights_bytes: int = 1024 * 2**20,
+        max_named: int = 16,
     ):
         from stages.models.diffusion import check_pipeline_folder
         from stages.models.factory import default_text_length
@@ -167,6 +172,7 @@ class RolloutService(JsonService):
         self.text_length = default_text_length(self.model)
         self.model_sha256 = content_digest(self.model, "--model")
         self.max_weights_bytes = max_weights_bytes
+        self.max_named = max_named  # names of named weights held at once (each up to KEEP_VERSIONS LoRAs)
         self.lock = threading.Lock()  # the model runs one request at a time
         self.loading = threading.Lock()  # one adapter loads at a time
         self.weights = self._start(adapter)
@@ -239,6 +245,12 @@ class RolloutService(JsonService):
             )
         version = record["version"]
         with self.table:  # a version on the pipeline now is swapped anew by the next batch asking for it
+            if name not in self.named and len(self.named) >= self.max_named:
+                raise HttpError(
+                    HTTPStatus.CONFLICT,
+                    f"the server holds {len(self.named)} named weights, its --max-named-weights; forget "
+                    f"one first (DELETE {WEIGHTS_ROUTE}?name=NAME; GET {WEIGHTS_ROUTE} lists them)",
+                )
             held = self.named.setdefault(name, {})
             held.pop(version, None)
             held[version] = (layers, config, record)
@@ -446,6 +458,32 @@ class RolloutService(JsonService):
         raise HttpError(
             HTTPStatus.NOT_FOUND, f"no route GET {path}; GET /health, /v1/models or {WEIGHTS_ROUTE}"
         )
+
+    def delete(self, path: str, query: dict[str, list[str]]) -> dict[str, Any]:
+        """``DELETE /omnirl/v1/weights?name=NAME[&version=N]`` (module docstring)."""
+        if path != WEIGHTS_ROUTE:
+            raise HttpError(HTTPStatus.NOT_FOUND, f"no route DELETE {path}; DELETE {WEIGHTS_ROUTE}?name=NAME")
+        name = _weights_name(query.get("name", [None])[-1])
+        if name is None:
+            raise HttpError(HTTPStatus.BAD_REQUEST, "name the weights to forget: ?name=NAME")
+        version = query.get("version", [None])[-1]
+        if version is not None and not re.fullmatch(r"\d{1,18}", version):
+            raise HttpError(HTTPStatus.BAD_REQUEST, f"version {version!r} is not a non-negative integer")
+        with self.table:  # the pipeline keeps what it has on it until a batch asks for other weights
+            held = self.named.get(name) or {}
+            versions = sorted(held) if version is None else [int(version)]
+            if not held:
+                raise HttpError(HTTPStatus.NOT_FOUND, f"no weights named {name!r} here")
+            if versions[0] not in held:
+                raise HttpError(
+                    HTTPStatus.NOT_FOUND,
+                    f"weights {name!r} version {version} is not held (versions {sorted(held)})",
+                )
+            for v in versions:
+                del held[v]
+            if not held:
+                del self.named[name]
+        return {"deleted": {"name": name, "versions": versions}, "named_weights": self.named_weights()}
 
     def body_limit(self, path: str) -> tuple[int, str]:
         if path == WEIGHTS_ROUTE:

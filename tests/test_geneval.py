@@ -423,6 +423,17 @@ def test_prompts_are_deterministic_and_prefix_stable(task):
         assert all(c.get("color") in (None, *PALETTE) for c in row["include"])
     with pytest.raises(ValueError, match="unknown tag"):
         task.make_prompts(3, seed=0, tags=["spatial"])
+    # --shapes narrows the shapes named; all three (the default) draws the rows drawn before it existed
+    assert task.make_prompts(50, seed=1, shapes=["circle", "square", "triangle"]) == rows
+    circles = task.make_prompts(40, seed=1, tags=["counting", "colors"], shapes=["circle"])
+    assert {c["class"] for r in circles for c in r["include"]} == {"circle"}
+    assert {r["tag"] for r in circles} == {"counting", "colors"}
+    pairs = task.make_prompts(30, seed=1, tags=["two_object"], shapes=["circle", "square"])
+    assert all(sorted(c["class"] for c in r["include"]) == ["circle", "square"] for r in pairs)
+    with pytest.raises(ValueError, match="'position' names two different shapes"):
+        task.make_prompts(3, seed=0, tags=["position"], shapes=["circle"])
+    with pytest.raises(ValueError, match="unknown shape 'star'"):
+        task.make_prompts(3, seed=0, shapes=["star"])
 
 
 def test_render_is_deterministic(task, world):

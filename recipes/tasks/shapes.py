@@ -25,9 +25,10 @@ size/32 px apart, and position clauses placed so GenEval's relation holds even a
 (0.2 instead of 0.1), which keeps it true for the detector's slightly different boxes.
 
 Command line: ``python recipes/tasks/shapes.py --out prompts.jsonl --num-prompts N --seed S``
-(``--tags counting,colors`` narrows the families; ``--images DIR`` also writes row i's ground truth,
-rendered with seed i, as ``DIR/00000.png`` ...). The JSONL is what ``omnirl sample --prompts`` reads:
-``prompt`` is the caption, the other fields become each sample's ``prompt_meta``.
+(``--tags counting,colors`` narrows the families, ``--shapes circle`` the shapes named; ``--images
+DIR`` also writes row i's ground truth, rendered with seed i, as ``DIR/00000.png`` ...). The JSONL is
+what ``omnirl sample --prompts`` reads: ``prompt`` is the caption, the other fields become each
+sample's ``prompt_meta``.
 """
 
 from __future__ import annotations
@@ -64,11 +65,20 @@ def _plural(shape: str, count: int) -> str:
     return shape if count == 1 else f"{shape}s"
 
 
-def make_row(index: int, *, seed: int, tags: Sequence[str] = TAGS) -> dict[str, Any]:
-    """Row `index` for `seed`: ``prompt``, ``tag``, ``include`` and, for counting, ``exclude``."""
+# Families that name two different shapes.
+TWO_SHAPE_TAGS = ("two_object", "position", "color_attr")
+
+
+def make_row(
+    index: int, *, seed: int, tags: Sequence[str] = TAGS, shapes: Sequence[str] = SHAPES
+) -> dict[str, Any]:
+    """Row `index` for `seed`: ``prompt``, ``tag``, ``include`` and, for counting, ``exclude``; the
+    shapes named are drawn from `shapes` (all three by default, which draws the same rows as before
+    `shapes` existed)."""
     rng = random.Random(f"shapes:{seed}:{index}")
     tag = rng.choice(list(tags))
-    first, second = rng.sample(SHAPES, 2)
+    first, *rest = rng.sample(list(shapes), min(2, len(shapes)))
+    second = rest[0] if rest else first
     color_a, color_b = rng.sample(sorted(PALETTE), 2)
     row: dict[str, Any]
     if tag == "single_object":
@@ -112,15 +122,25 @@ def make_row(index: int, *, seed: int, tags: Sequence[str] = TAGS) -> dict[str, 
     return {"prompt": row.pop("prompt"), "tag": tag, **row}
 
 
-def make_prompts(n: int, seed: int, tags: Sequence[str] | None = None) -> list[dict[str, Any]]:
-    """`n` rows (see `make_row`), tags drawn uniformly from `tags` (all six GenEval families by default)."""
+def make_prompts(
+    n: int, seed: int, tags: Sequence[str] | None = None, shapes: Sequence[str] | None = None
+) -> list[dict[str, Any]]:
+    """`n` rows (see `make_row`), tags drawn uniformly from `tags` (all six GenEval families by default),
+    shapes from `shapes` (all three by default; the two-shape families need two)."""
     if n < 1:
         raise ValueError(f"the number of prompts must be ≥ 1, got {n}")
     chosen = tuple(tags) if tags else TAGS
     unknown = sorted(set(chosen) - set(TAGS))
     if unknown:
         raise ValueError(f"unknown tag {unknown[0]!r}; choose from {', '.join(TAGS)}")
-    return [make_row(i, seed=seed, tags=chosen) for i in range(n)]
+    kinds = tuple(dict.fromkeys(shapes)) if shapes else SHAPES
+    strange = sorted(set(kinds) - set(SHAPES))
+    if strange:
+        raise ValueError(f"unknown shape {strange[0]!r}; choose from {', '.join(SHAPES)}")
+    paired = sorted(set(chosen) & set(TWO_SHAPE_TAGS))
+    if len(kinds) < 2 and paired:
+        raise ValueError(f"tag {paired[0]!r} names two different shapes; give at least two --shapes")
+    return [make_row(i, seed=seed, tags=chosen, shapes=kinds) for i in range(n)]
 
 
 Box = tuple[int, int, int, int]
@@ -214,6 +234,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-prompts", type=int, required=True)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tags", default=",".join(TAGS), help="comma-separated families to draw from")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated shapes prompts name")
     parser.add_argument("--images", type=Path, help="also write each row's ground truth here as PNG")
     parser.add_argument("--size", type=int, default=64, help="side of the --images in pixels")
     args = parser.parse_args(argv)
@@ -223,7 +244,10 @@ def main(argv: list[str] | None = None) -> None:
         )
     try:
         rows = make_prompts(
-            args.num_prompts, args.seed, [t.strip() for t in args.tags.split(",") if t.strip()]
+            args.num_prompts,
+            args.seed,
+            [t.strip() for t in args.tags.split(",") if t.strip()],
+            [s.strip() for s in args.shapes.split(",") if s.strip()],
         )
         write_prompts(args.out, rows)
         if args.images:

@@ -42,7 +42,7 @@ format: install
 # made by `make demo-model`) learns GenEval-style prompts of one family (DEMO_TAGS) with the
 # geneval_shapes reward through the staged Flow-GRPO recipe. Each iteration's policy is also
 # evaluated on held-out prompts with fixed seeds (recipes/eval.mk), two stages at a time (DEMO_JOBS:
-# scoring beside the log-prob replay, an evaluation beside the next iteration); the report prints the table
+# an evaluation beside the next iteration's sampling and scoring); the report prints the table
 # (reward mean ± standard error, strict accuracy) and writes $(RUN)/reward_curve.png,
 # $(RUN)/before_after.png and $(RUN)/it<K>/grid.png. Settings: recipes/configs/demo_shapes.yaml.
 DEMO_ITERATIONS ?= 8
@@ -53,6 +53,8 @@ DEMO_PROMPTS    ?= 256
 DEMO_EVAL       ?= 64
 DEMO_JOBS       ?= 2
 DEMO_EVAL_FLAGS ?= --sampler ode --group-size 4 --num-prompts $(DEMO_EVAL)
+# DiffusionNFT never reads rollout log-probs, so the demo skips the replay (REPLAY=yes for Flow-GRPO).
+DEMO_REPLAY     ?= no
 DEMO_REWARD     := --reward geneval_shapes --reward geneval_shapes_strict=0
 SHAPES          := $(PY) recipes/tasks/shapes.py
 
@@ -63,7 +65,7 @@ $(RUN)/prompts.jsonl $(RUN)/heldout.jsonl &: | install
 demo: install $(RUN)/prompts.jsonl
 	OMP_NUM_THREADS=1 PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(MAKE) --no-print-directory -j$(DEMO_JOBS) -f recipes/flow_grpo.mk \
 	  CONFIG=$(DEMO_CONFIG) MODEL=$(DEMO_MODEL) PROMPTS=$(RUN)/prompts.jsonl RUN=$(RUN) \
-	  ITERATIONS=$(DEMO_ITERATIONS) REWARD="$(DEMO_REWARD)" \
+	  ITERATIONS=$(DEMO_ITERATIONS) REWARD="$(DEMO_REWARD)" REPLAY=$(DEMO_REPLAY) \
 	  EVAL_PROMPTS=$(RUN)/heldout.jsonl EVAL_FLAGS="$(DEMO_EVAL_FLAGS)"
 	$(VENV)/bin/omnirl report $(RUN)
 

@@ -21,6 +21,9 @@ SEED       ?=
 FLAGS      ?= --json --overwrite
 # A held-out prompt file: each iteration's policy is also evaluated on it (recipes/eval.mk).
 EVAL_PROMPTS ?=
+# no: skip `omnirl logprob` for algorithms that never read rollout log-probs (DiffusionNFT, AWM,
+# DPO); update then reads only the samples and the advantages.
+REPLAY     ?= yes
 
 ITERS   := $(shell seq 0 $(ITERATIONS))
 next     = $(shell expr $(1) + 1)
@@ -28,6 +31,7 @@ policy   = $(if $(filter 0,$(1)),,$(RUN)/it$(1)/policy/omnirl_adapter.json)
 adapter  = $(if $(filter 0,$(1)),,--adapter $(RUN)/it$(1)/policy)
 it       = $(RUN)/it$(1)
 seed     = $(if $(SEED),$(SEED),$(1))
+logprobs = $(if $(filter no,$(REPLAY)),,$(call it,$(1))/logprobs)
 
 .PHONY: all
 # N updates, plus the samples and rewards of the last policy so the report shows where it ended.
@@ -53,10 +57,10 @@ $(call it,$(1))/advantages/_manifest.json: $(call it,$(1))/rewards/_manifest.jso
 	$(OMNIRL) advantage --config $(CONFIG) --in $(call it,$(1))/samples --in $(call it,$(1))/rewards \
 	  --out $(call it,$(1))/advantages $(FLAGS) >/dev/null
 
-$(call it,$(call next,$(1)))/policy/omnirl_adapter.json: $(call it,$(1))/logprobs/_manifest.json \
+$(call it,$(call next,$(1)))/policy/omnirl_adapter.json: $(addsuffix /_manifest.json,$(call logprobs,$(1))) \
     $(call it,$(1))/advantages/_manifest.json
 	$(OMNIRL) update --config $(CONFIG) --model $(MODEL) $(call adapter,$(1)) --in $(call it,$(1))/samples \
-	  --in $(call it,$(1))/logprobs --in $(call it,$(1))/advantages --seed $(1) \
+	  $(addprefix --in ,$(call logprobs,$(1))) --in $(call it,$(1))/advantages --seed $(1) \
 	  --out $(call it,$(call next,$(1)))/policy $(FLAGS) >/dev/null
 endef
 

@@ -86,5 +86,7 @@ def test_make_demo_plans_the_staged_recipe_with_the_evaluation(tmp_path: Path) -
     ).stdout  # fmt: skip
     commands = [line for line in plan.splitlines() if "omnirl " in line or "omnirl_cli" in line]
     assert sum(" update " in c and "demo_shapes.yaml" in c for c in commands) == 2
+    # DiffusionNFT reads no rollout log-probs: no replay, and update reads samples and advantages only
+    assert not any(" logprob " in c or "/logprobs" in c for c in commands)
     assert sum(" sample " in c and "/eval/samples" in c and "--sampler ode" in c for c in commands) == 3
     assert any(c.strip().startswith(".venv/bin/omnirl report") for c in commands)

@@ -12,5 +12,7 @@ RUN     ?= runs/vlm_grpo
 MODEL   ?= models/qwen2_5_vl-tiny
 PROMPTS ?= prompts.parquet
 REWARD  ?=
+# A held-out evaluation (EVAL_PROMPTS) samples with the preset's settings: no diffusion --sampler.
+EVAL_FLAGS ?=
 
 include $(dir $(lastword $(MAKEFILE_LIST)))flow_grpo.mk

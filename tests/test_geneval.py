@@ -6,7 +6,9 @@ score is the mean of a credit list worked out by hand from Flow-GRPO's rules.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 import logging
 from collections import deque
 from pathlib import Path
@@ -423,8 +425,11 @@ def test_prompts_are_deterministic_and_prefix_stable(task):
         assert all(c.get("color") in (None, *PALETTE) for c in row["include"])
     with pytest.raises(ValueError, match="unknown tag"):
         task.make_prompts(3, seed=0, tags=["spatial"])
-    # --shapes narrows the shapes named; all three (the default) draws the rows drawn before it existed
+    # --shapes narrows the shapes named; the default draws the rows drawn before it existed (their
+    # digest taken with the task generator of commit 574108f)
     assert task.make_prompts(50, seed=1, shapes=["circle", "square", "triangle"]) == rows
+    digest = hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()
+    assert digest == "50870e696ea25092f8aed42dd8b6882e6b7140cfb17926a641702825086a5c50"
     circles = task.make_prompts(40, seed=1, tags=["counting", "colors"], shapes=["circle"])
     assert {c["class"] for r in circles for c in r["include"]} == {"circle"}
     assert {r["tag"] for r in circles} == {"counting", "colors"}
@@ -434,6 +439,8 @@ def test_prompts_are_deterministic_and_prefix_stable(task):
         task.make_prompts(3, seed=0, tags=["position"], shapes=["circle"])
     with pytest.raises(ValueError, match="unknown shape 'star'"):
         task.make_prompts(3, seed=0, shapes=["star"])
+    with pytest.raises(ValueError, match="'two_object' names two different shapes"):
+        task.make_row(0, seed=0, tags=["two_object"], shapes=["circle"])
 
 
 def test_render_is_deterministic(task, world):

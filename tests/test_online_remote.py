@@ -66,10 +66,21 @@ def _bytes(folder: Path) -> dict[str, bytes]:
 
 
 def test_remote_online_equals_in_process_online_at_staleness_0(
-    files: dict[str, Path], server: Server, tmp_path: Path
+    files: dict[str, Path], server: Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from stages.sample.remote_engine import RemoteEngine
+
     local = _online(files, tmp_path / "local", "--iterations", "2", "--save-trajectories")
     before = set(_request(server.url, "GET", "/omnirl/v1/weights")[1]["named_weights"])
+    held_at_close: list[dict] = []
+    close = RemoteEngine.close
+
+    def recording_close(engine: RemoteEngine) -> None:
+        if engine.pushed_named:
+            held_at_close.append(_request(server.url, "GET", "/omnirl/v1/weights")[1]["named_weights"])
+        close(engine)
+
+    monkeypatch.setattr(RemoteEngine, "close", recording_close)
     remote = _online(
         files,
         tmp_path / "remote",
@@ -84,8 +95,12 @@ def test_remote_online_equals_in_process_online_at_staleness_0(
     assert [it["version_gaps"] for it in remote] == [[0], [0]] == [it["version_gaps"] for it in local]
     assert [it["policy_versions"] for it in remote] == [[0], [remote[0]["step"]]]
     assert remote[0]["sampler_device"] == f"remote {server.url}"
-    # the run pushed under its own random name and forgot it at the end; the server's unnamed weights
-    # stay the base model
+    # the run pushed its checkpoints under its own random name (as its run ended: the optimizer steps of
+    # both updates) and forgot them; the server's unnamed weights stay the base model
+    (named,) = held_at_close
+    (name,) = set(named) - before
+    assert name.startswith("online-") and len(name) == len("online-") + 16
+    assert named[name]["versions"] == [remote[0]["step"], remote[1]["step"]]
     held = _request(server.url, "GET", "/omnirl/v1/weights")[1]
     assert set(held["named_weights"]) == before
     assert held["weights"]["adapter"] is None

@@ -474,3 +474,18 @@ def test_options_of_the_other_model_kind_are_refused(
     assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1
     assert result.output.startswith(f"error: {flag[0]}: a ") and "never reads it; drop it" in result.output
     assert not out.exists()
+
+
+def test_a_preset_value_of_the_other_model_kind_names_its_key(
+    vlm_run: dict[str, Path], tiny_vlm: Path, tmp_path: Path
+) -> None:
+    """A diffusion preset's sampler (or --set) given to a VLM: the key is named, not a flag never typed."""
+    preset = tmp_path / "preset.yaml"
+    preset.write_text("sample:\n  steps: 8\n  group_size: 2\n")
+    out = tmp_path / "s"
+    args = ["sample", "--model", str(tiny_vlm), "--prompts", str(vlm_run["data"]), "--out", str(out)]
+    for extra in (["--config", str(preset)], ["--set", "steps=8"]):
+        result = runner.invoke(app, [*args, *extra])
+        assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1
+        assert result.output.startswith("error: steps (from --config or --set): a vision-language --model")
+    assert not out.exists()

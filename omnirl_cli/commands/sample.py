@@ -58,8 +58,9 @@ SAMPLING = "Sampling"
 MODEL = "Model"
 VLM = "Vision-language models"
 VIDEO = "Video"
-# Sampling options a vision-language model's text rollout reads too; the rest of the Sampling and Video
-# panels are the diffusion rollout's own, and the Vision-language panel is the text rollout's own.
+# Sampling options a vision-language model's text rollout reads too (and --iteration, which it does not
+# read but every recipe passes to every stage); the rest of the Sampling and Video panels are the
+# diffusion rollout's own, and the Vision-language panel is the text rollout's own.
 SHARED_SAMPLING = frozenset({"num_prompts", "group_size", "seed", "batch_size", "iteration"})
 # Least memory a diffusion rollout holds per sample before any model output: every sample is planned
 # up front (ids and seeds, about 270 bytes each, measured for `stages.sample.stage.plan_rows`).
@@ -651,9 +652,16 @@ def _refuse_foreign_options(ctx: typer.Context, c: dict, vlm: bool) -> None:
         foreign = (
             panel == VLM if not vlm else panel in (SAMPLING, VIDEO) and param.name not in SHARED_SAMPLING
         )
-        if foreign and param.name and c.get(param.name) != param.default:
-            kind = "a vision-language --model samples text" if vlm else "a diffusion --model samples media"
-            raise UserInputError(f"{param.opts[0]}: {kind} and never reads it; drop it")
+        value = c.get(param.name) if param.name else param.default
+        if not foreign or value == param.default:
+            continue
+        kind = "a vision-language --model samples text" if vlm else "a diffusion --model samples media"
+        source = ctx.get_parameter_source(param.name) if param.name else None
+        if source is not None and source.name == "COMMANDLINE":
+            flag = param.secondary_opts[0] if value is False and param.secondary_opts else param.opts[0]
+            raise UserInputError(f"{flag}: {kind} and never reads it; drop it")
+        key = param.opts[0].lstrip("-").replace("-", "_")
+        raise UserInputError(f"{key} (from --config or --set): {kind} and never reads it; drop it there")
 
 
 def _sample_vlm(c: dict, json_: bool) -> None:

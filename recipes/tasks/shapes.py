@@ -69,6 +69,10 @@ def _plural(shape: str, count: int) -> str:
 TWO_SHAPE_TAGS = ("two_object", "position", "color_attr")
 
 
+def _two_shapes_needed(tag: str) -> ValueError:
+    return ValueError(f"tag {tag!r} names two different shapes; give at least two --shapes")
+
+
 def make_row(
     index: int, *, seed: int, tags: Sequence[str] = TAGS, shapes: Sequence[str] = SHAPES
 ) -> dict[str, Any]:
@@ -77,6 +81,8 @@ def make_row(
     `shapes` existed)."""
     rng = random.Random(f"shapes:{seed}:{index}")
     tag = rng.choice(list(tags))
+    if tag in TWO_SHAPE_TAGS and len(shapes) < 2:
+        raise _two_shapes_needed(tag)
     first, *rest = rng.sample(list(shapes), min(2, len(shapes)))
     second = rest[0] if rest else first
     color_a, color_b = rng.sample(sorted(PALETTE), 2)
@@ -139,7 +145,7 @@ def make_prompts(
         raise ValueError(f"unknown shape {strange[0]!r}; choose from {', '.join(SHAPES)}")
     paired = sorted(set(chosen) & set(TWO_SHAPE_TAGS))
     if len(kinds) < 2 and paired:
-        raise ValueError(f"tag {paired[0]!r} names two different shapes; give at least two --shapes")
+        raise _two_shapes_needed(paired[0])
     return [make_row(i, seed=seed, tags=chosen, shapes=kinds) for i in range(n)]
 
 

@@ -45,11 +45,12 @@ from stages.sample.rollout_protocol import (
     redraw_aborted,
     wire_resolution,
 )
-from stages.web import JsonClient, one_line
+from stages.web import JsonClient, Retryable, one_line
 
 logger = logging.getLogger(__name__)
 
 WEIGHTS_ROUTE = "/omnirl/v1/weights"
+CLOSE_TIMEOUT_S = 10.0  # the one DELETE `close` sends
 START_HINT = "start it with `omnirl serve --model M --port P` and pass --server-url http://HOST:P"
 
 
@@ -188,14 +189,15 @@ class RemoteEngine(RolloutEngine):
 
     def close(self) -> None:
         """Forget the named weights this engine pushed (``DELETE /omnirl/v1/weights?name=``), so a
-        finished run leaves the shared server's table; a failure is logged, never raised."""
+        finished run leaves the shared server's table; one try of `CLOSE_TIMEOUT_S`, a failure is
+        logged, never raised."""
         if not self.pushed_named:
             return
         self.pushed_named = False
         query = urllib.parse.urlencode({"name": self.weights["name"]})
-        try:
-            self.client.call(f"{WEIGHTS_ROUTE}?{query}", method="DELETE")
-        except (UserInputError, RuntimeFailure) as exc:
+        try:  # one try, briefly: a run failing because the server is gone must not wait on it
+            self.client.once(f"{WEIGHTS_ROUTE}?{query}", None, CLOSE_TIMEOUT_S, method="DELETE")
+        except (UserInputError, Retryable) as exc:
             logger.warning(
                 "could not forget weights %r on %s: %s", self.weights["name"], self.client.url, exc
             )

@@ -86,3 +86,15 @@ def test_report_writes_curve_and_response_sheets(vlm_demo: Path) -> None:
     assert [s.name for s in sheets] == ["responses.md"] * (ITERATIONS + 1)
     text = sheets[-1].read_text()
     assert text.count("ground truth:") == 8 and "| sample | reward | response |" in text
+
+
+def test_held_out_evaluation_plans_no_diffusion_sampler(tmp_path: Path) -> None:
+    """recipes/eval.mk's default EVAL_FLAGS (--sampler ode) is a diffusion option `sample` refuses for a
+    VLM: the VLM recipe's evaluations sample with the preset's settings alone."""
+    plan = subprocess.run(
+        ["make", "-n", "--no-print-directory", "-f", str(ROOT / "recipes/vlm_grpo.mk"), "ITERATIONS=1",
+         f"RUN={tmp_path / 'run'}", f"EVAL_PROMPTS={tmp_path / 'heldout.parquet'}"],
+        cwd=ROOT, check=True, capture_output=True, text=True,
+    ).stdout  # fmt: skip
+    evals = [line for line in plan.splitlines() if " sample " in line and "/eval/samples" in line]
+    assert len(evals) == 2 and not any("--sampler" in line for line in evals)

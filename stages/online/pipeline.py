@@ -620,26 +620,22 @@ def run_online(
     if start >= cfg.iterations:
         return summaries
     pusher = None
-    # closed last to first on the way out, also when start-up fails: the workers, then the pusher
-    # (which forgets its named weights on the server)
-    with contextlib.ExitStack() as cleanup:
-        if not cfg.in_process:  # the server samples iteration `start` with the weights trained so far
-            from stages.sample.engines import open_engine
+    if not cfg.in_process:  # the server samples iteration `start` with the weights trained so far
+        from stages.sample.engines import open_engine
 
-            pusher = open_engine(cfg.engine, cfg.engine_options(), policy.device)
-            cleanup.callback(pusher.close)
-            pusher.push_weights(policy.lora_file(), step)
-        published = {step: start}  # optimizer step of each published version → its iteration count
-        workers = Workers(
-            cfg,
-            start,
-            adapter,
-            params if cfg.in_process else {},
-            step,
-            policy.latent_shape(cfg.sample.resolution, cfg.sample.frames),
-            policy.device,
-        )
-        cleanup.callback(workers.shutdown)
+        pusher = open_engine(cfg.engine, cfg.engine_options(), policy.device)
+        pusher.push_weights(policy.lora_file(), step)
+    published = {step: start}  # optimizer step of each published version → its iteration count
+    workers = Workers(
+        cfg,
+        start,
+        adapter,
+        params if cfg.in_process else {},
+        step,
+        policy.latent_shape(cfg.sample.resolution, cfg.sample.frames),
+        policy.device,
+    )
+    try:
         for k in range(start, cfg.iterations):
             t0 = time.perf_counter()
             data, rewards, sampled_on = workers.receive(k)
@@ -704,6 +700,10 @@ def run_online(
             summaries.append(summary)
             if on_iteration:
                 on_iteration(summary)
+    finally:
+        workers.shutdown()
+        if pusher is not None:
+            pusher.close()
     return summaries
 
 

@@ -86,6 +86,9 @@ def driver(preset: Path, staged: dict[str, Path], tmp_path: Path) -> Iterator[su
         text=True,
         env=env,
         start_new_session=True,
+        # SIGINT as a terminal's shell starts a command, whatever this test process inherited or left
+        # behind: Python keeps an inherited SIG_IGN, and the Ctrl-C case needs the driver to get it
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.monotonic() + WAIT
     while not (out / "it1" / "policy").is_dir():

@@ -571,21 +571,15 @@ class JsonClient:
         return UserInputError(f"{url}: HTTP {code} ({detail})")
 
     def call(
-        self,
-        path: str,
-        body: dict[str, Any] | bytes | Payload | None = None,
-        *,
-        accept: str | None = None,
-        method: str | None = None,
+        self, path: str, body: dict[str, Any] | bytes | Payload | None = None, *, accept: str | None = None
     ) -> Any:
-        """The reply to `body` at `path` (GET without a body, POST with one, unless `method`; `accept`: a
-        file's bytes, see `once`), retried as the module docstring says; `RuntimeFailure` once the
-        retries are spent."""
+        """The reply to `body` at `path` (GET without a body; `accept`: a file's bytes, see `once`),
+        retried as the module docstring says; `RuntimeFailure` once the retries are spent."""
         start = time.monotonic()
         last, fives = "", 0
         for attempt in range(self.retries + 1):
             try:
-                return self.once(path, body, self.timeout, accept, method)
+                return self.once(path, body, self.timeout, accept)
             except Retryable as exc:
                 last = str(exc)
                 if exc.status is not None and exc.status not in RETRY_STATUSES:

@@ -39,16 +39,18 @@ format: install
 	$(VENV)/bin/ruff format .
 
 # The demo that visibly learns: the committed pretrained tiny SD3 (DEMO_MODEL, 64 px coloured shapes,
-# made by `make demo-model`) learns GenEval-style prompts of one family (DEMO_TAGS) with the
-# geneval_shapes reward through the staged Flow-GRPO recipe. Each iteration's policy is also
-# evaluated on held-out prompts with fixed seeds (recipes/eval.mk), two stages at a time (DEMO_JOBS:
-# an evaluation beside the next iteration's sampling and scoring); the report prints the table
+# made by `make demo-model`) learns GenEval-style prompts of one family (DEMO_TAGS) naming the shapes
+# DEMO_SHAPES (comma-separated; circle: the shape it draws best) with the geneval_shapes reward
+# through the staged Flow-GRPO recipe. Each iteration's policy is also evaluated on held-out prompts
+# with fixed seeds (recipes/eval.mk), two stages at a time (DEMO_JOBS: an evaluation beside the next
+# iteration's sampling and scoring); the report prints the table
 # (reward mean ± standard error, strict accuracy) and writes $(RUN)/reward_curve.png,
 # $(RUN)/before_after.png and $(RUN)/it<K>/grid.png. Settings: recipes/configs/demo_shapes.yaml.
 DEMO_ITERATIONS ?= 8
 DEMO_MODEL      ?= recipes/models/demo-shapes
 DEMO_CONFIG     ?= recipes/configs/demo_shapes.yaml
 DEMO_TAGS       ?= colors
+DEMO_SHAPES     ?= circle
 DEMO_PROMPTS    ?= 256
 DEMO_EVAL       ?= 64
 DEMO_JOBS       ?= 2
@@ -59,8 +61,8 @@ DEMO_REWARD     := --reward geneval_shapes --reward geneval_shapes_strict=0
 SHAPES          := $(PY) recipes/tasks/shapes.py
 
 $(RUN)/prompts.jsonl $(RUN)/heldout.jsonl &: | install
-	$(SHAPES) --out $(RUN)/prompts.jsonl --num-prompts $(DEMO_PROMPTS) --seed 1 --tags $(DEMO_TAGS)
-	$(SHAPES) --out $(RUN)/heldout.jsonl --num-prompts $(DEMO_EVAL) --seed 2 --tags $(DEMO_TAGS)
+	$(SHAPES) --out $(RUN)/prompts.jsonl --num-prompts $(DEMO_PROMPTS) --seed 1 --tags $(DEMO_TAGS) --shapes $(DEMO_SHAPES)
+	$(SHAPES) --out $(RUN)/heldout.jsonl --num-prompts $(DEMO_EVAL) --seed 2 --tags $(DEMO_TAGS) --shapes $(DEMO_SHAPES)
 
 demo: install $(RUN)/prompts.jsonl
 	OMP_NUM_THREADS=1 PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(MAKE) --no-print-directory -j$(DEMO_JOBS) -f recipes/flow_grpo.mk \

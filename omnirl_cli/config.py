@@ -11,6 +11,7 @@ sources are merged.
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -144,11 +145,15 @@ def _convert(ctx: typer.Context, param: Any, flag: str, value: Any, origin: str)
         raise UserInputError(f"{origin}: {flag} {value!r}: {reason}") from None
 
 
-def resolve(ctx: typer.Context, command: str, required: tuple[str, ...] = ()) -> dict[str, Any]:
+def resolve(
+    ctx: typer.Context, command: str, required: tuple[str, ...] = (), shared: Collection[str] = ()
+) -> dict[str, Any]:
     """Merge defaults, the --config YAML, OMNIRL_* variables, --set overrides and flags for `command`.
 
     `required` names options without a default that some source must give (checked here, after the
     merge, rather than by typer, so a preset can supply them): a missing one is a `UserInputError`.
+    `shared` names top-level --set keys the command hands on to another reader (omnirl online's stages),
+    so they are not refused as unknown here.
     """
     params = dict(ctx.params)
     source = {name: getattr(ctx.get_parameter_source(name), "name", "") for name in params}
@@ -168,7 +173,11 @@ def resolve(ctx: typer.Context, command: str, required: tuple[str, ...] = ()) ->
         layers.append((load_yaml(params["config"]), f"--config {params['config']}", explicit | from_env))
     if params.get("set_"):
         sets = parse_set(list(params["set_"]))
-        unknown = [k for k, v in sets.items() if aliases.get(k, k) not in params and not isinstance(v, dict)]
+        unknown = [
+            k
+            for k, v in sets.items()
+            if aliases.get(k, k) not in params and k not in shared and not isinstance(v, dict)
+        ]
         if unknown:
             raise UserInputError(f"--set {unknown[0]}=...: not an option of `omnirl {command}`")
         layers.append((sets, "--set", explicit))

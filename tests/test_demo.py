@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 def shapes(out: Path, n: int, seed: int) -> None:
     subprocess.run(
         [sys.executable, str(ROOT / "recipes/tasks/shapes.py"), "--out", str(out), "--num-prompts", str(n),
-         "--seed", str(seed), "--tags", "colors"],
+         "--seed", str(seed), "--tags", "colors", "--shapes", "circle"],
         check=True, capture_output=True,
     )  # fmt: skip
 

@@ -369,6 +369,18 @@ def test_image_modes(world):
 # ---- registered rewards -------------------------------------------------------------------------
 
 
+def test_extra_shapes_pass_strict_but_not_exact(task):
+    """GenEval's strict check looks at the most confident detection of a colour prompt; the reward
+    server's exact check (`geneval_shapes_exact`) fails an image with one shape too many."""
+    one = {"tag": "colors", "include": [{"class": "circle", "count": 1, "color": "red"}]}
+    two = {"tag": "colors", "include": [{"class": "circle", "count": 2, "color": "red"}]}
+    images = [task.render(two, 64, seed=0), task.render(one, 64, seed=0), Image.new("RGB", (64, 64), "white")]
+    batch = (images, ["a photo of a red circle"] * 3, [one] * 3)
+    assert [(d.label, d.color) for d in detect_shapes(images[0])] == [("circle", "red")] * 2
+    assert get_reward("geneval_shapes_strict")(*batch) == [1.0, 1.0, 0.0]
+    assert get_reward("geneval_shapes_exact")(*batch) == [0.0, 1.0, 0.0]
+
+
 def test_registered_rewards(world, caplog):
     rows, images = world
     metas = [{k: v for k, v in row.items() if k != "prompt"} for row in rows[:2]]

@@ -276,6 +276,8 @@ def test_detr_rewards_equal_geneval_on_independent_detections(models, clip_ref):
     assert len({g.score for g in got[:4]}) >= 3  # the verdicts differ, so the comparison can fail
     assert reward(images, prompts, meta) == pytest.approx([e.score for e in expected] + [None])
     assert strict(images, prompts, meta) == [float(e.strict) for e in expected] + [None]
+    exact = get_reward("geneval_exact", args)(images, prompts, meta)
+    assert exact == [float(e.exact) for e in expected] + [None]
     assert tag_accuracy(got[:4]) == tag_accuracy(expected)
     one_by_one = get_reward("geneval", {**args, "batch_size": 1})(images, prompts, meta)
     assert one_by_one == pytest.approx(reward(images, prompts, meta))

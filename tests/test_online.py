@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ins, online_args, run, runner
+from helpers import fails, ins, online_args, run, runner
 from safetensors.torch import load_file
 
 from omnirl_cli.app import app
@@ -150,6 +150,52 @@ def test_a_progressive_window_that_shrinks_keeps_running(
     assert torch.equal(sigmas[1], sigmas[0][:, 1:])  # the window moved one step on
     assert torch.equal(sigmas[2], sigmas[0])  # and rolled back
     assert all((out / f"it{k}" / "policy").is_dir() for k in (1, 2, 3))
+
+
+def test_top_level_preset_values_reach_the_stages_that_have_them() -> None:
+    """As each staged command reads a shared preset: a top-level value goes to every stage section with a
+    setting of that name, the section's own value wins within one layer, and --set beats the YAML."""
+    from omnirl_cli.commands.online import _merge, _sectioned, _stage_keys
+    from stages.sample.rollout import SampleConfig
+    from stages.update.trainer import UpdateConfig
+
+    keys = _stage_keys(SampleConfig, UpdateConfig)
+    own = {"seed", "reward"}  # omnirl online's own options go to `resolve`, not to a stage
+    yaml_layer = {
+        "steps": 6,
+        "mixed_precision": "bf16",
+        "sample": {"mixed_precision": "no"},
+        "update": {"lr": 1e-3},
+    }
+    got = _sectioned({**yaml_layer, "seed": 4}, keys, own, "--config p.yaml")
+    assert got == {
+        "sample": {"mixed_precision": "no", "steps": 6},
+        "update": {"lr": 1e-3, "mixed_precision": "bf16"},
+    }
+    merged = _merge(got, _sectioned({"lr": 3e-4, "group-size": 8, "estimator": "global"}, keys, own, "--set"))
+    assert merged["update"]["lr"] == 3e-4 and merged["sample"]["group_size"] == 8
+    assert merged["advantage"] == {"estimator": "global"}
+
+
+def test_preset_values_online_would_not_use_are_refused(
+    preset: Path, staged: dict[str, Path], tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    fails(online_args(preset, staged, out, "--set", "lrr=1e-4"), "--set lrr", "omnirl online")
+    fails(online_args(preset, staged, out, "--set", "sample.seed=3"), "'sample.seed'", "--seed")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(PRESET + "iteration: 2\n")
+    fails(online_args(bad, staged, out, "--reward", "jpeg_compressibility"), str(bad), "'iteration'")
+    assert not out.exists()
+
+
+def test_a_top_level_set_changes_the_run(preset: Path, staged: dict[str, Path], tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    _online(
+        preset, staged, out, "--iterations", "1", "--set", "lr=5e-4", "--set", "steps=3", "--set", "seed=7"
+    )
+    settings = json.loads((out / "online_run.json").read_text())["settings"]
+    assert settings["update"]["lr"] == 5e-4 and settings["sample"]["steps"] == 3 and settings["seed"] == 7
 
 
 def test_a_crashed_worker_is_named_and_nothing_is_left_running(

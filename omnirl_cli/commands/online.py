@@ -9,7 +9,7 @@ from typing import Annotated, Any
 import typer
 
 from ..choices import ENGINE_ENTRY_POINTS, ENGINES, REWARD_ENTRY_POINTS, REWARDS, Dtype, complete
-from ..config import coerce, load_yaml, parse_set
+from ..config import coerce, load_yaml, parse_set, resolve
 from ..console import emit_json, err, is_quiet, log, progress
 from ..errors import handle_errors
 from ..options import (
@@ -29,6 +29,11 @@ from ..options import (
 
 # Preset keys of the `sample` section that are named differently in SampleConfig.
 RUN_KEYS = ("group_size", "num_prompts")
+# The keys omnirl online reads from the `score` and `advantage` sections.
+SCORE_KEYS = ("reward", "reward_args")
+ADVANTAGE_KEYS = ("estimator", "clip", "drop_zero_std")
+# Settings the driver gives each iteration itself (iteration k samples and trains with seed k, or --seed).
+DRIVER_KEYS = {"sample": ("seed", "iteration"), "update": ("seed",)}
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -54,8 +59,59 @@ def _dataclass(cls: type, values: dict[str, Any], section: str, rename: dict[str
     return cls(**kwargs)
 
 
+def _stage_keys(sample_cls: type, update_cls: type) -> dict[str, set[str]]:
+    """The settings each preset section of omnirl online has (names with underscores)."""
+    return {
+        "sample": {f.name for f in fields(sample_cls)} | set(sample_cls.OPTION_NAMES) | set(RUN_KEYS),
+        "score": set(SCORE_KEYS),
+        "advantage": set(ADVANTAGE_KEYS),
+        "update": {f.name for f in fields(update_cls)},
+    }
+
+
+def _sectioned(
+    layer: dict[str, Any], keys: dict[str, set[str]], own: set[str], origin: str
+) -> dict[str, Any]:
+    """One preset layer (the --config YAML, or the --set items) with each top-level value moved into
+    every stage section that has a setting of that name, as each staged command reads a shared preset
+    (the section's own value wins). A top-level value named after one of omnirl online's `own` options
+    is that option's (`resolve`); one that neither takes is a usage error, not ignored, and so is a
+    setting the driver gives each iteration itself."""
+    from stages.errors import UserInputError
+
+    def refuse_driver_key(section: str, key: str, shown: str) -> None:
+        if key.replace("-", "_") in DRIVER_KEYS.get(section, ()):
+            raise UserInputError(
+                f"{origin}: '{shown}' is set by omnirl online for each iteration (iteration k uses seed k); "
+                "drop it, and pass --seed to fix the seed of every iteration"
+            )
+
+    out = {name: dict(value) for name, value in layer.items() if isinstance(value, dict)}
+    for section, values in out.items():
+        for key in values:
+            refuse_driver_key(section, key, f"{section}.{key}")
+    for key, value in layer.items():
+        if isinstance(value, dict):
+            continue
+        name = key.replace("-", "_")
+        if name in own:
+            continue
+        homes = [section for section, names in keys.items() if name in names]
+        if not homes:
+            raise UserInputError(
+                f"{origin}: '{key}' is not a setting of any stage of omnirl online; check the spelling, or "
+                "name the section (e.g. update.lr)"
+            )
+        for section in homes:
+            refuse_driver_key(section, name, key)
+            if name not in {k.replace("-", "_") for k in out.get(section, {})}:
+                out.setdefault(section, {})[name] = value
+    return out
+
+
 @handle_errors
 def online(
+    ctx: typer.Context,
     config: Annotated[
         Path,
         typer.Option(
@@ -173,7 +229,6 @@ def online(
     --prompts recipes/demo_prompts.txt --reward jpeg_compressibility --iterations 4 --out runs/online[/]
     """
     from stages.errors import UserInputError
-    from stages.models.hub import locate
     from stages.models.vlm import is_vlm_model
     from stages.online.pipeline import OnlineConfig, prepare_run, run_online
     from stages.precision import launcher_mixed_precision
@@ -186,15 +241,21 @@ def online(
 
     from ..runtime import device
 
-    model = locate(model, "--model")
-    tracking = Tracking(parse_report_to(report_to), out, run_name)
+    keys = _stage_keys(SampleConfig, UpdateConfig)
+    c = resolve(ctx, "online", shared=set().union(*keys.values()))
+    model, out = c["model"], c["out"]
+    tracking = Tracking(parse_report_to(c["report_to"]), out, c["run_name"])
 
     if is_vlm_model(model):
         raise UserInputError(
             f"--model {model}: omnirl online trains diffusion models; run a VLM through the staged "
             "commands (recipes/vlm_grpo.mk)"
         )
-    preset = _merge(load_yaml(config), parse_set(list(set_ or [])))
+    own = set(c)
+    preset = _merge(
+        _sectioned(load_yaml(config), keys, own, f"--config {config}"),
+        _sectioned(parse_set(list(set_ or [])), keys, own, "--set"),
+    )
     from stages.models.factory import default_text_length
 
     # the T5 length the model was made for (its card's text_length, else 128) unless the preset sets one
@@ -206,17 +267,17 @@ def online(
     }
     run = {key: sample.pop(key) for key in RUN_KEYS if key in sample}
     adv = dict(preset.get("advantage") or {})
-    unknown = sorted(set(adv) - {"estimator", "clip", "drop_zero_std"})
+    unknown = sorted(set(adv) - set(ADVANTAGE_KEYS))
     if unknown:
         raise UserInputError(f"--config: 'advantage.{unknown[0]}' is not supported by omnirl online")
-    specs = reward or (preset.get("score") or {}).get("reward") or []
+    specs = c["reward"] or (preset.get("score") or {}).get("reward") or []
     rewards = [parse_reward_spec(s) for s in ([specs] if isinstance(specs, str) else specs)]
-    reward_args = parse_reward_args(reward_arg or (preset.get("score") or {}).get("reward_args"))
+    reward_args = parse_reward_args(c["reward_arg"] or (preset.get("score") or {}).get("reward_args"))
     cfg = OnlineConfig(
         model=str(model),
-        prompts=read_prompts(prompts),
+        prompts=read_prompts(c["prompts"]),
         out=out,
-        iterations=iterations,
+        iterations=c["iterations"],
         sample=_dataclass(SampleConfig, sample, "sample", SampleConfig.OPTION_NAMES),
         update=_dataclass(UpdateConfig, dict(preset.get("update") or {}), "update"),
         group_size=int(run.get("group_size", 4)),
@@ -226,25 +287,21 @@ def online(
         estimator=adv.get("estimator", "grpo"),
         adv_clip=adv.get("clip"),
         drop_zero_std=bool(adv.get("drop_zero_std")),
-        max_staleness=max_staleness,
-        save_trajectories=save_trajectories,
-        media_every=media_every,
-        dtype=dtype,
-        threads=threads,
-        seed=seed,
-        engine=engine,
+        max_staleness=c["max_staleness"],
+        save_trajectories=c["save_trajectories"],
+        media_every=c["media_every"],
+        dtype=c["dtype"],
+        threads=c["threads"],
+        seed=c["seed"],
+        engine=c["engine"],
         rollout=EngineOptions.from_options(
             {
                 "model": model,
-                "server_url": server_url,
-                "server_token_env": server_token_env,
-                "server_timeout": server_timeout,
-                "server_startup_timeout": server_startup_timeout,
-                "server_retries": server_retries,
+                **{k: v for k, v in c.items() if k.startswith("server_")},
             }
         ),
     )
-    prepare_run(cfg, overwrite=overwrite)
+    prepare_run(cfg, overwrite=c["overwrite"])
     with tracking:
         if json_:
             emit_json({"out": str(out), "iterations": run_online(cfg, device=device(), tracking=tracking)})

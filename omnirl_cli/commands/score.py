@@ -44,8 +44,8 @@ def score(
             autocompletion=complete(REWARDS, REWARD_ENTRY_POINTS),
             help="NAME[@frames=AGG][=WEIGHT], repeatable: a built-in image reward (jpeg_compressibility, "
             "jpeg_incompressibility, ocr, pickscore, clipscore, image_similarity, aesthetic, hpsv2, imagereward, "
-            "geneval, "
-            "geneval_strict, geneval_shapes, geneval_shapes_strict, vlm_judge), for video rollouts an image "
+            "geneval, geneval_strict, geneval_exact, geneval_shapes, geneval_shapes_strict, geneval_shapes_exact, "
+            "vlm_judge), for video rollouts an image "
             "reward on the frames with @frames=mean|min|first|last (e.g. pickscore@frames=mean=0.5) or a video "
             "reward (temporal_consistency: CLIP cosine of consecutive frames; video_ocr: flow_grpo's Wan OCR "
             "over every 4th frame), or a text reward for VLM rollouts "

@@ -449,3 +449,14 @@ class GenEvalStrict(DetectorGenEval):
 
     def value(self, result: GenEvalResult) -> float:
         return float(result.strict)
+
+
+@register_reward("geneval_exact")
+class GenEvalExact(DetectorGenEval):
+    """Flow-GRPO's reward-server correctness per image (its logged strict accuracy), 1.0 or 0.0: exact
+    counts and colour counts, from a DETR/OWLv2 detector and a CLIP colour classifier."""
+
+    reward = "geneval_exact"
+
+    def value(self, result: GenEvalResult) -> float:
+        return float(result.exact)

@@ -215,3 +215,13 @@ def geneval_shapes_strict(
     """GenEval strict correctness per image of the shapes world: 1.0 or 0.0."""
     results = evaluate_shapes(images, prompts, meta, "geneval_shapes_strict")
     return [None if r is None else float(r.strict) for r in results]
+
+
+@register_reward("geneval_shapes_exact")
+def geneval_shapes_exact(
+    images: Sequence[Image.Image], prompts: Sequence[str], meta: Sequence[dict]
+) -> list[float | None]:
+    """Flow-GRPO's reward-server correctness per image of the shapes world, 1.0 or 0.0: every clause's
+    exact count and colour count (extra shapes fail it; strict lets them pass where nothing is excluded)."""
+    results = evaluate_shapes(images, prompts, meta, "geneval_shapes_exact")
+    return [None if r is None else float(r.exact) for r in results]

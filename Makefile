@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 RUN    ?= runs/demo
 
-.PHONY: install test test-fast test-gpu lint format demo demo-online demo-model demo-jpeg demo-vlm demo-omni bench clean
+.PHONY: FORCE install test test-fast test-gpu lint format demo demo-online demo-model demo-jpeg demo-vlm demo-omni bench clean
 
 install: $(STAMP)
 
@@ -60,7 +60,16 @@ DEMO_REPLAY     ?= no
 DEMO_REWARD     := --reward geneval_shapes --reward geneval_shapes_strict=0
 SHAPES          := $(PY) recipes/tasks/shapes.py
 
-$(RUN)/prompts.jsonl $(RUN)/heldout.jsonl &: | install
+DEMO_TASK       := --tags $(DEMO_TAGS) --shapes $(DEMO_SHAPES) --num-prompts $(DEMO_PROMPTS) $(DEMO_EVAL)
+
+# The task's settings, rewritten only when they change, so a run directory drawn for another task
+# (an older demo, other DEMO_TAGS) redraws its prompts, and the recipe resamples from them.
+$(RUN)/task.txt: FORCE
+	@mkdir -p $(RUN) && echo '$(DEMO_TASK)' > $@.new && \
+	  if cmp -s $@.new $@; then rm $@.new; else mv $@.new $@; fi
+FORCE:
+
+$(RUN)/prompts.jsonl $(RUN)/heldout.jsonl &: $(RUN)/task.txt | install
 	$(SHAPES) --out $(RUN)/prompts.jsonl --num-prompts $(DEMO_PROMPTS) --seed 1 --tags $(DEMO_TAGS) --shapes $(DEMO_SHAPES)
 	$(SHAPES) --out $(RUN)/heldout.jsonl --num-prompts $(DEMO_EVAL) --seed 2 --tags $(DEMO_TAGS) --shapes $(DEMO_SHAPES)
 

@@ -32,7 +32,7 @@ eval_adapter = $(if $(filter 0,$(1)),,--adapter $(RUN)/it$(1)/policy)
 eval: $(foreach i,$(EVAL_ITERS),$(RUN)/it$(i)/eval/rewards/_manifest.json)
 
 define evaluation
-$(RUN)/it$(1)/eval/samples/_manifest.json: $(call eval_policy,$(1)) $(CONFIG)
+$(RUN)/it$(1)/eval/samples/_manifest.json: $(call eval_policy,$(1)) $(CONFIG) $(wildcard $(EVAL_PROMPTS))
 	$(OMNIRL) sample --config $(CONFIG) --model $(MODEL) $(call eval_adapter,$(1)) --prompts $(EVAL_PROMPTS) \
 	  --seed $(EVAL_SEED) $(EVAL_FLAGS) --out $(RUN)/it$(1)/eval/samples $(FLAGS) >/dev/null
 

@@ -42,7 +42,7 @@ all: eval
 endif
 
 define iteration
-$(call it,$(1))/samples/_manifest.json: $(call policy,$(1)) $(CONFIG)
+$(call it,$(1))/samples/_manifest.json: $(call policy,$(1)) $(CONFIG) $(wildcard $(PROMPTS))
 	$(OMNIRL) sample --config $(CONFIG) --model $(MODEL) $(call adapter,$(1)) --prompts $(PROMPTS) \
 	  --seed $(call seed,$(1)) --iteration $(1) --out $(call it,$(1))/samples $(FLAGS) >/dev/null
 

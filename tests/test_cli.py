@@ -60,6 +60,7 @@ def _probe_app() -> typer.Typer:
         steps: int = typer.Option(10, "--steps"),
         guidance: float = typer.Option(4.5, "--guidance"),
         fmt: str = typer.Option("parquet", "--format"),
+        tag: list[str] | None = typer.Option(None, "--tag"),
         config: Path | None = typer.Option(None, "--config"),
         set_: list[str] | None = typer.Option(None, "--set"),
     ) -> None:
@@ -83,7 +84,24 @@ def test_precedence_flags_over_set_over_yaml_over_defaults(tmp_path: Path) -> No
     result = runner.invoke(probe, ["--config", str(cfg), "--set", "steps=40", "--steps", "50"])
     assert probe.seen["steps"] == 50
     result = runner.invoke(probe, [])
-    assert probe.seen["steps"] == 10 and probe.seen["fmt"] == "parquet"
+    assert probe.seen["steps"] == 10 and probe.seen["fmt"] == "parquet" and not probe.seen["tag"]
+
+
+def test_one_value_of_a_repeatable_option_is_a_list_of_one(tmp_path: Path) -> None:
+    """`--set tag=a` and a YAML `tag: a` mean what `--tag a` means (a bare value was refused as not
+    iterable); a YAML list is kept."""
+    cfg = tmp_path / "preset.yaml"
+    probe = _probe_app()
+    for text, args, expected in (
+        ("tag: a\n", [], ["a"]),
+        ("tag: [a, b]\n", [], ["a", "b"]),
+        ("steps: 3\n", ["--set", "tag=c"], ["c"]),
+        ("tag: a\n", ["--tag", "d"], ["d"]),
+    ):
+        cfg.write_text(text)
+        result = runner.invoke(probe, ["--config", str(cfg), *args])
+        assert result.exit_code == 0, result.output
+        assert probe.seen["tag"] == expected
 
 
 def test_unknown_key_in_own_section_is_rejected(tmp_path: Path) -> None:

@@ -154,27 +154,33 @@ def test_a_progressive_window_that_shrinks_keeps_running(
 
 def test_top_level_preset_values_reach_the_stages_that_have_them() -> None:
     """As each staged command reads a shared preset: a top-level value goes to every stage section with a
-    setting of that name, the section's own value wins within one layer, and --set beats the YAML."""
+    setting of that name, the section's own value wins within one layer, --set beats the YAML, and the
+    sections of other commands (GRPO-Guard's `logprob:`) are theirs."""
     from omnirl_cli.commands.online import _merge, _sectioned, _stage_keys
     from stages.sample.rollout import SampleConfig
     from stages.update.trainer import UpdateConfig
 
     keys = _stage_keys(SampleConfig, UpdateConfig)
-    own = {"seed", "reward"}  # omnirl online's own options go to `resolve`, not to a stage
+    own = {"seed", "iterations"}  # omnirl online's own options go to `resolve`, not to a stage
     yaml_layer = {
         "steps": 6,
         "mixed_precision": "bf16",
+        "reward": "pickscore",
+        "reward_args": {"pickscore": {"model": "m"}},
         "sample": {"mixed_precision": "no"},
         "update": {"lr": 1e-3},
+        "logprob": {"means": True},
     }
-    got = _sectioned({**yaml_layer, "seed": 4}, keys, own, "--config p.yaml")
+    got = _sectioned({**yaml_layer, "seed": 4}, keys, own, {"logprob"}, "--config p.yaml")
     assert got == {
         "sample": {"mixed_precision": "no", "steps": 6},
+        "score": {"reward": "pickscore", "reward_args": {"pickscore": {"model": "m"}}},
         "update": {"lr": 1e-3, "mixed_precision": "bf16"},
     }
-    merged = _merge(got, _sectioned({"lr": 3e-4, "group-size": 8, "estimator": "global"}, keys, own, "--set"))
+    sets = {"lr": 3e-4, "group-size": 8, "estimator": "global", "score": {"reward": "ocr"}}
+    merged = _merge(got, _sectioned(sets, keys, own, {"logprob"}, "--set"))
     assert merged["update"]["lr"] == 3e-4 and merged["sample"]["group_size"] == 8
-    assert merged["advantage"] == {"estimator": "global"}
+    assert merged["advantage"] == {"estimator": "global"} and merged["score"]["reward"] == "ocr"
 
 
 def test_preset_values_online_would_not_use_are_refused(
@@ -182,10 +188,13 @@ def test_preset_values_online_would_not_use_are_refused(
 ) -> None:
     out = tmp_path / "run"
     fails(online_args(preset, staged, out, "--set", "lrr=1e-4"), "--set lrr", "omnirl online")
-    fails(online_args(preset, staged, out, "--set", "sample.seed=3"), "'sample.seed'", "--seed")
-    bad = tmp_path / "bad.yaml"
-    bad.write_text(PRESET + "iteration: 2\n")
-    fails(online_args(bad, staged, out, "--reward", "jpeg_compressibility"), str(bad), "'iteration'")
+    fails(online_args(preset, staged, out, "--set", "updte.lr=1e-4"), "--set", "'updte'", "update.lr")
+    fails(online_args(preset, staged, out, "--set", "sample.seed=3"), "'sample.seed'", "seed k", "--seed")
+    fails(online_args(preset, staged, out, "--set", "update.seed=3"), "'update.seed'", "update --seed k")
+    for extra, named in (("iteration: 2\n", "'iteration'"), ("lrr: 1.0e-4\n", "'lrr'")):
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(PRESET + extra)
+        fails(online_args(bad, staged, out, "--reward", "jpeg_compressibility"), str(bad), named)
     assert not out.exists()
 
 

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import PROMPTS, fails, online_args, run
+from helpers import PROMPTS, fails, online_args, run, runner
 from test_serve import Server, _request
 
+from omnirl_cli.app import app
 from stages.shards.reader import ShardSet
 
 PRESET = """\
@@ -113,6 +114,37 @@ def test_remote_online_equals_in_process_online_at_staleness_0(
         assert weights[0] == weights[1] and weights[0], k  # LoRA and optimizer state
     for key in ("reward_mean", "actor/pg_loss", "actor/ratio_mean", "step"):
         assert [it[key] for it in remote] == [it[key] for it in local], key
+
+
+def test_a_run_that_fails_to_start_forgets_the_weights_it_pushed(
+    files: dict[str, Path], server: Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import stages.online.pipeline as pipeline
+    from stages.errors import RuntimeFailure
+    from stages.sample.remote_engine import RemoteEngine
+
+    before = set(_request(server.url, "GET", "/omnirl/v1/weights")[1]["named_weights"])
+    held_after_push: list[set[str]] = []
+    push = RemoteEngine.push_weights
+
+    def recording_push(engine: RemoteEngine, *args, **kwargs):
+        reply = push(engine, *args, **kwargs)
+        held_after_push.append(set(_request(server.url, "GET", "/omnirl/v1/weights")[1]["named_weights"]))
+        return reply
+
+    def workers_that_fail(*args, **kwargs):
+        raise RuntimeFailure("the sampler worker could not start")
+
+    monkeypatch.setattr(RemoteEngine, "push_weights", recording_push)
+    monkeypatch.setattr(pipeline, "Workers", workers_that_fail)
+    extra = ("--reward", "jpeg_compressibility", "--engine", "remote", "--server-url", server.url)
+    result = runner.invoke(app, online_args(files["preset"], files, tmp_path / "run", *extra))
+    assert result.exit_code == 1 and "the sampler worker could not start" in result.output
+    (held,) = held_after_push  # the first push went through under the run's own name ...
+    assert len(held - before) == 1
+    assert (
+        set(_request(server.url, "GET", "/omnirl/v1/weights")[1]["named_weights"]) == before
+    )  # ... and is gone
 
 
 def test_remote_online_at_staleness_1_keeps_gaps_within_1(

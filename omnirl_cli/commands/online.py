@@ -32,8 +32,16 @@ RUN_KEYS = ("group_size", "num_prompts")
 # The keys omnirl online reads from the `score` and `advantage` sections.
 SCORE_KEYS = ("reward", "reward_args")
 ADVANTAGE_KEYS = ("estimator", "clip", "drop_zero_std")
-# Settings the driver gives each iteration itself (iteration k samples and trains with seed k, or --seed).
-DRIVER_KEYS = {"sample": ("seed", "iteration"), "update": ("seed",)}
+# Settings the driver gives each iteration itself, and how.
+DRIVER_KEYS = {
+    "sample": {
+        "seed": "iteration k samples with seed k, or with --seed",
+        "iteration": "iteration k places its SDE window as iteration k",
+    },
+    "update": {"seed": "iteration k's update shuffles with seed k, as the staged recipe's update --seed k"},
+}
+# Top-level preset keys spelled as a command's option that a stage section names otherwise.
+SECTION_ALIASES = {"reward_arg": "reward_args"}
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -70,37 +78,35 @@ def _stage_keys(sample_cls: type, update_cls: type) -> dict[str, set[str]]:
 
 
 def _sectioned(
-    layer: dict[str, Any], keys: dict[str, set[str]], own: set[str], origin: str
+    layer: dict[str, Any], keys: dict[str, set[str]], own: set[str], others: set[str], origin: str
 ) -> dict[str, Any]:
-    """One preset layer (the --config YAML, or the --set items) with each top-level value moved into
-    every stage section that has a setting of that name, as each staged command reads a shared preset
-    (the section's own value wins). A top-level value named after one of omnirl online's `own` options
-    is that option's (`resolve`); one that neither takes is a usage error, not ignored, and so is a
-    setting the driver gives each iteration itself."""
+    """One preset layer (the --config YAML, or the --set items) as stage sections: each top-level value
+    goes to every stage section that has a setting of that name, as each staged command reads a shared
+    preset (the section's own value wins). A top-level value named after one of omnirl online's `own`
+    options is that option's (`resolve`), and the sections of the `others` commands are theirs. Anything
+    else is a usage error rather than ignored, and so is a setting the driver gives each iteration."""
     from stages.errors import UserInputError
 
     def refuse_driver_key(section: str, key: str, shown: str) -> None:
-        if key.replace("-", "_") in DRIVER_KEYS.get(section, ()):
+        why = DRIVER_KEYS.get(section, {}).get(key.replace("-", "_"))
+        if why:
             raise UserInputError(
-                f"{origin}: '{shown}' is set by omnirl online for each iteration (iteration k uses seed k); "
-                "drop it, and pass --seed to fix the seed of every iteration"
+                f"{origin}: '{shown}' is set by omnirl online for each iteration ({why}); drop it"
             )
 
-    out = {name: dict(value) for name, value in layer.items() if isinstance(value, dict)}
+    out = {name: dict(value) for name, value in layer.items() if name in keys and isinstance(value, dict)}
     for section, values in out.items():
         for key in values:
             refuse_driver_key(section, key, f"{section}.{key}")
     for key, value in layer.items():
-        if isinstance(value, dict):
-            continue
-        name = key.replace("-", "_")
-        if name in own:
+        name = SECTION_ALIASES.get(key.replace("-", "_"), key.replace("-", "_"))
+        if name in own or ((name in keys or name in others) and isinstance(value, dict)):
             continue
         homes = [section for section, names in keys.items() if name in names]
         if not homes:
             raise UserInputError(
-                f"{origin}: '{key}' is not a setting of any stage of omnirl online; check the spelling, or "
-                "name the section (e.g. update.lr)"
+                f"{origin}: '{key}' is neither a stage section of omnirl online ({', '.join(keys)}) nor a "
+                "setting of one; check the spelling, or name the section (e.g. update.lr)"
             )
         for section in homes:
             refuse_driver_key(section, name, key)
@@ -117,7 +123,8 @@ def online(
         typer.Option(
             "--config",
             envvar="OMNIRL_CONFIG",
-            help="YAML preset (sample / score / advantage / update sections).",
+            help="YAML preset: sample / score / advantage / update sections; a top-level key sets online's "
+            "option of that name, else every stage setting of that name.",
         ),
     ],
     model: Annotated[
@@ -251,10 +258,12 @@ def online(
             f"--model {model}: omnirl online trains diffusion models; run a VLM through the staged "
             "commands (recipes/vlm_grpo.mk)"
         )
-    own = set(c)
+    # --reward and --reward-arg are the score section's settings in a preset (the flags beat it)
+    own = set(c) - {"reward", "reward_arg"}
+    others = {name.replace("-", "_") for name in ctx.find_root().command.list_commands(ctx)} - set(keys)
     preset = _merge(
-        _sectioned(load_yaml(config), keys, own, f"--config {config}"),
-        _sectioned(parse_set(list(set_ or [])), keys, own, "--set"),
+        _sectioned(load_yaml(config), keys, own, others, f"--config {config}"),
+        _sectioned(parse_set(list(set_ or [])), keys, own, others, "--set"),
     )
     from stages.models.factory import default_text_length
 
@@ -270,9 +279,9 @@ def online(
     unknown = sorted(set(adv) - set(ADVANTAGE_KEYS))
     if unknown:
         raise UserInputError(f"--config: 'advantage.{unknown[0]}' is not supported by omnirl online")
-    specs = c["reward"] or (preset.get("score") or {}).get("reward") or []
+    specs = reward or (preset.get("score") or {}).get("reward") or []
     rewards = [parse_reward_spec(s) for s in ([specs] if isinstance(specs, str) else specs)]
-    reward_args = parse_reward_args(c["reward_arg"] or (preset.get("score") or {}).get("reward_args"))
+    reward_args = parse_reward_args(reward_arg or (preset.get("score") or {}).get("reward_args"))
     cfg = OnlineConfig(
         model=str(model),
         prompts=read_prompts(c["prompts"]),

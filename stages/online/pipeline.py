@@ -620,21 +620,26 @@ def run_online(
     if start >= cfg.iterations:
         return summaries
     pusher = None
-    if not cfg.in_process:  # the server samples iteration `start` with the weights trained so far
-        from stages.sample.engines import open_engine
-
-        pusher = open_engine(cfg.engine, cfg.engine_options(), policy.device)
-        pusher.push_weights(policy.lora_file(), step)
     published = {step: start}  # optimizer step of each published version → its iteration count
-    workers = Workers(
-        cfg,
-        start,
-        adapter,
-        params if cfg.in_process else {},
-        step,
-        policy.latent_shape(cfg.sample.resolution, cfg.sample.frames),
-        policy.device,
-    )
+    try:  # a run that fails to start forgets what it pushed, as a run that ends does (below)
+        if not cfg.in_process:  # the server samples iteration `start` with the weights trained so far
+            from stages.sample.engines import open_engine
+
+            pusher = open_engine(cfg.engine, cfg.engine_options(), policy.device)
+            pusher.push_weights(policy.lora_file(), step)
+        workers = Workers(
+            cfg,
+            start,
+            adapter,
+            params if cfg.in_process else {},
+            step,
+            policy.latent_shape(cfg.sample.resolution, cfg.sample.frames),
+            policy.device,
+        )
+    except BaseException:
+        if pusher is not None:
+            pusher.close()
+        raise
     try:
         for k in range(start, cfg.iterations):
             t0 = time.perf_counter()

@@ -191,6 +191,11 @@ def test_preset_values_online_would_not_use_are_refused(
     fails(online_args(preset, staged, out, "--set", "updte.lr=1e-4"), "--set", "'updte'", "update.lr")
     fails(online_args(preset, staged, out, "--set", "sample.seed=3"), "'sample.seed'", "seed k", "--seed")
     fails(online_args(preset, staged, out, "--set", "update.seed=3"), "'update.seed'", "update --seed k")
+    for algo, column in (("grpo_guard", "old_means"), ("dpo", "group_id")):
+        args = online_args(
+            preset, staged, out, "--reward", "jpeg_compressibility", "--set", f"update.algo={algo}"
+        )
+        fails(args, f"update.algo {algo}", f"'{column}'", "staged commands")
     for extra, named in (("iteration: 2\n", "'iteration'"), ("lrr: 1.0e-4\n", "'lrr'")):
         bad = tmp_path / "bad.yaml"
         bad.write_text(PRESET + extra)

@@ -58,6 +58,7 @@ from stages.sample.engines import DEFAULT_ENGINE, EngineOptions
 from stages.sample.prompts import Prompt
 from stages.sample.rollout import LATENT_DTYPES, SampleConfig
 from stages.tracking import Tracking
+from stages.update.losses import get_algorithm
 from stages.update.trainer import UpdateConfig
 
 TENSORS = ("latents", "log_probs", "sigmas", "timesteps", "final_latent", "seed", "policy_version")
@@ -566,6 +567,13 @@ def prepare_run(cfg: OnlineConfig, *, overwrite: bool = False) -> int:
         )
     cfg.sample.validate()
     cfg.update.validate()
+    algo = get_algorithm(cfg.update.algo)
+    missing = [column for column in algo.needs if column not in TENSORS]
+    if missing:
+        raise UserInputError(
+            f"update.algo {algo.name}: it trains on the column '{missing[0]}', which omnirl online does not "
+            "produce (its samples carry their rollouts' own columns only); run it through the staged commands"
+        )
     iteration_rows(cfg, 0)  # group size and prompt count
     if cfg.out.exists() and not cfg.out.is_dir():
         raise UserInputError(f"--out {cfg.out}: is a file; give a run directory")

@@ -6,9 +6,11 @@ a CLIP checkpoint, and `stages.score.geneval` turns the detections into the numb
 
 - ``geneval``: Flow-GRPO's partial-credit training reward (``GenEvalResult.score``; negative when far
   too many objects are found);
-- ``geneval_strict``: GenEval's benchmark correctness, 1.0 or 0.0 (``GenEvalResult.strict``).
+- ``geneval_strict``: GenEval's benchmark correctness, 1.0 or 0.0 (``GenEvalResult.strict``);
+- ``geneval_exact``: the reward server's exact correctness, 1.0 or 0.0 (``GenEvalResult.exact``: exact
+  counts, so an extra object fails it where strict lets it pass).
 
-Reward arguments (``--reward-arg geneval.KEY=VALUE``, the same for ``geneval_strict``):
+Reward arguments (``--reward-arg geneval.KEY=VALUE``, the same for ``geneval_strict`` and ``geneval_exact``):
 
 - ``detector`` (required): a checkpoint folder or cached Hub id; its ``config.json`` ``model_type``
   picks the kind. ``detr``: `DetrForObjectDetection` and its image processor, a closed vocabulary

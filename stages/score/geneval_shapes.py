@@ -20,7 +20,8 @@ GenEval reward can train and be checked on a CPU without a model download:
    for the strict check.
 
 Rewards (`stages.score.geneval` rules on ``meta[i]``, the prompt's GenEval metadata):
-``geneval_shapes`` is the partial-credit score, ``geneval_shapes_strict`` GenEval's 0/1 correctness.
+``geneval_shapes`` is the partial-credit score, ``geneval_shapes_strict`` GenEval's 0/1 correctness,
+``geneval_shapes_exact`` the reward server's 0/1 exact counts (extra shapes fail it).
 A sample whose metadata has no include clause is ``None`` with a logged reason (never a silent 0);
 a class or colour outside this world is a bad prompt file (`UserInputError`).
 """

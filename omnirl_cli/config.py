@@ -132,9 +132,9 @@ def _check_choice(flag: str, value: Any, choices: tuple[str, ...], origin: str) 
 
 def _convert(ctx: typer.Context, param: Any, flag: str, value: Any, origin: str) -> Any:
     """A preset's value as the option's own type would parse the flag (a Path, a number in range, one
-    of the names of a choice); a list or mapping is left as `coerce` made it, and one value of a
+    of the names of a choice); a list or mapping is left as `coerce` made it, and one other value of a
     repeatable option is a list of one, as the flag given once."""
-    if getattr(param, "multiple", False) and value is not None and not isinstance(value, (list, tuple)):
+    if getattr(param, "multiple", False) and value is not None and not isinstance(value, (list, tuple, dict)):
         value = [value]
     choices = choices_of(param)
     if choices is not None:

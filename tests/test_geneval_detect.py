@@ -276,13 +276,13 @@ def test_detr_rewards_equal_geneval_on_independent_detections(models, clip_ref):
     assert len({g.score for g in got[:4]}) >= 3  # the verdicts differ, so the comparison can fail
     assert reward(images, prompts, meta) == pytest.approx([e.score for e in expected] + [None])
     assert strict(images, prompts, meta) == [float(e.strict) for e in expected] + [None]
-    exact = get_reward("geneval_exact", args)(images, prompts, meta)
-    assert exact == [float(e.exact) for e in expected] + [None]
+    exact = get_reward("geneval_exact", args)
+    assert exact(images, prompts, meta) == [float(e.exact) for e in expected] + [None]
     extra_object = evaluate(  # GenEval's strict passes a second bowl; the reward server's exact does not
         {"tag": "single_object", "include": [{"class": "bowl", "count": 1}]},
         [Detection("bowl", (0, 0, 9, 9), None, 0.9), Detection("bowl", (20, 20, 29, 29), None, 0.8)],
     )
-    assert (strict.value(extra_object), get_reward("geneval_exact", args).value(extra_object)) == (1.0, 0.0)
+    assert (strict.value(extra_object), exact.value(extra_object)) == (1.0, 0.0)
     assert tag_accuracy(got[:4]) == tag_accuracy(expected)
     one_by_one = get_reward("geneval", {**args, "batch_size": 1})(images, prompts, meta)
     assert one_by_one == pytest.approx(reward(images, prompts, meta))

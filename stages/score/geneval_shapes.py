@@ -29,7 +29,7 @@ a class or colour outside this world is a bad prompt file (`UserInputError`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -200,13 +200,23 @@ def evaluate_shapes(
     return results
 
 
+def _verdict_values(
+    images: Sequence[Image.Image],
+    prompts: Sequence[str],
+    meta: Sequence[Mapping[str, Any]],
+    reward: str,
+    value: Callable[[GenEvalResult], float],
+) -> list[float | None]:
+    """`value` of each image's GenEval verdict (None where the metadata has no include clause)."""
+    return [None if r is None else value(r) for r in evaluate_shapes(images, prompts, meta, reward)]
+
+
 @register_reward("geneval_shapes")
 def geneval_shapes(
     images: Sequence[Image.Image], prompts: Sequence[str], meta: Sequence[dict]
 ) -> list[float | None]:
     """GenEval partial-credit score per image of the shapes world (can be negative for too many shapes)."""
-    results = evaluate_shapes(images, prompts, meta, "geneval_shapes")
-    return [None if r is None else r.score for r in results]
+    return _verdict_values(images, prompts, meta, "geneval_shapes", lambda r: r.score)
 
 
 @register_reward("geneval_shapes_strict")
@@ -214,8 +224,7 @@ def geneval_shapes_strict(
     images: Sequence[Image.Image], prompts: Sequence[str], meta: Sequence[dict]
 ) -> list[float | None]:
     """GenEval strict correctness per image of the shapes world: 1.0 or 0.0."""
-    results = evaluate_shapes(images, prompts, meta, "geneval_shapes_strict")
-    return [None if r is None else float(r.strict) for r in results]
+    return _verdict_values(images, prompts, meta, "geneval_shapes_strict", lambda r: float(r.strict))
 
 
 @register_reward("geneval_shapes_exact")
@@ -224,5 +233,4 @@ def geneval_shapes_exact(
 ) -> list[float | None]:
     """Flow-GRPO's reward-server correctness per image of the shapes world, 1.0 or 0.0: every clause's
     exact count and colour count (extra shapes fail it; strict lets them pass where nothing is excluded)."""
-    results = evaluate_shapes(images, prompts, meta, "geneval_shapes_exact")
-    return [None if r is None else float(r.exact) for r in results]
+    return _verdict_values(images, prompts, meta, "geneval_shapes_exact", lambda r: float(r.exact))

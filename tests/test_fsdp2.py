@@ -116,12 +116,24 @@ def test_fsdp2_refuses_no_launcher_and_weight_swapping_without_reshard_after_for
     fails(args, "fsdp_reshard_after_forward", "old/EMA policy")
 
 
-def _dcp(folder: Path) -> dict:
-    """A DCP folder's whole contents as nested dicts of tensors (read without a process group)."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+def _whole(folder: Path) -> dict[str, torch.Tensor]:
+    """A sharded state's tensors, whole, by flat key ("ema.<param>", "optimizer.state.<param>.exp_avg"),
+    assembled from every rank's safetensors file and the offsets in its header."""
+    from safetensors import safe_open
 
-    dcp_to_torch_save(folder, folder.parent / "whole.pt")
-    return torch.load(folder.parent / "whole.pt", weights_only=True)
+    pieces: dict[str, list[tuple[list[int], torch.Tensor]]] = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            offsets = json.loads(f.metadata()["DCP_SHARDING_INFO"])
+            for key in f.keys():  # noqa: SIM118 (safe_open is no mapping)
+                pieces.setdefault(key, []).append((offsets[key]["saved_offsets"], f.get_tensor(key)))
+    whole = {}
+    for key, chunks in pieces.items():
+        size = [max(o[d] + t.shape[d] for o, t in chunks) for d in range(chunks[0][1].dim())]
+        whole[key] = torch.zeros(size, dtype=chunks[0][1].dtype)
+        for o, t in chunks:
+            whole[key][tuple(slice(a, a + n) for a, n in zip(o, t.shape))] = t
+    return whole
 
 
 @pytest.mark.distributed
@@ -141,27 +153,28 @@ def test_fsdp2_sharded_state_resumes_as_the_full_state(
 
     state = sharded / "it1" / "trainer_state"
     assert sorted(p.name for p in (state / "sharded").iterdir()) == [
-        ".metadata",
-        "__0_0.distcp",
-        "__1_0.distcp",
+        "index.json",  # JSON and safetensors only: nothing in the folder is a pickle
+        "shard-00001-model-00001-of-00001.safetensors",
+        "shard-00002-model-00001-of-00001.safetensors",
     ]
     assert not (state / "optimizer.pt").exists() and not (state / "ema.safetensors").exists()
     info = json.loads((state / "state.json").read_text())
     assert info["sharded"] == ["ema", "old_weights", "optimizer"] and info["sharded_world_size"] == 2
     # The shards hold exactly the whole tensors the default layout writes.
-    whole, ref = _dcp(state / "sharded"), full / "it1" / "trainer_state"
+    whole, ref = _whole(state / "sharded"), full / "it1" / "trainer_state"
     for part in ("ema", "old_weights"):
         expected = load_file(ref / f"{part}.safetensors")
-        assert whole[part].keys() == expected.keys()
+        assert {k for k in whole if k.startswith(f"{part}.")} == {f"{part}.{k}" for k in expected}
         for k in expected:
-            torch.testing.assert_close(whole[part][k], expected[k], rtol=0, atol=0)
+            torch.testing.assert_close(whole[f"{part}.{k}"], expected[k], rtol=0, atol=0)
     optimizer = torch.load(ref / "optimizer.pt", weights_only=True)
-    names = list(whole["optimizer"]["state"])  # by parameter name, in the optimizer's order
-    assert len(names) == len(optimizer["state"]) and names == whole["optimizer"]["param_groups"][0]["params"]
+    index = json.loads((state / "sharded" / "index.json").read_text())
+    names = index["values"]["optimizer"]["param_groups"][0]["params"]  # by name, in the optimizer's order
+    assert index["world_size"] == 2 and len(names) == len(optimizer["state"])
     for i, name in enumerate(names):
         for moment in ("exp_avg", "exp_avg_sq", "step"):
             torch.testing.assert_close(
-                whole["optimizer"]["state"][name][moment], optimizer["state"][i][moment]
+                whole[f"optimizer.state.{name}.{moment}"], optimizer["state"][i][moment]
             )
 
     # The adapter itself stays whole and loadable; resuming from the shards gives the same bytes.
@@ -216,15 +229,114 @@ def test_sharded_state_round_trips_into_a_plain_process(
         for key, value in s.items():
             torch.testing.assert_close(after["state"][i][key], value, rtol=0, atol=0)
 
-    # A sharded folder whose index (.metadata, written last by DCP) is missing is refused in one line.
+    # A sharded folder whose index (index.json, written last) is missing is refused in one line.
     (folder / "state.json").write_text(json.dumps({"step": 3, "sharded": ["ema", "optimizer"]}))
     pending, step = load_state(tmp_path)
     assert (
         step == 3 and pending["sharded"]["parts"] == ["ema", "optimizer"] and pending["ema"]["shadow"] is None
     )
-    (folder / "sharded" / ".metadata").unlink()
-    with pytest.raises(UserInputError, match=r"has no \.metadata; it is incomplete"):
+    index = (folder / "sharded" / "index.json").read_bytes()
+    (folder / "sharded" / "index.json").unlink()
+    with pytest.raises(UserInputError, match=r"has no index\.json; it is incomplete"):
         load_state(tmp_path)
+    (folder / "sharded" / "index.json").write_bytes(index)
+
+
+class _Payload:
+    """What a crafted pickle runs when unpickled: it creates a file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (Path.touch, (self.marker,))
+
+
+def _sharded_adapter(tmp_path: Path) -> tuple[Path, torch.nn.Module, dict[str, torch.Tensor]]:
+    """An adapter folder holding a one-process sharded trainer state of a tiny module (ema + optimizer)."""
+    from stages.update import sharded_state
+
+    torch.manual_seed(0)
+    module = torch.nn.Linear(3, 2)
+    named = dict(module.named_parameters())
+    optimizer = torch.optim.AdamW(named.values(), lr=1e-2)
+    module(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()  # a resuming run's fresh optimizer meets parameters without gradients
+    state = sharded_state.collect(module, optimizer, {"ema": {k: v.detach() for k, v in named.items()}})
+    folder = tmp_path / "adapter" / "trainer_state"
+    sharded_state.save(folder, state)
+    (folder / "state.json").write_text(json.dumps({"step": 1, "sharded": ["ema", "optimizer"]}))
+    return tmp_path / "adapter", module, named
+
+
+def test_a_crafted_sharded_state_is_refused_and_never_unpickled(tmp_path: Path) -> None:
+    # Adapters are shared: every file in one is untrusted. DCP's own index (.metadata) is a pickle; a
+    # crafted one whose __reduce__ creates a file must never run, and each damaged file is named.
+    import pickle
+
+    from stages.update import sharded_state
+    from stages.update.trainer import load_state
+
+    adapter, module, named = _sharded_adapter(tmp_path)
+    sharded = adapter / "trainer_state" / "sharded"
+    marker = tmp_path / "pwned"
+    (sharded / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    (sharded / "__0_0.distcp").write_bytes(pickle.dumps(_Payload(marker)))
+
+    def refused(match: str) -> None:
+        with pytest.raises(UserInputError, match=match) as info:
+            load_state(adapter)
+            sharded_state.load(adapter / "trainer_state", ["ema", "optimizer"], module, opt, named)
+        assert "\n" not in str(info.value) and not marker.exists()
+
+    opt = torch.optim.AdamW(named.values(), lr=1.0)
+    # the crafted pickles beside a whole state are never read
+    loaded = sharded_state.load(adapter / "trainer_state", ["ema", "optimizer"], module, opt, named)
+    assert loaded.keys() == {"ema"} and not marker.exists()
+
+    # DCP's pickle format alone (an older omnirl's, or a crafted one) is refused, not unpickled
+    index = (sharded / "index.json").read_bytes()
+    (sharded / "index.json").unlink()
+    refused(r"pickle format .* never unpickles")
+    (sharded / "index.json").write_bytes(index)
+
+    # a truncated shard names the file
+    shard = sharded / "shard-00001-model-00001-of-00001.safetensors"
+    whole = shard.read_bytes()
+    shard.write_bytes(whole[: len(whole) - 7])
+    refused(r"shard-00001-model-00001-of-00001\.safetensors is not a whole safetensors file")
+    shard.write_bytes(b"\xff" * 5)
+    refused(r"shard-00001-model-00001-of-00001\.safetensors is not a whole safetensors file")
+    shard.write_bytes(whole)
+
+    # an extra shard file the index does not name, or an index that is no index
+    (sharded / "shard-00002-model-00001-of-00001.safetensors").write_bytes(whole)
+    refused(r"index\.json names")
+    (sharded / "shard-00002-model-00001-of-00001.safetensors").unlink()
+    (sharded / "index.json").write_text("[1, 2")
+    refused(r"index\.json is not an omnirl sharded-state index")
+    (sharded / "index.json").write_bytes(index)
+
+    # the index's values keep this run's structure and kinds (lr a number, not a string)
+    tampered = json.loads(index)
+    tampered["values"]["optimizer"]["param_groups"][0]["lr"] = "0.1"
+    (sharded / "index.json").write_text(json.dumps(tampered))
+    with pytest.raises(UserInputError, match=r"param_groups\[0\]\.lr is '0\.1' where this run has a float"):
+        sharded_state.load(adapter / "trainer_state", ["ema", "optimizer"], module, opt, named)
+    # another model's state (other parameter shapes) is refused in one line
+    (sharded / "index.json").write_bytes(index)
+    other = torch.nn.Linear(3, 5)
+    other_named = dict(other.named_parameters())
+    with pytest.raises(UserInputError, match=r"does not fit this run"):
+        sharded_state.load(
+            adapter / "trainer_state",
+            ["ema", "optimizer"],
+            other,
+            torch.optim.AdamW(other_named.values()),
+            other_named,
+        )
+    assert not marker.exists()
 
 
 @pytest.mark.parametrize(

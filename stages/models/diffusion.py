@@ -25,6 +25,7 @@ from stages.errors import UserInputError
 from stages.models.families import Condition, FamilyAdapter, Resolution, adapter_class
 from stages.models.hub import base_model_record
 from stages.models.lora_weights import lora_config_dict, lora_file, swap_lora
+from stages.safe_files import refuse_pickled_weights
 
 ADAPTER_CONFIG = "omnirl_adapter.json"
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
@@ -250,6 +251,7 @@ def _pipeline_to_load(model_path: str | Path, dtype: str) -> tuple[Path, dict[st
 
     diffusers_logging.disable_progress_bar()
     model_path = check_pipeline_folder(model_path)
+    refuse_pickled_weights(model_path, "--model")
     if dtype not in DTYPES:
         raise UserInputError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
     index = pipeline_index(model_path)
@@ -276,7 +278,7 @@ def load_decoder(
             f"--model {model_path}: its model_index.json lists no vae; pass the pipeline folder"
         )
     others = {name: None for name, entry in index.items() if isinstance(entry, list) and name != "vae"}
-    pipe = DiffusionPipeline.from_pretrained(model_path, dtype=DTYPES[dtype], **others)
+    pipe = DiffusionPipeline.from_pretrained(model_path, dtype=DTYPES[dtype], use_safetensors=True, **others)
     pipe.set_progress_bar_config(disable=True)
     pipe.vae.to(device).requires_grad_(False).eval()
     family = family_class(pipe)
@@ -354,8 +356,10 @@ class FlowPolicy:
 
         model_path, index, family_class = _pipeline_to_load(model_path, dtype)
         torch_dtype = DTYPES[dtype]
-        kwargs: dict[str, Any] = {"dtype": torch_dtype}
+        kwargs: dict[str, Any] = {"dtype": torch_dtype, "use_safetensors": True}
         config = read_adapter_config(adapter) if adapter else None
+        if adapter:
+            refuse_pickled_weights(adapter, "--adapter")
         if config:
             trained = family_class.trained_module
             check_adapter_layout(
@@ -367,7 +371,7 @@ class FlowPolicy:
                 library, class_name = index[name]
                 with adapter_loading(adapter, model_path):
                     full[name] = getattr(importlib.import_module(library), class_name).from_pretrained(
-                        Path(adapter) / name, dtype=torch_dtype
+                        Path(adapter) / name, dtype=torch_dtype, use_safetensors=True
                     )
         pipe = DiffusionPipeline.from_pretrained(model_path, **kwargs, **full)
         # diffusers loads an optional component (Wan's transformer, transformer_2) from the model folder

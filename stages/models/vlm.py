@@ -37,6 +37,7 @@ from stages.models.diffusion import (
 )
 from stages.models.hub import base_model_record
 from stages.models.tokens import token_entropy, token_log_probs
+from stages.safe_files import refuse_pickled_weights
 
 # The processor argument that takes each media type's items (one flat list over the batch), and the
 # processor part a type beyond images needs (Qwen2.5-VL has no feature extractor; folders built before
@@ -195,7 +196,10 @@ class VLMPolicy:
             raise UserInputError(f"--model {model_dir}: not a transformers model folder (no config.json)")
         if dtype not in DTYPES:
             raise UserInputError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
+        refuse_pickled_weights(model_dir, "--model")
         config = read_adapter_config(adapter) if adapter else None
+        if adapter:
+            refuse_pickled_weights(adapter, "--adapter")
         if config:
             check_adapter_layout(adapter, config, lora_files=(PEFT_CONFIG,), full_file="config.json")
         full = bool(config and config["kind"] == "full")

@@ -30,6 +30,7 @@ from stages.errors import NonFiniteError, UserInputError
 from stages.models.diffusion import FlowPolicy
 from stages.models.vlm import VLMPolicy
 from stages.precision import autocast, launcher_mixed_precision, resolve_mixed_precision
+from stages.safe_files import load_tensors
 from stages.update import sharded_state
 from stages.update.family_losses import AWM_WEIGHTINGS, NFT_DECAY_SCHEDULES, nft_old_decay
 from stages.update.losses import get_algorithm
@@ -565,18 +566,14 @@ def load_state(adapter: Path | None) -> tuple[dict[str, Any], int]:
     info = json.loads((folder / "state.json").read_text())
     if info.get("sharded"):
         parts = list(info["sharded"])
-        if not (folder / sharded_state.SHARDED_DIR / ".metadata").is_file():
-            raise UserInputError(
-                f"--adapter {adapter}: its sharded trainer state ({folder / sharded_state.SHARDED_DIR}) has no "
-                ".metadata; it is incomplete, resume from an earlier adapter"
-            )
+        sharded_state.check(folder, f"--adapter {adapter}")
         state["sharded"] = {"folder": folder, "parts": parts}
         if "ema" in parts:
             state["ema"] = {"shadow": None, "updates": info.get("ema_updates", 0)}
         state["grad_scaler"] = info.get("grad_scaler")
         return state, int(info.get("step", 0))
     if (folder / "optimizer.pt").is_file():
-        state["optimizer"] = torch.load(folder / "optimizer.pt", weights_only=True)
+        state["optimizer"] = load_tensors(folder / "optimizer.pt", f"--adapter {adapter}")
     if (folder / "ema.safetensors").is_file():
         state["ema"] = {
             "shadow": load_file(folder / "ema.safetensors"),

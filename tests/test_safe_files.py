@@ -34,7 +34,15 @@ def test_a_pipeline_with_pickled_weights_is_refused_before_loading(tiny_sd3: Pat
     weights.unlink()
     (model / "transformer" / "diffusion_pytorch_model.bin").write_bytes(pickle.dumps(_Payload(marker)))
     (tmp_path / "p.txt").write_text("a red apple\n")
-    args = ["sample", "--model", str(model), "--prompts", str(tmp_path / "p.txt"), "--out", str(tmp_path / "s")]
+    args = [
+        "sample",
+        "--model",
+        str(model),
+        "--prompts",
+        str(tmp_path / "p.txt"),
+        "--out",
+        str(tmp_path / "s"),
+    ]
     line = fails(args, "--model", "diffusion_pytorch_model.bin is a pickle", "safetensors")
     assert "weights_only=False" not in line and not marker.exists()
     assert not (tmp_path / "s").exists()
@@ -55,7 +63,9 @@ def test_torch_checkpoints_load_as_tensors_only(tmp_path: Path) -> None:
     marker = tmp_path / "ran"
     crafted = tmp_path / "optimizer.pt"
     torch.save({"state": {0: {"exp_avg": _Payload(marker)}}}, crafted)
-    with pytest.raises(UserInputError, match=r"optimizer\.pt is a pickle that holds more than tensors") as info:
+    with pytest.raises(
+        UserInputError, match=r"optimizer\.pt is a pickle that holds more than tensors"
+    ) as info:
         load_tensors(crafted, "--adapter a")
     assert "\n" not in str(info.value) and "weights_only=False" not in str(info.value)
     assert not marker.exists()

@@ -279,7 +279,7 @@ SIZES: dict[str, Qwen2_5_VLSize] = {
 
 def load_model(model_dir: str | Path, dtype: torch.dtype) -> Qwen2_5_VLForConditionalGeneration:
     """A Qwen2.5-VL folder's model (local files only)."""
-    return Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=dtype)
+    return Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=dtype, use_safetensors=True)
 
 
 def load_processor(model_dir: str | Path) -> Qwen2_5_VLProcessor:

@@ -215,9 +215,11 @@ def load_model(model_dir: str | Path, dtype: torch.dtype) -> Qwen3OmniMoeThinker
     the folder's generation config goes with the thinker (its stop ids).
     """
     if json.loads((Path(model_dir) / "config.json").read_text()).get("model_type") != FULL_MODEL_TYPE:
-        return Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(model_dir, dtype=dtype)
+        return Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(
+            model_dir, dtype=dtype, use_safetensors=True
+        )
     whole = Qwen3OmniMoeForConditionalGeneration.from_pretrained(
-        model_dir, dtype=dtype, enable_audio_output=False
+        model_dir, dtype=dtype, enable_audio_output=False, use_safetensors=True
     )
     thinker = whole.thinker
     thinker.generation_config = whole.generation_config

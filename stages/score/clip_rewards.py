@@ -38,6 +38,7 @@ from PIL import Image
 
 from stages.errors import UserInputError
 from stages.models.hub import cached_snapshot, download_hint, split_hub_id
+from stages.safe_files import refuse_pickled_weights
 from stages.score.registry import register_reward
 
 REFERENCE_META_KEY = "reference_image"
@@ -186,10 +187,11 @@ class ClipReward(ModelReward):
         from stages.models.factory import no_progress_bars
 
         device = self.device()
+        refuse_pickled_weights(self.model_path, f"reward {self.reward!r}: model")
         try:
             with no_progress_bars():
                 model = CLIPModel.from_pretrained(
-                    self.model_path, local_files_only=True, dtype=DTYPES[self.dtype]
+                    self.model_path, local_files_only=True, dtype=DTYPES[self.dtype], use_safetensors=True
                 )
             processor = CLIPProcessor.from_pretrained(self.processor_path, local_files_only=True)
         except (OSError, ValueError) as exc:

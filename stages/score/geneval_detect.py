@@ -64,6 +64,7 @@ import torch
 from PIL import Image
 
 from stages.errors import UserInputError
+from stages.safe_files import refuse_pickled_weights
 from stages.score.clip_rewards import ClipReward, local_path
 from stages.score.geneval import (
     COUNTING_TAG,
@@ -247,13 +248,18 @@ class DetectorGenEval:
 
         device = torch.device(self.device_name) if self.device_name else default_device()
         path = self.detector_path
+        refuse_pickled_weights(path, f"reward {self.reward!r}: detector")
         try:
             with no_progress_bars():
                 if self.kind == "detr":
-                    model = DetrForObjectDetection.from_pretrained(path, local_files_only=True)
+                    model = DetrForObjectDetection.from_pretrained(
+                        path, local_files_only=True, use_safetensors=True
+                    )
                     processor = AutoImageProcessor.from_pretrained(path, local_files_only=True)
                 else:
-                    model = Owlv2ForObjectDetection.from_pretrained(path, local_files_only=True)
+                    model = Owlv2ForObjectDetection.from_pretrained(
+                        path, local_files_only=True, use_safetensors=True
+                    )
                     processor = Owlv2Processor.from_pretrained(path, local_files_only=True)
         except ImportError as exc:
             raise UserInputError(

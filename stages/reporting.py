@@ -21,6 +21,7 @@ from stages.shards.manifest import MANIFEST_NAME, read_manifest
 
 ITER_DIR = re.compile(r"^it(\d+)$")
 TAG_KEY = "tag"  # the prompt_meta key of a prompt's task family (GenEval metadata's "tag")
+EVAL_DIR = "eval"  # RUN/it<K>/eval/{samples,rewards}: the held-out evaluation of iteration K's policy
 
 
 def iterations(run: Path) -> list[tuple[int, Path]]:
@@ -48,14 +49,15 @@ def reward_statistics(rewards: Mapping[str, Any], meta: Sequence[Any] | None = N
 
     from stages.score.scoring import failed_rewards
 
-    scored = ~failed_rewards(rewards, len(rewards["sample_id"]))
+    columns = {k: v for k, v in rewards.items() if k.startswith("reward") and isinstance(v, torch.Tensor)}
+    scored = ~failed_rewards(columns, len(next(iter(columns.values()), ())))
     tags = [m.get(TAG_KEY) if isinstance(m, Mapping) else None for m in meta or ()]
     groups: dict[str, torch.Tensor] = {}
     for tag in sorted({t for t in tags if isinstance(t, str) and t}):
         groups[tag] = torch.tensor([t == tag for t in tags]) & scored
     stats = {}
-    for key, column in rewards.items():
-        if key.startswith("reward") and column.dtype.is_floating_point:
+    for key, column in columns.items():
+        if column.dtype.is_floating_point:
             stats[f"{key}/mean"] = float(column[scored].mean())
             stats[f"{key}/std"] = float(column[scored].std(unbiased=False))
             per_tag = [float(column[rows].double().mean()) for rows in groups.values()]
@@ -100,7 +102,7 @@ def collect(run: Path) -> list[dict[str, Any]]:
     rows = []
     for k, it in iterations(run):
         rewards_dir = it / "rewards"
-        eval_dir = it / "eval" / "rewards"
+        eval_dir = it / EVAL_DIR / "rewards"
         has_eval = (eval_dir / MANIFEST_NAME).is_file()
         if not (rewards_dir / MANIFEST_NAME).is_file() and not has_eval:
             continue

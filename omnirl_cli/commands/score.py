@@ -156,7 +156,8 @@ def score(
     them as "truncated").
 
     --report-to logs reward/mean, reward/std and reward.<name>/mean, /std at the iteration K of --out
-    RUN/it<K>/rewards (0 outside that layout).
+    RUN/it<K>/rewards (0 outside that layout); a held-out evaluation, --out RUN/it<K>/eval/rewards
+    (recipes/eval.mk), logs them as eval/reward/mean ... on a series of its own, never the training curve.
 
     A rollout sampled with --defer-decode holds final latents, no media: score decodes them with the VAE
     of the rollout's model (or --model) on this process's device, in the rollout's batches and under its
@@ -178,7 +179,7 @@ def score(
     from stages.score.stage import needed_columns, score_shard, text_columns, truncated_rows
     from stages.shards.reader import rollout_modality
     from stages.shards.writer import ShardSetWriter
-    from stages.tracking import open_tracking, run_location
+    from stages.tracking import held_out, open_tracking, run_location
 
     c["mixed_precision"] = resolve_mixed_precision(c["mixed_precision"])  # the launcher's enters the identity
     tracking = open_tracking(c["report_to"], c["out"], c["run_name"])
@@ -249,7 +250,7 @@ def score(
     if modality == "text":  # responses cut at the sampling cap: their format rewards are 0
         result["truncated"] = sum(truncated_rows(src.read_all(text_columns(list(src.columns)))))
     with tracking:
-        tracking.log_rewards(run_location(c["out"])[1] or 0, rewards, meta)
+        tracking.log_rewards(run_location(c["out"])[1] or 0, rewards, meta, held_out=held_out(c["out"]))
     # this process's scoring speed per reward (images are decoded once per batch for all of them)
     result.update({f"perf/{name}/samples_per_s": scored[0] / t for name, t in seconds.items() if t > 0})
     if json_:

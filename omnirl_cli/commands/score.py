@@ -171,6 +171,7 @@ def score(
     --reward-arg pickscore.processor=/models/CLIP-ViT-H-14-laion2B-s32B-b79K --out run/it0/rewards[/]
     """
     c = resolve(ctx, "score", required=("out",))
+    from stages.dist import world_and_rank
     from stages.precision import resolve_mixed_precision
     from stages.reporting import reward_statistics
     from stages.sample.stage import KINDS
@@ -234,7 +235,8 @@ def score(
             else needed_columns(modality, src.columns, deferred=decoder is not None)
         )
         map_shards(src, writer, "scoring", columns, score_one, bar=not json_)
-        extra = {FAILED_COLUMN: _failed_count(writer)}
+        if world_and_rank()[1] == 0:  # the rank that writes the manifest
+            extra = {FAILED_COLUMN: _failed_count(writer)}
     if not finalize(writer, extra):
         return
     from stages.shards.reader import ShardSet

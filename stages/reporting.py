@@ -21,6 +21,7 @@ from stages.shards.manifest import MANIFEST_NAME, read_manifest
 
 ITER_DIR = re.compile(r"^it(\d+)$")
 TAG_KEY = "tag"  # the prompt_meta key of a prompt's task family (GenEval metadata's "tag")
+EVAL_DIR = "eval"  # RUN/it<K>/eval/{samples,rewards}: the held-out evaluation of iteration K's policy
 
 
 def iterations(run: Path) -> list[tuple[int, Path]]:
@@ -41,18 +42,24 @@ def reward_statistics(rewards: Mapping[str, Any], meta: Sequence[Any] | None = N
     (GenEval's task families: single_object, two_object, counting, colors, position, color_attr), so a
     strict 0/1 reward such as geneval_strict reports GenEval's per-tag accuracy, and `<column>/tag_mean`,
     their unweighted mean (GenEval's overall score).
+
+    Rows whose reward failed (`failed_rewards`) are left out: their stored value is no reward.
     """
     import torch
 
+    from stages.score.scoring import failed_rewards
+
+    columns = {k: v for k, v in rewards.items() if k.startswith("reward") and isinstance(v, torch.Tensor)}
+    scored = ~failed_rewards(columns, len(next(iter(columns.values()), ())))
     tags = [m.get(TAG_KEY) if isinstance(m, Mapping) else None for m in meta or ()]
     groups: dict[str, torch.Tensor] = {}
     for tag in sorted({t for t in tags if isinstance(t, str) and t}):
-        groups[tag] = torch.tensor([t == tag for t in tags])
+        groups[tag] = torch.tensor([t == tag for t in tags]) & scored
     stats = {}
-    for key, column in rewards.items():
-        if key.startswith("reward") and column.dtype.is_floating_point:
-            stats[f"{key}/mean"] = float(column.mean())
-            stats[f"{key}/std"] = float(column.std(unbiased=False))
+    for key, column in columns.items():
+        if column.dtype.is_floating_point:
+            stats[f"{key}/mean"] = float(column[scored].mean())
+            stats[f"{key}/std"] = float(column[scored].std(unbiased=False))
             per_tag = [float(column[rows].double().mean()) for rows in groups.values()]
             for tag, value in zip(groups, per_tag):
                 stats[f"{key}/tag/{tag}/mean"] = value
@@ -64,23 +71,27 @@ def reward_statistics(rewards: Mapping[str, Any], meta: Sequence[Any] | None = N
 def reward_stats(rewards_dir: Path) -> dict[str, Any]:
     """Summary of one rewards shard set: samples, mean, standard error of the mean (sample std / √n),
     std, min, max of `reward`, and the mean of every `reward.<name>` column as `reward.<name>_mean`
-    (for a 0/1 reward such as `geneval_shapes_strict`, its accuracy)."""
+    (for a 0/1 reward such as `geneval_shapes_strict`, its accuracy). Rows whose reward failed are
+    left out of all of them and counted as `reward_failed`."""
+    from stages.score.scoring import failed_rewards
     from stages.shards.reader import ShardSet
 
     rewards = ShardSet(rewards_dir).read_all()
-    r = rewards["reward"].double()
+    scored = ~failed_rewards(rewards, len(rewards["sample_id"]))
+    r = rewards["reward"].double()[scored]
     n = int(r.numel())
     row: dict[str, Any] = {
         "samples": n,
+        "reward_failed": int((~scored).sum()),
         "reward_mean": float(r.mean()),
         "reward_se": float(r.std() / math.sqrt(n)) if n > 1 else 0.0,
         "reward_std": float(r.std(unbiased=False)),
-        "reward_min": float(r.min()),
-        "reward_max": float(r.max()),
+        "reward_min": float(r.min()) if n else math.nan,
+        "reward_max": float(r.max()) if n else math.nan,
     }
     for key in rewards:
         if key.startswith("reward.") and rewards[key].dtype.is_floating_point:
-            row[f"{key}_mean"] = float(rewards[key].double().mean())
+            row[f"{key}_mean"] = float(rewards[key].double()[scored].mean())
     return row
 
 
@@ -91,7 +102,7 @@ def collect(run: Path) -> list[dict[str, Any]]:
     rows = []
     for k, it in iterations(run):
         rewards_dir = it / "rewards"
-        eval_dir = it / "eval" / "rewards"
+        eval_dir = it / EVAL_DIR / "rewards"
         has_eval = (eval_dir / MANIFEST_NAME).is_file()
         if not (rewards_dir / MANIFEST_NAME).is_file() and not has_eval:
             continue

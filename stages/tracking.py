@@ -15,7 +15,10 @@ resumes one tracker run (W&B `id` + `resume="allow"`, Trackio's run name, the ML
 new run in a re-created folder starts a new one. Only rank 0 of a launch logs.
 
 Steps. The actor metrics of `update`/`online` are logged at the global optimizer step (metrics.jsonl's
-`step`), the reward statistics, image grids and response sheets at the iteration K. W&B keeps one
+`step`), the reward statistics, image grids and response sheets at the iteration K. A held-out
+evaluation's rewards (`RUN/it<K>/eval/rewards`, recipes/eval.mk's layout: `held_out`) are their own
+series, `eval`, under their own keys (`eval/reward/mean` ...): they never land on the training curve,
+whichever of the two scores of an iteration finishes first. W&B keeps one
 monotone step per run, so there each point carries its axis as a value (`step` or `iteration`, set as
 the key's `step_metric`) instead of a W&B step; the other trackers take the step itself.
 
@@ -37,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from stages.errors import UserInputError
+from stages.reporting import EVAL_DIR
 
 TRACKING_DIR = "tracking"
 RUN_FILE = "run.json"
@@ -45,7 +49,13 @@ LEDGER = "sent.jsonl"
 PIP_PACKAGES = {"comet_ml": "comet-ml"}
 KNOWN = ("tensorboard", "wandb", "trackio", "mlflow", "comet_ml", "aim", "clearml", "dvclive", "swanlab")
 # The x axis of each series (W&B's step_metric; the others take it as their step).
-AXES = {"update": "step", "score": "iteration", "grid": "iteration", "responses": "iteration"}
+AXES = {
+    "update": "step",
+    "score": "iteration",
+    EVAL_DIR: "iteration",
+    "grid": "iteration",
+    "responses": "iteration",
+}
 # Trackers whose `log` takes a Markdown string (TensorBoard renders it as text).
 TEXT_TRACKERS = ("tensorboard", "wandb")
 PROJECT = "omnirl"
@@ -94,6 +104,16 @@ def run_location(path: Path) -> tuple[Path, int | None]:
         if m := _ITER_DIR.match(parent.name):
             return parent.parent, int(m.group(1))
     return path.parent, None
+
+
+def held_out(path: Path) -> bool:
+    """Whether an output path belongs to a held-out evaluation: `RUN/it<K>/eval/...` (`EVAL_DIR`, the
+    layout recipes/eval.mk writes and `report` reads), not to the training rollout of iteration K."""
+    path = Path(os.path.abspath(path))
+    for child, parent in zip((path, *path.parents), path.parents):
+        if _ITER_DIR.match(parent.name):
+            return child.name == EVAL_DIR
+    return False
 
 
 def _claim(path: Path, value: dict[str, Any]) -> dict[str, Any]:
@@ -159,13 +179,23 @@ class Tracking:
             self.log("update", int(record["step"]), values)
 
     def log_rewards(
-        self, iteration: int, rewards: Mapping[str, Any], meta: Sequence[Any] | None = None
+        self,
+        iteration: int,
+        rewards: Mapping[str, Any],
+        meta: Sequence[Any] | None = None,
+        *,
+        held_out: bool = False,
     ) -> None:
         """Mean and std of each reward column (score's `reward/mean`, `reward.<name>/std` ...) at
-        `iteration`, and with the rows' prompt_meta `meta` the per-tag means (`reward_statistics`)."""
+        `iteration`, and with the rows' prompt_meta `meta` the per-tag means (`reward_statistics`).
+        A `held_out` evaluation's go to the series `eval`, each key prefixed with `eval/`."""
         from stages.reporting import reward_statistics
 
-        self.log("score", iteration, reward_statistics(rewards, meta))
+        stats = reward_statistics(rewards, meta)
+        if held_out:
+            self.log(EVAL_DIR, iteration, {f"{EVAL_DIR}/{key}": value for key, value in stats.items()})
+        else:
+            self.log("score", iteration, stats)
 
     def log_grid(self, iteration: int, png: Path) -> None:
         """An image grid (`report`'s it<K>/grid.png) at `iteration`, to the trackers that take images."""
@@ -290,9 +320,10 @@ def open_tracking(report_to: str | Iterable[str] | None, out: Path, run_name: st
 
 
 def replay(tracking: Tracking, run: Path, sheets: Iterable[tuple[int, Path]] = ()) -> int:
-    """Send a finished run's reward statistics (it<K>/rewards), actor metrics (it<K>/policy/metrics.jsonl)
-    and the report's `sheets` (grid PNGs, response Markdown) of iteration K to `tracking`; points already
-    sent are skipped (the ledger). Returns the points sent now."""
+    """Send a finished run's reward statistics (it<K>/rewards, and the held-out evaluation's
+    it<K>/eval/rewards as `eval`), actor metrics (it<K>/policy/metrics.jsonl) and the report's `sheets`
+    (grid PNGs, response Markdown) of iteration K to `tracking`; points already sent are skipped (the
+    ledger). Returns the points sent now."""
     from stages.reporting import iterations
     from stages.shards.manifest import MANIFEST_NAME
     from stages.shards.reader import ShardSet
@@ -300,13 +331,14 @@ def replay(tracking: Tracking, run: Path, sheets: Iterable[tuple[int, Path]] = (
 
     before = tracking.sent
     for k, it in iterations(run):
-        if (it / "rewards" / MANIFEST_NAME).is_file():
+        for where, evaluation in ((it, False), (it / EVAL_DIR, True)):
+            if not (where / "rewards" / MANIFEST_NAME).is_file():
+                continue
             meta = None
-            if (it / "samples" / MANIFEST_NAME).is_file() and "prompt_meta" in ShardSet(
-                it / "samples"
-            ).columns:
-                meta = ShardSet(it / "samples").read_all(["prompt_meta"])["prompt_meta"]
-            tracking.log_rewards(k, ShardSet(it / "rewards").read_all(), meta)
+            samples = where / "samples"
+            if (samples / MANIFEST_NAME).is_file() and "prompt_meta" in ShardSet(samples).columns:
+                meta = ShardSet(samples).read_all(["prompt_meta"])["prompt_meta"]
+            tracking.log_rewards(k, ShardSet(where / "rewards").read_all(), meta, held_out=evaluation)
         metrics = it / "policy" / METRICS
         if metrics.is_file():
             tracking.log_update(json.loads(line) for line in metrics.read_text().splitlines() if line.strip())

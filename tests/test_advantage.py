@@ -246,3 +246,97 @@ def test_advantage_stats():
     assert stats["advantage_mean"] == pytest.approx(a.mean(), abs=1e-12)
     assert stats["advantage_std"] == pytest.approx(a.std(), rel=1e-9)
     assert stats["advantage_abs_mean"] == pytest.approx(np.abs(a).mean(), rel=1e-9)
+
+
+# ---------------------------------------------------------------- failed rewards (score --on-error zero)
+
+ALL_ESTIMATORS = [*ESTIMATORS, "pairs"]
+
+
+def _advantages(rewards, groups, failed=None, **kwargs):
+    """compute_advantages on a hand-made rewards set: (advantages [N], stats, output columns)."""
+    from stages.advantage.stage import compute_advantages
+
+    data = {
+        "sample_id": [f"s{i}" for i in range(len(rewards))],
+        "group_id": groups,
+        "reward": torch.tensor(rewards, dtype=torch.float32),
+    }
+    if failed is not None:
+        data["reward_failed"] = torch.tensor(failed)
+    out, stats = compute_advantages(data, **kwargs)
+    return out["advantages"][:, 0], stats, out
+
+
+@pytest.mark.parametrize("estimator", ALL_ESTIMATORS)
+def test_a_failed_reward_leaves_its_pair_without_advantages(estimator):
+    adv, stats, out = _advantages([0.7, 0.0], ["g", "g"], [False, True], estimator=estimator)
+    assert adv.tolist() == [0.0, 0.0]  # not +1 and -1: a lone scored sample has nothing to compare with
+    assert stats["reward_failed"] == 1 and out["reward_failed"].tolist() == [False, True]
+
+
+@pytest.mark.parametrize("estimator", ALL_ESTIMATORS)
+def test_failed_rows_are_left_out_of_group_and_batch_statistics(estimator):
+    """Two groups of four, one reward of the first failed: the seven scored rows get exactly the
+    estimator over those seven alone (group means, group and batch stds), the failed row 0."""
+    rewards = [0.2, 0.5, 0.0, 0.9, 0.3, 0.8, 0.4, 0.6]
+    groups = ["a"] * 4 + ["b"] * 4
+    failed = [False, False, True, False, False, False, False, False]
+    adv, stats, _ = _advantages(rewards, groups, failed, estimator=estimator)
+    keep = [i for i, f in enumerate(failed) if not f]
+    alone = get_estimator(estimator)([rewards[i] for i in keep], [groups[i] for i in keep])
+    assert adv[2].item() == 0.0
+    assert adv[keep].tolist() == alone.tolist()
+    if estimator in ESTIMATORS:  # against the independent float64 reference too
+        e = ESTIMATORS[estimator]
+        expected = reference_advantages(
+            [rewards[i] for i in keep], [groups[i] for i in keep], e.std, e.eps, e.unbiased
+        )
+        np.testing.assert_allclose(adv[keep].numpy(), expected, rtol=1e-5, atol=1e-6)
+    assert stats["reward_failed"] == 1 and stats["num_samples"] == 8
+    assert stats["reward_mean"] == pytest.approx(np.mean([rewards[i] for i in keep]))
+
+
+def test_nan_rewards_are_failures_like_flagged_ones():
+    """A NaN reward (a set from another tool, no reward_failed column) is left out exactly as a flag."""
+    rewards = [0.2, 0.5, 0.0, 0.9, 0.3, 0.8]
+    groups = ["a"] * 3 + ["b"] * 3
+    flagged, _, _ = _advantages(rewards, groups, [False, True, False, False, False, False])
+    nan, stats, out = _advantages([0.2, math.nan, 0.0, 0.9, 0.3, 0.8], groups)
+    assert nan.tolist() == flagged.tolist() and nan[1].item() == 0.0
+    assert stats["reward_failed"] == 1 and out["reward_failed"].tolist() == [False, True] + [False] * 4
+
+
+def test_lone_scored_rows_are_not_batch_normalised():
+    """Groups of two, each with one failure: the scored rows are not a rollout of one sample per prompt,
+    so they get no advantage; in a real one-sample-per-prompt rollout only the failed row is 0."""
+    adv, _, _ = _advantages([0.1, 0.0, 0.0, 0.9], ["a", "a", "b", "b"], [False, True, True, False])
+    assert adv.tolist() == [0.0, 0.0, 0.0, 0.0]
+    adv, _, _ = _advantages([0.1, 0.0, 0.9], ["a", "b", "c"], [False, True, False])
+    assert adv[1].item() == 0.0
+    assert adv[[0, 2]].tolist() == group_advantages([0.1, 0.9], ["a", "c"]).tolist()
+
+
+def test_failed_rows_in_advantage_aggr_and_drop_zero_std():
+    from stages.advantage.stage import compute_advantages
+
+    data = {
+        "sample_id": list("abcdef"),
+        "group_id": ["g"] * 3 + ["h"] * 3,
+        "reward": torch.tensor([1.0, 2.0, 0.0, 4.0, 4.0, 0.0]),
+        "reward.x": torch.tensor([1.0, 2.0, 0.0, 4.0, 4.0, math.nan]),
+        "reward_failed": torch.tensor([False, False, True, False, False, False]),
+    }
+    out, stats = compute_advantages(data, weights={"x": 1.0}, drop_zero_std=True)
+    assert stats["reward_failed"] == 2  # the flag of c and the NaN of reward.x in f
+    assert out["reward_failed"].tolist() == [False, False, True, False, False, True]
+    a = 0.5 / (np.std([1.0, 2.0, 4.0, 4.0]) + 1e-4)  # grpo: batch std of the four estimated rows
+    assert out["advantages"][:, 0].tolist() == pytest.approx([-a, a, 0.0, 0.0, 0.0, 0.0], rel=1e-5)
+    # h's two scored rewards are equal: dropped; the failed rows are never trained either
+    assert out["train_mask"].tolist() == [True, True, False, False, False, False]
+    assert stats["dropped_samples"] == 2
+
+
+def test_all_rewards_failed_is_an_input_error():
+    with pytest.raises(UserInputError, match="all 2 rewards failed"):
+        _advantages([0.0, 0.0], ["g", "g"], [True, True])

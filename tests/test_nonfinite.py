@@ -1,6 +1,7 @@
 """NaN and ±inf stop every stage with one line naming the sample and the column (exit 2), and leave no
 finished output: corrupt shard sets are rewritten through the project's own writer, so their manifests
-are valid and only the values are wrong."""
+are valid and only the values are wrong. A non-finite reward is the exception: advantage and update
+take it as a failed reward (`failed_rewards`), left out like one `score --on-error zero` flags."""
 
 from __future__ import annotations
 
@@ -149,17 +150,18 @@ def test_sample_stops_on_non_finite_model_output(
     assert not (out / MANIFEST_NAME).exists()
 
 
-def test_advantage_names_the_sample_of_a_non_finite_reward(rollout: dict[str, Path], tmp_path: Path) -> None:
+def test_advantage_leaves_out_a_non_finite_reward(rollout: dict[str, Path], tmp_path: Path) -> None:
+    """A non-finite reward (written by another tool) is a failed reward, as one score flags: advantage
+    0, flagged in reward_failed for update, counted."""
     rewards, out = tmp_path / "rewards", tmp_path / "advantages"
     rewrite(rollout["rewards"], rewards, set_value("reward", 1, 1, math.inf))
     sample_id = ids_of(rewards, 1)[1]
-    fails(
-        ["advantage", *ins(rollout["samples"], rewards), "--out", str(out)],
-        "--in: reward",
-        repr(sample_id),
-        "inf",
-    )
-    assert not (out / MANIFEST_NAME).exists()
+    result = run("advantage", *ins(rollout["samples"], rewards), "--out", str(out))
+    assert result["reward_failed"] == 1
+    written = ShardSet(out).read_all()
+    row = written["sample_id"].index(sample_id)
+    assert written["reward_failed"].nonzero().flatten().tolist() == [row]
+    assert written["advantages"][row].eq(0).all()
 
 
 def test_advantage_refuses_a_reward_column_of_strings(rollout: dict[str, Path], tmp_path: Path) -> None:
@@ -181,9 +183,9 @@ def test_compute_advantages_checks_columns_and_the_estimator_output(tmp_path: Pa
     data = {"sample_id": ids, "group_id": groups, "reward": torch.tensor([1.0, 2.0, 3.0, 5.0])}
     with pytest.raises(UserInputError, match=r"column 'reward' holds a \(2,\) tensor per sample"):
         compute_advantages({**data, "reward": torch.ones(4, 2)})
-    bad = {**data, "reward.ocr": torch.tensor([0.0, math.nan, 1.0, 1.0])}
-    with pytest.raises(NonFiniteError, match=r"^--in: reward\.ocr of sample 's1' is nan"):
-        compute_advantages(bad, weights={"ocr": 1.0})
+    bad = {**data, "reward.ocr": torch.tensor([0.0, math.nan, 1.0, 1.0])}  # s1 failed: a is left alone
+    out, stats = compute_advantages(bad, weights={"ocr": 1.0})
+    assert stats["reward_failed"] == 1 and out["advantages"][:2].eq(0).all()
     plugin = tmp_path / "broken_estimator.py"
     plugin.write_text(
         "import torch\n\n"

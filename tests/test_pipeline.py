@@ -237,6 +237,63 @@ def test_nan_reward_is_reported_not_trained_on(staged: dict[str, Path], tmp_path
     assert not (tmp_path / "r" / "_manifest.json").exists()
 
 
+FLAKY_REWARD = """
+def score(images, prompts, meta):
+    # fails the first 'a red apple' of each batch and every 'a blue sky': 3 of the 6 staged samples
+    seen, out = set(), []
+    for prompt in prompts:
+        failed = prompt == "a blue sky" or (prompt == "a red apple" and prompt not in seen)
+        seen.add(prompt)
+        out.append(None if failed else 0.25 + 0.5 * len(out))
+    return out
+"""
+
+
+def test_failed_rewards_are_counted_and_never_trained_on(
+    staged: dict[str, Path], tmp_path: Path, monkeypatch
+) -> None:
+    """score --on-error zero → advantage → update: each stage counts the 3 failed rows (--json and
+    manifest); advantage gives them 0 and the apple group (one scored sample left) 0; update reads only
+    the 3 scored rows."""
+    from helpers import staged_update_args
+
+    from stages.shards.manifest import read_manifest
+
+    (tmp_path / "flaky_reward_plugin.py").write_text(FLAKY_REWARD)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rewards, advantages = tmp_path / "rewards", tmp_path / "advantages"
+    scored = run(
+        "score", "--in", str(staged["samples"]), "--reward", "flaky_reward_plugin:score", "--on-error", "zero",
+        "--out", str(rewards),
+    )  # fmt: skip
+    data = open_inputs_all([staged["samples"], rewards], ["prompt", "reward", "reward_failed"])
+    failed = data["reward_failed"]
+    assert int(failed.sum()) == 3 and scored["reward_failed"] == 3
+    assert read_manifest(rewards).extra["reward_failed"] == 3
+    assert scored["reward/mean"] == pytest.approx(float(data["reward"][~failed].mean()))  # not the stored 0s
+
+    adv = run("advantage", *ins(staged["samples"], rewards), "--out", str(advantages))
+    assert adv["reward_failed"] == 3 and read_manifest(advantages).extra["stats"]["reward_failed"] == 3
+    out = open_inputs_all([staged["samples"], advantages], ["prompt", "advantages", "reward_failed"])
+    assert out["reward_failed"].tolist() == failed.tolist()
+    moved = [p == 'a sign that says "hello"' for p in out["prompt"]]
+    assert out["advantages"][~torch.tensor(moved)].eq(0).all()  # failed rows and the lone apple
+    assert out["advantages"][torch.tensor(moved)].abs().min() > 0.5
+
+    policy = tmp_path / "policy"
+    args = staged_update_args(staged, policy, "--no-shuffle")
+    args[args.index(str(staged["advantages"]))] = str(advantages)
+    result = run(*args)
+    assert result["reward_failed"] == 3 and result["rows_read"] == 3  # the failed rows are not even read
+    assert json.loads((policy / "omnirl_adapter.json").read_text())["reward_failed"] == 3
+
+
+def open_inputs_all(paths: list[Path], columns: list[str]) -> dict:
+    from stages.shards.reader import open_inputs
+
+    return open_inputs(paths).read_all(columns=columns)
+
+
 @pytest.mark.parametrize("mode", ["lora", "full"])
 def test_kl_to_the_frozen_reference_starts_at_zero_then_grows(
     staged: dict[str, Path], tmp_path: Path, mode: str

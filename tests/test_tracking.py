@@ -258,3 +258,46 @@ def test_a_response_sheet_is_logged_as_text(tmp_path: Path) -> None:
         tracking.log_responses(3, sheet)  # sent once
     (logged,) = events(tmp_path / "r", "r").Tensors("samples/responses/text_summary")
     assert logged.step == 3 and logged.tensor_proto.string_val == [sheet.read_bytes()]
+
+
+def _score(samples: Path, out: Path, reward: str, *extra: str) -> dict:
+    return run("score", "--in", str(samples), "--reward", reward, "--out", str(out), *extra)
+
+
+@pytest.mark.parametrize("eval_first", [True, False])
+def test_held_out_evaluation_is_its_own_series(
+    staged: dict[str, Path], tmp_path: Path, eval_first: bool
+) -> None:
+    """The training rollout and the held-out evaluation of one iteration, scored in either order (make
+    demo runs them side by side): each lands on its own curve with its own value."""
+    run_dir = tmp_path / "exp"
+    for where in ("it3", "it3/eval"):
+        shutil.copytree(staged["samples"], run_dir / where / "samples")
+    training = (run_dir / "it3", "jpeg_compressibility")
+    held_out = (run_dir / "it3" / "eval", "jpeg_incompressibility")  # another reward: another value
+    scores = {}
+    for where, reward in (held_out, training) if eval_first else (training, held_out):
+        scores[where.name] = _score(
+            where / "samples", where / "rewards", reward, "--report-to", "tensorboard"
+        )
+    assert scores["it3"]["reward/mean"] != scores["eval"]["reward/mean"]
+    logged = scalars(events(run_dir, "exp"))
+    assert logged["reward/mean"] == [(3, f32(scores["it3"]["reward/mean"]))]
+    assert logged["eval/reward/mean"] == [(3, f32(scores["eval"]["reward/mean"]))]
+    assert logged["eval/reward.jpeg_incompressibility/mean"] == [
+        (3, f32(scores["eval"]["reward.jpeg_incompressibility/mean"]))
+    ]
+    assert "reward.jpeg_incompressibility/mean" not in logged
+
+
+def test_report_replays_the_held_out_evaluation_too(staged: dict[str, Path], tmp_path: Path) -> None:
+    run_dir = tmp_path / "exp"
+    scores = {}
+    for where, reward in (("it0", "jpeg_compressibility"), ("it0/eval", "jpeg_incompressibility")):
+        shutil.copytree(staged["samples"], run_dir / where / "samples")
+        scores[where] = _score(run_dir / where / "samples", run_dir / where / "rewards", reward)
+    sent = run("report", str(run_dir), "--no-grids", "--report-to", "tensorboard")["points_sent"]
+    assert sent == 2  # the training rewards and the held-out evaluation's of it0
+    logged = scalars(events(run_dir, "exp"))
+    assert logged["reward/mean"] == [(0, f32(scores["it0"]["reward/mean"]))]
+    assert logged["eval/reward/mean"] == [(0, f32(scores["it0/eval"]["reward/mean"]))]

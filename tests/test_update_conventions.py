@@ -477,3 +477,45 @@ def test_each_rank_plans_the_rows_of_its_own_slots(monkeypatch: pytest.MonkeyPat
         shuffled = UpdateConfig(grad_accum=2, inner_epochs=2)
         expected[rank] = trainer._planned_rows(Rows(), rows, 2, shuffled, seed=3)
     assert set(expected[0]) | set(expected[1]) == set(rows)
+
+
+# ---------------------------------------------------------------- failed rewards are never trained on
+
+
+@pytest.mark.parametrize("how", ["flagged", "nan"])
+def test_rows_with_a_failed_reward_train_as_if_absent(how: str) -> None:
+    """Rows 2 and 3 of four failed (flagged in reward_failed, or a NaN reward), with a large advantage
+    that would move the weights: the update equals, bit for bit, one over rows 0 and 1 alone."""
+    data, _ = rollout(FakeFlow(), "sde", 0.7)
+    data["advantages"][2:] = 100.0
+    data["reward"] = torch.tensor([0.5, 0.1, 0.0, 0.0])
+    if how == "flagged":
+        data["reward_failed"] = torch.tensor([False, False, True, True])
+    else:
+        data["reward"][2:] = math.nan
+    absent = {k: v[:2] for k, v in data.items() if k != "reward_failed"}
+    absent["reward"] = data["reward"][:2]
+    cfg = UpdateConfig(algo="flow_grpo", lr=1e-2, micro_batch=4)
+    weights = []
+    for rows in (data, absent):
+        policy = FakeFlow()
+        *_, metrics, _, _ = train(policy, rows, scfg("sde", 0.7), cfg, state={}, start_step=0)
+        assert len(metrics) == 1
+        weights.append([p.detach().clone() for p in policy.module.parameters()])
+    for flagged, alone in zip(*weights, strict=True):
+        assert torch.equal(flagged, alone)
+    assert not torch.equal(weights[0][1], FakeFlow().module.b.detach())  # and the update did move them
+
+
+def test_dpo_pairs_only_rows_whose_reward_did_not_fail() -> None:
+    """A failed row stored as 0 would be its group's worst: it is never one side of a DPO pair."""
+    from stages.update.objectives import Preference
+
+    data = {
+        "prompt": ["p"] * 6,
+        "group_id": ["a"] * 3 + ["b"] * 3,
+        "reward": torch.tensor([0.0, 0.5, 0.9, 0.2, math.nan, 0.7]),
+        "reward_failed": torch.tensor([True, False, False, False, False, False]),
+    }
+    pairs = Preference(FakeFlow(), data, scfg("sde", 0.7), UpdateConfig(algo="dpo")).pairs
+    assert pairs == [(2, 1), (5, 3)]

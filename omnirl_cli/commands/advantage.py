@@ -53,12 +53,18 @@ def advantage(
 
     Reports zero_std_ratio (groups whose rewards are all equal, whose advantages are 0).
 
+    A failed reward (flagged in reward_failed by `score --on-error zero`, or NaN/±inf in a set from
+    another tool) is left out of every statistic (group and batch) and gets advantage 0; a group left
+    with fewer than two scored samples gets 0 for all of them. The rows stay flagged in reward_failed,
+    so `update` skips them; their count is reported as reward_failed (stats in the manifest, --json).
+
     Example: [bold]omnirl advantage --in run/it0/samples --in run/it0/rewards --out run/it0/advantages[/]
     """
     c = resolve(ctx, "advantage", required=("out",))
     from stages.advantage.stage import compute_advantages, reward_weights
     from stages.errors import UserInputError
     from stages.score.registry import reward_column
+    from stages.score.scoring import FAILED_COLUMN
     from stages.shards.reader import rollout_modality, slice_batch
     from stages.shards.writer import ShardSetWriter
 
@@ -88,6 +94,7 @@ def advantage(
     elif c["aggregation"] != "reward_aggr":
         raise UserInputError(f"--aggregation {c['aggregation']}: choose reward_aggr or advantage_aggr")
     columns = ["sample_id", "group_id", "reward", *(reward_column(n) for n in weights or {})]
+    columns += [FAILED_COLUMN] if FAILED_COLUMN in src.columns else []
     with progress(not json_) as bar:
         task = bar.add_task("advantages", total=src.num_rows, rate="")
         data = src.read_all(columns=columns)
@@ -113,5 +120,6 @@ def advantage(
     else:
         log(
             f"[green]advantages[/] → {c['out']}  reward {stats['reward_mean']:.4f} ± {stats['reward_std']:.4f}, "
-            f"zero_std_ratio {stats['zero_std_ratio']:.3f}, {stats['num_groups']} groups"
+            f"zero_std_ratio {stats['zero_std_ratio']:.3f}, {stats['num_groups']} groups, "
+            f"{stats[FAILED_COLUMN]} failed rewards left out"
         )

@@ -30,8 +30,9 @@ def report(
     side by side (the held-out evaluation's, else the training samples' when the recipe re-samples the
     same prompts and seeds). Every grid row has its prompt beside it.
 
-    --report-to replays the run into trackers: each iteration's reward statistics, every metrics.jsonl
-    record and the grids / response sheets. Points a stage or an earlier report already sent to that
+    --report-to replays the run into trackers: each iteration's reward statistics (the held-out
+    evaluation's on their own series, eval/reward/mean ...), every metrics.jsonl record and the grids /
+    response sheets. Points a stage or an earlier report already sent to that
     tracker run (RUN/tracking/sent.jsonl) are skipped, so a replay never duplicates a step.
 
     Example: [bold]omnirl report runs/demo --report-to tensorboard[/]

@@ -84,7 +84,12 @@ def score(
     on_error: Annotated[
         OnError,
         typer.Option(
-            "--on-error", help="fail (default): stop on a failed/NaN score; zero: record 0 and flag it."
+            "--on-error",
+            help="fail (default): stop on a failed/NaN score; zero: record 0 and flag the row in the "
+            "column reward_failed, counted as reward_failed (--json, manifest): reward statistics leave it "
+            "out, advantage gives it 0 and leaves it out of every group/batch statistic, update skips it. "
+            "There is no nan mode: score never writes NaN; a NaN reward in a set from another tool is "
+            "treated as a flagged one.",
         ),
     ] = "fail",
     mixed_precision: mixed_precision_opt(
@@ -139,7 +144,8 @@ def score(
 ) -> None:
     """Score each sample's image (or VLM response) with one or more rewards; writes reward and reward.<name>.
 
-    A scorer that fails or returns NaN stops the run naming the sample, unless --on-error zero.
+    A scorer that fails or returns NaN stops the run naming the sample, unless --on-error zero
+    (a dead `serve-reward` mid-run fails its batches: their rows are flagged and counted as failed).
     Plugins take (images: list[PIL.Image], prompts: list[str], meta: list[dict]) and return one float
     (or None) per sample; video plugins set `reward_kind = "video"` and take one list of frames
     (PIL images) per sample instead of an image; text plugins take the response strings instead and set `reward_kind = "text"`
@@ -150,7 +156,8 @@ def score(
     them as "truncated").
 
     --report-to logs reward/mean, reward/std and reward.<name>/mean, /std at the iteration K of --out
-    RUN/it<K>/rewards (0 outside that layout).
+    RUN/it<K>/rewards (0 outside that layout); a held-out evaluation, --out RUN/it<K>/eval/rewards
+    (recipes/eval.mk), logs them as eval/reward/mean ... on a series of its own, never the training curve.
 
     A rollout sampled with --defer-decode holds final latents, no media: score decodes them with the VAE
     of the rollout's model (or --model) on this process's device, in the rollout's batches and under its
@@ -164,14 +171,16 @@ def score(
     --reward-arg pickscore.processor=/models/CLIP-ViT-H-14-laion2B-s32B-b79K --out run/it0/rewards[/]
     """
     c = resolve(ctx, "score", required=("out",))
+    from stages.dist import world_and_rank
     from stages.precision import resolve_mixed_precision
     from stages.reporting import reward_statistics
     from stages.sample.stage import KINDS
     from stages.score.registry import check_reward_args, parse_reward_args, parse_reward_spec
+    from stages.score.scoring import FAILED_COLUMN, failed_rewards
     from stages.score.stage import needed_columns, score_shard, text_columns, truncated_rows
     from stages.shards.reader import rollout_modality
     from stages.shards.writer import ShardSetWriter
-    from stages.tracking import open_tracking, run_location
+    from stages.tracking import held_out, open_tracking, run_location
 
     c["mixed_precision"] = resolve_mixed_precision(c["mixed_precision"])  # the launcher's enters the identity
     tracking = open_tracking(c["report_to"], c["out"], c["run_name"])
@@ -217,6 +226,7 @@ def score(
         scored[0] += len(out["sample_id"])
         return out
 
+    extra = None
     if not writer.complete:
         decoder = open_decoder() if open_decoder else None
         columns = (
@@ -225,17 +235,24 @@ def score(
             else needed_columns(modality, src.columns, deferred=decoder is not None)
         )
         map_shards(src, writer, "scoring", columns, score_one, bar=not json_)
-    if not finalize(writer):
+        if world_and_rank()[1] == 0:  # the rank that writes the manifest
+            extra = {FAILED_COLUMN: _failed_count(writer)}
+    if not finalize(writer, extra):
         return
     from stages.shards.reader import ShardSet
 
     rewards = ShardSet(c["out"]).read_all()
     meta = src.read_all(["prompt_meta"])["prompt_meta"] if "prompt_meta" in src.columns else None
-    result = {"out": str(c["out"]), "rows": len(rewards["sample_id"]), **reward_statistics(rewards, meta)}
+    result = {
+        "out": str(c["out"]),
+        "rows": len(rewards["sample_id"]),
+        FAILED_COLUMN: int(failed_rewards(rewards, len(rewards["sample_id"])).sum()),
+        **reward_statistics(rewards, meta),
+    }
     if modality == "text":  # responses cut at the sampling cap: their format rewards are 0
         result["truncated"] = sum(truncated_rows(src.read_all(text_columns(list(src.columns)))))
     with tracking:
-        tracking.log_rewards(run_location(c["out"])[1] or 0, rewards, meta)
+        tracking.log_rewards(run_location(c["out"])[1] or 0, rewards, meta, held_out=held_out(c["out"]))
     # this process's scoring speed per reward (images are decoded once per batch for all of them)
     result.update({f"perf/{name}/samples_per_s": scored[0] / t for name, t in seconds.items() if t > 0})
     if json_:
@@ -243,8 +260,20 @@ def score(
     else:
         log(
             f"[green]scored[/] {result['rows']} samples → {c['out']}  reward mean {result['reward/mean']:.4f} "
-            f"± {result['reward/std']:.4f}"
+            f"± {result['reward/std']:.4f} (std over the scored samples), {result[FAILED_COLUMN]} failed"
         )
+
+
+def _failed_count(writer: Any) -> int:
+    """How many rows of the shards `writer` holds (all written, manifest not yet) are flagged in
+    reward_failed: the count recorded in the manifest's extra."""
+    from stages.score.scoring import FAILED_COLUMN
+
+    if FAILED_COLUMN not in {column.name for column in writer.columns or ()}:
+        return 0
+    return sum(
+        int(writer.read_shard(s, [FAILED_COLUMN])[FAILED_COLUMN].sum()) for s in range(writer.num_shards)
+    )
 
 
 def _identity(c: dict, specs: list[tuple[str, float]]) -> dict:

@@ -354,6 +354,10 @@ def update(
 
     --report-to logs every metrics.jsonl record as it is made, at its global optimizer step.
 
+    Rows whose reward failed (flagged in reward_failed by `score --on-error zero` and passed on by
+    `advantage`, or a NaN reward) are skipped whatever --algo reads (advantage or reward): they give no
+    gradient; their count is reward_failed (--json, omnirl_adapter.json).
+
     Example: [bold]omnirl update --model models/sd3-tiny --in run/it0/samples --in run/it0/advantages \\
     --algo flow_grpo --out run/it1/policy[/]
 
@@ -400,5 +404,6 @@ def update(
         last = result["last"]
         log(
             f"[green]updated[/] → {c['out']}  step {result['step']}  pg_loss {last.get('actor/pg_loss', 0):+.4e}  "
-            f"ratio {last.get('actor/ratio_mean', 1):.6f}  clipfrac {last.get('actor/pg_clipfrac', 0):.3f}"
+            f"ratio {last.get('actor/ratio_mean', 1):.6f}  clipfrac {last.get('actor/pg_clipfrac', 0):.3f}  "
+            f"{result['reward_failed']} rows with a failed reward skipped"
         )

@@ -16,6 +16,8 @@ Conventions:
   Flow-GRPO switches to batch normalisation: A = (r − mean_all)/(std_all + eps), std_all population
   (Bessel with ``unbiased=True``), no division with ``std="none"``. Same here, for every mode.
 - ``clip`` clamps A to [−clip, clip] after normalisation (Flow-GRPO clips at 5 inside the loss).
+- Failed rewards (`stages.score.scoring.failed_rewards`) are not rewards: the stage passes an
+  estimator only the rows `estimated_rows` keeps, so no statistic (group or batch) sees them.
 """
 
 from __future__ import annotations
@@ -158,6 +160,21 @@ def multi_reward_advantages(
     if clip is not None:
         total = total.clamp(-clip, clip)
     return total.to(torch.float32)
+
+
+def estimated_rows(group_ids: Sequence[Hashable], failed: torch.Tensor) -> torch.Tensor:
+    """bool [N]: the rows an estimator gets, of a rollout whose rows `failed` (bool [N]) have no reward.
+
+    In a rollout of groups, the scored rows of groups with at least two scored members: a group left
+    with one has nothing to compare with, so none of its rows gets an advantage. In a rollout of one
+    sample per group (batch normalisation, see the module docstring), every scored row.
+    """
+    index, num_groups = _group_index(group_ids)
+    scored = ~failed
+    if num_groups == len(scored):
+        return scored
+    members = torch.zeros(num_groups, dtype=torch.int64).index_add_(0, index, scored.long())
+    return scored & (members[index] >= 2)
 
 
 def zero_std_mask(rewards: torch.Tensor | Sequence[float], group_ids: Sequence[Hashable]) -> torch.Tensor:

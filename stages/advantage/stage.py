@@ -14,6 +14,7 @@ from stages.advantage.estimators import (
     ESTIMATORS,
     advantage_stats,
     broadcast_steps,
+    estimated_rows,
     get_estimator,
     multi_reward_advantages,
     zero_std_mask,
@@ -21,8 +22,7 @@ from stages.advantage.estimators import (
 from stages.errors import UserInputError
 from stages.finite import check_finite
 from stages.score.registry import reward_column
-
-RESCORE = "re-score it (`omnirl score`) or drop its group before computing advantages"
+from stages.score.scoring import FAILED_COLUMN, failed_rewards
 
 
 def compute_advantages(
@@ -34,11 +34,16 @@ def compute_advantages(
     num_steps: int | None = None,
     weights: dict[str, float] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Columns sample_id, advantages [N, K] (and train_mask [N]) plus summary stats.
+    """Columns sample_id, advantages [N, K] (and train_mask [N], reward_failed [N]) plus summary stats.
 
-    data: sample_id, group_id, reward [N]; K comes from `num_steps` (stored steps of the rollout).
-    With `weights` (reward name → weight), advantages are aggregated per reward (MixGRPO's
-    `advantage_aggr`): each `reward.<name>` column is normalised on its own, then weighted and summed.
+    data: sample_id, group_id, reward [N], and reward_failed [N] where `score --on-error zero` wrote it;
+    K comes from `num_steps` (stored steps of the rollout). With `weights` (reward name → weight),
+    advantages are aggregated per reward (MixGRPO's `advantage_aggr`): each `reward.<name>` column is
+    normalised on its own, then weighted and summed.
+
+    A failed reward (flagged, or NaN/±inf: `failed_rewards`) is left out: the estimator runs over the
+    `estimated_rows` alone and every other row gets advantage 0. `reward_failed` is passed on (so
+    `update` skips those rows) and counted in the stats.
     """
     for col in ("sample_id", "group_id", "reward"):
         if col not in data:
@@ -47,44 +52,65 @@ def compute_advantages(
     groups = list(data["group_id"])
     ids = list(data["sample_id"])
     rewards = _numbers(data, "reward")
-    check_finite({"reward": rewards}, ids, where="--in", hint=RESCORE)
+    per_reward: dict[str, torch.Tensor] = {}
     if weights:
         if estimator not in ESTIMATORS:
             raise UserInputError(
                 f"--aggregation advantage_aggr works with a built-in --estimator, not {estimator!r}"
             )
-        preset = ESTIMATORS[estimator]
         missing = [name for name in weights if reward_column(name) not in data]
         if missing:
             raise UserInputError(
                 f"--in: column '{reward_column(missing[0])}' is missing; score with --reward {missing[0]}"
             )
         per_reward = {name: _numbers(data, reward_column(name)) for name in weights}
-        check_finite({reward_column(n): v for n, v in per_reward.items()}, ids, where="--in", hint=RESCORE)
-        adv = multi_reward_advantages(
-            per_reward,
+    flags = {FAILED_COLUMN: data[FAILED_COLUMN]} if FAILED_COLUMN in data else {}
+    columns = {"reward": rewards, **{reward_column(n): v for n, v in per_reward.items()}, **flags}
+    failed = failed_rewards(columns, len(ids))
+    scored = ~failed
+    if not bool(scored.any()):
+        raise UserInputError(
+            f"--in: all {len(ids)} rewards failed (reward_failed or NaN); there is nothing to learn from, "
+            "re-score the rollout"
+        )
+    rows = estimated_rows(groups, failed)
+    picked = rows.nonzero().flatten().tolist()
+    sub_groups, sub_ids = [groups[i] for i in picked], [ids[i] for i in picked]
+    adv = torch.zeros(len(ids), dtype=torch.float32)
+    if picked and weights:
+        preset = ESTIMATORS[estimator]
+        adv[rows] = multi_reward_advantages(
+            {name: values[rows] for name, values in per_reward.items()},
             weights,
-            groups,
+            sub_groups,
             aggregation="advantage_aggr",
             std=preset.std,
             eps=preset.eps,
             unbiased=preset.unbiased,
             clip=clip,
-            sample_ids=ids,
+            sample_ids=sub_ids,
         )
-    else:
-        adv = get_estimator(estimator)(rewards, groups, clip=clip, sample_ids=ids)
+    elif picked:
+        adv[rows] = get_estimator(estimator)(rewards[rows], sub_groups, clip=clip, sample_ids=sub_ids)
     check_finite({"advantages": adv}, ids, hint=f"--estimator {estimator} produced it; fix the estimator")
-    stats = advantage_stats(rewards, adv, groups)
+    kept = scored.nonzero().flatten().tolist()
+    stats = {
+        **advantage_stats(rewards[scored], adv[scored], [groups[i] for i in kept]),
+        "num_samples": len(ids),
+        FAILED_COLUMN: int(failed.sum()),
+    }
     out: dict[str, Any] = {
         "sample_id": ids,
-        "advantages": broadcast_steps(adv.float(), max(1, num_steps or 1)),
+        "advantages": broadcast_steps(adv, max(1, num_steps or 1)),
     }
     if drop_zero_std:
-        keep = ~zero_std_mask(rewards, groups)
+        keep = rows.clone()
+        if picked:
+            keep[rows] = ~zero_std_mask(rewards[rows], sub_groups)
         out["train_mask"] = keep
-        stats["dropped_samples"] = int((~keep).sum())
-    out["advantages"] = out["advantages"].to(torch.float32)
+        stats["dropped_samples"] = int((scored & ~keep).sum())
+    if flags or bool(failed.any()):
+        out[FAILED_COLUMN] = failed
     return out, stats
 
 

@@ -7,8 +7,10 @@ A value a scorer could not produce (``None``, NaN, ±inf, or the scorer raising)
 silently. With ``on_error="fail"`` (default) it raises `NonFiniteError` naming the scorer and the
 sample_id. With ``on_error="zero"`` it is recorded as 0, the row is flagged in the extra column
 ``reward_failed`` (bool [N]) and a warning names it. There is no "skip": rows of every shard set
-of a rollout stay aligned, so a row cannot be dropped here. A `UserInputError` raised by a scorer
-(a bad prompt file, a missing package) always propagates: it is not a per-sample failure.
+of a rollout stay aligned, so a row cannot be dropped here; `advantage` and `update` leave the flagged
+rows out instead (`failed_rewards`), as they do rows whose reward is NaN or ±inf (written by another
+tool: score itself never writes one). A `UserInputError` raised by a scorer (a bad prompt file, a
+missing package) always propagates: it is not a per-sample failure.
 """
 
 from __future__ import annotations
@@ -27,6 +29,24 @@ from stages.score.registry import RewardArgs, get_reward, reward_column
 logger = logging.getLogger(__name__)
 
 ON_ERROR_MODES = ("fail", "zero")
+FAILED_COLUMN = "reward_failed"
+
+
+def failed_rewards(columns: Mapping[str, Any], num_rows: int) -> torch.Tensor:
+    """bool [num_rows]: the rows whose reward failed, i.e. flagged in `FAILED_COLUMN` (``on_error="zero"``)
+    or holding NaN/±inf in a reward column (`reward`, `reward.<name>` [N]) among `columns`. Their stored
+    value is not a reward: no statistic, advantage or gradient may use it."""
+    failed = torch.zeros(num_rows, dtype=torch.bool)
+    for key, values in columns.items():
+        if key == FAILED_COLUMN:
+            failed |= torch.as_tensor(values, dtype=torch.bool)
+        elif (key == "reward" or key.startswith("reward.")) and _is_float_vector(values):
+            failed |= ~torch.isfinite(values)
+    return failed
+
+
+def _is_float_vector(values: Any) -> bool:
+    return isinstance(values, torch.Tensor) and values.dtype.is_floating_point and values.ndim == 1
 
 
 def _run_scorer(
@@ -155,5 +175,5 @@ def score_batch(
                 f"{key} of sample {sample_ids[int(bad[0])]!r} does not fit in float32; rescale the reward or its weight"
             )
     if on_error == "zero":
-        out["reward_failed"] = any_failed
+        out[FAILED_COLUMN] = any_failed
     return out

@@ -333,6 +333,18 @@ class ShardSetWriter:
         self._infos[index] = info
         return info
 
+    def read_shard(self, index: int, columns: Sequence[str]) -> Batch:
+        """The requested columns of shard `index`, complete for this run (`shard_done`), before the
+        manifest exists: what a stage summarises into its manifest's `extra`."""
+        import pyarrow as pa
+
+        if not self.shard_done(index):
+            raise ValueError(f"{self.shard_file(index)} is not written yet")
+        known = {c.name: c for c in self._columns or ()}
+        path = self.shard_file(index)
+        buf = pa.py_buffer(path.read_bytes())
+        return self._codec.decode(buf, [known[n] for n in columns], self._infos[index].rows, str(path))
+
     def _write_record(self, index: int, info: ShardInfo, columns: list[Column]) -> None:
         record = {
             **info.to_json(),

@@ -33,6 +33,7 @@ from stages.sample.rollout import SampleConfig
 from stages.sample.samplers import kl_to_reference, step
 from stages.update.family_losses import awm_loss, diffusion_dpo_loss, fm_error, grpo_guard_loss, nft_loss
 from stages.update.losses import Algorithm, clipped_policy_loss, kl_std, ratio_metrics, step_plan
+from stages.update.rows import trained_rows
 from stages.update.token_losses import grpo_loss
 
 Chunk = list[int]
@@ -317,8 +318,13 @@ class Preference:
 
     def __init__(self, policy: FlowPolicy, data: dict[str, Any], sample_cfg: SampleConfig, cfg: Any):
         self.policy, self.data, self.sample_cfg, self.cfg = policy, data, sample_cfg, cfg
+        rows = trained_rows(data)  # pairs of trained rows only: never a failed reward
         score = data["advantages"][:, 0] if "advantages" in data else data["reward"]
-        self.pairs = best_worst_pairs(score, list(data["group_id"]))
+        groups = list(data["group_id"])
+        self.pairs = [
+            (rows[best], rows[worst])
+            for best, worst in best_worst_pairs(score[rows], [groups[i] for i in rows])
+        ]
         if not self.pairs:
             raise UserInputError(
                 "--algo dpo: every group has equal rewards, so there is no preference pair to train on"
@@ -328,8 +334,7 @@ class Preference:
         self.seed = 0
 
     def epoch(self, rows: list[int], micro: int, rng: random.Random) -> list[Chunk]:
-        keep = set(rows)
-        order = [p for p, (w, lo) in enumerate(self.pairs) if w in keep and lo in keep]
+        order = list(range(len(self.pairs)))  # the pairs are of trained rows (`trained_rows`) already
         if self.cfg.shuffle:
             rng.shuffle(order)
         self.t = torch.tensor([rng.randrange(len(self.schedule)) for _ in self.pairs], dtype=torch.int64)

@@ -9,11 +9,12 @@ the rows of its own slots only, one shard at a time (`ZippedShardSets.read_rows`
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
+from stages.score.scoring import failed_rewards
 from stages.shards.reader import KEY_COLUMN, ZippedShardSets
 from stages.shards.schema import Column
 
@@ -59,6 +60,17 @@ class HeldRows:
             missing = torch.as_tensor(first, dtype=torch.int64).reshape(-1)[(local < 0).reshape(-1)]
             raise RuntimeError(f"column {self.name}: row {int(missing[0])} was not read by this rank")
         return self.values[(local, *rest)]
+
+
+def trained_rows(data: Mapping[str, Any]) -> list[int]:
+    """The rows `update` trains on, ascending: those `train_mask` keeps (`advantage --drop-zero-std`)
+    whose reward did not fail (`failed_rewards`: flagged in reward_failed, or NaN). Every objective
+    reads only these rows, so a failed reward gives no gradient, whether the loss uses its advantage
+    or the reward itself (DPO's pairs)."""
+    keep = ~failed_rewards(data, len(data["prompt"]))
+    if "train_mask" in data:
+        keep &= torch.as_tensor(data["train_mask"], dtype=torch.bool)
+    return keep.nonzero().flatten().tolist()
 
 
 def split_columns(inputs: ZippedShardSets, names: Sequence[str]) -> tuple[list[str], list[str]]:

@@ -25,6 +25,7 @@ from stages.models.diffusion import ADAPTER_CONFIG, FlowPolicy, read_adapter_con
 from stages.models.vlm import VLMPolicy, is_vlm_model
 from stages.sample.rollout import SampleConfig, sample_config_of
 from stages.sample.vlm_stage import VLMSampleConfig, vlm_sample_config_of
+from stages.score.scoring import FAILED_COLUMN, failed_rewards
 from stages.shards.atomic import recover_dir, replace_dir
 from stages.shards.manifest import config_hash, manifest_sha256
 from stages.shards.writer import check_output_path
@@ -32,7 +33,7 @@ from stages.update.losses import get_algorithm
 from stages.update.rows import held_columns, split_columns
 from stages.update.trainer import METRICS, UpdateConfig, load_state, save_state, train, trainer_state
 
-BASE_COLUMNS = ("sample_id", "prompt", "negative_prompt", "advantages", "reward", "train_mask")
+BASE_COLUMNS = ("sample_id", "prompt", "negative_prompt", "advantages", "reward", "train_mask", FAILED_COLUMN)
 OFFLINE = SampleConfig(steps=1000, guidance=1.0, batch_size=8)
 
 
@@ -154,7 +155,10 @@ def run_update(
     overwrite: bool = False,
     on_step: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    """Train on the zipped inputs (samples ⋈ logprobs ⋈ advantages) and write the adapter to `out`."""
+    """Train on the zipped inputs (samples ⋈ logprobs ⋈ advantages) and write the adapter to `out`.
+
+    Rows whose reward failed (`failed_rewards`) are skipped (`rows.trained_rows`); the result and the
+    adapter's omnirl_adapter.json count them as reward_failed."""
     out = Path(out)
     check_policy_out(out, [*inputs.paths, *([Path(adapter)] if adapter else [])])
     if world_and_rank()[1] == 0:
@@ -164,7 +168,7 @@ def run_update(
         return {
             "out": str(out),
             "skipped": True,
-            **{k: v for k, v in read_adapter_config(out).items() if k == "step"},
+            **{k: v for k, v in read_adapter_config(out).items() if k in ("step", FAILED_COLUMN)},
         }
     algo = get_algorithm(cfg.algo)
     if "advantages" not in inputs.columns and not (
@@ -217,7 +221,14 @@ def run_update(
     held, read_held = held_columns(inputs, heavy)
     data.update(held)
     corrupt = "the input shard sets are corrupt; re-run the stage that wrote that column into a new --out"
-    check_finite(data, data.get("sample_id"), where="--in", hint=corrupt)
+    failed = failed_rewards(data, len(data["sample_id"]))  # never trained on (`rows.trained_rows`)
+    scored = (~failed).nonzero().flatten().tolist()
+    check_finite(
+        {k: v[scored] for k, v in data.items() if isinstance(v, torch.Tensor)},
+        [data["sample_id"][i] for i in scored],
+        where="--in",
+        hint=corrupt,
+    )
 
     def load_rows(rows: list[int]) -> None:
         batch = read_held(rows)
@@ -237,6 +248,7 @@ def run_update(
         "step": step,
         "optimizer_steps": len(metrics),
         "rows_read": rows_read,
+        FAILED_COLUMN: int(failed.sum()),
         "last": last,
     }
     save_policy(  # rank 0 writes the one adapter; every rank returns once it is in place
@@ -249,6 +261,7 @@ def run_update(
         weights=weights,
         extra={
             "config_hash": digest,
+            FAILED_COLUMN: result[FAILED_COLUMN],
             "parent_adapter": str(adapter) if adapter else None,
             "inputs": [str(p) for p in inputs.paths],
         },

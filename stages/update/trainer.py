@@ -36,6 +36,7 @@ from stages.update.family_losses import AWM_WEIGHTINGS, NFT_DECAY_SCHEDULES, nft
 from stages.update.losses import get_algorithm
 from stages.update.objectives import make_objective
 from stages.update.parallel import STRATEGIES, Parallel, launcher_checkpointing, launcher_strategy
+from stages.update.rows import trained_rows
 from stages.update.token_losses import AGG_MODES, KL_KINDS
 
 Policy = FlowPolicy | VLMPolicy
@@ -390,9 +391,7 @@ def train(
         ema_weights=ema.shadow if ema is not None else None,
     )
 
-    rows = list(range(len(data["prompt"])))
-    if "train_mask" in data:
-        rows = [i for i in rows if bool(data["train_mask"][i])]
+    rows = trained_rows(data)
     micro = cfg.micro_batch or sample_cfg.batch_size
     world, rank = world_and_rank()
     if load_rows is not None:

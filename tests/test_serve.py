@@ -551,6 +551,28 @@ def test_malformed_and_oversized_requests_get_4xx_and_the_server_keeps_serving(s
     assert _request(server.url, "GET", "/health")[0] == 200
 
 
+def test_a_sampling_param_of_another_type_or_not_finite_is_400_naming_it(server: Server) -> None:
+    """Every ``sampling_params`` field is checked against its type (`SampleConfig`'s) before anything
+    runs: a string for a number, a non-finite number, a number for a flag is a 400 naming the field."""
+    cases = {
+        "steps": ("abc", "must be an integer, not 'abc'"),
+        "guidance": ("x", "must be a finite number, not 'x'"),
+        "noise_level": (float("nan"), "must be a finite number, not nan"),
+        "fps": (float("inf"), "must be a finite number, not inf"),
+        "roll_back": (1, "must be true or false, not 1"),
+        "window_range": ([0, "4"], "must be [an integer, an integer] or null, not [0, '4']"),
+        "resolution": ("big", "must be an integer or [an integer, an integer], not 'big'"),
+    }
+    for key, (value, words) in cases.items():
+        body = _rollout_body()
+        body["sampling_params"][key] = value
+        raw = json.dumps(body).encode()  # NaN and Infinity as Python's json writes (and reads) them
+        status, reply = _request(server.url, "POST", "/omnirl/v1/rollout", raw=raw)
+        assert status == 400, (key, reply)
+        assert reply["error"]["message"] == f"sampling_params.{key} {words}", reply
+    assert _request(server.url, "POST", "/omnirl/v1/rollout", _rollout_body())[0] == 200
+
+
 def test_a_token_guards_everything_but_health(tiny_sd3: Path) -> None:
     import threading
 

@@ -95,8 +95,8 @@ def prompts(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tiny_sd3: Path) -> Iterator[Server]:
-    """A server of the tiny SD3 at most 6 samples a request and 1 MiB a body."""
-    srv = Server(tiny_sd3, "--max-batch", "6", "--max-request-mb", "1")
+    """A server of the tiny SD3 at most 6 samples, 1 MiB and 1 megapixel-step (10^6 pixel-steps) a request."""
+    srv = Server(tiny_sd3, "--max-batch", "6", "--max-request-mb", "1", "--max-request-cost", "1")
     yield srv
     code, err = srv.stop()
     assert code == 0 and "Traceback" not in err, err
@@ -571,6 +571,23 @@ def test_a_sampling_param_of_another_type_or_not_finite_is_400_naming_it(server:
         assert status == 400, (key, reply)
         assert reply["error"]["message"] == f"sampling_params.{key} {words}", reply
     assert _request(server.url, "POST", "/omnirl/v1/rollout", _rollout_body())[0] == 200
+
+
+def test_a_request_over_the_cost_limit_is_413_naming_the_limit_and_its_cost(server: Server) -> None:
+    """--max-request-cost 1 (megapixel-step): each route that samples refuses a request over it before
+    running it, naming the limit and what the request costs; one under it is served."""
+    images = {"prompt": "x", "n": 2, "size": "64x32", "num_inference_steps": 200}  # 0.8192 Mpx-steps
+    assert _request(server.url, "POST", "/v1/images/generations", images)[0] == 200
+    for path, body, cost in [
+        ("/omnirl/v1/rollout", _rollout_body(steps=500), "1.024 megapixel-steps (2 samples of 32x32 pixels × 500 steps)"),
+        ("/v1/images/generations", {**images, "n": 3}, "1.2288 megapixel-steps (3 samples of 32x64 pixels × 200 steps)"),
+    ]:  # fmt: skip
+        status, reply = _request(server.url, "POST", path, body)
+        assert status == 413, reply
+        assert reply["error"]["message"] == (
+            f"the request costs {cost}, more than the server's --max-request-cost 1; "
+            "send fewer samples or steps per request"
+        )
 
 
 def test_a_token_guards_everything_but_health(tiny_sd3: Path) -> None:

@@ -66,6 +66,16 @@ def serve(
             rich_help_panel=SERVER,
         ),
     ] = 16,
+    max_request_cost: Annotated[
+        int,
+        typer.Option(
+            "--max-request-cost",
+            min=1,
+            help="Most work one request may ask for, in megapixel-steps: samples × frames × height × width "
+            "× denoising steps / 10^6 (413 above, naming both; e.g. 8 samples of 1024x1024 at 40 steps: 335).",
+            rich_help_panel=SERVER,
+        ),
+    ] = 10_000,
     config: ConfigOpt = None,
     set_: SetOpt = None,
     json_: JsonOpt = False,
@@ -102,6 +112,7 @@ def serve(
         max_batch=c["max_batch"],
         max_weights_bytes=c["max_weights_mb"] * 2**20,
         max_named=c["max_named_weights"],
+        max_cost=c["max_request_cost"],
     )
     serve_until_stopped(
         lambda host, port: JsonServer(service, host, port),

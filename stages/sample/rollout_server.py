@@ -45,8 +45,10 @@ Routes (JSON in and out, never pickle; HTTP, token and size checks in `stages.we
   default 1) → ``{"latent_shape": [...]}``.
 
 Refusals: 400 a malformed request, 401 a missing token, 404 an unknown route, 409 a rollout that asks
-for other weights than the server holds (or named weights, or a version of them, it does not hold), 411/413 (`stages.web`), 413 a batch over --max-batch or
-`max_pixels`, 422 an adapter that does not load (the weights held stay as they were). One request
+for other weights than the server holds (or named weights, or a version of them, it does not hold),
+411/413 (`stages.web`), 413 a batch over --max-batch or `max_pixels`, or whose cost (samples × frames
+× height × width × denoising steps, in megapixel-steps) is over --max-request-cost (on every route
+that samples: its message names both), 422 an adapter that does not load (the weights held stay as they were). One request
 runs the model at a time (a lock), so several clients may call the server; a LoRA swap holds that
 lock while it copies, a pipeline loaded beside does not.
 """
@@ -92,6 +94,7 @@ PUSHED = "pushed"  # the `adapter` of weights a client pushed as a LoRA file
 KEEP_VERSIONS = 2
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 MAX_PIXELS = 2**26  # pixels in one request (samples × frames × height × width)
+MEGA = 10**6  # --max-request-cost counts megapixel-steps
 MAX_SIDE = 8192  # pixels of one side
 MAX_FRAMES = 4096  # frames of one sample
 _SIZE_RE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
@@ -157,6 +160,7 @@ class RolloutService(JsonService):
         max_pixels: int = MAX_PIXELS,
         max_weights_bytes: int = 1024 * 2**20,
         max_named: int = 16,
+        max_cost: int = 10_000,
     ):
         from stages.models.diffusion import check_pipeline_folder
         from stages.models.factory import default_text_length
@@ -169,6 +173,7 @@ class RolloutService(JsonService):
         self.served_name = served_name or self.model.name
         self.max_batch = max_batch
         self.max_pixels = max_pixels
+        self.max_cost = max_cost  # megapixel-steps of one request (samples × frames × pixels × steps / 10^6)
         self.text_length = default_text_length(self.model)
         self.model_sha256 = content_digest(self.model, "--model")
         self.max_weights_bytes = max_weights_bytes
@@ -511,14 +516,24 @@ class RolloutService(JsonService):
         except ProtocolError as exc:
             raise HttpError(HTTPStatus.BAD_REQUEST, str(exc)) from None
 
-    def _check_pixels(self, samples: int, resolution: tuple[int, int], frames: int = 1) -> None:
+    def _check_size(self, samples: int, steps: int, resolution: tuple[int, int], frames: int = 1) -> None:
+        """413 for a request over `max_pixels` (memory: samples × frames × height × width) or over
+        --max-request-cost (time: those pixels × denoising steps, in megapixel-steps)."""
         height, width = resolution
-        if samples * frames * height * width > self.max_pixels:
-            per = f"{frames} frames of {height}x{width}" if frames > 1 else f"{height}x{width}"
+        pixels = samples * frames * height * width
+        per = f"{frames} frames of {height}x{width}" if frames > 1 else f"{height}x{width}"
+        if pixels > self.max_pixels:
             raise HttpError(
                 HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
                 f"{samples} samples of {per} pixels, more than the server's {self.max_pixels}; "
                 "send fewer samples per request",
+            )
+        if pixels * steps > self.max_cost * MEGA:
+            raise HttpError(
+                HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                f"the request costs {pixels * steps / MEGA:g} megapixel-steps ({samples} samples of {per} "
+                f"pixels × {steps} steps), more than the server's --max-request-cost {self.max_cost}; "
+                "send fewer samples or steps per request",
             )
 
     def rollout(self, raw: bytes) -> dict[str, Any]:
@@ -533,7 +548,7 @@ class RolloutService(JsonService):
             )
         request = decode_request(body, max_samples=self.max_batch)
         refuse_settings(request.cfg)
-        self._check_pixels(len(request.prompts), request.cfg.resolution, request.cfg.frames)
+        self._check_size(len(request.prompts), request.cfg.steps, request.cfg.resolution, request.cfg.frames)
         windows = {len(stored_steps(request.cfg, g)) for g in request.groups}
         if len(windows) > 1:
             raise ProtocolError("the samples' groups place windows of different lengths; batch them apart")
@@ -614,7 +629,7 @@ class RolloutService(JsonService):
             )
         size = body.get("size", "512x512")
         resolution = _size_field(size)
-        self._check_pixels(n, resolution)
+        self._check_size(n, steps, resolution)
         cfg = SampleConfig(
             steps=steps,
             guidance=float(guidance),
@@ -666,14 +681,15 @@ class RolloutService(JsonService):
         if "num_frames" not in fields:
             raise HttpError(HTTPStatus.BAD_REQUEST, "num_frames (or seconds) is required")
         frames = _int_field(fields, "num_frames", 1, 1, MAX_FRAMES)
-        self._check_pixels(1, (height, width), frames)
+        steps = _int_field(fields, "num_inference_steps", SampleConfig.steps, 1, MAX_IMAGE_STEPS)
+        self._check_size(1, steps, (height, width), frames)
         guidance = fields.get("guidance_scale", SampleConfig.guidance)
         guidance_2 = fields.get("guidance_scale_2")
         for key, value in (("guidance_scale", guidance), ("guidance_scale_2", guidance_2)):
             if value is not None and not 0 <= value <= MAX_GUIDANCE:
                 raise HttpError(HTTPStatus.BAD_REQUEST, f"{key} must be a number in [0, {MAX_GUIDANCE:g}]")
         cfg = SampleConfig(
-            steps=_int_field(fields, "num_inference_steps", SampleConfig.steps, 1, MAX_IMAGE_STEPS),
+            steps=steps,
             guidance=float(guidance),
             guidance_2=guidance_2,
             resolution=(height, width),

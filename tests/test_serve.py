@@ -590,6 +590,55 @@ def test_a_request_over_the_cost_limit_is_413_naming_the_limit_and_its_cost(serv
         )
 
 
+def test_an_abandoned_batch_stops_at_the_next_step_and_frees_the_model(
+    tiny_sd3: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client that sends a 1000-step batch and hangs up after 3 steps: the server stops that batch
+    at its next denoising step (the transformer runs a step or two more, not 997), replies nothing, and
+    the next client's 2-step batch takes about its time alone."""
+    import threading
+
+    from stages.sample.rollout_server import RolloutService
+    from stages.web import JsonServer
+
+    service = RolloutService(tiny_sd3)
+    policy = service.engine.policy
+    forwards: list[int] = []
+    velocity = policy.velocity
+    monkeypatch.setattr(policy, "velocity", lambda *a, **k: forwards.append(1) or velocity(*a, **k))
+    srv = JsonServer(service)
+    thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        short = _rollout_body(steps=2, resolution=64)
+        t0 = time.perf_counter()
+        assert _request(srv.url, "POST", "/omnirl/v1/rollout", short)[0] == 200  # also warms up
+        alone = time.perf_counter() - t0
+        forwards.clear()
+        parts = urllib.parse.urlsplit(srv.url)
+        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+        body = json.dumps(_rollout_body(steps=1000, resolution=64)).encode()
+        conn.request("POST", "/omnirl/v1/rollout", body, {"Content-Type": "application/json"})
+        deadline = time.monotonic() + 60
+        while len(forwards) < 3 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        at_hang_up = len(forwards)
+        conn.close()  # the client gives up
+        t0 = time.perf_counter()
+        status, reply = _request(srv.url, "POST", "/omnirl/v1/rollout", short)
+        after = time.perf_counter() - t0
+        assert status == 200 and len(reply["media"]) == 2
+        abandoned = len(forwards) - 2  # the 2-step batch ran 2
+        print(
+            f"\nabandoned after {at_hang_up} steps, ran {abandoned}; next batch {after:.2f} s, alone {alone:.2f} s"
+        )
+        assert 3 <= at_hang_up <= abandoned <= at_hang_up + 2
+        assert after < 3 * alone + 1.0
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
 def test_a_token_guards_everything_but_health(tiny_sd3: Path) -> None:
     import threading
 

@@ -50,7 +50,9 @@ for other weights than the server holds (or named weights, or a version of them,
 × height × width × denoising steps, in megapixel-steps) is over --max-request-cost (on every route
 that samples: its message names both), 422 an adapter that does not load (the weights held stay as they were). One request
 runs the model at a time (a lock), so several clients may call the server; a LoRA swap holds that
-lock while it copies, a pipeline loaded beside does not.
+lock while it copies, a pipeline loaded beside does not. A batch whose client closed its connection
+(gave up, timed out, was killed) stops before its next denoising step and frees the model for the
+next request; nothing is replied to it (`stages.web.client_gone`).
 """
 
 from __future__ import annotations
@@ -81,7 +83,15 @@ from stages.sample.rollout_protocol import (
     encode_response,
     refuse_settings,
 )
-from stages.web import HttpError, JsonService, RawReply, parse_form, parse_json_object
+from stages.web import (
+    ClientGone,
+    HttpError,
+    JsonService,
+    RawReply,
+    client_gone,
+    parse_form,
+    parse_json_object,
+)
 
 IMAGES_ROUTE = "/v1/images/generations"
 VIDEOS_ROUTE = "/v1/videos/sync"
@@ -141,6 +151,13 @@ def _resolution_field(body: dict[str, Any], key: str) -> tuple[int, int]:
         )
     height, width = sides * 2 if len(sides) == 1 else sides
     return height, width
+
+
+def _stop_if_gone(step: int) -> None:
+    """`on_step` of a batch: `ClientGone` when its client closed the connection, so the model goes to
+    the next request instead of samples no one will read."""
+    if client_gone():
+        raise ClientGone(f"its batch stopped before denoising step {step}")
 
 
 class RolloutService(JsonService):
@@ -562,6 +579,7 @@ class RolloutService(JsonService):
                 request.init_seeds,
                 groups=request.groups,
                 sample_ids=request.sample_ids,
+                on_step=_stop_if_gone,
             )
         return encode_response(request.request_id, version, columns)
 
@@ -602,6 +620,7 @@ class RolloutService(JsonService):
                     seeds,
                     groups=[0] * len(seeds),
                     sample_ids=[f"{self.engine.policy.family.media}-{i}" for i in range(len(seeds))],
+                    on_step=_stop_if_gone,
                 )
             except UserInputError as exc:
                 raise HttpError(HTTPStatus.BAD_REQUEST, str(exc)) from None

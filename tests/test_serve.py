@@ -10,15 +10,18 @@ returns the PNGs asked for.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import http.client
 import io
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.parse
 from collections.abc import Iterator
@@ -86,6 +89,21 @@ def _request(
         conn.close()
 
 
+@contextlib.contextmanager
+def _serving(service: Any) -> Iterator[str]:
+    """`service` (a `RolloutService` built here) behind a `JsonServer` in a thread; its URL."""
+    from stages.web import JsonServer
+
+    srv = JsonServer(service)
+    thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield srv.url
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
 @pytest.fixture(scope="module")
 def prompts(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("serve") / "prompts.txt"
@@ -94,9 +112,11 @@ def prompts(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_sd3: Path) -> Iterator[Server]:
-    """A server of the tiny SD3 at most 6 samples, 1 MiB and 1 megapixel-step (10^6 pixel-steps) a request."""
-    srv = Server(tiny_sd3, "--max-batch", "6", "--max-request-mb", "1", "--max-request-cost", "1")
+def server(tiny_sd3: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A server of the tiny SD3 at most 6 samples, 1 MiB and 1 megapixel-step (10^6 pixel-steps) a request,
+    loading adapter folders under the tests' temporary folder."""
+    limits = ("--max-batch", "6", "--max-request-mb", "1", "--max-request-cost", "1")
+    srv = Server(tiny_sd3, *limits, "--weights-root", str(tmp_path_factory.getbasetemp()))
     yield srv
     code, err = srv.stop()
     assert code == 0 and "Traceback" not in err, err
@@ -531,7 +551,8 @@ def test_malformed_and_oversized_requests_get_4xx_and_the_server_keeps_serving(s
         (409, "POST", "/omnirl/v1/rollout", {**good, "weights": {"model_sha256": "0" * 64}}, None),
         (404, "POST", "/omnirl/v1/nothing", {}, None),
         (404, "GET", "/nothing", None, None),
-        (422, "POST", "/omnirl/v1/weights", {"adapter": "/no/such/adapter"}, None),
+        (403, "POST", "/omnirl/v1/weights", {"adapter": "/no/such/adapter"}, None),  # outside --weights-root
+        (422, "POST", "/omnirl/v1/weights", {"adapter": "."}, None),  # the root: not an adapter folder
         (400, "POST", "/v1/images/generations", {"prompt": "x", "n": 11}, None),
         (400, "POST", "/v1/images/generations", {"prompt": "x", "size": "32x36"}, None),
         (400, "POST", "/omnirl/v1/latent_shape", {"resolution": [32, 0]}, None),
@@ -596,26 +617,20 @@ def test_an_abandoned_batch_stops_at_the_next_step_and_frees_the_model(
     """A client that sends a 1000-step batch and hangs up after 3 steps: the server stops that batch
     at its next denoising step (the transformer runs a step or two more, not 997), replies nothing, and
     the next client's 2-step batch takes about its time alone."""
-    import threading
-
     from stages.sample.rollout_server import RolloutService
-    from stages.web import JsonServer
 
     service = RolloutService(tiny_sd3)
     policy = service.engine.policy
     forwards: list[int] = []
     velocity = policy.velocity
     monkeypatch.setattr(policy, "velocity", lambda *a, **k: forwards.append(1) or velocity(*a, **k))
-    srv = JsonServer(service)
-    thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    try:
+    with _serving(service) as url:
         short = _rollout_body(steps=2, resolution=64)
         t0 = time.perf_counter()
-        assert _request(srv.url, "POST", "/omnirl/v1/rollout", short)[0] == 200  # also warms up
+        assert _request(url, "POST", "/omnirl/v1/rollout", short)[0] == 200  # also warms up
         alone = time.perf_counter() - t0
         forwards.clear()
-        parts = urllib.parse.urlsplit(srv.url)
+        parts = urllib.parse.urlsplit(url)
         conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
         body = json.dumps(_rollout_body(steps=1000, resolution=64)).encode()
         conn.request("POST", "/omnirl/v1/rollout", body, {"Content-Type": "application/json"})
@@ -625,7 +640,7 @@ def test_an_abandoned_batch_stops_at_the_next_step_and_frees_the_model(
         at_hang_up = len(forwards)
         conn.close()  # the client gives up
         t0 = time.perf_counter()
-        status, reply = _request(srv.url, "POST", "/omnirl/v1/rollout", short)
+        status, reply = _request(url, "POST", "/omnirl/v1/rollout", short)
         after = time.perf_counter() - t0
         assert status == 200 and len(reply["media"]) == 2
         abandoned = len(forwards) - 2  # the 2-step batch ran 2
@@ -634,28 +649,62 @@ def test_an_abandoned_batch_stops_at_the_next_step_and_frees_the_model(
         )
         assert 3 <= at_hang_up <= abandoned <= at_hang_up + 2
         assert after < 3 * alone + 1.0
-    finally:
-        srv.shutdown()
-        srv.server_close()
 
 
 def test_a_token_guards_everything_but_health(tiny_sd3: Path) -> None:
-    import threading
-
     from stages.sample.rollout_server import RolloutService
-    from stages.web import JsonServer
 
-    srv = JsonServer(RolloutService(tiny_sd3, token="s3cret"))
-    thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    try:
-        assert _request(srv.url, "GET", "/health")[0] == 200
-        assert _request(srv.url, "GET", "/v1/models")[0] == 401
-        assert _request(srv.url, "POST", "/omnirl/v1/rollout", _rollout_body())[0] == 401
-        assert _request(srv.url, "GET", "/v1/models", headers={"Authorization": "Bearer s3cret"})[0] == 200
-    finally:
-        srv.shutdown()
-        srv.server_close()
+    with _serving(RolloutService(tiny_sd3, token="s3cret")) as url:
+        assert _request(url, "GET", "/health")[0] == 200
+        assert _request(url, "GET", "/v1/models")[0] == 401
+        assert _request(url, "POST", "/omnirl/v1/rollout", _rollout_body())[0] == 401
+        assert _request(url, "GET", "/v1/models", headers={"Authorization": "Bearer s3cret"})[0] == 200
+
+
+def test_a_folder_loads_by_path_only_under_the_weights_root_or_with_a_token(
+    tiny_sd3: Path, tmp_path: Path
+) -> None:
+    """A path in POST /omnirl/v1/weights makes the server read with its own rights: under --weights-root
+    it loads (a relative path is taken there), outside it (a symlink resolved first) it is 403 with the
+    same reply whether the folder exists or not; without a root a server loads a folder by path only
+    when it has a token. A pushed LoRA file reads nothing of the server's and needs neither."""
+    from stages.sample.rollout_server import RolloutService
+
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    raw = _random_lora(tiny_sd3, 1, root / "run" / "it3", step=3)
+    _random_lora(tiny_sd3, 1, outside, step=4)
+    (root / "escape").symlink_to(outside)
+    weights = "/omnirl/v1/weights"
+    with _serving(RolloutService(tiny_sd3)) as url:  # no root, no token: no folder by path
+        for path in (str(outside), str(tmp_path / "missing")):
+            status, reply = _request(url, "POST", weights, {"adapter": path})
+            assert status == 403 and "start it with --weights-root DIR" in reply["error"]["message"]
+        query = urllib.parse.urlencode({"sha256": hashlib.sha256(raw).hexdigest(), "version": 6})
+        status, reply = _request(url, "POST", f"{weights}?{query}", raw=raw)
+        assert status == 200 and reply["weights"]["version"] == 6  # a pushed file still loads
+        assert _request(url, "POST", weights, {"adapter": None})[0] == 200  # and the base model
+    with _serving(RolloutService(tiny_sd3, weights_root=root)) as url:
+        status, reply = _request(url, "POST", weights, {"adapter": "run/it3"})
+        assert status == 200 and reply["weights"]["adapter"] == str((root / "run" / "it3").resolve())
+        assert reply["weights"]["version"] == 3
+        assert _request(url, "POST", weights, {"adapter": str(root / "run" / "it3"), "version": 5})[0] == 200
+        refusals = [
+            _request(url, "POST", weights, {"adapter": path})
+            for path in (str(outside), "escape", "../outside", str(root / "missing"))
+        ]
+        shutil.rmtree(outside)
+        refusals.append(_request(url, "POST", weights, {"adapter": str(outside)}))  # gone now
+        assert all(r == refusals[0] for r in refusals), refusals
+        status, reply = refusals[0]
+        assert status == 403 and reply["error"]["message"].startswith(
+            "adapter: no such folder under this server's --weights-root;"
+        )
+        assert _request(url, "GET", weights)[1]["weights"]["version"] == 5  # the refusals changed nothing
+    _random_lora(tiny_sd3, 1, outside, step=4)
+    bearer = {"Authorization": "Bearer s3cret"}
+    with _serving(RolloutService(tiny_sd3, token="s3cret")) as url:  # a token holder names any folder
+        status, reply = _request(url, "POST", weights, {"adapter": str(outside)}, headers=bearer)
+        assert status == 200 and reply["weights"]["version"] == 4
 
 
 # ---- vLLM-Omni's images API -------------------------------------------------------------------------

@@ -76,6 +76,16 @@ def serve(
             rich_help_panel=SERVER,
         ),
     ] = 10_000,
+    weights_root: Annotated[
+        Path | None,
+        typer.Option(
+            "--weights-root",
+            help="Folder under which POST /omnirl/v1/weights may load adapter folders by path (symlinks "
+            "resolved first; any other path is 403, alike whether it exists). Without it only a server "
+            "with --token-env loads folders by path, any folder; pushed LoRA files need neither.",
+            rich_help_panel=SERVER,
+        ),
+    ] = None,
     config: ConfigOpt = None,
     set_: SetOpt = None,
     json_: JsonOpt = False,
@@ -113,6 +123,7 @@ def serve(
         max_weights_bytes=c["max_weights_mb"] * 2**20,
         max_named=c["max_named_weights"],
         max_cost=c["max_request_cost"],
+        weights_root=c["weights_root"],
     )
     serve_until_stopped(
         lambda host, port: JsonServer(service, host, port),

@@ -24,7 +24,11 @@ Routes (JSON in and out, never pickle; HTTP, token and size checks in `stages.we
 - ``GET /omnirl/v1/weights`` the weights held; ``POST /omnirl/v1/weights`` changes them without a
   restart and answers ``{"weights", "load": {"how", "seconds"}}``, either
   - a JSON body ``{"adapter": PATH | null, "version": int | null}``: an adapter folder on the server's
-    file system (null: the base model); version defaults to the adapter's step; or
+    file system (null: the base model); version defaults to the adapter's step. A path makes the server
+    read with its own rights, so it loads only under --weights-root (a relative PATH is taken there;
+    symlinks are resolved first) and, without one, only for a server with a token (its holders may
+    name any folder); any other path is 403 with one reply, whether it exists or not (`_adapter_folder`);
+    or
   - a pushed LoRA: ``?sha256=HEX&version=N`` with the bytes of a diffusers LoRA file as the body
     (`stages.models.lora_weights`, what `omnirl update` writes as pytorch_lora_weights.safetensors), at
     most --max-weights-mb; the body's SHA-256 must be HEX (400 otherwise); the weights record it as
@@ -44,7 +48,8 @@ Routes (JSON in and out, never pickle; HTTP, token and size checks in `stages.we
 - ``POST /omnirl/v1/latent_shape`` ``{"resolution": R or [H, W], "frames": F}`` (R a square's side, F
   default 1) → ``{"latent_shape": [...]}``.
 
-Refusals: 400 a malformed request, 401 a missing token, 404 an unknown route, 409 a rollout that asks
+Refusals: 400 a malformed request, 401 a missing token, 403 an adapter folder the server may not
+load (above), 404 an unknown route, 409 a rollout that asks
 for other weights than the server holds (or named weights, or a version of them, it does not hold),
 411/413 (`stages.web`), 413 a batch over --max-batch or `max_pixels`, or whose cost (samples × frames
 × height × width × denoising steps, in megapixel-steps) is over --max-request-cost (on every route
@@ -178,6 +183,7 @@ class RolloutService(JsonService):
         max_weights_bytes: int = 1024 * 2**20,
         max_named: int = 16,
         max_cost: int = 10_000,
+        weights_root: str | Path | None = None,
     ):
         from stages.models.diffusion import check_pipeline_folder
         from stages.models.factory import default_text_length
@@ -195,6 +201,9 @@ class RolloutService(JsonService):
         self.model_sha256 = content_digest(self.model, "--model")
         self.max_weights_bytes = max_weights_bytes
         self.max_named = max_named  # names of named weights held at once (each up to KEEP_VERSIONS LoRAs)
+        self.weights_root = None if weights_root is None else Path(weights_root).resolve()
+        if self.weights_root is not None and not self.weights_root.is_dir():
+            raise UserInputError(f"--weights-root {weights_root}: not a folder; create it or pass another")
         self.lock = threading.Lock()  # the model runs one request at a time
         self.loading = threading.Lock()  # one adapter loads at a time
         self.weights = self._start(adapter)
@@ -404,6 +413,31 @@ class RolloutService(JsonService):
             self.active, self.active_entry, self.default_lora = None, None, None
         return {"how": "reloaded"}
 
+    def _adapter_folder(self, adapter: str) -> str:
+        """The folder a weights request names, resolved (symlinks followed), when this server may load
+        it: under --weights-root when there is one, else anywhere for a server with a token (a token
+        holder is trusted with its files). 403 otherwise, one reply whether the path exists or not, so
+        that it tells nothing about the server's files."""
+        if self.weights_root is None:
+            if self.token is None:
+                raise HttpError(
+                    HTTPStatus.FORBIDDEN,
+                    "this server loads no adapter folder by path: start it with --weights-root DIR "
+                    "(folders under DIR) or --token-env VAR, or push the LoRA file (?sha256=HEX&version=N)",
+                )
+            return adapter
+        try:
+            folder = (self.weights_root / adapter).resolve()  # an absolute `adapter` replaces the root
+        except (OSError, RuntimeError):  # a symlink loop
+            folder = None
+        if folder is None or not folder.is_relative_to(self.weights_root) or not folder.is_dir():
+            raise HttpError(
+                HTTPStatus.FORBIDDEN,
+                "adapter: no such folder under this server's --weights-root; put the adapter there, or "
+                "push its LoRA file (?sha256=HEX&version=N)",
+            )
+        return str(folder)
+
     def _load_pushed(self, raw: bytes, query: dict[str, list[str]], name: str | None) -> dict[str, Any]:
         """``POST /omnirl/v1/weights?sha256=HEX&version=N[&name=NAME]`` with a LoRA file's bytes (module
         docstring)."""
@@ -452,7 +486,8 @@ class RolloutService(JsonService):
                         )
                     if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
                         raise HttpError(HTTPStatus.BAD_REQUEST, "version must be an integer or null")
-                    load = self._load_folder(adapter, version, name)
+                    folder = None if adapter is None else self._adapter_folder(adapter)
+                    load = self._load_folder(folder, version, name)
             except UserInputError as exc:
                 raise HttpError(HTTPStatus.UNPROCESSABLE_ENTITY, str(exc)) from None
         held = load.pop("weights", None) or dict(self.weights)  # the named weights stored, else those held

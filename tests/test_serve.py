@@ -533,6 +533,54 @@ def test_named_weights_let_two_trainers_share_a_server_and_a_request_pin_a_versi
     assert code == 0 and "Traceback" not in err, err
 
 
+def test_the_names_of_killed_trainers_run_out_so_a_17th_run_gets_a_place(
+    tiny_sd3: Path, tmp_path: Path
+) -> None:
+    """15 trainers push named weights and are killed (never renew, never DELETE); one more keeps running:
+    the server then holds 16 names, its --max-named-weights, and a 17th run is 409. Once the killed
+    ones' leases (--named-weights-ttl 2) run out they are forgotten, the running trainer's (renewed by
+    its engine's heartbeat) is kept, and the 17th run gets its place."""
+    from stages.sample.engines import EngineOptions
+    from stages.sample.remote_engine import RemoteEngine
+
+    raw = _random_lora(tiny_sd3, 1, tmp_path / "lora")
+    digest = hashlib.sha256(raw).hexdigest()
+
+    def push(url: str, name: str) -> tuple[int, Any]:
+        query = urllib.parse.urlencode({"name": name, "sha256": digest, "version": 0})
+        return _request(url, "POST", f"/omnirl/v1/weights?{query}", raw=raw)
+
+    srv = Server(tiny_sd3, "--named-weights-ttl", "2")
+    try:
+        alive = RemoteEngine.open(
+            EngineOptions(model=tiny_sd3, server_url=srv.url, pushed_weights=True, weights_name="alive"),
+            "cpu",
+        )
+        assert alive.push_weights(raw, 0)["weights"]["lease_s"] == 2
+        t0 = time.monotonic()
+        for i in range(15):
+            assert push(srv.url, f"killed-{i}")[0] == 200
+        held = _request(srv.url, "GET", "/omnirl/v1/weights")[1]["named_weights"]
+        assert len(held) == 16 and 0 < held["killed-0"]["lease_left_s"] <= 2
+        status, reply = push(srv.url, "run-17")
+        assert (
+            status == 409 and "holds 16 named weights, its --max-named-weights" in reply["error"]["message"]
+        )
+        time.sleep(max(0.0, t0 + 2.5 - time.monotonic()))  # the killed ones' leases run out
+        status, reply = push(srv.url, "run-17")
+        assert status == 200 and reply["weights"]["name"] == "run-17", reply
+        assert set(_request(srv.url, "GET", "/omnirl/v1/weights")[1]["named_weights"]) == {"alive", "run-17"}
+        status, reply = _request(srv.url, "POST", "/omnirl/v1/weights/lease", {"name": "killed-0"})
+        assert status == 404 and "its lease ran out" in reply["error"]["message"]
+        status, reply = _request(srv.url, "POST", "/omnirl/v1/weights/lease", {"name": "run-17"})
+        assert status == 200 and reply == {"name": "run-17", "versions": [0], "lease_s": 2}
+        alive.close()  # stops the heartbeat, forgets "alive"
+        assert set(_request(srv.url, "GET", "/omnirl/v1/weights")[1]["named_weights"]) == {"run-17"}
+    finally:
+        code, err = srv.stop()
+    assert code == 0 and "Traceback" not in err, err
+
+
 def test_malformed_and_oversized_requests_get_4xx_and_the_server_keeps_serving(server: Server) -> None:
     good = _rollout_body()
     bad_seed = _rollout_body()

@@ -62,10 +62,22 @@ def serve(
             "--max-named-weights",
             min=1,
             help="Named weights (trainers sharing the server, each up to 2 LoRA versions) held at once; a "
-            "push of one more name is 409 until DELETE /omnirl/v1/weights?name=NAME forgets one.",
+            "push of one more name is 409 until DELETE /omnirl/v1/weights?name=NAME forgets one, or one's "
+            "lease runs out (--named-weights-ttl).",
             rich_help_panel=SERVER,
         ),
     ] = 16,
+    named_weights_ttl: Annotated[
+        int,
+        typer.Option(
+            "--named-weights-ttl",
+            min=1,
+            help="Seconds named weights are held without a push, a rollout naming them or a POST "
+            "/omnirl/v1/weights/lease (the heartbeat of `omnirl online --engine remote`); then they are "
+            "forgotten, so a killed trainer's name frees its place.",
+            rich_help_panel=SERVER,
+        ),
+    ] = 600,
     max_request_cost: Annotated[
         int,
         typer.Option(
@@ -124,6 +136,7 @@ def serve(
         max_named=c["max_named_weights"],
         max_cost=c["max_request_cost"],
         weights_root=c["weights_root"],
+        named_ttl=c["named_weights_ttl"],
     )
     serve_until_stopped(
         lambda host, port: JsonServer(service, host, port),

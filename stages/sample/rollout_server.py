@@ -41,7 +41,14 @@ Routes (JSON in and out, never pickle; HTTP, token and size checks in `stages.we
   weights as they are: several trainers share the server, each rollout request naming its weights
   (``weights.name``, optionally pinning ``weights.version``; 409 for a name or version not held) and
   the pipeline swapping them in before the batch when another batch used other weights; a push of a
-  new name when the server holds --max-named-weights names is 409 (delete one first);
+  new name when the server holds --max-named-weights names is 409 (delete one first). Each name is
+  held on a lease of --named-weights-ttl seconds (``lease_s`` in the push's reply), renewed by every
+  push, rollout request and ``POST /omnirl/v1/weights/lease`` naming it: a name not renewed for that
+  long (its trainer was killed) is forgotten, before any use of the table (so before the cap is
+  checked);
+- ``POST /omnirl/v1/weights/lease`` ``{"name": NAME}`` renews the lease of named weights NAME (a
+  trainer's heartbeat while it trains), answering ``{"name", "versions", "lease_s"}``; 404 when not
+  held (never pushed, deleted, or expired);
 - ``DELETE /omnirl/v1/weights?name=NAME[&version=N]`` forgets named weights NAME (every version, or
   version N), answering ``{"deleted": {"name", "versions"}, "named_weights"}``; 404 when not held
   (`omnirl online` deletes its own at the end of a run);
@@ -64,6 +71,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import logging
 import re
 import secrets
 import threading
@@ -98,11 +106,13 @@ from stages.web import (
     parse_json_object,
 )
 
+logger = logging.getLogger(__name__)
 IMAGES_ROUTE = "/v1/images/generations"
 VIDEOS_ROUTE = "/v1/videos/sync"
 VIDEO_FPS = 24  # vLLM-Omni's default frames per second of /v1/videos
 WEIGHTS_ROUTE = "/omnirl/v1/weights"
 LATENT_ROUTE = "/omnirl/v1/latent_shape"
+LEASE_ROUTE = "/omnirl/v1/weights/lease"
 PUSHED = "pushed"  # the `adapter` of weights a client pushed as a LoRA file
 # versions of each named weights the server keeps (the latest pushed): a sampler at --max-staleness 1
 # pins the version before the one its trainer pushes meanwhile
@@ -184,6 +194,7 @@ class RolloutService(JsonService):
         max_named: int = 16,
         max_cost: int = 10_000,
         weights_root: str | Path | None = None,
+        named_ttl: float = 600.0,
     ):
         from stages.models.diffusion import check_pipeline_folder
         from stages.models.factory import default_text_length
@@ -201,6 +212,7 @@ class RolloutService(JsonService):
         self.model_sha256 = content_digest(self.model, "--model")
         self.max_weights_bytes = max_weights_bytes
         self.max_named = max_named  # names of named weights held at once (each up to KEEP_VERSIONS LoRAs)
+        self.named_ttl = named_ttl  # seconds a name is held without a renewal (`_renew`)
         self.weights_root = None if weights_root is None else Path(weights_root).resolve()
         if self.weights_root is not None and not self.weights_root.is_dir():
             raise UserInputError(f"--weights-root {weights_root}: not a folder; create it or pass another")
@@ -215,6 +227,7 @@ class RolloutService(JsonService):
         # `active_entry` the table entry it was copied from (a version pushed again is a new entry)
         self.table = threading.Lock()
         self.named: dict[str, dict[int, tuple[Any, Any, dict[str, Any]]]] = {}
+        self.leases: dict[str, float] = {}  # name → when (time.monotonic) it is forgotten unless renewed
         self.active: tuple[str, int] | None = None
         self.active_entry: tuple[Any, Any, dict[str, Any]] | None = None
         self.default_lora: tuple[Any, Any] | None = None
@@ -276,6 +289,7 @@ class RolloutService(JsonService):
             )
         version = record["version"]
         with self.table:  # a version on the pipeline now is swapped anew by the next batch asking for it
+            self._forget_expired()
             if name not in self.named and len(self.named) >= self.max_named:
                 raise HttpError(
                     HTTPStatus.CONFLICT,
@@ -287,7 +301,22 @@ class RolloutService(JsonService):
             held[version] = (layers, config, record)
             while len(held) > KEEP_VERSIONS:
                 held.pop(next(iter(held)))  # the oldest pushed
-            return {"how": "stored", "weights": {**record, "versions": sorted(held)}}
+            self._renew(name)
+            return {
+                "how": "stored",
+                "weights": {**record, "versions": sorted(held), "lease_s": self.named_ttl},
+            }
+
+    def _forget_expired(self) -> None:
+        """Forget the named weights whose lease ran out (the caller holds `table`)."""
+        now = time.monotonic()
+        for name in [n for n, until in self.leases.items() if until <= now]:
+            del self.named[name], self.leases[name]
+            logger.info("forgot weights %r: no push, batch or lease renewal for %g s", name, self.named_ttl)
+
+    def _renew(self, name: str) -> None:
+        """Hold the named weights `name` --named-weights-ttl seconds more (the caller holds `table`)."""
+        self.leases[name] = time.monotonic() + self.named_ttl
 
     def _activate(
         self, target: tuple[str, int] | None, entry: tuple[Any, Any, dict[str, Any]] | None = None
@@ -338,11 +367,15 @@ class RolloutService(JsonService):
                 f"model_sha256 {model!r} was asked, the server holds {self.model_sha256!r}",
             )
         with self.table:
+            self._forget_expired()
             held = dict(self.named.get(name) or {})
+            if held:
+                self._renew(name)
         if not held:
             raise HttpError(
                 HTTPStatus.CONFLICT,
-                f"no weights named {name!r} here; push them first (POST {WEIGHTS_ROUTE}?name={name}&sha256=...&version=N)",
+                f"no weights named {name!r} here (never pushed, deleted, or its lease ran out); push them "
+                f"first (POST {WEIGHTS_ROUTE}?name={name}&sha256=...&version=N)",
             )
         version = weights.get("version")
         version = next(reversed(held)) if version is None else version  # the latest pushed
@@ -366,16 +399,36 @@ class RolloutService(JsonService):
         return int(version)
 
     def named_weights(self) -> dict[str, Any]:
-        """``{name: {"versions", "version", "adapter_sha256"}}`` of the named weights held (latest last)."""
+        """``{name: {"versions", "version", "adapter_sha256", "lease_left_s"}}`` of the named weights
+        held (latest last)."""
         with self.table:
+            self._forget_expired()
+            now = time.monotonic()
             return {
                 name: {
                     "versions": sorted(held),
                     "version": next(reversed(held)),
                     "adapter_sha256": held[next(reversed(held))][2]["adapter_sha256"],
+                    "lease_left_s": round(self.leases[name] - now, 3),
                 }
                 for name, held in self.named.items()
             }
+
+    def renew_lease(self, raw: bytes) -> dict[str, Any]:
+        """``POST /omnirl/v1/weights/lease`` ``{"name": NAME}``: NAME is held --named-weights-ttl seconds
+        more; 404 when it is not held."""
+        name = _weights_name(parse_json_object(raw).get("name"))
+        if name is None:
+            raise HttpError(HTTPStatus.BAD_REQUEST, 'name the weights whose lease to renew: {"name": NAME}')
+        with self.table:
+            self._forget_expired()
+            if name not in self.named:
+                raise HttpError(
+                    HTTPStatus.NOT_FOUND,
+                    f"no weights named {name!r} here (never pushed, deleted, or its lease ran out); push them again",
+                )
+            self._renew(name)
+            return {"name": name, "versions": sorted(self.named[name]), "lease_s": self.named_ttl}
 
     def _load_folder(self, adapter: str | None, version: int | None, name: str | None) -> dict[str, Any]:
         """``POST /omnirl/v1/weights`` with a folder path (module docstring)."""
@@ -527,6 +580,7 @@ class RolloutService(JsonService):
         if version is not None and not re.fullmatch(r"\d{1,18}", version):
             raise HttpError(HTTPStatus.BAD_REQUEST, f"version {version!r} is not a non-negative integer")
         with self.table:  # the pipeline keeps what it has on it until a batch asks for other weights
+            self._forget_expired()
             held = self.named.get(name) or {}
             versions = sorted(held) if version is None else [int(version)]
             if not held:
@@ -539,7 +593,7 @@ class RolloutService(JsonService):
             for v in versions:
                 del held[v]
             if not held:
-                del self.named[name]
+                del self.named[name], self.leases[name]
         return {"deleted": {"name": name, "versions": versions}, "named_weights": self.named_weights()}
 
     def body_limit(self, path: str) -> tuple[int, str]:
@@ -557,7 +611,12 @@ class RolloutService(JsonService):
         route = parts.path.rstrip("/")
         if route == WEIGHTS_ROUTE:
             return self.load_weights(raw, urllib.parse.parse_qs(parts.query))
-        routes = {ROUTE: self.rollout, IMAGES_ROUTE: self.images, LATENT_ROUTE: self.latent_shape}
+        routes = {
+            ROUTE: self.rollout,
+            IMAGES_ROUTE: self.images,
+            LATENT_ROUTE: self.latent_shape,
+            LEASE_ROUTE: self.renew_lease,
+        }
         if route not in routes:
             raise HttpError(
                 HTTPStatus.NOT_FOUND,

@@ -110,7 +110,11 @@ def serve(
     API for a video family: a form in, the MP4 out), GET/POST/DELETE /omnirl/v1/weights (the
     weights held; swap in another adapter folder, or a LoRA file a trainer pushes with its SHA-256 and
     version, without a restart; forget named weights), GET /health, GET /v1/models. JSON only, no pickle; a malformed or
-    oversized request gets a 4xx and the server keeps serving. When ready it prints its URL (with
+    oversized request gets a 4xx and the server keeps serving: a field of the wrong type is a 400 naming
+    it, a request costing more than --max-request-cost a 413. An adapter folder loads by path only
+    under --weights-root, or on a server with --token-env (403 otherwise). A batch whose client hung up
+    stops at its next denoising step. Named weights not renewed for --named-weights-ttl seconds are
+    forgotten (docs/serving-rollouts.md). When ready it prints its URL (with
     --json, one JSON line on stdout: url, model, weights, pid). `omnirl online --engine remote` pushes
     each new policy version to it.
 

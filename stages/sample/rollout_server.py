@@ -55,16 +55,16 @@ Routes (JSON in and out, never pickle; HTTP, token and size checks in `stages.we
 - ``POST /omnirl/v1/latent_shape`` ``{"resolution": R or [H, W], "frames": F}`` (R a square's side, F
   default 1) → ``{"latent_shape": [...]}``.
 
-Refusals: 400 a malformed request, 401 a missing token, 403 an adapter folder the server may not
-load (above), 404 an unknown route, 409 a rollout that asks
-for other weights than the server holds (or named weights, or a version of them, it does not hold),
-411/413 (`stages.web`), 413 a batch over --max-batch or `max_pixels`, or whose cost (samples × frames
-× height × width × denoising steps, in megapixel-steps) is over --max-request-cost (on every route
-that samples: its message names both), 422 an adapter that does not load (the weights held stay as they were). One request
-runs the model at a time (a lock), so several clients may call the server; a LoRA swap holds that
-lock while it copies, a pipeline loaded beside does not. A batch whose client closed its connection
-(gave up, timed out, was killed) stops before its next denoising step and frees the model for the
-next request; nothing is replied to it (`stages.web.client_gone`).
+Refusals: 400 a malformed request, 401 a missing token, 403 an adapter folder the server may not load
+(above), 404 an unknown route, 409 a rollout that asks for other weights than the server holds (or named
+weights, or a version of them, it does not hold), 411/413 (`stages.web`), 413 a batch over --max-batch
+or `max_pixels`, or whose cost (samples × frames × height × width × denoising steps, in megapixel-steps)
+is over --max-request-cost (on every route that samples: its message names both), 422 an adapter that
+does not load (the weights held stay as they were). One request runs the model at a time (a lock), so
+several clients may call the server; a LoRA swap holds that lock while it copies, a pipeline loaded
+beside does not. A batch whose client closed its connection (gave up, timed out, was killed) stops
+before its next denoising step and frees the model for the next request; nothing is replied to it
+(`stages.web.client_gone`).
 """
 
 from __future__ import annotations

@@ -12,7 +12,9 @@ A `JsonService` decides what a request means; `JsonServer` (threaded) and its ha
 - a refusal replies ``{"error": {"code": STATUS, "message": ...}}`` and the server keeps serving; an
   exception other than `HttpError` is a 500 with its one-line message (and a logged traceback);
 - a route may answer a file instead of JSON (`RawReply`: an MP4 with its headers), and read an HTML
-  form (`parse_form`: ``multipart/form-data`` or urlencoded, as FastAPI's ``Form`` fields take it).
+  form (`parse_form`: ``multipart/form-data`` or urlencoded, as FastAPI's ``Form`` fields take it);
+- a long route may ask whether its client is still there (`client_gone`, between steps) and stop with
+  `ClientGone`: nothing is replied and the connection is closed.
 
 A request whose ``Accept`` names ``application/x-msgpack`` (`MSGPACK`) gets its reply as msgpack, every
 ``{"encoding": "base64", "data": str}`` object in it carried as ``{"encoding": "raw", "data": bytes}``
@@ -26,6 +28,7 @@ timeouts, 502, 503 and 504 (a 500 once); a 4xx never (the request is wrong: `Use
 
 from __future__ import annotations
 
+import contextvars
 import hmac
 import http.client
 import ipaddress
@@ -34,6 +37,7 @@ import logging
 import os
 import random
 import re
+import select
 import socket
 import sys
 import time
@@ -77,6 +81,31 @@ class Payload:
 
     data: bytes
     content_type: str = "application/octet-stream"
+
+
+class ClientGone(Exception):
+    """The client of the request being answered closed its connection: stop, nothing is replied."""
+
+
+_client: contextvars.ContextVar[socket.socket | None] = contextvars.ContextVar("client", default=None)
+
+
+def client_gone() -> bool:
+    """Whether the client of the request this thread answers has closed its connection (its socket
+    reads EOF or fails; peeked, nothing consumed); False outside a request. One non-blocking poll, so a
+    long route may ask between steps. A client that half-closes (shuts its sending side) to wait for the
+    reply counts as gone: HTTP clients do not."""
+    sock = _client.get()
+    if sock is None:
+        return False
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    if not poller.poll(0):
+        return False
+    try:
+        return sock.recv(1, socket.MSG_PEEK) == b""
+    except OSError:  # reset by the peer
+        return True
 
 
 class HttpError(Exception):
@@ -334,9 +363,15 @@ class JsonHandler(BaseHTTPRequestHandler):
         self._reply(error.status, body, close=close)
 
     def _answer(self, call: Any, *args: Any) -> None:
-        """Reply with `call(*args)`, or with the refusal or internal error it raised."""
+        """Reply with `call(*args)`, or with the refusal or internal error it raised (none when the
+        client went away: `ClientGone`)."""
+        client = _client.set(self.connection)
         try:
             reply = call(*args)
+        except ClientGone as exc:
+            logger.info("%s %s: the client went away (%s)", self.command, self.path, exc)
+            self.close_connection = True
+            return
         except HttpError as exc:
             self._refuse(exc)
             return
@@ -345,6 +380,8 @@ class JsonHandler(BaseHTTPRequestHandler):
             message = one_line(f"{type(exc).__name__}: {exc}")
             self._refuse(HttpError(HTTPStatus.INTERNAL_SERVER_ERROR, message))
             return
+        finally:
+            _client.reset(client)
         self._reply(HTTPStatus.OK, reply)
 
     def do_GET(self) -> None:

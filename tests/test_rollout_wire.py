@@ -89,7 +89,10 @@ def test_a_request_carries_height_and_width_and_a_square_as_one_side(resolution:
     request = json.loads(json.dumps(encode_request("r", cfg, ["p"], [""], [1], [1], [0], ["s"], {})))
     assert decode_request(request, max_samples=4).cfg.guidance_2 == 2.0
     bad = {**request, "sampling_params": {**request["sampling_params"], "resolution": "wide"}}
-    with pytest.raises(ProtocolError, match="--resolution 'wide'"):
+    with pytest.raises(
+        ProtocolError,
+        match=r"sampling_params.resolution must be an integer or \[an integer, an integer\], not 'wide'",
+    ):
         decode_request(bad, max_samples=4)
 
 

@@ -10,15 +10,18 @@ returns the PNGs asked for.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import http.client
 import io
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.parse
 from collections.abc import Iterator
@@ -86,6 +89,21 @@ def _request(
         conn.close()
 
 
+@contextlib.contextmanager
+def _serving(service: Any) -> Iterator[str]:
+    """`service` (a `RolloutService` built here) behind a `JsonServer` in a thread; its URL."""
+    from stages.web import JsonServer
+
+    srv = JsonServer(service)
+    thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield srv.url
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
 @pytest.fixture(scope="module")
 def prompts(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("serve") / "prompts.txt"
@@ -94,9 +112,11 @@ def prompts(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_sd3: Path) -> Iterator[Server]:
-    """A server of the tiny SD3 at most 6 samples a request and 1 MiB a body."""
-    srv = Server(tiny_sd3, "--max-batch", "6", "--max-request-mb", "1")
+def server(tiny_sd3: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A server of the tiny SD3 at most 6 samples, 1 MiB and 1 megapixel-step (10^6 pixel-steps) a request,
+    loading adapter folders under the tests' temporary folder."""
+    limits = ("--max-batch", "6", "--max-request-mb", "1", "--max-request-cost", "1")
+    srv = Server(tiny_sd3, *limits, "--weights-root", str(tmp_path_factory.getbasetemp()))
     yield srv
     code, err = srv.stop()
     assert code == 0 and "Traceback" not in err, err
@@ -513,6 +533,54 @@ def test_named_weights_let_two_trainers_share_a_server_and_a_request_pin_a_versi
     assert code == 0 and "Traceback" not in err, err
 
 
+def test_the_names_of_killed_trainers_run_out_so_a_17th_run_gets_a_place(
+    tiny_sd3: Path, tmp_path: Path
+) -> None:
+    """15 trainers push named weights and are killed (never renew, never DELETE); one more keeps running:
+    the server then holds 16 names, its --max-named-weights, and a 17th run is 409. Once the killed
+    ones' leases (--named-weights-ttl 2) run out they are forgotten, the running trainer's (renewed by
+    its engine's heartbeat) is kept, and the 17th run gets its place."""
+    from stages.sample.engines import EngineOptions
+    from stages.sample.remote_engine import RemoteEngine
+
+    raw = _random_lora(tiny_sd3, 1, tmp_path / "lora")
+    digest = hashlib.sha256(raw).hexdigest()
+
+    def push(url: str, name: str) -> tuple[int, Any]:
+        query = urllib.parse.urlencode({"name": name, "sha256": digest, "version": 0})
+        return _request(url, "POST", f"/omnirl/v1/weights?{query}", raw=raw)
+
+    srv = Server(tiny_sd3, "--named-weights-ttl", "2")
+    try:
+        alive = RemoteEngine.open(
+            EngineOptions(model=tiny_sd3, server_url=srv.url, pushed_weights=True, weights_name="alive"),
+            "cpu",
+        )
+        assert alive.push_weights(raw, 0)["weights"]["lease_s"] == 2
+        t0 = time.monotonic()
+        for i in range(15):
+            assert push(srv.url, f"killed-{i}")[0] == 200
+        held = _request(srv.url, "GET", "/omnirl/v1/weights")[1]["named_weights"]
+        assert len(held) == 16 and 0 < held["killed-0"]["lease_left_s"] <= 2
+        status, reply = push(srv.url, "run-17")
+        assert (
+            status == 409 and "holds 16 named weights, its --max-named-weights" in reply["error"]["message"]
+        )
+        time.sleep(max(0.0, t0 + 2.5 - time.monotonic()))  # the killed ones' leases run out
+        status, reply = push(srv.url, "run-17")
+        assert status == 200 and reply["weights"]["name"] == "run-17", reply
+        assert set(_request(srv.url, "GET", "/omnirl/v1/weights")[1]["named_weights"]) == {"alive", "run-17"}
+        status, reply = _request(srv.url, "POST", "/omnirl/v1/weights/lease", {"name": "killed-0"})
+        assert status == 404 and "its lease ran out" in reply["error"]["message"]
+        status, reply = _request(srv.url, "POST", "/omnirl/v1/weights/lease", {"name": "run-17"})
+        assert status == 200 and reply == {"name": "run-17", "versions": [0], "lease_s": 2}
+        alive.close()  # stops the heartbeat, forgets "alive"
+        assert set(_request(srv.url, "GET", "/omnirl/v1/weights")[1]["named_weights"]) == {"run-17"}
+    finally:
+        code, err = srv.stop()
+    assert code == 0 and "Traceback" not in err, err
+
+
 def test_malformed_and_oversized_requests_get_4xx_and_the_server_keeps_serving(server: Server) -> None:
     good = _rollout_body()
     bad_seed = _rollout_body()
@@ -531,7 +599,8 @@ def test_malformed_and_oversized_requests_get_4xx_and_the_server_keeps_serving(s
         (409, "POST", "/omnirl/v1/rollout", {**good, "weights": {"model_sha256": "0" * 64}}, None),
         (404, "POST", "/omnirl/v1/nothing", {}, None),
         (404, "GET", "/nothing", None, None),
-        (422, "POST", "/omnirl/v1/weights", {"adapter": "/no/such/adapter"}, None),
+        (403, "POST", "/omnirl/v1/weights", {"adapter": "/no/such/adapter"}, None),  # outside --weights-root
+        (422, "POST", "/omnirl/v1/weights", {"adapter": "."}, None),  # the root: not an adapter folder
         (400, "POST", "/v1/images/generations", {"prompt": "x", "n": 11}, None),
         (400, "POST", "/v1/images/generations", {"prompt": "x", "size": "32x36"}, None),
         (400, "POST", "/omnirl/v1/latent_shape", {"resolution": [32, 0]}, None),
@@ -551,23 +620,139 @@ def test_malformed_and_oversized_requests_get_4xx_and_the_server_keeps_serving(s
     assert _request(server.url, "GET", "/health")[0] == 200
 
 
-def test_a_token_guards_everything_but_health(tiny_sd3: Path) -> None:
-    import threading
+def test_a_sampling_param_of_another_type_or_not_finite_is_400_naming_it(server: Server) -> None:
+    """Every ``sampling_params`` field is checked against its type (`SampleConfig`'s) before anything
+    runs: a string for a number, a non-finite number, a number for a flag is a 400 naming the field."""
+    cases = {
+        "steps": ("abc", "must be an integer, not 'abc'"),
+        "guidance": ("x", "must be a finite number, not 'x'"),
+        "noise_level": (float("nan"), "must be a finite number, not nan"),
+        "fps": (float("inf"), "must be a finite number, not inf"),
+        "roll_back": (1, "must be true or false, not 1"),
+        "window_range": ([0, "4"], "must be [an integer, an integer] or null, not [0, '4']"),
+        "resolution": ("big", "must be an integer or [an integer, an integer], not 'big'"),
+    }
+    for key, (value, words) in cases.items():
+        body = _rollout_body()
+        body["sampling_params"][key] = value
+        raw = json.dumps(body).encode()  # NaN and Infinity as Python's json writes (and reads) them
+        status, reply = _request(server.url, "POST", "/omnirl/v1/rollout", raw=raw)
+        assert status == 400, (key, reply)
+        assert reply["error"]["message"] == f"sampling_params.{key} {words}", reply
+    assert _request(server.url, "POST", "/omnirl/v1/rollout", _rollout_body())[0] == 200
 
+
+def test_a_request_over_the_cost_limit_is_413_naming_the_limit_and_its_cost(server: Server) -> None:
+    """--max-request-cost 1 (megapixel-step): each route that samples refuses a request over it before
+    running it, naming the limit and what the request costs; one under it is served."""
+    images = {"prompt": "x", "n": 2, "size": "64x32", "num_inference_steps": 200}  # 0.8192 Mpx-steps
+    assert _request(server.url, "POST", "/v1/images/generations", images)[0] == 200
+    for path, body, cost in [
+        ("/omnirl/v1/rollout", _rollout_body(steps=500), "1.024 megapixel-steps (2 samples of 32x32 pixels × 500 steps)"),
+        ("/v1/images/generations", {**images, "n": 3}, "1.2288 megapixel-steps (3 samples of 32x64 pixels × 200 steps)"),
+    ]:  # fmt: skip
+        status, reply = _request(server.url, "POST", path, body)
+        assert status == 413, reply
+        assert reply["error"]["message"] == (
+            f"the request costs {cost}, more than the server's --max-request-cost 1; "
+            "send fewer samples or steps per request"
+        )
+
+
+def test_an_abandoned_batch_stops_at_the_next_step_and_frees_the_model(
+    tiny_sd3: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client that sends a 1000-step batch and hangs up after 3 steps: the server stops that batch
+    at its next denoising step (the transformer runs a step or two more, not 997), replies nothing, and
+    the next client's 2-step batch takes about its time alone."""
     from stages.sample.rollout_server import RolloutService
-    from stages.web import JsonServer
 
-    srv = JsonServer(RolloutService(tiny_sd3, token="s3cret"))
-    thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    try:
-        assert _request(srv.url, "GET", "/health")[0] == 200
-        assert _request(srv.url, "GET", "/v1/models")[0] == 401
-        assert _request(srv.url, "POST", "/omnirl/v1/rollout", _rollout_body())[0] == 401
-        assert _request(srv.url, "GET", "/v1/models", headers={"Authorization": "Bearer s3cret"})[0] == 200
-    finally:
-        srv.shutdown()
-        srv.server_close()
+    service = RolloutService(tiny_sd3)
+    policy = service.engine.policy
+    forwards: list[int] = []
+    velocity = policy.velocity
+    monkeypatch.setattr(policy, "velocity", lambda *a, **k: forwards.append(1) or velocity(*a, **k))
+    with _serving(service) as url:
+        short = _rollout_body(steps=2, resolution=64)
+        t0 = time.perf_counter()
+        assert _request(url, "POST", "/omnirl/v1/rollout", short)[0] == 200  # also warms up
+        alone = time.perf_counter() - t0
+        forwards.clear()
+        parts = urllib.parse.urlsplit(url)
+        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+        body = json.dumps(_rollout_body(steps=1000, resolution=64)).encode()
+        conn.request("POST", "/omnirl/v1/rollout", body, {"Content-Type": "application/json"})
+        deadline = time.monotonic() + 60
+        while len(forwards) < 3 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        at_hang_up = len(forwards)
+        conn.close()  # the client gives up
+        t0 = time.perf_counter()
+        status, reply = _request(url, "POST", "/omnirl/v1/rollout", short)
+        after = time.perf_counter() - t0
+        assert status == 200 and len(reply["media"]) == 2
+        abandoned = len(forwards) - 2  # the 2-step batch ran 2
+        print(
+            f"\nabandoned after {at_hang_up} steps, ran {abandoned}; next batch {after:.2f} s, alone {alone:.2f} s"
+        )
+        assert 3 <= at_hang_up <= abandoned <= at_hang_up + 2
+        assert after < 3 * alone + 1.0
+
+
+def test_a_token_guards_everything_but_health(tiny_sd3: Path) -> None:
+    from stages.sample.rollout_server import RolloutService
+
+    with _serving(RolloutService(tiny_sd3, token="s3cret")) as url:
+        assert _request(url, "GET", "/health")[0] == 200
+        assert _request(url, "GET", "/v1/models")[0] == 401
+        assert _request(url, "POST", "/omnirl/v1/rollout", _rollout_body())[0] == 401
+        assert _request(url, "GET", "/v1/models", headers={"Authorization": "Bearer s3cret"})[0] == 200
+
+
+def test_a_folder_loads_by_path_only_under_the_weights_root_or_with_a_token(
+    tiny_sd3: Path, tmp_path: Path
+) -> None:
+    """A path in POST /omnirl/v1/weights makes the server read with its own rights: under --weights-root
+    it loads (a relative path is taken there), outside it (a symlink resolved first) it is 403 with the
+    same reply whether the folder exists or not; without a root a server loads a folder by path only
+    when it has a token. A pushed LoRA file reads nothing of the server's and needs neither."""
+    from stages.sample.rollout_server import RolloutService
+
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    raw = _random_lora(tiny_sd3, 1, root / "run" / "it3", step=3)
+    _random_lora(tiny_sd3, 1, outside, step=4)
+    (root / "escape").symlink_to(outside)
+    weights = "/omnirl/v1/weights"
+    with _serving(RolloutService(tiny_sd3)) as url:  # no root, no token: no folder by path
+        for path in (str(outside), str(tmp_path / "missing")):
+            status, reply = _request(url, "POST", weights, {"adapter": path})
+            assert status == 403 and "start it with --weights-root DIR" in reply["error"]["message"]
+        query = urllib.parse.urlencode({"sha256": hashlib.sha256(raw).hexdigest(), "version": 6})
+        status, reply = _request(url, "POST", f"{weights}?{query}", raw=raw)
+        assert status == 200 and reply["weights"]["version"] == 6  # a pushed file still loads
+        assert _request(url, "POST", weights, {"adapter": None})[0] == 200  # and the base model
+    with _serving(RolloutService(tiny_sd3, weights_root=root)) as url:
+        status, reply = _request(url, "POST", weights, {"adapter": "run/it3"})
+        assert status == 200 and reply["weights"]["adapter"] == str((root / "run" / "it3").resolve())
+        assert reply["weights"]["version"] == 3
+        assert _request(url, "POST", weights, {"adapter": str(root / "run" / "it3"), "version": 5})[0] == 200
+        refusals = [
+            _request(url, "POST", weights, {"adapter": path})
+            for path in (str(outside), "escape", "../outside", str(root / "missing"))
+        ]
+        shutil.rmtree(outside)
+        refusals.append(_request(url, "POST", weights, {"adapter": str(outside)}))  # gone now
+        assert all(r == refusals[0] for r in refusals), refusals
+        status, reply = refusals[0]
+        assert status == 403 and reply["error"]["message"].startswith(
+            "adapter: no such folder under this server's --weights-root;"
+        )
+        assert _request(url, "GET", weights)[1]["weights"]["version"] == 5  # the refusals changed nothing
+    _random_lora(tiny_sd3, 1, outside, step=4)
+    bearer = {"Authorization": "Bearer s3cret"}
+    with _serving(RolloutService(tiny_sd3, token="s3cret")) as url:  # a token holder names any folder
+        status, reply = _request(url, "POST", weights, {"adapter": str(outside)}, headers=bearer)
+        assert status == 200 and reply["weights"]["version"] == 4
 
 
 # ---- vLLM-Omni's images API -------------------------------------------------------------------------

@@ -62,10 +62,42 @@ def serve(
             "--max-named-weights",
             min=1,
             help="Named weights (trainers sharing the server, each up to 2 LoRA versions) held at once; a "
-            "push of one more name is 409 until DELETE /omnirl/v1/weights?name=NAME forgets one.",
+            "push of one more name is 409 until DELETE /omnirl/v1/weights?name=NAME forgets one, or one's "
+            "lease runs out (--named-weights-ttl).",
             rich_help_panel=SERVER,
         ),
     ] = 16,
+    named_weights_ttl: Annotated[
+        int,
+        typer.Option(
+            "--named-weights-ttl",
+            min=1,
+            help="Seconds named weights are held without a push, a rollout naming them or a POST "
+            "/omnirl/v1/weights/lease (the heartbeat of `omnirl online --engine remote`); then they are "
+            "forgotten, so a killed trainer's name frees its place.",
+            rich_help_panel=SERVER,
+        ),
+    ] = 600,
+    max_request_cost: Annotated[
+        int,
+        typer.Option(
+            "--max-request-cost",
+            min=1,
+            help="Most work one request may ask for, in megapixel-steps: samples × frames × height × width "
+            "× denoising steps / 10^6 (413 above, naming both; e.g. 8 samples of 1024x1024 at 40 steps: 335).",
+            rich_help_panel=SERVER,
+        ),
+    ] = 10_000,
+    weights_root: Annotated[
+        Path | None,
+        typer.Option(
+            "--weights-root",
+            help="Folder under which POST /omnirl/v1/weights may load adapter folders by path (symlinks "
+            "resolved first; any other path is 403, alike whether it exists). Without it only a server "
+            "with --token-env loads folders by path, any folder; pushed LoRA files need neither.",
+            rich_help_panel=SERVER,
+        ),
+    ] = None,
     config: ConfigOpt = None,
     set_: SetOpt = None,
     json_: JsonOpt = False,
@@ -78,7 +110,11 @@ def serve(
     API for a video family: a form in, the MP4 out), GET/POST/DELETE /omnirl/v1/weights (the
     weights held; swap in another adapter folder, or a LoRA file a trainer pushes with its SHA-256 and
     version, without a restart; forget named weights), GET /health, GET /v1/models. JSON only, no pickle; a malformed or
-    oversized request gets a 4xx and the server keeps serving. When ready it prints its URL (with
+    oversized request gets a 4xx and the server keeps serving: a field of the wrong type is a 400 naming
+    it, a request costing more than --max-request-cost a 413. An adapter folder loads by path only
+    under --weights-root, or on a server with --token-env (403 otherwise). A batch whose client hung up
+    stops at its next denoising step. Named weights not renewed for --named-weights-ttl seconds are
+    forgotten (docs/serving-rollouts.md). When ready it prints its URL (with
     --json, one JSON line on stdout: url, model, weights, pid). `omnirl online --engine remote` pushes
     each new policy version to it.
 
@@ -102,6 +138,9 @@ def serve(
         max_batch=c["max_batch"],
         max_weights_bytes=c["max_weights_mb"] * 2**20,
         max_named=c["max_named_weights"],
+        max_cost=c["max_request_cost"],
+        weights_root=c["weights_root"],
+        named_ttl=c["named_weights_ttl"],
     )
     serve_until_stopped(
         lambda host, port: JsonServer(service, host, port),

@@ -220,7 +220,9 @@ class DiffusersEngine(RolloutEngine):
         *,
         groups: Sequence[Hashable],
         sample_ids: Sequence[str],
+        on_step: Callable[[int], None] | None = None,
     ) -> dict[str, Any]:
+        """`rollout_batch` on this engine's policy; `on_step(i)` before each denoising step may stop it."""
         from stages.sample.rollout import rollout_batch
 
         return rollout_batch(
@@ -233,6 +235,7 @@ class DiffusersEngine(RolloutEngine):
             groups=groups,
             sample_ids=sample_ids,
             decode=self.decode,
+            on_step=on_step,
         )
 
     def latent_shape(self, resolution: Resolution, frames: int = 1) -> tuple[int, ...]:

@@ -21,7 +21,10 @@ retried like a batch, since the same bytes and version may be sent twice), its r
 adapter the server holds, and each sample records the version the server used. With
 `EngineOptions.weights_name` its pushes and requests name its weights, so several trainers share one
 server without overwriting each other's, and `pin_weights` makes the requests ask for one version (409
-when the server no longer holds it).
+when the server no longer holds it). The server holds a name on a lease (``lease_s`` in the push's
+reply) that each push and batch renews; while it holds named weights the engine also renews it from a
+thread every third of the lease (``POST /omnirl/v1/weights/lease``), so a long update does not lose
+them, while a killed run's name runs out and frees its place. `close` stops that and forgets them.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import threading
 import urllib.parse
 from collections.abc import Hashable, Sequence
 from typing import Any
@@ -50,6 +54,7 @@ from stages.web import JsonClient, Retryable, one_line
 logger = logging.getLogger(__name__)
 
 WEIGHTS_ROUTE = "/omnirl/v1/weights"
+LEASE_ROUTE = "/omnirl/v1/weights/lease"
 CLOSE_TIMEOUT_S = 10.0  # the one DELETE `close` sends
 START_HINT = "start it with `omnirl serve --model M --port P` and pass --server-url http://HOST:P"
 
@@ -97,6 +102,7 @@ class RemoteEngine(RolloutEngine):
         self.server_weights = dict(health.get("weights") or {})
         self.pushed = pushed  # the run pushes its weights: samples record the version the server used
         self.pushed_named = False  # this engine pushed named weights, which `close` forgets
+        self.heartbeat: threading.Event | None = None  # set to stop renewing their lease (`_keep_lease`)
 
     @classmethod
     def open(cls, options: EngineOptions, device: Any) -> RemoteEngine:
@@ -185,12 +191,33 @@ class RemoteEngine(RolloutEngine):
             )
         self.server_weights = dict(held)
         self.pushed_named = "name" in self.weights
+        lease = held.get("lease_s")
+        if self.pushed_named and self.heartbeat is None and isinstance(lease, (int, float)) and lease > 0:
+            self._keep_lease(float(lease))
         return reply
 
+    def _keep_lease(self, lease: float) -> None:
+        """Renew the lease of this engine's named weights every `lease` / 3 seconds from a daemon thread,
+        until `close`; a failed renewal is logged (the next one, a push or a batch may still make it)."""
+        stop = self.heartbeat = threading.Event()
+        body = {"name": self.weights["name"]}
+
+        def beat() -> None:
+            while not stop.wait(lease / 3):
+                try:
+                    self.client.once(LEASE_ROUTE, body, min(CLOSE_TIMEOUT_S, lease / 3))
+                except (UserInputError, Retryable) as exc:
+                    logger.warning("could not renew weights %r on %s: %s", body["name"], self.client.url, exc)
+
+        threading.Thread(target=beat, name=f"lease {body['name']}", daemon=True).start()
+
     def close(self) -> None:
-        """Forget the named weights this engine pushed (``DELETE /omnirl/v1/weights?name=``), so a
-        finished run leaves the shared server's table; one try of `CLOSE_TIMEOUT_S`, a failure is
+        """Stop renewing the lease of the named weights this engine pushed and forget them (``DELETE
+        /omnirl/v1/weights?name=``), so a finished run leaves the shared server's table; one try of `CLOSE_TIMEOUT_S`, a failure is
         logged, never raised."""
+        if self.heartbeat is not None:
+            self.heartbeat.set()
+            self.heartbeat = None
         if not self.pushed_named:
             return
         self.pushed_named = False

@@ -12,7 +12,7 @@ the latents as stored, and `omnirl logprob` replays them exactly.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
@@ -145,6 +145,7 @@ def rollout_batch(
     groups: Sequence[Hashable],
     sample_ids: Sequence[str],
     decode: bool = True,
+    on_step: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
     """Denoise one batch of B samples; returns the recorded columns (tensors with leading dim B).
 
@@ -161,6 +162,9 @@ def rollout_batch(
 
     Without `decode` (`sample --defer-decode`) the VAE is never run: no media column, only the final
     latent, which `stages.media.deferred.LatentDecoder` decodes later to the same pixels.
+
+    `on_step(i)` is called before each denoising step i (0-based); what it raises stops the batch there
+    (`omnirl serve` stops a batch whose client went away).
     """
     with autocast(cfg.mixed_precision, policy.device):  # every model forward, as `logprob` replays
         batch = len(prompts)
@@ -175,6 +179,8 @@ def rollout_batch(
         latents: list[list[torch.Tensor]] = [[] for _ in range(batch)]
         log_probs: list[list[torch.Tensor]] = [[] for _ in range(batch)]
         for i in range(cfg.steps):
+            if on_step is not None:
+                on_step(i)
             v = policy.velocity(x.float(), sigmas[i], cond, cfg.guidance, cfg.guidance_2)
             rows = [b for b in range(batch) if i in windows[b]]
             if len(rows) < batch:  # a deterministic step for the samples outside their window

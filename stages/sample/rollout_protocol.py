@@ -15,7 +15,9 @@ weights the client expects: the model's digest (null: any weights) with the adap
 model; left out: any adapter, for a run that pushes its own) and a version (null or left out: any); a
 server holding other weights answers 409. With a ``name`` the request asks for the weights pushed under
 that name (several trainers share one server, each with its own LoRA): the version given (null or left
-out: the latest it holds), 409 when the server no longer holds that version. Reply::
+out: the latest it holds), 409 when the server no longer holds that version. Each ``sampling_params``
+field has the type of its `SampleConfig` field (`PARAMS_SCHEMA`; numbers finite): any other value is
+a 400 naming the field, before anything runs. Reply::
 
     {"protocol", "version", "request_id", "weight_version": int, "finish_reason": "stop",
      "media": [{"format": "png" | "mp4", "encoding": "base64", "data": str}],  # one per sample, in order
@@ -42,10 +44,13 @@ from __future__ import annotations
 import base64
 import binascii
 import logging
+import math
 import re
+import types
+import typing
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
-from typing import Any, TypeVar
+from typing import Any, TypeVar, Union
 
 from stages.errors import RuntimeFailure, UserInputError
 from stages.media import FRAMES_COLUMN, MEDIA_FORMATS, has_signature, media_column
@@ -153,6 +158,59 @@ def encode_request(
     }
 
 
+def _params_schema() -> dict[str, Any]:
+    """The type of each ``sampling_params`` field: `SampleConfig`'s annotation, but the resolution, which
+    the wire carries as one side (a square) or [height, width] (`wire_resolution`)."""
+    hints = typing.get_type_hints(SampleConfig)
+    schema = {f.name: hints[f.name] for f in fields(SampleConfig) if f.name != "batch_size"}
+    return {**schema, "resolution": int | tuple[int, int]}
+
+
+PARAMS_SCHEMA = _params_schema()
+_TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a finite number", str: "a string"}
+
+
+def _type_name(hint: Any) -> str:
+    """How a request spells a value of `hint` (for a refusal): "an integer", "[an integer, ...]"."""
+    if typing.get_origin(hint) in (Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else _type_name(a) for a in typing.get_args(hint))
+    if typing.get_origin(hint) is tuple:
+        return f"[{', '.join(_type_name(a) for a in typing.get_args(hint))}]"
+    return _TYPE_NAMES[hint]
+
+
+def _is_a(value: Any, hint: Any) -> bool:
+    """Whether a JSON `value` is of `hint`: bool, int (not a bool), float (a finite int or float), str,
+    None, a fixed-length tuple (a list) or a union of those."""
+    origin = typing.get_origin(hint)
+    if origin in (Union, types.UnionType):
+        return any(_is_a(value, a) for a in typing.get_args(hint))
+    if origin is tuple:
+        args = typing.get_args(hint)
+        return isinstance(value, list) and len(value) == len(args) and all(map(_is_a, value, args))
+    if hint is type(None):
+        return value is None
+    if isinstance(value, bool) or hint is bool:
+        return hint is bool and isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and math.isfinite(value)
+    return isinstance(value, hint)
+
+
+def _check_params(params: dict[str, Any]) -> None:
+    """`ProtocolError` naming the first ``sampling_params`` field that is unknown or not of its type
+    (`PARAMS_SCHEMA`); ranges are `SampleConfig.validate`'s."""
+    unknown = sorted(set(params) - set(PARAMS_SCHEMA))
+    if unknown:
+        raise ProtocolError(f"sampling_params has unknown fields {unknown}")
+    for key, value in params.items():
+        if not _is_a(value, PARAMS_SCHEMA[key]):
+            shown = repr(value)[:40]
+            raise ProtocolError(
+                f"sampling_params.{key} must be {_type_name(PARAMS_SCHEMA[key])}, not {shown}"
+            )
+
+
 def _seed(value: Any, where: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_SEED:
         raise ProtocolError(f"{where} must be an integer in [0, 2^63)")
@@ -177,13 +235,10 @@ def decode_request(body: dict[str, Any], *, max_samples: int) -> RolloutRequest:
     params, samples, weights = body.get("sampling_params"), body.get("samples"), body.get("weights") or {}
     if not isinstance(params, dict):
         raise ProtocolError("sampling_params must be an object")
-    known = {f.name for f in fields(SampleConfig)} - {"batch_size"}
-    unknown = sorted(set(params) - known)
-    if unknown:
-        raise ProtocolError(f"sampling_params has unknown fields {unknown}")
+    _check_params(params)
     try:
         cfg = SampleConfig.from_options(params)
-    except (TypeError, UserInputError) as exc:
+    except UserInputError as exc:
         raise ProtocolError(f"sampling_params: {exc}") from None
     if not isinstance(samples, list) or not samples:
         raise ProtocolError("samples must be a non-empty list")

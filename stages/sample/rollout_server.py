@@ -24,7 +24,11 @@ Routes (JSON in and out, never pickle; HTTP, token and size checks in `stages.we
 - ``GET /omnirl/v1/weights`` the weights held; ``POST /omnirl/v1/weights`` changes them without a
   restart and answers ``{"weights", "load": {"how", "seconds"}}``, either
   - a JSON body ``{"adapter": PATH | null, "version": int | null}``: an adapter folder on the server's
-    file system (null: the base model); version defaults to the adapter's step; or
+    file system (null: the base model); version defaults to the adapter's step. A path makes the server
+    read with its own rights, so it loads only under --weights-root (a relative PATH is taken there;
+    symlinks are resolved first) and, without one, only for a server with a token (its holders may
+    name any folder); any other path is 403 with one reply, whether it exists or not (`_adapter_folder`);
+    or
   - a pushed LoRA: ``?sha256=HEX&version=N`` with the bytes of a diffusers LoRA file as the body
     (`stages.models.lora_weights`, what `omnirl update` writes as pytorch_lora_weights.safetensors), at
     most --max-weights-mb; the body's SHA-256 must be HEX (400 otherwise); the weights record it as
@@ -37,24 +41,37 @@ Routes (JSON in and out, never pickle; HTTP, token and size checks in `stages.we
   weights as they are: several trainers share the server, each rollout request naming its weights
   (``weights.name``, optionally pinning ``weights.version``; 409 for a name or version not held) and
   the pipeline swapping them in before the batch when another batch used other weights; a push of a
-  new name when the server holds --max-named-weights names is 409 (delete one first);
+  new name when the server holds --max-named-weights names is 409 (delete one first). Each name is
+  held on a lease of --named-weights-ttl seconds (``lease_s`` in the push's reply), renewed by every
+  push, rollout request and ``POST /omnirl/v1/weights/lease`` naming it: a name not renewed for that
+  long (its trainer was killed) is forgotten, before any use of the table (so before the cap is
+  checked);
+- ``POST /omnirl/v1/weights/lease`` ``{"name": NAME}`` renews the lease of named weights NAME (a
+  trainer's heartbeat while it trains), answering ``{"name", "versions", "lease_s"}``; 404 when not
+  held (never pushed, deleted, or expired);
 - ``DELETE /omnirl/v1/weights?name=NAME[&version=N]`` forgets named weights NAME (every version, or
   version N), answering ``{"deleted": {"name", "versions"}, "named_weights"}``; 404 when not held
   (`omnirl online` deletes its own at the end of a run);
 - ``POST /omnirl/v1/latent_shape`` ``{"resolution": R or [H, W], "frames": F}`` (R a square's side, F
   default 1) → ``{"latent_shape": [...]}``.
 
-Refusals: 400 a malformed request, 401 a missing token, 404 an unknown route, 409 a rollout that asks
-for other weights than the server holds (or named weights, or a version of them, it does not hold), 411/413 (`stages.web`), 413 a batch over --max-batch or
-`max_pixels`, 422 an adapter that does not load (the weights held stay as they were). One request
-runs the model at a time (a lock), so several clients may call the server; a LoRA swap holds that
-lock while it copies, a pipeline loaded beside does not.
+Refusals: 400 a malformed request, 401 a missing token, 403 an adapter folder the server may not load
+(above), 404 an unknown route, 409 a rollout that asks for other weights than the server holds (or named
+weights, or a version of them, it does not hold), 411/413 (`stages.web`), 413 a batch over --max-batch
+or `max_pixels`, or whose cost (samples × frames × height × width × denoising steps, in megapixel-steps)
+is over --max-request-cost (on every route that samples: its message names both), 422 an adapter that
+does not load (the weights held stay as they were). One request runs the model at a time (a lock), so
+several clients may call the server; a LoRA swap holds that lock while it copies, a pipeline loaded
+beside does not. A batch whose client closed its connection (gave up, timed out, was killed) stops
+before its next denoising step and frees the model for the next request; nothing is replied to it
+(`stages.web.client_gone`).
 """
 
 from __future__ import annotations
 
 import base64
 import hashlib
+import logging
 import re
 import secrets
 import threading
@@ -79,19 +96,30 @@ from stages.sample.rollout_protocol import (
     encode_response,
     refuse_settings,
 )
-from stages.web import HttpError, JsonService, RawReply, parse_form, parse_json_object
+from stages.web import (
+    ClientGone,
+    HttpError,
+    JsonService,
+    RawReply,
+    client_gone,
+    parse_form,
+    parse_json_object,
+)
 
+logger = logging.getLogger(__name__)
 IMAGES_ROUTE = "/v1/images/generations"
 VIDEOS_ROUTE = "/v1/videos/sync"
 VIDEO_FPS = 24  # vLLM-Omni's default frames per second of /v1/videos
 WEIGHTS_ROUTE = "/omnirl/v1/weights"
 LATENT_ROUTE = "/omnirl/v1/latent_shape"
+LEASE_ROUTE = "/omnirl/v1/weights/lease"
 PUSHED = "pushed"  # the `adapter` of weights a client pushed as a LoRA file
 # versions of each named weights the server keeps (the latest pushed): a sampler at --max-staleness 1
 # pins the version before the one its trainer pushes meanwhile
 KEEP_VERSIONS = 2
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 MAX_PIXELS = 2**26  # pixels in one request (samples × frames × height × width)
+MEGA = 10**6  # --max-request-cost counts megapixel-steps
 MAX_SIDE = 8192  # pixels of one side
 MAX_FRAMES = 4096  # frames of one sample
 _SIZE_RE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
@@ -140,6 +168,13 @@ def _resolution_field(body: dict[str, Any], key: str) -> tuple[int, int]:
     return height, width
 
 
+def _stop_if_gone(step: int) -> None:
+    """`on_step` of a batch: `ClientGone` when its client closed the connection, so the model goes to
+    the next request instead of samples no one will read."""
+    if client_gone():
+        raise ClientGone(f"its batch stopped before denoising step {step}")
+
+
 class RolloutService(JsonService):
     """What `omnirl serve` does with a request, apart from HTTP (module docstring)."""
 
@@ -157,6 +192,9 @@ class RolloutService(JsonService):
         max_pixels: int = MAX_PIXELS,
         max_weights_bytes: int = 1024 * 2**20,
         max_named: int = 16,
+        max_cost: int = 10_000,
+        weights_root: str | Path | None = None,
+        named_ttl: float = 600.0,
     ):
         from stages.models.diffusion import check_pipeline_folder
         from stages.models.factory import default_text_length
@@ -169,10 +207,15 @@ class RolloutService(JsonService):
         self.served_name = served_name or self.model.name
         self.max_batch = max_batch
         self.max_pixels = max_pixels
+        self.max_cost = max_cost  # megapixel-steps of one request (samples × frames × pixels × steps / 10^6)
         self.text_length = default_text_length(self.model)
         self.model_sha256 = content_digest(self.model, "--model")
         self.max_weights_bytes = max_weights_bytes
         self.max_named = max_named  # names of named weights held at once (each up to KEEP_VERSIONS LoRAs)
+        self.named_ttl = named_ttl  # seconds a name is held without a renewal (`_renew`)
+        self.weights_root = None if weights_root is None else Path(weights_root).resolve()
+        if self.weights_root is not None and not self.weights_root.is_dir():
+            raise UserInputError(f"--weights-root {weights_root}: not a folder; create it or pass another")
         self.lock = threading.Lock()  # the model runs one request at a time
         self.loading = threading.Lock()  # one adapter loads at a time
         self.weights = self._start(adapter)
@@ -184,6 +227,7 @@ class RolloutService(JsonService):
         # `active_entry` the table entry it was copied from (a version pushed again is a new entry)
         self.table = threading.Lock()
         self.named: dict[str, dict[int, tuple[Any, Any, dict[str, Any]]]] = {}
+        self.leases: dict[str, float] = {}  # name → when (time.monotonic) it is forgotten unless renewed
         self.active: tuple[str, int] | None = None
         self.active_entry: tuple[Any, Any, dict[str, Any]] | None = None
         self.default_lora: tuple[Any, Any] | None = None
@@ -245,6 +289,7 @@ class RolloutService(JsonService):
             )
         version = record["version"]
         with self.table:  # a version on the pipeline now is swapped anew by the next batch asking for it
+            self._forget_expired()
             if name not in self.named and len(self.named) >= self.max_named:
                 raise HttpError(
                     HTTPStatus.CONFLICT,
@@ -256,7 +301,22 @@ class RolloutService(JsonService):
             held[version] = (layers, config, record)
             while len(held) > KEEP_VERSIONS:
                 held.pop(next(iter(held)))  # the oldest pushed
-            return {"how": "stored", "weights": {**record, "versions": sorted(held)}}
+            self._renew(name)
+            return {
+                "how": "stored",
+                "weights": {**record, "versions": sorted(held), "lease_s": self.named_ttl},
+            }
+
+    def _forget_expired(self) -> None:
+        """Forget the named weights whose lease ran out (the caller holds `table`)."""
+        now = time.monotonic()
+        for name in [n for n, until in self.leases.items() if until <= now]:
+            del self.named[name], self.leases[name]
+            logger.info("forgot weights %r: no push, batch or lease renewal for %g s", name, self.named_ttl)
+
+    def _renew(self, name: str) -> None:
+        """Hold the named weights `name` --named-weights-ttl seconds more (the caller holds `table`)."""
+        self.leases[name] = time.monotonic() + self.named_ttl
 
     def _activate(
         self, target: tuple[str, int] | None, entry: tuple[Any, Any, dict[str, Any]] | None = None
@@ -307,11 +367,15 @@ class RolloutService(JsonService):
                 f"model_sha256 {model!r} was asked, the server holds {self.model_sha256!r}",
             )
         with self.table:
+            self._forget_expired()
             held = dict(self.named.get(name) or {})
+            if held:
+                self._renew(name)
         if not held:
             raise HttpError(
                 HTTPStatus.CONFLICT,
-                f"no weights named {name!r} here; push them first (POST {WEIGHTS_ROUTE}?name={name}&sha256=...&version=N)",
+                f"no weights named {name!r} here (never pushed, deleted, or its lease ran out); push them "
+                f"first (POST {WEIGHTS_ROUTE}?name={name}&sha256=...&version=N)",
             )
         version = weights.get("version")
         version = next(reversed(held)) if version is None else version  # the latest pushed
@@ -335,16 +399,36 @@ class RolloutService(JsonService):
         return int(version)
 
     def named_weights(self) -> dict[str, Any]:
-        """``{name: {"versions", "version", "adapter_sha256"}}`` of the named weights held (latest last)."""
+        """``{name: {"versions", "version", "adapter_sha256", "lease_left_s"}}`` of the named weights
+        held (latest last)."""
         with self.table:
+            self._forget_expired()
+            now = time.monotonic()
             return {
                 name: {
                     "versions": sorted(held),
                     "version": next(reversed(held)),
                     "adapter_sha256": held[next(reversed(held))][2]["adapter_sha256"],
+                    "lease_left_s": round(self.leases[name] - now, 3),
                 }
                 for name, held in self.named.items()
             }
+
+    def renew_lease(self, raw: bytes) -> dict[str, Any]:
+        """``POST /omnirl/v1/weights/lease`` ``{"name": NAME}``: NAME is held --named-weights-ttl seconds
+        more; 404 when it is not held."""
+        name = _weights_name(parse_json_object(raw).get("name"))
+        if name is None:
+            raise HttpError(HTTPStatus.BAD_REQUEST, 'name the weights whose lease to renew: {"name": NAME}')
+        with self.table:
+            self._forget_expired()
+            if name not in self.named:
+                raise HttpError(
+                    HTTPStatus.NOT_FOUND,
+                    f"no weights named {name!r} here (never pushed, deleted, or its lease ran out); push them again",
+                )
+            self._renew(name)
+            return {"name": name, "versions": sorted(self.named[name]), "lease_s": self.named_ttl}
 
     def _load_folder(self, adapter: str | None, version: int | None, name: str | None) -> dict[str, Any]:
         """``POST /omnirl/v1/weights`` with a folder path (module docstring)."""
@@ -381,6 +465,31 @@ class RolloutService(JsonService):
             self.weights = self._record(adapter, digest, step)
             self.active, self.active_entry, self.default_lora = None, None, None
         return {"how": "reloaded"}
+
+    def _adapter_folder(self, adapter: str) -> str:
+        """The folder a weights request names, resolved (symlinks followed), when this server may load
+        it: under --weights-root when there is one, else anywhere for a server with a token (a token
+        holder is trusted with its files). 403 otherwise, one reply whether the path exists or not, so
+        that it tells nothing about the server's files."""
+        if self.weights_root is None:
+            if self.token is None:
+                raise HttpError(
+                    HTTPStatus.FORBIDDEN,
+                    "this server loads no adapter folder by path: start it with --weights-root DIR "
+                    "(folders under DIR) or --token-env VAR, or push the LoRA file (?sha256=HEX&version=N)",
+                )
+            return adapter
+        try:
+            folder = (self.weights_root / adapter).resolve()  # an absolute `adapter` replaces the root
+        except (OSError, RuntimeError):  # a symlink loop
+            folder = None
+        if folder is None or not folder.is_relative_to(self.weights_root) or not folder.is_dir():
+            raise HttpError(
+                HTTPStatus.FORBIDDEN,
+                "adapter: no such folder under this server's --weights-root; put the adapter there, or "
+                "push its LoRA file (?sha256=HEX&version=N)",
+            )
+        return str(folder)
 
     def _load_pushed(self, raw: bytes, query: dict[str, list[str]], name: str | None) -> dict[str, Any]:
         """``POST /omnirl/v1/weights?sha256=HEX&version=N[&name=NAME]`` with a LoRA file's bytes (module
@@ -430,7 +539,8 @@ class RolloutService(JsonService):
                         )
                     if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
                         raise HttpError(HTTPStatus.BAD_REQUEST, "version must be an integer or null")
-                    load = self._load_folder(adapter, version, name)
+                    folder = None if adapter is None else self._adapter_folder(adapter)
+                    load = self._load_folder(folder, version, name)
             except UserInputError as exc:
                 raise HttpError(HTTPStatus.UNPROCESSABLE_ENTITY, str(exc)) from None
         held = load.pop("weights", None) or dict(self.weights)  # the named weights stored, else those held
@@ -470,6 +580,7 @@ class RolloutService(JsonService):
         if version is not None and not re.fullmatch(r"\d{1,18}", version):
             raise HttpError(HTTPStatus.BAD_REQUEST, f"version {version!r} is not a non-negative integer")
         with self.table:  # the pipeline keeps what it has on it until a batch asks for other weights
+            self._forget_expired()
             held = self.named.get(name) or {}
             versions = sorted(held) if version is None else [int(version)]
             if not held:
@@ -482,7 +593,7 @@ class RolloutService(JsonService):
             for v in versions:
                 del held[v]
             if not held:
-                del self.named[name]
+                del self.named[name], self.leases[name]
         return {"deleted": {"name": name, "versions": versions}, "named_weights": self.named_weights()}
 
     def body_limit(self, path: str) -> tuple[int, str]:
@@ -500,7 +611,12 @@ class RolloutService(JsonService):
         route = parts.path.rstrip("/")
         if route == WEIGHTS_ROUTE:
             return self.load_weights(raw, urllib.parse.parse_qs(parts.query))
-        routes = {ROUTE: self.rollout, IMAGES_ROUTE: self.images, LATENT_ROUTE: self.latent_shape}
+        routes = {
+            ROUTE: self.rollout,
+            IMAGES_ROUTE: self.images,
+            LATENT_ROUTE: self.latent_shape,
+            LEASE_ROUTE: self.renew_lease,
+        }
         if route not in routes:
             raise HttpError(
                 HTTPStatus.NOT_FOUND,
@@ -511,14 +627,24 @@ class RolloutService(JsonService):
         except ProtocolError as exc:
             raise HttpError(HTTPStatus.BAD_REQUEST, str(exc)) from None
 
-    def _check_pixels(self, samples: int, resolution: tuple[int, int], frames: int = 1) -> None:
+    def _check_size(self, samples: int, steps: int, resolution: tuple[int, int], frames: int = 1) -> None:
+        """413 for a request over `max_pixels` (memory: samples × frames × height × width) or over
+        --max-request-cost (time: those pixels × denoising steps, in megapixel-steps)."""
         height, width = resolution
-        if samples * frames * height * width > self.max_pixels:
-            per = f"{frames} frames of {height}x{width}" if frames > 1 else f"{height}x{width}"
+        pixels = samples * frames * height * width
+        per = f"{frames} frames of {height}x{width}" if frames > 1 else f"{height}x{width}"
+        if pixels > self.max_pixels:
             raise HttpError(
                 HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
                 f"{samples} samples of {per} pixels, more than the server's {self.max_pixels}; "
                 "send fewer samples per request",
+            )
+        if pixels * steps > self.max_cost * MEGA:
+            raise HttpError(
+                HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                f"the request costs {pixels * steps / MEGA:g} megapixel-steps ({samples} samples of {per} "
+                f"pixels × {steps} steps), more than the server's --max-request-cost {self.max_cost}; "
+                "send fewer samples or steps per request",
             )
 
     def rollout(self, raw: bytes) -> dict[str, Any]:
@@ -533,7 +659,7 @@ class RolloutService(JsonService):
             )
         request = decode_request(body, max_samples=self.max_batch)
         refuse_settings(request.cfg)
-        self._check_pixels(len(request.prompts), request.cfg.resolution, request.cfg.frames)
+        self._check_size(len(request.prompts), request.cfg.steps, request.cfg.resolution, request.cfg.frames)
         windows = {len(stored_steps(request.cfg, g)) for g in request.groups}
         if len(windows) > 1:
             raise ProtocolError("the samples' groups place windows of different lengths; batch them apart")
@@ -547,6 +673,7 @@ class RolloutService(JsonService):
                 request.init_seeds,
                 groups=request.groups,
                 sample_ids=request.sample_ids,
+                on_step=_stop_if_gone,
             )
         return encode_response(request.request_id, version, columns)
 
@@ -587,6 +714,7 @@ class RolloutService(JsonService):
                     seeds,
                     groups=[0] * len(seeds),
                     sample_ids=[f"{self.engine.policy.family.media}-{i}" for i in range(len(seeds))],
+                    on_step=_stop_if_gone,
                 )
             except UserInputError as exc:
                 raise HttpError(HTTPStatus.BAD_REQUEST, str(exc)) from None
@@ -614,7 +742,7 @@ class RolloutService(JsonService):
             )
         size = body.get("size", "512x512")
         resolution = _size_field(size)
-        self._check_pixels(n, resolution)
+        self._check_size(n, steps, resolution)
         cfg = SampleConfig(
             steps=steps,
             guidance=float(guidance),
@@ -666,14 +794,15 @@ class RolloutService(JsonService):
         if "num_frames" not in fields:
             raise HttpError(HTTPStatus.BAD_REQUEST, "num_frames (or seconds) is required")
         frames = _int_field(fields, "num_frames", 1, 1, MAX_FRAMES)
-        self._check_pixels(1, (height, width), frames)
+        steps = _int_field(fields, "num_inference_steps", SampleConfig.steps, 1, MAX_IMAGE_STEPS)
+        self._check_size(1, steps, (height, width), frames)
         guidance = fields.get("guidance_scale", SampleConfig.guidance)
         guidance_2 = fields.get("guidance_scale_2")
         for key, value in (("guidance_scale", guidance), ("guidance_scale_2", guidance_2)):
             if value is not None and not 0 <= value <= MAX_GUIDANCE:
                 raise HttpError(HTTPStatus.BAD_REQUEST, f"{key} must be a number in [0, {MAX_GUIDANCE:g}]")
         cfg = SampleConfig(
-            steps=_int_field(fields, "num_inference_steps", SampleConfig.steps, 1, MAX_IMAGE_STEPS),
+            steps=steps,
             guidance=float(guidance),
             guidance_2=guidance_2,
             resolution=(height, width),

@@ -13,6 +13,8 @@ from typing import Annotated, Any
 
 import typer
 
+from stages.web import ServerLimits
+
 from .choices import Format, MixedPrecision
 from .console import QUIET, VERBOSE, set_verbosity
 
@@ -227,6 +229,39 @@ MaxBatchOpt = Annotated[
     int,
     typer.Option(
         "--max-batch", min=1, help="Most samples in one request (413 above).", rich_help_panel=SERVER
+    ),
+]
+# The serve commands' connection limits: one declaration, defaults from the library's `ServerLimits`
+# (stages.web is standard library only, so --help stays light).
+SERVER_LIMITS = ServerLimits()
+MaxConnectionsOpt = Annotated[
+    int,
+    typer.Option(
+        "--max-connections",
+        min=1,
+        help="Open connections at once, idle ones included; one more is answered 503 with Retry-After and "
+        "closed at once. It is also the listen backlog when above 128.",
+        rich_help_panel=SERVER,
+    ),
+]
+WorkersOpt = Annotated[
+    int,
+    typer.Option(
+        "--workers",
+        min=1,
+        help="Threads that read and answer requests (GET /health too). A connection between requests "
+        "holds none; a request waits for a free one.",
+        rich_help_panel=SERVER,
+    ),
+]
+RequestTimeoutOpt = Annotated[
+    float,
+    typer.Option(
+        "--request-timeout",
+        min=1,
+        help="Seconds from a request's first byte until its headers and body are read in full: a client "
+        "that sends slower gets 408 and is disconnected. Raise it for large uploads over slow links.",
+        rich_help_panel=SERVER,
     ),
 ]
 

@@ -13,14 +13,18 @@ from ..errors import handle_errors
 from ..options import (
     ADAPTER_HELP,
     SERVER,
+    SERVER_LIMITS,
     ConfigOpt,
     HostOpt,
     JsonOpt,
     MaxBatchOpt,
+    MaxConnectionsOpt,
     MaxRequestMbOpt,
     PortOpt,
+    RequestTimeoutOpt,
     SetOpt,
     TokenEnvOpt,
+    WorkersOpt,
     model_opt,
 )
 from ..runtime import device, serve_until_stopped, server_token
@@ -66,6 +70,9 @@ def serve(
             rich_help_panel=SERVER,
         ),
     ] = 16,
+    max_connections: MaxConnectionsOpt = SERVER_LIMITS.max_connections,
+    workers: WorkersOpt = SERVER_LIMITS.workers,
+    request_timeout: RequestTimeoutOpt = SERVER_LIMITS.request_timeout,
     config: ConfigOpt = None,
     set_: SetOpt = None,
     json_: JsonOpt = False,
@@ -104,7 +111,7 @@ def serve(
         max_named=c["max_named_weights"],
     )
     serve_until_stopped(
-        lambda host, port: JsonServer(service, host, port),
+        lambda host, port, limits: JsonServer(service, host, port, limits=limits),
         c,
         token=token,
         json_=json_,

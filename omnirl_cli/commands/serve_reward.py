@@ -10,14 +10,18 @@ from ..choices import REWARD_ENTRY_POINTS, REWARDS, complete
 from ..config import resolve
 from ..errors import handle_errors
 from ..options import (
+    SERVER_LIMITS,
     ConfigOpt,
     HostOpt,
     JsonOpt,
     MaxBatchOpt,
+    MaxConnectionsOpt,
     MaxRequestMbOpt,
     PortOpt,
+    RequestTimeoutOpt,
     SetOpt,
     TokenEnvOpt,
+    WorkersOpt,
 )
 from ..runtime import serve_until_stopped, server_token
 
@@ -48,6 +52,9 @@ def serve_reward(
     token_env: TokenEnvOpt = None,
     max_request_mb: MaxRequestMbOpt = 64,
     max_batch: MaxBatchOpt = 256,
+    max_connections: MaxConnectionsOpt = SERVER_LIMITS.max_connections,
+    workers: WorkersOpt = SERVER_LIMITS.workers,
+    request_timeout: RequestTimeoutOpt = SERVER_LIMITS.request_timeout,
     config: ConfigOpt = None,
     set_: SetOpt = None,
     json_: JsonOpt = False,
@@ -88,7 +95,7 @@ def serve_reward(
         max_batch=c["max_batch"],
     )
     serve_until_stopped(
-        lambda host, port: RewardServer(service, host, port),
+        lambda host, port, limits: RewardServer(service, host, port, limits=limits),
         c,
         token=token,
         json_=json_,

@@ -118,6 +118,17 @@ def env_token(var: str | None, where: str) -> str | None:
     return token
 
 
+def redact_url(url: str) -> str:
+    """`url` with the secret of its userinfo hidden, for messages and records:
+    ``http://user:***@host/`` (``***@host`` when it has no user part)."""
+
+    def hide(match: re.Match[str]) -> str:
+        user, colon, _ = match[2].partition(":")
+        return f"{match[1]}{user}:***@" if colon else f"{match[1]}***@"
+
+    return re.sub(r"^([A-Za-z][A-Za-z0-9+.-]*://)([^/?#]*)@", hide, url)
+
+
 def one_line(text: Any, limit: int = 300) -> str:
     """`text` on one line, at most `limit` characters."""
     return " ".join(str(text).split())[:limit]
@@ -759,7 +770,12 @@ class JsonClient:
     """JSON requests to one server at `url` (given as `option`), with a bearer token, timeouts and
     retries (module docstring). `what` names the server expected there, `noun` its kind and `hint` says
     how to start it, for the one-line errors of a URL that reaches something else; `binary` asks for
-    msgpack replies."""
+    msgpack replies.
+
+    Credentials in the URL (``http://user:pw@host:port``, for a proxy that asks for them) are sent as
+    HTTP Basic authentication, never with a bearer token too, and `url` (what every message and record
+    shows) hides them: ``http://user:***@host:port``.
+    """
 
     def __init__(
         self,
@@ -774,14 +790,31 @@ class JsonClient:
         hint: str = "",
         binary: bool = False,
     ):
-        parts = urllib.parse.urlsplit(url)
+        shown = redact_url(url)
+        try:
+            parts = urllib.parse.urlsplit(url)
+        except ValueError:  # a bracketed host that is not closed
+            parts = urllib.parse.urlsplit("")
         if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
-            raise UserInputError(f"{option} {url!r}: not an http(s)://HOST:PORT URL; pass {what}'s address")
+            raise UserInputError(f"{option} {shown!r}: not an http(s)://HOST:PORT URL; pass {what}'s address")
         try:
             parts.port  # noqa: B018  (raises on a port that is not a number)
         except ValueError:
-            raise UserInputError(f"{option} {url!r}: the port is not a number") from None
-        self.url = url.rstrip("/")
+            raise UserInputError(f"{option} {shown!r}: the port is not a number") from None
+        userinfo, at, hostport = parts.netloc.rpartition("@")
+        self.basic = None  # the URL's credentials, as an Authorization header value
+        if at:
+            if token:
+                raise UserInputError(
+                    f"{option} {shown}: credentials in the URL and a bearer token too; give only one"
+                )
+            import base64
+
+            user, _, password = userinfo.partition(":")
+            pair = f"{urllib.parse.unquote(user)}:{urllib.parse.unquote(password)}"
+            self.basic = "Basic " + base64.b64encode(pair.encode("utf-8")).decode("ascii")
+        self.url = shown.rstrip("/")  # shown: in every message and record
+        self.base = parts._replace(netloc=hostport).geturl().rstrip("/")  # requested: without credentials
         self.token = token
         self.timeout = timeout
         self.retries = retries
@@ -799,7 +832,7 @@ class JsonClient:
         """One request; the decoded JSON reply (None for an empty one), or with `accept` (a file's media
         type, e.g. video/mp4) the reply's bytes. `Retryable` for what may pass, `UserInputError` for what
         will not."""
-        url = self.url + path
+        url = self.url + path  # what messages show
         headers = {"Accept": f"{MSGPACK}, application/json;q=0.5" if self.binary else "application/json"}
         if accept:
             headers["Accept"] = accept
@@ -814,8 +847,10 @@ class JsonClient:
             headers["Content-Type"] = "application/json"
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
+        elif self.basic:
+            headers["Authorization"] = self.basic
         request = urllib.request.Request(
-            url, data=data, headers=headers, method=method or ("GET" if data is None else "POST")
+            self.base + path, data=data, headers=headers, method=method or ("GET" if data is None else "POST")
         )
         try:
             with urllib.request.urlopen(request, timeout=timeout) as response:

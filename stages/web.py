@@ -605,7 +605,10 @@ class JsonServer(HTTPServer):
         handler = self.RequestHandlerClass(request, client_address, self)
         with self._lock:
             self._open.add(handler)
-        self._hand(handler)
+        if handler.pending():  # the request came with the connection: straight to a worker
+            self._ready.put(handler)
+        else:
+            self._hand(handler)
 
     def server_close(self) -> None:
         """Stop listening, stop the poller and the workers, and close every connection."""

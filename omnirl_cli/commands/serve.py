@@ -87,7 +87,8 @@ def serve(
     version, without a restart; forget named weights), GET /health, GET /v1/models. JSON only, no pickle; a malformed or
     oversized request gets a 4xx and the server keeps serving. When ready it prints its URL (with
     --json, one JSON line on stdout: url, model, weights, pid). `omnirl online --engine remote` pushes
-    each new policy version to it.
+    each new policy version to it. Threads, connections and the time to send a request are bounded
+    (--workers, --max-connections: 503 past it, --request-timeout: 408): docs/serving.md.
 
     Example: [bold]omnirl serve --model models/sd3-tiny --port 18091[/], then
     [bold]omnirl sample --engine remote --server-url http://127.0.0.1:18091 --model models/sd3-tiny

@@ -65,7 +65,8 @@ def serve_reward(
     list of float or null}, reward: the weighted sums}. GET /health lists the rewards. No pickle; a request
     that is malformed, over --max-request-mb or --max-batch, or without the token gets a 4xx JSON error and
     the server keeps serving. When ready it prints its URL (with --json, one JSON line on stdout: url,
-    rewards, pid).
+    rewards, pid). Threads, connections and the time to send a request are bounded
+    (--workers, --max-connections: 503 past it, --request-timeout: 408): docs/serving.md.
 
     Example: [bold]omnirl serve-reward --reward ocr --port 18090[/], then
     [bold]omnirl score --in run/it0/samples --reward remote:http://127.0.0.1:18090/ocr --out run/it0/rewards[/]

@@ -1,8 +1,12 @@
 """JSON over HTTP for omnirl's servers (`omnirl serve-reward`, `omnirl serve`) and their clients, stdlib
 only, no pickle.
 
-A `JsonService` decides what a request means; `JsonServer` (threaded) and its handler do the HTTP:
+A `JsonService` decides what a request means; `JsonServer` and its handler do the HTTP, within
+`ServerLimits` (docs/serving.md):
 
+- at most `max_connections` open connections (one more: 503 with ``Retry-After``, closed at once),
+  answered by `workers` threads (a connection between requests holds none), each request read in
+  full within `request_timeout` seconds of its first byte (408 after);
 - ``GET`` paths in `JsonService.public_paths` (``/health``) answer without a token, for probes;
 - every other request must carry the service's bearer token, when it has one (401 otherwise);
 - a POST needs a Content-Length (411; chunked bodies are not read) of at most the
@@ -10,7 +14,8 @@ A `JsonService` decides what a request means; `JsonServer` (threaded) and its ha
   refused unread is drained when it is at most `DRAIN_FACTOR` × the limit (so the client reads the
   reply), else the connection is closed;
 - a refusal replies ``{"error": {"code": STATUS, "message": ...}}`` and the server keeps serving; an
-  exception other than `HttpError` is a 500 with its one-line message (and a logged traceback);
+  exception other than `HttpError` is a 500 with its one-line message (and a logged traceback); a
+  JSON body nested too deep to parse is a 400 (`parse_json_object`);
 - a route may answer a file instead of JSON (`RawReply`: an MP4 with its headers), and read an HTML
   form (`parse_form`: ``multipart/form-data`` or urlencoded, as FastAPI's ``Form`` fields take it).
 
@@ -21,7 +26,8 @@ A request whose ``Accept`` names ``application/x-msgpack`` (`MSGPACK`) gets its 
 Clients parse both this error shape (also OpenAI's) and FastAPI's ``{"detail": ...}`` (a string, or
 pydantic's list of ``{"loc", "msg"}``): `error_message`. `JsonClient` is the client side: health
 polling with a start-up budget; retries with exponential backoff and jitter on connection errors,
-timeouts, 502, 503 and 504 (a 500 once); a 4xx never (the request is wrong: `UserInputError`).
+timeouts, 502, 503 and 504 (a 500 once); a 4xx never (the request is wrong: `UserInputError`);
+credentials in its URL go as Basic authentication and are never shown (`redact_url`).
 """
 
 from __future__ import annotations
@@ -624,6 +630,13 @@ class JsonServer(HTTPServer):
         self._wake()
         for thread in self._threads:
             thread.join(timeout=5)
+        with self._lock:
+            left = list(self._open)
+        for handler in left:  # handed back or queued while the threads stopped
+            self._close(handler)
+        for item in self._handed:
+            if isinstance(item, socket.socket):
+                item.close()
         self._wake_r.close()
         self._wake_w.close()
 

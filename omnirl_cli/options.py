@@ -13,8 +13,6 @@ from typing import Annotated, Any
 
 import typer
 
-from stages.web import ServerLimits
-
 from .choices import Format, MixedPrecision
 from .console import QUIET, VERBOSE, set_verbosity
 
@@ -231,9 +229,10 @@ MaxBatchOpt = Annotated[
         "--max-batch", min=1, help="Most samples in one request (413 above).", rich_help_panel=SERVER
     ),
 ]
-# The serve commands' connection limits: one declaration, defaults from the library's `ServerLimits`
-# (stages.web is standard library only, so --help stays light).
-SERVER_LIMITS = ServerLimits()
+# The serve commands' connection limits (`stages.web.ServerLimits`). The defaults are copies of the
+# library's (importing stages.web, with http.server and urllib, would slow every command's start),
+# held equal by tests/test_web.py.
+MAX_CONNECTIONS, WORKERS, REQUEST_TIMEOUT_S = 256, 16, 60.0
 MaxConnectionsOpt = Annotated[
     int,
     typer.Option(

@@ -10,7 +10,9 @@ from ..choices import REWARD_ENTRY_POINTS, REWARDS, complete
 from ..config import resolve
 from ..errors import handle_errors
 from ..options import (
-    SERVER_LIMITS,
+    MAX_CONNECTIONS,
+    REQUEST_TIMEOUT_S,
+    WORKERS,
     ConfigOpt,
     HostOpt,
     JsonOpt,
@@ -52,9 +54,9 @@ def serve_reward(
     token_env: TokenEnvOpt = None,
     max_request_mb: MaxRequestMbOpt = 64,
     max_batch: MaxBatchOpt = 256,
-    max_connections: MaxConnectionsOpt = SERVER_LIMITS.max_connections,
-    workers: WorkersOpt = SERVER_LIMITS.workers,
-    request_timeout: RequestTimeoutOpt = SERVER_LIMITS.request_timeout,
+    max_connections: MaxConnectionsOpt = MAX_CONNECTIONS,
+    workers: WorkersOpt = WORKERS,
+    request_timeout: RequestTimeoutOpt = REQUEST_TIMEOUT_S,
     config: ConfigOpt = None,
     set_: SetOpt = None,
     json_: JsonOpt = False,

@@ -175,10 +175,8 @@ def test_json_nested_too_deep_is_a_400_not_a_500(serving) -> None:
         parse_json_object(deep)
     assert caught.value.status == 400
     server = serving(JsonServer(_Echo(token=None, max_request_bytes=1 << 20)))
-    request = f"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: {len(deep)}\r\n\r\n".encode() + deep
-    with socket.create_connection(server.server_address[:2], timeout=10) as sock:
-        sock.sendall(request)
-        reply = sock.recv(65536)
+    head = f"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: {len(deep)}\r\nConnection: close\r\n\r\n"
+    reply = _exchange(server.server_address[:2], head.encode() + deep)
     assert reply.startswith(b"HTTP/1.1 400") and b"JSON nested too deep" in reply, reply
 
 

@@ -15,15 +15,27 @@ LoRA swap ÷ the full pipeline reload it replaced.
   adapter=...)` of a second pipeline beside the first; seconds (best of `--repeats`) and the growth of
   resident memory while the new weights are held; also a push through HTTP end to end
   (`RemoteEngine.push_weights`: the LoRA file's bytes, its SHA-256 checked, swapped in place).
+- concurrency: `omnirl serve-reward --reward jpeg_compressibility` (a cheap reward, so the HTTP layer
+  is what is measured) on 127.0.0.1, hit by 1, 4, 16 and 32 client threads at once, each posting
+  `--concurrency-requests` one-image requests on a fresh connection per request (as the remote reward
+  client does): requests/s (best of `--concurrency-repeats` sweeps, alternately in reverse order), ÷
+  the 1-client and ÷ the 4-client figure, connection errors (no reply: refused, reset, timed out) and
+  503s over all sweeps. Target: at 16 and 32 clients, no connection error and
+  requests/s ≥ the 4-client figure. `--concurrency-only` runs just this (recorded as
+  `remote_concurrency`, without the SD3 model).
 
     python benchmarks/bench_remote.py [--batch 8] [--steps 8] [--resolution 64] [--repeats 3]
-        [--iterations 3] [--online-repeats 1]
+        [--iterations 3] [--online-repeats 1] [--clients 1,4,16,32] [--concurrency-requests 40]
+        [--concurrency-repeats 3] [--concurrency-only]
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import gc
+import http.client
+import io
 import json
 import os
 import shutil
@@ -31,7 +43,10 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -53,14 +68,14 @@ def rss() -> int:
 
 
 class Server:
-    """`omnirl serve --model M --port 0 --json` in a subprocess, stopped by its PID."""
+    """`omnirl COMMAND ARGS --port 0 --json` (serve or serve-reward) in a subprocess, stopped by its PID."""
 
-    def __init__(self, omnirl: str, model: Path, env: dict[str, str]):
-        cmd = [omnirl, "serve", "--model", str(model), "--port", "0", "--json"]
+    def __init__(self, omnirl: str, args: list[str], env: dict[str, str]):
+        cmd = [omnirl, *args, "--port", "0", "--json"]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         line = self.proc.stdout.readline()  # type: ignore[union-attr]
         if not line:
-            sys.exit(f"omnirl serve did not start: {self.proc.stderr.read()[-2000:]}")  # type: ignore[union-attr]
+            sys.exit(f"omnirl {args[0]} did not start: {self.proc.stderr.read()[-2000:]}")  # type: ignore[union-attr]
         self.url = json.loads(line)["url"]
 
     def stop(self) -> None:
@@ -198,6 +213,107 @@ def online(args: argparse.Namespace, model: Path, url: str, scratch: Path, env: 
     }
 
 
+def _post(url: str, body: bytes) -> str:
+    """One reward request on a fresh connection: "ok", "503" or "error" (no reply)."""
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            response.read()
+        return "ok"
+    except urllib.error.HTTPError as exc:
+        return str(exc.code)
+    except (urllib.error.URLError, http.client.HTTPException, OSError):
+        return "error"
+
+
+def _level(url: str, body: bytes, n: int, requests: int) -> dict[str, Any]:
+    """`n` client threads, started together, each posting `body` to `url` `requests` times."""
+    outcomes: list[str] = []
+    slowest = 0.0
+    lock = threading.Lock()
+    barrier = threading.Barrier(n + 1)
+
+    def client() -> None:
+        nonlocal slowest
+        barrier.wait()
+        for _ in range(requests):
+            t0 = time.perf_counter()
+            outcome = _post(url, body)
+            took = time.perf_counter() - t0
+            with lock:
+                outcomes.append(outcome)
+                slowest = max(slowest, took)
+
+    threads = [threading.Thread(target=client) for _ in range(n)]
+    for thread in threads:
+        thread.start()
+    barrier.wait()
+    t0 = time.perf_counter()
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - t0
+    return {
+        "clients": n,
+        "requests": len(outcomes),
+        "ok": outcomes.count("ok"),
+        "http_503": outcomes.count("503"),
+        "connection_errors": outcomes.count("error"),
+        "requests_per_s": outcomes.count("ok") / wall,
+        "slowest_request_s": slowest,
+    }
+
+
+def concurrency(args: argparse.Namespace, omnirl: str, env: dict[str, str]) -> list[dict[str, Any]]:
+    """Requests/s of N concurrent clients of one `serve-reward` (module docstring), each N in
+    `args.clients`: best of `args.concurrency_repeats` sweeps (every other one in reverse order), the
+    errors and 503s of all of them."""
+    from PIL import Image
+
+    server = Server(omnirl, ["serve-reward", "--reward", "jpeg_compressibility"], env)
+    png = io.BytesIO()
+    Image.new("RGB", (32, 32), (200, 40, 40)).save(png, format="PNG")
+    body = json.dumps({"images": [base64.b64encode(png.getvalue()).decode()], "prompts": ["red"]}).encode()
+    url = f"{server.url}/jpeg_compressibility"
+    best: dict[int, dict[str, Any]] = {}
+    try:
+        for _ in range(20):  # warm up: the first requests import and build what the reward uses
+            assert _post(url, body) == "ok"
+        for r in range(args.concurrency_repeats):
+            for n in args.clients[:: 1 if r % 2 == 0 else -1]:
+                level = _level(url, body, n, args.concurrency_requests)
+                print(f"concurrency {n} clients: {level}", flush=True)
+                kept = best.setdefault(n, level)
+                for key in ("requests", "ok", "http_503", "connection_errors"):
+                    if kept is not level:
+                        kept[key] += level[key]
+                kept["requests_per_s"] = max(kept["requests_per_s"], level["requests_per_s"])
+                kept["slowest_request_s"] = max(kept["slowest_request_s"], level["slowest_request_s"])
+    finally:
+        server.stop()
+    rows = [best[n] for n in args.clients]
+    base = {row["clients"]: row["requests_per_s"] for row in rows}
+    for row in rows:
+        row["ratio_vs_1_client"] = row["requests_per_s"] / base[1] if base.get(1) else None
+        row["ratio_vs_4_clients"] = row["requests_per_s"] / base[4] if base.get(4) else None
+    return rows
+
+
+def concurrency_rows(sweep: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The table rows of a concurrency sweep."""
+    return [
+        {
+            "measure": f"serve-reward, {row['clients']} concurrent clients: requests/s ÷ 4 clients",
+            "s": row["slowest_request_s"],
+            "baseline s": "",
+            "ratio": row["ratio_vs_4_clients"],
+            "notes": f"{row['requests_per_s']:.0f} requests/s (÷ 1 client {row['ratio_vs_1_client']:.2f}); "
+            f"{row['connection_errors']} connection errors, {row['http_503']} 503s of {row['requests']}; "
+            "s: slowest request; target at 16 and 32 ≥ 1, no error",
+        }
+        for row in sweep
+    ]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
@@ -211,15 +327,44 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=3, help="online iterations per launch")
     ap.add_argument("--online-repeats", type=int, default=1, help="launches of each online side (0: skip)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of every process")
+    ap.add_argument(
+        "--clients",
+        type=lambda text: [int(n) for n in text.split(",")],
+        default=[1, 4, 16, 32],
+        help="concurrent serve-reward clients to sweep, comma-separated",
+    )
+    ap.add_argument("--concurrency-requests", type=int, default=40, help="requests per client per level")
+    ap.add_argument("--concurrency-repeats", type=int, default=3, help="sweeps; each level's best is kept")
+    ap.add_argument("--concurrency-only", action="store_true", help="run only the serve-reward sweep")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
     omnirl = str(Path(sys.executable).with_name("omnirl"))
     load_before = os.getloadavg()[0]
+    sweep = concurrency(args, omnirl, env)
+    path = record(
+        "remote_concurrency",
+        {
+            "clients": args.clients,
+            "requests_per_client": args.concurrency_requests,
+            "repeats": args.concurrency_repeats,
+            "sweep": sweep,
+        },
+        concurrency_rows(sweep),
+        description=(
+            "`omnirl serve-reward --reward jpeg_compressibility` on 127.0.0.1, N client threads at once, "
+            f"{args.concurrency_requests} one-image requests each on a fresh connection per request, best "
+            f"of {args.concurrency_repeats} sweeps; ratio: requests/s ÷ the 4-client figure. Load average "
+            f"{load_before:.1f} on {os.cpu_count()} CPUs."
+        ),
+    )
+    print("recorded", path)
+    if args.concurrency_only:
+        return
     with tempfile.TemporaryDirectory(prefix="omnirl-bench-remote-") as tmp_name:
         scratch = Path(tmp_name)
         model = small_model(args.model, scratch).resolve()
-        server = Server(omnirl, model, env)
+        server = Server(omnirl, ["serve", "--model", str(model)], env)
         try:
             sample = sampling(args, model, server.url)
             print(f"sampling remote ÷ in-process = {sample['ratio_remote_vs_in_process']:.3f}", flush=True)

@@ -229,6 +229,40 @@ MaxBatchOpt = Annotated[
         "--max-batch", min=1, help="Most samples in one request (413 above).", rich_help_panel=SERVER
     ),
 ]
+# The serve commands' connection limits (`stages.web.ServerLimits`). The defaults are copies of the
+# library's (importing stages.web, with http.server and urllib, would slow every command's start),
+# held equal by tests/test_web.py.
+MAX_CONNECTIONS, WORKERS, REQUEST_TIMEOUT_S = 256, 16, 60.0
+MaxConnectionsOpt = Annotated[
+    int,
+    typer.Option(
+        "--max-connections",
+        min=1,
+        help="Open connections at once, idle ones included; one more is answered 503 with Retry-After and "
+        "closed at once. It is also the listen backlog when above 128.",
+        rich_help_panel=SERVER,
+    ),
+]
+WorkersOpt = Annotated[
+    int,
+    typer.Option(
+        "--workers",
+        min=1,
+        help="Threads that read and answer requests (GET /health too). A connection between requests "
+        "holds none; a request waits for a free one.",
+        rich_help_panel=SERVER,
+    ),
+]
+RequestTimeoutOpt = Annotated[
+    float,
+    typer.Option(
+        "--request-timeout",
+        min=1,
+        help="Seconds from a request's first byte until its headers and body are read in full: a client "
+        "that sends slower gets 408 and is disconnected. Raise it for large uploads over slow links.",
+        rich_help_panel=SERVER,
+    ),
+]
 
 ENGINE = "Rollout engine"
 # How to reach a rollout server (`--engine remote`, VLM `--engine openai`): stages' EngineOptions.

@@ -7,11 +7,14 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stages.errors import UserInputError
 
 from .console import log, progress
+
+if TYPE_CHECKING:
+    from stages.web import ServerLimits
 
 
 def quiet_libraries() -> None:
@@ -187,7 +190,7 @@ def server_token(c: dict) -> str | None:
 
 
 def serve_until_stopped(
-    bind: Callable[[str, int], Any],
+    bind: Callable[[str, int, ServerLimits], Any],
     c: dict,
     *,
     token: str | None,
@@ -195,16 +198,20 @@ def serve_until_stopped(
     ready: Callable[[Any], dict],
     banner: str,
 ) -> None:
-    """Bind a server (`bind(host, port)`) on --host/--port and serve until SIGTERM or Ctrl-C.
+    """Bind a server (`bind(host, port, limits)`) on --host/--port, with the connection limits of
+    --max-connections, --workers and --request-timeout, and serve until SIGTERM or Ctrl-C.
 
     When ready it says so: with --json one JSON line on stdout (`ready(server)` plus the pid, for the
     process that started it), else `banner` with the URL. Serving off the loopback without a token
     gets a warning.
     """
-    from stages.web import is_loopback
+    from stages.web import ServerLimits, is_loopback
 
+    limits = ServerLimits(
+        max_connections=c["max_connections"], workers=c["workers"], request_timeout=c["request_timeout"]
+    )
     try:
-        server = bind(c["host"], c["port"])
+        server = bind(c["host"], c["port"], limits)
     except OSError as exc:
         raise UserInputError(
             f"--host {c['host']} --port {c['port']}: cannot bind ({exc.strerror or exc}); "

@@ -1,8 +1,12 @@
 """JSON over HTTP for omnirl's servers (`omnirl serve-reward`, `omnirl serve`) and their clients, stdlib
 only, no pickle.
 
-A `JsonService` decides what a request means; `JsonServer` (threaded) and its handler do the HTTP:
+A `JsonService` decides what a request means; `JsonServer` and its handler do the HTTP, within
+`ServerLimits` (docs/serving.md):
 
+- at most `max_connections` open connections (one more: 503 with ``Retry-After``, closed at once),
+  answered by `workers` threads (a connection between requests holds none), each request read in
+  full within `request_timeout` seconds of its first byte (408 after);
 - ``GET`` paths in `JsonService.public_paths` (``/health``) answer without a token, for probes;
 - every other request must carry the service's bearer token, when it has one (401 otherwise);
 - a POST needs a Content-Length (411; chunked bodies are not read) of at most the
@@ -10,7 +14,8 @@ A `JsonService` decides what a request means; `JsonServer` (threaded) and its ha
   refused unread is drained when it is at most `DRAIN_FACTOR` × the limit (so the client reads the
   reply), else the connection is closed;
 - a refusal replies ``{"error": {"code": STATUS, "message": ...}}`` and the server keeps serving; an
-  exception other than `HttpError` is a 500 with its one-line message (and a logged traceback);
+  exception other than `HttpError` is a 500 with its one-line message (and a logged traceback); a
+  JSON body nested too deep to parse is a 400 (`parse_json_object`);
 - a route may answer a file instead of JSON (`RawReply`: an MP4 with its headers), and read an HTML
   form (`parse_form`: ``multipart/form-data`` or urlencoded, as FastAPI's ``Form`` fields take it);
 - a long route may ask whether its client is still there (`client_gone`, between steps) and stop with
@@ -23,23 +28,30 @@ A request whose ``Accept`` names ``application/x-msgpack`` (`MSGPACK`) gets its 
 Clients parse both this error shape (also OpenAI's) and FastAPI's ``{"detail": ...}`` (a string, or
 pydantic's list of ``{"loc", "msg"}``): `error_message`. `JsonClient` is the client side: health
 polling with a start-up budget; retries with exponential backoff and jitter on connection errors,
-timeouts, 502, 503 and 504 (a 500 once); a 4xx never (the request is wrong: `UserInputError`).
+timeouts, 502, 503 and 504 (a 500 once); a 4xx never (the request is wrong: `UserInputError`);
+credentials in its URL go as Basic authentication and are never shown (`redact_url`).
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import contextvars
 import hmac
 import http.client
+import io
 import ipaddress
 import json
 import logging
 import os
+import queue
 import random
 import re
 import select
+import selectors
 import socket
 import sys
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -47,7 +59,7 @@ import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any
 
 from stages.errors import RuntimeFailure, UserInputError
@@ -55,7 +67,10 @@ from stages.errors import RuntimeFailure, UserInputError
 logger = logging.getLogger(__name__)
 
 DRAIN_FACTOR = 4
-CONNECTION_TIMEOUT_S = 120.0  # a connection idle or stalled this long is closed
+CONNECTION_TIMEOUT_S = 120.0  # a connection idle between requests, or a reply stalled, this long is closed
+BACKLOG = 128  # the listen backlog, at least (the connection cap when higher)
+LINGER_S = 2.0  # how long a refused connection's unread request is read and dropped before closing
+RETRY_AFTER_S = 1  # the Retry-After of a 503 for a server at its connection cap
 _CHUNK = 1 << 20
 MSGPACK = "application/x-msgpack"
 BACKOFF_S = 0.5
@@ -138,6 +153,17 @@ def env_token(var: str | None, where: str) -> str | None:
     return token
 
 
+def redact_url(url: str) -> str:
+    """`url` with the secret of its userinfo hidden, for messages and records:
+    ``http://user:***@host/`` (``***@host`` when it has no user part)."""
+
+    def hide(match: re.Match[str]) -> str:
+        user, colon, _ = match[2].partition(":")
+        return f"{match[1]}{user}:***@" if colon else f"{match[1]}***@"
+
+    return re.sub(r"^([A-Za-z][A-Za-z0-9+.-]*://)([^/?#]*)@", hide, url)
+
+
 def one_line(text: Any, limit: int = 300) -> str:
     """`text` on one line, at most `limit` characters."""
     return " ".join(str(text).split())[:limit]
@@ -148,7 +174,7 @@ def error_message(raw: bytes) -> str:
     ``{"detail"}``, else the text."""
     try:
         body = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         return one_line(raw.decode("utf-8", "replace"))
     inner = body.get("error") if isinstance(body, dict) else None
     for source in (inner, body):
@@ -313,22 +339,130 @@ def encode_form(fields: Mapping[str, Any]) -> Payload:
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
-    """A request body that must be a JSON object (400 otherwise)."""
+    """A request body that must be a JSON object (400 otherwise, also for one nested deeper than the
+    parser's recursion limit, about 1000 levels)."""
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
         raise HttpError(HTTPStatus.BAD_REQUEST, "the body is not JSON") from None
+    except RecursionError:
+        raise HttpError(HTTPStatus.BAD_REQUEST, "JSON nested too deep: send a flatter body") from None
     if not isinstance(body, dict):
         raise HttpError(HTTPStatus.BAD_REQUEST, "the body is not a JSON object")
     return body
 
 
+@dataclass(frozen=True)
+class ServerLimits:
+    """How much of the machine a server's clients may hold (docs/serving.md): at most `max_connections`
+    open connections (one more is answered 503 with ``Retry-After`` and closed), served by `workers`
+    threads (a connection between requests holds no thread; a request waits for a free one), each
+    request read in full, headers and body, within `request_timeout` seconds of its first byte (408
+    after), and a connection idle between requests closed after `idle_timeout` seconds."""
+
+    max_connections: int = 256
+    workers: int = 16
+    request_timeout: float = 60.0
+    idle_timeout: float = CONNECTION_TIMEOUT_S
+
+
+class _Late(TimeoutError):
+    """A request not read within its deadline (`ServerLimits.request_timeout`)."""
+
+
+class _DeadlineReader(io.RawIOBase):
+    """A socket's reads, each bounded by what is left of the request's `deadline` (a `time.monotonic`
+    instant; None: the socket's own timeout): a client trickling a byte at a time cannot stretch a
+    request past it, as it could a per-read timeout, which restarts on every byte."""
+
+    def __init__(self, sock: socket.socket):
+        super().__init__()
+        self.sock = sock
+        self.deadline: float | None = None
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int | None:
+        if self.deadline is None:
+            try:
+                return self.sock.recv_into(buffer)
+            except BlockingIOError:  # a non-blocking peek (`JsonHandler.pending`)
+                return None
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise _Late("the request deadline passed")
+        stall = self.sock.gettimeout()
+        self.sock.settimeout(left)
+        try:
+            return self.sock.recv_into(buffer)
+        except TimeoutError:
+            raise _Late("the request deadline passed") from None
+        finally:
+            self.sock.settimeout(stall)  # replies keep the stall timeout
+
+
 class JsonHandler(BaseHTTPRequestHandler):
-    """HTTP for `JsonServer.service`; every reply is JSON."""
+    """HTTP for `JsonServer.service`, one per connection: `serve` answers the requests that arrived on
+    it each time it is readable; every reply is JSON (or a `RawReply`)."""
 
     protocol_version = "HTTP/1.1"
     server_version = "omnirl"
-    timeout = CONNECTION_TIMEOUT_S
+    timeout = CONNECTION_TIMEOUT_S  # a reply the client does not read for this long is dropped
+
+    def __init__(self, request: socket.socket, client_address: Any, server: JsonServer):
+        # Unlike socketserver's handlers, set up only: the server calls `serve` when requests arrive.
+        self.request, self.client_address, self.server = request, client_address, server
+        self.idle_since = time.monotonic()
+        self.setup()
+
+    def setup(self) -> None:
+        super().setup()
+        self.rfile.close()
+        self.reader = _DeadlineReader(self.connection)
+        self.rfile = io.BufferedReader(self.reader)
+
+    def serve(self, request_timeout: float) -> bool:
+        """Answer the requests waiting on the connection, each read within `request_timeout` seconds
+        of its first byte; whether to keep the connection open for more."""
+        while True:
+            self.reader.deadline = time.monotonic() + request_timeout
+            try:
+                self.handle_one_request()
+            finally:
+                self.reader.deadline = None
+            if self.close_connection:
+                return False
+            if not self.pending():
+                return True
+
+    def pending(self) -> bool:
+        """Whether the next request's first bytes are already here (read ahead, or pipelined)."""
+        self.connection.setblocking(False)
+        try:
+            return bool(self.rfile.peek(1))
+        except OSError:
+            return False  # the poller sees the error as readable, and the next read closes
+        finally:
+            self.connection.settimeout(self.timeout)
+
+    def _late(self) -> None:
+        limit = self.server.limits.request_timeout  # type: ignore[attr-defined]
+        self._refuse(
+            HttpError(
+                HTTPStatus.REQUEST_TIMEOUT,
+                f"the request was not read in full within the server's --request-timeout ({limit:g} s); "
+                "send it in one go, or ask for a longer --request-timeout",
+            ),
+            close=True,
+        )
+
+    def parse_request(self) -> bool:
+        try:
+            return super().parse_request()
+        except _Late:  # the headers came too slowly (a late request line is closed quietly)
+            self._late()
+            return False
 
     def log_message(self, format: str, *args: Any) -> None:
         logger.debug("%s %s", self.address_string(), format % args)
@@ -418,6 +552,12 @@ class JsonHandler(BaseHTTPRequestHandler):
         return True
 
     def do_POST(self) -> None:
+        try:
+            self._post()
+        except _Late:  # the body came too slowly (it is read before any reply is sent)
+            self._late()
+
+    def _post(self) -> None:
         service = self.service
         if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
             self._refuse(HttpError(HTTPStatus.LENGTH_REQUIRED, "send a Content-Length body"), close=True)
@@ -449,17 +589,40 @@ class JsonHandler(BaseHTTPRequestHandler):
         self._answer(service.post_request, self.path, raw, self.headers.get("Content-Type") or "")
 
 
-class JsonServer(ThreadingHTTPServer):
-    """A threaded HTTP server for `service` on (host, port); port 0 picks a free one (see `url`)."""
+class JsonServer(HTTPServer):
+    """An HTTP server for `service` on (host, port); port 0 picks a free one (see `url`).
 
-    daemon_threads = True
+    Threads and connections are bounded by `limits` (`ServerLimits`). `serve_forever`'s thread accepts,
+    and answers a connection past the cap itself (503 with ``Retry-After``, then closed); a poller
+    thread watches the connections between requests, without a thread each, and hands one that is
+    readable to the pool of `ServerLimits.workers` threads, which read and answer its requests under
+    the request deadline, then give it back (keep-alive) or close it. The listen backlog is `BACKLOG`,
+    or the connection cap when higher, so that a burst of clients is accepted rather than left to
+    retry its connection a second later.
+    """
 
     def __init__(
-        self, service: JsonService, host: str = "127.0.0.1", port: int = 0, handler: type = JsonHandler
+        self,
+        service: JsonService,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        handler: type[JsonHandler] = JsonHandler,
+        *,
+        limits: ServerLimits | None = None,
     ):
         if ":" in host:
             self.address_family = socket.AF_INET6
         self.service = service
+        self.limits = limits or ServerLimits()
+        self.request_queue_size = max(BACKLOG, self.limits.max_connections)
+        self._lock = threading.Lock()
+        self._open: set[JsonHandler] = set()  # accepted connections not yet closed
+        self._ready: queue.SimpleQueue[JsonHandler | None] = queue.SimpleQueue()  # for the workers
+        self._handed: collections.deque[JsonHandler | socket.socket] = collections.deque()  # to the poller
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_w.setblocking(False)
+        self._threads: list[threading.Thread] = []
+        self._closing = False
         super().__init__((host, port), handler)
 
     @property
@@ -474,6 +637,171 @@ class JsonServer(ThreadingHTTPServer):
         if isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):
             return
         logger.exception("%s: error serving %s", type(self).__name__, client_address)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """A connection just accepted: watched for its requests, or refused when at the cap."""
+        if not self._threads:
+            self._start()
+        if len(self._open) >= self.limits.max_connections:  # only this thread adds connections
+            self._refuse_overloaded(request)
+            return
+        handler = self.RequestHandlerClass(request, client_address, self)
+        with self._lock:
+            self._open.add(handler)
+        if handler.pending():  # the request came with the connection: straight to a worker
+            self._ready.put(handler)
+        else:
+            self._hand(handler)
+
+    def server_close(self) -> None:
+        """Stop listening, stop the poller and the workers, and close every connection."""
+        super().server_close()
+        self._closing = True
+        for _ in self._threads[1:]:
+            self._ready.put(None)
+        with self._lock:
+            busy = list(self._open)
+        for handler in busy:  # unblock a worker waiting on its client
+            with contextlib.suppress(OSError):
+                handler.connection.shutdown(socket.SHUT_RDWR)
+        self._wake()
+        for thread in self._threads:
+            thread.join(timeout=5)
+        with self._lock:
+            left = list(self._open)
+        for handler in left:  # handed back or queued while the threads stopped
+            self._close(handler)
+        for item in self._handed:
+            if isinstance(item, socket.socket):
+                item.close()
+        self._wake_r.close()
+        self._wake_w.close()
+
+    def _start(self) -> None:
+        self._threads.append(threading.Thread(target=self._poll, name="omnirl-http-poller", daemon=True))
+        for i in range(self.limits.workers):
+            self._threads.append(threading.Thread(target=self._work, name=f"omnirl-http-{i}", daemon=True))
+        for thread in self._threads:
+            thread.start()
+
+    def _refuse_overloaded(self, sock: socket.socket) -> None:
+        """503 with Retry-After, written at once (a fresh socket's buffer takes it), then a lingering
+        close: the request is read and dropped for up to `LINGER_S`, so that closing over unread bytes
+        does not reset the connection before the client reads the reply."""
+        cap = self.limits.max_connections
+        body = json.dumps(
+            {
+                "error": {
+                    "code": 503,
+                    "message": f"the server is at its --max-connections ({cap} open); retry later",
+                }
+            }
+        ).encode()
+        head = (
+            f"HTTP/1.1 503 Service Unavailable\r\nServer: {JsonHandler.server_version}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            f"Retry-After: {RETRY_AFTER_S}\r\nConnection: close\r\n\r\n"
+        )
+        try:
+            sock.setblocking(False)
+            sock.send(head.encode("latin-1") + body)
+            sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            sock.close()
+            return
+        self._hand(sock)
+
+    def _hand(self, item: JsonHandler | socket.socket) -> None:
+        """Give the poller a connection between requests (a handler), or a refused socket to linger."""
+        self._handed.append(item)
+        self._wake()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):  # full (the poller is already woken) or closed
+            self._wake_w.send(b"\0")
+
+    def _close(self, handler: JsonHandler) -> None:
+        with self._lock:
+            if handler not in self._open:
+                return
+            self._open.discard(handler)
+        with contextlib.suppress(OSError):
+            handler.finish()
+        self.shutdown_request(handler.request)
+
+    def _work(self) -> None:
+        """A worker: answer the requests of each connection handed to it."""
+        while (handler := self._ready.get()) is not None:
+            try:
+                keep = handler.serve(self.limits.request_timeout) and not self._closing
+            except Exception:
+                self.handle_error(handler.request, handler.client_address)
+                keep = False
+            if keep:
+                handler.idle_since = time.monotonic()
+                self._hand(handler)
+            else:
+                self._close(handler)
+
+    def _poll(self) -> None:
+        """The poller: watch connections between requests and hand a readable one to a worker; close
+        one idle past `ServerLimits.idle_timeout`, and a refused one once read to its end or after
+        `LINGER_S`."""
+        selector = selectors.DefaultSelector()
+        selector.register(self._wake_r, selectors.EVENT_READ)
+        idle: dict[JsonHandler, None] = {}
+        lingering: dict[socket.socket, float] = {}  # → when to close it
+        sweep = 0.0
+        try:
+            while not self._closing:
+                for key, _ in selector.select(timeout=1.0):
+                    if key.fileobj is self._wake_r:
+                        self._wake_r.recv(4096)
+                    elif isinstance(key.data, JsonHandler):
+                        selector.unregister(key.fileobj)
+                        del idle[key.data]
+                        self._ready.put(key.data)
+                    elif not _discard(key.fileobj):  # type: ignore[arg-type]
+                        selector.unregister(key.fileobj)
+                        del lingering[key.fileobj]  # type: ignore[arg-type]
+                        key.fileobj.close()  # type: ignore[union-attr]
+                while self._handed:
+                    item = self._handed.popleft()
+                    if isinstance(item, JsonHandler):
+                        idle[item] = None
+                        selector.register(item.connection, selectors.EVENT_READ, item)
+                    elif len(lingering) >= self.limits.max_connections:
+                        item.close()
+                    else:
+                        lingering[item] = time.monotonic() + LINGER_S
+                        selector.register(item, selectors.EVENT_READ)
+                now = time.monotonic()
+                if now >= sweep:
+                    sweep = now + 0.25
+                    for handler in [h for h in idle if now - h.idle_since > self.limits.idle_timeout]:
+                        selector.unregister(handler.connection)
+                        del idle[handler]
+                        self._close(handler)
+                    for sock in [s for s, until in lingering.items() if now >= until]:
+                        selector.unregister(sock)
+                        del lingering[sock]
+                        sock.close()
+        finally:
+            for handler in list(idle):
+                self._close(handler)
+            for sock in lingering:
+                sock.close()
+            selector.close()
+
+
+def _discard(sock: socket.socket) -> bool:
+    """Read and drop what a refused connection sent; False once it is at its end (or broken)."""
+    try:
+        return bool(sock.recv(65536))
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
 
 
 class Retryable(Exception):
@@ -495,7 +823,12 @@ class JsonClient:
     """JSON requests to one server at `url` (given as `option`), with a bearer token, timeouts and
     retries (module docstring). `what` names the server expected there, `noun` its kind and `hint` says
     how to start it, for the one-line errors of a URL that reaches something else; `binary` asks for
-    msgpack replies."""
+    msgpack replies.
+
+    Credentials in the URL (``http://user:pw@host:port``, for a proxy that asks for them) are sent as
+    HTTP Basic authentication, never with a bearer token too, and `url` (what every message and record
+    shows) hides them: ``http://user:***@host:port``.
+    """
 
     def __init__(
         self,
@@ -510,14 +843,31 @@ class JsonClient:
         hint: str = "",
         binary: bool = False,
     ):
-        parts = urllib.parse.urlsplit(url)
+        shown = redact_url(url)
+        try:
+            parts = urllib.parse.urlsplit(url)
+        except ValueError:  # a bracketed host that is not closed
+            parts = urllib.parse.urlsplit("")
         if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
-            raise UserInputError(f"{option} {url!r}: not an http(s)://HOST:PORT URL; pass {what}'s address")
+            raise UserInputError(f"{option} {shown!r}: not an http(s)://HOST:PORT URL; pass {what}'s address")
         try:
             parts.port  # noqa: B018  (raises on a port that is not a number)
         except ValueError:
-            raise UserInputError(f"{option} {url!r}: the port is not a number") from None
-        self.url = url.rstrip("/")
+            raise UserInputError(f"{option} {shown!r}: the port is not a number") from None
+        userinfo, at, hostport = parts.netloc.rpartition("@")
+        self.basic = None  # the URL's credentials, as an Authorization header value
+        if at:
+            if token:
+                raise UserInputError(
+                    f"{option} {shown}: credentials in the URL and a bearer token too; give only one"
+                )
+            import base64
+
+            user, _, password = userinfo.partition(":")
+            pair = f"{urllib.parse.unquote(user)}:{urllib.parse.unquote(password)}"
+            self.basic = "Basic " + base64.b64encode(pair.encode("utf-8")).decode("ascii")
+        self.url = shown.rstrip("/")  # shown: in every message and record
+        self.base = parts._replace(netloc=hostport).geturl().rstrip("/")  # requested: without credentials
         self.token = token
         self.timeout = timeout
         self.retries = retries
@@ -535,7 +885,7 @@ class JsonClient:
         """One request; the decoded JSON reply (None for an empty one), or with `accept` (a file's media
         type, e.g. video/mp4) the reply's bytes. `Retryable` for what may pass, `UserInputError` for what
         will not."""
-        url = self.url + path
+        url = self.url + path  # what messages show
         headers = {"Accept": f"{MSGPACK}, application/json;q=0.5" if self.binary else "application/json"}
         if accept:
             headers["Accept"] = accept
@@ -550,8 +900,10 @@ class JsonClient:
             headers["Content-Type"] = "application/json"
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
+        elif self.basic:
+            headers["Authorization"] = self.basic
         request = urllib.request.Request(
-            url, data=data, headers=headers, method=method or ("GET" if data is None else "POST")
+            self.base + path, data=data, headers=headers, method=method or ("GET" if data is None else "POST")
         )
         try:
             with urllib.request.urlopen(request, timeout=timeout) as response:
@@ -586,7 +938,7 @@ class JsonClient:
             return None
         try:
             return unpack_binary(raw) if self.binary and wants_binary(kind) else json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):
             raise UserInputError(
                 f"{url}: the reply is not JSON ({one_line(raw[:80].decode('utf-8', 'replace'))!r}); "
                 f"is this {self.what}? {self.hint}"

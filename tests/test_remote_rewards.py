@@ -209,6 +209,7 @@ def test_malformed_oversized_and_unauthorised_requests_get_4xx_and_the_server_ke
         json.dumps({"images": [base64.b64encode(gif.getvalue()).decode()], "prompts": ["p"]}).encode(): "GIF",
         json.dumps({"images": [_b64png(images[0])], "prompts": ["a", "b"]}).encode(): "one length",
         json.dumps({"images": [_b64png(images[0])], "prompts": [3]}).encode(): "strings",
+        b"[" * 100_000 + b"]" * 100_000: "JSON nested too deep",  # was a 500 (RecursionError)
     }
     for body, message in bad_bodies.items():
         status, reply = _post(server.url, body, auth)

@@ -12,15 +12,21 @@ from ..config import resolve
 from ..errors import handle_errors
 from ..options import (
     ADAPTER_HELP,
+    MAX_CONNECTIONS,
+    REQUEST_TIMEOUT_S,
     SERVER,
+    WORKERS,
     ConfigOpt,
     HostOpt,
     JsonOpt,
     MaxBatchOpt,
+    MaxConnectionsOpt,
     MaxRequestMbOpt,
     PortOpt,
+    RequestTimeoutOpt,
     SetOpt,
     TokenEnvOpt,
+    WorkersOpt,
     model_opt,
 )
 from ..runtime import device, serve_until_stopped, server_token
@@ -98,6 +104,9 @@ def serve(
             rich_help_panel=SERVER,
         ),
     ] = None,
+    max_connections: MaxConnectionsOpt = MAX_CONNECTIONS,
+    workers: WorkersOpt = WORKERS,
+    request_timeout: RequestTimeoutOpt = REQUEST_TIMEOUT_S,
     config: ConfigOpt = None,
     set_: SetOpt = None,
     json_: JsonOpt = False,
@@ -116,7 +125,8 @@ def serve(
     stops at its next denoising step. Named weights not renewed for --named-weights-ttl seconds are
     forgotten (docs/serving-rollouts.md). When ready it prints its URL (with
     --json, one JSON line on stdout: url, model, weights, pid). `omnirl online --engine remote` pushes
-    each new policy version to it.
+    each new policy version to it. Threads, connections and the time to send a request are bounded
+    (--workers, --max-connections: 503 past it, --request-timeout: 408): docs/serving.md.
 
     Example: [bold]omnirl serve --model models/sd3-tiny --port 18091[/], then
     [bold]omnirl sample --engine remote --server-url http://127.0.0.1:18091 --model models/sd3-tiny
@@ -143,7 +153,7 @@ def serve(
         named_ttl=c["named_weights_ttl"],
     )
     serve_until_stopped(
-        lambda host, port: JsonServer(service, host, port),
+        lambda host, port, limits: JsonServer(service, host, port, limits=limits),
         c,
         token=token,
         json_=json_,

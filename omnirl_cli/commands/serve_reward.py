@@ -10,14 +10,20 @@ from ..choices import REWARD_ENTRY_POINTS, REWARDS, complete
 from ..config import resolve
 from ..errors import handle_errors
 from ..options import (
+    MAX_CONNECTIONS,
+    REQUEST_TIMEOUT_S,
+    WORKERS,
     ConfigOpt,
     HostOpt,
     JsonOpt,
     MaxBatchOpt,
+    MaxConnectionsOpt,
     MaxRequestMbOpt,
     PortOpt,
+    RequestTimeoutOpt,
     SetOpt,
     TokenEnvOpt,
+    WorkersOpt,
 )
 from ..runtime import serve_until_stopped, server_token
 
@@ -48,6 +54,9 @@ def serve_reward(
     token_env: TokenEnvOpt = None,
     max_request_mb: MaxRequestMbOpt = 64,
     max_batch: MaxBatchOpt = 256,
+    max_connections: MaxConnectionsOpt = MAX_CONNECTIONS,
+    workers: WorkersOpt = WORKERS,
+    request_timeout: RequestTimeoutOpt = REQUEST_TIMEOUT_S,
     config: ConfigOpt = None,
     set_: SetOpt = None,
     json_: JsonOpt = False,
@@ -58,7 +67,8 @@ def serve_reward(
     list of float or null}, reward: the weighted sums}. GET /health lists the rewards. No pickle; a request
     that is malformed, over --max-request-mb or --max-batch, or without the token gets a 4xx JSON error and
     the server keeps serving. When ready it prints its URL (with --json, one JSON line on stdout: url,
-    rewards, pid).
+    rewards, pid). Threads, connections and the time to send a request are bounded
+    (--workers, --max-connections: 503 past it, --request-timeout: 408): docs/serving.md.
 
     Example: [bold]omnirl serve-reward --reward ocr --port 18090[/], then
     [bold]omnirl score --in run/it0/samples --reward remote:http://127.0.0.1:18090/ocr --out run/it0/rewards[/]
@@ -88,7 +98,7 @@ def serve_reward(
         max_batch=c["max_batch"],
     )
     serve_until_stopped(
-        lambda host, port: RewardServer(service, host, port),
+        lambda host, port, limits: RewardServer(service, host, port, limits=limits),
         c,
         token=token,
         json_=json_,

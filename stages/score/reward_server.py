@@ -21,8 +21,9 @@ over `MAX_PIXELS`; 422 a `UserInputError` the reward raised (bad prompt metadata
 A body that is refused unread is drained when it is at most `stages.web.DRAIN_FACTOR` × the limit (so the client
 reads the reply), else the connection is closed.
 
-Connections are served by threads (``/health`` answers while a batch scores); scoring itself runs one
-request at a time under a lock, since a model-backed scorer is not thread-safe.
+Connections are served by a bounded pool of threads (`stages.web.ServerLimits`; ``/health`` answers
+while a batch scores); scoring itself runs one request at a time under a lock, since a model-backed
+scorer is not thread-safe.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from PIL import Image
 
 from stages.errors import UserInputError
 from stages.score.registry import RewardArgs, get_reward
-from stages.web import HttpError, JsonServer, JsonService, parse_json_object
+from stages.web import HttpError, JsonServer, JsonService, ServerLimits, parse_json_object
 
 logger = logging.getLogger(__name__)
 
@@ -216,5 +217,12 @@ def _weighted(terms: Sequence[tuple[float, float | None]]) -> float | None:
 class RewardServer(JsonServer):
     """A threaded HTTP server for a `RewardService` on (host, port); port 0 picks a free one (see `url`)."""
 
-    def __init__(self, service: RewardService, host: str = "127.0.0.1", port: int = 0):
-        super().__init__(service, host, port)
+    def __init__(
+        self,
+        service: RewardService,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        limits: ServerLimits | None = None,
+    ):
+        super().__init__(service, host, port, limits=limits)

@@ -6,6 +6,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -387,6 +388,16 @@ def test_overwrite_discards_a_checkpoint_of_other_settings(
     monkeypatch.setattr(resume, "replace_dir", swap)
     assert checkpoint_at(tmp_path / ".out.checkpoint") == ("vae decoder", 2)
     fails([*args, "--steps", "4"], "--steps 3, not 4", "--overwrite")
+    other = tmp_path / "other"  # the same images, one caption changed
+    shutil.copytree(shapes, other)
+    rows = (other / "captions.jsonl").read_text().splitlines()
+    rows[0] = json.dumps({"prompt": "a photo of a pink circle"})
+    (other / "captions.jsonl").write_text("\n".join(rows) + "\n")
+    fails(
+        pretrain_args(demo, other, out, "--checkpoint-every", "2", "--steps", "3"),
+        "another --data",
+        "--overwrite",
+    )
     result = run(*args, "--steps", "4", "--overwrite")
     assert result["resumed_from"] is None and result["steps"] == 4
     card = json.loads((out / "omnirl_model.json").read_text())

@@ -112,9 +112,12 @@ class Checkpoints:
         recover_dir(self.folder)
         if not self.folder.exists():
             return None
-        other = self._other_run()
-        if other is None:
+        try:
             info = json.loads((self.folder / STATE_JSON).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError):
+            info = None
+        other = self._other_run(info)
+        if other is None:
             self.resume = Snapshot(info, load_file(self.folder / STATE_TENSORS))
             return self.resume
         if not overwrite:
@@ -125,13 +128,12 @@ class Checkpoints:
         shutil.rmtree(self.folder)
         return None
 
-    def _other_run(self) -> str | None:
-        """What makes the checkpoint another run's (None: it is this run's)."""
-        try:
-            info = json.loads((self.folder / STATE_JSON).read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, ValueError):
+    def _other_run(self, info: Any) -> str | None:
+        """What makes a checkpoint whose state.json holds `info` (None: unreadable) another run's; None
+        when it is this run's."""
+        if not isinstance(info, dict):
             return f"has no readable {STATE_JSON}"
-        recorded = info.get("identity") if isinstance(info, dict) and info.get("format") == FORMAT else None
+        recorded = info.get("identity") if info.get("format") == FORMAT else None
         if not isinstance(recorded, dict):
             return "was written by another version of omnirl"
         for section, now in self.identity.items():

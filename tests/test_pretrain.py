@@ -5,13 +5,19 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import fails, run
+from helpers import fails, run, runner
 
+from omnirl_cli.app import app
 from stages.errors import UserInputError
 from stages.models.diffusion import FlowPolicy
 from stages.models.families import Condition
@@ -28,14 +34,25 @@ from stages.pretrain.flow_matching import (
     shift_sigmas,
     to_signed,
 )
+from stages.pretrain.resume import TrainingRun
 
-TASK = Path(__file__).resolve().parents[1] / "recipes" / "tasks" / "shapes.py"
+REPO = Path(__file__).resolve().parents[1]
+TASK = REPO / "recipes" / "tasks" / "shapes.py"
 
 
 def weight_hashes(folder: Path) -> dict[str, str]:
     return {
         str(path.relative_to(folder)): hashlib.sha256(path.read_bytes()).hexdigest()
         for path in sorted(folder.rglob("*.safetensors"))
+    }
+
+
+def file_hashes(folder: Path) -> dict[str, str]:
+    """sha256 of every file under `folder`, by relative path."""
+    return {
+        str(path.relative_to(folder)): hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(folder.rglob("*"))
+        if path.is_file()
     }
 
 
@@ -164,7 +181,7 @@ def test_pixel_vae_round_trips_rendered_shapes(demo: Path, shapes: Path) -> None
 
     before = round_trip_mse()
     cfg = PretrainConfig(vae="pixel", vae_steps=200, vae_encoder_steps=100, vae_batch_size=2, vae_lr=2e-3)
-    fit = fit_pixel_vae(policy.pipe.vae, data.pixels, cfg, torch.Generator().manual_seed(0))
+    fit = fit_pixel_vae(policy.pipe.vae, data.pixels, cfg, TrainingRun(torch.Generator().manual_seed(0)))
     after = round_trip_mse()
     assert after < 0.05 and after < before / 20, (before, after)
     assert fit["decoder_steps"] == 200 and fit["encoder_mse"] < 0.01
@@ -241,6 +258,12 @@ def test_bad_arguments_exit_2_with_one_line(demo: Path, shapes: Path, tmp_path: 
     fails(pretrain_args(demo, shapes, tmp_path / "o", "--caption-dropout", "1.5"), "--caption-dropout")
     fails(pretrain_args(demo, shapes, tmp_path / "o", "--steps", "0"), "--steps")
     fails(pretrain_args(demo, shapes, tmp_path / "o", "--vae-steps", "0"), "--vae-steps 0", "pixel_vae")
+    fails(pretrain_args(demo, shapes, tmp_path / "o", "--batch-size", "17"), "--batch-size 17", "16 images")
+    fails(
+        pretrain_args(demo, shapes, tmp_path / "o", "--vae-batch-size", "17"),
+        "--vae-batch-size 17",
+        "at most 16",
+    )
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("")
     fails(pretrain_args(demo, shapes, tmp_path / "full"), "--out", "not an empty directory")
@@ -287,3 +310,96 @@ def test_sampling_encodes_the_models_text_length_and_replay_reads_it(demo: Path,
     run("logprob", "--model", str(demo), "--in", str(samples), "--out", str(logprobs))
     rolled = ShardSet(samples).read_all(columns=["log_probs"])["log_probs"]
     assert torch.equal(ShardSet(logprobs).read_all()["old_log_probs"], rolled)  # replay at the same length
+
+
+def _killed_child(args: list[str], saves: int) -> None:
+    """Run in a subprocess: `omnirl ARGS` on one thread, killed by SIGKILL in its `saves`-th checkpoint
+    save, once the new checkpoint is written in full to its temp folder but before it is swapped in."""
+    from stages.pretrain import resume
+
+    torch.set_num_threads(1)  # as the tests (conftest): the thread count changes the float rounding
+    swap, count = resume.replace_dir, 0
+
+    def dying_swap(tmp: Path, out: Path) -> None:
+        nonlocal count
+        count += 1
+        if count == saves:
+            os.kill(os.getpid(), signal.SIGKILL)
+        swap(tmp, out)
+
+    resume.replace_dir = dying_swap
+    app(args)
+
+
+def kill_in_save(args: list[str], saves: int) -> None:
+    code = (
+        f"import sys; sys.path[:0] = [{str(REPO)!r}, {str(REPO / 'tests')!r}]; import test_pretrain as t; "
+        f"t._killed_child({args!r}, {saves})"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-3000:]
+
+
+def checkpoint_at(folder: Path) -> tuple[str, int]:
+    state = json.loads((folder / "state.json").read_text())
+    return state["phase"], state["step"]
+
+
+def test_a_killed_run_resumes_to_the_bytes_of_an_uninterrupted_one(
+    demo: Path, shapes: Path, tmp_path: Path
+) -> None:
+    whole = tmp_path / "whole"
+    assert run(*pretrain_args(demo, shapes, whole))["resumed_from"] is None
+    out = tmp_path / "out"
+    args = pretrain_args(demo, shapes, out, "--checkpoint-every", "2")
+    checkpoint = tmp_path / ".out.checkpoint"
+    # checkpoints: vae decoder steps 2 4 6, vae encoder 2 3, transformer 2 4 6
+    kill_in_save(args, 2)  # killed swapping in decoder step 4's: decoder step 2's stays
+    assert checkpoint_at(checkpoint) == ("vae decoder", 2)
+    assert len(list(tmp_path.glob("..out.checkpoint.tmp-*"))) == 1 and not out.exists()
+    kill_in_save(args, 6)  # resumed; killed swapping in transformer step 4's (its 6th save)
+    assert checkpoint_at(checkpoint) == ("transformer", 2)
+    assert len(list(tmp_path.glob("..out.checkpoint.tmp-*"))) == 1 and not out.exists()
+
+    fails([*args, "--lr", "0.001"], f"--out {out}", "--lr 0.002, not 0.001", "--overwrite")
+    fails([*args, "--seed", "1"], "--seed 0, not 1")
+    # another K is the same run: it resumes, from the middle of the transformer phase
+    result = run(*args, "--checkpoint-every", "5")
+    assert result["resumed_from"] == {"phase": "transformer", "step": 2} and result["steps"] == 6
+    assert file_hashes(out) == file_hashes(whole)
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_overwrite_discards_a_checkpoint_of_other_settings(
+    demo: Path, shapes: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from stages.pretrain import resume
+
+    swap = resume.replace_dir
+
+    def interrupted_swap(tmp: Path, out: Path) -> None:
+        swap(tmp, out)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(resume, "replace_dir", interrupted_swap)
+    out = tmp_path / "out"
+    args = pretrain_args(demo, shapes, out, "--checkpoint-every", "2", "--steps", "3")
+    assert runner.invoke(app, args).exit_code == 130
+    monkeypatch.setattr(resume, "replace_dir", swap)
+    assert checkpoint_at(tmp_path / ".out.checkpoint") == ("vae decoder", 2)
+    fails([*args, "--steps", "4"], "--steps 3, not 4", "--overwrite")
+    other = tmp_path / "other"  # the same images, one caption changed
+    shutil.copytree(shapes, other)
+    rows = (other / "captions.jsonl").read_text().splitlines()
+    rows[0] = json.dumps({"prompt": "a photo of a pink circle"})
+    (other / "captions.jsonl").write_text("\n".join(rows) + "\n")
+    fails(
+        pretrain_args(demo, other, out, "--checkpoint-every", "2", "--steps", "3"),
+        "another --data",
+        "--overwrite",
+    )
+    result = run(*args, "--steps", "4", "--overwrite")
+    assert result["resumed_from"] is None and result["steps"] == 4
+    card = json.loads((out / "omnirl_model.json").read_text())
+    assert card["details"]["pretrain"]["config"]["steps"] == 4
+    assert not (tmp_path / ".out.checkpoint").exists()

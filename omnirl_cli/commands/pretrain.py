@@ -12,7 +12,7 @@ from ..choices import VaeMode
 from ..config import resolve
 from ..console import emit_json, log, progress
 from ..errors import handle_errors
-from ..options import REQUIRED, ConfigOpt, JsonOpt, SetOpt, model_opt
+from ..options import REQUIRED, ConfigOpt, JsonOpt, OverwriteOpt, SetOpt, model_opt
 
 IO = "Input / output"
 TRAIN = "Training"
@@ -100,6 +100,17 @@ def pretrain(
             rich_help_panel=TRAIN,
         ),
     ] = 0,
+    checkpoint_every: Annotated[
+        int,
+        typer.Option(
+            "--checkpoint-every",
+            min=0,
+            help="Checkpoint every K steps of each phase and at its end, atomically, into the hidden folder "
+            ".OUT.checkpoint beside --out (removed once --out is saved); 0: none. The same command re-run "
+            "after a kill continues from the last checkpoint to the same bytes (same machine and threads).",
+            rich_help_panel=TRAIN,
+        ),
+    ] = 500,
     vae: Annotated[
         VaeMode,
         typer.Option(
@@ -131,6 +142,7 @@ def pretrain(
             "--vae-lr", min=0.0, help="Pixel VAE learning rate (cosine decay).", rich_help_panel=VAE
         ),
     ] = 2e-3,
+    overwrite: OverwriteOpt = False,
     config: ConfigOpt = None,
     set_: SetOpt = None,
     json_: JsonOpt = False,
@@ -142,6 +154,12 @@ def pretrain(
     with an omnirl_model.json recording how it was made. Synthetic shapes data: python
     recipes/tasks/shapes.py --out data/shapes/captions.jsonl --num-prompts 4096 --images data/shapes
 
+    Resumable: every --checkpoint-every steps the run saves all it depends on (weights, optimizer, EMA,
+    random states, data order, losses) to .OUT.checkpoint beside --out; re-running the same command after
+    a kill continues from there, and the output is byte-identical to an uninterrupted run's. A re-run with
+    other options or other --model/--data files is refused, naming the first that differs (--overwrite
+    discards the checkpoint and starts over).
+
     Example: [bold]omnirl pretrain --model models/demo --data data/shapes --vae pixel --out models/demo-shapes[/]
     """
     c = resolve(ctx, "pretrain", required=("model", "data", "out"))
@@ -150,9 +168,11 @@ def pretrain(
         PretrainConfig,
         check_out,
         read_image_dataset,
+        run_identity,
         save_pretrained_model,
     )
     from stages.pretrain.flow_matching import pretrain as run_pretrain
+    from stages.pretrain.resume import Checkpoints
 
     from ..runtime import device
 
@@ -161,18 +181,29 @@ def pretrain(
     check_out(c["out"])
     started = time.monotonic()
     dataset = read_image_dataset(c["data"])
+    cfg.validate(rows=dataset.source["rows"])
+    checkpoints = Checkpoints(c["out"], run_identity(cfg, c["model"], dataset), c["checkpoint_every"])
+    resume = checkpoints.prepare(overwrite=c["overwrite"])
+    done = resume.steps_done(cfg.phases()) if resume else [0] * len(cfg.phases())
+    if resume:
+        log(f"resuming from {checkpoints.folder} at {resume.phase} step {resume.step}", quiet=json_)
     policy = FlowPolicy.load(c["model"], device=device())
     with progress(enabled=not json_) as bar:
-        tasks = {name: bar.add_task(f"pretrain {name}", total=total, rate="") for name, total in cfg.phases()}
+        tasks = {
+            name: bar.add_task(f"pretrain {name}", total=total, completed=completed, rate="")
+            for (name, total), completed in zip(cfg.phases(), done)
+        }
 
         def on_step(phase: str, step: int, loss: float) -> None:
             bar.update(tasks[phase], advance=1, rate=f"loss {loss:.4f}")
 
-        result = run_pretrain(policy, dataset, cfg, on_step=on_step)
+        result = run_pretrain(policy, dataset, cfg, on_step=on_step, checkpoints=checkpoints)
     summary = save_pretrained_model(policy, c["out"], data=dataset, cfg=cfg, result=result)
+    checkpoints.remove()
     outcome = {
         "out": str(c["out"]),
         "steps": len(result.losses),
+        "resumed_from": {"phase": resume.phase, "step": resume.step} if resume else None,
         "first_loss": result.first_loss,
         "final_loss": result.final_loss,
         "vae_fit": result.vae,

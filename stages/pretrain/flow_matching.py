@@ -17,7 +17,8 @@ fitted VAE is saved with the pipeline, so sampling and `encode_images` use it li
 Everything random is drawn from one CPU generator seeded with `PretrainConfig.seed`: the same seed,
 data, machine and number of torch threads give the same weights, byte for byte (another thread count
 or CPU changes the float rounding of the reductions, hence the bytes). Text conditioning is cached per
-unique caption, so memory grows with the number of distinct captions.
+unique caption, so memory grows with the number of distinct captions. With `Checkpoints` a run saves
+checkpoints that a killed run's re-run continues from, to the same bytes (`stages.pretrain.resume`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import json
 import math
 import os
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,7 @@ from stages.models.diffusion import FlowPolicy
 from stages.models.factory import default_text_length, model_details, read_model_card, save_pipeline
 from stages.models.families import Condition
 from stages.models.schedules import dynamic_shift_mu
+from stages.pretrain.resume import Checkpoints, IndexStream, OnStep, TrainingRun
 
 PIXEL_SCALING_FACTOR = 2.5
 PIXEL_SHIFT_FACTOR = 0.0
@@ -54,9 +56,6 @@ PREPARE_HINT = (
     "prepare one with `python recipes/tasks/shapes.py --out DIR/captions.jsonl --num-prompts 4096 "
     "--images DIR` (PNG files plus one .jsonl of captions)"
 )
-
-# phase name, step (1-based), loss of that step
-OnStep = Callable[[str, int, float], None]
 
 
 @dataclass(frozen=True)
@@ -86,8 +85,9 @@ class PretrainConfig:
         (other options, such as paths, are ignored; a missing one keeps its default)."""
         return cls(**{f.name: options[f.name] for f in fields(cls) if f.name in options})
 
-    def validate(self) -> None:
-        """One-line `UserInputError` naming the option of the first bad value."""
+    def validate(self, rows: int | None = None) -> None:
+        """One-line `UserInputError` naming the option of the first bad value; with `rows` (the images
+        of --data) also a batch size beyond them."""
         checks = [
             (self.steps >= 1, f"--steps {self.steps}: must be at least 1"),
             (self.batch_size >= 1, f"--batch-size {self.batch_size}: must be at least 1"),
@@ -103,6 +103,11 @@ class PretrainConfig:
             (self.vae_encoder_steps >= 0, f"--vae-encoder-steps {self.vae_encoder_steps}: must be >= 0"),
             (self.vae_batch_size >= 1, f"--vae-batch-size {self.vae_batch_size}: must be at least 1"),
             (self.vae_lr > 0, f"--vae-lr {self.vae_lr}: must be > 0"),
+            *(
+                (size <= rows, f"{option} {size}: more than the {rows} images of --data; give at most {rows}")
+                for option, size in (("--batch-size", self.batch_size), ("--vae-batch-size", self.vae_batch_size))
+                if rows is not None
+            ),
         ]  # fmt: skip
         for ok, message in checks:
             if not ok:
@@ -278,36 +283,26 @@ def vae_geometry(vae: Any, resolution: int) -> tuple[int, int]:
     return factor, channels
 
 
-def _index_stream(n: int, batch_size: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
-    """Batches of row indices: consecutive random permutations of range(n) cut into `batch_size`."""
-    pool = torch.empty(0, dtype=torch.long)
-    while True:
-        while pool.numel() < batch_size:
-            pool = torch.cat([pool, torch.randperm(n, generator=generator)])
-        yield pool[:batch_size]
-        pool = pool[batch_size:]
-
-
 def _fit(
+    run: TrainingRun,
     params: list[torch.nn.Parameter],
     loss_of: Callable[[torch.Tensor], torch.Tensor],
     *,
     steps: int,
-    batches: Iterator[torch.Tensor],
+    batches: IndexStream,
     lr: float,
     phase: str,
-    on_step: OnStep | None,
 ) -> float | None:
-    """AdamW with cosine decay from `lr` on `params` for `steps` batches of `loss_of(indices)`; the mean
-    loss of the last steps (None for no steps)."""
+    """AdamW with cosine decay from `lr` on `params` for `steps` batches of `loss_of(indices)`, as phase
+    `phase` of `run`; the mean loss of the last steps (None for no steps)."""
     if steps == 0:
         return None
     for p in params:
         p.requires_grad_(True)
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    losses = []
-    for step in range(1, steps + 1):
-        loss = loss_of(next(batches))
+
+    def take_step(step: int, indices: torch.Tensor) -> float:
+        loss = loss_of(indices)
         check_finite(
             {"loss": loss.detach().reshape(1)}, None, hint=MODEL_HINT, where=f"pretrain {phase} step {step}"
         )
@@ -316,27 +311,21 @@ def _fit(
         for group in optimizer.param_groups:
             group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * (step - 1) / steps))
         optimizer.step()
-        losses.append(float(loss.detach()))
-        if on_step is not None:
-            on_step(phase, step, losses[-1])
+        return float(loss.detach())
+
+    losses = run.phase(phase, steps, optimizer, batches, take_step)
     for p in params:
         p.requires_grad_(False)
     window = min(LOSS_WINDOW, len(losses))
     return sum(losses[-window:]) / window
 
 
-def fit_pixel_vae(
-    vae: Any,
-    pixels: torch.Tensor,
-    cfg: PretrainConfig,
-    generator: torch.Generator,
-    *,
-    on_step: OnStep | None = None,
-) -> dict[str, float]:
+def fit_pixel_vae(vae: Any, pixels: torch.Tensor, cfg: PretrainConfig, run: TrainingRun) -> dict[str, float]:
     """Make `vae` a pixel VAE for uint8 images [N, 3, S, S]: fit its decoder so decode(z) ≈ x for
     z = `pixel_latents`(x) (`cfg.vae_steps`), then its encoder's posterior mean onto z
-    (`cfg.vae_encoder_steps`), MSE each, and set its scaling factor 2.5 and shift 0. Returns the mean
-    squared errors of the last steps of both (None for a phase of 0 steps) and the steps."""
+    (`cfg.vae_encoder_steps`), MSE each, as the phases "vae decoder" and "vae encoder" of `run`, and set
+    its scaling factor 2.5 and shift 0. Returns the mean squared errors of the last steps of both (None
+    for a phase of 0 steps) and the steps."""
     factor, channels = vae_geometry(vae, pixels.shape[-1])
     device = next(vae.parameters()).device
     vae.train()
@@ -357,14 +346,14 @@ def fit_pixel_vae(
         modules = [getattr(vae, name, None) for name in names]
         return [p for m in modules if m is not None for p in m.parameters()]
 
-    batches = _index_stream(pixels.shape[0], cfg.vae_batch_size, generator)
+    batches = IndexStream(pixels.shape[0], cfg.vae_batch_size, run.generator)
     decoder = _fit(
-        parts("post_quant_conv", "decoder"), decoder_loss, steps=cfg.vae_steps, batches=batches,
-        lr=cfg.vae_lr, phase="vae decoder", on_step=on_step,
+        run, parts("post_quant_conv", "decoder"), decoder_loss, steps=cfg.vae_steps, batches=batches,
+        lr=cfg.vae_lr, phase="vae decoder",
     )  # fmt: skip
     encoder = _fit(
-        parts("encoder", "quant_conv"), encoder_loss, steps=cfg.vae_encoder_steps, batches=batches,
-        lr=cfg.vae_lr, phase="vae encoder", on_step=on_step,
+        run, parts("encoder", "quant_conv"), encoder_loss, steps=cfg.vae_encoder_steps, batches=batches,
+        lr=cfg.vae_lr, phase="vae encoder",
     )  # fmt: skip
     vae.eval()
     vae.register_to_config(scaling_factor=PIXEL_SCALING_FACTOR, shift_factor=PIXEL_SHIFT_FACTOR)
@@ -429,20 +418,73 @@ def dataset_latents(
     return torch.cat(out)
 
 
+class _Captions:
+    """Text conditioning of training batches through the policy's per-caption cache (`FlowPolicy.encode`).
+
+    A text encoder run on a batch does not give a caption the same float bits in batches of other
+    sizes, so every batch that encoded new captions is logged (`state`): a resumed run encodes the same
+    batches again (`restore`) and conditions on the very same bytes as an uninterrupted one."""
+
+    def __init__(self, policy: FlowPolicy, text_length: int) -> None:
+        self.policy, self.text_length = policy, text_length
+        self.seen: set[str] = set()
+        self.log: list[list[str]] = []
+
+    def __call__(self, prompts: list[str]) -> Condition:
+        if not self.seen.issuperset(prompts):
+            self.seen.update(prompts)
+            self.log.append(prompts)
+        return self.policy.encode(prompts, None, False, self.text_length)
+
+    def state(self) -> list[list[str]]:
+        return self.log
+
+    def restore(self, state: list[list[str]]) -> None:
+        for prompts in state:
+            self(prompts)
+
+
+def run_identity(cfg: PretrainConfig, model: str | Path, data: ImageDataset) -> dict[str, dict[str, Any]]:
+    """What a checkpoint must match to be resumed (`Checkpoints`): the config by option name and the
+    content digests of --model and --data."""
+    from stages.models.diffusion import check_pipeline_folder
+    from stages.shards.digest import content_digest
+
+    model = check_pipeline_folder(model)  # before hashing: any folder could be walked otherwise
+    return {
+        "settings": asdict(cfg),
+        "inputs": {"model": content_digest(model, "--model"), "data": data.source["sha256"]},
+    }
+
+
 def pretrain(
-    policy: FlowPolicy, data: ImageDataset, cfg: PretrainConfig, *, on_step: OnStep | None = None
+    policy: FlowPolicy,
+    data: ImageDataset,
+    cfg: PretrainConfig,
+    *,
+    on_step: OnStep | None = None,
+    checkpoints: Checkpoints | None = None,
 ) -> PretrainResult:
     """Pretrain `policy`'s trained module (all of its weights) on `data` with the rectified-flow loss;
     with `cfg.vae == "pixel"` first make the VAE a pixel VAE. On return the policy holds the EMA
     weights (decay min(ema_decay, (1 + k)/(10 + k)) at update k, so early updates are not swamped by
     the random initial weights) and the VAE its fitted ones; `on_step(phase, step, loss)` follows it.
+    `checkpoints` saves checkpoints and, once prepared (`Checkpoints.prepare`), continues the run its
+    checkpoint stopped (an fp32 policy, as `FlowPolicy.load` gives, restores exactly).
     """
-    cfg.validate()
+    cfg.validate(rows=len(data.captions))
     resolution = data.resolution
     policy.latent_shape(resolution)  # a side the family cannot take fails here, naming --resolution
     text_length = cfg.text_length or default_text_length(policy.model_path)
     shift = cfg.shift or family_shift(policy, resolution)
-    generator = torch.Generator("cpu").manual_seed(cfg.seed)
+    modules = {"transformer": policy.module, **({"vae": policy.pipe.vae} if cfg.vae == "pixel" else {})}
+    run = TrainingRun(
+        torch.Generator("cpu").manual_seed(cfg.seed),
+        on_step,
+        phases=[name for name, _ in cfg.phases()],
+        modules=modules,
+        checkpoints=checkpoints,
+    )
     vae_fit = None
     if cfg.vae == "pixel":
         if not cfg.vae_steps and "pixel_vae" not in model_details(policy.model_path):
@@ -450,7 +492,7 @@ def pretrain(
                 f"--vae-steps 0 keeps a fitted pixel VAE, but --model {policy.model_path} has none (no "
                 "pixel_vae in its omnirl_model.json); give --vae-steps N to fit one"
             )
-        vae_fit = fit_pixel_vae(policy.pipe.vae, data.pixels, cfg, generator, on_step=on_step)
+        vae_fit = fit_pixel_vae(policy.pipe.vae, data.pixels, cfg, run)
     latents = dataset_latents(policy, data, cfg.vae == "pixel")
     check_finite({"latents": latents}, None, hint=MODEL_HINT, where="pretrain: the VAE encoding of --data")
 
@@ -458,31 +500,33 @@ def pretrain(
     params = policy.trainable_parameters(full=True)
     ema = [p.detach().clone() for p in params]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    captions = _Captions(policy, text_length)
     policy.module.train()
-    losses: list[float] = []
-    batches = _index_stream(latents.shape[0], cfg.batch_size, generator)
-    for step in range(1, cfg.steps + 1):
-        indices = next(batches)
+
+    def take_step(step: int, indices: torch.Tensor) -> float:
         x0 = latents[indices]
-        dropped = torch.rand(len(indices), generator=generator) < cfg.caption_dropout
+        dropped = torch.rand(len(indices), generator=run.generator) < cfg.caption_dropout
         prompts = ["" if drop else data.captions[i] for i, drop in zip(indices.tolist(), dropped.tolist())]
-        sigma = shift_sigmas(torch.rand(len(indices), generator=generator), shift)
-        noise = torch.randn(x0.shape, generator=generator)
-        cond = policy.encode(prompts, None, False, text_length)
+        sigma = shift_sigmas(torch.rand(len(indices), generator=run.generator), shift)
+        noise = torch.randn(x0.shape, generator=run.generator)
         device = policy.device
-        loss = flow_matching_loss(policy, x0.to(device), noise.to(device), sigma.to(device), cond, guidance)
+        loss = flow_matching_loss(
+            policy, x0.to(device), noise.to(device), sigma.to(device), captions(prompts), guidance
+        )
         check_finite({"loss": loss.detach().reshape(1)}, None, hint=MODEL_HINT, where=f"pretrain step {step}")
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
         optimizer.step()
-        decay = min(cfg.ema_decay, (1 + len(losses)) / (10 + len(losses)))
+        k = step - 1  # earlier updates
+        decay = min(cfg.ema_decay, (1 + k) / (10 + k))
         with torch.no_grad():
             for average, p in zip(ema, params):
                 average.lerp_(p, 1 - decay)
-        losses.append(float(loss.detach()))
-        if on_step is not None:
-            on_step("transformer", step, losses[-1])
+        return float(loss.detach())
+
+    batches = IndexStream(latents.shape[0], cfg.batch_size, run.generator)
+    losses = run.phase("transformer", cfg.steps, optimizer, batches, take_step, ema=ema, journal=captions)
     with torch.no_grad():
         for p, average in zip(params, ema):
             p.copy_(average)

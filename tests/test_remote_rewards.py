@@ -602,3 +602,15 @@ def test_chat_errors_a_retry_cannot_fix_are_not_retried(chat, world) -> None:
     with pytest.raises(UserInputError, match=r"HTTP 400 \(busy\)"):
         reward(images[:1], ["p"], [{}])
     assert len(app.requests) == 1
+
+
+def test_a_remote_reward_url_with_credentials_is_refused_without_showing_them() -> None:
+    # the URL becomes the reward's column name and is recorded: a password there would be stored
+    from stages.score.remote import remote_reward_class
+
+    with pytest.raises(UserInputError, match=r"carries credentials") as info:
+        remote_reward_class("http://alice:s3cret@127.0.0.1:18090/jpeg_compressibility")
+    assert "s3cret" not in str(info.value) and "alice:***@" in str(info.value)
+    with pytest.raises(UserInputError, match=r"not an http") as info:
+        remote_reward_class("ftp://alice:s3cret@host/x")
+    assert "s3cret" not in str(info.value)

@@ -83,7 +83,7 @@ from PIL import Image
 from stages.errors import RuntimeFailure, UserInputError
 from stages.score.registry import REMOTE_PREFIX
 from stages.score.rubrics import PROMPT_FIELD, RUBRICS
-from stages.web import backoff, env_token, error_message, one_line
+from stages.web import backoff, env_token, error_message, one_line, redact_url
 
 logger = logging.getLogger(__name__)
 
@@ -112,17 +112,28 @@ def png_bytes(image: Image.Image, compress_level: int = 1) -> bytes:
 
 
 def check_url(url: str, where: str) -> urllib.parse.SplitResult:
-    """`url` split, when it is an http(s) URL with a host and no query or fragment; `where` names it."""
-    parts = urllib.parse.urlsplit(url)
+    """`url` split, when it is an http(s) URL with a host, no credentials and no query or fragment;
+    `where` names it. Credentials are refused (a reward's URL becomes its column name and is recorded),
+    and no message shows their secret (`redact_url`)."""
+    shown = redact_url(url)
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:  # a bracketed host that is not closed
+        parts = urllib.parse.urlsplit("")
     if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
         raise UserInputError(
-            f"{where}: {url!r} is not an http(s)://HOST:PORT/PATH URL without query or fragment; "
+            f"{where}: {shown!r} is not an http(s)://HOST:PORT/PATH URL without query or fragment; "
             "write e.g. remote:http://127.0.0.1:18090/jpeg_compressibility"
+        )
+    if "@" in parts.netloc:
+        raise UserInputError(
+            f"{where}: {shown!r} carries credentials, which would be recorded with the reward's name; drop "
+            f"them and pass the server's token with --reward-arg {REMOTE_PREFIX}URL.token_env=VAR"
         )
     try:
         parts.port  # noqa: B018  (raises on a port that is not a number)
     except ValueError:
-        raise UserInputError(f"{where}: {url!r} has a port that is not a number") from None
+        raise UserInputError(f"{where}: {shown!r} has a port that is not a number") from None
     return parts
 
 
@@ -461,7 +472,7 @@ _lock = threading.Lock()
 
 def remote_reward_class(url: str) -> type[RemoteReward]:
     """The `RemoteReward` subclass bound to `url` (one per URL, so the registry caches its instances)."""
-    check_url(url, f"--reward {REMOTE_PREFIX}{url}")
+    check_url(url, f"--reward {REMOTE_PREFIX}{redact_url(url)}")
     with _lock:
         if url not in _CLASSES:
             _CLASSES[url] = type(

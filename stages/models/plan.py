@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import importlib
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +80,11 @@ class PlanConfig:
     num_processes: int = 1
     cpu_offload: bool = False
     device_memory: int | None = None  # bytes; None: no verdict
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> PlanConfig:
+        """The config of resolved command options: every field from the option of the same name."""
+        return cls(**{f.name: options[f.name] for f in fields(cls) if f.name in options})
 
     def validate(self) -> None:
         """One line per setting a user got wrong."""
@@ -425,8 +430,8 @@ def plan(arch: Architecture, cfg: PlanConfig) -> dict[str, Any]:
 
     online = StagePlan(
         weights={
-            **{f"sampler.{n}": b for n, b in inference.weights.items()},
-            **{f"trainer.{n}": b for n, b in train.weights.items()},
+            n: inference.weights.get(n, 0) + train.weights.get(n, 0)
+            for n in {**inference.weights, **train.weights}
         },
         trainable_parameters=trainable,
         gradients=train.gradients,

@@ -9,7 +9,7 @@ import typer
 
 from ..choices import FAMILIES, ModelSize, complete
 from ..config import resolve
-from ..console import emit_json
+from ..console import emit_json, progress
 from ..errors import handle_errors
 from ..options import (
     OPTIMISATION,
@@ -46,9 +46,8 @@ def _render(result: dict[str, Any]) -> None:
 
     out = Console(highlight=False, soft_wrap=True)
     s, a = result["settings"], result["activations"]
-    where = f"{s['num_processes']} process(es), {s['strategy']}" + (
-        ", CPU offload" if s["cpu_offload"] else ""
-    )
+    where = "1 process" if s["strategy"] == "none" else f"{s['num_processes']} ranks, {s['strategy']}"
+    where += ", CPU offload" if s["cpu_offload"] else ""
     trained = f"full ({s['dtype']} frozen, fp32 trained)" if s["full"] else f"LoRA rank {s['lora_rank']}"
     size = (
         ""
@@ -82,7 +81,10 @@ def _render(result: dict[str, Any]) -> None:
         )
     for key in ("gradients", "optimizer", "ddp_buckets", "gathered", "activations", "total", "host"):
         table.add_row(key.replace("_", " "), *(_gib(st[key]) for st in stages.values()))
-    table.add_row("trainable (M)", *(f"{st['trainable_parameters'] / 1e6:.1f}" for st in stages.values()))
+    table.add_row(
+        "trainable (M)",
+        *(f"{n / 1e6:.1f}" if (n := st["trainable_parameters"]) else "" for st in stages.values()),
+    )
     memory = result["device_memory"]
     verdict = ["fits" if st["fits"] else "[red]does not fit[/]" for st in stages.values()]
     table.add_row(
@@ -207,8 +209,11 @@ def plan(
     mixed = resolve_mixed_precision(c["mixed_precision"])
     cfg = PlanConfig.from_options({**c, "mixed_precision": mixed, "device_memory": memory})
     cfg.validate()
-    arch = from_folder(c["model"]) if c["model"] is not None else from_family(c["family"], c["size"])
-    result = make_plan(arch, cfg)
+    what = c["model"] if c["model"] is not None else f"{c['family']}/{c['size']}"
+    with progress(not json_) as bar:
+        bar.add_task(f"building {what} on the meta device", total=None, rate="")
+        arch = from_folder(c["model"]) if c["model"] is not None else from_family(c["family"], c["size"])
+        result = make_plan(arch, cfg)
     if json_:
         emit_json(result)
     else:

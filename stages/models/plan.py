@@ -41,11 +41,12 @@ from typing import Any
 import torch
 
 from stages.errors import UserInputError
+from stages.models.diffusion import DTYPES
+from stages.models.factory import parameter_count
 from stages.models.families import Resolution, adapter_class, parse_resolution
 from stages.precision import MIXED_PRECISIONS
+from stages.update.parallel import STRATEGIES
 
-STAGES = ("sample", "logprob", "update", "online")
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 FP32 = 4
 ADAM_MOMENTS = 2
 ACTIVATION_ELEMENTS_PER_HIDDEN = 17  # per token and block (module docstring)
@@ -88,8 +89,8 @@ class PlanConfig:
 
     def validate(self) -> None:
         """One line per setting a user got wrong."""
-        if self.dtype not in DTYPE_BYTES:
-            raise UserInputError(f"--dtype {self.dtype}: choose one of {', '.join(DTYPE_BYTES)}")
+        if self.dtype not in DTYPES:
+            raise UserInputError(f"--dtype {self.dtype}: choose one of {', '.join(DTYPES)}")
         if self.mixed_precision not in MIXED_PRECISIONS:
             raise UserInputError(
                 f"--mixed-precision {self.mixed_precision}: choose one of {', '.join(MIXED_PRECISIONS)}"
@@ -101,8 +102,8 @@ class PlanConfig:
             raise UserInputError("--micro-batch and --lora-rank must be >= 0")
         if not self.full and self.lora_rank == 0:
             raise UserInputError("--lora-rank 0 trains nothing: pass --lora-rank > 0 or --full")
-        if self.strategy not in ("auto", "ddp", "fsdp2"):
-            raise UserInputError(f"--strategy {self.strategy}: choose one of auto, ddp, fsdp2")
+        if self.strategy not in STRATEGIES:
+            raise UserInputError(f"--strategy {self.strategy}: choose one of {', '.join(STRATEGIES)}")
         if self.cpu_offload and self.kind() != "fsdp2":
             raise UserInputError("--cpu-offload is FSDP2's: pass --strategy fsdp2")
 
@@ -122,7 +123,7 @@ class Architecture:
     modules: dict[str, torch.nn.Module]
     trained: tuple[str, ...]
     lora_targets: tuple[str, ...] | str  # a family's suffixes, or a VLM's regex over full names
-    pipeline: Any = None  # the diffusers pipeline (meta), for its adapter's latent shape
+    adapter: Any = None  # the family adapter of the meta pipeline: latent shape, CFG branches
     resolution: Resolution = 512
     text_tokens: int = 128
 
@@ -131,14 +132,14 @@ class Architecture:
         if self.kind == "vlm":
             model = self.modules["model"]
             inner = model.model
-            parts = {name: _count(child) for name, child in inner.named_children() if _count(child)}
-            parts["lm_head"] = _count(model) - sum(parts.values())
+            parts = {
+                name: parameter_count(child)
+                for name, child in inner.named_children()
+                if parameter_count(child)
+            }
+            parts["lm_head"] = parameter_count(model) - sum(parts.values())
             return {k: v for k, v in parts.items() if v}
-        return {name: _count(module) for name, module in self.modules.items()}
-
-
-def _count(module: torch.nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
+        return {name: parameter_count(module) for name, module in self.modules.items()}
 
 
 # ------------------------------------------------------------------------------------------ building
@@ -187,7 +188,7 @@ def _diffusion(name: str, pipe: Any, card: dict[str, Any]) -> Architecture:
         modules={n: m for n, m in pipe.components.items() if isinstance(m, torch.nn.Module)},
         trained=adapter.trained_modules(),
         lora_targets=family.lora_targets,
-        pipeline=adapter,
+        adapter=adapter,
         resolution=details.get("image_size", 512),
         text_tokens=int(text or DEFAULT_TEXT_LENGTH),
     )
@@ -312,7 +313,7 @@ def _full_parameters(arch: Architecture) -> int:
             for n, p in arch.modules["model"].named_parameters()
             if not any(t in f".{n}" for t in TOWERS)
         )
-    return sum(_count(arch.modules[part]) for part in arch.trained)
+    return sum(parameter_count(arch.modules[part]) for part in arch.trained)
 
 
 def _tokens(arch: Architecture, cfg: PlanConfig) -> tuple[int, int]:
@@ -321,7 +322,7 @@ def _tokens(arch: Architecture, cfg: PlanConfig) -> tuple[int, int]:
     if arch.kind == "vlm":
         return 0, text
     resolution = parse_resolution(cfg.resolution if cfg.resolution is not None else arch.resolution)
-    shape = arch.pipeline.latent_shape(resolution, cfg.frames)
+    shape = arch.adapter.latent_shape(resolution, cfg.frames)
     cells = 1
     for side in shape[1:]:
         cells *= side
@@ -332,7 +333,7 @@ def _branches(arch: Architecture, cfg: PlanConfig) -> int:
     """2 when the guidance runs an unconditional branch beside the conditional one, else 1."""
     if arch.kind == "vlm":
         return 1
-    return 2 if arch.pipeline.needs_negative(cfg.guidance) else 1
+    return 2 if arch.adapter.needs_negative(cfg.guidance) else 1
 
 
 @dataclass
@@ -373,10 +374,10 @@ def plan(arch: Architecture, cfg: PlanConfig) -> dict[str, Any]:
     cfg.validate()
     kind = cfg.kind()
     world = cfg.num_processes
-    weight_bytes = DTYPE_BYTES[cfg.dtype]
+    weight_bytes = DTYPES[cfg.dtype].itemsize
     autocast = MIXED_PRECISIONS[cfg.mixed_precision]
     act_bytes = 2 if weight_bytes == 2 or autocast is not None else 4
-    params = {name: _count(module) for name, module in arch.modules.items()}
+    params = {name: parameter_count(module) for name, module in arch.modules.items()}
     latent, text = _tokens(arch, cfg)
     seq = latent + text
     branches = _branches(arch, cfg)

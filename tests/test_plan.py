@@ -166,3 +166,17 @@ def test_a_folder_without_configs_is_one_line(tmp_path: Path) -> None:
     fails(["plan"], "--model", "--family")
     fails(["plan", "--family", "sd3", "--size", "3b"], "3b", "sd3")
     fails(["plan", "--family", "sd3", "--size", "tiny", "--cpu-offload"], "--cpu-offload", "fsdp2")
+
+
+def test_a_vlm_folder_plans_its_language_model(tiny_vlm: Path) -> None:
+    """A Qwen2.5-VL folder: parameters as its card counts them; activations over the language model's
+    blocks only; --full trains all but the vision tower."""
+    card = json.loads((tiny_vlm / "omnirl_model.json").read_text())
+    arch = from_folder(tiny_vlm)
+    assert arch.parameters() == card["parameters"]
+    result = plan(arch, PlanConfig(full=True, text_tokens=100, batch_size=3))
+    act = result["activations"]
+    assert (act["blocks"], act["hidden"], act["sequence"], act["cfg_branches"]) == (2, 64, 100, 1)
+    update = result["stages"]["update"]
+    assert update["trainable_parameters"] == card["parameters"]["language_model"]
+    assert update["activations"] == 2 * 17 * 100 * 64 * 4 * 3

@@ -269,13 +269,17 @@ def _size_spec(family: str, size: str) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------ counting
-def _blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated blocks (the classes of the module's `_no_split_modules`, which FSDP2 shards one by one)."""
-    inner = module
-    while not getattr(inner, "_no_split_modules", None) and hasattr(inner, "model"):
-        inner = inner.model
-    names = set(getattr(inner, "_no_split_modules", None) or [])
-    return [m for m in module.modules() if type(m).__name__ in names]
+def _blocks(arch: Architecture) -> list[torch.nn.Module]:
+    """The repeated blocks of the trained modules (the classes of their `_no_split_modules`, which FSDP2
+    shards one by one); a VLM's are its language model's (the towers see no text tokens)."""
+    found = []
+    for part in arch.trained:
+        module = arch.modules[part]
+        names = set(getattr(module, "_no_split_modules", None) or [])
+        if arch.kind == "vlm":
+            module = module.model.language_model
+        found += [m for m in module.modules() if type(m).__name__ in names]
+    return found
 
 
 def _hidden(block: torch.nn.Module) -> int:
@@ -381,7 +385,7 @@ def plan(arch: Architecture, cfg: PlanConfig) -> dict[str, Any]:
     latent, text = _tokens(arch, cfg)
     seq = latent + text
     branches = _branches(arch, cfg)
-    blocks = [b for part in arch.trained for b in _blocks(arch.modules[part])]
+    blocks = _blocks(arch)
     if not blocks:
         raise UserInputError(
             f"{arch.name}: its trained module has no repeated blocks to estimate activations by"

@@ -273,11 +273,11 @@ def build_wan(out_dir: str | Path, *, family: str, size: str, seed: int) -> dict
 
 
 build_wan2_1 = partial(build_wan, family="wan2_1")
+build_wan2_2_5b = partial(build_wan, family="wan2_2_5b")
+build_wan2_2_a14b = partial(build_wan, family="wan2_2_a14b")
 make_wan2_1 = partial(make_wan, "wan2_1")
 make_wan2_2_5b = partial(make_wan, "wan2_2_5b")
 make_wan2_2_a14b = partial(make_wan, "wan2_2_a14b")
-build_wan2_2_5b = partial(build_wan, family="wan2_2_5b")
-build_wan2_2_a14b = partial(build_wan, family="wan2_2_a14b")
 
 
 # flow_grpo's train_wan2_1.py (r32/α64): the attention projections; in the text-to-video transformer

@@ -33,7 +33,8 @@ KlType = Literal["k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl", "k1+", "k3+
 OldDecay = Literal["copy", "linear_to_0_5", "delayed_linear_to_0_999"]  # family_losses.NFT_DECAY_SCHEDULES
 AwmWeighting = Literal["uniform", "ghuber"]  # stages.update.family_losses.AWM_WEIGHTINGS
 VaeMode = Literal["model", "pixel"]  # stages.pretrain.flow_matching.VAE_MODES
-ModelSize = Literal["tiny", "small", "demo"]  # the SIZES of the families' builders
+# the SIZES of the families' builders (and wan.PUBLISHED's): test, benchmark and published sizes
+ModelSize = Literal["tiny", "small", "demo", "full", "medium", "1.3b", "3b", "7b"]
 
 # Built-in names of the open registries (completion only; plugins are accepted beside them).
 # Rollout engines: stages.sample.engines' diffusion engines, then stages.sample.vlm_stage.ENGINES.

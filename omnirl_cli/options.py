@@ -13,7 +13,7 @@ from typing import Annotated, Any
 
 import typer
 
-from .choices import Format, MixedPrecision
+from .choices import Dtype, Format, MixedPrecision, Strategy
 from .console import QUIET, VERBOSE, set_verbosity
 
 IO = "Input / output"
@@ -129,6 +129,104 @@ def mixed_precision_opt(
             rich_help_panel=panel,
         ),
     ]
+
+
+# Settings of the sampling and training stages that `omnirl plan` takes too, so each is declared once.
+SAMPLING = "Sampling"
+OPTIMISATION = "Optimisation"
+DtypeOpt = Annotated[
+    Dtype,
+    typer.Option(
+        "--dtype",
+        envvar="OMNIRL_DTYPE",
+        help="Storage dtype of the frozen weights. Trained weights (LoRA, or all "
+        "with --full) are always fp32 (diffusers' cast_training_params), so AdamW steps in fp32.",
+    ),
+]
+
+StrategyOpt = Annotated[
+    Strategy,
+    typer.Option(
+        "--strategy",
+        help="How the trained module is spread over the launcher's processes: ddp (Accelerate's DDP), "
+        "fsdp2 (torch fully_shard per block and at the root, with the accelerate config's CPU offload and "
+        "reshard settings) or auto: the accelerate config's (fsdp_version 2 → fsdp2), else ddp over more "
+        "than one process. DeepSpeed, Megatron-LM and FSDP1 configs are refused. Not part of the run's "
+        "identity: 1 process and N ranks give the same update.",
+        rich_help_panel=OPTIMISATION,
+    ),
+]
+
+GradientCheckpointingOpt = Annotated[
+    bool,
+    typer.Option(
+        "--gradient-checkpointing",
+        help="Recompute the trained module's activations in the backward (diffusers / transformers "
+        "checkpointing): less memory for one more forward per trained step; same numbers.",
+        rich_help_panel=OPTIMISATION,
+    ),
+]
+
+MicroBatchOpt = Annotated[
+    int,
+    typer.Option(
+        "--micro-batch",
+        help="Samples per forward (0: the sampling batch size).",
+        rich_help_panel=OPTIMISATION,
+    ),
+]
+
+LoraRankOpt = Annotated[
+    int,
+    typer.Option(
+        "--lora-rank", help="LoRA rank of a new adapter (flow_grpo 32).", rich_help_panel=OPTIMISATION
+    ),
+]
+
+FullOpt = Annotated[
+    bool, typer.Option("--full", help="Full fine-tuning instead of LoRA.", rich_help_panel=OPTIMISATION)
+]
+
+BatchSizeOpt = Annotated[
+    int,
+    typer.Option(
+        "--batch-size",
+        min=1,
+        help="Samples per forward pass (VLM: responses per generate call, whole groups).",
+        rich_help_panel=SAMPLING,
+    ),
+]
+
+GuidanceOpt = Annotated[
+    float,
+    typer.Option(
+        "--guidance",
+        help="Guidance as the family's pipeline defines it: SD3 and Qwen-Image true CFG (1 = off), "
+        "Z-Image pos + w·(pos − neg) (0 = off), FLUX.1 distilled guidance (a model input, one forward).",
+        rich_help_panel=SAMPLING,
+    ),
+]
+
+ResolutionOpt = Annotated[
+    str,
+    typer.Option(
+        "--resolution",
+        help="Sample size in pixels: a side (512) or HEIGHTxWIDTH (240x416, flow_grpo's Wan), each a "
+        "multiple of the VAE factor × patch size (SD3: 16, Wan 2.1: 16, Wan 2.2 TI2V-5B: 32).",
+        rich_help_panel=SAMPLING,
+    ),
+]
+
+FramesOpt = Annotated[
+    int,
+    typer.Option(
+        "--frames",
+        min=1,
+        help="Frames per sample for a video family (Wan: 1 plus a multiple of 4, its pipeline's 81); "
+        "image families take 1.",
+        rich_help_panel=SAMPLING,
+    ),
+]
 
 
 OverwriteOpt = Annotated[

@@ -55,7 +55,7 @@ def _complete(command: str, flag: str, incomplete: str) -> list[str]:
         ("update", "--strategy", "auto|ddp|fsdp2"),
         ("advantage", "--aggregation", "reward_aggr|advantage_aggr"),
         ("score", "--on-error", "fail|zero"),
-        ("init-model", "--size", "tiny|small|demo"),
+        ("init-model", "--size", "tiny|small|demo|full|medium|1.3b|3b|7b"),
         ("pretrain", "--vae", "model|pixel"),
     ],
 )
@@ -158,6 +158,7 @@ def test_choice_sets_mirror_the_stage_constants() -> None:
     for literal, constant in pairs:
         assert get_args(literal) == tuple(constant), literal
     sizes = {s for m in (flux, qwen2_5_vl, qwen3_omni, qwen_image, sd3, wan, z_image) for s in m.SIZES}
+    sizes |= {s for published in wan.PUBLISHED.values() for s in published}
     assert set(get_args(choices.ModelSize)) == sizes
     assert set(choices.ALGORITHMS) == set(ALGORITHMS)
     assert (*engine_names(), *ENGINES) == choices.ENGINES

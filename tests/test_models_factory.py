@@ -277,7 +277,7 @@ def test_every_size_has_consistent_widths(size: str) -> None:
     spec = SIZES[size]
     assert spec.t5_width >= sum(spec.clip_widths)
     assert spec.t5_width % spec.t5_heads == 0
-    assert all(width % spec.clip_heads == 0 for width in spec.clip_widths)
+    assert all(width % spec.clip_depth(i)[1] == 0 for i, width in enumerate(spec.clip_widths))
     assert all(channels % spec.vae_groups == 0 for channels in spec.vae_channels)
     assert all(0 <= layer < spec.layers for layer in spec.dual_attention_layers)
     assert spec.sample_size % 2 == 0

@@ -10,6 +10,7 @@ from .inspect_cmd import inspect
 from .logprob import logprob
 from .online import online
 from .pairs import pairs
+from .plan import plan
 from .pretrain import pretrain
 from .report import report
 from .sample import sample
@@ -30,6 +31,7 @@ COMMANDS = [
     ("inspect", inspect),
     ("report", report),
     ("init-model", init_model),
+    ("plan", plan),
     ("pretrain", pretrain),
     ("serve", serve),
     ("serve-reward", serve_reward),

@@ -28,12 +28,16 @@ from ..options import (
     ADAPTER_HELP,
     ENGINE,
     REQUIRED,
+    BatchSizeOpt,
     ConfigOpt,
     FormatOpt,
+    FramesOpt,
+    GuidanceOpt,
     JsonOpt,
     NumShardsOpt,
     OutOpt,
     OverwriteOpt,
+    ResolutionOpt,
     ServerRetriesOpt,
     ServerStartupTimeoutOpt,
     ServerTimeoutOpt,
@@ -124,15 +128,7 @@ def sample(
         ),
     ] = 4,
     steps: Annotated[int, typer.Option("--steps", help="Denoising steps.", rich_help_panel=SAMPLING)] = 10,
-    guidance: Annotated[
-        float,
-        typer.Option(
-            "--guidance",
-            help="Guidance as the family's pipeline defines it: SD3 and Qwen-Image true CFG (1 = off), "
-            "Z-Image pos + w·(pos − neg) (0 = off), FLUX.1 distilled guidance (a model input, one forward).",
-            rich_help_panel=SAMPLING,
-        ),
-    ] = 4.5,
+    guidance: GuidanceOpt = 4.5,
     guidance_2: Annotated[
         float | None,
         typer.Option(
@@ -142,25 +138,8 @@ def sample(
             rich_help_panel=SAMPLING,
         ),
     ] = None,
-    resolution: Annotated[
-        str,
-        typer.Option(
-            "--resolution",
-            help="Sample size in pixels: a side (512) or HEIGHTxWIDTH (240x416, flow_grpo's Wan), each a "
-            "multiple of the VAE factor × patch size (SD3: 16, Wan 2.1: 16, Wan 2.2 TI2V-5B: 32).",
-            rich_help_panel=SAMPLING,
-        ),
-    ] = "512",
-    frames: Annotated[
-        int,
-        typer.Option(
-            "--frames",
-            min=1,
-            help="Frames per sample for a video family (Wan: 1 plus a multiple of 4, its pipeline's 81); "
-            "image families take 1.",
-            rich_help_panel=SAMPLING,
-        ),
-    ] = 1,
+    resolution: ResolutionOpt = "512",
+    frames: FramesOpt = 1,
     sampler: Annotated[
         Sampler,
         typer.Option(
@@ -256,15 +235,7 @@ def sample(
             rich_help_panel=SAMPLING,
         ),
     ] = 0,
-    batch_size: Annotated[
-        int,
-        typer.Option(
-            "--batch-size",
-            min=1,
-            help="Samples per forward pass (VLM: responses per generate call, whole groups).",
-            rich_help_panel=SAMPLING,
-        ),
-    ] = 8,
+    batch_size: BatchSizeOpt = 8,
     engine: Annotated[
         str | None,
         typer.Option(

@@ -10,12 +10,10 @@ import typer
 from ..choices import (
     ALGORITHMS,
     AwmWeighting,
-    Dtype,
     KlType,
     LossAggMode,
     LrScheduler,
     OldDecay,
-    Strategy,
     complete,
 )
 from ..config import resolve
@@ -24,13 +22,19 @@ from ..errors import handle_errors
 from ..options import (
     ADAPTER_HELP,
     ConfigOpt,
+    DtypeOpt,
+    FullOpt,
+    GradientCheckpointingOpt,
     InOpt,
     JsonOpt,
+    LoraRankOpt,
+    MicroBatchOpt,
     OutOpt,
     OverwriteOpt,
     ReportToOpt,
     RunNameOpt,
     SetOpt,
+    StrategyOpt,
     mixed_precision_opt,
     model_opt,
 )
@@ -54,42 +58,15 @@ def update(
             "another tool's LoRA starts a fresh optimizer at step 0 with its own rank and alpha.",
         ),
     ] = None,
-    dtype: Annotated[
-        Dtype,
-        typer.Option(
-            "--dtype",
-            envvar="OMNIRL_DTYPE",
-            help="Storage dtype of the frozen weights. Trained weights (LoRA, or all "
-            "with --full) are always fp32 (diffusers' cast_training_params), so AdamW steps in fp32.",
-        ),
-    ] = "fp32",
+    dtype: DtypeOpt = "fp32",
     mixed_precision: mixed_precision_opt(
         "the forward and loss (fp16 with a dynamic loss scale, torch.amp.GradScaler: an overflow skips the "
         "step and halves the scale, logged as actor/grad_scale; not with FSDP2)",
         OPT,
         recorded="Recorded in the adapter's update_config.",
     ) = None,
-    strategy: Annotated[
-        Strategy,
-        typer.Option(
-            "--strategy",
-            help="How the trained module is spread over the launcher's processes: ddp (Accelerate's DDP), "
-            "fsdp2 (torch fully_shard per block and at the root, with the accelerate config's CPU offload and "
-            "reshard settings) or auto: the accelerate config's (fsdp_version 2 → fsdp2), else ddp over more "
-            "than one process. DeepSpeed, Megatron-LM and FSDP1 configs are refused. Not part of the run's "
-            "identity: 1 process and N ranks give the same update.",
-            rich_help_panel=OPT,
-        ),
-    ] = "auto",
-    gradient_checkpointing: Annotated[
-        bool,
-        typer.Option(
-            "--gradient-checkpointing",
-            help="Recompute the trained module's activations in the backward (diffusers / transformers "
-            "checkpointing): less memory for one more forward per trained step; same numbers.",
-            rich_help_panel=OPT,
-        ),
-    ] = False,
+    strategy: StrategyOpt = "auto",
+    gradient_checkpointing: GradientCheckpointingOpt = False,
     algo: Annotated[
         str,
         typer.Option(
@@ -275,12 +252,7 @@ def update(
         float,
         typer.Option("--max-grad-norm", help="Gradient-norm clip (flow_grpo 1.0).", rich_help_panel=OPT),
     ] = 1.0,
-    micro_batch: Annotated[
-        int,
-        typer.Option(
-            "--micro-batch", help="Samples per forward (0: the sampling batch size).", rich_help_panel=OPT
-        ),
-    ] = 0,
+    micro_batch: MicroBatchOpt = 0,
     grad_accum: Annotated[
         int,
         typer.Option("--grad-accum", min=1, help="Micro-batches per optimizer step.", rich_help_panel=OPT),
@@ -295,16 +267,11 @@ def update(
     ema: Annotated[
         bool, typer.Option("--ema", help="Keep an EMA of the weights (flow_grpo decay).", rich_help_panel=OPT)
     ] = False,
-    lora_rank: Annotated[
-        int,
-        typer.Option("--lora-rank", help="LoRA rank of a new adapter (flow_grpo 32).", rich_help_panel=OPT),
-    ] = 32,
+    lora_rank: LoraRankOpt = 32,
     lora_alpha: Annotated[
         int, typer.Option("--lora-alpha", help="LoRA alpha (flow_grpo 64).", rich_help_panel=OPT)
     ] = 64,
-    full: Annotated[
-        bool, typer.Option("--full", help="Full fine-tuning instead of LoRA.", rich_help_panel=OPT)
-    ] = False,
+    full: FullOpt = False,
     train_vision: Annotated[
         bool,
         typer.Option(

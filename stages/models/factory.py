@@ -8,7 +8,14 @@ it is an unfinished build.
 
 A family is registered as `"module:builder"`, imported only when built, so listing families does not
 import diffusers. A builder is `builder(out_dir, *, size, seed) -> dict`, raises `UserInputError` for
-a size it does not know, and ends with `finish_model_dir`.
+a size it does not know, and ends with `finish_model_dir`. Beside each `build_X` its module has
+`make_X(size, seed)`, the construction without saving (the diffusers pipeline, or the transformers
+model): under `torch.device("meta")` it gives the architecture of any size, even a published one too
+large for this machine, without memory (`make_model`, which `omnirl plan` reads).
+
+Sizes: "tiny" (tests), "small" (benchmarks), and each family's published sizes with the real widths,
+depths and vocabularies, "full" naming its flagship (Qwen-Image 20B, FLUX.1-dev, Wan 2.1 T2V 14B, SD3.5
+Large, ...), for GPU benchmarks; the others by their published names ("medium", "1.3b", "3b", "7b").
 """
 
 from __future__ import annotations
@@ -73,6 +80,15 @@ def init_model(family: str, out_dir: str | Path, *, size: str = "tiny", seed: in
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserInputError(f"{out} already exists and is not an empty directory; choose a new --out")
     return builder(out, size=size, seed=seed)
+
+
+def make_model(family: str, size: str, seed: int = 0) -> Any:
+    """The `family`'s model of `size` as its builder constructs it, unsaved (its module's `make_X` beside
+    `build_X`): a diffusers pipeline or a transformers model, on the current default device."""
+    get_builder(family)  # an unknown family is one line
+    module_name, attribute = FAMILIES[family].split(":")
+    make = getattr(importlib.import_module(module_name), "make_" + attribute.removeprefix("build_"))
+    return make(size=size, seed=seed)
 
 
 def choose_size(family: str, size: str, sizes: Mapping[str, Any]) -> Any:
@@ -176,15 +192,24 @@ def autoencoder_kl(
 
 
 def t5_encoder(
-    seed: int, component: str, tokenizer: Any, *, width: int, heads: int, ff: int, layers: int
+    seed: int,
+    component: str,
+    tokenizer: Any,
+    *,
+    width: int,
+    heads: int,
+    ff: int,
+    layers: int,
+    vocab: int | None = None,
 ) -> Any:
-    """A seeded gated-GELU `T5EncoderModel` for `tokenizer` (SD3's and FLUX.1's third/second text encoder)."""
+    """A seeded gated-GELU `T5EncoderModel` for `tokenizer` (SD3's and FLUX.1's third/second text encoder);
+    `vocab` rows (a published size's, e.g. T5-XXL's 32128), else one per token of `tokenizer`."""
     from transformers import T5Config, T5EncoderModel
 
     with seeded(seed, component):
         return T5EncoderModel(
             T5Config(
-                vocab_size=len(tokenizer),
+                vocab_size=vocab or len(tokenizer),
                 d_model=width,
                 d_kv=width // heads,
                 d_ff=ff,

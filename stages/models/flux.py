@@ -69,6 +69,11 @@ class FluxSize:
     sample_size: int
     vae_channels: tuple[int, ...]
     vae_groups: int
+    # Published size: two resnets per VAE block and the encoders' real vocabularies (None: the local
+    # tokenizer's length).
+    vae_layers_per_block: int = 1
+    clip_vocab: int | None = None
+    t5_vocab: int | None = None
 
     @property
     def vae_scale_factor(self) -> int:
@@ -116,23 +121,42 @@ SIZES: dict[str, FluxSize] = {
         vae_channels=(32, 64, 64),
         vae_groups=16,
     ),
+    # FLUX.1-dev as published (black-forest-labs/FLUX.1-dev configs): 19 double- and 38 single-stream
+    # blocks of 24 heads x 128 (11.90 B), CLIP-L (123 M) and T5-XXL's encoder (4.76 B), the 8x VAE.
+    "full": FluxSize(
+        clip_width=768,
+        clip_layers=12,
+        clip_heads=12,
+        t5_width=4096,
+        t5_layers=24,
+        t5_heads=64,
+        t5_ff=10240,
+        heads=24,
+        head_dim=128,
+        axes_dims_rope=(16, 56, 56),
+        layers=19,
+        single_layers=38,
+        sample_size=128,
+        vae_channels=(128, 256, 512, 512),
+        vae_groups=32,
+        vae_layers_per_block=2,
+        clip_vocab=49408,
+        t5_vocab=32128,
+    ),
 }
 
 
-def build_flux(out_dir: str | Path, *, size: str, seed: int) -> dict[str, Any]:
-    """Build and save a `FluxPipeline` folder of `size` ("tiny" or "small") into `out_dir`, with guidance
-    embedding (FLUX.1-dev, the model flow_grpo and DanceGRPO train).
-
-    Returns the factory summary (see `stages.models.factory.init_model`).
-    """
+def make_flux(size: str, seed: int) -> FluxPipeline:
+    """The `FluxPipeline` of `size` with seeded random weights and guidance embedding (FLUX.1-dev, the model
+    flow_grpo and DanceGRPO train), built on the current default device (`torch.device("meta")`: the
+    architecture alone, no memory)."""
     spec: FluxSize = choose_size(FAMILY, size, SIZES)
-    out = Path(out_dir)
     tokenizer = build_clip_tokenizer(CLIP_MAX_LENGTH)
     tokenizer_2 = build_t5_tokenizer()
     with seeded(seed, "text_encoder"):
         text_encoder = CLIPTextModel(
             CLIPTextConfig(
-                vocab_size=len(tokenizer),
+                vocab_size=spec.clip_vocab or len(tokenizer),
                 hidden_size=spec.clip_width,
                 intermediate_size=4 * spec.clip_width,
                 projection_dim=spec.clip_width,
@@ -147,7 +171,7 @@ def build_flux(out_dir: str | Path, *, size: str, seed: int) -> dict[str, Any]:
         )
     text_encoder_2 = t5_encoder(
         seed, "text_encoder_2", tokenizer_2, width=spec.t5_width, heads=spec.t5_heads, ff=spec.t5_ff,
-        layers=spec.t5_layers,
+        layers=spec.t5_layers, vocab=spec.t5_vocab,
     )  # fmt: skip
     with seeded(seed, "transformer"):
         transformer = FluxTransformer2DModel(
@@ -166,7 +190,7 @@ def build_flux(out_dir: str | Path, *, size: str, seed: int) -> dict[str, Any]:
         seed,
         channels=spec.vae_channels,
         groups=spec.vae_groups,
-        layers_per_block=1,
+        layers_per_block=spec.vae_layers_per_block,
         latent_channels=LATENT_CHANNELS,
         scaling_factor=VAE_SCALING_FACTOR,
         shift_factor=VAE_SHIFT_FACTOR,
@@ -180,7 +204,7 @@ def build_flux(out_dir: str | Path, *, size: str, seed: int) -> dict[str, Any]:
     }
     for module in components.values():
         module.eval()  # T5's dropout must not act if this pipeline object is ever run before a reload
-    pipeline = FluxPipeline(
+    return FluxPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG),
         vae=vae,
         text_encoder=text_encoder,
@@ -189,9 +213,18 @@ def build_flux(out_dir: str | Path, *, size: str, seed: int) -> dict[str, Any]:
         tokenizer_2=tokenizer_2,
         transformer=transformer,
     )
+
+
+def build_flux(out_dir: str | Path, *, size: str, seed: int) -> dict[str, Any]:
+    """Build and save a `FluxPipeline` folder of `size` ("tiny", "small" or "full" = FLUX.1-dev) into
+    `out_dir` (`make_flux`).
+
+    Returns the factory summary (see `stages.models.factory.init_model`).
+    """
+    spec: FluxSize = choose_size(FAMILY, size, SIZES)
     return save_pipeline(
-        pipeline,
-        out,
+        make_flux(size, seed),
+        Path(out_dir),
         family=FAMILY,
         size=size,
         seed=seed,

@@ -253,7 +253,25 @@ class Qwen2_5_VLSize:
     vision_full_attention_blocks: tuple[int, ...]
     min_pixels: int
     max_pixels: int
+    # Published sizes: the real vocabulary (None: the local tokenizer's length); 7B unties its lm_head.
+    vocab: int | None = None
+    tie_embeddings: bool = True
 
+
+# Both published sizes share the vision tower (675 M: 32 blocks of 1280, windows of 112 px, full
+# attention in blocks 7, 15, 23, 31) and the 2:3:3 M-RoPE split of head_dim 128.
+PUBLISHED_VISION = dict(
+    mrope_section=(16, 24, 24),
+    max_positions=128000,
+    vision_hidden=1280,
+    vision_intermediate=3420,
+    vision_depth=32,
+    vision_heads=16,
+    vision_window=112,
+    vision_full_attention_blocks=(7, 15, 23, 31),
+    min_pixels=56 * 56,
+    max_pixels=28 * 28 * 16384,
+)
 
 SIZES: dict[str, Qwen2_5_VLSize] = {
     # head_dim 16 -> mrope 8 = 2+3+3; window 56 px = 2x2 merged tokens; 56²..112² px -> 4..16 image tokens.
@@ -274,7 +292,22 @@ SIZES: dict[str, Qwen2_5_VLSize] = {
         min_pixels=56 * 56,
         max_pixels=112 * 112,
     ),
+    # Qwen/Qwen2.5-VL-3B-Instruct and -7B-Instruct (config.json): 3.75 B and 8.29 B parameters.
+    "3b": Qwen2_5_VLSize(
+        **PUBLISHED_VISION, hidden=2048, intermediate=11008, layers=36, heads=16, kv_heads=2, vocab=151936
+    ),
+    "7b": Qwen2_5_VLSize(
+        **PUBLISHED_VISION,
+        hidden=3584,
+        intermediate=18944,
+        layers=28,
+        heads=28,
+        kv_heads=4,
+        vocab=152064,
+        tie_embeddings=False,
+    ),
 }
+SIZES["full"] = SIZES["7b"]  # the size Qwen-Image encodes its prompts with
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype) -> Qwen2_5_VLForConditionalGeneration:
@@ -307,7 +340,7 @@ def _config(spec: Qwen2_5_VLSize, tokenizer: Any) -> Qwen2_5_VLConfig:
     )
     return Qwen2_5_VLConfig(
         text_config={
-            "vocab_size": len(tokenizer),
+            "vocab_size": spec.vocab or len(tokenizer),
             "hidden_size": spec.hidden,
             "intermediate_size": spec.intermediate,
             "num_hidden_layers": spec.layers,
@@ -323,7 +356,7 @@ def _config(spec: Qwen2_5_VLSize, tokenizer: Any) -> Qwen2_5_VLConfig:
             "bos_token_id": ids["bos"],
             "eos_token_id": ids["eos"],
             "pad_token_id": ids["pad"],
-            "tie_word_embeddings": True,
+            "tie_word_embeddings": spec.tie_embeddings,
         },
         vision_config={
             "depth": spec.vision_depth,
@@ -341,13 +374,31 @@ def _config(spec: Qwen2_5_VLSize, tokenizer: Any) -> Qwen2_5_VLConfig:
         video_token_id=ids["video"],
         vision_start_token_id=ids["vision_start"],
         vision_end_token_id=ids["vision_end"],
-        tie_word_embeddings=True,
+        tie_word_embeddings=spec.tie_embeddings,
     )
 
 
+def make_qwen2_5_vl(size: str, seed: int, tokenizer: Any = None) -> Qwen2_5_VLForConditionalGeneration:
+    """The `Qwen2_5_VLForConditionalGeneration` of `size` with seeded random weights and its generation
+    config, its special-token ids those of `tokenizer` (default: the local Qwen2 tokenizer), built on the
+    current default device (`torch.device("meta")`: the architecture alone, no memory)."""
+    spec: Qwen2_5_VLSize = choose_size(FAMILY, size, SIZES)
+    tokenizer = tokenizer or build_qwen2_tokenizer(spec.max_positions)
+    config = _config(spec, tokenizer)
+    with seeded(seed, "model"):
+        model = Qwen2_5_VLForConditionalGeneration(config)
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.text_config.bos_token_id,
+        eos_token_id=[config.text_config.eos_token_id, config.text_config.pad_token_id],
+        pad_token_id=config.text_config.pad_token_id,
+    )
+    return model
+
+
 def build_qwen2_5_vl(out_dir: str | Path, *, size: str, seed: int) -> dict[str, Any]:
-    """Build and save a `Qwen2_5_VLForConditionalGeneration` folder of `size` ("tiny") into `out_dir`:
-    weights, config, generation config, tokenizer, image processor and chat template.
+    """Build and save a `Qwen2_5_VLForConditionalGeneration` folder of `size` ("tiny", or the published
+    "3b" and "7b" = "full") into `out_dir`: weights, config, generation config, tokenizer, image processor
+    and chat template.
 
     Returns the factory summary (see `stages.models.factory.init_model`).
     """
@@ -369,14 +420,8 @@ def build_qwen2_5_vl(out_dir: str | Path, *, size: str, seed: int) -> dict[str, 
         video_processor=video_processor,
         chat_template=CHAT_TEMPLATE,
     )
-    config = _config(spec, tokenizer)
-    with seeded(seed, "model"):
-        model = Qwen2_5_VLForConditionalGeneration(config)
-    model.generation_config = GenerationConfig(
-        bos_token_id=config.text_config.bos_token_id,
-        eos_token_id=[config.text_config.eos_token_id, config.text_config.pad_token_id],
-        pad_token_id=config.text_config.pad_token_id,
-    )
+    model = make_qwen2_5_vl(size, seed, tokenizer)
+    config = model.config
     with no_progress_bars():
         model.save_pretrained(out, safe_serialization=True)
         processor.save_pretrained(out)

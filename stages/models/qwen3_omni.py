@@ -172,6 +172,8 @@ class Qwen3OmniThinkerSize:
     mel_bins: int
     min_pixels: int
     max_pixels: int
+    # Published size: the real vocabulary (None: the local tokenizer's length).
+    vocab: int | None = None
 
 
 SIZES: dict[str, Qwen3OmniThinkerSize] = {
@@ -202,6 +204,35 @@ SIZES: dict[str, Qwen3OmniThinkerSize] = {
         mel_bins=32,
         min_pixels=64 * 64,
         max_pixels=128 * 128,
+    ),
+    # Qwen/Qwen3-Omni-30B-A3B-Instruct's thinker_config: 48 MoE blocks (128 experts of 768, top-8), the
+    # 27-block vision tower with deepstack at 8/16/24 and the 32-block Whisper-style audio tower.
+    "full": Qwen3OmniThinkerSize(
+        hidden=2048,
+        layers=48,
+        heads=32,
+        kv_heads=4,
+        head_dim=128,
+        mrope_section=(24, 20, 20),
+        experts=128,
+        experts_per_token=8,
+        moe_intermediate=768,
+        max_positions=65536,
+        vision_hidden=1152,
+        vision_intermediate=4304,
+        vision_depth=27,
+        vision_heads=16,
+        vision_positions=2304,
+        deepstack_layers=(8, 16, 24),
+        audio_hidden=1280,
+        audio_ffn=5120,
+        audio_layers=32,
+        audio_heads=20,
+        audio_downsample=480,
+        mel_bins=128,
+        min_pixels=64 * 64,
+        max_pixels=16 * 16 * 4 * 16384,
+        vocab=152064,
     ),
 }
 
@@ -237,7 +268,7 @@ def _config(spec: Qwen3OmniThinkerSize, tokenizer: Any) -> Qwen3OmniMoeThinkerCo
     ids = dict(zip(names, tokenizer.convert_tokens_to_ids(list(names))))
     return Qwen3OmniMoeThinkerConfig(
         text_config={
-            "vocab_size": len(tokenizer),
+            "vocab_size": spec.vocab or len(tokenizer),
             "hidden_size": spec.hidden,
             "intermediate_size": spec.moe_intermediate * spec.experts_per_token,
             "num_hidden_layers": spec.layers,
@@ -293,8 +324,32 @@ def _config(spec: Qwen3OmniThinkerSize, tokenizer: Any) -> Qwen3OmniMoeThinkerCo
     )
 
 
+def make_qwen3_omni_thinker(
+    size: str, seed: int, tokenizer: Any = None
+) -> Qwen3OmniMoeThinkerForConditionalGeneration:
+    """The thinker of `size` with seeded random weights and its generation config, its special-token ids
+    those of `tokenizer` (default: the local tokenizer with the audio tokens), built on the current
+    default device (`torch.device("meta")`: the architecture alone, no memory)."""
+    spec: Qwen3OmniThinkerSize = choose_size(FAMILY, size, SIZES)
+    if tokenizer is None:
+        tokenizer = build_qwen2_tokenizer(
+            spec.max_positions, special_tokens=SPECIAL_TOKENS, named_tokens=NAMED_TOKENS
+        )
+    config = _config(spec, tokenizer)
+    with seeded(seed, "model"):
+        model = Qwen3OmniMoeThinkerForConditionalGeneration(config)
+    text = config.text_config
+    model.generation_config = GenerationConfig(
+        bos_token_id=text.bos_token_id,
+        eos_token_id=[text.eos_token_id, text.pad_token_id],
+        pad_token_id=text.pad_token_id,
+    )
+    return model
+
+
 def build_qwen3_omni_thinker(out_dir: str | Path, *, size: str, seed: int) -> dict[str, Any]:
-    """Build and save a `Qwen3OmniMoeThinkerForConditionalGeneration` folder of `size` ("tiny") into
+    """Build and save a `Qwen3OmniMoeThinkerForConditionalGeneration` folder of `size` ("tiny", or "full"
+    = the thinker of Qwen3-Omni-30B-A3B) into
     `out_dir`: weights, config, generation config, tokenizer, image processor, Whisper feature
     extractor and chat template. Returns the factory summary (see `stages.models.factory.init_model`).
     """
@@ -328,15 +383,8 @@ def build_qwen3_omni_thinker(out_dir: str | Path, *, size: str, seed: int) -> di
         tokenizer=tokenizer,
         chat_template=CHAT_TEMPLATE,
     )
-    config = _config(spec, tokenizer)
-    with seeded(seed, "model"):
-        model = Qwen3OmniMoeThinkerForConditionalGeneration(config)
-    text = config.text_config
-    model.generation_config = GenerationConfig(
-        bos_token_id=text.bos_token_id,
-        eos_token_id=[text.eos_token_id, text.pad_token_id],
-        pad_token_id=text.pad_token_id,
-    )
+    model = make_qwen3_omni_thinker(size, seed, tokenizer)
+    config = model.config
     with no_progress_bars():
         model.save_pretrained(out, safe_serialization=True)
         processor.save_pretrained(out)

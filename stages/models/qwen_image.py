@@ -120,16 +120,26 @@ SIZES: dict[str, QwenImageSize] = {
         vae_res_blocks=1,
         latent_size=32,
     ),
+    # Qwen/Qwen-Image as published: the 60-block MMDiT of 24 heads x 128 (20.43 B) on Qwen2.5-VL-7B
+    # (8.29 B), the 8x 3-D VAE (base 96, two resnets per block); 1024 px default.
+    "full": QwenImageSize(
+        text=TEXT_SIZES["7b"],
+        heads=24,
+        head_dim=128,
+        layers=60,
+        axes_dims_rope=(16, 56, 56),
+        vae_base_dim=96,
+        vae_dim_mult=(1, 2, 4, 4),
+        vae_res_blocks=2,
+        latent_size=128,
+    ),
 }
 
 
-def build_qwen_image(out_dir: str | Path, *, size: str, seed: int) -> dict[str, Any]:
-    """Build and save a `QwenImagePipeline` folder of `size` ("tiny" or "small") into `out_dir`.
-
-    Returns the factory summary (see `stages.models.factory.init_model`).
-    """
+def make_qwen_image(size: str, seed: int) -> QwenImagePipeline:
+    """The `QwenImagePipeline` of `size` with seeded random weights, built on the current default device
+    (`torch.device("meta")`: the architecture alone, no memory)."""
     spec: QwenImageSize = choose_size(FAMILY, size, SIZES)
-    out = Path(out_dir)
     tokenizer = build_qwen2_tokenizer(spec.text.max_positions, extra_text="\n" + TEMPLATE_WORDS + "\n")
     with seeded(seed, "text_encoder"):
         text_encoder = Qwen2_5_VLForConditionalGeneration(_config(spec.text, tokenizer)).eval()
@@ -163,9 +173,19 @@ def build_qwen_image(out_dir: str | Path, *, size: str, seed: int) -> dict[str, 
     prefix = pipeline.prompt_template_encode.split("{}")[0]
     if len(tokenizer(prefix).input_ids) != pipeline.prompt_template_encode_start_idx:
         raise RuntimeError("the tiny tokenizer splits the Qwen-Image template into another token count")
+    return pipeline
+
+
+def build_qwen_image(out_dir: str | Path, *, size: str, seed: int) -> dict[str, Any]:
+    """Build and save a `QwenImagePipeline` folder of `size` ("tiny", "small" or "full" = Qwen-Image 20B)
+    into `out_dir` (`make_qwen_image`).
+
+    Returns the factory summary (see `stages.models.factory.init_model`).
+    """
+    spec: QwenImageSize = choose_size(FAMILY, size, SIZES)
     return save_pipeline(
-        pipeline,
-        out,
+        make_qwen_image(size, seed),
+        Path(out_dir),
         family=FAMILY,
         size=size,
         seed=seed,

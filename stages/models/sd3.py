@@ -74,6 +74,18 @@ class SD3Size:
     vae_shift_factor: float = VAE_SHIFT_FACTOR
     clip_length: int = CLIP_MAX_LENGTH
     text_length: int = 128
+    # Published sizes: the second CLIP (CLIP-G) has its own depth and heads, and the encoders their
+    # real vocabularies (None: the local tokenizer's length).
+    clip_2_layers: int | None = None
+    clip_2_heads: int | None = None
+    clip_vocab: int | None = None
+    t5_vocab: int | None = None
+
+    def clip_depth(self, index: int) -> tuple[int, int]:
+        """(layers, heads) of CLIP encoder `index` (0: CLIP-L, 1: CLIP-G)."""
+        if index == 1:
+            return (self.clip_2_layers or self.clip_layers, self.clip_2_heads or self.clip_heads)
+        return (self.clip_layers, self.clip_heads)
 
     @property
     def vae_scale_factor(self) -> int:
@@ -139,19 +151,53 @@ SIZES: dict[str, SD3Size] = {
         text_length=32,
     ),
 }
+# The published SD3.5 sizes (stabilityai/stable-diffusion-3.5-{medium,large} configs): CLIP-L (768, 12
+# layers) and CLIP-G (1280, 32 layers), T5-XXL's encoder, the 8x VAE with 2 resnets per block; `full` is
+# Large (MMDiT 8.06 B), `medium` the MMDiT-X with dual attention in its first 13 blocks (2.24 B).
+PUBLISHED_TEXT = dict(
+    clip_widths=(768, 1280),
+    clip_layers=12,
+    clip_heads=12,
+    clip_2_layers=32,
+    clip_2_heads=20,
+    clip_vocab=49408,
+    t5_width=4096,
+    t5_layers=24,
+    t5_heads=64,
+    t5_ff=10240,
+    t5_vocab=32128,
+    sample_size=128,
+    vae_channels=(128, 256, 512, 512),
+    vae_layers_per_block=2,
+    vae_groups=32,
+    text_length=256,
+)
+SIZES["full"] = SD3Size(
+    **PUBLISHED_TEXT, heads=38, head_dim=64, layers=38, dual_attention_layers=(), pos_embed_max_size=192
+)
+SIZES["medium"] = SD3Size(
+    **PUBLISHED_TEXT,
+    heads=24,
+    head_dim=64,
+    layers=24,
+    dual_attention_layers=tuple(range(13)),
+    pos_embed_max_size=384,
+)
 
 
 def _clip(
-    width: int, spec: SD3Size, vocab_size: int, special_ids: dict[str, int]
+    index: int, spec: SD3Size, vocab_size: int, special_ids: dict[str, int]
 ) -> CLIPTextModelWithProjection:
-    """CLIP text tower whose projection has the tower's width (as in CLIP-L and CLIP-G)."""
+    """CLIP text tower `index` (0: CLIP-L, 1: CLIP-G) whose projection has the tower's width (as in both)."""
+    width = spec.clip_widths[index]
+    layers, heads = spec.clip_depth(index)
     config = CLIPTextConfig(
-        vocab_size=vocab_size,
+        vocab_size=spec.clip_vocab or vocab_size,
         hidden_size=width,
         intermediate_size=4 * width,
         projection_dim=width,
-        num_hidden_layers=spec.clip_layers,
-        num_attention_heads=spec.clip_heads,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
         max_position_embeddings=spec.clip_length,
         hidden_act="gelu",
         **special_ids,
@@ -159,13 +205,10 @@ def _clip(
     return CLIPTextModelWithProjection(config)
 
 
-def build_sd3(out_dir: str | Path, *, size: str, seed: int) -> dict[str, Any]:
-    """Build and save a `StableDiffusion3Pipeline` folder of `size` ("tiny", "small" or "demo") into `out_dir`.
-
-    Returns the factory summary (see `stages.models.factory.init_model`).
-    """
+def make_sd3(size: str, seed: int) -> StableDiffusion3Pipeline:
+    """The `StableDiffusion3Pipeline` of `size` with seeded random weights, built on the current default
+    device (`torch.device("meta")` builds the architecture alone, with no memory)."""
     spec: SD3Size = choose_size(FAMILY, size, SIZES)
-    out = Path(out_dir)
     tokenizer = build_clip_tokenizer(spec.clip_length)
     tokenizer_3 = build_t5_tokenizer()
     clip_ids = {
@@ -174,12 +217,12 @@ def build_sd3(out_dir: str | Path, *, size: str, seed: int) -> dict[str, Any]:
         "pad_token_id": tokenizer.pad_token_id,
     }
     with seeded(seed, "text_encoder"):
-        text_encoder = _clip(spec.clip_widths[0], spec, len(tokenizer), clip_ids)
+        text_encoder = _clip(0, spec, len(tokenizer), clip_ids)
     with seeded(seed, "text_encoder_2"):
-        text_encoder_2 = _clip(spec.clip_widths[1], spec, len(tokenizer), clip_ids)
+        text_encoder_2 = _clip(1, spec, len(tokenizer), clip_ids)
     text_encoder_3 = t5_encoder(
         seed, "text_encoder_3", tokenizer_3, width=spec.t5_width, heads=spec.t5_heads, ff=spec.t5_ff,
-        layers=spec.t5_layers,
+        layers=spec.t5_layers, vocab=spec.t5_vocab,
     )  # fmt: skip
     with seeded(seed, "transformer"):
         transformer = SD3Transformer2DModel(
@@ -210,7 +253,7 @@ def build_sd3(out_dir: str | Path, *, size: str, seed: int) -> dict[str, Any]:
     scheduler = FlowMatchEulerDiscreteScheduler(
         num_train_timesteps=NUM_TRAIN_TIMESTEPS, shift=SCHEDULER_SHIFT
     )
-    pipeline = StableDiffusion3Pipeline(
+    return StableDiffusion3Pipeline(
         transformer=transformer,
         scheduler=scheduler,
         vae=vae,
@@ -221,9 +264,18 @@ def build_sd3(out_dir: str | Path, *, size: str, seed: int) -> dict[str, Any]:
         text_encoder_3=text_encoder_3,
         tokenizer_3=tokenizer_3,
     )
+
+
+def build_sd3(out_dir: str | Path, *, size: str, seed: int) -> dict[str, Any]:
+    """Build and save a `StableDiffusion3Pipeline` folder of `size` (`SIZES`: "tiny", "small", "demo", or
+    the published "medium" and "full" = SD3.5 Large) into `out_dir`.
+
+    Returns the factory summary (see `stages.models.factory.init_model`).
+    """
+    spec: SD3Size = choose_size(FAMILY, size, SIZES)
     return save_pipeline(
-        pipeline,
-        out,
+        make_sd3(size, seed),
+        Path(out_dir),
         family=FAMILY,
         size=size,
         seed=seed,

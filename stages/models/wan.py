@@ -22,7 +22,7 @@ from whichever flow scheduler the checkpoint has. What shrinks: widths, depths, 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -75,6 +75,12 @@ VARIANTS: dict[str, WanVariant] = {
 }
 
 
+# The VAE keeps the real depth (dim_mult of 4: 8× spatial; temporal downsampling in the last two: 4×).
+VAE_DIM_MULT = (1, 2, 2, 2)
+VAE_TEMPORAL_DOWNSAMPLE = (False, True, True)
+TEMPORAL_FACTOR = 4
+
+
 @dataclass(frozen=True)
 class WanSize:
     """Widths and depths of one size; the default clip is `frames` frames of `latent_side` × VAE factor
@@ -93,12 +99,12 @@ class WanSize:
     vae_base_dim: int
     latent_side: int
     frames: int
+    # Published sizes: umT5-XXL's vocabulary (None: the local tokenizer's length), the VAE's real widths
+    # and two resnets per block.
+    text_vocab: int | None = None
+    vae_dim_mult: tuple[int, ...] = VAE_DIM_MULT
+    vae_res_blocks: int = 1
 
-
-# The VAE keeps the real depth (dim_mult of 4: 8× spatial; temporal downsampling in the last two: 4×).
-VAE_DIM_MULT = (1, 2, 2, 2)
-VAE_TEMPORAL_DOWNSAMPLE = (False, True, True)
-TEMPORAL_FACTOR = 4
 
 SIZES: dict[str, WanSize] = {
     # 5 frames at 32 px (64 px for the 5B's 16× VAE): latents [C, 2, 4, 4], 8 tokens per frame pair.
@@ -134,6 +140,26 @@ SIZES: dict[str, WanSize] = {
         frames=9,
     ),
 }
+# The published sizes of each variant (Wan-AI's Diffusers configs): umT5-XXL's encoder (5.7 B), the
+# VAE (Wan 2.1: base 96; Wan 2.2's 48-channel residual VAE: base 160) and the DiT of head width 128;
+# `full` is each variant's flagship. Default clip: 81 frames at 480 px (5B: 121 frames at 704 px).
+UMT5_XXL = dict(
+    text_width=4096, text_layers=24, text_heads=64, text_ff=10240, text_length=512, text_vocab=256384
+)
+WAN_14B = WanSize(
+    **UMT5_XXL, heads=40, head_dim=128, layers=40, ffn=13824, freq_dim=256, vae_base_dim=96,
+    latent_side=60, frames=81, vae_dim_mult=(1, 2, 4, 4), vae_res_blocks=2,
+)  # fmt: skip
+PUBLISHED: dict[str, dict[str, WanSize]] = {
+    "wan2_1": {
+        "full": WAN_14B,
+        "1.3b": replace(WAN_14B, heads=12, layers=30, ffn=8960),
+    },
+    "wan2_2_5b": {
+        "full": replace(WAN_14B, heads=24, layers=30, ffn=14336, vae_base_dim=160, latent_side=44, frames=121)
+    },
+    "wan2_2_a14b": {"full": WAN_14B},  # two experts of this size
+}
 
 
 def _vae(variant: WanVariant, spec: WanSize, seed: int) -> AutoencoderKLWan:
@@ -144,22 +170,22 @@ def _vae(variant: WanVariant, spec: WanSize, seed: int) -> AutoencoderKLWan:
     if variant.latent_channels != 16:
         with seeded(seed, "vae_statistics"):
             stats = {
-                "latents_mean": (0.5 * torch.randn(variant.latent_channels)).tolist(),
-                "latents_std": (0.5 + torch.rand(variant.latent_channels)).tolist(),
+                "latents_mean": (0.5 * torch.randn(variant.latent_channels, device="cpu")).tolist(),
+                "latents_std": (0.5 + torch.rand(variant.latent_channels, device="cpu")).tolist(),
             }
     with seeded(seed, "vae"):
         vae = AutoencoderKLWan(
             base_dim=spec.vae_base_dim,
             z_dim=variant.latent_channels,
-            dim_mult=list(VAE_DIM_MULT),
-            num_res_blocks=1,
+            dim_mult=list(spec.vae_dim_mult),
+            num_res_blocks=spec.vae_res_blocks,
             temperal_downsample=list(VAE_TEMPORAL_DOWNSAMPLE),
             is_residual=variant.residual_vae,
             in_channels=3 * variant.vae_patch**2,  # the pixel patch folds into channels (2.2: 12)
             out_channels=3 * variant.vae_patch**2,
             patch_size=variant.vae_patch if variant.residual_vae else None,
             scale_factor_temporal=TEMPORAL_FACTOR,
-            scale_factor_spatial=variant.vae_patch * 2 ** (len(VAE_DIM_MULT) - 1),
+            scale_factor_spatial=variant.vae_patch * 2 ** (len(spec.vae_dim_mult) - 1),
             **stats,
         )
         zero_residual_branches(vae.decoder)
@@ -181,15 +207,17 @@ def _transformer(variant: WanVariant, spec: WanSize, seed: int, component: str) 
         )
 
 
-def build_wan(out_dir: str | Path, *, family: str, size: str, seed: int) -> dict[str, Any]:
-    """Build and save a `WanPipeline` folder of the `family` variant (`VARIANTS`) and `size`."""
+def make_wan(family: str, size: str, seed: int) -> WanPipeline:
+    """The `WanPipeline` of the `family` variant (`VARIANTS`) and `size` (`SIZES`, or the variant's
+    `PUBLISHED` sizes) with seeded random weights, built on the current default device
+    (`torch.device("meta")`: the architecture alone, no memory)."""
     variant = VARIANTS[family]
-    spec: WanSize = choose_size(family, size, SIZES)
+    spec: WanSize = choose_size(family, size, {**SIZES, **PUBLISHED[family]})
     tokenizer = build_t5_tokenizer()
     with seeded(seed, "text_encoder"):
         text_encoder = UMT5EncoderModel(
             UMT5Config(
-                vocab_size=len(tokenizer),
+                vocab_size=spec.text_vocab or len(tokenizer),
                 d_model=spec.text_width,
                 d_kv=spec.text_width // spec.text_heads,
                 d_ff=spec.text_ff,
@@ -202,11 +230,10 @@ def build_wan(out_dir: str | Path, *, family: str, size: str, seed: int) -> dict
             )
         ).eval()
     experts = variant.boundary_ratio is not None
-    vae = _vae(variant, spec, seed)
-    pipeline = WanPipeline(
+    return WanPipeline(
         tokenizer=tokenizer,
         text_encoder=text_encoder,
-        vae=vae,
+        vae=_vae(variant, spec, seed),
         scheduler=FlowMatchEulerDiscreteScheduler(
             num_train_timesteps=NUM_TRAIN_TIMESTEPS, shift=variant.shift
         ),
@@ -215,7 +242,14 @@ def build_wan(out_dir: str | Path, *, family: str, size: str, seed: int) -> dict
         boundary_ratio=variant.boundary_ratio,
         expand_timesteps=variant.expand_timesteps,
     )
-    factor = vae.config.scale_factor_spatial
+
+
+def build_wan(out_dir: str | Path, *, family: str, size: str, seed: int) -> dict[str, Any]:
+    """Build and save a `WanPipeline` folder of the `family` variant and `size` (`make_wan`)."""
+    variant = VARIANTS[family]
+    spec: WanSize = choose_size(family, size, {**SIZES, **PUBLISHED[family]})
+    pipeline = make_wan(family, size, seed)
+    factor = pipeline.vae.config.scale_factor_spatial
     return save_pipeline(
         pipeline,
         Path(out_dir),
@@ -241,6 +275,9 @@ def build_wan(out_dir: str | Path, *, family: str, size: str, seed: int) -> dict
 build_wan2_1 = partial(build_wan, family="wan2_1")
 build_wan2_2_5b = partial(build_wan, family="wan2_2_5b")
 build_wan2_2_a14b = partial(build_wan, family="wan2_2_a14b")
+make_wan2_1 = partial(make_wan, "wan2_1")
+make_wan2_2_5b = partial(make_wan, "wan2_2_5b")
+make_wan2_2_a14b = partial(make_wan, "wan2_2_a14b")
 
 
 # flow_grpo's train_wan2_1.py (r32/α64): the attention projections; in the text-to-video transformer

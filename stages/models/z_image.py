@@ -69,6 +69,11 @@ class ZImageSize:
     axes_dims: tuple[int, int, int]
     vae_channels: tuple[int, ...]
     vae_groups: int
+    # Published size: Qwen3's head width (None: text_hidden // text_heads), its real vocabulary (None:
+    # the local tokenizer's length) and two resnets per VAE block.
+    text_head_dim: int | None = None
+    text_vocab: int | None = None
+    vae_layers_per_block: int = 1
 
     @property
     def vae_scale_factor(self) -> int:
@@ -106,28 +111,44 @@ SIZES: dict[str, ZImageSize] = {
         vae_channels=(32, 64, 64),
         vae_groups=16,
     ),
+    # Tongyi-MAI/Z-Image-Turbo as published: the 30-block S3-DiT of width 3840 (6.15 B) on Qwen3-4B
+    # (4.02 B), FLUX.1's 8x VAE.
+    "full": ZImageSize(
+        text_hidden=2560,
+        text_intermediate=9728,
+        text_layers=36,
+        text_heads=32,
+        text_kv_heads=8,
+        dim=3840,
+        heads=30,
+        layers=30,
+        refiner_layers=2,
+        axes_dims=(32, 48, 48),
+        vae_channels=(128, 256, 512, 512),
+        vae_groups=32,
+        text_head_dim=128,
+        text_vocab=151936,
+        vae_layers_per_block=2,
+    ),
 }
 
 
-def build_z_image(out_dir: str | Path, *, size: str, seed: int) -> dict[str, Any]:
-    """Build and save a `ZImagePipeline` folder of `size` ("tiny" or "small") into `out_dir`.
-
-    Returns the factory summary (see `stages.models.factory.init_model`).
-    """
+def make_z_image(size: str, seed: int) -> ZImagePipeline:
+    """The `ZImagePipeline` of `size` with seeded random weights, built on the current default device
+    (`torch.device("meta")`: the architecture alone, no memory)."""
     spec: ZImageSize = choose_size(FAMILY, size, SIZES)
-    out = Path(out_dir)
     tokenizer = build_qwen2_tokenizer()
     tokenizer.chat_template = CHAT_TEMPLATE
     with seeded(seed, "text_encoder"):
         text_encoder = Qwen3Model(
             Qwen3Config(
-                vocab_size=len(tokenizer),
+                vocab_size=spec.text_vocab or len(tokenizer),
                 hidden_size=spec.text_hidden,
                 intermediate_size=spec.text_intermediate,
                 num_hidden_layers=spec.text_layers,
                 num_attention_heads=spec.text_heads,
                 num_key_value_heads=spec.text_kv_heads,
-                head_dim=spec.text_hidden // spec.text_heads,
+                head_dim=spec.text_head_dim or spec.text_hidden // spec.text_heads,
                 max_position_embeddings=tokenizer.model_max_length,
                 rope_parameters={"rope_type": "default", "rope_theta": TEXT_ROPE_THETA},
                 tie_word_embeddings=True,
@@ -156,7 +177,7 @@ def build_z_image(out_dir: str | Path, *, size: str, seed: int) -> dict[str, Any
         seed,
         channels=spec.vae_channels,
         groups=spec.vae_groups,
-        layers_per_block=1,
+        layers_per_block=spec.vae_layers_per_block,
         latent_channels=LATENT_CHANNELS,
         scaling_factor=VAE_SCALING_FACTOR,
         shift_factor=VAE_SHIFT_FACTOR,
@@ -164,12 +185,21 @@ def build_z_image(out_dir: str | Path, *, size: str, seed: int) -> dict[str, Any
     scheduler = FlowMatchEulerDiscreteScheduler(
         num_train_timesteps=NUM_TRAIN_TIMESTEPS, shift=SCHEDULER_SHIFT, use_dynamic_shifting=False
     )
-    pipeline = ZImagePipeline(
+    return ZImagePipeline(
         scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer
     )
+
+
+def build_z_image(out_dir: str | Path, *, size: str, seed: int) -> dict[str, Any]:
+    """Build and save a `ZImagePipeline` folder of `size` ("tiny", "small" or "full" = Z-Image 6B) into
+    `out_dir` (`make_z_image`).
+
+    Returns the factory summary (see `stages.models.factory.init_model`).
+    """
+    spec: ZImageSize = choose_size(FAMILY, size, SIZES)
     return save_pipeline(
-        pipeline,
-        out,
+        make_z_image(size, seed),
+        Path(out_dir),
         family=FAMILY,
         size=size,
         seed=seed,

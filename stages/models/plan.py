@@ -1,0 +1,482 @@
+"""A memory plan: what each stage holds on one device, per rank, before a run starts.
+
+The architecture is built on the meta device (shapes, no memory, no weights read): from a model
+folder's configs (`model_index.json` and each component's config, or a VLM's `config.json`), or from a
+family's published size (`stages.models.factory.make_model`). From it and the run's settings the plan
+counts, per stage, what the stage keeps resident today:
+
+- sample and logprob: every module component of the pipeline at `--dtype` (they load the whole
+  pipeline, `FlowPolicy.load`), plus the inference activations of one forward;
+- update: the same components, the trained parameters in fp32 (LoRA on the family's `lora_targets`, or
+  the whole trained module with `--full`: `FlowPolicy.trainable_parameters` casts them to fp32, so they
+  are their own master weights and no further copy is kept), fp32 gradients, AdamW's two fp32 moments,
+  and the training activations;
+- online: a sampler's pipeline and the trainer's, both resident at once (both stages' totals added).
+
+Activations (bytes) are a per-block estimate. With s = latent tokens + text tokens, h the block's
+hidden width, L the number of blocks, b the micro-batch times the CFG branches (2 when the guidance
+runs an unconditional branch) and a the activation element size (2 under bf16/fp16 autocast or
+weights, else 4), one block's stored activations are A = 17·s·h·a per sample (Korthikanti et al.'s
+34·s·h bytes at 16 bits: the attention and MLP inputs and outputs with an MLP of 4·h, no s² score
+matrix, which fused attention does not keep). Training keeps L·A·b; with gradient checkpointing only
+each block's input, L·s·h·a·b, plus one block recomputed, A·b. Inference keeps one block's A·b at a
+time. Latent tokens are the adapter's latent shape in 2×2 spatial patches (every family patches so);
+a VLM's s is its text tokens.
+
+Strategies: DDP keeps everything on every rank, plus a gradient bucket per trained parameter (the
+reducer's copy). FSDP2 shards the trained module (`stages.update.parallel`): its weights, gradients
+and optimizer state divided by the world size, plus its largest block gathered whole twice (the
+block computing and the one prefetched); the frozen components stay whole on every rank. CPU offload
+(FSDP2) keeps the trained module's shards, gradients and optimizer state in host memory instead.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stages.errors import UserInputError
+from stages.models.diffusion import DTYPES
+from stages.models.factory import parameter_count
+from stages.models.families import Resolution, adapter_class, parse_resolution
+from stages.precision import MIXED_PRECISIONS
+from stages.update.parallel import STRATEGIES
+
+FP32 = 4
+ADAM_MOMENTS = 2
+ACTIVATION_ELEMENTS_PER_HIDDEN = 17  # per token and block (module docstring)
+PATCH_AREA = 4  # 2×2 latent patches per transformer token
+GATHERED_BLOCKS = 2  # FSDP2: the block computing and the one prefetched
+VLM_TEXT_TOKENS = 1024
+# The transformers class of each VLM `model_type` omnirl trains (stages.models.vlm.VLM_FAMILIES); a whole
+# Qwen3-Omni folder trains its thinker.
+VLM_CLASSES = {
+    "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", None),
+    "qwen3_omni_moe_thinker": ("Qwen3OmniMoeThinkerForConditionalGeneration", None),
+    "qwen3_omni_moe": ("Qwen3OmniMoeThinkerForConditionalGeneration", "thinker_config"),
+}
+
+
+@dataclass
+class PlanConfig:
+    """The run settings a plan is made for; names and defaults are those of the stages' own options."""
+
+    resolution: Resolution | None = None  # None: the model's own (its card's image_size), else 512
+    frames: int = 1
+    batch_size: int = 8
+    micro_batch: int = 0  # 0: batch_size, as update
+    guidance: float = 4.5
+    text_tokens: int | None = None  # None: the model's text length
+    lora_rank: int = 32
+    full: bool = False
+    dtype: str = "fp32"
+    mixed_precision: str = "no"
+    gradient_checkpointing: bool = False
+    strategy: str = "auto"
+    num_processes: int = 1
+    cpu_offload: bool = False
+    device_memory: int | None = None  # bytes; None: no verdict
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> PlanConfig:
+        """The config of resolved command options: every field from the option of the same name."""
+        return cls(**{f.name: options[f.name] for f in fields(cls) if f.name in options})
+
+    def validate(self) -> None:
+        """One line per setting a user got wrong."""
+        if self.dtype not in DTYPES:
+            raise UserInputError(f"--dtype {self.dtype}: choose one of {', '.join(DTYPES)}")
+        if self.mixed_precision not in MIXED_PRECISIONS:
+            raise UserInputError(
+                f"--mixed-precision {self.mixed_precision}: choose one of {', '.join(MIXED_PRECISIONS)}"
+            )
+        for flag, value in (("--num-processes", self.num_processes), ("--batch-size", self.batch_size)):
+            if value < 1:
+                raise UserInputError(f"{flag} {value}: must be at least 1")
+        if self.micro_batch < 0 or self.lora_rank < 0:
+            raise UserInputError("--micro-batch and --lora-rank must be >= 0")
+        if not self.full and self.lora_rank == 0:
+            raise UserInputError("--lora-rank 0 trains nothing: pass --lora-rank > 0 or --full")
+        if self.strategy not in STRATEGIES:
+            raise UserInputError(f"--strategy {self.strategy}: choose one of {', '.join(STRATEGIES)}")
+        if self.cpu_offload and self.kind() != "fsdp2":
+            raise UserInputError("--cpu-offload is FSDP2's: pass --strategy fsdp2")
+
+    def kind(self) -> str:
+        """ "none", "ddp" or "fsdp2", as `stages.update.parallel.resolve_strategy` picks it."""
+        if self.strategy == "fsdp2":
+            return "fsdp2"
+        return "ddp" if self.num_processes > 1 else "none"
+
+
+@dataclass
+class Architecture:
+    """A model's modules on the meta device and what the plan needs to know about them."""
+
+    name: str
+    kind: str  # "diffusion" or "vlm"
+    modules: dict[str, torch.nn.Module]
+    trained: tuple[str, ...]
+    lora_targets: tuple[str, ...] | str  # a family's suffixes, or a VLM's regex over full names
+    adapter: Any = None  # the family adapter of the meta pipeline: latent shape, CFG branches
+    resolution: Resolution = 512
+    text_tokens: int = 128
+
+    def parameters(self) -> dict[str, int]:
+        """Parameter count per component (a VLM's towers and language model apart)."""
+        if self.kind == "vlm":
+            model = self.modules["model"]
+            inner = model.model
+            parts = {
+                name: parameter_count(child)
+                for name, child in inner.named_children()
+                if parameter_count(child)
+            }
+            parts["lm_head"] = parameter_count(model) - sum(parts.values())
+            return {k: v for k, v in parts.items() if v}
+        return {name: parameter_count(module) for name, module in self.modules.items()}
+
+
+# ------------------------------------------------------------------------------------------ building
+def _meta_pipeline(folder: Path) -> Any:
+    """The folder's diffusers pipeline with every model component built on the meta device from its
+    config and each scheduler from its config; tokenizers and processors are left out (None)."""
+    import diffusers
+    from diffusers import ModelMixin, SchedulerMixin
+    from transformers import AutoConfig, PreTrainedModel
+
+    from stages.models.diffusion import pipeline_index
+
+    index = pipeline_index(folder)
+    components: dict[str, Any] = {}
+    for name, entry in index.items():
+        if name.startswith("_") or not isinstance(entry, list):
+            continue
+        library, class_name = entry
+        cls = getattr(importlib.import_module(library), class_name, None) if library else None
+        where = folder / name
+        if cls is None:
+            components[name] = None
+        elif issubclass(cls, (ModelMixin, SchedulerMixin)):
+            components[name] = cls.from_config(cls.load_config(where))
+        elif issubclass(cls, PreTrainedModel):
+            components[name] = cls(AutoConfig.from_pretrained(where))
+        else:
+            components[name] = None
+    pipeline_class = getattr(diffusers, index["_class_name"], None)
+    if pipeline_class is None:
+        raise UserInputError(f"--model {folder}: diffusers has no pipeline {index['_class_name']}")
+    return pipeline_class(**components)
+
+
+def _diffusion(name: str, pipe: Any, card: dict[str, Any]) -> Architecture:
+    from stages.models.factory import DEFAULT_TEXT_LENGTH
+
+    family = adapter_class(type(pipe).__name__, name)
+    adapter = family(pipe)
+    details = card.get("details", {})
+    architecture = details.get("architecture", {})
+    text = details.get("text_length") or architecture.get("text_length") or family.text_length
+    return Architecture(
+        name=name,
+        kind="diffusion",
+        modules={n: m for n, m in pipe.components.items() if isinstance(m, torch.nn.Module)},
+        trained=adapter.trained_modules(),
+        lora_targets=family.lora_targets,
+        adapter=adapter,
+        resolution=details.get("image_size", 512),
+        text_tokens=int(text or DEFAULT_TEXT_LENGTH),
+    )
+
+
+def _vlm(name: str, model: torch.nn.Module) -> Architecture:
+    from stages.models.vlm import TEXT_LORA_TARGETS
+
+    return Architecture(
+        name=name,
+        kind="vlm",
+        modules={"model": model},
+        trained=("model",),
+        lora_targets=TEXT_LORA_TARGETS,
+        text_tokens=VLM_TEXT_TOKENS,
+    )
+
+
+def from_folder(folder: str | Path) -> Architecture:
+    """The architecture of a diffusers pipeline folder (model_index.json) or a transformers VLM folder
+    (config.json), built on the meta device from its configs alone (no weights are read)."""
+    from stages.models.factory import read_model_card
+
+    path = Path(folder)
+    if (path / "model_index.json").is_file():
+        with torch.device("meta"):
+            pipe = _meta_pipeline(path)
+        return _diffusion(str(folder), pipe, read_model_card(path) or {})
+    if (path / "config.json").is_file():
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(path)
+        if config.model_type not in VLM_CLASSES:
+            raise UserInputError(
+                f"--model {folder}: model_type {config.model_type!r} is not a model omnirl trains "
+                f"({', '.join(VLM_CLASSES)})"
+            )
+        class_name, sub = VLM_CLASSES[config.model_type]
+        cls = getattr(importlib.import_module("transformers"), class_name)
+        with torch.device("meta"):
+            model = cls(getattr(config, sub) if sub else config)
+        return _vlm(str(folder), model)
+    raise UserInputError(
+        f"--model {folder}: no model_index.json (diffusers pipeline) or config.json (transformers model); "
+        "pass a model folder, or --family F --size S for a built-in architecture"
+    )
+
+
+def from_family(family: str, size: str) -> Architecture:
+    """The architecture of a family's size (`stages.models.factory`), on the meta device."""
+    from stages.models.factory import make_model
+
+    with torch.device("meta"):
+        model = make_model(family, size)
+    name = f"{family}/{size}"
+    if isinstance(model, torch.nn.Module):
+        return _vlm(name, model)
+    spec = _size_spec(family, size)
+    card = {"details": {"architecture": spec}}
+    if "image_size" not in spec and hasattr(model, "vae_scale_factor"):
+        side = spec.get("sample_size") or spec.get("latent_size") or spec.get("latent_side")
+        if side:
+            card["details"]["image_size"] = side * _spatial_factor(model)
+    return _diffusion(name, model, card)
+
+
+def _spatial_factor(pipe: Any) -> int:
+    return int(getattr(pipe, "vae_scale_factor_spatial", None) or pipe.vae_scale_factor)
+
+
+def _size_spec(family: str, size: str) -> dict[str, Any]:
+    """The size's dataclass as a dict (the family module's `SIZES`, or Wan's `PUBLISHED` per variant)."""
+    from stages.models.factory import FAMILIES
+
+    module = importlib.import_module(FAMILIES[family].split(":")[0])
+    sizes = {**module.SIZES, **getattr(module, "PUBLISHED", {}).get(family, {})}
+    return asdict(sizes[size])
+
+
+# ------------------------------------------------------------------------------------------ counting
+def _blocks(arch: Architecture) -> list[torch.nn.Module]:
+    """The repeated blocks of the trained modules (the classes of their `_no_split_modules`, which FSDP2
+    shards one by one); a VLM's are its language model's (the towers see no text tokens)."""
+    found = []
+    for part in arch.trained:
+        module = arch.modules[part]
+        names = set(getattr(module, "_no_split_modules", None) or [])
+        if arch.kind == "vlm":
+            module = module.model.language_model
+        found += [m for m in module.modules() if type(m).__name__ in names]
+    return found
+
+
+def _hidden(block: torch.nn.Module) -> int:
+    """A block's hidden width: the input width of its first linear layer."""
+    for m in block.modules():
+        if isinstance(m, torch.nn.Linear):
+            return m.in_features
+    raise UserInputError(f"{type(block).__name__} has no linear layer to read its width from")
+
+
+def _lora_parameters(arch: Architecture, rank: int) -> int:
+    """LoRA parameters r·(in + out) of every linear layer the trainer wraps: PEFT's suffix match of the
+    family's `lora_targets` in each trained module, or the VLM regex over the model's names."""
+    total = 0
+    for part in arch.trained:
+        for name, m in arch.modules[part].named_modules():
+            if not isinstance(m, torch.nn.Linear):
+                continue
+            if isinstance(arch.lora_targets, str):
+                hit = re.fullmatch(arch.lora_targets, name) is not None
+            else:
+                hit = any(name == t or name.endswith("." + t) for t in arch.lora_targets)
+            if hit:
+                total += rank * (m.in_features + m.out_features)
+    return total
+
+
+def _full_parameters(arch: Architecture) -> int:
+    """Everything of the trained modules (a VLM's towers stay frozen, `VLMPolicy.trainable_parameters`)."""
+    if arch.kind == "vlm":
+        from stages.models.vlm import TOWERS
+
+        return sum(
+            p.numel()
+            for n, p in arch.modules["model"].named_parameters()
+            if not any(t in f".{n}" for t in TOWERS)
+        )
+    return sum(parameter_count(arch.modules[part]) for part in arch.trained)
+
+
+def _tokens(arch: Architecture, cfg: PlanConfig) -> tuple[int, int]:
+    """(latent tokens, text tokens) of one sample."""
+    text = cfg.text_tokens if cfg.text_tokens is not None else arch.text_tokens
+    if arch.kind == "vlm":
+        return 0, text
+    resolution = parse_resolution(cfg.resolution if cfg.resolution is not None else arch.resolution)
+    shape = arch.adapter.latent_shape(resolution, cfg.frames)
+    cells = 1
+    for side in shape[1:]:
+        cells *= side
+    return cells // PATCH_AREA, text
+
+
+def _branches(arch: Architecture, cfg: PlanConfig) -> int:
+    """2 when the guidance runs an unconditional branch beside the conditional one, else 1."""
+    if arch.kind == "vlm":
+        return 1
+    return 2 if arch.adapter.needs_negative(cfg.guidance) else 1
+
+
+@dataclass
+class StagePlan:
+    """Bytes one rank holds on its device in one stage; `host` is what CPU offload keeps off it."""
+
+    weights: dict[str, int] = field(default_factory=dict)
+    trainable_parameters: int = 0
+    gradients: int = 0
+    optimizer: int = 0
+    ddp_buckets: int = 0
+    gathered: int = 0
+    activations: int = 0
+    host: int = 0
+
+    @property
+    def total(self) -> int:
+        return (
+            sum(self.weights.values())
+            + self.gradients
+            + self.optimizer
+            + self.ddp_buckets
+            + self.gathered
+            + self.activations
+        )
+
+    def as_dict(self, device_memory: int | None) -> dict[str, Any]:
+        out = asdict(self)
+        out["total"] = self.total
+        out["fits"] = None if device_memory is None else self.total <= device_memory
+        return out
+
+
+def plan(arch: Architecture, cfg: PlanConfig) -> dict[str, Any]:
+    """The memory plan of `arch` under `cfg`: per stage, each resident component's weights, trainable
+    parameters, gradients, optimizer state, activations and the total per rank (bytes), and whether it
+    fits `cfg.device_memory`. JSON-able."""
+    cfg.validate()
+    kind = cfg.kind()
+    world = cfg.num_processes
+    weight_bytes = DTYPES[cfg.dtype].itemsize
+    autocast = MIXED_PRECISIONS[cfg.mixed_precision]
+    act_bytes = 2 if weight_bytes == 2 or autocast is not None else 4
+    params = {name: parameter_count(module) for name, module in arch.modules.items()}
+    latent, text = _tokens(arch, cfg)
+    seq = latent + text
+    branches = _branches(arch, cfg)
+    blocks = _blocks(arch)
+    if not blocks:
+        raise UserInputError(
+            f"{arch.name}: its trained module has no repeated blocks to estimate activations by"
+        )
+    hidden = max(_hidden(b) for b in blocks)
+    per_block = ACTIVATION_ELEMENTS_PER_HIDDEN * seq * hidden * act_bytes  # A, one sample, one branch
+
+    # inference: every component at --dtype, one block's activations for the sampling batch
+    inference = StagePlan(weights={n: c * weight_bytes for n, c in params.items()})
+    inference.activations = per_block * cfg.batch_size * branches
+
+    # update: + trained parameters (fp32), gradients, AdamW moments, training activations
+    trainable = _full_parameters(arch) if cfg.full else _lora_parameters(arch, cfg.lora_rank)
+    train = StagePlan(weights=dict(inference.weights), trainable_parameters=trainable)
+    trained_names = arch.trained if arch.kind == "diffusion" else ("model",)
+    if cfg.full:
+        for name in trained_names:
+            frozen = params[name] * weight_bytes
+            trained_here = _full_parameters(arch) if arch.kind == "vlm" else params[name]
+            train.weights[name] = frozen + trained_here * (FP32 - weight_bytes)
+    else:
+        train.weights["lora"] = trainable * FP32
+    train.gradients = trainable * FP32
+    train.optimizer = trainable * FP32 * ADAM_MOMENTS
+    micro = (cfg.micro_batch or cfg.batch_size) * branches
+    if cfg.gradient_checkpointing:
+        kept = len(blocks) * seq * hidden * act_bytes + per_block
+    else:
+        kept = len(blocks) * per_block
+    train.activations = kept * micro
+    if kind == "ddp":
+        train.ddp_buckets = train.gradients
+    elif kind == "fsdp2":
+        for name in (*trained_names, "lora"):
+            if name in train.weights:
+                train.weights[name] = -(-train.weights[name] // world)
+        train.gradients = -(-train.gradients // world)
+        train.optimizer = -(-train.optimizer // world)
+        largest = max(
+            sum(p.numel() * (FP32 if cfg.full else weight_bytes) for p in b.parameters()) for b in blocks
+        )
+        train.gathered = largest * GATHERED_BLOCKS
+        if cfg.cpu_offload:
+            shards = sum(train.weights.pop(n, 0) for n in (*trained_names, "lora"))
+            train.host = shards + train.gradients + train.optimizer
+            train.gradients = train.optimizer = 0
+
+    online = StagePlan(
+        weights={
+            n: inference.weights.get(n, 0) + train.weights.get(n, 0)
+            for n in {**inference.weights, **train.weights}
+        },
+        trainable_parameters=trainable,
+        gradients=train.gradients,
+        optimizer=train.optimizer,
+        ddp_buckets=train.ddp_buckets,
+        gathered=train.gathered,
+        activations=inference.activations + train.activations,
+        host=train.host,
+    )
+    stages = {"sample": inference, "logprob": inference, "update": train, "online": online}
+    return {
+        "model": arch.name,
+        "kind": arch.kind,
+        "parameters": arch.parameters(),
+        "trained": list(arch.trained),
+        "settings": {
+            **{k: v for k, v in asdict(cfg).items() if k != "device_memory"},
+            "resolution": None
+            if arch.kind == "vlm"
+            else list(parse_resolution(cfg.resolution if cfg.resolution is not None else arch.resolution)),
+            "text_tokens": text,
+            "strategy": kind,
+        },
+        "activations": {
+            "latent_tokens": latent,
+            "text_tokens": text,
+            "sequence": seq,
+            "hidden": hidden,
+            "blocks": len(blocks),
+            "cfg_branches": branches,
+            "bytes_per_element": act_bytes,
+            "per_block_per_sample": per_block,
+        },
+        "device_memory": cfg.device_memory,
+        "stages": {name: stage.as_dict(cfg.device_memory) for name, stage in stages.items()},
+    }
+
+
+def accelerator_memory() -> int | None:
+    """Total memory of the visible accelerator (`torch.accelerator`), None without one."""
+    if not torch.accelerator.is_available():
+        return None
+    return int(torch.accelerator.get_memory_info()[1])

@@ -1,0 +1,182 @@
+"""`omnirl plan`: published sizes built on the meta device, the plan's arithmetic, and the command."""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from pathlib import Path
+
+import pytest
+import torch
+
+from omnirl_cli.app import app
+from stages.models.plan import PlanConfig, from_family, from_folder, plan
+from tests.helpers import fails, run, runner
+
+
+@cache
+def _parameters(family: str, size: str) -> dict[str, int]:
+    return from_family(family, size).parameters()
+
+
+# Published parameter counts (shared/reference/real-size-and-peers.md, the model cards): family, size,
+# component, count.
+PUBLISHED = [
+    ("qwen_image", "full", "transformer", 20.430e9),
+    ("qwen_image", "full", "text_encoder", 8.29e9),  # Qwen2.5-VL-7B
+    ("flux", "full", "transformer", 11.901e9),
+    ("flux", "full", "text_encoder_2", 4.76e9),  # T5-XXL encoder
+    ("flux", "full", "text_encoder", 0.123e9),  # CLIP-L
+    ("sd3", "full", "transformer", 8.057e9),  # SD3.5 Large
+    ("sd3", "full", "text_encoder_2", 0.695e9),  # CLIP-G
+    ("wan2_1", "full", "transformer", 14.288e9),
+    ("wan2_1", "full", "text_encoder", 5.7e9),  # umT5-XXL encoder
+    ("wan2_1", "1.3b", "transformer", 1.419e9),
+    ("wan2_2_5b", "full", "transformer", 5.0e9),
+    ("wan2_2_a14b", "full", "transformer", 14.288e9),
+    ("wan2_2_a14b", "full", "transformer_2", 14.288e9),
+]
+
+
+@pytest.mark.parametrize(("family", "size", "component", "published"), PUBLISHED)
+def test_published_sizes_have_the_published_parameter_counts(
+    family: str, size: str, component: str, published: float
+) -> None:
+    assert _parameters(family, size)[component] == pytest.approx(published, rel=0.01)
+
+
+@pytest.mark.parametrize(("size", "published"), [("3b", 3.75e9), ("7b", 8.29e9)])
+def test_qwen2_5_vl_sizes_have_the_published_parameter_counts(size: str, published: float) -> None:
+    assert sum(_parameters("qwen2_5_vl", size).values()) == pytest.approx(published, rel=0.01)
+
+
+@pytest.mark.parametrize(("family", "module"), [("qwen_image", "qwen_image"), ("wan2_2_a14b", "wan")])
+def test_init_model_full_builds_the_planned_architecture(
+    family: str, module: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`init-model --size full` (here on the meta device, its save intercepted) builds exactly the modules
+    the plan counts: the same classes and configs."""
+    import importlib
+
+    from stages.models.factory import init_model
+
+    saved = {}
+    monkeypatch.setattr(
+        importlib.import_module(f"stages.models.{module}"),
+        "save_pipeline",
+        lambda pipeline, *args, **kwargs: saved.setdefault("pipe", pipeline),
+    )
+    with torch.device("meta"):
+        init_model(family, tmp_path / "full", size="full")
+    built = {n: m for n, m in saved["pipe"].components.items() if isinstance(m, torch.nn.Module)}
+    planned = from_family(family, "full").modules
+    assert set(built) == set(planned)
+
+    def config(module: torch.nn.Module) -> dict:  # a diffusers FrozenDict or a transformers config
+        return module.config.to_dict() if hasattr(module.config, "to_dict") else dict(module.config)
+
+    for name, m in built.items():
+        assert type(m) is type(planned[name])
+        assert config(m) == config(planned[name])
+
+
+@pytest.fixture(scope="module")
+def sd3_arch(tiny_sd3: Path):
+    return from_folder(tiny_sd3)
+
+
+def test_a_folder_is_built_from_its_configs_with_the_real_parameter_counts(tiny_sd3: Path, sd3_arch) -> None:
+    card = json.loads((tiny_sd3 / "omnirl_model.json").read_text())
+    assert sd3_arch.parameters() == card["parameters"]
+    assert all(p.is_meta for m in sd3_arch.modules.values() for p in m.parameters())
+
+
+def test_plan_arithmetic_of_the_tiny_sd3(tiny_sd3: Path, sd3_arch) -> None:
+    """Hand-computed: tiny SD3 has 2 blocks of width 64; LoRA rank 4 wraps 15 linear 64→64 layers (8 in
+    the first block, 7 in the last, which has no to_add_out): 15·4·(64 + 64) = 7680 parameters."""
+    from stages.models.diffusion import FlowPolicy
+
+    result = plan(sd3_arch, PlanConfig(resolution=64, batch_size=2, lora_rank=4, guidance=4.5))
+    card = json.loads((tiny_sd3 / "omnirl_model.json").read_text())
+    update, sample = result["stages"]["update"], result["stages"]["sample"]
+    assert update["trainable_parameters"] == 7680
+    policy = FlowPolicy.load(tiny_sd3)
+    policy.add_lora(rank=4, alpha=8)
+    assert sum(p.numel() for p in policy.trainable_parameters()) == 7680  # what the trainer trains
+    assert sample["weights"] == {name: 4 * n for name, n in card["parameters"].items()}
+    assert update["weights"] == {**sample["weights"], "lora": 4 * 7680}
+    assert (update["gradients"], update["optimizer"]) == (4 * 7680, 8 * 7680)
+    # 64 latent tokens (16×16 latents in 2×2 patches) + 128 text tokens; A = 17·192·64·4 bytes per block
+    act = result["activations"]
+    assert (act["latent_tokens"], act["text_tokens"], act["hidden"], act["blocks"]) == (64, 128, 64, 2)
+    per_block = 17 * 192 * 64 * 4
+    assert act["per_block_per_sample"] == per_block
+    assert sample["activations"] == per_block * 2 * 2  # batch 2 × 2 CFG branches
+    assert update["activations"] == 2 * per_block * 2 * 2
+    assert update["total"] == sum(update["weights"].values()) + 12 * 7680 + 4 * per_block * 2
+    assert result["stages"]["online"]["total"] == sample["total"] + update["total"]
+
+    checkpointed = plan(
+        sd3_arch, PlanConfig(resolution=64, batch_size=2, lora_rank=4, gradient_checkpointing=True)
+    )["stages"]["update"]
+    assert checkpointed["activations"] == (2 * 192 * 64 * 4 + per_block) * 4
+
+    full = plan(sd3_arch, PlanConfig(resolution=64, batch_size=2, full=True, dtype="bf16"))
+    n = card["parameters"]["transformer"]
+    full_update = full["stages"]["update"]
+    assert full_update["trainable_parameters"] == n
+    assert full_update["weights"]["transformer"] == 4 * n  # trained weights are fp32 whatever --dtype
+    assert full_update["weights"]["text_encoder_3"] == 2 * card["parameters"]["text_encoder_3"]
+    assert full["activations"]["bytes_per_element"] == 2
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_fsdp2_divides_the_trained_modules_state_by_the_world_size(sd3_arch, full: bool) -> None:
+    settings = dict(resolution=64, batch_size=2, lora_rank=4, full=full, num_processes=4)
+    ddp = plan(sd3_arch, PlanConfig(**settings, strategy="ddp"))["stages"]["update"]
+    fsdp = plan(sd3_arch, PlanConfig(**settings, strategy="fsdp2"))["stages"]["update"]
+    offload = plan(sd3_arch, PlanConfig(**settings, strategy="fsdp2", cpu_offload=True))["stages"]["update"]
+    assert ddp["ddp_buckets"] == ddp["gradients"] > 0
+    sharded = ["transformer"] + ([] if full else ["lora"])
+    for name in sharded:
+        assert fsdp["weights"][name] == -(-ddp["weights"][name] // 4)
+    for name in ("vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
+        assert fsdp["weights"][name] == ddp["weights"][name]  # frozen components stay whole on every rank
+    assert (fsdp["gradients"], fsdp["optimizer"]) == (-(-ddp["gradients"] // 4), -(-ddp["optimizer"] // 4))
+    assert fsdp["gathered"] > 0 and fsdp["ddp_buckets"] == 0
+    assert offload["host"] == sum(fsdp["weights"][n] for n in sharded) + fsdp["gradients"] + fsdp["optimizer"]
+    assert offload["total"] == fsdp["total"] - offload["host"]
+
+
+def test_the_command_prints_a_table_and_json(tiny_sd3: Path) -> None:
+    result = run("plan", "--model", str(tiny_sd3), "--resolution", "64", "--device-memory", "0.001")
+    card = json.loads((tiny_sd3 / "omnirl_model.json").read_text())
+    assert result["parameters"] == card["parameters"]
+    assert result["device_memory"] == int(0.001 * 2**30)
+    assert [result["stages"][s]["fits"] for s in ("sample", "update")] == [False, False]
+    roomy = run("plan", "--model", str(tiny_sd3), "--resolution", "64", "--device-memory", "1")
+    assert all(stage["fits"] for stage in roomy["stages"].values())
+    shown = runner.invoke(app, ["plan", "--model", str(tiny_sd3), "--resolution", "64"])
+    assert shown.exit_code == 0, shown.output
+    assert "GiB per rank" in shown.stdout and "transformer" in shown.stdout
+
+
+def test_a_folder_without_configs_is_one_line(tmp_path: Path) -> None:
+    fails(["plan", "--model", str(tmp_path)], "--model", "model_index.json", "config.json")
+    fails(["plan"], "--model", "--family")
+    fails(["plan", "--family", "sd3", "--size", "3b"], "3b", "sd3")
+    fails(["plan", "--family", "sd3", "--size", "tiny", "--cpu-offload"], "--cpu-offload", "fsdp2")
+
+
+def test_a_vlm_folder_plans_its_language_model(tiny_vlm: Path) -> None:
+    """A Qwen2.5-VL folder: parameters as its card counts them; activations over the language model's
+    blocks only; --full trains all but the vision tower."""
+    card = json.loads((tiny_vlm / "omnirl_model.json").read_text())
+    arch = from_folder(tiny_vlm)
+    assert arch.parameters() == card["parameters"]
+    result = plan(arch, PlanConfig(full=True, text_tokens=100, batch_size=3))
+    act = result["activations"]
+    assert (act["blocks"], act["hidden"], act["sequence"], act["cfg_branches"]) == (2, 64, 100, 1)
+    update = result["stages"]["update"]
+    assert update["trainable_parameters"] == card["parameters"]["language_model"]
+    assert update["activations"] == 2 * 17 * 100 * 64 * 4 * 3

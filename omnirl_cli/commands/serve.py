@@ -123,7 +123,7 @@ def serve(
     it, a request costing more than --max-request-cost a 413. An adapter folder loads by path only
     under --weights-root, or on a server with --token-env (403 otherwise). A batch whose client hung up
     stops at its next denoising step. Named weights not renewed for --named-weights-ttl seconds are
-    forgotten (docs/serving-rollouts.md). When ready it prints its URL (with
+    forgotten (docs/serving.md). When ready it prints its URL (with
     --json, one JSON line on stdout: url, model, weights, pid). `omnirl online --engine remote` pushes
     each new policy version to it. Threads, connections and the time to send a request are bounded
     (--workers, --max-connections: 503 past it, --request-timeout: 408): docs/serving.md.

@@ -11,6 +11,8 @@ from typing import Annotated, Any
 
 import typer
 
+from stages.media.video import MAX_FRAMES
+
 from ..choices import (
     ENGINE_ENTRY_POINTS,
     ENGINES,
@@ -157,8 +159,9 @@ def sample(
         typer.Option(
             "--frames",
             min=1,
-            help="Frames per sample for a video family (Wan: 1 plus a multiple of 4, its pipeline's 81); "
-            "image families take 1.",
+            max=MAX_FRAMES,
+            help="Frames per sample for a video family (Wan: 1 plus a multiple of 4, its pipeline's 81; "
+            f"at most {MAX_FRAMES}); image families take 1.",
             rich_help_panel=SAMPLING,
         ),
     ] = 1,

@@ -41,7 +41,7 @@ import torch
 
 from benchmarks import bench_online
 from benchmarks.bench_sample import small_model
-from benchmarks.common import record
+from benchmarks.common import parse_args, record
 
 TARGET = 1.10
 
@@ -211,7 +211,7 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=3, help="online iterations per launch")
     ap.add_argument("--online-repeats", type=int, default=1, help="launches of each online side (0: skip)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of every process")
-    args = ap.parse_args()
+    args = parse_args(ap, smoke={"batch": 2, "steps": 2, "repeats": 1, "lora_rank": 2, "iterations": 1})
     torch.set_num_threads(args.threads)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
     omnirl = str(Path(sys.executable).with_name("omnirl"))
@@ -271,6 +271,10 @@ def main() -> None:
                 f"{on['remote']['version_gaps']}",
             }
         )
+    for row in rows:
+        print(row)
+    if args.no_record:
+        return
     path = record(
         "remote",
         metrics,
@@ -283,8 +287,6 @@ def main() -> None:
             f"{load_before:.1f} on {os.cpu_count()} CPUs."
         ),
     )
-    for row in rows:
-        print(row)
     print("recorded", path)
 
 

@@ -258,7 +258,9 @@ ServerStartupTimeoutOpt = Annotated[
     typer.Option(
         "--server-startup-timeout",
         min=0,
-        help="Seconds to wait for the server's GET /health to answer 200 before giving up.",
+        help="Seconds to wait for the server's GET /health to answer 200, saying so on stderr every 30 s; "
+        "connection refused counts as still starting (`omnirl serve` listens once its model is loaded), an "
+        "unknown host or a 4xx does not. None within it: exit 2. Raise it for a server loading a big model.",
         rich_help_panel=ENGINE,
     ),
 ]

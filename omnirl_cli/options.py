@@ -74,7 +74,13 @@ JsonOpt = Annotated[
 ]
 OutOpt = Annotated[
     Path | None,
-    typer.Option("--out", "-o", help=f"Output shard-set directory. {REQUIRED}", rich_help_panel=IO),
+    typer.Option(
+        "--out",
+        "-o",
+        help="Output shard-set directory. A shard set being written is locked by its writer (pid and host): "
+        f"a second run onto it is refused, naming the first; a killed run's lock is free. {REQUIRED}",
+        rich_help_panel=IO,
+    ),
 ]
 InOpt = Annotated[
     list[Path],

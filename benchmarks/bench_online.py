@@ -48,7 +48,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_sample import small_model
-from benchmarks.common import record
+from benchmarks.common import parse_args, record
 
 ROOT = Path(__file__).resolve().parents[1]
 REWARD = "jpeg_compressibility"
@@ -236,8 +236,18 @@ def main() -> None:
         "--threads", type=int, default=1, help="torch threads per process (OMP_NUM_THREADS and --threads)"
     )
     ap.add_argument("--tmp", default=None, help="scratch directory (default: system temp)")
-    ap.add_argument("--no-record", action="store_true", help="print only, do not write benchmarks/results")
-    args = ap.parse_args()
+    args = parse_args(
+        ap,
+        smoke={
+            "iterations": 1,
+            "repeats": 1,
+            "steps": 2,
+            "group": 2,
+            "num_prompts": 1,
+            "batch": 2,
+            "lora_rank": 2,
+        },
+    )
     if args.repeats < 1 or args.iterations < 1:
         ap.error("--repeats and --iterations must be at least 1")
     omnirl = str(Path(sys.executable).with_name("omnirl"))

@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import record
+from benchmarks.common import parse_args, record
 
 PROMPTS = ["a red circle", "two blue squares", "a green triangle on the left", "a cat", "a sign that says hi"]
 
@@ -80,8 +80,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--modes", nargs="+", default=["lora", "full"])
-    ap.add_argument("--no-record", action="store_true", help="print only, do not write benchmarks/results")
-    args, _ = ap.parse_known_args()
+    args = parse_args(ap, smoke={"samples": 2, "modes": ["lora"]})
     rows, metrics = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         p = _stage(Path(tmp), args.samples)

@@ -56,7 +56,7 @@ import torch
 
 from benchmarks import bench_online
 from benchmarks.bench_sample import small_model
-from benchmarks.common import record
+from benchmarks.common import parse_args, record
 
 TARGET = 1.10
 
@@ -336,7 +336,19 @@ def main() -> None:
     ap.add_argument("--concurrency-requests", type=int, default=40, help="requests per client per level")
     ap.add_argument("--concurrency-repeats", type=int, default=3, help="sweeps; each level's best is kept")
     ap.add_argument("--concurrency-only", action="store_true", help="run only the serve-reward sweep")
-    args = ap.parse_args()
+    args = parse_args(
+        ap,
+        smoke={
+            "batch": 2,
+            "steps": 2,
+            "repeats": 1,
+            "lora_rank": 2,
+            "iterations": 1,
+            "clients": [1, 4],
+            "concurrency_requests": 5,
+            "concurrency_repeats": 1,
+        },
+    )
     torch.set_num_threads(args.threads)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
     omnirl = str(Path(sys.executable).with_name("omnirl"))
@@ -416,6 +428,10 @@ def main() -> None:
                 f"{on['remote']['version_gaps']}",
             }
         )
+    for row in rows:
+        print(row)
+    if args.no_record:
+        return
     path = record(
         "remote",
         metrics,
@@ -428,8 +444,6 @@ def main() -> None:
             f"{load_before:.1f} on {os.cpu_count()} CPUs."
         ),
     )
-    for row in rows:
-        print(row)
     print("recorded", path)
 
 

@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from benchmarks.common import record
+from benchmarks.common import parse_args, record
 
 REGIONS = ("transformer", "step_math", "text_encode", "vae_decode", "to_pil", "png", "mp4", "shard_write")
 TARGET = 1.05
@@ -232,8 +232,17 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads, both sides")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tmp", default=None, help="scratch directory (default: system temp)")
-    ap.add_argument("--no-record", action="store_true", help="print only, do not write benchmarks/results")
-    args = ap.parse_args()
+    args = parse_args(
+        ap,
+        smoke={
+            "batch": 1,
+            "steps": 2,
+            "resolution": 32,
+            "frames": 5,
+            "max_sequence_length": 16,
+            "repeats": 1,
+        },
+    )
     torch.set_num_threads(args.threads)
     from transformers.utils import logging as transformers_logging
 

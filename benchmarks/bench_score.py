@@ -36,7 +36,7 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import best_of, record
+from benchmarks.common import best_of, parse_args, record
 from stages.models.clip import SMALL, build_tiny_clip
 from stages.score.registry import get_reward
 from stages.score.reward_server import RewardServer, RewardService
@@ -220,7 +220,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--images", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    args = parse_args(parser, smoke={"images": 2, "repeats": 1})
     torch.manual_seed(0)
     torch.set_num_threads(1)  # one thread for every side, the server's requests included
     images, prompts = images_and_prompts(args.images)
@@ -353,16 +353,18 @@ def main() -> None:
             "remote ÷ in-process": metrics["remote_over_inprocess_jpeg"],
         },
     ]
-    path = record(
-        "score",
-        metrics,
-        table,
-        description="Scoring speed: in-process reward ÷ a bare processor + forward of the same CLIP (same "
-        "numbers checked first), and through `serve-reward` on loopback ÷ in-process; best of interleaved repeats.",
-    )
     for row in table:
         print(row)
-    print(f"wrote {path}")
+    if not args.no_record:
+        path = record(
+            "score",
+            metrics,
+            table,
+            description="Scoring speed: in-process reward ÷ a bare processor + forward of the same CLIP (same "
+            "numbers checked first), and through `serve-reward` on loopback ÷ in-process; best of interleaved "
+            "repeats.",
+        )
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import best_of, record
+from benchmarks.common import best_of, parse_args, record
 from stages.shards import ShardSet, ShardSetWriter, slice_batch
 from stages.shards.atomic import fsync_dir
 
@@ -139,8 +139,9 @@ def main() -> None:
     ap.add_argument("--formats", nargs="+", default=["parquet", "webdataset"])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tmp", default=None, help="scratch directory (default: system temp)")
-    ap.add_argument("--no-record", action="store_true", help="print only, do not write benchmarks/results")
-    args = ap.parse_args()
+    args = parse_args(
+        ap, smoke={"rows": 8, "num_shards": 2, "steps": 1, "latent_shape": (4, 8, 8), "repeats": 1}
+    )
 
     batch = make_batch(args.rows, args.steps, tuple(args.latent_shape))
     shards = [slice_batch(batch, a, b) for a, b in shard_slices(args.rows, args.num_shards)]

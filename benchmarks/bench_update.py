@@ -67,7 +67,7 @@ from benchmarks.bench_sample import (
     pooled_ratio,
     small_model,
 )
-from benchmarks.common import record
+from benchmarks.common import parse_args, record
 
 if TYPE_CHECKING:
     from stages.models.diffusion import FlowPolicy
@@ -287,12 +287,25 @@ def main() -> None:
     )
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tmp", default=None, help="scratch directory (default: system temp)")
-    ap.add_argument("--no-record", action="store_true", help="print only, do not write benchmarks/results")
     ap.add_argument("--worker", choices=["lora", "full"], help=argparse.SUPPRESS)
     ap.add_argument("--data", help=argparse.SUPPRESS)
     ap.add_argument("--sample-config", help=argparse.SUPPRESS)
     ap.add_argument("--checkpointing", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = parse_args(
+        ap,
+        smoke={
+            "families": ["sd3", "wan2_1"],
+            "modes": ["lora"],
+            "samples": 1,
+            "micro_batch": 1,
+            "steps": 2,
+            "stored_steps": 1,
+            "resolution": 32,
+            "frames": 5,
+            "lora_rank": 2,
+            "repeats": 1,
+        },
+    )
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()

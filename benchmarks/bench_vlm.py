@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from benchmarks.bench_sample import Probes, pooled_ratio
-from benchmarks.common import record
+from benchmarks.common import parse_args, record
 
 if TYPE_CHECKING:
     from stages.models.vlm import VLMPolicy
@@ -283,8 +283,17 @@ def main() -> None:
         "--profile", action="store_true", help="also print a cProfile of one omnirl call per stage"
     )
     ap.add_argument("--tmp", default=None, help="scratch directory (default: system temp)")
-    ap.add_argument("--no-record", action="store_true", help="print only, do not write benchmarks/results")
-    args = ap.parse_args()
+    args = parse_args(
+        ap,
+        smoke={
+            "prompts": 2,
+            "group_size": 2,
+            "max_new_tokens": 4,
+            "batch_size": 2,
+            "lora_rank": 2,
+            "repeats": 1,
+        },
+    )
     torch.set_num_threads(args.threads)
     from transformers.utils import logging as transformers_logging
 
@@ -292,8 +301,8 @@ def main() -> None:
     from stages.logprob.replay import replay_token_shard
     from stages.models import vlm
     from stages.models.vlm import VLMPolicy
-    from stages.sample.vlm_data import read_vlm_prompts
-    from stages.sample.vlm_stage import KINDS, VLMSampleConfig, row_images, run_vlm_sample
+    from stages.sample.vlm_data import IMAGE, read_vlm_prompts
+    from stages.sample.vlm_stage import KINDS, VLMSampleConfig, row_media, run_vlm_sample
     from stages.shards.reader import ShardSet, slice_batch
     from stages.shards.writer import ShardSetWriter
     from stages.update import objectives, token_losses
@@ -371,7 +380,7 @@ def main() -> None:
             metrics["generated_tokens"] = int(shard["response_length"].sum())
 
             # 2. logprob
-            images = [row[0] for row in row_images(shard, "samples")]
+            images = [row[IMAGE.column][0] for row in row_media(shard, "samples")]
             rows = first * n
             replayed: dict[str, torch.Tensor] = {}
 

@@ -6,6 +6,7 @@ Each benchmark writes `benchmarks/results/<name>.json` and the markdown summary
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -16,6 +17,30 @@ from pathlib import Path
 from typing import Any
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def parse_args(ap: argparse.ArgumentParser, smoke: dict[str, Any]) -> argparse.Namespace:
+    """Parse a benchmark's command line, with the two options every benchmark shares.
+
+    `--no-record` prints only. `--smoke` runs the benchmark at its smallest setting: `smoke` gives
+    the sizes (its keys are the parser's destinations) unless the command line sets them, and
+    nothing is recorded. It checks that the benchmark still runs end to end, not its ratios;
+    `tests/test_benchmarks.py` runs every benchmark so.
+    """
+    ap.add_argument("--no-record", action="store_true", help="print only, do not write benchmarks/results")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="smallest setting, nothing recorded: checks that the benchmark runs, its numbers mean nothing",
+    )
+    args = ap.parse_args()
+    unknown = [k for k in smoke if not hasattr(args, k)]
+    if unknown:
+        raise ValueError(f"smoke setting names no option of this benchmark: {', '.join(unknown)}")
+    if args.smoke:
+        ap.set_defaults(**smoke, no_record=True)
+        args = ap.parse_args()
+    return args
 
 
 def best_of(fn: Callable[[], Any], repeats: int = 3) -> float:

@@ -13,6 +13,8 @@ from typing import Annotated, Any
 
 import typer
 
+from stages.media.video import MAX_FRAMES
+
 from .choices import Dtype, Format, MixedPrecision, Strategy
 from .console import QUIET, VERBOSE, set_verbosity
 
@@ -74,7 +76,13 @@ JsonOpt = Annotated[
 ]
 OutOpt = Annotated[
     Path | None,
-    typer.Option("--out", "-o", help=f"Output shard-set directory. {REQUIRED}", rich_help_panel=IO),
+    typer.Option(
+        "--out",
+        "-o",
+        help="Output shard-set directory. A shard set being written is locked by its writer (pid and host): "
+        f"a second run onto it is refused, naming the first; a killed run's lock is free. {REQUIRED}",
+        rich_help_panel=IO,
+    ),
 ]
 InOpt = Annotated[
     list[Path],
@@ -222,8 +230,9 @@ FramesOpt = Annotated[
     typer.Option(
         "--frames",
         min=1,
-        help="Frames per sample for a video family (Wan: 1 plus a multiple of 4, its pipeline's 81); "
-        "image families take 1.",
+        max=MAX_FRAMES,
+        help="Frames per sample for a video family (Wan: 1 plus a multiple of 4, its pipeline's 81; "
+        f"at most {MAX_FRAMES}); image families take 1.",
         rich_help_panel=SAMPLING,
     ),
 ]
@@ -390,7 +399,9 @@ ServerStartupTimeoutOpt = Annotated[
     typer.Option(
         "--server-startup-timeout",
         min=0,
-        help="Seconds to wait for the server's GET /health to answer 200 before giving up.",
+        help="Seconds to wait for the server's GET /health to answer 200, saying so on stderr every 30 s; "
+        "connection refused counts as still starting (`omnirl serve` listens once its model is loaded), an "
+        "unknown host or a 4xx does not. None within it: exit 2. Raise it for a server loading a big model.",
         rich_help_panel=ENGINE,
     ),
 ]

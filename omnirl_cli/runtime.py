@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from stages.errors import UserInputError
 
-from .console import log, progress
+from .console import emit_json, log, progress
 
 if TYPE_CHECKING:
     from stages.web import ServerLimits
@@ -106,6 +106,14 @@ def finalize(writer: Any, extra: dict[str, Any] | None = None) -> bool:
         return False
     writer.finalize(extra=extra)
     return True
+
+
+def report_complete(out: Path, json_: bool, result: dict[str, Any] | None = None) -> None:
+    """Say that `out` was already complete before this run, so it did nothing: one line on stderr,
+    or with --json the stage's `result` (what it reports of its output) with `"skipped": true`."""
+    log(f"{out} is already complete; nothing to do", quiet=json_)
+    if json_:
+        emit_json({"out": str(out), **(result or {}), "skipped": True})
 
 
 def resolve_num_shards(c: dict[str, Any], groups: int, group_rows: int) -> int:

@@ -79,6 +79,9 @@ MAX_FORM_BYTES = 64 * 1024  # an HTML form's body (text fields only)
 MAX_FORM_FIELDS = 64
 RETRY_STATUSES = frozenset({502, 503, 504})
 CONNECT_TIMEOUT_S = 5.0
+# while `wait_healthy` waits for a server: its first line on stderr after this many seconds, then one
+# at least this often, so a person sees what it waits for
+HEALTH_FIRST_NOTICE_S, HEALTH_NOTICE_S = 5.0, 30.0
 
 
 @dataclass(frozen=True)
@@ -993,9 +996,15 @@ class JsonClient:
         )
 
     def wait_healthy(self, budget: float, check: Callable[[Any], None] | None = None) -> Any:
-        """``GET /health`` until it answers 200 within `budget` seconds (connection refused and 5xx mean
-        "still starting"); its reply, after `check(reply)` (which raises for a server of another kind)."""
-        deadline = time.monotonic() + budget
+        """``GET /health`` until it answers 200 within `budget` seconds; its reply, after `check(reply)`
+        (which raises for a server of another kind).
+
+        Connection refused and 5xx mean "still starting" (`omnirl serve` loads its model before it
+        listens), so they are waited for, with a line on stderr after `HEALTH_FIRST_NOTICE_S` and then
+        every `HEALTH_NOTICE_S`; a host that does not resolve or a 4xx fails at once. No healthy server
+        within `budget` is a `UserInputError` (exit 2) naming the URL: start it, or fix the option."""
+        start = time.monotonic()
+        deadline, notice = start + budget, start + HEALTH_FIRST_NOTICE_S
         last, attempt = "", 0
         while True:
             try:
@@ -1006,11 +1015,22 @@ class JsonClient:
                 if check is not None:
                     check(reply)
                 return reply
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise RuntimeFailure(
+            now = time.monotonic()
+            if now >= deadline:
+                raise UserInputError(
                     f"{self.url}: no healthy {self.noun} within {budget:g} s (last: {last}); {self.hint}, "
                     "or raise --server-startup-timeout"
                 )
-            time.sleep(min(backoff(attempt, rng=random.Random(attempt)), 5.0, left))
+            if now >= notice:
+                logger.warning(
+                    "%s: waiting for a healthy %s, %.0f s of --server-startup-timeout %g (last: %s)",
+                    self.url,
+                    self.noun,
+                    now - start,
+                    budget,
+                    last,
+                )
+                notice = now + HEALTH_NOTICE_S
+            pause = min(backoff(attempt, rng=random.Random(attempt)), 5.0, deadline - now, notice - now)
+            time.sleep(max(pause, 0.0))
             attempt += 1

@@ -243,3 +243,73 @@ def test_a_crashed_worker_is_named_and_nothing_is_left_running(
     assert "scorer worker exited with code 3" in result.output
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("omnirl-")]
     assert not (tmp_path / "run" / "it1").exists()
+
+
+NFT_PRESET = """\
+sample:
+  steps: 4
+  guidance: 1.0
+  resolution: 32
+  sampler: ode
+  group_size: 2
+  batch_size: 6
+update:
+  algo: nft
+  full: true
+  lr: 3.0e-3
+  grad_accum: 2
+  micro_batch: 3
+  old_decay: linear_to_0_5
+  timestep_fraction: 0.9
+"""
+
+
+@pytest.mark.slow
+def test_online_killed_and_resumed_equals_an_uninterrupted_run_bit_for_bit(
+    staged: dict[str, Path], tmp_path: Path
+) -> None:
+    """The demo's kind of run (DiffusionNFT, full weights, its old policy): killed (SIGKILL) after its
+    it2 checkpoint and resumed, every weight and trainer-state tensor equals the uninterrupted run's.
+    The prompt encodings were the difference (up to 4e-7 apart): they depend on the batch a prompt is
+    first encoded in, and a resumed process had encoded others (`FlowPolicy.forget_prompts`)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    preset = tmp_path / "nft.yaml"
+    preset.write_text(NFT_PRESET)
+    args = ["--reward", "jpeg_compressibility"]
+    run(*online_args(preset, staged, tmp_path / "whole", *args, "--iterations", "3"))
+    killed = tmp_path / "killed"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    cmd = [
+        sys.executable,
+        "-m",
+        "omnirl_cli",
+        *online_args(preset, staged, killed, *args),
+        "--iterations",
+        "100",
+    ]
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not (killed / "it2" / "policy" / "omnirl_adapter.json").is_file():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+            time.sleep(0.1)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    resumed = run(*online_args(preset, staged, killed, *args, "--iterations", "3"))["iterations"]
+    assert [it["iteration"] for it in resumed] == [2]  # after the it2 checkpoint, not from scratch
+    for k in (1, 2, 3):
+        files = sorted((tmp_path / "whole" / f"it{k}" / "policy").rglob("*.safetensors"))
+        assert len(files) == 2  # the transformer's weights and NFT's old policy
+        for whole in files:
+            again = load_file(killed / whole.relative_to(tmp_path / "whole"))
+            expected = load_file(whole)
+            assert expected.keys() == again.keys()
+            assert all(torch.equal(expected[key], again[key]) for key in expected), (k, whole.name)

@@ -354,6 +354,58 @@ def test_score_batch_input_errors(scratch_registry):
         score_batch([("short", 1.0)], *args, sample_ids=["a", "b"], on_error="skip")
 
 
+@pytest.mark.parametrize(
+    ("bad", "kind"), [("0.25", "str"), (True, "bool"), (np.bool_(False), "bool"), ([0.5], "list")]
+)
+def test_a_plugin_returning_no_number_is_refused_not_converted(scratch_registry, bad, kind):
+    from stages.score.registry import FrameAggregate
+    from stages.score.reward_server import _values
+    from stages.score.text_rewards import trl_reward, verl_compute_score
+
+    args = ([None] * 2, ["p"] * 2, [{}] * 2)
+    _register_fixed("stringly", [0.5, bad])
+    with pytest.raises(UserInputError, match=rf"reward 'stringly' returned .* for sample 'b', a {kind};"):
+        score_batch([("stringly", 1.0)], *args, sample_ids=["a", "b"])
+    # the frame reduction, the wrappers of verl / trl functions and the reward server refuse it too
+    frames = FrameAggregate(lambda images, prompts, meta: [0.5, bad], "mean")
+    with pytest.raises(UserInputError, match="scores must be numbers or None"):
+        frames([["f0", "f1"]], ["p"], [{}])
+    for wrapped in (verl_compute_score(lambda **kw: bad), trl_reward(lambda completions, **kw: [bad, bad])):
+        register_reward("wrapped")(wrapped)
+        with pytest.raises(UserInputError, match=rf"reward 'wrapped' returned .* a {kind};"):
+            score_batch([("wrapped", 1.0)], ["x", "y"], ["p"] * 2, [{}] * 2, sample_ids=["a", "b"])
+        registry._REGISTRY.pop("wrapped")
+    with pytest.raises(ValueError, match="scores must be numbers or None"):
+        _values([0.5, bad], 2)
+
+
+def test_score_with_a_plugin_returning_strings_is_one_line_exit_2(staged, tmp_path):
+    from helpers import fails
+
+    plugin = tmp_path / "stringly.py"
+    plugin.write_text("def reward(images, prompts, meta):\n    return ['0.25'] * len(images)\n")
+    out = tmp_path / "rewards"
+    args = ["score", "--in", str(staged["samples"]), "--reward", f"{plugin}:reward", "--out", str(out)]
+    fails(args, "returned '0.25'", "a str", "scores must be numbers or None")
+    assert not out.exists()
+
+
+def test_numbers_of_every_numeric_type_and_none_are_scores(scratch_registry):
+    values = [1, 0.5, np.float32(0.25), np.int64(2), torch.tensor(0.75), np.array(1.5), None]
+    _register_fixed("numeric", values)
+    ids = [f"s{i}" for i in range(len(values))]
+    out = score_batch(
+        [("numeric", 1.0)],
+        [None] * len(ids),
+        ["p"] * len(ids),
+        [{}] * len(ids),
+        sample_ids=ids,
+        on_error="zero",
+    )
+    assert out["reward.numeric"].tolist() == [1.0, 0.5, 0.25, 2.0, 0.75, 1.5, 0.0]
+    assert out["reward_failed"].tolist() == [False] * 6 + [True]
+
+
 def test_weighted_sum_overflowing_float32_is_reported(scratch_registry):
     _register_fixed("huge", [1.0, 1e39])
     with pytest.raises(NonFiniteError, match="sample 'b' does not fit in float32"):

@@ -151,6 +151,58 @@ def test_slurm_array_tasks_complete_one_shard_set(tiny_sd3: Path, prompts: Path,
     assert snapshot(out) == before
 
 
+def test_a_finished_logprob_or_score_says_it_was_already_complete(
+    staged: dict[str, Path], tmp_path: Path
+) -> None:
+    from helpers import runner
+
+    from omnirl_cli.app import app
+
+    commands = {
+        "logprob": ["logprob", "--model", str(staged["model"]), "--in", str(staged["samples"])],
+        "score": ["score", "--in", str(staged["samples"]), "--reward", "jpeg_compressibility"],
+    }
+    for name, args in commands.items():
+        out = tmp_path / name
+        first = run(*args, "--out", str(out))
+        before = snapshot(out)
+        again = run(*args, "--out", str(out))
+        assert (first["skipped"], again["skipped"]) == (False, True), name
+        # the finished output's own numbers, as the run that wrote it reported them
+        assert {k: v for k, v in again.items() if k != "skipped"} == {
+            k: v for k, v in first.items() if k != "skipped" and not k.startswith("perf/")
+        }
+        said = runner.invoke(app, [*args, "--out", str(out)])
+        assert said.exit_code == 0, said.output
+        assert said.stderr.split() == f"{out} is already complete; nothing to do".split(), said.stderr
+        assert snapshot(out) == before
+
+
+def test_a_second_sample_onto_one_out_names_the_first_and_resumes_once_it_is_killed(
+    tiny_sd3: Path, prompts: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "samples"
+    out.mkdir()
+    lock = out / ".lock-train-00000-of-00001.parquet"  # what a running `sample` of that --out holds
+    code = (
+        "import sys; from pathlib import Path; from stages.shards.atomic import hold_lock; "
+        f"hold_lock(Path({str(lock)!r}), 'sample'); print('held', flush=True); sys.stdin.read()"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    first = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        assert first.stdout.readline() == "held\n"
+        fails(sample_args(tiny_sd3, prompts, out, "--num-shards", "1"), f"pid {first.pid} on", "is writing")
+        assert not list(out.glob("train-*")) and not (out / MANIFEST_NAME).exists()
+    finally:
+        first.kill()  # kill -9: its lock file stays, and never blocks the resume
+        first.wait()
+    assert run(*sample_args(tiny_sd3, prompts, out, "--num-shards", "1"))["complete"]
+    assert not lock.exists()
+
+
 def test_an_edited_prompt_file_is_not_resumed_into_the_old_set(
     tiny_sd3: Path, prompts: Path, tmp_path: Path
 ) -> None:

@@ -328,15 +328,28 @@ def test_a_server_killed_mid_run_and_restarted_loses_and_duplicates_nothing(
     assert _shards(out) == _shards(reference)
 
 
-def test_no_server_within_the_startup_budget_is_exit_1_naming_the_url(
-    tiny_sd3: Path, prompts: Path, tmp_path: Path
+def test_no_server_within_the_startup_budget_is_exit_2_naming_the_url_with_progress_meanwhile(
+    tiny_sd3: Path, prompts: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog
 ) -> None:
+    import stages.web
+
     url = f"http://127.0.0.1:{_free_port()}"
     args = _remote(tiny_sd3, prompts, tmp_path / "o", url, "--server-startup-timeout", "1")
-    result = runner.invoke(app, args)
-    assert result.exit_code == 1, result.output
-    assert url in result.stderr and "no healthy rollout server" in result.stderr
+    fails(args, url, "no healthy rollout server within 1 s", "Connection refused", "--server-startup-timeout")
     assert not (tmp_path / "o").exists()
+    # a person waiting sees what for: a line after HEALTH_FIRST_NOTICE_S, then every HEALTH_NOTICE_S
+    monkeypatch.setattr(stages.web, "HEALTH_FIRST_NOTICE_S", 0.3)
+    monkeypatch.setattr(stages.web, "HEALTH_NOTICE_S", 0.5)
+    args = _remote(tiny_sd3, prompts, tmp_path / "o", url, "--server-startup-timeout", "1.6")
+    with caplog.at_level("WARNING", logger="stages.web"):
+        assert runner.invoke(app, args).exit_code == 2
+    notices = [
+        r.getMessage() for r in caplog.records if "waiting for a healthy rollout server" in r.getMessage()
+    ]
+    assert len(notices) == 3, notices  # at 0.3, 0.8 and 1.3 s
+    assert all(
+        url in n and "of --server-startup-timeout 1.6" in n and "Connection refused" in n for n in notices
+    )
 
 
 def test_user_errors_of_the_remote_engine_are_one_line_exit_2(

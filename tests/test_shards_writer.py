@@ -115,7 +115,12 @@ def test_exception_mid_shard_leaves_no_partial_file(tmp_path, monkeypatch, fmt: 
         w.write_shard(1, shard_batch(1))
     names = sorted(p.name for p in (tmp_path / "out").iterdir())
     ext = "parquet" if fmt == "parquet" else "tar"
-    assert names == [f".train-00000-of-00004.{ext}.done.json", f"train-00000-of-00004.{ext}"]
+    # the lock of the shard it wrote is held while it lives (or until it finalizes)
+    assert names == [
+        f".lock-train-00000-of-00004.{ext}",
+        f".train-00000-of-00004.{ext}.done.json",
+        f"train-00000-of-00004.{ext}",
+    ]
     assert w.shard_done(0) and not w.shard_done(1)
 
 
@@ -241,6 +246,43 @@ def test_several_writers_then_one_finalize(tmp_path) -> None:
     ranks[1].write_shard(3, shard_batch(3))
     m = ranks[0].finalize()
     assert m.num_rows == 20 and [s.file for s in m.shards][-1] == "train-00003-of-00004.parquet"
+    assert file_hashes(out) == file_hashes(write_all(tmp_path / "single").out_dir)
+
+
+def _holding_child(out: str) -> None:
+    """Run in a subprocess: write shard 0 of `out`, say so, then wait (holding its writer lock)."""
+    make_writer(out).write_shard(0, shard_batch(0))
+    print("written", flush=True)
+    sys.stdin.read()
+
+
+def test_a_second_run_onto_one_output_is_refused_naming_the_first_until_it_dies(tmp_path) -> None:
+    import socket
+
+    out = tmp_path / "out"
+    code = f"import sys; sys.path[:0] = [{str(REPO)!r}, {str(REPO / 'tests')!r}]; import test_shards_writer as t; t._holding_child({str(out)!r})"
+    first = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert first.stdout.readline() == "written\n"
+        second = make_writer(out)
+        named = f"pid {first.pid} on {socket.gethostname()} \\(sample {out}\\) is writing this output"
+        with pytest.raises(UserInputError, match=rf"{named} \(shard 0\)"):
+            second.write_shard(0, shard_batch(0))
+        assert second.shard_done(0)  # the first run's shard was left as it was
+        with pytest.raises(UserInputError, match=rf"3 of 4 shards are not written yet .*; {named}"):
+            second.finalize()
+        for i in (1, 2):  # other shards of the output: as the tasks of a Slurm array, both write
+            second.write_shard(i, shard_batch(i))
+    finally:
+        first.kill()  # SIGKILL: no clean-up runs, its lock file stays
+        first.wait()
+    assert (out / ".lock-train-00000-of-00004.parquet").exists()
+    second.write_shard(0, shard_batch(0))  # the dead run's lock is taken over
+    second.write_shard(3, shard_batch(3))
+    second.finalize()
+    assert not list(out.glob(".lock-*"))
     assert file_hashes(out) == file_hashes(write_all(tmp_path / "single").out_dir)
 
 

@@ -23,6 +23,7 @@ from PIL import Image
 from safetensors.torch import load_file, save_file
 from transformers.utils import logging as transformers_logging
 
+from stages.errors import UserInputError
 from stages.models.diffusion import ADAPTER_CONFIG, LORA_WEIGHTS, PEFT_CONFIG, PEFT_WEIGHTS
 from stages.shards.manifest import MANIFEST_NAME
 from stages.shards.reader import ShardSet
@@ -139,6 +140,21 @@ def test_sample_resolution_that_the_vae_and_patching_cannot_take(
     # the tiny VAE halves the side twice (factor 4) and the transformer patches 2×2: multiples of 8
     line = fails(sample_cmd(tiny_sd3, prompts, out, resolution="36"), "--resolution 36", "multiple of 8")
     assert "positive" in line and not finished(out)
+
+
+@pytest.mark.parametrize("flags", [["--frames", "100001"], ["--set", "frames=4097"]])
+def test_sample_frames_past_the_servers_bound(
+    tiny_sd3: Path, prompts: Path, tmp_path: Path, flags: list[str]
+) -> None:
+    from stages.sample.rollout import SampleConfig
+    from stages.sample.rollout_server import MAX_FRAMES
+
+    out = tmp_path / "samples"
+    fails(sample_cmd(tiny_sd3, prompts, out, *flags), "--frames", f"{MAX_FRAMES}")
+    assert not out.exists()
+    SampleConfig(frames=MAX_FRAMES).validate()  # the bound itself is allowed, in the library as in the CLI
+    with pytest.raises(UserInputError, match=rf"--frames {MAX_FRAMES + 1}: must lie in \[1, {MAX_FRAMES}\]"):
+        SampleConfig(frames=MAX_FRAMES + 1).validate()
 
 
 @pytest.mark.parametrize("flags", [["--resolution", "0"], ["--set", "resolution=0"]])

@@ -196,7 +196,7 @@ def test_a_4xx_is_not_retried_a_503_is_and_a_500_once(
     assert len(fake.log()) == 2
 
     dead = _args(tiny_sd3, prompts, tmp_path / "x", "http://127.0.0.1:9", "--server-startup-timeout", "1")
-    _exit_1(dead, "127.0.0.1:9", "no healthy vLLM-Omni server within 1 s")
+    fails(dead, "127.0.0.1:9", "no healthy vLLM-Omni server within 1 s")
     fails(
         _args(tiny_sd3, prompts, tmp_path / "c", fake.url, "--served-model", "other"),
         "--served-model",

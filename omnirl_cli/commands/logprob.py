@@ -23,7 +23,16 @@ from ..options import (
     mixed_precision_opt,
     model_opt,
 )
-from ..runtime import check_format, device, finalize, map_shards, open_inputs, policy_info, run_config
+from ..runtime import (
+    check_format,
+    device,
+    finalize,
+    map_shards,
+    open_inputs,
+    policy_info,
+    report_complete,
+    run_config,
+)
 
 
 @handle_errors
@@ -73,6 +82,9 @@ def logprob(
     forward over prompt + response per sampling batch, and with --reference the base model's
     ref_log_probs [T].
 
+    A re-run skips shards that are complete and verified; over a finished --out it replays nothing, says
+    so, and reports that output's |Δ logp| (`"skipped": true` with --json).
+
     Example: [bold]omnirl logprob --model models/sd3-tiny --adapter run/it0/policy --in run/it0/samples --out run/it0/logprobs[/]
     """
     c = resolve(ctx, "logprob", required=("model", "out"))
@@ -104,7 +116,8 @@ def logprob(
         policy=policy_info(c["model"], c["adapter"]),
         overwrite=c["overwrite"],
     )
-    if not writer.complete:
+    skipped = writer.complete
+    if not skipped:
         loader = VLMPolicy if tokens else FlowPolicy
         policy = (
             loader.load(c["model"], adapter=c["adapter"], device=device(), dtype=c["dtype"])
@@ -161,8 +174,10 @@ def logprob(
 
     extra = read_manifest(c["out"]).extra
     result = {"out": str(c["out"]), "rows": src.num_rows, **extra}
-    if json_:
-        emit_json(result)
+    if skipped:
+        report_complete(c["out"], json_, result)
+    elif json_:
+        emit_json({**result, "skipped": False})
     else:
         mean = extra.get("abs_delta_mean")
         log(

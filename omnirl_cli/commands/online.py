@@ -210,7 +210,7 @@ def online(
     server_url: ServerUrlOpt = None,
     server_token_env: ServerTokenEnvOpt = None,
     server_timeout: ServerTimeoutOpt = 600.0,
-    server_startup_timeout: ServerStartupTimeoutOpt = 600.0,
+    server_startup_timeout: ServerStartupTimeoutOpt = 120.0,
     server_retries: ServerRetriesOpt = 8,
     report_to: ReportToOpt = None,
     run_name: RunNameOpt = None,

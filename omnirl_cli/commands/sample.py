@@ -54,6 +54,7 @@ from ..runtime import (
     device,
     policy_info,
     policy_version,
+    report_complete,
     resolve_num_shards,
     run_config,
 )
@@ -253,7 +254,7 @@ def sample(
     server_url: ServerUrlOpt = None,
     server_token_env: ServerTokenEnvOpt = None,
     server_timeout: ServerTimeoutOpt = 600.0,
-    server_startup_timeout: ServerStartupTimeoutOpt = 600.0,
+    server_startup_timeout: ServerStartupTimeoutOpt = 120.0,
     server_retries: ServerRetriesOpt = 8,
     served_model: Annotated[
         str | None,
@@ -391,7 +392,8 @@ def sample(
     --defer-decode writes no media: `omnirl score` decodes the final latents.
 
     Each sample has its own seed, so a sample never depends on the batch size. A re-run skips shards
-    that are complete and verified.
+    that are complete and verified; over a finished --out it samples nothing and says so (`"skipped":
+    true` with --json).
 
     With a vision-language --model (Qwen2.5-VL), GROUP text responses per (images, question) row of a
     verl/EasyR1 table: prompt and response token ids, response text, rollout log-probs, images once per
@@ -537,9 +539,7 @@ def _writer(c: dict, kinds: dict[str, str], json_: bool, source: Any, exclude: t
         overwrite=c["overwrite"],
     )
     if writer.complete:
-        log(f"{c['out']} is already complete; nothing to do", quiet=json_)
-        if json_:
-            emit_json({"out": str(c["out"]), "skipped": True})
+        report_complete(c["out"], json_)
         return None
     return writer
 

@@ -26,7 +26,16 @@ from ..options import (
     SetOpt,
     mixed_precision_opt,
 )
-from ..runtime import check_format, device, finalize, map_shards, open_inputs, plugin_files, run_config
+from ..runtime import (
+    check_format,
+    device,
+    finalize,
+    map_shards,
+    open_inputs,
+    plugin_files,
+    report_complete,
+    run_config,
+)
 
 DEFERRED = "Deferred media"
 
@@ -159,6 +168,9 @@ def score(
     RUN/it<K>/rewards (0 outside that layout); a held-out evaluation, --out RUN/it<K>/eval/rewards
     (recipes/eval.mk), logs them as eval/reward/mean ... on a series of its own, never the training curve.
 
+    A re-run skips shards that are complete and verified; over a finished --out it scores nothing, says
+    so, and reports that output's statistics (`"skipped": true` with --json).
+
     A rollout sampled with --defer-decode holds final latents, no media: score decodes them with the VAE
     of the rollout's model (or --model) on this process's device, in the rollout's batches and under its
     --dtype and --mixed-precision, so the rewards equal those of the decoded rollout's PNGs (frames).
@@ -227,7 +239,8 @@ def score(
         return out
 
     extra = None
-    if not writer.complete:
+    skipped = writer.complete
+    if not skipped:
         decoder = open_decoder() if open_decoder else None
         columns = (
             text_columns(list(src.columns))
@@ -255,8 +268,10 @@ def score(
         tracking.log_rewards(run_location(c["out"])[1] or 0, rewards, meta, held_out=held_out(c["out"]))
     # this process's scoring speed per reward (images are decoded once per batch for all of them)
     result.update({f"perf/{name}/samples_per_s": scored[0] / t for name, t in seconds.items() if t > 0})
-    if json_:
-        emit_json(result)
+    if skipped:
+        report_complete(c["out"], json_, result)
+    elif json_:
+        emit_json({**result, "skipped": False})
     else:
         log(
             f"[green]scored[/] {result['rows']} samples → {c['out']}  reward mean {result['reward/mean']:.4f} "

@@ -618,6 +618,13 @@ class FlowPolicy:
         pos = self.family.collate([part[0] for part in parts])
         return Condition(pos, self.family.collate([part[1] for part in parts]) if cfg else None)
 
+    def forget_prompts(self) -> None:
+        """Empty `encode`'s cache. A text encoder's output for a prompt depends on the batch it is
+        encoded in (rounding: SD3's pooled embeddings by up to 4e-7), so the cache makes it depend on the
+        history of the process; a run that must equal another from some point on (`omnirl online`
+        resumed after a kill, or as the staged commands) starts each iteration without it."""
+        self._prompt_cache.clear()
+
     def velocity(
         self,
         x: torch.Tensor,

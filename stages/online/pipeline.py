@@ -223,6 +223,8 @@ def _sampler_main(
                 for name, p in params.items():
                     p.copy_(weights[name])
                 drawn_with = step.value  # pushed engines: the server holds this version or a newer one
+            if cfg.in_process:
+                policy.forget_prompts()  # its encodings as a resumed run's (`FlowPolicy.forget_prompts`)
             if not cfg.in_process:
                 engine.pin_weights(drawn_with)  # the whole iteration with one version
             cols = in_rollout(
@@ -664,6 +666,7 @@ def run_online(
             )
             data.update({key: v for key, v in adv.items() if key != "sample_id"})
             t1 = time.perf_counter()
+            policy.forget_prompts()  # its encodings as a resumed run's (`FlowPolicy.forget_prompts`)
             optimizer, ema, old_weights, metrics, par, scaler = train(
                 policy, data, cfg.sampling(k), replace(cfg.update, seed=k), state=state, start_step=step
             )

@@ -54,7 +54,7 @@ class EngineOptions:
     server_url: str | None = None
     served_model: str | None = None  # the model name a vLLM-Omni server serves (its /v1/models)
     token_env: str | None = None  # the environment variable holding the server's bearer token
-    startup_timeout: float = 600.0  # seconds to wait for the server's /health before giving up
+    startup_timeout: float = 120.0  # seconds to wait for the server's /health before giving up (exit 2)
     request_timeout: float = 600.0  # seconds to wait for one reply
     retries: int = 8  # further tries of a request after a connection error, 502, 503 or 504
     vae_tiling: bool = False  # decode in spatial tiles (`FlowPolicy.vae_memory`; the diffusers engine)

@@ -21,7 +21,7 @@ import torch
 from stages.errors import UserInputError
 from stages.finite import MODEL_HINT, check_finite
 from stages.media import media_columns
-from stages.media.video import fps_fraction
+from stages.media.video import MAX_FRAMES, fps_fraction
 from stages.models.diffusion import FlowPolicy, seed_generator
 from stages.models.families import parse_resolution
 from stages.precision import MIXED_PRECISIONS, autocast
@@ -83,8 +83,8 @@ class SampleConfig:
             raise UserInputError(
                 f"--latent-dtype {self.latent_dtype}: choose one of {', '.join(LATENT_DTYPES)}"
             )
-        if self.frames < 1:
-            raise UserInputError(f"--frames {self.frames}: must be at least 1")
+        if not 1 <= self.frames <= MAX_FRAMES:
+            raise UserInputError(f"--frames {self.frames}: must lie in [1, {MAX_FRAMES}]")
         if self.window < 0:
             raise UserInputError(f"--sde-window {self.window}: must be >= 0")
         fps_fraction(self.fps)  # a positive frame rate, as the MP4 writer needs it

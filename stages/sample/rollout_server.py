@@ -82,6 +82,7 @@ from pathlib import Path
 from typing import Any
 
 from stages.errors import UserInputError
+from stages.media.video import MAX_FRAMES
 from stages.sample.engines import DiffusersEngine
 from stages.sample.rollout import SampleConfig, stored_steps
 from stages.sample.rollout_protocol import (
@@ -121,7 +122,6 @@ _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 MAX_PIXELS = 2**26  # pixels in one request (samples × frames × height × width)
 MEGA = 10**6  # --max-request-cost counts megapixel-steps
 MAX_SIDE = 8192  # pixels of one side
-MAX_FRAMES = 4096  # frames of one sample
 _SIZE_RE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
 # vLLM-Omni 0.30.0 bounds of /v1/images/generations
 MAX_IMAGES, MAX_IMAGE_STEPS, MAX_GUIDANCE = 10, 200, 20.0

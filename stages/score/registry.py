@@ -7,7 +7,9 @@ A scorer is a callable ``scorer(images, prompts, meta) -> list[float | None]``:
   receive whatever their stage decodes, possibly ``None``, and read ``meta[i]``;
 - ``prompts[i]`` is its text condition, ``meta[i]`` its task metadata dict (``prompt_meta``);
 - it returns one value per sample, ``None`` meaning "could not score this sample". The caller
-  (`stages.score.scoring.score_batch`) reports ``None``; it never silently becomes 0.
+  (`stages.score.scoring.score_batch`) reports ``None``; it never silently becomes 0. A value is a
+  real number (int, float, a NumPy scalar, a 0-d array or tensor): a string such as ``"0.25"`` or a
+  bool is refused, not converted (`score_value`).
 
 Scorers are called once per batch, so a model-backed scorer loads its model lazily on first call and
 keeps it (see `stages.score.ocr`). Built-in scorers live in the modules listed in `_BUILTIN_MODULES`,
@@ -50,6 +52,7 @@ import inspect
 import json
 import logging
 import math
+import numbers
 import re
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -264,6 +267,22 @@ def frame_indices(count: int, how: str) -> list[int]:
     return list(range(count))
 
 
+def score_value(value: Any) -> float | None:
+    """One sample's value from a scorer as a float, or None (it could not score the sample).
+
+    A real number is a score: int, float, a NumPy scalar, a 0-d array or tensor (not a bool one). Anything
+    else, a string such as "0.25", a bool or a list, raises TypeError: it is a scorer's mistake, which
+    a conversion would hide (True would become a reward of 1).
+    """
+    if value is None:
+        return None
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):  # np.float32, a 0-d tensor/array
+        value = value.item()
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    raise TypeError(f"{value!r} (a {type(value).__name__}) is not a number")
+
+
 class FrameAggregate:
     """Image reward `scorer` applied to the frames of each video (one call for the whole batch),
     reduced per video by `how` (`FRAME_AGGREGATIONS`): the scorer of ``NAME@frames=HOW``."""
@@ -295,11 +314,15 @@ class FrameAggregate:
         for frames in picks:
             part = values[start : start + len(frames)]
             start += len(frames)
-            numbers = [float(v) for v in part if v is not None]
-            if not part or len(numbers) < len(part) or not all(math.isfinite(v) for v in numbers):
+            try:
+                scores = [score_value(v) for v in part]
+            except TypeError as exc:
+                raise UserInputError(f"a frame's score: {exc}; scores must be numbers or None") from None
+            finite = [v for v in scores if v is not None and math.isfinite(v)]
+            if not part or len(finite) < len(part):
                 out.append(None)
             else:
-                out.append(min(numbers) if self.how == "min" else math.fsum(numbers) / len(numbers))
+                out.append(min(finite) if self.how == "min" else math.fsum(finite) / len(finite))
         return out
 
 

@@ -42,7 +42,7 @@ from typing import Any
 from PIL import Image
 
 from stages.errors import UserInputError
-from stages.score.registry import RewardArgs, get_reward
+from stages.score.registry import RewardArgs, get_reward, score_value
 from stages.web import HttpError, JsonServer, JsonService, ServerLimits, parse_json_object
 
 logger = logging.getLogger(__name__)
@@ -89,14 +89,11 @@ def _values(raw: Any, n: int) -> list[float | None]:
         raise ValueError(f"returned {len(items)} scores for {n} samples")
     out: list[float | None] = []
     for item in items:
-        if item is None:
-            out.append(None)
-            continue
         try:
-            number = float(item)
-        except (TypeError, ValueError):
-            raise ValueError(f"returned {item!r}, not a number or None") from None
-        out.append(number if math.isfinite(number) else None)
+            number = score_value(item)
+        except TypeError as exc:
+            raise ValueError(f"returned {exc}; scores must be numbers or None") from None
+        out.append(number if number is not None and math.isfinite(number) else None)
     return out
 
 

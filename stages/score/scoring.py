@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from stages.errors import NonFiniteError, UserInputError
-from stages.score.registry import RewardArgs, get_reward, reward_column
+from stages.score.registry import RewardArgs, get_reward, reward_column, score_value
 
 logger = logging.getLogger(__name__)
 
@@ -93,15 +93,14 @@ def _run_scorer(
     values: list[float] = []
     failed: list[bool] = []
     for value, sample_id in zip(raw, sample_ids, strict=True):
-        if value is None:
-            number = math.nan
-        else:
-            try:
-                number = float(value)
-            except (TypeError, ValueError):
-                raise UserInputError(
-                    f"reward {name!r} returned {value!r} for sample {sample_id!r}; scores must be numbers or None"
-                ) from None
+        try:
+            score = score_value(value)
+        except TypeError:
+            raise UserInputError(
+                f"reward {name!r} returned {value!r} for sample {sample_id!r}, a {type(value).__name__}; "
+                "scores must be numbers or None"
+            ) from None
+        number = math.nan if score is None else score
         if math.isfinite(number):
             values.append(number)
             failed.append(False)

@@ -607,7 +607,7 @@ def verl_compute_score(fn: Callable[..., Any]) -> TextScorer:
                         f"(keys: {', '.join(map(str, result))})"
                     )
                 result = result["score"]
-            out.append(None if result is None else float(result))
+            out.append(result)  # checked by the caller (`registry.score_value`): "0.25" is no score
         return out
 
     scorer.__name__ = scorer.__qualname__ = label
@@ -639,7 +639,7 @@ def trl_reward(fn: Callable[..., Any], *, conversational: bool = False) -> TextS
         columns.pop("completions", None)
         columns.pop("prompts", None)
         values = fn(completions=completions, prompts=list(prompts), **columns)
-        return [None if v is None else float(v) for v in values]
+        return list(values)  # checked by the caller (`registry.score_value`)
 
     scorer.__name__ = scorer.__qualname__ = label
     scorer.__doc__ = fn.__doc__

@@ -3,19 +3,29 @@
 A reader (or a resumed run) therefore never sees a half-written file under its final name. The
 sha256 of the bytes is computed while they are written, on a background thread so that hashing
 and disk writes overlap with encoding.
+
+Writer locks (`hold_lock`): a file locked with flock(2) by the process writing something, holding
+that process's pid and host. The kernel drops the lock when the process ends, however it ends (a
+kill -9 too), so a lock left by a dead writer is free and the next writer takes it over; the file
+only names the holder while it lives.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
+import fcntl
 import hashlib
+import json
 import os
 import queue
 import shutil
+import socket
 import threading
 import uuid
 from collections.abc import Iterator
+from datetime import datetime, timezone
 from pathlib import Path
 
 _SMALL = 1 << 16
@@ -225,3 +235,93 @@ def sha256_file(path: Path) -> str:
         while n := f.readinto(buf):
             h.update(view[:n])
     return h.hexdigest()
+
+
+_HELD: dict[Path, tuple[int, int]] = {}  # the locks this process holds: path → (fd, pid that took it)
+
+
+def hold_lock(path: Path, what: str) -> dict | None:
+    """Take the writer lock `path` for this process (`what` it writes is recorded with its pid and
+    host); None once held, also when this process holds it already. When another live process holds
+    it, returns that holder's record ({"pid", "host", "what", "since"}; empty while it is being taken)."""
+    key = path.absolute()
+    if key in _HELD and _HELD[key][1] == os.getpid():
+        return None
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_holder(fd)
+            os.close(fd)
+            return holder
+        try:  # its holder may have removed it between our open and flock: lock the file at `path`
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    record = {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "what": what,
+        "since": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(record).encode(), 0)
+    _HELD[key] = (fd, os.getpid())
+    return None
+
+
+def _read_holder(fd: int) -> dict:
+    try:
+        return json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except ValueError:
+        return {}
+
+
+def lock_holder(path: Path) -> dict | None:
+    """The record of the live process holding lock `path` (by `hold_lock`), or None when it is free
+    or this process holds it."""
+    if _HELD.get(path.absolute(), (-1, -1))[1] == os.getpid():
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _read_holder(fd)
+    finally:
+        os.close(fd)
+    return None
+
+
+def release_lock(path: Path) -> None:
+    """Remove and unlock a lock this process holds; a lock it does not hold is left alone. A child
+    that inherited the lock's descriptor (fork) never releases its parent's lock."""
+    key = path.absolute()
+    fd, owner = _HELD.get(key, (-1, -1))
+    if owner != os.getpid():
+        return
+    del _HELD[key]
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    os.close(fd)
+
+
+def remove_free_locks(paths: list[Path]) -> None:
+    """Release the locks among `paths` this process holds, and remove those no live process holds
+    (left by a killed writer); a lock another live process holds stays."""
+    for path in paths:
+        release_lock(path)
+        if path.exists() and hold_lock(path, "cleanup") is None:
+            release_lock(path)
+
+
+@atexit.register
+def _release_all() -> None:
+    for path in list(_HELD):
+        release_lock(path)

@@ -5,6 +5,12 @@ completion record `.train-....done.json` (rows, bytes, sha256, run fingerprint, 
 written. A re-run with the same fingerprint skips shards whose record and bytes still match. In
 distributed runs every process writes its own shard indices into the same directory and one of
 them calls `finalize()` once all exist.
+
+A process writing a shard holds its writer lock `.lock-train-...` (`atomic.hold_lock`: its pid and
+host) from then until it finalizes the set or ends, so a second run writing the same shards of one
+output (two launches onto one --out) is refused in one line naming the first, instead of both
+rewriting each other's shards; processes writing different shards (the ranks of a launch, Slurm array
+tasks) do not meet. A killed writer's lock is free at once and taken over by the next.
 """
 
 from __future__ import annotations
@@ -17,7 +23,17 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from stages.errors import UserInputError
-from stages.shards.atomic import atomic_output, atomic_write_bytes, fsync_dir, remove_stale_temps, sha256_file
+from stages.shards.atomic import (
+    atomic_output,
+    atomic_write_bytes,
+    fsync_dir,
+    hold_lock,
+    lock_holder,
+    release_lock,
+    remove_free_locks,
+    remove_stale_temps,
+    sha256_file,
+)
 from stages.shards.digest import content_digest
 from stages.shards.formats import SHARD_GLOBS, codec, shard_file_name
 from stages.shards.manifest import (
@@ -258,12 +274,27 @@ class ShardSetWriter:
             if p.name not in listed:
                 p.unlink(missing_ok=True)
 
+    def _lock_paths(self) -> list[Path]:
+        return sorted(self.out_dir.glob(".lock-*")) if self.out_dir.is_dir() else []
+
     def shard_file(self, index: int) -> Path:
         """Final path of shard `index`."""
         return self.out_dir / shard_file_name(index, self.num_shards, self.format)
 
     def _record_path(self, index: int) -> Path:
         return self.out_dir / f".{shard_file_name(index, self.num_shards, self.format)}.done.json"
+
+    def _lock_path(self, index: int) -> Path:
+        return self.out_dir / f".lock-{shard_file_name(index, self.num_shards, self.format)}"
+
+    def _claim(self, index: int) -> None:
+        """Hold shard `index`'s writer lock, or refuse naming the live process that holds it."""
+        holder = hold_lock(self._lock_path(index), f"{self.command} {self.out_dir}")
+        if holder is not None:
+            raise UserInputError(
+                f"{self.out_dir}: {_writer_name(holder)} is writing this output (shard "
+                f"{index}); wait for it to end or stop it, or pick another --out"
+            )
 
     def _check_index(self, index: int) -> None:
         if not isinstance(index, int) or not 0 <= index < self.num_shards:
@@ -324,10 +355,15 @@ class ShardSetWriter:
         path = self.shard_file(index)
         self._adopt_columns(columns, path.name)
         self._ensure_dir()
+        self._claim(index)
         self._record_path(index).unlink(missing_ok=True)
         remove_stale_temps(path)
-        with atomic_output(path) as sink:
-            rows = self._codec.encode(batch, columns, sink, index)
+        try:
+            with atomic_output(path) as sink:
+                rows = self._codec.encode(batch, columns, sink, index)
+        except BaseException:
+            release_lock(self._lock_path(index))  # no longer writing it; the shards written stay held
+            raise
         info = ShardInfo(path.name, rows, sink.bytes, sink.sha256)
         self._write_record(index, info, columns)
         self._infos[index] = info
@@ -371,9 +407,14 @@ class ShardSetWriter:
             columns_by_file.append((found[0].file, found[1]))
         if missing:
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+            writing = next(filter(None, map(lock_holder, self._lock_paths())), None)
             raise UserInputError(
                 f"{self.out_dir}: {len(missing)} of {self.num_shards} shards are not written yet ({shown}); "
-                "run the missing shard indices, then finalize"
+                + (
+                    f"{_writer_name(writing)} is writing this output: wait for it to end or stop it"
+                    if writing is not None
+                    else "run the missing shard indices, then finalize"
+                )
             )
         first_file, columns = columns_by_file[0]
         for file, cols in columns_by_file[1:]:
@@ -394,9 +435,18 @@ class ShardSetWriter:
         )
         write_manifest(self.out_dir, manifest)
         self._remove_unlisted({s.file for s in infos})
+        remove_free_locks(self._lock_paths())
         self.manifest = manifest
         self.complete = True
         return manifest
+
+
+def _writer_name(holder: dict) -> str:
+    """'pid 123 on host-a (sample runs/x)' from a writer lock's record ('another process' while it
+    is being taken)."""
+    if "pid" not in holder:
+        return "another process"
+    return f"pid {holder['pid']} on {holder.get('host', '?')} ({holder.get('what', '?')})"
 
 
 def _describe_column(c: Column | None) -> str:

@@ -1017,9 +1017,10 @@ class JsonClient:
                 return reply
             now = time.monotonic()
             if now >= deadline:
+                what = f"{self.hint}, or raise" if self.hint else "start it, or raise"
                 raise UserInputError(
-                    f"{self.url}: no healthy {self.noun} within {budget:g} s (last: {last}); {self.hint}, "
-                    "or raise --server-startup-timeout"
+                    f"{self.url}: no healthy {self.noun} within {budget:g} s (last: {last}); {what} "
+                    "--server-startup-timeout"
                 )
             if now >= notice:
                 logger.warning(

@@ -231,7 +231,7 @@ def test_credentials_in_a_client_url_are_sent_as_basic_auth_and_never_shown(capl
         down.call("/x")
     shown(failed)
     assert caplog.records and all("s3cret" not in record.getMessage() for record in caplog.records)
-    with pytest.raises(RuntimeFailure) as unhealthy:
+    with pytest.raises(UserInputError, match="no healthy server within") as unhealthy:
         down.wait_healthy(0.5)
     shown(unhealthy)
     with pytest.raises(UserInputError) as bad_port:

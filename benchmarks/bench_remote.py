@@ -314,6 +314,27 @@ def concurrency_rows(sweep: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
+def record_concurrency(args: argparse.Namespace, sweep: list[dict], load_before: float) -> None:
+    """Record the serve-reward concurrency sweep (`remote_concurrency`)."""
+    path = record(
+        "remote_concurrency",
+        {
+            "clients": args.clients,
+            "requests_per_client": args.concurrency_requests,
+            "repeats": args.concurrency_repeats,
+            "sweep": sweep,
+        },
+        concurrency_rows(sweep),
+        description=(
+            "`omnirl serve-reward --reward jpeg_compressibility` on 127.0.0.1, N client threads at once, "
+            f"{args.concurrency_requests} one-image requests each on a fresh connection per request, best "
+            f"of {args.concurrency_repeats} sweeps; ratio: requests/s ÷ the 4-client figure. Load average "
+            f"{load_before:.1f} on {os.cpu_count()} CPUs."
+        ),
+    )
+    print("recorded", path)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
@@ -354,23 +375,10 @@ def main() -> None:
     omnirl = str(Path(sys.executable).with_name("omnirl"))
     load_before = os.getloadavg()[0]
     sweep = concurrency(args, omnirl, env)
-    path = record(
-        "remote_concurrency",
-        {
-            "clients": args.clients,
-            "requests_per_client": args.concurrency_requests,
-            "repeats": args.concurrency_repeats,
-            "sweep": sweep,
-        },
-        concurrency_rows(sweep),
-        description=(
-            "`omnirl serve-reward --reward jpeg_compressibility` on 127.0.0.1, N client threads at once, "
-            f"{args.concurrency_requests} one-image requests each on a fresh connection per request, best "
-            f"of {args.concurrency_repeats} sweeps; ratio: requests/s ÷ the 4-client figure. Load average "
-            f"{load_before:.1f} on {os.cpu_count()} CPUs."
-        ),
-    )
-    print("recorded", path)
+    for row in concurrency_rows(sweep):
+        print(row)
+    if not args.no_record:
+        record_concurrency(args, sweep, load_before)
     if args.concurrency_only:
         return
     with tempfile.TemporaryDirectory(prefix="omnirl-bench-remote-") as tmp_name:

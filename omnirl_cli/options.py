@@ -102,7 +102,8 @@ NumShardsOpt = Annotated[
     typer.Option(
         "--num-shards",
         min=1,
-        help="Number of output shards (default: one per --shard-rows rows, whole groups each).",
+        help="Number of output shards (default: one per --shard-rows rows, whole groups each, rounded up "
+        "to a multiple of the launcher's ranks so that every rank works; later stages split by shard).",
         rich_help_panel=IO,
     ),
 ]

@@ -75,7 +75,7 @@ def map_shards(
     from stages.errors import CorruptRowError, CorruptShardError
 
     sizes = [info.rows for info in src.manifests[0].shards]
-    mine = rank_shards(range(src.num_shards))
+    mine = rank_shards(range(src.num_shards), f"input shards of {label}")
     written = []
     with progress(bar) as display:
         task = display.add_task(label, total=sum(sizes[s] for s in mine), rate="")
@@ -117,13 +117,19 @@ def report_complete(out: Path, json_: bool, result: dict[str, Any] | None = None
 
 
 def resolve_num_shards(c: dict[str, Any], groups: int, group_rows: int) -> int:
-    """Set and return c["num_shards"]: --num-shards, else about --shard-rows rows per shard.
+    """Set and return c["num_shards"]: --num-shards, else about --shard-rows rows per shard, rounded up
+    to a multiple of the launcher's world size so that every rank samples (and every later stage,
+    which splits by shard, works on every rank).
 
     A shard holds whole groups (`groups` of `group_rows` rows), so there are at most `groups` shards.
     """
+    from stages.dist import join
+
     if c["num_shards"] is None:
         rows = groups * group_rows
-        c["num_shards"] = max(1, min(groups, -(-rows // c["shard_rows"])))
+        world = join()[0] if c.get("shard_index") is None else 1  # a Slurm task is one shard already
+        by_rows = max(1, -(-rows // c["shard_rows"]))
+        c["num_shards"] = max(1, min(groups, -(-by_rows // world) * world))
     return c["num_shards"]
 
 

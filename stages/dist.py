@@ -7,12 +7,15 @@ so no stage names one. Lower layers (models, update, online) import this module,
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterable
 from functools import cache
 from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 def world_and_rank() -> tuple[int, int]:
@@ -63,11 +66,23 @@ def join() -> tuple[int, int]:
     return world_and_rank()
 
 
-def rank_shards(indices: Iterable[int]) -> list[int]:
+def rank_shards(indices: Iterable[int], what: str = "shards") -> list[int]:
     """The shards of `indices` this process makes: shard s belongs to rank s % world (all of them
-    without a launcher). Every shard has one owner and each owner gets its shards in order."""
+    without a launcher). Every shard has one owner and each owner gets its shards in order. A rank left
+    with none says so on stderr (it still joins the collectives), naming how to give every rank work."""
     world, rank = join()
-    return [s for s in indices if s % world == rank]
+    indices = list(indices)
+    mine = [s for s in indices if s % world == rank]
+    if world > 1 and not mine:
+        logger.warning(
+            "rank %d of %d has none of the %d %s to work on and waits for the others; %s",
+            rank,
+            world,
+            len(indices),
+            what,
+            "give --num-shards a multiple of the number of ranks (sample, pairs) so every rank has work",
+        )
+    return mine
 
 
 def barrier() -> None:

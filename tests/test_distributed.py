@@ -225,12 +225,20 @@ def test_a_slurm_task_on_two_ranks_leaves_one_idle_and_the_array_completes(
 def test_encode_on_more_ranks_than_shards_writes_the_bytes_of_one_process(
     staged: dict[str, Path], tmp_path: Path
 ) -> None:
+    # under a launcher, sample's default shard count is a multiple of the ranks: none is idle
+    reports = torchrun(*sample_args(staged["model"], staged["prompts"], tmp_path / "spread"))
+    assert reports[0]["shards_written"] == 2
+    manifest = json.loads((tmp_path / "spread" / MANIFEST_NAME).read_text())
+    assert [s["rows"] for s in manifest["shards"]] == [2, 4]
+
     samples = tmp_path / "samples"
     run(*sample_args(staged["model"], staged["prompts"], samples, "--num-shards", "1"))
     encode = ["encode", "--model", str(staged["model"]), "--in", str(samples), "--resolution", "32"]
     run(*encode, "--out", str(tmp_path / "one"))
-    reports = torchrun(*encode, "--out", str(tmp_path / "two"))  # rank 1 has no shard
+    logs: list[str] = []
+    reports = torchrun(*encode, "--out", str(tmp_path / "two"), stderr=logs)  # rank 1 has no shard
     assert reports == [{"out": str(tmp_path / "two"), "rows": 6}]
+    assert "rank 1 of 2 has none of the 1 input shards of encoding" in logs[0], logs[0]
     assert "final_latent" in [c["name"] for c in same_output(tmp_path / "one", tmp_path / "two")["columns"]]
 
 

@@ -55,7 +55,8 @@ DEMO_PROMPTS    ?= 256
 DEMO_EVAL       ?= 64
 DEMO_JOBS       ?= 2
 DEMO_EVAL_FLAGS ?= --sampler ode --group-size 4 --num-prompts $(DEMO_EVAL)
-# DiffusionNFT never reads rollout log-probs, so the demo skips the replay (REPLAY=yes for Flow-GRPO).
+# DiffusionNFT never reads rollout log-probs, so the demo skips the replay (auto or yes for Flow-GRPO:
+# recipes/flow_grpo.mk's REPLAY; demo-jpeg takes its default, auto).
 DEMO_REPLAY     ?= no
 DEMO_REWARD     := --reward geneval_shapes --reward geneval_shapes_strict=0
 SHAPES          := $(PY) recipes/tasks/shapes.py

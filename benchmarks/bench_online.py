@@ -10,13 +10,17 @@ other by default and a 2-core machine can run two of them at once.
   N iterations of sample → logprob → score → advantage → update (5 CLI processes each, serial make).
   The goal is the N-th policy rather than the default `all`, which also samples and scores that
   final policy: that evaluation is not part of the N training iterations, so it is left out (the
-  per-stage times reported let one add it: about one sample + one score).
+  per-stage times reported let one add it: about one sample + one score). It runs twice per repeat:
+  REPLAY=yes (logprob replays every rollout) and REPLAY=auto (the recipe's default: these in-process
+  rollouts cannot differ from a replay, so logprob loads no model and writes the sample ids only).
 - online: `omnirl online --iterations N --max-staleness 0|1 --json` in one process launch: a
   sampler and a scorer worker feed the training driver.
 
 Ratios (wall per iteration = total wall / N, start-up included):
-- `ratio_online_vs_staged` = online (staleness 0, the same computation as the recipe) ÷ staged,
-  target <= 0.6; `_no_startup` uses the sum of the per-iteration `seconds` of the `--json` output
+- `ratio_staged_no_replay_vs_replay` = staged REPLAY=auto ÷ staged REPLAY=yes, reported (the share
+  of an iteration the replay costs); `_logprob` the same for the logprob stage alone.
+- `ratio_online_vs_staged` = online (staleness 0, the same computation as the recipe) ÷ staged
+  (REPLAY=yes, as measured before REPLAY=auto existed), target <= 0.6; `_no_startup` uses the sum of the per-iteration `seconds` of the `--json` output
   (no driver start-up; iteration 0 still waits for the workers to load and sample), `_steady` the
   mean of iterations 1..N−1 (no start-up at all).
 - `ratio_overlap` = online staleness 1 ÷ staleness 0, target <= 0.8; `_steady` likewise. With
@@ -90,8 +94,11 @@ def run(cmd: list[str], env: dict[str, str]) -> tuple[float, str]:
     return wall, proc.stdout
 
 
-def staged(omnirl: str, files: dict[str, Path], run_dir: Path, n: int, env: dict[str, str]) -> dict[str, Any]:
-    """N staged iterations through make; per-stage seconds from successive completion-marker times."""
+def staged(
+    omnirl: str, files: dict[str, Path], run_dir: Path, n: int, env: dict[str, str], replay: str = "yes"
+) -> dict[str, Any]:
+    """N staged iterations through make with REPLAY=`replay`; per-stage seconds from successive
+    completion-marker times."""
     shutil.rmtree(run_dir, ignore_errors=True)
     goal = run_dir / f"it{n}" / "policy" / "omnirl_adapter.json"
     started = time.time()
@@ -108,6 +115,7 @@ def staged(omnirl: str, files: dict[str, Path], run_dir: Path, n: int, env: dict
             f"RUN={run_dir}",
             f"ITERATIONS={n}",
             f"REWARD=--reward {REWARD}",
+            f"REPLAY={replay}",
             str(goal),
         ],
         env,
@@ -224,7 +232,7 @@ def main() -> None:
         "--staged-repeats",
         type=int,
         default=1,
-        help="launches of the staged recipe, about 40 s/iteration (0: overlap only)",
+        help="launches of the staged recipe (each REPLAY=yes and REPLAY=auto), about 40 s/iteration (0: overlap only)",
     )
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--resolution", type=int, default=64)
@@ -280,15 +288,18 @@ def main() -> None:
         files["config"].write_text(preset_yaml(args))
         files["prompts"].write_text("\n".join(PROMPTS) + "\n")
         staged_runs: list[dict[str, Any]] = []
+        unreplayed_runs: list[dict[str, Any]] = []  # REPLAY=auto: no replay for these rollouts
         online_runs: dict[int, list[dict[str, Any]]] = {0: [], 1: []}
         for r in range(max(args.repeats, args.staged_repeats)):
             if r < args.staged_repeats:
-                staged_runs.append(staged(omnirl, files, tmp / "staged", n, env))
-                print(
-                    f"staged: {staged_runs[-1]['per_iteration']:.1f} s/iteration "
-                    f"{ {k: round(v, 1) for k, v in staged_runs[-1]['stage_seconds_per_iteration'].items()} }",
-                    flush=True,
-                )
+                for replay in ("yes", "auto") if r % 2 == 0 else ("auto", "yes"):
+                    runs = staged_runs if replay == "yes" else unreplayed_runs
+                    runs.append(staged(omnirl, files, tmp / "staged", n, env, replay))
+                    print(
+                        f"staged REPLAY={replay}: {runs[-1]['per_iteration']:.1f} s/iteration "
+                        f"{ {k: round(v, 1) for k, v in runs[-1]['stage_seconds_per_iteration'].items()} }",
+                        flush=True,
+                    )
             if r < args.repeats:
                 for s in (0, 1) if r % 2 == 0 else (1, 0):
                     online_runs[s].append(online(omnirl, files, tmp / f"online{s}", n, s, args.threads, env))
@@ -310,7 +321,11 @@ def main() -> None:
     if staged_runs:
         st = min(staged_runs, key=lambda r: r["wall"])
         per_it = st["per_iteration"]
+        auto = min(unreplayed_runs, key=lambda r: r["wall"])
         ratios = {
+            "ratio_staged_no_replay_vs_replay": auto["per_iteration"] / per_it,
+            "ratio_staged_no_replay_vs_replay_logprob": auto["stage_seconds_per_iteration"]["logprob"]
+            / st["stage_seconds_per_iteration"]["logprob"],
             "ratio_online_vs_staged": on[0]["per_iteration"] / per_it,
             "ratio_online_vs_staged_no_startup": on[0]["no_startup"] / per_it,
             "ratio_online_vs_staged_steady": on[0]["steady"] / per_it,
@@ -321,21 +336,27 @@ def main() -> None:
         metrics.update(
             staged=st,
             staged_runs=staged_runs,
+            staged_no_replay=auto,
+            staged_no_replay_runs=unreplayed_runs,
             staged_final_eval_estimate=stage_s["sample"] + stage_s["score"],
             reward_mean_abs_diff=[abs(a - b) for a, b in zip(st["reward_means"], on[0]["reward_means"])],
         )
-        rows.append(
-            {
-                "run": f"staged make, {n} its",
-                "wall s": st["wall"],
-                "s/it": per_it,
-                "÷ staged": 1.0,
-                **{f"{k} s/it": v for k, v in stage_s.items()},
-            }
-        )
+        for name, result in ((f"staged make, {n} its", st), (f"staged make REPLAY=auto, {n} its", auto)):
+            rows.append(
+                {
+                    "run": name,
+                    "wall s": result["wall"],
+                    "s/it": result["per_iteration"],
+                    "÷ staged": result["per_iteration"] / per_it,
+                    **{f"{k} s/it": v for k, v in result["stage_seconds_per_iteration"].items()},
+                }
+            )
         staged_text = (
             f"Staged = recipes/flow_grpo.mk up to it{n}/policy (final-policy sample+score left out, "
-            f"≈ {metrics['staged_final_eval_estimate']:.1f} s), {len(staged_runs)} run(s). online (staleness 0) ÷ "
+            f"≈ {metrics['staged_final_eval_estimate']:.1f} s), REPLAY=yes, {len(staged_runs)} run(s); "
+            f"REPLAY=auto (no replay: in-process rollouts) ÷ REPLAY=yes = "
+            f"{ratios['ratio_staged_no_replay_vs_replay']:.3f} per iteration (logprob stage "
+            f"{ratios['ratio_staged_no_replay_vs_replay_logprob']:.3f}). online (staleness 0) ÷ "
             f"staged = {ratios['ratio_online_vs_staged']:.3f} with start-up (no driver start-up "
             f"{ratios['ratio_online_vs_staged_no_startup']:.3f}, steady {ratios['ratio_online_vs_staged_steady']:.3f}), "
             "target <= 0.6. "

@@ -21,9 +21,17 @@ SEED       ?=
 FLAGS      ?= --json --overwrite
 # A held-out prompt file: each iteration's policy is also evaluated on it (recipes/eval.mk).
 EVAL_PROMPTS ?=
-# no: skip `omnirl logprob` for algorithms that never read rollout log-probs (DiffusionNFT, AWM,
-# DPO); update then reads only the samples and the advantages.
-REPLAY     ?= yes
+# The replay of each rollout (`omnirl logprob --replay $(REPLAY)`). auto: run the model only when the
+# replay can give other log-probs than the rollout's own (another engine than the in-process
+# diffusers one, other weights, dtype, mixed precision or device type, a text rollout, a preset's
+# logprob --reference / --means); otherwise logprob loads nothing and writes the sample ids only, and
+# update trains on the rollout's log-probs, the very values the replay would give (docs/real-checkpoints.md).
+# yes: always replay. no: skip `omnirl logprob` (algorithms that never read rollout log-probs:
+# DiffusionNFT, AWM, DPO); update then reads only the samples and the advantages.
+REPLAY     ?= auto
+ifeq ($(filter $(REPLAY),auto yes no),)
+$(error REPLAY=$(REPLAY): choose auto, yes or no)
+endif
 
 ITERS   := $(shell seq 0 $(ITERATIONS))
 next     = $(shell expr $(1) + 1)
@@ -51,7 +59,7 @@ $(call it,$(1))/rewards/_manifest.json: $(call it,$(1))/samples/_manifest.json
 
 $(call it,$(1))/logprobs/_manifest.json: $(call it,$(1))/samples/_manifest.json
 	$(OMNIRL) logprob --config $(CONFIG) --model $(MODEL) $(call adapter,$(1)) --in $(call it,$(1))/samples \
-	  --out $(call it,$(1))/logprobs $(FLAGS) >/dev/null
+	  --replay $(REPLAY) --out $(call it,$(1))/logprobs $(FLAGS) >/dev/null
 
 $(call it,$(1))/advantages/_manifest.json: $(call it,$(1))/rewards/_manifest.json
 	$(OMNIRL) advantage --config $(CONFIG) --in $(call it,$(1))/samples --in $(call it,$(1))/rewards \

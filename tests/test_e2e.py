@@ -61,6 +61,17 @@ def test_reward_rises_over_iterations(demo_run: Path) -> None:
     assert steps == ITERATIONS * 8  # 64 samples per iteration in micro-batches of 8
 
 
+def test_the_recipe_skips_the_replay_of_its_in_process_rollouts(demo_run: Path) -> None:
+    """REPLAY=auto (the default): every rollout was drawn in process under the update's weights and
+    numerics, so logprob ran no model and update trained on the rollout's own log-probs."""
+    from stages.shards.manifest import read_manifest
+
+    for k in range(ITERATIONS):
+        extra = read_manifest(demo_run / f"it{k}" / "logprobs").extra
+        assert extra["replayed"] is False and extra["rows_replayed"] == 0, extra
+        assert "diffusers engine" in extra["replay_reason"]
+
+
 def test_report_writes_curve_and_grids(demo_run: Path) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "omnirl_cli", "report", str(demo_run), "--json"],

@@ -352,3 +352,17 @@ def test_snakefile_with_an_accelerate_config_launches_every_gpu_rule_through_it(
         assert resolve_mixed_precision(None) == "bf16"  # logprob replays as update trains: the file's
     assert resolve_strategy("auto", 4) == strategy  # the update's launch environment, set last
     assert launcher_state_dict_type() == ("sharded" if strategy == "fsdp2" else "full")
+
+
+@pytest.mark.skipif(not _snakemake_installed(), reason="snakemake is a dev extra")
+def test_snakefile_runs_the_replay_as_replay_says(tmp_path: Path, clean_env: None) -> None:
+    """replay=auto (default) and yes reach `logprob --replay`; no drops the rule and update's --in."""
+    for config, mode in (((), "auto"), (("replay=yes",), "yes")):
+        commands, _ = _dry_run(tmp_path, *config)
+        argv = commands["logprob"]
+        assert argv[argv.index("--replay") + 1] == mode
+        assert f"{tmp_path / 'run'}/it0/logprobs" in commands["update"]
+    commands, _ = _dry_run(tmp_path, "replay=no")
+    assert "logprob" not in commands
+    assert not any("logprobs" in arg for arg in commands["update"])
+    assert f"{tmp_path / 'run'}/it0/advantages" in commands["update"]

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from ..choices import Dtype
+from ..choices import Dtype, Replay
 from ..config import resolve
 from ..console import emit_json, log
 from ..errors import handle_errors
@@ -65,6 +65,36 @@ def logprob(
         "carry the trainer's numerics)",
         fallback="the rollout's `sample --mixed-precision` (so the replay reproduces the rollout log-probs)",
     ) = None,
+    replay: Annotated[
+        Replay,
+        typer.Option(
+            "--replay",
+            help="yes: always run the model. auto: only when the replay can give other values than the "
+            "rollout's log-probs: a rollout of another engine than the in-process diffusers one (remote, "
+            "vllm-omni, a plugin), other weights (model or adapter digest), another --dtype, "
+            "--mixed-precision or device type, a text rollout, or --reference / --means; otherwise it "
+            "loads no model and writes the sample ids only, as for an ODE rollout, and `update` trains "
+            "on the rollout's own log-probs, the very values the replay would give. The manifest (and "
+            "--json) records replayed and replay_reason either way.",
+        ),
+    ] = "yes",
+    fraction: Annotated[
+        float,
+        typer.Option(
+            "--fraction",
+            min=0.0,
+            max=1.0,
+            help="0 < F ≤ 1: replay round(F·B) (at least one) of the rollout's B sampling batches, drawn "
+            "with --seed; whole batches, so each row is replayed in the batch it was sampled in. A cheap "
+            "health check of every iteration: |Δlogp| vs the rollout (mean, p99, max). Below all batches "
+            "the output holds only those rows (`subset` in its manifest): a check, not the replay, so "
+            "`update` and every other stage refuse it as an --in. Diffusion rollouts; not with --replay auto.",
+        ),
+    ] = 1.0,
+    seed: Annotated[
+        int | None,
+        typer.Option("--seed", help="Seeds --fraction's draw of batches (default: the rollout's --seed)."),
+    ] = None,
     fmt: FormatOpt = "parquet",
     overwrite: OverwriteOpt = False,
     config: ConfigOpt = None,
@@ -74,9 +104,10 @@ def logprob(
     """Recompute the log-prob of every stored step under the given weights; writes old_log_probs.
 
     Uses the rollout's own sampler, CFG and batch size (from the samples manifest), so replaying with
-    the sampling weights reproduces the rollout log-probs; reports mean and max |Δ logp|. A rollout
-    with no stored steps (the ODE sampler, for NFT/AWM) gets a shard set of its sample ids only, so
-    recipes keep one shape for every algorithm.
+    the sampling weights reproduces the rollout log-probs; reports |Δ logp| against them (mean, p99,
+    max). A rollout with no stored steps (the ODE sampler, for NFT/AWM) gets a shard set of its sample
+    ids only, so recipes keep one shape for every algorithm; so does a rollout that --replay auto finds
+    the replay cannot change (`"replayed": false` and the reason, in the manifest and --json).
 
     A VLM rollout (text responses) gets every response token's log-prob (old_log_probs [T]) from one
     forward over prompt + response per sampling batch, and with --reference the base model's
@@ -86,15 +117,20 @@ def logprob(
     so, and reports that output's |Δ logp| (`"skipped": true` with --json).
 
     Example: [bold]omnirl logprob --model models/sd3-tiny --adapter run/it0/policy --in run/it0/samples --out run/it0/logprobs[/]
+
+    Health check: [bold]omnirl logprob --model models/sd3-tiny --in run/it0/samples --fraction 0.1 --out run/it0/replay-check[/]
     """
     c = resolve(ctx, "logprob", required=("model", "out"))
-    from stages.logprob.replay import replay_shard, replay_token_shard
+    from stages.errors import UserInputError
+    from stages.logprob.decide import Numerics, replay_decision
+    from stages.logprob.replay import pick_batches, replay_shard, replay_token_shard
     from stages.models.diffusion import FlowPolicy
     from stages.models.vlm import VLMPolicy
     from stages.precision import autocast, resolve_mixed_precision
     from stages.sample.engines import check_replayable
     from stages.sample.rollout import sample_config_of
     from stages.sample.vlm_stage import vlm_sample_config_of
+    from stages.shards.manifest import SUBSET_KEY
     from stages.shards.reader import rollout_modality
     from stages.shards.writer import ShardSetWriter
 
@@ -104,38 +140,69 @@ def logprob(
     # the option, else the launcher's, else the rollout's: a plain replay reproduces the rollout's numerics
     c["mixed_precision"] = resolve_mixed_precision(c["mixed_precision"], sample_cfg.mixed_precision)
     check_replayable(src.manifests)
+    if c["fraction"] < 1 and (c["replay"] == "auto" or tokens):
+        raise UserInputError(
+            f"--fraction {c['fraction']}: "
+            + (
+                "a check replays whatever --replay auto would decide; drop --replay auto"
+                if c["replay"] == "auto"
+                else "diffusion rollouts only; replay a text rollout whole (drop --fraction)"
+            )
+        )
+    identity = run_config(c)
+    decision = replay_decision(
+        src.manifests,
+        Numerics(
+            identity["model_sha256"],
+            identity.get("adapter_sha256"),
+            c["dtype"],
+            c["mixed_precision"],
+            device().type,
+        ),
+        computes=[
+            flag for flag, asked in (("--reference", c["reference"]), ("--means", c["means"])) if asked
+        ],
+    )
     # an ODE rollout (NFT, AWM) stores no steps: nothing to replay
     stored = tokens or "latents" in src.columns
+    replaying = stored and (c["replay"] == "yes" or decision.needed)
+    subset = None
+    if replaying and c["fraction"] < 1:
+        shard_ids = [src.read_shard(s, ["sample_id"])["sample_id"] for s in range(src.num_shards)]
+        seed = sample_cfg.seed if c["seed"] is None else c["seed"]
+        subset = pick_batches(shard_ids, sample_cfg.batch_size, c["fraction"], seed)
+        subset = subset if len(subset) < src.num_rows else None  # every batch drawn: the full replay
     writer = ShardSetWriter(
         c["out"],
         num_shards=src.num_shards,
         format=check_format(c["fmt"]),
         command="logprob",
-        config=run_config(c),
+        config=identity,
         parents=list(src.paths),
         policy=policy_info(c["model"], c["adapter"]),
         overwrite=c["overwrite"],
+        kinds={"sample_id": "string"},  # a --fraction shard may hold no row
     )
     skipped = writer.complete
     if not skipped:
         loader = VLMPolicy if tokens else FlowPolicy
         policy = (
             loader.load(c["model"], adapter=c["adapter"], device=device(), dtype=c["dtype"])
-            if stored
+            if replaying
             else None
         )
-        found: list[dict] = []  # |Δlogp| stats of each shard replayed here, in order
+        found: list[Any] = []  # flat |Δlogp| of each shard replayed here, in order
 
-        def replay(shard: dict, advance: Any) -> dict:
-            if not stored:
+        def replay_one(shard: dict, advance: Any) -> dict:
+            if not replaying:
                 advance(len(shard["sample_id"]))
                 return {"sample_id": shard["sample_id"]}
             with autocast(c["mixed_precision"], policy.device):
-                cols, stats = replay_stored(shard, advance)
-            found.append(stats)
+                cols, deltas = replay_stored(shard, advance)
+            found.append(deltas)
             return cols
 
-        def replay_stored(shard: dict, advance: Any) -> tuple[dict, dict]:
+        def replay_stored(shard: dict, advance: Any) -> tuple[dict, Any]:
             if tokens:
                 return replay_token_shard(
                     policy,
@@ -153,6 +220,7 @@ def logprob(
                 means=c["means"],
                 where=str(src.paths[0]),
                 on_batch=advance,
+                subset=subset,
             )
 
         if tokens:
@@ -160,12 +228,22 @@ def logprob(
             columns += ["response_ids", "response_mask", "log_probs"]
             # absent in older rollouts
             columns += [name for name in ("messages", "videos", "audios") if name in src.columns]
-        elif stored:
+        elif replaying:
             columns = ["sample_id", "prompt", "negative_prompt", "latents", "sigmas", "log_probs"]
         else:
             columns = ["sample_id"]
-        written = map_shards(src, writer, "replaying", columns, replay, bar=not json_)
-        extra = _delta_summary(dict(zip(written, found, strict=stored)))  # no stats where nothing is stored
+        label = "replaying" if replaying else "listing"
+        written = map_shards(src, writer, label, columns, replay_one, bar=not json_)
+        rows = len(subset) if subset is not None else src.num_rows if replaying else 0
+        extra = {
+            "replayed": replaying,
+            "replay_reason": decision.reason,
+            "rows_replayed": rows,
+            **_delta_summary(dict(zip(written, found, strict=replaying))),
+        }
+        if subset is not None:
+            option = f"--fraction {c['fraction']}"
+            extra[SUBSET_KEY] = {"rows": rows, "of": src.num_rows, "option": option}
     else:
         extra = None
     if not finalize(writer, extra):
@@ -178,28 +256,31 @@ def logprob(
         report_complete(c["out"], json_, result)
     elif json_:
         emit_json({**result, "skipped": False})
+    elif not extra["replayed"]:
+        log(f"[green]no replay[/] → {c['out']} (sample ids only): {extra['replay_reason']}")
     else:
         mean = extra.get("abs_delta_mean")
         log(
-            f"[green]replayed[/] {src.num_rows} samples → {c['out']}"
+            f"[green]replayed[/] {extra['rows_replayed']} of {src.num_rows} samples → {c['out']}"
             + (
-                f"  rollout-vs-replay |Δlogp| mean {mean:.3g}, max {extra['abs_delta_max']:.3g}"
+                f"  rollout-vs-replay |Δlogp| mean {mean:.3g}, p99 {extra['abs_delta_p99']:.3g}, "
+                f"max {extra['abs_delta_max']:.3g}"
                 if mean is not None
                 else ""
             )
         )
 
 
-def _delta_summary(mine: dict[int, dict]) -> dict[str, float | None]:
-    """Rollout-vs-replay |Δlogp| mean and max over every rank's replayed shards (`mine`: this rank's
-    per-shard stats by shard index), summed in shard order as one process sums them, so a launch
-    records the very floats of a single process."""
-    from stages.dist import gather
+def _delta_summary(mine: dict[int, Any]) -> dict[str, float | None]:
+    """Rollout-vs-replay |Δlogp| statistics (`delta_summary`) over every rank's replayed shards (`mine`:
+    this rank's flat |Δlogp| per shard index), joined in shard order as one process joins them, so a
+    launch records the very floats of a single process."""
+    import torch
 
-    per_shard = {s: stats for part in gather(mine) for s, stats in part.items()}
-    total, largest, count = 0.0, 0.0, 0
-    for s in sorted(per_shard):
-        total += per_shard[s]["abs_delta_sum"]
-        largest = max(largest, per_shard[s]["abs_delta_max"])
-        count += per_shard[s]["count"]
-    return {"abs_delta_mean": total / count if count else None, "abs_delta_max": largest if count else None}
+    from stages.dist import gather
+    from stages.logprob.replay import delta_summary
+
+    per_shard = {s: deltas for part in gather(mine) for s, deltas in part.items()}
+    return delta_summary(
+        torch.cat([per_shard[s] for s in sorted(per_shard)]) if per_shard else torch.zeros(0)
+    )

@@ -8,6 +8,9 @@ response token's log-prob; it matches the incremental (KV-cached) rollout to flo
 
 from __future__ import annotations
 
+import math
+import random
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -98,8 +101,11 @@ def replay_shard(
     means: bool = False,
     where: str = "--in",
     on_batch: Any = None,
-) -> tuple[dict[str, Any], dict[str, float]]:
-    """Replay one shard in the sampling batch size; returns its columns and |Δ logp| vs the rollout.
+    subset: set[str] | None = None,
+) -> tuple[dict[str, Any], torch.Tensor]:
+    """Replay one shard in the sampling batch size; returns its columns and the |Δ logp| vs the
+    rollout of every replayed step, flat. With `subset` (sample ids, whole sampling batches:
+    `pick_batches`), only the batches it holds are replayed and returned.
 
     Non-finite stored values (`where` names the input) or replayed values stop it, naming the sample.
     """
@@ -107,29 +113,69 @@ def replay_shard(
 
     ids = list(shard["sample_id"])
     check_finite(shard, ids, where=where, hint=CORRUPT)
-    n = len(ids)
-    parts = []
-    for start in range(0, n, cfg.batch_size):
-        part = slice_batch(shard, start, min(n, start + cfg.batch_size))
+    parts, rollout = [], []
+    for start, stop in batch_bounds(len(ids), cfg.batch_size):
+        if subset is not None and ids[start] not in subset:
+            continue
+        part = slice_batch(shard, start, stop)
         parts.append(replay_batch(policy, cfg, part, reference=reference, means=means))
+        rollout.append(part["log_probs"])
         if on_batch:
-            on_batch(len(part["sample_id"]))
+            on_batch(stop - start)
+    if not parts:  # a shard none of whose batches a --fraction replay drew: its columns, no rows
+        steps = shard["latents"][:0, 1:].float()
+        empty = {"sample_id": [], "old_log_probs": shard["log_probs"][:0].float()}
+        empty.update(
+            {name: steps for name, asked in (("ref_means", reference), ("old_means", means)) if asked}
+        )
+        return empty, torch.zeros(0)
     cols = concat_batches(parts)
-    check_finite(cols, ids, where="logprob", hint=MODEL_HINT)
-    return cols, delta_stats(cols["old_log_probs"], shard["log_probs"])
+    check_finite(cols, cols["sample_id"], where="logprob", hint=MODEL_HINT)
+    return cols, abs_deltas(cols["old_log_probs"], torch.cat(rollout))
 
 
-def delta_stats(
+def batch_bounds(rows: int, batch_size: int) -> list[tuple[int, int]]:
+    """(start, stop) of the sampling batches of a shard of `rows` rows: `sample` rolls a shard out in
+    batches of `batch_size` from its first row, and the replay takes the same ones."""
+    return [(start, min(rows, start + batch_size)) for start in range(0, rows, batch_size)]
+
+
+def pick_batches(shard_ids: Sequence[Sequence[str]], batch_size: int, fraction: float, seed: int) -> set[str]:
+    """The sample ids a `logprob --fraction` replay takes: round(fraction × B) (at least one) of the
+    rollout's B sampling batches, drawn with `seed` over all shards. Whole batches, so each row is
+    replayed in the batch it was sampled in, as a full replay does (a batch's forward and its prompt
+    encoding depend on the batch: another grouping would differ by float rounding).
+
+    `shard_ids`: the sample ids of every shard, in order."""
+    from stages.errors import UserInputError
+
+    if not 0 < fraction <= 1:
+        raise UserInputError(f"--fraction {fraction}: must lie in (0, 1]")
+    batches = [ids[a:b] for ids in shard_ids for a, b in batch_bounds(len(ids), batch_size)]
+    k = max(1, round(fraction * len(batches)))
+    return {sid for i in random.Random(seed).sample(range(len(batches)), k) for sid in batches[i]}
+
+
+def abs_deltas(
     replayed: torch.Tensor, rollout: torch.Tensor, valid: torch.Tensor | None = None
-) -> dict[str, float]:
-    """Sum, max and count of |replayed − rollout| log-probs (over `valid` entries when given)."""
-    delta = (replayed - rollout.float()).abs()
-    if valid is not None:
-        delta = delta[valid]
+) -> torch.Tensor:
+    """|replayed − rollout| log-probs, flat (only the `valid` entries when given)."""
+    delta = (replayed.float() - rollout.float()).abs()
+    return (delta[valid] if valid is not None else delta).flatten()
+
+
+def delta_summary(deltas: torch.Tensor) -> dict[str, float | None]:
+    """Mean, max and 99th percentile (nearest rank) of the |Δ logp| entries, and their count; None
+    for each statistic when there are none."""
+    n = deltas.numel()
+    if not n:
+        return {"abs_delta_mean": None, "abs_delta_max": None, "abs_delta_p99": None, "abs_delta_count": 0}
+    ordered = deltas.double().sort().values
     return {
-        "abs_delta_sum": float(delta.sum()),
-        "abs_delta_max": float(delta.max()) if delta.numel() else 0.0,
-        "count": delta.numel(),
+        "abs_delta_mean": float(ordered.mean()),
+        "abs_delta_max": float(ordered[-1]),
+        "abs_delta_p99": float(ordered[math.ceil(0.99 * n) - 1]),
+        "abs_delta_count": n,
     }
 
 
@@ -142,12 +188,12 @@ def replay_token_shard(
     reference: bool = False,
     where: str = "--in",
     on_batch: Any = None,
-) -> tuple[dict[str, Any], dict[str, float]]:
+) -> tuple[dict[str, Any], torch.Tensor]:
     """Token log-probs [N, T] of a text rollout's responses under `policy` (0 at padding).
 
     Replays in the sampling batches (whole groups, `prompts_per_call` per batch), so under the
     sampling weights the prompts are padded as in the rollout. With `reference`, also the frozen base
-    model's `ref_log_probs` [N, T] (KL). Stats compare with the rollout log-probs on valid tokens.
+    model's `ref_log_probs` [N, T] (KL). Also returns |Δ logp| vs the rollout on the valid tokens, flat.
     """
     from stages.sample.vlm_stage import prompt_inputs, response_batch, row_media, row_prompts, token_column
     from stages.shards.reader import concat_batches, slice_batch
@@ -181,4 +227,4 @@ def replay_token_shard(
             on_batch(stop - start)
     cols = concat_batches(parts)
     check_finite(cols, cols["sample_id"], where="logprob", hint=MODEL_HINT)
-    return cols, delta_stats(cols["old_log_probs"], shard["log_probs"], shard["response_mask"].bool())
+    return cols, abs_deltas(cols["old_log_probs"], shard["log_probs"], shard["response_mask"].bool())

@@ -24,6 +24,9 @@ FORMATS = ("parquet", "webdataset")
 # What a rollout's manifest `extra` says about it (its model family and output modality); every set
 # derived from it inherits them.
 ROLLOUT_KEYS = ("family", "modality")
+# The `extra` key of a shard set holding only some of its rollout's rows (`logprob --fraction`: a
+# check), {"rows": kept, "of": the rollout's rows, "option": what made it so}: never a column group.
+SUBSET_KEY = "subset"
 
 
 @dataclass

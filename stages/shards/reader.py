@@ -20,7 +20,7 @@ import torch
 
 from stages.errors import CorruptShardError, UserInputError
 from stages.shards.formats import codec
-from stages.shards.manifest import MANIFEST_NAME, Manifest, manifest_sha256, read_manifest
+from stages.shards.manifest import MANIFEST_NAME, SUBSET_KEY, Manifest, manifest_sha256, read_manifest
 from stages.shards.schema import Batch, Column
 
 KEY_COLUMN = "sample_id"
@@ -272,13 +272,21 @@ class ZippedShardSets:
 
     They must come from one rollout (`_check_one_rollout`), have the same shard count and rows per
     shard, no column in common except `sample_id`, and equal `sample_id` values wherever two of them
-    carry it.
+    carry it; a set of only some of the rollout's rows (`SUBSET_KEY`) is refused.
     """
 
     def __init__(self, sets: Sequence[ShardSet]) -> None:
         if not sets:
             raise UserInputError("no input shard set given; pass at least one --in")
         self.sets = list(sets)
+        for s in self.sets:
+            subset = (s.manifest.extra or {}).get(SUBSET_KEY)
+            if subset:
+                raise UserInputError(
+                    f"{s.path} holds {subset['rows']} of its rollout's {subset['of']} rows (`omnirl "
+                    f"{s.manifest.command} {subset['option']}`, a check): no stage reads it as a column "
+                    f"group; drop it from --in, or write one without {subset['option'].split()[0]}"
+                )
         _check_one_rollout(self.sets)
         first = self.sets[0]
         for s in self.sets[1:]:

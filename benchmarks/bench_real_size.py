@@ -35,7 +35,7 @@ note, once the budget is spent, and an online stage also when less is left than 
 took. An out-of-memory stage is recorded as such and the rest skipped.
 
 Without an accelerator it rehearses on the CPU with `--size small` in fp32 at the size's own resolution
-(128 px), through the same functions; `--smoke` takes `tiny`, 2 samples of 5 steps.
+(128 px) and 4 samples per prompt, through the same functions; `--smoke` takes `tiny`, 2 samples of 5 steps.
 
     python benchmarks/bench_real_size.py [--size full] [--num-prompts 1] [--micro-batch 1] [--budget-s 420]
 """
@@ -94,32 +94,44 @@ class Stages:
         self.notes: list[str] = []
         self.stopped = False  # after an out-of-memory stage nothing else runs
 
-    def run(self, path: str, stage: str, fn: Callable[[], Any], *, need: float = 0.0) -> Any:
-        """`fn()` timed as `path`/`stage`, or None (with a note) when it is skipped: the budget has fewer
-        than `need` seconds left (or none), or an earlier stage ran out of memory."""
+    def run(self, path: str, stage: str, fn: Callable[[], None], *, need: float = 0.0) -> bool:
+        """`fn()` timed as `path`/`stage`; False (with a note) when it did not run to its end: the budget
+        has fewer than `need` seconds left (or none), an earlier stage ran out of memory, or this one did."""
         left = self.budget.left()
         if self.stopped or left <= need:
             why = "an earlier stage ran out of memory" if self.stopped else f"{left:.0f} s of the budget left"
             self.note(f"skipped {path} {stage}: {why}")
-            return None
+            return False
         synchronize()
         reset_peak_memory()
         t0 = time.perf_counter()
         try:
-            out = fn()
+            fn()
             synchronize()
         except torch.OutOfMemoryError as error:
             self.stopped = True
             self.note(f"{path} {stage} ran out of memory: {str(error).splitlines()[0]}")
             self.rows.append({"path": path, "stage": stage, "seconds": None, "peak_GiB": _gib(peak_memory())})
-            return None
+            return False
         seconds = time.perf_counter() - t0
         self.rows.append({"path": path, "stage": stage, "seconds": seconds, "peak_GiB": _gib(peak_memory())})
         print(
             f"[bench-gpu] {path} {stage}: {seconds:.1f} s, peak {self.rows[-1]['peak_GiB']} GiB",
             file=sys.stderr,
+            flush=True,
         )
-        return out
+        return True
+
+    def run_path(
+        self, path: str, steps: list[tuple[str, Callable[[], None]]], need: Callable[[str], float]
+    ) -> None:
+        """Each stage of `path` in order (`need(stage)`: seconds it must have left); after one that did
+        not run, the rest, which read its output, are skipped."""
+        for i, (stage, fn) in enumerate(steps):
+            if not self.run(path, stage, fn, need=need(stage)):
+                for later, _ in steps[i + 1 :]:
+                    self.note(f"skipped {path} {later}: it reads the output of {path} {stage}")
+                return
 
     def note(self, text: str) -> None:
         self.notes.append(text)
@@ -278,13 +290,8 @@ def staged_iteration(
             policy, adapter, trainer_state(par, optimizer, ema, old, scaler), metrics, step, ucfg, extra={}
         )
 
-    for name, fn in (
-        ("sample", sample),
-        ("score", score),
-        ("advantage", advantage_stage),
-        ("update", update),
-    ):
-        stages.run("staged", name, fn)
+    steps = [("sample", sample), ("score", score), ("advantage", advantage_stage), ("update", update)]
+    stages.run_path("staged", steps, lambda _: 0.0)
 
 
 def online_iteration(
@@ -368,14 +375,9 @@ def online_iteration(
             extra={"online_iteration": k + 1, "max_staleness": cfg.max_staleness},
         )
 
-    for name, fn in (
-        ("sample", sample),
-        ("score", score),
-        ("advantage", advantage_stage),
-        ("update", update),
-    ):
-        # an online stage starts only when at least the time the same staged stage took is left
-        stages.run("online", name, fn, need=stages.seconds("staged", name) or 0.0)
+    steps = [("sample", sample), ("score", score), ("advantage", advantage_stage), ("update", update)]
+    # an online stage starts only when at least the time the same staged stage took is left
+    stages.run_path("online", steps, lambda name: stages.seconds("staged", name) or 0.0)
 
 
 def memory_plan(size: str, scfg: Any, ucfg: Any, dtype: str) -> dict[str, Any]:
@@ -410,7 +412,12 @@ def main() -> None:
     ap.add_argument(
         "--num-prompts", type=int, default=1, help="prompts per iteration (verl-omni: 32 on 4 GPUs)"
     )
-    ap.add_argument("--group-size", type=int, default=16, help="samples per prompt (the preset's 16)")
+    ap.add_argument(
+        "--group-size",
+        type=int,
+        default=16 if on_accelerator else 4,
+        help="samples per prompt (the preset's 16; CPU rehearsal: 4)",
+    )
     ap.add_argument("--batch-size", type=int, default=None, help="sampling batch (default: the preset's 8)")
     ap.add_argument("--micro-batch", type=int, default=1, help="samples per training forward")
     ap.add_argument("--seed", type=int, default=0)
@@ -444,21 +451,26 @@ def main() -> None:
     stages = Stages(Budget(args.budget_s))
     with tempfile.TemporaryDirectory(dir=args.tmp, prefix="omnirl-bench-real-") as tmp_name:
         scratch = Path(tmp_name)
-        policy = stages.run(
-            "setup", "build", lambda: build_policy(args.size, args.seed, device, args.dtype, ucfg, scratch)
-        )
-        if policy is not None:
-            stages.run("setup", "warm-up", lambda: warm_up(policy, scfg))
+        built: dict[str, Any] = {}
+
+        def build() -> None:
+            built["policy"] = build_policy(args.size, args.seed, device, args.dtype, ucfg, scratch)
+
+        if stages.run("setup", "build", build) and stages.run(
+            "setup", "warm-up", lambda: warm_up(built["policy"], scfg)
+        ):
+            policy = built["policy"]
             staged_iteration(
                 stages, policy, scfg, ucfg, advantage, prompts, args.group_size, scratch / "staged"
             )
             online_iteration(stages, policy, scfg, ucfg, advantage, prompts, args, scratch / "online")
+        built.clear()
     planned = memory_plan(args.size, scfg, ucfg, args.dtype)
     plan_gib = {name: round(stage["total"] / GIB, 2) for name, stage in planned["stages"].items()}
     for row in stages.rows:
         column = {"sample": "sample", "update": "update"}.get(row["stage"])
         row["plan_GiB"] = plan_gib[column] if column and row["path"] != "setup" else None
-        if row["plan_GiB"] and row["peak_GiB"]:
+        if on_accelerator and row["plan_GiB"] and row["peak_GiB"]:  # a CPU's process peak is no device figure
             row["peak ÷ plan"] = row["peak_GiB"] / row["plan_GiB"]
     iterations: dict[str, Any] = {}
     for path in ("staged", "online"):

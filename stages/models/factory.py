@@ -11,7 +11,8 @@ import diffusers. A builder is `builder(out_dir, *, size, seed) -> dict`, raises
 a size it does not know, and ends with `finish_model_dir`. Beside each `build_X` its module has
 `make_X(size, seed)`, the construction without saving (the diffusers pipeline, or the transformers
 model): under `torch.device("meta")` it gives the architecture of any size, even a published one too
-large for this machine, without memory (`make_model`, which `omnirl plan` reads).
+large for this machine, without memory (`make_model`, which `omnirl plan` reads); `make_model_on` constructs
+it directly on an accelerator instead, for benchmarks that never write its weights.
 
 Sizes: "tiny" (tests), "small" (benchmarks), and each family's published sizes with the real widths,
 depths and vocabularies, "full" naming its flagship (Qwen-Image 20B, FLUX.1-dev, Wan 2.1 T2V 14B, SD3.5

@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 RUN    ?= runs/demo
 
-.PHONY: FORCE install test test-fast test-gpu lint format demo demo-online demo-model demo-jpeg demo-vlm demo-omni bench clean
+.PHONY: FORCE install test test-fast test-gpu lint format demo demo-online demo-model demo-jpeg demo-vlm demo-omni bench bench-gpu clean
 
 install: $(STAMP)
 
@@ -158,6 +158,11 @@ demo-omni: install
 
 bench: install
 	$(PY) benchmarks/run_all.py
+
+# Full-size Qwen-Image (random weights, built on the accelerator) at verl-omni's recipe shape, within 8
+# minutes; without an accelerator, the CPU rehearsal at --size small (docs/real-checkpoints.md).
+bench-gpu: install
+	$(PY) benchmarks/bench_real_size.py
 
 clean:
 	rm -rf runs .pytest_cache

@@ -7,6 +7,7 @@ Each benchmark writes `benchmarks/results/<name>.json` and the markdown summary
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -53,6 +54,42 @@ def best_of(fn: Callable[[], Any], repeats: int = 3) -> float:
     return min(times)
 
 
+def synchronize() -> None:
+    """Wait for the accelerator's queued work (`torch.accelerator`), so a clock read after it counts it."""
+    import torch
+
+    if torch.accelerator.is_available():
+        torch.accelerator.synchronize()
+
+
+def reset_peak_memory() -> None:
+    """Start a new memory peak: the accelerator allocator's (`torch.accelerator`), else this process's
+    peak resident set (Linux VmHWM, reset by writing 5 to /proc/self/clear_refs; where that is refused
+    the peak keeps counting from the start of the process)."""
+    import torch
+
+    if torch.accelerator.is_available():
+        torch.accelerator.reset_peak_memory_stats()
+        return
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+
+
+def peak_memory() -> int | None:
+    """Bytes at the memory peak since `reset_peak_memory`: allocated on the accelerator, else the
+    process's peak resident set (VmHWM); None where neither is known."""
+    import torch
+
+    if torch.accelerator.is_available():
+        return int(torch.accelerator.max_memory_allocated())
+    status = Path("/proc/self/status")
+    if status.is_file():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
 def machine() -> dict:
     """Where the numbers were measured."""
     import torch
@@ -71,7 +108,8 @@ def _cell(v: Any) -> str:
     return str(v)
 
 
-def _table(rows: list[dict]) -> list[str]:
+def markdown_table(rows: list[dict]) -> list[str]:
+    """`rows` as a markdown table, one column per key in order of first appearance."""
     if not rows:
         return ["(no rows)"]
     keys = list(dict.fromkeys(k for r in rows for k in r))
@@ -95,7 +133,7 @@ def write_readme(results_dir: Path = RESULTS_DIR) -> Path:
             f"Measured {res['created']} on {res['machine']['platform']} ({res['machine']['cpus']} CPUs).",
             "",
         ]
-        lines += [*_table(res.get("table", [])), ""]
+        lines += [*markdown_table(res.get("table", [])), ""]
     readme = results_dir / "README.md"
     readme.write_text("\n".join(lines))
     return readme

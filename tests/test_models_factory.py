@@ -20,6 +20,8 @@ from stages.models.factory import (
     component_seed,
     folder_bytes,
     init_model,
+    make_model,
+    make_model_on,
     read_model_card,
     seeded,
 )
@@ -270,6 +272,36 @@ def test_seeded_builds_are_independent_of_and_invisible_to_the_global_rng() -> N
     assert component_seed(0, "transformer") != component_seed(0, "vae")
     assert component_seed(0, "vae") != component_seed(1, "vae")
     assert 0 <= component_seed(2**62, "vae") < 2**63
+
+
+def test_a_model_made_on_a_device_is_seeded_frozen_and_has_the_meta_builds_parameters() -> None:
+    """`make_model_on` (bench_real_size's on-device build): the factory's seeded weights, cast and frozen,
+    with every tensor on the device, RoPE tables included, and the meta build's parameter counts."""
+    built = make_model_on("qwen_image", "tiny", 0, "cpu", torch.bfloat16)
+    again = make_model_on("qwen_image", "tiny", 0, "cpu", torch.bfloat16)
+    other = make_model_on("qwen_image", "tiny", 1, "cpu", torch.bfloat16)
+    plain = make_model("qwen_image", "tiny", 0)
+    with torch.device("meta"):
+        meta = make_model("qwen_image", "tiny", 0)
+    for name in ("text_encoder", "transformer", "vae"):
+        module = getattr(built, name)
+        assert sum(p.numel() for p in module.parameters()) == sum(
+            p.numel() for p in getattr(meta, name).parameters()
+        )
+        assert {p.dtype for p in module.parameters()} == {torch.bfloat16}
+        assert not any(p.requires_grad for p in module.parameters()) and not module.training
+        state, twin, own = (
+            module.state_dict(),
+            getattr(again, name).state_dict(),
+            getattr(plain, name).state_dict(),
+        )
+        assert all(torch.equal(state[k], twin[k]) for k in state)
+        assert all(torch.equal(state[k], own[k].to(state[k].dtype)) for k in state)
+        assert all(t.device.type == "cpu" for t in state.values())
+    theirs = other.transformer.state_dict()
+    assert not torch.equal(built.transformer.state_dict()["proj_out.weight"], theirs["proj_out.weight"])
+    rope = built.transformer.pos_embed.pos_freqs  # computed by the constructor, not a weight
+    assert rope.device.type == "cpu" and torch.equal(rope, plain.transformer.pos_embed.pos_freqs)
 
 
 @pytest.mark.parametrize("size", sorted(SIZES))

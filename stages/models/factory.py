@@ -11,7 +11,8 @@ import diffusers. A builder is `builder(out_dir, *, size, seed) -> dict`, raises
 a size it does not know, and ends with `finish_model_dir`. Beside each `build_X` its module has
 `make_X(size, seed)`, the construction without saving (the diffusers pipeline, or the transformers
 model): under `torch.device("meta")` it gives the architecture of any size, even a published one too
-large for this machine, without memory (`make_model`, which `omnirl plan` reads).
+large for this machine, without memory (`make_model`, which `omnirl plan` reads); `make_model_on` constructs
+it directly on an accelerator instead, for benchmarks that never write its weights.
 
 Sizes: "tiny" (tests), "small" (benchmarks), and each family's published sizes with the real widths,
 depths and vocabularies, "full" naming its flagship (Qwen-Image 20B, FLUX.1-dev, Wan 2.1 T2V 14B, SD3.5
@@ -89,6 +90,24 @@ def make_model(family: str, size: str, seed: int = 0) -> Any:
     module_name, attribute = FAMILIES[family].split(":")
     make = getattr(importlib.import_module(module_name), "make_" + attribute.removeprefix("build_"))
     return make(size=size, seed=seed)
+
+
+def make_model_on(family: str, size: str, seed: int, device: torch.device | str, dtype: torch.dtype) -> Any:
+    """`make_model` constructed directly on `device` (no host copy, no disk), each module component then
+    cast to `dtype`, frozen and in eval mode, as `FlowPolicy.load` leaves a loaded pipeline.
+
+    Constructed, not built on the meta device and materialised with `to_empty`: the constructors compute
+    tables that are no weights (RoPE frequencies as buffers or plain tensor attributes) and would be left
+    empty. The initialisers run on `device` under the factory's per-component seeds, so the same
+    (family, size, seed, device) gives the same weights. Peak memory: the components in fp32 until cast
+    (Qwen-Image full: 115 GB, then 57 GB in bf16)."""
+    with torch.device(device):
+        model = make_model(family, size, seed)
+    modules = model.components.values() if hasattr(model, "components") else [model]
+    for module in modules:
+        if isinstance(module, torch.nn.Module):
+            module.to(dtype=dtype).requires_grad_(False).eval()
+    return model
 
 
 def choose_size(family: str, size: str, sizes: Mapping[str, Any]) -> Any:

@@ -27,7 +27,7 @@ REPLAY_MODES = ("auto", "yes")  # `logprob --replay`: only when it can differ, o
 @dataclass(frozen=True)
 class Numerics:
     """What fixes the floats of a diffusion forward: the weights (content digests; adapter None for
-    the base model), their dtype, the autocast mode and the device type (cpu, cuda, ...)."""
+    the base model), their dtype, the autocast mode and the device type (cpu or an accelerator's)."""
 
     model_sha256: str
     adapter_sha256: str | None

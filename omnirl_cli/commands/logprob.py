@@ -23,7 +23,16 @@ from ..options import (
     mixed_precision_opt,
     model_opt,
 )
-from ..runtime import check_format, device, finalize, map_shards, open_inputs, policy_info, run_config
+from ..runtime import (
+    check_format,
+    device,
+    finalize,
+    loaded,
+    map_shards,
+    open_inputs,
+    policy_info,
+    run_config,
+)
 
 
 @handle_errors
@@ -105,12 +114,18 @@ def logprob(
         overwrite=c["overwrite"],
     )
     if not writer.complete:
-        loader = VLMPolicy if tokens else FlowPolicy
-        policy = (
-            loader.load(c["model"], adapter=c["adapter"], device=device(), dtype=c["dtype"])
-            if stored
-            else None
-        )
+        policy: Any = None
+        if stored and tokens:
+            policy = VLMPolicy.load(c["model"], adapter=c["adapter"], device=device(), dtype=c["dtype"])
+        elif stored:  # no VAE, and no text encoder when the rollout stores its conditioning
+            policy = FlowPolicy.for_rollout(
+                c["model"],
+                src,
+                sample_cfg.max_sequence_length,
+                adapter=c["adapter"],
+                device=device(),
+                dtype=c["dtype"],
+            )
         found: list[dict] = []  # |Δlogp| stats of each shard replayed here, in order
 
         def replay(shard: dict, advance: Any) -> dict:
@@ -154,13 +169,13 @@ def logprob(
         written = map_shards(src, writer, "replaying", columns, replay, bar=not json_)
         extra = _delta_summary(dict(zip(written, found, strict=stored)))  # no stats where nothing is stored
     else:
-        extra = None
+        extra, policy = None, None
     if not finalize(writer, extra):
         return
     from stages.shards.manifest import read_manifest
 
     extra = read_manifest(c["out"]).extra
-    result = {"out": str(c["out"]), "rows": src.num_rows, **extra}
+    result = {"out": str(c["out"]), "rows": src.num_rows, **extra, **loaded(policy)}
     if json_:
         emit_json(result)
     else:

@@ -78,6 +78,10 @@ def logprob(
     with no stored steps (the ODE sampler, for NFT/AWM) gets a shard set of its sample ids only, so
     recipes keep one shape for every algorithm.
 
+    A diffusion replay loads no VAE, and no text encoder or tokenizer when the rollout stores its prompt
+    conditioning (`sample` does): --json lists loaded_components; conditioning of another text encoder is
+    refused (docs/real-checkpoints.md, "What each stage loads").
+
     A VLM rollout (text responses) gets every response token's log-prob (old_log_probs [T]) from one
     forward over prompt + response per sampling batch, and with --reference the base model's
     ref_log_probs [T].

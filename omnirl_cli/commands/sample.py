@@ -422,6 +422,10 @@ def sample(
     Each sample has its own seed, so a sample never depends on the batch size. A re-run skips shards
     that are complete and verified.
 
+    The in-process engine also stores each unique prompt's text conditioning once per shard
+    (conditioning-*.safetensors, listed in the manifest), so `logprob` and `update` load no text encoder
+    (docs/real-checkpoints.md, "What each stage loads").
+
     With a vision-language --model (Qwen2.5-VL), GROUP text responses per (images, question) row of a
     verl/EasyR1 table: prompt and response token ids, response text, rollout log-probs, images once per
     prompt; the diffusion options (--steps, --guidance, the sampler, video) are refused, as the

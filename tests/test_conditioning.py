@@ -186,3 +186,31 @@ def test_a_corrupt_conditioning_file_is_one_line(rollout: dict, tmp_path: Path) 
         "conditioning-00001-of-00002.safetensors",
         "sha256",
     )
+
+
+def test_the_online_trainer_takes_the_samplers_conditioning(
+    staged: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`online` with the in-process sampler: the driver (the trainer) loads no text encoder or VAE and
+    trains on the conditioning the sampler worker hands over; the run is the staged one's (tests/test_online.py
+    holds the numbers)."""
+    preset = tmp_path / "preset.yaml"
+    preset.write_text(
+        "sample:\n  steps: 2\n  guidance: 1.0\n  resolution: 32\n  group_size: 2\n  batch_size: 3\n"
+        "update:\n  algo: flow_grpo\n  lora_rank: 4\n  lora_alpha: 8\n"
+    )
+    loaded: list[FlowPolicy] = []
+    load = FlowPolicy.load.__func__  # the driver loads here; the sampler worker is another process
+
+    def recording(cls: type[FlowPolicy], *args: object, **kwargs: object) -> FlowPolicy:
+        loaded.append(load(cls, *args, **kwargs))
+        return loaded[-1]
+
+    monkeypatch.setattr(FlowPolicy, "load", classmethod(recording))
+    run(
+        "online", "--config", str(preset), "--model", str(staged["model"]), "--prompts", str(staged["prompts"]),
+        "--reward", "jpeg_compressibility", "--iterations", "1", "--out", str(tmp_path / "online"),
+    )  # fmt: skip
+    (driver,) = loaded
+    assert driver.loaded_components == ["scheduler", "transformer"]
+    assert {p for p, _, _ in driver._prompt_cache} == set(PROMPTS)  # every trained prompt, from the sampler

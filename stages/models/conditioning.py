@@ -63,13 +63,12 @@ def conditioning_file(shard: int, num_shards: int) -> str:
     return f"conditioning-{shard:05d}-of-{num_shards:05d}.safetensors"
 
 
-def write_conditioning(path: Path, entries: Entries, run: str) -> None:
-    """Write `entries` to `path` atomically as safetensors: tensor `<i>.<pos|neg>.<name>`, and in the
-    metadata each entry's key and branch names (a branch may be empty: FLUX.1 has no negative) and `run`
-    (the writing run's fingerprint, so a file left by another run is never listed)."""
+def to_bytes(entries: Entries, run: str = "") -> bytes:
+    """`entries` as the bytes of a safetensors file: tensor `<i>.<pos|neg>.<name>`, and in the metadata
+    each entry's key and branch names (a branch may be empty: FLUX.1 has no negative) and `run` (the
+    writing run's fingerprint, so a file left by another run is never listed). Also how `online`'s
+    sampler hands its conditioning to the trainer."""
     from safetensors.torch import save
-
-    from stages.shards.atomic import atomic_write_bytes
 
     tensors: dict[str, torch.Tensor] = {}
     listed = []
@@ -80,7 +79,30 @@ def write_conditioning(path: Path, entries: Entries, run: str) -> None:
             for name, value in values.items():
                 tensors[f"{i}.{branch}.{name}"] = value.detach().to("cpu").contiguous()
         listed.append({"prompt": prompt, "negative": negative, "max_sequence_length": length, "names": names})
-    atomic_write_bytes(path, save(tensors, metadata={"entries": json.dumps(listed), "run": run}))
+    return save(tensors, metadata={"entries": json.dumps(listed), "run": run})
+
+
+def from_bytes(data: bytes) -> Entries:
+    """The entries of `to_bytes`'s output."""
+    from safetensors.torch import load
+
+    tensors = load(data)
+    entries: Entries = {}
+    for i, entry in enumerate(json.loads(_metadata(data)["entries"])):
+        key = (entry["prompt"], entry["negative"], int(entry["max_sequence_length"]))
+        pos, neg = (
+            {name: tensors[f"{i}.{branch}.{name}"] for name in names}
+            for branch, names in zip(("pos", "neg"), entry["names"], strict=True)
+        )
+        entries[key] = (pos, neg)
+    return entries
+
+
+def write_conditioning(path: Path, entries: Entries, run: str) -> None:
+    """Write `entries` of run `run` to `path` atomically (`to_bytes`)."""
+    from stages.shards.atomic import atomic_write_bytes
+
+    atomic_write_bytes(path, to_bytes(entries, run))
 
 
 def _metadata(data: bytes) -> dict[str, str]:
@@ -128,8 +150,6 @@ def stored_conditioning(
     stored at another --dtype (re-encoding gives today's numbers). A stored conditioning of another
     pipeline, text encoder, tokenizer or max length is a one-line UserInputError naming both; a file that
     does not match the manifest's sha256 is one too."""
-    from safetensors.torch import load
-
     found = next(
         (
             (Path(p), m.extra[CONDITIONING])
@@ -166,12 +186,5 @@ def stored_conditioning(
                 f"--in {folder}: {path.name} is missing or does not match its manifest sha256; sample the "
                 "rollout again into a new --out"
             )
-        tensors = load(data)
-        for i, entry in enumerate(json.loads(_metadata(data)["entries"])):
-            key = (entry["prompt"], entry["negative"], int(entry["max_sequence_length"]))
-            branches = tuple(
-                {name: tensors[f"{i}.{branch}.{name}"] for name in names}
-                for branch, names in zip(("pos", "neg"), entry["names"], strict=True)
-            )
-            entries[key] = branches  # type: ignore[assignment]
+        entries.update(from_bytes(data))
     return entries, "stored"

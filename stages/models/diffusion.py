@@ -456,6 +456,15 @@ class FlowPolicy:
         policy.conditioning_source = source
         return policy
 
+    def add_conditioning(self, entries: Entries) -> None:
+        """Add prompt conditioning to what a policy loaded with `conditioning` takes prompts from (how
+        `online`'s trainer receives it from its sampler, iteration by iteration)."""
+        if self._stored is None:
+            raise ValueError(
+                "add_conditioning: this policy encodes its prompts (it was loaded with text encoders)"
+            )
+        self._stored.update(entries)
+
     @property
     def loaded_components(self) -> list[str]:
         """The pipeline components actually instantiated (not None), sorted: what this policy holds."""

@@ -214,3 +214,20 @@ def test_the_online_trainer_takes_the_samplers_conditioning(
     (driver,) = loaded
     assert driver.loaded_components == ["scheduler", "transformer"]
     assert {p for p, _, _ in driver._prompt_cache} == set(PROMPTS)  # every trained prompt, from the sampler
+
+
+@pytest.mark.parametrize("rollout", ["sd3"], indirect=True)
+def test_a_shard_without_its_runs_file_stores_none(rollout: dict, tmp_path: Path) -> None:
+    """A rollout whose shard has no conditioning file of this very run (resumed from a run that stored
+    none, or a file another run left) lists none: it is encoded downstream, never mixed."""
+    from stages.models.conditioning import _metadata, conditioning_record
+
+    record = ShardSet(rollout["samples"]).manifest.extra[CONDITIONING]
+    identity = record["identity"]
+    copy = tmp_path / "copy"
+    shutil.copytree(rollout["samples"], copy)
+    run_id = _metadata((copy / record["files"][0]["file"]).read_bytes())["run"]
+    assert conditioning_record(copy, 2, run_id, identity) == {CONDITIONING: record}
+    assert conditioning_record(copy, 2, "another run", identity) is None
+    (copy / record["files"][1]["file"]).unlink()
+    assert conditioning_record(copy, 2, run_id, identity) is None

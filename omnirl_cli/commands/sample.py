@@ -505,7 +505,7 @@ def sample(
         def with_modality(columns: list) -> dict:
             # the prompt conditioning each shard stored (an engine that returns none stores nothing)
             identity = encoder_identity(c["model"], c["dtype"], cfg.max_sequence_length)
-            stored = conditioning_record(writer.out_dir, writer.num_shards, writer.fingerprint, identity)
+            stored = conditioning_record(writer.out_dir, writer.num_shards, writer.content_id, identity)
             return {"modality": output_modality([col.kind for col in columns]), **extra, **(stored or {})}
 
         _run(c, json_, writer, len(picked), "images", with_modality, partial(run_sample, engine, cfg, picked))

@@ -24,6 +24,7 @@ import torch
 from stages.errors import UserInputError
 
 CONDITIONING = "conditioning"  # the rollout manifest's extra key
+METADATA = "omnirl_conditioning"  # the safetensors metadata key of a conditioning file's entries and run
 # model_index.json components that turn prompts into conditioning (SD3: text_encoder_3, tokenizer_3, ...)
 TEXT_PREFIXES = ("text_encoder", "tokenizer")
 # (prompt, negative prompt, max sequence length): the key `FlowPolicy.encode` caches a prompt under
@@ -66,7 +67,7 @@ def conditioning_file(shard: int, num_shards: int) -> str:
 def to_bytes(entries: Entries, run: str = "") -> bytes:
     """`entries` as the bytes of a safetensors file: tensor `<i>.<pos|neg>.<name>`, and in the metadata
     each entry's key and branch names (a branch may be empty: FLUX.1 has no negative) and `run` (the
-    writing run's fingerprint, so a file left by another run is never listed). Also how `online`'s
+    writing run's content id, so a file left by another run is never listed). Also how `online`'s
     sampler hands its conditioning to the trainer."""
     from safetensors.torch import save
 
@@ -79,7 +80,8 @@ def to_bytes(entries: Entries, run: str = "") -> bytes:
             for name, value in values.items():
                 tensors[f"{i}.{branch}.{name}"] = value.detach().to("cpu").contiguous()
         listed.append({"prompt": prompt, "negative": negative, "max_sequence_length": length, "names": names})
-    return save(tensors, metadata={"entries": json.dumps(listed), "run": run})
+    # one metadata key: safetensors writes several in a random order, and equal runs give equal bytes
+    return save(tensors, metadata={METADATA: json.dumps({"entries": listed, "run": run}, sort_keys=True)})
 
 
 def from_bytes(data: bytes) -> Entries:
@@ -88,7 +90,7 @@ def from_bytes(data: bytes) -> Entries:
 
     tensors = load(data)
     entries: Entries = {}
-    for i, entry in enumerate(json.loads(_metadata(data)["entries"])):
+    for i, entry in enumerate(_metadata(data)["entries"]):
         key = (entry["prompt"], entry["negative"], int(entry["max_sequence_length"]))
         pos, neg = (
             {name: tensors[f"{i}.{branch}.{name}"] for name in names}
@@ -105,16 +107,14 @@ def write_conditioning(path: Path, entries: Entries, run: str) -> None:
     atomic_write_bytes(path, to_bytes(entries, run))
 
 
-def _metadata(data: bytes) -> dict[str, str]:
-    """The `__metadata__` of a safetensors file's bytes (an 8-byte header length, then the JSON header);
-    ValueError when they are not a safetensors file."""
+def _metadata(data: bytes) -> dict[str, Any]:
+    """The entries and run of `to_bytes`'s output, from its safetensors header (an 8-byte length, then
+    JSON); ValueError (or KeyError) when the bytes are not such a file."""
     size = int.from_bytes(data[:8], "little")
     if len(data) < 8 + size:
         raise ValueError("truncated safetensors header")
     metadata = json.loads(data[8 : 8 + size]).get("__metadata__") or {}
-    if not isinstance(metadata, dict):
-        raise ValueError("malformed safetensors metadata")
-    return metadata
+    return json.loads(metadata[METADATA])
 
 
 def conditioning_record(
@@ -128,9 +128,9 @@ def conditioning_record(
         path = out_dir / conditioning_file(shard, num_shards)
         try:
             data = path.read_bytes()
-            if _metadata(data).get("run") != run:
+            if _metadata(data)["run"] != run:
                 return None
-        except (OSError, ValueError):  # missing, or not a safetensors file: not this run's
+        except (OSError, ValueError, KeyError):  # missing, or not a conditioning file: not this run's
             return None
         files.append({"file": path.name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
     return {CONDITIONING: {"identity": identity, "files": files}}

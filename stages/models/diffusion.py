@@ -472,11 +472,12 @@ class FlowPolicy:
 
     def conditioning(self, keys: list[Key]) -> Entries:
         """The cached conditioning of `keys` (those encoded so far), on the CPU, for storing it."""
-        return {
-            key: tuple({name: t.cpu() for name, t in branch.items()} for branch in self._prompt_cache[key])  # type: ignore[misc]
-            for key in keys
-            if key in self._prompt_cache
-        }
+        found: Entries = {}
+        for key in keys:
+            if key in self._prompt_cache:
+                pos, neg = self._prompt_cache[key]
+                found[key] = ({n: t.cpu() for n, t in pos.items()}, {n: t.cpu() for n, t in neg.items()})
+        return found
 
     def add_lora(
         self, *, rank: int = 32, alpha: int = 64, targets: tuple[str, ...] | None = None, seed: int = 0
@@ -695,8 +696,10 @@ class FlowPolicy:
                     "rollout these rows were sampled in"
                 )
             for key in missing:
-                self._prompt_cache[key] = tuple(  # type: ignore[assignment]
-                    {name: t.to(self.device) for name, t in branch.items()} for branch in self._stored[key]
+                pos, neg = self._stored[key]
+                self._prompt_cache[key] = (
+                    {n: t.to(self.device) for n, t in pos.items()},
+                    {n: t.to(self.device) for n, t in neg.items()},
                 )
             missing = []
         if missing:

@@ -173,7 +173,7 @@ def store_conditioning(
         return
     writer.out_dir.mkdir(parents=True, exist_ok=True)
     write_conditioning(
-        writer.out_dir / conditioning_file(shard, writer.num_shards), entries, writer.fingerprint
+        writer.out_dir / conditioning_file(shard, writer.num_shards), entries, writer.content_id
     )
 
 

@@ -31,12 +31,14 @@ OMNIRL = [sys.executable, "-m", "omnirl_cli"]
 PROMPTS = ["a red apple on a table", 'a sign that says "hello"', "a blue sky over hills", "a cat"]
 
 
-def measured(args: list[str]) -> tuple[float, int, dict]:
-    """(wall seconds, peak RSS bytes, --json result) of `omnirl ARGS --json` in a fresh process."""
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+def measured(args: list[str], source: Path | None = None) -> tuple[float, int, dict]:
+    """(wall seconds, peak RSS bytes, --json result) of `omnirl ARGS --json` in a fresh process, importing
+    omnirl from `source` (a checkout) when given."""
+    source = source or HERE.parent  # `python -m` imports from its working directory first
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONPATH": str(source)}
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         t0 = time.perf_counter()
-        proc = subprocess.Popen([*OMNIRL, *args, "--json"], stdout=out, stderr=err, env=env)
+        proc = subprocess.Popen([*OMNIRL, *args, "--json"], stdout=out, stderr=err, env=env, cwd=source)
         _, status, usage = os.wait4(proc.pid, 0)  # this child's own rusage: ru_maxrss in KiB (Linux)
         wall = time.perf_counter() - t0
         proc.returncode = os.waitstatus_to_exitcode(status)
@@ -59,7 +61,9 @@ def without_conditioning(samples: Path, out: Path) -> Path:
     return out
 
 
-def bench_family(family: str, size: str, root: Path, repeats: int, group: int, steps: int) -> dict:
+def bench_family(
+    family: str, size: str, root: Path, repeats: int, group: int, steps: int, today: Path | None
+) -> dict:
     from stages.models.factory import init_model
 
     model = root / "model"
@@ -95,33 +99,42 @@ def bench_family(family: str, size: str, root: Path, repeats: int, group: int, s
                 str(root / f"{kind}-a"),
             ]
         )
+    # variant → (rollout, checkout it imports omnirl from: None = this one)
+    variants: dict[str, tuple[str, Path | None]] = {"stored": ("stored", None), "encoded": ("plain", None)}
+    if today is not None:
+        variants["today"] = ("plain", today)
     found: dict[str, dict[str, list]] = {}
     for r in range(repeats):
-        for kind in ("stored", "plain") if r % 2 == 0 else ("plain", "stored"):
+        for name in list(variants) if r % 2 == 0 else list(reversed(variants)):
+            kind, source = variants[name]
             for stage in ("logprob", "update"):
-                out = root / f"{kind}-{stage}-{r}"
+                out = root / f"{name}-{stage}-{r}"
                 if stage == "logprob":
                     args = ["logprob", "--model", str(model), "--in", str(root / kind), "--out", str(out)]
                 else:
                     args = ["update", "--model", str(model), "--in", str(root / kind), "--in",
                             str(root / f"{kind}-a"), "--lora-rank", "32", "--out", str(out)]  # fmt: skip
-                wall, rss, result = measured(args)
+                wall, rss, result = measured(args, source)
                 if stage == "logprob" and result["abs_delta_max"] != 0.0:
-                    raise SystemExit(f"{kind} replay is not exact: {result['abs_delta_max']}")
-                entry = found.setdefault(f"{stage}/{kind}", {"wall": [], "rss": [], "loaded": []})
+                    raise SystemExit(f"{name} replay is not exact: {result['abs_delta_max']}")
+                entry = found.setdefault(f"{stage}/{name}", {"wall": [], "rss": []})
                 entry["wall"].append(wall)
                 entry["rss"].append(rss)
-                entry["loaded"] = result["loaded_components"]
+                entry["loaded"] = result.get("loaded_components", "all (not reported)")
     metrics: dict = {}
     for stage in ("logprob", "update"):
-        s, p = found[f"{stage}/stored"], found[f"{stage}/plain"]
+        got = {name: found[f"{stage}/{name}"] for name in variants}
         metrics[stage] = {
-            "wall_s": {"stored": min(s["wall"]), "plain": min(p["wall"])},
-            "peak_rss_mib": {"stored": max(s["rss"]) / 2**20, "plain": max(p["rss"]) / 2**20},
-            "wall_ratio": min(s["wall"]) / min(p["wall"]),
-            "peak_rss_ratio": max(s["rss"]) / max(p["rss"]),
-            "loaded_components": {"stored": s["loaded"], "plain": p["loaded"]},
+            "wall_s": {name: min(g["wall"]) for name, g in got.items()},
+            "peak_rss_mib": {name: max(g["rss"]) / 2**20 for name, g in got.items()},
+            "loaded_components": {name: g["loaded"] for name, g in got.items()},
         }
+        for name in variants:
+            if name != "stored":
+                metrics[stage][f"wall_ratio_vs_{name}"] = min(got["stored"]["wall"]) / min(got[name]["wall"])
+                metrics[stage][f"peak_rss_ratio_vs_{name}"] = max(got["stored"]["rss"]) / max(
+                    got[name]["rss"]
+                )
     return metrics
 
 
@@ -132,23 +145,29 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--group", type=int, default=4, help="samples per prompt (4 prompts)")
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument(
+        "--today",
+        type=Path,
+        help="a checkout of omnirl before stored conditioning (`git worktree add /tmp/old <commit>`): also "
+        "measures its logprob and update (everything loaded, prompts encoded)",
+    )
     parser.add_argument("--no-record", action="store_true", help="print only; write no results file")
     args = parser.parse_args()
     metrics, rows = {}, []
     for family in args.families.split(","):
         with tempfile.TemporaryDirectory(prefix=f"bench-cond-{family}-") as tmp:
-            metrics[family] = bench_family(family, args.size, Path(tmp), args.repeats, args.group, args.steps)
-        for stage, m in metrics[family].items():
-            rows.append(
-                {
-                    "family": family,
-                    "stage": stage,
-                    "peak RSS stored ÷ encoded": round(m["peak_rss_ratio"], 3),
-                    "wall stored ÷ encoded": round(m["wall_ratio"], 3),
-                    "peak MiB (stored / encoded)": f"{m['peak_rss_mib']['stored']:.0f} / {m['peak_rss_mib']['plain']:.0f}",
-                    "wall s (stored / encoded)": f"{m['wall_s']['stored']:.2f} / {m['wall_s']['plain']:.2f}",
-                }
+            metrics[family] = bench_family(
+                family, args.size, Path(tmp), args.repeats, args.group, args.steps, args.today
             )
+        for stage, m in metrics[family].items():
+            names = list(m["wall_s"])
+            row = {"family": family, "stage": stage}
+            for name in names[1:]:
+                row[f"peak RSS stored ÷ {name}"] = round(m[f"peak_rss_ratio_vs_{name}"], 3)
+                row[f"wall stored ÷ {name}"] = round(m[f"wall_ratio_vs_{name}"], 3)
+            row[f"peak MiB ({' / '.join(names)})"] = " / ".join(f"{m['peak_rss_mib'][n]:.0f}" for n in names)
+            row[f"wall s ({' / '.join(names)})"] = " / ".join(f"{m['wall_s'][n]:.1f}" for n in names)
+            rows.append(row)
     print(json.dumps(metrics, indent=2))
     if not args.no_record:
         record(
@@ -158,7 +177,8 @@ def main() -> None:
             description=(
                 f"`omnirl logprob` and `omnirl update` (flow_grpo, LoRA r32) on a {args.size} rollout of 4 prompts × "
                 f"{args.group}, {args.steps} SDE steps, with stored conditioning (no text encoder, tokenizer or VAE "
-                "loaded) ÷ the same rollout without it (encoders loaded, prompts re-encoded). Fresh process per "
+                "loaded) ÷ the same rollout without it (encoders loaded, prompts re-encoded) and, with --today, ÷ "
+                "omnirl before stored conditioning (text encoders and VAE loaded). Fresh process per "
                 f"call, best wall of {args.repeats}, peak = the process's max RSS (os.wait4)."
             ),
         )

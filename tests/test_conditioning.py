@@ -227,7 +227,8 @@ def test_a_shard_without_its_runs_file_stores_none(rollout: dict, tmp_path: Path
     copy = tmp_path / "copy"
     shutil.copytree(rollout["samples"], copy)
     run_id = _metadata((copy / record["files"][0]["file"]).read_bytes())["run"]
-    assert conditioning_record(copy, 2, run_id, identity) == {CONDITIONING: record}
-    assert conditioning_record(copy, 2, "another run", identity) is None
+    at = {"model": rollout["model"], "dtype": "fp32", "max_sequence_length": identity["max_sequence_length"]}
+    assert conditioning_record(copy, 2, run_id, **at) == {CONDITIONING: record}
+    assert conditioning_record(copy, 2, "another run", **at) is None
     (copy / record["files"][1]["file"]).unlink()
-    assert conditioning_record(copy, 2, run_id, identity) is None
+    assert conditioning_record(copy, 2, run_id, **at) is None

@@ -456,7 +456,7 @@ def sample(
     from stages.errors import UserInputError
     from stages.media import output_modality
     from stages.media.deferred import deferred_record
-    from stages.models.conditioning import conditioning_record, encoder_identity
+    from stages.models.conditioning import conditioning_record
     from stages.models.diffusion import check_pipeline_folder
     from stages.models.factory import default_text_length
     from stages.sample.engines import DEFAULT_ENGINE, DiffusersEngine, EngineOptions, engine_class
@@ -504,8 +504,14 @@ def sample(
 
         def with_modality(columns: list) -> dict:
             # the prompt conditioning each shard stored (an engine that returns none stores nothing)
-            identity = encoder_identity(c["model"], c["dtype"], cfg.max_sequence_length)
-            stored = conditioning_record(writer.out_dir, writer.num_shards, writer.content_id, identity)
+            stored = conditioning_record(
+                writer.out_dir,
+                writer.num_shards,
+                writer.content_id,
+                model=c["model"],
+                dtype=c["dtype"],
+                max_sequence_length=cfg.max_sequence_length,
+            )
             return {"modality": output_modality([col.kind for col in columns]), **extra, **(stored or {})}
 
         _run(c, json_, writer, len(picked), "images", with_modality, partial(run_sample, engine, cfg, picked))

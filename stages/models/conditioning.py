@@ -118,11 +118,12 @@ def _metadata(data: bytes) -> dict[str, Any]:
 
 
 def conditioning_record(
-    out_dir: Path, num_shards: int, run: str, identity: dict[str, Any]
+    out_dir: Path, num_shards: int, run: str, *, model: str | Path, dtype: str, max_sequence_length: int
 ) -> dict[str, Any] | None:
-    """The manifest's `extra["conditioning"]` for a finished rollout in `out_dir`: the identity and every
-    shard's file (name, bytes, sha256). None when a shard has no file of this run `run` (e.g. it was
-    resumed from a run that stored none): such a rollout is encoded downstream, as an older one."""
+    """The manifest's `extra["conditioning"]` for a finished rollout in `out_dir` sampled from `model`: the
+    encoder identity (`encoder_identity`) and every shard's file (name, bytes, sha256). None when a shard
+    has no file of this run `run` (an engine that returns none, or a shard resumed from a run that stored
+    none): such a rollout is encoded downstream, as an older one, and the encoders are never hashed."""
     files = []
     for shard in range(num_shards):
         path = out_dir / conditioning_file(shard, num_shards)
@@ -133,6 +134,7 @@ def conditioning_record(
         except (OSError, ValueError, KeyError):  # missing, or not a conditioning file: not this run's
             return None
         files.append({"file": path.name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
+    identity = encoder_identity(model, dtype, max_sequence_length)
     return {CONDITIONING: {"identity": identity, "files": files}}
 
 

@@ -101,9 +101,11 @@ def from_bytes(data: bytes) -> Entries:
 
 
 def write_conditioning(path: Path, entries: Entries, run: str) -> None:
-    """Write `entries` of run `run` to `path` atomically (`to_bytes`)."""
-    from stages.shards.atomic import atomic_write_bytes
+    """Write `entries` of run `run` to `path` atomically (`to_bytes`), removing what a killed writer of
+    it left (as the shard writer does for its shards)."""
+    from stages.shards.atomic import atomic_write_bytes, remove_stale_temps
 
+    remove_stale_temps(path)
     atomic_write_bytes(path, to_bytes(entries, run))
 
 

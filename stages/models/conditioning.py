@@ -140,6 +140,11 @@ def conditioning_record(
     return {CONDITIONING: {"identity": identity, "files": files}}
 
 
+def _encoder(identity: dict[str, Any]) -> dict[str, Any]:
+    """What of an identity names the encoder (all but the dtype, which only decides whether to re-encode)."""
+    return {k: v for k, v in identity.items() if k != "dtype"}
+
+
 def _describe(identity: dict[str, Any]) -> str:
     digests = ", ".join(f"{name} {digest[:12]}" for name, digest in sorted(identity["components"].items()))
     return f"{identity['pipeline']} ({digests}), max length {identity['max_sequence_length']}"
@@ -166,9 +171,7 @@ def stored_conditioning(
         return None, "encoded: the rollout stores no conditioning"
     folder, record = found
     stored = record["identity"]
-    if {k: v for k, v in stored.items() if k != "dtype"} != {
-        k: v for k, v in identity.items() if k != "dtype"
-    }:
+    if _encoder(stored) != _encoder(identity):
         raise UserInputError(
             f"--in {folder}: its stored conditioning was made by {_describe(stored)}, but --model has "
             f"{_describe(identity)}; pass the --model the rollout was sampled with, or sample again"

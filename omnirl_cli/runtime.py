@@ -94,6 +94,17 @@ def map_shards(
     return written
 
 
+def loaded(policy: Any) -> dict[str, Any]:
+    """What a stage's --json says about the diffusion policy it loaded: `loaded_components` (the pipeline
+    components instantiated; none when the output was already complete) and `conditioning` (where its
+    prompt conditioning came from: "stored" in the rollout, or why it encodes). A VLM policy adds nothing."""
+    if policy is None:
+        return {"loaded_components": []}
+    if not hasattr(policy, "loaded_components"):
+        return {}
+    return {"loaded_components": policy.loaded_components, "conditioning": policy.conditioning_source}
+
+
 def finalize(writer: Any, extra: dict[str, Any] | None = None) -> bool:
     """Write the manifest once every rank's shards exist (after `map_shards`); only rank 0 writes it.
 

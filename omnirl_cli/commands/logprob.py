@@ -27,6 +27,7 @@ from ..runtime import (
     check_format,
     device,
     finalize,
+    loaded,
     map_shards,
     open_inputs,
     policy_info,
@@ -109,6 +110,10 @@ def logprob(
     ids only, so recipes keep one shape for every algorithm; so does a rollout that --replay auto finds
     the replay cannot change (`"replayed": false` and the reason, in the manifest and --json).
 
+    A diffusion replay loads no VAE, and no text encoder or tokenizer when the rollout stores its prompt
+    conditioning (`sample` does): --json lists loaded_components; conditioning of another text encoder is
+    refused (docs/real-checkpoints.md, "What each stage loads").
+
     A VLM rollout (text responses) gets every response token's log-prob (old_log_probs [T]) from one
     forward over prompt + response per sampling batch, and with --reference the base model's
     ref_log_probs [T].
@@ -185,12 +190,18 @@ def logprob(
     )
     skipped = writer.complete
     if not skipped:
-        loader = VLMPolicy if tokens else FlowPolicy
-        policy = (
-            loader.load(c["model"], adapter=c["adapter"], device=device(), dtype=c["dtype"])
-            if replaying
-            else None
-        )
+        policy: Any = None
+        if replaying and tokens:
+            policy = VLMPolicy.load(c["model"], adapter=c["adapter"], device=device(), dtype=c["dtype"])
+        elif replaying:  # no VAE, and no text encoder when the rollout stores its conditioning
+            policy = FlowPolicy.for_rollout(
+                c["model"],
+                src,
+                sample_cfg.max_sequence_length,
+                adapter=c["adapter"],
+                device=device(),
+                dtype=c["dtype"],
+            )
         found: list[Any] = []  # flat |Δlogp| of each shard replayed here, in order
 
         def replay_one(shard: dict, advance: Any) -> dict:
@@ -245,13 +256,13 @@ def logprob(
             option = f"--fraction {c['fraction']}"
             extra[SUBSET_KEY] = {"rows": rows, "of": src.num_rows, "option": option}
     else:
-        extra = None
+        extra, policy = None, None
     if not finalize(writer, extra):
         return
     from stages.shards.manifest import read_manifest
 
     extra = read_manifest(c["out"]).extra
-    result = {"out": str(c["out"]), "rows": src.num_rows, **extra}
+    result = {"out": str(c["out"]), "rows": src.num_rows, **extra, **loaded(policy)}
     if skipped:
         report_complete(c["out"], json_, result)
     elif json_:

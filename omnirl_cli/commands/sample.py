@@ -395,6 +395,10 @@ def sample(
     that are complete and verified; over a finished --out it samples nothing and says so (`"skipped":
     true` with --json).
 
+    The in-process engine also stores each unique prompt's text conditioning once per shard
+    (conditioning-*.safetensors, listed in the manifest), so `logprob` and `update` load no text encoder
+    (docs/real-checkpoints.md, "What each stage loads").
+
     With a vision-language --model (Qwen2.5-VL), GROUP text responses per (images, question) row of a
     verl/EasyR1 table: prompt and response token ids, response text, rollout log-probs, images once per
     prompt; the diffusion options (--steps, --guidance, the sampler, video) are refused, as the
@@ -425,6 +429,7 @@ def sample(
     from stages.errors import UserInputError
     from stages.media import output_modality
     from stages.media.deferred import deferred_record
+    from stages.models.conditioning import conditioning_record
     from stages.models.diffusion import check_pipeline_folder
     from stages.models.factory import default_text_length
     from stages.sample.engines import DEFAULT_ENGINE, DiffusersEngine, EngineOptions, engine_class
@@ -471,7 +476,16 @@ def sample(
             extra.update(modality=engine.policy.family.media, **deferred_record(c["model"], c["dtype"]))
 
         def with_modality(columns: list) -> dict:
-            return {"modality": output_modality([col.kind for col in columns]), **extra}
+            # the prompt conditioning each shard stored (an engine that returns none stores nothing)
+            stored = conditioning_record(
+                writer.out_dir,
+                writer.num_shards,
+                writer.content_id,
+                model=c["model"],
+                dtype=c["dtype"],
+                max_sequence_length=cfg.max_sequence_length,
+            )
+            return {"modality": output_modality([col.kind for col in columns]), **extra, **(stored or {})}
 
         _run(c, json_, writer, len(picked), "images", with_modality, partial(run_sample, engine, cfg, picked))
     finally:

@@ -321,6 +321,10 @@ def update(
 
     --report-to logs every metrics.jsonl record as it is made, at its global optimizer step.
 
+    A diffusion update loads no VAE, and no text encoder or tokenizer when the rollout stores its prompt
+    conditioning (`sample` does); --json lists loaded_components (docs/real-checkpoints.md, "What each
+    stage loads").
+
     Rows whose reward failed (flagged in reward_failed by `score --on-error zero` and passed on by
     `advantage`, or a NaN reward) are skipped whatever --algo reads (advantage or reward): they give no
     gradient; their count is reward_failed (--json, omnirl_adapter.json).

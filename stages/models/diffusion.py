@@ -22,6 +22,7 @@ from safetensors import SafetensorError
 
 from stages.dist import unwrap
 from stages.errors import UserInputError
+from stages.models.conditioning import Entries, Key, encoder_identity, stored_conditioning, text_components
 from stages.models.families import Condition, FamilyAdapter, Resolution, adapter_class
 from stages.models.hub import base_model_record
 from stages.models.lora_weights import lora_config_dict, lora_file, swap_lora
@@ -286,6 +287,15 @@ def load_decoder(
     return family
 
 
+def _config_only(model_path: Path, index: dict[str, Any], name: str) -> torch.nn.Module:
+    """Component `name` of a pipeline folder built from its config on the meta device (no weights read,
+    no memory): the pipeline's constructor reads sizes from it (the VAE's scale factors)."""
+    library, class_name = index[name]
+    klass = getattr(importlib.import_module(library), class_name)
+    with torch.device("meta"):
+        return klass.from_config(klass.load_config(model_path / name))
+
+
 class FlowPolicy:
     """A flow-matching pipeline of any supported family as a policy over denoising steps."""
 
@@ -298,6 +308,7 @@ class FlowPolicy:
         adapter: str | None,
         device: torch.device,
         dtype: torch.dtype,
+        conditioning: Entries | None = None,
     ):
         self.pipe = pipe
         self.family = family
@@ -311,7 +322,12 @@ class FlowPolicy:
         }
         self.transformer = family.trained_network(self.parts)
         self.lora = any(getattr(part, "peft_config", None) for part in self.parts.values())
-        self._prompt_cache: dict[tuple[str, str, int], tuple[dict, dict]] = {}
+        self._prompt_cache: dict[Key, tuple[dict, dict]] = {}
+        # a rollout's stored conditioning (CPU), moved into the cache as prompts are asked for; with it
+        # the pipeline has no text encoder
+        self._stored: Entries | None = conditioning
+        # where `encode` takes prompts from, as `for_rollout` reports it
+        self.conditioning_source = "stored" if conditioning is not None else "encoded"
         self._reference: torch.nn.Module | None = None
 
     @property
@@ -349,14 +365,26 @@ class FlowPolicy:
         adapter: str | Path | None = None,
         device: torch.device | str = "cpu",
         dtype: str = "fp32",
+        conditioning: Entries | None = None,
+        vae: bool = True,
     ) -> FlowPolicy:
         """Load a pipeline folder with `from_pretrained` and apply an adapter folder, if any: one `omnirl
-        update` wrote, or a diffusers LoRA folder (`pytorch_lora_weights.safetensors`) from another tool."""
+        update` wrote, or a diffusers LoRA folder (`pytorch_lora_weights.safetensors`) from another tool.
+
+        `conditioning`: a rollout's stored prompt conditioning (`stages.models.conditioning`); the text
+        encoders and tokenizers are then not loaded, and `encode` takes every prompt from it. `vae`
+        False: no VAE weights are read (for stages that neither decode nor encode images); its config
+        alone stands in while the pipeline is built, so latent sizes stay the model's own.
+        """
         from diffusers import DiffusionPipeline
 
         model_path, index, family_class = _pipeline_to_load(model_path, dtype)
         torch_dtype = DTYPES[dtype]
         kwargs: dict[str, Any] = {"dtype": torch_dtype, "use_safetensors": True}
+        if conditioning is not None:
+            kwargs.update({name: None for name in text_components(index)})
+        if not vae and isinstance(index.get("vae"), list):
+            kwargs["vae"] = _config_only(model_path, index, "vae")
         config = read_adapter_config(adapter) if adapter else None
         if adapter:
             refuse_pickled_weights(adapter, "--adapter")
@@ -377,6 +405,8 @@ class FlowPolicy:
         # diffusers loads an optional component (Wan's transformer, transformer_2) from the model folder
         # even when one is passed, so the adapter's modules are put in place afterwards as well
         pipe.register_modules(**full)
+        if not vae:
+            pipe.register_modules(vae=None)
         family = family_class(pipe)
         pipe.set_progress_bar_config(disable=True)
         pipe.to(device)
@@ -400,7 +430,54 @@ class FlowPolicy:
             adapter=str(adapter) if adapter else None,
             device=torch.device(device),
             dtype=torch_dtype,
+            conditioning=conditioning,
         )
+
+    @classmethod
+    def for_rollout(
+        cls,
+        model_path: str | Path,
+        inputs: Any,
+        max_sequence_length: int,
+        *,
+        adapter: str | Path | None = None,
+        device: torch.device | str = "cpu",
+        dtype: str = "fp32",
+    ) -> FlowPolicy:
+        """The policy of a stage that replays or trains on a rollout's latents (`logprob`, `update`): no
+        VAE, and no text encoder or tokenizer when the rollout among the zipped `inputs` stores its prompt
+        conditioning for this --model (`conditioning.stored_conditioning`; another encoder is refused);
+        `conditioning_source` says which ("stored", or why it encodes)."""
+        identity = encoder_identity(model_path, dtype, max_sequence_length)
+        stored, source = stored_conditioning(inputs.paths, inputs.manifests, identity)
+        policy = cls.load(
+            model_path, adapter=adapter, device=device, dtype=dtype, conditioning=stored, vae=False
+        )
+        policy.conditioning_source = source
+        return policy
+
+    def add_conditioning(self, entries: Entries) -> None:
+        """Add prompt conditioning to what a policy loaded with `conditioning` takes prompts from (how
+        `online`'s trainer receives it from its sampler, iteration by iteration)."""
+        if self._stored is None:
+            raise ValueError(
+                "add_conditioning: this policy encodes its prompts (it was loaded with text encoders)"
+            )
+        self._stored.update(entries)
+
+    @property
+    def loaded_components(self) -> list[str]:
+        """The pipeline components actually instantiated (not None), sorted: what this policy holds."""
+        return sorted(name for name, part in self.pipe.components.items() if part is not None)
+
+    def conditioning(self, keys: list[Key]) -> Entries:
+        """The cached conditioning of `keys` (those encoded so far), on the CPU, for storing it."""
+        found: Entries = {}
+        for key in keys:
+            if key in self._prompt_cache:
+                pos, neg = self._prompt_cache[key]
+                found[key] = ({n: t.cpu() for n, t in pos.items()}, {n: t.cpu() for n, t in neg.items()})
+        return found
 
     def add_lora(
         self, *, rank: int = 32, alpha: int = 64, targets: tuple[str, ...] | None = None, seed: int = 0
@@ -605,10 +682,26 @@ class FlowPolicy:
         self, prompts: list[str], negative: list[str] | None, cfg: bool, max_sequence_length: int = 128
     ) -> Condition:
         """Frozen text conditioning, cached per unique (prompt, negative, text length): a server keeps
-        its policy across requests that ask for other lengths; negatives when `cfg`."""
+        its policy across requests that ask for other lengths; negatives when `cfg`. A policy loaded with
+        stored conditioning takes it from there, and a prompt it lacks is a one-line error."""
         negative = negative or [""] * len(prompts)
         keys = [(p, n, max_sequence_length) for p, n in zip(prompts, negative)]
         missing = [key for key in dict.fromkeys(keys) if key not in self._prompt_cache]
+        if missing and self._stored is not None:
+            absent = next((key for key in missing if key not in self._stored), None)
+            if absent is not None:
+                raise UserInputError(
+                    f"prompt {absent[0]!r} (negative {absent[1]!r}, max length {absent[2]}) is not in the "
+                    "rollout's stored conditioning, and no text encoder was loaded; pass the --in of the "
+                    "rollout these rows were sampled in"
+                )
+            for key in missing:
+                pos, neg = self._stored[key]
+                self._prompt_cache[key] = (
+                    {n: t.to(self.device) for n, t in pos.items()},
+                    {n: t.to(self.device) for n, t in neg.items()},
+                )
+            missing = []
         if missing:
             encoded = self.family.encode_prompts(
                 [p for p, _, _ in missing], [n for _, n, _ in missing], self.device, max_sequence_length

@@ -191,6 +191,7 @@ def _sampler_main(
     `version` counts published updates (iterations); `step` is their optimizer step, recorded per sample.
     Every batch names where it was sampled, so the driver can report it.
     """
+    from stages.models.conditioning import CONDITIONING, to_bytes
     from stages.models.diffusion import FlowPolicy
     from stages.online.ring import RingClosed
     from stages.sample.engines import DiffusersEngine, open_engine
@@ -243,6 +244,12 @@ def _sampler_main(
                 key: cols[key]
                 for key in ("sample_id", "group_id", "prompt", "negative_prompt", "prompt_meta")
             }
+            if cfg.in_process:  # the prompts' conditioning: the trainer loads no text encoder
+                # sent every iteration, as encoded for it: the sampler forgets its encodings between
+                # iterations (`forget_prompts`), and the trainer must train on the very ones sampled with
+                length = cfg.sampling(k).max_sequence_length
+                keys = {(r.prompt.text, r.prompt.negative, length) for r in iteration_rows(cfg, k)}
+                meta[CONDITIONING] = to_bytes(engine.conditioning(sorted(keys)) or {})
             media = {name: cols[name] for name in MEDIA_COLUMNS if name in cols}
             to_scorer.put(
                 {
@@ -610,6 +617,7 @@ def run_online(
     run, see `prepare_run`); one summary per iteration. `tracking` gets each iteration's reward statistics
     (at the iteration) and actor metrics (at their optimizer steps) once its checkpoint is written."""
     from stages.advantage.stage import compute_advantages
+    from stages.models.conditioning import CONDITIONING, from_bytes
     from stages.models.diffusion import FlowPolicy
     from stages.score.stage import check_reward_kinds
     from stages.update.stage import save_policy
@@ -617,7 +625,16 @@ def run_online(
 
     start = prepare_run(cfg, overwrite=overwrite)
     adapter = cfg.out / f"it{start}" / "policy" if start else None
-    policy = FlowPolicy.load(cfg.model, adapter=adapter, device=device, dtype=cfg.dtype)
+    # the in-process sampler hands over each prompt's conditioning with its trajectories, so the trainer
+    # loads no text encoder; it never decodes (the sampler and scorer do), so it loads no VAE either
+    policy = FlowPolicy.load(
+        cfg.model,
+        adapter=adapter,
+        device=device,
+        dtype=cfg.dtype,
+        conditioning={} if cfg.in_process else None,
+        vae=False,
+    )
     check_reward_kinds(cfg.rewards, policy.family.media)
     if not cfg.in_process and len(policy.parts) > 1:
         raise UserInputError(
@@ -655,6 +672,8 @@ def run_online(
             t0 = time.perf_counter()
             data, rewards, sampled_on = workers.receive(k)
             t_wait = time.perf_counter() - t0
+            if CONDITIONING in data:
+                policy.add_conditioning(from_bytes(data.pop(CONDITIONING)))
             gaps = version_gaps(data["policy_version"], published, k)
             data["reward"] = rewards["reward"]
             adv, stats = compute_advantages(

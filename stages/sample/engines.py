@@ -30,6 +30,7 @@ from stages.errors import UserInputError
 from stages.plugins import entry_point_names, load_entry_point, load_object
 
 if TYPE_CHECKING:
+    from stages.models.conditioning import Entries, Key
     from stages.models.families import Resolution
 
 ENTRY_POINT_GROUP = "omnirl.engines"
@@ -126,6 +127,12 @@ class RolloutEngine(ABC):
     def describe(self) -> dict[str, Any]:
         """What the manifest records about the engine (`extra["engine"]`)."""
         return {"name": self.name}
+
+    def conditioning(self, keys: list[Key]) -> Entries | None:
+        """The prompt conditioning the engine's rollouts used for `keys` (`stages.models.conditioning`),
+        for `sample` to store once; None for an engine that cannot return it (the later stages then
+        encode the prompts themselves)."""
+        return None
 
     def push_weights(self, lora: bytes, version: int) -> dict[str, Any]:
         """Make the engine sample with a LoRA (the bytes of a diffusers LoRA file,
@@ -240,6 +247,15 @@ class DiffusersEngine(RolloutEngine):
 
     def latent_shape(self, resolution: Resolution, frames: int = 1) -> tuple[int, ...]:
         return self.policy.latent_shape(resolution, frames)
+
+    def conditioning(self, keys: list[Key]) -> Entries | None:
+        """The policy's cached conditioning of `keys`; None when an adapter put LoRA layers on a text
+        encoder (the stored conditioning would then depend on that adapter, not on --model alone)."""
+        from stages.models.conditioning import TEXT_PREFIXES
+
+        if any(name.startswith(TEXT_PREFIXES) for name in self.policy.untrained_loras()):
+            return None
+        return self.policy.conditioning(keys)
 
     def describe(self) -> dict[str, Any]:
         """The engine and its device type (not the index: under a launcher each rank has its own, and

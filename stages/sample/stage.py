@@ -148,13 +148,32 @@ def run_sample(
     cfg.validate()
     shards = shard_rows(plan_rows(prompts, group_size, cfg), group_size, num_shards)
     rollout = rollout_id(writer)
+
+    def make_shard(s: int) -> dict[str, Any]:
+        columns = in_rollout(sample_shard(engine, cfg, shards[s], policy_version, on_batch), rollout)
+        store_conditioning(engine, cfg, shards[s], writer, s)
+        return columns
+
     return write_shards(
-        writer,
-        [len(rows) for rows in shards],
-        shard_indices,
-        lambda s: in_rollout(sample_shard(engine, cfg, shards[s], policy_version, on_batch), rollout),
-        unit="images",
-        on_batch=on_batch,
+        writer, [len(rows) for rows in shards], shard_indices, make_shard, unit="images", on_batch=on_batch
+    )
+
+
+def store_conditioning(
+    engine: RolloutEngine, cfg: SampleConfig, rows: list[Row], writer: ShardSetWriter, shard: int
+) -> None:
+    """Write the conditioning of shard `shard`'s unique prompts, as the engine encoded them, beside the
+    shard and before it (`stages.models.conditioning`): a finished shard always has its file. An engine
+    that cannot return it writes none."""
+    from stages.models.conditioning import conditioning_file, write_conditioning
+
+    keys = list(dict.fromkeys((r.prompt.text, r.prompt.negative, cfg.max_sequence_length) for r in rows))
+    entries = engine.conditioning(keys)
+    if entries is None or len(entries) != len(keys):
+        return
+    writer.out_dir.mkdir(parents=True, exist_ok=True)
+    write_conditioning(
+        writer.out_dir / conditioning_file(shard, writer.num_shards), entries, writer.content_id
     )
 
 

@@ -196,7 +196,10 @@ def run_update(
             raise UserInputError(
                 f"--algo {algo.name} trains diffusion models; for a VLM use grpo, dapo or gspo"
             )
-        policy = FlowPolicy.load(model, adapter=adapter, device=device, dtype=dtype)
+        # no VAE (no algorithm decodes), and no text encoder when the rollout stores its conditioning
+        policy = FlowPolicy.for_rollout(
+            model, inputs, sample_cfg.max_sequence_length, adapter=adapter, device=device, dtype=dtype
+        )
         if policy.untrained_loras():
             trained = policy.family.trained_module
             raise UserInputError(
@@ -251,6 +254,8 @@ def run_update(
         FAILED_COLUMN: int(failed.sum()),
         "last": last,
     }
+    if isinstance(policy, FlowPolicy):
+        result.update(loaded_components=policy.loaded_components, conditioning=policy.conditioning_source)
     save_policy(  # rank 0 writes the one adapter; every rank returns once it is in place
         policy,
         out,

@@ -25,7 +25,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from common import record  # noqa: E402
+from common import parse_args, record  # noqa: E402
 
 OMNIRL = [sys.executable, "-m", "omnirl_cli"]
 PROMPTS = ["a red apple on a table", 'a sign that says "hello"', "a blue sky over hills", "a cat"]
@@ -151,8 +151,7 @@ def main() -> None:
         help="a checkout of omnirl before stored conditioning (`git worktree add /tmp/old <commit>`): also "
         "measures its logprob and update (everything loaded, prompts encoded)",
     )
-    parser.add_argument("--no-record", action="store_true", help="print only; write no results file")
-    args = parser.parse_args()
+    args = parse_args(parser, smoke={"size": "tiny", "repeats": 1, "group": 2, "steps": 2})
     metrics, rows = {}, []
     for family in args.families.split(","):
         with tempfile.TemporaryDirectory(prefix=f"bench-cond-{family}-") as tmp:

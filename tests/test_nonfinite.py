@@ -49,6 +49,8 @@ def rewrite(src: Path, dst: Path, change: Change) -> None:
     )
     for s in range(source.num_shards):
         writer.write_shard(s, change(s, source.read_shard(s)))
+    for stored in src.glob("conditioning-*.safetensors"):  # the prompt conditioning extra lists
+        shutil.copy2(stored, dst / stored.name)
     writer.finalize(extra=m.extra)
 
 

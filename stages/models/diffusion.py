@@ -22,7 +22,14 @@ from safetensors import SafetensorError
 
 from stages.dist import unwrap
 from stages.errors import UserInputError
-from stages.models.conditioning import Entries, Key, encoder_identity, stored_conditioning, text_components
+from stages.models.conditioning import (
+    TEXT_PREFIXES,
+    Entries,
+    Key,
+    encoder_identity,
+    stored_conditioning,
+    text_components,
+)
 from stages.models.families import Condition, FamilyAdapter, Resolution, adapter_class
 from stages.models.hub import base_model_record
 from stages.models.lora_weights import lora_config_dict, lora_file, swap_lora
@@ -224,6 +231,18 @@ def adapter_loading(adapter: str | Path, model: str | Path) -> Iterator[None]:
     finally:
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)
+
+
+def _lora_changes_text_encoders(adapter: Path) -> bool:
+    """Whether a diffusers LoRA folder's weights (`LORA_WEIGHTS`) hold text-encoder layers (read from
+    the safetensors header alone)."""
+    from safetensors import safe_open
+
+    path = adapter / LORA_WEIGHTS
+    if not path.is_file():
+        return False
+    with safe_open(str(path), framework="pt") as f:
+        return any(key.startswith(TEXT_PREFIXES) for key in f.keys())  # noqa: SIM118 (no mapping)
 
 
 def vae_memory(vae: Any, family: str, *, tiling: bool = False, slicing: bool = False) -> None:
@@ -450,6 +469,9 @@ class FlowPolicy:
         `conditioning_source` says which ("stored", or why it encodes)."""
         identity = encoder_identity(model_path, dtype, max_sequence_length)
         stored, source = stored_conditioning(inputs.paths, inputs.manifests, identity)
+        if stored is not None and adapter and _lora_changes_text_encoders(Path(adapter)):
+            # an adapter with text-encoder LoRA layers loads onto the text encoders: keep them
+            stored, source = None, f"--adapter {adapter} has text-encoder LoRA weights"
         policy = cls.load(
             model_path, adapter=adapter, device=device, dtype=dtype, conditioning=stored, vae=False
         )

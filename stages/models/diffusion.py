@@ -235,14 +235,17 @@ def adapter_loading(adapter: str | Path, model: str | Path) -> Iterator[None]:
 
 def _lora_changes_text_encoders(adapter: Path) -> bool:
     """Whether a diffusers LoRA folder's weights (`LORA_WEIGHTS`) hold text-encoder layers (read from
-    the safetensors header alone)."""
+    the safetensors header alone). A damaged file says no: loading it is then refused in one line."""
     from safetensors import safe_open
 
     path = adapter / LORA_WEIGHTS
     if not path.is_file():
         return False
-    with safe_open(str(path), framework="pt") as f:
-        return any(key.startswith(TEXT_PREFIXES) for key in f.keys())  # noqa: SIM118 (no mapping)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return any(key.startswith(TEXT_PREFIXES) for key in f.keys())  # noqa: SIM118 (no mapping)
+    except (SafetensorError, OSError):
+        return False
 
 
 def vae_memory(vae: Any, family: str, *, tiling: bool = False, slicing: bool = False) -> None:

@@ -430,6 +430,10 @@ class Workers:
             if proc.is_alive():
                 proc.terminate()
                 proc.join(timeout=5)
+        # the workers are gone: what this process still has to write to them (the stop messages, queued
+        # behind a pipe nobody reads any more) must not hold its exit
+        self.to_scorer.cancel_join_thread()
+        self.ring.abandon()
 
 
 def last_checkpoint(out: Path) -> int:

@@ -160,6 +160,12 @@ class Ring:
         self._full.put(_SENTINEL)
         self._free.put(_SENTINEL)
 
+    def abandon(self) -> None:
+        """After `close`, once the other processes are gone: this process's exit no longer waits to
+        flush what it put on the ring's queues (a full pipe nobody reads would hold it for ever)."""
+        self._full.cancel_join_thread()
+        self._free.cancel_join_thread()
+
     def _receive(self, q: Any, timeout: float | None, what: str) -> Any:
         try:
             item = q.get(timeout=timeout)

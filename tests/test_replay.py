@@ -72,32 +72,15 @@ def test_replay_auto_loads_nothing_and_update_trains_bit_identically(
     """`--replay auto` over an in-process rollout writes the sample ids only, and update on it trains the
     very weights of update on the full replay (the `staged` fixture's policy1)."""
     out = tmp_path / "logprobs"
-    result = run(
-        "logprob",
-        "--model",
-        str(staged["model"]),
-        *ins(staged["samples"]),
-        "--replay",
-        "auto",
-        "--out",
-        str(out),
-    )
+    auto = ("logprob", "--model", str(staged["model"]), *ins(staged["samples"]), "--replay", "auto")
+    result = run(*auto, "--out", str(out))
     assert (
         result["replayed"] is False and result["rows_replayed"] == 0 and "exactly" in result["replay_reason"]
     )
     written = ShardSet(out)
     assert [c.name for c in written.manifest.columns] == ["sample_id"] and written.num_rows == 6
     assert read_manifest(out).extra["replayed"] is False
-    assert run(
-        "logprob",
-        "--model",
-        str(staged["model"]),
-        *ins(staged["samples"]),
-        "--replay",
-        "auto",
-        "--out",
-        str(out),
-    )["skipped"]
+    assert run(*auto, "--out", str(out))["skipped"]
 
     policy = tmp_path / "policy"
     run(

@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 RUN    ?= runs/demo
 
-.PHONY: FORCE install test test-fast test-gpu lint format demo demo-online demo-model demo-jpeg demo-vlm demo-omni bench bench-gpu clean
+.PHONY: FORCE install test test-fast test-gpu lint format demo demo-online demo-model demo-jpeg demo-vlm demo-omni bench bench-gpu docs clean
 
 install: $(STAMP)
 
@@ -29,6 +29,10 @@ test-fast: install
 # it on the CPU): bf16 sample + update of the small SD3, replay ratio 1, FSDP2 on one device, throughput.
 test-gpu: install
 	$(PY) -m pytest -q -s -m gpu tests/gpu
+
+# docs/cli.md, the CLI reference, regenerated from every command's --help (tests/test_docs.py checks it).
+docs: install
+	$(PY) docs/gen_cli.py
 
 lint: install
 	$(VENV)/bin/ruff check .

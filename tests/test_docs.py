@@ -14,6 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
+CLI = ROOT / "docs" / "cli.md"
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 
 
@@ -83,6 +84,25 @@ def test_cli_reference_is_generated_from_the_current_help() -> None:
 
     assert [m for m in re.findall(r"^## omnirl (\S+)$", text, re.M)] == [n for n, _ in COMMANDS]
     assert "--resolution" in text.split("## omnirl sample\n")[1].split("## omnirl score\n")[0]
+
+
+def test_documented_options_exist() -> None:
+    """Every `--option` written after `omnirl COMMAND` in README.md and docs/ is one of that command's
+    options, as its --help (docs/cli.md) lists them."""
+    help_of = dict(re.findall(r"^## omnirl (\S+)\n(.*?)(?=^## omnirl |\Z)", CLI.read_text(), re.S | re.M))
+    names = "|".join(sorted(help_of, key=len, reverse=True))
+    unknown = []
+    for page in PAGES:
+        if page == CLI:
+            continue
+        text = page.read_text().replace("\\\n", " ")
+        for cmd, rest in re.findall(rf"omnirl ({names})(?![-\w])([^\n`|&;]*)", text):
+            unknown += [
+                f"{page.name}: omnirl {cmd} {o}"
+                for o in re.findall(r"--[a-z0-9][\w-]*", rest)
+                if o not in help_of[cmd]
+            ]
+    assert unknown == []
 
 
 @pytest.mark.slow

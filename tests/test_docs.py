@@ -132,4 +132,5 @@ def test_readme_quickstart_runs_verbatim(tmp_path: Path) -> None:
     assert (tmp_path / "run/it1/policy/pytorch_lora_weights.safetensors").stat().st_size > 0
     assert (tmp_path / "run/reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # the replay reproduces the rollout (what the README says to expect)
-    assert "|Δlogp| mean 0," in done.stdout + done.stderr
+    replay = json.loads((tmp_path / "run/it0/logprobs/_manifest.json").read_text())["extra"]
+    assert (replay["rows_replayed"], replay["abs_delta_max"]) == (8, 0.0)

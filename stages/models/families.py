@@ -158,7 +158,7 @@ class FamilyAdapter:
     """
 
     name: ClassVar[str]
-    # The reference trainers' default LoRA target modules (README's families table says whose).
+    # The reference trainers' default LoRA target modules (docs/families.md's table says whose).
     lora_targets: ClassVar[tuple[str, ...]]
     # The pipeline attribute that is trained and saved (its class reloads full weights).
     trained_module: ClassVar[str] = "transformer"

@@ -61,10 +61,19 @@ def open_inputs(paths: list[Path] | None) -> Any:
 
 
 def map_shards(
-    src: Any, writer: Any, label: str, columns: list[str], fn: Callable[..., dict[str, Any]], *, bar: bool
+    src: Any,
+    writer: Any,
+    label: str,
+    columns: list[str],
+    fn: Callable[..., dict[str, Any]],
+    *,
+    bar: bool,
+    before_write: Callable[[int, dict[str, Any]], None] | None = None,
 ) -> list[int]:
     """Write fn(input shard, advance) as output shard i for this process's input shards i not already
-    done; returns the shards written here, in order.
+    done; returns the shards written here, in order. `before_write(i, input shard)` runs before shard i
+    is written: a file beside the shard that must exist whenever the shard does (`encode`'s prompt
+    conditioning).
 
     Shards finished by an earlier (crashed) run are skipped, so every per-shard stage resumes. Under a
     launcher (torchrun, `accelerate launch`) rank r takes the shards s with s % world == r and every rank
@@ -88,6 +97,8 @@ def map_shards(
                 out = fn(shard, lambda n: display.advance(task, n))
             except CorruptRowError as exc:
                 raise CorruptShardError(f"{src.shard_path(s, exc.column)}: {exc}") from exc
+            if before_write:
+                before_write(s, shard)
             writer.write_shard(s, out)
             written.append(s)
     barrier()

@@ -232,3 +232,55 @@ def test_a_shard_without_its_runs_file_stores_none(rollout: dict, tmp_path: Path
     assert conditioning_record(copy, 2, "another run", **at) is None
     (copy / record["files"][1]["file"]).unlink()
     assert conditioning_record(copy, 2, run_id, **at) is None
+
+
+def test_offline_pairs_encode_stores_the_conditioning_and_dpo_loads_no_encoder(
+    tiny_sd3: Path, tmp_path: Path
+) -> None:
+    """`pairs` loads no model; `encode` (which loads the pipeline for its VAE) stores the pairs' prompt
+    conditioning at the text length offline `update` encodes at, and `update --algo dpo` on its output
+    loads neither text encoder nor tokenizer, with the weights of re-encoding the prompts. One prompt:
+    re-encoding prompts batched otherwise rounds otherwise (see the flow_grpo test above)."""
+    import io
+    import json as json_module
+
+    from PIL import Image
+
+    def png(seed: int) -> bytes:
+        pixels = torch.randint(0, 256, (32, 32, 3), generator=torch.Generator().manual_seed(seed))
+        buffer = io.BytesIO()
+        Image.fromarray(pixels.to(torch.uint8).numpy()).save(buffer, format="PNG")
+        return buffer.getvalue()
+
+    for i in range(4):
+        (tmp_path / f"{i}.png").write_bytes(png(i))
+    rows = [
+        {"prompt": PROMPTS[0], "chosen": f"{2 * k}.png", "rejected": f"{2 * k + 1}.png"} for k in range(2)
+    ]
+    (tmp_path / "pairs.jsonl").write_text("\n".join(json_module.dumps(r) for r in rows) + "\n")
+    run("pairs", "--pairs", str(tmp_path / "pairs.jsonl"), "--out", str(tmp_path / "pairs"))
+    encoded = run(
+        "encode", "--model", str(tiny_sd3), "--in", str(tmp_path / "pairs"), "--resolution", "32",
+        "--out", str(tmp_path / "latents"),
+    )  # fmt: skip
+    assert encoded["conditioning"] == "stored"
+    record = ShardSet(tmp_path / "latents").manifest.extra[CONDITIONING]
+    assert record["identity"] == encoder_identity(tiny_sd3, "fp32", 128)  # offline update's text length
+    for info in record["files"]:  # the one prompt, stored once per shard
+        assert {key.split(".")[0] for key in load_file(tmp_path / "latents" / info["file"])} == {"0"}
+    without_conditioning(tmp_path / "latents", tmp_path / "plain")
+    policies = {}
+    for kind in ("latents", "plain"):
+        policies[kind] = run(
+            "update", "--model", str(tiny_sd3), *ins(tmp_path / "pairs", tmp_path / kind), "--algo", "dpo",
+            "--lora-rank", "4", "--lora-alpha", "8", "--lr", "1e-3", "--out", str(tmp_path / f"{kind}-policy"),
+        )  # fmt: skip
+    assert policies["latents"]["conditioning"] == "stored"
+    assert policies["latents"]["loaded_components"] == ["scheduler", "transformer"]
+    assert policies["plain"]["conditioning"].startswith("encoded")
+    assert [c for c in policies["plain"]["loaded_components"] if c.startswith(TEXT)]
+    assert policies["latents"]["optimizer_steps"] == policies["plain"]["optimizer_steps"] >= 1
+    a = load_file(tmp_path / "latents-policy" / LORA_WEIGHTS)
+    b = load_file(tmp_path / "plain-policy" / LORA_WEIGHTS)
+    assert a.keys() == b.keys() and any(v.abs().max() > 0 for k, v in a.items() if "lora_B" in k)
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -237,7 +237,8 @@ def test_encode_on_more_ranks_than_shards_writes_the_bytes_of_one_process(
     run(*encode, "--out", str(tmp_path / "one"))
     logs: list[str] = []
     reports = torchrun(*encode, "--out", str(tmp_path / "two"), stderr=logs)  # rank 1 has no shard
-    assert reports == [{"out": str(tmp_path / "two"), "rows": 6}]
+    stored = "in --in: its rollout stores it"  # the prompt conditioning: encode stores none of its own
+    assert reports == [{"out": str(tmp_path / "two"), "rows": 6, "conditioning": stored}]
     assert "rank 1 of 2 has none of the 1 input shards of encoding" in logs[0], logs[0]
     assert "final_latent" in [c["name"] for c in same_output(tmp_path / "one", tmp_path / "two")["columns"]]
 

@@ -229,6 +229,8 @@ def test_offline_pairs_train_at_the_familys_own_unguided_setting(family: dict, t
     )  # fmt: skip
     assert result["optimizer_steps"] >= 1
     assert all(math.isfinite(v) for v in result["last"].values() if isinstance(v, float))
+    # `encode` stored the pairs' prompt conditioning: the update loads no text encoder, tokenizer or VAE
+    assert result["conditioning"] == "stored" and result["loaded_components"] == ["scheduler", "transformer"]
     policy = FlowPolicy.load(family["model"])
     # the unguided setting runs no negative branch in any family (offline pairs carry no negatives)
     assert not policy.needs_negative(policy.family.default_guidance)

@@ -34,8 +34,17 @@ from helpers import PROMPTS, fails, run, runner, sample_args
 from PIL import Image
 
 from omnirl_cli.app import app
+from stages.models.conditioning import from_bytes, to_bytes
 from stages.sample.rollout import SampleConfig
-from stages.sample.rollout_protocol import ProtocolError, decode_response, encode_request, encode_response
+from stages.sample.rollout_protocol import (
+    ProtocolError,
+    conditioning_item,
+    decode_conditioning,
+    decode_request,
+    decode_response,
+    encode_request,
+    encode_response,
+)
 from stages.sample.tensor_codec import encode_tensor
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -164,10 +173,41 @@ def test_remote_samples_equal_in_process_ones_and_replay_exactly(
     assert manifest["extra"]["engine"]["server_url"] == server.url
     assert manifest["extra"]["engine"]["server_weights"]["version"] == 0
     assert local["extra"]["engine"] == {"name": "diffusers", "device": "cpu"}
+    # the server returned the prompt conditioning it sampled with: stored as the in-process engine stores
+    # its own, the same tensors, so the replay loads no text encoder, tokenizer or VAE
+    record, ours = manifest["extra"]["conditioning"], local["extra"]["conditioning"]
+    assert record["identity"] == ours["identity"] and len(record["files"]) == 3
+    for a, b in zip(record["files"], ours["files"]):
+        remote_entries = from_bytes((out / a["file"]).read_bytes())
+        local_entries = from_bytes((reference / b["file"]).read_bytes())
+        assert remote_entries.keys() == local_entries.keys() and len(remote_entries) == 2  # 2 prompts a shard
+        for key, branches in local_entries.items():
+            for theirs, mine in zip(remote_entries[key], branches):
+                assert theirs.keys() == mine.keys() and all(torch.equal(theirs[n], mine[n]) for n in mine)
     replay = run("logprob", "--model", str(tiny_sd3), "--in", str(out), "--out", str(tmp_path / "lp"))
     assert replay["abs_delta_max"] == 0.0
+    assert replay["conditioning"] == "stored" and replay["loaded_components"] == ["scheduler", "transformer"]
     run("logprob", "--model", str(tiny_sd3), "--in", str(reference), "--out", str(tmp_path / "lp0"))
     assert _shards(tmp_path / "lp") == _shards(tmp_path / "lp0")
+
+
+def test_a_server_of_another_dtype_is_not_asked_for_conditioning(server: Server, tiny_sd3: Path) -> None:
+    """Its conditioning would be another dtype's than the run's: the rollout stores none (encoded
+    downstream, as before), and a batch asks for none."""
+    from stages.sample.engines import EngineOptions
+    from stages.sample.remote_engine import RemoteEngine
+
+    options = dict(model=tiny_sd3, server_url=server.url, startup_timeout=30)
+    same = RemoteEngine.open(EngineOptions(**options), "cpu")
+    other = RemoteEngine.open(EngineOptions(**options, dtype="bf16"), "cpu")
+    assert same.returns_conditioning and not other.returns_conditioning
+    cfg = SampleConfig(steps=2, guidance=1.0, resolution=32, sampler="ode")
+    args = (cfg, ["a cat"], [""], [1], [1])
+    other.rollout(*args, groups=[0], sample_ids=["s0"])
+    assert other.conditioning([("a cat", "", cfg.max_sequence_length)]) is None and not other.received
+    same.rollout(*args, groups=[0], sample_ids=["s0"])
+    (entries,) = same.conditioning([("a cat", "", cfg.max_sequence_length)]).values()
+    assert entries[0] and all(torch.isfinite(t).all() for t in entries[0].values() if t.is_floating_point())
 
 
 @pytest.fixture(scope="module")
@@ -853,3 +893,41 @@ def test_a_reply_is_checked_for_id_count_shapes_and_finiteness() -> None:
     for body, message in broken:
         with pytest.raises(ProtocolError, match=message):
             decode_response(body, request)
+
+
+def test_the_conditioning_asked_for_travels_bit_for_bit_and_a_forged_one_is_refused() -> None:
+    from stages.web import pack_binary, unpack_binary
+
+    request = _rollout_body(n=2)
+    assert "return_conditioning" not in request  # not asked: the body an older server reads
+    request = {**request, "return_conditioning": True}
+    assert decode_request(request, max_samples=2).conditioning_keys() == [("a cat", "", 32)]
+    with pytest.raises(ProtocolError, match="return_conditioning must be true or false"):
+        decode_request({**request, "return_conditioning": "yes"}, max_samples=2)
+    g = torch.Generator().manual_seed(0)
+    pos = {"prompt_embeds": torch.randn(5, 8, generator=g), "mask": torch.ones(5, dtype=torch.bool)}
+    entries = {("a cat", "", 32): (pos, {"prompt_embeds": torch.randn(5, 8, generator=g)})}
+    reply = encode_response("r1", 0, {"image": [b""] * 2, "final_latent": torch.zeros(2, 4, 2, 2)}, entries)
+    for body in (json.loads(json.dumps(reply)), unpack_binary(pack_binary(reply))):
+        back = decode_conditioning(body, request)
+        assert back is not None and back.keys() == entries.keys()
+        for theirs, mine in zip(back[("a cat", "", 32)], entries[("a cat", "", 32)]):
+            assert all(torch.equal(theirs[n], mine[n]) and theirs[n].dtype == mine[n].dtype for n in mine)
+    assert decode_conditioning({k: v for k, v in reply.items() if k != "conditioning"}, request) is None
+    nan = {
+        key: ({**p, "prompt_embeds": torch.full((5, 8), float("nan"))}, n) for key, (p, n) in entries.items()
+    }
+    forged = [
+        (
+            conditioning_item({("a dog", "", 32): entries[("a cat", "", 32)]}),
+            "holds 1 prompts, not the batch",
+        ),
+        (conditioning_item({}), "holds 0 prompts"),
+        (conditioning_item(nan), "prompt_embeds is not finite"),
+        ({"format": "safetensors", "encoding": "base64", "data": "AAAA"}, "not a base64 safetensors"),
+        ({"format": "pickle", "encoding": "base64", "data": reply["conditioning"]["data"]}, "safetensors"),
+        ({**reply["conditioning"], "data": base64.b64encode(to_bytes(entries)[:-3]).decode()}, "safetensors"),
+    ]
+    for item, message in forged:
+        with pytest.raises(ProtocolError, match=message):
+            decode_conditioning({**reply, "conditioning": item}, request)

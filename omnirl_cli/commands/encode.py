@@ -49,13 +49,25 @@ def encode(
 ) -> None:
     """Encode every image with the model's VAE into `final_latent`, for offline DPO, NFT and AWM.
 
+    It also stores each unique prompt's text conditioning once per shard (conditioning-*.safetensors,
+    listed in the manifest, as `sample` does), so `update` on the output loads no text encoder
+    (docs/real-checkpoints.md, "What each stage loads"); not when --in has no prompt column or already
+    stores it (a rollout of the in-process engine). --json says which (`conditioning`).
+
     Example: [bold]omnirl encode --model models/sd3 --in data/pairs --resolution 512 --out data/latents[/]
     """
     c = resolve(ctx, "encode", required=("model", "out"))
+    from stages.models.conditioning import (
+        CONDITIONING,
+        conditioning_file,
+        conditioning_record,
+        write_conditioning,
+    )
     from stages.models.diffusion import FlowPolicy
     from stages.models.families import resolution_identity
-    from stages.offline.encode import encode_shard
+    from stages.offline.encode import encode_shard, prompt_conditioning
     from stages.precision import resolve_mixed_precision
+    from stages.sample.rollout import text_length_of
     from stages.shards.writer import ShardSetWriter
 
     c["mixed_precision"] = resolve_mixed_precision(c["mixed_precision"])  # the launcher's enters the identity
@@ -76,13 +88,37 @@ def encode(
         policy=policy_info(c["model"], None),
         overwrite=c["overwrite"],
     )
+    # the prompts' conditioning, at the text length `update` encodes these rows at, unless --in has it
+    if "prompt" not in src.columns:
+        conditioning = "none: --in has no prompt column"
+    elif any(CONDITIONING in (m.extra or {}) for m in src.manifests):
+        conditioning = "in --in: its rollout stores it"
+    else:
+        conditioning = "stored"
+    stores = conditioning == "stored"
+    text_length = text_length_of(src.manifests)
+    prompts = [k for k in ("prompt", "negative_prompt") if k in src.columns] if stores else []
+    extra = None
     if not writer.complete:
         policy = FlowPolicy.load(c["model"], device=device(), dtype=c["dtype"])
+
+        def store(shard_index: int, shard: dict) -> None:
+            entries = prompt_conditioning(
+                policy,
+                shard,
+                max_sequence_length=text_length,
+                batch_size=c["batch_size"],
+                mixed_precision=c["mixed_precision"],
+            )
+            path = writer.out_dir / conditioning_file(shard_index, writer.num_shards)
+            writer.out_dir.mkdir(parents=True, exist_ok=True)
+            write_conditioning(path, entries, writer.content_id)
+
         map_shards(
             src,
             writer,
             "encoding",
-            ["sample_id", "image"],
+            ["sample_id", "image", *prompts],
             lambda shard, advance: encode_shard(
                 policy,
                 shard,
@@ -92,10 +128,20 @@ def encode(
                 on_batch=advance,
             ),
             bar=not json_,
+            before_write=store if stores else None,
         )
-    if not finalize(writer):
+        if stores:
+            extra = conditioning_record(
+                writer.out_dir,
+                writer.num_shards,
+                writer.content_id,
+                model=c["model"],
+                dtype=c["dtype"],
+                max_sequence_length=text_length,
+            )
+    if not finalize(writer, extra):
         return
-    result = {"out": str(c["out"]), "rows": src.num_rows}
+    result = {"out": str(c["out"]), "rows": src.num_rows, "conditioning": conditioning}
     if json_:
         emit_json(result)
     else:

@@ -230,7 +230,9 @@ def online(
     actor metrics as the staged score and update do (the run directory is --out). With --engine remote
     the sampler is a client of `omnirl serve` (same model) and each update's LoRA is pushed to it; each
     iteration reports its samples' version gaps (iterations between the weights that drew them and the
-    ones trained), at most --max-staleness.
+    ones trained), at most --max-staleness. The trainer loads no text encoder, tokenizer or VAE: the
+    sampler (in process, or a server at this --dtype) hands over each iteration's prompt conditioning;
+    each iteration's --json lists the trainer's loaded_components.
 
     Example: [bold]omnirl online --config recipes/configs/demo_tiny.yaml --model models/sd3-tiny \\
     --prompts recipes/demo_prompts.txt --reward jpeg_compressibility --iterations 4 --out runs/online[/]

@@ -46,7 +46,8 @@ def pairs(
 ) -> None:
     """Convert preference pairs into a shard set: each pair is a group of two rows, reward 1 (preferred) and 0.
 
-    Ties (Pick-a-Pic label 0.5) are skipped. Follow with `omnirl encode` (VAE latents) and
+    Ties (Pick-a-Pic label 0.5) are skipped. No model is loaded. Follow with `omnirl encode` (VAE
+    latents; it also stores the prompts' text conditioning, so the update loads no text encoder) and
     `omnirl update --algo dpo`.
 
     Example: [bold]omnirl pairs --pairs pickapic.parquet --out data/pairs && omnirl encode --model M \\

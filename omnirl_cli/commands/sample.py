@@ -397,7 +397,8 @@ def sample(
 
     The in-process engine also stores each unique prompt's text conditioning once per shard
     (conditioning-*.safetensors, listed in the manifest), so `logprob` and `update` load no text encoder
-    (docs/real-checkpoints.md, "What each stage loads").
+    (docs/real-checkpoints.md, "What each stage loads"); so does --engine remote, with the conditioning
+    the server returns when it runs at this --dtype.
 
     With a vision-language --model (Qwen2.5-VL), GROUP text responses per (images, question) row of a
     verl/EasyR1 table: prompt and response token ids, response text, rollout log-probs, images once per

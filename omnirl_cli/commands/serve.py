@@ -114,7 +114,9 @@ def serve(
     """Serve diffusion rollouts over HTTP until SIGTERM or Ctrl-C, on this process's device.
 
     Routes: POST /omnirl/v1/rollout (omnirl rollout protocol v1: SDE trajectories that `omnirl
-    logprob` replays exactly; clients: `omnirl sample --engine remote --server-url URL`), POST
+    logprob` replays exactly, and when asked the prompt conditioning they were sampled with, which
+    the client stores so that the stages after it load no text encoder; clients: `omnirl sample
+    --engine remote --server-url URL`), POST
     /v1/images/generations (vLLM-Omni's images API, b64_json PNGs), POST /v1/videos/sync (its videos
     API for a video family: a form in, the MP4 out), GET/POST/DELETE /omnirl/v1/weights (the
     weights held; swap in another adapter folder, or a LoRA file a trainer pushes with its SHA-256 and

@@ -244,12 +244,19 @@ def _sampler_main(
                 key: cols[key]
                 for key in ("sample_id", "group_id", "prompt", "negative_prompt", "prompt_meta")
             }
-            if cfg.in_process:  # the prompts' conditioning: the trainer loads no text encoder
-                # sent every iteration, as encoded for it: the sampler forgets its encodings between
-                # iterations (`forget_prompts`), and the trainer must train on the very ones sampled with
+            if engine.returns_conditioning:  # the prompts' conditioning: the trainer loads no text encoder
+                # sent every iteration, as encoded for it: the in-process sampler forgets its encodings
+                # between iterations (`forget_prompts`), and the trainer must train on the very ones
+                # sampled with (a server's, those it returned)
                 length = cfg.sampling(k).max_sequence_length
                 keys = {(r.prompt.text, r.prompt.negative, length) for r in iteration_rows(cfg, k)}
-                meta[CONDITIONING] = to_bytes(engine.conditioning(sorted(keys)) or {})
+                entries = engine.conditioning(sorted(keys)) or {}
+                if len(entries) != len(keys):  # a server whose weights changed a text encoder meanwhile
+                    raise RuntimeFailure(
+                        f"--engine {cfg.engine}: it returned the prompt conditioning of {len(entries)} of "
+                        f"iteration {k}'s {len(keys)} prompts; restart the server without a text-encoder LoRA"
+                    )
+                meta[CONDITIONING] = to_bytes(entries)
             media = {name: cols[name] for name in MEDIA_COLUMNS if name in cols}
             to_scorer.put(
                 {
@@ -629,15 +636,26 @@ def run_online(
 
     start = prepare_run(cfg, overwrite=overwrite)
     adapter = cfg.out / f"it{start}" / "policy" if start else None
-    # the in-process sampler hands over each prompt's conditioning with its trajectories, so the trainer
-    # loads no text encoder; it never decodes (the sampler and scorer do), so it loads no VAE either
+    pusher = None
+    if not cfg.in_process:  # opened first: whether the server returns conditioning decides what loads
+        from stages.sample.engines import open_engine
+
+        pusher = open_engine(cfg.engine, cfg.engine_options(), device)
+    # the sampler hands over each prompt's conditioning with its trajectories (in process, or a server
+    # that returns it), so the trainer loads no text encoder; it never decodes (the sampler and scorer
+    # do), so it loads no VAE either
     policy = FlowPolicy.load(
         cfg.model,
         adapter=adapter,
         device=device,
         dtype=cfg.dtype,
-        conditioning={} if cfg.in_process else None,
+        conditioning={} if pusher is None or pusher.returns_conditioning else None,
         vae=False,
+    )
+    policy.conditioning_source = (
+        "from the sampler"
+        if pusher is None or pusher.returns_conditioning
+        else f"encoded: --engine {cfg.engine} returns no conditioning (a server of another --dtype or version)"
     )
     check_reward_kinds(cfg.rewards, policy.family.media)
     if not cfg.in_process and len(policy.parts) > 1:
@@ -650,13 +668,9 @@ def run_online(
     summaries: list[dict[str, Any]] = []
     if start >= cfg.iterations:
         return summaries
-    pusher = None
     published = {step: start}  # optimizer step of each published version → its iteration count
     try:  # a run that fails to start forgets what it pushed, as a run that ends does (below)
-        if not cfg.in_process:  # the server samples iteration `start` with the weights trained so far
-            from stages.sample.engines import open_engine
-
-            pusher = open_engine(cfg.engine, cfg.engine_options(), policy.device)
+        if pusher is not None:  # the server samples iteration `start` with the weights trained so far
             pusher.push_weights(policy.lora_file(), step)
         workers = Workers(
             cfg,
@@ -726,6 +740,8 @@ def run_online(
                 "version_gap_max": max(gaps),
                 "device": str(policy.device),
                 "sampler_device": sampled_on,
+                "loaded_components": policy.loaded_components,  # the trainer's
+                "conditioning": policy.conditioning_source,
                 "step": step,
                 "seconds_waiting": t_wait,
                 "seconds_training": t_train,

@@ -92,6 +92,9 @@ class RolloutEngine(ABC):
 
     name: ClassVar[str]
     takes_pushed_weights: ClassVar[bool] = False  # `push_weights` and `pin_weights` work (`online`)
+    # `conditioning` gives the prompt conditioning of every batch rolled out (`online`'s trainer then
+    # loads no text encoder)
+    returns_conditioning: bool = False
     family: str  # the model family it samples (`FamilyAdapter.name`), recorded in the manifest
 
     @classmethod
@@ -205,9 +208,16 @@ class DiffusersEngine(RolloutEngine):
     """The diffusers pipeline in this process (`FlowPolicy`), on the given device."""
 
     def __init__(self, policy: Any, *, decode: bool = True):
+        from stages.models.conditioning import TEXT_PREFIXES
+
         self.policy = policy
         self.family = policy.family.name
         self.decode = decode  # False: rollouts return no media (`EngineOptions.defer_decode`)
+        # not when an adapter put LoRA layers on a text encoder: the stored conditioning would then
+        # depend on that adapter, not on --model alone
+        self.returns_conditioning = not any(
+            name.startswith(TEXT_PREFIXES) for name in policy.untrained_loras()
+        )
 
     @classmethod
     def open(cls, options: EngineOptions, device: Any) -> DiffusersEngine:
@@ -249,13 +259,8 @@ class DiffusersEngine(RolloutEngine):
         return self.policy.latent_shape(resolution, frames)
 
     def conditioning(self, keys: list[Key]) -> Entries | None:
-        """The policy's cached conditioning of `keys`; None when an adapter put LoRA layers on a text
-        encoder (the stored conditioning would then depend on that adapter, not on --model alone)."""
-        from stages.models.conditioning import TEXT_PREFIXES
-
-        if any(name.startswith(TEXT_PREFIXES) for name in self.policy.untrained_loras()):
-            return None
-        return self.policy.conditioning(keys)
+        """The policy's cached conditioning of `keys`; None when it `returns_conditioning` not."""
+        return self.policy.conditioning(keys) if self.returns_conditioning else None
 
     def describe(self) -> dict[str, Any]:
         """The engine and its device type (not the index: under a launcher each rank has its own, and

@@ -15,6 +15,12 @@ naming the URL; the shards written before it are kept and a re-run resumes after
 validated (`rollout_protocol.decode_response`: request id, count, shapes, finiteness); an aborted
 batch is drawn again with the same seeds (`rollout_protocol.redraw_aborted`).
 
+When the server's weights dtype (its /health ``dtype``) is the run's --dtype, a batch with a prompt the
+engine has no conditioning of yet asks for the batch's prompt conditioning (``return_conditioning``), and
+`conditioning` returns what the server sampled with: `omnirl sample` stores it and `online`'s trainer
+trains on it, with no text encoder. A server of another dtype (or one that predates the field) is not
+asked: its rollouts are encoded downstream, as before.
+
 A run that trains (`online --engine remote`) opens the engine with `EngineOptions.pushed_weights`: it
 sends each new LoRA itself (`push_weights`: the LoRA file's bytes with their SHA-256 and a version;
 retried like a batch, since the same bytes and version may be sent twice), its requests accept any
@@ -38,12 +44,14 @@ from collections.abc import Hashable, Sequence
 from typing import Any
 
 from stages.errors import RuntimeFailure, UserInputError
+from stages.models.conditioning import Entries, Key
 from stages.models.families import Resolution
 from stages.sample.engines import EngineOptions, RolloutEngine, register_engine
 from stages.sample.rollout_protocol import (
     PROTOCOL,
     ROUTE,
     VERSION,
+    decode_conditioning,
     decode_response,
     encode_request,
     redraw_aborted,
@@ -94,7 +102,12 @@ class RemoteEngine(RolloutEngine):
     takes_pushed_weights = True
 
     def __init__(
-        self, client: RolloutClient, health: dict[str, Any], weights: dict[str, Any], pushed: bool = False
+        self,
+        client: RolloutClient,
+        health: dict[str, Any],
+        weights: dict[str, Any],
+        pushed: bool = False,
+        dtype: str | None = None,
     ):
         self.client = client
         self.family = str(health.get("family"))
@@ -103,6 +116,9 @@ class RemoteEngine(RolloutEngine):
         self.pushed = pushed  # the run pushes its weights: samples record the version the server used
         self.pushed_named = False  # this engine pushed named weights, which `close` forgets
         self.heartbeat: threading.Event | None = None  # set to stop renewing their lease (`_keep_lease`)
+        # the server's prompt conditioning is the run's own only at the run's --dtype (module docstring)
+        self.returns_conditioning = dtype is not None and health.get("dtype") == dtype
+        self.received: Entries = {}  # the prompt conditioning the server's replies carried
 
     @classmethod
     def open(cls, options: EngineOptions, device: Any) -> RemoteEngine:
@@ -140,7 +156,7 @@ class RemoteEngine(RolloutEngine):
                 f"--server-url {client.url} holds {have}, not {want}; load it with POST "
                 f"{client.url}/omnirl/v1/weights or restart `omnirl serve` with that --adapter"
             )
-        return cls(client, health, weights, options.pushed_weights)
+        return cls(client, health, weights, options.pushed_weights, options.dtype)
 
     def rollout(
         self,
@@ -155,20 +171,34 @@ class RemoteEngine(RolloutEngine):
     ) -> dict[str, Any]:
         ids = list(sample_ids)
         request_id = hashlib.sha256(json.dumps([ids, list(seeds)]).encode()).hexdigest()[:16]
+        keys = [(p, n, cfg.max_sequence_length) for p, n in zip(prompts, negatives)]
+        ask = self.returns_conditioning and any(key not in self.received for key in keys)
         body = encode_request(
-            request_id, cfg, prompts, negatives, seeds, init_seeds, list(groups), ids, self.weights
+            request_id, cfg, prompts, negatives, seeds, init_seeds, list(groups), ids, self.weights, ask
         )
 
-        version, columns = redraw_aborted(
-            lambda: decode_response(self.client.call(ROUTE, body), body),
-            f"{self.client.url}{ROUTE} samples {ids[0]}..{ids[-1]}",
+        def draw() -> tuple[int, dict[str, Any], Entries | None]:
+            reply = self.client.call(ROUTE, body)
+            version, columns = decode_response(reply, body)
+            return version, columns, decode_conditioning(reply, body)
+
+        version, columns, conditioning = redraw_aborted(
+            draw, f"{self.client.url}{ROUTE} samples {ids[0]}..{ids[-1]}"
         )
+        self.received.update(conditioning or {})
         self.server_weights["version"] = version
         if self.pushed:
             import torch
 
             columns["policy_version"] = torch.full((len(ids),), version, dtype=torch.int64)
         return columns
+
+    def conditioning(self, keys: list[Key]) -> Entries | None:
+        """The prompt conditioning the server sampled `keys` with, those it returned (module docstring);
+        None from a server that is not asked for it."""
+        if not self.returns_conditioning:
+            return None
+        return {key: self.received[key] for key in keys if key in self.received}
 
     def push_weights(self, lora: bytes, version: int) -> dict[str, Any]:
         """Send a LoRA file's bytes as weights `version` (``POST /omnirl/v1/weights?sha256=&version=``);

@@ -242,3 +242,12 @@ def sample_config_of(manifests: list[Any]) -> SampleConfig:
     raise UserInputError(
         "--in: none of the inputs was written by `omnirl sample`; pass the samples shard set first"
     )
+
+
+def text_length_of(manifests: Sequence[Any]) -> int:
+    """The text length the stages after these inputs encode their prompts at: the one `omnirl sample`
+    recorded in one of `manifests`, else `SampleConfig`'s default, which `update` takes for offline data
+    (pairs, encoded images)."""
+    if any((m.extra or {}).get("sample_config") for m in manifests):
+        return sample_config_of(list(manifests)).max_sequence_length
+    return SampleConfig.max_sequence_length

@@ -7,7 +7,8 @@
                                                                    # "resolution": [height, width], or one side (square)
      "samples": [{"sample_id", "prompt", "negative_prompt", "seed", "init_seed", "group"}],
      "weights": {"model_sha256": str | null, "adapter_sha256": str | null, "version": int | null,
-                 "name": str}}                                    # name: optional, named weights
+                 "name": str},                                    # name: optional, named weights
+     "return_conditioning": bool}                                 # optional, default false
 
 `seed` drives a sample's SDE noise, `init_seed` its x_T, `group` (the prompt's index) places its SDE
 window (`rollout.stored_steps`), so a batch sent again returns the same samples. `weights` names the
@@ -24,11 +25,20 @@ a 400 naming the field, before anything runs. Reply::
      "frames": [[{"format": "png", ...}]],          # only for a video with save_frames: PNG per frame
      "final_latent": tensor [B, *latent],
      "trajectory": {"latents": [B, K+1, *latent], "sigmas": [B, K+1],
-                    "timesteps": [B, K], "log_probs": [B, K]} | null}   # null for the ode sampler
+                    "timesteps": [B, K], "log_probs": [B, K]} | null,   # null for the ode sampler
+     "conditioning": {"format": "safetensors", "encoding": "base64", "data": str}}  # when asked
 
 ``media`` carries the rollout's media column (`stages.media.MEDIA_FORMATS`): a PNG per sample for an
 image family, the MP4 of its frames (at ``sampling_params.fps``) for a video family, whose latents are
 5-D (``[C, F', h, w]``); the client stores them as its ``image`` or ``video`` column, byte for byte.
+
+With ``return_conditioning`` true the reply also carries the prompt conditioning the server sampled the
+batch with: for each unique (prompt, negative prompt, ``max_sequence_length``) of the batch, what the
+family adapter's `encode_prompts` gave, both CFG branches, as one safetensors file
+(`stages.models.conditioning.to_bytes`; never pickle), so that the client stores it (`omnirl sample`)
+or trains on it (`omnirl online`) without a text encoder. Its size is bounded by the batch (--max-batch
+prompts at most). A server that cannot give it (an adapter with text-encoder LoRA layers) leaves the
+field out, as does one that predates it; a server that predates the request field ignores it.
 
 Tensors are `stages.sample.tensor_codec` objects, always float32 (never downcast). A client that sends
 ``Accept: application/x-msgpack`` gets the same reply as msgpack, every ``"encoding": "base64"`` object
@@ -54,6 +64,7 @@ from typing import Any, TypeVar, Union
 
 from stages.errors import RuntimeFailure, UserInputError
 from stages.media import FRAMES_COLUMN, MEDIA_FORMATS, has_signature, media_column
+from stages.models.conditioning import Entries, Key, from_bytes, to_bytes
 from stages.models.families import Resolution, parse_resolution
 from stages.sample.rollout import LATENT_DTYPES, SampleConfig, stored_steps
 from stages.sample.tensor_codec import CodecError, decode_tensor, encode_tensor
@@ -68,6 +79,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 FORMAT_COLUMNS = {fmt: column for column, fmt in MEDIA_FORMATS.items()}  # "png" → "image", "mp4" → "video"
 MAX_SEED = 2**63 - 1
 TRAJECTORY = ("latents", "log_probs", "timesteps", "sigmas")  # in the column order of rollout_batch
+CONDITIONING_FORMAT = "safetensors"  # the reply's ``conditioning`` file
 logger = logging.getLogger(__name__)
 MAX_REDRAWS = 4  # further draws of an aborted sample before the run stops
 _T = TypeVar("_T")
@@ -112,6 +124,12 @@ class RolloutRequest:
     groups: list[int | str]
     sample_ids: list[str]
     weights: dict[str, Any]
+    return_conditioning: bool = False  # reply with the batch's prompt conditioning
+
+    def conditioning_keys(self) -> list[Key]:
+        """The batch's unique (prompt, negative prompt, max sequence length), in order of appearance."""
+        length = self.cfg.max_sequence_length
+        return list(dict.fromkeys((p, n, length) for p, n in zip(self.prompts, self.negatives)))
 
 
 def wire_resolution(resolution: Resolution) -> int | list[int]:
@@ -142,8 +160,10 @@ def encode_request(
     groups: list[Any],
     sample_ids: list[str],
     weights: dict[str, Any],
+    return_conditioning: bool = False,
 ) -> dict[str, Any]:
-    """The JSON body of one rollout batch (module docstring)."""
+    """The JSON body of one rollout batch (module docstring); `return_conditioning` asks for the batch's
+    prompt conditioning too (left out when false, so a server that predates it reads the same body)."""
     samples = [
         {"sample_id": i, "prompt": p, "negative_prompt": n, "seed": int(s), "init_seed": int(t), "group": g}
         for i, p, n, s, t, g in zip(sample_ids, prompts, negatives, seeds, init_seeds, groups)
@@ -155,6 +175,7 @@ def encode_request(
         "sampling_params": _sampling_params(cfg),
         "samples": samples,
         "weights": {k: weights[k] for k in WEIGHT_KEYS if k in weights},
+        **({"return_conditioning": True} if return_conditioning else {}),
     }
 
 
@@ -251,6 +272,9 @@ def decode_request(body: dict[str, Any], *, max_samples: int) -> RolloutRequest:
         raise ProtocolError("weights.version must be an integer or null")
     if "name" in weights and not (isinstance(weights["name"], str) and WEIGHTS_NAME.match(weights["name"])):
         raise ProtocolError(f"weights.name must be {WEIGHTS_NAME_RULE}")
+    return_conditioning = body.get("return_conditioning", False)
+    if not isinstance(return_conditioning, bool):
+        raise ProtocolError("return_conditioning must be true or false")
     columns: dict[str, list[Any]] = {k: [] for k in ("sample_id", "prompt", "negative_prompt", "group")}
     seeds, init_seeds = [], []
     for i, sample in enumerate(samples):
@@ -277,6 +301,7 @@ def decode_request(body: dict[str, Any], *, max_samples: int) -> RolloutRequest:
         groups=columns["group"],
         sample_ids=columns["sample_id"],
         weights=dict(weights),
+        return_conditioning=return_conditioning,
     )
 
 
@@ -294,9 +319,13 @@ def media_fields(columns: dict[str, Any]) -> dict[str, Any]:
     return fields
 
 
-def encode_response(request_id: str, weight_version: int, columns: dict[str, Any]) -> dict[str, Any]:
-    """The reply carrying `rollout_batch`'s `columns` (module docstring)."""
+def encode_response(
+    request_id: str, weight_version: int, columns: dict[str, Any], conditioning: Entries | None = None
+) -> dict[str, Any]:
+    """The reply carrying `rollout_batch`'s `columns` and, when given, the batch's prompt `conditioning`
+    (module docstring)."""
     trajectory = {k: encode_tensor(columns[k].float()) for k in TRAJECTORY} if "latents" in columns else None
+    stored = {} if conditioning is None else {"conditioning": conditioning_item(conditioning)}
     return {
         "protocol": PROTOCOL,
         "version": VERSION,
@@ -306,7 +335,42 @@ def encode_response(request_id: str, weight_version: int, columns: dict[str, Any
         **media_fields(columns),
         "final_latent": encode_tensor(columns["final_latent"].float()),
         "trajectory": trajectory,
+        **stored,
     }
+
+
+def conditioning_item(entries: Entries) -> dict[str, Any]:
+    """The ``conditioning`` field of a reply: `entries` as a base64 safetensors file."""
+    data = base64.b64encode(to_bytes(entries)).decode("ascii")
+    return {"format": CONDITIONING_FORMAT, "encoding": "base64", "data": data}
+
+
+def decode_conditioning(body: dict[str, Any], request: dict[str, Any]) -> Entries | None:
+    """The prompt conditioning of a reply to `request` (an `encode_request` body), checked: a safetensors
+    file holding exactly the request's unique (prompt, negative prompt, max sequence length), every float
+    value finite; None when the reply carries none (module docstring). `ProtocolError` otherwise."""
+    import torch
+    from safetensors import SafetensorError
+
+    item = body.get("conditioning")
+    if item is None:
+        return None
+    data = item.get("data") if isinstance(item, dict) and item.get("format") == CONDITIONING_FORMAT else None
+    try:
+        blob = data if isinstance(data, bytes) else base64.b64decode(str(data), validate=True)
+        entries = from_bytes(blob)
+    except (binascii.Error, ValueError, KeyError, TypeError, IndexError, SafetensorError):
+        raise ProtocolError("conditioning is not a base64 safetensors file of prompt conditioning") from None
+    length = SampleConfig.from_options(request["sampling_params"]).max_sequence_length
+    asked = {(s["prompt"], s["negative_prompt"], length) for s in request["samples"]}
+    if set(entries) != asked:
+        raise ProtocolError(f"conditioning holds {len(entries)} prompts, not the batch's {len(asked)}")
+    for key, branches in entries.items():
+        for values in branches:
+            for name, value in values.items():
+                if value.is_floating_point() and not torch.isfinite(value).all():
+                    raise ProtocolError(f"conditioning of prompt {key[0][:40]!r}: {name} is not finite")
+    return entries
 
 
 def _media_blob(item: Any, where: str, formats: tuple[str, ...]) -> tuple[str, bytes]:

@@ -2,11 +2,13 @@
 
 Routes (JSON in and out, never pickle; HTTP, token and size checks in `stages.web`):
 
-- ``GET /health`` (no token): ``{"status": "ok", "protocols", "model", "family", "weights"}``, where
-  ``weights`` is ``{"model_sha256", "adapter", "adapter_sha256", "version"}``;
+- ``GET /health`` (no token): ``{"status": "ok", "protocols", "model", "family", "dtype", "weights"}``,
+  where ``dtype`` is the weights dtype (--dtype) and ``weights`` is ``{"model_sha256", "adapter",
+  "adapter_sha256", "version"}``;
 - ``GET /v1/models``: the OpenAI list shape, one model whose ``id`` is the served model name;
 - ``POST /omnirl/v1/rollout``: omnirl rollout protocol v1 (`stages.sample.rollout_protocol`): the
-  trajectories of `rollout_batch`, which `omnirl logprob` replays exactly;
+  trajectories of `rollout_batch`, which `omnirl logprob` replays exactly, and when asked the prompt
+  conditioning they were sampled with (which `omnirl sample` stores and `online`'s trainer trains on);
 - ``POST /v1/images/generations``: vLLM-Omni's (OpenAI's) images API: ``prompt``, ``n`` (1–10),
   ``size`` ("WxH"), ``num_inference_steps`` (1–200), ``guidance_scale`` (0–20),
   ``negative_prompt``, ``seed`` (random when absent; image i draws from seed + i), ``model`` (400 when
@@ -83,6 +85,7 @@ from typing import Any
 
 from stages.errors import UserInputError
 from stages.media.video import MAX_FRAMES
+from stages.models.conditioning import Entries
 from stages.sample.engines import DiffusersEngine
 from stages.sample.rollout import SampleConfig, stored_steps
 from stages.sample.rollout_protocol import (
@@ -92,6 +95,7 @@ from stages.sample.rollout_protocol import (
     WEIGHTS_NAME,
     WEIGHTS_NAME_RULE,
     ProtocolError,
+    RolloutRequest,
     check_weights,
     decode_request,
     encode_response,
@@ -553,6 +557,7 @@ class RolloutService(JsonService):
             "protocols": [f"{PROTOCOL}/{VERSION}"],
             "model": self.served_name,
             "family": self.engine.family,
+            "dtype": self.dtype,
             "weights": dict(self.weights),
             "named_weights": self.named_weights(),
         }
@@ -675,7 +680,15 @@ class RolloutService(JsonService):
                 sample_ids=request.sample_ids,
                 on_step=_stop_if_gone,
             )
-        return encode_response(request.request_id, version, columns)
+            conditioning = self._conditioning(request) if request.return_conditioning else None
+        return encode_response(request.request_id, version, columns, conditioning)
+
+    def _conditioning(self, request: RolloutRequest) -> Entries | None:
+        """The prompt conditioning the batch of `request` was just sampled with (the policy's cache), or
+        None when the pipeline cannot give it (`DiffusersEngine.conditioning`: text-encoder LoRA layers)."""
+        keys = request.conditioning_keys()
+        entries = self.engine.conditioning(keys)
+        return entries if entries is not None and len(entries) == len(keys) else None
 
     def _generation(self, body: dict[str, Any], media: str) -> str:
         """The prompt of an images or videos request for `media` ("image", "video"), after the checks

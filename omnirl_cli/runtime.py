@@ -64,14 +64,14 @@ def map_shards(
     src: Any, writer: Any, label: str, columns: list[str], fn: Callable[..., dict[str, Any]], *, bar: bool
 ) -> list[int]:
     """Write fn(input shard, advance) as output shard i for this process's input shards i not already
-    done; returns the shards written here, in order.
+    done; returns the shards made here, in order.
 
     Shards finished by an earlier (crashed) run are skipped, so every per-shard stage resumes. Under a
     launcher (torchrun, `accelerate launch`) rank r takes the shards s with s % world == r and every rank
     waits for the others at the end, even one without a shard, so `finalize` then sees every shard.
     A row that `fn` cannot decode (`CorruptRowError`) is reported with the input file that holds it.
     """
-    from stages.dist import barrier, rank_shards
+    from stages.dist import barrier, rank_shards, writes_outputs
     from stages.errors import CorruptRowError, CorruptShardError
 
     sizes = [info.rows for info in src.manifests[0].shards]
@@ -88,7 +88,8 @@ def map_shards(
                 out = fn(shard, lambda n: display.advance(task, n))
             except CorruptRowError as exc:
                 raise CorruptShardError(f"{src.shard_path(s, exc.column)}: {exc}") from exc
-            writer.write_shard(s, out)
+            if writes_outputs():  # one rank of a model-parallel group writes what the group computed
+                writer.write_shard(s, out)
             written.append(s)
     barrier()
     return written
@@ -129,16 +130,17 @@ def report_complete(out: Path, json_: bool, result: dict[str, Any] | None = None
 
 def resolve_num_shards(c: dict[str, Any], groups: int, group_rows: int) -> int:
     """Set and return c["num_shards"]: --num-shards, else about --shard-rows rows per shard, rounded up
-    to a multiple of the launcher's world size so that every rank samples (and every later stage,
+    to a multiple of the launcher's data-parallel size so that every rank samples (and every later stage,
     which splits by shard, works on every rank).
 
     A shard holds whole groups (`groups` of `group_rows` rows), so there are at most `groups` shards.
     """
-    from stages.dist import join
+    from stages.dist import data_parallel, join
 
     if c["num_shards"] is None:
         rows = groups * group_rows
-        world = join()[0] if c.get("shard_index") is None else 1  # a Slurm task is one shard already
+        join()
+        world = data_parallel()[0] if c.get("shard_index") is None else 1  # a Slurm task is one shard already
         by_rows = max(1, -(-rows // c["shard_rows"]))
         c["num_shards"] = max(1, min(groups, -(-by_rows // world) * world))
     return c["num_shards"]
@@ -163,6 +165,9 @@ NOT_IDENTITY = (
     "shard_rows",
     "strategy",
     "gradient_checkpointing",
+    "sp_degree",
+    "sp_kind",
+    "tp_degree",
     "report_to",
     "run_name",
     "server_token_env",

@@ -34,7 +34,10 @@ from ..options import (
     ReportToOpt,
     RunNameOpt,
     SetOpt,
+    SpDegreeOpt,
+    SpKindOpt,
     StrategyOpt,
+    TpDegreeOpt,
     mixed_precision_opt,
     model_opt,
 )
@@ -67,6 +70,9 @@ def update(
     ) = None,
     strategy: StrategyOpt = "auto",
     gradient_checkpointing: GradientCheckpointingOpt = False,
+    sp_degree: SpDegreeOpt = 1,
+    sp_kind: SpKindOpt = "ulysses",
+    tp_degree: TpDegreeOpt = 1,
     algo: Annotated[
         str,
         typer.Option(
@@ -318,6 +324,9 @@ def update(
     accelerate config; recipes/accelerate/ has configs). Rank 0 writes the adapter and prints the report.
     Under FSDP2 with fsdp_state_dict_type SHARDED_STATE_DICT (FSDP_STATE_DICT_TYPE) each rank writes its shards of
     the trainer state (torch.distributed.checkpoint, trainer_state/sharded); the adapter stays one loadable folder.
+    With --sp-degree S the launch's ranks form dp × S: each group of S ranks trains on the same
+    micro-batches with 1/S of every sequence, so N ranks equal one process with N/S·grad_accum
+    (docs/scaling.md, "Sequence and tensor parallelism").
 
     --report-to logs every metrics.jsonl record as it is made, at its global optimizer step.
 

@@ -122,52 +122,74 @@ def layout(parallel: ModelParallel) -> Any:
 
 def parallelize(parts: Mapping[str, torch.nn.Module], parallel: ModelParallel) -> None:
     """Spread each trained transformer in `parts` (pipeline attribute → module; adapters already on
-    it, so diffusers' hooks wrap the LoRA layers too) by `parallel`, in place. Call it once per module,
-    after `layout` splits the work. The modules must then be called with `return_dict=False` (every
-    family adapter does): diffusers' output gather hooks take tuples."""
-    mesh = layout(parallel)
-    if mesh is None:
+    it, so diffusers' hooks wrap the LoRA layers too) by `parallel`, in place; one line refuses a module
+    it cannot spread before anything is changed. Call it once per module. The modules must then be
+    called with `return_dict=False` (every family adapter does): diffusers' output hooks take tuples."""
+    if parallel.degree == 1:
         return
+    for name, module in parts.items():
+        _check(f"{name} {type(module).__name__}", module, parallel)
+    mesh = layout(parallel)
     from diffusers import ContextParallelConfig, TensorParallelConfig
 
-    for name, module in parts.items():
-        what = f"{name} {type(module).__name__}"
+    for module in parts.values():
         if parallel.sp_degree > 1:
-            if getattr(module, "_cp_plan", None) is None:
-                raise UserInputError(
-                    f"--sp-degree {parallel.sp_degree}: the {what} has no context-parallel plan (_cp_plan) in "
-                    "diffusers; sequence parallelism runs FLUX, Qwen-Image and Wan, drop --sp-degree"
-                )
-            backend = _backend(module)
-            if parallel.sp_kind != "ulysses" and backend in NO_LSE_BACKENDS:
-                raise UserInputError(
-                    f"--sp-kind {parallel.sp_kind}: ring attention needs an attention backend that returns the "
-                    f"log-sum-exp and the active one ({backend}) does not (so no CPU runs it); use --sp-kind "
-                    "ulysses or a flash/cuDNN backend on an accelerator"
-                )
             cp_mesh = mesh["ring", "ulysses"]
             ring, ulysses = cp_mesh.mesh.shape
-            config: Any = ContextParallelConfig(ring_degree=ring, ulysses_degree=ulysses, mesh=cp_mesh)
-            _check_heads(module, ulysses, "--sp-degree", what)
+            _enable(module, ContextParallelConfig(ring_degree=ring, ulysses_degree=ulysses, mesh=cp_mesh))
         else:
-            if getattr(module, "_tp_plan", None) is None:
-                raise UserInputError(
-                    f"--tp-degree {parallel.tp_degree}: the {what} has no tensor-parallel plan (_tp_plan) in "
-                    "diffusers; tensor parallelism runs FLUX and Qwen-Image, drop --tp-degree"
-                )
-            if mesh.device_type == "cpu":
-                raise UserInputError(
-                    f"--tp-degree {parallel.tp_degree}: diffusers shards weights on accelerators only (cuda, "
-                    "xpu, neuron, tpu), not on this CPU; use --sp-degree here"
-                )
-            if any("lora_" in n for n, _ in module.named_parameters()):
-                raise UserInputError(
-                    f"--tp-degree {parallel.tp_degree}: the {what} carries LoRA layers, which diffusers' "
-                    "tensor-parallel plan does not shard; use --sp-degree (or --full without --adapter)"
-                )
-            config = TensorParallelConfig(mesh=mesh["tp"])
-            _check_heads(module, parallel.tp_degree, "--tp-degree", what)
-        _enable(module, config)
+            _enable(module, TensorParallelConfig(mesh=mesh["tp"]))
+
+
+def _check(what: str, module: torch.nn.Module, parallel: ModelParallel) -> None:
+    """Refuse in one line a module (`what`: its attribute and class) diffusers cannot spread by `parallel`."""
+    if parallel.sp_degree > 1:
+        option = f"--sp-degree {parallel.sp_degree}"
+        if getattr(module, "_cp_plan", None) is None:
+            raise UserInputError(
+                f"{option}: the {what} has no context-parallel plan (_cp_plan) in diffusers; sequence "
+                "parallelism runs FLUX, Qwen-Image and Wan, drop --sp-degree"
+            )
+        backend = _backend(module)
+        if parallel.sp_kind != "ulysses" and backend in NO_LSE_BACKENDS:
+            raise UserInputError(
+                f"--sp-kind {parallel.sp_kind}: ring attention needs an attention backend that returns the "
+                f"log-sum-exp and the active one ({backend}) does not (so no CPU runs it); use --sp-kind "
+                "ulysses, or a flash/cuDNN backend on an accelerator"
+            )
+        heads_split = parallel.mesh_shape(parallel.degree)[0][2]  # Ulysses splits the heads
+    else:
+        option = f"--tp-degree {parallel.tp_degree}"
+        if getattr(module, "_tp_plan", None) is None:
+            raise UserInputError(
+                f"{option}: the {what} has no tensor-parallel plan (_tp_plan) in diffusers; tensor "
+                "parallelism runs FLUX and Qwen-Image, drop --tp-degree"
+            )
+        if device().type == "cpu":
+            raise UserInputError(
+                f"{option}: diffusers shards weights on accelerators only (cuda, xpu, neuron, tpu), not on "
+                "this CPU; use --sp-degree here"
+            )
+        if any("lora_" in n for n, _ in module.named_parameters()):
+            raise UserInputError(
+                f"{option}: the {what} carries LoRA layers, which diffusers' tensor-parallel plan does not "
+                "shard; use --sp-degree (or --full without an --adapter)"
+            )
+        heads_split = parallel.tp_degree
+    heads = getattr(module.config, "num_attention_heads", None)
+    if heads is not None and heads % heads_split:
+        raise UserInputError(
+            f"{option}: the {what} has {heads} attention heads, which {heads_split} ranks cannot split "
+            "evenly; pass a degree that divides it"
+        )
+
+
+def sequence_shards(module: torch.nn.Module) -> int:
+    """How many ranks split `module`'s sequence (1 without sequence parallelism): diffusers splits every
+    planned sequence evenly, so a family that sizes a sequence itself (Qwen-Image pads its text per
+    batch) pads it to a multiple of this, with masked-out tokens."""
+    cp = getattr(getattr(module, "_parallel_config", None), "context_parallel_config", None)
+    return 1 if cp is None else cp.ring_degree * cp.ulysses_degree
 
 
 def _backend(module: torch.nn.Module) -> str:
@@ -179,15 +201,6 @@ def _backend(module: torch.nn.Module) -> str:
         if chosen is not None:
             return str(getattr(chosen, "value", chosen))
     return str(_AttentionBackendRegistry.get_active_backend()[0].value)
-
-
-def _check_heads(module: torch.nn.Module, degree: int, option: str, what: str) -> None:
-    heads = getattr(module.config, "num_attention_heads", None)
-    if heads is not None and heads % degree:
-        raise UserInputError(
-            f"{option} {degree}: the {what} has {heads} attention heads, which {degree} ranks cannot split "
-            "evenly; pass a degree that divides it"
-        )
 
 
 def _enable(module: Any, config: Any) -> None:

@@ -149,3 +149,30 @@ def test_a_transformer_without_a_plan_is_refused(tiny_sd3: Path) -> None:
         parallelize(policy.parts, ModelParallel(sp_degree=2))
     with pytest.raises(UserInputError, match=r"_tp_plan"):
         parallelize(policy.parts, ModelParallel(tp_degree=2))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("family", ["flux"], indirect=True)
+def test_dp2_by_sp2_on_four_ranks_equals_one_process(family: dict, tmp_path: Path) -> None:
+    """4 ranks as 2 data-parallel groups of 2 sequence-parallel ranks: each group samples its own shard,
+    and an update with 2 groups × grad_accum 1 equals one process with grad_accum 2."""
+    root, model = family["root"], family["model"]
+    inputs = ins(root / "samples", root / "logprobs", root / "advantages")
+    run("update", "--model", str(model), *inputs, *TRAIN, "--grad-accum", "2", "--out", str(tmp_path / "one"))
+    sp = ["--sp-degree", "2"]
+    sampled, _ = torchrun_commands(
+        _sample(model, family["prompts"], "flux", tmp_path / "samples", "--num-shards", "2", *sp),
+        ["update", "--model", str(model), *inputs, *TRAIN, "--out", str(tmp_path / "four"), *sp],
+        ranks=4,
+    )
+    assert sampled["rows_written"] == 6 and sampled["complete"]
+    one, four = ShardSet(root / "samples").read_all(), ShardSet(tmp_path / "samples").read_all()
+    assert len(ShardSet(tmp_path / "samples").manifest.shards) == 2 and one["sample_id"] == four["sample_id"]
+    for column in ("latents", "log_probs"):
+        torch.testing.assert_close(four[column], one[column], rtol=0, atol=1e-5)
+    for a, b in zip(_metrics(tmp_path / "one"), _metrics(tmp_path / "four"), strict=True):
+        assert b["actor/grad_norm"] == pytest.approx(a["actor/grad_norm"], rel=1e-5)
+    ref, got = load_file(tmp_path / "one" / LORA_WEIGHTS), load_file(tmp_path / "four" / LORA_WEIGHTS)
+    scale = max(float(v.abs().max()) for v in ref.values())
+    for key, value in ref.items():
+        torch.testing.assert_close(got[key], value, rtol=0, atol=1e-5 * scale)

@@ -52,8 +52,9 @@ class ModelParallel:
         """Ranks per model replica (1 without model parallelism)."""
         return self.sp_degree * self.tp_degree
 
-    def validate(self, world: int) -> None:
-        """Refuse in one line settings `world` ranks cannot run."""
+    def validate(self, world: int, ranks_option: str | None = None) -> None:
+        """Refuse in one line settings `world` ranks cannot run; `ranks_option` names the option that
+        gave `world` (None: the launcher)."""
         if self.sp_kind not in SP_KINDS:
             raise UserInputError(f"--sp-kind {self.sp_kind}: choose one of {', '.join(SP_KINDS)}")
         for name, value in (("--sp-degree", self.sp_degree), ("--tp-degree", self.tp_degree)):
@@ -73,6 +74,10 @@ class ModelParallel:
             option = (
                 f"--sp-degree {self.sp_degree}" if self.sp_degree > 1 else f"--tp-degree {self.tp_degree}"
             )
+            if ranks_option is not None:
+                raise UserInputError(
+                    f"{option}: {ranks_option} {world} is not dp × sp × tp; pass a multiple of it"
+                )
             launch = f"{LAUNCH}, N a multiple of it" if world == 1 else "a multiple of it as the launcher's N"
             raise UserInputError(
                 f"{option}: {world} rank(s) are not dp × sp × tp for a whole dp; launch with {launch}"

@@ -40,7 +40,8 @@ def _metrics(policy: Path) -> list[dict]:
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """One process's staged iteration of a family (sample → score → logprob → advantage → update), and
-    the same sample, the replay of its rollout and the update on its inputs by 2 ranks with --sp-degree 2."""
+    the same sample, the replay of its rollout and the update on its inputs (DDP, then FSDP2 sharding
+    over both ranks) by 2 ranks with --sp-degree 2."""
     from stages.models.factory import init_model
 
     name = request.param
@@ -69,6 +70,10 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
             *sp,
         ],
         ["update", "--model", str(model), *inputs, *TRAIN, "--out", str(root / "sp-policy"), *sp],
+        [
+            *["update", "--model", str(model), *inputs, *TRAIN, "--out", str(root / "sp-fsdp2-policy"), *sp],
+            *["--strategy", "fsdp2"],
+        ],
     )
     return {"name": name, "root": root, "model": model, "prompts": prompts, "reports": reports}
 
@@ -76,8 +81,8 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 @pytest.mark.distributed
 def test_sp_rollout_replay_and_update_equal_one_process(family: dict) -> None:
     root = family["root"]
-    assert len(family["reports"]) == 3  # one report per command: rank 0's
-    sampled, replay, update = family["reports"]
+    assert len(family["reports"]) == 4  # one report per command: rank 0's
+    sampled, replay, update, _ = family["reports"]
     assert sampled["rows_written"] == 6 and sampled["complete"]  # each row once, by one rank of the group
     one, sp = ShardSet(root / "samples").read_all(), ShardSet(root / "sp-samples").read_all()
     assert one["sample_id"] == sp["sample_id"] and torch.equal(one["seed"], sp["seed"])
@@ -92,18 +97,20 @@ def test_sp_rollout_replay_and_update_equal_one_process(family: dict) -> None:
         ShardSet(root / "sp-logprobs").read_all()["old_log_probs"], old, rtol=0, atol=1e-5
     )
 
-    # one update: the sp group's gradients add up to one process's (grad norm and loss per step, to 1e-5
-    # relative) and the trained LoRA weights agree to 1e-5 of their size
+    # one update, under DDP and under FSDP2: the sp group's gradients add up to one process's (grad norm
+    # and loss per step, to 1e-5 relative) and the trained LoRA weights agree to 1e-5 of their size
     assert update["step"] == 6
-    for a, b in zip(_metrics(root / "policy"), _metrics(root / "sp-policy"), strict=True):
-        assert b["actor/grad_norm"] == pytest.approx(a["actor/grad_norm"], rel=1e-5)
-        assert b["actor/pg_loss"] == pytest.approx(a["actor/pg_loss"], rel=1e-5, abs=1e-9)
-    ref, got = load_file(root / "policy" / LORA_WEIGHTS), load_file(root / "sp-policy" / LORA_WEIGHTS)
-    assert ref.keys() == got.keys()
+    ref = load_file(root / "policy" / LORA_WEIGHTS)
     scale = max(float(v.abs().max()) for v in ref.values())
     assert scale > 0
-    for key, value in ref.items():
-        torch.testing.assert_close(got[key], value, rtol=0, atol=1e-5 * scale)
+    for policy in ("sp-policy", "sp-fsdp2-policy"):
+        for a, b in zip(_metrics(root / "policy"), _metrics(root / policy), strict=True):
+            assert b["actor/grad_norm"] == pytest.approx(a["actor/grad_norm"], rel=1e-5)
+            assert b["actor/pg_loss"] == pytest.approx(a["actor/pg_loss"], rel=1e-5, abs=1e-9)
+        got = load_file(root / policy / LORA_WEIGHTS)
+        assert ref.keys() == got.keys()
+        for key, value in ref.items():
+            torch.testing.assert_close(got[key], value, rtol=0, atol=1e-5 * scale)
 
 
 def test_sp_needs_a_launch_of_a_multiple_of_its_degree(tiny_sd3: Path, tmp_path: Path) -> None:

@@ -167,8 +167,10 @@ StrategyOpt = Annotated[
 ]
 
 # Model parallelism of a diffusion transformer (`stages.parallelism.ModelParallel`), for the stages that
-# run one and for `omnirl plan`. Not part of an output's identity: N ranks compute one process's numbers.
-PARALLELISM = "Parallelism"
+# run one and for `omnirl plan`, and its kernels (`stages.models.kernels.Kernels`). Not part of an
+# output's identity: N ranks compute one process's numbers, and so do compiled and other-kernel forwards,
+# to rounding (a quantized attention backend, sage, is recorded).
+PARALLELISM = "Parallelism and kernels"
 SpDegreeOpt = Annotated[
     int,
     typer.Option(
@@ -199,6 +201,28 @@ TpDegreeOpt = Annotated[
         help="Tensor parallelism (diffusers' _tp_plan): this many consecutive ranks each hold 1/N of the "
         "transformer's planned weights. FLUX and Qwen-Image, on accelerators, without LoRA layers; not "
         "with --sp-degree.",
+        rich_help_panel=PARALLELISM,
+    ),
+]
+
+AttentionBackendOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--attention-backend",
+        help="diffusers' attention backend for the transformer: native (torch SDPA, the default), "
+        "_native_cudnn, flash, sage, ... whichever is installed here (a missing one is refused with the "
+        "list; *_hub kernels, which download, are not offered). Recorded in the output's identity only "
+        "when quantized (sage*); the others agree to rounding.",
+        rich_help_panel=PARALLELISM,
+    ),
+]
+CompileOpt = Annotated[
+    bool,
+    typer.Option(
+        "--compile",
+        help="torch.compile the transformer: regional (each repeated block compiled once, diffusers' "
+        "compile_repeated_blocks) where the model lists its blocks, else whole. The first forward pays "
+        "the compilation; numbers agree to rounding, so not part of the output's identity.",
         rich_help_panel=PARALLELISM,
     ),
 ]

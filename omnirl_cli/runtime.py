@@ -168,6 +168,7 @@ NOT_IDENTITY = (
     "sp_degree",
     "sp_kind",
     "tp_degree",
+    "compile",
     "report_to",
     "run_name",
     "server_token_env",
@@ -186,7 +187,8 @@ CONTENT_OPTIONS = ("model", "adapter")
 
 def run_config(resolved: dict[str, Any], exclude: tuple[str, ...] = ()) -> dict[str, Any]:
     """The config recorded (and hashed) for an output: the resolved options that determine it (not
-    `NOT_IDENTITY`, nor `exclude`), plus `model_sha256` / `adapter_sha256` content digests.
+    `NOT_IDENTITY`, nor `exclude`, nor an --attention-backend that agrees with native to rounding), plus
+    `model_sha256` / `adapter_sha256` content digests.
 
     Input shard sets, prompt files and plugin files enter the output's identity through the writer's
     lineage (`parents`).
@@ -199,6 +201,11 @@ def run_config(resolved: dict[str, Any], exclude: tuple[str, ...] = ()) -> dict[
         return str(v) if isinstance(v, Path) else v
 
     config = {k: plain(v) for k, v in resolved.items() if k not in NOT_IDENTITY and k not in exclude}
+    if "attention_backend" in config:
+        from stages.models.kernels import changes_numbers
+
+        if not changes_numbers(config["attention_backend"]):  # the default, or native's to rounding
+            del config["attention_backend"]
     for key in CONTENT_OPTIONS:
         if resolved.get(key) is not None:
             config[f"{key}_sha256"] = content_digest(resolved[key], f"--{key.replace('_', '-')}")

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from stages.errors import UserInputError
 from stages.models.diffusion import LORA_WEIGHTS, FlowPolicy
+from stages.models.kernels import Kernels, prepare
 from stages.parallelism import ModelParallel, parallelize
 from stages.shards.reader import ShardSet
 
@@ -124,12 +125,17 @@ def test_sp_needs_a_launch_of_a_multiple_of_its_degree(tiny_sd3: Path, tmp_path:
 
 
 @pytest.fixture(scope="module")
-def flux(tmp_path_factory: pytest.TempPathFactory) -> FlowPolicy:
+def flux_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from stages.models.factory import init_model
 
     path = tmp_path_factory.mktemp("flux") / "model"
     init_model("flux", path, size="tiny", seed=0)
-    return FlowPolicy.load(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def flux(flux_model: Path) -> FlowPolicy:
+    return FlowPolicy.load(flux_model)
 
 
 @pytest.mark.parametrize(
@@ -183,3 +189,49 @@ def test_dp2_by_sp2_on_four_ranks_equals_one_process(family: dict, tmp_path: Pat
     scale = max(float(v.abs().max()) for v in ref.values())
     for key, value in ref.items():
         torch.testing.assert_close(got[key], value, rtol=0, atol=1e-5 * scale)
+
+
+def test_attention_backend_and_compile_are_set_on_the_transformer(flux_model: Path, tmp_path: Path) -> None:
+    from diffusers.models.attention_dispatch import AttentionBackendName
+
+    policy = FlowPolicy.load(flux_model)
+    x, sigma = policy.initial_noise([1, 2], 32), policy.sigmas(3, 32)[1]
+    cond = policy.encode(PROMPTS[:2], None, False)
+    native = policy.velocity(x, sigma, cond, 3.5)
+    prepare(policy.parts, ModelParallel(), Kernels(attention_backend="_native_math", compile=True))
+    backends = {m.processor._attention_backend for m in policy.module.modules() if hasattr(m, "processor")}
+    assert backends == {AttentionBackendName._NATIVE_MATH}
+    # regional compilation: every repeated block is compiled (lazily, at its first call), the root is not
+    blocks = [*policy.module.transformer_blocks, *policy.module.single_transformer_blocks]
+    assert (
+        all(b._compiled_call_impl is not None for b in blocks) and policy.module._compiled_call_impl is None
+    )
+    math = FlowPolicy.load(flux_model)
+    prepare(math.parts, ModelParallel(), Kernels(attention_backend="_native_math"))
+    torch.testing.assert_close(math.velocity(x, sigma, cond, 3.5), native, rtol=0, atol=1e-5)
+
+    args = [
+        "sample",
+        "--model",
+        str(flux_model),
+        "--prompts",
+        str(tmp_path / "p.txt"),
+        "--out",
+        str(tmp_path / "s"),
+    ]
+    (tmp_path / "p.txt").write_text("a cat\n")
+    fails(
+        [*args, "--attention-backend", "flash_hub"],
+        "--attention-backend flash_hub",
+        "choose one of",
+        "_native_math",
+    )
+    assert not (tmp_path / "s").exists()
+
+
+def test_only_a_quantized_attention_backend_is_part_of_the_identity() -> None:
+    from omnirl_cli.runtime import run_config
+
+    assert run_config({"steps": 4, "attention_backend": None, "compile": True}) == {"steps": 4}
+    assert run_config({"steps": 4, "attention_backend": "_native_cudnn"}) == {"steps": 4}
+    assert run_config({"steps": 4, "attention_backend": "sage"}) == {"steps": 4, "attention_backend": "sage"}

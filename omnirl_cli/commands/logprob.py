@@ -13,6 +13,8 @@ from ..console import emit_json, log
 from ..errors import handle_errors
 from ..options import (
     ADAPTER_HELP,
+    AttentionBackendOpt,
+    CompileOpt,
     ConfigOpt,
     FormatOpt,
     InOpt,
@@ -102,6 +104,8 @@ def logprob(
     sp_degree: SpDegreeOpt = 1,
     sp_kind: SpKindOpt = "ulysses",
     tp_degree: TpDegreeOpt = 1,
+    attention_backend: AttentionBackendOpt = None,
+    compile: CompileOpt = False,
     fmt: FormatOpt = "parquet",
     overwrite: OverwriteOpt = False,
     config: ConfigOpt = None,
@@ -139,8 +143,9 @@ def logprob(
     from stages.logprob.decide import Numerics, replay_decision
     from stages.logprob.replay import pick_batches, replay_shard, replay_token_shard
     from stages.models.diffusion import FlowPolicy
+    from stages.models.kernels import Kernels, prepare
     from stages.models.vlm import VLMPolicy
-    from stages.parallelism import ModelParallel, layout, parallelize
+    from stages.parallelism import ModelParallel, layout
     from stages.precision import autocast, resolve_mixed_precision
     from stages.sample.engines import check_replayable
     from stages.sample.rollout import sample_config_of
@@ -151,11 +156,13 @@ def logprob(
 
     src = open_inputs(c["inputs"])
     tokens = rollout_modality(src.manifests) == "text"
-    parallel = ModelParallel.from_options(c)
-    if tokens and parallel.degree > 1:
+    parallel, kernels = ModelParallel.from_options(c), Kernels.from_options(c)
+    if tokens and (parallel.degree > 1 or kernels != Kernels()):
         raise UserInputError(
-            "--sp-degree / --tp-degree: diffusion transformers only; drop it for a text rollout"
+            "--sp-degree / --tp-degree / --attention-backend / --compile: diffusion transformers only; drop "
+            "it for a text rollout"
         )
+    kernels.validate()
     layout(parallel)  # before the shards are split over the data-parallel ranks
     sample_cfg = vlm_sample_config_of(src.manifests) if tokens else sample_config_of(src.manifests)
     # the option, else the launcher's, else the rollout's: a plain replay reproduces the rollout's numerics
@@ -218,7 +225,7 @@ def logprob(
                 device=device(),
                 dtype=c["dtype"],
             )
-            parallelize(policy.parts, parallel)
+            prepare(policy.parts, parallel, kernels)
         found: list[Any] = []  # flat |Δlogp| of each shard replayed here, in order
 
         def replay_one(shard: dict, advance: Any) -> dict:

@@ -29,7 +29,9 @@ from ..options import (
     ENGINE,
     PARALLELISM,
     REQUIRED,
+    AttentionBackendOpt,
     BatchSizeOpt,
+    CompileOpt,
     ConfigOpt,
     FormatOpt,
     FramesOpt,
@@ -377,6 +379,8 @@ def sample(
     sp_degree: SpDegreeOpt = 1,
     sp_kind: SpKindOpt = "ulysses",
     tp_degree: TpDegreeOpt = 1,
+    attention_backend: AttentionBackendOpt = None,
+    compile: CompileOpt = False,
     num_shards: NumShardsOpt = None,
     shard_rows: ShardRowsOpt = 256,
     shard_index: Annotated[
@@ -441,7 +445,8 @@ def sample(
     from stages.models.conditioning import conditioning_record
     from stages.models.diffusion import check_pipeline_folder
     from stages.models.factory import default_text_length
-    from stages.parallelism import ModelParallel, layout, parallelize
+    from stages.models.kernels import Kernels, prepare
+    from stages.parallelism import ModelParallel, layout
     from stages.sample.engines import DEFAULT_ENGINE, DiffusersEngine, EngineOptions, engine_class
     from stages.sample.prompts import sample_prompts
     from stages.sample.rollout import SampleConfig
@@ -464,11 +469,13 @@ def sample(
     if c["defer_decode"] and vae_options:
         option = f"--{vae_options[0].replace('_', '-')}"
         raise UserInputError(f"{option}: --defer-decode runs no decode here; pass {option} to `omnirl score`")
-    parallel = ModelParallel.from_options(c)
-    if parallel.degree > 1 and not issubclass(engine_type, DiffusersEngine):
+    parallel, kernels = ModelParallel.from_options(c), Kernels.from_options(c)
+    if (parallel.degree > 1 or kernels != Kernels()) and not issubclass(engine_type, DiffusersEngine):
         raise UserInputError(
-            f"--sp-degree / --tp-degree: --engine {engine_type.name} runs its model elsewhere; drop it"
+            f"--sp-degree / --tp-degree / --attention-backend / --compile: --engine {engine_type.name} runs "
+            "its model elsewhere; drop it"
         )
+    kernels.validate()
     layout(parallel)  # before the shards are split over the data-parallel ranks
     source = PromptSource(c["prompts"])
     picked = sample_prompts(source, c["num_prompts"], c["seed"])
@@ -488,7 +495,7 @@ def sample(
     engine = engine_type.open(options, device())
     try:
         if isinstance(engine, DiffusersEngine):
-            parallelize(engine.policy.parts, parallel)
+            prepare(engine.policy.parts, parallel, kernels)
         extra = {"sample_config": asdict(cfg), "family": engine.family, "engine": engine.describe()}
         if c["defer_decode"]:  # no media column to tell the modality: the family's decode does
             extra.update(modality=engine.policy.family.media, **deferred_record(c["model"], c["dtype"]))

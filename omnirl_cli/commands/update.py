@@ -21,6 +21,8 @@ from ..console import emit_json, log, progress
 from ..errors import handle_errors
 from ..options import (
     ADAPTER_HELP,
+    AttentionBackendOpt,
+    CompileOpt,
     ConfigOpt,
     DtypeOpt,
     FullOpt,
@@ -73,6 +75,8 @@ def update(
     sp_degree: SpDegreeOpt = 1,
     sp_kind: SpKindOpt = "ulysses",
     tp_degree: TpDegreeOpt = 1,
+    attention_backend: AttentionBackendOpt = None,
+    compile: CompileOpt = False,
     algo: Annotated[
         str,
         typer.Option(
@@ -346,6 +350,7 @@ def update(
     """
     c = resolve(ctx, "update", required=("model", "out"))
     from stages.dist import world_and_rank
+    from stages.parallelism import layout
     from stages.tracking import open_tracking
     from stages.update.stage import run_update
     from stages.update.trainer import UpdateConfig
@@ -353,6 +358,7 @@ def update(
     tracking = open_tracking(c["report_to"], c["out"], c["run_name"])
     cfg = UpdateConfig.from_options(c)
     cfg.validate()
+    layout(cfg.parallel)  # a world the degrees do not fit is refused before anything loads
     c["mixed_precision"] = cfg.mixed_precision  # the launcher's setting enters the run's identity
     src = open_inputs(c["inputs"])
     with tracking, progress(not json_) as bar:

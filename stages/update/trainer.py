@@ -28,8 +28,9 @@ import torch
 from stages.dist import all_reduce_sum, data_parallel, world_and_rank
 from stages.errors import NonFiniteError, UserInputError
 from stages.models.diffusion import FlowPolicy
+from stages.models.kernels import Kernels, prepare
 from stages.models.vlm import VLMPolicy
-from stages.parallelism import ModelParallel, parallelize
+from stages.parallelism import ModelParallel
 from stages.precision import autocast, launcher_mixed_precision, resolve_mixed_precision
 from stages.safe_files import load_tensors
 from stages.update import sharded_state
@@ -92,6 +93,7 @@ class UpdateConfig:
     strategy: str = "auto"
     gradient_checkpointing: bool = False
     parallel: ModelParallel = field(default_factory=ModelParallel)
+    kernels: Kernels = field(default_factory=Kernels)
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> UpdateConfig:
@@ -105,6 +107,7 @@ class UpdateConfig:
         if values.get("mixed_precision") is None:
             values.pop("mixed_precision", None)
         values["parallel"] = ModelParallel.from_options(options)
+        values["kernels"] = Kernels.from_options(options)
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
 
     def optimizer_settings(self) -> dict[str, Any]:
@@ -225,6 +228,7 @@ class UpdateConfig:
             raise UserInputError(f"--strategy {self.strategy}: choose one of {', '.join(STRATEGIES)}")
         if self.train_timesteps < 1:
             raise UserInputError(f"--train-timesteps {self.train_timesteps}: must be at least 1")
+        self.kernels.validate()
 
 
 class EMA:
@@ -351,10 +355,13 @@ def train(
     policy.trainable_parameters(full=cfg.full, **vision)
     if cfg.gradient_checkpointing or launcher_checkpointing():
         policy.gradient_checkpointing()
-    if isinstance(policy, VLMPolicy) and cfg.parallel.degree > 1:
-        raise UserInputError("--sp-degree / --tp-degree: diffusion transformers only; drop it for a VLM")
+    if isinstance(policy, VLMPolicy) and (cfg.parallel.degree > 1 or cfg.kernels != Kernels()):
+        raise UserInputError(
+            "--sp-degree / --tp-degree / --attention-backend / --compile: diffusion transformers only; drop "
+            "it for a VLM"
+        )
     if isinstance(policy, FlowPolicy):  # after the LoRA is on, before DDP / FSDP2 wrap the module
-        parallelize(policy.parts, cfg.parallel)
+        prepare(policy.parts, cfg.parallel, cfg.kernels)
     par = Parallel.setup(policy.module, cfg.strategy, swaps_weights=algo.family == "forward")
     named = _named_trainable(policy)
     params = list(named.values())

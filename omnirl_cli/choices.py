@@ -25,6 +25,7 @@ StdMode = Literal["global", "group", "none"]  # stages.advantage.estimators.STD_
 Aggregation = Literal["reward_aggr", "advantage_aggr"]  # stages.advantage.estimators.AGGREGATIONS
 MixedPrecision = Literal["no", "bf16", "fp16"]  # stages.precision.MIXED_PRECISIONS
 Strategy = Literal["auto", "ddp", "fsdp2"]  # stages.update.parallel.STRATEGIES
+SpKind = Literal["ulysses", "ring", "unified"]  # stages.parallelism.SP_KINDS
 Replay = Literal["auto", "yes"]  # stages.logprob.decide.REPLAY_MODES
 LrScheduler = Literal["constant", "linear", "cosine"]  # stages.update.trainer.LR_SCHEDULERS
 LossAggMode = Literal[

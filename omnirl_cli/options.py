@@ -15,7 +15,7 @@ import typer
 
 from stages.media.video import MAX_FRAMES
 
-from .choices import Dtype, Format, MixedPrecision, Strategy
+from .choices import Dtype, Format, MixedPrecision, SpKind, Strategy
 from .console import QUIET, VERBOSE, set_verbosity
 
 IO = "Input / output"
@@ -163,6 +163,67 @@ StrategyOpt = Annotated[
         "than one process. DeepSpeed, Megatron-LM and FSDP1 configs are refused. Not part of the run's "
         "identity: 1 process and N ranks give the same update.",
         rich_help_panel=OPTIMISATION,
+    ),
+]
+
+# Model parallelism of a diffusion transformer (`stages.parallelism.ModelParallel`), for the stages that
+# run one and for `omnirl plan`, and its kernels (`stages.models.kernels.Kernels`). Not part of an
+# output's identity: N ranks compute one process's numbers, and so do compiled and other-kernel forwards,
+# to rounding (a quantized attention backend, sage, is recorded).
+PARALLELISM = "Parallelism and kernels"
+SpDegreeOpt = Annotated[
+    int,
+    typer.Option(
+        "--sp-degree",
+        min=1,
+        help="Sequence parallelism (diffusers' context parallelism): this many consecutive ranks of the "
+        "launch share each sample's tokens, so activations per rank shrink by it; the other ranks are "
+        "data parallel (dp = ranks / sp). FLUX, Qwen-Image and Wan; needs a launcher (torchrun "
+        "--nproc_per_node, accelerate launch) with a multiple of it as ranks.",
+        rich_help_panel=PARALLELISM,
+    ),
+]
+SpKindOpt = Annotated[
+    SpKind,
+    typer.Option(
+        "--sp-kind",
+        help="How --sp-degree ranks attend: ulysses (all-to-all over heads; heads must divide by it), ring "
+        "(keys/values passed round; needs an attention backend returning the log-sum-exp, so an "
+        "accelerator) or unified (ring × Ulysses).",
+        rich_help_panel=PARALLELISM,
+    ),
+]
+TpDegreeOpt = Annotated[
+    int,
+    typer.Option(
+        "--tp-degree",
+        min=1,
+        help="Tensor parallelism (diffusers' _tp_plan): this many consecutive ranks each hold 1/N of the "
+        "transformer's planned weights. FLUX and Qwen-Image, on accelerators, without LoRA layers; not "
+        "with --sp-degree.",
+        rich_help_panel=PARALLELISM,
+    ),
+]
+
+AttentionBackendOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--attention-backend",
+        help="diffusers' attention backend for the transformer: native (torch SDPA, the default), "
+        "_native_cudnn, flash, sage, ... whichever is installed here (a missing one is refused with the "
+        "list; *_hub kernels, which download, are not offered). Recorded in the output's identity only "
+        "when quantized (sage*); the others agree to rounding.",
+        rich_help_panel=PARALLELISM,
+    ),
+]
+CompileOpt = Annotated[
+    bool,
+    typer.Option(
+        "--compile",
+        help="torch.compile the transformer: regional (each repeated block compiled once, diffusers' "
+        "compile_repeated_blocks) where the model lists its blocks, else whole. The first forward pays "
+        "the compilation; numbers agree to rounding, so not part of the output's identity.",
+        rich_help_panel=PARALLELISM,
     ),
 ]
 

@@ -71,7 +71,7 @@ def map_shards(
     before_write: Callable[[int, dict[str, Any]], None] | None = None,
 ) -> list[int]:
     """Write fn(input shard, advance) as output shard i for this process's input shards i not already
-    done; returns the shards written here, in order. `before_write(i, input shard)` runs before shard i
+    done; returns the shards made here, in order. `before_write(i, input shard)` runs before shard i
     is written: a file beside the shard that must exist whenever the shard does (`encode`'s prompt
     conditioning).
 
@@ -80,7 +80,7 @@ def map_shards(
     waits for the others at the end, even one without a shard, so `finalize` then sees every shard.
     A row that `fn` cannot decode (`CorruptRowError`) is reported with the input file that holds it.
     """
-    from stages.dist import barrier, rank_shards
+    from stages.dist import barrier, rank_shards, writes_outputs
     from stages.errors import CorruptRowError, CorruptShardError
 
     sizes = [info.rows for info in src.manifests[0].shards]
@@ -97,9 +97,10 @@ def map_shards(
                 out = fn(shard, lambda n: display.advance(task, n))
             except CorruptRowError as exc:
                 raise CorruptShardError(f"{src.shard_path(s, exc.column)}: {exc}") from exc
-            if before_write:
-                before_write(s, shard)
-            writer.write_shard(s, out)
+            if writes_outputs():  # one rank of a model-parallel group writes what the group computed
+                if before_write:
+                    before_write(s, shard)
+                writer.write_shard(s, out)
             written.append(s)
     barrier()
     return written
@@ -140,16 +141,17 @@ def report_complete(out: Path, json_: bool, result: dict[str, Any] | None = None
 
 def resolve_num_shards(c: dict[str, Any], groups: int, group_rows: int) -> int:
     """Set and return c["num_shards"]: --num-shards, else about --shard-rows rows per shard, rounded up
-    to a multiple of the launcher's world size so that every rank samples (and every later stage,
+    to a multiple of the launcher's data-parallel size so that every rank samples (and every later stage,
     which splits by shard, works on every rank).
 
     A shard holds whole groups (`groups` of `group_rows` rows), so there are at most `groups` shards.
     """
-    from stages.dist import join
+    from stages.dist import data_parallel, join
 
     if c["num_shards"] is None:
         rows = groups * group_rows
-        world = join()[0] if c.get("shard_index") is None else 1  # a Slurm task is one shard already
+        join()
+        world = data_parallel()[0] if c.get("shard_index") is None else 1  # a Slurm task is one shard already
         by_rows = max(1, -(-rows // c["shard_rows"]))
         c["num_shards"] = max(1, min(groups, -(-by_rows // world) * world))
     return c["num_shards"]
@@ -174,6 +176,10 @@ NOT_IDENTITY = (
     "shard_rows",
     "strategy",
     "gradient_checkpointing",
+    "sp_degree",
+    "sp_kind",
+    "tp_degree",
+    "compile",
     "report_to",
     "run_name",
     "server_token_env",
@@ -192,7 +198,8 @@ CONTENT_OPTIONS = ("model", "adapter")
 
 def run_config(resolved: dict[str, Any], exclude: tuple[str, ...] = ()) -> dict[str, Any]:
     """The config recorded (and hashed) for an output: the resolved options that determine it (not
-    `NOT_IDENTITY`, nor `exclude`), plus `model_sha256` / `adapter_sha256` content digests.
+    `NOT_IDENTITY`, nor `exclude`, nor an --attention-backend that agrees with native to rounding), plus
+    `model_sha256` / `adapter_sha256` content digests.
 
     Input shard sets, prompt files and plugin files enter the output's identity through the writer's
     lineage (`parents`).
@@ -205,6 +212,11 @@ def run_config(resolved: dict[str, Any], exclude: tuple[str, ...] = ()) -> dict[
         return str(v) if isinstance(v, Path) else v
 
     config = {k: plain(v) for k, v in resolved.items() if k not in NOT_IDENTITY and k not in exclude}
+    if "attention_backend" in config:
+        from stages.models.kernels import changes_numbers
+
+        if not changes_numbers(config["attention_backend"]):  # the default, or native's to rounding
+            del config["attention_backend"]
     for key in CONTENT_OPTIONS:
         if resolved.get(key) is not None:
             config[f"{key}_sha256"] = content_digest(resolved[key], f"--{key.replace('_', '-')}")

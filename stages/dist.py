@@ -66,11 +66,42 @@ def join() -> tuple[int, int]:
     return world_and_rank()
 
 
+# Ranks that run one model replica together (sequence or tensor parallelism, `stages.parallelism`):
+# consecutive ranks, the same samples; 1 when every rank is its own replica.
+_model_parallel = 1
+
+
+def set_model_parallel(ranks: int) -> None:
+    """Record that groups of `ranks` consecutive ranks each run one model replica (`stages.parallelism`)."""
+    global _model_parallel
+    _model_parallel = ranks
+
+
+def data_parallel() -> tuple[int, int]:
+    """(number of data-parallel replicas, this rank's replica): the launcher's (world, rank) when every
+    rank is its own replica; with model-parallel groups of k ranks, (world / k, rank // k)."""
+    world, rank = world_and_rank()
+    return world // _model_parallel, rank // _model_parallel
+
+
+def writes_outputs() -> bool:
+    """Whether this rank writes what its replica computes: the first rank of each model-parallel group
+    (every rank without model parallelism); the others compute the same and drop it."""
+    return world_and_rank()[1] % _model_parallel == 0
+
+
+def replicas(values: list[Any]) -> list[Any]:
+    """The entries of one per data-parallel replica among every rank's `values` (as `gather` returns them)."""
+    return values[::_model_parallel]
+
+
 def rank_shards(indices: Iterable[int], what: str = "shards") -> list[int]:
-    """The shards of `indices` this process makes: shard s belongs to rank s % world (all of them
-    without a launcher). Every shard has one owner and each owner gets its shards in order. A rank left
-    with none says so on stderr (it still joins the collectives), naming how to give every rank work."""
-    world, rank = join()
+    """The shards of `indices` this process makes: shard s belongs to data-parallel replica s % dp (all
+    of them without a launcher; `data_parallel`). Every shard has one owner and each owner gets its
+    shards in order. A rank left with none says so on stderr (it still joins the collectives), naming
+    how to give every rank work."""
+    join()
+    world, rank = data_parallel()
     indices = list(indices)
     mine = [s for s in indices if s % world == rank]
     if world > 1 and not mine:

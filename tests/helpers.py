@@ -100,11 +100,20 @@ def sample_args(model: Path, prompts: Path, out: Path, *extra: str) -> list[str]
 def torchrun(*args: str, ranks: int = 2, stderr: list[str] | None = None) -> list[dict]:
     """`torchrun --standalone --nproc_per_node RANKS -m omnirl_cli ARGS --json` on gloo (CPU); asserts success
     and returns the JSON objects the ranks printed on stdout, in order (their stderr appended to `stderr`)."""
+    return _launch(["-m", "omnirl_cli", *args, "--json"], ranks, stderr)
+
+
+def torchrun_commands(*commands: list[str], ranks: int = 2, stderr: list[str] | None = None) -> list[dict]:
+    """`torchrun` (as `torchrun`) of several `omnirl` commands in turn in the same RANKS processes
+    (tests/launch_commands.py): one import of torch and diffusers for a whole staged iteration."""
+    script = str(Path(__file__).parent / "launch_commands.py")
+    return _launch([script, json.dumps([list(c) for c in commands])], ranks, stderr)
+
+
+def _launch(target: list[str], ranks: int, stderr: list[str] | None) -> list[dict]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
     cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", str(ranks)]
-    result = subprocess.run(
-        [*cmd, "-m", "omnirl_cli", *args, "--json"], capture_output=True, text=True, env=env, timeout=600
-    )
+    result = subprocess.run([*cmd, *target], capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     if stderr is not None:
         stderr.append(result.stderr)

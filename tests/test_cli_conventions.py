@@ -135,6 +135,7 @@ def test_choice_sets_mirror_the_stage_constants() -> None:
     from stages.shards.manifest import FORMATS
     from stages.update.family_losses import AWM_WEIGHTINGS, NFT_DECAY_SCHEDULES
     from stages.update.losses import ALGORITHMS
+    from stages.parallelism import SP_KINDS
     from stages.update.parallel import STRATEGIES
     from stages.update.token_losses import AGG_MODES, KL_KINDS
     from stages.update.trainer import LR_SCHEDULERS
@@ -149,6 +150,7 @@ def test_choice_sets_mirror_the_stage_constants() -> None:
         (choices.Aggregation, AGGREGATIONS),
         (choices.MixedPrecision, MIXED_PRECISIONS),
         (choices.Strategy, STRATEGIES),
+        (choices.SpKind, SP_KINDS),
         (choices.LrScheduler, LR_SCHEDULERS),
         (choices.LossAggMode, AGG_MODES),
         (choices.KlType, KL_KINDS),

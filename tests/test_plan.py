@@ -11,6 +11,7 @@ import torch
 
 from omnirl_cli.app import app
 from stages.models.plan import PlanConfig, from_family, from_folder, plan
+from stages.parallelism import ModelParallel
 from tests.helpers import fails, run, runner
 
 
@@ -146,6 +147,29 @@ def test_fsdp2_divides_the_trained_modules_state_by_the_world_size(sd3_arch, ful
     assert fsdp["gathered"] > 0 and fsdp["ddp_buckets"] == 0
     assert offload["host"] == sum(fsdp["weights"][n] for n in sharded) + fsdp["gradients"] + fsdp["optimizer"]
     assert offload["total"] == fsdp["total"] - offload["host"]
+
+
+def test_sp_divides_the_activations_and_tp_the_trained_modules_weights(tiny_sd3: Path, sd3_arch) -> None:
+    settings = dict(resolution=64, batch_size=2, full=True, num_processes=4)
+    one = plan(sd3_arch, PlanConfig(**settings))
+    sp = plan(sd3_arch, PlanConfig(**settings, parallel=ModelParallel(sp_degree=4)))
+    tp = plan(sd3_arch, PlanConfig(**settings, parallel=ModelParallel(tp_degree=2)))
+    per_block = 17 * 192 * 64 * 4  # hand-computed above: 192 tokens, width 64, fp32
+    assert sp["activations"]["per_block_per_sample"] == per_block // 4
+    for stage in ("sample", "update"):
+        assert sp["stages"][stage]["activations"] == one["stages"][stage]["activations"] // 4
+        assert sp["stages"][stage]["weights"] == one["stages"][stage]["weights"]  # every rank holds them
+        assert tp["stages"][stage]["activations"] == one["stages"][stage]["activations"]
+        for name, size in one["stages"][stage]["weights"].items():  # the transformer's half, the rest whole
+            assert tp["stages"][stage]["weights"][name] == (-(-size // 2) if name == "transformer" else size)
+    n = json.loads((tiny_sd3 / "omnirl_model.json").read_text())["parameters"]["transformer"]
+    assert (tp["stages"]["update"]["gradients"], tp["stages"]["update"]["optimizer"]) == (2 * n, 4 * n)
+    fails(["plan", "--model", str(tiny_sd3), "--sp-degree", "2", "--num-processes", "3"], "--num-processes 3")
+    fails(
+        ["plan", "--model", str(tiny_sd3), "--tp-degree", "2", "--num-processes", "2"],
+        "--tp-degree 2",
+        "--full",
+    )
 
 
 def test_the_command_prints_a_table_and_json(tiny_sd3: Path) -> None:

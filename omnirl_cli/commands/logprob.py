@@ -13,6 +13,8 @@ from ..console import emit_json, log
 from ..errors import handle_errors
 from ..options import (
     ADAPTER_HELP,
+    AttentionBackendOpt,
+    CompileOpt,
     ConfigOpt,
     FormatOpt,
     InOpt,
@@ -20,6 +22,9 @@ from ..options import (
     OutOpt,
     OverwriteOpt,
     SetOpt,
+    SpDegreeOpt,
+    SpKindOpt,
+    TpDegreeOpt,
     mixed_precision_opt,
     model_opt,
 )
@@ -96,6 +101,11 @@ def logprob(
         int | None,
         typer.Option("--seed", help="Seeds --fraction's draw of batches (default: the rollout's --seed)."),
     ] = None,
+    sp_degree: SpDegreeOpt = 1,
+    sp_kind: SpKindOpt = "ulysses",
+    tp_degree: TpDegreeOpt = 1,
+    attention_backend: AttentionBackendOpt = None,
+    compile: CompileOpt = False,
     fmt: FormatOpt = "parquet",
     overwrite: OverwriteOpt = False,
     config: ConfigOpt = None,
@@ -121,6 +131,9 @@ def logprob(
     A re-run skips shards that are complete and verified; over a finished --out it replays nothing, says
     so, and reports that output's |Δ logp| (`"skipped": true` with --json).
 
+    With --sp-degree S (or --tp-degree) under a launcher, each group of S ranks replays the same shards
+    together and its first rank writes them; shards are split over the ranks / S groups.
+
     Example: [bold]omnirl logprob --model models/sd3-tiny --adapter run/it0/policy --in run/it0/samples --out run/it0/logprobs[/]
 
     Health check: [bold]omnirl logprob --model models/sd3-tiny --in run/it0/samples --fraction 0.1 --out run/it0/replay-check[/]
@@ -130,7 +143,9 @@ def logprob(
     from stages.logprob.decide import Numerics, replay_decision
     from stages.logprob.replay import pick_batches, replay_shard, replay_token_shard
     from stages.models.diffusion import FlowPolicy
+    from stages.models.kernels import Kernels, prepare
     from stages.models.vlm import VLMPolicy
+    from stages.parallelism import ModelParallel, layout
     from stages.precision import autocast, resolve_mixed_precision
     from stages.sample.engines import check_replayable
     from stages.sample.rollout import sample_config_of
@@ -141,6 +156,14 @@ def logprob(
 
     src = open_inputs(c["inputs"])
     tokens = rollout_modality(src.manifests) == "text"
+    parallel, kernels = ModelParallel.from_options(c), Kernels.from_options(c)
+    if tokens and (parallel.degree > 1 or kernels != Kernels()):
+        raise UserInputError(
+            "--sp-degree / --tp-degree / --attention-backend / --compile: diffusion transformers only; drop "
+            "it for a text rollout"
+        )
+    kernels.validate()
+    layout(parallel)  # before the shards are split over the data-parallel ranks
     sample_cfg = vlm_sample_config_of(src.manifests) if tokens else sample_config_of(src.manifests)
     # the option, else the launcher's, else the rollout's: a plain replay reproduces the rollout's numerics
     c["mixed_precision"] = resolve_mixed_precision(c["mixed_precision"], sample_cfg.mixed_precision)
@@ -202,6 +225,7 @@ def logprob(
                 device=device(),
                 dtype=c["dtype"],
             )
+            prepare(policy.parts, parallel, kernels)
         found: list[Any] = []  # flat |Δlogp| of each shard replayed here, in order
 
         def replay_one(shard: dict, advance: Any) -> dict:

@@ -26,7 +26,10 @@ from ..options import (
     MicroBatchOpt,
     ResolutionOpt,
     SetOpt,
+    SpDegreeOpt,
+    SpKindOpt,
     StrategyOpt,
+    TpDegreeOpt,
     mixed_precision_opt,
 )
 
@@ -48,6 +51,8 @@ def _render(result: dict[str, Any]) -> None:
     s, a = result["settings"], result["activations"]
     where = "1 process" if s["strategy"] == "none" else f"{s['num_processes']} ranks, {s['strategy']}"
     where += ", CPU offload" if s["cpu_offload"] else ""
+    for kind in ("sp", "tp"):
+        where += f", {kind} {s['parallel'][f'{kind}_degree']}" if s["parallel"][f"{kind}_degree"] > 1 else ""
     trained = f"full ({s['dtype']} frozen, fp32 trained)" if s["full"] else f"LoRA rank {s['lora_rank']}"
     size = (
         ""
@@ -156,6 +161,9 @@ def plan(
             rich_help_panel=DEVICE,
         ),
     ] = 1,
+    sp_degree: SpDegreeOpt = 1,
+    sp_kind: SpKindOpt = "ulysses",
+    tp_degree: TpDegreeOpt = 1,
     cpu_offload: Annotated[
         bool,
         typer.Option(
@@ -191,7 +199,9 @@ def plan(
     h the block width; fused attention assumed), and the total under the strategy: DDP holds everything
     on every rank; FSDP2 divides the trained module's weights, gradients and optimizer state by
     --num-processes, gathers its largest block twice, and with --cpu-offload keeps those shards in host
-    memory. `online` holds a sampler's pipeline beside the trainer's. The verdict compares each total with
+    memory; --sp-degree S divides every activation by S (each rank holds 1/S of the sequence), --tp-degree
+    T the trained module's weights, gradients and optimizer state by T. `online` holds a sampler's
+    pipeline beside the trainer's. The verdict compares each total with
     --device-memory. --json gives the parameters per component (`parameters`) and the whole plan, in bytes.
 
     Example: [bold]omnirl plan --family qwen_image --size full --resolution 512 --lora-rank 64 --dtype bf16 \\

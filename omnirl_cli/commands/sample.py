@@ -27,8 +27,11 @@ from ..errors import handle_errors
 from ..options import (
     ADAPTER_HELP,
     ENGINE,
+    PARALLELISM,
     REQUIRED,
+    AttentionBackendOpt,
     BatchSizeOpt,
+    CompileOpt,
     ConfigOpt,
     FormatOpt,
     FramesOpt,
@@ -45,6 +48,9 @@ from ..options import (
     ServerUrlOpt,
     SetOpt,
     ShardRowsOpt,
+    SpDegreeOpt,
+    SpKindOpt,
+    TpDegreeOpt,
     mixed_precision_opt,
     model_opt,
 )
@@ -370,6 +376,11 @@ def sample(
             rich_help_panel=VIDEO,
         ),
     ] = False,
+    sp_degree: SpDegreeOpt = 1,
+    sp_kind: SpKindOpt = "ulysses",
+    tp_degree: TpDegreeOpt = 1,
+    attention_backend: AttentionBackendOpt = None,
+    compile: CompileOpt = False,
     num_shards: NumShardsOpt = None,
     shard_rows: ShardRowsOpt = 256,
     shard_index: Annotated[
@@ -391,7 +402,9 @@ def sample(
     A video family (its decode gives frame lists) writes an MP4 `video` column at --fps instead of the PNG.
     --defer-decode writes no media: `omnirl score` decodes the final latents.
 
-    Each sample has its own seed, so a sample never depends on the batch size. A re-run skips shards
+    Each sample has its own seed, so a sample never depends on the batch size (nor on --sp-degree: the
+    S ranks of a sequence-parallel group draw the same samples and its first rank writes them; shards
+    are split over the ranks / S groups). A re-run skips shards
     that are complete and verified; over a finished --out it samples nothing and says so (`"skipped":
     true` with --json).
 
@@ -433,6 +446,8 @@ def sample(
     from stages.models.conditioning import conditioning_record
     from stages.models.diffusion import check_pipeline_folder
     from stages.models.factory import default_text_length
+    from stages.models.kernels import Kernels, prepare
+    from stages.parallelism import ModelParallel, layout
     from stages.sample.engines import DEFAULT_ENGINE, DiffusersEngine, EngineOptions, engine_class
     from stages.sample.prompts import sample_prompts
     from stages.sample.rollout import SampleConfig
@@ -455,6 +470,14 @@ def sample(
     if c["defer_decode"] and vae_options:
         option = f"--{vae_options[0].replace('_', '-')}"
         raise UserInputError(f"{option}: --defer-decode runs no decode here; pass {option} to `omnirl score`")
+    parallel, kernels = ModelParallel.from_options(c), Kernels.from_options(c)
+    if (parallel.degree > 1 or kernels != Kernels()) and not issubclass(engine_type, DiffusersEngine):
+        raise UserInputError(
+            f"--sp-degree / --tp-degree / --attention-backend / --compile: --engine {engine_type.name} runs "
+            "its model elsewhere; drop it"
+        )
+    kernels.validate()
+    layout(parallel)  # before the shards are split over the data-parallel ranks
     source = PromptSource(c["prompts"])
     picked = sample_prompts(source, c["num_prompts"], c["seed"])
     _check_memory(
@@ -472,6 +495,8 @@ def sample(
         return
     engine = engine_type.open(options, device())
     try:
+        if isinstance(engine, DiffusersEngine):
+            prepare(engine.policy.parts, parallel, kernels)
         extra = {"sample_config": asdict(cfg), "family": engine.family, "engine": engine.describe()}
         if c["defer_decode"]:  # no media column to tell the modality: the family's decode does
             extra.update(modality=engine.policy.family.media, **deferred_record(c["model"], c["dtype"]))
@@ -576,7 +601,7 @@ def _run(
     Under a launcher (torchrun, `accelerate launch`) rank r samples the shards s with s % world == r;
     after every rank is done (one without a shard too), rank 0 writes the manifest and reports for all.
     """
-    from stages.dist import gather, join, rank_shards
+    from stages.dist import gather, join, rank_shards, replicas
 
     shards = rank_shards(_shard_indices(c))
     t0, done = time.perf_counter(), [0]
@@ -595,7 +620,8 @@ def _run(
             policy_version=policy_version(c["adapter"]),
             on_batch=advance,
         )
-    results = gather(mine)  # every rank's counts; also waits until every rank's shards exist
+    # every replica's counts (a model-parallel group's ranks count the same); also waits for every shard
+    results = replicas(gather(mine))
     if join()[1] != 0:
         return
     result = _combine(results, unit)
@@ -636,7 +662,9 @@ def _refuse_foreign_options(ctx: typer.Context, c: dict, vlm: bool) -> None:
     for param in ctx.command.params:
         panel = getattr(param, "rich_help_panel", None)
         foreign = (
-            panel == VLM if not vlm else panel in (SAMPLING, VIDEO) and param.name not in SHARED_SAMPLING
+            panel == VLM
+            if not vlm
+            else panel in (SAMPLING, VIDEO, PARALLELISM) and param.name not in SHARED_SAMPLING
         )
         value = c.get(param.name) if param.name else param.default
         if not foreign or value == param.default:

@@ -21,6 +21,8 @@ from ..console import emit_json, log, progress
 from ..errors import handle_errors
 from ..options import (
     ADAPTER_HELP,
+    AttentionBackendOpt,
+    CompileOpt,
     ConfigOpt,
     DtypeOpt,
     FullOpt,
@@ -34,7 +36,10 @@ from ..options import (
     ReportToOpt,
     RunNameOpt,
     SetOpt,
+    SpDegreeOpt,
+    SpKindOpt,
     StrategyOpt,
+    TpDegreeOpt,
     mixed_precision_opt,
     model_opt,
 )
@@ -67,6 +72,11 @@ def update(
     ) = None,
     strategy: StrategyOpt = "auto",
     gradient_checkpointing: GradientCheckpointingOpt = False,
+    sp_degree: SpDegreeOpt = 1,
+    sp_kind: SpKindOpt = "ulysses",
+    tp_degree: TpDegreeOpt = 1,
+    attention_backend: AttentionBackendOpt = None,
+    compile: CompileOpt = False,
     algo: Annotated[
         str,
         typer.Option(
@@ -318,6 +328,9 @@ def update(
     accelerate config; recipes/accelerate/ has configs). Rank 0 writes the adapter and prints the report.
     Under FSDP2 with fsdp_state_dict_type SHARDED_STATE_DICT (FSDP_STATE_DICT_TYPE) each rank writes its shards of
     the trainer state (torch.distributed.checkpoint, trainer_state/sharded); the adapter stays one loadable folder.
+    With --sp-degree S the launch's ranks form dp × S: each group of S ranks trains on the same
+    micro-batches with 1/S of every sequence, so N ranks equal one process with N/S·grad_accum
+    (docs/scaling.md, "Sequence and tensor parallelism").
 
     --report-to logs every metrics.jsonl record as it is made, at its global optimizer step.
 
@@ -337,6 +350,7 @@ def update(
     """
     c = resolve(ctx, "update", required=("model", "out"))
     from stages.dist import world_and_rank
+    from stages.parallelism import layout
     from stages.tracking import open_tracking
     from stages.update.stage import run_update
     from stages.update.trainer import UpdateConfig
@@ -344,6 +358,7 @@ def update(
     tracking = open_tracking(c["report_to"], c["out"], c["run_name"])
     cfg = UpdateConfig.from_options(c)
     cfg.validate()
+    layout(cfg.parallel)  # a world the degrees do not fit is refused before anything loads
     c["mixed_precision"] = cfg.mixed_precision  # the launcher's setting enters the run's identity
     src = open_inputs(c["inputs"])
     with tracking, progress(not json_) as bar:

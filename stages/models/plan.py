@@ -28,6 +28,11 @@ reducer's copy). FSDP2 shards the trained module (`stages.update.parallel`): its
 and optimizer state divided by the world size, plus its largest block gathered whole twice (the
 block computing and the one prefetched); the frozen components stay whole on every rank. CPU offload
 (FSDP2) keeps the trained module's shards, gradients and optimizer state in host memory instead.
+
+Model parallelism (`stages.parallelism`): under --sp-degree S each rank holds 1/S of every sequence, so
+every activation term is divided by S; under --tp-degree T each rank holds 1/T of the trained module's
+weights (diffusers' plan shards its attention and MLP projections; the small replicated norms and
+modulations are counted as sharded too). FSDP2 still shards over all the ranks.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from stages.errors import UserInputError
 from stages.models.diffusion import DTYPES
 from stages.models.factory import parameter_count
 from stages.models.families import Resolution, adapter_class, parse_resolution
+from stages.parallelism import ModelParallel
 from stages.precision import MIXED_PRECISIONS
 from stages.update.parallel import STRATEGIES
 
@@ -81,11 +87,14 @@ class PlanConfig:
     num_processes: int = 1
     cpu_offload: bool = False
     device_memory: int | None = None  # bytes; None: no verdict
+    parallel: ModelParallel = field(default_factory=ModelParallel)
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> PlanConfig:
-        """The config of resolved command options: every field from the option of the same name."""
-        return cls(**{f.name: options[f.name] for f in fields(cls) if f.name in options})
+        """The config of resolved command options: every field from the option of the same name
+        (`parallel` from --sp-degree, --sp-kind and --tp-degree)."""
+        values = {f.name: options[f.name] for f in fields(cls) if f.name in options}
+        return cls(**values, parallel=ModelParallel.from_options(options))
 
     def validate(self) -> None:
         """One line per setting a user got wrong."""
@@ -106,6 +115,12 @@ class PlanConfig:
             raise UserInputError(f"--strategy {self.strategy}: choose one of {', '.join(STRATEGIES)}")
         if self.cpu_offload and self.kind() != "fsdp2":
             raise UserInputError("--cpu-offload is FSDP2's: pass --strategy fsdp2")
+        self.parallel.validate(self.num_processes, ranks_option="--num-processes")
+        if self.parallel.tp_degree > 1 and not self.full:
+            raise UserInputError(
+                f"--tp-degree {self.parallel.tp_degree}: diffusers' tensor-parallel plan does not shard LoRA "
+                "layers, so update refuses it; pass --full (or plan --sp-degree)"
+            )
 
     def kind(self) -> str:
         """ "none", "ddp" or "fsdp2", as `stages.update.parallel.resolve_strategy` picks it."""
@@ -391,28 +406,33 @@ def plan(arch: Architecture, cfg: PlanConfig) -> dict[str, Any]:
             f"{arch.name}: its trained module has no repeated blocks to estimate activations by"
         )
     hidden = max(_hidden(b) for b in blocks)
-    per_block = ACTIVATION_ELEMENTS_PER_HIDDEN * seq * hidden * act_bytes  # A, one sample, one branch
+    sp, tp = cfg.parallel.sp_degree, cfg.parallel.tp_degree
+    # A, one sample, one branch, on one rank: its 1/sp of the sequence
+    per_block = -(-ACTIVATION_ELEMENTS_PER_HIDDEN * seq * hidden * act_bytes // sp)
+    trained_names = arch.trained if arch.kind == "diffusion" else ("model",)
 
-    # inference: every component at --dtype, one block's activations for the sampling batch
-    inference = StagePlan(weights={n: c * weight_bytes for n, c in params.items()})
+    # inference: every component at --dtype (the trained module's 1/tp), one block's activations for the
+    # sampling batch
+    inference = StagePlan(
+        weights={n: -(-c * weight_bytes // (tp if n in trained_names else 1)) for n, c in params.items()}
+    )
     inference.activations = per_block * cfg.batch_size * branches
 
     # update: + trained parameters (fp32), gradients, AdamW moments, training activations
     trainable = _full_parameters(arch) if cfg.full else _lora_parameters(arch, cfg.lora_rank)
     train = StagePlan(weights=dict(inference.weights), trainable_parameters=trainable)
-    trained_names = arch.trained if arch.kind == "diffusion" else ("model",)
     if cfg.full:
         for name in trained_names:
             frozen = params[name] * weight_bytes
             trained_here = _full_parameters(arch) if arch.kind == "vlm" else params[name]
-            train.weights[name] = frozen + trained_here * (FP32 - weight_bytes)
+            train.weights[name] = -(-(frozen + trained_here * (FP32 - weight_bytes)) // tp)
     else:
         train.weights["lora"] = trainable * FP32
-    train.gradients = trainable * FP32
-    train.optimizer = trainable * FP32 * ADAM_MOMENTS
+    train.gradients = -(-trainable * FP32 // tp)
+    train.optimizer = -(-trainable * FP32 * ADAM_MOMENTS // tp)
     micro = (cfg.micro_batch or cfg.batch_size) * branches
     if cfg.gradient_checkpointing:
-        kept = len(blocks) * seq * hidden * act_bytes + per_block
+        kept = -(-len(blocks) * seq * hidden * act_bytes // sp) + per_block
     else:
         kept = len(blocks) * per_block
     train.activations = kept * micro

@@ -42,6 +42,7 @@ from stages.models.qwen2_5_vl import SIZES as TEXT_SIZES
 from stages.models.qwen2_5_vl import Qwen2_5_VLSize, _config
 from stages.models.schedules import dynamic_shift_mu, flow_match_sigmas
 from stages.models.tokenizers import build_qwen2_tokenizer
+from stages.parallelism import sequence_shards
 
 FAMILY = "qwen_image"
 LATENT_CHANNELS = 16
@@ -287,11 +288,15 @@ class QwenImageAdapter(FamilyAdapter):
         img_shapes = [[(1, h // PATCH, w // PATCH)]] * batch
 
         def forward(branch: Tensors) -> torch.Tensor:
-            mask = branch["mask"]
+            embeds, mask = branch["embeds"], branch["mask"]
+            extra = -embeds.shape[1] % sequence_shards(transformer)
+            if extra:  # sequence parallelism splits the text too: pad it with masked-out tokens
+                embeds = torch.nn.functional.pad(embeds, (0, 0, 0, extra))
+                mask = torch.nn.functional.pad(mask, (0, extra))
             return transformer(
                 hidden_states=tokens,
                 timestep=timestep,
-                encoder_hidden_states=branch["embeds"],
+                encoder_hidden_states=embeds,
                 encoder_hidden_states_mask=None if bool(mask.all()) else mask,
                 img_shapes=img_shapes,
                 return_dict=False,

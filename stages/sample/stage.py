@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from stages.dist import writes_outputs
 from stages.errors import UserInputError
 from stages.media import FRAMES_COLUMN
 from stages.sample.engines import RolloutEngine
@@ -164,9 +165,11 @@ def store_conditioning(
 ) -> None:
     """Write the conditioning of shard `shard`'s unique prompts, as the engine encoded them, beside the
     shard and before it (`stages.models.conditioning`): a finished shard always has its file. An engine
-    that cannot return it writes none."""
+    that cannot return it writes none, nor does a rank that does not write (`dist.writes_outputs`)."""
     from stages.models.conditioning import conditioning_file, write_conditioning
 
+    if not writes_outputs():
+        return
     keys = list(dict.fromkeys((r.prompt.text, r.prompt.negative, cfg.max_sequence_length) for r in rows))
     entries = engine.conditioning(keys)
     if entries is None or len(entries) != len(keys):
@@ -186,7 +189,8 @@ def write_shards(
     unit: str,
     on_batch: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
-    """Write `make_shard(s)` for every listed shard not already done (`sizes[s]` rows each).
+    """Write `make_shard(s)` for every listed shard not already done (`sizes[s]` rows each); a rank that
+    does not write (`dist.writes_outputs`) makes them alone.
 
     Returns rows (of the listed shards), rows_written (made here), shards written/resumed, seconds and
     `<unit>_per_s` over the shards made here.
@@ -199,7 +203,9 @@ def write_shards(
             if on_batch:
                 on_batch(sizes[s])
             continue
-        writer.write_shard(s, make_shard(s))
+        columns = make_shard(s)
+        if writes_outputs():  # one rank of a model-parallel group writes what the group computed
+            writer.write_shard(s, columns)
         written += 1
         made += sizes[s]
     seconds = time.perf_counter() - t0

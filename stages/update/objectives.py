@@ -412,10 +412,10 @@ class TokenPolicyGradient:
             self.metric_keys = (*type(self).metric_keys, *moe.metric_keys(moe.sparse_layers(text)))
 
     def epoch(self, rows: list[int], micro: int, rng: random.Random) -> list[Chunk]:
-        from stages.dist import world_and_rank
+        from stages.dist import data_parallel
 
         chunks = _chunks(rows, micro)
-        per_step = self.cfg.grad_accum * world_and_rank()[0]
+        per_step = self.cfg.grad_accum * data_parallel()[0]
         mask = self.data["response_mask"].bool()
         for first in range(0, len(chunks), per_step):
             step_rows = torch.tensor([i for c in chunks[first : first + per_step] for i in c])

@@ -25,10 +25,12 @@ from typing import Any
 
 import torch
 
-from stages.dist import all_reduce_sum, world_and_rank
+from stages.dist import all_reduce_sum, data_parallel, world_and_rank
 from stages.errors import NonFiniteError, UserInputError
 from stages.models.diffusion import FlowPolicy
+from stages.models.kernels import Kernels, prepare
 from stages.models.vlm import VLMPolicy
+from stages.parallelism import ModelParallel
 from stages.precision import autocast, launcher_mixed_precision, resolve_mixed_precision
 from stages.safe_files import load_tensors
 from stages.update import sharded_state
@@ -90,6 +92,8 @@ class UpdateConfig:
     lr_total_steps: int = 0
     strategy: str = "auto"
     gradient_checkpointing: bool = False
+    parallel: ModelParallel = field(default_factory=ModelParallel)
+    kernels: Kernels = field(default_factory=Kernels)
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> UpdateConfig:
@@ -102,6 +106,8 @@ class UpdateConfig:
         values = {f.name: options[f.name] for f in fields(cls) if f.name in options}
         if values.get("mixed_precision") is None:
             values.pop("mixed_precision", None)
+        values["parallel"] = ModelParallel.from_options(options)
+        values["kernels"] = Kernels.from_options(options)
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
 
     def optimizer_settings(self) -> dict[str, Any]:
@@ -222,6 +228,7 @@ class UpdateConfig:
             raise UserInputError(f"--strategy {self.strategy}: choose one of {', '.join(STRATEGIES)}")
         if self.train_timesteps < 1:
             raise UserInputError(f"--train-timesteps {self.train_timesteps}: must be at least 1")
+        self.kernels.validate()
 
 
 class EMA:
@@ -281,7 +288,7 @@ def _steps(
     grad_accum slots and the collectives of DDP and FSDP2 stay in step.
     """
     rng = random.Random(seed)
-    world, rank = world_and_rank()
+    world, rank = data_parallel()  # the ranks of a model-parallel group take the same slots
     slots = cfg.grad_accum * world
     for epoch in range(cfg.inner_epochs):
         order = rows[:]
@@ -348,6 +355,13 @@ def train(
     policy.trainable_parameters(full=cfg.full, **vision)
     if cfg.gradient_checkpointing or launcher_checkpointing():
         policy.gradient_checkpointing()
+    if isinstance(policy, VLMPolicy) and (cfg.parallel.degree > 1 or cfg.kernels != Kernels()):
+        raise UserInputError(
+            "--sp-degree / --tp-degree / --attention-backend / --compile: diffusion transformers only; drop "
+            "it for a VLM"
+        )
+    if isinstance(policy, FlowPolicy):  # after the LoRA is on, before DDP / FSDP2 wrap the module
+        prepare(policy.parts, cfg.parallel, cfg.kernels)
     par = Parallel.setup(policy.module, cfg.strategy, swaps_weights=algo.family == "forward")
     named = _named_trainable(policy)
     params = list(named.values())
@@ -401,7 +415,7 @@ def train(
     metrics: list[dict[str, Any]] = []
     global_step = start_step
     attribute = "transformer" if isinstance(policy, FlowPolicy) else "model"
-    slots = cfg.grad_accum * world
+    slots = cfg.grad_accum * data_parallel()[0]
     with par.forwarding(policy, attribute):
         for epoch, first, step_chunks, mine in _steps(objective, rows, micro, cfg, cfg.seed + start_step):
             t0 = time.perf_counter()
@@ -409,8 +423,10 @@ def train(
             sums = torch.zeros(len(keys) + 1 + world, dtype=torch.float64)
             failure = None
             for c, (idx, real) in enumerate(mine):
+                # × every rank, not dp: DDP / FSDP2 average over all of them, and a model-parallel
+                # group's gradients add up to its replica's (`stages.parallelism`)
                 weight = world * objective.share(idx, step_chunks, slots) / objective.per_chunk
-                where = f"at epoch {epoch}, micro-batch {first + rank * cfg.grad_accum + c}"
+                where = f"at epoch {epoch}, micro-batch {first + data_parallel()[1] * cfg.grad_accum + c}"
                 losses = objective.losses(idx)
                 for t in range(objective.per_chunk):
                     with par.sync(c == cfg.grad_accum - 1 and t == objective.per_chunk - 1):

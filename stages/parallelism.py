@@ -1,0 +1,238 @@
+"""Sequence (context) and tensor parallelism of a diffusion transformer, through diffusers' own configs.
+
+The launcher's W ranks form a 2-D mesh dp × k, k the sequence-parallel degree (`--sp-degree`) or the
+tensor-parallel degree (`--tp-degree`; the two do not combine, as diffusers' `ParallelConfig` refuses).
+The k consecutive ranks of one model-parallel group run one replica of the model on the same samples:
+under sp each holds 1/k of every sequence (diffusers' `ContextParallelConfig`: Ulysses all-to-all over
+heads, ring passing keys/values round, or unified = both), under tp 1/k of every planned weight
+(`TensorParallelConfig`). Data (shards, rows, seeds, optimizer slots) is split over dp alone
+(`stages.dist.data_parallel`), and only the first rank of each group writes (`stages.dist.writes_outputs`).
+
+Gradients: diffusers gathers the transformer's output over the group (`proj_out`) and routes each
+rank's backward to its own part of the sequence only, so a rank's parameter gradients are its share
+and the group's true gradient is their *sum*. DDP / FSDP2 over all W ranks average, and the trainer
+scales each loss by W (not dp), which makes that average exactly the sum over each group, averaged
+over the dp groups (tests/test_parallelism.py checks it against one process).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from functools import cache
+from typing import Any
+
+import torch
+
+from stages.dist import device, join, set_model_parallel, world_and_rank
+from stages.errors import UserInputError
+
+SP_KINDS = ("ulysses", "ring", "unified")
+# attention backends that cannot return the log-sum-exp ring attention merges partial results with
+NO_LSE_BACKENDS = ("native", "_native_math", "_native_efficient", "_native_npu", "_native_xla", "xformers")
+LAUNCH = "torchrun --nproc_per_node N (or accelerate launch)"
+
+
+@dataclass(frozen=True)
+class ModelParallel:
+    """How one model replica is spread over a group of ranks: `sp_degree` ranks share its sequence
+    (`sp_kind`), or `tp_degree` ranks its weights. Both 1: no model parallelism."""
+
+    sp_degree: int = 1
+    sp_kind: str = "ulysses"
+    tp_degree: int = 1
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> ModelParallel:
+        """The settings among resolved command options (`--sp-degree`, `--sp-kind`, `--tp-degree`)."""
+        return cls(**{f.name: options[f.name] for f in fields(cls) if options.get(f.name) is not None})
+
+    @property
+    def degree(self) -> int:
+        """Ranks per model replica (1 without model parallelism)."""
+        return self.sp_degree * self.tp_degree
+
+    def validate(self, world: int, ranks_option: str | None = None) -> None:
+        """Refuse in one line settings `world` ranks cannot run; `ranks_option` names the option that
+        gave `world` (None: the launcher)."""
+        if self.sp_kind not in SP_KINDS:
+            raise UserInputError(f"--sp-kind {self.sp_kind}: choose one of {', '.join(SP_KINDS)}")
+        for name, value in (("--sp-degree", self.sp_degree), ("--tp-degree", self.tp_degree)):
+            if value < 1:
+                raise UserInputError(f"{name} {value}: give a positive number of ranks")
+        if self.sp_degree > 1 and self.tp_degree > 1:
+            raise UserInputError(
+                f"--sp-degree {self.sp_degree} with --tp-degree {self.tp_degree}: diffusers combines "
+                "context and tensor parallelism in no model; choose one of them"
+            )
+        if self.sp_kind == "unified" and self.sp_degree > 1 and _ring_ulysses(self.sp_degree)[0] == 1:
+            raise UserInputError(
+                f"--sp-kind unified --sp-degree {self.sp_degree}: unified runs ring × Ulysses, which needs "
+                "a degree with two factors > 1 (4, 6, 8, ...); pass another --sp-degree or --sp-kind"
+            )
+        if world % self.degree:
+            option = (
+                f"--sp-degree {self.sp_degree}" if self.sp_degree > 1 else f"--tp-degree {self.tp_degree}"
+            )
+            if ranks_option is not None:
+                raise UserInputError(
+                    f"{option}: {ranks_option} {world} is not dp × sp × tp; pass a multiple of it"
+                )
+            launch = f"{LAUNCH}, N a multiple of it" if world == 1 else "a multiple of it as the launcher's N"
+            raise UserInputError(
+                f"{option}: {world} rank(s) are not dp × sp × tp for a whole dp; launch with {launch}"
+            )
+
+    def mesh_shape(self, world: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        """The device mesh's shape and dimension names: (dp, ring, ulysses) under sp, (dp, tp) under tp.
+        dp is outermost, so a model-parallel group is `degree` consecutive ranks."""
+        dp = world // self.degree
+        if self.tp_degree > 1:
+            return (dp, self.tp_degree), ("dp", "tp")
+        if self.sp_kind == "ring":
+            ring, ulysses = self.sp_degree, 1
+        elif self.sp_kind == "unified":
+            ring, ulysses = _ring_ulysses(self.sp_degree)
+        else:
+            ring, ulysses = 1, self.sp_degree
+        return (dp, ring, ulysses), ("dp", "ring", "ulysses")
+
+
+def _ring_ulysses(degree: int) -> tuple[int, int]:
+    """(ring, ulysses) degrees of unified sp: ring the smallest factor > 1 with ulysses > 1, else (1, degree)."""
+    for ring in range(2, degree):
+        if degree % ring == 0:
+            return ring, degree // ring
+    return 1, degree
+
+
+@cache
+def _mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device().type, shape, mesh_dim_names=names)
+
+
+def layout(parallel: ModelParallel) -> Any:
+    """Check `parallel` against the launcher's world, record the model-parallel group size with
+    `stages.dist` (so shards, rows and optimizer slots are split over dp) and return the device mesh
+    (None without model parallelism). Call it before any work is split; calling it again is free."""
+    world = join()[0]
+    parallel.validate(world)
+    set_model_parallel(parallel.degree)
+    if parallel.degree == 1:
+        return None
+    return _mesh(*parallel.mesh_shape(world))
+
+
+def parallelize(parts: Mapping[str, torch.nn.Module], parallel: ModelParallel) -> None:
+    """Spread each trained transformer in `parts` (pipeline attribute → module; adapters already on
+    it, so diffusers' hooks wrap the LoRA layers too) by `parallel`, in place; one line refuses a module
+    it cannot spread before anything is changed. Call it once per module. The modules must then be
+    called with `return_dict=False` (every family adapter does): diffusers' output hooks take tuples."""
+    if parallel.degree == 1:
+        return
+    for name, module in parts.items():
+        _check(f"{name} {type(module).__name__}", module, parallel)
+    mesh = layout(parallel)
+    from diffusers import ContextParallelConfig, TensorParallelConfig
+
+    for module in parts.values():
+        if parallel.sp_degree > 1:
+            cp_mesh = mesh["ring", "ulysses"]
+            ring, ulysses = cp_mesh.mesh.shape
+            _enable(module, ContextParallelConfig(ring_degree=ring, ulysses_degree=ulysses, mesh=cp_mesh))
+        else:
+            _enable(module, TensorParallelConfig(mesh=mesh["tp"]))
+
+
+def _check(what: str, module: torch.nn.Module, parallel: ModelParallel) -> None:
+    """Refuse in one line a module (`what`: its attribute and class) diffusers cannot spread by `parallel`."""
+    if parallel.sp_degree > 1:
+        option = f"--sp-degree {parallel.sp_degree}"
+        if getattr(module, "_cp_plan", None) is None:
+            raise UserInputError(
+                f"{option}: the {what} has no context-parallel plan (_cp_plan) in diffusers; sequence "
+                "parallelism runs FLUX, Qwen-Image and Wan, drop --sp-degree"
+            )
+        backend = _backend(module)
+        if parallel.sp_kind != "ulysses" and backend in NO_LSE_BACKENDS:
+            raise UserInputError(
+                f"--sp-kind {parallel.sp_kind}: ring attention needs an attention backend that returns the "
+                f"log-sum-exp and the active one ({backend}) does not (so no CPU runs it); use --sp-kind "
+                "ulysses, or a flash/cuDNN backend on an accelerator"
+            )
+        heads_split = parallel.mesh_shape(parallel.degree)[0][2]  # Ulysses splits the heads
+    else:
+        option = f"--tp-degree {parallel.tp_degree}"
+        if getattr(module, "_tp_plan", None) is None:
+            raise UserInputError(
+                f"{option}: the {what} has no tensor-parallel plan (_tp_plan) in diffusers; tensor "
+                "parallelism runs FLUX and Qwen-Image, drop --tp-degree"
+            )
+        if device().type == "cpu":
+            raise UserInputError(
+                f"{option}: diffusers shards weights on accelerators only (cuda, xpu, neuron, tpu), not on "
+                "this CPU; use --sp-degree here"
+            )
+        if any("lora_" in n for n, _ in module.named_parameters()):
+            raise UserInputError(
+                f"{option}: the {what} carries LoRA layers, which diffusers' tensor-parallel plan does not "
+                "shard; use --sp-degree (or --full without an --adapter)"
+            )
+        heads_split = parallel.tp_degree
+    heads = getattr(module.config, "num_attention_heads", None)
+    if heads is not None and heads % heads_split:
+        raise UserInputError(
+            f"{option}: the {what} has {heads} attention heads, which {heads_split} ranks cannot split "
+            "evenly; pass a degree that divides it"
+        )
+
+
+def sequence_shards(module: torch.nn.Module) -> int:
+    """How many ranks split `module`'s sequence (1 without sequence parallelism): diffusers splits every
+    planned sequence evenly, so a family that sizes a sequence itself (Qwen-Image pads its text per
+    batch) pads it to a multiple of this, with masked-out tokens."""
+    cp = getattr(getattr(module, "_parallel_config", None), "context_parallel_config", None)
+    return 1 if cp is None else cp.ring_degree * cp.ulysses_degree
+
+
+def _backend(module: torch.nn.Module) -> str:
+    """The attention backend `module`'s attention runs on: its processors' own, else diffusers' active one."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    for sub in module.modules():
+        chosen = getattr(getattr(sub, "processor", None), "_attention_backend", None)
+        if chosen is not None:
+            return str(getattr(chosen, "value", chosen))
+    return str(_AttentionBackendRegistry.get_active_backend()[0].value)
+
+
+def _enable(module: Any, config: Any) -> None:
+    """diffusers' `enable_parallelism(config=...)` with this process's device.
+
+    diffusers' `_resolve_parallel_config` computes `rank % torch.accelerator.device_count()` for the
+    device it records, before it looks at the mesh we pass, and that count is 0 on a CPU-only machine
+    (ZeroDivisionError). So for this one call the module's resolver is shadowed by an instance
+    attribute that does the same (normalise, `setup` with rank, world and our mesh, record) with the
+    device Accelerate gave this process; everything else (checks, hooks, sharding) is diffusers' own.
+    """
+    from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig
+
+    world, rank = world_and_rank()
+    mesh = config.mesh
+
+    def resolve(cfg: Any) -> Any:
+        key = (
+            "context_parallel_config" if isinstance(cfg, ContextParallelConfig) else "tensor_parallel_config"
+        )
+        whole = ParallelConfig(**{key: cfg})
+        whole.setup(rank, world, device(), mesh=mesh)
+        module._parallel_config = whole
+        return whole
+
+    module._resolve_parallel_config = resolve
+    try:
+        module.enable_parallelism(config=config)
+    finally:
+        del module._resolve_parallel_config

@@ -1,0 +1,237 @@
+"""Sequence parallelism (--sp-degree, diffusers' Ulysses context parallelism) on 2 and 4 gloo CPU ranks
+equals one process, for every family whose transformer has a `_cp_plan`: the rollout, the replay and one
+update; and the settings it cannot run are refused in one line (stages/parallelism.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import PROMPTS, fails, ins, run, torchrun_commands
+from safetensors.torch import load_file
+
+from stages.errors import UserInputError
+from stages.models.diffusion import LORA_WEIGHTS, FlowPolicy
+from stages.models.kernels import Kernels, prepare
+from stages.parallelism import ModelParallel, parallelize
+from stages.shards.reader import ShardSet
+
+# init-model family → the sampling flags that fit its tiny build (Wan: 5 frames, 2 latent frames)
+FAMILIES = {
+    "flux": ["--resolution", "32", "--guidance", "3.5"],
+    "qwen_image": ["--resolution", "32", "--guidance", "4"],
+    "wan2_1": ["--resolution", "32", "--frames", "5", "--guidance", "4"],
+}
+TRAIN = ["--lora-rank", "4", "--lora-alpha", "8", "--lr", "1e-3", "--no-shuffle", "--micro-batch", "1"]
+
+
+def _sample(model: Path, prompts: Path, name: str, out: Path, *extra: str) -> list[str]:
+    return [
+        "sample", "--model", str(model), "--prompts", str(prompts), "-n", "2", "--steps", "3",
+        "--batch-size", "3", *FAMILIES[name], "--out", str(out), *extra,
+    ]  # fmt: skip
+
+
+def _metrics(policy: Path) -> list[dict]:
+    return [json.loads(line) for line in (policy / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One process's staged iteration of a family (sample → score → logprob → advantage → update), and
+    the same sample, the replay of its rollout and the update on its inputs (DDP, then FSDP2 sharding
+    over both ranks) by 2 ranks with --sp-degree 2."""
+    from stages.models.factory import init_model
+
+    name = request.param
+    root = tmp_path_factory.mktemp(f"sp-{name}")
+    model, prompts = root / "model", root / "prompts.txt"
+    init_model(name, model, size="tiny", seed=0)
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    run(*_sample(model, prompts, name, root / "samples"))
+    reward = "jpeg_compressibility@frames=mean" if name.startswith("wan") else "jpeg_compressibility"
+    run("score", "--in", str(root / "samples"), "--reward", reward, "--out", str(root / "rewards"))
+    run("logprob", "--model", str(model), "--in", str(root / "samples"), "--out", str(root / "logprobs"))
+    run("advantage", *ins(root / "samples", root / "rewards"), "--out", str(root / "advantages"))
+    inputs = ins(root / "samples", root / "logprobs", root / "advantages")
+    run("update", "--model", str(model), *inputs, *TRAIN, "--out", str(root / "policy"))
+    sp = ["--sp-degree", "2"]
+    reports = torchrun_commands(
+        _sample(model, prompts, name, root / "sp-samples", *sp),
+        [
+            "logprob",
+            "--model",
+            str(model),
+            "--in",
+            str(root / "samples"),
+            "--out",
+            str(root / "sp-logprobs"),
+            *sp,
+        ],
+        ["update", "--model", str(model), *inputs, *TRAIN, "--out", str(root / "sp-policy"), *sp],
+        [
+            *["update", "--model", str(model), *inputs, *TRAIN, "--out", str(root / "sp-fsdp2-policy"), *sp],
+            *["--strategy", "fsdp2"],
+        ],
+    )
+    return {"name": name, "root": root, "model": model, "prompts": prompts, "reports": reports}
+
+
+@pytest.mark.distributed
+def test_sp_rollout_replay_and_update_equal_one_process(family: dict) -> None:
+    root = family["root"]
+    assert len(family["reports"]) == 4  # one report per command: rank 0's
+    sampled, replay, update, _ = family["reports"]
+    assert sampled["rows_written"] == 6 and sampled["complete"]  # each row once, by one rank of the group
+    one, sp = ShardSet(root / "samples").read_all(), ShardSet(root / "sp-samples").read_all()
+    assert one["sample_id"] == sp["sample_id"] and torch.equal(one["seed"], sp["seed"])
+    for column in ("latents", "log_probs", "final_latent"):
+        torch.testing.assert_close(sp[column], one[column], rtol=0, atol=1e-5)
+    assert (root / "sp-samples" / "conditioning-00000-of-00001.safetensors").is_file()
+
+    # the replay of the one-process rollout under sp: its log-probs, to 1e-5
+    assert replay["replayed"] and replay["abs_delta_max"] <= 1e-5
+    old = ShardSet(root / "logprobs").read_all()["old_log_probs"]
+    torch.testing.assert_close(
+        ShardSet(root / "sp-logprobs").read_all()["old_log_probs"], old, rtol=0, atol=1e-5
+    )
+
+    # one update, under DDP and under FSDP2: the sp group's gradients add up to one process's (grad norm
+    # and loss per step, to 1e-5 relative) and the trained LoRA weights agree to 1e-5 of their size
+    assert update["step"] == 6
+    ref = load_file(root / "policy" / LORA_WEIGHTS)
+    scale = max(float(v.abs().max()) for v in ref.values())
+    assert scale > 0
+    for policy in ("sp-policy", "sp-fsdp2-policy"):
+        for a, b in zip(_metrics(root / "policy"), _metrics(root / policy), strict=True):
+            assert b["actor/grad_norm"] == pytest.approx(a["actor/grad_norm"], rel=1e-5)
+            assert b["actor/pg_loss"] == pytest.approx(a["actor/pg_loss"], rel=1e-5, abs=1e-9)
+        got = load_file(root / policy / LORA_WEIGHTS)
+        assert ref.keys() == got.keys()
+        for key, value in ref.items():
+            torch.testing.assert_close(got[key], value, rtol=0, atol=1e-5 * scale)
+
+
+def test_sp_needs_a_launch_of_a_multiple_of_its_degree(tiny_sd3: Path, tmp_path: Path) -> None:
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a cat\n")
+    args = ["sample", "--model", str(tiny_sd3), "--prompts", str(prompts), "--out", str(tmp_path / "s")]
+    fails([*args, "--sp-degree", "2"], "--sp-degree 2", "torchrun --nproc_per_node")
+    fails([*args, "--sp-degree", "2", "--tp-degree", "2"], "--sp-degree 2", "--tp-degree 2", "choose one")
+    fails([*args, "--sp-degree", "2", "--sp-kind", "unified"], "--sp-kind unified", "two factors")
+    assert not (tmp_path / "s").exists()  # refused before anything is written
+
+
+@pytest.fixture(scope="module")
+def flux_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from stages.models.factory import init_model
+
+    path = tmp_path_factory.mktemp("flux") / "model"
+    init_model("flux", path, size="tiny", seed=0)
+    return path
+
+
+@pytest.fixture(scope="module")
+def flux(flux_model: Path) -> FlowPolicy:
+    return FlowPolicy.load(flux_model)
+
+
+@pytest.mark.parametrize(
+    ("parallel", "named"),
+    [
+        (ModelParallel(sp_degree=2, sp_kind="ring"), ["--sp-kind ring", "log-sum-exp", "(native)"]),
+        (ModelParallel(sp_degree=2, sp_kind="unified"), ["--sp-kind unified", "log-sum-exp"]),
+        (ModelParallel(tp_degree=2), ["--tp-degree 2", "accelerators only"]),
+        (ModelParallel(sp_degree=3), ["--sp-degree 3", "4 attention heads"]),
+    ],
+)
+def test_what_diffusers_cannot_run_here_is_refused_before_the_model_changes(
+    flux: FlowPolicy, parallel: ModelParallel, named: list[str]
+) -> None:
+    with pytest.raises(UserInputError) as refused:
+        parallelize(flux.parts, parallel)
+    assert all(n in str(refused.value) for n in named) and "\n" not in str(refused.value)
+    assert flux.module._parallel_config is None
+
+
+def test_a_transformer_without_a_plan_is_refused(tiny_sd3: Path) -> None:
+    policy = FlowPolicy.load(tiny_sd3)
+    with pytest.raises(UserInputError, match=r"--sp-degree 2: the transformer SD3Transformer2DModel has no "):
+        parallelize(policy.parts, ModelParallel(sp_degree=2))
+    with pytest.raises(UserInputError, match=r"_tp_plan"):
+        parallelize(policy.parts, ModelParallel(tp_degree=2))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("family", ["flux"], indirect=True)
+def test_dp2_by_sp2_on_four_ranks_equals_one_process(family: dict, tmp_path: Path) -> None:
+    """4 ranks as 2 data-parallel groups of 2 sequence-parallel ranks: each group samples its own shard,
+    and an update with 2 groups × grad_accum 1 equals one process with grad_accum 2."""
+    root, model = family["root"], family["model"]
+    inputs = ins(root / "samples", root / "logprobs", root / "advantages")
+    run("update", "--model", str(model), *inputs, *TRAIN, "--grad-accum", "2", "--out", str(tmp_path / "one"))
+    sp = ["--sp-degree", "2"]
+    sampled, _ = torchrun_commands(
+        _sample(model, family["prompts"], "flux", tmp_path / "samples", "--num-shards", "2", *sp),
+        ["update", "--model", str(model), *inputs, *TRAIN, "--out", str(tmp_path / "four"), *sp],
+        ranks=4,
+    )
+    assert sampled["rows_written"] == 6 and sampled["complete"]
+    one, four = ShardSet(root / "samples").read_all(), ShardSet(tmp_path / "samples").read_all()
+    assert len(ShardSet(tmp_path / "samples").manifest.shards) == 2 and one["sample_id"] == four["sample_id"]
+    for column in ("latents", "log_probs"):
+        torch.testing.assert_close(four[column], one[column], rtol=0, atol=1e-5)
+    for a, b in zip(_metrics(tmp_path / "one"), _metrics(tmp_path / "four"), strict=True):
+        assert b["actor/grad_norm"] == pytest.approx(a["actor/grad_norm"], rel=1e-5)
+    ref, got = load_file(tmp_path / "one" / LORA_WEIGHTS), load_file(tmp_path / "four" / LORA_WEIGHTS)
+    scale = max(float(v.abs().max()) for v in ref.values())
+    for key, value in ref.items():
+        torch.testing.assert_close(got[key], value, rtol=0, atol=1e-5 * scale)
+
+
+def test_attention_backend_and_compile_are_set_on_the_transformer(flux_model: Path, tmp_path: Path) -> None:
+    from diffusers.models.attention_dispatch import AttentionBackendName
+
+    policy = FlowPolicy.load(flux_model)
+    x, sigma = policy.initial_noise([1, 2], 32), policy.sigmas(3, 32)[1]
+    cond = policy.encode(PROMPTS[:2], None, False)
+    native = policy.velocity(x, sigma, cond, 3.5)
+    prepare(policy.parts, ModelParallel(), Kernels(attention_backend="_native_math", compile=True))
+    backends = {m.processor._attention_backend for m in policy.module.modules() if hasattr(m, "processor")}
+    assert backends == {AttentionBackendName._NATIVE_MATH}
+    # regional compilation: every repeated block is compiled (lazily, at its first call), the root is not
+    blocks = [*policy.module.transformer_blocks, *policy.module.single_transformer_blocks]
+    assert (
+        all(b._compiled_call_impl is not None for b in blocks) and policy.module._compiled_call_impl is None
+    )
+    math = FlowPolicy.load(flux_model)
+    prepare(math.parts, ModelParallel(), Kernels(attention_backend="_native_math"))
+    torch.testing.assert_close(math.velocity(x, sigma, cond, 3.5), native, rtol=0, atol=1e-5)
+
+    args = [
+        "sample",
+        "--model",
+        str(flux_model),
+        "--prompts",
+        str(tmp_path / "p.txt"),
+        "--out",
+        str(tmp_path / "s"),
+    ]
+    (tmp_path / "p.txt").write_text("a cat\n")
+    fails(
+        [*args, "--attention-backend", "flash_hub"],
+        "--attention-backend flash_hub",
+        "choose one of",
+        "_native_math",
+    )
+    assert not (tmp_path / "s").exists()
+
+
+def test_only_a_quantized_attention_backend_is_part_of_the_identity() -> None:
+    from omnirl_cli.runtime import run_config
+
+    assert run_config({"steps": 4, "attention_backend": None, "compile": True}) == {"steps": 4}
+    assert run_config({"steps": 4, "attention_backend": "_native_cudnn"}) == {"steps": 4}
+    assert run_config({"steps": 4, "attention_backend": "sage"}) == {"steps": 4, "attention_backend": "sage"}

@@ -115,6 +115,29 @@ def test_unknown_key_in_own_section_is_rejected(tmp_path: Path) -> None:
     assert "sample.stepz" in str(result.exception)
 
 
+def test_a_top_level_key_nothing_reads_is_refused_in_one_line(tmp_path: Path) -> None:
+    """`stepps: 3` at the top level ran silently with the default (a section typo was refused); a key
+    another command reads (group_size: sample's) and a section of another command still pass."""
+    cfg = tmp_path / "preset.yaml"
+    args = ["advantage", "--in", str(tmp_path / "none"), "--config", str(cfg), "--out", str(tmp_path / "o")]
+    cfg.write_text("stepps: 3\n")
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: --config {cfg}: top-level key 'stepps' is not an option of any omnirl command; "
+        "did you mean 'steps'?"
+    ]
+    cfg.write_text("smaple:\n  steps: 3\n")
+    result = runner.invoke(app, args)
+    assert (
+        result.exit_code == 2
+        and "'smaple' is not a command's section; did you mean 'sample'?" in result.stderr
+    )
+    cfg.write_text("group_size: 4\nsample:\n  steps: 3\n")
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2 and "none" in result.stderr and "top-level" not in result.stderr
+
+
 def test_missing_shard_set_is_one_line_exit_2(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "omnirl_cli", "inspect", str(tmp_path / "nope")],

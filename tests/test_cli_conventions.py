@@ -13,7 +13,7 @@ from typing import get_args
 
 import pytest
 import typer
-from helpers import fails
+from helpers import fails, staged_update_args
 from typer.testing import CliRunner
 
 from omnirl_cli import choices, console
@@ -285,7 +285,8 @@ def test_env_reports_versions_devices_and_variables() -> None:
     assert result.exit_code == 0, result.output
     info = json.loads(result.stdout)
     assert set(info) == {
-        "omnirl", "python", "platform", "packages", "extras", "devices", "accelerate_config", "environment",
+        "omnirl", "source", "python", "platform", "packages", "extras", "trackers", "devices",
+        "accelerate_config", "environment",
     }  # fmt: skip
     import torch
 
@@ -302,8 +303,22 @@ def test_env_reports_versions_devices_and_variables() -> None:
     assert info["environment"]["OMNIRL_MODEL"] == "models/x"
     assert info["environment"]["ACCELERATE_MIXED_PRECISION"] == "bf16"
     assert info["environment"]["OMNIRL_API_TOKEN"] == "<redacted>"
+    from importlib import metadata
+
+    from stages.tracking import KNOWN
+
+    assert set(info["trackers"]) == set(KNOWN)  # every tracker --report-to takes
+    assert info["trackers"]["tensorboard"] == metadata.version("tensorboard")  # a dev dependency
+    # the checkout this code runs from (tests run from one): its commit, as git names it
+    root = Path(__file__).resolve().parents[1]
+    head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True)
+    assert info["source"]["path"] == str(root) and info["source"]["commit"] == head.stdout.strip()
+    assert isinstance(info["source"]["modified"], bool)
     human = runner.invoke(app, ["env"], env=env)
-    assert human.exit_code == 0 and "OMNIRL_MODEL=models/x" in human.stderr and "s3cret" not in human.stderr
+    assert human.exit_code == 0 and human.stderr == ""  # a report is a result: `omnirl env > env.txt`
+    assert "OMNIRL_MODEL=models/x" in human.stdout and "s3cret" not in human.stdout
+    assert f"(git {head.stdout.strip()[:12]}" in human.stdout.splitlines()[0]
+    assert f"trackers: tensorboard {info['trackers']['tensorboard']}, wandb " in human.stdout
 
 
 def _logging_inspect(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -349,9 +364,13 @@ def test_quiet_and_verbose_set_omnirl_log_levels(
 
 def test_quiet_silences_progress_and_log_lines(tiny_shard_set: Path, tmp_path: Path) -> None:
     loud = runner.invoke(app, ["advantage", "--in", str(tiny_shard_set), "--out", str(tmp_path / "a")])
-    assert loud.exit_code == 0 and "advantages: 6/6" in loud.stderr and "zero_std_ratio" in loud.stderr
+    assert loud.exit_code == 0 and "advantages: 6/6" in loud.stderr and "zero_std_ratio" not in loud.stderr
+    assert loud.stdout.startswith(
+        f"advantages → {tmp_path / 'a'}  reward 1.5000 ± 0.9574 (mean ± sd), "
+    )  # rewards 0..2, 1..3
     quiet = runner.invoke(app, ["advantage", "--in", str(tiny_shard_set), "--out", str(tmp_path / "b"), "-q"])
-    assert quiet.exit_code == 0 and quiet.stderr == ""
+    assert quiet.exit_code == 0 and quiet.stderr == ""  # -q silences progress and logs, not the result
+    assert quiet.stdout == loud.stdout.replace(str(tmp_path / "a"), str(tmp_path / "b"))
     quiet = runner.invoke(app, ["advantage", "--in", str(tiny_shard_set), "--out", str(tmp_path / "c")],
                           env={"OMNIRL_QUIET": "1"})  # fmt: skip
     assert quiet.exit_code == 0 and quiet.stderr == ""
@@ -400,15 +419,15 @@ def test_online_off_a_tty_prints_a_line_per_iteration_and_timer_lines(
     def fake_run(cfg, device, on_iteration, tracking):
         for k, reward in ((0, 0.25), (1, 0.5)):
             time.sleep(0.2)  # a long iteration: the timer still reports
-            on_iteration({**stats, "iteration": k, "reward_mean": reward, "actor/pg_loss": 0.001})
+            on_iteration({**stats, "iteration": k, "reward_mean": reward, "pg_loss": 0.001})
 
     monkeypatch.setattr(pipeline, "run_online", fake_run)
     _run_lines(SimpleNamespace(iterations=2), tmp_path / "run", "cpu", None)
     lines = capsys.readouterr().err.splitlines()
     assert lines[0] == f"omnirl online → {tmp_path / 'run'} on cpu"
     assert [line.split(",")[0] for line in lines if line.startswith("it ")] == [
-        "it 0: reward 0.25 ± 0.1",
-        "it 1: reward 0.5 ± 0.1",
+        "it 0: reward 0.25 ± 0.1 (mean ± sd)",
+        "it 1: reward 0.5 ± 0.1 (mean ± sd)",
     ]
     timer = [line for line in lines if line.startswith("online iterations: ")]
     assert timer[0].startswith("online iterations: 0/2 [0:00]") and len(timer) >= 4
@@ -467,3 +486,47 @@ def test_online_sections_take_yaml_numbers_as_their_fields_types(tmp_path: Path)
          "--out", str(tmp_path / "o"), "--reward", "jpeg_compressibility", "--set", "update.lr=fast"],
         "update.lr",
     )  # fmt: skip
+
+
+def test_inspect_prints_its_result_on_stdout_and_only_progress_on_stderr(tiny_shard_set: Path) -> None:
+    result = runner.invoke(app, ["inspect", str(tiny_shard_set), "--verify", "--head", "2"])
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith(f"{tiny_shard_set}  parquet v") and lines[0].endswith("6 rows in 2 shard(s)")
+    assert "row 1" in result.stdout and lines[-1] == "verified: every shard matches its size and sha256"
+    assert [line.split(":")[0] for line in result.stderr.splitlines()] == ["verifying 2 shards"]
+
+
+def test_update_prints_the_step_means_report_shows(staged: dict[str, Path], tmp_path: Path) -> None:
+    """`update`'s line and `report`'s table show one quantity, the mean over the update's optimizer
+    steps (update printed the last step's); both are results on stdout."""
+    run = tmp_path / "run"
+    (run / "it0").mkdir(parents=True)
+    for part in ("samples", "rewards"):
+        (run / "it0" / part).symlink_to(staged[part])
+    update = runner.invoke(app, staged_update_args(staged, run / "it1" / "policy"))
+    assert update.exit_code == 0, update.output
+    records = [
+        json.loads(line) for line in (run / "it1" / "policy" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert len(records) == 2 and records[0]["actor/pg_loss"] != records[1]["actor/pg_loss"]
+    report = runner.invoke(app, ["report", str(run), "--no-grids", "--json"])
+    (row,) = json.loads(report.stdout)["iterations"]
+    for name, key in (
+        ("pg_loss", "actor/pg_loss"),
+        ("ratio_mean", "actor/ratio_mean"),
+        ("clipfrac", "actor/pg_clipfrac"),
+    ):
+        assert row[name] == pytest.approx(sum(r[key] for r in records) / 2, rel=1e-12), name
+    (line,) = update.stdout.splitlines()
+    assert line.startswith(f"updated → {run / 'it1' / 'policy'}  step 2  mean of 2 optimizer steps ")
+    assert (
+        f"pg_loss {row['pg_loss']:+.4e}  ratio {row['ratio_mean']:.6f}  clipfrac {row['clipfrac']:.3f}  "
+        in line
+    )
+    human = runner.invoke(app, ["report", str(run), "--no-grids"])
+    assert human.exit_code == 0, human.output
+    assert f"{run}: reward per iteration" in human.stdout and "± is the standard error" in human.stdout
+    assert f"{row['reward_mean']:.4g} ± {row['reward_se']:.2g}" in human.stdout
+    assert f"reward curve: {run / 'reward_curve.png'}" in human.stdout
+    assert [line.split(":")[0] for line in human.stderr.splitlines()] == [f"report {run}"]  # progress only

@@ -120,7 +120,7 @@ def test_remote_online_equals_in_process_online_at_staleness_0(
         for name, tensors in weights[0].items():
             for key, value in tensors.items():
                 torch.testing.assert_close(weights[1][name][key], value, rtol=0, atol=1e-5)
-    for key in ("reward_mean", "actor/pg_loss", "actor/ratio_mean"):
+    for key in ("reward_mean", "pg_loss", "ratio_mean"):
         assert [it[key] for it in remote] == pytest.approx([it[key] for it in local], rel=1e-4, abs=1e-6), key
     assert [it["step"] for it in remote] == [it["step"] for it in local]
 

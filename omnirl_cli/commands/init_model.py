@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from ..choices import FAMILIES, ModelSize, complete
-from ..console import emit_json, log, progress
+from ..console import emit_json, progress, print_result
 from ..errors import handle_errors
 from ..options import JsonOpt
 
@@ -56,4 +56,4 @@ def init_model(
     if json_:
         emit_json(summary)
     else:
-        log(f"[green]wrote[/] {family}/{size} model (seed {seed}) to {out}")
+        print_result(f"[green]wrote[/] {family}/{size} model (seed {seed}) to {out}")

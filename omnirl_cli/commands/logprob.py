@@ -9,7 +9,7 @@ import typer
 
 from ..choices import Dtype, Replay
 from ..config import resolve
-from ..console import emit_json, log
+from ..console import emit_json, print_result
 from ..errors import handle_errors
 from ..options import (
     ADAPTER_HELP,
@@ -268,10 +268,10 @@ def logprob(
     elif json_:
         emit_json({**result, "skipped": False})
     elif not extra["replayed"]:
-        log(f"[green]no replay[/] → {c['out']} (sample ids only): {extra['replay_reason']}")
+        print_result(f"[green]no replay[/] → {c['out']} (sample ids only): {extra['replay_reason']}")
     else:
         mean = extra.get("abs_delta_mean")
-        log(
+        print_result(
             f"[green]replayed[/] {extra['rows_replayed']} of {src.num_rows} samples → {c['out']}"
             + (
                 f"  rollout-vs-replay |Δlogp| mean {mean:.3g}, p99 {extra['abs_delta_p99']:.3g}, "

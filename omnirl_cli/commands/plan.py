@@ -9,7 +9,7 @@ import typer
 
 from ..choices import FAMILIES, ModelSize, complete
 from ..config import resolve
-from ..console import emit_json, progress
+from ..console import emit_json, out, progress
 from ..errors import handle_errors
 from ..options import (
     OPTIMISATION,
@@ -41,10 +41,8 @@ def _gib(n: int) -> str:
 
 def _render(result: dict[str, Any]) -> None:
     """The plan as tables on stdout: parameters per component, then bytes per stage (GiB)."""
-    from rich.console import Console
     from rich.table import Table
 
-    out = Console(highlight=False, soft_wrap=True)
     s, a = result["settings"], result["activations"]
     where = "1 process" if s["strategy"] == "none" else f"{s['num_processes']} ranks, {s['strategy']}"
     where += ", CPU offload" if s["cpu_offload"] else ""

@@ -10,7 +10,7 @@ import typer
 
 from ..choices import VaeMode
 from ..config import resolve
-from ..console import emit_json, log, progress
+from ..console import emit_json, log, progress, print_result
 from ..errors import handle_errors
 from ..options import REQUIRED, ConfigOpt, JsonOpt, OverwriteOpt, SetOpt, model_opt
 
@@ -216,7 +216,7 @@ def pretrain(
     if json_:
         emit_json(outcome)
     else:
-        log(
+        print_result(
             f"[green]pretrained[/] {len(result.losses)} steps on {dataset.source['rows']} images "
             f"(loss {result.first_loss:.4f} → {result.final_loss:.4f}) → {c['out']}; sample it with "
             f"--resolution {result.resolution}"

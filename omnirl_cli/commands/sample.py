@@ -22,7 +22,7 @@ from ..choices import (
     complete,
 )
 from ..config import resolve
-from ..console import emit_json, log, progress
+from ..console import emit_json, progress, print_result
 from ..errors import handle_errors
 from ..options import (
     ADAPTER_HELP,
@@ -610,7 +610,7 @@ def _run(
         state = "complete" if manifest else "partial (other shards pending)"
         resumed = result["rows"] - result["rows_written"]
         kept = f"; {resumed} already there" if resumed else ""
-        log(f"[green]wrote[/] {result['rows_written']} samples to {c['out']} ({state}{kept}{rate})")
+        print_result(f"[green]wrote[/] {result['rows_written']} samples to {c['out']} ({state}{kept}{rate})")
 
 
 def _combine(results: list[dict], unit: str) -> dict:

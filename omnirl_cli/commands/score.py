@@ -11,7 +11,7 @@ import typer
 
 from ..choices import REWARD_ENTRY_POINTS, REWARDS, OnError, complete
 from ..config import resolve
-from ..console import emit_json, log
+from ..console import emit_json, print_result
 from ..errors import handle_errors
 from ..options import (
     WEIGHTS_FROM,
@@ -273,9 +273,9 @@ def score(
     elif json_:
         emit_json({**result, "skipped": False})
     else:
-        log(
-            f"[green]scored[/] {result['rows']} samples → {c['out']}  reward mean {result['reward/mean']:.4f} "
-            f"± {result['reward/std']:.4f} (std over the scored samples), {result[FAILED_COLUMN]} failed"
+        print_result(
+            f"[green]scored[/] {result['rows']} samples → {c['out']}  reward {result['reward/mean']:.4f} "
+            f"± {result['reward/std']:.4f} (mean ± sd over the scored samples), {result[FAILED_COLUMN]} failed"
         )
 
 

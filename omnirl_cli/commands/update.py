@@ -17,7 +17,7 @@ from ..choices import (
     complete,
 )
 from ..config import resolve
-from ..console import emit_json, log, progress
+from ..console import emit_json, log, progress, print_result
 from ..errors import handle_errors
 from ..options import (
     ADAPTER_HELP,
@@ -372,9 +372,15 @@ def update(
     elif result.get("skipped"):
         log(f"{c['out']} already holds this update; nothing to do")
     else:
-        last = result["last"]
-        log(
-            f"[green]updated[/] → {c['out']}  step {result['step']}  pg_loss {last.get('actor/pg_loss', 0):+.4e}  "
-            f"ratio {last.get('actor/ratio_mean', 1):.6f}  clipfrac {last.get('actor/pg_clipfrac', 0):.3f}  "
-            f"{result['reward_failed']} rows with a failed reward skipped"
+        means = result["step_means"]
+        shown = (
+            ("pg_loss", "pg_loss", "+.4e"),
+            ("ratio_mean", "ratio", ".6f"),
+            ("clipfrac", "clipfrac", ".3f"),
+        )
+        print_result(
+            f"[green]updated[/] → {c['out']}  step {result['step']}  mean of {result['optimizer_steps']} "
+            "optimizer steps (as `omnirl report`): "
+            + "  ".join(f"{label} {means[key]:{spec}}" for key, label, spec in shown if key in means)
+            + f"  {result['reward_failed']} rows with a failed reward skipped"
         )

@@ -237,17 +237,17 @@ def resolve(
 
 
 def _locate_weights(resolved: dict[str, Any], flags: dict[str, str]) -> None:
-    """Replace each weights option (--model, --adapter) that spells a Hub id with the snapshot folder the
-    local Hugging Face cache holds for it, so every stage loads and hashes a folder; a path that exists
-    wins (`stages.models.hub.locate`)."""
+    """Replace each weights option (--model, --adapter, taken as the string typed) with the folder it
+    names: a path that exists, else the snapshot folder the local Hugging Face cache holds for the Hub id
+    it spells, so every stage loads and hashes a folder; a missing path is refused
+    (`stages.models.hub.locate`)."""
     from stages.models.hub import locate
 
     from .runtime import CONTENT_OPTIONS
 
     for name in CONTENT_OPTIONS:
-        value = resolved.get(name)
-        if value is not None and not Path(value).expanduser().exists():
-            resolved[name] = locate(value, flags.get(name, f"--{name}"))
+        if resolved.get(name) is not None:
+            resolved[name] = locate(resolved[name], flags.get(name, f"--{name}"))
 
 
 def _check_finite(flag: str, value: Any) -> None:

@@ -24,6 +24,9 @@ WEIGHTS_FROM = (
     "a local path, or a Hub id ORG/NAME (or ORG/NAME@REVISION) the local Hugging Face cache holds "
     "(never downloaded)"
 )
+# How --model and --adapter show their value in --help; typed as str so `config` sees them as written
+# (a leading ./ marks a path, never a Hub id: `stages.models.hub.spelled_as_path`).
+WEIGHTS_METAVAR = "PATH|ORG/NAME"
 ADAPTER_HELP = (
     "an `omnirl update` output, a diffusers LoRA folder (`save_lora_weights`) or a PEFT LoRA folder "
     f"(`save_pretrained`; a VLM takes PEFT only); {WEIGHTS_FROM}"
@@ -37,11 +40,12 @@ REQUIRED = "Required (a flag, or --config / --set)."
 def model_opt(what: str, panel: str | None = None) -> Any:
     """The required `--model` option (also OMNIRL_MODEL, --config or --set) of a command taking `what`."""
     return Annotated[
-        Path | None,
+        str | None,
         typer.Option(
             "--model",
             "-m",
             envvar="OMNIRL_MODEL",
+            metavar=WEIGHTS_METAVAR,
             help=f"{what}: {WEIGHTS_FROM}. {REQUIRED}",
             rich_help_panel=panel,
         ),

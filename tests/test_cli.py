@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import typer
+from helpers import fails
 from typer.testing import CliRunner
 
 from omnirl_cli.app import app
@@ -136,6 +137,28 @@ def test_a_top_level_key_nothing_reads_is_refused_in_one_line(tmp_path: Path) ->
     cfg.write_text("group_size: 4\nsample:\n  steps: 3\n")
     result = runner.invoke(app, args)
     assert result.exit_code == 2 and "none" in result.stderr and "top-level" not in result.stderr
+
+
+@pytest.mark.parametrize("option", ["--model", "--adapter"])
+def test_a_value_spelled_as_a_path_is_never_a_hub_id(
+    option: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """./x, ../x, /x and a path under an existing folder are never looked up in the Hub cache (they
+    said "fetch it with `hf download models/sd3-tin`", the ./ stripped): a missing one is one line."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models" / "sd3-tiny").mkdir(parents=True)
+    for value, shown in (
+        ("./nonexistent/dir", "./nonexistent/dir: no such folder/file"),
+        ("../nonexistent", "../nonexistent: no such folder/file"),
+        (str(tmp_path / "gone"), f"{tmp_path / 'gone'}: no such folder/file"),
+        ("models/sd3-tin", "models/sd3-tin: no such folder/file; did you mean models/sd3-tiny?"),
+    ):
+        model = value if option == "--model" else "models/sd3-tiny"
+        args = ["logprob", "--model", model, "--in", "samples", "--out", "out"]
+        args += ["--adapter", value] if option == "--adapter" else []
+        line = fails(args, f"error: {option} {shown}")
+        assert "hf download" not in line and "Hub" not in line, line
+    assert not (tmp_path / "out").exists()
 
 
 def test_missing_shard_set_is_one_line_exit_2(tmp_path: Path) -> None:

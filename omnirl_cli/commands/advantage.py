@@ -8,7 +8,7 @@ import typer
 
 from ..choices import ESTIMATOR_ENTRY_POINTS, ESTIMATORS, Aggregation, StdMode, complete
 from ..config import resolve
-from ..console import emit_json, progress, print_result
+from ..console import emit_json, print_result, progress
 from ..errors import handle_errors
 from ..options import ConfigOpt, FormatOpt, InOpt, JsonOpt, OutOpt, OverwriteOpt, SetOpt
 from ..runtime import check_format, open_inputs, plugin_files, run_config

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from ..choices import FAMILIES, ModelSize, complete
-from ..console import emit_json, progress, print_result
+from ..console import emit_json, print_result, progress
 from ..errors import handle_errors
 from ..options import JsonOpt
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -13,6 +12,7 @@ from ..console import emit_json, print_result
 from ..errors import handle_errors
 from ..options import (
     ADAPTER_HELP,
+    WEIGHTS_METAVAR,
     ConfigOpt,
     FormatOpt,
     InOpt,
@@ -43,8 +43,12 @@ def logprob(
     out: OutOpt = None,
     model: model_opt("Diffusers pipeline or transformers VLM") = None,
     adapter: Annotated[
-        Path | None,
-        typer.Option("--adapter", help=f"Adapter to replay under: {ADAPTER_HELP} (default: base model)."),
+        str | None,
+        typer.Option(
+            "--adapter",
+            metavar=WEIGHTS_METAVAR,
+            help=f"Adapter to replay under: {ADAPTER_HELP} (default: base model).",
+        ),
     ] = None,
     dtype: Annotated[Dtype, typer.Option("--dtype", envvar="OMNIRL_DTYPE", help="Weights dtype.")] = "fp32",
     reference: Annotated[

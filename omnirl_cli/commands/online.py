@@ -15,6 +15,7 @@ from ..errors import handle_errors
 from ..options import (
     ENGINE,
     WEIGHTS_FROM,
+    WEIGHTS_METAVAR,
     JsonOpt,
     OverwriteOpt,
     ReportToOpt,
@@ -128,8 +129,14 @@ def online(
         ),
     ],
     model: Annotated[
-        Path,
-        typer.Option("--model", "-m", envvar="OMNIRL_MODEL", help=f"Diffusers pipeline: {WEIGHTS_FROM}."),
+        str,
+        typer.Option(
+            "--model",
+            "-m",
+            envvar="OMNIRL_MODEL",
+            metavar=WEIGHTS_METAVAR,
+            help=f"Diffusers pipeline: {WEIGHTS_FROM}.",
+        ),
     ],
     prompts: Annotated[
         list[str],

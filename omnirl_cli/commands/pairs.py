@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from ..config import resolve
-from ..console import emit_json, progress, print_result
+from ..console import emit_json, print_result, progress
 from ..errors import handle_errors
 from ..options import (
     REQUIRED,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -14,6 +13,7 @@ from ..errors import handle_errors
 from ..options import (
     OPTIMISATION,
     WEIGHTS_FROM,
+    WEIGHTS_METAVAR,
     BatchSizeOpt,
     ConfigOpt,
     DtypeOpt,
@@ -97,10 +97,11 @@ def _render(result: dict[str, Any]) -> None:
 def plan(
     ctx: typer.Context,
     model: Annotated[
-        Path | None,
+        str | None,
         typer.Option(
             "--model",
             "-m",
+            metavar=WEIGHTS_METAVAR,
             envvar="OMNIRL_MODEL",
             help=f"Model folder whose configs are read (no weights): {WEIGHTS_FROM}. Or --family.",
             rich_help_panel=MODEL,

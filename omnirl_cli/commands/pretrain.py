@@ -10,7 +10,7 @@ import typer
 
 from ..choices import VaeMode
 from ..config import resolve
-from ..console import emit_json, log, progress, print_result
+from ..console import emit_json, log, print_result, progress
 from ..errors import handle_errors
 from ..options import REQUIRED, ConfigOpt, JsonOpt, OverwriteOpt, SetOpt, model_opt
 

@@ -6,7 +6,6 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 from functools import partial
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -22,12 +21,13 @@ from ..choices import (
     complete,
 )
 from ..config import resolve
-from ..console import emit_json, progress, print_result
+from ..console import emit_json, print_result, progress
 from ..errors import handle_errors
 from ..options import (
     ADAPTER_HELP,
     ENGINE,
     REQUIRED,
+    WEIGHTS_METAVAR,
     BatchSizeOpt,
     ConfigOpt,
     FormatOpt,
@@ -82,9 +82,10 @@ def sample(
         MODEL,
     ) = None,
     adapter: Annotated[
-        Path | None,
+        str | None,
         typer.Option(
             "--adapter",
+            metavar=WEIGHTS_METAVAR,
             help=f"Adapter: {ADAPTER_HELP} (default: the base model).",
             rich_help_panel=MODEL,
         ),

@@ -15,6 +15,7 @@ from ..console import emit_json, print_result
 from ..errors import handle_errors
 from ..options import (
     WEIGHTS_FROM,
+    WEIGHTS_METAVAR,
     ConfigOpt,
     FormatOpt,
     InOpt,
@@ -106,10 +107,11 @@ def score(
         "rewards that are not torch models or run remotely"
     ) = None,
     model: Annotated[
-        Path | None,
+        str | None,
         typer.Option(
             "--model",
             "-m",
+            metavar=WEIGHTS_METAVAR,
             help=f"Deferred media (`sample --defer-decode`): the pipeline whose VAE decodes the final latents, "
             f"{WEIGHTS_FROM} (default: the model folder the rollout's manifest records; ignored for a rollout "
             "that stores its media).",

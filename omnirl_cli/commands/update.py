@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -17,10 +16,11 @@ from ..choices import (
     complete,
 )
 from ..config import resolve
-from ..console import emit_json, log, progress, print_result
+from ..console import emit_json, log, print_result, progress
 from ..errors import handle_errors
 from ..options import (
     ADAPTER_HELP,
+    WEIGHTS_METAVAR,
     ConfigOpt,
     DtypeOpt,
     FullOpt,
@@ -51,9 +51,10 @@ def update(
     out: OutOpt = None,
     model: model_opt("Diffusers pipeline or transformers VLM") = None,
     adapter: Annotated[
-        Path | None,
+        str | None,
         typer.Option(
             "--adapter",
+            metavar=WEIGHTS_METAVAR,
             help=f"Adapter to continue from: {ADAPTER_HELP}. omnirl's also carry optimizer, EMA and step; "
             "another tool's LoRA starts a fresh optimizer at step 0 with its own rank and alpha.",
         ),

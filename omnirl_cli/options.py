@@ -221,11 +221,12 @@ GuidanceOpt = Annotated[
 ]
 
 ResolutionOpt = Annotated[
-    str,
+    str | None,
     typer.Option(
         "--resolution",
         help="Sample size in pixels: a side (512) or HEIGHTxWIDTH (240x416, flow_grpo's Wan), each a "
-        "multiple of the VAE factor × patch size (SD3: 16, Wan 2.1: 16, Wan 2.2 TI2V-5B: 32).",
+        "multiple of the VAE factor × patch size (SD3: 16, Wan 2.1: 16, Wan 2.2 TI2V-5B: 32). Default: "
+        "the native resolution an `init-model` or `pretrain` folder records, else 512.",
         rich_help_panel=SAMPLING,
     ),
 ]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import typer
-from helpers import fails
+from helpers import fails, run
 from typer.testing import CliRunner
 
 from omnirl_cli.app import app
@@ -159,6 +159,27 @@ def test_a_value_spelled_as_a_path_is_never_a_hub_id(
         line = fails(args, f"error: {option} {shown}")
         assert "hf download" not in line and "Hub" not in line, line
     assert not (tmp_path / "out").exists()
+
+
+def test_sample_draws_at_the_native_resolution_an_init_model_folder_records(
+    tiny_sd3: Path, tmp_path: Path
+) -> None:
+    """Without --resolution, sample drew at 512 px, which the tiny model refuses; it now takes the side
+    the model card records (64 px for the tiny SD3). A folder without the record keeps 512."""
+    import shutil
+
+    from stages.shards.manifest import read_manifest
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a photo of a red circle\n")
+    card = json.loads((tiny_sd3 / "omnirl_model.json").read_text())
+    args = ["sample", "--prompts", str(prompts), "-n", "2", "--steps", "2", "--guidance", "1"]
+    run(*args, "--model", str(tiny_sd3), "--out", str(tmp_path / "s"))
+    assert read_manifest(tmp_path / "s").config["resolution"] == card["details"]["image_size"] == 64
+    bare = tmp_path / "bare"  # a checkpoint without omnirl's card, as a real one is
+    shutil.copytree(tiny_sd3, bare)
+    (bare / "omnirl_model.json").unlink()
+    fails([*args, "--model", str(bare), "--out", str(tmp_path / "b")], "--resolution 512: ", "at most 256 px")
 
 
 def test_missing_shard_set_is_one_line_exit_2(tmp_path: Path) -> None:

@@ -140,7 +140,7 @@ def sample(
             rich_help_panel=SAMPLING,
         ),
     ] = None,
-    resolution: ResolutionOpt = "512",
+    resolution: ResolutionOpt = None,
     frames: FramesOpt = 1,
     sampler: Annotated[
         Sampler,
@@ -414,6 +414,7 @@ def sample(
     VLM: [bold]omnirl sample --model models/vlm-tiny --prompts geo3k.parquet -n 5 --max-new-tokens 256 --out run/it0/samples[/]
     """
     c = resolve(ctx, "sample", required=("model", "prompts", "out"))
+    from stages.models.factory import DEFAULT_RESOLUTION, native_resolution
     from stages.models.families import resolution_identity
     from stages.models.vlm import is_vlm_model
     from stages.precision import resolve_mixed_precision
@@ -422,7 +423,8 @@ def sample(
     _refuse_foreign_options(ctx, c, vlm)
 
     c["mixed_precision"] = resolve_mixed_precision(c["mixed_precision"])  # the launcher's enters the identity
-    c["resolution"] = resolution_identity(c["resolution"])
+    resolution = c["resolution"] or native_resolution(c["model"]) or DEFAULT_RESOLUTION
+    c["resolution"] = resolution_identity(resolution)
 
     if vlm:
         _sample_vlm(c, json_)

@@ -65,7 +65,8 @@ SetOpt = Annotated[
     list[str] | None,
     typer.Option(
         "--set",
-        help="Override a config value, e.g. --set steps=10 (repeatable). Flags > --set > OMNIRL_* variables > "
+        metavar="KEY=VALUE",
+        help="Override a config value, e.g. --set steps=10. Flags > --set > OMNIRL_* variables > "
         "YAML > defaults.",
         rich_help_panel=RUN,
     ),
@@ -93,7 +94,7 @@ InOpt = Annotated[
     typer.Option(
         "--in",
         "-i",
-        help="Input shard set (repeatable): several sets of one rollout are zipped row by row.",
+        help="Input shard set; several sets of one rollout are zipped row by row.",
         rich_help_panel=IO,
     ),
 ]
@@ -224,6 +225,7 @@ ResolutionOpt = Annotated[
     str | None,
     typer.Option(
         "--resolution",
+        metavar="SIDE|HxW",
         help="Sample size in pixels: a side (512) or HEIGHTxWIDTH (240x416, flow_grpo's Wan), each a "
         "multiple of the VAE factor × patch size (SD3: 16, Wan 2.1: 16, Wan 2.2 TI2V-5B: 32). Default: "
         "the native resolution an `init-model` or `pretrain` folder records, else 512.",
@@ -290,7 +292,7 @@ QuietOpt = Annotated[
         envvar="OMNIRL_QUIET",
         expose_value=False,
         callback=_set_level(QUIET),
-        help="Errors only: no progress, no log lines (omnirl's loggers at ERROR).",
+        help="No progress, no log lines (omnirl's loggers at ERROR): results and errors only.",
         rich_help_panel=RUN,
     ),
 ]

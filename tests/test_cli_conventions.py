@@ -63,7 +63,7 @@ def test_help_lists_and_completion_offers_a_choice_options_names(command: str, f
     result = runner.invoke(app, [command, "--help"], env={"COLUMNS": "200"})
     assert result.exit_code == 0
     line = next(line for line in result.output.splitlines() if re.match(rf"\W+{flag}\s", line))
-    assert f"<{names}>" in line
+    assert line.split()[1:3] == [flag, names]  # the names as its metavar
     assert _complete(command, flag, "") == names.split("|")
     first = names.split("|")[0]
     assert _complete(command, flag, first[:2]) == [n for n in names.split("|") if n.startswith(first[:2])]
@@ -530,3 +530,66 @@ def test_update_prints_the_step_means_report_shows(staged: dict[str, Path], tmp_
     assert f"{row['reward_mean']:.4g} ± {row['reward_se']:.2g}" in human.stdout
     assert f"reward curve: {run / 'reward_curve.png'}" in human.stdout
     assert [line.split(":")[0] for line in human.stderr.splitlines()] == [f"report {run}"]  # progress only
+
+
+def _help(args: list[str], monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setenv("COLUMNS", "80")
+    result = runner.invoke(app, [*args, "--help"])
+    assert result.exit_code == 0, result.output
+    return result.stdout
+
+
+def _heading(text: str, param) -> str:
+    """The line of `text` that opens `param`'s entry (its names), without the panel's border."""
+    names = ", ".join(sorted(param.opts, key=lambda opt: opt.startswith("--")))
+    lines = [line.strip("│ ") for line in text.splitlines() if line.startswith("│ ") and line[2] != " "]
+    return next(line for line in lines if line == names or line.startswith((f"{names} ", f"{names} /")))
+
+
+@pytest.mark.parametrize("command", [name for name, _ in COMMANDS])
+def test_help_fits_80_columns_with_no_word_cut_and_plain_metavars(
+    command: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At 80 columns typer's table cut option names and words (`torch.amp.GradScal…`) and showed
+    `<bool>` on flags, `{path}` for positionals and `<list[str]>` for repeatable options."""
+    from rich.text import Text
+
+    text = _help([command], monkeypatch)
+    assert max(len(line) for line in text.splitlines()) <= 80 and "…" not in text
+    assert not re.search(r"<(bool|path|str|int|float|list)|\{path\}", text)
+    words = set(text.replace("│", " ").split())
+    for param in ROOT.commands[command].params:
+        plain = Text.from_markup(" ".join((param.help or "").split())).plain
+        assert not [w for w in plain.split() if w not in words], (command, param.name)  # no word cut
+        if param.param_type_name == "argument":
+            assert f"{param.name.upper()}\n" in text.replace(" ", "").replace("│", "")
+            continue
+        heading = _heading(text, param)
+        if param.is_flag:  # names only, no metavar
+            assert heading == " / ".join(
+                ", ".join(sorted(opts, key=lambda opt: opt.startswith("--")))
+                for opts in (param.opts, param.secondary_opts)
+                if opts
+            ), heading
+        elif param.metavar:
+            assert heading.endswith(f" {param.metavar}"), heading
+        elif param.type_descriptor.is_path:
+            assert heading.endswith(" PATH"), heading
+        if getattr(param, "multiple", False):
+            assert "repeatable" in text
+    if command != "env":
+        assert "--set KEY=VALUE" in text or "--set" not in text
+
+
+def test_help_lists_every_family_and_estimator_of_the_registries(monkeypatch: pytest.MonkeyPatch) -> None:
+    from stages.advantage.estimators import ESTIMATORS
+    from stages.models.factory import FAMILIES
+
+    for command, flag, names in (
+        ("init-model", "--family", FAMILIES),
+        ("advantage", "--estimator", ESTIMATORS),
+    ):
+        text = " ".join(_help([command], monkeypatch).replace("│", " ").split())
+        entry = text.split(f" {flag} TEXT ", 1)[1].split(" --", 1)[0]
+        assert [name for name in names if not re.search(rf"\b{name}\b", entry)] == [], command
+    assert "…" not in _help([], monkeypatch)  # the command list of `omnirl --help`

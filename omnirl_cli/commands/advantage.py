@@ -24,7 +24,9 @@ def advantage(
         typer.Option(
             "--estimator",
             autocompletion=complete(ESTIMATORS, ESTIMATOR_ENTRY_POINTS),
-            help="grpo (flow_grpo: global std), grpo_group, dance (unbiased group std), drgrpo (no std), pairs (+1 best, −1 worst of each group: online DPO), or module:function.",
+            help=f"One of {', '.join(ESTIMATORS)} (grpo: flow_grpo's, global std; dance: unbiased group "
+            "std; drgrpo: no std; pairs: +1 best, −1 worst of each group, online DPO; docs/algorithms.md has "
+            "each), or a plugin module:function.",
         ),
     ] = "grpo",
     std: Annotated[StdMode | None, typer.Option("--std", help="Override the estimator's std.")] = None,

@@ -21,7 +21,7 @@ def init_model(
         typer.Option(
             "--family",
             autocompletion=complete(FAMILIES),
-            help="Model family: sd3, flux, qwen_image, z_image (diffusion) or qwen2_5_vl (VLM).",
+            help=f"Model family: {', '.join(FAMILIES)}.",
         ),
     ] = "sd3",
     size: Annotated[

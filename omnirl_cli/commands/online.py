@@ -159,14 +159,16 @@ def online(
             "--reward",
             "-r",
             autocompletion=complete(REWARDS, REWARD_ENTRY_POINTS),
-            help="NAME[=WEIGHT], repeatable (default: the preset's).",
+            metavar="NAME[=WEIGHT]",
+            help="A reward (default: the preset's).",
         ),
     ] = None,
     reward_arg: Annotated[
         list[str] | None,
         typer.Option(
             "--reward-arg",
-            help="NAME.KEY=VALUE, repeatable: a reward's argument, e.g. pickscore.model=PATH, as for "
+            metavar="NAME.KEY=VALUE",
+            help="A reward's argument, e.g. pickscore.model=PATH, as for "
             "omnirl score (default: the preset's score.reward_args).",
         ),
     ] = None,

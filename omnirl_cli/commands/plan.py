@@ -112,7 +112,7 @@ def plan(
         typer.Option(
             "--family",
             autocompletion=complete(FAMILIES),
-            help="A built-in architecture instead of --model (`omnirl init-model`'s families).",
+            help=f"A built-in architecture instead of --model: {', '.join(FAMILIES)}.",
             rich_help_panel=MODEL,
         ),
     ] = None,

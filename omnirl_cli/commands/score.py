@@ -52,7 +52,8 @@ def score(
             "--reward",
             "-r",
             autocompletion=complete(REWARDS, REWARD_ENTRY_POINTS),
-            help="NAME[@frames=AGG][=WEIGHT], repeatable: a built-in image reward (jpeg_compressibility, "
+            metavar="NAME[@frames=AGG][=WEIGHT]",
+            help="A built-in image reward (jpeg_compressibility, "
             "jpeg_incompressibility, ocr, pickscore, clipscore, image_similarity, aesthetic, hpsv2, imagereward, "
             "geneval, geneval_strict, geneval_exact, geneval_shapes, geneval_shapes_strict, geneval_shapes_exact, "
             "vlm_judge), for video rollouts an image "
@@ -69,7 +70,8 @@ def score(
         list[str] | None,
         typer.Option(
             "--reward-arg",
-            help="NAME.KEY=VALUE, repeatable: an argument of reward NAME (YAML: score: reward_args: "
+            metavar="NAME.KEY=VALUE",
+            help="An argument of reward NAME (YAML: score: reward_args: "
             "{NAME: {KEY: VALUE}}). The CLIP rewards take model=PATH (a local folder, or a Hub id in the local "
             "HF cache; required), processor=PATH (default: model), device=, dtype=fp32|bf16|fp16, batch_size=N. "
             "pickscore: exp(logit_scale)*cos(text, image)/26 with model=PickScore_v1 and processor=the "

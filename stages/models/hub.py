@@ -76,14 +76,17 @@ def download_hint(repo: str, revision: str | None) -> str:
 
 def locate(value: str | Path, option: str) -> Path:
     """The folder (or file) `value` (as typed) names: itself when it exists, else the cached snapshot of
-    the Hub id it spells. A missing path, or a Hub id the cache does not hold, is a one-line
-    `UserInputError` (the latter saying how to fetch it). `option` names it (--model)."""
+    the Hub id it spells. A missing path (`spelled_as_path`), or a Hub id the cache does not hold, is a
+    one-line `UserInputError` (the latter saying how to fetch it); a missing bare name is returned for
+    the loader to report. `option` names it (--model)."""
     path = Path(value).expanduser()
     if path.exists():
         return path
-    hub = None if spelled_as_path(value) else split_hub_id(str(value))
-    if hub is None:
+    if spelled_as_path(value):
         raise no_such_path(option, value)
+    hub = split_hub_id(str(value))
+    if hub is None:  # a bare name (`sd3-tiny`): the loader says what is missing
+        return path
     snapshot = cached_snapshot(*hub)
     if snapshot is None:
         from huggingface_hub import constants

@@ -26,9 +26,8 @@ from rich.progress import (
 
 PROGRESS_INTERVAL_S = 30.0  # off a TTY, the longest stretch without a progress line
 err = Console(stderr=True, highlight=False, soft_wrap=True)
-out = Console(
-    highlight=False, soft_wrap=True
-)  # results: `print_result` lines and the tables of inspect/report/plan
+# results: `print_result` lines and the tables of inspect, report, plan and env
+out = Console(highlight=False, soft_wrap=True)
 for _console in (err, out):
     if not _console.is_terminal:
         _console.width = 160  # logs, files and CI: wide enough for inspect's tables without truncation

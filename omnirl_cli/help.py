@@ -28,7 +28,7 @@ from .config import choices_of
 
 ARGUMENTS, OPTIONS = "Arguments", "Options"
 INDENT = 4  # the help text under an option's line
-_NAMES = {int: "INT", float: "FLOAT", str: "TEXT", Path: "PATH", bool: "BOOL"}
+_NAMES = {int: "INT", float: "FLOAT", str: "TEXT", Path: "PATH"}
 
 
 def _positional(param: Any) -> bool:

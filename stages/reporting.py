@@ -118,8 +118,9 @@ def step_means(records: Sequence[Mapping[str, Any]]) -> dict[str, float]:
 
 def collect(run: Path) -> list[dict[str, Any]]:
     """One summary row per iteration that has scored samples (`reward_stats` of it<K>/rewards), with the
-    advantage and replay statistics, the update's `step_means`, and under `eval` the `reward_stats` of it<K>/eval/rewards:
-    the policy of iteration K on a held-out prompt set (what `recipes/eval.mk` writes)."""
+    advantage and replay statistics, the update's `step_means`, and under `eval` the `reward_stats` of
+    it<K>/eval/rewards: the policy of iteration K on a held-out prompt set (what `recipes/eval.mk`
+    writes)."""
     rows = []
     for k, it in iterations(run):
         rewards_dir = it / "rewards"

@@ -381,7 +381,7 @@ def update(
         )
         print_result(
             f"[green]updated[/] → {c['out']}  step {result['step']}  mean of {result['optimizer_steps']} "
-            "optimizer steps (as `omnirl report`): "
+            f"optimizer step{'' if result['optimizer_steps'] == 1 else 's'} (as `omnirl report`): "
             + "  ".join(f"{label} {means[key]:{spec}}" for key, label, spec in shown if key in means)
             + f"  {result['reward_failed']} rows with a failed reward skipped"
         )

@@ -76,10 +76,17 @@ _VERBOSITY = _verbosity_params()
 
 class OmnirlCommand(TyperCommand):
     """A command that also takes -q/--quiet and -v/--verbose after its name, as `omnirl` takes them
-    before it: the options set the verbosity while parsing and never reach the command's function."""
+    before it: the options set the verbosity while parsing and never reach the command's function. Its
+    --help is `help.render_help`'s."""
 
     def __init__(self, *args: Any, params: list[Any] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, params=[*(params or []), *_VERBOSITY], **kwargs)
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        """One option per line with its help below (`help.render_help`): fits 80 columns uncut."""
+        from .help import render_help
+
+        render_help(self, ctx)
 
 
 app = typer.Typer(

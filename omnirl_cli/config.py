@@ -2,7 +2,8 @@
 
 A YAML preset may serve several commands: top-level scalar keys apply to every command that has an
 option of that name, and a mapping named after the command (`sample:`, `update:` ...) applies to that
-command only, where every key must be one of its options. The command line (flags, --set) beats the
+command only, where every key must be one of its options; a top-level key that is neither an option of
+some command nor a command's section is refused (a typo would otherwise run silently). The command line (flags, --set) beats the
 environment, the environment beats the preset files. Values from YAML and --set are parsed and checked
 as the flag would be (type, range, choice), and options a command requires are checked once all
 sources are merged.
@@ -10,6 +11,7 @@ sources are merged.
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Collection
 from pathlib import Path
@@ -87,6 +89,34 @@ def _layer(
                 )
             picked[k] = value
     return picked
+
+
+def _check_top_level(
+    ctx: typer.Context, preset: dict[str, Any], origin: str, shared: Collection[str]
+) -> None:
+    """Refuse a top-level key of a preset that nothing reads: neither an option of some omnirl command
+    (its parameter or long flag name), nor one of the `shared` settings, nor a section named after a
+    command. A typo (`stepps: 3`) would otherwise run silently with the default."""
+    root = ctx.find_root().command
+    commands = getattr(root, "commands", None)
+    if commands is None:  # a command run on its own (no group): its own options and any section
+        commands, sections = {ctx.command.name or "": ctx.command}, None
+    else:
+        sections = {_key(name) for name in commands}
+    known = {
+        _key(name)
+        for command in commands.values()
+        for p in command.params
+        for name in (p.name or "", *(opt[2:] for opt in p.opts if opt.startswith("--")))
+    } - set(META_PARAMS) | {_key(name) for name in shared}
+    for key, value in preset.items():
+        k = _key(str(key))
+        if k in known or (isinstance(value, dict) and (sections is None or k in sections)):
+            continue
+        what = "a command's section" if isinstance(value, dict) else "an option of any omnirl command"
+        close = difflib.get_close_matches(k, sorted(known | (sections or set())), n=1)
+        hint = f"did you mean '{close[0]}'?" if close else "check the spelling"
+        raise UserInputError(f"{origin}: top-level key '{key}' is not {what}; {hint}")
 
 
 def coerce(name: str, value: Any, default: Any, origin: str) -> Any:
@@ -173,7 +203,9 @@ def resolve(
     envvars = {p.name: p.envvar for p in ctx.command.params if p.name and isinstance(p.envvar, str)}
     layers: list[tuple[dict[str, Any], str, set[str]]] = []  # (values, origin, options it may not replace)
     if params.get("config"):
-        layers.append((load_yaml(params["config"]), f"--config {params['config']}", explicit | from_env))
+        preset, origin = load_yaml(params["config"]), f"--config {params['config']}"
+        _check_top_level(ctx, preset, origin, shared)
+        layers.append((preset, origin, explicit | from_env))
     if params.get("set_"):
         sets = parse_set(list(params["set_"]))
         unknown = [
@@ -205,17 +237,17 @@ def resolve(
 
 
 def _locate_weights(resolved: dict[str, Any], flags: dict[str, str]) -> None:
-    """Replace each weights option (--model, --adapter) that spells a Hub id with the snapshot folder the
-    local Hugging Face cache holds for it, so every stage loads and hashes a folder; a path that exists
-    wins (`stages.models.hub.locate`)."""
+    """Replace each weights option (--model, --adapter, taken as the string typed) with the folder it
+    names: a path that exists, else the snapshot folder the local Hugging Face cache holds for the Hub id
+    it spells, so every stage loads and hashes a folder; a missing path is refused
+    (`stages.models.hub.locate`)."""
     from stages.models.hub import locate
 
     from .runtime import CONTENT_OPTIONS
 
     for name in CONTENT_OPTIONS:
-        value = resolved.get(name)
-        if value is not None and not Path(value).expanduser().exists():
-            resolved[name] = locate(value, flags.get(name, f"--{name}"))
+        if resolved.get(name) is not None:
+            resolved[name] = locate(resolved[name], flags.get(name, f"--{name}"))
 
 
 def _check_finite(flag: str, value: Any) -> None:

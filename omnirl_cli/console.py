@@ -1,4 +1,6 @@
-"""Where output goes: logs and progress on stderr, one JSON result object on stdout."""
+"""Where output goes: a command's result on stdout (its lines and tables, or one JSON object with
+--json), logs, progress and diagnostics on stderr, so `omnirl env > env.txt` keeps the report and a
+pipe never reads a progress line."""
 
 from __future__ import annotations
 
@@ -24,8 +26,11 @@ from rich.progress import (
 
 PROGRESS_INTERVAL_S = 30.0  # off a TTY, the longest stretch without a progress line
 err = Console(stderr=True, highlight=False, soft_wrap=True)
-if not err.is_terminal:
-    err.width = 160  # logs and CI: wide enough for inspect's tables without truncation
+# results: `print_result` lines and the tables of inspect, report, plan and env
+out = Console(highlight=False, soft_wrap=True)
+for _console in (err, out):
+    if not _console.is_terminal:
+        _console.width = 160  # logs, files and CI: wide enough for inspect's tables without truncation
 
 QUIET, NORMAL, VERBOSE = -1, 0, 1
 LOGGERS = ("stages", "omnirl_cli")  # omnirl's own loggers; libraries keep their settings
@@ -153,6 +158,12 @@ def log(message: str, *, quiet: bool = False) -> None:
     """One log line on stderr (suppressed with `quiet`, used by --json, and under -q)."""
     if not quiet and not is_quiet():
         err.print(message)
+
+
+def print_result(message: str) -> None:
+    """A command's human-readable result line on stdout (rich markup allowed), where --json would print
+    its object instead. -q keeps it: it silences progress and logs, not results."""
+    out.print(message)
 
 
 def emit_json(result: dict[str, Any]) -> None:

@@ -24,6 +24,9 @@ WEIGHTS_FROM = (
     "a local path, or a Hub id ORG/NAME (or ORG/NAME@REVISION) the local Hugging Face cache holds "
     "(never downloaded)"
 )
+# How --model and --adapter show their value in --help; typed as str so `config` sees them as written
+# (a leading ./ marks a path, never a Hub id: `stages.models.hub.spelled_as_path`).
+WEIGHTS_METAVAR = "PATH|ORG/NAME"
 ADAPTER_HELP = (
     "an `omnirl update` output, a diffusers LoRA folder (`save_lora_weights`) or a PEFT LoRA folder "
     f"(`save_pretrained`; a VLM takes PEFT only); {WEIGHTS_FROM}"
@@ -37,11 +40,12 @@ REQUIRED = "Required (a flag, or --config / --set)."
 def model_opt(what: str, panel: str | None = None) -> Any:
     """The required `--model` option (also OMNIRL_MODEL, --config or --set) of a command taking `what`."""
     return Annotated[
-        Path | None,
+        str | None,
         typer.Option(
             "--model",
             "-m",
             envvar="OMNIRL_MODEL",
+            metavar=WEIGHTS_METAVAR,
             help=f"{what}: {WEIGHTS_FROM}. {REQUIRED}",
             rich_help_panel=panel,
         ),
@@ -61,7 +65,8 @@ SetOpt = Annotated[
     list[str] | None,
     typer.Option(
         "--set",
-        help="Override a config value, e.g. --set steps=10 (repeatable). Flags > --set > OMNIRL_* variables > "
+        metavar="KEY=VALUE",
+        help="Override a config value, e.g. --set steps=10. Flags > --set > OMNIRL_* variables > "
         "YAML > defaults.",
         rich_help_panel=RUN,
     ),
@@ -89,7 +94,7 @@ InOpt = Annotated[
     typer.Option(
         "--in",
         "-i",
-        help="Input shard set (repeatable): several sets of one rollout are zipped row by row.",
+        help="Input shard set; several sets of one rollout are zipped row by row.",
         rich_help_panel=IO,
     ),
 ]
@@ -278,11 +283,13 @@ GuidanceOpt = Annotated[
 ]
 
 ResolutionOpt = Annotated[
-    str,
+    str | None,
     typer.Option(
         "--resolution",
+        metavar="SIDE|HxW",
         help="Sample size in pixels: a side (512) or HEIGHTxWIDTH (240x416, flow_grpo's Wan), each a "
-        "multiple of the VAE factor × patch size (SD3: 16, Wan 2.1: 16, Wan 2.2 TI2V-5B: 32).",
+        "multiple of the VAE factor × patch size (SD3: 16, Wan 2.1: 16, Wan 2.2 TI2V-5B: 32). Default: "
+        "the native resolution an `init-model` or `pretrain` folder records, else 512.",
         rich_help_panel=SAMPLING,
     ),
 ]
@@ -346,7 +353,7 @@ QuietOpt = Annotated[
         envvar="OMNIRL_QUIET",
         expose_value=False,
         callback=_set_level(QUIET),
-        help="Errors only: no progress, no log lines (omnirl's loggers at ERROR).",
+        help="No progress, no log lines (omnirl's loggers at ERROR): results and errors only.",
         rich_help_panel=RUN,
     ),
 ]

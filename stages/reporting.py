@@ -95,10 +95,32 @@ def reward_stats(rewards_dir: Path) -> dict[str, Any]:
     return row
 
 
+# The statistics of an update's optimizer steps that `omnirl report` tabulates per iteration and
+# `omnirl update` prints, each the mean over that update's steps: (summary name, metrics.jsonl key).
+STEP_MEANS = (
+    ("pg_loss", "actor/pg_loss"),
+    ("ratio_mean", "actor/ratio_mean"),
+    ("clipfrac", "actor/pg_clipfrac"),
+    ("grad_norm", "actor/grad_norm"),
+)
+
+
+def step_means(records: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """Mean over an update's optimizer steps (its metrics records, one per step) of each `STEP_MEANS`
+    statistic the records hold; one a loss never logs (dpo has no pg_loss) is left out."""
+    means = {}
+    for name, key in STEP_MEANS:
+        values = [float(m[key]) for m in records if m.get(key) is not None]
+        if values:
+            means[name] = sum(values) / len(values)
+    return means
+
+
 def collect(run: Path) -> list[dict[str, Any]]:
     """One summary row per iteration that has scored samples (`reward_stats` of it<K>/rewards), with the
-    advantage, replay and update statistics, and under `eval` the `reward_stats` of it<K>/eval/rewards:
-    the policy of iteration K on a held-out prompt set (what `recipes/eval.mk` writes)."""
+    advantage and replay statistics, the update's `step_means`, and under `eval` the `reward_stats` of
+    it<K>/eval/rewards: the policy of iteration K on a held-out prompt set (what `recipes/eval.mk`
+    writes)."""
     rows = []
     for k, it in iterations(run):
         rewards_dir = it / "rewards"
@@ -121,11 +143,7 @@ def collect(run: Path) -> list[dict[str, Any]]:
         metrics = run / f"it{k + 1}" / "policy" / "metrics.jsonl"
         if metrics.is_file():
             records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-            if records:
-                row["pg_loss"] = sum(m.get("actor/pg_loss", 0.0) for m in records) / len(records)
-                row["ratio_mean"] = records[-1].get("actor/ratio_mean")
-                row["clipfrac"] = sum(m.get("actor/pg_clipfrac", 0.0) for m in records) / len(records)
-                row["grad_norm"] = records[-1].get("actor/grad_norm")
+            row.update(step_means(records))
         rows.append(row)
     return rows
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import typer
+from helpers import fails, run
 from typer.testing import CliRunner
 
 from omnirl_cli.app import app
@@ -113,6 +114,72 @@ def test_unknown_key_in_own_section_is_rejected(tmp_path: Path) -> None:
     result = runner.invoke(probe, ["--config", str(cfg)])
     assert isinstance(result.exception, UserInputError)
     assert "sample.stepz" in str(result.exception)
+
+
+def test_a_top_level_key_nothing_reads_is_refused_in_one_line(tmp_path: Path) -> None:
+    """`stepps: 3` at the top level ran silently with the default (a section typo was refused); a key
+    another command reads (group_size: sample's) and a section of another command still pass."""
+    cfg = tmp_path / "preset.yaml"
+    args = ["advantage", "--in", str(tmp_path / "none"), "--config", str(cfg), "--out", str(tmp_path / "o")]
+    cfg.write_text("stepps: 3\n")
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: --config {cfg}: top-level key 'stepps' is not an option of any omnirl command; "
+        "did you mean 'steps'?"
+    ]
+    cfg.write_text("smaple:\n  steps: 3\n")
+    result = runner.invoke(app, args)
+    assert (
+        result.exit_code == 2
+        and "'smaple' is not a command's section; did you mean 'sample'?" in result.stderr
+    )
+    cfg.write_text("group_size: 4\nsample:\n  steps: 3\n")
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2 and "none" in result.stderr and "top-level" not in result.stderr
+
+
+@pytest.mark.parametrize("option", ["--model", "--adapter"])
+def test_a_value_spelled_as_a_path_is_never_a_hub_id(
+    option: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """./x, ../x, /x and a path under an existing folder are never looked up in the Hub cache (they
+    said "fetch it with `hf download models/sd3-tin`", the ./ stripped): a missing one is one line."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models" / "sd3-tiny").mkdir(parents=True)
+    for value, shown in (
+        ("./nonexistent/dir", "./nonexistent/dir: no such folder/file"),
+        ("../nonexistent", "../nonexistent: no such folder/file"),
+        (str(tmp_path / "gone"), f"{tmp_path / 'gone'}: no such folder/file"),
+        ("models/sd3-tin", "models/sd3-tin: no such folder/file; did you mean models/sd3-tiny?"),
+    ):
+        model = value if option == "--model" else "models/sd3-tiny"
+        args = ["logprob", "--model", model, "--in", "samples", "--out", "out"]
+        args += ["--adapter", value] if option == "--adapter" else []
+        line = fails(args, f"error: {option} {shown}")
+        assert "hf download" not in line and "Hub" not in line, line
+    assert not (tmp_path / "out").exists()
+
+
+def test_sample_draws_at_the_native_resolution_an_init_model_folder_records(
+    tiny_sd3: Path, tmp_path: Path
+) -> None:
+    """Without --resolution, sample drew at 512 px, which the tiny model refuses; it now takes the side
+    the model card records (64 px for the tiny SD3). A folder without the record keeps 512."""
+    import shutil
+
+    from stages.shards.manifest import read_manifest
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a photo of a red circle\n")
+    card = json.loads((tiny_sd3 / "omnirl_model.json").read_text())
+    args = ["sample", "--prompts", str(prompts), "-n", "2", "--steps", "2", "--guidance", "1"]
+    run(*args, "--model", str(tiny_sd3), "--out", str(tmp_path / "s"))
+    assert read_manifest(tmp_path / "s").config["resolution"] == card["details"]["image_size"] == 64
+    bare = tmp_path / "bare"  # a checkpoint without omnirl's card, as a real one is
+    shutil.copytree(tiny_sd3, bare)
+    (bare / "omnirl_model.json").unlink()
+    fails([*args, "--model", str(bare), "--out", str(tmp_path / "b")], "--resolution 512: ", "at most 256 px")
 
 
 def test_missing_shard_set_is_one_line_exit_2(tmp_path: Path) -> None:

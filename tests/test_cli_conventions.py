@@ -13,7 +13,7 @@ from typing import get_args
 
 import pytest
 import typer
-from helpers import fails
+from helpers import fails, staged_update_args
 from typer.testing import CliRunner
 
 from omnirl_cli import choices, console
@@ -63,7 +63,7 @@ def test_help_lists_and_completion_offers_a_choice_options_names(command: str, f
     result = runner.invoke(app, [command, "--help"], env={"COLUMNS": "200"})
     assert result.exit_code == 0
     line = next(line for line in result.output.splitlines() if re.match(rf"\W+{flag}\s", line))
-    assert f"<{names}>" in line
+    assert line.split()[1:3] == [flag, names]  # the names as its metavar
     assert _complete(command, flag, "") == names.split("|")
     first = names.split("|")[0]
     assert _complete(command, flag, first[:2]) == [n for n in names.split("|") if n.startswith(first[:2])]
@@ -123,6 +123,7 @@ def test_choice_sets_mirror_the_stage_constants() -> None:
     from stages.models import flux, qwen2_5_vl, qwen3_omni, qwen_image, sd3, wan, z_image
     from stages.models.diffusion import DTYPES
     from stages.models.factory import FAMILIES
+    from stages.parallelism import SP_KINDS
     from stages.precision import MIXED_PRECISIONS
     from stages.pretrain.flow_matching import VAE_MODES
     from stages.sample.engines import ENTRY_POINT_GROUP as ENGINE_ENTRY_POINT_GROUP
@@ -135,7 +136,6 @@ def test_choice_sets_mirror_the_stage_constants() -> None:
     from stages.shards.manifest import FORMATS
     from stages.update.family_losses import AWM_WEIGHTINGS, NFT_DECAY_SCHEDULES
     from stages.update.losses import ALGORITHMS
-    from stages.parallelism import SP_KINDS
     from stages.update.parallel import STRATEGIES
     from stages.update.token_losses import AGG_MODES, KL_KINDS
     from stages.update.trainer import LR_SCHEDULERS
@@ -287,7 +287,8 @@ def test_env_reports_versions_devices_and_variables() -> None:
     assert result.exit_code == 0, result.output
     info = json.loads(result.stdout)
     assert set(info) == {
-        "omnirl", "python", "platform", "packages", "extras", "devices", "accelerate_config", "environment",
+        "omnirl", "source", "python", "platform", "packages", "extras", "trackers", "devices",
+        "accelerate_config", "environment",
     }  # fmt: skip
     import torch
 
@@ -304,8 +305,22 @@ def test_env_reports_versions_devices_and_variables() -> None:
     assert info["environment"]["OMNIRL_MODEL"] == "models/x"
     assert info["environment"]["ACCELERATE_MIXED_PRECISION"] == "bf16"
     assert info["environment"]["OMNIRL_API_TOKEN"] == "<redacted>"
+    from importlib import metadata
+
+    from stages.tracking import KNOWN
+
+    assert set(info["trackers"]) == set(KNOWN)  # every tracker --report-to takes
+    assert info["trackers"]["tensorboard"] == metadata.version("tensorboard")  # a dev dependency
+    # the checkout this code runs from (tests run from one): its commit, as git names it
+    root = Path(__file__).resolve().parents[1]
+    head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True)
+    assert info["source"]["path"] == str(root) and info["source"]["commit"] == head.stdout.strip()
+    assert isinstance(info["source"]["modified"], bool)
     human = runner.invoke(app, ["env"], env=env)
-    assert human.exit_code == 0 and "OMNIRL_MODEL=models/x" in human.stderr and "s3cret" not in human.stderr
+    assert human.exit_code == 0 and human.stderr == ""  # a report is a result: `omnirl env > env.txt`
+    assert "OMNIRL_MODEL=models/x" in human.stdout and "s3cret" not in human.stdout
+    assert f"(git {head.stdout.strip()[:12]}" in human.stdout.splitlines()[0]
+    assert f"trackers: tensorboard {info['trackers']['tensorboard']}, wandb " in human.stdout
 
 
 def _logging_inspect(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -351,9 +366,13 @@ def test_quiet_and_verbose_set_omnirl_log_levels(
 
 def test_quiet_silences_progress_and_log_lines(tiny_shard_set: Path, tmp_path: Path) -> None:
     loud = runner.invoke(app, ["advantage", "--in", str(tiny_shard_set), "--out", str(tmp_path / "a")])
-    assert loud.exit_code == 0 and "advantages: 6/6" in loud.stderr and "zero_std_ratio" in loud.stderr
+    assert loud.exit_code == 0 and "advantages: 6/6" in loud.stderr and "zero_std_ratio" not in loud.stderr
+    assert loud.stdout.startswith(
+        f"advantages → {tmp_path / 'a'}  reward 1.5000 ± 0.9574 (mean ± sd), "
+    )  # rewards 0..2, 1..3
     quiet = runner.invoke(app, ["advantage", "--in", str(tiny_shard_set), "--out", str(tmp_path / "b"), "-q"])
-    assert quiet.exit_code == 0 and quiet.stderr == ""
+    assert quiet.exit_code == 0 and quiet.stderr == ""  # -q silences progress and logs, not the result
+    assert quiet.stdout == loud.stdout.replace(str(tmp_path / "a"), str(tmp_path / "b"))
     quiet = runner.invoke(app, ["advantage", "--in", str(tiny_shard_set), "--out", str(tmp_path / "c")],
                           env={"OMNIRL_QUIET": "1"})  # fmt: skip
     assert quiet.exit_code == 0 and quiet.stderr == ""
@@ -402,15 +421,15 @@ def test_online_off_a_tty_prints_a_line_per_iteration_and_timer_lines(
     def fake_run(cfg, device, on_iteration, tracking):
         for k, reward in ((0, 0.25), (1, 0.5)):
             time.sleep(0.2)  # a long iteration: the timer still reports
-            on_iteration({**stats, "iteration": k, "reward_mean": reward, "actor/pg_loss": 0.001})
+            on_iteration({**stats, "iteration": k, "reward_mean": reward, "pg_loss": 0.001})
 
     monkeypatch.setattr(pipeline, "run_online", fake_run)
     _run_lines(SimpleNamespace(iterations=2), tmp_path / "run", "cpu", None)
     lines = capsys.readouterr().err.splitlines()
     assert lines[0] == f"omnirl online → {tmp_path / 'run'} on cpu"
     assert [line.split(",")[0] for line in lines if line.startswith("it ")] == [
-        "it 0: reward 0.25 ± 0.1",
-        "it 1: reward 0.5 ± 0.1",
+        "it 0: reward 0.25 ± 0.1 (mean ± sd)",
+        "it 1: reward 0.5 ± 0.1 (mean ± sd)",
     ]
     timer = [line for line in lines if line.startswith("online iterations: ")]
     assert timer[0].startswith("online iterations: 0/2 [0:00]") and len(timer) >= 4
@@ -469,3 +488,110 @@ def test_online_sections_take_yaml_numbers_as_their_fields_types(tmp_path: Path)
          "--out", str(tmp_path / "o"), "--reward", "jpeg_compressibility", "--set", "update.lr=fast"],
         "update.lr",
     )  # fmt: skip
+
+
+def test_inspect_prints_its_result_on_stdout_and_only_progress_on_stderr(tiny_shard_set: Path) -> None:
+    result = runner.invoke(app, ["inspect", str(tiny_shard_set), "--verify", "--head", "2"])
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith(f"{tiny_shard_set}  parquet v") and lines[0].endswith("6 rows in 2 shard(s)")
+    assert "row 1" in result.stdout and lines[-1] == "verified: every shard matches its size and sha256"
+    assert [line.split(":")[0] for line in result.stderr.splitlines()] == ["verifying 2 shards"]
+
+
+def test_update_prints_the_step_means_report_shows(staged: dict[str, Path], tmp_path: Path) -> None:
+    """`update`'s line and `report`'s table show one quantity, the mean over the update's optimizer
+    steps (update printed the last step's); both are results on stdout."""
+    run = tmp_path / "run"
+    (run / "it0").mkdir(parents=True)
+    for part in ("samples", "rewards"):
+        (run / "it0" / part).symlink_to(staged[part])
+    update = runner.invoke(app, staged_update_args(staged, run / "it1" / "policy"))
+    assert update.exit_code == 0, update.output
+    records = [
+        json.loads(line) for line in (run / "it1" / "policy" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert len(records) == 2 and records[0]["actor/pg_loss"] != records[1]["actor/pg_loss"]
+    report = runner.invoke(app, ["report", str(run), "--no-grids", "--json"])
+    (row,) = json.loads(report.stdout)["iterations"]
+    for name, key in (
+        ("pg_loss", "actor/pg_loss"),
+        ("ratio_mean", "actor/ratio_mean"),
+        ("clipfrac", "actor/pg_clipfrac"),
+    ):
+        assert row[name] == pytest.approx(sum(r[key] for r in records) / 2, rel=1e-12), name
+    (line,) = update.stdout.splitlines()
+    assert line.startswith(f"updated → {run / 'it1' / 'policy'}  step 2  mean of 2 optimizer steps ")
+    assert (
+        f"pg_loss {row['pg_loss']:+.4e}  ratio {row['ratio_mean']:.6f}  clipfrac {row['clipfrac']:.3f}  "
+        in line
+    )
+    human = runner.invoke(app, ["report", str(run), "--no-grids"])
+    assert human.exit_code == 0, human.output
+    assert f"{run}: reward per iteration" in human.stdout and "± is the standard error" in human.stdout
+    assert f"{row['reward_mean']:.4g} ± {row['reward_se']:.2g}" in human.stdout
+    assert f"reward curve: {run / 'reward_curve.png'}" in human.stdout
+    assert [line.split(":")[0] for line in human.stderr.splitlines()] == [f"report {run}"]  # progress only
+
+
+def _help(args: list[str], monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setenv("COLUMNS", "80")
+    result = runner.invoke(app, [*args, "--help"])
+    assert result.exit_code == 0, result.output
+    return result.stdout
+
+
+def _heading(text: str, param) -> str:
+    """The line of `text` that opens `param`'s entry (its names), without the panel's border."""
+    names = ", ".join(sorted(param.opts, key=lambda opt: opt.startswith("--")))
+    lines = [line.strip("│ ") for line in text.splitlines() if line.startswith("│ ") and line[2] != " "]
+    return next(line for line in lines if line == names or line.startswith((f"{names} ", f"{names} /")))
+
+
+@pytest.mark.parametrize("command", [name for name, _ in COMMANDS])
+def test_help_fits_80_columns_with_no_word_cut_and_plain_metavars(
+    command: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At 80 columns typer's table cut option names and words (`torch.amp.GradScal…`) and showed
+    `<bool>` on flags, `{path}` for positionals and `<list[str]>` for repeatable options."""
+    from rich.text import Text
+
+    text = _help([command], monkeypatch)
+    assert max(len(line) for line in text.splitlines()) <= 80 and "…" not in text
+    assert not re.search(r"<(bool|path|str|int|float|list)|\{path\}", text)
+    words = set(text.replace("│", " ").split())
+    for param in ROOT.commands[command].params:
+        plain = Text.from_markup(" ".join((param.help or "").split())).plain
+        assert not [w for w in plain.split() if w not in words], (command, param.name)  # no word cut
+        if param.param_type_name == "argument":
+            assert f"{param.name.upper()}\n" in text.replace(" ", "").replace("│", "")
+            continue
+        heading = _heading(text, param)
+        if param.is_flag:  # names only, no metavar
+            assert heading == " / ".join(
+                ", ".join(sorted(opts, key=lambda opt: opt.startswith("--")))
+                for opts in (param.opts, param.secondary_opts)
+                if opts
+            ), heading
+        elif param.metavar:
+            assert heading.endswith(f" {param.metavar}"), heading
+        elif param.type_descriptor.is_path:
+            assert heading.endswith(" PATH"), heading
+        if getattr(param, "multiple", False):
+            assert "repeatable" in text
+    if command != "env":
+        assert "--set KEY=VALUE" in text or "--set" not in text
+
+
+def test_help_lists_every_family_and_estimator_of_the_registries(monkeypatch: pytest.MonkeyPatch) -> None:
+    from stages.advantage.estimators import ESTIMATORS
+    from stages.models.factory import FAMILIES
+
+    for command, flag, names in (
+        ("init-model", "--family", FAMILIES),
+        ("advantage", "--estimator", ESTIMATORS),
+    ):
+        text = " ".join(_help([command], monkeypatch).replace("│", " ").split())
+        entry = text.split(f" {flag} TEXT ", 1)[1].split(" --", 1)[0]
+        assert [name for name in names if not re.search(rf"\b{name}\b", entry)] == [], command
+    assert "…" not in _help([], monkeypatch)  # the command list of `omnirl --help`

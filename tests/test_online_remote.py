@@ -124,7 +124,7 @@ def test_remote_online_equals_in_process_online_at_staleness_0(
         for name, tensors in weights[0].items():
             assert tensors.keys() == weights[1][name].keys()
             assert all(torch.equal(weights[1][name][key], value) for key, value in tensors.items()), name
-    for key in ("reward_mean", "actor/pg_loss", "actor/ratio_mean", "step"):
+    for key in ("reward_mean", "pg_loss", "ratio_mean", "step"):
         assert [it[key] for it in remote] == [it[key] for it in local], key
 
 

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import fails, run, runner
+from PIL import Image
 
 from omnirl_cli.app import app
 from stages.errors import UserInputError
@@ -403,3 +404,23 @@ def test_overwrite_discards_a_checkpoint_of_other_settings(
     card = json.loads((out / "omnirl_model.json").read_text())
     assert card["details"]["pretrain"]["config"]["steps"] == 4
     assert not (tmp_path / ".out.checkpoint").exists()
+
+
+def test_pretrain_trains_at_the_native_resolution_the_model_card_records(
+    demo: Path, shapes: Path, tmp_path: Path
+) -> None:
+    """The demo card records 64 px: 32 px images are resized to it (pretrain took the first image's
+    width), unless --resolution says otherwise."""
+    small = tmp_path / "small"
+    small.mkdir()
+    shutil.copy(shapes / "captions.jsonl", small / "captions.jsonl")
+    for png in sorted(shapes.glob("*.png")):
+        with Image.open(png) as image:
+            image.resize((32, 32)).save(small / png.name)
+    for extra, side in (([], 64), (["--resolution", "32"], 32)):
+        out = tmp_path / f"side{side}"
+        args = ["--steps", "1", "--batch-size", "2", "--checkpoint-every", "0", *extra]
+        run("pretrain", "--model", str(demo), "--data", str(small), "--out", str(out), *args)
+        card = json.loads((out / "omnirl_model.json").read_text())
+        assert card["details"]["image_size"] == side
+        assert card["details"]["latent_shape"] == [4, side // 4, side // 4]

@@ -123,9 +123,29 @@ def test_folders_globs_and_repeated_sources_concatenate_in_order(tmp_path: Path)
     with pytest.raises(UserInputError, match=r"holds no \.parquet or \.jsonl files"):
         PromptSource(str(tmp_path / "empty"))
     with pytest.raises(
-        UserInputError, match=r"no such file or folder \(a Hugging Face dataset is NAME@SPLIT"
+        UserInputError,
+        match=r"^--prompts hiyouga/geometry3k: no such folder/file \(a Hugging Face dataset is NAME@SPLIT",
     ):
         PromptSource("hiyouga/geometry3k")
+
+
+def test_a_source_spelled_as_a_path_is_never_a_hub_dataset(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`./x@train` was looked up as the Hub dataset `./x`; a path-like spelling is a local path only."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "prompts.txt").write_text("a\n")
+    for item, says in (
+        ("./shapes@train", r"\./shapes@train: no such folder/file$"),
+        ("../shapes@train", r"\.\./shapes@train: no such folder/file$"),
+        ("data/promts.txt", r"data/promts\.txt: no such folder/file; did you mean data/prompts\.txt\?$"),
+        ("data/shapes@train", "data/shapes@train: no such folder/file$"),
+        ("data@train", "data@train: data is not a `save_to_disk` dataset folder"),
+    ):
+        with pytest.raises(UserInputError, match=f"^--prompts {says}") as caught:
+            PromptSource(item)
+        assert "Hugging Face" not in str(caught.value), item
 
 
 def test_a_large_parquet_set_is_streamed_and_read_only_as_far_as_the_picked_rows(tmp_path: Path) -> None:

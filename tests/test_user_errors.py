@@ -271,7 +271,7 @@ def bad_adapters(staged: dict[str, Path], tmp_path_factory: pytest.TempPathFacto
 
 # What each mistake's line says besides the path.
 SAYS = {
-    "missing": "no such file or directory",
+    "missing": "no such folder/file",
     "a file": "not an adapter folder",
     "weights file": f"put it in a folder as {LORA_WEIGHTS}",
     "no adapter": f"no {ADAPTER_CONFIG}, {LORA_WEIGHTS} or {PEFT_CONFIG}",

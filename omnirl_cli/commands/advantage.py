@@ -8,7 +8,7 @@ import typer
 
 from ..choices import ESTIMATOR_ENTRY_POINTS, ESTIMATORS, Aggregation, StdMode, complete
 from ..config import resolve
-from ..console import emit_json, log, progress
+from ..console import emit_json, print_result, progress
 from ..errors import handle_errors
 from ..options import ConfigOpt, FormatOpt, InOpt, JsonOpt, OutOpt, OverwriteOpt, SetOpt
 from ..runtime import check_format, open_inputs, plugin_files, run_config
@@ -24,7 +24,9 @@ def advantage(
         typer.Option(
             "--estimator",
             autocompletion=complete(ESTIMATORS, ESTIMATOR_ENTRY_POINTS),
-            help="grpo (flow_grpo: global std), grpo_group, dance (unbiased group std), drgrpo (no std), pairs (+1 best, −1 worst of each group: online DPO), or module:function.",
+            help=f"One of {', '.join(ESTIMATORS)} (grpo: flow_grpo's, global std; dance: unbiased group "
+            "std; drgrpo: no std; pairs: +1 best, −1 worst of each group, online DPO; docs/algorithms.md has "
+            "each), or a plugin module:function.",
         ),
     ] = "grpo",
     std: Annotated[StdMode | None, typer.Option("--std", help="Override the estimator's std.")] = None,
@@ -118,8 +120,9 @@ def advantage(
     if json_:
         emit_json(result)
     else:
-        log(
-            f"[green]advantages[/] → {c['out']}  reward {stats['reward_mean']:.4f} ± {stats['reward_std']:.4f}, "
+        print_result(
+            f"[green]advantages[/] → {c['out']}  reward {stats['reward_mean']:.4f} ± {stats['reward_std']:.4f} "
+            "(mean ± sd), "
             f"zero_std_ratio {stats['zero_std_ratio']:.3f}, {stats['num_groups']} groups, "
             f"{stats[FAILED_COLUMN]} failed rewards left out"
         )

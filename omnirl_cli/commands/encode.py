@@ -8,7 +8,7 @@ import typer
 
 from ..choices import Dtype
 from ..config import resolve
-from ..console import emit_json, log
+from ..console import emit_json, print_result
 from ..errors import handle_errors
 from ..options import (
     ConfigOpt,
@@ -145,4 +145,4 @@ def encode(
     if json_:
         emit_json(result)
     else:
-        log(f"[green]encoded[/] {src.num_rows} images → {c['out']}")
+        print_result(f"[green]encoded[/] {src.num_rows} images → {c['out']}")

@@ -5,12 +5,13 @@ from __future__ import annotations
 import os
 import platform
 import re
+import subprocess
 import sys
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from ..console import emit_json, err
+from ..console import emit_json, out
 from ..errors import handle_errors
 from ..options import JsonOpt
 
@@ -49,6 +50,39 @@ def packages() -> tuple[dict[str, str | None], dict[str, dict[str, Any]]]:
         extra: {"installed": all(v is not None for v in found.values()), "packages": found}
         for extra, found in extras.items()
     }
+
+
+def trackers() -> dict[str, str | None]:
+    """Each experiment tracker `--report-to` takes (`stages.tracking.KNOWN`): its package's version, or
+    "installed" when it imports without package metadata, None when it cannot be used here."""
+    from stages.tracking import KNOWN, PIP_PACKAGES, installed
+
+    found: dict[str, str | None] = {}
+    for name in KNOWN:
+        usable = installed(name)
+        found[name] = (_version(PIP_PACKAGES.get(name, name)) or "installed") if usable else None
+    return found
+
+
+def source() -> dict[str, Any]:
+    """Where the running omnirl code lives and, for a git checkout (an editable install or PYTHONPATH),
+    its commit and whether tracked files differ from it; commit None for an installed copy."""
+    root = Path(__file__).resolve().parents[2]
+    info: dict[str, Any] = {"path": str(root), "commit": None, "modified": None}
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(
+                ["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10, check=False
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    if (root / ".git").exists() and (commit := git("rev-parse", "HEAD")):
+        changes = git("status", "--porcelain", "--untracked-files=no")
+        info.update(commit=commit, modified=None if changes is None else bool(changes))
+    return info
 
 
 def devices() -> dict[str, Any]:
@@ -104,8 +138,8 @@ def environment() -> dict[str, str]:
 
 @handle_errors
 def env(json_: JsonOpt = False) -> None:
-    """Print what a bug report needs: omnirl, Python and package versions, which optional extras are
-    installed, the accelerator torch sees (type, count, names), the accelerate config file in effect
+    """Print what a bug report needs: omnirl (and the git commit of a checkout it runs from), Python and
+    package versions, which optional extras and experiment trackers are installed, the accelerator torch sees (type, count, names), the accelerate config file in effect
     and the OMNIRL_*, ACCELERATE_*, HF_* and launcher variables that are set (secrets redacted).
 
     Example: [bold]omnirl env --json > env.json[/]
@@ -113,10 +147,12 @@ def env(json_: JsonOpt = False) -> None:
     core, extras = packages()
     report = {
         "omnirl": _version("omnirl"),
+        "source": source(),
         "python": {"version": platform.python_version(), "executable": sys.executable},
         "platform": platform.platform(),
         "packages": core,
         "extras": extras,
+        "trackers": trackers(),
         "devices": devices(),
         "accelerate_config": accelerate_config(),
         "environment": environment(),
@@ -124,12 +160,18 @@ def env(json_: JsonOpt = False) -> None:
     if json_:
         emit_json(report)
         return
-    dev = report["devices"]
+    dev, src = report["devices"], report["source"]
+    commit = (
+        f" (git {src['commit'][:12]}{', modified' if src['modified'] else ''}, {src['path']})"
+        if src["commit"]
+        else ""
+    )
     lines = [
-        f"omnirl {report['omnirl']}  python {report['python']['version']} ({sys.executable})",
+        f"omnirl {report['omnirl']}{commit}  python {report['python']['version']} ({sys.executable})",
         f"platform {report['platform']}",
         "packages: " + ", ".join(f"{k} {v or 'missing'}" for k, v in core.items()),
         "extras: " + ", ".join(f"{k} {'yes' if e['installed'] else 'no'}" for k, e in extras.items()),
+        "trackers: " + ", ".join(f"{k} {v or 'missing'}" for k, v in report["trackers"].items()),
         f"devices: torch {dev['torch']}, "
         + (
             f"{dev['count']} × {dev['accelerator']} {dev['names']}"
@@ -145,4 +187,4 @@ def env(json_: JsonOpt = False) -> None:
     lines.append("environment:" + ("" if report["environment"] else " (no OMNIRL_*, ACCELERATE_*, HF_* set)"))
     lines += [f"  {k}={v}" for k, v in report["environment"].items()]
     for line in lines:
-        err.print(line, markup=False)
+        out.print(line, markup=False)

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from ..choices import FAMILIES, ModelSize, complete
-from ..console import emit_json, log, progress
+from ..console import emit_json, print_result, progress
 from ..errors import handle_errors
 from ..options import JsonOpt
 
@@ -21,7 +21,7 @@ def init_model(
         typer.Option(
             "--family",
             autocompletion=complete(FAMILIES),
-            help="Model family: sd3, flux, qwen_image, z_image (diffusion) or qwen2_5_vl (VLM).",
+            help=f"Model family: {', '.join(FAMILIES)}.",
         ),
     ] = "sd3",
     size: Annotated[
@@ -56,4 +56,4 @@ def init_model(
     if json_:
         emit_json(summary)
     else:
-        log(f"[green]wrote[/] {family}/{size} model (seed {seed}) to {out}")
+        print_result(f"[green]wrote[/] {family}/{size} model (seed {seed}) to {out}")

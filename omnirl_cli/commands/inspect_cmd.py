@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from ..console import emit_json, err, progress
+from ..console import emit_json, out, progress
 from ..errors import handle_errors
 from ..options import JsonOpt
 
@@ -33,19 +33,19 @@ def _render(info: dict[str, Any], head: list[dict[str, Any]], sha: dict[str, str
 
     from stages.media.deferred import DEFERRED
 
-    err.print(
+    out.print(
         f"[bold]{info['path']}[/]  {info['format']} v{info['schema_version']}  "
         f"[bold]{info['num_rows']}[/] rows in {info['num_shards']} shard(s)"
     )
-    err.print(
+    out.print(
         f"made by [cyan]omnirl {info.get('command', '?')}[/] at {info.get('created', '?')}, "
         f"config {info.get('config_hash', '')[:12]}"
     )
     if info.get("policy"):
-        err.print("policy: " + ", ".join(f"{k}={v}" for k, v in info["policy"].items()))
+        out.print("policy: " + ", ".join(f"{k}={v}" for k, v in info["policy"].items()))
     deferred = (info.get("extra") or {}).get(DEFERRED)
     if deferred:
-        err.print(
+        out.print(
             f"media: deferred (final latents, no image/video column); `omnirl score` decodes them with the "
             f"VAE of {deferred['model']}"
         )
@@ -77,14 +77,14 @@ def _render(info: dict[str, Any], head: list[dict[str, Any]], sha: dict[str, str
         else:
             row += [""] * 5
         cols.add_row(*row)
-    err.print(cols)
+    out.print(cols)
 
     shards = Table(title="shards", title_justify="left")
     for name in ("file", "rows", "size", "sha256"):
         shards.add_column(name, no_wrap=True)
     for sh in info["shards"]:
         shards.add_row(sh["file"], str(sh["rows"]), _size(sh["bytes"]), sha.get(sh["file"], "")[:16])
-    err.print(shards)
+    out.print(shards)
 
     if info.get("lineage"):
         tree = Tree("lineage")
@@ -99,7 +99,7 @@ def _render(info: dict[str, Any], head: list[dict[str, Any]], sha: dict[str, str
                 add(node.add(label), p.get("parents", []))
 
         add(tree, info["lineage"])
-        err.print(tree)
+        out.print(tree)
 
     if head:
         rows = Table(title=f"first {len(head)} rows", title_justify="left")
@@ -108,9 +108,9 @@ def _render(info: dict[str, Any], head: list[dict[str, Any]], sha: dict[str, str
             rows.add_column(f"row {i}", overflow="fold")
         for name in head[0]:
             rows.add_row(name, *(str(r[name]) for r in head))
-        err.print(rows)
+        out.print(rows)
     if info.get("verified"):
-        err.print("[green]verified:[/] every shard matches its size and sha256")
+        out.print("[green]verified:[/] every shard matches its size and sha256")
 
 
 def _head_rows(path: Path, n: int) -> list[dict[str, Any]]:

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
 from ..choices import Dtype, Replay
 from ..config import resolve
-from ..console import emit_json, log
+from ..console import emit_json, print_result
 from ..errors import handle_errors
 from ..options import (
     ADAPTER_HELP,
+    WEIGHTS_METAVAR,
     AttentionBackendOpt,
     CompileOpt,
     ConfigOpt,
@@ -48,8 +48,12 @@ def logprob(
     out: OutOpt = None,
     model: model_opt("Diffusers pipeline or transformers VLM") = None,
     adapter: Annotated[
-        Path | None,
-        typer.Option("--adapter", help=f"Adapter to replay under: {ADAPTER_HELP} (default: base model)."),
+        str | None,
+        typer.Option(
+            "--adapter",
+            metavar=WEIGHTS_METAVAR,
+            help=f"Adapter to replay under: {ADAPTER_HELP} (default: base model).",
+        ),
     ] = None,
     dtype: Annotated[Dtype, typer.Option("--dtype", envvar="OMNIRL_DTYPE", help="Weights dtype.")] = "fp32",
     reference: Annotated[
@@ -292,10 +296,10 @@ def logprob(
     elif json_:
         emit_json({**result, "skipped": False})
     elif not extra["replayed"]:
-        log(f"[green]no replay[/] → {c['out']} (sample ids only): {extra['replay_reason']}")
+        print_result(f"[green]no replay[/] → {c['out']} (sample ids only): {extra['replay_reason']}")
     else:
         mean = extra.get("abs_delta_mean")
-        log(
+        print_result(
             f"[green]replayed[/] {extra['rows_replayed']} of {src.num_rows} samples → {c['out']}"
             + (
                 f"  rollout-vs-replay |Δlogp| mean {mean:.3g}, p99 {extra['abs_delta_p99']:.3g}, "

@@ -15,6 +15,7 @@ from ..errors import handle_errors
 from ..options import (
     ENGINE,
     WEIGHTS_FROM,
+    WEIGHTS_METAVAR,
     JsonOpt,
     OverwriteOpt,
     ReportToOpt,
@@ -128,8 +129,14 @@ def online(
         ),
     ],
     model: Annotated[
-        Path,
-        typer.Option("--model", "-m", envvar="OMNIRL_MODEL", help=f"Diffusers pipeline: {WEIGHTS_FROM}."),
+        str,
+        typer.Option(
+            "--model",
+            "-m",
+            envvar="OMNIRL_MODEL",
+            metavar=WEIGHTS_METAVAR,
+            help=f"Diffusers pipeline: {WEIGHTS_FROM}.",
+        ),
     ],
     prompts: Annotated[
         list[str],
@@ -152,14 +159,16 @@ def online(
             "--reward",
             "-r",
             autocompletion=complete(REWARDS, REWARD_ENTRY_POINTS),
-            help="NAME[=WEIGHT], repeatable (default: the preset's).",
+            metavar="NAME[=WEIGHT]",
+            help="A reward (default: the preset's).",
         ),
     ] = None,
     reward_arg: Annotated[
         list[str] | None,
         typer.Option(
             "--reward-arg",
-            help="NAME.KEY=VALUE, repeatable: a reward's argument, e.g. pickscore.model=PATH, as for "
+            metavar="NAME.KEY=VALUE",
+            help="A reward's argument, e.g. pickscore.model=PATH, as for "
             "omnirl score (default: the preset's score.reward_args).",
         ),
     ] = None,
@@ -336,9 +345,9 @@ def _run_lines(cfg: Any, out: Path, dev: Any, tracking: Any) -> None:
         def show(s: dict[str, Any]) -> None:
             bar.update(task, completed=s["iteration"] + 1, rate=f"reward {s['reward_mean']:.5g}")
             log(
-                f"it {s['iteration']}: reward {s['reward_mean']:.5g} ± {s['reward_std']:.3g}, zero-std "
-                f"{s['zero_std_ratio']:.2f}, pg_loss {s.get('actor/pg_loss', 0):+.3e}, ratio "
-                f"{s.get('actor/ratio_mean', 1):.5f}, version gap ≤ {s['version_gap_max']}, "
+                f"it {s['iteration']}: reward {s['reward_mean']:.5g} ± {s['reward_std']:.3g} (mean ± sd), "
+                f"zero-std {s['zero_std_ratio']:.2f}, step means: pg_loss {s.get('pg_loss', 0):+.3e}, ratio "
+                f"{s.get('ratio_mean', 1):.5f}, version gap ≤ {s['version_gap_max']}, "
                 f"{s['samples'] / s['seconds']:.1f} samples/s, "
                 f"{s['seconds']:.1f} s"
             )
@@ -357,10 +366,10 @@ def _run_live(cfg: Any, out: Path, dev: Any, tracking: Any) -> None:
     for name in (
         "it",
         "reward mean",
-        "std",
+        "sd",
         "zero-std",
-        "pg_loss",
-        "ratio",
+        "pg_loss (step mean)",
+        "ratio (step mean)",
         "versions",
         "gap",
         "samples/s",
@@ -376,8 +385,8 @@ def _run_live(cfg: Any, out: Path, dev: Any, tracking: Any) -> None:
             f"{s['reward_mean']:.5g}",
             f"{s['reward_std']:.3g}",
             f"{s['zero_std_ratio']:.2f}",
-            f"{s.get('actor/pg_loss', 0):+.3e}",
-            f"{s.get('actor/ratio_mean', 1):.5f}",
+            f"{s.get('pg_loss', 0):+.3e}",
+            f"{s.get('ratio_mean', 1):.5f}",
             ",".join(map(str, s["policy_versions"])),
             ",".join(map(str, s["version_gaps"])),
             f"{s['samples'] / s['seconds']:.1f}",

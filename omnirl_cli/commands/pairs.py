@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from ..config import resolve
-from ..console import emit_json, log, progress
+from ..console import emit_json, print_result, progress
 from ..errors import handle_errors
 from ..options import (
     REQUIRED,
@@ -86,4 +86,4 @@ def pairs(
     if json_:
         emit_json(result)
     else:
-        log(f"[green]wrote[/] {len(found)} pairs ({ties} ties skipped) to {c['out']}")
+        print_result(f"[green]wrote[/] {len(found)} pairs ({ties} ties skipped) to {c['out']}")

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
 from ..choices import FAMILIES, ModelSize, complete
 from ..config import resolve
-from ..console import emit_json, progress
+from ..console import emit_json, out, progress
 from ..errors import handle_errors
 from ..options import (
     OPTIMISATION,
     WEIGHTS_FROM,
+    WEIGHTS_METAVAR,
     BatchSizeOpt,
     ConfigOpt,
     DtypeOpt,
@@ -44,10 +44,8 @@ def _gib(n: int) -> str:
 
 def _render(result: dict[str, Any]) -> None:
     """The plan as tables on stdout: parameters per component, then bytes per stage (GiB)."""
-    from rich.console import Console
     from rich.table import Table
 
-    out = Console(highlight=False, soft_wrap=True)
     s, a = result["settings"], result["activations"]
     where = "1 process" if s["strategy"] == "none" else f"{s['num_processes']} ranks, {s['strategy']}"
     where += ", CPU offload" if s["cpu_offload"] else ""
@@ -104,10 +102,11 @@ def _render(result: dict[str, Any]) -> None:
 def plan(
     ctx: typer.Context,
     model: Annotated[
-        Path | None,
+        str | None,
         typer.Option(
             "--model",
             "-m",
+            metavar=WEIGHTS_METAVAR,
             envvar="OMNIRL_MODEL",
             help=f"Model folder whose configs are read (no weights): {WEIGHTS_FROM}. Or --family.",
             rich_help_panel=MODEL,
@@ -118,7 +117,7 @@ def plan(
         typer.Option(
             "--family",
             autocompletion=complete(FAMILIES),
-            help="A built-in architecture instead of --model (`omnirl init-model`'s families).",
+            help=f"A built-in architecture instead of --model: {', '.join(FAMILIES)}.",
             rich_help_panel=MODEL,
         ),
     ] = None,

@@ -10,7 +10,7 @@ import typer
 
 from ..choices import VaeMode
 from ..config import resolve
-from ..console import emit_json, log, progress
+from ..console import emit_json, log, print_result, progress
 from ..errors import handle_errors
 from ..options import REQUIRED, ConfigOpt, JsonOpt, OverwriteOpt, SetOpt, model_opt
 
@@ -73,6 +73,16 @@ def pretrain(
             rich_help_panel=TRAIN,
         ),
     ] = 0.1,
+    resolution: Annotated[
+        int | None,
+        typer.Option(
+            "--resolution",
+            min=1,
+            help="Image side the data is centre-cropped and resized to; default the model card's native "
+            "resolution (an `init-model` folder), else the first image's width.",
+            rich_help_panel=TRAIN,
+        ),
+    ] = None,
     text_length: Annotated[
         int | None,
         typer.Option(
@@ -164,6 +174,7 @@ def pretrain(
     """
     c = resolve(ctx, "pretrain", required=("model", "data", "out"))
     from stages.models.diffusion import FlowPolicy
+    from stages.models.factory import native_resolution
     from stages.pretrain.flow_matching import (
         PretrainConfig,
         check_out,
@@ -180,7 +191,7 @@ def pretrain(
     cfg.validate()
     check_out(c["out"])
     started = time.monotonic()
-    dataset = read_image_dataset(c["data"])
+    dataset = read_image_dataset(c["data"], c["resolution"] or native_resolution(c["model"]))
     cfg.validate(rows=dataset.source["rows"])
     checkpoints = Checkpoints(c["out"], run_identity(cfg, c["model"], dataset), c["checkpoint_every"])
     resume = checkpoints.prepare(overwrite=c["overwrite"])
@@ -216,7 +227,7 @@ def pretrain(
     if json_:
         emit_json(outcome)
     else:
-        log(
+        print_result(
             f"[green]pretrained[/] {len(result.losses)} steps on {dataset.source['rows']} images "
             f"(loss {result.first_loss:.4f} → {result.final_loss:.4f}) → {c['out']}; sample it with "
             f"--resolution {result.resolution}"

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from ..console import emit_json, err, log, progress
+from ..console import emit_json, log, out, progress
 from ..errors import handle_errors
 from ..options import JsonOpt, ReportToOpt, RunNameOpt
 
@@ -162,16 +162,20 @@ def report(
             ("clipfrac", "clipfrac"),
         )
     ]
-    table = Table(title=f"{run}: reward per iteration")
+    table = Table(
+        title=f"{run}: reward per iteration",
+        caption="± is the standard error of the mean; pg_loss, ratio and clipfrac are means over the "
+        "update's optimizer steps (as `omnirl update` prints them)",
+    )
     for title, _ in cols:
         table.add_column(title, justify="right")
     for r in rows:
         table.add_row(*(cell(r) for _, cell in cols))
-    err.print(table)
+    out.print(table)
     shown = f"; per iteration: {run}/it<K>/{Path(grid_paths[-1]).name}" if grid_paths else ""
-    err.print(f"reward curve: {curve}{shown}" + (f"; before/after: {comparison}" if comparison else ""))
+    out.print(f"reward curve: {curve}{shown}" + (f"; before/after: {comparison}" if comparison else ""))
     if tracking:
-        err.print(f"sent {sent} new points to {', '.join(tracking.names)} (run {tracking.run_id})")
+        out.print(f"sent {sent} new points to {', '.join(tracking.names)} (run {tracking.run_id})")
 
 
 def _num(value: Any) -> str:

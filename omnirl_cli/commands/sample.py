@@ -6,7 +6,6 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 from functools import partial
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -22,13 +21,14 @@ from ..choices import (
     complete,
 )
 from ..config import resolve
-from ..console import emit_json, log, progress
+from ..console import emit_json, print_result, progress
 from ..errors import handle_errors
 from ..options import (
     ADAPTER_HELP,
     ENGINE,
     PARALLELISM,
     REQUIRED,
+    WEIGHTS_METAVAR,
     AttentionBackendOpt,
     BatchSizeOpt,
     CompileOpt,
@@ -88,9 +88,10 @@ def sample(
         MODEL,
     ) = None,
     adapter: Annotated[
-        Path | None,
+        str | None,
         typer.Option(
             "--adapter",
+            metavar=WEIGHTS_METAVAR,
             help=f"Adapter: {ADAPTER_HELP} (default: the base model).",
             rich_help_panel=MODEL,
         ),
@@ -145,7 +146,7 @@ def sample(
             rich_help_panel=SAMPLING,
         ),
     ] = None,
-    resolution: ResolutionOpt = "512",
+    resolution: ResolutionOpt = None,
     frames: FramesOpt = 1,
     sampler: Annotated[
         Sampler,
@@ -427,6 +428,7 @@ def sample(
     VLM: [bold]omnirl sample --model models/vlm-tiny --prompts geo3k.parquet -n 5 --max-new-tokens 256 --out run/it0/samples[/]
     """
     c = resolve(ctx, "sample", required=("model", "prompts", "out"))
+    from stages.models.factory import DEFAULT_RESOLUTION, native_resolution
     from stages.models.families import resolution_identity
     from stages.models.vlm import is_vlm_model
     from stages.precision import resolve_mixed_precision
@@ -435,7 +437,8 @@ def sample(
     _refuse_foreign_options(ctx, c, vlm)
 
     c["mixed_precision"] = resolve_mixed_precision(c["mixed_precision"])  # the launcher's enters the identity
-    c["resolution"] = resolution_identity(c["resolution"])
+    resolution = c["resolution"] or native_resolution(c["model"]) or DEFAULT_RESOLUTION
+    c["resolution"] = resolution_identity(resolution)
 
     if vlm:
         _sample_vlm(c, json_)
@@ -637,7 +640,7 @@ def _run(
         state = "complete" if manifest else "partial (other shards pending)"
         resumed = result["rows"] - result["rows_written"]
         kept = f"; {resumed} already there" if resumed else ""
-        log(f"[green]wrote[/] {result['rows_written']} samples to {c['out']} ({state}{kept}{rate})")
+        print_result(f"[green]wrote[/] {result['rows_written']} samples to {c['out']} ({state}{kept}{rate})")
 
 
 def _combine(results: list[dict], unit: str) -> dict:

@@ -11,10 +11,11 @@ import typer
 
 from ..choices import REWARD_ENTRY_POINTS, REWARDS, OnError, complete
 from ..config import resolve
-from ..console import emit_json, log
+from ..console import emit_json, print_result
 from ..errors import handle_errors
 from ..options import (
     WEIGHTS_FROM,
+    WEIGHTS_METAVAR,
     ConfigOpt,
     FormatOpt,
     InOpt,
@@ -51,7 +52,8 @@ def score(
             "--reward",
             "-r",
             autocompletion=complete(REWARDS, REWARD_ENTRY_POINTS),
-            help="NAME[@frames=AGG][=WEIGHT], repeatable: a built-in image reward (jpeg_compressibility, "
+            metavar="NAME[@frames=AGG][=WEIGHT]",
+            help="A built-in image reward (jpeg_compressibility, "
             "jpeg_incompressibility, ocr, pickscore, clipscore, image_similarity, aesthetic, hpsv2, imagereward, "
             "geneval, geneval_strict, geneval_exact, geneval_shapes, geneval_shapes_strict, geneval_shapes_exact, "
             "vlm_judge), for video rollouts an image "
@@ -68,7 +70,8 @@ def score(
         list[str] | None,
         typer.Option(
             "--reward-arg",
-            help="NAME.KEY=VALUE, repeatable: an argument of reward NAME (YAML: score: reward_args: "
+            metavar="NAME.KEY=VALUE",
+            help="An argument of reward NAME (YAML: score: reward_args: "
             "{NAME: {KEY: VALUE}}). The CLIP rewards take model=PATH (a local folder, or a Hub id in the local "
             "HF cache; required), processor=PATH (default: model), device=, dtype=fp32|bf16|fp16, batch_size=N. "
             "pickscore: exp(logit_scale)*cos(text, image)/26 with model=PickScore_v1 and processor=the "
@@ -106,10 +109,11 @@ def score(
         "rewards that are not torch models or run remotely"
     ) = None,
     model: Annotated[
-        Path | None,
+        str | None,
         typer.Option(
             "--model",
             "-m",
+            metavar=WEIGHTS_METAVAR,
             help=f"Deferred media (`sample --defer-decode`): the pipeline whose VAE decodes the final latents, "
             f"{WEIGHTS_FROM} (default: the model folder the rollout's manifest records; ignored for a rollout "
             "that stores its media).",
@@ -273,9 +277,9 @@ def score(
     elif json_:
         emit_json({**result, "skipped": False})
     else:
-        log(
-            f"[green]scored[/] {result['rows']} samples → {c['out']}  reward mean {result['reward/mean']:.4f} "
-            f"± {result['reward/std']:.4f} (std over the scored samples), {result[FAILED_COLUMN]} failed"
+        print_result(
+            f"[green]scored[/] {result['rows']} samples → {c['out']}  reward {result['reward/mean']:.4f} "
+            f"± {result['reward/std']:.4f} (mean ± sd over the scored samples), {result[FAILED_COLUMN]} failed"
         )
 
 

@@ -15,6 +15,7 @@ from ..options import (
     MAX_CONNECTIONS,
     REQUEST_TIMEOUT_S,
     SERVER,
+    WEIGHTS_METAVAR,
     WORKERS,
     ConfigOpt,
     HostOpt,
@@ -37,9 +38,10 @@ def serve(
     ctx: typer.Context,
     model: model_opt("Diffusers pipeline to serve") = None,
     adapter: Annotated[
-        Path | None,
+        str | None,
         typer.Option(
             "--adapter",
+            metavar=WEIGHTS_METAVAR,
             help=f"Adapter to start with: {ADAPTER_HELP}. POST /omnirl/v1/weights loads another one later.",
         ),
     ] = None,

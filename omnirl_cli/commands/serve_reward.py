@@ -37,7 +37,8 @@ def serve_reward(
             "--reward",
             "-r",
             autocompletion=complete(REWARDS, REWARD_ENTRY_POINTS),
-            help="NAME[=WEIGHT], repeatable: a reward to serve (built-in, module:function, path/file.py:function "
+            metavar="NAME[=WEIGHT]",
+            help="A reward to serve (built-in, module:function, path/file.py:function "
             "or entry point), as `omnirl score --reward` takes it. POST /NAME scores one, POST /score all "
             "(the weighted sum in `reward`).",
         ),
@@ -46,7 +47,8 @@ def serve_reward(
         list[str] | None,
         typer.Option(
             "--reward-arg",
-            help="NAME.KEY=VALUE, repeatable: an argument of reward NAME, as `omnirl score --reward-arg`.",
+            metavar="NAME.KEY=VALUE",
+            help="An argument of reward NAME, as `omnirl score --reward-arg`.",
         ),
     ] = None,
     host: HostOpt = "127.0.0.1",

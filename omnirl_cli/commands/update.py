@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -17,10 +16,11 @@ from ..choices import (
     complete,
 )
 from ..config import resolve
-from ..console import emit_json, log, progress
+from ..console import emit_json, log, print_result, progress
 from ..errors import handle_errors
 from ..options import (
     ADAPTER_HELP,
+    WEIGHTS_METAVAR,
     AttentionBackendOpt,
     CompileOpt,
     ConfigOpt,
@@ -56,9 +56,10 @@ def update(
     out: OutOpt = None,
     model: model_opt("Diffusers pipeline or transformers VLM") = None,
     adapter: Annotated[
-        Path | None,
+        str | None,
         typer.Option(
             "--adapter",
+            metavar=WEIGHTS_METAVAR,
             help=f"Adapter to continue from: {ADAPTER_HELP}. omnirl's also carry optimizer, EMA and step; "
             "another tool's LoRA starts a fresh optimizer at step 0 with its own rank and alpha.",
         ),
@@ -387,9 +388,15 @@ def update(
     elif result.get("skipped"):
         log(f"{c['out']} already holds this update; nothing to do")
     else:
-        last = result["last"]
-        log(
-            f"[green]updated[/] → {c['out']}  step {result['step']}  pg_loss {last.get('actor/pg_loss', 0):+.4e}  "
-            f"ratio {last.get('actor/ratio_mean', 1):.6f}  clipfrac {last.get('actor/pg_clipfrac', 0):.3f}  "
-            f"{result['reward_failed']} rows with a failed reward skipped"
+        means = result["step_means"]
+        shown = (
+            ("pg_loss", "pg_loss", "+.4e"),
+            ("ratio_mean", "ratio", ".6f"),
+            ("clipfrac", "clipfrac", ".3f"),
+        )
+        print_result(
+            f"[green]updated[/] → {c['out']}  step {result['step']}  mean of {result['optimizer_steps']} "
+            f"optimizer step{'' if result['optimizer_steps'] == 1 else 's'} (as `omnirl report`): "
+            + "  ".join(f"{label} {means[key]:{spec}}" for key, label, spec in shown if key in means)
+            + f"  {result['reward_failed']} rows with a failed reward skipped"
         )

@@ -296,6 +296,9 @@ def finish_model_dir(
 
 
 DEFAULT_TEXT_LENGTH = 128  # the T5 length the samplers encode with when a model card names none
+# The side `sample` draws at for a folder whose card records no native resolution (a real checkpoint):
+# flow_grpo's 512 px.
+DEFAULT_RESOLUTION = 512
 
 
 def read_model_card(model_dir: str | Path) -> dict[str, Any] | None:
@@ -315,6 +318,14 @@ def read_model_card(model_dir: str | Path) -> dict[str, Any] | None:
 def model_details(model: str | Path) -> dict[str, Any]:
     """The `details` of a model folder's `omnirl_model.json` ({} for a folder without one)."""
     return dict((read_model_card(model) or {}).get("details", {}))
+
+
+def native_resolution(model: str | Path) -> int | None:
+    """The image side a model folder records as its own: its card's `details.image_size`, the native
+    resolution `init-model` built it for (or `pretrain` trained it at); None for a folder without one
+    (a real checkpoint). `sample` and `pretrain` use it when --resolution is not given."""
+    side = model_details(model).get("image_size")
+    return int(side) if side else None
 
 
 def default_text_length(model: str | Path) -> int:

@@ -54,6 +54,7 @@ import torch
 
 from stages.errors import RuntimeFailure, UserInputError
 from stages.media import MEDIA_COLUMNS, output_modality
+from stages.reporting import step_means
 from stages.sample.engines import DEFAULT_ENGINE, EngineOptions
 from stages.sample.prompts import Prompt
 from stages.sample.rollout import LATENT_DTYPES, SampleConfig
@@ -746,11 +747,7 @@ def run_online(
                 "seconds_waiting": t_wait,
                 "seconds_training": t_train,
                 "seconds": time.perf_counter() - t0,
-                **{
-                    key: metrics[-1][key]
-                    for key in ("actor/pg_loss", "actor/ratio_mean")
-                    if metrics and key in metrics[-1]
-                },
+                **step_means(metrics),  # this iteration's update, as `omnirl report` and `update` show it
             }
             summaries.append(summary)
             if on_iteration:

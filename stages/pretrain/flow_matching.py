@@ -445,15 +445,19 @@ class _Captions:
 
 
 def run_identity(cfg: PretrainConfig, model: str | Path, data: ImageDataset) -> dict[str, dict[str, Any]]:
-    """What a checkpoint must match to be resumed (`Checkpoints`): the config by option name and the
-    content digests of --model and --data."""
+    """What a checkpoint must match to be resumed (`Checkpoints`): the config by option name, the
+    content digests of --model and --data and the side its images were resized to."""
     from stages.models.diffusion import check_pipeline_folder
     from stages.shards.digest import content_digest
 
     model = check_pipeline_folder(model)  # before hashing: any folder could be walked otherwise
     return {
         "settings": asdict(cfg),
-        "inputs": {"model": content_digest(model, "--model"), "data": data.source["sha256"]},
+        "inputs": {
+            "model": content_digest(model, "--model"),
+            "data": data.source["sha256"],
+            "resolution": data.resolution,
+        },
     }
 
 

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from stages.errors import UserInputError
+from stages.models.hub import no_such_path, spelled_as_path
 from stages.shards.digest import content_digest
 from stages.tables import read_rows, read_text
 
@@ -412,12 +413,20 @@ def _parts(item: str) -> list[_Part]:
         if not files:
             raise UserInputError(f"--prompts {item}: the pattern matches no file")
         return _file_parts(files, item)
+    if at and Path(folder).expanduser().exists():
+        raise UserInputError(
+            f"--prompts {item}: {folder} is not a `save_to_disk` dataset folder (no dataset_dict.json or "
+            "state.json); name its .parquet/.jsonl files or the folder itself"
+        )
     hub = HUB_SPEC.match(item)
-    if hub:
+    if hub and not spelled_as_path(folder if at else item):
         return [_Hub(item, config=hub["config"], split=hub["split"], name=hub["name"])]
-    raise UserInputError(
-        f"--prompts {item}: no such file or folder (a Hugging Face dataset is NAME@SPLIT or "
-        "NAME:CONFIG@SPLIT, e.g. hiyouga/geometry3k@train)"
+    raise no_such_path(
+        "--prompts",
+        item,
+        ""
+        if spelled_as_path(folder if at else item)
+        else " (a Hugging Face dataset is NAME@SPLIT or NAME:CONFIG@SPLIT, e.g. hiyouga/geometry3k@train)",
     )
 
 

@@ -23,6 +23,7 @@ from stages.errors import UserInputError
 from stages.finite import check_finite
 from stages.models.diffusion import ADAPTER_CONFIG, FlowPolicy, read_adapter_config
 from stages.models.vlm import VLMPolicy, is_vlm_model
+from stages.reporting import step_means
 from stages.sample.rollout import SampleConfig, sample_config_of
 from stages.sample.vlm_stage import VLMSampleConfig, vlm_sample_config_of
 from stages.score.scoring import FAILED_COLUMN, failed_rewards
@@ -253,6 +254,7 @@ def run_update(
         "rows_read": rows_read,
         FAILED_COLUMN: int(failed.sum()),
         "last": last,
+        "step_means": step_means(metrics),
     }
     if isinstance(policy, FlowPolicy):
         result.update(loaded_components=policy.loaded_components, conditioning=policy.conditioning_source)

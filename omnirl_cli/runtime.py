@@ -61,7 +61,7 @@ def open_inputs(paths: list[Path] | None) -> Any:
 
 
 def map_shards(
-    src: Any, writer: Any, label: str, columns: list[str], fn: Callable[..., dict[str, Any]], *, bar: bool
+    src: Any, writer: Any, label: str, columns: list[str], fn: Callable[..., dict[str, Any]]
 ) -> list[int]:
     """Write fn(input shard, advance) as output shard i for this process's input shards i not already
     done; returns the shards written here, in order.
@@ -77,7 +77,7 @@ def map_shards(
     sizes = [info.rows for info in src.manifests[0].shards]
     mine = rank_shards(range(src.num_shards), f"input shards of {label}")
     written = []
-    with progress(bar) as display:
+    with progress() as display:
         task = display.add_task(label, total=sum(sizes[s] for s in mine), rate="")
         for s in mine:
             if writer.shard_done(s):

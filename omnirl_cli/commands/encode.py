@@ -91,7 +91,6 @@ def encode(
                 mixed_precision=c["mixed_precision"],
                 on_batch=advance,
             ),
-            bar=not json_,
         )
     if not finalize(writer):
         return

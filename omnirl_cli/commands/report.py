@@ -58,7 +58,7 @@ def report(
     skipped: list[int] = []  # iterations without media to draw
     # per kind of rollout: (iteration, directory holding samples/ and rewards/, its media)
     image_sets: dict[str, list[tuple[int, Path, str]]] = {"eval": [], "samples": []}
-    with progress(not json_) as bar:
+    with progress() as bar:
         task = bar.add_task(f"report {run}", total=None, rate="")
         rows = collect(run)
         curve = reward_curve(rows, run / "reward_curve.png")

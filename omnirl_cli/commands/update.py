@@ -346,7 +346,7 @@ def update(
     cfg.validate()
     c["mixed_precision"] = cfg.mixed_precision  # the launcher's setting enters the run's identity
     src = open_inputs(c["inputs"])
-    with tracking, progress(not json_) as bar:
+    with tracking, progress() as bar:
         task = bar.add_task("updating", total=None, rate="")
 
         def on_step(record: dict) -> None:

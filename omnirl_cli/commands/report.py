@@ -18,6 +18,15 @@ def report(
     grids: Annotated[
         bool, typer.Option("--grids/--no-grids", help="Write an image grid per iteration.")
     ] = True,
+    iteration: Annotated[
+        int | None,
+        typer.Option(
+            "--iteration",
+            min=0,
+            help="Print iteration K's row as one line on stdout (the recipes' line per finished iteration) "
+            "and nothing else.",
+        ),
+    ] = None,
     report_to: ReportToOpt = None,
     run_name: RunNameOpt = None,
     json_: JsonOpt = False,
@@ -35,8 +44,14 @@ def report(
     response sheets. Points a stage or an earlier report already sent to that
     tracker run (RUN/tracking/sent.jsonl) are skipped, so a replay never duplicates a step.
 
+    --iteration K prints only iteration K's row, on one line: the training reward mean ± standard error,
+    the held-out one when there is one, each named reward's mean and the update's step-mean losses.
+
     Example: [bold]omnirl report runs/demo --report-to tensorboard[/]
     """
+    if iteration is not None:
+        _iteration_line(run, iteration, json_)
+        return
     from stages.reporting import (
         collect,
         comparison_grid,
@@ -176,3 +191,45 @@ def report(
 
 def _num(value: Any) -> str:
     return "" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def _iteration_line(run: Path, k: int, json_: bool) -> None:
+    """Iteration k's row of the table as one line on stdout (`stages.reporting.iteration_row`)."""
+    from stages.dist import join
+    from stages.errors import UserInputError
+    from stages.reporting import iteration_row, iterations
+
+    if join()[1] != 0:  # started through the recipe's launcher (OMNIRL=torchrun ...): one line, from rank 0
+        return
+    iterations(run)  # a missing run folder is named as such
+    row = iteration_row(run, k)
+    if row is None:
+        raise UserInputError(
+            f"{run}/it{k}: no scored samples yet (neither rewards/ nor eval/rewards/ is complete)"
+        )
+    if json_:
+        emit_json(row)
+        return
+
+    def rewards(stats: dict[str, Any], label: str) -> list[str]:
+        n = stats["samples"]
+        parts = [f"{label} {stats['reward_mean']:.4g} ± {stats['reward_se']:.2g} (se, n {n})"]
+        for key in sorted(k for k in stats if k.startswith("reward.") and k.endswith("_mean")):
+            if stats[key] != stats["reward_mean"]:  # a reward that is not just the total
+                parts.append(f"{key[len('reward.') : -len('_mean')]} {stats[key]:.4g}")
+        return parts
+
+    parts = [f"it{k}"]
+    if "reward_mean" in row:
+        parts += rewards(row, "reward")
+    if "eval" in row:
+        parts += rewards(row["eval"], "held-out reward")
+    for key, title, spec in (
+        ("zero_std_ratio", "zero-std", ".2f"),
+        ("pg_loss", "pg_loss", "+.3e"),
+        ("ratio_mean", "ratio", ".4f"),
+        ("clipfrac", "clipfrac", ".3f"),
+    ):
+        if row.get(key) is not None:
+            parts.append(f"{title} {row[key]:{spec}}")
+    print("  ".join(parts), flush=True)

@@ -48,10 +48,13 @@ def run_folder(out_dir: Path) -> Path | None:
     return None
 
 
-def card_configs(run: Path) -> list[dict[str, Any]]:
-    """The card's `configs`: per kind of complete shard set, one split per iteration holding it, each
-    split's `path` a glob of exactly the shards its manifest lists (`train-*-of-00004.parquet`)."""
-    splits: dict[str, list[tuple[int, str]]] = {}
+def card_configs(run: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """The card's `configs` and the kinds it leaves out. Per kind of complete shard set, one split per
+    iteration holding it, each split's `path` a glob of exactly the shards its manifest lists
+    (`train-*-of-00004.parquet`). `datasets` reads every config of a folder or repo with the one builder
+    its first config's files call for, so only the sets in that config's format are listed; the kinds
+    with sets in another format (--format webdataset beside Parquet) are left out, by name."""
+    splits: dict[str, list[tuple[int, str, str]]] = {}  # kind → (iteration, shard glob, format)
     for manifest in [*run.glob(f"it*/*/{MANIFEST_NAME}"), *run.glob(f"it*/{EVAL_DIR}/*/{MANIFEST_NAME}")]:
         shard_set = manifest.parent
         rel = shard_set.relative_to(run).parts
@@ -59,43 +62,63 @@ def card_configs(run: Path) -> list[dict[str, Any]]:
         if found is None or (len(rel) == 2 and rel[1] == EVAL_DIR):
             continue
         try:
-            shards = read_manifest(shard_set).shards
+            read = read_manifest(shard_set)
         except (UserInputError, OSError):  # being rewritten (--overwrite) or damaged: not a complete set
             continue
-        if not shards:
+        if not read.shards:
             continue
         name = rel[-1] if len(rel) == 2 else f"{EVAL_DIR}_{rel[-1]}"
-        pattern = _SHARD_INDEX.sub("-*-of-", shards[0].file, count=1)
-        splits.setdefault(name, []).append((int(found.group(1)), "/".join((*rel, pattern))))
+        pattern = _SHARD_INDEX.sub("-*-of-", read.shards[0].file, count=1)
+        splits.setdefault(name, []).append((int(found.group(1)), "/".join((*rel, pattern)), read.format))
 
     def order(name: str) -> tuple[bool, int, str]:
         kind = name.removeprefix(f"{EVAL_DIR}_")
         return name != kind, KIND_ORDER.index(kind) if kind in KIND_ORDER else len(KIND_ORDER), kind
 
-    configs = []
+    configs: list[dict[str, Any]] = []
+    left_out = []
+    listed = None  # the format of the listed sets: the first kind's in order that has one
     for name in sorted(splits, key=order):
-        files = [{"split": f"it{k}", "path": path} for k, path in sorted(splits[name])]
+        sets = sorted(splits[name])
+        formats = {fmt for *_, fmt in sets}
+        if listed is None and len(formats) == 1:
+            listed = next(iter(formats))
+        if formats != {listed}:
+            left_out.append(name)
+            continue
+        files = [{"split": f"it{k}", "path": path} for k, path, _ in sets]
         configs.append(
-            {"config_name": name, "data_files": files, **({"default": True} if name == "samples" else {})}
+            {"config_name": name, "data_files": files, **({"default": True} if not configs else {})}
         )
-    return configs
+    return configs, left_out
 
 
 def render_card(run: Path) -> str:
     """RUN/README.md's text: the YAML front matter (`card_configs`), `MARKER` and how to load it."""
     import yaml
 
-    configs = card_configs(run)
+    configs, left_out = card_configs(run)
     names = ", ".join(c["config_name"] for c in configs)
     front = yaml.safe_dump({"configs": configs}, sort_keys=False, allow_unicode=True)
+    other = (
+        f" Not listed: {', '.join(left_out)}, in another shard format than these (`datasets` reads one "
+        "format per folder or repo; load such a set from its own folder)."
+        if left_out
+        else ""
+    )
+    example = ""
+    if configs:
+        name, split = configs[0]["config_name"], configs[0]["data_files"][0]["split"]
+        example = (
+            "```python\nfrom datasets import load_dataset\n\n"
+            f'data = load_dataset("{run.name}", "{name}", split="{split}")  # the folder, or its Hub repo id\n'
+            "```\n\n"
+        )
     return (
         f"---\n{front}---\n{MARKER}\n\n# {run.name}\n\n"
         "An omnirl run: one config per kind of shard set, one split per iteration (`it<K>`), the held-out "
-        f"evaluation's sets as `eval_<kind>`. Configs: {names}.\n\n"
-        "```python\nfrom datasets import load_dataset\n\n"
-        f'samples = load_dataset("{run.name}", "samples", split="it0")  # the folder, or its Hub repo id\n'
-        "```\n\nEach set's `_manifest.json` holds its producing command, configuration, lineage and column "
-        "shapes.\n"
+        f"evaluation's sets as `eval_<kind>`. Configs: {names}.{other}\n\n{example}"
+        "Each set's `_manifest.json` holds its producing command, configuration, lineage and column shapes.\n"
     )
 
 

@@ -9,8 +9,11 @@
 #        PROMPTS=prompts.txt RUN=runs/x ITERATIONS=4 REWARD="--reward ocr"
 #
 # It talks (recipes/report.mk): each stage's progress on stderr, its --json result in
-# RUN/it<K>/<stage>.json, and on stdout one line per finished iteration, e.g.
-#   it3  reward 0.871 ± 0.012 (se, n 256)  geneval_shapes_strict 0.945  zero-std 0.12  pg_loss ...
+# RUN/it<K>/<stage>.json, and on stdout one line per finished iteration (se: standard error):
+#   it<K>  reward MEAN ± SE (se, n N)  [NAMED_REWARD MEAN ...]  [held-out reward MEAN ± SE (se, n N) ...]
+#          zero-std Z  pg_loss L  ratio R  clipfrac C          (the update's step means; ratio: last step)
+# RUN/README.md, the dataset card each finished shard set rewrites, makes the run folder a dataset:
+# datasets.load_dataset(RUN, "samples") gives one split per iteration (stages/shards/run_card.py).
 #
 # OMNIRL starts every stage: `omnirl` (default), or a launcher, e.g.
 #   OMNIRL="torchrun --nproc_per_node 8 -m omnirl_cli"

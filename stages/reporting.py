@@ -93,43 +93,42 @@ def reward_stats(rewards_dir: Path) -> dict[str, Any]:
     return row
 
 
-def collect(run: Path) -> list[dict[str, Any]]:
-    """One summary row per iteration that has scored samples (`iteration_row`)."""
-    return [row for k, _ in iterations(run) if (row := iteration_row(run, k)) is not None]
-
-
-def iteration_row(run: Path, k: int) -> dict[str, Any] | None:
-    """Iteration k's summary, or None before it has scored samples: `reward_stats` of it<k>/rewards, the
-    advantage, replay and update (it<k+1>/policy: step means of pg_loss and clipfrac, the last step's
-    ratio and grad norm) statistics, and under `eval` the `reward_stats` of it<k>/eval/rewards: the policy
-    of iteration k on a held-out prompt set (what `recipes/eval.mk` writes)."""
-    it = run / f"it{k}"
-    rewards_dir = it / "rewards"
-    eval_dir = it / EVAL_DIR / "rewards"
-    has_eval = (eval_dir / MANIFEST_NAME).is_file()
-    if not (rewards_dir / MANIFEST_NAME).is_file() and not has_eval:
-        return None
-    row: dict[str, Any] = {"iteration": k}
-    if (rewards_dir / MANIFEST_NAME).is_file():
-        row.update(reward_stats(rewards_dir))
-    if has_eval:
-        row["eval"] = reward_stats(eval_dir)
-    adv_dir = it / "advantages"
-    if (adv_dir / MANIFEST_NAME).is_file():
-        stats = read_manifest(adv_dir).extra.get("stats", {})
-        row["zero_std_ratio"] = stats.get("zero_std_ratio")
-    lp_dir = it / "logprobs"
-    if (lp_dir / MANIFEST_NAME).is_file():
-        row["replay_abs_delta_max"] = read_manifest(lp_dir).extra.get("abs_delta_max")
-    metrics = run / f"it{k + 1}" / "policy" / "metrics.jsonl"
-    if metrics.is_file():
-        records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-        if records:
-            row["pg_loss"] = sum(m.get("actor/pg_loss", 0.0) for m in records) / len(records)
-            row["ratio_mean"] = records[-1].get("actor/ratio_mean")
-            row["clipfrac"] = sum(m.get("actor/pg_clipfrac", 0.0) for m in records) / len(records)
-            row["grad_norm"] = records[-1].get("actor/grad_norm")
-    return row
+def collect(run: Path, iteration: int | None = None) -> list[dict[str, Any]]:
+    """One summary row per iteration that has scored samples (`reward_stats` of it<K>/rewards), with the
+    advantage, replay and update statistics, and under `eval` the `reward_stats` of it<K>/eval/rewards:
+    the policy of iteration K on a held-out prompt set (what `recipes/eval.mk` writes). With `iteration`,
+    that iteration's row alone (none before it is scored)."""
+    rows = []
+    for k, it in iterations(run):
+        if iteration is not None and k != iteration:
+            continue
+        rewards_dir = it / "rewards"
+        eval_dir = it / EVAL_DIR / "rewards"
+        has_eval = (eval_dir / MANIFEST_NAME).is_file()
+        if not (rewards_dir / MANIFEST_NAME).is_file() and not has_eval:
+            continue
+        row: dict[str, Any] = {"iteration": k}
+        if (rewards_dir / MANIFEST_NAME).is_file():
+            row.update(reward_stats(rewards_dir))
+        if has_eval:
+            row["eval"] = reward_stats(eval_dir)
+        adv_dir = it / "advantages"
+        if (adv_dir / MANIFEST_NAME).is_file():
+            stats = read_manifest(adv_dir).extra.get("stats", {})
+            row["zero_std_ratio"] = stats.get("zero_std_ratio")
+        lp_dir = it / "logprobs"
+        if (lp_dir / MANIFEST_NAME).is_file():
+            row["replay_abs_delta_max"] = read_manifest(lp_dir).extra.get("abs_delta_max")
+        metrics = run / f"it{k + 1}" / "policy" / "metrics.jsonl"
+        if metrics.is_file():
+            records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+            if records:
+                row["pg_loss"] = sum(m.get("actor/pg_loss", 0.0) for m in records) / len(records)
+                row["ratio_mean"] = records[-1].get("actor/ratio_mean")
+                row["clipfrac"] = sum(m.get("actor/pg_clipfrac", 0.0) for m in records) / len(records)
+                row["grad_norm"] = records[-1].get("actor/grad_norm")
+        rows.append(row)
+    return rows
 
 
 CURVE_SERIES = (

@@ -194,30 +194,33 @@ def _num(value: Any) -> str:
 
 
 def _iteration_line(run: Path, k: int, json_: bool) -> None:
-    """Iteration k's row of the table as one line on stdout (`stages.reporting.iteration_row`)."""
+    """Iteration k's row of the table (`stages.reporting.collect`) as one line on stdout."""
     from stages.dist import join
     from stages.errors import UserInputError
-    from stages.reporting import iteration_row, iterations
+    from stages.reporting import collect
 
     if join()[1] != 0:  # started through the recipe's launcher (OMNIRL=torchrun ...): one line, from rank 0
         return
-    iterations(run)  # a missing run folder is named as such
-    row = iteration_row(run, k)
-    if row is None:
+    rows = collect(run, iteration=k)
+    if not rows:
         raise UserInputError(
             f"{run}/it{k}: no scored samples yet (neither rewards/ nor eval/rewards/ is complete)"
         )
+    row = rows[0]
     if json_:
         emit_json(row)
         return
 
+    # the named rewards that are not just the total (a reward weighted 1 alone), as the table's columns
+    sets = [stats for stats in (row, row.get("eval", {})) if "reward_mean" in stats]
+    keys = {key for stats in sets for key in stats if key.startswith("reward.") and key.endswith("_mean")}
+    named = sorted(key for key in keys if any(key in st and st[key] != st["reward_mean"] for st in sets))
+
     def rewards(stats: dict[str, Any], label: str) -> list[str]:
-        n = stats["samples"]
-        parts = [f"{label} {stats['reward_mean']:.4g} ± {stats['reward_se']:.2g} (se, n {n})"]
-        for key in sorted(k for k in stats if k.startswith("reward.") and k.endswith("_mean")):
-            if stats[key] != stats["reward_mean"]:  # a reward that is not just the total
-                parts.append(f"{key[len('reward.') : -len('_mean')]} {stats[key]:.4g}")
-        return parts
+        parts = [f"{label} {stats['reward_mean']:.4g} ± {stats['reward_se']:.2g} (se, n {stats['samples']})"]
+        return parts + [
+            f"{key[len('reward.') : -len('_mean')]} {stats[key]:.4g}" for key in named if key in stats
+        ]
 
     parts = [f"it{k}"]
     if "reward_mean" in row:

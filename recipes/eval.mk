@@ -15,7 +15,9 @@
 #
 # Each stage's --json result goes to RUN/it<K>/eval/<stage>.json, its progress to stderr, and stdout gets
 # a line per evaluated iteration (recipes/report.mk). OMNIRL starts every stage: `omnirl` (default) or a
-# launcher, e.g. OMNIRL="torchrun --nproc_per_node 8 -m omnirl_cli".
+# launcher, e.g. OMNIRL="torchrun --nproc_per_node 8 -m omnirl_cli". The evaluation logs to no tracker
+# (flow_grpo.mk's REPORT_TO is the training's): `omnirl report RUN --report-to T` sends its statistics
+# as their own series (eval/reward/mean ...).
 OMNIRL       ?= omnirl
 CONFIG       ?= recipes/configs/flow_grpo_sd3.yaml
 RUN          ?= runs/flow_grpo

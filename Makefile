@@ -47,9 +47,11 @@ format: install
 # DEMO_SHAPES (comma-separated; circle: the shape it draws best) with the geneval_shapes reward
 # through the staged Flow-GRPO recipe. Each iteration's policy is also evaluated on held-out prompts
 # with fixed seeds (recipes/eval.mk), two stages at a time (DEMO_JOBS: an evaluation beside the next
-# iteration's sampling and scoring); the report prints the table
-# (reward mean ± standard error, strict accuracy) and writes $(RUN)/reward_curve.png,
-# $(RUN)/before_after.png and $(RUN)/it<K>/grid.png. Settings: recipes/configs/demo_shapes.yaml.
+# iteration's sampling and scoring). Each finished iteration prints its line (training and held-out
+# reward mean ± se, strict accuracy, losses; recipes/report.mk), the stages' progress goes to stderr;
+# at the end the report prints the table (reward mean ± standard error, strict accuracy) and writes
+# $(RUN)/reward_curve.png, $(RUN)/before_after.png and $(RUN)/it<K>/grid.png. Settings:
+# recipes/configs/demo_shapes.yaml.
 DEMO_ITERATIONS ?= 8
 DEMO_MODEL      ?= recipes/models/demo-shapes
 DEMO_CONFIG     ?= recipes/configs/demo_shapes.yaml
@@ -86,7 +88,8 @@ demo: install $(RUN)/prompts.jsonl
 	$(VENV)/bin/omnirl report $(RUN)
 
 # The same run through `omnirl online` (sampler, scorer and trainer in their own processes, no files
-# between stages), then the same held-out evaluation of its checkpoints and the same report.
+# between stages), then the same held-out evaluation of its checkpoints (a line per evaluated iteration)
+# and the same report.
 ONLINE_RUN ?= runs/demo-online
 demo-online: install
 	$(MAKE) --no-print-directory $(ONLINE_RUN)/prompts.jsonl RUN=$(ONLINE_RUN)

@@ -70,7 +70,7 @@ def is_quiet() -> bool:
 
 
 class _Quiet:
-    """Progress stand-in used when bars are off (JSON mode, no TTY)."""
+    """Progress stand-in used when progress is off (-q)."""
 
     def add_task(self, *args: Any, **kwargs: Any) -> int:
         return 0
@@ -122,10 +122,11 @@ class _Lines(_Quiet):
 
 
 @contextmanager
-def progress(enabled: bool = True, interval: float | None = None) -> Iterator[Any]:
+def progress(interval: float | None = None) -> Iterator[Any]:
     """A rich progress display on stderr; off a TTY, a plain progress line every `interval` seconds
-    (default PROGRESS_INTERVAL_S, `_Lines`); nothing when `enabled` is false (--json) or under -q."""
-    if not enabled or is_quiet():
+    (default PROGRESS_INTERVAL_S, `_Lines`); nothing under -q. --json leaves it on: the result goes to
+    stdout, progress to stderr, so a recipe can keep the one and still show the other."""
+    if is_quiet():
         yield _Quiet()
         return
     if not err.is_terminal:

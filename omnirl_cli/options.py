@@ -75,7 +75,8 @@ JsonOpt = Annotated[
     bool,
     typer.Option(
         "--json",
-        help="Print one JSON result object on stdout; progress and logs stay off.",
+        help="Print one JSON result object on stdout instead of the summary lines; progress stays on stderr "
+        "(-q turns it off).",
         rich_help_panel=RUN,
     ),
 ]

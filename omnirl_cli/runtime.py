@@ -67,7 +67,6 @@ def map_shards(
     columns: list[str],
     fn: Callable[..., dict[str, Any]],
     *,
-    bar: bool,
     before_write: Callable[[int, dict[str, Any]], None] | None = None,
 ) -> list[int]:
     """Write fn(input shard, advance) as output shard i for this process's input shards i not already
@@ -86,7 +85,7 @@ def map_shards(
     sizes = [info.rows for info in src.manifests[0].shards]
     mine = rank_shards(range(src.num_shards), f"input shards of {label}")
     written = []
-    with progress(bar) as display:
+    with progress() as display:
         task = display.add_task(label, total=sum(sizes[s] for s in mine), rate="")
         for s in mine:
             if writer.shard_done(s):

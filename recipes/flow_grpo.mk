@@ -7,7 +7,21 @@
 #
 #   make -f recipes/flow_grpo.mk CONFIG=recipes/configs/flow_grpo_sd3.yaml MODEL=models/sd3 \
 #        PROMPTS=prompts.txt RUN=runs/x ITERATIONS=4 REWARD="--reward ocr"
+#
+# It talks (recipes/report.mk): each stage's progress on stderr, its --json result in
+# RUN/it<K>/<stage>.json, and on stdout one line per finished iteration (se: standard error):
+#   it<K>  reward MEAN ± SE (se, n N)  [NAMED_REWARD MEAN ...]  [held-out reward MEAN ± SE (se, n N) ...]
+#          zero-std Z  pg_loss L  ratio R  clipfrac C          (the update's step means; ratio: last step)
+# RUN/README.md, the dataset card each finished shard set rewrites, makes the run folder a dataset:
+# datasets.load_dataset(RUN, "samples") gives one split per iteration (stages/shards/run_card.py).
+#
+# OMNIRL starts every stage: `omnirl` (default), or a launcher, e.g.
+#   OMNIRL="torchrun --nproc_per_node 8 -m omnirl_cli"
+#   OMNIRL="accelerate launch --config_file recipes/accelerate/fsdp2_8gpu.yaml -m omnirl_cli"
+# REPORT_TO: experiment trackers that score and update log to (--report-to), e.g. REPORT_TO=tensorboard
+# or REPORT_TO=wandb,tensorboard; empty (default): the preset's report_to, else none.
 OMNIRL     ?= omnirl
+REPORT_TO  ?=
 CONFIG     ?= recipes/configs/flow_grpo_sd3.yaml
 RUN        ?= runs/flow_grpo
 MODEL      ?= models/sd3-tiny
@@ -18,7 +32,7 @@ REWARD     ?= --reward jpeg_compressibility
 # iteration draws fresh prompts and noise. A fixed SEED re-samples the same prompts and noise
 # each time, which makes the reward curve a clean measure of how the policy changed.
 SEED       ?=
-FLAGS      ?= --json --overwrite
+FLAGS      ?= --overwrite
 # A held-out prompt file: each iteration's policy is also evaluated on it (recipes/eval.mk).
 EVAL_PROMPTS ?=
 # The replay of each rollout (`omnirl logprob --replay $(REPLAY)`). auto: run the model only when the
@@ -35,6 +49,7 @@ endif
 
 ITERS   := $(shell seq 0 $(ITERATIONS))
 next     = $(shell expr $(1) + 1)
+tracking = $(if $(REPORT_TO),--report-to $(REPORT_TO))
 policy   = $(if $(filter 0,$(1)),,$(RUN)/it$(1)/policy/omnirl_adapter.json)
 adapter  = $(if $(filter 0,$(1)),,--adapter $(RUN)/it$(1)/policy)
 it       = $(RUN)/it$(1)
@@ -42,8 +57,10 @@ seed     = $(if $(SEED),$(SEED),$(1))
 logprobs = $(if $(filter no,$(REPLAY)),,$(call it,$(1))/logprobs)
 
 .PHONY: all
-# N updates, plus the samples and rewards of the last policy so the report shows where it ended.
-all: $(RUN)/it$(ITERATIONS)/rewards/_manifest.json
+# N updates, plus the samples and rewards of the last policy so the report shows where it ended; a
+# line per iteration.
+all: $(foreach i,$(ITERS),$(call it,$(i))/summary.txt)
+include $(dir $(lastword $(MAKEFILE_LIST)))report.mk
 ifneq ($(EVAL_PROMPTS),)
 include $(dir $(lastword $(MAKEFILE_LIST)))eval.mk
 all: eval
@@ -51,25 +68,32 @@ endif
 
 define iteration
 $(call it,$(1))/samples/_manifest.json: $(call policy,$(1)) $(CONFIG) $(wildcard $(PROMPTS))
+	@mkdir -p $(call it,$(1))
 	$(OMNIRL) sample --config $(CONFIG) --model $(MODEL) $(call adapter,$(1)) --prompts $(PROMPTS) \
-	  --seed $(call seed,$(1)) --iteration $(1) --out $(call it,$(1))/samples $(FLAGS) >/dev/null
+	  --seed $(call seed,$(1)) --iteration $(1) --out $(call it,$(1))/samples $(FLAGS) \
+	  $(call result,$(call it,$(1))/sample.json)
 
 $(call it,$(1))/rewards/_manifest.json: $(call it,$(1))/samples/_manifest.json
-	$(OMNIRL) score --config $(CONFIG) --in $(call it,$(1))/samples $(REWARD) --out $(call it,$(1))/rewards $(FLAGS) >/dev/null
+	$(OMNIRL) score --config $(CONFIG) --in $(call it,$(1))/samples $(REWARD) --out $(call it,$(1))/rewards \
+	  $(tracking) $(FLAGS) $(call result,$(call it,$(1))/score.json)
 
 $(call it,$(1))/logprobs/_manifest.json: $(call it,$(1))/samples/_manifest.json
 	$(OMNIRL) logprob --config $(CONFIG) --model $(MODEL) $(call adapter,$(1)) --in $(call it,$(1))/samples \
-	  --replay $(REPLAY) --out $(call it,$(1))/logprobs $(FLAGS) >/dev/null
+	  --replay $(REPLAY) --out $(call it,$(1))/logprobs $(FLAGS) $(call result,$(call it,$(1))/logprob.json)
 
 $(call it,$(1))/advantages/_manifest.json: $(call it,$(1))/rewards/_manifest.json
 	$(OMNIRL) advantage --config $(CONFIG) --in $(call it,$(1))/samples --in $(call it,$(1))/rewards \
-	  --out $(call it,$(1))/advantages $(FLAGS) >/dev/null
+	  --out $(call it,$(1))/advantages $(FLAGS) $(call result,$(call it,$(1))/advantage.json)
 
 $(call it,$(call next,$(1)))/policy/omnirl_adapter.json: $(addsuffix /_manifest.json,$(call logprobs,$(1))) \
     $(call it,$(1))/advantages/_manifest.json
 	$(OMNIRL) update --config $(CONFIG) --model $(MODEL) $(call adapter,$(1)) --in $(call it,$(1))/samples \
 	  $(addprefix --in ,$(call logprobs,$(1))) --in $(call it,$(1))/advantages --seed $(1) \
-	  --out $(call it,$(call next,$(1)))/policy $(FLAGS) >/dev/null
+	  --out $(call it,$(call next,$(1)))/policy $(tracking) $(FLAGS) $(call result,$(call it,$(1))/update.json)
+
+# Iteration K's line once it is scored and its update is done (the last iteration has none).
+$(call it,$(1))/summary.txt: $(call it,$(1))/rewards/_manifest.json \
+    $(if $(filter $(ITERATIONS),$(1)),,$(call it,$(call next,$(1)))/policy/omnirl_adapter.json)
 endef
 
 $(foreach i,$(ITERS),$(eval $(call iteration,$(i))))

@@ -11,17 +11,15 @@ from __future__ import annotations
 import io
 import json
 import math
-import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from stages.errors import UserInputError
 from stages.shards.manifest import MANIFEST_NAME, read_manifest
+from stages.shards.run_card import EVAL_DIR, ITER_DIR
 
-ITER_DIR = re.compile(r"^it(\d+)$")
 TAG_KEY = "tag"  # the prompt_meta key of a prompt's task family (GenEval metadata's "tag")
-EVAL_DIR = "eval"  # RUN/it<K>/eval/{samples,rewards}: the held-out evaluation of iteration K's policy
 
 
 def iterations(run: Path) -> list[tuple[int, Path]]:
@@ -116,13 +114,15 @@ def step_means(records: Sequence[Mapping[str, Any]]) -> dict[str, float]:
     return means
 
 
-def collect(run: Path) -> list[dict[str, Any]]:
+def collect(run: Path, iteration: int | None = None) -> list[dict[str, Any]]:
     """One summary row per iteration that has scored samples (`reward_stats` of it<K>/rewards), with the
     advantage and replay statistics, the update's `step_means`, and under `eval` the `reward_stats` of
     it<K>/eval/rewards: the policy of iteration K on a held-out prompt set (what `recipes/eval.mk`
-    writes)."""
+    writes). With `iteration`, that iteration's row alone (none before it is scored)."""
     rows = []
     for k, it in iterations(run):
+        if iteration is not None and k != iteration:
+            continue
         rewards_dir = it / "rewards"
         eval_dir = it / EVAL_DIR / "rewards"
         has_eval = (eval_dir / MANIFEST_NAME).is_file()

@@ -381,6 +381,19 @@ def test_quiet_silences_progress_and_log_lines(tiny_shard_set: Path, tmp_path: P
     assert errors.exit_code == 2 and "nope" in errors.stderr  # errors still print
 
 
+def test_json_keeps_the_result_on_stdout_and_progress_on_stderr(tiny_shard_set: Path, tmp_path: Path) -> None:
+    """A recipe keeps each stage's --json result in a file and still shows its progress (off a TTY: a
+    line at the end and at least every 30 s)."""
+    result = runner.invoke(
+        app, ["advantage", "--in", str(tiny_shard_set), "--out", str(tmp_path / "a"), "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["num_samples"] == 6
+    assert [line for line in result.stderr.splitlines() if line.startswith("advantages: ")] == [
+        "advantages: 6/6 [0:00]"
+    ]
+
+
 def test_off_a_tty_a_long_step_still_prints_progress_lines(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1,5 +1,5 @@
 """Off a TTY (Slurm logs, pipes) long commands print a plain progress line at a fixed interval, even
-while one step runs long, and a last one at the end; --json keeps stderr quiet."""
+while one step runs long, and a last one at the end; -q keeps stderr quiet."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ import time
 
 import pytest
 
-from omnirl_cli.console import progress
+from omnirl_cli.console import NORMAL, QUIET, progress, set_verbosity
 
 
 def test_off_a_tty_progress_prints_a_line_every_interval_and_at_the_end(
     capsys: pytest.CaptureFixture,
 ) -> None:
-    with progress(True, interval=0.05) as bar:
+    with progress(interval=0.05) as bar:
         task = bar.add_task("updating", total=4, rate="")
         bar.update(task, advance=1, rate="loss +1.000e-03")
         time.sleep(0.3)  # one long step: the timer still reports
@@ -24,8 +24,12 @@ def test_off_a_tty_progress_prints_a_line_every_interval_and_at_the_end(
     assert lines[-1].startswith("updating: 4/4 loss +1.000e-03")
 
 
-def test_json_mode_prints_no_progress(capsys: pytest.CaptureFixture) -> None:
-    with progress(False, interval=0.01) as bar:
-        bar.add_task("sampling", total=2, rate="")
-        time.sleep(0.05)
+def test_quiet_prints_no_progress(capsys: pytest.CaptureFixture) -> None:
+    set_verbosity(QUIET)
+    try:
+        with progress(interval=0.01) as bar:
+            bar.add_task("sampling", total=2, rate="")
+            time.sleep(0.05)
+    finally:
+        set_verbosity(NORMAL)
     assert capsys.readouterr().err == ""

@@ -99,3 +99,8 @@ def test_make_demo_plans_the_staged_recipe_with_the_evaluation(tmp_path: Path) -
     assert not any(" logprob " in c or "/logprobs" in c for c in commands)
     assert sum(" sample " in c and "/eval/samples" in c and "--sampler ode" in c for c in commands) == 3
     assert any(c.strip().startswith(".venv/bin/omnirl report") for c in commands)
+    # each finished iteration prints its line (`omnirl report RUN --iteration K`, recipes/report.mk) and
+    # each stage keeps its --json result beside its output
+    lines = [c.split("--iteration ")[1].split()[0] for c in commands if c.startswith("omnirl report ")]
+    assert lines == ["0", "1", "2"]
+    assert sum(c.endswith(f"{tmp_path}/run/it1/update.json") for c in commands) == 1

@@ -94,10 +94,12 @@ def test_make_rerun_does_nothing_and_a_deleted_artifact_reruns_only_its_dependen
     ran = {
         line.split()[3] + " " + line.split("--out ")[1].split()[0].split("/run/")[1]
         for line in plan.splitlines()
-        if "omnirl_cli" in line
+        if "omnirl_cli" in line and "--out " in line
     }
     assert "score it1/rewards" in ran and "advantage it1/advantages" in ran and "update it2/policy" in ran
     assert not any(r.endswith(("it0/samples", "it1/samples", "it1/logprobs", "it0/rewards")) for r in ran)
+    lines = [line.split("--iteration ")[1].split()[0] for line in plan.splitlines() if " report " in line]
+    assert lines == ["1", "2", "3"]  # the lines of the iterations that change; it0's stays as it was
     make(demo_run, tiny_sd3)
     assert make(demo_run, tiny_sd3, "-q", check=False).returncode == 0
 

@@ -33,8 +33,8 @@ DECLARED = {
     "fsdp2_multinode.yaml": ("FSDP", 16, "bf16", "fsdp2"),
     "npu_8.yaml": ("MULTI_NPU", 8, "bf16", "ddp"),
 }
-STAGE_RULES = {"sample", "score", "logprob", "advantage", "update"}
-GPU_RULES = {"sample", "score", "logprob", "update"}
+STAGE_RULES = {"sample", "score", "logprob", "advantage", "update", "eval_sample", "eval_score"}
+GPU_RULES = {"sample", "score", "logprob", "update", "eval_sample", "eval_score"}
 # Resource names the Slurm executor plugin maps to sbatch options (its docs/further.md).
 PLUGIN_RESOURCES = {
     "gpu", "gpu_model", "gres", "cpus_per_gpu", "cpus_per_task", "mem", "mem_mb", "mem_mb_per_cpu",
@@ -155,7 +155,7 @@ def test_slurm_profile_names_existing_rules_and_options() -> None:
 
     profile = yaml.safe_load((SLURM / "profile" / "config.yaml").read_text())
     rules = set(re.findall(r"^rule (\w+):", (ROOT / "recipes" / "Snakefile").read_text(), re.M))
-    assert rules == STAGE_RULES | {"all"}
+    assert rules == STAGE_RULES | {"all", "summary"}  # all and summary are local rules
     assert profile["executor"] == "slurm"
     assert set(profile["set-resources"]) == STAGE_RULES
     options = {o for action in get_argument_parser()._actions for o in action.option_strings}
@@ -286,8 +286,8 @@ def test_sample_array_submits_tasks_then_an_afterok_finaliser(tmp_path: Path) ->
 
 
 def _dry_run(tmp_path: Path, *config: str) -> tuple[dict[str, list[str]], dict[str, int]]:
-    """`snakemake -n -p` of one iteration with `config`: each rule's first shell command (argv, without
-    the redirection) and the GPUs its jobs ask for (resource gpu, 0 if none)."""
+    """`snakemake -n -p` of one iteration with `config`: each stage rule's first shell command (argv, without
+    the redirection of its --json result) and the GPUs its jobs ask for (resource gpu, 0 if none)."""
     snakemake = Path(sys.executable).parent / "snakemake"
     base = [f"run={tmp_path / 'run'}", "model=models/m", "prompts=p.txt", "iterations=1"]
     base += ["preset=recipes/configs/demo_tiny.yaml"]
@@ -297,8 +297,8 @@ def _dry_run(tmp_path: Path, *config: str) -> tuple[dict[str, list[str]], dict[s
     gpus: dict[str, int] = {}
     for block in re.split(r"^rule ", text, flags=re.M)[1:]:
         rule = block.split(":", 1)[0]
-        shell = re.search(r"^Shell command: (.*?)(?: > /dev/null)?$", block, re.M)
-        if shell and shell.group(1) != "None":  # rule all runs nothing
+        shell = re.search(r"^Shell command: (.*?)(?: --json > .*)?$", block, re.M)
+        if shell and rule in STAGE_RULES:
             commands.setdefault(rule, shlex.split(shell.group(1)))
             gpu = re.search(r"^    resources: .*\bgpu=(\d+)", block, re.M)
             gpus[rule] = int(gpu.group(1)) if gpu else 0
@@ -366,3 +366,42 @@ def test_snakefile_runs_the_replay_as_replay_says(tmp_path: Path, clean_env: Non
     assert "logprob" not in commands
     assert not any("logprobs" in arg for arg in commands["update"])
     assert f"{tmp_path / 'run'}/it0/advantages" in commands["update"]
+
+
+@pytest.mark.skipif(not _snakemake_installed(), reason="snakemake is a dev extra")
+def test_snakefile_evaluates_held_out_prompts_and_prints_a_line_per_iteration(tmp_path: Path) -> None:
+    """eval_prompts= adds recipes/eval.mk's evaluation of every iteration's policy; each stage keeps its
+    --json result in it<K>/<stage>.json; each iteration's line waits for its update and evaluation."""
+    run = tmp_path / "run"
+    commands, gpus = _dry_run(
+        tmp_path, "eval_prompts=heldout.jsonl", "eval_flags=--sampler ode --group-size 4"
+    )
+    argv = commands["eval_sample"]
+    assert argv[argv.index("--prompts") + 1] == "heldout.jsonl" and argv[argv.index("--seed") + 1] == "0"
+    assert argv[argv.index("--sampler") + 1] == "ode" and argv[argv.index("--group-size") + 1] == "4"
+    assert argv[argv.index("--out") + 1] == f"{run}/it0/eval/samples"
+    assert commands["eval_score"][commands["eval_score"].index("--in") + 1] == f"{run}/it0/eval/samples"
+    assert gpus["eval_sample"] == gpus["eval_score"] == 1
+    argv = [str(Path(sys.executable).parent / "snakemake"), "-s", "recipes/Snakefile", "-n", "-p", "--cores",
+            "1", "--config", f"run={run}", "model=models/m", "prompts=p.txt", "iterations=1",
+            "preset=recipes/configs/demo_tiny.yaml", "eval_prompts=heldout.jsonl"]  # fmt: skip
+    text = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    blocks = {
+        (block.split(":", 1)[0], re.search(r"^    output: (.*)$", block, re.M).group(1)): block
+        for block in re.split(r"^rule ", text, flags=re.M)[1:]
+        if block.startswith(("summary", "sample", "update"))
+    }
+    inputs = re.search(r"^    input: (.*)$", blocks["summary", f"{run}/it0/summary.txt"], re.M).group(1)
+    assert inputs.split(", ") == [
+        f"{run}/it0/rewards/_manifest.json",
+        f"{run}/it1/policy/omnirl_adapter.json",
+        f"{run}/it0/eval/rewards/_manifest.json",
+    ]
+    shell = re.search(r"^Shell command: (.*)$", blocks["summary", f"{run}/it1/summary.txt"], re.M).group(1)
+    assert shell.startswith(f"omnirl report {run} --iteration 1 > ")
+    shell = re.search(
+        r"^Shell command: (.*)$", blocks["update", f"{run}/it1/policy/omnirl_adapter.json"], re.M
+    )
+    assert shell.group(1).endswith(
+        f"--json > {run}/it0/update.json.tmp && mv {run}/it0/update.json.tmp {run}/it0/update.json"
+    )

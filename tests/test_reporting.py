@@ -107,3 +107,28 @@ def test_grids_put_the_prompt_beside_each_row(tmp_path: Path) -> None:
         is None
     )
     assert not (tmp_path / "never.png").exists()
+
+
+def test_report_iteration_prints_one_row_as_one_line_on_stdout(tmp_path: Path) -> None:
+    """The recipes' line per finished iteration: the same numbers as `collect`, ± labelled se."""
+    from typer.testing import CliRunner
+
+    from omnirl_cli.app import app
+
+    run = tmp_path / "run"
+    _rollout(run / "it0", [0.25, 0.5, 0.75, 1.0], [0, 0, 1, 1])
+    _rollout(run / "it0" / "eval", [0.0, 1.0, 1.0, 1.0], [0, 1, 1, 1])
+    _rollout(run / "it1" / "eval", [1.0, 1.0, 1.0, 1.0], [1, 1, 1, 1])
+    runner = CliRunner()
+    first = runner.invoke(app, ["report", str(run), "--iteration", "0"])
+    assert first.exit_code == 0, first.output
+    # se = √(0.3125 / 3) / 2 = 0.161 and √(0.75 / 3) / 2 = 0.25; a strict mean equal to the total is not repeated
+    assert first.stdout == (
+        "it0  reward 0.625 ± 0.16 (se, n 4)  geneval_shapes_strict 0.5  "
+        "held-out reward 0.75 ± 0.25 (se, n 4)  geneval_shapes_strict 0.75\n"
+    )
+    assert (
+        runner.invoke(app, ["report", str(run), "--iteration", "1"]).stdout
+        == "it1  held-out reward 1 ± 0 (se, n 4)\n"
+    )
+    assert not (run / "reward_curve.png").exists()  # the line alone: no curve, no grids

@@ -308,7 +308,7 @@ def _check_videos_sync(url: str, wan: Path) -> None:
 
 def _client(model: Path, prompts: Path, out: Path, url: str, *extra: str) -> subprocess.Popen:
     args = _remote(model, prompts, out, url, *extra)[1:]
-    cmd = [sys.executable, "-m", "omnirl_cli", "sample", *args, "--json"]
+    cmd = [sys.executable, "-m", "omnirl_cli", "sample", *args, "--json", "-q"]  # -q: no progress lines
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
 
 

@@ -97,7 +97,7 @@ def advantage(
         raise UserInputError(f"--aggregation {c['aggregation']}: choose reward_aggr or advantage_aggr")
     columns = ["sample_id", "group_id", "reward", *(reward_column(n) for n in weights or {})]
     columns += [FAILED_COLUMN] if FAILED_COLUMN in src.columns else []
-    with progress(not json_) as bar:
+    with progress() as bar:
         task = bar.add_task("advantages", total=src.num_rows, rate="")
         data = src.read_all(columns=columns)
         cols, stats = compute_advantages(

@@ -127,7 +127,6 @@ def encode(
                 mixed_precision=c["mixed_precision"],
                 on_batch=advance,
             ),
-            bar=not json_,
             before_write=store if stores else None,
         )
         if stores:

@@ -50,7 +50,7 @@ def init_model(
     """
     from stages.models.factory import init_model as build
 
-    with progress(not json_) as bar:
+    with progress() as bar:
         bar.add_task(f"building {size} {family} model", total=None, rate="")
         summary = build(family, out, size=size, seed=seed)
     if json_:

@@ -165,7 +165,7 @@ def inspect(
 
     shard_set = ShardSet(path)
     if verify:
-        with progress(not json_) as bar:
+        with progress() as bar:
             bar.add_task(f"verifying {shard_set.num_shards} shards", total=None, rate="")
             shard_set.verify()
     info = describe(shard_set)

@@ -272,7 +272,7 @@ def logprob(
         else:
             columns = ["sample_id"]
         label = "replaying" if replaying else "listing"
-        written = map_shards(src, writer, label, columns, replay_one, bar=not json_)
+        written = map_shards(src, writer, label, columns, replay_one)
         rows = len(subset) if subset is not None else src.num_rows if replaying else 0
         extra = {
             "replayed": replaying,

@@ -323,19 +323,19 @@ def online(
     )
     prepare_run(cfg, overwrite=c["overwrite"])
     with tracking:
-        if json_:
-            emit_json({"out": str(out), "iterations": run_online(cfg, device=device(), tracking=tracking)})
-        elif is_quiet():
-            run_online(cfg, device=device(), tracking=tracking)
+        if is_quiet():
+            stats = run_online(cfg, device=device(), tracking=tracking)
         elif not err.is_terminal:
-            _run_lines(cfg, out, device(), tracking)
+            stats = _run_lines(cfg, out, device(), tracking)
         else:
-            _run_live(cfg, out, device(), tracking)
+            stats = _run_live(cfg, out, device(), tracking)
+        if json_:
+            emit_json({"out": str(out), "iterations": stats})
 
 
-def _run_lines(cfg: Any, out: Path, dev: Any, tracking: Any) -> None:
+def _run_lines(cfg: Any, out: Path, dev: Any, tracking: Any) -> list[dict[str, Any]]:
     """Off a TTY (Slurm logs, pipes): one line per iteration, and the progress timer's line at least
-    every PROGRESS_INTERVAL_S seconds while an iteration runs."""
+    every PROGRESS_INTERVAL_S seconds while an iteration runs. Returns `run_online`'s statistics."""
     from stages.online.pipeline import run_online
 
     log(f"omnirl online → {out} on {dev}")
@@ -352,11 +352,11 @@ def _run_lines(cfg: Any, out: Path, dev: Any, tracking: Any) -> None:
                 f"{s['seconds']:.1f} s"
             )
 
-        run_online(cfg, device=dev, on_iteration=show, tracking=tracking)
+        return run_online(cfg, device=dev, on_iteration=show, tracking=tracking)
 
 
-def _run_live(cfg: Any, out: Path, dev: Any, tracking: Any) -> None:
-    """Run with a live table on stderr, one row per iteration."""
+def _run_live(cfg: Any, out: Path, dev: Any, tracking: Any) -> list[dict[str, Any]]:
+    """Run with a live table on stderr, one row per iteration; returns `run_online`'s statistics."""
     from rich.live import Live
     from rich.table import Table
 
@@ -396,4 +396,4 @@ def _run_live(cfg: Any, out: Path, dev: Any, tracking: Any) -> None:
         )
 
     with Live(table, console=err, refresh_per_second=2):
-        run_online(cfg, device=dev, on_iteration=show, tracking=tracking)
+        return run_online(cfg, device=dev, on_iteration=show, tracking=tracking)

@@ -59,7 +59,7 @@ def pairs(
     from stages.shards.reader import slice_batch
     from stages.shards.writer import ShardSetWriter
 
-    with progress(not json_) as bar:
+    with progress() as bar:
         task = bar.add_task("pairs", total=None, rate="")
         found, ties = read_pairs(c["table"])
         shards = min(resolve_num_shards(c, len(found), 2), len(found))

@@ -219,7 +219,7 @@ def plan(
     cfg = PlanConfig.from_options({**c, "mixed_precision": mixed, "device_memory": memory})
     cfg.validate()
     what = c["model"] if c["model"] is not None else f"{c['family']}/{c['size']}"
-    with progress(not json_) as bar:
+    with progress() as bar:
         bar.add_task(f"building {what} on the meta device", total=None, rate="")
         arch = from_folder(c["model"]) if c["model"] is not None else from_family(c["family"], c["size"])
         result = make_plan(arch, cfg)

@@ -199,7 +199,7 @@ def pretrain(
     if resume:
         log(f"resuming from {checkpoints.folder} at {resume.phase} step {resume.step}", quiet=json_)
     policy = FlowPolicy.load(c["model"], device=device())
-    with progress(enabled=not json_) as bar:
+    with progress() as bar:
         tasks = {
             name: bar.add_task(f"pretrain {name}", total=total, completed=completed, rate="")
             for (name, total), completed in zip(cfg.phases(), done)

@@ -18,6 +18,15 @@ def report(
     grids: Annotated[
         bool, typer.Option("--grids/--no-grids", help="Write an image grid per iteration.")
     ] = True,
+    iteration: Annotated[
+        int | None,
+        typer.Option(
+            "--iteration",
+            min=0,
+            help="Print iteration K's row as one line on stdout (the recipes' line per finished iteration) "
+            "and nothing else.",
+        ),
+    ] = None,
     report_to: ReportToOpt = None,
     run_name: RunNameOpt = None,
     json_: JsonOpt = False,
@@ -35,8 +44,14 @@ def report(
     response sheets. Points a stage or an earlier report already sent to that
     tracker run (RUN/tracking/sent.jsonl) are skipped, so a replay never duplicates a step.
 
+    --iteration K prints only iteration K's row, on one line: the training reward mean ± standard error,
+    the held-out one when there is one, each named reward's mean and the update's step-mean losses.
+
     Example: [bold]omnirl report runs/demo --report-to tensorboard[/]
     """
+    if iteration is not None:
+        _iteration_line(run, iteration, json_)
+        return
     from stages.reporting import (
         collect,
         comparison_grid,
@@ -58,7 +73,7 @@ def report(
     skipped: list[int] = []  # iterations without media to draw
     # per kind of rollout: (iteration, directory holding samples/ and rewards/, its media)
     image_sets: dict[str, list[tuple[int, Path, str]]] = {"eval": [], "samples": []}
-    with progress(not json_) as bar:
+    with progress() as bar:
         task = bar.add_task(f"report {run}", total=None, rate="")
         rows = collect(run)
         curve = reward_curve(rows, run / "reward_curve.png")
@@ -180,3 +195,48 @@ def report(
 
 def _num(value: Any) -> str:
     return "" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def _iteration_line(run: Path, k: int, json_: bool) -> None:
+    """Iteration k's row of the table (`stages.reporting.collect`) as one line on stdout."""
+    from stages.dist import join
+    from stages.errors import UserInputError
+    from stages.reporting import collect
+
+    if join()[1] != 0:  # started through the recipe's launcher (OMNIRL=torchrun ...): one line, from rank 0
+        return
+    rows = collect(run, iteration=k)
+    if not rows:
+        raise UserInputError(
+            f"{run}/it{k}: no scored samples yet (neither rewards/ nor eval/rewards/ is complete)"
+        )
+    row = rows[0]
+    if json_:
+        emit_json(row)
+        return
+
+    # the named rewards that are not just the total (a reward weighted 1 alone), as the table's columns
+    sets = [stats for stats in (row, row.get("eval", {})) if "reward_mean" in stats]
+    keys = {key for stats in sets for key in stats if key.startswith("reward.") and key.endswith("_mean")}
+    named = sorted(key for key in keys if any(key in st and st[key] != st["reward_mean"] for st in sets))
+
+    def rewards(stats: dict[str, Any], label: str) -> list[str]:
+        parts = [f"{label} {stats['reward_mean']:.4g} ± {stats['reward_se']:.2g} (se, n {stats['samples']})"]
+        return parts + [
+            f"{key[len('reward.') : -len('_mean')]} {stats[key]:.4g}" for key in named if key in stats
+        ]
+
+    parts = [f"it{k}"]
+    if "reward_mean" in row:
+        parts += rewards(row, "reward")
+    if "eval" in row:
+        parts += rewards(row["eval"], "held-out reward")
+    for key, title, spec in (
+        ("zero_std_ratio", "zero-std", ".2f"),
+        ("pg_loss", "pg_loss", "+.3e"),
+        ("ratio_mean", "ratio", ".4f"),
+        ("clipfrac", "clipfrac", ".3f"),
+    ):
+        if row.get(key) is not None:
+            parts.append(f"{title} {row[key]:{spec}}")
+    print("  ".join(parts), flush=True)

@@ -608,7 +608,7 @@ def _run(
 
     shards = rank_shards(_shard_indices(c))
     t0, done = time.perf_counter(), [0]
-    with progress(not json_) as bar:
+    with progress() as bar:
         task = bar.add_task("sampling", total=num_prompts * c["group_size"] * len(shards) // c["num_shards"])
 
         def advance(n: int) -> None:

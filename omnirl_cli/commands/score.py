@@ -251,7 +251,7 @@ def score(
             if modality == "text"
             else needed_columns(modality, src.columns, deferred=decoder is not None)
         )
-        map_shards(src, writer, "scoring", columns, score_one, bar=not json_)
+        map_shards(src, writer, "scoring", columns, score_one)
         if world_and_rank()[1] == 0:  # the rank that writes the manifest
             extra = {FAILED_COLUMN: _failed_count(writer)}
     if not finalize(writer, extra):

@@ -362,7 +362,7 @@ def update(
     layout(cfg.parallel)  # a world the degrees do not fit is refused before anything loads
     c["mixed_precision"] = cfg.mixed_precision  # the launcher's setting enters the run's identity
     src = open_inputs(c["inputs"])
-    with tracking, progress(not json_) as bar:
+    with tracking, progress() as bar:
         task = bar.add_task("updating", total=None, rate="")
 
         def on_step(record: dict) -> None:

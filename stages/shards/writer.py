@@ -16,6 +16,7 @@ tasks) do not meet. A killed writer's lock is free at once and taken over by the
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Sequence
 from datetime import datetime, timezone
@@ -48,7 +49,10 @@ from stages.shards.manifest import (
     read_manifest,
     write_manifest,
 )
+from stages.shards.run_card import update_card
 from stages.shards.schema import Batch, Column, infer_columns
+
+logger = logging.getLogger(__name__)
 
 
 @runtime_checkable
@@ -438,6 +442,10 @@ class ShardSetWriter:
         remove_free_locks(self._lock_paths())
         self.manifest = manifest
         self.complete = True
+        try:
+            update_card(self.out_dir)
+        except OSError as exc:  # the set is complete; only the run folder's card could not be written
+            logger.warning("%s: the run's dataset card was not updated: %s", self.out_dir, exc)
         return manifest
 
 

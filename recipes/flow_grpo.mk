@@ -11,7 +11,7 @@
 # It talks (recipes/report.mk): each stage's progress on stderr, its --json result in
 # RUN/it<K>/<stage>.json, and on stdout one line per finished iteration (se: standard error):
 #   it<K>  reward MEAN ± SE (se, n N)  [NAMED_REWARD MEAN ...]  [held-out reward MEAN ± SE (se, n N) ...]
-#          zero-std Z  pg_loss L  ratio R  clipfrac C          (the update's step means; ratio: mean over the optimizer steps)
+#          zero-std Z  pg_loss L  ratio R  clipfrac C          (means over the update's optimizer steps)
 # RUN/README.md, the dataset card each finished shard set rewrites, makes the run folder a dataset:
 # datasets.load_dataset(RUN, "samples") gives one split per iteration (stages/shards/run_card.py).
 #

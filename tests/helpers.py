@@ -97,13 +97,20 @@ def sample_args(model: Path, prompts: Path, out: Path, *extra: str) -> list[str]
     ]
 
 
-def torchrun(*args: str, ranks: int = 2, stderr: list[str] | None = None) -> list[dict]:
+def torchrun(
+    *args: str,
+    ranks: int = 2,
+    stderr: list[str] | None = None,
+    program: tuple[str, ...] = ("-m", "omnirl_cli"),
+    env: dict[str, str] | None = None,
+) -> list[dict]:
     """`torchrun --standalone --nproc_per_node RANKS -m omnirl_cli ARGS --json` on gloo (CPU); asserts success
-    and returns the JSON objects the ranks printed on stdout, in order (their stderr appended to `stderr`)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    and returns the JSON objects the ranks printed on stdout, in order (their stderr appended to `stderr`).
+    `program`: another script taking omnirl's arguments; `env`: variables added for the ranks."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", **(env or {})}
     cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", str(ranks)]
     result = subprocess.run(
-        [*cmd, "-m", "omnirl_cli", *args, "--json"], capture_output=True, text=True, env=env, timeout=600
+        [*cmd, *program, *args, "--json"], capture_output=True, text=True, env=env, timeout=600
     )
     assert result.returncode == 0, result.stderr[-3000:]
     if stderr is not None:

@@ -318,6 +318,9 @@ def update(
     accelerate config; recipes/accelerate/ has configs). Rank 0 writes the adapter and prints the report.
     Under FSDP2 with fsdp_state_dict_type SHARDED_STATE_DICT (FSDP_STATE_DICT_TYPE) each rank writes its shards of
     the trainer state (torch.distributed.checkpoint, trainer_state/sharded); the adapter stays one loadable folder.
+    An FSDP2 rank keeps its shards only: it loads the checkpoint without a private copy and saves by
+    gathering the whole weights, then the optimizer state, one after the other (docs/real-checkpoints.md,
+    "FSDP2 memory").
 
     --report-to logs every metrics.jsonl record as it is made, at its global optimizer step.
 

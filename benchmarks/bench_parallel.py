@@ -42,11 +42,11 @@ def _omnirl(*args: str, ranks: int = 1) -> None:
     subprocess.run([*launch, *args, "--json"], check=True, env=env, stdout=subprocess.DEVNULL)
 
 
-def _stage(root: Path, samples: int) -> dict[str, Path]:
+def _stage(root: Path, samples: int, size: str = "small") -> dict[str, Path]:
     p = {k: root / k for k in ("model", "samples", "rewards", "logprobs", "advantages")}
     prompts = root / "prompts.txt"
     prompts.write_text("\n".join(PROMPTS[: max(1, samples // 2)]) + "\n")
-    _omnirl("init-model", "--family", "sd3", "--size", "small", "--seed", "0", str(p["model"]))
+    _omnirl("init-model", "--family", "sd3", "--size", size, "--seed", "0", str(p["model"]))
     _omnirl(
         "sample", "--model", str(p["model"]), "--prompts", str(prompts), "--group-size", "2",
         "--steps", "4", "--resolution", "64", "--batch-size", "2", "--out", str(p["samples"]),

@@ -28,11 +28,15 @@ def world_and_rank() -> tuple[int, int]:
 def device() -> torch.device:
     """The device Accelerate picks for this process (an accelerator or the CPU); never hard-coded.
 
-    Under a launcher this also joins its process group (Accelerate's `PartialState`).
+    Under a launcher this also joins its process group (Accelerate's `PartialState`). Accelerate then
+    names the CPU `cpu:0`, and `.to("cpu:0")` copies every tensor that lives on `cpu` — a checkpoint's
+    memory-mapped weights would become a second, private copy of the whole model on every rank — so the
+    CPU is always plain `cpu`.
     """
     from accelerate import PartialState
 
-    return PartialState(cpu=not torch.accelerator.is_available()).device
+    on = PartialState(cpu=not torch.accelerator.is_available()).device
+    return torch.device("cpu") if on.type == "cpu" else on
 
 
 class Wrapped:

@@ -97,10 +97,17 @@ def sample_args(model: Path, prompts: Path, out: Path, *extra: str) -> list[str]
     ]
 
 
-def torchrun(*args: str, ranks: int = 2, stderr: list[str] | None = None) -> list[dict]:
+def torchrun(
+    *args: str,
+    ranks: int = 2,
+    stderr: list[str] | None = None,
+    program: tuple[str, ...] = ("-m", "omnirl_cli"),
+    env: dict[str, str] | None = None,
+) -> list[dict]:
     """`torchrun --standalone --nproc_per_node RANKS -m omnirl_cli ARGS --json` on gloo (CPU); asserts success
-    and returns the JSON objects the ranks printed on stdout, in order (their stderr appended to `stderr`)."""
-    return _launch(["-m", "omnirl_cli", *args, "--json"], ranks, stderr)
+    and returns the JSON objects the ranks printed on stdout, in order (their stderr appended to `stderr`).
+    `program`: another script taking omnirl's arguments; `env`: variables added for the ranks."""
+    return _launch([*program, *args, "--json"], ranks, stderr, env)
 
 
 def torchrun_commands(*commands: list[str], ranks: int = 2, stderr: list[str] | None = None) -> list[dict]:
@@ -110,8 +117,10 @@ def torchrun_commands(*commands: list[str], ranks: int = 2, stderr: list[str] | 
     return _launch([script, json.dumps([list(c) for c in commands])], ranks, stderr)
 
 
-def _launch(target: list[str], ranks: int, stderr: list[str] | None) -> list[dict]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+def _launch(
+    target: list[str], ranks: int, stderr: list[str] | None, env: dict[str, str] | None = None
+) -> list[dict]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", **(env or {})}
     cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", str(ranks)]
     result = subprocess.run([*cmd, *target], capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -72,6 +72,33 @@ def test_fsdp2_full_fine_tune_shards_weights_and_optimizer_state(
         torch.testing.assert_close(resumed[1][k], resumed[0][k], rtol=0, atol=1e-5)
 
 
+@pytest.mark.distributed
+def test_fsdp2_rank_never_holds_a_private_copy_of_the_whole_transformer(
+    staged: dict[str, Path], tmp_path: Path
+) -> None:
+    # tests/fsdp2_probe.py watches each rank of a full fine-tune: the device it loads onto, its share of
+    # the trained module, and the whole tensors alive at once while the adapter and trainer state are saved.
+    common = ("--no-shuffle", "--micro-batch", "1", "--grad-accum", "1", "--full", "--lr", "1e-4")
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    torchrun(
+        *staged_update_args(staged, tmp_path / "two", *common, "--strategy", "fsdp2"),
+        program=(str(Path(__file__).with_name("fsdp2_probe.py")),),
+        env={"PROBE_OUT": str(probe)},
+    )
+    ranks = [json.loads((probe / f"rank{r}.json").read_text()) for r in (0, 1)]
+    whole = ranks[0]["param_bytes"]
+    for r in ranks:
+        # Loaded onto plain `cpu`: under a launcher Accelerate says `cpu:0`, and `.to("cpu:0")` copied the
+        # whole transformer into private memory on every rank before sharding.
+        assert r["device"] == "cpu"
+        assert r["param_bytes"] == whole and 0.45 * whole <= r["shard_bytes"] <= 0.55 * whole
+    # Saving: rank 0 gathers the weights (1x), writes and drops them, then AdamW's two moments (2x),
+    # never all three whole at once; the other ranks drop each gathered tensor at once.
+    assert 2 * whole <= ranks[0]["max_whole_bytes"] <= 2.05 * whole
+    assert ranks[1]["max_whole_bytes"] == 0
+
+
 def test_gradient_checkpointing_gives_the_same_update(staged: dict[str, Path], tmp_path: Path) -> None:
     common = ("--no-shuffle", "--micro-batch", "2")
     run(*staged_update_args(staged, tmp_path / "plain", *common))

@@ -331,7 +331,9 @@ def update(
     the trainer state (torch.distributed.checkpoint, trainer_state/sharded); the adapter stays one loadable folder.
     With --sp-degree S the launch's ranks form dp × S: each group of S ranks trains on the same
     micro-batches with 1/S of every sequence, so N ranks equal one process with N/S·grad_accum
-    (docs/scaling.md, "Sequence and tensor parallelism").
+    (docs/scaling.md, "Sequence and tensor parallelism"). An FSDP2 rank keeps its shards only: it loads
+    the checkpoint without a private copy and saves by gathering the whole weights, then the optimizer
+    state, one after the other (docs/real-checkpoints.md, "FSDP2 memory").
 
     --report-to logs every metrics.jsonl record as it is made, at its global optimizer step.
 

@@ -189,6 +189,8 @@ class Parallel:
                 "but this --algo runs its old/EMA policy in between; set fsdp_reshard_after_forward: true"
             )
         on = device()
+        if on.type == "cpu":
+            _pin_mmap_threshold()
         mesh = init_device_mesh(on.type, (self.world,))
         offload = self.plugin.cpu_offload if on.type != "cpu" else None
         options = {
@@ -199,6 +201,14 @@ class Parallel:
         for block in _blocks(self.module, self.plugin.transformer_cls_names_to_wrap):
             fully_shard(block, **options)
         fully_shard(self.module, **options)
+        # Buffers are not sharded. One read from the checkpoint is a view of the file's memory map, which
+        # keeps the whole map, and every page of it sharding just read, resident on every rank: copy them
+        # out so the map closes and a rank holds its shards alone.
+        for sub in self.module.modules():
+            for name, buffer in sub.named_buffers(recurse=False):
+                sub.register_buffer(
+                    name, buffer.clone(), persistent=name not in sub._non_persistent_buffers_set
+                )
 
     @contextmanager
     def forwarding(self, policy: Any, attribute: str) -> Iterator[None]:
@@ -282,12 +292,18 @@ class Parallel:
         return out
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """The optimizer's state_dict with full tensors (the single-process layout), on rank 0 (`gather`)."""
+        """The optimizer's state_dict with full tensors (the single-process layout), on rank 0 (`gather`).
+
+        Under FSDP2 the optimizer is spent afterwards (`train` makes a new one each call): each
+        parameter's moments leave it as they are gathered, so rank 0 never holds a moment both as its
+        shard and whole beyond the one being gathered."""
         state = optimizer.state_dict()
         if self.kind != "fsdp2":
             return state
+        optimizer.state.clear()
+        moments = state["state"]
         return {
-            "state": {i: self.gather(s) for i, s in state["state"].items()},
+            "state": {i: self.gather(moments.pop(i)) for i in list(moments)},
             "param_groups": state["param_groups"],
         }
 
@@ -306,6 +322,30 @@ class Parallel:
                 "param_groups": state["param_groups"],
             }
         optimizer.load_state_dict(state)
+
+
+# glibc's mallopt parameter M_MMAP_THRESHOLD, and its initial value (bytes)
+M_MMAP_THRESHOLD, GLIBC_MMAP_THRESHOLD = -3, 128 * 1024
+
+
+def _pin_mmap_threshold() -> None:
+    """Keep the C allocator returning large freed tensors to the system, for FSDP2 on CPU ranks.
+
+    glibc serves an allocation above its mmap threshold with a mapping of its own, unmapped when freed,
+    and raises the threshold (up to 32 MiB) each time such a mapping is freed. FSDP2 gathers every
+    block's weights (whole, tens of MiB at real size) and frees them after each forward and backward, which
+    drives the threshold to the top: from then on gradients, activations and the next gathers come from
+    the heap, which returns memory only from its end, and a rank's resident memory grows step after
+    step (+600 MiB over 6 optimizer steps of the small SD3, docs/real-checkpoints.md). Setting the
+    threshold pins it at glibc's own initial value. A no-op where the C library is not glibc.
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is not None and hasattr(libc, "mallopt") and hasattr(libc, "gnu_get_libc_version"):
+        libc.mallopt(M_MMAP_THRESHOLD, GLIBC_MMAP_THRESHOLD)
 
 
 def is_sharded(t: torch.Tensor) -> bool:

@@ -1,7 +1,7 @@
 """The `update` stage: train the policy on stored rollouts and write an inference-ready adapter.
 
 The output directory holds the adapter (diffusers `load_lora_weights` format, or a full
-transformer), `omnirl_adapter.json` (written last) with the step counter and lineage, the trainer
+transformer), `omnirl_adapter.json` with the step counter and lineage, the trainer
 state the next update resumes from, and `metrics.jsonl`. It appears under its final name atomically.
 """
 
@@ -74,16 +74,21 @@ def adapter_complete(out: Path, digest: str, overwrite: bool) -> bool:
 def save_policy(
     policy: FlowPolicy | VLMPolicy,
     out: Path,
-    state: dict[str, Any],
+    state: dict[str, Any] | Callable[[], dict[str, Any]],
     metrics: list[dict[str, Any]],
     step: int,
     cfg: UpdateConfig,
     *,
     extra: dict[str, Any],
-    weights: dict[str, torch.Tensor] | None = None,
+    weights: Callable[[], dict[str, torch.Tensor] | None] | None = None,
 ) -> None:
-    """Write a policy directory atomically (every rank calls it): metrics, trainer state (`trainer_state`),
-    weights, then omnirl_adapter.json. `weights`: the trained module's whole state dict when it is sharded.
+    """Write a policy directory atomically (every rank calls it): metrics, weights and
+    omnirl_adapter.json, then the trainer state (`trainer_state`).
+
+    `weights` gathers the trained module's whole state dict when it is sharded (None: the module's own),
+    and `state` may be a function that gathers the trainer state; both are collectives, called on every
+    rank, one after the other: the weights are written and dropped before the state is gathered, so
+    under FSDP2 rank 0 never holds both whole.
 
     Everything is written into a hidden sibling, which then replaces `out` in one step: a kill leaves
     the previous adapter (or none) and litter that the next update of `out` removes. Rank 0 writes all
@@ -104,7 +109,7 @@ def save_policy(
         raise failed
     tmp = out.parent / name
     try:
-        save_state(tmp, state, step, cfg)
+        whole = weights() if weights is not None else None
         if rank == 0:
             with open(tmp / METRICS, "w") as fh:
                 for record in metrics:
@@ -113,8 +118,11 @@ def save_policy(
                 tmp,
                 kind="full" if cfg.full else "lora",
                 extra={"step": step, "algo": cfg.algo, "update_config": asdict(cfg), **extra},
-                state=weights,
+                state=whole,
             )
+        del whole
+        save_state(tmp, state() if callable(state) else state, step, cfg)
+        if rank == 0:
             for path in tmp.rglob("*.safetensors"):
                 canonical_safetensors_header(path)
             replace_dir(tmp, out)
@@ -244,8 +252,6 @@ def run_update(
     rows_read = max((c.held for c in held.values()), default=len(data["sample_id"]))
     step = metrics[-1]["step"] if metrics else start
     last = metrics[-1] if metrics else {}
-    resume = trainer_state(par, optimizer, ema, old_weights, scaler)
-    weights = par.module_state(trained_only=not cfg.full)
     result = {
         "out": str(out),
         "skipped": False,
@@ -261,11 +267,11 @@ def run_update(
     save_policy(  # rank 0 writes the one adapter; every rank returns once it is in place
         policy,
         out,
-        resume,
+        lambda: trainer_state(par, optimizer, ema, old_weights, scaler),
         metrics,
         step,
         cfg,
-        weights=weights,
+        weights=lambda: par.module_state(trained_only=not cfg.full),
         extra={
             "config_hash": digest,
             FAILED_COLUMN: result[FAILED_COLUMN],

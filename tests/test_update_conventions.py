@@ -438,6 +438,25 @@ def test_samples_per_step_gives_each_world_size_the_same_optimizer_step() -> Non
         UpdateConfig(samples_per_step=8).accumulation(6, 1)
 
 
+def test_presets_state_the_optimizer_step_over_all_ranks() -> None:
+    """No shipped preset sets grad_accum (per rank, so its step would grow with the world size); each
+    samples_per_step splits into whole micro-batches on 1, 2 and 4 ranks."""
+    import yaml
+
+    stepped = {}
+    for preset in sorted((Path(__file__).parents[1] / "recipes" / "configs").glob("*.yaml")):
+        data = yaml.safe_load(preset.read_text())
+        cfg = UpdateConfig.from_options(data.get("update") or {})
+        assert cfg.grad_accum is None, preset.name
+        if cfg.samples_per_step:
+            micro = cfg.micro_batch or data["sample"]["batch_size"]
+            steps = [cfg.accumulation(micro, world) * micro * world for world in (1, 2, 4)]
+            assert steps == [cfg.samples_per_step] * 3, preset.name
+            stepped[preset.stem] = cfg.samples_per_step
+    assert stepped["flow_grpo_qwen_image"] == 256 and stepped["nft_qwen_image"] == 192  # verl-omni's
+    assert stepped["vlm_grpo_qwen2_5_vl"] == 640  # verl geo3k: 128 prompts × 5
+
+
 def test_only_the_diffusion_family_defaults_to_a_clip() -> None:
     token = {a.name for a in ALGORITHMS.values() if a.family == "token"}
     assert token == {"grpo", "dapo", "gspo"}

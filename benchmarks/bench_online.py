@@ -220,7 +220,7 @@ def mean(xs: list[float]) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
-        "--model", default=None, help="SD3 pipeline folder (default: build `small` in a temp dir)"
+        "--model", default=None, help="SD3 pipeline folder (default: build `--size` in a temp dir)"
     )
     ap.add_argument(
         "--iterations", type=int, default=3, help="N: RL iterations per run (online needs >= 2 for steady)"

@@ -348,7 +348,7 @@ def record_concurrency(args: argparse.Namespace, sweep: list[dict], load_before:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
-        "--model", default=None, help="SD3 pipeline folder (default: build `small` in a temp dir)"
+        "--model", default=None, help="SD3 pipeline folder (default: build `--size` in a temp dir)"
     )
     ap.add_argument("--batch", type=int, default=8, help="samples per request / forward (even)")
     ap.add_argument("--steps", type=int, default=8)

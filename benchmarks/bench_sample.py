@@ -135,7 +135,7 @@ def add_family_options(ap: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="FAMILY=PATH",
-        help="a family's pipeline folder (repeatable; default: build `small` in a temp dir)",
+        help="a family's pipeline folder (repeatable; default: build `--size` in a temp dir)",
     )
     ap.add_argument(
         "--guidance",
@@ -254,6 +254,7 @@ def main() -> None:
             "frames": 5,
             "max_sequence_length": 16,
             "repeats": 1,
+            "size": "tiny",
         },
     )
     torch.set_num_threads(args.threads)

@@ -2,8 +2,8 @@
 process with the same global batch, and `omnirl plan`'s prediction for both ÷ the measured peaks.
 
 Data: bench_parallel's staged Flow-GRPO iteration of the `small` SD3 (`--samples` rollouts, 64 px). The
-update is a full fine-tune (`--full --lr 1e-5`, micro-batch 1): one process with `--grad-accum 2`, each
-of 2 ranks with `--grad-accum 1` (the same micro-batches per optimizer step). Each process is started
+update is a full fine-tune (`--full --lr 1e-5`, micro-batch 1, `--samples-per-step 2`: two micro-batches
+per optimizer step in one process, one on each of 2 ranks), on the rollout's own log-probs. Each process is started
 here with the variables torchrun gives a rank (RANK, WORLD_SIZE, MASTER_ADDR, ...), one torch thread
 each, and its peak is its own max RSS (`os.wait4`): the process's peak, interpreter and libraries
 included. Also measured: one process with glibc's mmap threshold pinned as FSDP2 pins it on CPU ranks
@@ -57,8 +57,7 @@ def _env(**extra: str) -> dict[str, str]:
 def _update_args(p: dict[str, Path], out: Path, ranks: int) -> list[str]:
     return [
         sys.executable, "-m", "omnirl_cli", "update", "--model", str(p["model"]), "--in", str(p["samples"]),
-        "--in", str(p["logprobs"]), "--in", str(p["advantages"]), "--micro-batch", "1",
-        "--grad-accum", str(2 // ranks), "--no-shuffle", "--full", "--lr", "1e-5", "--out", str(out), "--json",
+        "--in", str(p["advantages"]), "--micro-batch", "1", "--samples-per-step", "2", "--no-shuffle", "--full", "--lr", "1e-5", "--out", str(out), "--json",
         *(("--strategy", "fsdp2") if ranks > 1 else ()),
     ]  # fmt: skip
 

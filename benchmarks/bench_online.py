@@ -1,7 +1,7 @@
 """Online vs staged, and overlap: wall time per RL iteration of `omnirl online` ÷ the staged recipe.
 
-One small Flow-GRPO preset (written to a temp dir) drives every run: the `small` SD3 model, 64 px,
-4 all-SDE steps, guidance 1 (no CFG), group 4 × 2 prompts = 8 samples per iteration in one batch
+One small Flow-GRPO preset (written to a temp dir) drives every run: the `small` SD3 model (`--size`),
+64 px, 4 all-SDE steps, guidance 1 (no CFG), group 4 × 2 prompts = 8 samples per iteration in one batch
 of 8, LoRA r8/α16, flow_grpo's clipped objective, `--reward jpeg_compressibility`. Every process
 runs with OMP_NUM_THREADS=1 (and `omnirl online --threads 1`), so no side gets more cores than the
 other by default and a 2-core machine can run two of them at once.
@@ -51,7 +51,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_sample import small_model
+from benchmarks.bench_sample import add_size_option, small_model
 from benchmarks.common import parse_args, record
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -220,7 +220,7 @@ def mean(xs: list[float]) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
-        "--model", default=None, help="SD3 pipeline folder (default: build `small` in a temp dir)"
+        "--model", default=None, help="SD3 pipeline folder (default: build `--size` in a temp dir)"
     )
     ap.add_argument(
         "--iterations", type=int, default=3, help="N: RL iterations per run (online needs >= 2 for steady)"
@@ -244,6 +244,7 @@ def main() -> None:
         "--threads", type=int, default=1, help="torch threads per process (OMP_NUM_THREADS and --threads)"
     )
     ap.add_argument("--tmp", default=None, help="scratch directory (default: system temp)")
+    add_size_option(ap)
     args = parse_args(
         ap,
         smoke={
@@ -254,6 +255,7 @@ def main() -> None:
             "num_prompts": 1,
             "batch": 2,
             "lora_rank": 2,
+            "size": "tiny",
         },
     )
     if args.repeats < 1 or args.iterations < 1:
@@ -281,7 +283,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=args.tmp, prefix="omnirl-bench-online-") as tmp_name:
         tmp = Path(tmp_name)
         files = {
-            "model": small_model(args.model, tmp).resolve(),
+            "model": small_model(args.model, tmp, size=args.size).resolve(),
             "config": tmp / "preset.yaml",
             "prompts": tmp / "prompts.txt",
         }
@@ -392,7 +394,7 @@ def main() -> None:
             metrics,
             rows,
             description=(
-                f"Wall per RL iteration, {n} iterations per launch, `small` SD3, {args.resolution} px, {args.steps} "
+                f"Wall per RL iteration, {n} iterations per launch, `{args.size}` SD3, {args.resolution} px, {args.steps} "
                 f"SDE steps, guidance 1, group {args.group} × {args.num_prompts} prompts, batch {args.batch}, LoRA "
                 f"r{args.lora_rank}, reward {REWARD}, OMP_NUM_THREADS={args.threads} for every process (online "
                 f"--threads {args.threads}); online best of {args.repeats} alternating launches. {staged_text}"

@@ -1,13 +1,14 @@
 """Data-parallel `omnirl update` on gloo CPU ranks: step time of DDP and FSDP2 on 2 ranks ÷ one process
 with the same global batch, and bf16 autocast ÷ fp32 in one process, for the record.
 
-Data: one staged Flow-GRPO iteration of the `small` SD3 model (`--samples` rollouts, the demo's
-sampler settings, JPEG-compressibility reward). Each run is `omnirl update` in its own process
+Data: one staged Flow-GRPO iteration of the `small` SD3 model (`--size`; `--samples` rollouts, the
+demo's sampler settings, JPEG-compressibility reward, no replay: update trains on the rollout's
+log-probs, as the recipe's REPLAY=auto does). Each run is `omnirl update` in its own process
 (`torchrun --standalone --nproc_per_node 2` for the ranks, one torch thread per rank), one after another
 in one run, LoRA (`--lora-rank 32`) or `--full`:
 
-- `1 process`: `--grad-accum 2`; `ddp` / `fsdp2`: 2 ranks with `--grad-accum 1` (the same micro-batches
-  per optimizer step; each rank runs half of them).
+- every run: `--micro-batch 1 --samples-per-step 2`, so one process takes 2 micro-batches per optimizer
+  step and each of 2 ranks takes 1 (the same micro-batches per step; each rank runs half of them).
 - Step time: the median of the optimizer steps' times after the first (from `perf/samples_per_s` in
   metrics.jsonl); speed-up = 1-process step time ÷ 2-rank step time (2 is perfect on 2 free cores).
 - Memory: rank 0's bytes of trained parameters and AdamW state (`memory/*` in the metrics).
@@ -28,6 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.bench_sample import add_size_option, small_model
 from benchmarks.common import parse_args, record
 
 PROMPTS = ["a red circle", "two blue squares", "a green triangle on the left", "a cat", "a sign that says hi"]
@@ -42,11 +44,11 @@ def _omnirl(*args: str, ranks: int = 1) -> None:
     subprocess.run([*launch, *args, "--json"], check=True, env=env, stdout=subprocess.DEVNULL)
 
 
-def _stage(root: Path, samples: int, size: str = "small") -> dict[str, Path]:
-    p = {k: root / k for k in ("model", "samples", "rewards", "logprobs", "advantages")}
+def _stage(root: Path, samples: int, size: str) -> dict[str, Path]:
+    p = {k: root / k for k in ("samples", "rewards", "advantages")}
+    p["model"] = small_model(None, root, size=size)
     prompts = root / "prompts.txt"
     prompts.write_text("\n".join(PROMPTS[: max(1, samples // 2)]) + "\n")
-    _omnirl("init-model", "--family", "sd3", "--size", size, "--seed", "0", str(p["model"]))
     _omnirl(
         "sample", "--model", str(p["model"]), "--prompts", str(prompts), "--group-size", "2",
         "--steps", "4", "--resolution", "64", "--batch-size", "2", "--out", str(p["samples"]),
@@ -54,7 +56,6 @@ def _stage(root: Path, samples: int, size: str = "small") -> dict[str, Path]:
     _omnirl(
         "score", "--in", str(p["samples"]), "--reward", "jpeg_compressibility", "--out", str(p["rewards"])
     )
-    _omnirl("logprob", "--model", str(p["model"]), "--in", str(p["samples"]), "--out", str(p["logprobs"]))
     _omnirl("advantage", "--in", str(p["samples"]), "--in", str(p["rewards"]), "--out", str(p["advantages"]))
     return p
 
@@ -62,8 +63,8 @@ def _stage(root: Path, samples: int, size: str = "small") -> dict[str, Path]:
 def _update(p: dict[str, Path], out: Path, mode: str, ranks: int, *extra: str) -> dict[str, float]:
     full = ("--full", "--lr", "1e-5") if mode == "full" else ("--lora-rank", "32", "--lora-alpha", "64")
     _omnirl(
-        "update", "--model", str(p["model"]), "--in", str(p["samples"]), "--in", str(p["logprobs"]),
-        "--in", str(p["advantages"]), "--micro-batch", "1", "--grad-accum", str(2 // ranks), "--no-shuffle",
+        "update", "--model", str(p["model"]), "--in", str(p["samples"]), "--in", str(p["advantages"]),
+        "--micro-batch", "1", "--samples-per-step", "2", "--no-shuffle",
         "--out", str(out), *full, *extra, ranks=ranks,
     )  # fmt: skip
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -80,10 +81,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--modes", nargs="+", default=["lora", "full"])
-    args = parse_args(ap, smoke={"samples": 2, "modes": ["lora"]})
+    add_size_option(ap)
+    args = parse_args(ap, smoke={"samples": 2, "modes": ["lora"], "size": "tiny"})
     rows, metrics = [], {}
     with tempfile.TemporaryDirectory() as tmp:
-        p = _stage(Path(tmp), args.samples)
+        p = _stage(Path(tmp), args.samples, args.size)
         for mode in args.modes:
             one = _update(p, Path(tmp) / f"{mode}-one", mode, 1)
             runs = {

@@ -173,8 +173,8 @@ def configs(args: argparse.Namespace, size_resolution: int) -> tuple[Any, Any, d
     rows = args.num_prompts * args.group_size
     micro = args.micro_batch
     # the preset's two optimizer steps per rollout, at this run's rows and micro-batch on one device
-    accumulation = max(1, -(-rows // (2 * micro)))
-    ucfg = UpdateConfig.from_options({**preset["update"], "micro_batch": micro, "grad_accum": accumulation})
+    step = max(1, -(-rows // (2 * micro))) * micro
+    ucfg = UpdateConfig.from_options({**preset["update"], "micro_batch": micro, "samples_per_step": step})
     scfg.validate()
     ucfg.validate()
     return scfg, ucfg, preset["advantage"]

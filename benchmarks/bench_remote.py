@@ -2,12 +2,13 @@
 LoRA swap ÷ the full pipeline reload it replaced.
 
 - sampling: `sample_shard` (the `sample` stage's batches: SDE steps with log-probs, stored latents,
-  PNGs) of B prompts on the `small` SD3 in this process (`--engine diffusers`) and through an `omnirl
+  PNGs) of B prompts on the `small` SD3 (`--size`) in this process (`--engine diffusers`) and through an `omnirl
   serve` subprocess of the same model on 127.0.0.1 (`--engine remote`: JSON request, float32 tensors
   as base64, PNGs, the client's checks); every process runs `--threads` torch threads. The two sides'
   samples are checked equal first; then they run interleaved, best of `--repeats`. Target <= 1.10.
-- online: `omnirl online` (bench_online's preset and settings) with the sampler in-process and with
-  `--engine remote` against a server of the same model (the driver pushes every update's LoRA),
+- online: `omnirl online` (bench_online's preset and settings, at most --steps and --batch) with the
+  sampler in-process and with `--engine remote` against a server of the same model (the driver pushes
+  every update's LoRA),
   staleness 0, alternating launches, best of `--online-repeats`: wall per iteration, with start-up and
   steady (iterations 1..N−1). The version gaps are recorded (all 0 at staleness 0).
 - weights: what `POST /omnirl/v1/weights` costs now, `FlowPolicy.set_lora` of a LoRA onto the pipeline
@@ -55,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from benchmarks import bench_online
-from benchmarks.bench_sample import small_model
+from benchmarks.bench_sample import add_size_option, small_model
 from benchmarks.common import parse_args, record
 
 TARGET = 1.10
@@ -186,7 +187,16 @@ def weights(args: argparse.Namespace, model: Path, url: str, scratch: Path) -> d
 def online(args: argparse.Namespace, model: Path, url: str, scratch: Path, env: dict[str, str]) -> dict:
     """`omnirl online` in-process ÷ --engine remote (module docstring)."""
     omnirl = str(Path(sys.executable).with_name("omnirl"))
-    ns = argparse.Namespace(steps=4, resolution=64, group=4, num_prompts=2, batch=8, lora_rank=args.lora_rank)
+    # bench_online's preset (4 steps, 64 px, 2 prompts × 4 in one batch of 8), no larger than --steps, --batch
+    group, batch = min(4, args.batch), min(8, args.batch)
+    ns = argparse.Namespace(
+        steps=min(4, args.steps),
+        resolution=64,
+        group=group,
+        num_prompts=batch // group,
+        batch=batch,
+        lora_rank=args.lora_rank,
+    )
     files = {"model": model, "config": scratch / "preset.yaml", "prompts": scratch / "prompts.txt"}
     files["config"].write_text(bench_online.preset_yaml(ns))
     files["prompts"].write_text("\n".join(bench_online.PROMPTS) + "\n")
@@ -338,7 +348,7 @@ def record_concurrency(args: argparse.Namespace, sweep: list[dict], load_before:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
-        "--model", default=None, help="SD3 pipeline folder (default: build `small` in a temp dir)"
+        "--model", default=None, help="SD3 pipeline folder (default: build `--size` in a temp dir)"
     )
     ap.add_argument("--batch", type=int, default=8, help="samples per request / forward (even)")
     ap.add_argument("--steps", type=int, default=8)
@@ -357,6 +367,7 @@ def main() -> None:
     ap.add_argument("--concurrency-requests", type=int, default=40, help="requests per client per level")
     ap.add_argument("--concurrency-repeats", type=int, default=3, help="sweeps; each level's best is kept")
     ap.add_argument("--concurrency-only", action="store_true", help="run only the serve-reward sweep")
+    add_size_option(ap)
     args = parse_args(
         ap,
         smoke={
@@ -368,6 +379,7 @@ def main() -> None:
             "clients": [1, 4],
             "concurrency_requests": 5,
             "concurrency_repeats": 1,
+            "size": "tiny",
         },
     )
     torch.set_num_threads(args.threads)
@@ -383,7 +395,7 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory(prefix="omnirl-bench-remote-") as tmp_name:
         scratch = Path(tmp_name)
-        model = small_model(args.model, scratch).resolve()
+        model = small_model(args.model, scratch, size=args.size).resolve()
         server = Server(omnirl, ["serve", "--model", str(model)], env)
         try:
             sample = sampling(args, model, server.url)
@@ -445,7 +457,7 @@ def main() -> None:
         metrics,
         rows,
         description=(
-            f"Remote rollout through `omnirl serve` on 127.0.0.1 ÷ in-process, `small` SD3, {args.threads} torch "
+            f"Remote rollout through `omnirl serve` on 127.0.0.1 ÷ in-process, `{args.size}` SD3, {args.threads} torch "
             f"thread(s) per process, best of {args.repeats} interleaved repeats (online: best of "
             f"{args.online_repeats} alternating launches, bench_online's preset); and a pushed LoRA swapped onto "
             f"the held pipeline ÷ the second pipeline the weights route used to load. Load average "

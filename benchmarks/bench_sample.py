@@ -110,8 +110,19 @@ def model_option(text: str) -> tuple[str, Path]:
     return family, Path(path)
 
 
+def add_size_option(ap: argparse.ArgumentParser) -> None:
+    """--size: the factory build a benchmark makes when given no model (`small_model`); smoke runs take
+    `tiny`, the tests' build, which loads and steps in a fraction of `small`'s time."""
+    ap.add_argument(
+        "--size",
+        choices=("small", "tiny"),
+        default="small",
+        help="factory build made when no model is given (--smoke: tiny)",
+    )
+
+
 def add_family_options(ap: argparse.ArgumentParser) -> None:
-    """The options both family benchmarks share: --families, --model and --guidance."""
+    """The options both family benchmarks share: --families, --model, --guidance and --size."""
     ap.add_argument(
         "--families",
         type=family_list,
@@ -124,7 +135,7 @@ def add_family_options(ap: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="FAMILY=PATH",
-        help="a family's pipeline folder (repeatable; default: build `small` in a temp dir)",
+        help="a family's pipeline folder (repeatable; default: build `--size` in a temp dir)",
     )
     ap.add_argument(
         "--guidance",
@@ -132,16 +143,18 @@ def add_family_options(ap: argparse.ArgumentParser) -> None:
         default=None,
         help="guidance of every family (default: each family's recipe scale, see STOCK_CALLS)",
     )
+    add_size_option(ap)
 
 
-def small_model(model: str | Path | None, scratch: Path, family: str = "sd3") -> Path:
-    """`model` if given, else a fresh `small` `family` folder (seed 0) built under `scratch`."""
+def small_model(model: str | Path | None, scratch: Path, family: str = "sd3", size: str = "small") -> Path:
+    """`model` if given, else a fresh `size` (`small`; `tiny` for a smoke run) `family` folder (seed 0)
+    built under `scratch`."""
     if model:
         return Path(model)
     from stages.models.factory import init_model
 
-    out = scratch / f"{family}-small"
-    init_model(family, out, size="small", seed=0)
+    out = scratch / f"{family}-{size}"
+    init_model(family, out, size=size, seed=0)
     return out
 
 
@@ -241,6 +254,7 @@ def main() -> None:
             "frames": 5,
             "max_sequence_length": 16,
             "repeats": 1,
+            "size": "tiny",
         },
     )
     torch.set_num_threads(args.threads)
@@ -274,7 +288,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=args.tmp, prefix="omnirl-bench-") as tmp_name:
         tmp = Path(tmp_name)
         models = dict(args.model)
-        policies = {f: FlowPolicy.load(small_model(models.get(f), tmp, f)) for f in families}
+        policies = {f: FlowPolicy.load(small_model(models.get(f), tmp, f, args.size)) for f in families}
         probes = Probes()
         calls = itertools.count()
 
@@ -398,7 +412,7 @@ def main() -> None:
             rows,
             description=(
                 f"omnirl `sample` (writer + run_sample + finalize: SDE with log-probs, PNG or MP4, {args.format} shard) ÷ "
-                f"the family's stock diffusers pipeline call, same `small` model per family, {args.batch} prompts, "
+                f"the family's stock diffusers pipeline call, same `{args.size}` model per family, {args.batch} prompts, "
                 f"{args.steps} steps, {args.resolution} px ({args.frames} frames per Wan clip), guidance ({scales}), max_sequence_length "
                 f"{args.max_sequence_length}, {args.threads} threads; best of {args.repeats} alternating runs per "
                 f"family, families interleaved in one process (load average {metrics['load_average_before']:.1f} "

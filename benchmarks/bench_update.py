@@ -304,6 +304,7 @@ def main() -> None:
             "frames": 5,
             "lora_rank": 2,
             "repeats": 1,
+            "size": "tiny",
         },
     )
     from transformers.utils import logging as transformers_logging
@@ -342,7 +343,7 @@ def main() -> None:
         models = dict(args.model)
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
         for family in families:
-            model = small_model(models.get(family), tmp, family)
+            model = small_model(models.get(family), tmp, family, args.size)
             data = tmp / f"data-{family}.pt"
             frames = args.frames if family in VIDEO_FAMILIES else 1
             sample_cfg = make_rollouts(model, args, guidance[family], frames, data)
@@ -401,7 +402,7 @@ def main() -> None:
         return
     scales = ", ".join(f"{f} {guidance[f]}" for f in families)
     setting = (
-        f"each family's `small` model, {args.samples} samples × {args.stored_steps} stored steps, micro-batch "
+        f"each family's `{args.size}` model, {args.samples} samples × {args.stored_steps} stored steps, micro-batch "
         f"{args.micro_batch}, {args.resolution} px ({args.frames} frames per Wan clip), guidance ({scales}; CFG "
         f"except FLUX.1's distilled), {args.threads} threads"
     )

@@ -1,9 +1,9 @@
 """Two gloo ranks under torchrun compute the same update as one process (gradient parity), and the
 data-parallel stages write the very bytes of one process.
 
-One process with --grad-accum 2 and two ranks with --grad-accum 1 see the same micro-batches per
-optimizer step; gradients are averaged over ranks as DDP does, so the adapters must agree, and each
-rank reads only its micro-batches' latents. A
+One process and two ranks given one preset with samples_per_step 2 (grad_accum 2 on one process, 1 on
+each of two ranks) see the same micro-batches per optimizer step; gradients are averaged over ranks
+as DDP does, so the adapters must agree, and each rank reads only its micro-batches' latents. A
 non-finite loss on one rank stops every rank with exit 2 instead of leaving the others in a collective.
 `sample`, `score`, `logprob` and `encode` split the shards over the ranks (shard s on rank s % world);
 rank 0 writes the manifest and reports once every rank, even one without a shard, is done.
@@ -29,7 +29,11 @@ pytestmark = pytest.mark.distributed
 
 
 def test_two_ranks_equal_one_process(staged: dict[str, Path], tmp_path: Path) -> None:
+    preset = tmp_path / "preset.yaml"  # the optimizer step's size over all ranks, as the shipped presets
+    preset.write_text("update:\n  samples_per_step: 2\n")
     common = [
+        "--config",
+        str(preset),
         "--model",
         str(staged["model"]),
         *ins(staged["samples"], staged["logprobs"], staged["advantages"]),
@@ -45,8 +49,8 @@ def test_two_ranks_equal_one_process(staged: dict[str, Path], tmp_path: Path) ->
         "--beta",
         "0.04",
     ]
-    alone = run("update", *common, "--grad-accum", "2", "--out", str(tmp_path / "one"))
-    (rank0,) = torchrun("update", *common, "--grad-accum", "1", "--out", str(tmp_path / "two"))
+    alone = run("update", *common, "--out", str(tmp_path / "one"))
+    (rank0,) = torchrun("update", *common, "--out", str(tmp_path / "two"))
     # each rank reads the latents of its own micro-batches only: rows 0, 2, 4 on rank 0
     assert (alone["rows_read"], rank0["rows_read"]) == (6, 3)
     one = load_file(tmp_path / "one" / "pytorch_lora_weights.safetensors")

@@ -226,6 +226,7 @@ def test_from_options_reads_every_field_from_the_resolved_options() -> None:
         (["--max-grad-norm", "-1"], "--max-grad-norm"),
         (["--adv-clip", "-1"], "--adv-clip"),
         (["--algo", "nft", "--adv-clip", "0"], "--adv-clip"),
+        (["--samples-per-step", "4", "--grad-accum", "2"], "--samples-per-step 4 and --grad-accum 2"),
     ],
 )
 def test_impossible_optimiser_values_are_one_line_exit_2(
@@ -418,6 +419,42 @@ def test_gspo_objective_aggregates_like_verl(monkeypatch: pytest.MonkeyPatch, mo
     assert loss.item() == pytest.approx(
         ref["pg_loss"] + 0.01 * ref["kl_loss"] - 0.1 * ref["entropy"], rel=1e-5
     )
+
+
+def test_samples_per_step_gives_each_world_size_the_same_optimizer_step() -> None:
+    """--samples-per-step N: each rank's grad_accum is N ÷ (micro-batch × ranks), so every world size
+    takes N samples per step; --grad-accum stays per rank; a remainder is refused naming both options."""
+    from stages.errors import UserInputError
+
+    preset = UpdateConfig(samples_per_step=256, micro_batch=16)  # flow_grpo_qwen_image.yaml
+    assert [preset.accumulation(16, world) for world in (1, 2, 4, 8)] == [16, 8, 4, 2]
+    assert [UpdateConfig(grad_accum=3).accumulation(16, world) for world in (1, 4)] == [3, 3]
+    assert UpdateConfig().accumulation(16, 4) == 1
+    with pytest.raises(
+        UserInputError, match=r"--samples-per-step 256 .* --micro-batch 16 × 3 rank\(s\) = 48"
+    ):
+        preset.accumulation(16, 3)
+    with pytest.raises(UserInputError, match=r"--micro-batch 0 \(the rollout's batch size 6\)"):
+        UpdateConfig(samples_per_step=8).accumulation(6, 1)
+
+
+def test_presets_state_the_optimizer_step_over_all_ranks() -> None:
+    """No shipped preset sets grad_accum (per rank, so its step would grow with the world size); each
+    samples_per_step splits into whole micro-batches on 1, 2 and 4 ranks."""
+    import yaml
+
+    stepped = {}
+    for preset in sorted((Path(__file__).parents[1] / "recipes" / "configs").glob("*.yaml")):
+        data = yaml.safe_load(preset.read_text())
+        cfg = UpdateConfig.from_options(data.get("update") or {})
+        assert cfg.grad_accum is None, preset.name
+        if cfg.samples_per_step:
+            micro = cfg.micro_batch or data["sample"]["batch_size"]
+            steps = [cfg.accumulation(micro, world) * micro * world for world in (1, 2, 4)]
+            assert steps == [cfg.samples_per_step] * 3, preset.name
+            stepped[preset.stem] = cfg.samples_per_step
+    assert stepped["flow_grpo_qwen_image"] == 256 and stepped["nft_qwen_image"] == 192  # verl-omni's
+    assert stepped["vlm_grpo_qwen2_5_vl"] == 640  # verl geo3k: 128 prompts × 5
 
 
 def test_only_the_diffusion_family_defaults_to_a_clip() -> None:

@@ -265,9 +265,27 @@ def update(
     ] = 1.0,
     micro_batch: MicroBatchOpt = 0,
     grad_accum: Annotated[
+        int | None,
+        typer.Option(
+            "--grad-accum",
+            min=1,
+            help="Micro-batches each rank takes per optimizer step (default 1): the step then grows with the "
+            "launcher's ranks. Not with --samples-per-step.",
+            rich_help_panel=OPT,
+        ),
+    ] = None,
+    samples_per_step: Annotated[
         int,
-        typer.Option("--grad-accum", min=1, help="Micro-batches per optimizer step.", rich_help_panel=OPT),
-    ] = 1,
+        typer.Option(
+            "--samples-per-step",
+            min=0,
+            help="Samples per optimizer step over all ranks (dpo: rows, two per pair); each rank's "
+            "grad_accum is this ÷ (micro-batch × ranks), so 1 process and N ranks take the same steps. "
+            "Refused when not a multiple of micro-batch × ranks, or with --grad-accum. 0: off (--grad-accum "
+            "applies).",
+            rich_help_panel=OPT,
+        ),
+    ] = 0,
     inner_epochs: Annotated[
         int, typer.Option("--inner-epochs", min=1, help="Passes over the data.", rich_help_panel=OPT)
     ] = 1,
@@ -326,7 +344,8 @@ def update(
 
     Under torchrun or `accelerate launch` each rank takes its grad_accum micro-batches of every step:
     N ranks equal one process with N·grad_accum (DDP, or FSDP2 with --strategy fsdp2 or an fsdp_version 2
-    accelerate config; recipes/accelerate/ has configs). Rank 0 writes the adapter and prints the report.
+    accelerate config; recipes/accelerate/ has configs). --samples-per-step fixes the step's size at any
+    world size instead (grad_accum = it ÷ (micro-batch × ranks)), as the presets do. Rank 0 writes the adapter and prints the report.
     Under FSDP2 with fsdp_state_dict_type SHARDED_STATE_DICT (FSDP_STATE_DICT_TYPE) each rank writes its shards of
     the trainer state (torch.distributed.checkpoint, trainer_state/sharded); the adapter stays one loadable folder.
     With --sp-degree S the launch's ranks form dp × S: each group of S ranks trains on the same

@@ -415,7 +415,8 @@ class TokenPolicyGradient:
         from stages.dist import data_parallel
 
         chunks = _chunks(rows, micro)
-        per_step = self.cfg.grad_accum * data_parallel()[0]
+        dp = data_parallel()[0]
+        per_step = self.cfg.accumulation(micro, dp) * dp
         mask = self.data["response_mask"].bool()
         for first in range(0, len(chunks), per_step):
             step_rows = torch.tensor([i for c in chunks[first : first + per_step] for i in c])

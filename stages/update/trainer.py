@@ -3,7 +3,8 @@
 Gradient averaging follows flow_grpo: one backward per (micro-batch, trained step), each loss divided
 by (grad_accum × trained steps), so an optimizer step averages uniformly over both. Under torchrun,
 each rank takes its own grad_accum micro-batches of every optimizer step and gradients are averaged
-over ranks, so N ranks equal one process with N·grad_accum micro-batches.
+over ranks, so N ranks equal one process with N·grad_accum micro-batches. `samples_per_step` states
+the step's size over all ranks instead, and grad_accum follows the world size (`accumulation`).
 
 Mixed precision follows Accelerate and diffusers: the forward and loss run under autocast, the trained
 parameters are fp32 (so AdamW steps in fp32) and `--dtype` is only the storage dtype of frozen weights.
@@ -62,7 +63,8 @@ class UpdateConfig:
     beta: float = 0.0
     max_grad_norm: float = 1.0
     micro_batch: int = 0
-    grad_accum: int = 1
+    grad_accum: int | None = None  # None: 1, or derived from samples_per_step (`accumulation`)
+    samples_per_step: int = 0
     inner_epochs: int = 1
     timestep_fraction: float = 1.0
     shuffle: bool = True
@@ -109,6 +111,25 @@ class UpdateConfig:
         values["parallel"] = ModelParallel.from_options(options)
         values["kernels"] = Kernels.from_options(options)
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
+
+    def accumulation(self, micro: int, world: int) -> int:
+        """Micro-batches each of `world` ranks takes per optimizer step, of `micro` samples each:
+        --grad-accum (default 1), or --samples-per-step ÷ (micro × world), so that a preset's optimizer
+        step holds the same samples at every world size. Not a whole number: a UserInputError."""
+        if not self.samples_per_step:
+            return self.grad_accum or 1
+        per_pass = micro * world
+        if self.samples_per_step % per_pass:
+            of = (
+                f"--micro-batch {micro}"
+                if self.micro_batch
+                else f"--micro-batch 0 (the rollout's batch size {micro})"
+            )
+            raise UserInputError(
+                f"--samples-per-step {self.samples_per_step} is not a multiple of {of} × {world} rank(s) = "
+                f"{per_pass}; give a multiple of {per_pass}, or another --micro-batch"
+            )
+        return self.samples_per_step // per_pass
 
     def optimizer_settings(self) -> dict[str, Any]:
         """AdamW's hyper-parameters of this run; they override those of a resumed optimizer state."""
@@ -202,8 +223,15 @@ class UpdateConfig:
             )
         if not 0 < self.timestep_fraction <= 1:
             raise UserInputError(f"--timestep-fraction {self.timestep_fraction}: must lie in (0, 1]")
-        if self.grad_accum < 1 or self.inner_epochs < 1:
+        if (self.grad_accum is not None and self.grad_accum < 1) or self.inner_epochs < 1:
             raise UserInputError("--grad-accum and --inner-epochs must be at least 1")
+        if self.samples_per_step < 0:
+            raise UserInputError(f"--samples-per-step {self.samples_per_step}: must be at least 1 (0: off)")
+        if self.samples_per_step and self.grad_accum is not None:
+            raise UserInputError(
+                f"--samples-per-step {self.samples_per_step} and --grad-accum {self.grad_accum} both set the "
+                "optimizer step's size; give one (--samples-per-step 0 drops a preset's)"
+            )
         if min(self.clip_bounds()) <= 0:
             raise UserInputError(f"--clip-range {self.clip_bounds()}: must be positive")
         if self.dual_clip is not None and 0 < self.dual_clip <= 1:
@@ -284,12 +312,13 @@ def _steps(
 
     The order is drawn from `seed` (a shuffle per epoch, then the objective's own draws in `epoch`),
     so two passes with one seed give the same steps. Each rank takes its own grad_accum chunks of a
-    step; a rank short of chunks replays the step's first one with weight 0, so every rank runs
-    grad_accum slots and the collectives of DDP and FSDP2 stay in step.
+    step (`UpdateConfig.accumulation`); a rank short of chunks replays the step's first one with
+    weight 0, so every rank runs grad_accum slots and the collectives of DDP and FSDP2 stay in step.
     """
     rng = random.Random(seed)
     world, rank = data_parallel()  # the ranks of a model-parallel group take the same slots
-    slots = cfg.grad_accum * world
+    accum = cfg.accumulation(micro, world)
+    slots = accum * world
     for epoch in range(cfg.inner_epochs):
         order = rows[:]
         if cfg.shuffle:
@@ -297,9 +326,9 @@ def _steps(
         chunks = objective.epoch(order, micro, rng)
         for first in range(0, len(chunks), slots):
             step_chunks = chunks[first : first + slots]
-            mine = step_chunks[rank * cfg.grad_accum : (rank + 1) * cfg.grad_accum]
+            mine = step_chunks[rank * accum : (rank + 1) * accum]
             padded = [(idx, True) for idx in mine]
-            padded += [(step_chunks[0], False)] * (cfg.grad_accum - len(mine))
+            padded += [(step_chunks[0], False)] * (accum - len(mine))
             yield epoch, first, step_chunks, padded
 
 
@@ -344,6 +373,9 @@ def train(
     any weight moves.
     """
     cfg.validate()
+    micro = cfg.micro_batch or sample_cfg.batch_size
+    world, rank = world_and_rank()
+    accum = cfg.accumulation(micro, data_parallel()[0])  # a --samples-per-step it does not divide: refused
     algo = get_algorithm(cfg.algo)
     missing = [c for c in algo.needs if c not in data]
     if missing:
@@ -406,8 +438,6 @@ def train(
     )
 
     rows = trained_rows(data)
-    micro = cfg.micro_batch or sample_cfg.batch_size
-    world, rank = world_and_rank()
     if load_rows is not None:
         load_rows(_planned_rows(objective, rows, micro, cfg, cfg.seed + start_step))
     on = params[0].device
@@ -415,7 +445,8 @@ def train(
     metrics: list[dict[str, Any]] = []
     global_step = start_step
     attribute = "transformer" if isinstance(policy, FlowPolicy) else "model"
-    slots = cfg.grad_accum * data_parallel()[0]
+    dp, dp_rank = data_parallel()  # the ranks of a model-parallel group take the same slots
+    slots = accum * dp
     with par.forwarding(policy, attribute):
         for epoch, first, step_chunks, mine in _steps(objective, rows, micro, cfg, cfg.seed + start_step):
             t0 = time.perf_counter()
@@ -426,10 +457,10 @@ def train(
                 # × every rank, not dp: DDP / FSDP2 average over all of them, and a model-parallel
                 # group's gradients add up to its replica's (`stages.parallelism`)
                 weight = world * objective.share(idx, step_chunks, slots) / objective.per_chunk
-                where = f"at epoch {epoch}, micro-batch {first + data_parallel()[1] * cfg.grad_accum + c}"
+                where = f"at epoch {epoch}, micro-batch {first + dp_rank * accum + c}"
                 losses = objective.losses(idx)
                 for t in range(objective.per_chunk):
-                    with par.sync(c == cfg.grad_accum - 1 and t == objective.per_chunk - 1):
+                    with par.sync(c == accum - 1 and t == objective.per_chunk - 1):
                         with cfg.autocast(on):
                             loss, values = next(losses)
                         scaler.scale(loss * (weight if real else 0.0)).backward()

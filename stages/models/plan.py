@@ -52,6 +52,12 @@ ADAM_MOMENTS = 2
 ACTIVATION_ELEMENTS_PER_HIDDEN = 17  # per token and block (module docstring)
 PATCH_AREA = 4  # 2×2 latent patches per transformer token
 GATHERED_BLOCKS = 2  # FSDP2: the block computing and the one prefetched
+# On the CPU the device is the process's own memory, which also holds its runtime: the interpreter and the
+# libraries a stage imports (torch, diffusers, transformers, peft, accelerate, pyarrow, tokenizers) with
+# their kernels initialised. Calibrated once (torch 2.13 CPU): the peak RSS of sample, logprob, update and
+# update --full on the tiny SD3 (547, 521, 539 and 548 MiB; `benchmarks/bench_plan.py --size tiny`) less
+# the 8-18 MiB of tensors the plan counts there.
+CPU_RUNTIME = 526 * 2**20
 VLM_TEXT_TOKENS = 1024
 # The transformers class of each VLM `model_type` omnirl trains (stages.models.vlm.VLM_FAMILIES); a whole
 # Qwen3-Omni folder trains its thinker.
@@ -80,6 +86,7 @@ class PlanConfig:
     strategy: str = "auto"
     num_processes: int = 1
     cpu_offload: bool = False
+    cpu: bool = False  # the run's device is the CPU: the process's runtime shares its memory
     device_memory: int | None = None  # bytes; None: no verdict
 
     @classmethod
@@ -352,11 +359,13 @@ class StagePlan:
     gathered: int = 0
     activations: int = 0
     host: int = 0
+    runtime: int = 0  # on the CPU: the process's interpreter and libraries (`CPU_RUNTIME`)
 
     @property
     def total(self) -> int:
         return (
-            sum(self.weights.values())
+            self.runtime
+            + sum(self.weights.values())
             + self.gradients
             + self.optimizer
             + self.ddp_buckets
@@ -393,14 +402,21 @@ def plan(arch: Architecture, cfg: PlanConfig) -> dict[str, Any]:
     hidden = max(_hidden(b) for b in blocks)
     per_block = ACTIVATION_ELEMENTS_PER_HIDDEN * seq * hidden * act_bytes  # A, one sample, one branch
 
-    # inference: every component at --dtype, one block's activations for the sampling batch
-    inference = StagePlan(weights={n: c * weight_bytes for n, c in params.items()})
-    inference.activations = per_block * cfg.batch_size * branches
+    runtime = CPU_RUNTIME if cfg.cpu else 0
+    trained_names = arch.trained if arch.kind == "diffusion" else ("model",)
+    # sample: every component at --dtype (it encodes the prompts and decodes the latents), one block's
+    # activations for the sampling batch
+    every = {n: c * weight_bytes for n, c in params.items()}
+    sample = StagePlan(weights=every, activations=per_block * cfg.batch_size * branches, runtime=runtime)
+    # logprob: the trained modules only (`FlowPolicy.for_rollout`: the rollout's stored conditioning
+    # stands for the text encoders, and latents need no VAE), the same forwards as the sampler's
+    logprob = StagePlan(
+        weights={n: every[n] for n in trained_names}, activations=sample.activations, runtime=runtime
+    )
 
     # update: + trained parameters (fp32), gradients, AdamW moments, training activations
     trainable = _full_parameters(arch) if cfg.full else _lora_parameters(arch, cfg.lora_rank)
-    train = StagePlan(weights=dict(inference.weights), trainable_parameters=trainable)
-    trained_names = arch.trained if arch.kind == "diffusion" else ("model",)
+    train = StagePlan(weights=dict(logprob.weights), trainable_parameters=trainable, runtime=runtime)
     if cfg.full:
         for name in trained_names:
             frozen = params[name] * weight_bytes
@@ -435,18 +451,18 @@ def plan(arch: Architecture, cfg: PlanConfig) -> dict[str, Any]:
 
     online = StagePlan(
         weights={
-            n: inference.weights.get(n, 0) + train.weights.get(n, 0)
-            for n in {**inference.weights, **train.weights}
+            n: sample.weights.get(n, 0) + train.weights.get(n, 0) for n in {**sample.weights, **train.weights}
         },
         trainable_parameters=trainable,
         gradients=train.gradients,
         optimizer=train.optimizer,
         ddp_buckets=train.ddp_buckets,
         gathered=train.gathered,
-        activations=inference.activations + train.activations,
+        activations=sample.activations + train.activations,
         host=train.host,
+        runtime=sample.runtime + train.runtime,  # the sampler's process and the trainer's
     )
-    stages = {"sample": inference, "logprob": inference, "update": train, "online": online}
+    stages = {"sample": sample, "logprob": logprob, "update": train, "online": online}
     return {
         "model": arch.name,
         "kind": arch.kind,

@@ -221,7 +221,7 @@ def test_a_vlm_folder_plans_its_language_model(tiny_vlm: Path) -> None:
     assert (act["blocks"], act["hidden"], act["sequence"], act["cfg_branches"]) == (2, 64, 100, 1)
     update = result["stages"]["update"]
     assert update["trainable_parameters"] == card["parameters"]["language_model"]
-    assert update["activations"] == 2 * 17 * 100 * 64 * 4 * 3
+    assert update["activations"] == 2 * 22 * 100 * 64 * 4 * 3  # --full: 22 elements per token and hidden
 
 
 def test_the_cpu_plan_holds_for_a_fresh_process(tiny_sd3: Path, tmp_path: Path) -> None:

@@ -50,6 +50,7 @@ def bench_family(family: str, size: str, root: Path, group: int, steps: int, sta
     _, card = measured(["init-model", str(model), "--family", family, "--size", size])
     prompts.write_text("\n".join(PROMPTS) + "\n")
     resolution = str(card.get("details", {}).get("image_size") or 128)
+    reward = "jpeg_compressibility@frames=mean" if family.startswith("wan") else "jpeg_compressibility"
     shared = ["--model", str(model)]
     samples, rewards, advantages = root / "samples", root / "rewards", root / "advantages"
     commands = {
@@ -70,10 +71,8 @@ def bench_family(family: str, size: str, root: Path, group: int, steps: int, sta
     for stage in ("sample", "logprob", "update", "update --full"):
         if stage == "sample" or stage in stages:
             peak, _ = measured(commands[stage])
-        if stage == "sample":
-            measured(
-                ["score", "--in", str(samples), "--reward", "jpeg_compressibility", "--out", str(rewards)]
-            )
+        if stage == "sample" and any(s.startswith("update") for s in stages):
+            measured(["score", "--in", str(samples), "--reward", reward, "--out", str(rewards)])
             measured(["advantage", "--in", str(samples), "--in", str(rewards), "--out", str(advantages)])
         if stage not in stages:
             continue

@@ -30,6 +30,8 @@ from common import parse_args, record, run_peak_rss  # noqa: E402
 OMNIRL = [sys.executable, "-m", "omnirl_cli"]
 MIB = 2**20
 DIFFUSION = "sd3,flux,qwen_image,z_image,wan2_1,wan2_2_5b,wan2_2_a14b"
+VLM = ("qwen2_5_vl", "qwen3_omni_thinker")  # built tiny: they have no small size
+VLM_TOKENS = 32
 PROMPTS = ["a red apple on a table", "a blue sky over hills"]
 LORA_RANK = "32"
 # An allocator that returns freed blocks to the system, so the resident peak counts live memory
@@ -53,16 +55,25 @@ def bench_family(family: str, size: str, root: Path, group: int, steps: int, sta
     reward = "jpeg_compressibility@frames=mean" if family.startswith("wan") else "jpeg_compressibility"
     shared = ["--model", str(model)]
     samples, rewards, advantages = root / "samples", root / "rewards", root / "advantages"
+    # a VLM generates up to VLM_TOKENS new tokens after a prompt cut to VLM_TOKENS; a diffusion family
+    # draws images at its card's size
+    sampling = ["--steps", str(steps), "--resolution", resolution]
+    shape, algo = ["--resolution", resolution], ["--algo", "flow_grpo"]
+    if family in VLM:
+        algo = ["--algo", "grpo"]
+        reward, tokens = "omnirl_length", str(VLM_TOKENS)
+        sampling = ["--max-new-tokens", tokens, "--max-prompt-length", tokens]
+        shape = ["--text-tokens", str(2 * VLM_TOKENS)]
     commands = {
-        "sample": ["sample", *shared, "--prompts", str(prompts), "-n", str(group), "--steps", str(steps),
-                   "--resolution", resolution, "--batch-size", str(group), "--out", str(samples)],
+        "sample": ["sample", *shared, "--prompts", str(prompts), "-n", str(group), *sampling,
+                   "--batch-size", str(group), "--out", str(samples)],
         "logprob": ["logprob", *shared, "--in", str(samples), "--out", str(root / "logprobs")],
-        "update": ["update", *shared, "--in", str(samples), "--in", str(advantages), "--lora-rank", LORA_RANK,
+        "update": ["update", *shared, "--in", str(samples), "--in", str(advantages), *algo, "--lora-rank", LORA_RANK,
                    "--out", str(root / "update")],
-        "update --full": ["update", *shared, "--in", str(samples), "--in", str(advantages), "--full",
+        "update --full": ["update", *shared, "--in", str(samples), "--in", str(advantages), *algo, "--full",
                           "--out", str(root / "update-full")],
     }  # fmt: skip
-    plan = ["plan", *shared, "--cpu", "--resolution", resolution, "--batch-size", str(group)]
+    plan = ["plan", *shared, "--cpu", *shape, "--batch-size", str(group)]
     predicted = {
         lora: measured([*plan, *(["--full"] if lora == "full" else ["--lora-rank", LORA_RANK])])[1]["stages"]
         for lora in ("lora", "full")
@@ -107,7 +118,8 @@ def main() -> None:
     rows = []
     for family in args.families.split(","):
         with tempfile.TemporaryDirectory(prefix=f"bench-plan-{family}-") as tmp:
-            rows += bench_family(family, args.size, Path(tmp), args.group, args.steps, stages)
+            size = "tiny" if family in VLM else args.size
+            rows += bench_family(family, size, Path(tmp), args.group, args.steps, stages)
     ratios = [r["predicted ÷ measured"] for r in rows]
     metrics = {"rows": rows, "ratio_min": min(ratios), "ratio_max": max(ratios)}
     print(json.dumps(metrics, indent=2))

@@ -1,5 +1,6 @@
-"""`omnirl plan`'s predicted peak ÷ the measured peak, per family (`small` builds) and stage: `sample`,
-`logprob`, `update` with LoRA and with `--full`, each command in a fresh process.
+"""`omnirl plan`'s predicted peak ÷ the measured peak, per family (`small` builds; the VLMs, which have no
+`small`, tiny) and stage: `sample`, `logprob`, `update` with LoRA and with `--full`, each command in a
+fresh process.
 
 Measured peak, on this CPU: the process's peak resident memory (`os.wait4`'s rusage of the child), with
 glibc's allocator told to hand every block over 64 KiB straight back to the system
@@ -131,7 +132,8 @@ def main() -> None:
             description=(
                 f"`omnirl plan --cpu` predicted peak ÷ the measured peak of each command in a fresh process "
                 f"({args.size} builds; 2 prompts × {args.group}, sampling batch {args.group}, {args.steps} SDE "
-                f"steps, update flow_grpo LoRA r{LORA_RANK} or --full, fp32, micro-batch = the sampling batch). "
+                f"steps, update flow_grpo (VLMs: grpo, {VLM_TOKENS} prompt + {VLM_TOKENS} new tokens) LoRA r{LORA_RANK} or --full, "
+                "fp32, micro-batch = the sampling batch). "
                 "Measured: the process's peak RSS (os.wait4) under MALLOC_MMAP_THRESHOLD_=65536, so glibc "
                 "returns freed blocks as a device allocator's max_memory_allocated ignores its cache."
             ),

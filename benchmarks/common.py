@@ -11,6 +11,9 @@ import contextlib
 import json
 import os
 import platform
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -88,6 +91,29 @@ def peak_memory() -> int | None:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
     return None
+
+
+# Runs argv[2:], writes its peak RSS in bytes to argv[1] (os.wait4's rusage: ru_maxrss in KiB on Linux) and
+# exits with its exit code.
+_PEAK_RSS = (
+    "import os, subprocess, sys; p = subprocess.Popen(sys.argv[2:]); _, status, usage = os.wait4(p.pid, 0); "
+    "open(sys.argv[1], 'w').write(str(usage.ru_maxrss * 1024)); sys.exit(os.waitstatus_to_exitcode(status))"
+)
+
+
+def run_peak_rss(
+    cmd: list[str], env: dict[str, str] | None = None, cwd: Path | None = None
+) -> tuple[int, subprocess.CompletedProcess]:
+    """Run `cmd` to its end in a fresh process: (its peak resident memory in bytes, the completed process,
+    stdout and stderr captured). It is started by a bare interpreter in between, because Linux counts a
+    child's peak from the memory of the process that forked it: started from a process that has imported
+    torch or built a model, every child would measure at least that much."""
+    with tempfile.TemporaryDirectory() as tmp:
+        peak = Path(tmp) / "peak"
+        proc = subprocess.run(
+            [sys.executable, "-c", _PEAK_RSS, str(peak), *cmd], capture_output=True, env=env, cwd=cwd
+        )
+        return (int(peak.read_text()) if peak.is_file() else 0), proc
 
 
 def machine() -> dict:

@@ -82,7 +82,16 @@ def _render(result: dict[str, Any]) -> None:
         table.add_row(
             f"weights {c}", *(_gib(st["weights"][c]) if c in st["weights"] else "" for st in stages.values())
         )
-    for key in ("gradients", "optimizer", "ddp_buckets", "gathered", "activations", "total", "host"):
+    for key in (
+        "gradients",
+        "optimizer",
+        "ddp_buckets",
+        "gathered",
+        "activations",
+        "runtime",
+        "total",
+        "host",
+    ):
         table.add_row(key.replace("_", " "), *(_gib(st[key]) for st in stages.values()))
     table.add_row(
         "trainable (M)",
@@ -172,6 +181,16 @@ def plan(
             rich_help_panel=DEVICE,
         ),
     ] = False,
+    cpu: Annotated[
+        bool,
+        typer.Option(
+            "--cpu",
+            help="Plan a run on the CPU: the device is the process's own memory, so each stage's total also "
+            "counts the process's runtime (interpreter, torch and the libraries: 0.51 GiB, measured on the tiny builds), a row "
+            "of its own; the total is then the process's peak resident memory.",
+            rich_help_panel=DEVICE,
+        ),
+    ] = False,
     device_memory: Annotated[
         float | None,
         typer.Option(
@@ -191,17 +210,21 @@ def plan(
 
     The model is built on the meta device, from a folder's configs (no weights read) or from a family's
     published dimensions (--family qwen_image --size full), and for each stage the plan counts, per rank:
-    each resident component's weights at --dtype (every stage loads the whole pipeline today), the
-    trained parameters (LoRA on the family's reference targets, or the whole transformer with --full, in
-    fp32), their fp32 gradients and AdamW moments, the activations for --resolution, --frames, the batch
-    and gradient checkpointing (17·s·h bytes per block and sample at 16 bits, s = latent + text tokens,
-    h the block width; fused attention assumed), and the total under the strategy: DDP holds everything
-    on every rank; FSDP2 divides the trained module's weights, gradients and optimizer state by
-    --num-processes, gathers its largest block twice, and with --cpu-offload keeps those shards in host
-    memory; --sp-degree S divides every activation by S (each rank holds 1/S of the sequence), --tp-degree
-    T the trained module's weights, gradients and optimizer state by T. `online` holds a sampler's
-    pipeline beside the trainer's. The verdict compares each total with
-    --device-memory. --json gives the parameters per component (`parameters`) and the whole plan, in bytes.
+    each resident component's weights at --dtype (sample loads the whole pipeline; logprob and update the
+    trained transformer alone, since they read the rollout's stored prompt conditioning and replay
+    latents), the trained parameters (LoRA on the family's reference targets, or the whole transformer
+    with --full, in fp32), their fp32 gradients and AdamW moments, the activations for --resolution,
+    --frames, the batch and gradient checkpointing (17·s·h elements per block and sample, 22·s·h with
+    --full; s = latent + text tokens, h the block width; fused attention assumed; sample also the VAE's
+    decoding of its batch), and the total under the strategy: DDP holds everything on every rank; FSDP2
+    divides the trained module's weights, gradients and optimizer state by --num-processes, gathers its
+    largest block twice, and with --cpu-offload keeps those shards in host memory; --sp-degree S divides
+    every activation by S (each rank holds 1/S of the sequence), --tp-degree T the trained module's
+    weights, gradients and optimizer state by T. `online` holds a sampler's pipeline beside the trainer's.
+    With --cpu the total also counts the process's runtime and is the process's peak resident memory
+    (checked within ±25% on the small build of every family: docs/real-checkpoints.md). The verdict
+    compares each total with --device-memory. --json gives the parameters per component (`parameters`)
+    and the whole plan, in bytes.
 
     Example: [bold]omnirl plan --family qwen_image --size full --resolution 512 --lora-rank 64 --dtype bf16 \\
     --num-processes 8 --strategy fsdp2 --device-memory 80[/]

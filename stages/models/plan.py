@@ -5,12 +5,14 @@ folder's configs (`model_index.json` and each component's config, or a VLM's `co
 family's published size (`stages.models.factory.make_model`). From it and the run's settings the plan
 counts, per stage, what the stage keeps resident today:
 
-- sample and logprob: every module component of the pipeline at `--dtype` (they load the whole
-  pipeline, `FlowPolicy.load`), plus the inference activations of one forward;
-- update: the same components, the trained parameters in fp32 (LoRA on the family's `lora_targets`, or
-  the whole trained module with `--full`: `FlowPolicy.trainable_parameters` casts them to fp32, so they
-  are their own master weights and no further copy is kept), fp32 gradients, AdamW's two fp32 moments,
-  and the training activations;
+- sample: every module component of the pipeline at `--dtype` (it encodes the prompts and decodes the
+  latents), plus the larger of one forward's activations and the VAE's decoding of the batch;
+- logprob: the trained modules only: `FlowPolicy.for_rollout` takes the prompts' conditioning from the
+  rollout (which `sample` stores) and replays latents, so no text encoder and no VAE load;
+- update: the same modules, the trained parameters in fp32 (LoRA on the family's `lora_targets`, or the
+  whole trained module with `--full`: `FlowPolicy.trainable_parameters` casts them to fp32, so they are
+  their own master weights and no further copy is kept), fp32 gradients, AdamW's two fp32 moments, and the
+  training activations;
 - online: a sampler's pipeline and the trainer's, both resident at once (both stages' totals added).
 
 Activations (bytes) are a per-block estimate. With s = latent tokens + text tokens, h the block's
@@ -18,10 +20,16 @@ hidden width, L the number of blocks, b the micro-batch times the CFG branches (
 runs an unconditional branch) and a the activation element size (2 under bf16/fp16 autocast or
 weights, else 4), one block's stored activations are A = 17·s·h·a per sample (Korthikanti et al.'s
 34·s·h bytes at 16 bits: the attention and MLP inputs and outputs with an MLP of 4·h, no s² score
-matrix, which fused attention does not keep). Training keeps L·A·b; with gradient checkpointing only
-each block's input, L·s·h·a·b, plus one block recomputed, A·b. Inference keeps one block's A·b at a
-time. Latent tokens are the adapter's latent shape in 2×2 spatial patches (every family patches so);
-a VLM's s is its text tokens.
+matrix, which fused attention does not keep); a full fine-tune keeps 22·s·h·a (every linear layer's input
+and the tensors the trained adaLN modulation multiplies, counted on the small SD3). Training keeps L·A·b;
+with gradient checkpointing only each block's input, L·s·h·a·b, plus one block recomputed, A·b.
+Inference keeps one block's A·b at a time. Latent tokens are the adapter's latent shape in 2×2 spatial
+patches (every family patches so); a VLM's s is its text tokens.
+
+On the CPU (`cpu`) the device is the process's own memory: each stage adds the runtime a process holds
+before any tensor (`CPU_RUNTIME`), and the total is the process's peak resident memory when the allocator
+returns freed blocks (benchmarks/bench_plan.py; glibc's default keeps some for reuse, as an accelerator's
+caching allocator does beyond `max_memory_allocated`, the figure the plan predicts there).
 
 Strategies: DDP keeps everything on every rank, plus a gradient bucket per trained parameter (the
 reducer's copy). FSDP2 shards the trained module (`stages.update.parallel`): its weights, gradients
@@ -56,8 +64,19 @@ from stages.update.parallel import STRATEGIES
 FP32 = 4
 ADAM_MOMENTS = 2
 ACTIVATION_ELEMENTS_PER_HIDDEN = 17  # per token and block (module docstring)
+# A full fine-tune also keeps what only trained weights need: every linear layer's input and the tensors
+# the trained adaLN shift/scale/gate multiply. Counted with saved_tensors_hooks on the small SD3's forward
+# (fp32, 4 samples at 128 px): 22.1 elements per token, hidden unit and block with --full, 12.6 with LoRA.
+FULL_ACTIVATION_ELEMENTS_PER_HIDDEN = 22
 PATCH_AREA = 4  # 2×2 latent patches per transformer token
 GATHERED_BLOCKS = 2  # FSDP2: the block computing and the one prefetched
+DECODE_WIDTHS = 6  # VAE decoding: three tensors of twice the output conv's width at full resolution (_decode)
+# On the CPU the device is the process's own memory, which also holds its runtime: the interpreter and the
+# libraries a stage imports (torch, diffusers, transformers, peft, accelerate, pyarrow, tokenizers) with
+# their kernels initialised. Calibrated once (torch 2.13 CPU): the peak RSS of sample, logprob, update and
+# update --full on the tiny SD3 (547, 521, 539 and 548 MiB; `benchmarks/bench_plan.py --size tiny`) less
+# the 8-18 MiB of tensors the plan counts there.
+CPU_RUNTIME = 526 * 2**20
 VLM_TEXT_TOKENS = 1024
 # The transformers class of each VLM `model_type` omnirl trains (stages.models.vlm.VLM_FAMILIES); a whole
 # Qwen3-Omni folder trains its thinker.
@@ -86,6 +105,7 @@ class PlanConfig:
     strategy: str = "auto"
     num_processes: int = 1
     cpu_offload: bool = False
+    cpu: bool = False  # the run's device is the CPU: the process's runtime shares its memory
     device_memory: int | None = None  # bytes; None: no verdict
     parallel: ModelParallel = field(default_factory=ModelParallel)
 
@@ -348,6 +368,21 @@ def _tokens(arch: Architecture, cfg: PlanConfig) -> tuple[int, int]:
     return cells // PATCH_AREA, text
 
 
+def _decode(arch: Architecture, cfg: PlanConfig, element: int) -> int:
+    """Peak bytes of the VAE decoding one sampling batch (no autograd). It peaks at full resolution, where
+    the last upsampler's input and output and the next block's normalised input (each twice the width w
+    of the decoder's output conv) are alive at once: DECODE_WIDTHS·w per pixel, frame and sample. A video
+    VAE decodes one latent frame (its temporal factor's pixel frames) at a time."""
+    vae = arch.modules.get("vae")
+    if vae is None or not hasattr(vae, "decoder"):
+        return 0
+    convs = [m for m in vae.decoder.modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Conv3d))]
+    height, width = parse_resolution(cfg.resolution if cfg.resolution is not None else arch.resolution)
+    temporal = getattr(arch.adapter.pipe, "vae_scale_factor_temporal", None)
+    frames = min(cfg.frames, temporal) if temporal else cfg.frames
+    return DECODE_WIDTHS * convs[-1].in_channels * height * width * frames * cfg.batch_size * element
+
+
 def _branches(arch: Architecture, cfg: PlanConfig) -> int:
     """2 when the guidance runs an unconditional branch beside the conditional one, else 1."""
     if arch.kind == "vlm":
@@ -367,11 +402,13 @@ class StagePlan:
     gathered: int = 0
     activations: int = 0
     host: int = 0
+    runtime: int = 0  # on the CPU: the process's interpreter and libraries (`CPU_RUNTIME`)
 
     @property
     def total(self) -> int:
         return (
-            sum(self.weights.values())
+            self.runtime
+            + sum(self.weights.values())
             + self.gradients
             + self.optimizer
             + self.ddp_buckets
@@ -411,16 +448,20 @@ def plan(arch: Architecture, cfg: PlanConfig) -> dict[str, Any]:
     per_block = -(-ACTIVATION_ELEMENTS_PER_HIDDEN * seq * hidden * act_bytes // sp)
     trained_names = arch.trained if arch.kind == "diffusion" else ("model",)
 
-    # inference: every component at --dtype (the trained module's 1/tp), one block's activations for the
-    # sampling batch
-    inference = StagePlan(
-        weights={n: -(-c * weight_bytes // (tp if n in trained_names else 1)) for n, c in params.items()}
-    )
-    inference.activations = per_block * cfg.batch_size * branches
+    runtime = CPU_RUNTIME if cfg.cpu else 0
+    # sample: every component at --dtype (the trained module's 1/tp; it encodes the prompts and decodes
+    # the latents), one block's activations for the sampling batch
+    every = {n: -(-c * weight_bytes // (tp if n in trained_names else 1)) for n, c in params.items()}
+    forward = per_block * cfg.batch_size * branches
+    decode = _decode(arch, cfg, act_bytes)
+    sample = StagePlan(weights=every, activations=max(forward, decode), runtime=runtime)
+    # logprob: the trained modules only (`FlowPolicy.for_rollout`: the rollout's stored conditioning
+    # stands for the text encoders, and latents need no VAE), the same forwards as the sampler's
+    logprob = StagePlan(weights={n: every[n] for n in trained_names}, activations=forward, runtime=runtime)
 
     # update: + trained parameters (fp32), gradients, AdamW moments, training activations
     trainable = _full_parameters(arch) if cfg.full else _lora_parameters(arch, cfg.lora_rank)
-    train = StagePlan(weights=dict(inference.weights), trainable_parameters=trainable)
+    train = StagePlan(weights=dict(logprob.weights), trainable_parameters=trainable, runtime=runtime)
     if cfg.full:
         for name in trained_names:
             frozen = params[name] * weight_bytes
@@ -431,10 +472,13 @@ def plan(arch: Architecture, cfg: PlanConfig) -> dict[str, Any]:
     train.gradients = -(-trainable * FP32 // tp)
     train.optimizer = -(-trainable * FP32 * ADAM_MOMENTS // tp)
     micro = (cfg.micro_batch or cfg.batch_size) * branches
+    trained_block = per_block
+    if cfg.full:
+        trained_block = -(-FULL_ACTIVATION_ELEMENTS_PER_HIDDEN * seq * hidden * act_bytes // sp)
     if cfg.gradient_checkpointing:
-        kept = -(-len(blocks) * seq * hidden * act_bytes // sp) + per_block
+        kept = -(-len(blocks) * seq * hidden * act_bytes // sp) + trained_block
     else:
-        kept = len(blocks) * per_block
+        kept = len(blocks) * trained_block
     train.activations = kept * micro
     if kind == "ddp":
         train.ddp_buckets = train.gradients
@@ -455,18 +499,18 @@ def plan(arch: Architecture, cfg: PlanConfig) -> dict[str, Any]:
 
     online = StagePlan(
         weights={
-            n: inference.weights.get(n, 0) + train.weights.get(n, 0)
-            for n in {**inference.weights, **train.weights}
+            n: sample.weights.get(n, 0) + train.weights.get(n, 0) for n in {**sample.weights, **train.weights}
         },
         trainable_parameters=trainable,
         gradients=train.gradients,
         optimizer=train.optimizer,
         ddp_buckets=train.ddp_buckets,
         gathered=train.gathered,
-        activations=inference.activations + train.activations,
+        activations=sample.activations + train.activations,
         host=train.host,
+        runtime=sample.runtime + train.runtime,  # the sampler's process and the trainer's
     )
-    stages = {"sample": inference, "logprob": inference, "update": train, "online": online}
+    stages = {"sample": sample, "logprob": logprob, "update": train, "online": online}
     return {
         "model": arch.name,
         "kind": arch.kind,
@@ -489,6 +533,7 @@ def plan(arch: Architecture, cfg: PlanConfig) -> dict[str, Any]:
             "cfg_branches": branches,
             "bytes_per_element": act_bytes,
             "per_block_per_sample": per_block,
+            "vae_decode": decode,
         },
         "device_memory": cfg.device_memory,
         "stages": {name: stage.as_dict(cfg.device_memory) for name, stage in stages.items()},

@@ -198,8 +198,9 @@ def test_sp_divides_the_activations_and_tp_the_trained_modules_weights(tiny_sd3:
     tp = plan(sd3_arch, PlanConfig(**settings, parallel=ModelParallel(tp_degree=2)))
     per_block = 17 * 192 * 64 * 4  # hand-computed above: 192 tokens, width 64, fp32
     assert sp["activations"]["per_block_per_sample"] == per_block // 4
-    for stage in ("sample", "update"):
-        assert sp["stages"][stage]["activations"] == one["stages"][stage]["activations"] // 4
+    for stage in ("sample", "logprob", "update"):
+        if stage != "sample":  # sample's peak here is the VAE decode, which every rank runs whole
+            assert sp["stages"][stage]["activations"] == one["stages"][stage]["activations"] // 4
         assert sp["stages"][stage]["weights"] == one["stages"][stage]["weights"]  # every rank holds them
         assert tp["stages"][stage]["activations"] == one["stages"][stage]["activations"]
         for name, size in one["stages"][stage]["weights"].items():  # the transformer's half, the rest whole

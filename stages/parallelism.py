@@ -172,7 +172,7 @@ def _check(what: str, module: torch.nn.Module, parallel: ModelParallel) -> None:
             )
         if device().type == "cpu":
             raise UserInputError(
-                f"{option}: diffusers shards weights on accelerators only (cuda, xpu, neuron, tpu), not on "
+                f"{option}: diffusers shards weights on accelerators only (GPU, XPU, Neuron, TPU), not on "
                 "this CPU; use --sp-degree here"
             )
         if any("lora_" in n for n, _ in module.named_parameters()):

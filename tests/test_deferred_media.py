@@ -121,7 +121,7 @@ def test_deferred_media_misuse_is_one_line(deferred: dict[str, Path], tmp_path: 
 def test_inspect_names_deferred_media(deferred: dict[str, Path]) -> None:
     result = runner.invoke(app, ["inspect", str(deferred["deferred"])])
     assert result.exit_code == 0, result.output
-    assert "media: deferred" in result.stderr and str(deferred["copy"].resolve()) in result.stderr
+    assert "media: deferred" in result.stdout and str(deferred["copy"].resolve()) in result.stdout
 
 
 # --- video ------------------------------------------------------------------------------------------

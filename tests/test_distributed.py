@@ -250,11 +250,12 @@ def test_encode_on_more_ranks_than_shards_writes_the_bytes_of_one_process(
 def test_shards_go_round_robin_over_the_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
     from stages import dist
 
-    monkeypatch.setattr(dist, "join", lambda: (2, 1))
+    monkeypatch.setattr(dist, "join", lambda: None)  # no process group: the launch's (world, rank) below
+    monkeypatch.setattr(dist, "world_and_rank", lambda: (2, 1))
     assert dist.rank_shards(range(5)) == [1, 3]
-    monkeypatch.setattr(dist, "join", lambda: (3, 0))
+    monkeypatch.setattr(dist, "world_and_rank", lambda: (3, 0))
     assert dist.rank_shards([0, 1, 2, 3, 4, 5, 6]) == [0, 3, 6]
-    monkeypatch.setattr(dist, "join", lambda: (3, 2))
+    monkeypatch.setattr(dist, "world_and_rank", lambda: (3, 2))
     assert dist.rank_shards([0, 1]) == []  # a rank without a shard (it still joins the barrier)
 
 

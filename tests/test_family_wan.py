@@ -480,7 +480,7 @@ def test_online_trains_both_a14b_experts(models: dict[str, Path], prompts: Path,
         "--out", str(out), "--iterations", "1", "--reward", "jpeg_compressibility@frames=mean", "--save-trajectories",
     )  # fmt: skip
     first = result["iterations"][0]
-    assert first["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-5)  # on-policy up to batching rounding
+    assert first["ratio_mean"] == pytest.approx(1.0, abs=1e-5)  # on-policy up to batching rounding
     samples = ShardSet(out / "it0" / "samples")
     assert samples.columns["latents"].shape == (4, 16, 2, 4, 4)
     assert (

@@ -157,7 +157,7 @@ def test_launcher_settings_update_cannot_honour_are_refused(
 ) -> None:
     monkeypatch.setenv(var, value)
     fails(
-        ["update", "--model", str(tmp_path / "m"), "--in", str(tmp_path / "x"), "--out", str(tmp_path / "o")],
+        ["update", "--model", str(tmp_path), "--in", str(tmp_path / "x"), "--out", str(tmp_path / "o")],
         *names,
     )
 
@@ -169,7 +169,7 @@ def test_impossible_precision_and_schedule_options_are_one_line_exit_2(
     args = [
         "update",
         "--model",
-        str(tmp_path / "m"),
+        str(tmp_path),
         "--in",
         str(tmp_path / "x"),
         "--out",

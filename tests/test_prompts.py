@@ -46,7 +46,7 @@ def test_every_format_gives_text_negative_and_meta(tmp_path: Path) -> None:
 
 
 def test_bad_prompt_files_are_one_line_errors(tmp_path: Path) -> None:
-    with pytest.raises(UserInputError, match="no such file"):
+    with pytest.raises(UserInputError, match="no such folder/file"):
         read_prompts(tmp_path / "missing.txt")
     (tmp_path / "bad.jsonl").write_text("{not json\n")
     with pytest.raises(UserInputError, match="line 1 is not valid JSON"):

@@ -157,9 +157,9 @@ def test_a_mixed_precision_the_stages_cannot_run_is_refused_in_one_line(
 ) -> None:
     monkeypatch.setenv(LAUNCHER, "fp8")
     args = {
-        "sample": ["--model", str(tmp_path / "m"), "--prompts", str(tmp_path / "p.txt")],
+        "sample": ["--model", str(tmp_path), "--prompts", str(tmp_path / "p.txt")],
         "score": ["--in", str(tmp_path / "x"), "--reward", "jpeg_compressibility"],
-        "encode": ["--model", str(tmp_path / "m"), "--in", str(tmp_path / "x")],
+        "encode": ["--model", str(tmp_path), "--in", str(tmp_path / "x")],
     }[command]
     fails([command, *args, "--out", str(tmp_path / "o")], "--mixed-precision fp8", "no, bf16, fp16")
 

@@ -25,6 +25,8 @@ from typer.testing import CliRunner
 
 from omnirl_cli.app import app
 from stages.advantage.estimators import ESTIMATORS
+from stages.models.kernels import Kernels
+from stages.parallelism import ModelParallel
 from stages.sample.rollout import SampleConfig
 from stages.sample.samplers import step
 from stages.update.losses import ALGORITHMS, get_algorithm
@@ -211,7 +213,10 @@ def test_from_options_reads_every_field_from_the_resolved_options() -> None:
     command = get_command(app).commands["update"]  # type: ignore[attr-defined]
     options = {p.name for p in command.params}
     internal = {"ema_every"}
-    assert {f.name for f in fields(UpdateConfig)} - internal <= options
+    groups = {"parallel": ModelParallel, "kernels": Kernels}  # settings read from their own options
+    assert {f.name for f in fields(UpdateConfig)} - internal - groups.keys() <= options
+    for group in groups.values():
+        assert {f.name for f in fields(group)} <= options, group.__name__
 
 
 @pytest.mark.parametrize(
@@ -237,7 +242,7 @@ def test_impossible_optimiser_values_are_one_line_exit_2(
         [
             "update",
             "--model",
-            str(tmp_path / "m"),
+            str(tmp_path),  # an existing folder: the option values are refused before anything loads
             "--in",
             str(tmp_path / "x"),
             "--out",
@@ -508,7 +513,7 @@ def test_each_rank_plans_the_rows_of_its_own_slots(monkeypatch: pytest.MonkeyPat
     # chunks [0,1] [2,3] [4,6] [7,8] | [9]: step 1 gives two chunks to each rank, step 2 one to rank 0
     expected = {0: [0, 1, 2, 3, 9], 1: [4, 6, 7, 8, 9]}
     for rank in (0, 1):
-        monkeypatch.setattr(trainer, "world_and_rank", lambda r=rank: (2, r))
+        monkeypatch.setattr(trainer, "data_parallel", lambda r=rank: (2, r))
         plain = UpdateConfig(grad_accum=2, shuffle=False)
         assert trainer._planned_rows(Rows(), rows, 2, plain, seed=3) == expected[rank]
         shuffled = UpdateConfig(grad_accum=2, inner_epochs=2)

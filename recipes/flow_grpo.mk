@@ -37,8 +37,9 @@ FLAGS      ?= --overwrite
 EVAL_PROMPTS ?=
 # The replay of each rollout (`omnirl logprob --replay $(REPLAY)`). auto: run the model only when the
 # replay can give other log-probs than the rollout's own (another engine than the in-process
-# diffusers one, other weights, dtype, mixed precision or device type, a text rollout, a preset's
-# logprob --reference / --means); otherwise logprob loads nothing and writes the sample ids only, and
+# diffusers one, other weights, dtype, mixed precision or device type, a quantized attention backend
+# on one side only, a text rollout, a preset's logprob --reference / --means); otherwise logprob
+# loads nothing and writes the sample ids only, and
 # update trains on the rollout's log-probs, the very values the replay would give (docs/real-checkpoints.md).
 # yes: always replay. no: skip `omnirl logprob` (algorithms that never read rollout log-probs:
 # DiffusionNFT, AWM, DPO); update then reads only the samples and the advantages.

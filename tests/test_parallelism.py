@@ -251,8 +251,7 @@ def test_online_and_serve_refuse_model_parallelism_naming_the_commands_that_run_
         [*online, "--out", str(tmp_path / "run"), flag, "2"],
         f"{flag} 2: omnirl online",
         "spawned worker processes",
-        "staged omnirl sample, logprob and update",
-        "SP=N",
+        "staged omnirl sample, logprob and update under a launcher",
     )
     # a shared preset's top-level degree (as the staged commands read it) is refused alike
     preset.write_text(f"{flag[2:].replace('-', '_')}: 4\nsample:\n  steps: 2\n")

@@ -47,7 +47,7 @@ NO_MODEL_PARALLEL = (
     "runs its sampler and scorer as spawned worker processes, not launcher ranks, so no group of ranks "
     "can share a sample"
 )
-STAGED = "the staged omnirl sample, logprob and update (recipes/flow_grpo.mk SP=N)"
+STAGED = "the staged omnirl sample, logprob and update"
 # Top-level preset keys spelled as a command's option that a stage section names otherwise.
 SECTION_ALIASES = {"reward_arg": "reward_args"}
 

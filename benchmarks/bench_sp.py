@@ -49,8 +49,11 @@ def _step_time(model: str, side: int, sp: int, repeats: int) -> float:
     return best_of(step, repeats)
 
 
-def _measure(model: Path, side: int, sp: int, repeats: int, out: Path) -> float:
-    """Run this script as a worker (under torchrun for sp > 1) and read rank 0's step time."""
+def measure(model: Path, side: int, sp: int, repeats: int, out: Path) -> float:
+    """Seconds of one training step of `model` at `side` pixels with sp ranks (sp 1: one process): this
+    script run as a worker (under torchrun for sp > 1), rank 0's time read back from `out`. On the
+    machine's accelerators when it has them (one per rank), else on gloo CPU ranks (the GPU suite,
+    tests/gpu/test_gpu_parallelism.py, calls it there)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
     worker = [__file__, "--worker", str(model), str(side), str(sp), str(repeats), str(out)]
     launch = [sys.executable]
@@ -78,9 +81,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(tmp) / "model"
         init_model("flux", model, size="tiny", seed=0)
-        times = {
-            sp: _measure(model, args.side, sp, args.repeats, Path(tmp) / f"sp{sp}.json") for sp in (1, 2)
-        }
+        times = {sp: measure(model, args.side, sp, args.repeats, Path(tmp) / f"sp{sp}.json") for sp in (1, 2)}
     tokens = (args.side // 16) ** 2 + 128
     rows = [
         {"run": "1 process", "tokens": tokens, "step_s": times[1], "ratio": 1.0},

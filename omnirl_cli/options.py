@@ -211,6 +211,23 @@ TpDegreeOpt = Annotated[
     ),
 ]
 
+
+def no_model_parallel_opt(flag: str, command: str, instead: str) -> Any:
+    """`--sp-degree` / `--tp-degree` of a command whose work runs in no launcher ranks (online, serve):
+    only 1, so that a degree from a habit or a shared preset is refused naming the commands that take it
+    (`instead`; `ModelParallel.refuse`) rather than dropped."""
+    return Annotated[
+        int,
+        typer.Option(
+            flag,
+            min=1,
+            help=f"Only 1 ({command} runs in no launcher ranks); for {flag} > 1 run {instead} under a "
+            "launcher (docs/scaling.md).",
+            rich_help_panel=PARALLELISM,
+        ),
+    ]
+
+
 AttentionBackendOpt = Annotated[
     str | None,
     typer.Option(

@@ -30,9 +30,12 @@ EVAL_SEED    ?= 0
 EVAL_ITERS   ?= $(shell seq 0 $(ITERATIONS))
 EVAL_FLAGS   ?= --sampler ode
 FLAGS        ?= --overwrite
+# The sampling's sequence-parallel degree (--sp-degree; 1: none), as recipes/flow_grpo.mk's SP.
+SP           ?= 1
 
 eval_policy  = $(if $(filter 0,$(1)),,$(RUN)/it$(1)/policy/omnirl_adapter.json)
 eval_adapter = $(if $(filter 0,$(1)),,--adapter $(RUN)/it$(1)/policy)
+eval_sp      = $(if $(filter-out 1,$(SP)),--sp-degree $(SP))
 
 include $(dir $(lastword $(MAKEFILE_LIST)))report.mk
 
@@ -43,7 +46,7 @@ define evaluation
 $(RUN)/it$(1)/eval/samples/_manifest.json: $(call eval_policy,$(1)) $(CONFIG) $(wildcard $(EVAL_PROMPTS))
 	@mkdir -p $(RUN)/it$(1)/eval
 	$(OMNIRL) sample --config $(CONFIG) --model $(MODEL) $(call eval_adapter,$(1)) --prompts $(EVAL_PROMPTS) \
-	  --seed $(EVAL_SEED) $(EVAL_FLAGS) --out $(RUN)/it$(1)/eval/samples $(FLAGS) \
+	  --seed $(EVAL_SEED) $(EVAL_FLAGS) --out $(RUN)/it$(1)/eval/samples $(eval_sp) $(FLAGS) \
 	  $(call result,$(RUN)/it$(1)/eval/sample.json)
 
 $(RUN)/it$(1)/eval/rewards/_manifest.json: $(RUN)/it$(1)/eval/samples/_manifest.json

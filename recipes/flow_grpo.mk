@@ -18,10 +18,22 @@
 # OMNIRL starts every stage: `omnirl` (default), or a launcher, e.g.
 #   OMNIRL="torchrun --nproc_per_node 8 -m omnirl_cli"
 #   OMNIRL="accelerate launch --config_file recipes/accelerate/fsdp2_8gpu.yaml -m omnirl_cli"
+# SP: the sequence-parallel degree (--sp-degree) of sample, logprob and update, and of the held-out
+# evaluation's sampling (score and advantage take none): each group of SP consecutive ranks of the
+# OMNIRL launch shares every sample's tokens (FLUX, Qwen-Image, Wan; docs/scaling.md). 1: none.
+# 8 GPUs as 4 dp × 2 sp, Qwen-Image at 1024²; and 8 × sp for Wan 2.1 14B at 480p, sharded by FSDP2:
+#   make -f recipes/flow_grpo.mk CONFIG=recipes/configs/flow_grpo_qwen_image.yaml MODEL=/path/to/Qwen-Image \
+#        SP=2 OMNIRL="accelerate launch --config_file recipes/accelerate/ddp_8gpu.yaml -m omnirl_cli" \
+#        FLAGS="--overwrite --set sample.resolution=1024" PROMPTS=ocr.parquet RUN=runs/ocr-1024
+#   make -f recipes/flow_grpo.mk CONFIG=recipes/configs/flow_grpo_wan2_1.yaml \
+#        MODEL=/path/to/Wan2.1-T2V-14B-Diffusers SP=8 \
+#        OMNIRL="accelerate launch --config_file recipes/accelerate/fsdp2_8gpu.yaml -m omnirl_cli" \
+#        FLAGS="--overwrite --set sample.resolution=480x832" PROMPTS=ocr.parquet RUN=runs/wan14b
 # REPORT_TO: experiment trackers that score and update log to (--report-to), e.g. REPORT_TO=tensorboard
 # or REPORT_TO=wandb,tensorboard; empty (default): the preset's report_to, else none.
 OMNIRL     ?= omnirl
 REPORT_TO  ?=
+SP         ?= 1
 CONFIG     ?= recipes/configs/flow_grpo_sd3.yaml
 RUN        ?= runs/flow_grpo
 MODEL      ?= models/sd3-tiny
@@ -37,8 +49,9 @@ FLAGS      ?= --overwrite
 EVAL_PROMPTS ?=
 # The replay of each rollout (`omnirl logprob --replay $(REPLAY)`). auto: run the model only when the
 # replay can give other log-probs than the rollout's own (another engine than the in-process
-# diffusers one, other weights, dtype, mixed precision or device type, a text rollout, a preset's
-# logprob --reference / --means); otherwise logprob loads nothing and writes the sample ids only, and
+# diffusers one, other weights, dtype, mixed precision or device type, a quantized attention backend
+# on one side only, a text rollout, a preset's logprob --reference / --means); otherwise logprob
+# loads nothing and writes the sample ids only, and
 # update trains on the rollout's log-probs, the very values the replay would give (docs/real-checkpoints.md).
 # yes: always replay. no: skip `omnirl logprob` (algorithms that never read rollout log-probs:
 # DiffusionNFT, AWM, DPO); update then reads only the samples and the advantages.
@@ -50,6 +63,7 @@ endif
 ITERS   := $(shell seq 0 $(ITERATIONS))
 next     = $(shell expr $(1) + 1)
 tracking = $(if $(REPORT_TO),--report-to $(REPORT_TO))
+sp       = $(if $(filter-out 1,$(SP)),--sp-degree $(SP))
 policy   = $(if $(filter 0,$(1)),,$(RUN)/it$(1)/policy/omnirl_adapter.json)
 adapter  = $(if $(filter 0,$(1)),,--adapter $(RUN)/it$(1)/policy)
 it       = $(RUN)/it$(1)
@@ -70,7 +84,7 @@ define iteration
 $(call it,$(1))/samples/_manifest.json: $(call policy,$(1)) $(CONFIG) $(wildcard $(PROMPTS))
 	@mkdir -p $(call it,$(1))
 	$(OMNIRL) sample --config $(CONFIG) --model $(MODEL) $(call adapter,$(1)) --prompts $(PROMPTS) \
-	  --seed $(call seed,$(1)) --iteration $(1) --out $(call it,$(1))/samples $(FLAGS) \
+	  --seed $(call seed,$(1)) --iteration $(1) --out $(call it,$(1))/samples $(sp) $(FLAGS) \
 	  $(call result,$(call it,$(1))/sample.json)
 
 $(call it,$(1))/rewards/_manifest.json: $(call it,$(1))/samples/_manifest.json
@@ -79,7 +93,7 @@ $(call it,$(1))/rewards/_manifest.json: $(call it,$(1))/samples/_manifest.json
 
 $(call it,$(1))/logprobs/_manifest.json: $(call it,$(1))/samples/_manifest.json
 	$(OMNIRL) logprob --config $(CONFIG) --model $(MODEL) $(call adapter,$(1)) --in $(call it,$(1))/samples \
-	  --replay $(REPLAY) --out $(call it,$(1))/logprobs $(FLAGS) $(call result,$(call it,$(1))/logprob.json)
+	  --replay $(REPLAY) --out $(call it,$(1))/logprobs $(sp) $(FLAGS) $(call result,$(call it,$(1))/logprob.json)
 
 $(call it,$(1))/advantages/_manifest.json: $(call it,$(1))/rewards/_manifest.json
 	$(OMNIRL) advantage --config $(CONFIG) --in $(call it,$(1))/samples --in $(call it,$(1))/rewards \
@@ -89,7 +103,8 @@ $(call it,$(call next,$(1)))/policy/omnirl_adapter.json: $(addsuffix /_manifest.
     $(call it,$(1))/advantages/_manifest.json
 	$(OMNIRL) update --config $(CONFIG) --model $(MODEL) $(call adapter,$(1)) --in $(call it,$(1))/samples \
 	  $(addprefix --in ,$(call logprobs,$(1))) --in $(call it,$(1))/advantages --seed $(1) \
-	  --out $(call it,$(call next,$(1)))/policy $(tracking) $(FLAGS) $(call result,$(call it,$(1))/update.json)
+	  --out $(call it,$(call next,$(1)))/policy $(sp) $(tracking) $(FLAGS) \
+	  $(call result,$(call it,$(1))/update.json)
 
 # Iteration K's line once it is scored and its update is done (the last iteration has none).
 $(call it,$(1))/summary.txt: $(call it,$(1))/rewards/_manifest.json \

@@ -405,3 +405,79 @@ def test_snakefile_evaluates_held_out_prompts_and_prints_a_line_per_iteration(tm
     assert shell.group(1).endswith(
         f"--json > {run}/it0/update.json.tmp && mv {run}/it0/update.json.tmp {run}/it0/update.json"
     )
+
+
+def _omnirl_argv(argv: list[str]) -> list[str]:
+    """The omnirl command line (command first) inside a launch line: torchrun's script arguments, or
+    the line after `omnirl`."""
+    from torch.distributed.run import get_args_parser
+
+    if argv[0] == "torchrun":
+        return get_args_parser().parse_args(argv[1:]).training_script_args
+    assert argv[0] == "omnirl", argv
+    return argv[1:]
+
+
+SP_STAGES = {"sample", "logprob", "update", "eval_sample"}  # the rules that run a transformer's forward
+
+
+@pytest.mark.skipif(not _snakemake_installed(), reason="snakemake is a dev extra")
+def test_snakefile_passes_the_sp_degree_to_the_stages_that_take_it(tmp_path: Path, clean_env: None) -> None:
+    """sp_degree=2: --sp-degree 2 on sample, logprob, update and the held-out sampling, whose jobs
+    default to 2 processes (one sp group); score and advantage get no degree. Processes that are not a
+    multiple of the degree are refused before anything runs."""
+    commands, gpus = _dry_run(tmp_path, "sp_degree=2", "update_procs=4", "eval_prompts=heldout.jsonl")
+    assert set(commands) == STAGE_RULES
+    for rule, argv in commands.items():
+        omnirl = _omnirl_argv(argv)
+        params = _omnirl_params(omnirl)
+        if rule in SP_STAGES:
+            assert omnirl.count("--sp-degree") == 1 and params["sp_degree"] == 2, rule
+        else:
+            assert "--sp-degree" not in omnirl and "sp_degree" not in params, rule
+    assert gpus == {
+        "sample": 2,
+        "logprob": 2,
+        "update": 4,
+        "eval_sample": 2,
+        "score": 1,
+        "eval_score": 1,
+        "advantage": 0,
+    }
+    commands, _ = _dry_run(tmp_path)  # the default: no sequence parallelism, no option
+    assert not any("--sp-degree" in argv for argv in commands.values())
+
+    snakemake = str(Path(sys.executable).parent / "snakemake")
+    refused = subprocess.run(
+        [snakemake, "-s", "recipes/Snakefile", "-n", "--cores", "1", "--config", f"run={tmp_path}",
+         "sp_degree=2", "update_procs=3"],
+        cwd=ROOT, capture_output=True, text=True,
+    )  # fmt: skip
+    assert refused.returncode != 0
+    assert "sp_degree=2: update_procs=3 is not a multiple of it" in refused.stdout + refused.stderr
+
+
+def test_make_passes_sp_to_the_stages_that_take_it() -> None:
+    """recipes/flow_grpo.mk SP=2: --sp-degree 2 on every sample (the held-out one too), logprob and
+    update `make -n` plans, none on score and advantage; SP unset (1) passes none."""
+
+    def planned(*variables: str) -> list[list[str]]:
+        cmd = ["make", "-n", "--no-print-directory", "-f", "recipes/flow_grpo.mk", "RUN=runs/plan"]
+        cmd += ["ITERATIONS=1", "EVAL_PROMPTS=heldout.jsonl", *variables]
+        plan = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout
+        lines = [line for line in plan.replace("\\\n", " ").splitlines() if line.startswith("omnirl ")]
+        return [shlex.split(line.split(" --json", 1)[0])[1:] for line in lines]
+
+    plan = planned("SP=2")
+    assert {argv[0] for argv in plan} == {"sample", "score", "logprob", "advantage", "update", "report"}
+    takes = {"sample", "logprob", "update"}
+    for argv in plan:
+        if argv[0] == "report":
+            continue
+        params = _omnirl_params(argv)
+        if argv[0] in takes:
+            assert argv.count("--sp-degree") == 1 and params["sp_degree"] == 2, argv
+        else:
+            assert "--sp-degree" not in argv, argv
+    assert sum(argv[0] == "sample" and "heldout.jsonl" in argv for argv in plan) == 2  # it0, it1 evaluated
+    assert not any("--sp-degree" in argv for argv in planned())

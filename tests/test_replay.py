@@ -66,6 +66,26 @@ def test_decision_same_engine_weights_and_numerics_needs_no_replay(staged: dict[
     assert not replay_decision([ode], _trainer(staged["model"], dtype="bf16")).needed  # nothing stored
 
 
+def test_decision_counts_an_attention_backend_that_changes_numbers_beyond_rounding(
+    staged: dict[str, Path],
+) -> None:
+    """A quantized backend (recorded in the run identity: a sample config's attention_backend) on one
+    side only is a reason to replay; the same one on both sides, or none, is not."""
+    from stages.logprob.decide import replay_decision, rollout_numerics
+
+    native = read_manifest(staged["samples"])
+    sage = copy.deepcopy(native)
+    sage.config["attention_backend"] = "sage"
+    assert rollout_numerics(native).attention_backend == "native"
+    assert rollout_numerics(sage).attention_backend == "sage"
+    rolled_sage = replay_decision([sage], _trainer(staged["model"]))
+    assert rolled_sage.needed and rolled_sage.reason == "attention_backend sage in the rollout, native here"
+    replay_sage = replay_decision([native], _trainer(staged["model"], attention_backend="sage"))
+    assert replay_sage.reason == "attention_backend native in the rollout, sage here"
+    both = replay_decision([sage], _trainer(staged["model"], attention_backend="sage"))
+    assert not both.needed and "sage attention" in both.reason
+
+
 def test_replay_auto_loads_nothing_and_update_trains_bit_identically(
     staged: dict[str, Path], tmp_path: Path
 ) -> None:

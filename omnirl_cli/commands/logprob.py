@@ -82,7 +82,9 @@ def logprob(
             help="yes: always run the model. auto: only when the replay can give other values than the "
             "rollout's log-probs: a rollout of another engine than the in-process diffusers one (remote, "
             "vllm-omni, a plugin), other weights (model or adapter digest), another --dtype, "
-            "--mixed-precision or device type, a text rollout, or --reference / --means; otherwise it "
+            "--mixed-precision or device type, a quantized --attention-backend (sage) on one side only, a "
+            "text rollout, or --reference / --means (another exact kernel or --compile agrees to "
+            "rounding and is no reason); otherwise it "
             "loads no model and writes the sample ids only, as for an ODE rollout, and `update` trains "
             "on the rollout's own log-probs, the very values the replay would give. The manifest (and "
             "--json) records replayed and replay_reason either way.",
@@ -144,7 +146,7 @@ def logprob(
     """
     c = resolve(ctx, "logprob", required=("model", "out"))
     from stages.errors import UserInputError
-    from stages.logprob.decide import Numerics, replay_decision
+    from stages.logprob.decide import NATIVE, Numerics, replay_decision
     from stages.logprob.replay import pick_batches, replay_shard, replay_token_shard
     from stages.models.diffusion import FlowPolicy
     from stages.models.kernels import Kernels, prepare
@@ -190,6 +192,7 @@ def logprob(
             c["dtype"],
             c["mixed_precision"],
             device().type,
+            identity.get("attention_backend") or NATIVE,
         ),
         computes=[
             flag for flag, asked in (("--reference", c["reference"]), ("--means", c["means"])) if asked

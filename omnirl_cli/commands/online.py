@@ -26,6 +26,7 @@ from ..options import (
     ServerTokenEnvOpt,
     ServerUrlOpt,
     SetOpt,
+    no_model_parallel_opt,
 )
 
 # Preset keys of the `sample` section that are named differently in SampleConfig.
@@ -41,6 +42,12 @@ DRIVER_KEYS = {
     },
     "update": {"seed": "iteration k's update shuffles with seed k, as the staged recipe's update --seed k"},
 }
+# Why omnirl online runs no sequence or tensor parallelism, and what does.
+NO_MODEL_PARALLEL = (
+    "runs its sampler and scorer as spawned worker processes, not launcher ranks, so no group of ranks "
+    "can share a sample"
+)
+STAGED = "the staged omnirl sample, logprob and update"
 # Top-level preset keys spelled as a command's option that a stage section names otherwise.
 SECTION_ALIASES = {"reward_arg": "reward_args"}
 
@@ -223,6 +230,8 @@ def online(
     server_retries: ServerRetriesOpt = 8,
     report_to: ReportToOpt = None,
     run_name: RunNameOpt = None,
+    sp_degree: no_model_parallel_opt("--sp-degree", "online", STAGED) = 1,
+    tp_degree: no_model_parallel_opt("--tp-degree", "online", STAGED) = 1,
     overwrite: OverwriteOpt = False,
     set_: SetOpt = None,
     json_: JsonOpt = False,
@@ -249,6 +258,7 @@ def online(
     from stages.errors import UserInputError
     from stages.models.vlm import is_vlm_model
     from stages.online.pipeline import OnlineConfig, prepare_run, run_online
+    from stages.parallelism import ModelParallel
     from stages.precision import launcher_mixed_precision
     from stages.sample.engines import EngineOptions
     from stages.sample.prompts import read_prompts
@@ -261,6 +271,7 @@ def online(
 
     keys = _stage_keys(SampleConfig, UpdateConfig)
     c = resolve(ctx, "online", shared=set().union(*keys.values()))
+    ModelParallel.from_options(c).refuse("omnirl online", NO_MODEL_PARALLEL, STAGED)
     model, out = c["model"], c["out"]
     tracking = Tracking(parse_report_to(c["report_to"]), out, c["run_name"])
 

@@ -29,8 +29,15 @@ from ..options import (
     TokenEnvOpt,
     WorkersOpt,
     model_opt,
+    no_model_parallel_opt,
 )
 from ..runtime import device, serve_until_stopped, server_token
+
+# Why omnirl serve runs no sequence or tensor parallelism, and what does.
+NO_MODEL_PARALLEL = (
+    "answers each request in one process, and the ranks of a group would all have to run every batch together"
+)
+IN_PROCESS = "omnirl sample (its in-process engine)"
 
 
 @handle_errors
@@ -109,6 +116,8 @@ def serve(
     max_connections: MaxConnectionsOpt = MAX_CONNECTIONS,
     workers: WorkersOpt = WORKERS,
     request_timeout: RequestTimeoutOpt = REQUEST_TIMEOUT_S,
+    sp_degree: no_model_parallel_opt("--sp-degree", "serve", IN_PROCESS) = 1,
+    tp_degree: no_model_parallel_opt("--tp-degree", "serve", IN_PROCESS) = 1,
     config: ConfigOpt = None,
     set_: SetOpt = None,
     json_: JsonOpt = False,
@@ -137,6 +146,9 @@ def serve(
     --prompts prompts.txt --out run/it0/samples[/]
     """
     c = resolve(ctx, "serve", required=("model",))
+    from stages.parallelism import ModelParallel
+
+    ModelParallel.from_options(c).refuse("omnirl serve", NO_MODEL_PARALLEL, IN_PROCESS)
     from stages.sample.rollout_server import RolloutService
     from stages.web import JsonServer
 

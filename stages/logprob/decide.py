@@ -6,8 +6,12 @@ weights (model and adapter content digests), weights dtype, mixed precision and 
 replay gives those floats back bit for bit (|Δlogp| = 0), and `update` trains on the rollout's own
 `log_probs` when no replay is given. Anything else can differ: a server (`remote`, `vllm-omni`, a
 plugin engine) samples on its own device, threads and build; another dtype or autocast rounds
-otherwise; other weights are another policy; a text rollout's cached decoding matches a full forward
-only to float rounding. `--reference` and `--means` ask for columns only the replay computes.
+otherwise; other weights are another policy; a quantized attention backend (sage) on one side only
+computes other attention; a text rollout's cached decoding matches a full forward only to float
+rounding. `--reference` and `--means` ask for columns only the replay computes. Another exact
+attention kernel (flash, cuDNN), `--compile` or another sequence-parallel degree changes the floats
+to rounding only (~1e-7, docs/scaling.md), below anything a replay is for, so they are not reasons
+(nor recorded in the run identity, whose `attention_backend` this reads).
 
 `replay_decision` is the one place that says so; `omnirl logprob --replay auto` acts on it and the
 recipes (recipes/flow_grpo.mk, recipes/Snakefile) call that.
@@ -22,18 +26,22 @@ from typing import Any
 from stages.sample.engines import DEFAULT_ENGINE
 
 REPLAY_MODES = ("auto", "yes")  # `logprob --replay`: only when it can differ, or always
+NATIVE = "native"  # the attention of every backend that agrees with torch SDPA to rounding
 
 
 @dataclass(frozen=True)
 class Numerics:
     """What fixes the floats of a diffusion forward: the weights (content digests; adapter None for
-    the base model), their dtype, the autocast mode and the device type (cpu or an accelerator's)."""
+    the base model), their dtype, the autocast mode, the device type (cpu or an accelerator's) and
+    the attention backend where it changes numbers beyond rounding (a quantized one, as the run
+    identity records it; "native" for every backend that agrees with native to rounding)."""
 
     model_sha256: str
     adapter_sha256: str | None
     dtype: str
     mixed_precision: str
     device_type: str
+    attention_backend: str = NATIVE
 
 
 @dataclass(frozen=True)
@@ -54,8 +62,9 @@ def _rollout_manifest(manifests: Sequence[Any]) -> Any | None:
 
 
 def rollout_numerics(manifest: Any) -> Numerics:
-    """The `Numerics` a `sample` manifest records: its config's digests and dtype, the mixed precision
-    it sampled under (`extra.sample_config`) and its engine's device type ("" when not recorded)."""
+    """The `Numerics` a `sample` manifest records: its config's digests, dtype and attention backend
+    (there only when quantized), the mixed precision it sampled under (`extra.sample_config`) and its
+    engine's device type ("" when not recorded)."""
     extra = manifest.extra or {}
     return Numerics(
         model_sha256=str(manifest.config.get("model_sha256")),
@@ -63,6 +72,7 @@ def rollout_numerics(manifest: Any) -> Numerics:
         dtype=str(manifest.config.get("dtype")),
         mixed_precision=str((extra.get("sample_config") or {}).get("mixed_precision", "no")),
         device_type=str(extra["engine"].get("device", "")),
+        attention_backend=str(manifest.config.get("attention_backend") or NATIVE),
     )
 
 
@@ -97,8 +107,9 @@ def replay_decision(
     return ReplayDecision(
         False,
         f"sampled in process by the {DEFAULT_ENGINE} engine under the same weights, dtype {replay.dtype}, "
-        f"mixed precision {replay.mixed_precision} and device type {replay.device_type}: a replay "
-        "reproduces its log-probs exactly",
+        f"mixed precision {replay.mixed_precision}, device type {replay.device_type} and "
+        f"{replay.attention_backend} attention: a replay reproduces its log-probs exactly (to rounding "
+        "under another exact kernel or --compile)",
     )
 
 

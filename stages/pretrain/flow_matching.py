@@ -447,7 +447,7 @@ class _Captions:
 def run_identity(cfg: PretrainConfig, model: str | Path, data: ImageDataset) -> dict[str, dict[str, Any]]:
     """What a checkpoint must match to be resumed (`Checkpoints`): the config by option name, the
     content digests of --model and --data and the side its images were resized to."""
-    from stages.models.diffusion import check_pipeline_folder
+    from stages.models.folders import check_pipeline_folder
     from stages.shards.digest import content_digest
 
     model = check_pipeline_folder(model)  # before hashing: any folder could be walked otherwise

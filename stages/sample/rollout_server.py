@@ -181,8 +181,8 @@ class RolloutService(JsonService):
         weights_root: str | Path | None = None,
         named_ttl: float = 600.0,
     ):
-        from stages.models.diffusion import check_pipeline_folder
         from stages.models.factory import default_text_length
+        from stages.models.folders import check_pipeline_folder
 
         super().__init__(token=token, max_request_bytes=max_request_bytes)
         self.model = check_pipeline_folder(model)  # before hashing what may be any folder

@@ -105,7 +105,7 @@ class ServedWeights:
         return record if name is None else {"name": name, **record}
 
     def _start(self, adapter: str | Path | None) -> dict[str, Any]:
-        from stages.models.diffusion import read_adapter_config
+        from stages.models.folders import read_adapter_config
         from stages.shards.digest import content_digest
 
         self.full = False  # whether the pipeline holds a full adapter (no LoRA swaps onto it in place)
@@ -285,7 +285,7 @@ class ServedWeights:
 
     def _load_folder(self, adapter: str | None, version: int | None, name: str | None) -> dict[str, Any]:
         """``POST /omnirl/v1/weights`` with a folder path (`stages.sample.rollout_server` docstring)."""
-        from stages.models.diffusion import LORA_WEIGHTS, read_adapter_config
+        from stages.models.folders import LORA_WEIGHTS, read_adapter_config
         from stages.models.lora_weights import read_lora_file
         from stages.shards.digest import content_digest
 

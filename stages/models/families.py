@@ -1,6 +1,6 @@
 """Diffusion model families behind one adapter protocol.
 
-`FlowPolicy` (stages/models/diffusion.py; its folders: stages/models/folders.py) is family-agnostic: per-seed noise, the prompt cache,
+`FlowPolicy` (stages/models/diffusion.py) is family-agnostic: per-seed noise, the prompt cache,
 LoRA and full-weight save/load, reference/old/EMA weight swaps. What differs between pipelines is a
 `FamilyAdapter`: the σ schedule (dynamic shift), the stored latent shape, prompt encoding, the
 guided velocity v(x, σ) (packing, position ids, timestep scale, CFG kind), decoding and VAE encoding,

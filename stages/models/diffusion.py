@@ -21,6 +21,7 @@ import torch
 from stages.dist import unwrap
 from stages.errors import UserInputError
 from stages.models.conditioning import (
+    TEXT_PREFIXES,
     Entries,
     Key,
     encoder_identity,
@@ -37,7 +38,7 @@ from stages.models.folders import (
     check_pipeline_folder,
     load_expert_loras,
     load_lora,
-    lora_changes_text_encoders,
+    lora_has_layers,
     pipeline_index,
     read_adapter_config,
     trained_folders,
@@ -278,7 +279,7 @@ class FlowPolicy:
         `conditioning_source` says which ("stored", or why it encodes)."""
         identity = encoder_identity(model_path, dtype, max_sequence_length)
         stored, source = stored_conditioning(inputs.paths, inputs.manifests, identity)
-        if stored is not None and adapter and lora_changes_text_encoders(Path(adapter)):
+        if stored is not None and adapter and lora_has_layers(Path(adapter), TEXT_PREFIXES):
             # an adapter with text-encoder LoRA layers loads onto the text encoders: keep them
             stored, source = None, f"--adapter {adapter} has text-encoder LoRA weights"
         policy = cls.load(

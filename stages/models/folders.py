@@ -16,7 +16,6 @@ from typing import Any
 from safetensors import SafetensorError
 
 from stages.errors import UserInputError
-from stages.models.conditioning import TEXT_PREFIXES
 from stages.models.lora_weights import lora_config_dict
 
 ADAPTER_CONFIG = "omnirl_adapter.json"
@@ -211,9 +210,10 @@ def adapter_loading(adapter: str | Path, model: str | Path) -> Iterator[None]:
             lg.setLevel(level)
 
 
-def lora_changes_text_encoders(adapter: Path) -> bool:
-    """Whether a diffusers LoRA folder's weights (`LORA_WEIGHTS`) hold text-encoder layers (read from
-    the safetensors header alone). A damaged file says no: loading it is then refused in one line."""
+def lora_has_layers(adapter: Path, prefixes: tuple[str, ...]) -> bool:
+    """Whether a diffusers LoRA folder's weights (`LORA_WEIGHTS`) hold layers whose keys start with one of
+    `prefixes` (read from the safetensors header alone). A damaged file says no: loading it is then
+    refused in one line."""
     from safetensors import safe_open
 
     path = adapter / LORA_WEIGHTS
@@ -221,6 +221,6 @@ def lora_changes_text_encoders(adapter: Path) -> bool:
         return False
     try:
         with safe_open(str(path), framework="pt") as f:
-            return any(key.startswith(TEXT_PREFIXES) for key in f.keys())  # noqa: SIM118 (no mapping)
+            return any(key.startswith(prefixes) for key in f.keys())  # noqa: SIM118 (no mapping)
     except (SafetensorError, OSError):
         return False

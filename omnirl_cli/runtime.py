@@ -38,7 +38,7 @@ def policy_version(adapter: Path | None) -> int:
     """The optimizer step of the adapter that samples (0 for the base model)."""
     if adapter is None:
         return 0
-    from stages.models.diffusion import read_adapter_config
+    from stages.models.folders import read_adapter_config
 
     return int(read_adapter_config(adapter).get("step", 0))
 

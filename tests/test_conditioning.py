@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 
 from stages.errors import UserInputError
 from stages.models.conditioning import CONDITIONING, encoder_identity, stored_conditioning
-from stages.models.diffusion import LORA_WEIGHTS, FlowPolicy
+from stages.models.diffusion import FlowPolicy
+from stages.models.folders import LORA_WEIGHTS
 from stages.shards.manifest import MANIFEST_NAME
 from stages.shards.reader import ShardSet, open_inputs
 

@@ -14,7 +14,8 @@ import torch
 from helpers import PROMPTS, fails, ins, run, torchrun
 from safetensors.torch import load_file
 
-from stages.models.diffusion import LORA_WEIGHTS, FlowPolicy
+from stages.models.diffusion import FlowPolicy
+from stages.models.folders import LORA_WEIGHTS
 from stages.shards.reader import ShardSet, open_inputs
 
 # init-model --family name → the sampling flags that fit its tiny build

@@ -10,8 +10,6 @@ import torch
 
 from stages.errors import UserInputError
 from stages.update.family_losses import (
-    FAMILY_LOSS_DOCS,
-    FAMILY_LOSSES,
     awm_loss,
     awm_psi,
     diffusion_dpo_loss,
@@ -19,7 +17,6 @@ from stages.update.family_losses import (
     grpo_guard_loss,
     nft_loss,
     nft_old_decay,
-    nft_optimality,
 )
 from stages.update.losses import StepLoss
 
@@ -215,11 +212,6 @@ def test_nft_optimality_one_keeps_only_the_positive_side():
     assert ln.mean() > 0.1  # the negative side is there, and ignored
 
 
-def test_nft_optimality_mapping():
-    r = nft_optimality(t32([-7.0, -5.0, 0.0, 1.0, 5.0, 9.0]))
-    np.testing.assert_allclose(r.numpy(), [0.0, 0.0, 0.5, 0.6, 1.0, 1.0], atol=1e-7)
-
-
 @pytest.mark.parametrize(
     ("schedule", "expected"),
     [
@@ -404,13 +396,3 @@ def test_dpo_matches_numpy_and_prefers_a_smaller_chosen_error():
 def test_dpo_is_stable_at_large_beta():
     loss, _ = diffusion_dpo_loss(t32([10.0]), t32([0.0]), t32([0.0]), t32([0.0]), beta=5000.0)
     assert loss.item() == pytest.approx(25000.0, rel=1e-6)
-
-
-# ---------------------------------------------------------------- registry
-
-
-def test_registry_names_and_docs_agree():
-    assert (
-        set(FAMILY_LOSSES) == set(FAMILY_LOSS_DOCS) == {"grpo_guard", "diffusion_nft", "awm", "diffusion_dpo"}
-    )
-    assert FAMILY_LOSSES["awm"] is awm_loss

@@ -17,7 +17,8 @@ from helpers import PROMPTS, fails, ins, run
 from safetensors.torch import load_file, save_file
 
 from stages.errors import UserInputError
-from stages.models.diffusion import LORA_WEIGHTS, FlowPolicy
+from stages.models.diffusion import FlowPolicy
+from stages.models.folders import LORA_WEIGHTS
 from stages.sample.rollout import SampleConfig, rollout_batch
 from stages.shards.reader import ShardSet
 

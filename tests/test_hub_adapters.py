@@ -14,7 +14,8 @@ import torch
 from helpers import fails, ins, run, sample_args
 
 from stages.errors import UserInputError
-from stages.models.diffusion import ADAPTER_CONFIG, LORA_WEIGHTS, PEFT_CONFIG, FlowPolicy
+from stages.models.diffusion import FlowPolicy
+from stages.models.folders import ADAPTER_CONFIG, LORA_WEIGHTS, PEFT_CONFIG
 from stages.models.hub import hub_origin, locate, split_hub_id
 from stages.shards.digest import content_digest
 from stages.shards.reader import ShardSet

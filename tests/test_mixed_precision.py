@@ -19,7 +19,8 @@ import torch
 from helpers import fails, ins, run, staged_update_args
 from safetensors.torch import load_file
 
-from stages.models.diffusion import LORA_WEIGHTS, FlowPolicy
+from stages.models.diffusion import FlowPolicy
+from stages.models.folders import LORA_WEIGHTS
 from stages.models.vlm import VLMPolicy
 from stages.update.trainer import UpdateConfig
 

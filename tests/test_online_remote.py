@@ -326,9 +326,9 @@ def test_a_server_holding_a_full_adapter_reloads_the_base_for_a_pushed_lora(
     policy.add_lora(rank=4, alpha=8)
     raw = policy.lora_file()
     service = RolloutService(tiny_sd3, tmp_path / "full")
-    assert service.weights["version"] == 3 and service.full
+    assert service.weights["version"] == 3 and service.held.full
     query = {"sha256": [hashlib.sha256(raw).hexdigest()]}
-    reply = service.load_weights(raw, {**query, "version": ["4"]})
-    assert reply["load"]["how"] == "reloaded, replaced" and not service.full
+    reply = service.held.load(raw, {**query, "version": ["4"]})
+    assert reply["load"]["how"] == "reloaded, replaced" and not service.held.full
     assert reply["weights"]["adapter"] == "pushed" and reply["weights"]["version"] == 4
-    assert service.load_weights(raw, {**query, "version": ["5"]})["load"]["how"] == "copied"
+    assert service.held.load(raw, {**query, "version": ["5"]})["load"]["how"] == "copied"

@@ -13,7 +13,8 @@ from helpers import PROMPTS, fails, ins, run, torchrun_commands
 from safetensors.torch import load_file
 
 from stages.errors import UserInputError
-from stages.models.diffusion import LORA_WEIGHTS, FlowPolicy
+from stages.models.diffusion import FlowPolicy
+from stages.models.folders import LORA_WEIGHTS
 from stages.models.kernels import Kernels, prepare
 from stages.parallelism import ModelParallel, parallelize
 from stages.shards.reader import ShardSet

@@ -31,10 +31,9 @@ from stages.pretrain.flow_matching import (
     flow_matching_loss,
     pixel_latents,
     pretrain,
-    read_image_dataset,
     shift_sigmas,
-    to_signed,
 )
+from stages.pretrain.images import read_image_dataset, to_signed
 from stages.pretrain.resume import TrainingRun
 
 REPO = Path(__file__).resolve().parents[1]

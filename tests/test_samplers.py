@@ -10,7 +10,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
 from stages.errors import UserInputError
-from stages.models.schedules import flow_match_sigmas, flow_match_timesteps, shifted_linear_sigmas
+from stages.models.schedules import flow_match_sigmas
 from stages.sample.samplers import (
     SAMPLERS,
     guard_log_ratio,
@@ -19,25 +19,6 @@ from stages.sample.samplers import (
 )
 
 SD3_N10 = [1, 0.960129, 0.913349, 0.857692, 0.790368, 0.707278, 0.602151, 0.464876, 0.278049, 0.008929, 0]
-DANCE_N16_K3 = [
-    1,
-    0.978261,
-    0.954545,
-    0.928571,
-    0.9,
-    0.868421,
-    0.833333,
-    0.794118,
-    0.75,
-    0.7,
-    0.642857,
-    0.576923,
-    0.5,
-    0.409091,
-    0.3,
-    0.166667,
-    0,
-]
 FLUX_N6_MU063 = [1, 0.903736, 0.789705, 0.652489, 0.484218, 0.273003, 0]
 HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
 
@@ -57,7 +38,7 @@ def test_sd3_sigmas_match_diffusers_and_golden():
     fresh = FlowMatchEulerDiscreteScheduler(shift=3.0)
     fresh.set_timesteps(10)
     assert torch.equal(sigmas, fresh.sigmas)
-    assert torch.equal(flow_match_timesteps(sigmas), fresh.timesteps)
+    assert torch.equal(sigmas[:-1] * 1000, fresh.timesteps)  # SD3's timestep σ·1000 (sd3.py, rollout.py)
 
     # float64 derivation: training sigmas shifted once, linspace between the ends, shifted again
     s_min, s_max = _shift64(np.array(1 / 1000), 3.0), _shift64(np.array(1.0), 3.0)
@@ -87,18 +68,6 @@ def test_flux_dynamic_shift_sigmas():
     np.testing.assert_allclose(sigmas.numpy(), expected, atol=1e-6)
     with pytest.raises(ValueError, match="mu"):
         flow_match_sigmas(sched, 6)
-
-
-def test_shifted_linear_sigmas_golden():
-    sigmas = shifted_linear_sigmas(16, 3.0)
-    assert sigmas.dtype == torch.float32 and sigmas.shape == (17,)
-    np.testing.assert_allclose(sigmas.numpy(), DANCE_N16_K3, atol=1e-6)
-    np.testing.assert_allclose(sigmas.numpy(), _shift64(np.linspace(1, 0, 17), 3.0), atol=1e-6)
-    assert torch.equal(shifted_linear_sigmas(4, 1.0), torch.tensor([1.0, 0.75, 0.5, 0.25, 0.0]))
-    # DanceGRPO feeds the transformer the truncated int(σ·1000)
-    assert flow_match_timesteps(sigmas, truncate=True)[:4].tolist() == [1000.0, 978.0, 954.0, 928.0]
-    with pytest.raises(UserInputError):
-        shifted_linear_sigmas(0, 3.0)
 
 
 # ---------------------------------------------------------------- float64 references (from the formulas)

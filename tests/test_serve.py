@@ -371,15 +371,15 @@ def test_a_server_killed_mid_run_and_restarted_loses_and_duplicates_nothing(
 def test_no_server_within_the_startup_budget_is_exit_2_naming_the_url_with_progress_meanwhile(
     tiny_sd3: Path, prompts: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog
 ) -> None:
-    import stages.web
+    import stages.web.client
 
     url = f"http://127.0.0.1:{_free_port()}"
     args = _remote(tiny_sd3, prompts, tmp_path / "o", url, "--server-startup-timeout", "1")
     fails(args, url, "no healthy rollout server within 1 s", "Connection refused", "--server-startup-timeout")
     assert not (tmp_path / "o").exists()
     # a person waiting sees what for: a line after HEALTH_FIRST_NOTICE_S, then every HEALTH_NOTICE_S
-    monkeypatch.setattr(stages.web, "HEALTH_FIRST_NOTICE_S", 0.3)
-    monkeypatch.setattr(stages.web, "HEALTH_NOTICE_S", 0.5)
+    monkeypatch.setattr(stages.web.client, "HEALTH_FIRST_NOTICE_S", 0.3)
+    monkeypatch.setattr(stages.web.client, "HEALTH_NOTICE_S", 0.5)
     args = _remote(tiny_sd3, prompts, tmp_path / "o", url, "--server-startup-timeout", "1.6")
     with caplog.at_level("WARNING", logger="stages.web"):
         assert runner.invoke(app, args).exit_code == 2

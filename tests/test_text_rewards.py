@@ -10,9 +10,10 @@ from types import SimpleNamespace
 import pytest
 
 from stages.errors import UserInputError
-from stages.score import registry, text_rewards
+from stages.score import registry, text_answers
 from stages.score.registry import get_reward, register_reward, reward_kind
 from stages.score.scoring import score_batch
+from stages.score.text_answers import extract_answer, last_boxed, math_equal
 from stages.score.text_metrics import (
     align_exact,
     bleu_score,
@@ -25,12 +26,9 @@ from stages.score.text_metrics import (
 from stages.score.text_rewards import (
     accuracy,
     bleu,
-    extract_answer,
     format_boxed,
     format_think_answer,
-    last_boxed,
     length_penalty,
-    math_equal,
     meteor,
     repetition_penalty,
     rouge_l,
@@ -211,7 +209,7 @@ def test_boxed_and_answer_extraction():
     ],
 )
 def test_accuracy_math_fallback(monkeypatch, response, gt, expected):
-    monkeypatch.setattr(text_rewards, "_load_math_verify", lambda: None)
+    monkeypatch.setattr(text_answers, "_load_math_verify", lambda: None)
     assert one(accuracy, response, ground_truth=gt) == expected
 
 
@@ -273,10 +271,10 @@ def test_accuracy_uses_math_verify_when_installed(monkeypatch):
         return gold == [r"\boxed{x+x}"] and prediction == [r"\boxed{2x}"]
 
     fake = SimpleNamespace(parse=parse, verify=verify)
-    monkeypatch.setattr(text_rewards, "_load_math_verify", lambda: fake)
+    monkeypatch.setattr(text_answers, "_load_math_verify", lambda: fake)
     assert one(accuracy, r"\boxed{2x}", ground_truth="x+x") == 1.0
     assert calls == [r"\boxed{x+x}", r"\boxed{2x}"]
-    monkeypatch.setattr(text_rewards, "_load_math_verify", lambda: None)
+    monkeypatch.setattr(text_answers, "_load_math_verify", lambda: None)
     assert one(accuracy, r"\boxed{2x}", ground_truth="x+x") == 0.0
 
     def broken(text):
@@ -285,7 +283,7 @@ def test_accuracy_uses_math_verify_when_installed(monkeypatch):
 
     calls.clear()
     monkeypatch.setattr(
-        text_rewards, "_load_math_verify", lambda: SimpleNamespace(parse=broken, verify=verify)
+        text_answers, "_load_math_verify", lambda: SimpleNamespace(parse=broken, verify=verify)
     )
     assert one(accuracy, r"\boxed{2x}", ground_truth="x+x") == 0.0  # a failing math_verify is "not equal"
     assert calls == [r"\boxed{x+x}"]
@@ -294,8 +292,8 @@ def test_accuracy_uses_math_verify_when_installed(monkeypatch):
 
 def test_accuracy_with_the_real_math_verify():
     """math_verify (a dev dependency) settles symbolic equivalence the string fallback cannot."""
-    assert text_rewards._load_math_verify() is not None
-    assert text_rewards.math_equal("2x", "x+x") is False
+    assert text_answers._load_math_verify() is not None
+    assert text_answers.math_equal("2x", "x+x") is False
     assert one(accuracy, r"<think>..</think> \boxed{2x}", ground_truth="x+x") == 1.0
     assert one(accuracy, r"\boxed{\sqrt{2}/2}", ground_truth=r"\frac{1}{\sqrt{2}}") == 1.0
     assert one(accuracy, r"\boxed{2x+1}", ground_truth="x+x") == 0.0

@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from transformers.utils import logging as transformers_logging
 
 from stages.errors import UserInputError
-from stages.models.diffusion import ADAPTER_CONFIG, LORA_WEIGHTS, PEFT_CONFIG, PEFT_WEIGHTS
+from stages.models.folders import ADAPTER_CONFIG, LORA_WEIGHTS, PEFT_CONFIG, PEFT_WEIGHTS
 from stages.shards.manifest import MANIFEST_NAME
 from stages.shards.reader import ShardSet
 

@@ -178,11 +178,11 @@ def pretrain(
     from stages.pretrain.flow_matching import (
         PretrainConfig,
         check_out,
-        read_image_dataset,
         run_identity,
         save_pretrained_model,
     )
     from stages.pretrain.flow_matching import pretrain as run_pretrain
+    from stages.pretrain.images import read_image_dataset
     from stages.pretrain.resume import Checkpoints
 
     from ..runtime import device

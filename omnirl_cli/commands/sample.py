@@ -447,8 +447,8 @@ def sample(
     from stages.media import output_modality
     from stages.media.deferred import deferred_record
     from stages.models.conditioning import conditioning_record
-    from stages.models.diffusion import check_pipeline_folder
     from stages.models.factory import default_text_length
+    from stages.models.folders import check_pipeline_folder
     from stages.models.kernels import Kernels, prepare
     from stages.parallelism import ModelParallel, layout
     from stages.sample.engines import DEFAULT_ENGINE, DiffusersEngine, EngineOptions, engine_class

@@ -45,7 +45,7 @@ def text_components(index: dict[str, Any]) -> list[str]:
 def encoder_identity(model: str | Path, dtype: str, max_sequence_length: int) -> dict[str, Any]:
     """What makes stored conditioning valid for a run: the pipeline class, the content digest of each text
     encoder and tokenizer folder of `model`, the text length and the weights dtype (e.g. "bf16")."""
-    from stages.models.diffusion import pipeline_index
+    from stages.models.folders import pipeline_index
     from stages.shards.digest import content_digest
 
     index = pipeline_index(model)

@@ -185,7 +185,7 @@ def _meta_pipeline(folder: Path) -> Any:
     from diffusers import ModelMixin, SchedulerMixin
     from transformers import AutoConfig, PreTrainedModel
 
-    from stages.models.diffusion import pipeline_index
+    from stages.models.folders import pipeline_index
 
     index = pipeline_index(folder)
     components: dict[str, Any] = {}

@@ -48,24 +48,3 @@ def dynamic_shift_mu(image_seq_len: int, config: Any) -> float:
     base_shift = config.get("base_shift", 0.5)
     slope = (config.get("max_shift", 1.15) - base_shift) / (max_len - base_len)
     return image_seq_len * slope + (base_shift - slope * base_len)
-
-
-def flow_match_timesteps(
-    sigmas: Tensor, *, num_train_timesteps: int = 1000, truncate: bool = False
-) -> Tensor:
-    """Model timesteps [N] for the steps of a σ table [N + 1]: σ·1000 in float32, as the SD3 pipeline feeds
-    the transformer (equal to `scheduler.timesteps`). `truncate=True` gives DanceGRPO's ⌊σ·1000⌋; callers
-    whose transformer takes t in [0, 1] (FLUX) divide by `num_train_timesteps` themselves.
-    """
-    t = sigmas[:-1].to(torch.float32) * num_train_timesteps
-    return torch.floor(t) if truncate else t
-
-
-def shifted_linear_sigmas(num_steps: int, shift: float) -> Tensor:
-    """DanceGRPO/MixGRPO σ schedule: float32 [num_steps + 1], k·t/(1 + (k−1)·t) on t = linspace(1, 0, N+1)."""
-    if num_steps < 1:
-        raise UserInputError(f"num_steps={num_steps}: the number of sampling steps must be at least 1")
-    if shift <= 0:
-        raise UserInputError(f"shift={shift}: the schedule shift must be > 0")
-    t = torch.linspace(1, 0, num_steps + 1, dtype=torch.float32)
-    return (shift * t) / (1 + (shift - 1) * t)

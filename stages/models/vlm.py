@@ -27,9 +27,9 @@ import torch
 
 from stages.dist import unwrap
 from stages.errors import UserInputError
-from stages.models.diffusion import (
+from stages.models.diffusion import DTYPES
+from stages.models.folders import (
     ADAPTER_CONFIG,
-    DTYPES,
     PEFT_CONFIG,
     adapter_loading,
     check_adapter_layout,

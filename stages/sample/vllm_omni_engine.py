@@ -59,8 +59,8 @@ TRUE_CFG_FAMILIES = frozenset({"qwen_image"})
 def model_family(model: Path) -> Any:
     """The family adapter class of a local pipeline folder (its ``name``, its ``media``), from its
     model_index.json (no weights loaded)."""
-    from stages.models.diffusion import pipeline_index
     from stages.models.families import adapter_class
+    from stages.models.folders import pipeline_index
 
     return adapter_class(pipeline_index(model)["_class_name"], str(model))
 

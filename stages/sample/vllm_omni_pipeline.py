@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from vllm_omni.diffusion.data import DiffusionOutput
 
-from stages.models.diffusion import FlowPolicy, read_adapter_config
+from stages.models.diffusion import FlowPolicy
+from stages.models.folders import read_adapter_config
 from stages.sample.vllm_omni_engine import EXTRA_KEY, pipeline_fields
 
 

@@ -61,6 +61,7 @@ from typing import Any, TypeVar
 
 from stages.errors import UserInputError
 from stages.plugins import entry_point_names, is_file_spec, load_entry_point, load_object
+from stages.score import REMOTE_PREFIX
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +70,6 @@ RewardArgs = Mapping[str, Mapping[str, Any]]
 _F = TypeVar("_F")
 
 ENTRY_POINT_GROUP = "omnirl.rewards"
-REMOTE_PREFIX = "remote:"  # `remote:URL` names a reward server (stages.score.remote)
 _BUILTIN_MODULES = (
     "stages.score.image_rewards",
     "stages.score.ocr",

@@ -81,7 +81,7 @@ from typing import Any
 from PIL import Image
 
 from stages.errors import RuntimeFailure, UserInputError
-from stages.score.registry import REMOTE_PREFIX
+from stages.score import REMOTE_PREFIX
 from stages.score.rubrics import PROMPT_FIELD, RUBRICS
 from stages.web import backoff, env_token, error_message, one_line, redact_url
 

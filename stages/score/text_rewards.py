@@ -33,24 +33,31 @@ Plugins written for other trainers run unchanged through `verl_compute_score` (v
 
 from __future__ import annotations
 
-import functools
-import importlib
 import math
 import re
 from collections.abc import Callable, Sequence
-from types import ModuleType
 from typing import Any
 
 from stages.errors import UserInputError
 from stages.score import text_metrics
 from stages.score.registry import register_reward
+from stages.score.text_answers import (
+    ANSWER_RE,
+    box_iou,
+    choice_letter,
+    extract_answer,
+    guess_answer_type,
+    last_boxed,
+    math_equal,
+    math_verify_equal,
+    parse_box,
+)
 
 TEXT_KIND = "text"
 
 TextScorer = Callable[[Sequence[str | None], Sequence[str], Sequence[dict]], list[float | None]]
 
 ANSWER_TYPES = ("math", "choice", "box")
-NUMBER_TOLERANCE = 1e-6
 BLEU_MAX_N = 2
 DEFAULT_SIMILARITY_WEIGHTS = {"bleu": 1 / 3, "rouge_l": 1 / 3, "meteor": 1 / 3}
 SIMILARITY_METRICS = ("bleu", "rouge_l", "rouge_1", "meteor")
@@ -60,17 +67,7 @@ DEFAULT_REPETITION_NGRAM = 3
 DEFAULT_REPETITION_MAX_PENALTY = -1.0
 
 _THINK_ANSWER_RE = re.compile(r"<think>.*?</think>\s*<answer>.*?</answer>", re.DOTALL)
-_ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _THINK_RE = re.compile(r"<think>.*?</think>", re.DOTALL)
-_BOXED = "\\boxed{"
-_NUMBER = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
-_NUMBER_RE = re.compile(_NUMBER)
-_FRACTION_RE = re.compile(rf"({_NUMBER})/({_NUMBER})")
-_LATEX_FRACTION_RE = re.compile(rf"([-+]?)\\frac\{{({_NUMBER})\}}\{{({_NUMBER})\}}")
-_BOX_RE = re.compile(rf"\[\s*({_NUMBER})\s*,\s*({_NUMBER})\s*,\s*({_NUMBER})\s*,\s*({_NUMBER})\s*\]")
-_CHOICE_ONLY_RE = re.compile(r"\s*\(?([A-E])\)?[.:]?\s*")
-_CHOICE_LEAD_RE = re.compile(r"\s*(?:\(([A-E])\)|([A-E])(?![A-Za-z0-9]))")
-_MATH_NOISE = ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "^{\\circ}", "^\\circ", "°", "$")
 
 
 def _score_rows(
@@ -103,43 +100,6 @@ def _text_scorer(name: str) -> Callable[[Callable[[str, dict], float]], TextScor
         return register_reward(name, kind=TEXT_KIND)(scorer)
 
     return decorator
-
-
-# --- answer extraction -----------------------------------------------------------------------------
-
-
-def last_boxed(text: str) -> str | None:
-    r"""Content of the last ``\boxed{...}`` in `text`, or None when there is none or its braces never
-    close (a truncated response). Escaped braces ``\{`` ``\}`` do not count."""
-    start = text.rfind(_BOXED)
-    if start < 0:
-        return None
-    depth, k = 1, start + len(_BOXED)
-    while k < len(text):
-        char = text[k]
-        if char == "\\":
-            k += 2
-            continue
-        if char == "{":
-            depth += 1
-        elif char == "}":
-            depth -= 1
-            if depth == 0:
-                return text[start + len(_BOXED) : k]
-        k += 1
-    return None
-
-
-def extract_answer(text: str) -> str | None:
-    r"""The final answer in `text`: the content of the last ``<answer>…</answer>`` (its last
-    ``\boxed{}`` if it holds one), else the last ``\boxed{}``; stripped. None when there is neither."""
-    tags = _ANSWER_RE.findall(text)
-    if tags:
-        inner = tags[-1]
-        boxed = last_boxed(inner)
-        return (inner if boxed is None else boxed).strip()
-    boxed = last_boxed(text)
-    return None if boxed is None else boxed.strip()
 
 
 def _find_ground_truth(row: dict) -> Any:
@@ -187,95 +147,6 @@ def format_boxed(response: str, meta: dict) -> float:
 # --- accuracy --------------------------------------------------------------------------------------
 
 
-@functools.cache
-def _load_math_verify() -> ModuleType | None:
-    """The optional `math_verify` package, or None when it is not installed."""
-    try:
-        return importlib.import_module("math_verify")
-    except ImportError:
-        return None
-
-
-def normalize_math(text: str) -> str:
-    r"""Answer string for the fallback exact match: no whitespace, ``$``, ``\left``/``\right``, thin
-    spaces, degree signs or trailing period; ``\dfrac``/``\tfrac`` written ``\frac``."""
-    s = "".join(text.split())
-    for noise in _MATH_NOISE:
-        s = s.replace(noise, "")
-    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
-    return s.rstrip(".")
-
-
-def parse_number(text: str) -> float | None:
-    r"""The value of a normalised answer that is a number, ``a/b`` or ``\frac{a}{b}``, else None."""
-    if _NUMBER_RE.fullmatch(text):
-        return float(text)
-    fraction = _FRACTION_RE.fullmatch(text)
-    if fraction:
-        numerator, denominator = float(fraction[1]), float(fraction[2])
-        return numerator / denominator if denominator else None
-    latex = _LATEX_FRACTION_RE.fullmatch(text)
-    if latex:
-        numerator, denominator = float(latex[2]), float(latex[3])
-        if not denominator:
-            return None
-        return (-1 if latex[1] == "-" else 1) * numerator / denominator
-    return None
-
-
-def math_equal(prediction: str, gold: str) -> bool:
-    """Fallback math comparison: numbers (also fractions) equal within 1e-6·max(1, |gold|), otherwise
-    the normalised strings equal."""
-    p, g = normalize_math(prediction), normalize_math(gold)
-    p_value, g_value = parse_number(p), parse_number(g)
-    if p_value is not None and g_value is not None:
-        return abs(p_value - g_value) <= NUMBER_TOLERANCE * max(1.0, abs(g_value))
-    return p == g
-
-
-def _math_verify_equal(prediction: str, gold: str) -> bool:
-    """math_verify's verdict with both sides wrapped in \\boxed{} (verl's convention); False when it is
-    missing, cannot parse a side or fails."""
-    module = _load_math_verify()
-    if module is None:
-        return False
-    try:
-        gold_parsed = module.parse(_BOXED + gold + "}")
-        prediction_parsed = module.parse(_BOXED + prediction + "}")
-        return bool(gold_parsed and prediction_parsed and module.verify(gold_parsed, prediction_parsed))
-    except Exception:  # math_verify raises on timeouts and odd LaTeX: fall back to the exact match
-        return False
-
-
-def choice_letter(text: str) -> str | None:
-    """The option letter A–E a text starts with ("B", "(B)", "B.", "B) 12 cm"), else None."""
-    match = _CHOICE_LEAD_RE.match(text)
-    return None if match is None else match[1] or match[2]
-
-
-def parse_box(value: Any) -> tuple[float, float, float, float] | None:
-    """A box ``[x1, y1, x2, y2]`` from a 4-number list or the last such bracket in a string."""
-    if isinstance(value, list | tuple):
-        if len(value) == 4 and all(isinstance(v, int | float) for v in value):
-            return tuple(float(v) for v in value)  # type: ignore[return-value]
-        return None
-    matches = _BOX_RE.findall(str(value))
-    return tuple(float(v) for v in matches[-1]) if matches else None  # type: ignore[return-value]
-
-
-def box_iou(a: Sequence[float], b: Sequence[float]) -> float:
-    """Intersection over union of two ``[x1, y1, x2, y2]`` boxes (x2 < x1 or y2 < y1: empty box)."""
-    width = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
-    height = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
-    intersection = width * height
-
-    def area(box: Sequence[float]) -> float:
-        return max(0.0, box[2] - box[0]) * max(0.0, box[3] - box[1])
-
-    union = area(a) + area(b) - intersection
-    return intersection / union if union > 0 else 0.0
-
-
 def _answer_type(name: str, gt: Any, row: dict) -> str:
     declared = row.get("answer_type")
     if declared is not None:
@@ -284,13 +155,7 @@ def _answer_type(name: str, gt: Any, row: dict) -> str:
                 f"reward {name!r}: meta answer_type {declared!r} must be one of {', '.join(ANSWER_TYPES)}"
             )
         return declared
-    if isinstance(gt, list | tuple) and parse_box(gt) is not None:
-        return "box"
-    if isinstance(gt, str) and _BOX_RE.fullmatch(gt.strip()):
-        return "box"
-    if isinstance(gt, str) and _CHOICE_ONLY_RE.fullmatch(gt):
-        return "choice"
-    return "math"
+    return guess_answer_type(gt)
 
 
 def _iou_reward(name: str, prediction: str, gt: Any, row: dict) -> float:
@@ -334,7 +199,7 @@ def accuracy(response: str, meta: dict) -> float:
     if kind == "choice":
         letter = choice_letter(prediction)
         return 1.0 if letter is not None and letter in {choice_letter(g) for g in golds} else 0.0
-    return 1.0 if any(math_equal(prediction, g) or _math_verify_equal(prediction, g) for g in golds) else 0.0
+    return 1.0 if any(math_equal(prediction, g) or math_verify_equal(prediction, g) for g in golds) else 0.0
 
 
 # --- reference similarity --------------------------------------------------------------------------
@@ -343,7 +208,7 @@ def accuracy(response: str, meta: dict) -> float:
 def _answer_tokens(response: str) -> list[str]:
     """Tokens of the answer part: the last <answer> content if tagged, else the response without
     its <think> block."""
-    tags = _ANSWER_RE.findall(response)
+    tags = ANSWER_RE.findall(response)
     return text_metrics.tokenize(tags[-1] if tags else _THINK_RE.sub(" ", response))
 
 
@@ -480,7 +345,7 @@ class OmniRLAccuracy(_TextReward):
 
     def rule(self, response: str, meta: dict) -> float:
         references = _reference_tokens("omnirl_accuracy", meta)
-        if self.require_answer and not _ANSWER_RE.search(response):
+        if self.require_answer and not ANSWER_RE.search(response):
             return 0.0
         candidate = _answer_tokens(response)
         return sum(w * _similarity(m, candidate, references) for m, w in self.weights.items() if w)

@@ -5,7 +5,8 @@ runs a model. Math is fp32 (inputs are upcast). Shapes: B = rows of a micro-batc
 (sample, timestep) pair), `*` = latent dims, "mean over dims" averages every non-batch dim.
 
 - `grpo_guard_loss`: PPO objective on GRPO-Guard's normalised ratio, per stored step; returns a `StepLoss`.
-- `nft_loss`, `nft_optimality`, `nft_old_decay`: DiffusionNFT's forward-process loss and old-policy schedule.
+- `nft_loss`, `nft_old_decay`: DiffusionNFT's forward-process loss and old-policy schedule (its optimality
+  weight is `stages.advantage.estimators.nft_optimality`).
 - `awm_loss`, `awm_psi`: Advantage-Weighted Matching.
 - `diffusion_dpo_loss`: Diffusion-DPO on per-sample denoising errors (`fm_error`).
 
@@ -14,8 +15,6 @@ verl-omni's.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -110,12 +109,6 @@ def grpo_guard_loss(
     )
 
 
-def nft_optimality(advantages: Tensor, adv_clip: float = 5.0) -> Tensor:
-    """DiffusionNFT's optimality weight r = clamp(clip(A, ±c)/c/2 + ½, 0, 1), [B]: A=−c → 0, 0 → ½, +c → 1."""
-    a = advantages.float().clamp(-adv_clip, adv_clip)
-    return (a / adv_clip / 2 + 0.5).clamp(0.0, 1.0)
-
-
 def nft_loss(
     v_theta: Tensor,
     v_old: Tensor,
@@ -134,7 +127,7 @@ def nft_loss(
 
     v_theta: trainable velocity [B, *]; v_old: the old adapter's velocity [B, *] (detached here); v_ref:
     reference velocity [B, *] or None (no KL term); x0, x_t: [B, *]; t: σ per row ([B] or scalar);
-    optimality: r [B] in [0, 1] (`nft_optimality`).
+    optimality: r [B] in [0, 1] (`stages.advantage.estimators.nft_optimality`).
 
         v⁺ = β·v_θ + (1−β)·v_old,  v⁻ = (1+β)·v_old − β·v_θ,  x̂0^± = x_t − t·v^±,
         w^± = max(mean_dims|x̂0^± − x0|, floor) (detached),  ℓ^± = mean_dims (x̂0^± − x0)² / w^±,
@@ -299,18 +292,3 @@ def diffusion_dpo_loss(
         "actor/rewards/margins": z.detach().mean().item(),
     }
     return loss, metrics
-
-
-FAMILY_LOSSES: dict[str, Callable[..., object]] = {
-    "grpo_guard": grpo_guard_loss,
-    "diffusion_nft": nft_loss,
-    "awm": awm_loss,
-    "diffusion_dpo": diffusion_dpo_loss,
-}
-
-FAMILY_LOSS_DOCS: dict[str, str] = {
-    "grpo_guard": "per stored SDE step: PPO clip on the RatioNorm ratio, rows divided by |Δ|; StepLoss",
-    "diffusion_nft": "on clean x0: implicit ±policies mixed by β, r-weighted x̂0 losses; (loss, metrics)",
-    "awm": "on clean x0: PPO on exp(ψ_θ − ψ_old) of the flow-matching error; (loss, metrics)",
-    "diffusion_dpo": "preference pairs: −log σ(−½β[(L_w − L_l) − (L_w^ref − L_l^ref)]); (loss, metrics)",
-}

@@ -21,7 +21,8 @@ import torch
 from stages.dist import barrier, gather, world_and_rank
 from stages.errors import UserInputError
 from stages.finite import check_finite
-from stages.models.diffusion import ADAPTER_CONFIG, FlowPolicy, read_adapter_config
+from stages.models.diffusion import FlowPolicy
+from stages.models.folders import ADAPTER_CONFIG, read_adapter_config
 from stages.models.vlm import VLMPolicy, is_vlm_model
 from stages.reporting import step_means
 from stages.sample.rollout import SampleConfig, sample_config_of

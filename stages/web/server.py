@@ -1,7 +1,4 @@
-"""JSON over HTTP for omnirl's servers (`omnirl serve-reward`, `omnirl serve`) and their clients, stdlib
-only, no pickle.
-
-A `JsonService` decides what a request means; `JsonServer` and its handler do the HTTP, within
+"""The server side of `stages.web`: a `JsonService` decides what a request means; `JsonServer` and its handler do the HTTP, within
 `ServerLimits` (docs/serving.md):
 
 - at most `max_connections` open connections (one more: 503 with ``Retry-After``, closed at once),
@@ -21,15 +18,7 @@ A `JsonService` decides what a request means; `JsonServer` and its handler do th
 - a long route may ask whether its client is still there (`client_gone`, between steps) and stop with
   `ClientGone`: nothing is replied and the connection is closed.
 
-A request whose ``Accept`` names ``application/x-msgpack`` (`MSGPACK`) gets its reply as msgpack, every
-``{"encoding": "base64", "data": str}`` object in it carried as ``{"encoding": "raw", "data": bytes}``
-(`pack_binary`): a third smaller and no base64 work for large tensors and video.
-
-Clients parse both this error shape (also OpenAI's) and FastAPI's ``{"detail": ...}`` (a string, or
-pydantic's list of ``{"loc", "msg"}``): `error_message`. `JsonClient` is the client side: health
-polling with a start-up budget; retries with exponential backoff and jitter on connection errors,
-timeouts, 502, 503 and 504 (a 500 once); a 4xx never (the request is wrong: `UserInputError`);
-credentials in its URL go as Basic authentication and are never shown (`redact_url`).
+The bodies, `HttpError` and the forms a route reads are in `stages.web.wire`.
 """
 
 from __future__ import annotations
@@ -38,31 +27,31 @@ import collections
 import contextlib
 import contextvars
 import hmac
-import http.client
 import io
 import ipaddress
 import json
 import logging
-import os
 import queue
-import random
-import re
 import select
 import selectors
 import socket
 import sys
 import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any
 
-from stages.errors import RuntimeFailure, UserInputError
+from stages.web.wire import (
+    MSGPACK,
+    HttpError,
+    RawReply,
+    one_line,
+    pack_binary,
+    wants_binary,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -72,33 +61,6 @@ BACKLOG = 128  # the listen backlog, at least (the connection cap when higher)
 LINGER_S = 2.0  # how long a refused connection's unread request is read and dropped before closing
 RETRY_AFTER_S = 1  # the Retry-After of a 503 for a server at its connection cap
 _CHUNK = 1 << 20
-MSGPACK = "application/x-msgpack"
-BACKOFF_S = 0.5
-MAX_BACKOFF_S = 30.0
-MAX_FORM_BYTES = 64 * 1024  # an HTML form's body (text fields only)
-MAX_FORM_FIELDS = 64
-RETRY_STATUSES = frozenset({502, 503, 504})
-CONNECT_TIMEOUT_S = 5.0
-# while `wait_healthy` waits for a server: its first line on stderr after this many seconds, then one
-# at least this often, so a person sees what it waits for
-HEALTH_FIRST_NOTICE_S, HEALTH_NOTICE_S = 5.0, 30.0
-
-
-@dataclass(frozen=True)
-class RawReply:
-    """A reply that is a file (an MP4), sent as it is with its content type and extra headers."""
-
-    data: bytes
-    content_type: str
-    headers: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Payload:
-    """A request body that is not JSON (a pushed file, an encoded form) and its content type."""
-
-    data: bytes
-    content_type: str = "application/octet-stream"
 
 
 class ClientGone(Exception):
@@ -126,14 +88,6 @@ def client_gone() -> bool:
         return True
 
 
-class HttpError(Exception):
-    """A refused request: its status and a one-line message for the client."""
-
-    def __init__(self, status: HTTPStatus, message: str):
-        super().__init__(" ".join(message.split()))  # one line, whatever a request's fields held
-        self.status = status
-
-
 def is_loopback(host: str) -> bool:
     """Whether binding `host` keeps the server on this machine (127.0.0.0/8, ::1, localhost)."""
     if host == "localhost":
@@ -142,97 +96,6 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-def env_token(var: str | None, where: str) -> str | None:
-    """The secret in environment variable `var` (None without one): a bearer token or API key, never
-    written on a command line. An unset or empty `var` is a one-line usage error starting with `where`
-    (the option or reward argument that named it)."""
-    if not var:
-        return None
-    token = os.environ.get(var)
-    if not token:
-        raise UserInputError(f"{where}: ${var} is not set; export it")
-    return token
-
-
-def redact_url(url: str) -> str:
-    """`url` with the secret of its userinfo hidden, for messages and records:
-    ``http://user:***@host/`` (``***@host`` when it has no user part)."""
-
-    def hide(match: re.Match[str]) -> str:
-        user, colon, _ = match[2].partition(":")
-        return f"{match[1]}{user}:***@" if colon else f"{match[1]}***@"
-
-    return re.sub(r"^([A-Za-z][A-Za-z0-9+.-]*://)([^/?#]*)@", hide, url)
-
-
-def one_line(text: Any, limit: int = 300) -> str:
-    """`text` on one line, at most `limit` characters."""
-    return " ".join(str(text).split())[:limit]
-
-
-def error_message(raw: bytes) -> str:
-    """The message of an error reply: omnirl's / OpenAI's ``{"error": {"message"}}``, FastAPI's
-    ``{"detail"}``, else the text."""
-    try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError):
-        return one_line(raw.decode("utf-8", "replace"))
-    inner = body.get("error") if isinstance(body, dict) else None
-    for source in (inner, body):
-        if isinstance(source, dict):
-            for key in ("message", "detail"):
-                if isinstance(source.get(key), list):  # pydantic's validation errors (FastAPI 422)
-                    return one_line("; ".join(_validation_error(e) for e in source[key]))
-                if source.get(key):
-                    return one_line(source[key])
-        if isinstance(source, str) and source:
-            return one_line(source)
-    return one_line(str(body))
-
-
-def _validation_error(error: Any) -> str:
-    """``body.n: Input should be less than or equal to 10`` of one pydantic error object."""
-    if not isinstance(error, dict):
-        return str(error)
-    loc = ".".join(str(part) for part in error.get("loc") or [])
-    return f"{loc}: {error.get('msg', '')}" if loc else str(error.get("msg", error))
-
-
-def _binary(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        if obj.get("encoding") == "base64" and isinstance(obj.get("data"), str):
-            import base64
-
-            return {**obj, "encoding": "raw", "data": base64.b64decode(obj["data"])}
-        return {k: _binary(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_binary(v) for v in obj]
-    return obj
-
-
-def pack_binary(payload: Any) -> bytes:
-    """`payload` as msgpack, its base64 objects as raw bytes (module docstring)."""
-    import msgpack
-
-    return msgpack.packb(_binary(payload), use_bin_type=True)
-
-
-def unpack_binary(raw: bytes) -> Any:
-    """A `pack_binary` body (raw objects stay raw: the decoders take both); `ValueError` when it is not
-    msgpack. Maps, arrays, strings, bytes and numbers only: msgpack extension types are refused."""
-    import msgpack
-
-    try:
-        return msgpack.unpackb(raw, raw=False, strict_map_key=True)
-    except (msgpack.UnpackException, ValueError, TypeError) as exc:
-        raise ValueError(f"not a msgpack body ({type(exc).__name__})") from None
-
-
-def wants_binary(accept: str | None) -> bool:
-    """Whether an ``Accept`` header names msgpack."""
-    return MSGPACK in (accept or "").lower()
 
 
 class JsonService:
@@ -271,88 +134,6 @@ class JsonService:
         """The reply to ``POST path`` with body `raw` sent as `content_type`: `post`, unless a service
         reads the content type (a form route) or answers a file."""
         return self.post(path, raw)
-
-
-def parse_form(raw: bytes, content_type: str) -> dict[str, str]:
-    """The text fields of an HTML form body: ``multipart/form-data`` (file parts are refused) or
-    ``application/x-www-form-urlencoded``; a repeated field keeps its last value. 400 for anything else;
-    413 past `MAX_FORM_BYTES` or `MAX_FORM_FIELDS` fields, checked before parsing (the MIME parser's time
-    grows faster than its input on crafted bodies)."""
-    import email.parser
-    import email.policy
-
-    if len(raw) > MAX_FORM_BYTES:
-        raise HttpError(
-            HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-            f"the form is {len(raw)} bytes, more than {MAX_FORM_BYTES}: a form carries short text fields",
-        )
-    kind = content_type.split(";", 1)[0].strip().lower()
-    boundary = re.search(r'boundary="?([^";]+)', content_type)
-    separator = (
-        b"&"
-        if kind == "application/x-www-form-urlencoded"
-        else b"--" + (boundary[1] if boundary else "").encode("latin-1", "replace")
-    )
-    if raw.count(separator) > MAX_FORM_FIELDS + 1:
-        raise HttpError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"more than {MAX_FORM_FIELDS} form fields")
-    if kind == "application/x-www-form-urlencoded":
-        try:
-            pairs = urllib.parse.parse_qsl(raw.decode("utf-8"), keep_blank_values=True, strict_parsing=True)
-        except (UnicodeDecodeError, ValueError):
-            raise HttpError(HTTPStatus.BAD_REQUEST, "the body is not a urlencoded form") from None
-        return dict(pairs)
-    if kind != "multipart/form-data":
-        raise HttpError(
-            HTTPStatus.BAD_REQUEST,
-            f"Content-Type {kind or '(none)'}: send the fields as multipart/form-data (curl -F NAME=VALUE)",
-        )
-    head = f"Content-Type: {content_type}\r\nMIME-Version: 1.0\r\n\r\n".encode("latin-1", "replace")
-    message = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(head + raw)
-    if not message.is_multipart() or message.defects:
-        raise HttpError(HTTPStatus.BAD_REQUEST, "the body is not a well-formed multipart/form-data form")
-    fields: dict[str, str] = {}
-    for part in message.iter_parts():
-        name = part.get_param("name", header="content-disposition")
-        if not name:
-            raise HttpError(HTTPStatus.BAD_REQUEST, "a form part has no name")
-        if part.get_filename() is not None:
-            raise HttpError(HTTPStatus.BAD_REQUEST, f"form field {str(name)!r}: files are not taken here")
-        payload = part.get_payload(decode=True) or b""
-        try:
-            fields[str(name)] = payload.decode(part.get_content_charset() or "utf-8")
-        except (UnicodeDecodeError, LookupError):
-            raise HttpError(HTTPStatus.BAD_REQUEST, f"form field {str(name)!r} is not UTF-8 text") from None
-    return fields
-
-
-def encode_form(fields: Mapping[str, Any]) -> Payload:
-    """`fields` (each value as its `str`) as a ``multipart/form-data`` body, what ``curl -F`` sends."""
-    import secrets
-
-    boundary = f"omnirl-{secrets.token_hex(12)}"
-    parts = []
-    for name, value in fields.items():
-        parts.append(
-            f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n'.encode()
-            + str(value).encode("utf-8")
-            + b"\r\n"
-        )
-    body = b"".join(parts) + f"--{boundary}--\r\n".encode()
-    return Payload(body, f"multipart/form-data; boundary={boundary}")
-
-
-def parse_json_object(raw: bytes) -> dict[str, Any]:
-    """A request body that must be a JSON object (400 otherwise, also for one nested deeper than the
-    parser's recursion limit, about 1000 levels)."""
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise HttpError(HTTPStatus.BAD_REQUEST, "the body is not JSON") from None
-    except RecursionError:
-        raise HttpError(HTTPStatus.BAD_REQUEST, "JSON nested too deep: send a flatter body") from None
-    if not isinstance(body, dict):
-        raise HttpError(HTTPStatus.BAD_REQUEST, "the body is not a JSON object")
-    return body
 
 
 @dataclass(frozen=True)
@@ -805,233 +586,3 @@ def _discard(sock: socket.socket) -> bool:
         return True
     except OSError:
         return False
-
-
-class Retryable(Exception):
-    """A failure a later try may not meet (the server is down, restarting or overloaded): its one-line
-    description and the HTTP status (None: no reply)."""
-
-    def __init__(self, message: str, status: int | None = None):
-        super().__init__(message)
-        self.status = status
-
-
-def backoff(attempt: int, base: float = BACKOFF_S, rng: random.Random | None = None) -> float:
-    """Seconds to wait before retry `attempt` (0-based): base·2^attempt capped at `MAX_BACKOFF_S`,
-    times a uniform jitter in [0.5, 1.5) so that clients of one restarted server spread out."""
-    return min(base * 2**attempt, MAX_BACKOFF_S) * (0.5 + (rng or random).random())
-
-
-class JsonClient:
-    """JSON requests to one server at `url` (given as `option`), with a bearer token, timeouts and
-    retries (module docstring). `what` names the server expected there, `noun` its kind and `hint` says
-    how to start it, for the one-line errors of a URL that reaches something else; `binary` asks for
-    msgpack replies.
-
-    Credentials in the URL (``http://user:pw@host:port``, for a proxy that asks for them) are sent as
-    HTTP Basic authentication, never with a bearer token too, and `url` (what every message and record
-    shows) hides them: ``http://user:***@host:port``.
-    """
-
-    def __init__(
-        self,
-        url: str,
-        *,
-        token: str | None,
-        timeout: float,
-        retries: int,
-        option: str = "--server-url",
-        what: str = "the server",
-        noun: str = "server",
-        hint: str = "",
-        binary: bool = False,
-    ):
-        shown = redact_url(url)
-        try:
-            parts = urllib.parse.urlsplit(url)
-        except ValueError:  # a bracketed host that is not closed
-            parts = urllib.parse.urlsplit("")
-        if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
-            raise UserInputError(f"{option} {shown!r}: not an http(s)://HOST:PORT URL; pass {what}'s address")
-        try:
-            parts.port  # noqa: B018  (raises on a port that is not a number)
-        except ValueError:
-            raise UserInputError(f"{option} {shown!r}: the port is not a number") from None
-        userinfo, at, hostport = parts.netloc.rpartition("@")
-        self.basic = None  # the URL's credentials, as an Authorization header value
-        if at:
-            if token:
-                raise UserInputError(
-                    f"{option} {shown}: credentials in the URL and a bearer token too; give only one"
-                )
-            import base64
-
-            user, _, password = userinfo.partition(":")
-            pair = f"{urllib.parse.unquote(user)}:{urllib.parse.unquote(password)}"
-            self.basic = "Basic " + base64.b64encode(pair.encode("utf-8")).decode("ascii")
-        self.url = shown.rstrip("/")  # shown: in every message and record
-        self.base = parts._replace(netloc=hostport).geturl().rstrip("/")  # requested: without credentials
-        self.token = token
-        self.timeout = timeout
-        self.retries = retries
-        self.option, self.what, self.noun, self.hint = option, what, noun, hint
-        self.binary = binary  # ask for msgpack replies (the server may still answer JSON)
-
-    def once(
-        self,
-        path: str,
-        body: dict[str, Any] | bytes | Payload | None,
-        timeout: float,
-        accept: str | None = None,
-        method: str | None = None,
-    ) -> Any:
-        """One request; the decoded JSON reply (None for an empty one), or with `accept` (a file's media
-        type, e.g. video/mp4) the reply's bytes. `Retryable` for what may pass, `UserInputError` for what
-        will not."""
-        url = self.url + path  # what messages show
-        headers = {"Accept": f"{MSGPACK}, application/json;q=0.5" if self.binary else "application/json"}
-        if accept:
-            headers["Accept"] = accept
-        data = None
-        if isinstance(body, bytes):  # a file pushed as it is (a LoRA's safetensors)
-            body = Payload(body)
-        if isinstance(body, Payload):
-            data = body.data
-            headers["Content-Type"] = body.content_type
-        elif body is not None:
-            data = json.dumps(body).encode("utf-8")
-            headers["Content-Type"] = "application/json"
-        if self.token:
-            headers["Authorization"] = f"Bearer {self.token}"
-        elif self.basic:
-            headers["Authorization"] = self.basic
-        request = urllib.request.Request(
-            self.base + path, data=data, headers=headers, method=method or ("GET" if data is None else "POST")
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=timeout) as response:
-                raw = response.read()
-                kind = response.headers.get("Content-Type") or ""
-        except urllib.error.HTTPError as exc:
-            detail = error_message(exc.read() if exc.fp else b"") or str(exc.reason)
-            if exc.code >= 500:
-                raise Retryable(f"HTTP {exc.code}: {detail}", exc.code) from None
-            raise self.refused(url, exc.code, detail) from None
-        except urllib.error.URLError as exc:
-            reason = exc.reason
-            if isinstance(reason, socket.gaierror):
-                raise UserInputError(
-                    f"{url}: the host does not resolve ({one_line(reason)}); fix {self.option}"
-                ) from None
-            if not isinstance(reason, OSError):
-                raise UserInputError(
-                    f"{url}: not a usable URL ({one_line(reason)}); fix {self.option}"
-                ) from None
-            raise Retryable(one_line(reason)) from None
-        except (http.client.HTTPException, OSError) as exc:  # timeout, reset, cut reply
-            what = (
-                f"no reply within {timeout:g} s"
-                if isinstance(exc, TimeoutError)
-                else f"{type(exc).__name__}: {exc}"
-            )
-            raise Retryable(one_line(what)) from None
-        if accept:
-            return raw
-        if not raw.strip():
-            return None
-        try:
-            return unpack_binary(raw) if self.binary and wants_binary(kind) else json.loads(raw)
-        except (ValueError, RecursionError):
-            raise UserInputError(
-                f"{url}: the reply is not JSON ({one_line(raw[:80].decode('utf-8', 'replace'))!r}); "
-                f"is this {self.what}? {self.hint}"
-            ) from None
-
-    def refused(self, url: str, code: int, detail: str) -> UserInputError:
-        """The one-line error for a 4xx reply, which a retry cannot fix."""
-        if code in (401, 403):
-            how = (
-                "the token is refused; pass the server's token" if self.token else "the server wants a token"
-            )
-            return UserInputError(f"{url}: HTTP {code} ({detail}); {how} with --server-token-env VAR")
-        if code == 404:
-            return UserInputError(f"{url}: HTTP 404 ({detail}); is {self.option} {self.what}? {self.hint}")
-        if code == 413:
-            return UserInputError(
-                f"{url}: HTTP 413 ({detail}); lower --batch-size or raise the server's limits"
-            )
-        return UserInputError(f"{url}: HTTP {code} ({detail})")
-
-    def call(
-        self, path: str, body: dict[str, Any] | bytes | Payload | None = None, *, accept: str | None = None
-    ) -> Any:
-        """The reply to `body` at `path` (GET without a body; `accept`: a file's bytes, see `once`),
-        retried as the module docstring says; `RuntimeFailure` once the retries are spent."""
-        start = time.monotonic()
-        last, fives = "", 0
-        for attempt in range(self.retries + 1):
-            try:
-                return self.once(path, body, self.timeout, accept)
-            except Retryable as exc:
-                last = str(exc)
-                if exc.status is not None and exc.status not in RETRY_STATUSES:
-                    fives += 1
-                    if fives > 1:  # a 500 is retried once: it is more often a bug than a hiccup
-                        break
-            if attempt < self.retries:
-                wait = backoff(attempt)
-                logger.info(
-                    "%s%s: %s; retry %d of %d in %.1f s",
-                    self.url,
-                    path,
-                    last,
-                    attempt + 1,
-                    self.retries,
-                    wait,
-                )
-                time.sleep(wait)
-        raise RuntimeFailure(
-            f"{self.url}{path}: no answer after {attempt + 1} tries over {time.monotonic() - start:.1f} s "
-            f"(last: {last}); check the server (its log), then re-run: finished shards are kept"
-        )
-
-    def wait_healthy(self, budget: float, check: Callable[[Any], None] | None = None) -> Any:
-        """``GET /health`` until it answers 200 within `budget` seconds; its reply, after `check(reply)`
-        (which raises for a server of another kind).
-
-        Connection refused and 5xx mean "still starting" (`omnirl serve` loads its model before it
-        listens), so they are waited for, with a line on stderr after `HEALTH_FIRST_NOTICE_S` and then
-        every `HEALTH_NOTICE_S`; a host that does not resolve or a 4xx fails at once. No healthy server
-        within `budget` is a `UserInputError` (exit 2) naming the URL: start it, or fix the option."""
-        start = time.monotonic()
-        deadline, notice = start + budget, start + HEALTH_FIRST_NOTICE_S
-        last, attempt = "", 0
-        while True:
-            try:
-                reply = self.once("/health", None, min(self.timeout, CONNECT_TIMEOUT_S + 5))
-            except Retryable as exc:
-                last = str(exc)
-            else:
-                if check is not None:
-                    check(reply)
-                return reply
-            now = time.monotonic()
-            if now >= deadline:
-                what = f"{self.hint}, or raise" if self.hint else "start it, or raise"
-                raise UserInputError(
-                    f"{self.url}: no healthy {self.noun} within {budget:g} s (last: {last}); {what} "
-                    "--server-startup-timeout"
-                )
-            if now >= notice:
-                logger.warning(
-                    "%s: waiting for a healthy %s, %.0f s of --server-startup-timeout %g (last: %s)",
-                    self.url,
-                    self.noun,
-                    now - start,
-                    budget,
-                    last,
-                )
-                notice = now + HEALTH_NOTICE_S
-            pause = min(backoff(attempt, rng=random.Random(attempt)), 5.0, deadline - now, notice - now)
-            time.sleep(max(pause, 0.0))
-            attempt += 1

@@ -632,8 +632,7 @@ def run_online(
     from stages.models.conditioning import CONDITIONING, from_bytes
     from stages.models.diffusion import FlowPolicy
     from stages.score.stage import check_reward_kinds
-    from stages.update.stage import save_policy
-    from stages.update.trainer import load_state, train, trainer_state
+    from stages.update.trainer import Trainer
 
     start = prepare_run(cfg, overwrite=overwrite)
     adapter = cfg.out / f"it{start}" / "policy" if start else None
@@ -665,10 +664,12 @@ def run_online(
             f"{', '.join(policy.parts)}; train it with --engine diffusers"
         )
     params = _trainable(policy, cfg.update)
-    state, step = load_state(adapter)
     summaries: list[dict[str, Any]] = []
     if start >= cfg.iterations:
         return summaries
+    # built once: its optimizer, scheduler position, EMA and parallel wrapper carry across iterations
+    trainer = Trainer.resume(policy, cfg.update, adapter)
+    step = trainer.global_step
     published = {step: start}  # optimizer step of each published version → its iteration count
     try:  # a run that fails to start forgets what it pushed, as a run that ends does (below)
         if pusher is not None:  # the server samples iteration `start` with the weights trained so far
@@ -705,23 +706,16 @@ def run_online(
             data.update({key: v for key, v in adv.items() if key != "sample_id"})
             t1 = time.perf_counter()
             policy.forget_prompts()  # its encodings as a resumed run's (`FlowPolicy.forget_prompts`)
-            optimizer, ema, old_weights, metrics, par, scaler = train(
-                policy, data, cfg.sampling(k), replace(cfg.update, seed=k), state=state, start_step=step
-            )
+            metrics = trainer.step(data, cfg.sampling(k), seed=k)
             t_train = time.perf_counter() - t1
-            step = metrics[-1]["step"] if metrics else step
-            state = trainer_state(par, optimizer, ema, old_weights, scaler)
+            step = trainer.global_step
             if pusher is not None:
                 pusher.push_weights(policy.lora_file(), step)
             workers.publish(params, k + 1, step)
             published[step] = k + 1
-            save_policy(
-                policy,
+            trainer.save(
                 cfg.out / f"it{k + 1}" / "policy",
-                state,
                 metrics,
-                step,
-                cfg.update,
                 extra={"online_iteration": k + 1, "max_staleness": cfg.max_staleness},
             )
             if cfg.save_trajectories:

@@ -12,12 +12,12 @@ forward (default 1) and the accumulation that gives the preset's two optimizer s
 
 After a warm-up (one sample of 2 steps, untimed in the iteration), the stages run in this process as the commands run them, on the in-memory model:
 - staged: `run_sample` (the diffusers engine, a Parquet shard set), `score_shard` with
-  jpeg_compressibility on the samples read back, `compute_advantages` on samples ⋈ rewards, and `train`
-  (flow_grpo) on samples ⋈ rewards ⋈ advantages followed by `save_policy` (adapter + trainer state), each
+  jpeg_compressibility on the samples read back, `compute_advantages` on samples ⋈ rewards, and `Trainer.step`
+  (flow_grpo) on samples ⋈ rewards ⋈ advantages followed by `Trainer.save` (adapter + trainer state), each
   writing its shard set as the command does. Every stage starts with an empty prompt cache, as a fresh
   process would.
 - online: one iteration of the `omnirl online` driver's loop (`iteration_rows`, `sample_shard`,
-  `score_shard`, `compute_advantages`, `train`, `save_policy`) with the data in memory. Sampler and trainer
+  `score_shard`, `compute_advantages`, `Trainer.step`, `Trainer.save`) with the data in memory. Sampler and trainer
   share the one pipeline here; `omnirl online` itself spawns a sampler holding a second one (loaded from a
   model folder, which this benchmark never writes: 57 GB), which `omnirl plan` puts at its `online` column.
 
@@ -230,8 +230,8 @@ def staged_iteration(
     from stages.shards.reader import open_inputs, rollout_modality
     from stages.shards.writer import ShardSetWriter
     from stages.update.losses import get_algorithm
-    from stages.update.stage import BASE_COLUMNS, save_policy
-    from stages.update.trainer import load_state, train, trainer_state
+    from stages.update.stage import BASE_COLUMNS
+    from stages.update.trainer import Trainer
 
     samples, rewards, advantages, adapter = (run / n for n in ("samples", "rewards", "advantages", "policy"))
 
@@ -281,14 +281,8 @@ def staged_iteration(
         inputs = open_inputs([samples, rewards, advantages])
         wanted = dict.fromkeys((*BASE_COLUMNS, *get_algorithm(ucfg.algo).columns))
         data = inputs.read_all(columns=[c for c in wanted if c in inputs.columns])
-        state, start = load_state(None)
-        optimizer, ema, old, metrics, par, scaler = train(
-            policy, data, sample_config_of(inputs.manifests), ucfg, state=state, start_step=start
-        )
-        step = metrics[-1]["step"] if metrics else start
-        save_policy(
-            policy, adapter, trainer_state(par, optimizer, ema, old, scaler), metrics, step, ucfg, extra={}
-        )
+        trainer = Trainer.resume(policy, ucfg, None)
+        trainer.save(adapter, trainer.step(data, sample_config_of(inputs.manifests)), extra={})
 
     steps = [("sample", sample), ("score", score), ("advantage", advantage_stage), ("update", update)]
     stages.run_path("staged", steps, lambda _: 0.0)
@@ -310,8 +304,7 @@ def online_iteration(
     from stages.sample.engines import DiffusersEngine
     from stages.sample.stage import in_rollout, sample_shard
     from stages.score.stage import score_shard
-    from stages.update.stage import save_policy
-    from stages.update.trainer import load_state, train, trainer_state
+    from stages.update.trainer import Trainer
 
     cfg = OnlineConfig(
         model=policy.model_path,
@@ -360,18 +353,10 @@ def online_iteration(
 
     def update() -> None:
         policy.forget_prompts()
-        state, step = load_state(None)
-        optimizer, ema, old, metrics, par, scaler = train(
-            policy, held["data"], cfg.sampling(k), replace(cfg.update, seed=k), state=state, start_step=step
-        )
-        step = metrics[-1]["step"] if metrics else step
-        save_policy(
-            policy,
+        trainer = Trainer.resume(policy, cfg.update, None)
+        trainer.save(
             cfg.out / f"it{k + 1}" / "policy",
-            trainer_state(par, optimizer, ema, old, scaler),
-            metrics,
-            step,
-            cfg.update,
+            trainer.step(held["data"], cfg.sampling(k), seed=k),
             extra={"online_iteration": k + 1, "max_staleness": cfg.max_staleness},
         )
 

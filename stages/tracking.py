@@ -327,7 +327,7 @@ def replay(tracking: Tracking, run: Path, sheets: Iterable[tuple[int, Path]] = (
     from stages.reporting import iterations
     from stages.shards.manifest import MANIFEST_NAME
     from stages.shards.reader import ShardSet
-    from stages.update.trainer import METRICS
+    from stages.update.checkpoint import METRICS
 
     before = tracking.sent
     for k, it in iterations(run):

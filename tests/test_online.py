@@ -126,6 +126,46 @@ def test_resume_and_staleness(preset: Path, staged: dict[str, Path], tmp_path: P
     assert overlapped[1]["policy_versions"] == [0]  # sampled while iteration 0 trained
 
 
+def test_the_trainer_is_built_once_and_carries_its_state_as_a_resumed_run(
+    preset: Path, staged: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One process keeps its optimizer and parallel wrapper across iterations; after 2 iterations its
+    weights and AdamW moments equal those of a run stopped after 1 and resumed (its saved state)."""
+    import shutil
+
+    from stages.update.parallel import Parallel
+
+    built = {"AdamW": 0, "Parallel.setup": 0}
+    setup = Parallel.setup
+
+    class CountedAdamW(torch.optim.AdamW):
+        def __init__(self, *args, **kwargs) -> None:
+            built["AdamW"] += 1
+            super().__init__(*args, **kwargs)
+
+    def counted_setup(*args, **kwargs) -> Parallel:
+        built["Parallel.setup"] += 1
+        return setup(*args, **kwargs)
+
+    monkeypatch.setattr(torch.optim, "AdamW", CountedAdamW)
+    monkeypatch.setattr(Parallel, "setup", staticmethod(counted_setup))
+    whole = _online(preset, staged, tmp_path / "whole", "--iterations", "2")["iterations"]
+    assert [it["iteration"] for it in whole] == [0, 1] and whole[1]["step"] == 2 * whole[0]["step"]
+    assert built == {"AdamW": 1, "Parallel.setup": 1}
+    # the run stopped after its it1 checkpoint, then resumed from it
+    shutil.copytree(tmp_path / "whole", tmp_path / "resumed", ignore=lambda _, names: {"it2"} & set(names))
+    resumed = _online(preset, staged, tmp_path / "resumed", "--iterations", "2")["iterations"]
+    assert [it["iteration"] for it in resumed] == [1]
+    a, b = (tmp_path / run / "it2" / "policy" for run in ("whole", "resumed"))
+    weights = "pytorch_lora_weights.safetensors"
+    expected, again = load_file(a / weights), load_file(b / weights)
+    assert expected.keys() == again.keys() and all(torch.equal(expected[k], again[k]) for k in expected)
+    moments = [torch.load(p / "trainer_state" / "optimizer.pt", weights_only=True)["state"] for p in (a, b)]
+    assert moments[0].keys() == moments[1].keys() and len(moments[0]) == len(expected)
+    for i, state in moments[0].items():
+        assert all(torch.equal(state[key], moments[1][i][key]) for key in ("step", "exp_avg", "exp_avg_sq"))
+
+
 def test_a_progressive_window_that_shrinks_keeps_running(
     preset: Path, staged: dict[str, Path], tmp_path: Path
 ) -> None:

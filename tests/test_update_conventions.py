@@ -255,6 +255,48 @@ def test_impossible_optimiser_values_are_one_line_exit_2(
     assert len(lines) == 1 and option in lines[0], result.output
 
 
+def test_one_trainer_stepped_twice_equals_a_save_and_resume_between_the_steps(tmp_path: Path) -> None:
+    """`online` keeps one Trainer across iterations where staged updates save and resume between them:
+    weights, AdamW moments, the EMA and the lr schedule's position agree bit for bit."""
+    from stages.update.trainer import Trainer
+
+    cfg = UpdateConfig(
+        algo="flow_grpo",
+        lr=1e-2,
+        micro_batch=2,
+        ema=True,
+        ema_every=1,
+        lr_scheduler="linear",
+        lr_warmup_steps=1,
+        lr_total_steps=8,
+    )
+    data, _ = rollout(FakeFlow(), "sde", 0.7)
+    sample_cfg = scfg("sde", 0.7)
+    kept = Trainer(FakeFlow(), cfg, {})
+    kept.step(data, sample_cfg, seed=0)
+    second = kept.step(data, sample_cfg, seed=1)
+
+    first = Trainer(FakeFlow(), cfg, {})
+    first.step(data, sample_cfg, seed=0)
+    save_state(tmp_path, first.state(), first.global_step, cfg)
+    policy = FakeFlow()  # as `update --adapter` loads the first update's weights
+    policy.module.load_state_dict(first.policy.module.state_dict())
+    resumed = Trainer.resume(policy, cfg, tmp_path)
+    assert resumed.global_step == 2
+    again = resumed.step(data, sample_cfg, seed=1)
+
+    assert kept.global_step == resumed.global_step == 4
+    lrs = [1e-2 * (1 - 1 / 7), 1e-2 * (1 - 2 / 7)]  # steps 2 and 3: linear decay after 1 warmup step
+    assert [m["actor/lr"] for m in again] == [m["actor/lr"] for m in second] == pytest.approx(lrs)
+    assert [m["actor/pg_loss"] for m in again] == [m["actor/pg_loss"] for m in second]
+    for (name, p), q in zip(kept.named.items(), resumed.named.values(), strict=True):
+        assert torch.equal(p, q), name
+        a, b = kept.optimizer.state[p], resumed.optimizer.state[q]
+        assert all(torch.equal(a[key], b[key]) for key in ("step", "exp_avg", "exp_avg_sq")), name
+        assert torch.equal(kept.ema.shadow[name], resumed.ema.shadow[name]), name
+    assert kept.ema.updates == resumed.ema.updates == 4
+
+
 # ---------------------------------------------------------------- token objectives (items 15, 16)
 
 

@@ -7,18 +7,14 @@ state the next update resumes from, and `metrics.jsonl`. It appears under its fi
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import uuid
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from stages.dist import barrier, gather, world_and_rank
+from stages.dist import world_and_rank
 from stages.errors import UserInputError
 from stages.finite import check_finite
 from stages.models.diffusion import FlowPolicy
@@ -28,12 +24,12 @@ from stages.reporting import step_means
 from stages.sample.rollout import SampleConfig, sample_config_of
 from stages.sample.vlm_stage import VLMSampleConfig, vlm_sample_config_of
 from stages.score.scoring import FAILED_COLUMN, failed_rewards
-from stages.shards.atomic import recover_dir, replace_dir
+from stages.shards.atomic import recover_dir
 from stages.shards.manifest import config_hash, manifest_sha256
 from stages.shards.writer import check_output_path
 from stages.update.losses import get_algorithm
 from stages.update.rows import held_columns, split_columns
-from stages.update.trainer import METRICS, UpdateConfig, load_state, save_state, train, trainer_state
+from stages.update.trainer import Trainer, UpdateConfig
 
 BASE_COLUMNS = ("sample_id", "prompt", "negative_prompt", "advantages", "reward", "train_mask", FAILED_COLUMN)
 OFFLINE = SampleConfig(steps=1000, guidance=1.0, batch_size=8)
@@ -70,86 +66,6 @@ def adapter_complete(out: Path, digest: str, overwrite: bool) -> bool:
             f"--out {out}: holds an adapter from a different update; pass --overwrite or pick another --out"
         )
     return False
-
-
-def save_policy(
-    policy: FlowPolicy | VLMPolicy,
-    out: Path,
-    state: dict[str, Any] | Callable[[], dict[str, Any]],
-    metrics: list[dict[str, Any]],
-    step: int,
-    cfg: UpdateConfig,
-    *,
-    extra: dict[str, Any],
-    weights: Callable[[], dict[str, torch.Tensor] | None] | None = None,
-) -> None:
-    """Write a policy directory atomically (every rank calls it): metrics, weights and
-    omnirl_adapter.json, then the trainer state (`trainer_state`).
-
-    `weights` gathers the trained module's whole state dict when it is sharded (None: the module's own),
-    and `state` may be a function that gathers the trainer state; both are collectives, called on every
-    rank, one after the other: the weights are written and dropped before the state is gathered, so
-    under FSDP2 rank 0 never holds both whole.
-
-    Everything is written into a hidden sibling, which then replaces `out` in one step: a kill leaves
-    the previous adapter (or none) and litter that the next update of `out` removes. Rank 0 writes all
-    of it, except a sharded trainer state, whose shards every rank writes into the same sibling.
-    """
-    rank = world_and_rank()[1]
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    failed = None
-    if rank == 0:
-        try:
-            recover_dir(out)
-            tmp.mkdir(parents=True)
-        except OSError as e:
-            failed = e
-    # every rank learns rank 0's folder (or its failure) before writing into it
-    name, failed = gather((tmp.name, failed))[0]
-    if failed is not None:
-        raise failed
-    tmp = out.parent / name
-    try:
-        whole = weights() if weights is not None else None
-        if rank == 0:
-            with open(tmp / METRICS, "w") as fh:
-                for record in metrics:
-                    fh.write(json.dumps(record) + "\n")
-            policy.save_adapter(
-                tmp,
-                kind="full" if cfg.full else "lora",
-                extra={"step": step, "algo": cfg.algo, "update_config": asdict(cfg), **extra},
-                state=whole,
-            )
-        del whole
-        save_state(tmp, state() if callable(state) else state, step, cfg)
-        if rank == 0:
-            for path in tmp.rglob("*.safetensors"):
-                canonical_safetensors_header(path)
-            replace_dir(tmp, out)
-    finally:
-        if rank == 0 and tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-        barrier()
-
-
-def canonical_safetensors_header(path: Path) -> None:
-    """Sort the keys of a safetensors file's `__metadata__` in place, so equal weights give equal bytes.
-
-    safetensors writes its metadata map in a per-process random order; the header keeps its length
-    (same keys, same values), so only the header bytes are rewritten.
-    """
-    with open(path, "r+b") as f:
-        size = int.from_bytes(f.read(8), "little")
-        raw = f.read(size)
-        header = json.loads(raw)
-        if "__metadata__" in header:
-            header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
-        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-        if len(text) > size:
-            return
-        f.seek(8)
-        f.write(text.ljust(size, b" "))
 
 
 def run_update(
@@ -226,7 +142,7 @@ def run_update(
                 guidance=policy.family.default_guidance,
                 resolution=encoded[0] if encoded and encoded[0] else OFFLINE.resolution,
             )
-    state, start = load_state(adapter)
+    trainer = Trainer.resume(policy, cfg, adapter)
     light, heavy = split_columns(
         inputs, [c for c in dict.fromkeys((*BASE_COLUMNS, *algo.columns)) if c in inputs.columns]
     )
@@ -247,16 +163,13 @@ def run_update(
         batch = read_held(rows)
         check_finite(batch, batch.get("sample_id"), where="--in", hint=corrupt)
 
-    optimizer, ema, old_weights, metrics, par, scaler = train(
-        policy, data, sample_cfg, cfg, state=state, start_step=start, on_step=on_step, load_rows=load_rows
-    )
+    metrics = trainer.step(data, sample_cfg, on_step=on_step, load_rows=load_rows)
     rows_read = max((c.held for c in held.values()), default=len(data["sample_id"]))
-    step = metrics[-1]["step"] if metrics else start
     last = metrics[-1] if metrics else {}
     result = {
         "out": str(out),
         "skipped": False,
-        "step": step,
+        "step": trainer.global_step,
         "optimizer_steps": len(metrics),
         "rows_read": rows_read,
         FAILED_COLUMN: int(failed.sum()),
@@ -265,14 +178,9 @@ def run_update(
     }
     if isinstance(policy, FlowPolicy):
         result.update(loaded_components=policy.loaded_components, conditioning=policy.conditioning_source)
-    save_policy(  # rank 0 writes the one adapter; every rank returns once it is in place
-        policy,
+    trainer.save(  # rank 0 writes the one adapter; every rank returns once it is in place
         out,
-        lambda: trainer_state(par, optimizer, ema, old_weights, scaler),
         metrics,
-        step,
-        cfg,
-        weights=lambda: par.module_state(trained_only=not cfg.full),
         extra={
             "config_hash": digest,
             FAILED_COLUMN: result[FAILED_COLUMN],

@@ -14,13 +14,12 @@ formulas), so it continues across updates.
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +32,8 @@ from stages.models.kernels import Kernels, prepare
 from stages.models.vlm import VLMPolicy
 from stages.parallelism import ModelParallel
 from stages.precision import autocast, launcher_mixed_precision, resolve_mixed_precision
-from stages.safe_files import load_tensors
-from stages.update import sharded_state
+from stages.update.checkpoint import load_state, resume_sharded, save_policy, trainer_state
+from stages.update.checkpoint import save_state as save_state  # the state's writer, beside its reader
 from stages.update.family_losses import AWM_WEIGHTINGS, NFT_DECAY_SCHEDULES, nft_old_decay
 from stages.update.losses import get_algorithm
 from stages.update.objectives import make_objective
@@ -43,8 +42,6 @@ from stages.update.rows import trained_rows
 from stages.update.token_losses import AGG_MODES, KL_KINDS
 
 Policy = FlowPolicy | VLMPolicy
-STATE_DIR = "trainer_state"
-METRICS = "metrics.jsonl"
 LR_SCHEDULERS = ("constant", "linear", "cosine")
 
 
@@ -341,6 +338,221 @@ def _planned_rows(objective: Any, rows: list[int], micro: int, cfg: UpdateConfig
     return sorted(needed)
 
 
+class Trainer:
+    """The optimisation state of one policy, built once and stepped over any number of data sets.
+
+    setup (the constructor): the trained parameters marked, the parallel wrapper (DDP / FSDP2), AdamW,
+    the fp16 loss scaler, the EMA and DiffusionNFT's old policy, resumed from `state` (`load_state`).
+    `step` runs `inner_epochs` passes over one data set; `save` writes the policy directory. `update`
+    steps once; `online` steps once per iteration, so its moments, scheduler position and wrapper carry
+    across iterations as a staged run's do through its saved state.
+    """
+
+    def __init__(self, policy: Policy, cfg: UpdateConfig, state: dict[str, Any], step: int = 0):
+        cfg.validate()
+        self.policy, self.cfg, self.global_step = policy, cfg, step
+        self.algo = get_algorithm(cfg.algo)
+        if isinstance(policy, FlowPolicy):
+            policy.family.detach_uncond = cfg.detach_uncond
+        vision = {"train_vision": cfg.train_vision} if isinstance(policy, VLMPolicy) else {}
+        policy.trainable_parameters(full=cfg.full, **vision)
+        if cfg.gradient_checkpointing or launcher_checkpointing():
+            policy.gradient_checkpointing()
+        if isinstance(policy, VLMPolicy) and (cfg.parallel.degree > 1 or cfg.kernels != Kernels()):
+            raise UserInputError(
+                "--sp-degree / --tp-degree / --attention-backend / --compile: diffusion transformers only; "
+                "drop it for a VLM"
+            )
+        if isinstance(policy, FlowPolicy):  # after the LoRA is on, before DDP / FSDP2 wrap the module
+            prepare(policy.parts, cfg.parallel, cfg.kernels)
+        self.par = Parallel.setup(policy.module, cfg.strategy, swaps_weights=self.algo.family == "forward")
+        self.named = _named_trainable(policy)
+        self.params = list(self.named.values())
+        settings = cfg.optimizer_settings()
+        self.optimizer = torch.optim.AdamW(self.params, **settings)
+        if state.get("sharded") is not None:  # each rank reads its shards; the optimizer's in place
+            state = resume_sharded(state, self.par, self.optimizer, self.named)
+        if state.get("optimizer") is not None:
+            self.par.load_optimizer_state(self.optimizer, state["optimizer"])
+        # The moments carry over; the hyper-parameters are this run's (a new --lr takes effect).
+        for group in self.optimizer.param_groups:
+            group.update(settings)
+        if cfg.mixed_precision == "fp16" and self.par.kind == "fsdp2":
+            raise UserInputError(
+                "--mixed-precision fp16 with FSDP2: the loss scale is not sharded yet; use bf16 (or --strategy ddp)"
+            )
+        # fp16: the loss is scaled before each backward and the gradients unscaled before clipping
+        # (torch.amp.GradScaler); disabled, every call passes through.
+        self.scaler = torch.amp.GradScaler(self.params[0].device.type, enabled=cfg.mixed_precision == "fp16")
+        if state.get("grad_scaler"):
+            self.scaler.load_state_dict(state["grad_scaler"])
+        self.ema = EMA(self.named) if cfg.ema else None
+        if self.ema is not None and state.get("ema") is not None:
+            self.ema.shadow = self.par.shard_like(
+                {k: v.float() for k, v in state["ema"]["shadow"].items()}, self.named
+            )
+            self.ema.updates = int(state["ema"]["updates"])
+        # DiffusionNFT's old policy persists across steps and updates (None: the first step's weights)
+        saved = state.get("old_weights") if self.algo.name == "nft" else None
+        self.old_weights = self.par.shard_like(saved, self.named) if saved else None
+
+    @classmethod
+    def resume(cls, policy: Policy, cfg: UpdateConfig, adapter: Path | None) -> Trainer:
+        """The trainer of `policy`, continuing the update that wrote `adapter` (None: a first one)."""
+        state, step = load_state(adapter)
+        return cls(policy, cfg, state, step)
+
+    def _old_policy(self) -> dict[str, torch.Tensor] | None:
+        """The "old" weights of a forward-family objective: NFT's persistent ones, AWM's the weights this
+        step starts from. Other families need no copy (for a fully fine-tuned VLM it would be a second model)."""
+        if self.algo.family != "forward":
+            return None
+        if self.old_weights is not None:
+            return self.old_weights
+        return {k: v.detach().clone() for k, v in self.named.items()}
+
+    def step(
+        self,
+        data: dict[str, Any],
+        sample_cfg: Any,
+        *,
+        seed: int | None = None,
+        on_step: Callable[[dict[str, Any]], None] | None = None,
+        load_rows: Callable[[list[int]], Any] | None = None,
+    ) -> list[dict[str, Any]]:
+        """Run `inner_epochs` passes of the `--algo` objective over `data` (zipped input columns); one
+        metrics record per optimizer step.
+
+        seed: the shuffle's (default --seed), offset by the optimizer steps taken so far. `load_rows`,
+        when given, is called once with the rows this rank's micro-batches will read, before the first
+        step: `data`'s heavy columns are `rows.HeldRows` that it fills (`rows.held_columns`).
+
+        Every rank runs grad_accum micro-batch slots per optimizer step (`_steps`), so the collectives of
+        DDP and FSDP2 stay in step; a non-finite loss is reported by every rank at the step's end, before
+        any weight moves.
+        """
+        cfg = self.cfg if seed is None else replace(self.cfg, seed=seed)
+        algo, par, optimizer, scaler, params = self.algo, self.par, self.optimizer, self.scaler, self.params
+        micro = cfg.micro_batch or sample_cfg.batch_size
+        world, rank = world_and_rank()
+        accum = cfg.accumulation(
+            micro, data_parallel()[0]
+        )  # a --samples-per-step it does not divide: refused
+        missing = [c for c in algo.needs if c not in data]
+        if missing:
+            hint = " (omnirl logprob --means)" if missing[0] == "old_means" else ""
+            raise UserInputError(f"--algo {algo.name} needs the column '{missing[0]}' in --in{hint}")
+        old_weights = self._old_policy()
+        objective = make_objective(
+            self.policy,
+            data,
+            sample_cfg,
+            cfg,
+            algo,
+            old_weights=old_weights,
+            ema_weights=self.ema.shadow if self.ema is not None else None,
+        )
+        rows = trained_rows(data)
+        seed = cfg.seed + self.global_step
+        if load_rows is not None:
+            load_rows(_planned_rows(objective, rows, micro, cfg, seed))
+        on = params[0].device
+        keys = objective.metric_keys
+        metrics: list[dict[str, Any]] = []
+        attribute = "transformer" if isinstance(self.policy, FlowPolicy) else "model"
+        dp, dp_rank = data_parallel()  # the ranks of a model-parallel group take the same slots
+        slots = accum * dp
+        with par.forwarding(self.policy, attribute):
+            for epoch, first, step_chunks, mine in _steps(objective, rows, micro, cfg, seed):
+                t0 = time.perf_counter()
+                # metric sums, the count of losses, then one non-finite flag per rank: one all_reduce
+                sums = torch.zeros(len(keys) + 1 + world, dtype=torch.float64)
+                failure = None
+                for c, (idx, real) in enumerate(mine):
+                    # × every rank, not dp: DDP / FSDP2 average over all of them, and a model-parallel
+                    # group's gradients add up to its replica's (`stages.parallelism`)
+                    weight = world * objective.share(idx, step_chunks, slots) / objective.per_chunk
+                    where = f"at epoch {epoch}, micro-batch {first + dp_rank * accum + c}"
+                    losses = objective.losses(idx)
+                    for t in range(objective.per_chunk):
+                        with par.sync(c == accum - 1 and t == objective.per_chunk - 1):
+                            with cfg.autocast(on):
+                                loss, values = next(losses)
+                            scaler.scale(loss * (weight if real else 0.0)).backward()
+                        if not real:
+                            continue
+                        if failure is None and not bool(torch.isfinite(loss).all()):
+                            failure = f"loss is not finite {where}, trained step {t}" + (
+                                f" (rank {rank})" if world > 1 else ""
+                            )
+                        sums[: len(keys)] += torch.tensor(values, dtype=torch.float64)
+                        sums[len(keys)] += 1
+                sums[len(keys) + 1 + rank] = float(failure is not None)
+                if world > 1:
+                    sums = all_reduce_sum(sums, on)
+                where = f"at epoch {epoch}, optimizer step {self.global_step + 1}"
+                _raise_if_any_rank_failed(sums[len(keys) + 1 :], failure, where)
+                scaler.unscale_(optimizer)
+                grad_norm = par.clip_grad_norm(params, cfg.max_grad_norm)
+                if not scaler.is_enabled():  # under fp16 an overflow skips the step and lowers the scale
+                    _check_finite("grad norm", grad_norm, where)
+                for group in optimizer.param_groups:
+                    group["lr"] = cfg.lr * cfg.lr_factor(self.global_step)
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad(set_to_none=True)
+                self.global_step += 1
+                if self.ema is not None and self.global_step % cfg.ema_every == 0:
+                    self.ema.update(self.named)
+                elapsed = time.perf_counter() - t0
+                seen = sum(len(idx) for idx in step_chunks)
+                count = max(float(sums[len(keys)]), 1.0)
+                record: dict[str, Any] = {k: float(v / count) for k, v in zip(keys, sums[: len(keys)])}
+                record.update(
+                    {
+                        "step": self.global_step,
+                        "epoch": epoch,
+                        "actor/grad_norm": float(grad_norm),
+                        "actor/lr": optimizer.param_groups[0]["lr"],
+                        "perf/samples_per_s": seen / elapsed if elapsed > 0 else math.nan,
+                        "perf/sample_steps_per_s": seen * objective.per_chunk / elapsed
+                        if elapsed > 0
+                        else math.nan,
+                        **par.memory(params, optimizer),
+                        **({"actor/grad_scale": scaler.get_scale()} if scaler.is_enabled() else {}),
+                    }
+                )
+                metrics.append(record)
+                if on_step:
+                    on_step(record)
+        if algo.name == "nft":  # θ_old ← λ·θ_old + (1−λ)·θ after the epoch (DiffusionNFT)
+            decay = nft_old_decay(self.global_step, cfg.old_decay)
+            self.old_weights = {
+                k: decay * old_weights[k] + (1 - decay) * v.detach() for k, v in self.named.items()
+            }
+            if metrics:
+                metrics[-1]["old_policy/decay"] = decay
+        return metrics
+
+    def state(self) -> dict[str, Any]:
+        """What the next update resumes from (`trainer_state`; a collective under FSDP2)."""
+        return trainer_state(self.par, self.optimizer, self.ema, self.old_weights, self.scaler)
+
+    def save(self, out: Path, metrics: list[dict[str, Any]], *, extra: dict[str, Any]) -> None:
+        """Write the policy directory `out` atomically (`save_policy`; every rank calls it): the trained
+        weights, gathered whole when sharded, `metrics`, and this trainer's state at its current step."""
+        save_policy(
+            self.policy,
+            out,
+            self.state,
+            metrics,
+            self.global_step,
+            self.cfg,
+            weights=lambda: self.par.module_state(trained_only=not self.cfg.full),
+            extra=extra,
+        )
+
+
 def train(
     policy: Policy,
     data: dict[str, Any],
@@ -359,273 +571,9 @@ def train(
     Parallel,
     torch.amp.GradScaler,
 ]:
-    """Run `inner_epochs` passes of the `--algo` objective over `data` (zipped input columns).
-
-    state: what a previous update left (`load_state`): optimizer, ema, old_weights (DiffusionNFT's
-    old policy), each possibly None, all full tensors. `load_rows`, when given, is called once with
-    the rows this rank's micro-batches will read, before the first step: `data`'s heavy columns are
-    `rows.HeldRows` that it fills (`rows.held_columns`). Returns the optimizer, the EMA, the new
-    old-policy weights (NFT), one metrics record per optimizer step, the `Parallel` the module was
-    spread by (`trainer_state` gathers the sharded state through it) and the fp16 loss scaler.
-
-    Every rank runs grad_accum micro-batch slots per optimizer step (`_steps`), so the collectives of
-    DDP and FSDP2 stay in step; a non-finite loss is reported by every rank at the step's end, before
-    any weight moves.
-    """
-    cfg.validate()
-    micro = cfg.micro_batch or sample_cfg.batch_size
-    world, rank = world_and_rank()
-    accum = cfg.accumulation(micro, data_parallel()[0])  # a --samples-per-step it does not divide: refused
-    algo = get_algorithm(cfg.algo)
-    missing = [c for c in algo.needs if c not in data]
-    if missing:
-        hint = " (omnirl logprob --means)" if missing[0] == "old_means" else ""
-        raise UserInputError(f"--algo {algo.name} needs the column '{missing[0]}' in --in{hint}")
-    if isinstance(policy, FlowPolicy):
-        policy.family.detach_uncond = cfg.detach_uncond
-    vision = {"train_vision": cfg.train_vision} if isinstance(policy, VLMPolicy) else {}
-    policy.trainable_parameters(full=cfg.full, **vision)
-    if cfg.gradient_checkpointing or launcher_checkpointing():
-        policy.gradient_checkpointing()
-    if isinstance(policy, VLMPolicy) and (cfg.parallel.degree > 1 or cfg.kernels != Kernels()):
-        raise UserInputError(
-            "--sp-degree / --tp-degree / --attention-backend / --compile: diffusion transformers only; drop "
-            "it for a VLM"
-        )
-    if isinstance(policy, FlowPolicy):  # after the LoRA is on, before DDP / FSDP2 wrap the module
-        prepare(policy.parts, cfg.parallel, cfg.kernels)
-    par = Parallel.setup(policy.module, cfg.strategy, swaps_weights=algo.family == "forward")
-    named = _named_trainable(policy)
-    params = list(named.values())
-    settings = cfg.optimizer_settings()
-    optimizer = torch.optim.AdamW(params, **settings)
-    if state.get("sharded") is not None:  # each rank reads its shards; the optimizer's in place
-        state = _resume_sharded(state, par, optimizer, named)
-    if state.get("optimizer") is not None:
-        par.load_optimizer_state(optimizer, state["optimizer"])
-    # The moments carry over; the hyper-parameters are this run's (a new --lr takes effect).
-    for group in optimizer.param_groups:
-        group.update(settings)
-    if cfg.mixed_precision == "fp16" and par.kind == "fsdp2":
-        raise UserInputError(
-            "--mixed-precision fp16 with FSDP2: the loss scale is not sharded yet; use bf16 (or --strategy ddp)"
-        )
-    # fp16: the loss is scaled before each backward and the gradients unscaled before clipping
-    # (torch.amp.GradScaler); disabled, every call passes through.
-    scaler = torch.amp.GradScaler(params[0].device.type, enabled=cfg.mixed_precision == "fp16")
-    if state.get("grad_scaler"):
-        scaler.load_state_dict(state["grad_scaler"])
-    ema = EMA(named) if cfg.ema else None
-    if ema is not None and state.get("ema") is not None:
-        ema.shadow = par.shard_like({k: v.float() for k, v in state["ema"]["shadow"].items()}, named)
-        ema.updates = int(state["ema"]["updates"])
-    # NFT's old policy persists across updates; AWM's "old" is the weights this update starts from.
-    # Other families need no copy (for a fully fine-tuned VLM it would be a second model).
-    old_weights = None
-    if algo.family == "forward":
-        saved = state.get("old_weights") if algo.name == "nft" else None
-        old_weights = (
-            par.shard_like(saved, named) if saved else {k: v.detach().clone() for k, v in named.items()}
-        )
-    objective = make_objective(
-        policy,
-        data,
-        sample_cfg,
-        cfg,
-        algo,
-        old_weights=old_weights,
-        ema_weights=ema.shadow if ema is not None else None,
-    )
-
-    rows = trained_rows(data)
-    if load_rows is not None:
-        load_rows(_planned_rows(objective, rows, micro, cfg, cfg.seed + start_step))
-    on = params[0].device
-    keys = objective.metric_keys
-    metrics: list[dict[str, Any]] = []
-    global_step = start_step
-    attribute = "transformer" if isinstance(policy, FlowPolicy) else "model"
-    dp, dp_rank = data_parallel()  # the ranks of a model-parallel group take the same slots
-    slots = accum * dp
-    with par.forwarding(policy, attribute):
-        for epoch, first, step_chunks, mine in _steps(objective, rows, micro, cfg, cfg.seed + start_step):
-            t0 = time.perf_counter()
-            # metric sums, the count of losses, then one non-finite flag per rank: one all_reduce
-            sums = torch.zeros(len(keys) + 1 + world, dtype=torch.float64)
-            failure = None
-            for c, (idx, real) in enumerate(mine):
-                # × every rank, not dp: DDP / FSDP2 average over all of them, and a model-parallel
-                # group's gradients add up to its replica's (`stages.parallelism`)
-                weight = world * objective.share(idx, step_chunks, slots) / objective.per_chunk
-                where = f"at epoch {epoch}, micro-batch {first + dp_rank * accum + c}"
-                losses = objective.losses(idx)
-                for t in range(objective.per_chunk):
-                    with par.sync(c == accum - 1 and t == objective.per_chunk - 1):
-                        with cfg.autocast(on):
-                            loss, values = next(losses)
-                        scaler.scale(loss * (weight if real else 0.0)).backward()
-                    if not real:
-                        continue
-                    if failure is None and not bool(torch.isfinite(loss).all()):
-                        failure = f"loss is not finite {where}, trained step {t}" + (
-                            f" (rank {rank})" if world > 1 else ""
-                        )
-                    sums[: len(keys)] += torch.tensor(values, dtype=torch.float64)
-                    sums[len(keys)] += 1
-            sums[len(keys) + 1 + rank] = float(failure is not None)
-            if world > 1:
-                sums = all_reduce_sum(sums, on)
-            where = f"at epoch {epoch}, optimizer step {global_step + 1}"
-            _raise_if_any_rank_failed(sums[len(keys) + 1 :], failure, where)
-            scaler.unscale_(optimizer)
-            grad_norm = par.clip_grad_norm(params, cfg.max_grad_norm)
-            if not scaler.is_enabled():  # under fp16 an overflow skips the step and lowers the scale
-                _check_finite("grad norm", grad_norm, where)
-            for group in optimizer.param_groups:
-                group["lr"] = cfg.lr * cfg.lr_factor(global_step)
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            global_step += 1
-            if ema is not None and global_step % cfg.ema_every == 0:
-                ema.update(named)
-            elapsed = time.perf_counter() - t0
-            seen = sum(len(idx) for idx in step_chunks)
-            count = max(float(sums[len(keys)]), 1.0)
-            record: dict[str, Any] = {k: float(v / count) for k, v in zip(keys, sums[: len(keys)])}
-            record.update(
-                {
-                    "step": global_step,
-                    "epoch": epoch,
-                    "actor/grad_norm": float(grad_norm),
-                    "actor/lr": optimizer.param_groups[0]["lr"],
-                    "perf/samples_per_s": seen / elapsed if elapsed > 0 else math.nan,
-                    "perf/sample_steps_per_s": seen * objective.per_chunk / elapsed
-                    if elapsed > 0
-                    else math.nan,
-                    **par.memory(params, optimizer),
-                    **({"actor/grad_scale": scaler.get_scale()} if scaler.is_enabled() else {}),
-                }
-            )
-            metrics.append(record)
-            if on_step:
-                on_step(record)
-    new_old = None
-    if algo.name == "nft":  # θ_old ← λ·θ_old + (1−λ)·θ after the epoch (DiffusionNFT)
-        decay = nft_old_decay(global_step, cfg.old_decay)
-        new_old = {k: decay * old_weights[k] + (1 - decay) * v.detach() for k, v in named.items()}
-        if metrics:
-            metrics[-1]["old_policy/decay"] = decay
-    return optimizer, ema, new_old, metrics, par, scaler
-
-
-def _resume_sharded(
-    state: dict[str, Any], par: Parallel, optimizer: torch.optim.Optimizer, named: dict[str, torch.Tensor]
-) -> dict[str, Any]:
-    """`state` with a sharded checkpoint (`load_state`'s "sharded": its folder and parts) read into this
-    run's layout: the optimizer loaded in place, ema's shadow and old_weights filled (this rank's shards
-    under FSDP2, whole tensors otherwise)."""
-    folder, parts = state["sharded"]["folder"], state["sharded"]["parts"]
-    loaded = sharded_state.load(folder, parts, par.module, optimizer, named)
-    ema = state.get("ema")
-    return {
-        **state,
-        "sharded": None,
-        "ema": {**ema, "shadow": loaded["ema"]} if ema is not None and "ema" in loaded else None,
-        "old_weights": loaded.get("old_weights"),
-    }
-
-
-def trainer_state(
-    par: Parallel,
-    optimizer: torch.optim.Optimizer,
-    ema: EMA | None,
-    old_weights: dict[str, torch.Tensor] | None,
-    scaler: torch.amp.GradScaler,
-) -> dict[str, Any]:
-    """What the next update resumes from (every rank calls it), in `load_state`'s form: optimizer, ema
-    ({shadow, updates}), old_weights (NFT) and grad_scaler (fp16), each possibly None, whole (under FSDP2
-    gathered onto rank 0, the rank that writes them). When `par.sharded_state`, "shards" holds this rank's shards of the optimizer, ema
-    and old_weights instead (`sharded_state.collect`), and those three keep only the EMA's counter."""
-    if par.sharded_state:
-        shadow = ema.shadow if ema is not None else None
-        return {
-            "shards": sharded_state.collect(
-                par.module, optimizer, {"ema": shadow, "old_weights": old_weights}
-            ),
-            "optimizer": None,
-            "ema": {"shadow": None, "updates": ema.updates} if ema is not None else None,
-            "old_weights": None,
-            "grad_scaler": scaler.state_dict() if scaler.is_enabled() else None,
-        }
-    return {
-        "optimizer": par.optimizer_state(optimizer),
-        "ema": {"shadow": par.gather(ema.shadow), "updates": ema.updates} if ema is not None else None,
-        "old_weights": par.gather(old_weights) if old_weights is not None else None,
-        "grad_scaler": scaler.state_dict() if scaler.is_enabled() else None,
-    }
-
-
-def save_state(out: Path, state: dict[str, Any], step: int, cfg: UpdateConfig) -> None:
-    """Write a `trainer_state` (every rank calls it): optimizer (torch format, read back with
-    weights_only=True), EMA and NFT old policy (safetensors), counters; rank 0 writes them all. A sharded
-    state goes to a DCP folder instead, each rank writing its own shards (`sharded_state.save`)."""
-    from safetensors.torch import save_file
-
-    folder = out / STATE_DIR
-    folder.mkdir(parents=True, exist_ok=True)
-    sharded = sharded_state.save(folder, state["shards"]) if state.get("shards") else None
-    if world_and_rank()[1] != 0:
-        return
-    if state.get("optimizer") is not None:
-        torch.save(state["optimizer"], folder / "optimizer.pt")
-    ema = state.get("ema")
-    if ema is not None and ema["shadow"] is not None:
-        save_file({k: v.contiguous() for k, v in ema["shadow"].items()}, folder / "ema.safetensors")
-    if state.get("old_weights") is not None:
-        save_file(
-            {k: v.contiguous() for k, v in state["old_weights"].items()}, folder / "old_weights.safetensors"
-        )
-    info = {
-        "step": step,
-        "ema_updates": ema["updates"] if ema else 0,
-        "grad_scaler": state.get("grad_scaler"),
-        "update_config": asdict(cfg),
-        **({"sharded": sharded, "sharded_world_size": world_and_rank()[0]} if sharded else {}),
-    }
-    (folder / "state.json").write_text(json.dumps(info, indent=2, sort_keys=True))
-
-
-def load_state(adapter: Path | None) -> tuple[dict[str, Any], int]:
-    """What the update that wrote `adapter` left for the next one, and its step.
-
-    Keys: optimizer, ema ({shadow, updates}), old_weights (NFT) and grad_scaler (fp16), each None when
-    absent. A sharded state (`sharded_state`) is read later, into the sharded run (`train`): "sharded"
-    then names its folder and parts, and ema's shadow is None until then.
-    """
-    from safetensors.torch import load_file
-
-    state: dict[str, Any] = {"optimizer": None, "ema": None, "old_weights": None, "grad_scaler": None}
-    folder = Path(adapter) / STATE_DIR if adapter else None
-    if folder is None or not (folder / "state.json").is_file():
-        return state, 0
-    info = json.loads((folder / "state.json").read_text())
-    if info.get("sharded"):
-        parts = list(info["sharded"])
-        sharded_state.check(folder, f"--adapter {adapter}")
-        state["sharded"] = {"folder": folder, "parts": parts}
-        if "ema" in parts:
-            state["ema"] = {"shadow": None, "updates": info.get("ema_updates", 0)}
-        state["grad_scaler"] = info.get("grad_scaler")
-        return state, int(info.get("step", 0))
-    if (folder / "optimizer.pt").is_file():
-        state["optimizer"] = load_tensors(folder / "optimizer.pt", f"--adapter {adapter}")
-    if (folder / "ema.safetensors").is_file():
-        state["ema"] = {
-            "shadow": load_file(folder / "ema.safetensors"),
-            "updates": info.get("ema_updates", 0),
-        }
-    if (folder / "old_weights.safetensors").is_file():
-        state["old_weights"] = load_file(folder / "old_weights.safetensors")
-    state["grad_scaler"] = info.get("grad_scaler")
-    return state, int(info.get("step", 0))
+    """One `Trainer` step from `state` (`load_state`), for one-shot callers (benchmarks): the optimizer,
+    the EMA, the new old-policy weights (NFT), the metrics, the `Parallel` and the fp16 loss scaler, the
+    arguments of `trainer_state`."""
+    trainer = Trainer(policy, cfg, state, start_step)
+    metrics = trainer.step(data, sample_cfg, on_step=on_step, load_rows=load_rows)
+    return trainer.optimizer, trainer.ema, trainer.old_weights, metrics, trainer.par, trainer.scaler

@@ -4,9 +4,11 @@ Closed sets are `Literal` types: typer lists them in help as <a|b|c>, completes 
 flag values; `config.resolve` checks values from --config, --set and OMNIRL_* variables against the
 same sets. Open registries that plugins extend (rewards, algorithms, advantage estimators, model
 families) stay plain strings whose built-in names are offered by completion only, so a
-`module:attribute` plugin is never refused here. Each set mirrors the stage constant that validates it
-(tests/test_cli_conventions.py holds them equal), because importing the stages here would load torch
-on every `--help` and TAB.
+`module:attribute` plugin is never refused here. A set the library declares torch-free (`stages.knobs`,
+a stage's config module) is taken from there; each other set mirrors the stage constant that validates
+it (tests/test_cli_conventions.py holds them equal), because importing those stages here would load
+torch on every `--help` and TAB. Commands generated from a stage's config (`omnirl_cli.generate`) take
+their sets from its knobs and need nothing here.
 """
 
 from __future__ import annotations
@@ -14,16 +16,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Literal
 
+from stages.knobs import FORMATS, MIXED_PRECISION_MODES
+from stages.score.config import BUILTIN_REWARDS
+from stages.score.registry import ENTRY_POINT_GROUP
+
+# Taken from the library's torch-free registries (`stages.knobs`), so there is nothing to mirror.
+Format = Literal[FORMATS]
+MixedPrecision = Literal[MIXED_PRECISION_MODES]
 Dtype = Literal["fp32", "bf16", "fp16"]  # stages.models.diffusion.DTYPES
 LatentDtype = Literal["fp32", "bf16"]  # stages.sample.rollout.LATENT_DTYPES
-Format = Literal["parquet", "webdataset"]  # stages.shards.manifest.FORMATS
 Sampler = Literal["ode", "sde", "cps", "dance"]  # stages.sample.samplers.SAMPLERS
 WindowStrategy = Literal["random", "progressive", "fixed"]  # windows.STRATEGIES but "all" (= --sde-window 0)
 Layout = Literal["verl", "easyr1"]  # stages.sample.vlm_data.read_vlm_prompts
-OnError = Literal["fail", "zero"]  # stages.score.scoring.ON_ERROR_MODES
-StdMode = Literal["global", "group", "none"]  # stages.advantage.estimators.STD_MODES
-Aggregation = Literal["reward_aggr", "advantage_aggr"]  # stages.advantage.estimators.AGGREGATIONS
-MixedPrecision = Literal["no", "bf16", "fp16"]  # stages.precision.MIXED_PRECISIONS
 Strategy = Literal["auto", "ddp", "fsdp2"]  # stages.update.parallel.STRATEGIES
 SpKind = Literal["ulysses", "ring", "unified"]  # stages.parallelism.SP_KINDS
 Replay = Literal["auto", "yes"]  # stages.logprob.decide.REPLAY_MODES
@@ -54,16 +58,6 @@ ALGORITHMS = (
     "dapo",
     "gspo",
 )  # stages.update.losses.ALGORITHMS
-ESTIMATORS = (
-    "grpo",
-    "grpo_group",
-    "dance",
-    "drgrpo",
-    "grpo_verl",
-    "grpo_trl",
-    "grpo_batch_std",
-    "pairs",
-)  # stages.advantage.estimators.ESTIMATORS and pair advantages
 FAMILIES = (  # stages.models.factory.FAMILIES
     "flux",
     "qwen2_5_vl",
@@ -75,42 +69,8 @@ FAMILIES = (  # stages.models.factory.FAMILIES
     "wan2_2_a14b",
     "z_image",
 )
-REWARDS = (
-    "accuracy",
-    "aesthetic",
-    "bleu",
-    "clipscore",
-    "format_boxed",
-    "format_think_answer",
-    "geneval",
-    "geneval_exact",
-    "geneval_shapes",
-    "geneval_shapes_exact",
-    "geneval_shapes_strict",
-    "geneval_strict",
-    "hpsv2",
-    "image_similarity",
-    "imagereward",
-    "jpeg_compressibility",
-    "jpeg_incompressibility",
-    "length_penalty",
-    "meteor",
-    "ocr",
-    "omnirl_accuracy",
-    "omnirl_length",
-    "pickscore",
-    "repetition_penalty",
-    "rouge_1",
-    "rouge_l",
-    "rouge_l_recall",
-    "temporal_consistency",
-    "text_similarity",
-    "video_ocr",
-    "vlm_judge",
-)  # stages.score.registry built-ins
-# The entry-point groups through which installed packages add rewards and advantage estimators.
-REWARD_ENTRY_POINTS = "omnirl.rewards"  # stages.score.registry.ENTRY_POINT_GROUP
-ESTIMATOR_ENTRY_POINTS = "omnirl.advantages"  # stages.advantage.estimators.ENTRY_POINT_GROUP
+# The rewards' built-ins and entry-point group (stages.score), for commands not generated from a config yet.
+REWARDS, REWARD_ENTRY_POINTS = BUILTIN_REWARDS, ENTRY_POINT_GROUP
 
 
 def complete(names: tuple[str, ...], entry_points: str | None = None) -> Callable[[str], list[str]]:

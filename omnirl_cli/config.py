@@ -15,12 +15,15 @@ import difflib
 import math
 from collections.abc import Collection
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import typer
 import yaml
 
 from stages.errors import UserInputError
+from stages.knobs import knobs
+
+C = TypeVar("C")
 
 # Parameters that steer config resolution itself and never appear in the resolved config.
 META_PARAMS = ("config", "set_", "json_")
@@ -234,6 +237,15 @@ def resolve(
         _check_finite(flags.get(name, name), value)
     _locate_weights(resolved, flags)
     return resolved
+
+
+def resolve_config(ctx: typer.Context, command: str, config: type[C]) -> C:
+    """`resolve` for a command whose options are generated from dataclass `config` (`omnirl_cli.generate`):
+    its knobs declared `required` are checked once every source is merged, and the result is one
+    instance of `config`."""
+    required = tuple(field.name for field, declared in knobs(config) if declared.required)
+    resolved = resolve(ctx, command, required=required)
+    return config(**{field.name: resolved[field.name] for field, _ in knobs(config)})
 
 
 def _locate_weights(resolved: dict[str, Any], flags: dict[str, str]) -> None:

@@ -8,25 +8,21 @@ applied by `config.resolve`: flags > --set > OMNIRL_* > --config YAML > defaults
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import Field
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import typer
 
+from stages import knobs
+from stages.knobs import IO, WEIGHTS_FROM, WEIGHTS_METAVAR, Knob, flag_of
 from stages.media.video import MAX_FRAMES
 
-from .choices import Dtype, Format, MixedPrecision, SpKind, Strategy
+from .choices import Dtype, SpKind, Strategy, complete
 from .console import QUIET, VERBOSE, set_verbosity
 
-IO = "Input / output"
-# Where --model and --adapter weights may be (stages.models.hub).
-WEIGHTS_FROM = (
-    "a local path, or a Hub id ORG/NAME (or ORG/NAME@REVISION) the local Hugging Face cache holds "
-    "(never downloaded)"
-)
-# How --model and --adapter show their value in --help; typed as str so `config` sees them as written
-# (a leading ./ marks a path, never a Hub id: `stages.models.hub.spelled_as_path`).
-WEIGHTS_METAVAR = "PATH|ORG/NAME"
+# --model and --adapter are typed as str so `config` sees them as written (a leading ./ marks a path,
+# never a Hub id: `stages.models.hub.spelled_as_path`).
 ADAPTER_HELP = (
     "an `omnirl update` output, a diffusers LoRA folder (`save_lora_weights`) or a PEFT LoRA folder "
     f"(`save_pretrained`; a VLM takes PEFT only); {WEIGHTS_FROM}"
@@ -35,6 +31,42 @@ RUN = "Run"
 # Said by the help of an option that has no default but may come from a preset: required after
 # resolution (`config.resolve(..., required=)`), not by typer, so --config can supply it.
 REQUIRED = "Required (a flag, or --config / --set)."
+
+
+def _with_choices(annotation: Any, choices: tuple[str, ...]) -> Any:
+    """`annotation` with its `str` replaced by `Literal[choices]` (`str | None` → `Literal[...] | None`)."""
+    if annotation is str:
+        return Literal[choices]
+    if get_origin(annotation) is not None and str in get_args(annotation):
+        return Union[tuple(Literal[choices] if arg is str else arg for arg in get_args(annotation))]  # noqa: UP007
+    raise TypeError(f"a knob with choices must be a str field, not {annotation}")
+
+
+def option(name: str, declared: Knob, annotation: Any) -> Any:
+    """The typer option of knob `name` of type `annotation` (`stages.knobs`), as an `Annotated` type:
+    a `choices` knob's `str` becomes a `Literal` of its names (listed in --help, completed, checked),
+    `names` are offered by completion, and a `required` knob's help says how to give it."""
+    help_text = f"{declared.help} {REQUIRED}" if declared.required else declared.help
+    settings: dict[str, Any] = {"help": help_text, "rich_help_panel": declared.panel}
+    for key, value in (
+        ("envvar", declared.envvar),
+        ("metavar", declared.metavar),
+        ("min", declared.low),
+        ("max", declared.high),
+    ):
+        if value is not None:
+            settings[key] = value
+    if declared.names:
+        settings["autocompletion"] = complete(declared.names, declared.entry_points)
+    if declared.choices:
+        annotation = _with_choices(annotation, declared.choices)
+    names = (flag_of(name, declared), *((declared.short,) if declared.short else ()))
+    return Annotated[annotation, typer.Option(*names, **settings)]
+
+
+def _shared(made: Field, name: str, annotation: Any) -> Any:
+    """The option of a knob several stages share (`stages.knobs`), for a hand-written signature."""
+    return option(name, made.metadata["knob"], annotation)
 
 
 def model_opt(what: str, panel: str | None = None) -> Any:
@@ -80,29 +112,9 @@ JsonOpt = Annotated[
         rich_help_panel=RUN,
     ),
 ]
-OutOpt = Annotated[
-    Path | None,
-    typer.Option(
-        "--out",
-        "-o",
-        help="Output shard-set directory. A shard set being written is locked by its writer (pid and host): "
-        f"a second run onto it is refused, naming the first; a killed run's lock is free. {REQUIRED}",
-        rich_help_panel=IO,
-    ),
-]
-InOpt = Annotated[
-    list[Path],
-    typer.Option(
-        "--in",
-        "-i",
-        help="Input shard set; several sets of one rollout are zipped row by row.",
-        rich_help_panel=IO,
-    ),
-]
-FormatOpt = Annotated[
-    Format,
-    typer.Option("--format", envvar="OMNIRL_FORMAT", help="Shard format of the output.", rich_help_panel=IO),
-]
+OutOpt = _shared(knobs.out(), "out", Path | None)
+InOpt = _shared(knobs.inputs(), "inputs", list[Path])
+FormatOpt = _shared(knobs.shard_format(), "fmt", str)
 NumShardsOpt = Annotated[
     int | None,
     typer.Option(
@@ -132,18 +144,9 @@ def mixed_precision_opt(
     fallback: str = "no",
     recorded: str = "Part of the output's identity.",
 ) -> Any:
-    """--mixed-precision of a command whose `forwards` (model calls) run under autocast: no, bf16 or
-    fp16 as Accelerate names them; default the launcher's, else `fallback`, resolved by
-    `stages.precision`. `recorded` says where the resolved value is kept."""
-    return Annotated[
-        MixedPrecision | None,
-        typer.Option(
-            "--mixed-precision",
-            help=f"Autocast of {forwards}. Default: the launcher's (accelerate launch "
-            f"--mixed_precision, ACCELERATE_MIXED_PRECISION), else {fallback}. {recorded}",
-            rich_help_panel=panel,
-        ),
-    ]
+    """--mixed-precision of a command whose `forwards` run under autocast (`stages.knobs.mixed_precision`)."""
+    made = knobs.mixed_precision(forwards, panel, fallback=fallback, recorded=recorded)
+    return _shared(made, "mixed_precision", str | None)
 
 
 # Settings of the sampling and training stages that `omnirl plan` takes too, so each is declared once.
@@ -325,34 +328,9 @@ FramesOpt = Annotated[
 ]
 
 
-OverwriteOpt = Annotated[
-    bool,
-    typer.Option(
-        "--overwrite", help="Replace an output produced with a different config.", rich_help_panel=IO
-    ),
-]
-TRACKING = "Tracking"
-ReportToOpt = Annotated[
-    list[str] | None,
-    typer.Option(
-        "--report-to",
-        metavar="NAME[,NAME]",
-        help="Experiment trackers to log to, comma-separated or repeated: tensorboard, wandb, trackio, "
-        "mlflow, comet_ml, aim, clearml, dvclive, swanlab (Accelerate's trackers), all (every installed one) "
-        "or none (default). Every process of a run logs into one tracker run named after the run directory "
-        "(runs/x/it3/policy → x); TensorBoard logs go to RUN/tracking/tensorboard/NAME. Only rank 0 logs.",
-        rich_help_panel=TRACKING,
-    ),
-]
-RunNameOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--run-name",
-        help="Name of the tracker run (default: the run directory's name); give every command of the run "
-        "the same one.",
-        rich_help_panel=TRACKING,
-    ),
-]
+OverwriteOpt = _shared(knobs.overwrite(), "overwrite", bool)
+ReportToOpt = _shared(knobs.report_to(), "report_to", list[str] | None)
+RunNameOpt = _shared(knobs.run_name(), "run_name", str | None)
 
 
 def _set_level(level: int) -> Callable[[bool], None]:

@@ -15,9 +15,12 @@ from typing import Any
 import torch
 
 from stages.errors import UserInputError
+from stages.knobs import MIXED_PRECISION_MODES
 
 # --mixed-precision → the autocast dtype (None: no autocast). fp16 trains with a dynamic loss scale.
-MIXED_PRECISIONS: dict[str, torch.dtype | None] = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+MIXED_PRECISIONS: dict[str, torch.dtype | None] = dict(
+    zip(MIXED_PRECISION_MODES, (None, torch.bfloat16, torch.float16), strict=True)
+)
 
 
 def launcher_mixed_precision(default: str = "no") -> str:

@@ -3,30 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import asdict, replace
 from functools import partial
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
-import typer
+from stages.score.config import ScoreConfig
 
-from ..choices import REWARD_ENTRY_POINTS, REWARDS, OnError, complete
-from ..config import resolve
 from ..console import emit_json, print_result
-from ..errors import handle_errors
-from ..options import (
-    WEIGHTS_FROM,
-    WEIGHTS_METAVAR,
-    ConfigOpt,
-    FormatOpt,
-    InOpt,
-    JsonOpt,
-    OutOpt,
-    OverwriteOpt,
-    ReportToOpt,
-    RunNameOpt,
-    SetOpt,
-    mixed_precision_opt,
-)
+from ..generate import config_command
 from ..runtime import (
     check_format,
     device,
@@ -38,123 +23,8 @@ from ..runtime import (
     run_config,
 )
 
-DEFERRED = "Deferred media"
 
-
-@handle_errors
-def score(
-    ctx: typer.Context,
-    inputs: InOpt = None,
-    out: OutOpt = None,
-    reward: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--reward",
-            "-r",
-            autocompletion=complete(REWARDS, REWARD_ENTRY_POINTS),
-            metavar="NAME[@frames=AGG][=WEIGHT]",
-            help="A built-in image reward (jpeg_compressibility, "
-            "jpeg_incompressibility, ocr, pickscore, clipscore, image_similarity, aesthetic, hpsv2, imagereward, "
-            "geneval, geneval_strict, geneval_exact, geneval_shapes, geneval_shapes_strict, geneval_shapes_exact, "
-            "vlm_judge), for video rollouts an image "
-            "reward on the frames with @frames=mean|min|first|last (e.g. pickscore@frames=mean=0.5) or a video "
-            "reward (temporal_consistency: CLIP cosine of consecutive frames; video_ocr: flow_grpo's Wan OCR "
-            "over every 4th frame), or a text reward for VLM rollouts "
-            "(format_think_answer, format_boxed, accuracy, bleu, rouge_1, rouge_l, rouge_l_recall, meteor, "
-            "text_similarity, length_penalty, repetition_penalty, omnirl_accuracy, omnirl_length), remote:http://HOST:PORT/NAME (a reward served by `omnirl "
-            "serve-reward`), module:function or path/file.py:function, or an 'omnirl.rewards' entry point. The "
-            "total is the weighted sum.",
-        ),
-    ] = None,
-    reward_args: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--reward-arg",
-            metavar="NAME.KEY=VALUE",
-            help="An argument of reward NAME (YAML: score: reward_args: "
-            "{NAME: {KEY: VALUE}}). The CLIP rewards take model=PATH (a local folder, or a Hub id in the local "
-            "HF cache; required), processor=PATH (default: model), device=, dtype=fp32|bf16|fp16, batch_size=N. "
-            "pickscore: exp(logit_scale)*cos(text, image)/26 with model=PickScore_v1 and processor=the "
-            "CLIP-ViT-H-14 folder (~0.8-0.9). clipscore: CLIP logits_per_image/100 with model=openai "
-            "clip-vit-large-patch14 (the cosine, ~0.2-0.35). image_similarity: CLIP image-image cosine to the "
-            "prompt row's reference_image file, or to reference=IMAGE. aesthetic: LAION MLP on the normalised "
-            "CLIP ViT-L/14 image embedding, mlp=sac+logos+ava1-l14-linearMSE.pth or .safetensors (~1-10). "
-            "hpsv2: HPS v2.1, cos(image, text) of the ViT-H-14 in model=HPS_v2.1_compressed.pt (read with "
-            "weights_only=True), image letterboxed to 224 as hpsv2 does, tokenizer=a CLIP tokenizer folder "
-            "(default: laion/CLIP-ViT-H-14-laion2B-s32B-b79K in the HF cache) (~0.2-0.35). imagereward: "
-            "ImageReward v1.0's normalised score (MLP on BLIP's image-grounded [CLS] - 0.1672)/1.0333 with "
-            "model=ImageReward.pt, tokenizer=a bert-base-uncased folder (default: google-bert/bert-base-uncased "
-            "in the HF cache) (~-2..2). "
-            "temporal_consistency takes the CLIP arguments; video_ocr frame_interval=N (4). NAME@frames=AGG uses "
-            "NAME's arguments. "
-            "Model paths are part of the output's identity (with their content digests). omnirl_accuracy: "
-            "bleu=, rouge=, meteor= (metric weights, OmniRL 0.5/0.5/0), require_answer=true; omnirl_length: "
-            "target= (500 characters), decay= (0.9), scale= (500).",
-        ),
-    ] = None,
-    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Samples per scorer call.")] = 32,
-    on_error: Annotated[
-        OnError,
-        typer.Option(
-            "--on-error",
-            help="fail (default): stop on a failed/NaN score; zero: record 0 and flag the row in the "
-            "column reward_failed, counted as reward_failed (--json, manifest): reward statistics leave it "
-            "out, advantage gives it 0 and leaves it out of every group/batch statistic, update skips it. "
-            "There is no nan mode: score never writes NaN; a NaN reward in a set from another tool is "
-            "treated as a flagged one.",
-        ),
-    ] = "fail",
-    mixed_precision: mixed_precision_opt(
-        "the rewards' model forwards on this process's device (CLIP rewards, vlm_judge); recorded for "
-        "rewards that are not torch models or run remotely"
-    ) = None,
-    model: Annotated[
-        str | None,
-        typer.Option(
-            "--model",
-            "-m",
-            metavar=WEIGHTS_METAVAR,
-            help=f"Deferred media (`sample --defer-decode`): the pipeline whose VAE decodes the final latents, "
-            f"{WEIGHTS_FROM} (default: the model folder the rollout's manifest records; ignored for a rollout "
-            "that stores its media).",
-            rich_help_panel=DEFERRED,
-        ),
-    ] = None,
-    keep_media: Annotated[
-        bool,
-        typer.Option(
-            "--keep-media",
-            help="Deferred media: also write the decoded media (image PNG / video MP4, and frames where the "
-            "rollout asked for --save-frames) in this command's output, where `omnirl report` finds them.",
-            rich_help_panel=DEFERRED,
-        ),
-    ] = False,
-    vae_tiling: Annotated[
-        bool,
-        typer.Option(
-            "--vae-tiling",
-            help="Deferred media: decode in overlapping spatial tiles (as `sample --vae-tiling`); ignored for a "
-            "rollout that stores its media.",
-            rich_help_panel=DEFERRED,
-        ),
-    ] = False,
-    vae_slicing: Annotated[
-        bool,
-        typer.Option(
-            "--vae-slicing",
-            help="Deferred media: decode one sample at a time (as `sample --vae-slicing`); ignored for a rollout "
-            "that stores its media.",
-            rich_help_panel=DEFERRED,
-        ),
-    ] = False,
-    fmt: FormatOpt = "parquet",
-    report_to: ReportToOpt = None,
-    run_name: RunNameOpt = None,
-    overwrite: OverwriteOpt = False,
-    config: ConfigOpt = None,
-    set_: SetOpt = None,
-    json_: JsonOpt = False,
-) -> None:
+def run(c: ScoreConfig, json_: bool) -> None:
     """Score each sample's image (or VLM response) with one or more rewards; writes reward and reward.<name>.
 
     A scorer that fails or returns NaN stops the run naming the sample, unless --on-error zero
@@ -186,7 +56,6 @@ def score(
     CLIP: [bold]omnirl score --in run/it0/samples --reward pickscore --reward-arg pickscore.model=/models/PickScore_v1 \\
     --reward-arg pickscore.processor=/models/CLIP-ViT-H-14-laion2B-s32B-b79K --out run/it0/rewards[/]
     """
-    c = resolve(ctx, "score", required=("out",))
     from stages.dist import world_and_rank
     from stages.precision import resolve_mixed_precision
     from stages.reporting import reward_statistics
@@ -198,29 +67,30 @@ def score(
     from stages.shards.writer import ShardSetWriter
     from stages.tracking import held_out, open_tracking, run_location
 
-    c["mixed_precision"] = resolve_mixed_precision(c["mixed_precision"])  # the launcher's enters the identity
-    tracking = open_tracking(c["report_to"], c["out"], c["run_name"])
-    specs = [parse_reward_spec(s) for s in c["reward"] or []]
+    c = replace(
+        c, mixed_precision=resolve_mixed_precision(c.mixed_precision)
+    )  # the launcher's enters the identity
+    tracking = open_tracking(c.report_to, c.out, c.run_name)
+    specs = [parse_reward_spec(s) for s in c.reward or []]
     if not specs:
         from stages.errors import UserInputError
 
         raise UserInputError("--reward: give at least one reward, e.g. --reward jpeg_compressibility")
-    reward_args = check_reward_args([name for name, _ in specs], parse_reward_args(c["reward_args"]))
-    c["reward_args"] = reward_args or None
-    src = open_inputs(c["inputs"])
+    reward_args = check_reward_args([name for name, _ in specs], parse_reward_args(c.reward_args))
+    src = open_inputs(c.inputs)
     modality = rollout_modality(src.manifests)
-    open_decoder, keep = _deferred(c, src, modality)
+    c, open_decoder, keep = _deferred(c, src, modality)
     decoder = None
     writer = ShardSetWriter(
-        c["out"],
+        c.out,
         num_shards=src.num_shards,
-        format=check_format(c["fmt"]),
+        format=check_format(c.fmt),
         command="score",
-        config=_identity(c, specs),
+        config=_identity(c, specs, reward_args),
         parents=[*src.paths, *plugin_files([name for name, _ in specs])],
         policy=src.manifests[0].policy,
         kinds=KINDS if keep else None,
-        overwrite=c["overwrite"],
+        overwrite=c.overwrite,
     )
     seconds: dict[str, float] = {}  # per reward, this process's scoring time
     scored = [0]
@@ -230,12 +100,12 @@ def score(
             shard,
             specs,
             modality=modality,
-            batch_size=c["batch_size"],
-            on_error=c["on_error"],
+            batch_size=c.batch_size,
+            on_error=c.on_error,
             on_batch=advance,
             reward_args=reward_args,
             seconds=seconds,
-            mixed_precision=c["mixed_precision"],
+            mixed_precision=c.mixed_precision,
             decoder=decoder,
             keep_media=keep,
         )
@@ -258,10 +128,10 @@ def score(
         return
     from stages.shards.reader import ShardSet
 
-    rewards = ShardSet(c["out"]).read_all()
+    rewards = ShardSet(c.out).read_all()
     meta = src.read_all(["prompt_meta"])["prompt_meta"] if "prompt_meta" in src.columns else None
     result = {
-        "out": str(c["out"]),
+        "out": str(c.out),
         "rows": len(rewards["sample_id"]),
         FAILED_COLUMN: int(failed_rewards(rewards, len(rewards["sample_id"])).sum()),
         **reward_statistics(rewards, meta),
@@ -269,16 +139,16 @@ def score(
     if modality == "text":  # responses cut at the sampling cap: their format rewards are 0
         result["truncated"] = sum(truncated_rows(src.read_all(text_columns(list(src.columns)))))
     with tracking:
-        tracking.log_rewards(run_location(c["out"])[1] or 0, rewards, meta, held_out=held_out(c["out"]))
+        tracking.log_rewards(run_location(c.out)[1] or 0, rewards, meta, held_out=held_out(c.out))
     # this process's scoring speed per reward (images are decoded once per batch for all of them)
     result.update({f"perf/{name}/samples_per_s": scored[0] / t for name, t in seconds.items() if t > 0})
     if skipped:
-        report_complete(c["out"], json_, result)
+        report_complete(c.out, json_, result)
     elif json_:
         emit_json({**result, "skipped": False})
     else:
         print_result(
-            f"[green]scored[/] {result['rows']} samples → {c['out']}  reward {result['reward/mean']:.4f} "
+            f"[green]scored[/] {result['rows']} samples → {c.out}  reward {result['reward/mean']:.4f} "
             f"± {result['reward/std']:.4f} (mean ± sd over the scored samples), {result[FAILED_COLUMN]} failed"
         )
 
@@ -295,17 +165,18 @@ def _failed_count(writer: Any) -> int:
     )
 
 
-def _identity(c: dict, specs: list[tuple[str, float]]) -> dict:
-    """`run_config` plus the content digests of the files the rewards' arguments name (model folders,
-    MLP weights), so re-scoring under replaced weights redoes the work."""
+def _identity(c: ScoreConfig, specs: list[tuple[str, float]], reward_args: dict[str, dict[str, Any]]) -> dict:
+    """`run_config` (with the reward arguments as parsed) plus the content digests of the files the
+    rewards' arguments name (model folders, MLP weights), so re-scoring under replaced weights redoes
+    the work."""
     from stages.score.registry import reward_files
     from stages.shards.digest import content_digest
 
-    config = run_config(c)
+    config = run_config({**asdict(c), "reward_args": reward_args or None})
     digests = {
         f"{name}.{key}": content_digest(path, f"--reward-arg {name}.{key}")
         for name, _ in specs
-        for key, path in reward_files(name, (c["reward_args"] or {}).get(name)).items()
+        for key, path in reward_files(name, reward_args.get(name)).items()
     }
     if digests:
         config["reward_args_sha256"] = digests
@@ -313,13 +184,13 @@ def _identity(c: dict, specs: list[tuple[str, float]]) -> dict:
 
 
 def _deferred(
-    c: dict, src: Any, modality: str
-) -> tuple[Callable[[], Any] | None, Callable[[list], dict] | None]:
-    """For a rollout whose media is deferred (`stages.media.deferred`): a function loading the
+    c: ScoreConfig, src: Any, modality: str
+) -> tuple[ScoreConfig, Callable[[], Any] | None, Callable[[list], dict] | None]:
+    """`c`, and for a rollout whose media is deferred (`stages.media.deferred`): a function loading the
     `LatentDecoder` of its final latents (called only when there is scoring left to do, so a finished
-    run loads no VAE) and, with --keep-media, the function making a batch's media columns; (None, None)
-    for a rollout that stores its media. There --keep-media is refused, and --model, --vae-tiling and
-    --vae-slicing (names a preset's top-level keys share with other commands) are left out of `c`."""
+    run loads no VAE) and, with --keep-media, the function making a batch's media columns; (c, None,
+    None) for a rollout that stores its media. There --keep-media is refused, and --model, --vae-tiling
+    and --vae-slicing (names a preset's top-level keys share with other commands) are left out of `c`."""
     from stages.errors import UserInputError
     from stages.media import MEDIA_COLUMNS, media_columns
     from stages.media.deferred import LatentDecoder, deferred_media
@@ -328,16 +199,15 @@ def _deferred(
 
     record = deferred_media(src.manifests)
     if record is None or any(col in src.columns for col in MEDIA_COLUMNS):
-        if c["keep_media"]:
+        if c.keep_media:
             raise UserInputError("--keep-media: --in stores its media already (nothing to decode); drop it")
-        c.update(model=None, vae_tiling=False, vae_slicing=False)
-        return None, None
-    model = c["model"] or Path(record["model"])
+        return replace(c, model=None, vae_tiling=False, vae_slicing=False), None, None
+    model = c.model or Path(record["model"])
     cfg = sample_config_of(src.manifests)
-    tiling, slicing = c["vae_tiling"], c["vae_slicing"]
+    tiling, slicing = c.vae_tiling, c.vae_slicing
 
     def open_decoder() -> LatentDecoder:
-        if c["model"] is None and not Path(model).is_dir():
+        if c.model is None and not Path(model).is_dir():
             raise UserInputError(
                 f"--in: its media is deferred and the model folder it records, {model}, is gone; pass "
                 "--model with the pipeline it was sampled with"
@@ -353,5 +223,8 @@ def _deferred(
             family.decode, batch_size=cfg.batch_size, mixed_precision=cfg.mixed_precision, device=on
         )
 
-    keep = partial(media_columns, fps=cfg.fps, save_frames=cfg.save_frames) if c["keep_media"] else None
-    return open_decoder, keep
+    keep = partial(media_columns, fps=cfg.fps, save_frames=cfg.save_frames) if c.keep_media else None
+    return c, open_decoder, keep
+
+
+score = config_command(ScoreConfig, "score", run)

@@ -29,13 +29,16 @@ from typing import Any
 
 import torch
 
+from stages.advantage.config import (
+    AGGREGATIONS,
+    ENTRY_POINT_GROUP,
+    ESTIMATOR_PRESETS,
+    STD_MODES,
+    EstimatorPreset,
+)
 from stages.errors import UserInputError
 from stages.finite import check_finite
 from stages.plugins import load_entry_point, load_object
-
-STD_MODES = ("global", "group", "none")
-AGGREGATIONS = ("reward_aggr", "advantage_aggr")
-ENTRY_POINT_GROUP = "omnirl.advantages"
 
 
 def _as_rewards(
@@ -273,14 +276,8 @@ def advantage_stats(
 
 
 @dataclass(frozen=True)
-class AdvantageEstimator:
-    """A named preset of `group_advantages` settings; call it like `group_advantages` minus those settings."""
-
-    name: str
-    std: str
-    eps: float
-    unbiased: bool
-    description: str
+class AdvantageEstimator(EstimatorPreset):
+    """A preset of `group_advantages` settings; call it like `group_advantages` minus those settings."""
 
     def __call__(
         self,
@@ -302,32 +299,7 @@ class AdvantageEstimator:
 
 
 ESTIMATORS: dict[str, AdvantageEstimator] = {
-    e.name: e
-    for e in (
-        AdvantageEstimator(
-            "grpo", "global", 1e-4, False, "Flow-GRPO: group mean, population std of the batch, eps 1e-4"
-        ),
-        AdvantageEstimator(
-            "grpo_group", "group", 1e-4, False, "Flow-GRPO with per-group std (Wan, FLUX-fast configs)"
-        ),
-        AdvantageEstimator(
-            "dance", "group", 1e-8, True, "DanceGRPO: group mean, Bessel-corrected group std, eps 1e-8"
-        ),
-        AdvantageEstimator("drgrpo", "none", 0.0, False, "Dr.GRPO: group mean subtracted, no std division"),
-        AdvantageEstimator(
-            "grpo_verl", "group", 1e-6, True, "verl/EasyR1 GRPO: group mean, Bessel group std, eps 1e-6"
-        ),
-        AdvantageEstimator(
-            "grpo_trl", "group", 1e-4, True, "trl/VLM-R1 GRPO: group mean, Bessel group std, eps 1e-4"
-        ),
-        AdvantageEstimator(
-            "grpo_batch_std",
-            "global",
-            1e-4,
-            True,
-            "trl scale_rewards='batch' (Lite-PPO): group mean, batch std",
-        ),
-    )
+    p.name: AdvantageEstimator(p.name, p.std, p.eps, p.unbiased, p.description) for p in ESTIMATOR_PRESETS
 }
 
 

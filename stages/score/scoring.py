@@ -24,11 +24,11 @@ from typing import Any
 import torch
 
 from stages.errors import NonFiniteError, UserInputError
+from stages.score.config import ON_ERROR_MODES
 from stages.score.registry import RewardArgs, get_reward, reward_column, score_value
 
 logger = logging.getLogger(__name__)
 
-ON_ERROR_MODES = ("fail", "zero")
 FAILED_COLUMN = "reward_failed"
 
 

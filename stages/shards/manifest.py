@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from stages.errors import UserInputError
+from stages.knobs import FORMATS
 from stages.shards.atomic import atomic_write_bytes
 from stages.shards.schema import Column
 
@@ -20,7 +21,6 @@ MANIFEST_NAME = "_manifest.json"
 # 2: Parquet tensors as nested fixed-size lists and images as {bytes, path} structs, which Hugging
 # Face `datasets` reads (1: `arrow.fixed_shape_tensor` and plain binary); every version is still read.
 SCHEMA_VERSION = 2
-FORMATS = ("parquet", "webdataset")
 # What a rollout's manifest `extra` says about it (its model family and output modality); every set
 # derived from it inherits them.
 ROLLOUT_KEYS = ("family", "modality")

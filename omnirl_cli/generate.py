@@ -1,0 +1,64 @@
+"""A command's typer options generated from its stage's typed config (`stages.knobs`).
+
+Each knob of the config becomes one option: its type from the field's annotation (a `choices` knob's
+`str` becomes a `Literal` of its names, which typer lists in --help, completes and checks), its default
+from the field's, and help, flag, panel, environment variable, metavar, bounds and completion from the
+`Knob`. `config_command` adds the options that steer resolution (--config, --set, --json) and hands the
+command's body one resolved instance of the config (`config.resolve_config`), so no option is written
+by hand and no setting travels as an untyped dict.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any, TypeVar, get_type_hints
+
+import typer
+
+from stages.knobs import knobs
+
+from .config import resolve_config
+from .errors import handle_errors
+from .options import ConfigOpt, JsonOpt, SetOpt, option
+
+C = TypeVar("C")
+
+
+def options_of(config: type) -> list[inspect.Parameter]:
+    """One keyword parameter per knob of dataclass `config`, in declaration order, as typer reads them."""
+    hints = get_type_hints(config)
+    return [
+        inspect.Parameter(
+            field.name,
+            inspect.Parameter.KEYWORD_ONLY,
+            default=field.default,
+            annotation=option(field.name, declared, hints[field.name]),
+        )
+        for field, declared in knobs(config)
+    ]
+
+
+def config_command(config: type[C], command: str, run: Callable[[C, bool], None]) -> Callable[..., None]:
+    """The typer command `omnirl COMMAND`: options generated from `config`, then --config, --set and
+    --json; it resolves them into one `config` instance and calls `run(instance, json)`. Its --help
+    text is `run`'s docstring."""
+
+    @handle_errors
+    def generated(ctx: typer.Context, **values: Any) -> None:
+        run(resolve_config(ctx, command, config), values["json_"])
+
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    generated.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [
+            inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context),
+            *options_of(config),
+            inspect.Parameter("config", keyword, default=None, annotation=ConfigOpt),
+            inspect.Parameter("set_", keyword, default=None, annotation=SetOpt),
+            inspect.Parameter("json_", keyword, default=False, annotation=JsonOpt),
+        ]
+    )
+    generated.__annotations__ = {}  # typer reads the types from the signature
+    # the command is `run`'s, as --help and the command registry see it
+    generated.__doc__, generated.__module__, generated.__name__ = run.__doc__, run.__module__, command
+    return generated

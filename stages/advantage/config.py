@@ -1,0 +1,87 @@
+"""`advantage`'s settings as one typed config, and the names its knobs take; torch-free.
+
+`AdvantageConfig` is the single declaration of every `omnirl advantage` option (help, choices, panel),
+from which the CLI generates its options (`omnirl_cli.generate`). The built-in estimators are listed
+here once, as data (`ESTIMATOR_PRESETS`): `stages.advantage.estimators` turns them into callables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from stages import knobs
+from stages.knobs import knob
+
+STD_MODES = ("global", "group", "none")
+AGGREGATIONS = ("reward_aggr", "advantage_aggr")
+ENTRY_POINT_GROUP = "omnirl.advantages"
+
+
+@dataclass(frozen=True)
+class EstimatorPreset:
+    """A named preset of `group_advantages` settings: its std mode (`STD_MODES`), eps and Bessel correction."""
+
+    name: str
+    std: str
+    eps: float
+    unbiased: bool
+    description: str
+
+
+ESTIMATOR_PRESETS = (
+    EstimatorPreset(
+        "grpo", "global", 1e-4, False, "Flow-GRPO: group mean, population std of the batch, eps 1e-4"
+    ),
+    EstimatorPreset(
+        "grpo_group", "group", 1e-4, False, "Flow-GRPO with per-group std (Wan, FLUX-fast configs)"
+    ),
+    EstimatorPreset(
+        "dance", "group", 1e-8, True, "DanceGRPO: group mean, Bessel-corrected group std, eps 1e-8"
+    ),
+    EstimatorPreset("drgrpo", "none", 0.0, False, "Dr.GRPO: group mean subtracted, no std division"),
+    EstimatorPreset(
+        "grpo_verl", "group", 1e-6, True, "verl/EasyR1 GRPO: group mean, Bessel group std, eps 1e-6"
+    ),
+    EstimatorPreset(
+        "grpo_trl", "group", 1e-4, True, "trl/VLM-R1 GRPO: group mean, Bessel group std, eps 1e-4"
+    ),
+    EstimatorPreset(
+        "grpo_batch_std", "global", 1e-4, True, "trl scale_rewards='batch' (Lite-PPO): group mean, batch std"
+    ),
+)
+# `pairs` (+1 best, −1 worst of each group) is built in beside the presets.
+ESTIMATOR_NAMES = (*(p.name for p in ESTIMATOR_PRESETS), "pairs")
+# --std MODE replaces --estimator by the preset with that std.
+STD_ESTIMATORS = {"global": "grpo", "group": "grpo_group", "none": "drgrpo"}
+
+
+@dataclass
+class AdvantageConfig:
+    """Every setting of the `advantage` stage (`omnirl advantage`)."""
+
+    inputs: list[Path] | None = knobs.inputs()
+    out: Path | None = knobs.out()
+    estimator: str = knob(
+        "grpo",
+        f"One of {', '.join(ESTIMATOR_NAMES)} (grpo: flow_grpo's, global std; dance: unbiased group std; "
+        "drgrpo: no std; pairs: +1 best, −1 worst of each group, online DPO; docs/algorithms.md has each), "
+        "or a plugin module:function.",
+        names=ESTIMATOR_NAMES,
+        entry_points=ENTRY_POINT_GROUP,
+    )
+    std: str | None = knob(None, "Override the estimator's std.", choices=STD_MODES)
+    clip: float | None = knob(None, "Clip advantages to ±CLIP.")
+    drop_zero_std: bool = knob(False, "Mark samples of all-equal-reward groups as not trained (flow_grpo).")
+    aggregation: str = knob(
+        "reward_aggr",
+        "reward_aggr: normalise the weighted total reward (flow_grpo); advantage_aggr: normalise each "
+        "reward.<name> on its own, then weight and sum (MixGRPO).",
+        choices=AGGREGATIONS,
+    )
+    fmt: str = knobs.shard_format()
+    overwrite: bool = knobs.overwrite()
+
+    def estimator_name(self) -> str:
+        """The estimator that runs: --std's preset when given, else --estimator."""
+        return STD_ESTIMATORS[self.std] if self.std is not None else self.estimator

@@ -3,7 +3,7 @@ encoder, tokenizer or VAE loaded) ÷ the same commands on a copy without it (tod
 load and re-encode every prompt), per family on its `small` build.
 
 Each command runs in a fresh process, alternating the two settings; wall time is the best of --repeats,
-peak memory the process's max RSS (`os.wait4`'s rusage of that child). The two replays are checked equal
+peak memory the process's max RSS (`common.run_peak_rss`). The two replays are checked equal
 first (|Δlogp| 0 on both).
 
     .venv/bin/python benchmarks/bench_conditioning.py --families sd3 --repeats 2
@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,7 +24,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from common import parse_args, record  # noqa: E402
+from common import parse_args, record, run_peak_rss  # noqa: E402
 
 OMNIRL = [sys.executable, "-m", "omnirl_cli"]
 PROMPTS = ["a red apple on a table", 'a sign that says "hello"', "a blue sky over hills", "a cat"]
@@ -33,20 +32,16 @@ PROMPTS = ["a red apple on a table", 'a sign that says "hello"', "a blue sky ove
 
 def measured(args: list[str], source: Path | None = None) -> tuple[float, int, dict]:
     """(wall seconds, peak RSS bytes, --json result) of `omnirl ARGS --json` in a fresh process, importing
-    omnirl from `source` (a checkout) when given."""
+    omnirl from `source` (a checkout) when given. The peak is `common.run_peak_rss`'s: the command is
+    started by a bare interpreter, so it does not inherit this process's memory (the built model)."""
     source = source or HERE.parent  # `python -m` imports from its working directory first
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONPATH": str(source)}
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        t0 = time.perf_counter()
-        proc = subprocess.Popen([*OMNIRL, *args, "--json"], stdout=out, stderr=err, env=env, cwd=source)
-        _, status, usage = os.wait4(proc.pid, 0)  # this child's own rusage: ru_maxrss in KiB (Linux)
-        wall = time.perf_counter() - t0
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        out.seek(0)
-        err.seek(0)
-        if proc.returncode:
-            raise SystemExit(f"omnirl {' '.join(args)} failed:\n{err.read().decode()[-3000:]}")
-        return wall, usage.ru_maxrss * 1024, json.loads(out.read())
+    t0 = time.perf_counter()
+    peak, proc = run_peak_rss([*OMNIRL, *args, "--json"], env=env, cwd=source)
+    wall = time.perf_counter() - t0
+    if proc.returncode:
+        raise SystemExit(f"omnirl {' '.join(args)} failed:\n{proc.stderr.decode()[-3000:]}")
+    return wall, peak, json.loads(proc.stdout)
 
 
 def run(args: list[str]) -> dict:

@@ -82,9 +82,11 @@ def ranks(p: dict[str, Path], out: Path, world: int = 2) -> list[int]:
     return [_wait(proc) for proc in procs]
 
 
-def plan(model: Path, world: int) -> int:
-    """`omnirl plan`'s per-rank total for `update` (bytes) of the same run."""
+def plan(model: Path, world: int, cpu: bool = False) -> int:
+    """`omnirl plan`'s per-rank total for `update` (bytes) of the same run; with `cpu`, `plan --cpu`: the
+    process's peak, its runtime included."""
     strategy = ("--strategy", "fsdp2") if world > 1 else ()
+    strategy += ("--cpu",) if cpu else ()
     out = subprocess.run(
         [
             sys.executable, "-m", "omnirl_cli", "plan", "--model", str(model), "--full", "--resolution", "64",
@@ -107,6 +109,7 @@ def main() -> int:
         per_rank = ranks(p, Path(tmp) / "fsdp2")
         base = _wait(_peak([sys.executable, "-c", IMPORTS], _env()))
         planned = {1: plan(p["model"], 1), 2: plan(p["model"], 2)}
+        process = {1: plan(p["model"], 1, cpu=True), 2: plan(p["model"], 2, cpu=True)}
     peak = max(per_rank)
     metrics = {
         "fsdp2_rank_peak_vs_one_process": peak / one,
@@ -114,6 +117,9 @@ def main() -> int:
         "fsdp2_rank_peak_vs_one_process_net_of_imports": (peak - base) / (one - base),
         "plan_vs_measured_one_process_net_of_imports": planned[1] / (pinned - base),
         "plan_vs_measured_fsdp2_net_of_imports": planned[2] / (peak - base),
+        # `plan --cpu` (runtime included) ÷ the process peaks, glibc's threshold pinned in both
+        "plan_cpu_vs_measured_one_process": process[1] / pinned,
+        "plan_cpu_vs_measured_fsdp2_rank": process[2] / peak,
         # what FSDP2 saves per rank, planned ÷ measured (same allocator); a tiny build saves nothing
         "plan_fsdp2_saving_vs_measured": (planned[1] - planned[2]) / (pinned - peak)
         if pinned > peak

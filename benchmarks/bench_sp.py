@@ -4,7 +4,8 @@ FLUX transformer at a long sequence with Ulysses `--sp-degree 2` on 2 ranks ÷ o
 The ratio that matters is the accelerator one (NVLink all-to-alls against long attention); on a CPU the
 all-to-alls go through gloo and the 2 ranks share the machine's cores, one torch thread each, against one
 process with one thread. Model: the tiny FLUX build with a LoRA (rank 16); one sample at `--side` pixels
-(`(side / 16)²` image tokens + 128 text tokens). Time: the fastest of `--repeats` steps after a warm-up,
+(`(side / (2·f))²` image tokens for the VAE's downscale f and FLUX's 2 × 2 patches, + 128 text tokens:
+4224 at 512 px with the tiny build's 4× VAE). Time: the fastest of `--repeats` steps after a warm-up,
 rank 0's clock (the ranks wait for each other in every attention layer).
 
     python benchmarks/bench_sp.py [--side 512] [--repeats 3] [--no-record]
@@ -82,7 +83,9 @@ def main() -> int:
         model = Path(tmp) / "model"
         init_model("flux", model, size="tiny", seed=0)
         times = {sp: measure(model, args.side, sp, args.repeats, Path(tmp) / f"sp{sp}.json") for sp in (1, 2)}
-    tokens = (args.side // 16) ** 2 + 128
+        vae = json.loads((model / "vae" / "config.json").read_text())
+    downscale = 2 ** (len(vae["block_out_channels"]) - 1)
+    tokens = (args.side // downscale // 2) ** 2 + 128
     rows = [
         {"run": "1 process", "tokens": tokens, "step_s": times[1], "ratio": 1.0},
         {

@@ -1,6 +1,7 @@
 """The GPU suite's sequence parallelism and kernels (`make test-gpu`; stages/parallelism.py,
 stages/models/kernels.py), on the small FLUX: ring attention over 2 ranks, sp with FSDP2, the flash
-backend, --compile, and a throughput line for sp=1 vs sp=2 at a long sequence.
+backend, --compile, tensor parallelism (FLUX and Qwen-Image), and a throughput line for sp=1 vs sp=2 at a
+long sequence.
 
 Skipped without an accelerator; the tests that launch 2 ranks need 2 accelerators (one per rank: NCCL
 runs no two ranks on one device) and are skipped with that reason on a 1-device machine.
@@ -15,6 +16,7 @@ Tolerances, all relative (‖Δ‖ / ‖reference‖, or of the reference's larg
 - sp=2 with FSDP2 vs one process, fp32: grad norm and loss per step ≤ 1e-4, trained LoRA ≤ 1e-4 of its
   largest entry (the CPU suite holds 1e-5 on gloo; accelerator GEMMs pick other kernels per shape).
 - flash vs native attention, bf16: velocity ≤ 2e-2 (two exact kernels, each rounding to bf16).
+- tp=2 vs one process, fp32: velocity ≤ 1e-4 (the row-parallel all-reduce reorders fp32 sums).
 - compiled vs eager, fp32 (TF32 off, torch's default): velocity ≤ 1e-4 (inductor reorders reductions;
   the CPU gives 3.6e-7).
 """
@@ -81,6 +83,30 @@ def test_ulysses_over_two_ranks_equals_one_process_on_the_device(flux: Path) -> 
     [report] = torchrun(str(flux), "--resolution", RESOLUTION, ranks=2, program=(str(PROBE),))
     assert report["world"] == 2 and report["grad_norm"] > 0
     assert report["velocity_rel"] <= 1e-4 and report["grad_rel"] <= 1e-4
+
+
+@two_devices
+@pytest.mark.skipif(not ACCELERATOR, reason="diffusers' tensor-parallel plan runs on accelerator meshes only")
+@pytest.mark.parametrize("family, guidance", [("flux", "3.5"), ("qwen_image", "4.0")])
+def test_tensor_parallel_rollout_over_two_ranks_equals_one_process(
+    family: str, guidance: str, flux: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """--tp-degree 2 (diffusers' `_tp_plan`: column- then row-parallel linears, an all-reduce per block;
+    accelerator meshes only) on the small FLUX and Qwen-Image, fp32, with each family's own guidance:
+    one rollout step's velocity equals one process's within 1e-4 relative (the all-reduce only reorders
+    fp32 sums; a mis-sharded projection would be off by O(1))."""
+    model = flux
+    if family != "flux":
+        from stages.models.factory import init_model
+
+        model = tmp_path_factory.mktemp(f"gpu-tp-{family}") / "model"
+        init_model(family, model, size=SIZE, seed=0)
+    [report] = torchrun(
+        str(model), "--tp", "--guidance", guidance, "--resolution", RESOLUTION, ranks=2, program=(str(PROBE),)
+    )
+    print(f"\n[gpu] tp=2 vs one process ({family}, fp32): {report}")
+    assert report["world"] == 2 and report["norm"] > 0
+    assert report["velocity_rel"] <= 1e-4
 
 
 @pytest.fixture(scope="module")

@@ -83,7 +83,7 @@ from PIL import Image
 from stages.errors import RuntimeFailure, UserInputError
 from stages.score import REMOTE_PREFIX
 from stages.score.rubrics import PROMPT_FIELD, RUBRICS
-from stages.web import backoff, env_token, error_message, one_line, redact_url
+from stages.web import backoff, env_token, error_message, http_url, one_line, redact_url
 
 logger = logging.getLogger(__name__)
 
@@ -116,11 +116,8 @@ def check_url(url: str, where: str) -> urllib.parse.SplitResult:
     `where` names it. Credentials are refused (a reward's URL becomes its column name and is recorded),
     and no message shows their secret (`redact_url`)."""
     shown = redact_url(url)
-    try:
-        parts = urllib.parse.urlsplit(url)
-    except ValueError:  # a bracketed host that is not closed
-        parts = urllib.parse.urlsplit("")
-    if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
+    parts = http_url(url)
+    if parts is None:
         raise UserInputError(
             f"{where}: {shown!r} is not an http(s)://HOST:PORT/PATH URL without query or fragment; "
             "write e.g. remote:http://127.0.0.1:18090/jpeg_compressibility"

@@ -19,7 +19,16 @@ from collections.abc import Callable
 from typing import Any
 
 from stages.errors import RuntimeFailure, UserInputError
-from stages.web.wire import MSGPACK, Payload, error_message, one_line, redact_url, unpack_binary, wants_binary
+from stages.web.wire import (
+    MSGPACK,
+    Payload,
+    error_message,
+    http_url,
+    one_line,
+    redact_url,
+    unpack_binary,
+    wants_binary,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -73,11 +82,8 @@ class JsonClient:
         binary: bool = False,
     ):
         shown = redact_url(url)
-        try:
-            parts = urllib.parse.urlsplit(url)
-        except ValueError:  # a bracketed host that is not closed
-            parts = urllib.parse.urlsplit("")
-        if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
+        parts = http_url(url)
+        if parts is None:
             raise UserInputError(f"{option} {shown!r}: not an http(s)://HOST:PORT URL; pass {what}'s address")
         try:
             parts.port  # noqa: B018  (raises on a port that is not a number)

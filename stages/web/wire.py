@@ -76,6 +76,18 @@ def redact_url(url: str) -> str:
     return re.sub(r"^([A-Za-z][A-Za-z0-9+.-]*://)([^/?#]*)@", hide, url)
 
 
+def http_url(url: str) -> urllib.parse.SplitResult | None:
+    """`url` split when it is an http(s) URL with a host and no query or fragment, else None (callers
+    name what they expected in their own one-line error)."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:  # a bracketed host that is not closed
+        return None
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
+        return None
+    return parts
+
+
 def one_line(text: Any, limit: int = 300) -> str:
     """`text` on one line, at most `limit` characters."""
     return " ".join(str(text).split())[:limit]

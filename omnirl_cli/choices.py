@@ -16,20 +16,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Literal
 
-from stages.knobs import FORMATS, MIXED_PRECISION_MODES
+from stages.knobs import DTYPES, FORMATS, MIXED_PRECISION_MODES
 from stages.score.config import BUILTIN_REWARDS
 from stages.score.registry import ENTRY_POINT_GROUP
 
 # Taken from the library's torch-free registries (`stages.knobs`), so there is nothing to mirror.
 Format = Literal[FORMATS]
 MixedPrecision = Literal[MIXED_PRECISION_MODES]
-Dtype = Literal["fp32", "bf16", "fp16"]  # stages.models.diffusion.DTYPES
+Dtype = Literal[DTYPES]
 LatentDtype = Literal["fp32", "bf16"]  # stages.sample.rollout.LATENT_DTYPES
 Sampler = Literal["ode", "sde", "cps", "dance"]  # stages.sample.samplers.SAMPLERS
 WindowStrategy = Literal["random", "progressive", "fixed"]  # windows.STRATEGIES but "all" (= --sde-window 0)
 Layout = Literal["verl", "easyr1"]  # stages.sample.vlm_data.read_vlm_prompts
-Strategy = Literal["auto", "ddp", "fsdp2"]  # stages.update.parallel.STRATEGIES
-SpKind = Literal["ulysses", "ring", "unified"]  # stages.parallelism.SP_KINDS
 Replay = Literal["auto", "yes"]  # stages.logprob.decide.REPLAY_MODES
 LrScheduler = Literal["constant", "linear", "cosine"]  # stages.update.trainer.LR_SCHEDULERS
 LossAggMode = Literal[

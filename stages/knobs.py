@@ -25,6 +25,9 @@ TRACKING = "Tracking"
 # (`stages.precision`): closed sets, here so that declaring a knob never imports torch.
 FORMATS = ("parquet", "webdataset")
 MIXED_PRECISION_MODES = ("no", "bf16", "fp16")
+DTYPES = ("fp32", "bf16", "fp16")  # storage dtypes of frozen weights (`stages.models.diffusion`)
+STRATEGIES = ("auto", "ddp", "fsdp2")  # how a trained module spreads over ranks (`stages.update.parallel`)
+SP_KINDS = ("ulysses", "ring", "unified")  # sequence-parallel attention (`stages.parallelism`)
 # Where weights (--model, --adapter) may be (`stages.models.hub`), and how their knobs show the value.
 WEIGHTS_FROM = (
     "a local path, or a Hub id ORG/NAME (or ORG/NAME@REVISION) the local Hugging Face cache holds "
@@ -39,7 +42,8 @@ class Knob:
     field's name with dashes), `short` (e.g. "-o"), `choices` (a closed set: any other value is refused
     from every source), `names` and `entry_points` (an open registry's built-ins and its entry-point
     group, offered by completion only), `low` / `high` bounds, `panel`, `envvar`, `metavar`, and
-    `required` (some source must give it; checked once all sources are merged, so a preset can)."""
+    `required` (some source must give it; checked once all sources are merged, so a preset can) and
+    `negative` (a bool knob whose default is on: a `--no-FLAG` turns it off)."""
 
     help: str
     flag: str | None = None
@@ -53,6 +57,7 @@ class Knob:
     envvar: str | None = None
     metavar: str | None = None
     required: bool = False
+    negative: bool = False
 
 
 def knob(default: Any, help: str, **declared: Any) -> Any:
@@ -150,4 +155,338 @@ def run_name() -> Any:
         "Name of the tracker run (default: the run directory's name); give every command of the run "
         "the same one.",
         panel=TRACKING,
+    )
+
+
+# Knobs of the sampling and training stages (and `omnirl plan`, which takes them to size a run).
+SAMPLING = "Sampling"
+OPTIMISATION = "Optimisation"
+# Model parallelism of a diffusion transformer (`stages.parallelism.ModelParallel`) and its kernels
+# (`stages.models.kernels.Kernels`). Not part of an output's identity: N ranks compute one process's
+# numbers, and so do compiled and other-kernel forwards, to rounding (a quantized backend is recorded).
+PARALLELISM = "Parallelism and kernels"
+SERVER = "Server"
+ENGINE = "Rollout engine"
+# frames of one video sample: bounds `sample --frames` (and SampleConfig) and `omnirl serve`'s requests
+MAX_FRAMES = 4096
+
+
+def model(what: str, panel: str | None = None) -> Any:
+    """`--model`: the weights a command runs, required once all sources are merged (OMNIRL_MODEL too)."""
+    return knob(
+        None,
+        f"{what}: {WEIGHTS_FROM}.",
+        short="-m",
+        envvar="OMNIRL_MODEL",
+        metavar=WEIGHTS_METAVAR,
+        panel=panel,
+        required=True,
+    )
+
+
+def dtype() -> Any:
+    """`--dtype`: storage dtype of the frozen weights."""
+    return knob(
+        "fp32",
+        "Storage dtype of the frozen weights. Trained weights (LoRA, or all with --full) are always fp32 "
+        "(diffusers' cast_training_params), so AdamW steps in fp32.",
+        choices=DTYPES,
+        envvar="OMNIRL_DTYPE",
+    )
+
+
+def strategy() -> Any:
+    """`--strategy`: DDP or FSDP2 over the launcher's ranks."""
+    return knob(
+        "auto",
+        "How the trained module is spread over the launcher's processes: ddp (Accelerate's DDP), fsdp2 "
+        "(torch fully_shard per block and at the root, with the accelerate config's CPU offload and reshard "
+        "settings) or auto: the accelerate config's (fsdp_version 2 → fsdp2), else ddp over more than one "
+        "process. DeepSpeed, Megatron-LM and FSDP1 configs are refused. Not part of the run's identity: 1 "
+        "process and N ranks give the same update.",
+        choices=STRATEGIES,
+        panel=OPTIMISATION,
+    )
+
+
+def sp_degree() -> Any:
+    """`--sp-degree`: sequence parallelism."""
+    return knob(
+        1,
+        "Sequence parallelism (diffusers' context parallelism): this many consecutive ranks of the launch "
+        "share each sample's tokens, so activations per rank shrink by it; the other ranks are data "
+        "parallel (dp = ranks / sp). FLUX, Qwen-Image and Wan; needs a launcher (torchrun --nproc_per_node, "
+        "accelerate launch) with a multiple of it as ranks.",
+        low=1,
+        panel=PARALLELISM,
+    )
+
+
+def sp_kind() -> Any:
+    """`--sp-kind`: how sequence-parallel ranks attend."""
+    return knob(
+        "ulysses",
+        "How --sp-degree ranks attend: ulysses (all-to-all over heads; heads must divide by it), ring "
+        "(keys/values passed round; needs an attention backend returning the log-sum-exp, so an "
+        "accelerator) or unified (ring × Ulysses).",
+        choices=SP_KINDS,
+        panel=PARALLELISM,
+    )
+
+
+def tp_degree() -> Any:
+    """`--tp-degree`: tensor parallelism."""
+    return knob(
+        1,
+        "Tensor parallelism (diffusers' _tp_plan): this many consecutive ranks each hold 1/N of the "
+        "transformer's planned weights. FLUX and Qwen-Image, on accelerators, without LoRA layers; not with "
+        "--sp-degree.",
+        low=1,
+        panel=PARALLELISM,
+    )
+
+
+def no_model_parallel(flag: str, command: str, instead: str) -> Any:
+    """`--sp-degree` / `--tp-degree` of a command whose work runs in no launcher ranks (online, serve):
+    only 1, so that a degree from a habit or a shared preset is refused naming the commands that take it
+    (`instead`; `ModelParallel.refuse`) rather than dropped."""
+    return knob(
+        1,
+        f"Only 1 ({command} runs in no launcher ranks); for {flag} > 1 run {instead} under a launcher "
+        "(docs/scaling.md).",
+        flag=flag,
+        low=1,
+        panel=PARALLELISM,
+    )
+
+
+def attention_backend() -> Any:
+    """`--attention-backend`: diffusers' attention dispatch."""
+    return knob(
+        None,
+        "diffusers' attention backend for the transformer: native (torch SDPA, the default), _native_cudnn, "
+        "flash, sage, ... whichever is installed here (a missing one is refused with the list; *_hub "
+        "kernels, which download, are not offered). Recorded in the output's identity only when quantized "
+        "(sage*); the others agree to rounding.",
+        panel=PARALLELISM,
+    )
+
+
+def compile() -> Any:
+    """`--compile`: torch.compile of the transformer."""
+    return knob(
+        False,
+        "torch.compile the transformer: regional (each repeated block compiled once, diffusers' "
+        "compile_repeated_blocks) where the model lists its blocks, else whole. The first forward pays the "
+        "compilation; numbers agree to rounding, so not part of the output's identity.",
+        panel=PARALLELISM,
+    )
+
+
+def gradient_checkpointing() -> Any:
+    """`--gradient-checkpointing`."""
+    return knob(
+        False,
+        "Recompute the trained module's activations in the backward (diffusers / transformers "
+        "checkpointing): less memory for one more forward per trained step; same numbers.",
+        panel=OPTIMISATION,
+    )
+
+
+def micro_batch() -> Any:
+    """`--micro-batch`: samples per training/replay forward."""
+    return knob(0, "Samples per forward (0: the sampling batch size).", low=0, panel=OPTIMISATION)
+
+
+def lora_rank() -> Any:
+    """`--lora-rank` of a new adapter."""
+    return knob(32, "LoRA rank of a new adapter (flow_grpo 32).", low=1, panel=OPTIMISATION)
+
+
+def full() -> Any:
+    """`--full`: full fine-tuning."""
+    return knob(False, "Full fine-tuning instead of LoRA.", panel=OPTIMISATION)
+
+
+def batch_size() -> Any:
+    """`--batch-size` of the sampling stages."""
+    return knob(
+        8,
+        "Samples per forward pass (VLM: responses per generate call, whole groups).",
+        low=1,
+        panel=SAMPLING,
+    )
+
+
+def guidance() -> Any:
+    """`--guidance`, as the family's pipeline defines it."""
+    return knob(
+        4.5,
+        "Guidance as the family's pipeline defines it: SD3 and Qwen-Image true CFG (1 = off), Z-Image "
+        "pos + w·(pos − neg) (0 = off), FLUX.1 distilled guidance (a model input, one forward).",
+        panel=SAMPLING,
+    )
+
+
+def resolution() -> Any:
+    """`--resolution`: a side or HEIGHTxWIDTH."""
+    return knob(
+        None,
+        "Sample size in pixels: a side (512) or HEIGHTxWIDTH (240x416, flow_grpo's Wan), each a multiple of "
+        "the VAE factor × patch size (SD3: 16, Wan 2.1: 16, Wan 2.2 TI2V-5B: 32). Default: the native "
+        "resolution an `init-model` or `pretrain` folder records, else 512.",
+        metavar="SIDE|HxW",
+        panel=SAMPLING,
+    )
+
+
+def frames() -> Any:
+    """`--frames` per video sample."""
+    return knob(
+        1,
+        "Frames per sample for a video family (Wan: 1 plus a multiple of 4, its pipeline's 81; at most "
+        f"{MAX_FRAMES}); image families take 1.",
+        low=1,
+        high=MAX_FRAMES,
+        panel=SAMPLING,
+    )
+
+
+def num_shards() -> Any:
+    """`--num-shards` of an output that a stage splits itself."""
+    return knob(
+        None,
+        "Number of output shards (default: one per --shard-rows rows, whole groups each, rounded up to a "
+        "multiple of the launcher's ranks so that every rank works; later stages split by shard).",
+        low=1,
+        panel=IO,
+    )
+
+
+def shard_rows() -> Any:
+    """`--shard-rows`: rows per shard when --num-shards is not given."""
+    return knob(
+        256,
+        "Rows per shard when --num-shards is not given: a shard is the unit of resume, so a crash loses at "
+        "most one shard's work.",
+        low=1,
+        panel=IO,
+    )
+
+
+# A server's limits (`stages.web.server.ServerLimits` takes its defaults from here).
+MAX_CONNECTIONS, WORKERS, REQUEST_TIMEOUT_S = 256, 16, 60.0
+
+
+def host() -> Any:
+    """`--host` a server binds."""
+    return knob(
+        "127.0.0.1",
+        "Address to bind: 127.0.0.1 (default) keeps it on this machine; 0.0.0.0 opens it.",
+        panel=SERVER,
+    )
+
+
+def port(default: int) -> Any:
+    """`--port` a server binds."""
+    return knob(default, "Port to bind; 0 picks a free one (printed).", low=0, high=65535, panel=SERVER)
+
+
+def token_env() -> Any:
+    """`--token-env`: the server's bearer token's variable."""
+    return knob(
+        None,
+        "Environment variable holding a bearer token every request but GET /health must carry.",
+        panel=SERVER,
+    )
+
+
+def max_request_mb(default: int) -> Any:
+    """`--max-request-mb`: largest request body."""
+    return knob(default, "Largest request body, in MiB (413 above).", low=1, panel=SERVER)
+
+
+def max_batch(default: int) -> Any:
+    """`--max-batch`: most samples in one request."""
+    return knob(default, "Most samples in one request (413 above).", low=1, panel=SERVER)
+
+
+def max_connections() -> Any:
+    """`--max-connections` a server holds open."""
+    return knob(
+        MAX_CONNECTIONS,
+        "Open connections at once, idle ones included; one more is answered 503 with Retry-After and closed "
+        "at once. It is also the listen backlog when above 128.",
+        low=1,
+        panel=SERVER,
+    )
+
+
+def workers() -> Any:
+    """`--workers`: a server's request threads."""
+    return knob(
+        WORKERS,
+        "Threads that read and answer requests (GET /health too). A connection between requests holds "
+        "none; a request waits for a free one.",
+        low=1,
+        panel=SERVER,
+    )
+
+
+def request_timeout() -> Any:
+    """`--request-timeout`: seconds to read one request."""
+    return knob(
+        REQUEST_TIMEOUT_S,
+        "Seconds from a request's first byte until its headers and body are read in full: a client that "
+        "sends slower gets 408 and is disconnected. Raise it for large uploads over slow links.",
+        low=1,
+        panel=SERVER,
+    )
+
+
+# How to reach a rollout server (`--engine remote`, VLM `--engine openai`): stages' EngineOptions.
+def server_url() -> Any:
+    """`--server-url` of a rollout server."""
+    return knob(
+        None,
+        "Base URL of the server: `omnirl serve`'s or `vllm serve --omni`'s http://host:port, or an OpenAI "
+        "API root http://host:8000/v1 for a VLM.",
+        panel=ENGINE,
+    )
+
+
+def server_token_env() -> Any:
+    """`--server-token-env`."""
+    return knob(
+        None,
+        "Environment variable holding the rollout server's bearer token (its --token-env).",
+        panel=ENGINE,
+    )
+
+
+def server_timeout() -> Any:
+    """`--server-timeout`: seconds per reply."""
+    return knob(600.0, "Seconds to wait for one reply.", low=1, panel=ENGINE)
+
+
+def server_startup_timeout() -> Any:
+    """`--server-startup-timeout`."""
+    return knob(
+        120.0,
+        "Seconds to wait for the server's GET /health to answer 200, saying so on stderr every 30 s; "
+        "connection refused counts as still starting (`omnirl serve` listens once its model is loaded), an "
+        "unknown host or a 4xx does not. None within it: exit 2. Raise it for a server loading a big model.",
+        low=0,
+        panel=ENGINE,
+    )
+
+
+def server_retries() -> Any:
+    """`--server-retries`."""
+    return knob(
+        8,
+        "Further tries of a batch after a connection error, 502, 503 or 504 (backoff with jitter, the same "
+        "seeds; a 4xx is never retried).",
+        low=0,
+        panel=ENGINE,
     )

@@ -26,8 +26,8 @@ import torch
 
 from stages.dist import device, join, set_model_parallel, world_and_rank
 from stages.errors import UserInputError
+from stages.knobs import SP_KINDS
 
-SP_KINDS = ("ulysses", "ring", "unified")
 # attention backends that cannot return the log-sum-exp ring attention merges partial results with
 NO_LSE_BACKENDS = ("native", "_native_math", "_native_efficient", "_native_npu", "_native_xla", "xformers")
 LAUNCH = "torchrun --nproc_per_node N (or accelerate launch)"

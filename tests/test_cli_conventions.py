@@ -120,9 +120,7 @@ def test_choice_sets_mirror_the_stage_constants() -> None:
     """The CLI's lists are copies (importing the stages would load torch for --help): held equal here."""
     from stages.logprob.decide import REPLAY_MODES
     from stages.models import flux, qwen2_5_vl, qwen3_omni, qwen_image, sd3, wan, z_image
-    from stages.models.diffusion import DTYPES
     from stages.models.factory import FAMILIES
-    from stages.parallelism import SP_KINDS
     from stages.precision import MIXED_PRECISIONS
     from stages.pretrain.flow_matching import VAE_MODES
     from stages.sample.engines import ENTRY_POINT_GROUP as ENGINE_ENTRY_POINT_GROUP
@@ -134,18 +132,14 @@ def test_choice_sets_mirror_the_stage_constants() -> None:
     from stages.shards.manifest import FORMATS
     from stages.update.family_losses import AWM_WEIGHTINGS, NFT_DECAY_SCHEDULES
     from stages.update.losses import ALGORITHMS
-    from stages.update.parallel import STRATEGIES
     from stages.update.token_losses import AGG_MODES, KL_KINDS
     from stages.update.trainer import LR_SCHEDULERS
 
     pairs = [
-        (choices.Dtype, DTYPES),
         (choices.Format, FORMATS),
         (choices.Sampler, SAMPLERS),
         (choices.WindowStrategy, tuple(w for w in WINDOWS if w != "all")),  # "all" is --sde-window 0
         (choices.MixedPrecision, MIXED_PRECISIONS),
-        (choices.Strategy, STRATEGIES),
-        (choices.SpKind, SP_KINDS),
         (choices.LrScheduler, LR_SCHEDULERS),
         (choices.LossAggMode, AGG_MODES),
         (choices.KlType, KL_KINDS),

@@ -19,7 +19,7 @@ from omnirl_cli.config import choices_of
 from omnirl_cli.generate import config_command
 from omnirl_cli.options import REQUIRED
 from stages.advantage.config import ESTIMATOR_NAMES, AdvantageConfig
-from stages.knobs import flag_of, knobs
+from stages.knobs import flag_of, knob, knobs
 from stages.score.config import BUILTIN_REWARDS, ScoreConfig
 
 ROOT = typer.main.get_command(app)
@@ -48,6 +48,8 @@ def test_every_option_is_derived_from_its_config(command: str, config: type) -> 
         param, hint = params[field.name], hints[field.name]
         assert param.opts[0] == flag_of(field.name, declared), field.name
         assert param.opts[1:] == ([declared.short] if declared.short else []), field.name
+        negative = [f"--no-{param.opts[0][2:]}"] if declared.negative else []
+        assert param.secondary_opts == negative, field.name
         assert param.default == field.default, field.name
         assert param.help == (f"{declared.help} {REQUIRED}" if declared.required else declared.help)
         assert param.rich_help_panel == declared.panel, field.name
@@ -105,6 +107,32 @@ def test_every_source_resolves_into_the_typed_config(tmp_path: Path, monkeypatch
     assert isinstance(c.clip, float) and isinstance(c.out, Path)
     assert c.estimator_name() == "drgrpo"
     assert dataclasses.replace(c, std=None).estimator_name() == "grpo"
+
+
+def test_a_negative_knob_is_a_two_way_flag(tmp_path: Path) -> None:
+    """A bool knob declared `negative` (on by default) is turned off by --no-FLAG, and from a preset or
+    --set as any knob; its flag wins over both."""
+
+    @dataclasses.dataclass
+    class Probe:
+        shuffle: bool = knob(True, "Shuffle.", negative=True)
+
+    seen: list[bool] = []
+    probe = typer.Typer()
+    probe.command("probe")(config_command(Probe, "probe", lambda c, json_: seen.append(c.shuffle)))
+    preset = tmp_path / "preset.yaml"
+    preset.write_text("probe:\n  shuffle: false\n")
+    for args, expected in (
+        ([], True),
+        (["--no-shuffle"], False),
+        (["--config", str(preset)], False),
+        (["--set", "shuffle=false"], False),
+        (["--config", str(preset), "--shuffle"], True),
+    ):
+        result = CliRunner().invoke(probe, args)
+        assert result.exit_code == 0, result.output
+        assert seen.pop() is expected, args
+    assert "--no-shuffle" in CliRunner().invoke(probe, ["--help"]).output
 
 
 def test_a_choice_from_a_preset_is_checked_against_the_knob(tmp_path: Path) -> None:

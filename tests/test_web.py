@@ -66,17 +66,6 @@ def _health(address: tuple[str, int]) -> bytes:
     return _exchange(address, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
 
 
-def test_the_serve_commands_defaults_are_the_librarys() -> None:
-    from omnirl_cli import options
-
-    limits = ServerLimits()
-    assert (
-        limits.max_connections,
-        limits.workers,
-        limits.request_timeout,
-    ) == (options.MAX_CONNECTIONS, options.WORKERS, options.REQUEST_TIMEOUT_S)
-
-
 def test_idle_connections_hold_no_thread_and_one_past_the_cap_gets_503_at_once(serving) -> None:
     server = serving(
         JsonServer(_Echo(token=None, max_request_bytes=1024), limits=ServerLimits(300, workers=4))

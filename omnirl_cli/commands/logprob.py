@@ -6,13 +6,14 @@ from typing import Annotated, Any
 
 import typer
 
+from stages.knobs import WEIGHTS_METAVAR
+
 from ..choices import Dtype, Replay
 from ..config import resolve
 from ..console import emit_json, print_result
 from ..errors import handle_errors
 from ..options import (
     ADAPTER_HELP,
-    WEIGHTS_METAVAR,
     AttentionBackendOpt,
     CompileOpt,
     ConfigOpt,

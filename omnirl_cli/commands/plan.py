@@ -6,14 +6,14 @@ from typing import Annotated, Any
 
 import typer
 
+from stages.knobs import OPTIMISATION, WEIGHTS_METAVAR
+
 from ..choices import FAMILIES, ModelSize, complete
 from ..config import resolve
 from ..console import emit_json, out, progress
 from ..errors import handle_errors
 from ..options import (
-    OPTIMISATION,
     WEIGHTS_FROM,
-    WEIGHTS_METAVAR,
     BatchSizeOpt,
     ConfigOpt,
     DtypeOpt,

@@ -10,6 +10,8 @@ from typing import Annotated, Any
 
 import typer
 
+from stages.knobs import ENGINE, PARALLELISM, WEIGHTS_METAVAR
+
 from ..choices import (
     ENGINE_ENTRY_POINTS,
     ENGINES,
@@ -25,10 +27,7 @@ from ..console import emit_json, print_result, progress
 from ..errors import handle_errors
 from ..options import (
     ADAPTER_HELP,
-    ENGINE,
-    PARALLELISM,
     REQUIRED,
-    WEIGHTS_METAVAR,
     AttentionBackendOpt,
     BatchSizeOpt,
     CompileOpt,

@@ -7,29 +7,26 @@ from typing import Annotated
 
 import typer
 
+from stages.knobs import MAX_CONNECTIONS, REQUEST_TIMEOUT_S, SERVER, WEIGHTS_METAVAR, WORKERS
+
 from ..choices import Dtype
 from ..config import resolve
 from ..errors import handle_errors
 from ..options import (
     ADAPTER_HELP,
-    MAX_CONNECTIONS,
-    REQUEST_TIMEOUT_S,
-    SERVER,
-    WEIGHTS_METAVAR,
-    WORKERS,
     ConfigOpt,
     HostOpt,
     JsonOpt,
-    MaxBatchOpt,
     MaxConnectionsOpt,
-    MaxRequestMbOpt,
-    PortOpt,
     RequestTimeoutOpt,
     SetOpt,
     TokenEnvOpt,
     WorkersOpt,
+    max_batch_opt,
+    max_request_mb_opt,
     model_opt,
     no_model_parallel_opt,
+    port_opt,
 )
 from ..runtime import device, serve_until_stopped, server_token
 
@@ -58,10 +55,10 @@ def serve(
         typer.Option("--served-model-name", help="The model id of /v1/models (default: the folder name)."),
     ] = None,
     host: HostOpt = "127.0.0.1",
-    port: PortOpt = 18091,
+    port: port_opt(18091) = 18091,
     token_env: TokenEnvOpt = None,
-    max_request_mb: MaxRequestMbOpt = 16,
-    max_batch: MaxBatchOpt = 64,
+    max_request_mb: max_request_mb_opt(16) = 16,
+    max_batch: max_batch_opt(64) = 64,
     max_weights_mb: Annotated[
         int,
         typer.Option(

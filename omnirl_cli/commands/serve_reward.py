@@ -6,24 +6,23 @@ from typing import Annotated
 
 import typer
 
+from stages.knobs import MAX_CONNECTIONS, REQUEST_TIMEOUT_S, WORKERS
+
 from ..choices import REWARD_ENTRY_POINTS, REWARDS, complete
 from ..config import resolve
 from ..errors import handle_errors
 from ..options import (
-    MAX_CONNECTIONS,
-    REQUEST_TIMEOUT_S,
-    WORKERS,
     ConfigOpt,
     HostOpt,
     JsonOpt,
-    MaxBatchOpt,
     MaxConnectionsOpt,
-    MaxRequestMbOpt,
-    PortOpt,
     RequestTimeoutOpt,
     SetOpt,
     TokenEnvOpt,
     WorkersOpt,
+    max_batch_opt,
+    max_request_mb_opt,
+    port_opt,
 )
 from ..runtime import serve_until_stopped, server_token
 
@@ -52,10 +51,10 @@ def serve_reward(
         ),
     ] = None,
     host: HostOpt = "127.0.0.1",
-    port: PortOpt = 18090,
+    port: port_opt(18090) = 18090,
     token_env: TokenEnvOpt = None,
-    max_request_mb: MaxRequestMbOpt = 64,
-    max_batch: MaxBatchOpt = 256,
+    max_request_mb: max_request_mb_opt(64) = 64,
+    max_batch: max_batch_opt(256) = 256,
     max_connections: MaxConnectionsOpt = MAX_CONNECTIONS,
     workers: WorkersOpt = WORKERS,
     request_timeout: RequestTimeoutOpt = REQUEST_TIMEOUT_S,

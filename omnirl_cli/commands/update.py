@@ -6,6 +6,8 @@ from typing import Annotated
 
 import typer
 
+from stages.knobs import WEIGHTS_METAVAR
+
 from ..choices import (
     ALGORITHMS,
     AwmWeighting,
@@ -20,7 +22,6 @@ from ..console import emit_json, log, print_result, progress
 from ..errors import handle_errors
 from ..options import (
     ADAPTER_HELP,
-    WEIGHTS_METAVAR,
     AttentionBackendOpt,
     CompileOpt,
     ConfigOpt,

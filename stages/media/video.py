@@ -28,8 +28,6 @@ from typing import Any
 from stages.errors import UserInputError
 
 CODEC = "libx264"
-# frames of one video sample: bounds `sample --frames` (and SampleConfig) and `omnirl serve`'s requests
-MAX_FRAMES = 4096
 PIXEL_FORMAT = "yuv420p"
 DEFAULT_CRF = 18
 # x264's macroblock-tree rate control made the same frames give different bytes now and then (measured:

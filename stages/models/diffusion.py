@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from stages import knobs
 from stages.dist import unwrap
 from stages.errors import UserInputError
 from stages.models.conditioning import (
@@ -47,7 +48,7 @@ from stages.models.hub import base_model_record
 from stages.models.lora_weights import lora_config_dict, lora_file, swap_lora
 from stages.safe_files import refuse_pickled_weights
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = dict(zip(knobs.DTYPES, (torch.float32, torch.bfloat16, torch.float16), strict=True))
 
 
 def seed_generator(seed: int) -> torch.Generator:

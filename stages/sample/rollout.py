@@ -20,8 +20,9 @@ import torch
 
 from stages.errors import UserInputError
 from stages.finite import MODEL_HINT, check_finite
+from stages.knobs import MAX_FRAMES
 from stages.media import media_columns
-from stages.media.video import MAX_FRAMES, fps_fraction
+from stages.media.video import fps_fraction
 from stages.models.diffusion import FlowPolicy, seed_generator
 from stages.models.families import parse_resolution
 from stages.precision import MIXED_PRECISIONS, autocast

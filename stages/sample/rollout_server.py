@@ -82,7 +82,7 @@ from pathlib import Path
 from typing import Any
 
 from stages.errors import UserInputError
-from stages.media.video import MAX_FRAMES
+from stages.knobs import MAX_FRAMES
 from stages.models.conditioning import Entries
 from stages.sample.engines import DiffusersEngine
 from stages.sample.rollout import SampleConfig, stored_steps

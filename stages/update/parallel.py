@@ -30,8 +30,8 @@ import torch
 
 from stages.dist import Wrapped, device, world_and_rank
 from stages.errors import UserInputError
+from stages.knobs import STRATEGIES
 
-STRATEGIES = ("auto", "ddp", "fsdp2")
 # `accelerate launch` settings update cannot honour: variable → the setting's name.
 UNSUPPORTED_LAUNCHER = {
     "ACCELERATE_USE_DEEPSPEED": "DeepSpeed",

@@ -44,6 +44,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any
 
+from stages.knobs import MAX_CONNECTIONS, REQUEST_TIMEOUT_S, WORKERS
 from stages.web.wire import (
     MSGPACK,
     HttpError,
@@ -144,9 +145,9 @@ class ServerLimits:
     request read in full, headers and body, within `request_timeout` seconds of its first byte (408
     after), and a connection idle between requests closed after `idle_timeout` seconds."""
 
-    max_connections: int = 256
-    workers: int = 16
-    request_timeout: float = 60.0
+    max_connections: int = MAX_CONNECTIONS
+    workers: int = WORKERS
+    request_timeout: float = REQUEST_TIMEOUT_S
     idle_timeout: float = CONNECTION_TIMEOUT_S
 
 

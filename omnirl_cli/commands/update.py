@@ -13,6 +13,8 @@ from ..choices import (
     LossAggMode,
     LrScheduler,
     OldDecay,
+    RolloutCorrectionLevel,
+    RolloutCorrectionMode,
     complete,
 )
 from ..config import resolve
@@ -328,6 +330,51 @@ def update(
     config: ConfigOpt = None,
     set_: SetOpt = None,
     json_: JsonOpt = False,
+    rollout_correction: Annotated[
+        RolloutCorrectionMode,
+        typer.Option(
+            "--rollout-correction",
+            help="Correct for a rollout engine whose log-probs differ from the trainer's (verl's decoupled "
+            "rollout correction): weigh each step's (token's) policy term by ρ = π_old/π_rollout from "
+            "old_log_probs (omnirl logprob) vs log_probs (omnirl sample). is: truncated weight min(ρ, "
+            "--rollout-is-threshold); rs: 0 outside [--rollout-rs-threshold-lower, --rollout-rs-threshold]; "
+            "is_rs: both.",
+            rich_help_panel=LOSS,
+        ),
+    ] = "off",
+    rollout_correction_level: Annotated[
+        RolloutCorrectionLevel,
+        typer.Option(
+            "--rollout-correction-level",
+            help="ρ per element (token: each stored denoising step, each response token) or per sequence "
+            "(the product over a row's steps or tokens).",
+            rich_help_panel=LOSS,
+        ),
+    ] = "token",
+    rollout_is_threshold: Annotated[
+        float,
+        typer.Option(
+            "--rollout-is-threshold",
+            help="Upper truncation of the importance weights (verl rollout_is_threshold, default 2.0).",
+            rich_help_panel=LOSS,
+        ),
+    ] = 2.0,
+    rollout_rs_threshold: Annotated[
+        float | None,
+        typer.Option(
+            "--rollout-rs-threshold",
+            help="Rejection: ρ above this is rejected (default: --rollout-is-threshold).",
+            rich_help_panel=LOSS,
+        ),
+    ] = None,
+    rollout_rs_threshold_lower: Annotated[
+        float | None,
+        typer.Option(
+            "--rollout-rs-threshold-lower",
+            help="Rejection: ρ below this is rejected (default: 1 / --rollout-rs-threshold).",
+            rich_help_panel=LOSS,
+        ),
+    ] = None,
 ) -> None:
     """Train the policy with --algo on rollouts (or offline pairs / latents) and write the next adapter.
 

@@ -66,12 +66,14 @@ def grpo_guard_loss(
     kl: Tensor | None = None,
     beta: float = 0.0,
     clip_range_high: float | None = None,
+    weights: Tensor | None = None,
 ) -> StepLoss:
     """GRPO-Guard (§1.6): PPO-clipped objective on the RatioNorm ratio r̃, reweighted by 1/|Δ| per row.
 
     mean: μ_θ [B, *] (`StepOutput.mean` of the replayed step, with grad); old_mean: the stored rollout μ_old
     [B, *]; prev_sample: the stored x' [B, *]; std: the step's noise std s (`StepOutput.std`, [B] or scalar);
-    dt: Δ = σ' − σ < 0 ([B] or scalar); advantages: [B]; kl: optional [B] penalty (`kl_to_reference`).
+    dt: Δ = σ' − σ < 0 ([B] or scalar); advantages: [B]; kl: optional [B] penalty (`kl_to_reference`);
+    weights: optional [B] multipliers of each row's clipped term (rollout_correction.py).
 
     log r̃ = `guard_log_ratio` = s·(Δlogp + mean(δμ²)/(2s²)) = mean(ε ⊙ (μ_θ − μ_old)), r̃ = exp(log r̃),
     L = mean_b[max(−Â·r̃, −Â·clip(r̃, 1−ε, 1+ε_high)) / |Δ_b|] + β·mean_b KL.
@@ -101,7 +103,8 @@ def grpo_guard_loss(
     ratio = torch.exp(log_ratio)
     high = clip_range if clip_range_high is None else clip_range_high
     per_row, was_clipped = ppo_terms(adv, ratio, clip_range, high)
-    policy_loss = (per_row / -step).mean()
+    per_row = per_row / -step
+    policy_loss = (per_row if weights is None else per_row * weights).mean()
     kl_term = kl.float().mean() if kl is not None else torch.zeros((), device=mean.device)
     loss = policy_loss + beta * kl_term
     return StepLoss(

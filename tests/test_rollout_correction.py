@@ -1,0 +1,169 @@
+"""Rollout correction (issue 32): importance weights and rejection masks of π_old/π_rollout.
+
+Golden values are written out from the formulas (verl's decoupled rollout correction) on hand-made
+log-probs: w = min(exp(old − rollout), threshold) per element or per row, rejection outside
+[lower, upper]. A tiny update on a stand-in policy changes nothing when the rollout's and the trainer's
+log-probs agree exactly, and moves the weights when they do not.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import fails, run, staged_update_args
+from test_update_conventions import FakeFlow, rollout, scfg
+
+from stages.errors import UserInputError
+from stages.update.rollout_correction import attach, correction_weights
+from stages.update.token_losses import policy_loss
+from stages.update.trainer import UpdateConfig, train
+
+# Hand-made log-ratios old − rollout of 3 rows × 2 elements.
+DELTA = [[0.0, math.log(2.5)], [math.log(0.3), math.log(1.9)], [math.log(1.2), math.log(0.6)]]
+
+
+def flat(rows: list[list[float]]) -> list[float]:
+    return [v for row in rows for v in row]
+
+
+def settings(mode: str, level: str = "token", **kw: float) -> UpdateConfig:
+    return UpdateConfig(rollout_correction=mode, rollout_correction_level=level, **kw)
+
+
+def logps() -> tuple[torch.Tensor, torch.Tensor]:
+    rollout = torch.tensor([[-1.0, -2.0], [-0.5, -3.0], [-1.5, -0.25]])
+    return rollout + torch.tensor(DELTA), rollout
+
+
+def test_is_weights_are_the_truncated_ratio_of_each_element() -> None:
+    old, rollout = logps()
+    w, m = correction_weights(old, rollout, torch.ones(3, 2), settings("is"))
+    expected = [[min(math.exp(d), 2.0) for d in row] for row in DELTA]
+    assert w.flatten().tolist() == pytest.approx(flat(expected), rel=1e-5)
+    assert m["rollout_corr/rollout_is_mean"] == pytest.approx(sum(flat(expected)) / 6, rel=1e-5)
+    assert m["rollout_corr/rollout_is_max"] == pytest.approx(2.0)
+    assert m["rollout_corr/rollout_is_min"] == pytest.approx(0.3, rel=1e-5)
+    assert m["rollout_corr/rollout_is_truncated_fraction"] == pytest.approx(1 / 6)  # only 2.5
+    gaps = [abs(d) for row in DELTA for d in row]
+    assert m["rollout_corr/logprob_abs_diff_mean"] == pytest.approx(sum(gaps) / 6, rel=1e-5)
+    assert m["rollout_corr/logprob_abs_diff_max"] == pytest.approx(max(gaps), rel=1e-5)
+
+
+def test_sequence_weights_are_the_product_over_a_rows_valid_elements() -> None:
+    old, rollout = logps()
+    mask = torch.tensor([[1, 1], [1, 0], [1, 1]])
+    old[1, 1] = float("nan")  # padding never reaches a weight
+    w, m = correction_weights(old, rollout, mask, settings("is", "sequence", rollout_is_threshold=5.0))
+    per_row = [math.exp(DELTA[0][0] + DELTA[0][1]), 0.3, math.exp(DELTA[2][0] + DELTA[2][1])]
+    expected = [[per_row[0]] * 2, [per_row[1], 0.0], [per_row[2]] * 2]
+    assert w.flatten().tolist() == pytest.approx(flat(expected), rel=1e-5)
+    assert m["rollout_corr/rollout_is_mean"] == pytest.approx(sum(per_row) / 3, rel=1e-5)  # one per row
+
+
+def test_rs_rejects_exactly_the_elements_outside_the_band() -> None:
+    old, rollout = logps()
+    w, m = correction_weights(old, rollout, torch.ones(3, 2), settings("rs"))  # band [1/2, 2]
+    assert w.tolist() == [[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]
+    assert m["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(2 / 6)
+    assert m["rollout_corr/rollout_rs_seq_masked_fraction"] == pytest.approx(2 / 3)
+    assert "rollout_corr/rollout_is_mean" not in m
+    w, _ = correction_weights(
+        old,
+        rollout,
+        torch.ones(3, 2),
+        settings("rs", rollout_rs_threshold=3.0, rollout_rs_threshold_lower=0.7),
+    )
+    assert w.tolist() == [[1.0, 1.0], [0.0, 1.0], [1.0, 0.0]]
+    # sequence level: row products 2.5, 0.57, 0.72 against [1/2, 2]
+    w, _ = correction_weights(old, rollout, torch.ones(3, 2), settings("rs", "sequence"))
+    assert w.tolist() == [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]
+
+
+def test_is_rs_multiplies_the_truncated_weight_by_the_keep_mask() -> None:
+    old, rollout = logps()
+    w, m = correction_weights(old, rollout, torch.ones(3, 2), settings("is_rs", rollout_rs_threshold=2.2))
+    keep = [[1, 0], [0, 1], [1, 1]]
+    expected = [[min(math.exp(d), 2.0) * k for d, k in zip(row, ks)] for row, ks in zip(DELTA, keep)]
+    assert w.flatten().tolist() == pytest.approx(flat(expected), rel=1e-5)
+    assert m["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(2 / 6)
+
+
+def test_metrics_cover_only_the_trained_rows() -> None:
+    old, rollout = logps()
+    _, m = correction_weights(old, rollout, torch.ones(3, 2), settings("is"), rows=[1])
+    assert m["rollout_corr/rollout_is_max"] == pytest.approx(1.9, rel=1e-5)
+    assert m["rollout_corr/rollout_is_truncated_fraction"] == 0.0
+
+
+def test_token_weights_scale_each_tokens_policy_term() -> None:
+    """At ratio 1 a token's term is −A; weighted token-mean = −Σ w·A / valid tokens (0 weight still counts)."""
+    logp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    adv = torch.tensor([1.0, -2.0])
+    w = torch.tensor([[0.5, 2.0, 0.0], [1.5, 1.0, 0.0]])
+    loss, _ = policy_loss(logp, logp, adv, mask, weights=w)
+    expected = -(0.5 * 1 + 2.0 * 1 + 0.0 * 1 + 1.5 * -2 + 1.0 * -2) / 5
+    assert loss.item() == pytest.approx(expected, rel=1e-5)
+
+
+def _trained(cfg: UpdateConfig, data: dict) -> tuple[list[torch.Tensor], list[dict]]:
+    policy = FakeFlow()
+    *_, metrics, _, _ = train(policy, data, scfg("sde", 0.7), cfg, state={}, start_step=0)
+    return [p.detach().clone() for p in policy.module.parameters()], metrics
+
+
+def test_is_changes_nothing_when_rollout_and_trainer_agree_and_moves_the_weights_when_not() -> None:
+    data, _ = rollout(FakeFlow(), "sde", 0.7)
+    data["old_log_probs"] = data["log_probs"].clone()
+    base = UpdateConfig(algo="flow_grpo", lr=1e-2, micro_batch=2)
+    plain, _ = _trained(base, data)
+    same, metrics = _trained(replace(base, rollout_correction="is"), data)
+    assert all(torch.equal(a, b) for a, b in zip(plain, same))
+    assert metrics[0]["rollout_corr/rollout_is_mean"] == 1.0
+    assert metrics[0]["rollout_corr/rollout_is_truncated_fraction"] == 0.0
+
+    shifted = dict(data, old_log_probs=data["log_probs"] + torch.tensor([[0.3, -0.4]]))
+    plain, _ = _trained(base, shifted)
+    corrected, metrics = _trained(replace(base, rollout_correction="is"), shifted)
+    assert not all(torch.equal(a, b) for a, b in zip(plain, corrected))
+    expected = (math.exp(0.3) + math.exp(-0.4)) / 2
+    assert metrics[0]["rollout_corr/rollout_is_mean"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_it_needs_both_log_probs_and_a_policy_gradient_algo() -> None:
+    data, _ = rollout(FakeFlow(), "sde", 0.7)
+    with pytest.raises(UserInputError, match="old_log_probs"):
+        attach(data, settings("is"), [0, 1], tokens=False)
+    with pytest.raises(UserInputError, match="--rollout-correction is: --algo nft"):
+        UpdateConfig(algo="nft", rollout_correction="is").validate()
+    with pytest.raises(UserInputError, match="--rollout-rs-threshold"):
+        settings("rs", rollout_rs_threshold=0.5, rollout_rs_threshold_lower=0.9).validate()
+
+
+def test_update_logs_the_correction_and_clip_fractions_under_verl_omnis_names(
+    staged: dict[str, Path], tmp_path: Path
+) -> None:
+    out = tmp_path / "policy"
+    run(*staged_update_args(staged, out, "--rollout-correction", "is_rs", "--json"))
+    record = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    for key in (
+        "rollout_corr/rollout_is_mean",
+        "rollout_corr/rollout_is_max",
+        "rollout_corr/rollout_is_truncated_fraction",
+        "rollout_corr/rollout_rs_masked_fraction",
+        "actor/pg_clipfrac_higher",
+        "actor/pg_clipfrac_lower",
+        "perf/throughput",
+    ):
+        assert key in record, key
+    # the staged rollout was replayed by the same weights: ρ = 1 to fp32 rounding, nothing rejected
+    assert record["rollout_corr/rollout_is_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert record["rollout_corr/rollout_rs_masked_fraction"] == 0.0
+    assert "--rollout-correction is: --algo nft" in fails(
+        staged_update_args(staged, tmp_path / "nft", "--algo", "nft", "--rollout-correction", "is")
+    )

@@ -3,7 +3,8 @@
 Golden values are written out from the formulas (verl's decoupled rollout correction) on hand-made
 log-probs: w = min(exp(old − rollout), threshold) per element or per row, rejection outside
 [lower, upper]. A tiny update on a stand-in policy changes nothing when the rollout's and the trainer's
-log-probs agree exactly, and moves the weights when they do not.
+log-probs agree exactly, and moves the weights when they do not. Also GRPO-Guard's dance-step scale
+(verl-omni's η·|Δσ|), written out the same way.
 """
 
 from __future__ import annotations
@@ -16,9 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import fails, run, staged_update_args
-from test_update_conventions import FakeFlow, rollout, scfg
+from test_update_conventions import FakeFlow, rollout, scfg, step_metrics
 
 from stages.errors import UserInputError
+from stages.update.family_losses import grpo_guard_loss
+from stages.update.losses import get_algorithm
+from stages.update.objectives import PolicyGradient
 from stages.update.rollout_correction import attach, correction_weights
 from stages.update.token_losses import policy_loss
 from stages.update.trainer import UpdateConfig, train
@@ -167,3 +171,52 @@ def test_update_logs_the_correction_and_clip_fractions_under_verl_omnis_names(
     assert "--rollout-correction is: --algo nft" in fails(
         staged_update_args(staged, tmp_path / "nft", "--algo", "nft", "--rollout-correction", "is")
     )
+
+
+# ---------------------------------------------------------------- GRPO-Guard's dance-step scale (verl-omni)
+
+
+def test_guard_scale_is_verl_omnis_normaliser_written_out() -> None:
+    """log r̃ = c·(Δlogp + mean(δμ²)/(2c²)), L = mean_b max(−A·r̃, −A·clip(r̃)) / |Δ|, here with c = η·|Δ|."""
+    gen = torch.Generator().manual_seed(3)
+    eta, dt = 0.8, torch.tensor([-0.2, -0.2, -0.3])
+    s = eta * dt.abs().sqrt()
+    old_mean = torch.randn(3, 4, generator=gen)
+    mean = old_mean + 0.05 * torch.randn(3, 4, generator=gen)
+    x = old_mean + s[:, None] * torch.randn(3, 4, generator=gen)
+    adv = torch.tensor([1.0, -0.5, 2.0])
+    c = eta * dt.abs()
+    loss = grpo_guard_loss(mean, old_mean, x, s, dt, adv, clip_range=0.01, adv_clip=None, scale=c)
+
+    m, mo, xx, sd, cc = (t.double() for t in (mean, old_mean, x, s, c))
+
+    def logp(mu: torch.Tensor) -> torch.Tensor:
+        z = -((xx - mu) ** 2) / (2 * sd[:, None] ** 2) - sd[:, None].log() - 0.5 * math.log(2 * math.pi)
+        return z.mean(dim=1)
+
+    log_r = cc * (logp(m) - logp(mo) + ((m - mo) ** 2).mean(dim=1) / (2 * cc**2))
+    r = log_r.exp()
+    a = adv.double()
+    per_row = torch.maximum(-a * r, -a * r.clamp(0.99, 1.01)) / dt.abs().double()
+    assert loss.log_ratio.tolist() == pytest.approx(log_r.tolist(), rel=1e-4, abs=1e-7)
+    assert loss.loss.item() == pytest.approx(per_row.mean().item(), rel=1e-4)
+    exact = grpo_guard_loss(mean, old_mean, x, s, dt, adv, clip_range=0.01, adv_clip=None)
+    assert (exact.log_ratio - loss.log_ratio).abs().max() > 1e-4  # c = s differs from η·|Δ|
+
+
+@pytest.mark.parametrize("sampler", ["dance", "sde"])
+def test_guard_dance_scale_changes_only_dance_steps(sampler: str) -> None:
+    policy = FakeFlow()
+    data, outs = rollout(policy, sampler, 0.7)
+    data["old_means"] = torch.stack([o.mean for o in outs], 1)
+    with torch.no_grad():
+        policy.module.w += 0.05
+    records = {}
+    for scale in ("std", "eta_dsigma"):
+        cfg = UpdateConfig(algo="grpo_guard", guard_dance_scale=scale)
+        objective = PolicyGradient(policy, data, scfg(sampler, 0.7), cfg, get_algorithm("grpo_guard"))
+        records[scale] = step_metrics(objective)
+    same = [r["actor/ratio_mean"] for r in records["std"]] == [
+        r["actor/ratio_mean"] for r in records["eta_dsigma"]
+    ]
+    assert same == (sampler == "sde")

@@ -9,6 +9,7 @@ import typer
 from ..choices import (
     ALGORITHMS,
     AwmWeighting,
+    GuardDanceScale,
     KlType,
     LossAggMode,
     LrScheduler,
@@ -330,6 +331,15 @@ def update(
     config: ConfigOpt = None,
     set_: SetOpt = None,
     json_: JsonOpt = False,
+    guard_dance_scale: Annotated[
+        GuardDanceScale,
+        typer.Option(
+            "--guard-dance-scale",
+            help="--algo grpo_guard on dance steps: normalise the ratio by the exact step std η·sqrt|Δσ| "
+            "(std, GRPO-Guard's RatioNorm) or by verl-omni's η·|Δσ| (eta_dsigma). Other samplers ignore it.",
+            rich_help_panel=LOSS,
+        ),
+    ] = "std",
     rollout_correction: Annotated[
         RolloutCorrectionMode,
         typer.Option(

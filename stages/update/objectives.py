@@ -169,6 +169,8 @@ class PolicyGradient:
         log_ratio = out.log_prob.detach() - old
         if self.algo.guard:
             old_mean = data["old_means"][index, j].to(policy.device).float()
+            if scfg.sampler == "dance" and cfg.guard_dance_scale == "eta_dsigma":  # verl-omni's η·|Δσ|
+                common["scale"] = out.std * (s - s_next).abs().sqrt().to(out.std)
             return grpo_guard_loss(out.mean, old_mean, x_next, out.std, s_next - s, adv, **common), log_ratio
         return clipped_policy_loss(out.log_prob, old, adv, **common), log_ratio
 

@@ -35,7 +35,7 @@ from stages.precision import autocast, launcher_mixed_precision, resolve_mixed_p
 from stages.update import rollout_correction
 from stages.update.checkpoint import load_state, resume_sharded, save_policy, trainer_state
 from stages.update.checkpoint import save_state as save_state  # the state's writer, beside its reader
-from stages.update.family_losses import AWM_WEIGHTINGS, NFT_DECAY_SCHEDULES, nft_old_decay
+from stages.update.family_losses import AWM_WEIGHTINGS, GUARD_DANCE_SCALES, NFT_DECAY_SCHEDULES, nft_old_decay
 from stages.update.losses import get_algorithm
 from stages.update.objectives import make_objective
 from stages.update.parallel import STRATEGIES, Parallel, launcher_checkpointing, launcher_strategy
@@ -94,6 +94,7 @@ class UpdateConfig:
     gradient_checkpointing: bool = False
     parallel: ModelParallel = field(default_factory=ModelParallel)
     kernels: Kernels = field(default_factory=Kernels)
+    guard_dance_scale: str = "std"
     rollout_correction: str = "off"
     rollout_correction_level: str = "token"
     rollout_is_threshold: float = 2.0
@@ -261,6 +262,10 @@ class UpdateConfig:
             raise UserInputError(f"--train-timesteps {self.train_timesteps}: must be at least 1")
         self.kernels.validate()
         rollout_correction.validate(self)
+        if self.guard_dance_scale not in GUARD_DANCE_SCALES:
+            raise UserInputError(
+                f"--guard-dance-scale {self.guard_dance_scale}: choose one of {', '.join(GUARD_DANCE_SCALES)}"
+            )
         if self.rollout_correction != "off" and algo.family not in ("policy_gradient", "token"):
             raise UserInputError(
                 f"--rollout-correction {self.rollout_correction}: --algo {algo.name} replays no rollout "

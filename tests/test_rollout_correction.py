@@ -16,14 +16,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import fails, run, staged_update_args
+from helpers import fails, run, runner, staged_update_args
 from test_update_conventions import FakeFlow, rollout, scfg, step_metrics
 
+from omnirl_cli.app import app
 from stages.errors import UserInputError
 from stages.update.family_losses import grpo_guard_loss
 from stages.update.losses import get_algorithm
 from stages.update.objectives import PolicyGradient
-from stages.update.rollout_correction import attach, correction_weights
+from stages.update.rollout_correction import SUGGEST_ABOVE, attach, correction_weights, suggestion
 from stages.update.token_losses import policy_loss
 from stages.update.trainer import UpdateConfig, train
 
@@ -220,3 +221,23 @@ def test_guard_dance_scale_changes_only_dance_steps(sampler: str) -> None:
         r["actor/ratio_mean"] for r in records["eta_dsigma"]
     ]
     assert same == (sampler == "sde")
+
+
+def test_logprob_suggests_the_correction_above_its_threshold() -> None:
+    assert suggestion(None) is None
+    assert suggestion(SUGGEST_ABOVE) is None
+    line = suggestion(0.02)
+    assert line is not None and "0.02 > 0.001" in line and "--rollout-correction is" in line
+
+
+def test_logprob_suggests_it_for_a_rollout_replayed_under_other_weights(
+    staged: dict[str, Path], tmp_path: Path
+) -> None:
+    policy = tmp_path / "policy"
+    run(*staged_update_args(staged, policy, "--lr", "0.5"))
+    args = ["logprob", "--model", str(staged["model"]), "--in", str(staged["samples"])]
+    moved = runner.invoke(app, [*args, "--adapter", str(policy), "--out", str(tmp_path / "lp")])
+    assert moved.exit_code == 0, moved.output
+    assert "--rollout-correction is" in moved.stderr
+    same = runner.invoke(app, [*args, "--out", str(tmp_path / "lp0")])
+    assert same.exit_code == 0 and "--rollout-correction" not in same.stderr

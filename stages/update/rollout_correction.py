@@ -34,6 +34,9 @@ MODES = ("off", "is", "rs", "is_rs")
 LEVELS = ("token", "sequence")
 LOG_RATIO_BOUND = 20.0  # verl's safety bound on a log-ratio before exp (e^±20)
 WEIGHTS = "rollout_correction_weights"  # the data column the objectives read (verl `rollout_is_weights`)
+# `omnirl logprob` suggests --rollout-correction above this mean |Δlogp| between the rollout and the replay:
+# two orders of magnitude above the bf16 noise of matched engines (~1e-5, verl-omni's measurement).
+SUGGEST_ABOVE = 1e-3
 
 
 class Settings(Protocol):
@@ -148,6 +151,17 @@ def correction_weights(
             }
         )
     return weights, metrics
+
+
+def suggestion(abs_delta_mean: float | None) -> str | None:
+    """The one line `omnirl logprob` prints when its replay's mean |Δlogp| exceeds `SUGGEST_ABOVE`."""
+    if abs_delta_mean is None or not abs_delta_mean > SUGGEST_ABOVE:
+        return None
+    return (
+        f"rollout-vs-replay mean |Δlogp| {abs_delta_mean:.3g} > {SUGGEST_ABOVE:g}: the rollout engine's "
+        "log-probs differ from the trainer's; consider `omnirl update --rollout-correction is` with these "
+        "old_log_probs (docs/algorithms.md, Rollout correction)"
+    )
 
 
 def attach(

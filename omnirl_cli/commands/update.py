@@ -395,9 +395,11 @@ def update(
 
     Writes an inference-ready adapter (diffusers `pipe.load_lora_weights(OUT)`), the optimizer/EMA
     state the next update resumes from, and metrics.jsonl per optimizer step: actor/pg_loss, kl_loss,
-    pg_clipfrac, grad_norm, the effective lr, samples/s, and under verl-omni's names (verl's for VLMs)
-    ratio_mean and ppo_kl = mean(−log r); diffusion steps add ratio_std (Bessel, as verl-omni) and
-    flow_grpo's approx_kl = ½·mean((log r)²); memory/param_bytes and optimizer_bytes (this rank's share).
+    pg_clipfrac, grad_norm, the effective lr, and under verl-omni's names (verl's for VLMs) ratio_mean,
+    pg_clipfrac_higher / _lower, ppo_kl = mean(−log r), perf/throughput (images per second per device)
+    and perf/time_per_step; diffusion steps add ratio_std (Bessel, as verl-omni) and flow_grpo's
+    approx_kl = ½·mean((log r)²); memory/param_bytes and optimizer_bytes (this rank's share);
+    rollout_corr/* with --rollout-correction (docs/algorithms.md). docs/tracking.md maps renamed metrics.
 
     Under torchrun or `accelerate launch` each rank takes its grad_accum micro-batches of every step:
     N ranks equal one process with N·grad_accum (DDP, or FSDP2 with --strategy fsdp2 or an fsdp_version 2

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import fails, run, runner, staged_update_args
-from test_update_conventions import FakeFlow, rollout, scfg, step_metrics
+from test_update_conventions import FakeFlow, rollout, run_token_step, scfg, step_metrics, token_objective
 
 from omnirl_cli.app import app
 from stages.errors import UserInputError
@@ -241,3 +241,19 @@ def test_logprob_suggests_it_for_a_rollout_replayed_under_other_weights(
     assert "--rollout-correction is" in moved.stderr
     same = runner.invoke(app, [*args, "--out", str(tmp_path / "lp0")])
     assert same.exit_code == 0 and "--rollout-correction" not in same.stderr
+
+
+def test_a_vlm_update_weighs_each_response_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    """grpo at ratio 1 (logp = old): pg_loss = −Σ_valid w·A / valid tokens, w = min(exp(old − rollout), 2)."""
+    old = torch.tensor([[-1.0, -2.0, 0.0, 0.0], [-0.5, -0.1, -3.0, 0.0]])
+    gap = torch.tensor([[0.3, 1.0, 0.0, 0.0], [-0.2, 0.0, 0.5, 0.0]])  # old − rollout; padding last
+    cfg = UpdateConfig(algo="grpo", beta=0.0, rollout_correction="is")
+    objective, _ = token_objective(
+        monkeypatch, cfg, [2, 3], [1.5, -1.0], logp=old.clone(), old_log_probs=old, log_probs=old - gap
+    )
+    objective.data, metrics = attach(objective.data, cfg, [0, 1], tokens=True)
+    _, m = run_token_step(objective, 2)
+    w = [[math.exp(0.3), 2.0], [math.exp(-0.2), 1.0, math.exp(0.5)]]
+    expected = -(1.5 * sum(w[0]) - 1.0 * sum(w[1])) / 5
+    assert m["actor/pg_loss"] == pytest.approx(expected, rel=1e-5)
+    assert metrics["rollout_corr/rollout_is_truncated_fraction"] == pytest.approx(1 / 5)

@@ -68,7 +68,7 @@ def _update(p: dict[str, Path], out: Path, mode: str, ranks: int, *extra: str) -
         "--out", str(out), *full, *extra, ranks=ranks,
     )  # fmt: skip
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    steps = [2 / m["perf/samples_per_s"] for m in metrics[1:]] or [2 / metrics[0]["perf/samples_per_s"]]
+    steps = [m["perf/time_per_step"] for m in metrics[1:]] or [metrics[0]["perf/time_per_step"]]
     last = metrics[-1]
     return {
         "step_s": statistics.median(steps),

@@ -36,6 +36,9 @@ LossAggMode = Literal[
 KlType = Literal["k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl", "k1+", "k3+"]  # token_losses.KL_KINDS
 OldDecay = Literal["copy", "linear_to_0_5", "delayed_linear_to_0_999"]  # family_losses.NFT_DECAY_SCHEDULES
 AwmWeighting = Literal["uniform", "ghuber"]  # stages.update.family_losses.AWM_WEIGHTINGS
+GuardDanceScale = Literal["std", "eta_dsigma"]  # stages.update.family_losses.GUARD_DANCE_SCALES
+RolloutCorrectionMode = Literal["off", "is", "rs", "is_rs"]  # stages.update.rollout_correction.MODES
+RolloutCorrectionLevel = Literal["token", "sequence"]  # stages.update.rollout_correction.LEVELS
 VaeMode = Literal["model", "pixel"]  # stages.pretrain.flow_matching.VAE_MODES
 # the SIZES of the families' builders (and wan.PUBLISHED's): test, benchmark and published sizes
 ModelSize = Literal["tiny", "small", "demo", "full", "medium", "1.3b", "3b", "7b"]

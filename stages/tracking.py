@@ -55,11 +55,28 @@ AXES = {
     EVAL_DIR: "iteration",
     "grid": "iteration",
     "responses": "iteration",
+    "rollout": "iteration",
+    "critic": "iteration",
+    "timing": "iteration",
 }
+# The stages whose time `timing_metrics` also states per image (verl-omni's compute stages).
+PER_IMAGE_STAGES = ("gen", "ref", "old_log_prob", "adv", "update_actor")
 # Trackers whose `log` takes a Markdown string (TensorBoard renders it as text).
 TEXT_TRACKERS = ("tensorboard", "wandb")
 PROJECT = "omnirl"
 _ITER_DIR = re.compile(r"^it(\d+)$")
+
+
+def timing_metrics(seconds: Mapping[str, float], images: int) -> dict[str, float]:
+    """verl-omni's timing names of one iteration: `timing_s/<stage>` for every stage timed (seconds),
+    and `timing_per_image_ms/<stage>` (milliseconds ÷ images) for the compute stages `PER_IMAGE_STAGES`."""
+    metrics = {f"timing_s/{name}": value for name, value in seconds.items()}
+    per_image = {
+        f"timing_per_image_ms/{name}": value * 1000 / images
+        for name, value in seconds.items()
+        if name in PER_IMAGE_STAGES and images
+    }
+    return {**metrics, **per_image}
 
 
 def parse_report_to(values: str | Iterable[str] | None) -> list[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 import textwrap
 
 import numpy as np
@@ -241,11 +242,42 @@ def test_advantage_stats():
     assert stats["zero_std_samples"] == 3
     assert stats["reward_mean"] == pytest.approx(2.6)
     assert stats["reward_std"] == pytest.approx(np.std([1, 3, 2, 2, 5]))
-    assert stats["reward_group_std_mean"] == pytest.approx(1 / 3)
+    # verl-omni's names: population std per group (1, 0, 0), groups flat or singleton, samples ÷ groups
+    assert stats["critic/rewards/std_mean"] == pytest.approx(1 / 3)
+    assert stats["critic/rewards/zero_std_ratio"] == pytest.approx(2 / 3)
+    assert stats["critic/rewards/group_size"] == pytest.approx(5 / 3)
     a = adv.double().numpy()
     assert stats["advantage_mean"] == pytest.approx(a.mean(), abs=1e-12)
     assert stats["advantage_std"] == pytest.approx(a.std(), rel=1e-9)
     assert stats["advantage_abs_mean"] == pytest.approx(np.abs(a).mean(), rel=1e-9)
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "grpo_group", "dance", "grpo_verl"])
+@pytest.mark.parametrize("ddof", [0, 1])
+def test_std_ddof_overrides_the_presets_bessel_setting(estimator: str, ddof: int) -> None:
+    """A = (r − group mean)/(std + eps), the std over N − ddof, whatever the preset's own correction."""
+    from stages.advantage.stage import compute_advantages
+
+    rewards = [0.1, 0.7, 0.4, 0.9, 0.2, 0.2, 0.5, 1.0]
+    groups = ["a"] * 4 + ["b"] * 4
+    data = {"sample_id": [str(i) for i in range(8)], "group_id": groups, "reward": torch.tensor(rewards)}
+    cols, _ = compute_advantages(data, estimator=estimator, std_ddof=ddof)
+    preset = ESTIMATORS[estimator]
+    expected = []
+    for i, r in enumerate(rewards):
+        members = [v for v, g in zip(rewards, groups) if g == groups[i]] if preset.std == "group" else rewards
+        mean = statistics.fmean(v for v, g in zip(rewards, groups) if g == groups[i])
+        std = float(np.std(members, ddof=ddof))
+        expected.append((r - mean) / (std + preset.eps))
+    assert cols["advantages"][:, 0].tolist() == pytest.approx(expected, rel=1e-5)
+
+
+def test_std_ddof_needs_a_group_estimator() -> None:
+    from stages.advantage.stage import compute_advantages
+
+    data = {"sample_id": ["0", "1"], "group_id": ["a", "a"], "reward": torch.tensor([0.0, 1.0])}
+    with pytest.raises(UserInputError, match="--std-ddof 1: --estimator pairs has no group std"):
+        compute_advantages(data, estimator="pairs", std_ddof=1)
 
 
 # ---------------------------------------------------------------- failed rewards (score --on-error zero)

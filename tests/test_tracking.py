@@ -18,7 +18,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from stages.reporting import reward_statistics
 from stages.shards.reader import ShardSet
-from stages.tracking import LEDGER, TRACKING_DIR, Tracking, parse_report_to, run_location
+from stages.tracking import LEDGER, TRACKING_DIR, Tracking, parse_report_to, run_location, timing_metrics
 
 
 def events(run: Path, name: str) -> EventAccumulator:
@@ -157,6 +157,17 @@ def test_a_tracker_missing_from_the_environment_is_one_line(
     )
 
 
+def test_timing_metrics_state_seconds_and_milliseconds_per_image_of_the_compute_stages() -> None:
+    seconds = {"gen": 2.0, "update_actor": 0.5, "save_checkpoint": 3.0}
+    assert timing_metrics(seconds, 8) == {
+        "timing_s/gen": 2.0,
+        "timing_s/update_actor": 0.5,
+        "timing_s/save_checkpoint": 3.0,
+        "timing_per_image_ms/gen": 250.0,
+        "timing_per_image_ms/update_actor": 62.5,
+    }
+
+
 def test_report_to_names_and_run_locations() -> None:
     assert parse_report_to(["tensorboard,tensorboard", " TensorBoard ", "none"]) == ["tensorboard"]
     assert parse_report_to(None) == parse_report_to("none") == []
@@ -233,6 +244,20 @@ def test_online_logs_rewards_and_actor_metrics(staged: dict[str, Path], tmp_path
     assert logged["actor/pg_loss"] == [(r["step"], f32(r["actor/pg_loss"])) for r in records]
     stats = reward_statistics(ShardSet(out / "it0" / "rewards").read_all())
     assert {k: logged[k] for k in stats} == {k: [(0, f32(v))] for k, v in stats.items()}
+    # verl-omni's names: per iteration the group statistics and each stage's seconds, per step the rest
+    groups = list(ShardSet(out / "it0" / "samples").read_all(columns=["group_id"])["group_id"])
+    assert logged["critic/rewards/group_size"] == [(0, f32(len(groups) / len(set(groups))))]
+    assert [step for step, _ in logged["critic/rewards/zero_std_ratio"]] == [0]
+    assert [step for step, _ in logged["critic/rewards/std_mean"]] == [0]
+    for stage in ("gen", "adv", "update_actor"):
+        ((_, seconds),) = logged[f"timing_s/{stage}"]
+        assert logged[f"timing_per_image_ms/{stage}"] == [
+            (0, pytest.approx(seconds * 1000 / len(groups), rel=1e-5))
+        ]
+    assert {"timing_s/update_weights", "timing_s/save_checkpoint", "timing_s/step"} <= set(logged)
+    assert "timing_per_image_ms/save_checkpoint" not in logged
+    for key in ("perf/throughput", "actor/pg_clipfrac_higher", "actor/pg_clipfrac_lower"):
+        assert logged[key] == [(r["step"], f32(r[key])) for r in records]
     # report afterwards adds only the grid
     assert run("report", str(out), "--report-to", "tensorboard")["points_sent"] == 1
 

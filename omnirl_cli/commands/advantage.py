@@ -60,6 +60,7 @@ def run(c: AdvantageConfig, json_: bool) -> None:
             drop_zero_std=c.drop_zero_std,
             num_steps=num_steps,
             weights=weights,
+            std_ddof=c.std_ddof,
         )
         if not writer.complete:
             start = 0

@@ -10,7 +10,7 @@ from stages.knobs import WEIGHTS_METAVAR
 
 from ..choices import Dtype, Replay
 from ..config import resolve
-from ..console import emit_json, print_result
+from ..console import emit_json, log, print_result
 from ..errors import handle_errors
 from ..options import (
     ADAPTER_HELP,
@@ -123,7 +123,8 @@ def logprob(
 
     Uses the rollout's own sampler, CFG and batch size (from the samples manifest), so replaying with
     the sampling weights reproduces the rollout log-probs; reports |Δ logp| against them (mean, p99,
-    max). A rollout with no stored steps (the ODE sampler, for NFT/AWM) gets a shard set of its sample
+    max), and when the mean exceeds 1e-3 (the rollout engine computes other numbers than the trainer) one
+    line on stderr suggesting `omnirl update --rollout-correction`. A rollout with no stored steps (the ODE sampler, for NFT/AWM) gets a shard set of its sample
     ids only, so recipes keep one shape for every algorithm; so does a rollout that --replay auto finds
     the replay cannot change (`"replayed": false` and the reason, in the manifest and --json).
 
@@ -312,6 +313,12 @@ def logprob(
                 else ""
             )
         )
+    if not skipped and extra.get("replayed"):
+        from stages.update.rollout_correction import suggestion
+
+        hint = suggestion(extra.get("abs_delta_mean"))
+        if hint:
+            log(hint)
 
 
 def _delta_summary(mine: dict[int, Any]) -> dict[str, float | None]:

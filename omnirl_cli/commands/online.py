@@ -33,7 +33,7 @@ from ..options import (
 RUN_KEYS = ("group_size", "num_prompts")
 # The keys omnirl online reads from the `score` and `advantage` sections.
 SCORE_KEYS = ("reward", "reward_args")
-ADVANTAGE_KEYS = ("estimator", "clip", "drop_zero_std")
+ADVANTAGE_KEYS = ("estimator", "clip", "drop_zero_std", "std_ddof")
 # Settings the driver gives each iteration itself, and how.
 DRIVER_KEYS = {
     "sample": {
@@ -318,6 +318,7 @@ def online(
         estimator=adv.get("estimator", "grpo"),
         adv_clip=adv.get("clip"),
         drop_zero_std=bool(adv.get("drop_zero_std")),
+        std_ddof=adv.get("std_ddof"),
         max_staleness=c["max_staleness"],
         save_trajectories=c["save_trajectories"],
         media_every=c["media_every"],

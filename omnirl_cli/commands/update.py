@@ -11,10 +11,13 @@ from stages.knobs import WEIGHTS_METAVAR
 from ..choices import (
     ALGORITHMS,
     AwmWeighting,
+    GuardDanceScale,
     KlType,
     LossAggMode,
     LrScheduler,
     OldDecay,
+    RolloutCorrectionLevel,
+    RolloutCorrectionMode,
     complete,
 )
 from ..config import resolve
@@ -329,6 +332,60 @@ def update(
     config: ConfigOpt = None,
     set_: SetOpt = None,
     json_: JsonOpt = False,
+    guard_dance_scale: Annotated[
+        GuardDanceScale,
+        typer.Option(
+            "--guard-dance-scale",
+            help="--algo grpo_guard on dance steps: normalise the ratio by the exact step std η·sqrt|Δσ| "
+            "(std, GRPO-Guard's RatioNorm) or by verl-omni's η·|Δσ| (eta_dsigma). Other samplers ignore it.",
+            rich_help_panel=LOSS,
+        ),
+    ] = "std",
+    rollout_correction: Annotated[
+        RolloutCorrectionMode,
+        typer.Option(
+            "--rollout-correction",
+            help="Correct for a rollout engine whose log-probs differ from the trainer's (verl's decoupled "
+            "rollout correction): weigh each step's (token's) policy term by ρ = π_old/π_rollout from "
+            "old_log_probs (omnirl logprob) vs log_probs (omnirl sample). is: truncated weight min(ρ, "
+            "--rollout-is-threshold); rs: 0 outside [--rollout-rs-threshold-lower, --rollout-rs-threshold]; "
+            "is_rs: both.",
+            rich_help_panel=LOSS,
+        ),
+    ] = "off",
+    rollout_correction_level: Annotated[
+        RolloutCorrectionLevel,
+        typer.Option(
+            "--rollout-correction-level",
+            help="ρ per element (token: each stored denoising step, each response token) or per sequence "
+            "(the product over a row's steps or tokens).",
+            rich_help_panel=LOSS,
+        ),
+    ] = "token",
+    rollout_is_threshold: Annotated[
+        float,
+        typer.Option(
+            "--rollout-is-threshold",
+            help="Upper truncation of the importance weights (verl rollout_is_threshold, default 2.0).",
+            rich_help_panel=LOSS,
+        ),
+    ] = 2.0,
+    rollout_rs_threshold: Annotated[
+        float | None,
+        typer.Option(
+            "--rollout-rs-threshold",
+            help="Rejection: ρ above this is rejected (default: --rollout-is-threshold).",
+            rich_help_panel=LOSS,
+        ),
+    ] = None,
+    rollout_rs_threshold_lower: Annotated[
+        float | None,
+        typer.Option(
+            "--rollout-rs-threshold-lower",
+            help="Rejection: ρ below this is rejected (default: 1 / --rollout-rs-threshold).",
+            rich_help_panel=LOSS,
+        ),
+    ] = None,
 ) -> None:
     """Train the policy with --algo on rollouts (or offline pairs / latents) and write the next adapter.
 
@@ -339,9 +396,11 @@ def update(
 
     Writes an inference-ready adapter (diffusers `pipe.load_lora_weights(OUT)`), the optimizer/EMA
     state the next update resumes from, and metrics.jsonl per optimizer step: actor/pg_loss, kl_loss,
-    pg_clipfrac, grad_norm, the effective lr, samples/s, and under verl-omni's names (verl's for VLMs)
-    ratio_mean and ppo_kl = mean(−log r); diffusion steps add ratio_std (Bessel, as verl-omni) and
-    flow_grpo's approx_kl = ½·mean((log r)²); memory/param_bytes and optimizer_bytes (this rank's share).
+    pg_clipfrac, grad_norm, the effective lr, and under verl-omni's names (verl's for VLMs) ratio_mean,
+    pg_clipfrac_higher / _lower, ppo_kl = mean(−log r), perf/throughput (images per second per device)
+    and perf/time_per_step; diffusion steps add ratio_std (Bessel, as verl-omni) and flow_grpo's
+    approx_kl = ½·mean((log r)²); memory/param_bytes and optimizer_bytes (this rank's share);
+    rollout_corr/* with --rollout-correction (docs/algorithms.md). docs/tracking.md maps renamed metrics.
 
     Under torchrun or `accelerate launch` each rank takes its grad_accum micro-batches of every step:
     N ranks equal one process with N·grad_accum (DDP, or FSDP2 with --strategy fsdp2 or an fsdp_version 2

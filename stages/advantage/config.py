@@ -71,6 +71,14 @@ class AdvantageConfig:
         entry_points=ENTRY_POINT_GROUP,
     )
     std: str | None = knob(None, "Override the estimator's std.", choices=STD_MODES)
+    std_ddof: int | None = knob(
+        None,
+        "Degrees-of-freedom correction of the group estimators' std, overriding the estimator's: 0 population "
+        "std (flow_grpo), 1 Bessel's correction (verl-omni, DanceGRPO, verl). Default: the estimator's (0 for "
+        "grpo and grpo_group, 1 for dance, grpo_verl, grpo_trl and grpo_batch_std).",
+        low=0,
+        high=1,
+    )
     clip: float | None = knob(None, "Clip advantages to ±CLIP.")
     drop_zero_std: bool = knob(False, "Mark samples of all-equal-reward groups as not trained (flow_grpo).")
     aggregation: str = knob(

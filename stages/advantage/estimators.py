@@ -251,8 +251,11 @@ def advantage_stats(
     rewards: torch.Tensor | Sequence[float], advantages: torch.Tensor, group_ids: Sequence[Hashable]
 ) -> dict[str, float | int]:
     """Summary to log: zero_std_ratio (fraction of groups with all-equal rewards, Flow-GRPO's metric),
-    zero_std_samples, reward/advantage mean and population std, reward_group_std_mean, num_groups,
-    group_size_min/max (unequal sizes are allowed and show here)."""
+    zero_std_samples, reward/advantage mean and population std, num_groups, group_size_min/max (unequal
+    sizes are allowed and show here), and under verl-omni's names `critic/rewards/zero_std_ratio` (the
+    same fraction), `critic/rewards/std_mean` (mean over groups of the population std of their rewards)
+    and `critic/rewards/group_size` (samples ÷ groups). `zero_std_ratio` stays beside its verl-omni name:
+    `omnirl report` reads it from the manifests of earlier runs."""
     values = _as_rewards(rewards, group_ids, None)
     adv = torch.as_tensor(advantages).detach().to("cpu", torch.float64)
     if len(values) == 0:
@@ -268,10 +271,12 @@ def advantage_stats(
         "zero_std_samples": int(flat[index].sum()),
         "reward_mean": float(values.mean()),
         "reward_std": float(values.std(correction=0)),
-        "reward_group_std_mean": float(group_std.mean()),
         "advantage_mean": float(adv.mean()),
         "advantage_std": float(adv.std(correction=0)),
         "advantage_abs_mean": float(adv.abs().mean()),
+        "critic/rewards/zero_std_ratio": float(flat.double().mean()),
+        "critic/rewards/std_mean": float(group_std.mean()),
+        "critic/rewards/group_size": len(values) / num_groups,
     }
 
 

@@ -6,6 +6,7 @@ all shards, then writes advantages back in the samples' shard layout.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -33,13 +34,15 @@ def compute_advantages(
     drop_zero_std: bool = False,
     num_steps: int | None = None,
     weights: dict[str, float] | None = None,
+    std_ddof: int | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Columns sample_id, advantages [N, K] (and train_mask [N], reward_failed [N]) plus summary stats.
 
     data: sample_id, group_id, reward [N], and reward_failed [N] where `score --on-error zero` wrote it;
     K comes from `num_steps` (stored steps of the rollout). With `weights` (reward name → weight),
     advantages are aggregated per reward (MixGRPO's `advantage_aggr`): each `reward.<name>` column is
-    normalised on its own, then weighted and summed.
+    normalised on its own, then weighted and summed. `std_ddof` (0 or 1) replaces the built-in
+    estimator's Bessel setting (`EstimatorPreset.unbiased`).
 
     A failed reward (flagged, or NaN/±inf: `failed_rewards`) is left out: the estimator runs over the
     `estimated_rows` alone and every other row gets advantage 0. `reward_failed` is passed on (so
@@ -53,6 +56,11 @@ def compute_advantages(
     ids = list(data["sample_id"])
     rewards = _numbers(data, "reward")
     per_reward: dict[str, torch.Tensor] = {}
+    if std_ddof is not None and estimator not in ESTIMATORS:
+        raise UserInputError(
+            f"--std-ddof {std_ddof}: --estimator {estimator} has no group std; use a built-in group estimator "
+            f"({', '.join(ESTIMATORS)}) or drop it"
+        )
     if weights:
         if estimator not in ESTIMATORS:
             raise UserInputError(
@@ -73,12 +81,15 @@ def compute_advantages(
             f"--in: all {len(ids)} rewards failed (reward_failed or NaN); there is nothing to learn from, "
             "re-score the rollout"
         )
+    preset = ESTIMATORS.get(estimator)  # a built-in one (the only kind --std-ddof and weights take)
+    if preset is not None and std_ddof is not None:
+        preset = replace(preset, unbiased=bool(std_ddof))
+    estimate = preset if preset is not None else get_estimator(estimator)
     rows = estimated_rows(groups, failed)
     picked = rows.nonzero().flatten().tolist()
     sub_groups, sub_ids = [groups[i] for i in picked], [ids[i] for i in picked]
     adv = torch.zeros(len(ids), dtype=torch.float32)
     if picked and weights:
-        preset = ESTIMATORS[estimator]
         adv[rows] = multi_reward_advantages(
             {name: values[rows] for name, values in per_reward.items()},
             weights,
@@ -91,7 +102,7 @@ def compute_advantages(
             sample_ids=sub_ids,
         )
     elif picked:
-        adv[rows] = get_estimator(estimator)(rewards[rows], sub_groups, clip=clip, sample_ids=sub_ids)
+        adv[rows] = estimate(rewards[rows], sub_groups, clip=clip, sample_ids=sub_ids)
     check_finite({"advantages": adv}, ids, hint=f"--estimator {estimator} produced it; fix the estimator")
     kept = scored.nonzero().flatten().tolist()
     stats = {

@@ -37,6 +37,7 @@ class OnlineConfig:
     estimator: str = "grpo"
     adv_clip: float | None = None
     drop_zero_std: bool = False
+    std_ddof: int | None = None  # `advantage --std-ddof`: None keeps the estimator's
     max_staleness: int = 0
     save_trajectories: bool = False
     # with save_trajectories: media columns only every N-th iteration and the last (the others keep final

@@ -47,7 +47,7 @@ from stages.media import MEDIA_COLUMNS
 from stages.online.config import TENSORS, OnlineConfig, iteration_rows, stores_media
 from stages.online.workers import Workers, trainable_weights
 from stages.reporting import step_means
-from stages.tracking import Tracking
+from stages.tracking import Tracking, timing_metrics
 from stages.update.losses import get_algorithm
 
 RUN_FILE = "online_run.json"
@@ -313,6 +313,7 @@ def run_online(
                 clip=cfg.adv_clip,
                 drop_zero_std=cfg.drop_zero_std,
                 num_steps=data["log_probs"].shape[1] if "log_probs" in data else 1,
+                std_ddof=cfg.std_ddof,
             )
             data.update({key: v for key, v in adv.items() if key != "sample_id"})
             t1 = time.perf_counter()
@@ -324,6 +325,7 @@ def run_online(
                 pusher.push_weights(policy.lora_file(), step)
             workers.publish(params, k + 1, step)
             published[step] = k + 1
+            t2 = time.perf_counter()
             trainer.save(
                 cfg.out / f"it{k + 1}" / "policy",
                 metrics,
@@ -331,9 +333,19 @@ def run_online(
             )
             if cfg.save_trajectories:
                 _save_trajectories(cfg, k, data, rewards, adv, stats, policy.family)
+            seconds = {
+                "gen": t_wait,
+                "adv": t1 - t0 - t_wait,
+                "update_actor": t_train,
+                "update_weights": t2 - t1 - t_train,
+                "save_checkpoint": time.perf_counter() - t2,
+                "step": time.perf_counter() - t0,
+            }
             if tracking:
                 tracking.log_rewards(k, rewards, data.get("prompt_meta"))
                 tracking.log("rollout", k, {"rollout/version_gap_max": max(gaps)})
+                tracking.log("critic", k, {key: v for key, v in stats.items() if key.startswith("critic/")})
+                tracking.log("timing", k, timing_metrics(seconds, len(data["sample_id"])))
                 tracking.log_update(metrics)
             summary = {
                 "iteration": k,

@@ -182,14 +182,22 @@ def kl_to_reference(mean: Tensor, ref_mean: Tensor, diffusion: Tensor | float) -
     return sq / (2 * g**2)
 
 
-def guard_log_ratio(mean: Tensor, old_mean: Tensor, prev_sample: Tensor, std: Tensor | float) -> Tensor:
-    """GRPO-Guard's normalised log-ratio (RatioNorm), [B]: s·(Δlogp + mean((μ_θ − μ_old)²)/(2s²)).
+def guard_log_ratio(
+    mean: Tensor,
+    old_mean: Tensor,
+    prev_sample: Tensor,
+    std: Tensor | float,
+    scale: Tensor | float | None = None,
+) -> Tensor:
+    """GRPO-Guard's normalised log-ratio (RatioNorm), [B]: c·(Δlogp + mean((μ_θ − μ_old)²)/(2c²)), c = s.
 
     mean: μ_θ [B, *latent] under the current weights; old_mean: the stored rollout μ_old; prev_sample: the
     stored x'; std: the step's noise std s (`StepOutput.std`, scalar or [B]). Δlogp is the difference of
     the two Gaussian log-densities of x' (std s), averaged over dims. Since x' = μ_old + s·ε this equals
     mean(ε ⊙ (μ_θ − μ_old)): the −‖δμ‖²/(2s²) bias and the 1/s scale of the plain log-ratio are removed.
     The reference code uses the batch mean of s, which is the same value when all rows share a timestep.
+    `scale` (scalar or [B]) replaces c = s by another normaliser: verl-omni's c = s·sqrt|Δσ| on dance
+    steps (`grpo_guard_loss`), where the bias no longer cancels exactly.
     """
     batch = mean.shape[0]
     mu = mean.float()
@@ -197,5 +205,6 @@ def guard_log_ratio(mean: Tensor, old_mean: Tensor, prev_sample: Tensor, std: Te
     x = prev_sample.detach().float()
     s = _column(std, batch, mu, "std")
     delta_logp = _gaussian_log_prob(x, mu, s) - _gaussian_log_prob(x, mu_old, s)
-    bias = ((mu - mu_old) ** 2).flatten(1).mean(dim=1) / (2 * s.reshape(batch) ** 2)
-    return s.reshape(batch) * (delta_logp + bias)
+    c = s.reshape(batch) if scale is None else per_sample(scale, batch, mu, "scale")
+    bias = ((mu - mu_old) ** 2).flatten(1).mean(dim=1) / (2 * c**2)
+    return c * (delta_logp + bias)

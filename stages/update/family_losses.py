@@ -26,6 +26,9 @@ from stages.update.losses import StepLoss, ppo_terms, ratio_metrics
 
 NFT_DECAY_SCHEDULES = ("copy", "linear_to_0_5", "delayed_linear_to_0_999")
 AWM_WEIGHTINGS = ("uniform", "ghuber")
+# GRPO-Guard's ratio normaliser on dance steps: the exact step std s = η·sqrt|Δσ| (GRPO-Guard's RatioNorm),
+# or verl-omni's s·sqrt|Δσ| = η·|Δσ|
+GUARD_DANCE_SCALES = ("std", "eta_dsigma")
 _GHUBER_DELTA = 1e-10
 
 
@@ -66,12 +69,15 @@ def grpo_guard_loss(
     kl: Tensor | None = None,
     beta: float = 0.0,
     clip_range_high: float | None = None,
+    weights: Tensor | None = None,
+    scale: Tensor | float | None = None,
 ) -> StepLoss:
     """GRPO-Guard (§1.6): PPO-clipped objective on the RatioNorm ratio r̃, reweighted by 1/|Δ| per row.
 
     mean: μ_θ [B, *] (`StepOutput.mean` of the replayed step, with grad); old_mean: the stored rollout μ_old
     [B, *]; prev_sample: the stored x' [B, *]; std: the step's noise std s (`StepOutput.std`, [B] or scalar);
-    dt: Δ = σ' − σ < 0 ([B] or scalar); advantages: [B]; kl: optional [B] penalty (`kl_to_reference`).
+    dt: Δ = σ' − σ < 0 ([B] or scalar); advantages: [B]; kl: optional [B] penalty (`kl_to_reference`);
+    weights: optional [B] multipliers of each row's clipped term (rollout_correction.py).
 
     log r̃ = `guard_log_ratio` = s·(Δlogp + mean(δμ²)/(2s²)) = mean(ε ⊙ (μ_θ − μ_old)), r̃ = exp(log r̃),
     L = mean_b[max(−Â·r̃, −Â·clip(r̃, 1−ε, 1+ε_high)) / |Δ_b|] + β·mean_b KL.
@@ -82,7 +88,9 @@ def grpo_guard_loss(
     clip fraction are computed from). Meant for `sde`/`dance` steps, where s = g·sqrt(−Δ) is the exact
     step std (g = η on dance steps), so log r̃ = mean(ε ⊙ δμ) on both. On dance steps verl-omni scales
     by mean(sqrt|Δ|)·η·sqrt|Δ| = η·|Δ| instead (its dance std_dev_t already holds sqrt|Δ|); omnirl keeps
-    the exact std, GRPO-Guard's RatioNorm as flow_grpo defines it for its sde steps.
+    the exact std by default, GRPO-Guard's RatioNorm as flow_grpo defines it for its sde steps, and takes
+    verl-omni's normaliser as `scale` ([B] or scalar, `guard_log_ratio`; `update --guard-dance-scale
+    eta_dsigma`). The 1/|Δ_b| reweighting is the same either way.
     """
     batch = mean.shape[0]
     s = per_sample(std, batch, mean, "std")
@@ -97,11 +105,12 @@ def grpo_guard_loss(
     adv = advantages.float()
     if adv_clip is not None:
         adv = adv.clamp(-adv_clip, adv_clip)
-    log_ratio = guard_log_ratio(mean, old_mean, prev_sample, s)
+    log_ratio = guard_log_ratio(mean, old_mean, prev_sample, s, scale)
     ratio = torch.exp(log_ratio)
     high = clip_range if clip_range_high is None else clip_range_high
     per_row, was_clipped = ppo_terms(adv, ratio, clip_range, high)
-    policy_loss = (per_row / -step).mean()
+    per_row = per_row / -step
+    policy_loss = (per_row if weights is None else per_row * weights).mean()
     kl_term = kl.float().mean() if kl is not None else torch.zeros((), device=mean.device)
     loss = policy_loss + beta * kl_term
     return StepLoss(

@@ -94,15 +94,17 @@ def clipped_policy_loss(
     kl: torch.Tensor | None = None,
     beta: float = 0.0,
     clip_range_high: float | None = None,
+    weights: torch.Tensor | None = None,
 ) -> StepLoss:
-    """PPO-clipped objective on per-sample log-probs [B]; `clip_range_high` makes the band asymmetric."""
+    """PPO-clipped objective on per-sample log-probs [B]; `clip_range_high` makes the band asymmetric;
+    `weights` [B] multiply each row's policy term (rollout_correction.py)."""
     adv = advantages if adv_clip is None else advantages.clamp(-adv_clip, adv_clip)
     log_ratio = log_prob - old_log_prob
     ratio = torch.exp(log_ratio)
     per_row, was_clipped = ppo_terms(
         adv, ratio, clip_range, clip_range if clip_range_high is None else clip_range_high
     )
-    policy_loss = per_row.mean()
+    policy_loss = (per_row if weights is None else per_row * weights).mean()
     kl_term = kl.mean() if kl is not None else torch.zeros((), device=log_prob.device)
     loss = policy_loss + beta * kl_term
     return StepLoss(

@@ -33,6 +33,7 @@ from stages.sample.rollout import SampleConfig
 from stages.sample.samplers import kl_to_reference, step
 from stages.update.family_losses import awm_loss, diffusion_dpo_loss, fm_error, grpo_guard_loss, nft_loss
 from stages.update.losses import Algorithm, clipped_policy_loss, kl_std, ratio_metrics, step_plan
+from stages.update.rollout_correction import WEIGHTS
 from stages.update.rows import trained_rows
 from stages.update.token_losses import grpo_loss
 
@@ -71,6 +72,8 @@ class PolicyGradient:
         "actor/ratio_mean",
         "actor/ratio_std",
         "actor/pg_clipfrac",
+        "actor/pg_clipfrac_higher",
+        "actor/pg_clipfrac_lower",
         "actor/ppo_kl",
         "actor/approx_kl",
     )
@@ -103,6 +106,7 @@ class PolicyGradient:
 
     def losses(self, idx: Chunk) -> Iterator[LossItem]:
         cond = _condition(self.policy, self.data, idx, self.sample_cfg)
+        low, high = self.cfg.clip_bounds()
         for t in range(self.per_chunk):
             res, log_ratio = self._step(idx, self.plan[idx, t], cond)
             m = ratio_metrics(res.ratio, log_ratio)
@@ -111,6 +115,9 @@ class PolicyGradient:
                     "actor/pg_loss": res.policy_loss.item(),
                     "actor/kl_loss": res.kl.item(),
                     "actor/pg_clipfrac": res.clipped.mean().item(),
+                    # verl-omni's split of the clipped ratios: above 1 + ε_high, below 1 − ε
+                    "actor/pg_clipfrac_higher": (res.ratio > 1.0 + high).float().mean().item(),
+                    "actor/pg_clipfrac_lower": (res.ratio < 1.0 - low).float().mean().item(),
                 }
             )
             yield res.loss, [m[k] for k in self.metric_keys]
@@ -157,9 +164,13 @@ class PolicyGradient:
             "kl": kl,
             "beta": cfg.beta,
         }
+        if WEIGHTS in data:  # --rollout-correction's multiplier of each row's term
+            common["weights"] = data[WEIGHTS][index, j].to(policy.device)
         log_ratio = out.log_prob.detach() - old
         if self.algo.guard:
             old_mean = data["old_means"][index, j].to(policy.device).float()
+            if scfg.sampler == "dance" and cfg.guard_dance_scale == "eta_dsigma":  # verl-omni's η·|Δσ|
+                common["scale"] = out.std * (s - s_next).abs().sqrt().to(out.std)
             return grpo_guard_loss(out.mean, old_mean, x_next, out.std, s_next - s, adv, **common), log_ratio
         return clipped_policy_loss(out.log_prob, old, adv, **common), log_ratio
 
@@ -461,6 +472,7 @@ class TokenPolicyGradient:
         if bound is not None:
             adv = adv.clamp(-bound, bound)
         num_tokens, num_seqs = self.counts[idx[0]]
+        weights = data[WEIGHTS][index, :width].to(policy.device) if WEIGHTS in data else None
         loss, m = grpo_loss(
             logp,
             self.old[index, :width].to(policy.device).float(),
@@ -479,6 +491,7 @@ class TokenPolicyGradient:
             norm_len=data["response_ids"].shape[1],
             num_tokens=num_tokens,
             num_seqs=num_seqs,
+            weights=weights,
         )
         keys = ("pg_loss", "kl_loss", "entropy", "ratio_mean", "pg_clipfrac", "pg_clipfrac_dual", "ppo_kl")
         values = [float(m.get(k, 0.0)) for k in keys]

@@ -161,6 +161,7 @@ def policy_loss(
     norm_len: int | None = None,
     num_tokens: float | None = None,
     num_seqs: float | None = None,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate loss (scalar) and its diagnostics (detached scalars).
 
@@ -176,7 +177,8 @@ def policy_loss(
     sg[s_b]·π/sg[π] so each token keeps its own gradient; GSPO's clip range is ~3e-4/4e-4 and verl's
     gspo applies no dual-clip (pass None to match). `agg_mode` defaults to "token-mean", or
     "seq-mean-token-mean" for sequence ratios (the GSPO paper; `grpo_loss` always uses it for them, as
-    verl does); the other aggregation arguments are `aggregate`'s.
+    verl does); the other aggregation arguments are `aggregate`'s. `weights` [B, T] multiply each token's
+    term before aggregation (rollout_correction.py; a weight of 0 still counts in the denominator).
 
     Metrics (means over valid tokens): pg_loss; pg_clipfrac (the clipped branch is active:
     A > 0 and r > 1 + clip_high, or A < 0 and r < 1 − clip_low), split into pg_clipfrac_higher and
@@ -205,6 +207,8 @@ def policy_loss(
     per_token = torch.maximum(unclipped, clipped)
     if dual_clip_c is not None:
         per_token = torch.where(adv < 0, torch.minimum(per_token, -adv * dual_clip_c), per_token)
+    if weights is not None:
+        per_token = per_token * weights.float()
     mode = agg_mode or ("seq-mean-token-mean" if ratio_type == "sequence" else "token-mean")
     loss = aggregate(per_token, valid, mode, norm_len=norm_len, num_tokens=num_tokens, num_seqs=num_seqs)
 
@@ -244,6 +248,7 @@ def grpo_loss(
     norm_len: int | None = None,
     num_tokens: float | None = None,
     num_seqs: float | None = None,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO actor loss: pg_loss + kl_coef·agg(KL(π‖π_ref)) − entropy_coef·agg(entropy), scalar.
 
@@ -254,8 +259,8 @@ def grpo_loss(
 
     Aggregation as verl's actor: KL and entropy always use `agg_mode` (verl `loss_agg_mode`, default
     token-mean); so does the policy term for token ratios, while for sequence ratios (GSPO) it is
-    always seq-mean-token-mean, whatever `agg_mode` says. Metrics: `policy_loss`'s plus loss,
-    kl_loss and entropy (when given).
+    always seq-mean-token-mean, whatever `agg_mode` says. `weights` [B, T] weigh the policy term alone
+    (`policy_loss`). Metrics: `policy_loss`'s plus loss, kl_loss and entropy (when given).
     """
     if kl_coef != 0 and ref_logp is None:
         raise UserInputError(
@@ -276,6 +281,7 @@ def grpo_loss(
         dual_clip_c=dual_clip_c,
         ratio_type=ratio_type,
         agg_mode="seq-mean-token-mean" if ratio_type == "sequence" else agg_mode,
+        weights=weights,
         **agg,
     )
     if ref_logp is not None:

@@ -32,9 +32,10 @@ from stages.models.kernels import Kernels, prepare
 from stages.models.vlm import VLMPolicy
 from stages.parallelism import ModelParallel
 from stages.precision import autocast, launcher_mixed_precision, resolve_mixed_precision
+from stages.update import rollout_correction
 from stages.update.checkpoint import load_state, resume_sharded, save_policy, trainer_state
 from stages.update.checkpoint import save_state as save_state  # the state's writer, beside its reader
-from stages.update.family_losses import AWM_WEIGHTINGS, NFT_DECAY_SCHEDULES, nft_old_decay
+from stages.update.family_losses import AWM_WEIGHTINGS, GUARD_DANCE_SCALES, NFT_DECAY_SCHEDULES, nft_old_decay
 from stages.update.losses import get_algorithm
 from stages.update.objectives import make_objective
 from stages.update.parallel import STRATEGIES, Parallel, launcher_checkpointing, launcher_strategy
@@ -93,6 +94,12 @@ class UpdateConfig:
     gradient_checkpointing: bool = False
     parallel: ModelParallel = field(default_factory=ModelParallel)
     kernels: Kernels = field(default_factory=Kernels)
+    guard_dance_scale: str = "std"
+    rollout_correction: str = "off"
+    rollout_correction_level: str = "token"
+    rollout_is_threshold: float = 2.0
+    rollout_rs_threshold: float | None = None
+    rollout_rs_threshold_lower: float | None = None
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> UpdateConfig:
@@ -254,6 +261,16 @@ class UpdateConfig:
         if self.train_timesteps < 1:
             raise UserInputError(f"--train-timesteps {self.train_timesteps}: must be at least 1")
         self.kernels.validate()
+        rollout_correction.validate(self)
+        if self.guard_dance_scale not in GUARD_DANCE_SCALES:
+            raise UserInputError(
+                f"--guard-dance-scale {self.guard_dance_scale}: choose one of {', '.join(GUARD_DANCE_SCALES)}"
+            )
+        if self.rollout_correction != "off" and algo.family not in ("policy_gradient", "token"):
+            raise UserInputError(
+                f"--rollout-correction {self.rollout_correction}: --algo {algo.name} replays no rollout "
+                "log-probs; use it with a policy-gradient --algo (flow_grpo, grpo_guard, grpo, ...) or drop it"
+            )
 
 
 class EMA:
@@ -442,6 +459,8 @@ class Trainer:
         if missing:
             hint = " (omnirl logprob --means)" if missing[0] == "old_means" else ""
             raise UserInputError(f"--algo {algo.name} needs the column '{missing[0]}' in --in{hint}")
+        rows = trained_rows(data)
+        data, corrections = rollout_correction.attach(data, cfg, rows, tokens=algo.family == "token")
         old_weights = self._old_policy()
         objective = make_objective(
             self.policy,
@@ -452,7 +471,6 @@ class Trainer:
             old_weights=old_weights,
             ema_weights=self.ema.shadow if self.ema is not None else None,
         )
-        rows = trained_rows(data)
         seed = cfg.seed + self.global_step
         if load_rows is not None:
             load_rows(_planned_rows(objective, rows, micro, cfg, seed))
@@ -514,10 +532,13 @@ class Trainer:
                         "epoch": epoch,
                         "actor/grad_norm": float(grad_norm),
                         "actor/lr": optimizer.param_groups[0]["lr"],
-                        "perf/samples_per_s": seen / elapsed if elapsed > 0 else math.nan,
+                        # verl-omni's perf names: images (rows) per second per device, the step's seconds
+                        "perf/throughput": seen / elapsed / world if elapsed > 0 else math.nan,
+                        "perf/time_per_step": elapsed,
                         "perf/sample_steps_per_s": seen * objective.per_chunk / elapsed
                         if elapsed > 0
                         else math.nan,
+                        **corrections,
                         **par.memory(params, optimizer),
                         **({"actor/grad_scale": scaler.get_scale()} if scaler.is_enabled() else {}),
                     }

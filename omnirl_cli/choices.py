@@ -37,6 +37,9 @@ LossAggMode = Literal[
 ]  # stages.update.token_losses.AGG_MODES
 KlType = Literal["k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl", "k1+", "k3+"]  # token_losses.KL_KINDS
 OldDecay = Literal["copy", "linear_to_0_5", "delayed_linear_to_0_999"]  # family_losses.NFT_DECAY_SCHEDULES
+NftAdvMode = Literal[
+    "continuous", "positive_only", "negative_only", "one_only", "binary"
+]  # stages.advantage.estimators.NFT_ADV_MODES
 AwmWeighting = Literal["uniform", "ghuber"]  # stages.update.family_losses.AWM_WEIGHTINGS
 VaeMode = Literal["model", "pixel"]  # stages.pretrain.flow_matching.VAE_MODES
 # the SIZES of the families' builders (and wan.PUBLISHED's): test, benchmark and published sizes

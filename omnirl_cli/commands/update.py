@@ -12,6 +12,7 @@ from ..choices import (
     KlType,
     LossAggMode,
     LrScheduler,
+    NftAdvMode,
     OldDecay,
     complete,
 )
@@ -328,6 +329,34 @@ def update(
     config: ConfigOpt = None,
     set_: SetOpt = None,
     json_: JsonOpt = False,
+    nft_adv_mode: Annotated[
+        NftAdvMode,
+        typer.Option(
+            "--nft-adv-mode",
+            help="nft: how the clipped advantage a becomes the optimality r = m(a)/(2·adv-clip) + ½ "
+            "(verl-omni adv_mode, default continuous: m(a) = a); positive_only: max(a, 0); negative_only: "
+            "min(a, 0); one_only: 1 if a > 0 else 0; binary: sign(a).",
+            rich_help_panel=LOSS,
+        ),
+    ] = "continuous",
+    old_decay_value: Annotated[
+        float | None,
+        typer.Option(
+            "--old-decay-value",
+            help="nft: a fixed λ in [0, 1] for θ_old ← λ·θ_old + (1−λ)·θ, replacing the --old-decay schedule "
+            "(verl-omni old_policy_decay; default none: the schedule's λ; 0 copies).",
+            rich_help_panel=LOSS,
+        ),
+    ] = None,
+    old_update_interval: Annotated[
+        int,
+        typer.Option(
+            "--old-update-interval",
+            help="nft: refresh the old policy at the end of an update that crosses a multiple of this many "
+            "optimizer steps (verl-omni old_policy_update_interval, default 1: every update; its recipes 2).",
+            rich_help_panel=LOSS,
+        ),
+    ] = 1,
 ) -> None:
     """Train the policy with --algo on rollouts (or offline pairs / latents) and write the next adapter.
 

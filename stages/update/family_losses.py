@@ -5,8 +5,8 @@ runs a model. Math is fp32 (inputs are upcast). Shapes: B = rows of a micro-batc
 (sample, timestep) pair), `*` = latent dims, "mean over dims" averages every non-batch dim.
 
 - `grpo_guard_loss`: PPO objective on GRPO-Guard's normalised ratio, per stored step; returns a `StepLoss`.
-- `nft_loss`, `nft_old_decay`: DiffusionNFT's forward-process loss and old-policy schedule (its optimality
-  weight is `stages.advantage.estimators.nft_optimality`).
+- `nft_loss`, `nft_old_decay`, `nft_old_refresh`: DiffusionNFT's forward-process loss, old-policy schedule
+  and refresh interval (its optimality weight and `adv_mode` are `stages.advantage.estimators.nft_optimality`).
 - `awm_loss`, `awm_psi`: Advantage-Weighted Matching.
 - `diffusion_dpo_loss`: Diffusion-DPO on per-sample denoising errors (`fm_error`).
 
@@ -186,6 +186,34 @@ def nft_old_decay(step: int, schedule: str) -> float:
     raise UserInputError(
         f"old-policy decay schedule {schedule!r} is unknown: choose one of {', '.join(NFT_DECAY_SCHEDULES)}"
     )
+
+
+def nft_old_refresh(
+    before: int, after: int, schedule: str, *, fixed: float | None = None, interval: int = 1
+) -> float | None:
+    """λ of the old-policy refresh that ends an update taking the optimizer from step `before` to `after`,
+    or None when the old policy stays as it is.
+
+    The old policy is refreshed when the update crosses a multiple of `interval` optimizer steps
+    (verl-omni old_policy_update_interval: with one optimizer step per update, every `interval`-th update),
+    with λ = `fixed` when given (verl-omni old_policy_decay), else `nft_old_decay(after, schedule)`.
+    """
+    if interval < 1:
+        raise ValueError(f"interval must be >= 1, got {interval}")
+    if after // interval == before // interval:
+        return None
+    return fixed if fixed is not None else nft_old_decay(after, schedule)
+
+
+def old_policy_metrics(decay: float | None) -> dict[str, float]:
+    """verl-omni's `old_policy/*` record of one refresh decision (`nft_old_refresh`'s λ, None: skipped)."""
+    applied = decay is not None
+    return {
+        "old_policy/update_applied": float(applied),
+        "old_policy/copy_update": float(applied and decay == 0),
+        "old_policy/ema_update": float(applied and decay != 0),
+        "old_policy/decay": float(decay or 0.0),
+    }
 
 
 def awm_psi(

@@ -214,6 +214,7 @@ class ForwardProcess:
                 "actor/positive_loss",
                 "actor/negative_loss",
                 "actor/old_deviate",
+                "actor/reward_prob_mean",
             )
             if algo.name == "nft"
             else (
@@ -272,7 +273,7 @@ class ForwardProcess:
                     x0,
                     x_t,
                     t,
-                    nft_optimality(adv, scale),
+                    nft_optimality(adv, scale, cfg.nft_adv_mode),
                     beta=cfg.nft_beta,
                     kl_beta=cfg.beta,
                     adv_clip=scale,

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from stages.advantage.estimators import NFT_ADV_MODES
 from stages.dist import all_reduce_sum, data_parallel, world_and_rank
 from stages.errors import NonFiniteError, UserInputError
 from stages.models.diffusion import FlowPolicy
@@ -34,7 +35,12 @@ from stages.parallelism import ModelParallel
 from stages.precision import autocast, launcher_mixed_precision, resolve_mixed_precision
 from stages.update.checkpoint import load_state, resume_sharded, save_policy, trainer_state
 from stages.update.checkpoint import save_state as save_state  # the state's writer, beside its reader
-from stages.update.family_losses import AWM_WEIGHTINGS, NFT_DECAY_SCHEDULES, nft_old_decay
+from stages.update.family_losses import (
+    AWM_WEIGHTINGS,
+    NFT_DECAY_SCHEDULES,
+    nft_old_refresh,
+    old_policy_metrics,
+)
 from stages.update.losses import get_algorithm
 from stages.update.objectives import make_objective
 from stages.update.parallel import STRATEGIES, Parallel, launcher_checkpointing, launcher_strategy
@@ -93,6 +99,10 @@ class UpdateConfig:
     gradient_checkpointing: bool = False
     parallel: ModelParallel = field(default_factory=ModelParallel)
     kernels: Kernels = field(default_factory=Kernels)
+    # DiffusionNFT: verl-omni's adv_mode, old_policy_decay and old_policy_update_interval
+    nft_adv_mode: str = "continuous"
+    old_decay_value: float | None = None
+    old_update_interval: int = 1
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> UpdateConfig:
@@ -243,6 +253,16 @@ class UpdateConfig:
             raise UserInputError(
                 f"--old-decay {self.old_decay}: choose one of {', '.join(NFT_DECAY_SCHEDULES)}"
             )
+        if self.nft_adv_mode not in NFT_ADV_MODES:
+            raise UserInputError(
+                f"--nft-adv-mode {self.nft_adv_mode}: choose one of {', '.join(NFT_ADV_MODES)}"
+            )
+        if self.old_decay_value is not None and not 0 <= self.old_decay_value <= 1:
+            raise UserInputError(
+                f"--old-decay-value {self.old_decay_value}: must lie in [0, 1] (0 copies; omit it for --old-decay)"
+            )
+        if self.old_update_interval < 1:
+            raise UserInputError(f"--old-update-interval {self.old_update_interval}: must be at least 1")
         if self.awm_weighting not in AWM_WEIGHTINGS:
             raise UserInputError(
                 f"--awm-weighting {self.awm_weighting}: choose one of {', '.join(AWM_WEIGHTINGS)}"
@@ -453,7 +473,8 @@ class Trainer:
             ema_weights=self.ema.shadow if self.ema is not None else None,
         )
         rows = trained_rows(data)
-        seed = cfg.seed + self.global_step
+        start = self.global_step
+        seed = cfg.seed + start
         if load_rows is not None:
             load_rows(_planned_rows(objective, rows, micro, cfg, seed))
         on = params[0].device
@@ -525,13 +546,21 @@ class Trainer:
                 metrics.append(record)
                 if on_step:
                     on_step(record)
-        if algo.name == "nft":  # θ_old ← λ·θ_old + (1−λ)·θ after the epoch (DiffusionNFT)
-            decay = nft_old_decay(self.global_step, cfg.old_decay)
-            self.old_weights = {
-                k: decay * old_weights[k] + (1 - decay) * v.detach() for k, v in self.named.items()
-            }
+        if algo.name == "nft":  # θ_old ← λ·θ_old + (1−λ)·θ after the update, every interval (DiffusionNFT)
+            decay = nft_old_refresh(
+                start,
+                self.global_step,
+                cfg.old_decay,
+                fixed=cfg.old_decay_value,
+                interval=cfg.old_update_interval,
+            )
+            self.old_weights = old_weights
+            if decay is not None:
+                self.old_weights = {
+                    k: decay * old_weights[k] + (1 - decay) * v.detach() for k, v in self.named.items()
+                }
             if metrics:
-                metrics[-1]["old_policy/decay"] = decay
+                metrics[-1].update(old_policy_metrics(decay))
         return metrics
 
     def state(self) -> dict[str, Any]:

@@ -326,12 +326,18 @@ ESTIMATORS: dict[str, AdvantageEstimator] = {
 def get_estimator(name: str) -> Callable[..., torch.Tensor]:
     """The estimator `name` from `ESTIMATORS`, a `module:attribute` plugin, or an `omnirl.advantages` entry point.
 
-    A plugin is called as ``fn(rewards, group_ids, *, clip=None, sample_ids=None) -> Tensor [N]``.
+    A plugin is called as ``fn(rewards, group_ids, *, clip=None, sample_ids=None) -> Tensor [N]``; one whose
+    `needs_features` attribute is true also gets ``features=`` [N, ...], the `--diversity-features` column
+    (as `gardo`, `stages.advantage.gardo.diversity_advantages`).
     """
     if name in ESTIMATORS:
         return ESTIMATORS[name]
     if name == "pairs":
         return pair_advantages
+    if name == "gardo":
+        from stages.advantage.gardo import diversity_advantages
+
+        return diversity_advantages
     obj = (
         load_object(name, "advantage estimator")
         if ":" in name

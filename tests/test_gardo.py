@@ -225,3 +225,16 @@ def test_reference_resets_after_a_kl_above_the_bound(staged: dict[str, Path], tm
     ref = load_file(p2 / "trainer_state" / "ref_weights.safetensors")
     first = _lora(p1)
     assert all(torch.equal(v, first["transformer." + k.replace(".default", "")]) for k, v in ref.items())
+
+
+@pytest.mark.parametrize(("rows", "expected"), [(None, 2.5), ([True, False], 1.0), ([False, True], 4.0)])
+def test_nft_kl_averages_over_the_gated_rows(rows: list[bool] | None, expected: float) -> None:
+    """GARDO on DiffusionNFT: the reference-velocity MSE over the gated rows (rows 1 and 2 differ from the
+    reference by 1 and 2 in every dim)."""
+    from stages.update.family_losses import nft_loss
+
+    v = torch.tensor([[1.0, 1.0], [2.0, 2.0]])
+    gate = None if rows is None else torch.tensor(rows)
+    _, m = nft_loss(v, v, torch.zeros_like(v), torch.zeros_like(v), torch.ones_like(v), 0.5,
+                    torch.full((2,), 0.5), beta=1.0, kl_beta=0.1, kl_rows=gate)  # fmt: skip
+    assert m["actor/kl_loss"] == pytest.approx(expected)

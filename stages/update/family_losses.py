@@ -122,12 +122,14 @@ def nft_loss(
     kl_beta: float = 0.0,
     adv_clip: float = 5.0,
     weight_floor: float = 1e-5,
+    kl_rows: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """DiffusionNFT forward-process loss (§4), on x_t = (1−t)·x0 + t·ε.
 
     v_theta: trainable velocity [B, *]; v_old: the old adapter's velocity [B, *] (detached here); v_ref:
     reference velocity [B, *] or None (no KL term); x0, x_t: [B, *]; t: σ per row ([B] or scalar);
-    optimality: r [B] in [0, 1] (`stages.advantage.estimators.nft_optimality`).
+    optimality: r [B] in [0, 1] (`stages.advantage.estimators.nft_optimality`); kl_rows: bool [B], the
+    rows the KL term averages over (GARDO's gate; None: all).
 
         v⁺ = β·v_θ + (1−β)·v_old,  v⁻ = (1+β)·v_old − β·v_θ,  x̂0^± = x_t − t·v^±,
         w^± = max(mean_dims|x̂0^± − x0|, floor) (detached),  ℓ^± = mean_dims (x̂0^± − x0)² / w^±,
@@ -156,7 +158,10 @@ def nft_loss(
     loss_pos = _mean_dims(err_pos**2) / w_pos
     loss_neg = _mean_dims(err_neg**2) / w_neg
     policy_loss = (adv_clip * (r * loss_pos + (1.0 - r) * loss_neg) / beta).mean()
-    kl = _velocity_gap(v, v_ref)
+    if kl_rows is not None and v_ref is not None:
+        kl = _velocity_gap(v[kl_rows], v_ref[kl_rows])
+    else:
+        kl = _velocity_gap(v, v_ref)
     loss = policy_loss + kl_beta * kl
     metrics = {
         "actor/pg_loss": policy_loss.item(),

@@ -68,12 +68,19 @@ def _reference(policy: FlowPolicy, weights: dict[str, torch.Tensor] | None) -> A
     return policy.weights(weights) if weights is not None else policy.reference()
 
 
-def _gated(kl: torch.Tensor, data: dict[str, Any], index: torch.Tensor) -> torch.Tensor | None:
-    """The KL rows to penalise: those `kl_gate` marks when the advantages carry GARDO's gate (None when
-    it marks none of this micro-batch, as the reference), else all [B]."""
+def _gate(data: dict[str, Any], index: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+    """GARDO's `kl_gate` of the micro-batch's rows, bool [B]; None when the advantages carry no gate."""
     if GATE_COLUMN not in data:
+        return None
+    return torch.as_tensor(data[GATE_COLUMN])[index].to(device).bool()
+
+
+def _gated(kl: torch.Tensor, data: dict[str, Any], index: torch.Tensor) -> torch.Tensor | None:
+    """The KL rows to penalise: the gated ones when the advantages carry GARDO's gate (None when it marks
+    none of this micro-batch: no KL term, as the reference's Flow-GRPO), else all [B]."""
+    gate = _gate(data, index, kl.device)
+    if gate is None:
         return kl
-    gate = torch.as_tensor(data[GATE_COLUMN])[index].to(kl.device).bool()
     return kl[gate] if bool(gate.any()) else None
 
 
@@ -278,6 +285,7 @@ class ForwardProcess:
         index = torch.tensor(idx)
         x0 = self.data["final_latent"][index].to(policy.device).float()
         adv = self.data["advantages"][index, 0].to(policy.device).float()
+        gate = _gate(self.data, index, policy.device)  # GARDO's rows of the NFT KL (AWM: all)
         scale = cfg.advantage_clip()  # DiffusionNFT and AWM normalise advantages by their clip
         for col in range(self.per_chunk):
             t = self.schedule[self.plan[index, col]].to(policy.device)
@@ -302,6 +310,7 @@ class ForwardProcess:
                     beta=cfg.nft_beta,
                     kl_beta=cfg.beta,
                     adv_clip=scale,
+                    kl_rows=gate if gate is not None and bool(gate.any()) else None,  # none gated: all
                 )
             else:
                 with torch.no_grad(), policy.weights(self.old_weights):

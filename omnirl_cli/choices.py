@@ -35,6 +35,9 @@ LossAggMode = Literal[
 ]  # stages.update.token_losses.AGG_MODES
 KlType = Literal["k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl", "k1+", "k3+"]  # token_losses.KL_KINDS
 OldDecay = Literal["copy", "linear_to_0_5", "delayed_linear_to_0_999"]  # family_losses.NFT_DECAY_SCHEDULES
+NftAdvMode = Literal[
+    "continuous", "positive_only", "negative_only", "one_only", "binary"
+]  # stages.advantage.estimators.NFT_ADV_MODES
 AwmWeighting = Literal["uniform", "ghuber"]  # stages.update.family_losses.AWM_WEIGHTINGS
 GuardDanceScale = Literal["std", "eta_dsigma"]  # stages.update.family_losses.GUARD_DANCE_SCALES
 RolloutCorrectionMode = Literal["off", "is", "rs", "is_rs"]  # stages.update.rollout_correction.MODES

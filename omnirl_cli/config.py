@@ -245,7 +245,10 @@ def resolve_config(ctx: typer.Context, command: str, config: type[C]) -> C:
     instance of `config`."""
     required = tuple(field.name for field, declared in knobs(config) if declared.required)
     resolved = resolve(ctx, command, required=required)
-    return config(**{field.name: resolved[field.name] for field, _ in knobs(config)})
+    values = {field.name: resolved[field.name] for field, _ in knobs(config)}
+    # typer gives () for a repeatable option that no source set: it keeps the field's default instead
+    values.update({f.name: f.default for f, _ in knobs(config) if values[f.name] == () and f.default is None})
+    return config(**values)
 
 
 def _locate_weights(resolved: dict[str, Any], flags: dict[str, str]) -> None:

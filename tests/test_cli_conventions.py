@@ -118,6 +118,7 @@ def test_a_plugin_estimator_passes_the_open_option(tiny_shard_set: Path, tmp_pat
 
 def test_choice_sets_mirror_the_stage_constants() -> None:
     """The CLI's lists are copies (importing the stages would load torch for --help): held equal here."""
+    from stages.advantage.estimators import NFT_ADV_MODES
     from stages.logprob.decide import REPLAY_MODES
     from stages.models import flux, qwen2_5_vl, qwen3_omni, qwen_image, sd3, wan, z_image
     from stages.models.factory import FAMILIES
@@ -144,6 +145,7 @@ def test_choice_sets_mirror_the_stage_constants() -> None:
         (choices.LossAggMode, AGG_MODES),
         (choices.KlType, KL_KINDS),
         (choices.OldDecay, NFT_DECAY_SCHEDULES),
+        (choices.NftAdvMode, NFT_ADV_MODES),
         (choices.AwmWeighting, AWM_WEIGHTINGS),
         (choices.VaeMode, VAE_MODES),
         (choices.Replay, REPLAY_MODES),

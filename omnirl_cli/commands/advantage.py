@@ -23,6 +23,7 @@ def run(c: AdvantageConfig, json_: bool) -> None:
 
     Example: [bold]omnirl advantage --in run/it0/samples --in run/it0/rewards --out run/it0/advantages[/]
     """
+    from stages.advantage.estimators import get_estimator
     from stages.advantage.stage import compute_advantages, reward_weights
     from stages.score.registry import reward_column
     from stages.score.scoring import FAILED_COLUMN
@@ -49,6 +50,9 @@ def run(c: AdvantageConfig, json_: bool) -> None:
     if c.aggregation == "advantage_aggr":
         weights = reward_weights(src.manifests)
     columns = ["sample_id", "group_id", "reward", *(reward_column(n) for n in weights or {})]
+    columns += [reward_column(n) for n in c.gate_reward or [] if reward_column(n) in src.columns]
+    if getattr(get_estimator(name), "needs_features", False) and c.diversity_features in src.columns:
+        columns.append(c.diversity_features)
     columns += [FAILED_COLUMN] if FAILED_COLUMN in src.columns else []
     with progress() as bar:
         task = bar.add_task("advantages", total=src.num_rows, rate="")
@@ -61,6 +65,9 @@ def run(c: AdvantageConfig, json_: bool) -> None:
             num_steps=num_steps,
             weights=weights,
             std_ddof=c.std_ddof,
+            features=c.diversity_features,
+            gate_rewards=c.gate_reward,
+            gate_fraction=c.gate_fraction,
         )
         if not writer.complete:
             start = 0

@@ -15,6 +15,7 @@ from ..choices import (
     KlType,
     LossAggMode,
     LrScheduler,
+    NftAdvMode,
     OldDecay,
     RolloutCorrectionLevel,
     RolloutCorrectionMode,
@@ -386,6 +387,53 @@ def update(
             rich_help_panel=LOSS,
         ),
     ] = None,
+    nft_adv_mode: Annotated[
+        NftAdvMode,
+        typer.Option(
+            "--nft-adv-mode",
+            help="nft: how the clipped advantage a becomes the optimality r = m(a)/(2·adv-clip) + ½ "
+            "(verl-omni adv_mode, default continuous: m(a) = a); positive_only: max(a, 0); negative_only: "
+            "min(a, 0); one_only: 1 if a > 0 else 0; binary: sign(a).",
+            rich_help_panel=LOSS,
+        ),
+    ] = "continuous",
+    old_decay_value: Annotated[
+        float | None,
+        typer.Option(
+            "--old-decay-value",
+            help="nft: a fixed λ in [0, 1] for θ_old ← λ·θ_old + (1−λ)·θ, replacing the --old-decay schedule "
+            "(verl-omni old_policy_decay; default none: the schedule's λ; 0 copies).",
+            rich_help_panel=LOSS,
+        ),
+    ] = None,
+    old_update_interval: Annotated[
+        int,
+        typer.Option(
+            "--old-update-interval",
+            help="nft: refresh the old policy at the end of an update that crosses a multiple of this many "
+            "optimizer steps (verl-omni old_policy_update_interval, default 1: every update; its recipes 2).",
+            rich_help_panel=LOSS,
+        ),
+    ] = 1,
+    ref_reset_every: Annotated[
+        int,
+        typer.Option(
+            "--ref-reset-every",
+            help="GARDO: before an update, reset the KL reference to the current policy when this many updates "
+            "ran since the last reset (the reference's reset_freq 15 = every 16; default 0: never, the "
+            "reference stays the base model). Kept in the adapter's trainer state; needs --beta > 0.",
+            rich_help_panel=LOSS,
+        ),
+    ] = 0,
+    ref_reset_kl: Annotated[
+        float | None,
+        typer.Option(
+            "--ref-reset-kl",
+            help="GARDO: also reset it before the next update when an optimizer step's actor/kl_loss "
+            "exceeded this (the reference's kl_thres, e.g. 3e-4; default none).",
+            rich_help_panel=LOSS,
+        ),
+    ] = None,
 ) -> None:
     """Train the policy with --algo on rollouts (or offline pairs / latents) and write the next adapter.
 
@@ -423,6 +471,9 @@ def update(
     Rows whose reward failed (flagged in reward_failed by `score --on-error zero` and passed on by
     `advantage`, or a NaN reward) are skipped whatever --algo reads (advantage or reward): they give no
     gradient; their count is reward_failed (--json, omnirl_adapter.json).
+
+    GARDO: when --in carries kl_gate (`advantage --gate-reward`), the diffusion KL term (--beta) of a
+    micro-batch averages over its gated rows only (none gated: no KL term).
 
     Example: [bold]omnirl update --model models/sd3-tiny --in run/it0/samples --in run/it0/advantages \\
     --algo flow_grpo --out run/it1/policy[/]

@@ -50,8 +50,8 @@ ESTIMATOR_PRESETS = (
         "grpo_batch_std", "global", 1e-4, True, "trl scale_rewards='batch' (Lite-PPO): group mean, batch std"
     ),
 )
-# `pairs` (+1 best, −1 worst of each group) is built in beside the presets.
-ESTIMATOR_NAMES = (*(p.name for p in ESTIMATOR_PRESETS), "pairs")
+# `pairs` (+1 best, −1 worst of each group) and `gardo` (diversity-aware) are built in beside the presets.
+ESTIMATOR_NAMES = (*(p.name for p in ESTIMATOR_PRESETS), "pairs", "gardo")
 # --std MODE replaces --estimator by the preset with that std.
 STD_ESTIMATORS = {"global": "grpo", "group": "grpo_group", "none": "drgrpo"}
 
@@ -65,7 +65,8 @@ class AdvantageConfig:
     estimator: str = knob(
         "grpo",
         f"One of {', '.join(ESTIMATOR_NAMES)} (grpo: flow_grpo's, global std; dance: unbiased group std; "
-        "drgrpo: no std; pairs: +1 best, −1 worst of each group, online DPO; docs/algorithms.md has each), "
+        "drgrpo: no std; pairs: +1 best, −1 worst of each group, online DPO; gardo: (r − group mean) × the "
+        "sample's diversity ÷ its group's, above the mean, no std (GARDO); docs/algorithms.md has each), "
         "or a plugin module:function.",
         names=ESTIMATOR_NAMES,
         entry_points=ENTRY_POINT_GROUP,
@@ -86,6 +87,24 @@ class AdvantageConfig:
         "reward_aggr: normalise the weighted total reward (flow_grpo); advantage_aggr: normalise each "
         "reward.<name> on its own, then weight and sum (MixGRPO).",
         choices=AGGREGATIONS,
+    )
+    diversity_features: str = knob(
+        "final_latent",
+        "--estimator gardo: the per-sample column whose cosine distances measure diversity (GARDO uses "
+        "DINOv3 image embeddings, which omnirl does not compute; default: the final latent).",
+    )
+    gate_reward: list[str] | None = knob(
+        None,
+        "GARDO's KL gate: an auxiliary reward NAME (a reward.NAME column; repeat for several, e.g. "
+        "aesthetic and imagereward scored with weight 0). Writes kl_gate: the samples the trained reward "
+        "ranks furthest below the auxiliaries' mean rank, which `update --beta` alone penalises.",
+    )
+    gate_fraction: float = knob(
+        0.1,
+        "GARDO's KL gate: the share of the samples with a non-negative rank gap that are gated (the "
+        "reference's starting 0.1).",
+        low=0.0,
+        high=1.0,
     )
     fmt: str = knobs.shard_format()
     overwrite: bool = knobs.overwrite()

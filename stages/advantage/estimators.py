@@ -242,9 +242,29 @@ def pair_advantages(
     return out
 
 
-def nft_optimality(adv: torch.Tensor, clip: float = 5.0) -> torch.Tensor:
-    """DiffusionNFT optimality weight r = clamp(clip(A, ±clip)/clip/2 + 0.5, 0, 1), same shape as `adv`."""
-    return (adv.clamp(-clip, clip) / clip / 2 + 0.5).clamp(0.0, 1.0)
+NFT_ADV_MODES = ("continuous", "positive_only", "negative_only", "one_only", "binary")
+
+
+def nft_optimality(adv: torch.Tensor, clip: float = 5.0, mode: str = "continuous") -> torch.Tensor:
+    """DiffusionNFT optimality weight r = clamp(m(clip(A, ±c))/c/2 + 0.5, 0, 1), same shape as `adv`.
+
+    m is verl-omni's `adv_mode` (`NFT_ADV_MODES`): continuous: m(a) = a; positive_only: max(a, 0)
+    (r ∈ [½, 1]); negative_only: min(a, 0) (r ∈ [0, ½]); one_only: 1 if a > 0 else 0 (r ∈ {½, ½ + 1/(2c)});
+    binary: sign(a) (r ∈ {½ − 1/(2c), ½, ½ + 1/(2c)}). At r = ½ a sample pulls its positive and negative
+    branches equally (no preference).
+    """
+    a = adv.clamp(-clip, clip)
+    if mode == "positive_only":
+        a = a.clamp_min(0.0)
+    elif mode == "negative_only":
+        a = a.clamp_max(0.0)
+    elif mode == "one_only":
+        a = (a > 0).to(a.dtype)
+    elif mode == "binary":
+        a = torch.sign(a)
+    elif mode != "continuous":
+        raise UserInputError(f"--nft-adv-mode {mode}: choose one of {', '.join(NFT_ADV_MODES)}")
+    return (a / clip / 2 + 0.5).clamp(0.0, 1.0)
 
 
 def advantage_stats(
@@ -311,12 +331,18 @@ ESTIMATORS: dict[str, AdvantageEstimator] = {
 def get_estimator(name: str) -> Callable[..., torch.Tensor]:
     """The estimator `name` from `ESTIMATORS`, a `module:attribute` plugin, or an `omnirl.advantages` entry point.
 
-    A plugin is called as ``fn(rewards, group_ids, *, clip=None, sample_ids=None) -> Tensor [N]``.
+    A plugin is called as ``fn(rewards, group_ids, *, clip=None, sample_ids=None) -> Tensor [N]``; one whose
+    `needs_features` attribute is true also gets ``features=`` [N, ...], the `--diversity-features` column
+    (as `gardo`, `stages.advantage.gardo.diversity_advantages`).
     """
     if name in ESTIMATORS:
         return ESTIMATORS[name]
     if name == "pairs":
         return pair_advantages
+    if name == "gardo":
+        from stages.advantage.gardo import diversity_advantages
+
+        return diversity_advantages
     obj = (
         load_object(name, "advantage estimator")
         if ":" in name

@@ -20,6 +20,7 @@ from stages.advantage.estimators import (
     multi_reward_advantages,
     zero_std_mask,
 )
+from stages.advantage.gardo import GATE_COLUMN, uncertainty_gate
 from stages.errors import UserInputError
 from stages.finite import check_finite
 from stages.score.registry import reward_column
@@ -35,6 +36,9 @@ def compute_advantages(
     num_steps: int | None = None,
     weights: dict[str, float] | None = None,
     std_ddof: int | None = None,
+    features: str = "final_latent",
+    gate_rewards: list[str] | None = None,
+    gate_fraction: float = 0.1,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Columns sample_id, advantages [N, K] (and train_mask [N], reward_failed [N]) plus summary stats.
 
@@ -42,7 +46,9 @@ def compute_advantages(
     K comes from `num_steps` (stored steps of the rollout). With `weights` (reward name → weight),
     advantages are aggregated per reward (MixGRPO's `advantage_aggr`): each `reward.<name>` column is
     normalised on its own, then weighted and summed. `std_ddof` (0 or 1) replaces the built-in
-    estimator's Bessel setting (`EstimatorPreset.unbiased`).
+    estimator's Bessel setting (`EstimatorPreset.unbiased`). An estimator that `needs_features` (gardo)
+    gets the column `features` of `data`. With `gate_rewards`, `kl_gate` [N] holds GARDO's uncertainty gate of the
+    scored rows (`stages.advantage.gardo`): `reward` against each `reward.<name>`, `gate_fraction` of them.
 
     A failed reward (flagged, or NaN/±inf: `failed_rewards`) is left out: the estimator runs over the
     `estimated_rows` alone and every other row gets advantage 0. `reward_failed` is passed on (so
@@ -102,7 +108,15 @@ def compute_advantages(
             sample_ids=sub_ids,
         )
     elif picked:
-        adv[rows] = estimate(rewards[rows], sub_groups, clip=clip, sample_ids=sub_ids)
+        extra = {}
+        if getattr(estimate, "needs_features", False):
+            if features not in data:
+                raise UserInputError(
+                    f"--estimator {estimator}: --in has no column '{features}' for --diversity-features; "
+                    "pass the samples shard set (final_latent) or name a column it has"
+                )
+            extra["features"] = data[features][rows]
+        adv[rows] = estimate(rewards[rows], sub_groups, clip=clip, sample_ids=sub_ids, **extra)
     check_finite({"advantages": adv}, ids, hint=f"--estimator {estimator} produced it; fix the estimator")
     kept = scored.nonzero().flatten().tolist()
     stats = {
@@ -122,7 +136,26 @@ def compute_advantages(
         stats["dropped_samples"] = int((scored & ~keep).sum())
     if flags or bool(failed.any()):
         out[FAILED_COLUMN] = failed
+    if gate_rewards:
+        out[GATE_COLUMN] = _gate(data, rewards, scored, gate_rewards, gate_fraction)
+        stats["kl_gated"] = int(out[GATE_COLUMN].sum())
     return out, stats
+
+
+def _gate(
+    data: dict[str, Any], rewards: torch.Tensor, scored: torch.Tensor, names: list[str], fraction: float
+) -> torch.Tensor:
+    """GARDO's `uncertainty_gate` over the scored rows, bool [N] (False for a failed reward)."""
+    missing = [name for name in names if reward_column(name) not in data]
+    if missing:
+        raise UserInputError(
+            f"--gate-reward {missing[0]}: --in has no column '{reward_column(missing[0])}'; score with "
+            f"--reward {missing[0]}=0 (computed, not trained on)"
+        )
+    aux = [_numbers(data, reward_column(name))[scored] for name in names]
+    gate = torch.zeros(len(rewards), dtype=torch.bool)
+    gate[scored] = uncertainty_gate(rewards[scored], aux, fraction)
+    return gate
 
 
 def _numbers(data: dict[str, Any], column: str) -> torch.Tensor:

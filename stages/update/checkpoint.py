@@ -127,6 +127,7 @@ def resume_sharded(
         "sharded": None,
         "ema": {**ema, "shadow": loaded["ema"]} if ema is not None and "ema" in loaded else None,
         "old_weights": loaded.get("old_weights"),
+        "reference": {**state["reference"], "weights": loaded.get("ref_weights")},
     }
 
 
@@ -136,33 +137,37 @@ def trainer_state(
     ema: EMA | None,
     old_weights: dict[str, torch.Tensor] | None,
     scaler: torch.amp.GradScaler,
+    reference: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """What the next update resumes from (every rank calls it), in `load_state`'s form: optimizer, ema
-    ({shadow, updates}), old_weights (NFT) and grad_scaler (fp16), each possibly None, whole (under FSDP2
-    gathered onto rank 0, the rank that writes them). When `par.sharded_state`, "shards" holds this rank's shards of the optimizer, ema
-    and old_weights instead (`sharded_state.collect`), and those three keep only the EMA's counter."""
+    ({shadow, updates}), old_weights (NFT), grad_scaler (fp16) and reference ({weights, age, pending}:
+    GARDO's reset reference), each possibly None, whole (under FSDP2 gathered onto rank 0, the rank that
+    writes them). When `par.sharded_state`, "shards" holds this rank's shards of the optimizer, ema,
+    old_weights and reference weights instead (`sharded_state.collect`), and the others keep their counters."""
+    ref = reference or {"weights": None, "age": 0, "pending": False}
     if par.sharded_state:
         shadow = ema.shadow if ema is not None else None
+        parts = {"ema": shadow, "old_weights": old_weights, "ref_weights": ref["weights"]}
         return {
-            "shards": sharded_state.collect(
-                par.module, optimizer, {"ema": shadow, "old_weights": old_weights}
-            ),
+            "shards": sharded_state.collect(par.module, optimizer, parts),
             "optimizer": None,
             "ema": {"shadow": None, "updates": ema.updates} if ema is not None else None,
             "old_weights": None,
             "grad_scaler": scaler.state_dict() if scaler.is_enabled() else None,
+            "reference": {**ref, "weights": None},
         }
     return {
         "optimizer": par.optimizer_state(optimizer),
         "ema": {"shadow": par.gather(ema.shadow), "updates": ema.updates} if ema is not None else None,
         "old_weights": par.gather(old_weights) if old_weights is not None else None,
         "grad_scaler": scaler.state_dict() if scaler.is_enabled() else None,
+        "reference": {**ref, "weights": par.gather(ref["weights"]) if ref["weights"] is not None else None},
     }
 
 
 def save_state(out: Path, state: dict[str, Any], step: int, cfg: UpdateConfig) -> None:
     """Write a `trainer_state` (every rank calls it): optimizer (torch format, read back with
-    weights_only=True), EMA and NFT old policy (safetensors), counters; rank 0 writes them all. A sharded
+    weights_only=True), EMA, NFT old policy and GARDO reference (safetensors), counters; rank 0 writes them all. A sharded
     state goes to a DCP folder instead, each rank writing its own shards (`sharded_state.save`)."""
     from safetensors.torch import save_file
 
@@ -180,8 +185,12 @@ def save_state(out: Path, state: dict[str, Any], step: int, cfg: UpdateConfig) -
         save_file(
             {k: v.contiguous() for k, v in state["old_weights"].items()}, folder / "old_weights.safetensors"
         )
+    ref = state.get("reference") or {}
+    if ref.get("weights") is not None:
+        save_file({k: v.contiguous() for k, v in ref["weights"].items()}, folder / "ref_weights.safetensors")
     info = {
         "step": step,
+        "reference": {"age": ref.get("age", 0), "pending": ref.get("pending", False)},
         "ema_updates": ema["updates"] if ema else 0,
         "grad_scaler": state.get("grad_scaler"),
         "update_config": asdict(cfg),
@@ -194,16 +203,23 @@ def load_state(adapter: Path | None) -> tuple[dict[str, Any], int]:
     """What the update that wrote `adapter` left for the next one, and its step.
 
     Keys: optimizer, ema ({shadow, updates}), old_weights (NFT) and grad_scaler (fp16), each None when
-    absent. A sharded state (`sharded_state`) is read later, into the sharded run (`Trainer`): "sharded"
+    absent, and reference ({weights or None, age, pending}: GARDO's reset reference, `Trainer`). A sharded state (`sharded_state`) is read later, into the sharded run (`Trainer`): "sharded"
     then names its folder and parts, and ema's shadow is None until then.
     """
     from safetensors.torch import load_file
 
-    state: dict[str, Any] = {"optimizer": None, "ema": None, "old_weights": None, "grad_scaler": None}
+    state: dict[str, Any] = {
+        "optimizer": None,
+        "ema": None,
+        "old_weights": None,
+        "grad_scaler": None,
+        "reference": {"weights": None, "age": 0, "pending": False},
+    }
     folder = Path(adapter) / STATE_DIR if adapter else None
     if folder is None or not (folder / "state.json").is_file():
         return state, 0
     info = json.loads((folder / "state.json").read_text())
+    state["reference"].update(info.get("reference") or {})
     if info.get("sharded"):
         parts = list(info["sharded"])
         sharded_state.check(folder, f"--adapter {adapter}")
@@ -221,5 +237,7 @@ def load_state(adapter: Path | None) -> tuple[dict[str, Any], int]:
         }
     if (folder / "old_weights.safetensors").is_file():
         state["old_weights"] = load_file(folder / "old_weights.safetensors")
+    if (folder / "ref_weights.safetensors").is_file():
+        state["reference"]["weights"] = load_file(folder / "ref_weights.safetensors")
     state["grad_scaler"] = info.get("grad_scaler")
     return state, int(info.get("step", 0))

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from stages.advantage.estimators import best_worst_pairs, nft_optimality
+from stages.advantage.gardo import GATE_COLUMN
 from stages.errors import UserInputError
 from stages.models.diffusion import FlowPolicy
 from stages.models.vlm import VLMPolicy
@@ -63,6 +64,27 @@ def _chunks(order: list[int], size: int) -> list[Chunk]:
     return [order[i : i + size] for i in range(0, len(order), size)]
 
 
+def _reference(policy: FlowPolicy, weights: dict[str, torch.Tensor] | None) -> Any:
+    """The context the KL reference runs in: GARDO's reset weights when set, else the base model."""
+    return policy.weights(weights) if weights is not None else policy.reference()
+
+
+def _gate(data: dict[str, Any], index: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+    """GARDO's `kl_gate` of the micro-batch's rows, bool [B]; None when the advantages carry no gate."""
+    if GATE_COLUMN not in data:
+        return None
+    return torch.as_tensor(data[GATE_COLUMN])[index].to(device).bool()
+
+
+def _gated(kl: torch.Tensor, data: dict[str, Any], index: torch.Tensor) -> torch.Tensor | None:
+    """The KL rows to penalise: the gated ones when the advantages carry GARDO's gate (None when it marks
+    none of this micro-batch: no KL term, as the reference's Flow-GRPO), else all [B]."""
+    gate = _gate(data, index, kl.device)
+    if gate is None:
+        return kl
+    return kl[gate] if bool(gate.any()) else None
+
+
 class PolicyGradient:
     """Clipped-ratio objectives over the stored steps of a rollout."""
 
@@ -81,9 +103,16 @@ class PolicyGradient:
     rows_of = staticmethod(chunk_rows)
 
     def __init__(
-        self, policy: FlowPolicy, data: dict[str, Any], sample_cfg: SampleConfig, cfg: Any, algo: Algorithm
+        self,
+        policy: FlowPolicy,
+        data: dict[str, Any],
+        sample_cfg: SampleConfig,
+        cfg: Any,
+        algo: Algorithm,
+        ref_weights: dict[str, torch.Tensor] | None = None,
     ):
         self.policy, self.data, self.sample_cfg, self.cfg, self.algo = policy, data, sample_cfg, cfg, algo
+        self.ref_weights = ref_weights
         self.old = data.get("old_log_probs", data.get("log_probs"))
         if self.old is None:
             raise UserInputError(
@@ -149,12 +178,13 @@ class PolicyGradient:
         out = replay(policy.velocity(x, s, cond, scfg.guidance, scfg.guidance_2))
         kl = None
         if cfg.beta > 0:
-            if "ref_means" in data:
+            if "ref_means" in data and self.ref_weights is None:  # stored means are the base model's
                 ref_mean = data["ref_means"][index, j].to(policy.device)
             else:
-                with torch.no_grad(), policy.reference():
+                with torch.no_grad(), _reference(policy, self.ref_weights):
                     ref_mean = replay(policy.velocity(x, s, cond, scfg.guidance, scfg.guidance_2)).mean
             kl = kl_to_reference(out.mean, ref_mean, kl_std(scfg.sampler, out.diffusion, out.std))
+            kl = _gated(kl, data, index)
         adv = data["advantages"][index, j].to(policy.device).float()
         old = self.old[index, j].to(policy.device).float()
         common = {
@@ -209,8 +239,10 @@ class ForwardProcess:
         *,
         old_weights: dict[str, torch.Tensor] | None,
         ema_weights: dict[str, torch.Tensor] | None,
+        ref_weights: dict[str, torch.Tensor] | None = None,
     ):
         self.policy, self.data, self.sample_cfg, self.cfg, self.algo = policy, data, sample_cfg, cfg, algo
+        self.ref_weights = ref_weights
         self.schedule = policy.sigmas(sample_cfg.steps, sample_cfg.resolution)[
             :-1
         ].float()  # σ of each sampling step, [N]
@@ -225,6 +257,7 @@ class ForwardProcess:
                 "actor/positive_loss",
                 "actor/negative_loss",
                 "actor/old_deviate",
+                "actor/reward_prob_mean",
             )
             if algo.name == "nft"
             else (
@@ -263,6 +296,7 @@ class ForwardProcess:
         index = torch.tensor(idx)
         x0 = self.data["final_latent"][index].to(policy.device).float()
         adv = self.data["advantages"][index, 0].to(policy.device).float()
+        gate = _gate(self.data, index, policy.device)  # GARDO's rows of the NFT KL (AWM: all)
         scale = cfg.advantage_clip()  # DiffusionNFT and AWM normalise advantages by their clip
         for col in range(self.per_chunk):
             t = self.schedule[self.plan[index, col]].to(policy.device)
@@ -271,7 +305,7 @@ class ForwardProcess:
             v = policy.velocity(x_t, t, cond, scfg.guidance, scfg.guidance_2)
             v_ref = None
             if cfg.beta > 0:
-                with torch.no_grad(), policy.reference():
+                with torch.no_grad(), _reference(policy, self.ref_weights):
                     v_ref = policy.velocity(x_t, t, cond, scfg.guidance, scfg.guidance_2)
             if self.algo.name == "nft":
                 with torch.no_grad(), policy.weights(self.old_weights):
@@ -283,10 +317,11 @@ class ForwardProcess:
                     x0,
                     x_t,
                     t,
-                    nft_optimality(adv, scale),
+                    nft_optimality(adv, scale, cfg.nft_adv_mode),
                     beta=cfg.nft_beta,
                     kl_beta=cfg.beta,
                     adv_clip=scale,
+                    kl_rows=gate if gate is not None and bool(gate.any()) else None,  # none gated: all
                 )
             else:
                 with torch.no_grad(), policy.weights(self.old_weights):
@@ -522,14 +557,23 @@ def make_objective(
     *,
     old_weights: dict[str, torch.Tensor] | None = None,
     ema_weights: dict[str, torch.Tensor] | None = None,
+    ref_weights: dict[str, torch.Tensor] | None = None,
 ) -> Any:
-    """The objective of `algo` over `data`."""
+    """The objective of `algo` over `data`; `ref_weights` (GARDO's reset reference) replaces the base
+    model as the KL reference of the diffusion policy-gradient and forward-process families."""
     if algo.family == "token":
         return TokenPolicyGradient(policy, data, sample_cfg, cfg, algo)
     if algo.family == "policy_gradient":
-        return PolicyGradient(policy, data, sample_cfg, cfg, algo)
+        return PolicyGradient(policy, data, sample_cfg, cfg, algo, ref_weights)
     if algo.family == "forward":
         return ForwardProcess(
-            policy, data, sample_cfg, cfg, algo, old_weights=old_weights, ema_weights=ema_weights
+            policy,
+            data,
+            sample_cfg,
+            cfg,
+            algo,
+            old_weights=old_weights,
+            ema_weights=ema_weights,
+            ref_weights=ref_weights,
         )
     return Preference(policy, data, sample_cfg, cfg)

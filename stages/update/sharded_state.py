@@ -33,7 +33,7 @@ INDEX = "index.json"
 FORMAT = "omnirl-sharded-trainer-state"
 VERSION = 1
 # the parts of a trainer state that are tensors laid out like the trained parameters
-PARAM_PARTS = ("ema", "old_weights")
+PARAM_PARTS = ("ema", "old_weights", "ref_weights")
 # what DCP's own (pickle) format leaves in a folder; omnirl wrote it before this format and never reads it
 LEGACY_INDEX = ".metadata"
 
@@ -109,7 +109,7 @@ def collect(
     tensors: dict[str, dict[str, torch.Tensor] | None],
 ) -> dict[str, Any]:
     """The sharded trainer state to `save`: the optimizer's state by parameter name and each non-None
-    part of `tensors` (ema, old_weights: dicts of this rank's DTensor shards), all left as they are."""
+    part of `tensors` (ema, old_weights, ref_weights: dicts of this rank's DTensor shards), all left as they are."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     state: dict[str, Any] = {"optimizer": get_optimizer_state_dict(module, optimizer)}

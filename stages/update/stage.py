@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from stages.advantage.gardo import GATE_COLUMN
 from stages.dist import world_and_rank
 from stages.errors import UserInputError
 from stages.finite import check_finite
@@ -31,7 +32,16 @@ from stages.update.losses import get_algorithm
 from stages.update.rows import held_columns, split_columns
 from stages.update.trainer import Trainer, UpdateConfig
 
-BASE_COLUMNS = ("sample_id", "prompt", "negative_prompt", "advantages", "reward", "train_mask", FAILED_COLUMN)
+BASE_COLUMNS = (
+    "sample_id",
+    "prompt",
+    "negative_prompt",
+    "advantages",
+    "reward",
+    "train_mask",
+    FAILED_COLUMN,
+    GATE_COLUMN,
+)
 OFFLINE = SampleConfig(steps=1000, guidance=1.0, batch_size=8)
 
 

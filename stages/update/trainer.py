@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from stages.advantage.estimators import NFT_ADV_MODES
 from stages.dist import all_reduce_sum, data_parallel, world_and_rank
 from stages.errors import NonFiniteError, UserInputError
 from stages.models.diffusion import FlowPolicy
@@ -35,7 +36,13 @@ from stages.precision import autocast, launcher_mixed_precision, resolve_mixed_p
 from stages.update import rollout_correction
 from stages.update.checkpoint import load_state, resume_sharded, save_policy, trainer_state
 from stages.update.checkpoint import save_state as save_state  # the state's writer, beside its reader
-from stages.update.family_losses import AWM_WEIGHTINGS, GUARD_DANCE_SCALES, NFT_DECAY_SCHEDULES, nft_old_decay
+from stages.update.family_losses import (
+    AWM_WEIGHTINGS,
+    GUARD_DANCE_SCALES,
+    NFT_DECAY_SCHEDULES,
+    nft_old_refresh,
+    old_policy_metrics,
+)
 from stages.update.losses import get_algorithm
 from stages.update.objectives import make_objective
 from stages.update.parallel import STRATEGIES, Parallel, launcher_checkpointing, launcher_strategy
@@ -100,6 +107,13 @@ class UpdateConfig:
     rollout_is_threshold: float = 2.0
     rollout_rs_threshold: float | None = None
     rollout_rs_threshold_lower: float | None = None
+    # DiffusionNFT: verl-omni's adv_mode, old_policy_decay and old_policy_update_interval
+    nft_adv_mode: str = "continuous"
+    old_decay_value: float | None = None
+    old_update_interval: int = 1
+    # GARDO: the KL reference reset to the policy every N updates, and after an update whose KL passed a bound
+    ref_reset_every: int = 0
+    ref_reset_kl: float | None = None
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> UpdateConfig:
@@ -185,6 +199,10 @@ class UpdateConfig:
             return get_algorithm(self.algo).dual_clip
         return self.dual_clip or None
 
+    def resets_reference(self) -> bool:
+        """Whether GARDO's reference reset is on (--ref-reset-every or --ref-reset-kl)."""
+        return self.ref_reset_every > 0 or self.ref_reset_kl is not None
+
     def _validate_optimizer(self) -> None:
         if not 0 <= self.lr < math.inf:
             raise UserInputError(f"--lr {self.lr}: the learning rate must be a finite number >= 0")
@@ -249,6 +267,29 @@ class UpdateConfig:
         if self.old_decay not in NFT_DECAY_SCHEDULES:
             raise UserInputError(
                 f"--old-decay {self.old_decay}: choose one of {', '.join(NFT_DECAY_SCHEDULES)}"
+            )
+        if self.nft_adv_mode not in NFT_ADV_MODES:
+            raise UserInputError(
+                f"--nft-adv-mode {self.nft_adv_mode}: choose one of {', '.join(NFT_ADV_MODES)}"
+            )
+        if self.old_decay_value is not None and not 0 <= self.old_decay_value <= 1:
+            raise UserInputError(
+                f"--old-decay-value {self.old_decay_value}: must lie in [0, 1] (0 copies; omit it for --old-decay)"
+            )
+        if self.old_update_interval < 1:
+            raise UserInputError(f"--old-update-interval {self.old_update_interval}: must be at least 1")
+        if self.ref_reset_every < 0:
+            raise UserInputError(f"--ref-reset-every {self.ref_reset_every}: must be at least 0 (0: never)")
+        if self.ref_reset_kl is not None and not 0 <= self.ref_reset_kl < math.inf:
+            raise UserInputError(f"--ref-reset-kl {self.ref_reset_kl}: must be a finite number >= 0")
+        if self.resets_reference() and algo.family not in ("policy_gradient", "forward"):
+            raise UserInputError(
+                f"--ref-reset-every / --ref-reset-kl: diffusion policy-gradient and forward algorithms only, "
+                f"not --algo {algo.name}"
+            )
+        if self.resets_reference() and self.beta <= 0:
+            raise UserInputError(
+                "--ref-reset-every / --ref-reset-kl reset the KL reference: give --beta > 0 (GARDO 0.04)"
             )
         if self.awm_weighting not in AWM_WEIGHTINGS:
             raise UserInputError(
@@ -412,6 +453,12 @@ class Trainer:
         # DiffusionNFT's old policy persists across steps and updates (None: the first step's weights)
         saved = state.get("old_weights") if self.algo.name == "nft" else None
         self.old_weights = self.par.shard_like(saved, self.named) if saved else None
+        # GARDO's KL reference: None is the base model (`policy.reference()`) until the first reset
+        reference = state.get("reference") or {}
+        ref = reference.get("weights") if cfg.resets_reference() else None
+        self.ref_weights = self.par.shard_like(ref, self.named) if ref else None
+        self.ref_age = int(reference.get("age", 0))
+        self.ref_pending = bool(reference.get("pending", False))
 
     @classmethod
     def resume(cls, policy: Policy, cfg: UpdateConfig, adapter: Path | None) -> Trainer:
@@ -462,6 +509,7 @@ class Trainer:
         rows = trained_rows(data)
         data, corrections = rollout_correction.attach(data, cfg, rows, tokens=algo.family == "token")
         old_weights = self._old_policy()
+        reset = self._reset_reference()
         objective = make_objective(
             self.policy,
             data,
@@ -470,8 +518,11 @@ class Trainer:
             algo,
             old_weights=old_weights,
             ema_weights=self.ema.shadow if self.ema is not None else None,
+            ref_weights=self.ref_weights,
         )
-        seed = cfg.seed + self.global_step
+        rows = trained_rows(data)
+        start = self.global_step
+        seed = cfg.seed + start
         if load_rows is not None:
             load_rows(_planned_rows(objective, rows, micro, cfg, seed))
         on = params[0].device
@@ -546,18 +597,45 @@ class Trainer:
                 metrics.append(record)
                 if on_step:
                     on_step(record)
-        if algo.name == "nft":  # θ_old ← λ·θ_old + (1−λ)·θ after the epoch (DiffusionNFT)
-            decay = nft_old_decay(self.global_step, cfg.old_decay)
-            self.old_weights = {
-                k: decay * old_weights[k] + (1 - decay) * v.detach() for k, v in self.named.items()
-            }
+        if algo.name == "nft":  # θ_old ← λ·θ_old + (1−λ)·θ after the update, every interval (DiffusionNFT)
+            decay = nft_old_refresh(
+                start,
+                self.global_step,
+                cfg.old_decay,
+                fixed=cfg.old_decay_value,
+                interval=cfg.old_update_interval,
+            )
+            self.old_weights = old_weights
+            if decay is not None:
+                self.old_weights = {
+                    k: decay * old_weights[k] + (1 - decay) * v.detach() for k, v in self.named.items()
+                }
             if metrics:
-                metrics[-1]["old_policy/decay"] = decay
+                metrics[-1].update(old_policy_metrics(decay))
+        if cfg.resets_reference():
+            self.ref_age += 1
+            bound = cfg.ref_reset_kl
+            self.ref_pending = bound is not None and any(m["actor/kl_loss"] > bound for m in metrics)
+            if metrics:
+                metrics[-1].update({"ref/reset": float(reset), "ref/age": float(self.ref_age)})
         return metrics
+
+    def _reset_reference(self) -> bool:
+        """GARDO's adaptive reference: before this update, θ_ref ← θ when --ref-reset-every updates ran
+        since the last reset (or since the first update), or when the last update's KL passed --ref-reset-kl
+        at some optimizer step. Returns whether it reset."""
+        cfg = self.cfg
+        due = cfg.ref_reset_every > 0 and self.ref_age >= cfg.ref_reset_every
+        if not cfg.resets_reference() or not (due or self.ref_pending):
+            return False
+        self.ref_weights = {k: v.detach().clone() for k, v in self.named.items()}
+        self.ref_age, self.ref_pending = 0, False
+        return True
 
     def state(self) -> dict[str, Any]:
         """What the next update resumes from (`trainer_state`; a collective under FSDP2)."""
-        return trainer_state(self.par, self.optimizer, self.ema, self.old_weights, self.scaler)
+        reference = {"weights": self.ref_weights, "age": self.ref_age, "pending": self.ref_pending}
+        return trainer_state(self.par, self.optimizer, self.ema, self.old_weights, self.scaler, reference)
 
     def save(self, out: Path, metrics: list[dict[str, Any]], *, extra: dict[str, Any]) -> None:
         """Write the policy directory `out` atomically (`save_policy`; every rank calls it): the trained

@@ -7,7 +7,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from stages.errors import UserInputError
 
@@ -229,16 +229,27 @@ def plugin_files(names: list[str]) -> list[Path]:
     return list(dict.fromkeys(f for f in map(spec_file, names) if f is not None))
 
 
-def server_token(c: dict) -> str | None:
+class ServerSettings(Protocol):
+    """The knobs every server command's config has (`stages.knobs.host` ... `request_timeout`)."""
+
+    host: str
+    port: int
+    token_env: str | None
+    max_connections: int
+    workers: int
+    request_timeout: float
+
+
+def server_token(c: ServerSettings) -> str | None:
     """The bearer token `--token-env VAR` names (None without the option); an unset VAR is a usage error."""
     from stages.web import env_token
 
-    return env_token(c["token_env"], f"--token-env {c['token_env']}")
+    return env_token(c.token_env, f"--token-env {c.token_env}")
 
 
 def serve_until_stopped(
     bind: Callable[[str, int, ServerLimits], Any],
-    c: dict,
+    c: ServerSettings,
     *,
     token: str | None,
     json_: bool,
@@ -255,19 +266,17 @@ def serve_until_stopped(
     from stages.web import ServerLimits, is_loopback
 
     limits = ServerLimits(
-        max_connections=c["max_connections"], workers=c["workers"], request_timeout=c["request_timeout"]
+        max_connections=c.max_connections, workers=c.workers, request_timeout=c.request_timeout
     )
     try:
-        server = bind(c["host"], c["port"], limits)
+        server = bind(c.host, c.port, limits)
     except OSError as exc:
         raise UserInputError(
-            f"--host {c['host']} --port {c['port']}: cannot bind ({exc.strerror or exc}); "
+            f"--host {c.host} --port {c.port}: cannot bind ({exc.strerror or exc}); "
             "pick a free --port (0 picks one) or a local address"
         ) from None
-    if not is_loopback(c["host"]) and token is None:
-        log(
-            f"[yellow]warning:[/] serving on {c['host']} without --token-env: anyone who reaches it can use it"
-        )
+    if not is_loopback(c.host) and token is None:
+        log(f"[yellow]warning:[/] serving on {c.host} without --token-env: anyone who reaches it can use it")
     try:  # from here on, SIGTERM or Ctrl-C (a KeyboardInterrupt, see handle_errors) is a normal stop
         if json_:
             sys.stdout.write(json.dumps({**ready(server), "pid": os.getpid()}, sort_keys=True) + "\n")

@@ -34,6 +34,11 @@ WEIGHTS_FROM = (
     "(never downloaded)"
 )
 WEIGHTS_METAVAR = "PATH|ORG/NAME"
+# What an adapter (--adapter) may be: the help of each command's own --adapter knob says it.
+ADAPTER_FROM = (
+    "an `omnirl update` output, a diffusers LoRA folder (`save_lora_weights`) or a PEFT LoRA folder "
+    f"(`save_pretrained`; a VLM takes PEFT only); {WEIGHTS_FROM}"
+)
 
 
 @dataclass(frozen=True)
@@ -42,8 +47,10 @@ class Knob:
     field's name with dashes), `short` (e.g. "-o"), `choices` (a closed set: any other value is refused
     from every source), `names` and `entry_points` (an open registry's built-ins and its entry-point
     group, offered by completion only), `low` / `high` bounds, `panel`, `envvar`, `metavar`, and
-    `required` (some source must give it; checked once all sources are merged, so a preset can) and
-    `negative` (a bool knob whose default is on: a `--no-FLAG` turns it off)."""
+    `required` (some source must give it; checked once all sources are merged, so a preset can),
+    `negative` (a bool knob whose default is on: a `--no-FLAG` turns it off) and `argument` (a
+    positional argument the command line must give, `omnirl inspect PATH`; its field's default is
+    only the dataclass's placeholder)."""
 
     help: str
     flag: str | None = None
@@ -58,6 +65,7 @@ class Knob:
     metavar: str | None = None
     required: bool = False
     negative: bool = False
+    argument: bool = False
 
 
 def knob(default: Any, help: str, **declared: Any) -> Any:

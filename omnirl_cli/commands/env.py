@@ -11,9 +11,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from stages.inspection import EnvConfig
+
 from ..console import emit_json, out
-from ..errors import handle_errors
-from ..options import JsonOpt
+from ..generate import config_command
 
 # Environment variables that steer a run: omnirl's own, Accelerate's (a launcher passes its settings
 # this way), the Hugging Face cache and offline switches, torchrun's rank layout, device visibility.
@@ -136,8 +137,7 @@ def environment() -> dict[str, str]:
     }
 
 
-@handle_errors
-def env(json_: JsonOpt = False) -> None:
+def run(c: EnvConfig, json_: bool) -> None:
     """Print what a bug report needs: omnirl (and the git commit of a checkout it runs from), Python and
     package versions, which optional extras and experiment trackers are installed, the accelerator torch sees (type, count, names), the accelerate config file in effect
     and the OMNIRL_*, ACCELERATE_*, HF_* and launcher variables that are set (secrets redacted).
@@ -188,3 +188,6 @@ def env(json_: JsonOpt = False) -> None:
     lines += [f"  {k}={v}" for k, v in report["environment"].items()]
     for line in lines:
         out.print(line, markup=False)
+
+
+env = config_command(EnvConfig, "env", run, presets=False)

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
-import typer
+from stages.inspection import InspectConfig
 
 from ..console import emit_json, out, progress
-from ..errors import handle_errors
-from ..options import JsonOpt
+from ..generate import config_command
 
 
 def _size(n: int) -> str:
@@ -149,13 +148,7 @@ def _head_rows(path: Path, n: int) -> list[dict[str, Any]]:
     return out
 
 
-@handle_errors
-def inspect(
-    path: Annotated[Path, typer.Argument(help="A shard-set directory (holding _manifest.json).")],
-    verify: Annotated[bool, typer.Option("--verify", help="Re-check every shard's size and sha256.")] = False,
-    head: Annotated[int, typer.Option("--head", min=0, help="Also show the first N rows.")] = 0,
-    json_: JsonOpt = False,
-) -> None:
+def run(c: InspectConfig, json_: bool) -> None:
     """Show a shard set: format, shards, rows, columns with dtype/shape and numeric stats, and lineage.
 
     Example: [bold]omnirl inspect run/it0/samples --verify --head 3[/]
@@ -163,17 +156,20 @@ def inspect(
     from stages.shards.describe import describe
     from stages.shards.reader import ShardSet
 
-    shard_set = ShardSet(path)
-    if verify:
+    shard_set = ShardSet(c.path)
+    if c.verify:
         with progress() as bar:
             bar.add_task(f"verifying {shard_set.num_shards} shards", total=None, rate="")
             shard_set.verify()
     info = describe(shard_set)
-    info["verified"] = verify
-    rows = _head_rows(path, head)
+    info["verified"] = c.verify
+    rows = _head_rows(c.path, c.head)
     if json_:
         if rows:
             info["head"] = rows
         emit_json(info)
     else:
         _render(info, rows, {sh.file: sh.sha256 for sh in shard_set.manifest.shards})
+
+
+inspect = config_command(InspectConfig, "inspect", run, presets=False)

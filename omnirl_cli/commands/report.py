@@ -3,34 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
-import typer
+from stages.inspection import ReportConfig
 
 from ..console import emit_json, log, out, progress
-from ..errors import handle_errors
-from ..options import JsonOpt, ReportToOpt, RunNameOpt
+from ..generate import config_command
 
 
-@handle_errors
-def report(
-    run: Annotated[Path, typer.Argument(help="Run directory holding it<K>/ iterations.")],
-    grids: Annotated[
-        bool, typer.Option("--grids/--no-grids", help="Write an image grid per iteration.")
-    ] = True,
-    iteration: Annotated[
-        int | None,
-        typer.Option(
-            "--iteration",
-            min=0,
-            help="Print iteration K's row as one line on stdout (the recipes' line per finished iteration) "
-            "and nothing else.",
-        ),
-    ] = None,
-    report_to: ReportToOpt = None,
-    run_name: RunNameOpt = None,
-    json_: JsonOpt = False,
-) -> None:
+def run(c: ReportConfig, json_: bool) -> None:
     """Summarise a run: per-iteration reward table (mean ± standard error; the mean of each named reward,
     e.g. a strict accuracy; the held-out evaluation in it<K>/eval when there is one), RUN/reward_curve.png,
     RUN/it<K>/grid.png (for a VLM run RUN/it<K>/responses.md: each group's responses with their rewards,
@@ -49,8 +30,8 @@ def report(
 
     Example: [bold]omnirl report runs/demo --report-to tensorboard[/]
     """
-    if iteration is not None:
-        _iteration_line(run, iteration, json_)
+    if c.iteration is not None:
+        _iteration_line(c.run, c.iteration, json_)
         return
     from stages.reporting import (
         collect,
@@ -67,17 +48,17 @@ def report(
     from stages.shards.reader import rollout_modality
     from stages.tracking import Tracking, parse_report_to, replay
 
-    tracking = Tracking(parse_report_to(report_to), run, run_name)
+    tracking = Tracking(parse_report_to(c.report_to), c.run, c.run_name)
     sheets = []
     previews = []
     skipped: list[int] = []  # iterations without media to draw
     # per kind of rollout: (iteration, directory holding samples/ and rewards/, its media)
     image_sets: dict[str, list[tuple[int, Path, str]]] = {"eval": [], "samples": []}
     with progress() as bar:
-        task = bar.add_task(f"report {run}", total=None, rate="")
-        rows = collect(run)
-        curve = reward_curve(rows, run / "reward_curve.png")
-        found = iterations(run) if grids else []
+        task = bar.add_task(f"report {c.run}", total=None, rate="")
+        rows = collect(c.run)
+        curve = reward_curve(rows, c.run / "reward_curve.png")
+        found = iterations(c.run) if c.grids else []
         bar.update(task, total=len(found))
         for k, it in found:
             bar.advance(task)
@@ -116,14 +97,14 @@ def report(
             comparison = comparison_grid(
                 sets[0],
                 sets[1],
-                run / "before_after.png",
+                c.run / "before_after.png",
                 headers=(f"it{k0} ({where})", f"it{k1} ({where})"),
                 media=media,
             )
             if comparison is not None:
                 break
     with tracking:
-        sent = replay(tracking, run, sheets)
+        sent = replay(tracking, c.run, sheets)
     if json_:
         tracked = {"trackers": tracking.names, "points_sent": sent} if tracking else {}
         emit_json(
@@ -178,7 +159,7 @@ def report(
         )
     ]
     table = Table(
-        title=f"{run}: reward per iteration",
+        title=f"{c.run}: reward per iteration",
         caption="± is the standard error of the mean; pg_loss, ratio and clipfrac are means over the "
         "update's optimizer steps (as `omnirl update` prints them)",
     )
@@ -187,10 +168,13 @@ def report(
     for r in rows:
         table.add_row(*(cell(r) for _, cell in cols))
     out.print(table)
-    shown = f"; per iteration: {run}/it<K>/{Path(grid_paths[-1]).name}" if grid_paths else ""
+    shown = f"; per iteration: {c.run}/it<K>/{Path(grid_paths[-1]).name}" if grid_paths else ""
     out.print(f"reward curve: {curve}{shown}" + (f"; before/after: {comparison}" if comparison else ""))
     if tracking:
         out.print(f"sent {sent} new points to {', '.join(tracking.names)} (run {tracking.run_id})")
+
+
+report = config_command(ReportConfig, "report", run, presets=False)
 
 
 def _num(value: Any) -> str:

@@ -2,66 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from stages.score.config import ServeRewardConfig
 
-import typer
-
-from stages.knobs import MAX_CONNECTIONS, REQUEST_TIMEOUT_S, WORKERS
-
-from ..choices import REWARD_ENTRY_POINTS, REWARDS, complete
-from ..config import resolve
-from ..errors import handle_errors
-from ..options import (
-    ConfigOpt,
-    HostOpt,
-    JsonOpt,
-    MaxConnectionsOpt,
-    RequestTimeoutOpt,
-    SetOpt,
-    TokenEnvOpt,
-    WorkersOpt,
-    max_batch_opt,
-    max_request_mb_opt,
-    port_opt,
-)
+from ..generate import config_command
 from ..runtime import serve_until_stopped, server_token
 
 
-@handle_errors
-def serve_reward(
-    ctx: typer.Context,
-    reward: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--reward",
-            "-r",
-            autocompletion=complete(REWARDS, REWARD_ENTRY_POINTS),
-            metavar="NAME[=WEIGHT]",
-            help="A reward to serve (built-in, module:function, path/file.py:function "
-            "or entry point), as `omnirl score --reward` takes it. POST /NAME scores one, POST /score all "
-            "(the weighted sum in `reward`).",
-        ),
-    ] = None,
-    reward_args: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--reward-arg",
-            metavar="NAME.KEY=VALUE",
-            help="An argument of reward NAME, as `omnirl score --reward-arg`.",
-        ),
-    ] = None,
-    host: HostOpt = "127.0.0.1",
-    port: port_opt(18090) = 18090,
-    token_env: TokenEnvOpt = None,
-    max_request_mb: max_request_mb_opt(64) = 64,
-    max_batch: max_batch_opt(256) = 256,
-    max_connections: MaxConnectionsOpt = MAX_CONNECTIONS,
-    workers: WorkersOpt = WORKERS,
-    request_timeout: RequestTimeoutOpt = REQUEST_TIMEOUT_S,
-    config: ConfigOpt = None,
-    set_: SetOpt = None,
-    json_: JsonOpt = False,
-) -> None:
+def run(c: ServeRewardConfig, json_: bool) -> None:
     """Serve rewards over HTTP until SIGTERM or Ctrl-C, for `omnirl score --reward remote:URL/NAME`.
 
     A POST carries JSON {images: list of base64 PNG/JPEG, prompts, meta}; the reply is {rewards: {NAME:
@@ -74,12 +21,11 @@ def serve_reward(
     Example: [bold]omnirl serve-reward --reward ocr --port 18090[/], then
     [bold]omnirl score --in run/it0/samples --reward remote:http://127.0.0.1:18090/ocr --out run/it0/rewards[/]
     """
-    c = resolve(ctx, "serve-reward")
     from stages.errors import UserInputError
     from stages.score.registry import check_reward_args, parse_reward_args, parse_reward_spec, reward_kind
     from stages.score.reward_server import RewardServer, RewardService
 
-    specs = [parse_reward_spec(s) for s in c["reward"] or []]
+    specs = [parse_reward_spec(s) for s in c.reward or []]
     if not specs:
         raise UserInputError(
             "--reward: give at least one reward to serve, e.g. --reward jpeg_compressibility"
@@ -89,14 +35,14 @@ def serve_reward(
             raise UserInputError(
                 f"--reward {name}: it scores {reward_kind(name)}s; serve-reward serves image rewards"
             )
-    args = check_reward_args([name for name, _ in specs], parse_reward_args(c["reward_args"]))
+    args = check_reward_args([name for name, _ in specs], parse_reward_args(c.reward_args))
     token = server_token(c)
     service = RewardService(
         specs,
         args,
         token=token,
-        max_request_bytes=c["max_request_mb"] * 2**20,
-        max_batch=c["max_batch"],
+        max_request_bytes=c.max_request_mb * 2**20,
+        max_batch=c.max_batch,
     )
     serve_until_stopped(
         lambda host, port, limits: RewardServer(service, host, port, limits=limits),
@@ -106,3 +52,6 @@ def serve_reward(
         ready=lambda server: {"url": server.url, "rewards": service.weights},
         banner=f"{', '.join(service.weights)} (POST /NAME or /score, GET /health)",
     )
+
+
+serve_reward = config_command(ServeRewardConfig, "serve-reward", run)

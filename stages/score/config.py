@@ -1,7 +1,8 @@
-"""`score`'s settings as one typed config, and the names its knobs take; torch-free.
+"""`score`'s and `serve-reward`'s settings as typed configs, and the names their knobs take; torch-free.
 
-`ScoreConfig` is the single declaration of every `omnirl score` option (help, choices, panel), from
-which the CLI generates its options (`omnirl_cli.generate`).
+`ScoreConfig` and `ServeRewardConfig` are the single declarations of every `omnirl score` and `omnirl
+serve-reward` option (help, choices, panel), from which the CLI generates their options
+(`omnirl_cli.generate`).
 """
 
 from __future__ import annotations
@@ -145,3 +146,32 @@ class ScoreConfig:
     report_to: list[str] | None = knobs.report_to()
     run_name: str | None = knobs.run_name()
     overwrite: bool = knobs.overwrite()
+
+
+@dataclass
+class ServeRewardConfig:
+    """Every setting of the reward server (`omnirl serve-reward`)."""
+
+    reward: list[str] | None = knob(
+        None,
+        "A reward to serve (built-in, module:function, path/file.py:function or entry point), as `omnirl "
+        "score --reward` takes it. POST /NAME scores one, POST /score all (the weighted sum in `reward`).",
+        short="-r",
+        names=BUILTIN_REWARDS,
+        entry_points=ENTRY_POINT_GROUP,
+        metavar="NAME[=WEIGHT]",
+    )
+    reward_args: list[str] | None = knob(
+        None,
+        "An argument of reward NAME, as `omnirl score --reward-arg`.",
+        flag="--reward-arg",
+        metavar="NAME.KEY=VALUE",
+    )
+    host: str = knobs.host()
+    port: int = knobs.port(18090)
+    token_env: str | None = knobs.token_env()
+    max_request_mb: int = knobs.max_request_mb(64)
+    max_batch: int = knobs.max_batch(256)
+    max_connections: int = knobs.max_connections()
+    workers: int = knobs.workers()
+    request_timeout: float = knobs.request_timeout()

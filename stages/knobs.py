@@ -192,12 +192,18 @@ def model(what: str, panel: str | None = None) -> Any:
     )
 
 
-def dtype() -> Any:
-    """`--dtype`: storage dtype of the frozen weights."""
+def dtype(trains: bool = True) -> Any:
+    """`--dtype`: storage dtype of the frozen weights (of a stage that `trains`, or of one that only runs
+    the model)."""
+    kept = (
+        " Trained weights (LoRA, or all with --full) are always fp32 (diffusers' cast_training_params), so "
+        "AdamW steps in fp32."
+        if trains
+        else ""
+    )
     return knob(
         "fp32",
-        "Storage dtype of the frozen weights. Trained weights (LoRA, or all with --full) are always fp32 "
-        "(diffusers' cast_training_params), so AdamW steps in fp32.",
+        f"Storage dtype of the {'frozen ' if trains else ''}weights.{kept}",
         choices=DTYPES,
         envvar="OMNIRL_DTYPE",
     )

@@ -29,7 +29,7 @@ class ServeConfig:
         f"Adapter to start with: {knobs.ADAPTER_FROM}. POST /omnirl/v1/weights loads another one later.",
         metavar=knobs.WEIGHTS_METAVAR,
     )
-    dtype: str = knobs.dtype()
+    dtype: str = knobs.dtype(trains=False)
     served_model_name: str | None = knob(None, "The model id of /v1/models (default: the folder name).")
     host: str = knobs.host()
     port: int = knobs.port(18091)

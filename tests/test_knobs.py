@@ -1,4 +1,4 @@
-"""One declaration per knob: the options of `advantage` and `score` are generated from their stage's
+"""One declaration per knob: the options of `advantage`, `score` and `update` are generated from their stage's
 typed config (`stages.knobs`, `omnirl_cli.generate`), every source resolves into that config, and
 neither their --help nor their config modules import torch."""
 
@@ -21,16 +21,20 @@ from omnirl_cli.options import REQUIRED
 from stages.advantage.config import ESTIMATOR_NAMES, AdvantageConfig
 from stages.knobs import flag_of, knob, knobs
 from stages.score.config import BUILTIN_REWARDS, ScoreConfig
+from stages.update.config import ALGORITHM_NAMES, UpdateConfig
 
 ROOT = typer.main.get_command(app)
-CONVERTED = [("advantage", AdvantageConfig), ("score", ScoreConfig)]
+CONVERTED = [("advantage", AdvantageConfig), ("score", ScoreConfig), ("update", UpdateConfig)]
 # Options every command has that steer resolution or verbosity, not the stage.
 META = {"config", "set_", "json_", "quiet", "verbose", "help"}
 
 
 def _element(annotation: object) -> tuple[object, bool]:
-    """The value type of a field's annotation and whether it is a list: `X | None` → X, `list[X]` → X."""
+    """The value type of a field's annotation and whether it is a list: `X | None` → X, `list[X]` → X;
+    a tuple (one option of several values) is its own value type."""
     args = [a for a in get_args(annotation) if a is not type(None)]
+    if get_origin(annotation) is tuple:
+        return annotation, False
     if get_origin(annotation) is list:
         return args[0], True
     return _element(args[0]) if args else (annotation, False)
@@ -71,6 +75,7 @@ def test_open_registries_complete_their_builtins() -> None:
     for command, flag, names in (
         ("advantage", "--estimator", ESTIMATOR_NAMES),
         ("score", "--reward", BUILTIN_REWARDS),
+        ("update", "--algo", ALGORITHM_NAMES),
     ):
         cmd = ROOT.commands[command]
         param = next(p for p in cmd.params if flag in p.opts)
@@ -145,13 +150,13 @@ def test_a_choice_from_a_preset_is_checked_against_the_knob(tmp_path: Path) -> N
 
 
 def test_help_and_configs_do_not_import_torch() -> None:
-    """`omnirl advantage --help`, `omnirl score --help` and the knob modules leave torch unloaded."""
+    """`omnirl advantage|score|update --help` and the knob modules leave torch unloaded."""
     code = (
         "import sys\n"
-        "import stages.advantage.config, stages.score.config, stages.knobs\n"
+        "import stages.advantage.config, stages.score.config, stages.update.config, stages.knobs\n"
         "from typer.testing import CliRunner\n"
         "from omnirl_cli.app import app\n"
-        "for command in ('advantage', 'score'):\n"
+        "for command in ('advantage', 'score', 'update'):\n"
         "    result = CliRunner().invoke(app, [command, '--help'])\n"
         "    assert result.exit_code == 0 and '--in' in result.output, result.output\n"
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"

@@ -481,6 +481,21 @@ def test_online_sections_take_yaml_numbers_as_their_fields_types(tmp_path: Path)
     )  # fmt: skip
 
 
+def test_online_update_section_takes_the_training_settings_only() -> None:
+    """`update`'s knobs that name its data, weights and trackers, and the model parallelism and kernels
+    online's trainer never runs, are no settings of online's update section: refused, not dropped."""
+    from omnirl_cli.commands.online import _dataclass, _stage_keys
+    from stages.errors import UserInputError
+    from stages.sample.rollout import SampleConfig
+    from stages.update.config import UpdateConfig
+
+    names = _stage_keys(SampleConfig, UpdateConfig)["update"]
+    assert {"lr", "betas", "strategy", "mixed_precision", "ema_every"} <= names
+    for key in ("model", "out", "dtype", "sp_degree", "attention_backend", "compile"):
+        with pytest.raises(UserInputError, match=rf"'update\.{key}' is not a setting"):
+            _dataclass(UpdateConfig, {key: 2}, "update", names=names)
+
+
 def test_inspect_prints_its_result_on_stdout_and_only_progress_on_stderr(tiny_shard_set: Path) -> None:
     result = runner.invoke(app, ["inspect", str(tiny_shard_set), "--verify", "--head", "2"])
     assert result.exit_code == 0, result.output

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
-
+from stages.knobs import knobs
 from stages.update.config import UpdateConfig
 
 from ..console import emit_json, log, print_result, progress
@@ -62,6 +61,7 @@ def run(c: UpdateConfig, json_: bool) -> None:
     c.validate()
     layout(c.parallel)  # a world the degrees do not fit is refused before anything loads
     src = open_inputs(c.inputs)
+    options = {f.name: getattr(c, f.name) for f, _ in knobs(UpdateConfig)}  # the output's identity
     with tracking, progress() as bar:
         task = bar.add_task("updating", total=None, rate="")
 
@@ -77,7 +77,7 @@ def run(c: UpdateConfig, json_: bool) -> None:
             c,
             dtype=c.dtype,
             device=device(),
-            run_config=run_config(asdict(c), exclude=("ema_every",)),  # the options: knobs only
+            run_config=run_config(options),
             overwrite=c.overwrite,
             on_step=on_step,
         )

@@ -160,7 +160,7 @@ def configs(args: argparse.Namespace, size_resolution: int) -> tuple[Any, Any, d
     from stages.models.factory import DEFAULT_TEXT_LENGTH
     from stages.models.families import family_text_length
     from stages.sample.rollout import SampleConfig
-    from stages.update.trainer import UpdateConfig
+    from stages.update.config import UpdateConfig
 
     preset = yaml.safe_load(PRESET.read_text())
     sample_options = {**preset["sample"], "steps": args.steps, "seed": args.seed}
@@ -174,7 +174,7 @@ def configs(args: argparse.Namespace, size_resolution: int) -> tuple[Any, Any, d
     micro = args.micro_batch
     # the preset's two optimizer steps per rollout, at this run's rows and micro-batch on one device
     step = max(1, -(-rows // (2 * micro))) * micro
-    ucfg = UpdateConfig.from_options({**preset["update"], "micro_batch": micro, "samples_per_step": step})
+    ucfg = UpdateConfig(**{**preset["update"], "micro_batch": micro, "samples_per_step": step})
     scfg.validate()
     ucfg.validate()
     return scfg, ucfg, preset["advantage"]
@@ -486,7 +486,7 @@ def main() -> None:
         "size": args.size,
         "dtype": args.dtype,
         "sample_config": asdict(scfg),
-        "update_config": asdict(ucfg),
+        "update_config": ucfg.settings(),
         "advantage": advantage,
         "num_prompts": args.num_prompts,
         "group_size": args.group_size,

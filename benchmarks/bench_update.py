@@ -1,4 +1,4 @@
-"""Update efficiency per model family: `stages.update.trainer.train` ÷ a bare forward+backward of the
+"""Update efficiency per model family: a `stages.update.trainer.Trainer` step ÷ a bare forward+backward of the
 same transformer; with `--memory`, the peak memory of an update with and without activation
 checkpointing instead.
 
@@ -11,7 +11,7 @@ the rollout's, random per-sample advantages. Each (family, training mode) runs i
 
 - `lora`: a fresh rank-r LoRA on the family's default targets, as `omnirl update` adds it; `full`:
   every transformer weight trained.
-- omnirl: `train(...)` (flow_grpo loss, one epoch, micro-batch = the sampling batch): text encoding
+- omnirl: a fresh `Trainer`'s `step` (flow_grpo loss, one epoch, micro-batch = the sampling batch): text encoding
   of the batch's prompts (new prompts every call, as in a fresh `omnirl update` process), per
   (micro-batch, stored step) the guided velocity, the SDE step's log-prob, the clipped loss, its
   backward and six metric `.item()`s, then grad-norm clipping, the finiteness check and an AdamW step.
@@ -28,7 +28,7 @@ call comes first, so the worker's VmHWM right after it is the peak RSS of an upd
 breakdown of each side's best call times the transformer forward (hooks), `Tensor.backward`, the
 sampler step, the loss, clipping, the optimizer step and text encoding; "other" is the rest.
 
-With `--memory`, each (family, mode) runs one `train(...)` call (no bare side, no repeats) in two fresh
+With `--memory`, each (family, mode) runs one `Trainer` step (no bare side, no repeats) in two fresh
 processes, `gradient_checkpointing` off and on (`omnirl update --gradient-checkpointing`: diffusers'
 per-block checkpointing of every trained transformer). Measured on the CPU as peak RSS (VmHWM, the whole
 process) after the update, and as the update's own increment: that peak less the VmHWM just before it
@@ -73,7 +73,7 @@ if TYPE_CHECKING:
     from stages.models.diffusion import FlowPolicy
     from stages.models.families import Condition
     from stages.sample.rollout import SampleConfig
-    from stages.update.trainer import UpdateConfig
+    from stages.update.config import UpdateConfig
 
 REGIONS = ("transformer_fwd", "backward", "step_math", "loss", "clip_grad", "optimizer", "text_encode")
 RESULT = "RESULT "
@@ -175,8 +175,9 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     from stages.models.diffusion import FlowPolicy
     from stages.sample import samplers
     from stages.sample.rollout import SampleConfig
-    from stages.update import losses, trainer
-    from stages.update.trainer import UpdateConfig, train
+    from stages.update import losses
+    from stages.update.config import UpdateConfig
+    from stages.update.trainer import Trainer
 
     full = args.worker == "full"
     sample_cfg = SampleConfig.from_options(json.loads(args.sample_config))
@@ -198,7 +199,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         policy.needs_negative(sample_cfg.guidance),
         sample_cfg.max_sequence_length,
     )
-    # as `train` sets it, so that bare's calls run the same CFG gradient path from the first one
+    # as the `Trainer` sets it, so that bare's calls run the same CFG gradient path from the first one
     policy.family.detach_uncond = cfg.detach_uncond
     rss_loaded = peak_rss_mb()
     probes = Probes()
@@ -207,8 +208,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     def omnirl_call() -> list[dict[str, Any]]:
         calls[0] += 1
         fresh = [f"{p} (call {calls[0]})" for p in data["prompt"]]
-        state, start = trainer.load_state(None)
-        return train(policy, {**data, "prompt": fresh}, sample_cfg, cfg, state=state, start_step=start)[3]
+        return Trainer.resume(policy, cfg, None).step({**data, "prompt": fresh}, sample_cfg)
 
     if args.memory:  # one update: its peak memory, and its loss to show both settings train alike
         metrics = omnirl_call()
@@ -413,7 +413,7 @@ def main() -> None:
             metrics,
             rows,
             description=(
-                f"Peak memory of one stages.update.trainer.train call (flow_grpo) with and without activation "
+                f"Peak memory of one stages.update.trainer.Trainer step (flow_grpo) with and without activation "
                 f"checkpointing (`--gradient-checkpointing`), {setting}; one fresh process per setting ({load}). "
                 "CPU peak RSS = VmHWM of the whole process after the update; increment = that less the VmHWM "
                 "before it (model and data loaded). Ratios: with ÷ without."
@@ -425,7 +425,7 @@ def main() -> None:
             metrics,
             rows,
             description=(
-                f"stages.update.trainer.train (flow_grpo) ÷ bare forward+MSE+backward of the same transformer and "
+                f"a stages.update.trainer.Trainer step (flow_grpo) ÷ bare forward+MSE+backward of the same transformer and "
                 f"the same AdamW step, {setting}; best of {args.repeats} alternating calls in one process per "
                 f"(family, mode) ({load}). Target <= {TARGET}. Peak RSS = VmHWM of that process after one "
                 "update. Columns after peak RSS: seconds of the best call per region; other = the rest."

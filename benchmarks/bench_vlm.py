@@ -15,7 +15,7 @@ one loaded model per stage and run the same batches:
    sampling batch, the processor on the batch's rows, one no-grad forward over prompt + response
    (cut to the batch's longest response) and a log-softmax gather (checked: `logprob_max_abs_diff`).
 3. update (LoRA r = `--lora-rank` on the language model, and full: everything but the vision
-   tower). omnirl: `train(...)` with `--algo grpo` (one epoch, micro-batch = the sampling batch,
+   tower). omnirl: a fresh `Trainer`'s `step` with `--algo grpo` (one epoch, micro-batch = the sampling batch,
    shuffled). bare: the same shuffled micro-batches, each the processor on its rows, a forward, a
    log-softmax gather, `token_losses.grpo_loss`, backward and an AdamW step (no clipping). Both
    create their AdamW per call, as each `omnirl update` does.
@@ -306,7 +306,8 @@ def main() -> None:
     from stages.shards.reader import ShardSet, slice_batch
     from stages.shards.writer import ShardSetWriter
     from stages.update import objectives, token_losses
-    from stages.update.trainer import UpdateConfig, train
+    from stages.update.config import UpdateConfig
+    from stages.update.trainer import Trainer
 
     transformers_logging.disable_progress_bar()
     transformers_logging.set_verbosity_error()
@@ -422,7 +423,7 @@ def main() -> None:
             chunks = micro_batches(len(images), ucfg.micro_batch or cfg.batch_size, ucfg.seed)
 
             def omnirl_update(warm: bool, trained: VLMPolicy = trained, ucfg: UpdateConfig = ucfg) -> None:
-                train(trained, warm_data if warm else data, cfg, ucfg, state={}, start_step=0)
+                Trainer(trained, ucfg, {}).step(warm_data if warm else data, cfg)
 
             def bare_update_call(
                 warm: bool,

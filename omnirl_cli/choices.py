@@ -29,19 +29,6 @@ Sampler = Literal["ode", "sde", "cps", "dance"]  # stages.sample.samplers.SAMPLE
 WindowStrategy = Literal["random", "progressive", "fixed"]  # windows.STRATEGIES but "all" (= --sde-window 0)
 Layout = Literal["verl", "easyr1"]  # stages.sample.vlm_data.read_vlm_prompts
 Replay = Literal["auto", "yes"]  # stages.logprob.decide.REPLAY_MODES
-LrScheduler = Literal["constant", "linear", "cosine"]  # stages.update.trainer.LR_SCHEDULERS
-LossAggMode = Literal[
-    "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
-]  # stages.update.token_losses.AGG_MODES
-KlType = Literal["k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl", "k1+", "k3+"]  # token_losses.KL_KINDS
-OldDecay = Literal["copy", "linear_to_0_5", "delayed_linear_to_0_999"]  # family_losses.NFT_DECAY_SCHEDULES
-NftAdvMode = Literal[
-    "continuous", "positive_only", "negative_only", "one_only", "binary"
-]  # stages.advantage.estimators.NFT_ADV_MODES
-AwmWeighting = Literal["uniform", "ghuber"]  # stages.update.family_losses.AWM_WEIGHTINGS
-GuardDanceScale = Literal["std", "eta_dsigma"]  # stages.update.family_losses.GUARD_DANCE_SCALES
-RolloutCorrectionMode = Literal["off", "is", "rs", "is_rs"]  # stages.update.rollout_correction.MODES
-RolloutCorrectionLevel = Literal["token", "sequence"]  # stages.update.rollout_correction.LEVELS
 VaeMode = Literal["model", "pixel"]  # stages.pretrain.flow_matching.VAE_MODES
 # the SIZES of the families' builders (and wan.PUBLISHED's): test, benchmark and published sizes
 ModelSize = Literal["tiny", "small", "demo", "full", "medium", "1.3b", "3b", "7b"]
@@ -50,18 +37,6 @@ ModelSize = Literal["tiny", "small", "demo", "full", "medium", "1.3b", "3b", "7b
 # Rollout engines: stages.sample.engines' diffusion engines, then stages.sample.vlm_stage.ENGINES.
 ENGINES = ("diffusers", "remote", "vllm-omni", "hf", "openai")
 ENGINE_ENTRY_POINTS = "omnirl.engines"
-ALGORITHMS = (
-    "flow_grpo",
-    "dance_grpo",
-    "mix_grpo",
-    "grpo_guard",
-    "nft",
-    "awm",
-    "dpo",
-    "grpo",
-    "dapo",
-    "gspo",
-)  # stages.update.losses.ALGORITHMS
 FAMILIES = (  # stages.models.factory.FAMILIES
     "flux",
     "qwen2_5_vl",

@@ -118,7 +118,6 @@ def test_a_plugin_estimator_passes_the_open_option(tiny_shard_set: Path, tmp_pat
 
 def test_choice_sets_mirror_the_stage_constants() -> None:
     """The CLI's lists are copies (importing the stages would load torch for --help): held equal here."""
-    from stages.advantage.estimators import NFT_ADV_MODES
     from stages.logprob.decide import REPLAY_MODES
     from stages.models import flux, qwen2_5_vl, qwen3_omni, qwen_image, sd3, wan, z_image
     from stages.models.factory import FAMILIES
@@ -131,22 +130,12 @@ def test_choice_sets_mirror_the_stage_constants() -> None:
     from stages.sample.windows import STRATEGIES as WINDOWS
     from stages.score.registry import ENTRY_POINT_GROUP, available_rewards
     from stages.shards.manifest import FORMATS
-    from stages.update.family_losses import AWM_WEIGHTINGS, NFT_DECAY_SCHEDULES
-    from stages.update.losses import ALGORITHMS
-    from stages.update.token_losses import AGG_MODES, KL_KINDS
-    from stages.update.trainer import LR_SCHEDULERS
 
     pairs = [
         (choices.Format, FORMATS),
         (choices.Sampler, SAMPLERS),
         (choices.WindowStrategy, tuple(w for w in WINDOWS if w != "all")),  # "all" is --sde-window 0
         (choices.MixedPrecision, MIXED_PRECISIONS),
-        (choices.LrScheduler, LR_SCHEDULERS),
-        (choices.LossAggMode, AGG_MODES),
-        (choices.KlType, KL_KINDS),
-        (choices.OldDecay, NFT_DECAY_SCHEDULES),
-        (choices.NftAdvMode, NFT_ADV_MODES),
-        (choices.AwmWeighting, AWM_WEIGHTINGS),
         (choices.VaeMode, VAE_MODES),
         (choices.Replay, REPLAY_MODES),
     ]
@@ -155,7 +144,6 @@ def test_choice_sets_mirror_the_stage_constants() -> None:
     sizes = {s for m in (flux, qwen2_5_vl, qwen3_omni, qwen_image, sd3, wan, z_image) for s in m.SIZES}
     sizes |= {s for published in wan.PUBLISHED.values() for s in published}
     assert set(get_args(choices.ModelSize)) == sizes
-    assert set(choices.ALGORITHMS) == set(ALGORITHMS)
     assert (*engine_names(), *ENGINES) == choices.ENGINES
     assert choices.ENGINE_ENTRY_POINTS == ENGINE_ENTRY_POINT_GROUP
     assert set(choices.FAMILIES) == set(FAMILIES)
@@ -476,7 +464,7 @@ def test_online_sections_take_yaml_numbers_as_their_fields_types(tmp_path: Path)
     (as the staged commands' flags are), and one that does not convert is one line naming it."""
     from omnirl_cli.commands.online import _dataclass
     from stages.errors import UserInputError
-    from stages.update.trainer import UpdateConfig
+    from stages.update.config import UpdateConfig
 
     assert _dataclass(UpdateConfig, {"lr": "2e-3", "inner_epochs": "2"}, "update").lr == 0.002
     assert _dataclass(UpdateConfig, {"inner_epochs": "2"}, "update").inner_epochs == 2
@@ -491,6 +479,21 @@ def test_online_sections_take_yaml_numbers_as_their_fields_types(tmp_path: Path)
          "--out", str(tmp_path / "o"), "--reward", "jpeg_compressibility", "--set", "update.lr=fast"],
         "update.lr",
     )  # fmt: skip
+
+
+def test_online_update_section_takes_the_training_settings_only() -> None:
+    """`update`'s knobs that name its data, weights and trackers, and the model parallelism and kernels
+    online's trainer never runs, are no settings of online's update section: refused, not dropped."""
+    from omnirl_cli.commands.online import _dataclass, _stage_keys
+    from stages.errors import UserInputError
+    from stages.sample.rollout import SampleConfig
+    from stages.update.config import UpdateConfig
+
+    names = _stage_keys(SampleConfig, UpdateConfig)["update"]
+    assert {"lr", "betas", "strategy", "mixed_precision", "ema_every"} <= names
+    for key in ("model", "out", "dtype", "sp_degree", "attention_backend", "compile"):
+        with pytest.raises(UserInputError, match=rf"'update\.{key}' is not a setting"):
+            _dataclass(UpdateConfig, {key: 2}, "update", names=names)
 
 
 def test_inspect_prints_its_result_on_stdout_and_only_progress_on_stderr(tiny_shard_set: Path) -> None:

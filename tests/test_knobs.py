@@ -24,6 +24,7 @@ from stages.inspection import EnvConfig, InspectConfig, ReportConfig
 from stages.knobs import flag_of, knob, knobs
 from stages.sample.serve_config import ServeConfig
 from stages.score.config import BUILTIN_REWARDS, ScoreConfig, ServeRewardConfig
+from stages.update.config import ALGORITHM_NAMES, UpdateConfig
 
 ROOT = typer.main.get_command(app)
 CONVERTED = [
@@ -34,6 +35,7 @@ CONVERTED = [
     ("report", ReportConfig),
     ("inspect", InspectConfig),
     ("env", EnvConfig),
+    ("update", UpdateConfig),
 ]
 # Commands that read no preset: their settings are their flags (`config_command(presets=False)`).
 FLAGS_ONLY = {"report", "inspect", "env"}
@@ -42,8 +44,11 @@ META = {"config", "set_", "json_", "quiet", "verbose", "help"}
 
 
 def _element(annotation: object) -> tuple[object, bool]:
-    """The value type of a field's annotation and whether it is a list: `X | None` → X, `list[X]` → X."""
+    """The value type of a field's annotation and whether it is a list: `X | None` → X, `list[X]` → X;
+    a tuple (one option of several values) is its own value type."""
     args = [a for a in get_args(annotation) if a is not type(None)]
+    if get_origin(annotation) is tuple:
+        return annotation, False
     if get_origin(annotation) is list:
         return args[0], True
     return _element(args[0]) if args else (annotation, False)
@@ -92,6 +97,7 @@ def test_open_registries_complete_their_builtins() -> None:
         ("advantage", "--estimator", ESTIMATOR_NAMES),
         ("score", "--reward", BUILTIN_REWARDS),
         ("serve-reward", "--reward", BUILTIN_REWARDS),
+        ("update", "--algo", ALGORITHM_NAMES),
     ):
         cmd = ROOT.commands[command]
         param = next(p for p in cmd.params if flag in p.opts)
@@ -199,7 +205,7 @@ def test_help_and_configs_do_not_import_torch() -> None:
     code = (
         "import sys\n"
         "import stages.advantage.config, stages.score.config, stages.knobs\n"
-        "import stages.sample.serve_config, stages.inspection\n"
+        "import stages.sample.serve_config, stages.inspection, stages.update.config\n"
         "from typer.testing import CliRunner\n"
         "from omnirl_cli.app import app\n"
         f"for command in {[command for command, _ in CONVERTED]!r}:\n"

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from stages.models.diffusion import FlowPolicy
 from stages.models.folders import LORA_WEIGHTS
 from stages.models.vlm import VLMPolicy
-from stages.update.trainer import UpdateConfig
+from stages.update.config import UpdateConfig
 
 vlm_run = test_vlm_stages.vlm_run  # the staged VLM iteration (a module fixture)
 BF16_EPS = 2.0**-8  # bf16 keeps 8 significant bits: relative rounding up to 2^-8 per operation

@@ -21,12 +21,13 @@ from test_update_conventions import FakeFlow, rollout, run_token_step, scfg, ste
 
 from omnirl_cli.app import app
 from stages.errors import UserInputError
+from stages.update.config import UpdateConfig
 from stages.update.family_losses import grpo_guard_loss
 from stages.update.losses import get_algorithm
 from stages.update.objectives import PolicyGradient
 from stages.update.rollout_correction import SUGGEST_ABOVE, attach, correction_weights, suggestion
 from stages.update.token_losses import policy_loss
-from stages.update.trainer import UpdateConfig, train
+from stages.update.trainer import Trainer
 
 # Hand-made log-ratios old − rollout of 3 rows × 2 elements.
 DELTA = [[0.0, math.log(2.5)], [math.log(0.3), math.log(1.9)], [math.log(1.2), math.log(0.6)]]
@@ -118,7 +119,7 @@ def test_token_weights_scale_each_tokens_policy_term() -> None:
 
 def _trained(cfg: UpdateConfig, data: dict) -> tuple[list[torch.Tensor], list[dict]]:
     policy = FakeFlow()
-    *_, metrics, _, _ = train(policy, data, scfg("sde", 0.7), cfg, state={}, start_step=0)
+    metrics = Trainer(policy, cfg, {}).step(data, scfg("sde", 0.7))
     return [p.detach().clone() for p in policy.module.parameters()], metrics
 
 

@@ -13,14 +13,12 @@ import json
 import math
 import random
 import statistics
-from dataclasses import fields
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-from typer.main import get_command
 from typer.testing import CliRunner
 
 from omnirl_cli.app import app
@@ -29,16 +27,17 @@ from stages.models.kernels import Kernels
 from stages.parallelism import ModelParallel
 from stages.sample.rollout import SampleConfig
 from stages.sample.samplers import step
+from stages.update.config import ALGORITHM_NAMES, UpdateConfig
 from stages.update.losses import ALGORITHMS, get_algorithm
 from stages.update.objectives import PolicyGradient, TokenPolicyGradient
 from stages.update.token_losses import grpo_loss
-from stages.update.trainer import UpdateConfig, load_state, save_state, train, trainer_state
+from stages.update.trainer import Trainer, load_state, save_state
 
 SHAPE = (1, 2, 2)  # latent [C, H, W]
 
 
 class FakeFlow:
-    """What PolicyGradient and train() use of a FlowPolicy, with velocity v = w·x + b (w scalar, b per pixel)."""
+    """What PolicyGradient and the Trainer use of a FlowPolicy, with velocity v = w·x + b (w scalar, b per pixel)."""
 
     device = torch.device("cpu")
 
@@ -179,9 +178,10 @@ def test_continued_update_uses_this_runs_optimizer_settings(tmp_path: Path) -> N
     data, _ = rollout(policy, "sde", 0.7)
     sample_cfg = scfg("sde", 0.7)
     first = UpdateConfig(algo="flow_grpo", lr=1e-2, micro_batch=2)
-    optimizer, ema, old, metrics, par, scaler = train(policy, data, sample_cfg, first, state={}, start_step=0)
+    trainer = Trainer(policy, first, {})
+    metrics = trainer.step(data, sample_cfg)
     assert [m["actor/lr"] for m in metrics] == [1e-2, 1e-2]
-    save_state(tmp_path, trainer_state(par, optimizer, ema, old, scaler), metrics[-1]["step"], first)
+    save_state(tmp_path, trainer.state(), metrics[-1]["step"], first)
     state, start = load_state(tmp_path)
     assert start == 2
 
@@ -189,8 +189,9 @@ def test_continued_update_uses_this_runs_optimizer_settings(tmp_path: Path) -> N
     second = UpdateConfig(
         algo="flow_grpo", lr=0.0, weight_decay=0.25, betas=(0.5, 0.75), adam_eps=1e-3, micro_batch=2
     )
-    optimizer, _, _, metrics, _, _ = train(policy, data, sample_cfg, second, state=state, start_step=start)
-    for group in optimizer.param_groups:
+    trainer = Trainer(policy, second, state, start)
+    metrics = trainer.step(data, sample_cfg)
+    for group in trainer.optimizer.param_groups:
         assert (group["lr"], group["betas"], group["weight_decay"], group["eps"]) == (
             0.0,
             (0.5, 0.75),
@@ -200,23 +201,30 @@ def test_continued_update_uses_this_runs_optimizer_settings(tmp_path: Path) -> N
     assert [m["actor/lr"] for m in metrics] == [0.0, 0.0]  # the effective lr, read from the optimizer
     for p, b in zip(policy.module.parameters(), before, strict=True):
         assert torch.equal(p.detach(), b)  # lr 0: nothing moved (the saved lr 1e-2 would have)
-    moments = optimizer.state[next(iter(policy.module.parameters()))]
+    moments = trainer.optimizer.state[next(iter(policy.module.parameters()))]
     assert float(moments["step"]) == 4  # the saved moments carried over
 
 
-def test_from_options_reads_every_field_from_the_resolved_options() -> None:
-    cfg = UpdateConfig.from_options(
-        {"lr": 0.5, "betas": [0.5, 0.6], "algo": "dapo", "out": Path("x"), "model": Path("m")}
+def test_a_preset_section_is_an_update_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A preset's `update:` mapping is an UpdateConfig as it stands: YAML's list of betas becomes a pair,
+    an unset mixed precision is the launcher's, the model-parallel and kernel knobs make the trainer's
+    settings, and the adapter records the training settings, not where the run reads and writes."""
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "BF16")
+    cfg = UpdateConfig(
+        lr=0.5, betas=[0.5, 0.6], algo="dapo", out=Path("x"), model="m", sp_degree=2, compile=True
     )
-    assert (cfg.lr, cfg.betas, cfg.algo, cfg.adam_eps) == (0.5, (0.5, 0.6), "dapo", 1e-8)
-    # a knob is declared once: every setting is an option of `omnirl update` under its field name
-    command = get_command(app).commands["update"]  # type: ignore[attr-defined]
-    options = {p.name for p in command.params}
-    internal = {"ema_every"}
-    groups = {"parallel": ModelParallel, "kernels": Kernels}  # settings read from their own options
-    assert {f.name for f in fields(UpdateConfig)} - internal - groups.keys() <= options
-    for group in groups.values():
-        assert {f.name for f in fields(group)} <= options, group.__name__
+    assert (cfg.lr, cfg.betas, cfg.algo, cfg.adam_eps, cfg.mixed_precision) == (
+        0.5,
+        (0.5, 0.6),
+        "dapo",
+        1e-8,
+        "bf16",
+    )
+    assert cfg.parallel == ModelParallel(sp_degree=2) and cfg.kernels == Kernels(compile=True)
+    recorded = cfg.settings()
+    assert recorded["sp_degree"] == 2 and recorded["lr"] == 0.5 and recorded["ema_every"] == 8
+    assert not {"inputs", "out", "model", "adapter", "dtype", "report_to", "run_name"} & set(recorded)
+    assert UpdateConfig(mixed_precision="no").mixed_precision == "no"
 
 
 @pytest.mark.parametrize(
@@ -258,8 +266,6 @@ def test_impossible_optimiser_values_are_one_line_exit_2(
 def test_one_trainer_stepped_twice_equals_a_save_and_resume_between_the_steps(tmp_path: Path) -> None:
     """`online` keeps one Trainer across iterations where staged updates save and resume between them:
     weights, AdamW moments, the EMA and the lr schedule's position agree bit for bit."""
-    from stages.update.trainer import Trainer
-
     cfg = UpdateConfig(
         algo="flow_grpo",
         lr=1e-2,
@@ -493,7 +499,7 @@ def test_presets_state_the_optimizer_step_over_all_ranks() -> None:
     stepped = {}
     for preset in sorted((Path(__file__).parents[1] / "recipes" / "configs").glob("*.yaml")):
         data = yaml.safe_load(preset.read_text())
-        cfg = UpdateConfig.from_options(data.get("update") or {})
+        cfg = UpdateConfig(**(data.get("update") or {}))
         assert cfg.grad_accum is None, preset.name
         if cfg.samples_per_step:
             micro = cfg.micro_batch or data["sample"]["batch_size"]
@@ -502,6 +508,11 @@ def test_presets_state_the_optimizer_step_over_all_ranks() -> None:
             stepped[preset.stem] = cfg.samples_per_step
     assert stepped["flow_grpo_qwen_image"] == 256 and stepped["nft_qwen_image"] == 192  # verl-omni's
     assert stepped["vlm_grpo_qwen2_5_vl"] == 640  # verl geo3k: 128 prompts × 5
+
+
+def test_every_builtin_algo_name_is_implemented() -> None:
+    """--algo offers the config's built-in names; the registry implements each, in that order."""
+    assert tuple(ALGORITHMS) == ALGORITHM_NAMES
 
 
 def test_only_the_diffusion_family_defaults_to_a_clip() -> None:
@@ -583,7 +594,7 @@ def test_rows_with_a_failed_reward_train_as_if_absent(how: str) -> None:
     weights = []
     for rows in (data, absent):
         policy = FakeFlow()
-        *_, metrics, _, _ = train(policy, rows, scfg("sde", 0.7), cfg, state={}, start_step=0)
+        metrics = Trainer(policy, cfg, {}).step(rows, scfg("sde", 0.7))
         assert len(metrics) == 1
         weights.append([p.detach().clone() for p in policy.module.parameters()])
     for flagged, alone in zip(*weights, strict=True):

@@ -310,9 +310,9 @@ def test_token_mean_counts_the_tokens_of_the_whole_optimizer_step(
     from stages.models.vlm import VLMPolicy
     from stages.sample.vlm_stage import vlm_sample_config_of
     from stages.shards.reader import open_inputs
+    from stages.update.config import UpdateConfig
     from stages.update.losses import TOKEN_COLUMNS, get_algorithm
     from stages.update.objectives import make_objective
-    from stages.update.trainer import UpdateConfig
 
     src = open_inputs([vlm_run["samples"], vlm_run["logprobs"], vlm_run["advantages"]])
     data = src.read_all(columns=[c for c in (*TOKEN_COLUMNS, "prompt", "advantages") if c in src.columns])

@@ -9,6 +9,7 @@ from typing import Annotated, Any
 import typer
 
 from stages.knobs import ENGINE, WEIGHTS_METAVAR
+from stages.update.config import RUN_KNOBS
 
 from ..choices import ENGINE_ENTRY_POINTS, ENGINES, REWARD_ENTRY_POINTS, REWARDS, Dtype, complete
 from ..config import coerce, load_yaml, parse_set, resolve
@@ -42,6 +43,8 @@ DRIVER_KEYS = {
     },
     "update": {"seed": "iteration k's update shuffles with seed k, as the staged recipe's update --seed k"},
 }
+# `update` settings online's trainer takes from no section: it runs no model parallelism, default kernels.
+TRAINER_FIXED = ("sp_degree", "sp_kind", "tp_degree", "attention_backend", "compile")
 # Why omnirl online runs no sequence or tensor parallelism, and what does.
 NO_MODEL_PARALLEL = (
     "runs its sampler and scorer as spawned worker processes, not launcher ranks, so no group of ranks "
@@ -59,10 +62,22 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _dataclass(cls: type, values: dict[str, Any], section: str, rename: dict[str, str] | None = None) -> Any:
+def _dataclass(
+    cls: type,
+    values: dict[str, Any],
+    section: str,
+    rename: dict[str, str] | None = None,
+    names: set[str] | None = None,
+) -> Any:
+    """`cls` with the section's `values`, each converted to its field's type; only the fields in `names`
+    (default: every one) are settings of the section."""
     from stages.errors import UserInputError
 
-    defaults = {f.name: None if f.default is MISSING else f.default for f in fields(cls)}
+    defaults = {
+        f.name: None if f.default is MISSING else f.default
+        for f in fields(cls)
+        if names is None or f.name in names
+    }
     kwargs = {}
     for key, value in values.items():
         name = (rename or {}).get(key.replace("-", "_"), key.replace("-", "_"))
@@ -81,7 +96,7 @@ def _stage_keys(sample_cls: type, update_cls: type) -> dict[str, set[str]]:
         "sample": {f.name for f in fields(sample_cls)} | set(sample_cls.OPTION_NAMES) | set(RUN_KEYS),
         "score": set(SCORE_KEYS),
         "advantage": set(ADVANTAGE_KEYS),
-        "update": {f.name for f in fields(update_cls)},
+        "update": {f.name for f in fields(update_cls)} - set(RUN_KNOBS) - set(TRAINER_FIXED),
     }
 
 
@@ -265,7 +280,7 @@ def online(
     from stages.sample.rollout import SampleConfig
     from stages.score.registry import check_reward_args, parse_reward_args, parse_reward_spec
     from stages.tracking import Tracking, parse_report_to
-    from stages.update.trainer import UpdateConfig
+    from stages.update.config import UpdateConfig
 
     from ..runtime import device
 
@@ -310,7 +325,7 @@ def online(
         out=out,
         iterations=c["iterations"],
         sample=_dataclass(SampleConfig, sample, "sample", SampleConfig.OPTION_NAMES),
-        update=_dataclass(UpdateConfig, dict(preset.get("update") or {}), "update"),
+        update=_dataclass(UpdateConfig, dict(preset.get("update") or {}), "update", names=keys["update"]),
         group_size=int(run.get("group_size", 4)),
         num_prompts=run.get("num_prompts"),
         rewards=rewards,

@@ -16,6 +16,8 @@ from stages.knobs import knob
 STD_MODES = ("global", "group", "none")
 AGGREGATIONS = ("reward_aggr", "advantage_aggr")
 ENTRY_POINT_GROUP = "omnirl.advantages"
+# DiffusionNFT's advantage → optimality maps (verl-omni adv_mode; `stages.advantage.estimators.nft_optimality`)
+NFT_ADV_MODES = ("continuous", "positive_only", "negative_only", "one_only", "binary")
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from stages.advantage.config import (
     AGGREGATIONS,
     ENTRY_POINT_GROUP,
     ESTIMATOR_PRESETS,
+    NFT_ADV_MODES,
     STD_MODES,
     EstimatorPreset,
 )
@@ -240,9 +241,6 @@ def pair_advantages(
     for best, worst in best_worst_pairs(values, group_ids):
         out[best], out[worst] = 1.0, -1.0
     return out
-
-
-NFT_ADV_MODES = ("continuous", "positive_only", "negative_only", "one_only", "binary")
 
 
 def nft_optimality(adv: torch.Tensor, clip: float = 5.0, mode: str = "continuous") -> torch.Tensor:

@@ -14,7 +14,7 @@ from typing import Any
 from stages.sample.engines import DEFAULT_ENGINE, EngineOptions
 from stages.sample.prompts import Prompt
 from stages.sample.rollout import SampleConfig
-from stages.update.trainer import UpdateConfig
+from stages.update.config import UpdateConfig
 
 # the trajectory columns the sampler hands the driver (through the ring) and the trainer trains on
 TENSORS = ("latents", "log_probs", "sigmas", "timesteps", "final_latent", "seed", "policy_version")

@@ -27,7 +27,7 @@ from stages.errors import RuntimeFailure
 from stages.media import MEDIA_COLUMNS, output_modality
 from stages.online.config import TENSORS, OnlineConfig, iteration_rows, stores_media
 from stages.sample.rollout import LATENT_DTYPES
-from stages.update.trainer import UpdateConfig
+from stages.update.config import UpdateConfig
 
 POLL = 0.5  # seconds between checks that the awaited worker is still alive
 

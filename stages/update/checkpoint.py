@@ -12,7 +12,6 @@ import os
 import shutil
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +26,8 @@ from stages.update.parallel import Parallel
 if TYPE_CHECKING:
     from stages.models.diffusion import FlowPolicy
     from stages.models.vlm import VLMPolicy
-    from stages.update.trainer import EMA, UpdateConfig
+    from stages.update.config import UpdateConfig
+    from stages.update.trainer import EMA
 
 STATE_DIR = "trainer_state"
 METRICS = "metrics.jsonl"
@@ -79,7 +79,7 @@ def save_policy(
             policy.save_adapter(
                 tmp,
                 kind="full" if cfg.full else "lora",
-                extra={"step": step, "algo": cfg.algo, "update_config": asdict(cfg), **extra},
+                extra={"step": step, "algo": cfg.algo, "update_config": cfg.settings(), **extra},
                 state=whole,
             )
         del whole
@@ -193,7 +193,7 @@ def save_state(out: Path, state: dict[str, Any], step: int, cfg: UpdateConfig) -
         "reference": {"age": ref.get("age", 0), "pending": ref.get("pending", False)},
         "ema_updates": ema["updates"] if ema else 0,
         "grad_scaler": state.get("grad_scaler"),
-        "update_config": asdict(cfg),
+        "update_config": cfg.settings(),
         **({"sharded": sharded, "sharded_world_size": world_and_rank()[0]} if sharded else {}),
     }
     (folder / "state.json").write_text(json.dumps(info, indent=2, sort_keys=True))

@@ -22,13 +22,9 @@ from torch import Tensor
 
 from stages.errors import UserInputError
 from stages.sample.samplers import guard_log_ratio, per_sample
+from stages.update.config import AWM_WEIGHTINGS, NFT_DECAY_SCHEDULES
 from stages.update.losses import StepLoss, ppo_terms, ratio_metrics
 
-NFT_DECAY_SCHEDULES = ("copy", "linear_to_0_5", "delayed_linear_to_0_999")
-AWM_WEIGHTINGS = ("uniform", "ghuber")
-# GRPO-Guard's ratio normaliser on dance steps: the exact step std s = η·sqrt|Δσ| (GRPO-Guard's RatioNorm),
-# or verl-omni's s·sqrt|Δσ| = η·|Δσ|
-GUARD_DANCE_SCALES = ("std", "eta_dsigma")
 _GHUBER_DELTA = 1e-10
 
 

@@ -29,9 +29,9 @@ from typing import Any, Protocol
 import torch
 
 from stages.errors import UserInputError
+from stages.update.config import ROLLOUT_CORRECTION_LEVELS as LEVELS
+from stages.update.config import ROLLOUT_CORRECTIONS as MODES
 
-MODES = ("off", "is", "rs", "is_rs")
-LEVELS = ("token", "sequence")
 LOG_RATIO_BOUND = 20.0  # verl's safety bound on a log-ratio before exp (e^±20)
 WEIGHTS = "rollout_correction_weights"  # the data column the objectives read (verl `rollout_is_weights`)
 # `omnirl logprob` suggests --rollout-correction above this mean |Δlogp| between the rollout and the replay:

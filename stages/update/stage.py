@@ -28,9 +28,10 @@ from stages.score.scoring import FAILED_COLUMN, failed_rewards
 from stages.shards.atomic import recover_dir
 from stages.shards.manifest import config_hash, manifest_sha256
 from stages.shards.writer import check_output_path
+from stages.update.config import UpdateConfig
 from stages.update.losses import get_algorithm
 from stages.update.rows import held_columns, split_columns
-from stages.update.trainer import Trainer, UpdateConfig
+from stages.update.trainer import Trainer
 
 BASE_COLUMNS = (
     "sample_id",

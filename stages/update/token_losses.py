@@ -23,9 +23,8 @@ import torch
 
 from stages.errors import UserInputError
 from stages.models.tokens import fp32 as _fp32
+from stages.update.config import AGG_MODES, KL_KINDS
 
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-KL_KINDS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl", "k1+", "k3+")
 RATIO_TYPES = ("token", "sequence")
 
 # verl's numerical guards: token log-ratio clamp, GSPO log-ratio cap, k3 inner and outer clamps.

@@ -17,301 +17,29 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import AbstractContextManager
-from dataclasses import dataclass, field, fields, replace
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from stages.advantage.estimators import NFT_ADV_MODES
 from stages.dist import all_reduce_sum, data_parallel, world_and_rank
 from stages.errors import NonFiniteError, UserInputError
 from stages.models.diffusion import FlowPolicy
 from stages.models.kernels import Kernels, prepare
 from stages.models.vlm import VLMPolicy
-from stages.parallelism import ModelParallel
-from stages.precision import autocast, launcher_mixed_precision, resolve_mixed_precision
 from stages.update import rollout_correction
 from stages.update.checkpoint import load_state, resume_sharded, save_policy, trainer_state
 from stages.update.checkpoint import save_state as save_state  # the state's writer, beside its reader
-from stages.update.family_losses import (
-    AWM_WEIGHTINGS,
-    GUARD_DANCE_SCALES,
-    NFT_DECAY_SCHEDULES,
-    nft_old_refresh,
-    old_policy_metrics,
-)
+from stages.update.config import UpdateConfig
+from stages.update.family_losses import nft_old_refresh, old_policy_metrics
 from stages.update.losses import get_algorithm
 from stages.update.objectives import make_objective
-from stages.update.parallel import STRATEGIES, Parallel, launcher_checkpointing, launcher_strategy
+from stages.update.parallel import Parallel, launcher_checkpointing
 from stages.update.rows import trained_rows
-from stages.update.token_losses import AGG_MODES, KL_KINDS
 
 Policy = FlowPolicy | VLMPolicy
-LR_SCHEDULERS = ("constant", "linear", "cosine")
-
-
-@dataclass
-class UpdateConfig:
-    """Optimisation settings; defaults are flow_grpo's SD3 ones (diffusion-rl.md §1.2, §1.5)."""
-
-    algo: str = "flow_grpo"
-    lr: float = 3e-4
-    betas: tuple[float, float] = (0.9, 0.999)
-    weight_decay: float = 1e-4
-    adam_eps: float = 1e-8
-    clip_range: float | None = None
-    clip_range_high: float | None = None
-    adv_clip: float | None = None
-    beta: float = 0.0
-    max_grad_norm: float = 1.0
-    micro_batch: int = 0
-    grad_accum: int | None = None  # None: 1, or derived from samples_per_step (`accumulation`)
-    samples_per_step: int = 0
-    inner_epochs: int = 1
-    timestep_fraction: float = 1.0
-    shuffle: bool = True
-    ema: bool = False
-    ema_every: int = 8
-    lora_rank: int = 32
-    lora_alpha: int = 64
-    full: bool = False
-    seed: int = 0
-    nft_beta: float = 1.0
-    old_decay: str = "linear_to_0_5"
-    awm_weighting: str = "uniform"
-    awm_p: float = 0.25
-    ema_beta: float = 0.0
-    train_timesteps: int = 6
-    dpo_beta: float = 5000.0
-    loss_agg_mode: str | None = None
-    kl_type: str = "low_var_kl"
-    entropy_coef: float = 0.0
-    router_aux_loss_coef: float | None = None
-    dual_clip: float | None = None
-    train_vision: bool = False
-    detach_uncond: bool = True
-    mixed_precision: str = field(default_factory=launcher_mixed_precision)
-    lr_scheduler: str = "constant"
-    lr_warmup_steps: int = 0
-    lr_total_steps: int = 0
-    strategy: str = "auto"
-    gradient_checkpointing: bool = False
-    parallel: ModelParallel = field(default_factory=ModelParallel)
-    kernels: Kernels = field(default_factory=Kernels)
-    guard_dance_scale: str = "std"
-    rollout_correction: str = "off"
-    rollout_correction_level: str = "token"
-    rollout_is_threshold: float = 2.0
-    rollout_rs_threshold: float | None = None
-    rollout_rs_threshold_lower: float | None = None
-    # DiffusionNFT: verl-omni's adv_mode, old_policy_decay and old_policy_update_interval
-    nft_adv_mode: str = "continuous"
-    old_decay_value: float | None = None
-    old_update_interval: int = 1
-    # GARDO: the KL reference reset to the policy every N updates, and after an update whose KL passed a bound
-    ref_reset_every: int = 0
-    ref_reset_kl: float | None = None
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, Any]) -> UpdateConfig:
-        """The config of resolved command options (`update`'s flags, a preset's `update:` section).
-
-        Every dataclass field is read from the option of the same name; other options (paths, output
-        flags) are ignored, and a missing one keeps its default. Lists become tuples (YAML `betas`).
-        An unset --mixed-precision (None) is the launcher's.
-        """
-        values = {f.name: options[f.name] for f in fields(cls) if f.name in options}
-        if values.get("mixed_precision") is None:
-            values.pop("mixed_precision", None)
-        values["parallel"] = ModelParallel.from_options(options)
-        values["kernels"] = Kernels.from_options(options)
-        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
-
-    def accumulation(self, micro: int, world: int) -> int:
-        """Micro-batches each of `world` ranks takes per optimizer step, of `micro` samples each:
-        --grad-accum (default 1), or --samples-per-step ÷ (micro × world), so that a preset's optimizer
-        step holds the same samples at every world size. Not a whole number: a UserInputError."""
-        if not self.samples_per_step:
-            return self.grad_accum or 1
-        per_pass = micro * world
-        if self.samples_per_step % per_pass:
-            of = (
-                f"--micro-batch {micro}"
-                if self.micro_batch
-                else f"--micro-batch 0 (the rollout's batch size {micro})"
-            )
-            raise UserInputError(
-                f"--samples-per-step {self.samples_per_step} is not a multiple of {of} × {world} rank(s) = "
-                f"{per_pass}; give a multiple of {per_pass}, or another --micro-batch"
-            )
-        return self.samples_per_step // per_pass
-
-    def optimizer_settings(self) -> dict[str, Any]:
-        """AdamW's hyper-parameters of this run; they override those of a resumed optimizer state."""
-        return {
-            "lr": self.lr,
-            "betas": tuple(self.betas),
-            "weight_decay": self.weight_decay,
-            "eps": self.adam_eps,
-        }
-
-    def lr_factor(self, step: int) -> float:
-        """lr / --lr for the optimizer step taken after `step` earlier ones (counted over every update).
-
-        transformers' schedules: a linear warmup from 0 over --lr-warmup-steps, then constant, linear
-        decay to 0, or a half cosine to 0 at --lr-total-steps (and 0 after it).
-        """
-        warmup = self.lr_warmup_steps
-        if step < warmup:
-            return step / warmup
-        if self.lr_scheduler == "constant":
-            return 1.0
-        progress = min((step - warmup) / (self.lr_total_steps - warmup), 1.0)
-        if self.lr_scheduler == "linear":
-            return 1.0 - progress
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    def autocast(self, device: torch.device) -> AbstractContextManager[Any]:
-        """The context the forward and loss run in: autocast to --mixed-precision on `device`'s type."""
-        return autocast(self.mixed_precision, device)
-
-    def advantage_clip(self) -> float | None:
-        """|A| bound: --adv-clip, else the --algo's (5 for the diffusion family, none for grpo/dapo/gspo);
-        0 turns it off."""
-        if self.adv_clip is None:
-            return get_algorithm(self.algo).adv_clip
-        return self.adv_clip or None
-
-    def clip_bounds(self) -> tuple[float, float]:
-        """(low, high) ratio clip: the --algo's defaults unless given; --clip-range alone is symmetric."""
-        algo = get_algorithm(self.algo)
-        low = algo.clip[0] if self.clip_range is None else self.clip_range
-        if self.clip_range_high is not None:
-            return low, self.clip_range_high
-        return low, algo.clip[1] if self.clip_range is None else low
-
-    def dual_clip_c(self) -> float | None:
-        """Dual-clip constant: the --algo's unless given; 0 turns it off."""
-        if self.dual_clip is None:
-            return get_algorithm(self.algo).dual_clip
-        return self.dual_clip or None
-
-    def resets_reference(self) -> bool:
-        """Whether GARDO's reference reset is on (--ref-reset-every or --ref-reset-kl)."""
-        return self.ref_reset_every > 0 or self.ref_reset_kl is not None
-
-    def _validate_optimizer(self) -> None:
-        if not 0 <= self.lr < math.inf:
-            raise UserInputError(f"--lr {self.lr}: the learning rate must be a finite number >= 0")
-        if not 0 <= self.weight_decay < math.inf:
-            raise UserInputError(f"--weight-decay {self.weight_decay}: must be a finite number >= 0")
-        if not 0 < self.adam_eps < math.inf:
-            raise UserInputError(f"--adam-eps {self.adam_eps}: must be a finite number > 0")
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            raise UserInputError(
-                f"--adam-betas {' '.join(map(str, self.betas))}: give two numbers in [0, 1), e.g. 0.9 0.999"
-            )
-        if not 0 < self.max_grad_norm < math.inf:
-            raise UserInputError(f"--max-grad-norm {self.max_grad_norm}: must be a finite number > 0")
-        if self.lr_scheduler not in LR_SCHEDULERS:
-            raise UserInputError(
-                f"--lr-scheduler {self.lr_scheduler}: choose one of {', '.join(LR_SCHEDULERS)}"
-            )
-        if self.lr_warmup_steps < 0:
-            raise UserInputError(f"--lr-warmup-steps {self.lr_warmup_steps}: must be at least 0")
-        if self.lr_scheduler != "constant" and self.lr_total_steps <= self.lr_warmup_steps:
-            raise UserInputError(
-                f"--lr-scheduler {self.lr_scheduler} decays to 0 at --lr-total-steps; give the optimizer "
-                f"steps of the whole run, more than --lr-warmup-steps {self.lr_warmup_steps}"
-            )
-
-    def _validate_precision(self) -> None:
-        launcher_strategy()
-        resolve_mixed_precision(self.mixed_precision)
-
-    def validate(self) -> None:
-        """Raise a one-line UserInputError naming the first impossible setting."""
-        algo = get_algorithm(self.algo)
-        self._validate_precision()
-        self._validate_optimizer()
-        if self.adv_clip is not None and not 0 <= self.adv_clip < math.inf:
-            raise UserInputError(f"--adv-clip {self.adv_clip}: must be a finite number >= 0 (0 turns it off)")
-        if algo.family == "forward" and self.advantage_clip() is None:
-            raise UserInputError(
-                f"--adv-clip 0: --algo {algo.name} scales advantages by it; give a positive bound (default 5)"
-            )
-        if not 0 < self.timestep_fraction <= 1:
-            raise UserInputError(f"--timestep-fraction {self.timestep_fraction}: must lie in (0, 1]")
-        if (self.grad_accum is not None and self.grad_accum < 1) or self.inner_epochs < 1:
-            raise UserInputError("--grad-accum and --inner-epochs must be at least 1")
-        if self.samples_per_step < 0:
-            raise UserInputError(f"--samples-per-step {self.samples_per_step}: must be at least 1 (0: off)")
-        if self.samples_per_step and self.grad_accum is not None:
-            raise UserInputError(
-                f"--samples-per-step {self.samples_per_step} and --grad-accum {self.grad_accum} both set the "
-                "optimizer step's size; give one (--samples-per-step 0 drops a preset's)"
-            )
-        if min(self.clip_bounds()) <= 0:
-            raise UserInputError(f"--clip-range {self.clip_bounds()}: must be positive")
-        if self.dual_clip is not None and 0 < self.dual_clip <= 1:
-            raise UserInputError(f"--dual-clip {self.dual_clip}: must be > 1 (or 0 to turn it off)")
-        if self.loss_agg_mode is not None and self.loss_agg_mode not in AGG_MODES:
-            raise UserInputError(
-                f"--loss-agg-mode {self.loss_agg_mode}: choose one of {', '.join(AGG_MODES)}"
-            )
-        if self.kl_type not in KL_KINDS:
-            raise UserInputError(f"--kl-type {self.kl_type}: choose one of {', '.join(KL_KINDS)}")
-        if self.old_decay not in NFT_DECAY_SCHEDULES:
-            raise UserInputError(
-                f"--old-decay {self.old_decay}: choose one of {', '.join(NFT_DECAY_SCHEDULES)}"
-            )
-        if self.nft_adv_mode not in NFT_ADV_MODES:
-            raise UserInputError(
-                f"--nft-adv-mode {self.nft_adv_mode}: choose one of {', '.join(NFT_ADV_MODES)}"
-            )
-        if self.old_decay_value is not None and not 0 <= self.old_decay_value <= 1:
-            raise UserInputError(
-                f"--old-decay-value {self.old_decay_value}: must lie in [0, 1] (0 copies; omit it for --old-decay)"
-            )
-        if self.old_update_interval < 1:
-            raise UserInputError(f"--old-update-interval {self.old_update_interval}: must be at least 1")
-        if self.ref_reset_every < 0:
-            raise UserInputError(f"--ref-reset-every {self.ref_reset_every}: must be at least 0 (0: never)")
-        if self.ref_reset_kl is not None and not 0 <= self.ref_reset_kl < math.inf:
-            raise UserInputError(f"--ref-reset-kl {self.ref_reset_kl}: must be a finite number >= 0")
-        if self.resets_reference() and algo.family not in ("policy_gradient", "forward"):
-            raise UserInputError(
-                f"--ref-reset-every / --ref-reset-kl: diffusion policy-gradient and forward algorithms only, "
-                f"not --algo {algo.name}"
-            )
-        if self.resets_reference() and self.beta <= 0:
-            raise UserInputError(
-                "--ref-reset-every / --ref-reset-kl reset the KL reference: give --beta > 0 (GARDO 0.04)"
-            )
-        if self.awm_weighting not in AWM_WEIGHTINGS:
-            raise UserInputError(
-                f"--awm-weighting {self.awm_weighting}: choose one of {', '.join(AWM_WEIGHTINGS)}"
-            )
-        if self.ema_beta > 0 and not self.ema:
-            raise UserInputError("--ema-beta needs --ema (the EMA weights it pulls toward)")
-        if self.strategy not in STRATEGIES:
-            raise UserInputError(f"--strategy {self.strategy}: choose one of {', '.join(STRATEGIES)}")
-        if self.train_timesteps < 1:
-            raise UserInputError(f"--train-timesteps {self.train_timesteps}: must be at least 1")
-        self.kernels.validate()
-        rollout_correction.validate(self)
-        if self.guard_dance_scale not in GUARD_DANCE_SCALES:
-            raise UserInputError(
-                f"--guard-dance-scale {self.guard_dance_scale}: choose one of {', '.join(GUARD_DANCE_SCALES)}"
-            )
-        if self.rollout_correction != "off" and algo.family not in ("policy_gradient", "token"):
-            raise UserInputError(
-                f"--rollout-correction {self.rollout_correction}: --algo {algo.name} replays no rollout "
-                "log-probs; use it with a policy-gradient --algo (flow_grpo, grpo_guard, grpo, ...) or drop it"
-            )
 
 
 class EMA:
@@ -650,29 +378,3 @@ class Trainer:
             weights=lambda: self.par.module_state(trained_only=not self.cfg.full),
             extra=extra,
         )
-
-
-def train(
-    policy: Policy,
-    data: dict[str, Any],
-    sample_cfg: Any,
-    cfg: UpdateConfig,
-    *,
-    state: dict[str, Any],
-    start_step: int,
-    on_step: Callable[[dict[str, Any]], None] | None = None,
-    load_rows: Callable[[list[int]], Any] | None = None,
-) -> tuple[
-    torch.optim.Optimizer,
-    EMA | None,
-    dict[str, torch.Tensor] | None,
-    list[dict[str, Any]],
-    Parallel,
-    torch.amp.GradScaler,
-]:
-    """One `Trainer` step from `state` (`load_state`), for one-shot callers (benchmarks): the optimizer,
-    the EMA, the new old-policy weights (NFT), the metrics, the `Parallel` and the fp16 loss scaler, the
-    arguments of `trainer_state`."""
-    trainer = Trainer(policy, cfg, state, start_step)
-    metrics = trainer.step(data, sample_cfg, on_step=on_step, load_rows=load_rows)
-    return trainer.optimizer, trainer.ema, trainer.old_weights, metrics, trainer.par, trainer.scaler

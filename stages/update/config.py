@@ -1,0 +1,537 @@
+"""`update`'s settings as one typed config, and the names its knobs take; torch-free.
+
+`UpdateConfig` is the single declaration of every `omnirl update` option (help, choices, bounds, panel),
+from which the CLI generates its options (`omnirl_cli.generate`); the trainer (`stages.update.trainer`)
+and `omnirl online` run on an instance of it. The closed sets its knobs take and the built-in `--algo`
+names are declared here once: the modules that implement them import them from here.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import AbstractContextManager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from stages import knobs
+from stages.advantage.config import NFT_ADV_MODES
+from stages.errors import UserInputError
+from stages.knobs import OPTIMISATION, knob
+
+if TYPE_CHECKING:
+    import torch
+
+    from stages.models.kernels import Kernels
+    from stages.parallelism import ModelParallel
+
+# The built-in algorithms (`stages.update.losses.ALGORITHMS` implements each, in this order).
+ALGORITHM_NAMES = (
+    "flow_grpo",
+    "dance_grpo",
+    "mix_grpo",
+    "grpo_guard",
+    "nft",
+    "awm",
+    "dpo",
+    "grpo",
+    "dapo",
+    "gspo",
+)
+LR_SCHEDULERS = ("constant", "linear", "cosine")  # `UpdateConfig.lr_factor`
+# verl's loss_agg_mode and KL estimators (`stages.update.token_losses`)
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+KL_KINDS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl", "k1+", "k3+")
+# DiffusionNFT's old-policy schedules and AWM's pseudo log-prob weightings (`stages.update.family_losses`)
+NFT_DECAY_SCHEDULES = ("copy", "linear_to_0_5", "delayed_linear_to_0_999")
+AWM_WEIGHTINGS = ("uniform", "ghuber")
+# GRPO-Guard's ratio normaliser on dance steps: the exact step std s = η·sqrt|Δσ| (GRPO-Guard's RatioNorm),
+# or verl-omni's s·sqrt|Δσ| = η·|Δσ| (`stages.update.family_losses`)
+GUARD_DANCE_SCALES = ("std", "eta_dsigma")
+# verl's decoupled rollout correction: its modes and the level a weight is taken at
+# (`stages.update.rollout_correction`)
+ROLLOUT_CORRECTIONS = ("off", "is", "rs", "is_rs")
+ROLLOUT_CORRECTION_LEVELS = ("token", "sequence")
+# The knobs that name where `update` reads, writes and logs (and the stored dtype of the frozen model),
+# not how it trains: the adapter's update_config (`UpdateConfig.settings`) records the others.
+RUN_KNOBS = ("inputs", "out", "model", "adapter", "dtype", "report_to", "run_name", "overwrite")
+LOSS = "Loss"
+
+
+@dataclass
+class UpdateConfig:
+    """Every setting of the `update` stage (`omnirl update`); defaults are flow_grpo's SD3 ones
+    (diffusion-rl.md §1.2, §1.5)."""
+
+    inputs: list[Path] | None = knobs.inputs()
+    out: Path | None = knobs.out()
+    model: str | None = knobs.model("Diffusers pipeline or transformers VLM")
+    adapter: str | None = knobs.adapter(
+        "Adapter to continue from",
+        ". omnirl's also carry optimizer, EMA and step; another tool's LoRA starts a fresh optimizer at "
+        "step 0 with its own rank and alpha.",
+    )
+    dtype: str = knobs.dtype()
+    # None: the launcher's (resolved on construction, `__post_init__`)
+    mixed_precision: str | None = knobs.mixed_precision(
+        "the forward and loss (fp16 with a dynamic loss scale, torch.amp.GradScaler: an overflow skips the "
+        "step and halves the scale, logged as actor/grad_scale; not with FSDP2)",
+        OPTIMISATION,
+        recorded="Recorded in the adapter's update_config.",
+    )
+    strategy: str = knobs.strategy()
+    gradient_checkpointing: bool = knobs.gradient_checkpointing()
+    sp_degree: int = knobs.sp_degree()
+    sp_kind: str = knobs.sp_kind()
+    tp_degree: int = knobs.tp_degree()
+    attention_backend: str | None = knobs.attention_backend()
+    compile: bool = knobs.compile()
+    algo: str = knob(
+        "flow_grpo",
+        "flow_grpo (first int(K·f) steps), dance_grpo (random steps per sample), mix_grpo (the stored "
+        "window), grpo_guard (GRPO-Guard's RatioNorm ratio with the exact step std, as flow_grpo; on "
+        "dance steps verl-omni scales by η·|Δσ| instead; needs `logprob --means`); on final latents: nft "
+        "(DiffusionNFT), awm (advantage-weighted matching), dpo (best vs worst of each group); VLM "
+        "text rollouts: grpo (verl: clip 0.2, dual-clip 3, token-mean), dapo (clip-higher 0.28), gspo "
+        "(verl: sequence ratio, clip 3e-4/4e-4, policy term always seq-mean-token-mean).",
+        names=ALGORITHM_NAMES,
+        panel=LOSS,
+    )
+    clip_range: float | None = knob(
+        None,
+        "PPO ratio clip ε (default per --algo: flow_grpo family 1e-4, grpo/dapo 0.2, gspo 3e-4).",
+        panel=LOSS,
+    )
+    clip_range_high: float | None = knob(
+        None,
+        "Upper clip if asymmetric (DAPO clip-higher 0.28; default: --algo's, or = --clip-range).",
+        panel=LOSS,
+    )
+    dual_clip: float | None = knob(
+        None,
+        "Dual-clip c > 1 capping negative-advantage token losses (grpo/dapo 3; 0 turns it off).",
+        panel=LOSS,
+    )
+    loss_agg_mode: str | None = knob(
+        None,
+        "VLM aggregation of the policy, KL and entropy terms (verl loss_agg_mode, default token-mean): "
+        "token-mean, seq-mean-token-mean (original GRPO), seq-mean-token-sum, seq-mean-token-sum-norm "
+        "(Dr.GRPO). gspo's policy term is always seq-mean-token-mean (verl); this sets its KL and entropy.",
+        choices=AGG_MODES,
+        panel=LOSS,
+    )
+    kl_type: str = knob(
+        "low_var_kl",
+        "VLM KL estimator for --beta: k1, abs, k2 (mse), k3 (low_var_kl, clamped), k1+, k3+.",
+        choices=KL_KINDS,
+        panel=LOSS,
+    )
+    entropy_coef: float = knob(0.0, "VLM: loss −= coef·entropy (verl 0).", panel=LOSS)
+    router_aux_loss_coef: float | None = knob(
+        None,
+        "MoE VLM (Qwen3-Omni thinker): loss += coef·load-balancing loss of the routers, as "
+        "transformers trains. Default: the config's router_aux_loss_coef when its "
+        "output_router_logits is set, else 0. Router loads are reported either way (moe/*).",
+        panel=LOSS,
+    )
+    adv_clip: float | None = knob(
+        None,
+        "Clip advantages to ±this; 0 turns it off. Default per --algo: 5 for the diffusion algorithms "
+        "(flow_grpo, verl-omni adv_clip_max; nft/awm also scale advantages by it), none for grpo/dapo/gspo "
+        "(verl never clips: one success in a group of 64 keeps A = 7.87).",
+        panel=LOSS,
+    )
+    beta: float = knob(
+        0.0,
+        "KL-to-reference weight (flow_grpo: 0.04 OCR/GenEval; VLM kl_loss_coef, verl 0.01). Diffusion "
+        "KL per step = mean (μ−μ_ref)²/(2d²): d = g on sde steps (flow_grpo, = exact KL·|Δσ|), d = the step "
+        "std η·sqrt|Δσ| on dance steps (verl-omni dance_sde, the exact Gaussian KL), d = s on cps steps.",
+        panel=LOSS,
+    )
+    timestep_fraction: float = knob(
+        1.0, "Train the first int(K·f) stored steps (flow_grpo 0.99).", panel=LOSS
+    )
+    nft_beta: float = knob(1.0, "DiffusionNFT β (1.0; 0.1 for OCR / multi-reward).", panel=LOSS)
+    old_decay: str = knob(
+        "linear_to_0_5",
+        "NFT old-policy schedule: copy, linear_to_0_5, delayed_linear_to_0_999.",
+        choices=NFT_DECAY_SCHEDULES,
+        panel=LOSS,
+    )
+    awm_weighting: str = knob(
+        "uniform", "AWM pseudo log-prob: uniform or ghuber.", choices=AWM_WEIGHTINGS, panel=LOSS
+    )
+    awm_p: float = knob(0.25, "AWM generalised-Huber power.", panel=LOSS)
+    ema_beta: float = knob(0.0, "AWM EMA-KL weight (needs --ema).", panel=LOSS)
+    train_timesteps: int = knob(6, "AWM: stratified timesteps per sample (6).", panel=LOSS)
+    dpo_beta: float = knob(5000.0, "Diffusion-DPO β (5000 for the reference's ε-MSE).", panel=LOSS)
+    lr: float = knob(
+        3e-4,
+        "AdamW learning rate (flow_grpo 3e-4). With --adapter, this run's --lr, --weight-decay, "
+        "--adam-betas and --adam-eps replace the saved optimizer's; its moments carry over.",
+        panel=OPTIMISATION,
+    )
+    weight_decay: float = knob(1e-4, "AdamW weight decay (flow_grpo 1e-4).", panel=OPTIMISATION)
+    betas: tuple[float, float] = knob(
+        (0.9, 0.999), "AdamW (β1, β2), each in [0, 1) (flow_grpo).", flag="--adam-betas", panel=OPTIMISATION
+    )
+    adam_eps: float = knob(1e-8, "AdamW ε > 0 (flow_grpo 1e-8).", panel=OPTIMISATION)
+    lr_scheduler: str = knob(
+        "constant",
+        "LR schedule over the optimizer steps of the whole run, continued across updates from the "
+        "--adapter's step (transformers/trl lr_scheduler_type, verl lr_scheduler_type): constant, linear "
+        "(to 0 at --lr-total-steps) or cosine (half cosine to 0 at --lr-total-steps).",
+        choices=LR_SCHEDULERS,
+        panel=OPTIMISATION,
+    )
+    lr_warmup_steps: int = knob(
+        0,
+        "Linear warmup from 0 over this many optimizer steps (trl warmup_steps, verl lr_warmup_steps).",
+        panel=OPTIMISATION,
+    )
+    lr_total_steps: int = knob(
+        0,
+        "Optimizer steps of the whole run (all updates) where linear/cosine reach 0 (trl max_steps, "
+        "verl total_training_steps); needed by them.",
+        panel=OPTIMISATION,
+    )
+    max_grad_norm: float = knob(1.0, "Gradient-norm clip (flow_grpo 1.0).", panel=OPTIMISATION)
+    micro_batch: int = knobs.micro_batch()
+    # None: 1, or derived from samples_per_step (`accumulation`)
+    grad_accum: int | None = knob(
+        None,
+        "Micro-batches each rank takes per optimizer step (default 1): the step then grows with the "
+        "launcher's ranks. Not with --samples-per-step.",
+        low=1,
+        panel=OPTIMISATION,
+    )
+    samples_per_step: int = knob(
+        0,
+        "Samples per optimizer step over all ranks (dpo: rows, two per pair); each rank's "
+        "grad_accum is this ÷ (micro-batch × ranks), so 1 process and N ranks take the same steps. "
+        "Refused when not a multiple of micro-batch × ranks, or with --grad-accum. 0: off (--grad-accum "
+        "applies).",
+        low=0,
+        panel=OPTIMISATION,
+    )
+    inner_epochs: int = knob(1, "Passes over the data.", low=1, panel=OPTIMISATION)
+    shuffle: bool = knob(True, "Shuffle trajectories each epoch.", negative=True, panel=OPTIMISATION)
+    ema: bool = knob(False, "Keep an EMA of the weights (flow_grpo decay).", panel=OPTIMISATION)
+    lora_rank: int = knobs.lora_rank()
+    lora_alpha: int = knob(64, "LoRA alpha (flow_grpo 64).", panel=OPTIMISATION)
+    full: bool = knobs.full()
+    train_vision: bool = knob(
+        False,
+        "VLM with --full: train the encoder towers too (vision, and audio in omni models; "
+        "frozen by default).",
+        panel=OPTIMISATION,
+    )
+    detach_uncond: bool = knob(
+        True,
+        "Diffusion with CFG: the gradient stops at the unconditional branch (flow_grpo since "
+        "July 2025); --no-detach-uncond lets it flow through both branches. Values are equal either way.",
+        negative=True,
+        panel=LOSS,
+    )
+    seed: int = knob(0, "Seeds LoRA init and shuffling.", panel=OPTIMISATION)
+    guard_dance_scale: str = knob(
+        "std",
+        "--algo grpo_guard on dance steps: normalise the ratio by the exact step std η·sqrt|Δσ| (std, "
+        "GRPO-Guard's RatioNorm) or by verl-omni's η·|Δσ| (eta_dsigma). Other samplers ignore it.",
+        choices=GUARD_DANCE_SCALES,
+        panel=LOSS,
+    )
+    rollout_correction: str = knob(
+        "off",
+        "Correct for a rollout engine whose log-probs differ from the trainer's (verl's decoupled rollout "
+        "correction): weigh each step's (token's) policy term by ρ = π_old/π_rollout from old_log_probs "
+        "(omnirl logprob) vs log_probs (omnirl sample). is: truncated weight min(ρ, --rollout-is-threshold); "
+        "rs: 0 outside [--rollout-rs-threshold-lower, --rollout-rs-threshold]; is_rs: both.",
+        choices=ROLLOUT_CORRECTIONS,
+        panel=LOSS,
+    )
+    rollout_correction_level: str = knob(
+        "token",
+        "ρ per element (token: each stored denoising step, each response token) or per sequence (the "
+        "product over a row's steps or tokens).",
+        choices=ROLLOUT_CORRECTION_LEVELS,
+        panel=LOSS,
+    )
+    rollout_is_threshold: float = knob(
+        2.0,
+        "Upper truncation of the importance weights (verl rollout_is_threshold, default 2.0).",
+        panel=LOSS,
+    )
+    rollout_rs_threshold: float | None = knob(
+        None, "Rejection: ρ above this is rejected (default: --rollout-is-threshold).", panel=LOSS
+    )
+    rollout_rs_threshold_lower: float | None = knob(
+        None, "Rejection: ρ below this is rejected (default: 1 / --rollout-rs-threshold).", panel=LOSS
+    )
+    nft_adv_mode: str = knob(
+        "continuous",
+        "nft: how the clipped advantage a becomes the optimality r = m(a)/(2·adv-clip) + ½ (verl-omni "
+        "adv_mode, default continuous: m(a) = a); positive_only: max(a, 0); negative_only: min(a, 0); "
+        "one_only: 1 if a > 0 else 0; binary: sign(a).",
+        choices=NFT_ADV_MODES,
+        panel=LOSS,
+    )
+    old_decay_value: float | None = knob(
+        None,
+        "nft: a fixed λ in [0, 1] for θ_old ← λ·θ_old + (1−λ)·θ, replacing the --old-decay schedule "
+        "(verl-omni old_policy_decay; default none: the schedule's λ; 0 copies).",
+        low=0,
+        high=1,
+        panel=LOSS,
+    )
+    old_update_interval: int = knob(
+        1,
+        "nft: refresh the old policy at the end of an update that crosses a multiple of this many optimizer "
+        "steps (verl-omni old_policy_update_interval, default 1: every update; its recipes 2).",
+        low=1,
+        panel=LOSS,
+    )
+    ref_reset_every: int = knob(
+        0,
+        "GARDO: before an update, reset the KL reference to the current policy when this many updates ran "
+        "since the last reset (the reference's reset_freq 15 = every 16; default 0: never, the reference "
+        "stays the base model). Kept in the adapter's trainer state; needs --beta > 0.",
+        low=0,
+        panel=LOSS,
+    )
+    ref_reset_kl: float | None = knob(
+        None,
+        "GARDO: also reset it before the next update when an optimizer step's actor/kl_loss exceeded this "
+        "(the reference's kl_thres, e.g. 3e-4; default none).",
+        low=0,
+        panel=LOSS,
+    )
+    report_to: list[str] | None = knobs.report_to()
+    run_name: str | None = knobs.run_name()
+    overwrite: bool = knobs.overwrite()
+    ema_every: int = 8  # optimizer steps between EMA updates (flow_grpo); not an option
+
+    def __post_init__(self) -> None:
+        """An unset mixed precision is the launcher's; the AdamW betas are a pair (a preset gives a list)."""
+        if self.mixed_precision is None:
+            from stages.precision import launcher_mixed_precision
+
+            self.mixed_precision = launcher_mixed_precision()
+        self.betas = tuple(self.betas)
+
+    @property
+    def parallel(self) -> ModelParallel:
+        """The model parallelism of the trained transformer (--sp-degree, --sp-kind, --tp-degree)."""
+        from stages.parallelism import ModelParallel
+
+        return ModelParallel(self.sp_degree, self.sp_kind, self.tp_degree)
+
+    @property
+    def kernels(self) -> Kernels:
+        """The trained transformer's attention backend and compilation (--attention-backend, --compile)."""
+        from stages.models.kernels import Kernels
+
+        return Kernels(self.attention_backend, self.compile)
+
+    def settings(self) -> dict[str, Any]:
+        """The training settings, as the adapter's update_config records them: every field but
+        `RUN_KNOBS`."""
+        return {k: v for k, v in asdict(self).items() if k not in RUN_KNOBS}
+
+    def accumulation(self, micro: int, world: int) -> int:
+        """Micro-batches each of `world` ranks takes per optimizer step, of `micro` samples each:
+        --grad-accum (default 1), or --samples-per-step ÷ (micro × world), so that a preset's optimizer
+        step holds the same samples at every world size. Not a whole number: a UserInputError."""
+        if not self.samples_per_step:
+            return self.grad_accum or 1
+        per_pass = micro * world
+        if self.samples_per_step % per_pass:
+            of = (
+                f"--micro-batch {micro}"
+                if self.micro_batch
+                else f"--micro-batch 0 (the rollout's batch size {micro})"
+            )
+            raise UserInputError(
+                f"--samples-per-step {self.samples_per_step} is not a multiple of {of} × {world} rank(s) = "
+                f"{per_pass}; give a multiple of {per_pass}, or another --micro-batch"
+            )
+        return self.samples_per_step // per_pass
+
+    def optimizer_settings(self) -> dict[str, Any]:
+        """AdamW's hyper-parameters of this run; they override those of a resumed optimizer state."""
+        return {
+            "lr": self.lr,
+            "betas": tuple(self.betas),
+            "weight_decay": self.weight_decay,
+            "eps": self.adam_eps,
+        }
+
+    def lr_factor(self, step: int) -> float:
+        """lr / --lr for the optimizer step taken after `step` earlier ones (counted over every update).
+
+        transformers' schedules: a linear warmup from 0 over --lr-warmup-steps, then constant, linear
+        decay to 0, or a half cosine to 0 at --lr-total-steps (and 0 after it).
+        """
+        warmup = self.lr_warmup_steps
+        if step < warmup:
+            return step / warmup
+        if self.lr_scheduler == "constant":
+            return 1.0
+        progress = min((step - warmup) / (self.lr_total_steps - warmup), 1.0)
+        if self.lr_scheduler == "linear":
+            return 1.0 - progress
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    def autocast(self, device: torch.device) -> AbstractContextManager[Any]:
+        """The context the forward and loss run in: autocast to --mixed-precision on `device`'s type."""
+        from stages.precision import autocast
+
+        return autocast(self.mixed_precision, device)
+
+    def advantage_clip(self) -> float | None:
+        """|A| bound: --adv-clip, else the --algo's (5 for the diffusion family, none for grpo/dapo/gspo);
+        0 turns it off."""
+        from stages.update.losses import get_algorithm
+
+        if self.adv_clip is None:
+            return get_algorithm(self.algo).adv_clip
+        return self.adv_clip or None
+
+    def clip_bounds(self) -> tuple[float, float]:
+        """(low, high) ratio clip: the --algo's defaults unless given; --clip-range alone is symmetric."""
+        from stages.update.losses import get_algorithm
+
+        algo = get_algorithm(self.algo)
+        low = algo.clip[0] if self.clip_range is None else self.clip_range
+        if self.clip_range_high is not None:
+            return low, self.clip_range_high
+        return low, algo.clip[1] if self.clip_range is None else low
+
+    def dual_clip_c(self) -> float | None:
+        """Dual-clip constant: the --algo's unless given; 0 turns it off."""
+        from stages.update.losses import get_algorithm
+
+        if self.dual_clip is None:
+            return get_algorithm(self.algo).dual_clip
+        return self.dual_clip or None
+
+    def resets_reference(self) -> bool:
+        """Whether GARDO's reference reset is on (--ref-reset-every or --ref-reset-kl)."""
+        return self.ref_reset_every > 0 or self.ref_reset_kl is not None
+
+    def _validate_optimizer(self) -> None:
+        if not 0 <= self.lr < math.inf:
+            raise UserInputError(f"--lr {self.lr}: the learning rate must be a finite number >= 0")
+        if not 0 <= self.weight_decay < math.inf:
+            raise UserInputError(f"--weight-decay {self.weight_decay}: must be a finite number >= 0")
+        if not 0 < self.adam_eps < math.inf:
+            raise UserInputError(f"--adam-eps {self.adam_eps}: must be a finite number > 0")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise UserInputError(
+                f"--adam-betas {' '.join(map(str, self.betas))}: give two numbers in [0, 1), e.g. 0.9 0.999"
+            )
+        if not 0 < self.max_grad_norm < math.inf:
+            raise UserInputError(f"--max-grad-norm {self.max_grad_norm}: must be a finite number > 0")
+        if self.lr_scheduler not in LR_SCHEDULERS:
+            raise UserInputError(
+                f"--lr-scheduler {self.lr_scheduler}: choose one of {', '.join(LR_SCHEDULERS)}"
+            )
+        if self.lr_warmup_steps < 0:
+            raise UserInputError(f"--lr-warmup-steps {self.lr_warmup_steps}: must be at least 0")
+        if self.lr_scheduler != "constant" and self.lr_total_steps <= self.lr_warmup_steps:
+            raise UserInputError(
+                f"--lr-scheduler {self.lr_scheduler} decays to 0 at --lr-total-steps; give the optimizer "
+                f"steps of the whole run, more than --lr-warmup-steps {self.lr_warmup_steps}"
+            )
+
+    def _validate_precision(self) -> None:
+        from stages.precision import resolve_mixed_precision
+        from stages.update.parallel import launcher_strategy
+
+        launcher_strategy()
+        resolve_mixed_precision(self.mixed_precision)
+
+    def validate(self) -> None:
+        """Raise a one-line UserInputError naming the first impossible setting."""
+        from stages.update.losses import get_algorithm
+
+        algo = get_algorithm(self.algo)
+        self._validate_precision()
+        self._validate_optimizer()
+        if self.adv_clip is not None and not 0 <= self.adv_clip < math.inf:
+            raise UserInputError(f"--adv-clip {self.adv_clip}: must be a finite number >= 0 (0 turns it off)")
+        if algo.family == "forward" and self.advantage_clip() is None:
+            raise UserInputError(
+                f"--adv-clip 0: --algo {algo.name} scales advantages by it; give a positive bound (default 5)"
+            )
+        if not 0 < self.timestep_fraction <= 1:
+            raise UserInputError(f"--timestep-fraction {self.timestep_fraction}: must lie in (0, 1]")
+        if (self.grad_accum is not None and self.grad_accum < 1) or self.inner_epochs < 1:
+            raise UserInputError("--grad-accum and --inner-epochs must be at least 1")
+        if self.samples_per_step < 0:
+            raise UserInputError(f"--samples-per-step {self.samples_per_step}: must be at least 1 (0: off)")
+        if self.samples_per_step and self.grad_accum is not None:
+            raise UserInputError(
+                f"--samples-per-step {self.samples_per_step} and --grad-accum {self.grad_accum} both set the "
+                "optimizer step's size; give one (--samples-per-step 0 drops a preset's)"
+            )
+        if min(self.clip_bounds()) <= 0:
+            raise UserInputError(f"--clip-range {self.clip_bounds()}: must be positive")
+        if self.dual_clip is not None and 0 < self.dual_clip <= 1:
+            raise UserInputError(f"--dual-clip {self.dual_clip}: must be > 1 (or 0 to turn it off)")
+        if self.loss_agg_mode is not None and self.loss_agg_mode not in AGG_MODES:
+            raise UserInputError(
+                f"--loss-agg-mode {self.loss_agg_mode}: choose one of {', '.join(AGG_MODES)}"
+            )
+        if self.kl_type not in KL_KINDS:
+            raise UserInputError(f"--kl-type {self.kl_type}: choose one of {', '.join(KL_KINDS)}")
+        if self.old_decay not in NFT_DECAY_SCHEDULES:
+            raise UserInputError(
+                f"--old-decay {self.old_decay}: choose one of {', '.join(NFT_DECAY_SCHEDULES)}"
+            )
+        if self.nft_adv_mode not in NFT_ADV_MODES:
+            raise UserInputError(
+                f"--nft-adv-mode {self.nft_adv_mode}: choose one of {', '.join(NFT_ADV_MODES)}"
+            )
+        if self.old_decay_value is not None and not 0 <= self.old_decay_value <= 1:
+            raise UserInputError(
+                f"--old-decay-value {self.old_decay_value}: must lie in [0, 1] (0 copies; omit it for --old-decay)"
+            )
+        if self.old_update_interval < 1:
+            raise UserInputError(f"--old-update-interval {self.old_update_interval}: must be at least 1")
+        if self.ref_reset_every < 0:
+            raise UserInputError(f"--ref-reset-every {self.ref_reset_every}: must be at least 0 (0: never)")
+        if self.ref_reset_kl is not None and not 0 <= self.ref_reset_kl < math.inf:
+            raise UserInputError(f"--ref-reset-kl {self.ref_reset_kl}: must be a finite number >= 0")
+        if self.resets_reference() and algo.family not in ("policy_gradient", "forward"):
+            raise UserInputError(
+                f"--ref-reset-every / --ref-reset-kl: diffusion policy-gradient and forward algorithms only, "
+                f"not --algo {algo.name}"
+            )
+        if self.resets_reference() and self.beta <= 0:
+            raise UserInputError(
+                "--ref-reset-every / --ref-reset-kl reset the KL reference: give --beta > 0 (GARDO 0.04)"
+            )
+        if self.awm_weighting not in AWM_WEIGHTINGS:
+            raise UserInputError(
+                f"--awm-weighting {self.awm_weighting}: choose one of {', '.join(AWM_WEIGHTINGS)}"
+            )
+        if self.ema_beta > 0 and not self.ema:
+            raise UserInputError("--ema-beta needs --ema (the EMA weights it pulls toward)")
+        if self.strategy not in knobs.STRATEGIES:
+            raise UserInputError(f"--strategy {self.strategy}: choose one of {', '.join(knobs.STRATEGIES)}")
+        if self.train_timesteps < 1:
+            raise UserInputError(f"--train-timesteps {self.train_timesteps}: must be at least 1")
+        self.kernels.validate()
+        from stages.update import rollout_correction
+
+        rollout_correction.validate(self)
+        if self.guard_dance_scale not in GUARD_DANCE_SCALES:
+            raise UserInputError(
+                f"--guard-dance-scale {self.guard_dance_scale}: choose one of {', '.join(GUARD_DANCE_SCALES)}"
+            )
+        if self.rollout_correction != "off" and algo.family not in ("policy_gradient", "token"):
+            raise UserInputError(
+                f"--rollout-correction {self.rollout_correction}: --algo {algo.name} replays no rollout "
+                "log-probs; use it with a policy-gradient --algo (flow_grpo, grpo_guard, grpo, ...) or drop it"
+            )

@@ -28,7 +28,6 @@ LatentDtype = Literal["fp32", "bf16"]  # stages.sample.rollout.LATENT_DTYPES
 Sampler = Literal["ode", "sde", "cps", "dance"]  # stages.sample.samplers.SAMPLERS
 WindowStrategy = Literal["random", "progressive", "fixed"]  # windows.STRATEGIES but "all" (= --sde-window 0)
 Layout = Literal["verl", "easyr1"]  # stages.sample.vlm_data.read_vlm_prompts
-Replay = Literal["auto", "yes"]  # stages.logprob.decide.REPLAY_MODES
 LrScheduler = Literal["constant", "linear", "cosine"]  # stages.update.trainer.LR_SCHEDULERS
 LossAggMode = Literal[
     "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
@@ -36,9 +35,6 @@ LossAggMode = Literal[
 KlType = Literal["k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl", "k1+", "k3+"]  # token_losses.KL_KINDS
 OldDecay = Literal["copy", "linear_to_0_5", "delayed_linear_to_0_999"]  # family_losses.NFT_DECAY_SCHEDULES
 AwmWeighting = Literal["uniform", "ghuber"]  # stages.update.family_losses.AWM_WEIGHTINGS
-VaeMode = Literal["model", "pixel"]  # stages.pretrain.flow_matching.VAE_MODES
-# the SIZES of the families' builders (and wan.PUBLISHED's): test, benchmark and published sizes
-ModelSize = Literal["tiny", "small", "demo", "full", "medium", "1.3b", "3b", "7b"]
 
 # Built-in names of the open registries (completion only; plugins are accepted beside them).
 # Rollout engines: stages.sample.engines' diffusion engines, then stages.sample.vlm_stage.ENGINES.
@@ -56,17 +52,6 @@ ALGORITHMS = (
     "dapo",
     "gspo",
 )  # stages.update.losses.ALGORITHMS
-FAMILIES = (  # stages.models.factory.FAMILIES
-    "flux",
-    "qwen2_5_vl",
-    "qwen3_omni_thinker",
-    "qwen_image",
-    "sd3",
-    "wan2_1",
-    "wan2_2_5b",
-    "wan2_2_a14b",
-    "z_image",
-)
 # The rewards' built-ins and entry-point group (stages.score), for commands not generated from a config yet.
 REWARDS, REWARD_ENTRY_POINTS = BUILTIN_REWARDS, ENTRY_POINT_GROUP
 

@@ -10,6 +10,7 @@ by hand and no setting travels as an untyped dict.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable
 from typing import Any, TypeVar, get_type_hints
@@ -26,13 +27,14 @@ C = TypeVar("C")
 
 
 def options_of(config: type) -> list[inspect.Parameter]:
-    """One keyword parameter per knob of dataclass `config`, in declaration order, as typer reads them."""
+    """One keyword parameter per knob of dataclass `config`, in declaration order, as typer reads them
+    (a field without a default: one the command line must give)."""
     hints = get_type_hints(config)
     return [
         inspect.Parameter(
             field.name,
             inspect.Parameter.KEYWORD_ONLY,
-            default=field.default,
+            default=inspect.Parameter.empty if field.default is dataclasses.MISSING else field.default,
             annotation=option(field.name, declared, hints[field.name]),
         )
         for field, declared in knobs(config)

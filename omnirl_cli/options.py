@@ -15,17 +15,14 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 import typer
 
 from stages import knobs
-from stages.knobs import WEIGHTS_FROM, Knob, flag_of
+from stages.knobs import Knob, flag_of
 
 from .choices import complete
 from .console import QUIET, VERBOSE, set_verbosity
 
 # --model and --adapter are typed as str so `config` sees them as written (a leading ./ marks a path,
 # never a Hub id: `stages.models.hub.spelled_as_path`).
-ADAPTER_HELP = (
-    "an `omnirl update` output, a diffusers LoRA folder (`save_lora_weights`) or a PEFT LoRA folder "
-    f"(`save_pretrained`; a VLM takes PEFT only); {WEIGHTS_FROM}"
-)
+ADAPTER_HELP = knobs.ADAPTER_FROM
 RUN = "Run"
 # Said by the help of an option that has no default but may come from a preset: required after
 # resolution (`config.resolve(..., required=)`), not by typer, so --config can supply it.
@@ -42,9 +39,10 @@ def _with_choices(annotation: Any, choices: tuple[str, ...]) -> Any:
 
 
 def option(name: str, declared: Knob, annotation: Any) -> Any:
-    """The typer option of knob `name` of type `annotation` (`stages.knobs`), as an `Annotated` type:
-    a `choices` knob's `str` becomes a `Literal` of its names (listed in --help, completed, checked),
-    `names` are offered by completion, and a `required` knob's help says how to give it."""
+    """The typer option (or `argument`) of knob `name` of type `annotation` (`stages.knobs`), as an
+    `Annotated` type: a `choices` knob's `str` becomes a `Literal` of its names (listed in --help,
+    completed, checked), `names` are offered by completion, and a `required` knob's help says how to
+    give it."""
     help_text = f"{declared.help} {REQUIRED}" if declared.required else declared.help
     settings: dict[str, Any] = {"help": help_text, "rich_help_panel": declared.panel}
     for key, value in (
@@ -59,6 +57,8 @@ def option(name: str, declared: Knob, annotation: Any) -> Any:
         settings["autocompletion"] = complete(declared.names, declared.entry_points)
     if declared.choices:
         annotation = _with_choices(annotation, declared.choices)
+    if declared.argument:
+        return Annotated[annotation, typer.Argument(**settings)]
     long = flag_of(name, declared)
     names = (
         f"{long}/--no-{long[2:]}" if declared.negative else long,

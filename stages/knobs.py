@@ -42,8 +42,10 @@ class Knob:
     field's name with dashes), `short` (e.g. "-o"), `choices` (a closed set: any other value is refused
     from every source), `names` and `entry_points` (an open registry's built-ins and its entry-point
     group, offered by completion only), `low` / `high` bounds, `panel`, `envvar`, `metavar`, and
-    `required` (some source must give it; checked once all sources are merged, so a preset can) and
-    `negative` (a bool knob whose default is on: a `--no-FLAG` turns it off)."""
+    `required` (some source must give it; checked once all sources are merged, so a preset can),
+    `negative` (a bool knob whose default is on: a `--no-FLAG` turns it off) and `argument` (a
+    positional command-line argument instead of an option; without a field default, the command line
+    must give it)."""
 
     help: str
     flag: str | None = None
@@ -58,10 +60,12 @@ class Knob:
     metavar: str | None = None
     required: bool = False
     negative: bool = False
+    argument: bool = False
 
 
 def knob(default: Any, help: str, **declared: Any) -> Any:
-    """A config field with default `default` and the `Knob` built from `help` and `declared`."""
+    """A config field with default `default` (`dataclasses.MISSING`: none) and the `Knob` built from
+    `help` and `declared`."""
     return dataclasses.field(default=default, metadata={"knob": Knob(help=help, **declared)})
 
 
@@ -171,8 +175,9 @@ ENGINE = "Rollout engine"
 MAX_FRAMES = 4096
 
 
-def model(what: str, panel: str | None = None) -> Any:
-    """`--model`: the weights a command runs, required once all sources are merged (OMNIRL_MODEL too)."""
+def model(what: str, panel: str | None = None, *, required: bool = True) -> Any:
+    """`--model`: the weights a command runs (OMNIRL_MODEL too), by default required once all sources
+    are merged."""
     return knob(
         None,
         f"{what}: {WEIGHTS_FROM}.",
@@ -180,18 +185,34 @@ def model(what: str, panel: str | None = None) -> Any:
         envvar="OMNIRL_MODEL",
         metavar=WEIGHTS_METAVAR,
         panel=panel,
-        required=True,
+        required=required,
     )
 
 
-def dtype() -> Any:
-    """`--dtype`: storage dtype of the frozen weights."""
+# What --adapter may name (`stages.models.folders`).
+ADAPTER_FROM = (
+    "an `omnirl update` output, a diffusers LoRA folder (`save_lora_weights`) or a PEFT LoRA folder "
+    f"(`save_pretrained`; a VLM takes PEFT only); {WEIGHTS_FROM}"
+)
+
+
+def adapter(role: str, after: str, panel: str | None = None) -> Any:
+    """`--adapter`: LoRA weights on --model; its help is `role`, what it may name, then `after`."""
+    return knob(None, f"{role}: {ADAPTER_FROM}{after}", metavar=WEIGHTS_METAVAR, panel=panel)
+
+
+def dtype(*, trains: bool = True, panel: str | None = None) -> Any:
+    """`--dtype`: storage dtype of the weights; of the frozen ones, beside fp32 trained ones, where the
+    command `trains`."""
     return knob(
         "fp32",
         "Storage dtype of the frozen weights. Trained weights (LoRA, or all with --full) are always fp32 "
-        "(diffusers' cast_training_params), so AdamW steps in fp32.",
+        "(diffusers' cast_training_params), so AdamW steps in fp32."
+        if trains
+        else "Weights dtype.",
         choices=DTYPES,
         envvar="OMNIRL_DTYPE",
+        panel=panel,
     )
 
 

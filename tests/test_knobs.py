@@ -1,4 +1,4 @@
-"""One declaration per knob: the options of `advantage` and `score` are generated from their stage's
+"""One declaration per knob: the options of the converted commands are generated from their stage's
 typed config (`stages.knobs`, `omnirl_cli.generate`), every source resolves into that config, and
 neither their --help nor their config modules import torch."""
 
@@ -20,10 +20,25 @@ from omnirl_cli.generate import config_command
 from omnirl_cli.options import REQUIRED
 from stages.advantage.config import ESTIMATOR_NAMES, AdvantageConfig
 from stages.knobs import flag_of, knob, knobs
+from stages.logprob.config import LogprobConfig
+from stages.models.config import FAMILY_NAMES, MODEL_SIZES, InitModelConfig, PlanConfig
+from stages.offline.config import EncodeConfig, PairsConfig
+from stages.pretrain.config import PretrainConfig
 from stages.score.config import BUILTIN_REWARDS, ScoreConfig
 
 ROOT = typer.main.get_command(app)
-CONVERTED = [("advantage", AdvantageConfig), ("score", ScoreConfig)]
+CONVERTED = [
+    ("advantage", AdvantageConfig),
+    ("score", ScoreConfig),
+    ("logprob", LogprobConfig),
+    ("encode", EncodeConfig),
+    ("pairs", PairsConfig),
+    ("pretrain", PretrainConfig),
+    ("init-model", InitModelConfig),
+    ("plan", PlanConfig),
+]
+# The config modules of the converted commands: none may import torch.
+CONFIG_MODULES = [config.__module__ for _, config in CONVERTED]
 # Options every command has that steer resolution or verbosity, not the stage.
 META = {"config", "set_", "json_", "quiet", "verbose", "help"}
 
@@ -46,11 +61,15 @@ def test_every_option_is_derived_from_its_config(command: str, config: type) -> 
     hints = get_type_hints(config)
     for field, declared in fields:
         param, hint = params[field.name], hints[field.name]
-        assert param.opts[0] == flag_of(field.name, declared), field.name
-        assert param.opts[1:] == ([declared.short] if declared.short else []), field.name
+        assert (param.param_type_name == "argument") == declared.argument, field.name
+        if declared.argument:  # positional: its name, no flags; required without a field default
+            assert param.opts == [field.name] and param.required == (field.default is dataclasses.MISSING)
+        else:
+            assert param.opts[0] == flag_of(field.name, declared), field.name
+            assert param.opts[1:] == ([declared.short] if declared.short else []), field.name
         negative = [f"--no-{param.opts[0][2:]}"] if declared.negative else []
         assert param.secondary_opts == negative, field.name
-        assert param.default == field.default, field.name
+        assert param.default == (None if field.default is dataclasses.MISSING else field.default), field.name
         assert param.help == (f"{declared.help} {REQUIRED}" if declared.required else declared.help)
         assert param.rich_help_panel == declared.panel, field.name
         assert param.envvar == declared.envvar, field.name
@@ -61,7 +80,7 @@ def test_every_option_is_derived_from_its_config(command: str, config: type) -> 
         described = param.type_descriptor  # typer's view of the option's type (typer 0.29)
         if declared.choices is None:
             assert described.annotation == (list[value] if repeatable else value), field.name
-        assert param.is_flag == (value is bool), field.name
+        assert getattr(param, "is_flag", False) == (value is bool), field.name
         assert described.parameter_info.min == declared.low, field.name
         assert described.parameter_info.max == declared.high, field.name
 
@@ -71,6 +90,8 @@ def test_open_registries_complete_their_builtins() -> None:
     for command, flag, names in (
         ("advantage", "--estimator", ESTIMATOR_NAMES),
         ("score", "--reward", BUILTIN_REWARDS),
+        ("init-model", "--family", FAMILY_NAMES),
+        ("plan", "--family", FAMILY_NAMES),
     ):
         cmd = ROOT.commands[command]
         param = next(p for p in cmd.params if flag in p.opts)
@@ -145,16 +166,44 @@ def test_a_choice_from_a_preset_is_checked_against_the_knob(tmp_path: Path) -> N
 
 
 def test_help_and_configs_do_not_import_torch() -> None:
-    """`omnirl advantage --help`, `omnirl score --help` and the knob modules leave torch unloaded."""
+    """`omnirl CMD --help` of every converted command and the knob modules leave torch unloaded."""
     code = (
         "import sys\n"
-        "import stages.advantage.config, stages.score.config, stages.knobs\n"
+        f"import stages.knobs, {', '.join(CONFIG_MODULES)}\n"
         "from typer.testing import CliRunner\n"
         "from omnirl_cli.app import app\n"
-        "for command in ('advantage', 'score'):\n"
+        f"for command in {[command for command, _ in CONVERTED]}:\n"
         "    result = CliRunner().invoke(app, [command, '--help'])\n"
-        "    assert result.exit_code == 0 and '--in' in result.output, result.output\n"
+        "    assert result.exit_code == 0 and '--json' in result.output, result.output\n"
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+def test_the_model_sizes_are_those_the_families_offer() -> None:
+    """`MODEL_SIZES` (what --size takes) is the union of every family module's `SIZES` and Wan's
+    `PUBLISHED`, and the factory builds exactly the `FAMILIES` the CLI names."""
+    import importlib
+
+    from stages.models import factory, wan
+    from stages.models.config import FAMILIES
+
+    modules = {importlib.import_module(target.split(":")[0]) for target in FAMILIES.values()}
+    sizes = {size for module in modules for size in module.SIZES}
+    sizes |= {size for published in wan.PUBLISHED.values() for size in published}
+    assert sizes == set(MODEL_SIZES)
+    assert factory.available_families() == sorted(FAMILY_NAMES)
+    assert all(callable(factory.get_builder(name)) for name in FAMILY_NAMES)
+
+
+def test_a_positional_knob_is_an_argument(tmp_path: Path) -> None:
+    """init-model's OUT stays positional: required on the command line, resolved into the config."""
+    seen: list[InitModelConfig] = []
+    probe = typer.Typer()
+    probe.command("init-model")(config_command(InitModelConfig, "init-model", lambda c, json_: seen.append(c)))
+    missing = CliRunner().invoke(probe, ["--size", "tiny"])
+    assert missing.exit_code == 2 and "missing argument" in missing.output.lower()
+    result = CliRunner().invoke(probe, ["--family", "flux", "--set", "seed=3", str(tmp_path / "m")])
+    assert result.exit_code == 0, result.output
+    assert seen == [InitModelConfig(out=tmp_path / "m", family="flux", size="tiny", seed=3)]

@@ -22,9 +22,10 @@ REPLAY_MODES = (
 class LogprobConfig:
     """Every setting of the `logprob` stage (`omnirl logprob`)."""
 
+    # first, so that a missing --model is named before a missing --out
+    model: str | None = knobs.model("Diffusers pipeline or transformers VLM")
     inputs: list[Path] | None = knobs.inputs()
     out: Path | None = knobs.out()
-    model: str | None = knobs.model("Diffusers pipeline or transformers VLM")
     adapter: str | None = knobs.adapter("Adapter to replay under", " (default: base model).")
     dtype: str = knobs.dtype(trains=False)
     reference: bool = knob(

@@ -34,9 +34,10 @@ class PairsConfig:
 class EncodeConfig:
     """Every setting of `omnirl encode`: the images to VAE-encode, the model and how."""
 
+    # first, so that a missing --model is named before a missing --out
+    model: str | None = knobs.model("Diffusers pipeline (its VAE encodes)")
     inputs: list[Path] | None = knobs.inputs()
     out: Path | None = knobs.out()
-    model: str | None = knobs.model("Diffusers pipeline (its VAE encodes)")
     resolution: str = knob(
         "512",
         "Images are resized and centre-cropped to this size in pixels: a side (512) or "

@@ -201,7 +201,9 @@ def test_a_positional_knob_is_an_argument(tmp_path: Path) -> None:
     """init-model's OUT stays positional: required on the command line, resolved into the config."""
     seen: list[InitModelConfig] = []
     probe = typer.Typer()
-    probe.command("init-model")(config_command(InitModelConfig, "init-model", lambda c, json_: seen.append(c)))
+    probe.command("init-model")(
+        config_command(InitModelConfig, "init-model", lambda c, json_: seen.append(c))
+    )
     missing = CliRunner().invoke(probe, ["--size", "tiny"])
     assert missing.exit_code == 2 and "missing argument" in missing.output.lower()
     result = CliRunner().invoke(probe, ["--family", "flux", "--set", "seed=3", str(tmp_path / "m")])

@@ -10,7 +10,6 @@ by hand and no setting travels as an untyped dict.
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 from collections.abc import Callable
 from typing import Any, TypeVar, get_type_hints
@@ -28,21 +27,24 @@ C = TypeVar("C")
 
 def options_of(config: type) -> list[inspect.Parameter]:
     """One keyword parameter per knob of dataclass `config`, in declaration order, as typer reads them
-    (a field without a default: one the command line must give)."""
+    (an `argument` knob without a default, so the command line must give it)."""
     hints = get_type_hints(config)
     return [
         inspect.Parameter(
             field.name,
             inspect.Parameter.KEYWORD_ONLY,
-            default=inspect.Parameter.empty if field.default is dataclasses.MISSING else field.default,
+            default=inspect.Parameter.empty if declared.argument else field.default,
             annotation=option(field.name, declared, hints[field.name]),
         )
         for field, declared in knobs(config)
     ]
 
 
-def config_command(config: type[C], command: str, run: Callable[[C, bool], None]) -> Callable[..., None]:
-    """The typer command `omnirl COMMAND`: options generated from `config`, then --config, --set and
+def config_command(
+    config: type[C], command: str, run: Callable[[C, bool], None], *, presets: bool = True
+) -> Callable[..., None]:
+    """The typer command `omnirl COMMAND`: options generated from `config`, then --config and --set
+    (unless `presets` is False: a command that reads no preset, whose settings are its flags alone) and
     --json; it resolves them into one `config` instance and calls `run(instance, json)`. Its --help
     text is `run`'s docstring."""
 
@@ -51,12 +53,15 @@ def config_command(config: type[C], command: str, run: Callable[[C, bool], None]
         run(resolve_config(ctx, command, config), values["json_"])
 
     keyword = inspect.Parameter.KEYWORD_ONLY
+    steering = [
+        inspect.Parameter("config", keyword, default=None, annotation=ConfigOpt),
+        inspect.Parameter("set_", keyword, default=None, annotation=SetOpt),
+    ]
     generated.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
         [
             inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context),
             *options_of(config),
-            inspect.Parameter("config", keyword, default=None, annotation=ConfigOpt),
-            inspect.Parameter("set_", keyword, default=None, annotation=SetOpt),
+            *(steering if presets else []),
             inspect.Parameter("json_", keyword, default=False, annotation=JsonOpt),
         ]
     )

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 import typer
 
 from stages import knobs
-from stages.knobs import Knob, flag_of
+from stages.knobs import WEIGHTS_FROM, Knob, flag_of  # noqa: F401  (WEIGHTS_FROM: for plan, online)
 
 from .choices import complete
 from .console import QUIET, VERBOSE, set_verbosity
@@ -39,10 +39,10 @@ def _with_choices(annotation: Any, choices: tuple[str, ...]) -> Any:
 
 
 def option(name: str, declared: Knob, annotation: Any) -> Any:
-    """The typer option (or `argument`) of knob `name` of type `annotation` (`stages.knobs`), as an
-    `Annotated` type: a `choices` knob's `str` becomes a `Literal` of its names (listed in --help,
-    completed, checked), `names` are offered by completion, and a `required` knob's help says how to
-    give it."""
+    """The typer option of knob `name` of type `annotation` (`stages.knobs`), as an `Annotated` type:
+    a `choices` knob's `str` becomes a `Literal` of its names (listed in --help, completed, checked),
+    `names` are offered by completion, a `required` knob's help says how to give it, and an `argument`
+    knob is a positional argument."""
     help_text = f"{declared.help} {REQUIRED}" if declared.required else declared.help
     settings: dict[str, Any] = {"help": help_text, "rich_help_panel": declared.panel}
     for key, value in (

@@ -34,6 +34,11 @@ WEIGHTS_FROM = (
     "(never downloaded)"
 )
 WEIGHTS_METAVAR = "PATH|ORG/NAME"
+# What an adapter (--adapter) may be: the help of each command's own --adapter knob says it.
+ADAPTER_FROM = (
+    "an `omnirl update` output, a diffusers LoRA folder (`save_lora_weights`) or a PEFT LoRA folder "
+    f"(`save_pretrained`; a VLM takes PEFT only); {WEIGHTS_FROM}"
+)
 
 
 @dataclass(frozen=True)
@@ -44,8 +49,8 @@ class Knob:
     group, offered by completion only), `low` / `high` bounds, `panel`, `envvar`, `metavar`, and
     `required` (some source must give it; checked once all sources are merged, so a preset can),
     `negative` (a bool knob whose default is on: a `--no-FLAG` turns it off) and `argument` (a
-    positional command-line argument instead of an option; without a field default, the command line
-    must give it)."""
+    positional argument the command line must give, `omnirl inspect PATH`; its field's default is
+    only the dataclass's placeholder)."""
 
     help: str
     flag: str | None = None
@@ -64,8 +69,7 @@ class Knob:
 
 
 def knob(default: Any, help: str, **declared: Any) -> Any:
-    """A config field with default `default` (`dataclasses.MISSING`: none) and the `Knob` built from
-    `help` and `declared`."""
+    """A config field with default `default` and the `Knob` built from `help` and `declared`."""
     return dataclasses.field(default=default, metadata={"knob": Knob(help=help, **declared)})
 
 
@@ -189,30 +193,20 @@ def model(what: str, panel: str | None = None, *, required: bool = True) -> Any:
     )
 
 
-# What --adapter may name (`stages.models.folders`).
-ADAPTER_FROM = (
-    "an `omnirl update` output, a diffusers LoRA folder (`save_lora_weights`) or a PEFT LoRA folder "
-    f"(`save_pretrained`; a VLM takes PEFT only); {WEIGHTS_FROM}"
-)
-
-
-def adapter(role: str, after: str, panel: str | None = None) -> Any:
-    """`--adapter`: LoRA weights on --model; its help is `role`, what it may name, then `after`."""
-    return knob(None, f"{role}: {ADAPTER_FROM}{after}", metavar=WEIGHTS_METAVAR, panel=panel)
-
-
-def dtype(*, trains: bool = True, panel: str | None = None) -> Any:
-    """`--dtype`: storage dtype of the weights; of the frozen ones, beside fp32 trained ones, where the
-    command `trains`."""
+def dtype(trains: bool = True) -> Any:
+    """`--dtype`: storage dtype of the frozen weights (of a stage that `trains`, or of one that only runs
+    the model)."""
+    kept = (
+        " Trained weights (LoRA, or all with --full) are always fp32 (diffusers' cast_training_params), so "
+        "AdamW steps in fp32."
+        if trains
+        else ""
+    )
     return knob(
         "fp32",
-        "Storage dtype of the frozen weights. Trained weights (LoRA, or all with --full) are always fp32 "
-        "(diffusers' cast_training_params), so AdamW steps in fp32."
-        if trains
-        else "Weights dtype.",
+        f"Storage dtype of the {'frozen ' if trains else ''}weights.{kept}",
         choices=DTYPES,
         envvar="OMNIRL_DTYPE",
-        panel=panel,
     )
 
 

@@ -61,15 +61,15 @@ def test_every_option_is_derived_from_its_config(command: str, config: type) -> 
     hints = get_type_hints(config)
     for field, declared in fields:
         param, hint = params[field.name], hints[field.name]
-        assert (param.param_type_name == "argument") == declared.argument, field.name
-        if declared.argument:  # positional: its name, no flags; required without a field default
-            assert param.opts == [field.name] and param.required == (field.default is dataclasses.MISSING)
+        assert (param.param_type_name == "argument") is declared.argument, field.name
+        if declared.argument:  # positional: named after the field, given on the command line
+            assert param.opts == [field.name] and param.required, field.name
         else:
             assert param.opts[0] == flag_of(field.name, declared), field.name
             assert param.opts[1:] == ([declared.short] if declared.short else []), field.name
         negative = [f"--no-{param.opts[0][2:]}"] if declared.negative else []
         assert param.secondary_opts == negative, field.name
-        assert param.default == (None if field.default is dataclasses.MISSING else field.default), field.name
+        assert param.default == field.default, field.name
         assert param.help == (f"{declared.help} {REQUIRED}" if declared.required else declared.help)
         assert param.rich_help_panel == declared.panel, field.name
         assert param.envvar == declared.envvar, field.name
@@ -80,7 +80,7 @@ def test_every_option_is_derived_from_its_config(command: str, config: type) -> 
         described = param.type_descriptor  # typer's view of the option's type (typer 0.29)
         if declared.choices is None:
             assert described.annotation == (list[value] if repeatable else value), field.name
-        assert getattr(param, "is_flag", False) == (value is bool), field.name
+        assert getattr(param, "is_flag", False) == (value is bool), field.name  # an argument is no flag
         assert described.parameter_info.min == declared.low, field.name
         assert described.parameter_info.max == declared.high, field.name
 
@@ -197,15 +197,18 @@ def test_the_model_sizes_are_those_the_families_offer() -> None:
     assert all(callable(factory.get_builder(name)) for name in FAMILY_NAMES)
 
 
-def test_a_positional_knob_is_an_argument(tmp_path: Path) -> None:
-    """init-model's OUT stays positional: required on the command line, resolved into the config."""
+def test_init_model_keeps_its_positional_out_and_reads_no_preset(tmp_path: Path) -> None:
+    """init-model's OUT stays a positional argument the command line must give, and its settings are
+    its flags alone (no --config / --set), as before it was generated."""
     seen: list[InitModelConfig] = []
     probe = typer.Typer()
     probe.command("init-model")(
-        config_command(InitModelConfig, "init-model", lambda c, json_: seen.append(c))
+        config_command(InitModelConfig, "init-model", lambda c, json_: seen.append(c), presets=False)
     )
     missing = CliRunner().invoke(probe, ["--size", "tiny"])
     assert missing.exit_code == 2 and "missing argument" in missing.output.lower()
-    result = CliRunner().invoke(probe, ["--family", "flux", "--set", "seed=3", str(tmp_path / "m")])
+    assert CliRunner().invoke(probe, ["--set", "seed=3", str(tmp_path / "m")]).exit_code == 2
+    result = CliRunner().invoke(probe, ["--family", "flux", "--seed", "3", str(tmp_path / "m")])
     assert result.exit_code == 0, result.output
     assert seen == [InitModelConfig(out=tmp_path / "m", family="flux", size="tiny", seed=3)]
+    assert "--config" not in {opt for p in ROOT.commands["init-model"].params for opt in p.opts}

@@ -27,4 +27,4 @@ def run(c: InitModelConfig, json_: bool) -> None:
         print_result(f"[green]wrote[/] {c.family}/{c.size} model (seed {c.seed}) to {c.out}")
 
 
-init_model = config_command(InitModelConfig, "init-model", run)
+init_model = config_command(InitModelConfig, "init-model", run, presets=False)  # flags only, as before

@@ -8,13 +8,14 @@ from typing import Annotated, Any
 
 import typer
 
-from stages.knobs import ENGINE, WEIGHTS_FROM, WEIGHTS_METAVAR
+from stages.knobs import ENGINE, WEIGHTS_METAVAR
 
 from ..choices import ENGINE_ENTRY_POINTS, ENGINES, REWARD_ENTRY_POINTS, REWARDS, Dtype, complete
 from ..config import coerce, load_yaml, parse_set, resolve
 from ..console import emit_json, err, is_quiet, log, progress
 from ..errors import handle_errors
 from ..options import (
+    WEIGHTS_FROM,
     JsonOpt,
     OverwriteOpt,
     ReportToOpt,

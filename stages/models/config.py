@@ -9,7 +9,6 @@ the CLI generates both commands' options (`omnirl_cli.generate`).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -45,7 +44,7 @@ GIB = 2**30
 class InitModelConfig:
     """Every setting of `omnirl init-model`: which family and size to build, with which seed, where."""
 
-    out: Path = knob(dataclasses.MISSING, "Directory to write the model folder to.", argument=True)
+    out: Path | None = knob(None, "Directory to write the model folder to.", argument=True)
     family: str = knob("sd3", f"Model family: {', '.join(FAMILY_NAMES)}.", names=FAMILY_NAMES)
     size: str = knob(
         "tiny",

@@ -34,7 +34,7 @@ WEIGHTS_FROM = (
     "(never downloaded)"
 )
 WEIGHTS_METAVAR = "PATH|ORG/NAME"
-# What an adapter (--adapter) may be: the help of each command's own --adapter knob says it.
+# What an adapter (--adapter) may be (`stages.models.folders` reads each kind).
 ADAPTER_FROM = (
     "an `omnirl update` output, a diffusers LoRA folder (`save_lora_weights`) or a PEFT LoRA folder "
     f"(`save_pretrained`; a VLM takes PEFT only); {WEIGHTS_FROM}"
@@ -191,6 +191,11 @@ def model(what: str, panel: str | None = None, *, required: bool = True) -> Any:
         panel=panel,
         required=required,
     )
+
+
+def adapter(what: str, after: str = "") -> Any:
+    """`--adapter`: LoRA (or full) weights on top of --model; `what` opens its help, `after` ends it."""
+    return knob(None, f"{what}: {ADAPTER_FROM}{after}", metavar=WEIGHTS_METAVAR)
 
 
 def dtype(trains: bool = True) -> Any:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stages import knobs
-from stages.knobs import ADAPTER_FROM, WEIGHTS_METAVAR, knob
+from stages.knobs import knob
 
 REPLAY_MODES = (
     "auto",
@@ -26,9 +26,7 @@ class LogprobConfig:
     model: str | None = knobs.model("Diffusers pipeline or transformers VLM")
     inputs: list[Path] | None = knobs.inputs()
     out: Path | None = knobs.out()
-    adapter: str | None = knob(
-        None, f"Adapter to replay under: {ADAPTER_FROM} (default: base model).", metavar=WEIGHTS_METAVAR
-    )
+    adapter: str | None = knobs.adapter("Adapter to replay under", " (default: base model).")
     dtype: str = knobs.dtype(trains=False)
     reference: bool = knob(
         False, "Also store the frozen base model's step means (ref_means; VLM: token ref_log_probs) for KL."

@@ -367,7 +367,7 @@ def online_iteration(
 
 def memory_plan(size: str, scfg: Any, ucfg: Any, dtype: str) -> dict[str, Any]:
     """`omnirl plan --family qwen_image --size SIZE` for this run's settings (the plan's JSON)."""
-    from stages.models.plan import PlanConfig, accelerator_memory, from_family, plan
+    from stages.models.plan import PlanConfig, from_family, plan
 
     settings = PlanConfig(
         resolution=scfg.resolution,
@@ -377,8 +377,7 @@ def memory_plan(size: str, scfg: Any, ucfg: Any, dtype: str) -> dict[str, Any]:
         text_tokens=scfg.max_sequence_length,
         lora_rank=ucfg.lora_rank,
         dtype=dtype,
-        device_memory=accelerator_memory(),
-    )
+    )  # the verdict against the visible accelerator's memory
     return plan(from_family(FAMILY, size), settings)
 
 

@@ -28,26 +28,11 @@ LatentDtype = Literal["fp32", "bf16"]  # stages.sample.rollout.LATENT_DTYPES
 Sampler = Literal["ode", "sde", "cps", "dance"]  # stages.sample.samplers.SAMPLERS
 WindowStrategy = Literal["random", "progressive", "fixed"]  # windows.STRATEGIES but "all" (= --sde-window 0)
 Layout = Literal["verl", "easyr1"]  # stages.sample.vlm_data.read_vlm_prompts
-Replay = Literal["auto", "yes"]  # stages.logprob.decide.REPLAY_MODES
-VaeMode = Literal["model", "pixel"]  # stages.pretrain.flow_matching.VAE_MODES
-# the SIZES of the families' builders (and wan.PUBLISHED's): test, benchmark and published sizes
-ModelSize = Literal["tiny", "small", "demo", "full", "medium", "1.3b", "3b", "7b"]
 
 # Built-in names of the open registries (completion only; plugins are accepted beside them).
 # Rollout engines: stages.sample.engines' diffusion engines, then stages.sample.vlm_stage.ENGINES.
 ENGINES = ("diffusers", "remote", "vllm-omni", "hf", "openai")
 ENGINE_ENTRY_POINTS = "omnirl.engines"
-FAMILIES = (  # stages.models.factory.FAMILIES
-    "flux",
-    "qwen2_5_vl",
-    "qwen3_omni_thinker",
-    "qwen_image",
-    "sd3",
-    "wan2_1",
-    "wan2_2_5b",
-    "wan2_2_a14b",
-    "z_image",
-)
 # The rewards' built-ins and entry-point group (stages.score), for commands not generated from a config yet.
 REWARDS, REWARD_ENTRY_POINTS = BUILTIN_REWARDS, ENTRY_POINT_GROUP
 

@@ -179,8 +179,9 @@ ENGINE = "Rollout engine"
 MAX_FRAMES = 4096
 
 
-def model(what: str, panel: str | None = None) -> Any:
-    """`--model`: the weights a command runs, required once all sources are merged (OMNIRL_MODEL too)."""
+def model(what: str, panel: str | None = None, *, required: bool = True) -> Any:
+    """`--model`: the weights a command runs (OMNIRL_MODEL too), by default required once all sources
+    are merged."""
     return knob(
         None,
         f"{what}: {WEIGHTS_FROM}.",
@@ -188,7 +189,7 @@ def model(what: str, panel: str | None = None) -> Any:
         envvar="OMNIRL_MODEL",
         metavar=WEIGHTS_METAVAR,
         panel=panel,
-        required=True,
+        required=required,
     )
 
 

@@ -22,6 +22,10 @@ from omnirl_cli.options import REQUIRED
 from stages.advantage.config import ESTIMATOR_NAMES, AdvantageConfig
 from stages.inspection import EnvConfig, InspectConfig, ReportConfig
 from stages.knobs import flag_of, knob, knobs
+from stages.logprob.config import LogprobConfig
+from stages.models.config import FAMILY_NAMES, MODEL_SIZES, InitModelConfig, PlanConfig
+from stages.offline.config import EncodeConfig, PairsConfig
+from stages.pretrain.config import PretrainConfig
 from stages.sample.serve_config import ServeConfig
 from stages.score.config import BUILTIN_REWARDS, ScoreConfig, ServeRewardConfig
 from stages.update.config import ALGORITHM_NAMES, UpdateConfig
@@ -36,9 +40,17 @@ CONVERTED = [
     ("inspect", InspectConfig),
     ("env", EnvConfig),
     ("update", UpdateConfig),
+    ("logprob", LogprobConfig),
+    ("encode", EncodeConfig),
+    ("pairs", PairsConfig),
+    ("pretrain", PretrainConfig),
+    ("init-model", InitModelConfig),
+    ("plan", PlanConfig),
 ]
+# The config modules of the converted commands: none may import torch.
+CONFIG_MODULES = [config.__module__ for _, config in CONVERTED]
 # Commands that read no preset: their settings are their flags (`config_command(presets=False)`).
-FLAGS_ONLY = {"report", "inspect", "env"}
+FLAGS_ONLY = {"report", "inspect", "env", "init-model"}
 # Options every command has that steer resolution or verbosity, not the stage.
 META = {"config", "set_", "json_", "quiet", "verbose", "help"}
 
@@ -98,6 +110,8 @@ def test_open_registries_complete_their_builtins() -> None:
         ("score", "--reward", BUILTIN_REWARDS),
         ("serve-reward", "--reward", BUILTIN_REWARDS),
         ("update", "--algo", ALGORITHM_NAMES),
+        ("init-model", "--family", FAMILY_NAMES),
+        ("plan", "--family", FAMILY_NAMES),
     ):
         cmd = ROOT.commands[command]
         param = next(p for p in cmd.params if flag in p.opts)
@@ -204,14 +218,46 @@ def test_help_and_configs_do_not_import_torch() -> None:
     """`omnirl CMD --help` of every converted command and the knob modules leave torch unloaded."""
     code = (
         "import sys\n"
-        "import stages.advantage.config, stages.score.config, stages.knobs\n"
-        "import stages.sample.serve_config, stages.inspection, stages.update.config\n"
+        f"import stages.knobs, {', '.join(CONFIG_MODULES)}\n"
         "from typer.testing import CliRunner\n"
         "from omnirl_cli.app import app\n"
-        f"for command in {[command for command, _ in CONVERTED]!r}:\n"
+        f"for command in {[command for command, _ in CONVERTED]}:\n"
         "    result = CliRunner().invoke(app, [command, '--help'])\n"
         "    assert result.exit_code == 0 and '--json' in result.output, result.output\n"
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+def test_the_model_sizes_are_those_the_families_offer() -> None:
+    """`MODEL_SIZES` (what --size takes) is the union of every family module's `SIZES` and Wan's
+    `PUBLISHED`, and the factory builds exactly the `FAMILIES` the CLI names."""
+    import importlib
+
+    from stages.models import factory, wan
+    from stages.models.config import FAMILIES
+
+    modules = {importlib.import_module(target.split(":")[0]) for target in FAMILIES.values()}
+    sizes = {size for module in modules for size in module.SIZES}
+    sizes |= {size for published in wan.PUBLISHED.values() for size in published}
+    assert sizes == set(MODEL_SIZES)
+    assert factory.available_families() == sorted(FAMILY_NAMES)
+    assert all(callable(factory.get_builder(name)) for name in FAMILY_NAMES)
+
+
+def test_init_model_keeps_its_positional_out_and_reads_no_preset(tmp_path: Path) -> None:
+    """init-model's OUT stays a positional argument the command line must give, and its settings are
+    its flags alone (no --config / --set), as before it was generated."""
+    seen: list[InitModelConfig] = []
+    probe = typer.Typer()
+    probe.command("init-model")(
+        config_command(InitModelConfig, "init-model", lambda c, json_: seen.append(c), presets=False)
+    )
+    missing = CliRunner().invoke(probe, ["--size", "tiny"])
+    assert missing.exit_code == 2 and "missing argument" in missing.output.lower()
+    assert CliRunner().invoke(probe, ["--set", "seed=3", str(tmp_path / "m")]).exit_code == 2
+    result = CliRunner().invoke(probe, ["--family", "flux", "--seed", "3", str(tmp_path / "m")])
+    assert result.exit_code == 0, result.output
+    assert seen == [InitModelConfig(out=tmp_path / "m", family="flux", size="tiny", seed=3)]
+    assert "--config" not in {opt for p in ROOT.commands["init-model"].params for opt in p.opts}

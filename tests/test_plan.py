@@ -11,7 +11,6 @@ import torch
 
 from omnirl_cli.app import app
 from stages.models.plan import PlanConfig, from_family, from_folder, plan
-from stages.parallelism import ModelParallel
 from tests.helpers import fails, run, runner
 
 
@@ -194,8 +193,8 @@ def test_fsdp2_divides_the_trained_modules_state_by_the_world_size(sd3_arch, ful
 def test_sp_divides_the_activations_and_tp_the_trained_modules_weights(tiny_sd3: Path, sd3_arch) -> None:
     settings = dict(resolution=64, batch_size=2, full=True, num_processes=4)
     one = plan(sd3_arch, PlanConfig(**settings))
-    sp = plan(sd3_arch, PlanConfig(**settings, parallel=ModelParallel(sp_degree=4)))
-    tp = plan(sd3_arch, PlanConfig(**settings, parallel=ModelParallel(tp_degree=2)))
+    sp = plan(sd3_arch, PlanConfig(**settings, sp_degree=4))
+    tp = plan(sd3_arch, PlanConfig(**settings, tp_degree=2))
     per_block = 17 * 192 * 64 * 4  # hand-computed above: 192 tokens, width 64, fp32
     assert sp["activations"]["per_block_per_sample"] == per_block // 4
     for stage in ("sample", "logprob", "update"):

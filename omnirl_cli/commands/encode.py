@@ -2,51 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from dataclasses import asdict, replace
 
-import typer
+from stages.offline.config import EncodeConfig
 
-from ..choices import Dtype
-from ..config import resolve
 from ..console import emit_json, print_result
-from ..errors import handle_errors
-from ..options import (
-    ConfigOpt,
-    FormatOpt,
-    InOpt,
-    JsonOpt,
-    OutOpt,
-    OverwriteOpt,
-    SetOpt,
-    mixed_precision_opt,
-    model_opt,
-)
+from ..generate import config_command
 from ..runtime import check_format, device, finalize, map_shards, open_inputs, policy_info, run_config
 
 
-@handle_errors
-def encode(
-    ctx: typer.Context,
-    inputs: InOpt = None,
-    out: OutOpt = None,
-    model: model_opt("Diffusers pipeline (its VAE encodes)") = None,
-    resolution: Annotated[
-        str,
-        typer.Option(
-            "--resolution",
-            help="Images are resized and centre-cropped to this size in pixels: a side (512) or "
-            "HEIGHTxWIDTH (240x416), each a multiple of the VAE factor × patch size (SD3: 16).",
-        ),
-    ] = "512",
-    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Images per VAE call.")] = 8,
-    dtype: Annotated[Dtype, typer.Option("--dtype", envvar="OMNIRL_DTYPE", help="Weights dtype.")] = "fp32",
-    mixed_precision: mixed_precision_opt("the VAE encoder's forward") = None,
-    fmt: FormatOpt = "parquet",
-    overwrite: OverwriteOpt = False,
-    config: ConfigOpt = None,
-    set_: SetOpt = None,
-    json_: JsonOpt = False,
-) -> None:
+def run(c: EncodeConfig, json_: bool) -> None:
     """Encode every image with the model's VAE into `final_latent`, for offline DPO, NFT and AWM.
 
     It also stores each unique prompt's text conditioning once per shard (conditioning-*.safetensors,
@@ -56,7 +21,6 @@ def encode(
 
     Example: [bold]omnirl encode --model models/sd3 --in data/pairs --resolution 512 --out data/latents[/]
     """
-    c = resolve(ctx, "encode", required=("model", "out"))
     from stages.models.conditioning import (
         CONDITIONING,
         conditioning_file,
@@ -70,23 +34,26 @@ def encode(
     from stages.sample.rollout import text_length_of
     from stages.shards.writer import ShardSetWriter
 
-    c["mixed_precision"] = resolve_mixed_precision(c["mixed_precision"])  # the launcher's enters the identity
-    c["resolution"] = resolution_identity(c["resolution"])
+    c = replace(
+        c,
+        mixed_precision=resolve_mixed_precision(c.mixed_precision),  # the launcher's enters the identity
+        resolution=resolution_identity(c.resolution),
+    )
 
-    src = open_inputs(c["inputs"])
+    src = open_inputs(c.inputs)
     if "image" not in src.columns:
         from stages.errors import UserInputError
 
         raise UserInputError("--in: no 'image' column to encode")
     writer = ShardSetWriter(
-        c["out"],
+        c.out,
         num_shards=src.num_shards,
-        format=check_format(c["fmt"]),
+        format=check_format(c.fmt),
         command="encode",
-        config=run_config(c),
+        config=run_config(asdict(c)),
         parents=list(src.paths),
-        policy=policy_info(c["model"], None),
-        overwrite=c["overwrite"],
+        policy=policy_info(c.model, None),
+        overwrite=c.overwrite,
     )
     # the prompts' conditioning, at the text length `update` encodes these rows at, unless --in has it
     if "prompt" not in src.columns:
@@ -100,15 +67,15 @@ def encode(
     prompts = [k for k in ("prompt", "negative_prompt") if k in src.columns] if stores else []
     extra = None
     if not writer.complete:
-        policy = FlowPolicy.load(c["model"], device=device(), dtype=c["dtype"])
+        policy = FlowPolicy.load(c.model, device=device(), dtype=c.dtype)
 
         def store(shard_index: int, shard: dict) -> None:
             entries = prompt_conditioning(
                 policy,
                 shard,
                 max_sequence_length=text_length,
-                batch_size=c["batch_size"],
-                mixed_precision=c["mixed_precision"],
+                batch_size=c.batch_size,
+                mixed_precision=c.mixed_precision,
             )
             path = writer.out_dir / conditioning_file(shard_index, writer.num_shards)
             writer.out_dir.mkdir(parents=True, exist_ok=True)
@@ -122,9 +89,9 @@ def encode(
             lambda shard, advance: encode_shard(
                 policy,
                 shard,
-                resolution=c["resolution"],
-                batch_size=c["batch_size"],
-                mixed_precision=c["mixed_precision"],
+                resolution=c.resolution,
+                batch_size=c.batch_size,
+                mixed_precision=c.mixed_precision,
                 on_batch=advance,
             ),
             before_write=store if stores else None,
@@ -134,14 +101,17 @@ def encode(
                 writer.out_dir,
                 writer.num_shards,
                 writer.content_id,
-                model=c["model"],
-                dtype=c["dtype"],
+                model=c.model,
+                dtype=c.dtype,
                 max_sequence_length=text_length,
             )
     if not finalize(writer, extra):
         return
-    result = {"out": str(c["out"]), "rows": src.num_rows, "conditioning": conditioning}
+    result = {"out": str(c.out), "rows": src.num_rows, "conditioning": conditioning}
     if json_:
         emit_json(result)
     else:
-        print_result(f"[green]encoded[/] {src.num_rows} images → {c['out']}")
+        print_result(f"[green]encoded[/] {src.num_rows} images → {c.out}")
+
+
+encode = config_command(EncodeConfig, "encode", run)

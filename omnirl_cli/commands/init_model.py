@@ -2,45 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Annotated
+from stages.models.config import InitModelConfig
 
-import typer
-
-from ..choices import FAMILIES, ModelSize, complete
 from ..console import emit_json, print_result, progress
-from ..errors import handle_errors
-from ..options import JsonOpt
+from ..generate import config_command
 
 
-@handle_errors
-def init_model(
-    out: Annotated[Path, typer.Argument(help="Directory to write the model folder to.")],
-    family: Annotated[
-        str,
-        typer.Option(
-            "--family",
-            autocompletion=complete(FAMILIES),
-            help=f"Model family: {', '.join(FAMILIES)}.",
-        ),
-    ] = "sd3",
-    size: Annotated[
-        ModelSize,
-        typer.Option(
-            "--size",
-            help="tiny (fast tests), small (benchmarks), for sd3 demo (the pixel-VAE shape `omnirl pretrain` "
-            "trains for the demo: 4 latent channels, 64 px at most, 24 CLIP + 32 T5 tokens), or a published "
-            "size with random weights, for GPU benchmarks: full (each family's flagship: SD3.5 Large, FLUX.1-dev, "
-            "Qwen-Image 20B, Z-Image, Wan 2.1 T2V 14B, Wan 2.2 5B / A14B, Qwen2.5-VL 7B, the Qwen3-Omni "
-            "thinker), sd3 medium, wan2_1 1.3b, qwen2_5_vl 3b / 7b. `omnirl plan --family F --size S` says "
-            "what a size needs.",
-        ),
-    ] = "tiny",
-    seed: Annotated[
-        int, typer.Option("--seed", help="Weight seed: the same seed gives the same weights.")
-    ] = 0,
-    json_: JsonOpt = False,
-) -> None:
+def run(c: InitModelConfig, json_: bool) -> None:
     """Build a tiny model of a family from its config, with locally built tokenizers, and save it.
 
     The folder loads with the family's own `from_pretrained(OUT)` and no network, so tests and demos
@@ -51,9 +19,12 @@ def init_model(
     from stages.models.factory import init_model as build
 
     with progress() as bar:
-        bar.add_task(f"building {size} {family} model", total=None, rate="")
-        summary = build(family, out, size=size, seed=seed)
+        bar.add_task(f"building {c.size} {c.family} model", total=None, rate="")
+        summary = build(c.family, c.out, size=c.size, seed=c.seed)
     if json_:
         emit_json(summary)
     else:
-        print_result(f"[green]wrote[/] {family}/{size} model (seed {seed}) to {out}")
+        print_result(f"[green]wrote[/] {c.family}/{c.size} model (seed {c.seed}) to {c.out}")
+
+
+init_model = config_command(InitModelConfig, "init-model", run, presets=False)  # flags only, as before

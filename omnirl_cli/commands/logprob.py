@@ -2,33 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from dataclasses import asdict, replace
+from typing import Any
 
-import typer
+from stages.logprob.config import LogprobConfig
 
-from stages.knobs import WEIGHTS_METAVAR
-
-from ..choices import Dtype, Replay
-from ..config import resolve
 from ..console import emit_json, log, print_result
-from ..errors import handle_errors
-from ..options import (
-    ADAPTER_HELP,
-    AttentionBackendOpt,
-    CompileOpt,
-    ConfigOpt,
-    FormatOpt,
-    InOpt,
-    JsonOpt,
-    OutOpt,
-    OverwriteOpt,
-    SetOpt,
-    SpDegreeOpt,
-    SpKindOpt,
-    TpDegreeOpt,
-    mixed_precision_opt,
-    model_opt,
-)
+from ..generate import config_command
 from ..runtime import (
     check_format,
     device,
@@ -42,91 +22,15 @@ from ..runtime import (
 )
 
 
-@handle_errors
-def logprob(
-    ctx: typer.Context,
-    inputs: InOpt = None,
-    out: OutOpt = None,
-    model: model_opt("Diffusers pipeline or transformers VLM") = None,
-    adapter: Annotated[
-        str | None,
-        typer.Option(
-            "--adapter",
-            metavar=WEIGHTS_METAVAR,
-            help=f"Adapter to replay under: {ADAPTER_HELP} (default: base model).",
-        ),
-    ] = None,
-    dtype: Annotated[Dtype, typer.Option("--dtype", envvar="OMNIRL_DTYPE", help="Weights dtype.")] = "fp32",
-    reference: Annotated[
-        bool,
-        typer.Option(
-            "--reference",
-            help="Also store the frozen base model's step means (ref_means; VLM: token ref_log_probs) for KL.",
-        ),
-    ] = False,
-    means: Annotated[
-        bool,
-        typer.Option(
-            "--means",
-            help="Also store the step means under these weights (old_means, for --algo grpo_guard).",
-        ),
-    ] = False,
-    mixed_precision: mixed_precision_opt(
-        "the replayed forward, as `update --mixed-precision` (give both the same, so the old log-probs "
-        "carry the trainer's numerics)",
-        fallback="the rollout's `sample --mixed-precision` (so the replay reproduces the rollout log-probs)",
-    ) = None,
-    replay: Annotated[
-        Replay,
-        typer.Option(
-            "--replay",
-            help="yes: always run the model. auto: only when the replay can give other values than the "
-            "rollout's log-probs: a rollout of another engine than the in-process diffusers one (remote, "
-            "vllm-omni, a plugin), other weights (model or adapter digest), another --dtype, "
-            "--mixed-precision or device type, a quantized --attention-backend (sage) on one side only, a "
-            "text rollout, or --reference / --means (another exact kernel or --compile agrees to "
-            "rounding and is no reason); otherwise it "
-            "loads no model and writes the sample ids only, as for an ODE rollout, and `update` trains "
-            "on the rollout's own log-probs, the very values the replay would give. The manifest (and "
-            "--json) records replayed and replay_reason either way.",
-        ),
-    ] = "yes",
-    fraction: Annotated[
-        float,
-        typer.Option(
-            "--fraction",
-            min=0.0,
-            max=1.0,
-            help="0 < F ≤ 1: replay round(F·B) (at least one) of the rollout's B sampling batches, drawn "
-            "with --seed; whole batches, so each row is replayed in the batch it was sampled in. A cheap "
-            "health check of every iteration: |Δlogp| vs the rollout (mean, p99, max). Below all batches "
-            "the output holds only those rows (`subset` in its manifest): a check, not the replay, so "
-            "`update` and every other stage refuse it as an --in. Diffusion rollouts; not with --replay auto.",
-        ),
-    ] = 1.0,
-    seed: Annotated[
-        int | None,
-        typer.Option("--seed", help="Seeds --fraction's draw of batches (default: the rollout's --seed)."),
-    ] = None,
-    sp_degree: SpDegreeOpt = 1,
-    sp_kind: SpKindOpt = "ulysses",
-    tp_degree: TpDegreeOpt = 1,
-    attention_backend: AttentionBackendOpt = None,
-    compile: CompileOpt = False,
-    fmt: FormatOpt = "parquet",
-    overwrite: OverwriteOpt = False,
-    config: ConfigOpt = None,
-    set_: SetOpt = None,
-    json_: JsonOpt = False,
-) -> None:
+def run(c: LogprobConfig, json_: bool) -> None:
     """Recompute the log-prob of every stored step under the given weights; writes old_log_probs.
 
     Uses the rollout's own sampler, CFG and batch size (from the samples manifest), so replaying with
     the sampling weights reproduces the rollout log-probs; reports |Δ logp| against them (mean, p99,
     max), and when the mean exceeds 1e-3 (the rollout engine computes other numbers than the trainer) one
-    line on stderr suggesting `omnirl update --rollout-correction`. A rollout with no stored steps (the ODE sampler, for NFT/AWM) gets a shard set of its sample
-    ids only, so recipes keep one shape for every algorithm; so does a rollout that --replay auto finds
-    the replay cannot change (`"replayed": false` and the reason, in the manifest and --json).
+    line on stderr suggesting `omnirl update --rollout-correction`. A rollout with no stored steps (the
+    ODE sampler, for NFT/AWM) gets a shard set of its sample ids only, so recipes keep one shape for every
+    algorithm; so does a rollout that --replay auto finds the replay cannot change (`"replayed": false` and the reason, in the manifest and --json).
 
     A diffusion replay loads no VAE, and no text encoder or tokenizer when the rollout stores its prompt
     conditioning (`sample` does): --json lists loaded_components; conditioning of another text encoder is
@@ -146,7 +50,6 @@ def logprob(
 
     Health check: [bold]omnirl logprob --model models/sd3-tiny --in run/it0/samples --fraction 0.1 --out run/it0/replay-check[/]
     """
-    c = resolve(ctx, "logprob", required=("model", "out"))
     from stages.errors import UserInputError
     from stages.logprob.decide import NATIVE, Numerics, replay_decision
     from stages.logprob.replay import pick_batches, replay_shard, replay_token_shard
@@ -162,9 +65,9 @@ def logprob(
     from stages.shards.reader import rollout_modality
     from stages.shards.writer import ShardSetWriter
 
-    src = open_inputs(c["inputs"])
+    src = open_inputs(c.inputs)
     tokens = rollout_modality(src.manifests) == "text"
-    parallel, kernels = ModelParallel.from_options(c), Kernels.from_options(c)
+    parallel, kernels = ModelParallel.from_options(asdict(c)), Kernels.from_options(asdict(c))
     if tokens and (parallel.degree > 1 or kernels != Kernels()):
         raise UserInputError(
             "--sp-degree / --tp-degree / --attention-backend / --compile: diffusion transformers only; drop "
@@ -174,65 +77,63 @@ def logprob(
     layout(parallel)  # before the shards are split over the data-parallel ranks
     sample_cfg = vlm_sample_config_of(src.manifests) if tokens else sample_config_of(src.manifests)
     # the option, else the launcher's, else the rollout's: a plain replay reproduces the rollout's numerics
-    c["mixed_precision"] = resolve_mixed_precision(c["mixed_precision"], sample_cfg.mixed_precision)
+    c = replace(c, mixed_precision=resolve_mixed_precision(c.mixed_precision, sample_cfg.mixed_precision))
     check_replayable(src.manifests)
-    if c["fraction"] < 1 and (c["replay"] == "auto" or tokens):
+    if c.fraction < 1 and (c.replay == "auto" or tokens):
         raise UserInputError(
-            f"--fraction {c['fraction']}: "
+            f"--fraction {c.fraction}: "
             + (
                 "a check replays whatever --replay auto would decide; drop --replay auto"
-                if c["replay"] == "auto"
+                if c.replay == "auto"
                 else "diffusion rollouts only; replay a text rollout whole (drop --fraction)"
             )
         )
-    identity = run_config(c)
+    identity = run_config(asdict(c))
     decision = replay_decision(
         src.manifests,
         Numerics(
             identity["model_sha256"],
             identity.get("adapter_sha256"),
-            c["dtype"],
-            c["mixed_precision"],
+            c.dtype,
+            c.mixed_precision,
             device().type,
             identity.get("attention_backend") or NATIVE,
         ),
-        computes=[
-            flag for flag, asked in (("--reference", c["reference"]), ("--means", c["means"])) if asked
-        ],
+        computes=[flag for flag, asked in (("--reference", c.reference), ("--means", c.means)) if asked],
     )
     # an ODE rollout (NFT, AWM) stores no steps: nothing to replay
     stored = tokens or "latents" in src.columns
-    replaying = stored and (c["replay"] == "yes" or decision.needed)
+    replaying = stored and (c.replay == "yes" or decision.needed)
     subset = None
-    if replaying and c["fraction"] < 1:
+    if replaying and c.fraction < 1:
         shard_ids = [src.read_shard(s, ["sample_id"])["sample_id"] for s in range(src.num_shards)]
-        seed = sample_cfg.seed if c["seed"] is None else c["seed"]
-        subset = pick_batches(shard_ids, sample_cfg.batch_size, c["fraction"], seed)
+        seed = sample_cfg.seed if c.seed is None else c.seed
+        subset = pick_batches(shard_ids, sample_cfg.batch_size, c.fraction, seed)
         subset = subset if len(subset) < src.num_rows else None  # every batch drawn: the full replay
     writer = ShardSetWriter(
-        c["out"],
+        c.out,
         num_shards=src.num_shards,
-        format=check_format(c["fmt"]),
+        format=check_format(c.fmt),
         command="logprob",
         config=identity,
         parents=list(src.paths),
-        policy=policy_info(c["model"], c["adapter"]),
-        overwrite=c["overwrite"],
+        policy=policy_info(c.model, c.adapter),
+        overwrite=c.overwrite,
         kinds={"sample_id": "string"},  # a --fraction shard may hold no row
     )
     skipped = writer.complete
     if not skipped:
         policy: Any = None
         if replaying and tokens:
-            policy = VLMPolicy.load(c["model"], adapter=c["adapter"], device=device(), dtype=c["dtype"])
+            policy = VLMPolicy.load(c.model, adapter=c.adapter, device=device(), dtype=c.dtype)
         elif replaying:  # no VAE, and no text encoder when the rollout stores its conditioning
             policy = FlowPolicy.for_rollout(
-                c["model"],
+                c.model,
                 src,
                 sample_cfg.max_sequence_length,
-                adapter=c["adapter"],
+                adapter=c.adapter,
                 device=device(),
-                dtype=c["dtype"],
+                dtype=c.dtype,
             )
             prepare(policy.parts, parallel, kernels)
         found: list[Any] = []  # flat |Δlogp| of each shard replayed here, in order
@@ -241,7 +142,7 @@ def logprob(
             if not replaying:
                 advance(len(shard["sample_id"]))
                 return {"sample_id": shard["sample_id"]}
-            with autocast(c["mixed_precision"], policy.device):
+            with autocast(c.mixed_precision, policy.device):
                 cols, deltas = replay_stored(shard, advance)
             found.append(deltas)
             return cols
@@ -252,7 +153,7 @@ def logprob(
                     policy,
                     sample_cfg,
                     shard,
-                    reference=c["reference"],
+                    reference=c.reference,
                     where=str(src.paths[0]),
                     on_batch=advance,
                 )
@@ -260,8 +161,8 @@ def logprob(
                 policy,
                 sample_cfg,
                 shard,
-                reference=c["reference"],
-                means=c["means"],
+                reference=c.reference,
+                means=c.means,
                 where=str(src.paths[0]),
                 on_batch=advance,
                 subset=subset,
@@ -286,7 +187,7 @@ def logprob(
             **_delta_summary(dict(zip(written, found, strict=replaying))),
         }
         if subset is not None:
-            option = f"--fraction {c['fraction']}"
+            option = f"--fraction {c.fraction}"
             extra[SUBSET_KEY] = {"rows": rows, "of": src.num_rows, "option": option}
     else:
         extra, policy = None, None
@@ -294,18 +195,18 @@ def logprob(
         return
     from stages.shards.manifest import read_manifest
 
-    extra = read_manifest(c["out"]).extra
-    result = {"out": str(c["out"]), "rows": src.num_rows, **extra, **loaded(policy)}
+    extra = read_manifest(c.out).extra
+    result = {"out": str(c.out), "rows": src.num_rows, **extra, **loaded(policy)}
     if skipped:
-        report_complete(c["out"], json_, result)
+        report_complete(c.out, json_, result)
     elif json_:
         emit_json({**result, "skipped": False})
     elif not extra["replayed"]:
-        print_result(f"[green]no replay[/] → {c['out']} (sample ids only): {extra['replay_reason']}")
+        print_result(f"[green]no replay[/] → {c.out} (sample ids only): {extra['replay_reason']}")
     else:
         mean = extra.get("abs_delta_mean")
         print_result(
-            f"[green]replayed[/] {extra['rows_replayed']} of {src.num_rows} samples → {c['out']}"
+            f"[green]replayed[/] {extra['rows_replayed']} of {src.num_rows} samples → {c.out}"
             + (
                 f"  rollout-vs-replay |Δlogp| mean {mean:.3g}, p99 {extra['abs_delta_p99']:.3g}, "
                 f"max {extra['abs_delta_max']:.3g}"
@@ -334,3 +235,6 @@ def _delta_summary(mine: dict[int, Any]) -> dict[str, float | None]:
     return delta_summary(
         torch.cat([per_shard[s] for s in sorted(per_shard)]) if per_shard else torch.zeros(0)
     )
+
+
+logprob = config_command(LogprobConfig, "logprob", run)

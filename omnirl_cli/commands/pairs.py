@@ -2,48 +2,16 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Annotated
+from dataclasses import asdict
 
-import typer
+from stages.offline.config import PairsConfig
 
-from ..config import resolve
 from ..console import emit_json, print_result, progress
-from ..errors import handle_errors
-from ..options import (
-    REQUIRED,
-    ConfigOpt,
-    FormatOpt,
-    JsonOpt,
-    NumShardsOpt,
-    OutOpt,
-    OverwriteOpt,
-    SetOpt,
-    ShardRowsOpt,
-)
+from ..generate import config_command
 from ..runtime import check_format, resolve_num_shards, run_config
 
 
-@handle_errors
-def pairs(
-    ctx: typer.Context,
-    table: Annotated[
-        Path | None,
-        typer.Option(
-            "--pairs",
-            help="Parquet/JSONL: prompt, chosen, rejected (+ scores), or "
-            f"Pick-a-Pic's caption, jpg_0, jpg_1, label_0. {REQUIRED}",
-        ),
-    ] = None,
-    out: OutOpt = None,
-    num_shards: NumShardsOpt = None,
-    shard_rows: ShardRowsOpt = 256,
-    fmt: FormatOpt = "parquet",
-    overwrite: OverwriteOpt = False,
-    config: ConfigOpt = None,
-    set_: SetOpt = None,
-    json_: JsonOpt = False,
-) -> None:
+def run(c: PairsConfig, json_: bool) -> None:
     """Convert preference pairs into a shard set: each pair is a group of two rows, reward 1 (preferred) and 0.
 
     Ties (Pick-a-Pic label 0.5) are skipped. No model is loaded. Follow with `omnirl encode` (VAE
@@ -53,7 +21,6 @@ def pairs(
     Example: [bold]omnirl pairs --pairs pickapic.parquet --out data/pairs && omnirl encode --model M \\
     --in data/pairs --out data/latents && omnirl update --model M --in data/pairs --in data/latents --algo dpo --out policy[/]
     """
-    c = resolve(ctx, "pairs", required=("table", "out"))
     from stages.offline.pairs import pairs_batch, read_pairs
     from stages.sample.stage import in_rollout, rollout_id
     from stages.shards.reader import slice_batch
@@ -61,17 +28,17 @@ def pairs(
 
     with progress() as bar:
         task = bar.add_task("pairs", total=None, rate="")
-        found, ties = read_pairs(c["table"])
-        shards = min(resolve_num_shards(c, len(found), 2), len(found))
+        found, ties = read_pairs(c.table)
+        shards = min(resolve_num_shards(asdict(c), len(found), 2), len(found))
         writer = ShardSetWriter(
-            c["out"],
+            c.out,
             num_shards=shards,
-            format=check_format(c["fmt"]),
+            format=check_format(c.fmt),
             command="pairs",
-            config=run_config(c),
-            parents=[c["table"]],
+            config=run_config(asdict(c)),
+            parents=[c.table],
             kinds={"image": "image", "prompt_meta": "json"},
-            overwrite=c["overwrite"],
+            overwrite=c.overwrite,
         )
         bar.update(task, total=len(found))
         if not writer.complete:
@@ -82,8 +49,11 @@ def pairs(
                     writer.write_shard(s, slice_batch(batch, 2 * lo, 2 * hi))
                 bar.advance(task, hi - lo)
             writer.finalize(extra={"modality": "image"})
-    result = {"out": str(c["out"]), "pairs": len(found), "ties_skipped": ties, "rows": 2 * len(found)}
+    result = {"out": str(c.out), "pairs": len(found), "ties_skipped": ties, "rows": 2 * len(found)}
     if json_:
         emit_json(result)
     else:
-        print_result(f"[green]wrote[/] {len(found)} pairs ({ties} ties skipped) to {c['out']}")
+        print_result(f"[green]wrote[/] {len(found)} pairs ({ties} ties skipped) to {c.out}")
+
+
+pairs = config_command(PairsConfig, "pairs", run)

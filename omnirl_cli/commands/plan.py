@@ -2,40 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Any
 
-import typer
+from stages.models.config import GIB, PlanConfig
 
-from stages.knobs import OPTIMISATION, WEIGHTS_METAVAR
-
-from ..choices import FAMILIES, ModelSize, complete
-from ..config import resolve
 from ..console import emit_json, out, progress
-from ..errors import handle_errors
-from ..options import (
-    WEIGHTS_FROM,
-    BatchSizeOpt,
-    ConfigOpt,
-    DtypeOpt,
-    FramesOpt,
-    FullOpt,
-    GradientCheckpointingOpt,
-    GuidanceOpt,
-    JsonOpt,
-    LoraRankOpt,
-    MicroBatchOpt,
-    ResolutionOpt,
-    SetOpt,
-    SpDegreeOpt,
-    SpKindOpt,
-    StrategyOpt,
-    TpDegreeOpt,
-    mixed_precision_opt,
-)
-
-MODEL = "Model"
-DEVICE = "Devices"
-GIB = 2**30
+from ..generate import config_command
 
 
 def _gib(n: int) -> str:
@@ -107,105 +79,7 @@ def _render(result: dict[str, Any]) -> None:
         out.print("no accelerator visible: pass --device-memory GIB for a fits / does-not-fit verdict")
 
 
-@handle_errors
-def plan(
-    ctx: typer.Context,
-    model: Annotated[
-        str | None,
-        typer.Option(
-            "--model",
-            "-m",
-            metavar=WEIGHTS_METAVAR,
-            envvar="OMNIRL_MODEL",
-            help=f"Model folder whose configs are read (no weights): {WEIGHTS_FROM}. Or --family.",
-            rich_help_panel=MODEL,
-        ),
-    ] = None,
-    family: Annotated[
-        str | None,
-        typer.Option(
-            "--family",
-            autocompletion=complete(FAMILIES),
-            help=f"A built-in architecture instead of --model: {', '.join(FAMILIES)}.",
-            rich_help_panel=MODEL,
-        ),
-    ] = None,
-    size: Annotated[
-        ModelSize,
-        typer.Option(
-            "--size",
-            help="Size of --family: full (its flagship: Qwen-Image 20B, FLUX.1-dev, Wan 2.1 T2V 14B, SD3.5 "
-            "Large, ...), another published size (sd3 medium, wan2_1 1.3b, qwen2_5_vl 3b / 7b) or tiny / small.",
-            rich_help_panel=MODEL,
-        ),
-    ] = "full",
-    dtype: DtypeOpt = "fp32",
-    mixed_precision: mixed_precision_opt(
-        "the forwards (activations in 16 bits under bf16 / fp16)", OPTIMISATION, recorded="Planned for."
-    ) = None,
-    resolution: ResolutionOpt = None,
-    frames: FramesOpt = 1,
-    guidance: GuidanceOpt = 4.5,
-    batch_size: BatchSizeOpt = 8,
-    micro_batch: MicroBatchOpt = 0,
-    text_tokens: Annotated[
-        int | None,
-        typer.Option(
-            "--text-tokens",
-            min=1,
-            help="Text tokens per sample (default: the model's text length; VLM: 1024, prompt and response).",
-        ),
-    ] = None,
-    lora_rank: LoraRankOpt = 32,
-    full: FullOpt = False,
-    gradient_checkpointing: GradientCheckpointingOpt = False,
-    strategy: StrategyOpt = "auto",
-    num_processes: Annotated[
-        int,
-        typer.Option(
-            "--num-processes",
-            min=1,
-            help="Ranks the stages run on (accelerate launch --num_processes, torchrun --nproc_per_node).",
-            rich_help_panel=DEVICE,
-        ),
-    ] = 1,
-    sp_degree: SpDegreeOpt = 1,
-    sp_kind: SpKindOpt = "ulysses",
-    tp_degree: TpDegreeOpt = 1,
-    cpu_offload: Annotated[
-        bool,
-        typer.Option(
-            "--cpu-offload",
-            help="FSDP2 with the accelerate config's fsdp_offload_params: the trained module's shards, "
-            "gradients and optimizer state in host memory.",
-            rich_help_panel=DEVICE,
-        ),
-    ] = False,
-    cpu: Annotated[
-        bool,
-        typer.Option(
-            "--cpu",
-            help="Plan a run on the CPU: the device is the process's own memory, so each stage's total also "
-            "counts the process's runtime (interpreter, torch and the libraries: 0.51 GiB, measured on the tiny builds), a row "
-            "of its own; the total is then the process's peak resident memory.",
-            rich_help_panel=DEVICE,
-        ),
-    ] = False,
-    device_memory: Annotated[
-        float | None,
-        typer.Option(
-            "--device-memory",
-            min=0,
-            metavar="GIB",
-            help="Memory of one device in GiB, for the verdict (default: the visible accelerator's, "
-            "torch.accelerator; none on a CPU-only machine).",
-            rich_help_panel=DEVICE,
-        ),
-    ] = None,
-    config: ConfigOpt = None,
-    set_: SetOpt = None,
-    json_: JsonOpt = False,
-) -> None:
+def run(c: PlanConfig, json_: bool) -> None:
     """Plan the memory of sample, logprob, update and online on one device, before a run.
 
     The model is built on the meta device, from a folder's configs (no weights read) or from a family's
@@ -229,24 +103,22 @@ def plan(
     Example: [bold]omnirl plan --family qwen_image --size full --resolution 512 --lora-rank 64 --dtype bf16 \\
     --num-processes 8 --strategy fsdp2 --device-memory 80[/]
     """
-    c = resolve(ctx, "plan")
     from stages.errors import UserInputError
-    from stages.models.plan import PlanConfig, accelerator_memory, from_family, from_folder
+    from stages.models.plan import from_family, from_folder
     from stages.models.plan import plan as make_plan
-    from stages.precision import resolve_mixed_precision
 
-    if (c["model"] is None) == (c["family"] is None):
+    if (c.model is None) == (c.family is None):
         raise UserInputError("pass --model FOLDER or --family F (with --size), one of them")
-    memory = accelerator_memory() if c["device_memory"] is None else int(c["device_memory"] * GIB)
-    mixed = resolve_mixed_precision(c["mixed_precision"])
-    cfg = PlanConfig.from_options({**c, "mixed_precision": mixed, "device_memory": memory})
-    cfg.validate()
-    what = c["model"] if c["model"] is not None else f"{c['family']}/{c['size']}"
+    c.validate()
+    what = c.model if c.model is not None else f"{c.family}/{c.size}"
     with progress() as bar:
         bar.add_task(f"building {what} on the meta device", total=None, rate="")
-        arch = from_folder(c["model"]) if c["model"] is not None else from_family(c["family"], c["size"])
-        result = make_plan(arch, cfg)
+        arch = from_folder(c.model) if c.model is not None else from_family(c.family, c.size)
+        result = make_plan(arch, c)
     if json_:
         emit_json(result)
     else:
         _render(result)
+
+
+plan = config_command(PlanConfig, "plan", run)

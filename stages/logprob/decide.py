@@ -25,7 +25,6 @@ from typing import Any
 
 from stages.sample.engines import DEFAULT_ENGINE
 
-REPLAY_MODES = ("auto", "yes")  # `logprob --replay`: only when it can differ, or always
 NATIVE = "native"  # the attention of every backend that agrees with torch SDPA to rounding
 
 

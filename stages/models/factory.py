@@ -6,8 +6,8 @@ complete folder that `from_pretrained` loads like a published checkpoint. The fo
 `omnirl_model.json` (family, size, seed, parameter counts), written last so that a folder without
 it is an unfinished build.
 
-A family is registered as `"module:builder"`, imported only when built, so listing families does not
-import diffusers. A builder is `builder(out_dir, *, size, seed) -> dict`, raises `UserInputError` for
+A family is registered as `"module:builder"` in `stages.models.config.FAMILIES` (torch-free, so the
+CLI lists the names without importing the factory), imported only when built. A builder is `builder(out_dir, *, size, seed) -> dict`, raises `UserInputError` for
 a size it does not know, and ends with `finish_model_dir`. Beside each `build_X` its module has
 `make_X(size, seed)`, the construction without saving (the diffusers pipeline, or the transformers
 model): under `torch.device("meta")` it gives the architecture of any size, even a published one too
@@ -32,22 +32,11 @@ from typing import Any
 import torch
 
 from stages.errors import UserInputError
+from stages.models.config import FAMILIES
 
 MODEL_CARD_NAME = "omnirl_model.json"
 MODEL_CARD_FORMAT = "omnirl-model"
 MODEL_CARD_VERSION = 1
-
-FAMILIES: dict[str, str] = {
-    "flux": "stages.models.flux:build_flux",
-    "qwen2_5_vl": "stages.models.qwen2_5_vl:build_qwen2_5_vl",
-    "qwen3_omni_thinker": "stages.models.qwen3_omni:build_qwen3_omni_thinker",
-    "qwen_image": "stages.models.qwen_image:build_qwen_image",
-    "sd3": "stages.models.sd3:build_sd3",
-    "wan2_1": "stages.models.wan:build_wan2_1",
-    "wan2_2_5b": "stages.models.wan:build_wan2_2_5b",
-    "wan2_2_a14b": "stages.models.wan:build_wan2_2_a14b",
-    "z_image": "stages.models.z_image:build_z_image",
-}
 
 Builder = Callable[..., dict[str, Any]]
 

@@ -47,19 +47,18 @@ from __future__ import annotations
 
 import importlib
 import re
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from stages.errors import UserInputError
+from stages.models.config import FAMILIES, GIB, PlanConfig
 from stages.models.diffusion import DTYPES
 from stages.models.factory import parameter_count
 from stages.models.families import Resolution, adapter_class, parse_resolution
-from stages.parallelism import ModelParallel
-from stages.precision import MIXED_PRECISIONS
-from stages.update.parallel import STRATEGIES
+from stages.precision import MIXED_PRECISIONS, resolve_mixed_precision
 
 FP32 = 4
 ADAM_MOMENTS = 2
@@ -78,6 +77,9 @@ DECODE_WIDTHS = 6  # VAE decoding: three tensors of twice the output conv's widt
 # the 8-18 MiB of tensors the plan counts there.
 CPU_RUNTIME = 526 * 2**20
 VLM_TEXT_TOKENS = 1024
+# settings of `PlanConfig` the plan's JSON gives elsewhere: the model as `model`, the memory as
+# `device_memory` (bytes), the model parallelism as settings.parallel
+PLANNED_ELSEWHERE = ("model", "family", "size", "device_memory", "sp_degree", "sp_kind", "tp_degree")
 # The transformers class of each VLM `model_type` omnirl trains (stages.models.vlm.VLM_FAMILIES); a whole
 # Qwen3-Omni folder trains its thinker.
 VLM_CLASSES = {
@@ -85,68 +87,6 @@ VLM_CLASSES = {
     "qwen3_omni_moe_thinker": ("Qwen3OmniMoeThinkerForConditionalGeneration", None),
     "qwen3_omni_moe": ("Qwen3OmniMoeThinkerForConditionalGeneration", "thinker_config"),
 }
-
-
-@dataclass
-class PlanConfig:
-    """The run settings a plan is made for; names and defaults are those of the stages' own options."""
-
-    resolution: Resolution | None = None  # None: the model's own (its card's image_size), else 512
-    frames: int = 1
-    batch_size: int = 8
-    micro_batch: int = 0  # 0: batch_size, as update
-    guidance: float = 4.5
-    text_tokens: int | None = None  # None: the model's text length
-    lora_rank: int = 32
-    full: bool = False
-    dtype: str = "fp32"
-    mixed_precision: str = "no"
-    gradient_checkpointing: bool = False
-    strategy: str = "auto"
-    num_processes: int = 1
-    cpu_offload: bool = False
-    cpu: bool = False  # the run's device is the CPU: the process's runtime shares its memory
-    device_memory: int | None = None  # bytes; None: no verdict
-    parallel: ModelParallel = field(default_factory=ModelParallel)
-
-    @classmethod
-    def from_options(cls, options: dict[str, Any]) -> PlanConfig:
-        """The config of resolved command options: every field from the option of the same name
-        (`parallel` from --sp-degree, --sp-kind and --tp-degree)."""
-        values = {f.name: options[f.name] for f in fields(cls) if f.name in options}
-        return cls(**values, parallel=ModelParallel.from_options(options))
-
-    def validate(self) -> None:
-        """One line per setting a user got wrong."""
-        if self.dtype not in DTYPES:
-            raise UserInputError(f"--dtype {self.dtype}: choose one of {', '.join(DTYPES)}")
-        if self.mixed_precision not in MIXED_PRECISIONS:
-            raise UserInputError(
-                f"--mixed-precision {self.mixed_precision}: choose one of {', '.join(MIXED_PRECISIONS)}"
-            )
-        for flag, value in (("--num-processes", self.num_processes), ("--batch-size", self.batch_size)):
-            if value < 1:
-                raise UserInputError(f"{flag} {value}: must be at least 1")
-        if self.micro_batch < 0 or self.lora_rank < 0:
-            raise UserInputError("--micro-batch and --lora-rank must be >= 0")
-        if not self.full and self.lora_rank == 0:
-            raise UserInputError("--lora-rank 0 trains nothing: pass --lora-rank > 0 or --full")
-        if self.strategy not in STRATEGIES:
-            raise UserInputError(f"--strategy {self.strategy}: choose one of {', '.join(STRATEGIES)}")
-        if self.cpu_offload and self.kind() != "fsdp2":
-            raise UserInputError("--cpu-offload is FSDP2's: pass --strategy fsdp2")
-        self.parallel.validate(self.num_processes, ranks_option="--num-processes")
-        if self.parallel.tp_degree > 1 and not self.full:
-            raise UserInputError(
-                f"--tp-degree {self.parallel.tp_degree}: diffusers' tensor-parallel plan does not shard LoRA "
-                "layers, so update refuses it; pass --full (or plan --sp-degree)"
-            )
-
-    def kind(self) -> str:
-        """ "none", "ddp" or "fsdp2", as `stages.update.parallel.resolve_strategy` picks it."""
-        if self.strategy == "fsdp2":
-            return "fsdp2"
-        return "ddp" if self.num_processes > 1 else "none"
 
 
 @dataclass
@@ -296,8 +236,6 @@ def _spatial_factor(pipe: Any) -> int:
 
 def _size_spec(family: str, size: str) -> dict[str, Any]:
     """The size's dataclass as a dict (the family module's `SIZES`, or Wan's `PUBLISHED` per variant)."""
-    from stages.models.factory import FAMILIES
-
     module = importlib.import_module(FAMILIES[family].split(":")[0])
     sizes = {**module.SIZES, **getattr(module, "PUBLISHED", {}).get(family, {})}
     return asdict(sizes[size])
@@ -426,12 +364,15 @@ class StagePlan:
 def plan(arch: Architecture, cfg: PlanConfig) -> dict[str, Any]:
     """The memory plan of `arch` under `cfg`: per stage, each resident component's weights, trainable
     parameters, gradients, optimizer state, activations and the total per rank (bytes), and whether it
-    fits `cfg.device_memory`. JSON-able."""
+    fits `cfg.device_memory` GiB (default: the visible accelerator's memory; no verdict without one).
+    The mixed precision is `cfg`'s, else the launcher's, else none. JSON-able."""
     cfg.validate()
     kind = cfg.kind()
     world = cfg.num_processes
     weight_bytes = DTYPES[cfg.dtype].itemsize
-    autocast = MIXED_PRECISIONS[cfg.mixed_precision]
+    mixed = resolve_mixed_precision(cfg.mixed_precision)
+    autocast = MIXED_PRECISIONS[mixed]
+    memory = accelerator_memory() if cfg.device_memory is None else int(cfg.device_memory * GIB)
     act_bytes = 2 if weight_bytes == 2 or autocast is not None else 4
     params = {name: parameter_count(module) for name, module in arch.modules.items()}
     latent, text = _tokens(arch, cfg)
@@ -517,7 +458,9 @@ def plan(arch: Architecture, cfg: PlanConfig) -> dict[str, Any]:
         "parameters": arch.parameters(),
         "trained": list(arch.trained),
         "settings": {
-            **{k: v for k, v in asdict(cfg).items() if k != "device_memory"},
+            **{k: v for k, v in asdict(cfg).items() if k not in PLANNED_ELSEWHERE},
+            "parallel": asdict(cfg.parallel),
+            "mixed_precision": mixed,
             "resolution": None
             if arch.kind == "vlm"
             else list(parse_resolution(cfg.resolution if cfg.resolution is not None else arch.resolution)),
@@ -535,8 +478,8 @@ def plan(arch: Architecture, cfg: PlanConfig) -> dict[str, Any]:
             "per_block_per_sample": per_block,
             "vae_decode": decode,
         },
-        "device_memory": cfg.device_memory,
-        "stages": {name: stage.as_dict(cfg.device_memory) for name, stage in stages.items()},
+        "device_memory": memory,
+        "stages": {name: stage.as_dict(memory) for name, stage in stages.items()},
     }
 
 

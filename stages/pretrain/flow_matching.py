@@ -27,7 +27,7 @@ import math
 import os
 import shutil
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,75 +41,13 @@ from stages.models.diffusion import FlowPolicy
 from stages.models.factory import default_text_length, model_details, read_model_card, save_pipeline
 from stages.models.families import Condition
 from stages.models.schedules import dynamic_shift_mu
+from stages.pretrain.config import PretrainConfig
 from stages.pretrain.images import ImageDataset, to_signed
 from stages.pretrain.resume import Checkpoints, IndexStream, OnStep, TrainingRun
 
 PIXEL_SCALING_FACTOR = 2.5
 PIXEL_SHIFT_FACTOR = 0.0
-VAE_MODES = ("model", "pixel")
 LOSS_WINDOW = 20  # first/final loss: the mean over this many steps, as one step's loss is noisy
-
-
-@dataclass(frozen=True)
-class PretrainConfig:
-    """How to pretrain; recorded in the output's model card. `text_length` None: the model card's
-    `text_length`, else 128; `shift` None: the family scheduler's time shift at the data's resolution."""
-
-    steps: int = 1000
-    batch_size: int = 32
-    lr: float = 2e-3
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    ema_decay: float = 0.998
-    caption_dropout: float = 0.1
-    seed: int = 0
-    text_length: int | None = None
-    shift: float | None = None
-    vae: str = "model"
-    vae_steps: int = 5000
-    vae_encoder_steps: int = 500
-    vae_batch_size: int = 2
-    vae_lr: float = 2e-3
-
-    @classmethod
-    def from_options(cls, options: dict[str, Any]) -> PretrainConfig:
-        """The config of resolved command options: every field from the option of the same name
-        (other options, such as paths, are ignored; a missing one keeps its default)."""
-        return cls(**{f.name: options[f.name] for f in fields(cls) if f.name in options})
-
-    def validate(self, rows: int | None = None) -> None:
-        """One-line `UserInputError` naming the option of the first bad value; with `rows` (the images
-        of --data) also a batch size beyond them."""
-        checks = [
-            (self.steps >= 1, f"--steps {self.steps}: must be at least 1"),
-            (self.batch_size >= 1, f"--batch-size {self.batch_size}: must be at least 1"),
-            (self.lr > 0, f"--lr {self.lr}: must be > 0"),
-            (self.weight_decay >= 0, f"--weight-decay {self.weight_decay}: must be >= 0"),
-            (self.max_grad_norm > 0, f"--max-grad-norm {self.max_grad_norm}: must be > 0"),
-            (0 <= self.ema_decay < 1, f"--ema-decay {self.ema_decay}: must be in [0, 1)"),
-            (0 <= self.caption_dropout < 1, f"--caption-dropout {self.caption_dropout}: must be in [0, 1)"),
-            (self.text_length is None or self.text_length >= 1, f"--text-length {self.text_length}: must be >= 1"),
-            (self.shift is None or self.shift > 0, f"--shift {self.shift}: must be > 0"),
-            (self.vae in VAE_MODES, f"--vae {self.vae}: choose one of {', '.join(VAE_MODES)}"),
-            (self.vae_steps >= 0, f"--vae-steps {self.vae_steps}: must be >= 0"),
-            (self.vae_encoder_steps >= 0, f"--vae-encoder-steps {self.vae_encoder_steps}: must be >= 0"),
-            (self.vae_batch_size >= 1, f"--vae-batch-size {self.vae_batch_size}: must be at least 1"),
-            (self.vae_lr > 0, f"--vae-lr {self.vae_lr}: must be > 0"),
-            *(
-                (size <= rows, f"{option} {size}: more than the {rows} images of --data; give at most {rows}")
-                for option, size in (("--batch-size", self.batch_size), ("--vae-batch-size", self.vae_batch_size))
-                if rows is not None
-            ),
-        ]  # fmt: skip
-        for ok, message in checks:
-            if not ok:
-                raise UserInputError(message)
-
-    def phases(self) -> list[tuple[str, int]]:
-        """(phase, steps) in the order `pretrain` runs them, for progress displays."""
-        vae = [("vae decoder", self.vae_steps), ("vae encoder", self.vae_encoder_steps)]
-        fitted = [(name, steps) for name, steps in vae if self.vae == "pixel" and steps]
-        return [*fitted, ("transformer", self.steps)]
 
 
 @dataclass
@@ -331,7 +269,7 @@ def run_identity(cfg: PretrainConfig, model: str | Path, data: ImageDataset) -> 
 
     model = check_pipeline_folder(model)  # before hashing: any folder could be walked otherwise
     return {
-        "settings": asdict(cfg),
+        "settings": cfg.recorded(),
         "inputs": {
             "model": content_digest(model, "--model"),
             "data": data.source["sha256"],
@@ -458,7 +396,7 @@ def save_pretrained_model(
             "base_size": base.get("size"),
             "base_seed": base.get("seed"),
             "data": data.source,
-            "config": asdict(cfg),
+            "config": cfg.recorded(),
             "shift": result.shift,
             "steps": len(result.losses),
             "first_loss": result.first_loss,

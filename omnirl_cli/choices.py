@@ -60,6 +60,7 @@ ALGORITHMS = (
 )  # stages.update.losses.ALGORITHMS
 FAMILIES = (  # stages.models.factory.FAMILIES
     "flux",
+    "flux_kontext",
     "qwen2_5_vl",
     "qwen3_omni_thinker",
     "qwen_image",

@@ -414,6 +414,12 @@ def sample(
     (docs/real-checkpoints.md, "What each stage loads"); so does --engine remote, with the conditioning
     the server returns when it runs at this --dtype.
 
+    An editing model (qwen_image_edit, flux_kontext) edits each prompt row's source image: column `image`,
+    or `images` for several references (a path relative to the table, the file's bytes or a `datasets`
+    Image; docs/data-format.md). They are stored once per prompt group (condition-images-*.parquet, a
+    table `datasets` loads), and `logprob`, `update` and `online` condition on them; a text-only model
+    refuses them.
+
     With a vision-language --model (Qwen2.5-VL), GROUP text responses per (images, question) row of a
     verl/EasyR1 table: prompt and response token ids, response text, rollout log-probs, images once per
     prompt; the diffusion options (--steps, --guidance, the sampler, video) are refused, as the
@@ -446,6 +452,7 @@ def sample(
     from stages.errors import UserInputError
     from stages.media import output_modality
     from stages.media.deferred import deferred_record
+    from stages.models.condition_images import condition_images_record
     from stages.models.conditioning import conditioning_record
     from stages.models.factory import default_text_length
     from stages.models.folders import check_pipeline_folder
@@ -514,7 +521,14 @@ def sample(
                 dtype=c["dtype"],
                 max_sequence_length=cfg.max_sequence_length,
             )
-            return {"modality": output_modality([col.kind for col in columns]), **extra, **(stored or {})}
+            # the prompt groups' condition images (an editing model's rollout), once per group
+            images = condition_images_record(writer.out_dir, writer.num_shards, writer.content_id)
+            return {
+                "modality": output_modality([col.kind for col in columns]),
+                **extra,
+                **(stored or {}),
+                **(images or {}),
+            }
 
         _run(c, json_, writer, len(picked), "images", with_modality, partial(run_sample, engine, cfg, picked))
     finally:

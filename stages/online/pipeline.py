@@ -238,6 +238,7 @@ def run_online(
     run, see `prepare_run`); one summary per iteration. `tracking` gets each iteration's reward statistics
     (at the iteration) and actor metrics (at their optimizer steps) once its checkpoint is written."""
     from stages.advantage.stage import compute_advantages
+    from stages.models.condition_images import RECORD as CONDITION_IMAGES
     from stages.models.conditioning import CONDITIONING, from_bytes
     from stages.models.diffusion import FlowPolicy
     from stages.score.stage import check_reward_kinds
@@ -305,6 +306,7 @@ def run_online(
             t_wait = time.perf_counter() - t0
             if CONDITIONING in data:
                 policy.add_conditioning(from_bytes(data.pop(CONDITIONING)))
+            policy.group_images.update(data.pop(CONDITION_IMAGES, {}))
             gaps = version_gaps(data["policy_version"], published, k)
             data["reward"] = rewards["reward"]
             adv, stats = compute_advantages(

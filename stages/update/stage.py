@@ -31,7 +31,9 @@ from stages.update.losses import get_algorithm
 from stages.update.rows import held_columns, split_columns
 from stages.update.trainer import Trainer, UpdateConfig
 
-BASE_COLUMNS = ("sample_id", "prompt", "negative_prompt", "advantages", "reward", "train_mask", FAILED_COLUMN)
+BASE_COLUMNS = (
+    "sample_id", "group_id", "prompt", "negative_prompt", "advantages", "reward", "train_mask", FAILED_COLUMN,
+)  # fmt: skip
 OFFLINE = SampleConfig(steps=1000, guidance=1.0, batch_size=8)
 
 

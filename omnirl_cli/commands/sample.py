@@ -455,7 +455,8 @@ def sample(
     from stages.models.condition_images import condition_images_record
     from stages.models.conditioning import conditioning_record
     from stages.models.factory import default_text_length
-    from stages.models.folders import check_pipeline_folder
+    from stages.models.families import adapter_class
+    from stages.models.folders import check_pipeline_folder, pipeline_index
     from stages.models.kernels import Kernels, prepare
     from stages.parallelism import ModelParallel, layout
     from stages.sample.engines import DEFAULT_ENGINE, DiffusersEngine, EngineOptions, engine_class
@@ -490,6 +491,9 @@ def sample(
     layout(parallel)  # before the shards are split over the data-parallel ranks
     source = PromptSource(c["prompts"])
     picked = sample_prompts(source, c["num_prompts"], c["seed"])
+    family = adapter_class(pipeline_index(c["model"])["_class_name"], str(c["model"]))
+    for _, prompt in picked:  # before any output: condition images the model cannot take
+        family.check_condition_images(len(prompt.images), prompt.text)
     _check_memory(
         c,
         len(picked) * c["group_size"],

@@ -211,25 +211,26 @@ class FamilyAdapter:
         (`latent_grid` checks the sides)."""
         raise NotImplementedError
 
-    def check_condition_images(self, count: int, prompt: str) -> None:
+    @classmethod
+    def check_condition_images(cls, count: int, prompt: str) -> None:
         """Refuse, in one line naming the prompt, a number of condition images the family does not take."""
-        fewest, most = self.condition_images
+        fewest, most = cls.condition_images
         if fewest <= count <= most:
             return
         where = f"--prompts row of prompt {prompt[:60]!r}"
         if most == 0:
             raise UserInputError(
-                f"{where}: has {count} condition image(s), but {self.name} generates from text alone; drop the "
+                f"{where}: has {count} condition image(s), but {cls.name} generates from text alone; drop the "
                 "'image'/'images' column, or pass an editing model (qwen_image_edit, flux_kontext)"
             )
         if count == 0:
             raise UserInputError(
-                f"{where}: {self.name} edits a source image and the row has none; give it one in column "
+                f"{where}: {cls.name} edits a source image and the row has none; give it one in column "
                 "'image' (a path relative to the table, the file's bytes or a datasets Image)"
             )
         takes = str(most) if fewest == most else f"{fewest} to {most}"
         raise UserInputError(
-            f"{where}: has {count} condition images, but {self.name} takes {takes} per prompt; "
+            f"{where}: has {count} condition images, but {cls.name} takes {takes} per prompt; "
             f"give {takes} in column '{'image' if most == 1 else 'images'}'"
         )
 

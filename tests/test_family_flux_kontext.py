@@ -193,3 +193,13 @@ def test_bad_condition_images_exit_2_with_one_line(tiny_kontext: Path, tmp_path:
     fails(sample(tiny_kontext, bad), f"{bad}: row 1", "column 'image'", "not a readable image")
     fails(sample(tiny_kontext, rows({"prompt": "x", "image": "missing.png"})), "row 0", "missing.png")
     assert not (tmp_path / "out").exists()
+
+
+def test_the_lora_is_flow_grpos_kontext_layout(tiny_kontext: Path) -> None:
+    policy = FlowPolicy.load(tiny_kontext)
+    policy.add_lora(rank=4, alpha=8)
+    wrapped = {n.rsplit(".lora_A", 1)[0] for n, _ in policy.module.named_parameters() if ".lora_A." in n}
+    config = policy.module.config
+    # FLUX.1's 12 per double-stream block and q/k/v per single-stream block, plus each single block's proj_mlp
+    assert len(wrapped) == 12 * config.num_layers + 4 * config.num_single_layers
+    assert sum(n.endswith("proj_mlp") for n in wrapped) == config.num_single_layers

@@ -26,6 +26,7 @@ from stages.errors import UserInputError
 from stages.models.factory import choose_size, save_pipeline
 from stages.models.families import Condition, Tensors
 from stages.models.flux import (
+    FLUX_LORA_TARGETS,
     LATENT_CHANNELS,
     SIZES,
     FluxAdapter,
@@ -36,6 +37,9 @@ from stages.models.flux import (
 from stages.models.packing import pack
 
 FAMILY = "flux_kontext"
+# flow_grpo's LoRA targets for Kontext (scripts/train_flux_kontext.py, r64/α128): FLUX.1's list plus the
+# single-stream blocks' MLP input `proj_mlp`.
+KONTEXT_LORA_TARGETS = (*FLUX_LORA_TARGETS, "proj_mlp")
 
 
 def make_flux_kontext(size: str, seed: int) -> FluxKontextPipeline:
@@ -69,10 +73,10 @@ class FluxKontextAdapter(FluxAdapter):
     Each prompt's conditioning adds "image_latents" [N, 64] (the packed source latents) and "image_ids"
     [N, 3] (their position ids) to FLUX.1's T5 embeds and CLIP pooled output. The velocity is FLUX.1's over
     [latent tokens, source tokens] (`FluxAdapter.source_tokens`), its output over the latent tokens only.
-    LoRA targets are FLUX.1's.
     """
 
     name = FAMILY
+    lora_targets = KONTEXT_LORA_TARGETS
     condition_images = (1, 1)
 
     def encode_prompts(

@@ -203,3 +203,23 @@ def test_the_lora_is_flow_grpos_kontext_layout(tiny_kontext: Path) -> None:
     # FLUX.1's 12 per double-stream block and q/k/v per single-stream block, plus each single block's proj_mlp
     assert len(wrapped) == 12 * config.num_layers + 4 * config.num_single_layers
     assert sum(n.endswith("proj_mlp") for n in wrapped) == config.num_single_layers
+
+
+def test_online_trains_on_policy_on_the_sampled_sources(
+    tiny_kontext: Path, kontext_rollout: dict[str, Path], tmp_path: Path
+) -> None:
+    preset = tmp_path / "preset.yaml"
+    preset.write_text(
+        "sample: {steps: 3, guidance: 3.5, resolution: 32, sampler: sde, group_size: 2, batch_size: 2}\n"
+        "update: {algo: flow_grpo, lr: 1.0e-3, clip_range: 0.2, lora_rank: 4, lora_alpha: 8}\n"
+    )
+    run(
+        "online", "--config", str(preset), "--model", str(tiny_kontext), "--prompts", str(kontext_rollout["table"]),
+        "--reward", "jpeg_compressibility", "--iterations", "1", "--out", str(tmp_path / "run"),
+    )  # fmt: skip
+    metrics = [
+        json.loads(x)
+        for x in (tmp_path / "run" / "it1" / "policy" / "metrics.jsonl").read_text().splitlines()
+    ]
+    # the trainer conditions each row on its group's source, as the sampler did: the first step is on-policy
+    assert metrics[0]["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-6)

@@ -204,9 +204,9 @@ def test_a_server_of_another_dtype_is_not_asked_for_conditioning(server: Server,
     cfg = SampleConfig(steps=2, guidance=1.0, resolution=32, sampler="ode")
     args = (cfg, ["a cat"], [""], [1], [1])
     other.rollout(*args, groups=[0], sample_ids=["s0"])
-    assert other.conditioning([("a cat", "", cfg.max_sequence_length)]) is None and not other.received
+    assert other.conditioning([("a cat", "", cfg.max_sequence_length, "")]) is None and not other.received
     same.rollout(*args, groups=[0], sample_ids=["s0"])
-    (entries,) = same.conditioning([("a cat", "", cfg.max_sequence_length)]).values()
+    (entries,) = same.conditioning([("a cat", "", cfg.max_sequence_length, "")]).values()
     assert entries[0] and all(torch.isfinite(t).all() for t in entries[0].values() if t.is_floating_point())
 
 

@@ -215,7 +215,7 @@ def test_online_trains_on_policy_on_the_sampled_sources(
     )
     run(
         "online", "--config", str(preset), "--model", str(tiny_kontext), "--prompts", str(kontext_rollout["table"]),
-        "--reward", "jpeg_compressibility", "--iterations", "1", "--out", str(tmp_path / "run"),
+        "--reward", "jpeg_compressibility", "--iterations", "1", "--save-trajectories", "--out", str(tmp_path / "run"),
     )  # fmt: skip
     metrics = [
         json.loads(x)
@@ -223,3 +223,8 @@ def test_online_trains_on_policy_on_the_sampled_sources(
     ]
     # the trainer conditions each row on its group's source, as the sampler did: the first step is on-policy
     assert metrics[0]["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+    # the saved samples carry their sources, as `sample` writes them: the staged replay takes them
+    saved = tmp_path / "run" / "it0" / "samples"
+    assert (saved / condition_images_file(0, 1)).is_file()
+    replay = run("logprob", "--model", str(tiny_kontext), "--in", str(saved), "--out", str(tmp_path / "lp"))
+    assert replay["abs_delta_max"] == 0.0

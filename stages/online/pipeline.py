@@ -332,7 +332,7 @@ def run_online(
                 extra={"online_iteration": k + 1, "max_staleness": cfg.max_staleness},
             )
             if cfg.save_trajectories:
-                _save_trajectories(cfg, k, data, rewards, adv, stats, policy.family)
+                _save_trajectories(cfg, k, data, rewards, adv, stats, policy.family, policy.group_images)
             if tracking:
                 tracking.log_rewards(k, rewards, data.get("prompt_meta"))
                 tracking.log("rollout", k, {"rollout/version_gap_max": max(gaps)})
@@ -385,10 +385,12 @@ def _save_trajectories(
     adv: dict[str, Any],
     stats: dict[str, Any],
     family: Any,
+    group_images: dict[str, list[bytes]],
 ) -> None:
     """The shard sets the staged commands would have written for iteration k (`family`: the policy's
     `FamilyAdapter`); its samples hold media only when `stores_media(cfg, k)` (the sampler sends it to the
-    driver only then), else the manifest records it as deferred (`stages.media.deferred`)."""
+    driver only then), else the manifest records it as deferred (`stages.media.deferred`). An editing
+    model's samples also store their groups' condition images (`group_images`), as `sample` does."""
     from stages.media.deferred import deferred_record
     from stages.sample.stage import KINDS
     from stages.shards.writer import ShardSetWriter
@@ -421,6 +423,25 @@ def _save_trajectories(
             overwrite=True,
         )
         if not writer.complete:
+            if name == "samples":
+                extra = {**extra, **_store_condition_images(writer, data["group_id"], group_images)}
             writer.write_shard(0, batch)
             writer.finalize(extra=extra)
         parents = [it / "samples"]
+
+
+def _store_condition_images(writer: Any, group_ids: list[str], group_images: dict[str, list[bytes]]) -> dict:
+    """Write the condition images of the groups among `group_ids` beside the saved samples' one shard (as
+    `sample` does) and return the manifest record; {} for groups without any."""
+    from stages.models.condition_images import (
+        condition_images_file,
+        condition_images_record,
+        write_condition_images,
+    )
+
+    groups = {g: group_images.get(g, []) for g in dict.fromkeys(group_ids)}
+    if not any(groups.values()):
+        return {}
+    writer.out_dir.mkdir(parents=True, exist_ok=True)
+    write_condition_images(writer.out_dir / condition_images_file(0, 1), groups, writer.content_id)
+    return condition_images_record(writer.out_dir, 1, writer.content_id) or {}

@@ -146,9 +146,9 @@ def write_condition_images(path: Path, groups: Mapping[str, Sequence[bytes]], ru
 
 
 def condition_images_record(out_dir: Path, num_shards: int, run: str) -> dict[str, Any] | None:
-    """The manifest's `extra["condition_images"]` of a finished rollout in `out_dir`: every shard's file
-    (name, bytes, sha256). None when no shard has one of run `run` (a rollout without condition images);
-    a rollout of which only some shards have one is a programming error."""
+    """The manifest's `extra["condition_images"]` of a finished rollout in `out_dir`: the file (name, bytes,
+    sha256) of every shard that has one of run `run` (a shard whose prompts have no condition images has
+    none); None when no shard has one (a text-to-image rollout)."""
     files = []
     for shard in range(num_shards):
         path = out_dir / condition_images_file(shard, num_shards)
@@ -159,11 +159,7 @@ def condition_images_record(out_dir: Path, num_shards: int, run: str) -> dict[st
         except OSError:
             continue
         files.append({"file": path.name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
-    if not files:
-        return None
-    if len(files) != num_shards:
-        raise RuntimeError(f"{out_dir}: condition images stored for {len(files)} of {num_shards} shards")
-    return {RECORD: {"files": files}}
+    return {RECORD: {"files": files}} if files else None
 
 
 def stored_condition_images(paths: Sequence[Path], manifests: Sequence[Any]) -> dict[str, list[bytes]]:

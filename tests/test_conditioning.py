@@ -214,7 +214,7 @@ def test_the_online_trainer_takes_the_samplers_conditioning(
     )  # fmt: skip
     (driver,) = loaded
     assert driver.loaded_components == ["scheduler", "transformer"]
-    assert {p for p, _, _ in driver._prompt_cache} == set(PROMPTS)  # every trained prompt, from the sampler
+    assert {key[0] for key in driver._prompt_cache} == set(PROMPTS)  # every trained prompt, from the sampler
 
 
 @pytest.mark.parametrize("rollout", ["sd3"], indirect=True)

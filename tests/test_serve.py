@@ -204,9 +204,9 @@ def test_a_server_of_another_dtype_is_not_asked_for_conditioning(server: Server,
     cfg = SampleConfig(steps=2, guidance=1.0, resolution=32, sampler="ode")
     args = (cfg, ["a cat"], [""], [1], [1])
     other.rollout(*args, groups=[0], sample_ids=["s0"])
-    assert other.conditioning([("a cat", "", cfg.max_sequence_length)]) is None and not other.received
+    assert other.conditioning([("a cat", "", cfg.max_sequence_length, "")]) is None and not other.received
     same.rollout(*args, groups=[0], sample_ids=["s0"])
-    (entries,) = same.conditioning([("a cat", "", cfg.max_sequence_length)]).values()
+    (entries,) = same.conditioning([("a cat", "", cfg.max_sequence_length, "")]).values()
     assert entries[0] and all(torch.isfinite(t).all() for t in entries[0].values() if t.is_floating_point())
 
 
@@ -901,17 +901,17 @@ def test_the_conditioning_asked_for_travels_bit_for_bit_and_a_forged_one_is_refu
     request = _rollout_body(n=2)
     assert "return_conditioning" not in request  # not asked: the body an older server reads
     request = {**request, "return_conditioning": True}
-    assert decode_request(request, max_samples=2).conditioning_keys() == [("a cat", "", 32)]
+    assert decode_request(request, max_samples=2).conditioning_keys() == [("a cat", "", 32, "")]
     with pytest.raises(ProtocolError, match="return_conditioning must be true or false"):
         decode_request({**request, "return_conditioning": "yes"}, max_samples=2)
     g = torch.Generator().manual_seed(0)
     pos = {"prompt_embeds": torch.randn(5, 8, generator=g), "mask": torch.ones(5, dtype=torch.bool)}
-    entries = {("a cat", "", 32): (pos, {"prompt_embeds": torch.randn(5, 8, generator=g)})}
+    entries = {("a cat", "", 32, ""): (pos, {"prompt_embeds": torch.randn(5, 8, generator=g)})}
     reply = encode_response("r1", 0, {"image": [b""] * 2, "final_latent": torch.zeros(2, 4, 2, 2)}, entries)
     for body in (json.loads(json.dumps(reply)), unpack_binary(pack_binary(reply))):
         back = decode_conditioning(body, request)
         assert back is not None and back.keys() == entries.keys()
-        for theirs, mine in zip(back[("a cat", "", 32)], entries[("a cat", "", 32)]):
+        for theirs, mine in zip(back[("a cat", "", 32, "")], entries[("a cat", "", 32, "")]):
             assert all(torch.equal(theirs[n], mine[n]) and theirs[n].dtype == mine[n].dtype for n in mine)
     assert decode_conditioning({k: v for k, v in reply.items() if k != "conditioning"}, request) is None
     nan = {
@@ -919,7 +919,7 @@ def test_the_conditioning_asked_for_travels_bit_for_bit_and_a_forged_one_is_refu
     }
     forged = [
         (
-            conditioning_item({("a dog", "", 32): entries[("a cat", "", 32)]}),
+            conditioning_item({("a dog", "", 32, ""): entries[("a cat", "", 32, "")]}),
             "holds 1 prompts, not the batch",
         ),
         (conditioning_item({}), "holds 0 prompts"),

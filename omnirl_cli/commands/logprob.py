@@ -174,7 +174,7 @@ def run(c: LogprobConfig, json_: bool) -> None:
             # absent in older rollouts
             columns += [name for name in ("messages", "videos", "audios") if name in src.columns]
         elif replaying:
-            columns = ["sample_id", "prompt", "negative_prompt", "latents", "sigmas", "log_probs"]
+            columns = ["sample_id", "group_id", "prompt", "negative_prompt", "latents", "sigmas", "log_probs"]
         else:
             columns = ["sample_id"]
         label = "replaying" if replaying else "listing"

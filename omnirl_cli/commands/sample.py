@@ -413,6 +413,12 @@ def sample(
     (docs/real-checkpoints.md, "What each stage loads"); so does --engine remote, with the conditioning
     the server returns when it runs at this --dtype.
 
+    An editing model (qwen_image_edit, flux_kontext) edits each prompt row's source image: column `image`,
+    or `images` for several references (a path relative to the table, the file's bytes or a `datasets`
+    Image; docs/data-format.md). They are stored once per prompt group (condition-images-*.parquet, a
+    table `datasets` loads), and `logprob`, `update` and `online` condition on them; a text-only model
+    refuses them.
+
     With a vision-language --model (Qwen2.5-VL), GROUP text responses per (images, question) row of a
     verl/EasyR1 table: prompt and response token ids, response text, rollout log-probs, images once per
     prompt; the diffusion options (--steps, --guidance, the sampler, video) are refused, as the
@@ -445,9 +451,11 @@ def sample(
     from stages.errors import UserInputError
     from stages.media import output_modality
     from stages.media.deferred import deferred_record
+    from stages.models.condition_images import condition_images_record
     from stages.models.conditioning import conditioning_record
     from stages.models.factory import default_text_length
-    from stages.models.folders import check_pipeline_folder
+    from stages.models.families import adapter_class
+    from stages.models.folders import check_pipeline_folder, pipeline_index
     from stages.models.kernels import Kernels, prepare
     from stages.parallelism import ModelParallel, layout
     from stages.sample.engines import DEFAULT_ENGINE, DiffusersEngine, EngineOptions, engine_class
@@ -482,6 +490,9 @@ def sample(
     layout(parallel)  # before the shards are split over the data-parallel ranks
     source = PromptSource(c["prompts"])
     picked = sample_prompts(source, c["num_prompts"], c["seed"])
+    family = adapter_class(pipeline_index(c["model"])["_class_name"], str(c["model"]))
+    for _, prompt in picked:  # before any output: condition images the model cannot take
+        family.check_condition_images(len(prompt.images), prompt.text)
     _check_memory(
         c,
         len(picked) * c["group_size"],
@@ -513,7 +524,14 @@ def sample(
                 dtype=c["dtype"],
                 max_sequence_length=cfg.max_sequence_length,
             )
-            return {"modality": output_modality([col.kind for col in columns]), **extra, **(stored or {})}
+            # the prompt groups' condition images (an editing model's rollout), once per group
+            images = condition_images_record(writer.out_dir, writer.num_shards, writer.content_id)
+            return {
+                "modality": output_modality([col.kind for col in columns]),
+                **extra,
+                **(stored or {}),
+                **(images or {}),
+            }
 
         _run(c, json_, writer, len(picked), "images", with_modality, partial(run_sample, engine, cfg, picked))
     finally:

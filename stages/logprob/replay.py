@@ -47,6 +47,7 @@ def replay_batch(
         list(batch.get("negative_prompt") or []) or None,
         policy.needs_negative(cfg.guidance),
         cfg.max_sequence_length,
+        policy.images_of(list(batch["group_id"])) if "group_id" in batch else None,
     )
     sigma_safe = policy.sigmas(cfg.steps, cfg.resolution)[1]
     log_probs, ref_means, old_means = [], [], []

@@ -1,7 +1,9 @@
 """Prompt conditioning stored once per rollout, so that the stages after `sample` load no text encoder.
 
 `sample` writes, beside each shard, `conditioning-SSSSS-of-NNNNN.safetensors`: what the family adapter's
-`encode_prompts` gave for every unique (prompt, negative prompt, max length) of that shard, both CFG
+`encode_prompts` gave for every unique (prompt, negative prompt, max length, condition images) of that
+shard (the images named by their digest, `stages.models.condition_images`; an editing model's
+conditioning holds what it encodes of them, e.g. their VAE latents), both CFG
 branches (embeddings, pooled embeddings, masks; tensors without a batch dim, as `FlowPolicy` caches
 them), bit for bit. The rollout's manifest, written last, lists the files (bytes, sha256) under
 `extra["conditioning"]` with the encoder identity: the pipeline class, the content digest of every text
@@ -27,8 +29,9 @@ CONDITIONING = "conditioning"  # the rollout manifest's extra key
 METADATA = "omnirl_conditioning"  # the safetensors metadata key of a conditioning file's entries and run
 # model_index.json components that turn prompts into conditioning (SD3: text_encoder_3, tokenizer_3, ...)
 TEXT_PREFIXES = ("text_encoder", "tokenizer")
-# (prompt, negative prompt, max sequence length): the key `FlowPolicy.encode` caches a prompt under
-Key = tuple[str, str, int]
+# (prompt, negative prompt, max sequence length, condition images' digest ("" for none)): the key
+# `FlowPolicy.encode` caches a prompt under
+Key = tuple[str, str, int, str]
 # per key the (positive, negative) branch: name → tensor without a batch dim
 Entries = dict[Key, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]]
 
@@ -73,13 +76,14 @@ def to_bytes(entries: Entries, run: str = "") -> bytes:
 
     tensors: dict[str, torch.Tensor] = {}
     listed = []
-    for i, ((prompt, negative, length), branches) in enumerate(entries.items()):
+    for i, ((prompt, negative, length, images), branches) in enumerate(entries.items()):
         names = []
         for branch, values in zip(("pos", "neg"), branches, strict=True):
             names.append(sorted(values))
             for name, value in values.items():
                 tensors[f"{i}.{branch}.{name}"] = value.detach().to("cpu").contiguous()
-        listed.append({"prompt": prompt, "negative": negative, "max_sequence_length": length, "names": names})
+        entry = {"prompt": prompt, "negative": negative, "max_sequence_length": length, "names": names}
+        listed.append({**entry, "images": images} if images else entry)
     # one metadata key: safetensors writes several in a random order, and equal runs give equal bytes
     return save(tensors, metadata={METADATA: json.dumps({"entries": listed, "run": run}, sort_keys=True)})
 
@@ -91,7 +95,7 @@ def from_bytes(data: bytes) -> Entries:
     tensors = load(data)
     entries: Entries = {}
     for i, entry in enumerate(_metadata(data)["entries"]):
-        key = (entry["prompt"], entry["negative"], int(entry["max_sequence_length"]))
+        key = (entry["prompt"], entry["negative"], int(entry["max_sequence_length"]), entry.get("images", ""))
         pos, neg = (
             {name: tensors[f"{i}.{branch}.{name}"] for name in names}
             for branch, names in zip(("pos", "neg"), entry["names"], strict=True)

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 FAMILIES: dict[str, str] = {
     "flux": "stages.models.flux:build_flux",
+    "flux_kontext": "stages.models.flux_kontext:build_flux_kontext",
     "qwen2_5_vl": "stages.models.qwen2_5_vl:build_qwen2_5_vl",
     "qwen3_omni_thinker": "stages.models.qwen3_omni:build_qwen3_omni_thinker",
     "qwen_image": "stages.models.qwen_image:build_qwen_image",

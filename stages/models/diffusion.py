@@ -21,6 +21,7 @@ import torch
 from stages import knobs
 from stages.dist import unwrap
 from stages.errors import UserInputError
+from stages.models.condition_images import decode_images, images_digest, stored_condition_images
 from stages.models.conditioning import (
     TEXT_PREFIXES,
     Entries,
@@ -158,6 +159,9 @@ class FlowPolicy:
         self._stored: Entries | None = conditioning
         # where `encode` takes prompts from, as `for_rollout` reports it
         self.conditioning_source = "stored" if conditioning is not None else "encoded"
+        # a rollout's condition images by group id (`stages.models.condition_images`): what `images_of`
+        # gives the stages that replay or train on its rows
+        self.group_images: dict[str, list[bytes]] = {}
         self._reference: torch.nn.Module | None = None
 
     @property
@@ -283,11 +287,26 @@ class FlowPolicy:
         if stored is not None and adapter and lora_has_layers(Path(adapter), TEXT_PREFIXES):
             # an adapter with text-encoder LoRA layers loads onto the text encoders: keep them
             stored, source = None, f"--adapter {adapter} has text-encoder LoRA weights"
+        group_images = stored_condition_images(inputs.paths, inputs.manifests)
+        # an editing model that encodes its prompts encodes their condition images with the VAE too
         policy = cls.load(
-            model_path, adapter=adapter, device=device, dtype=dtype, conditioning=stored, vae=False
+            model_path,
+            adapter=adapter,
+            device=device,
+            dtype=dtype,
+            conditioning=stored,
+            vae=stored is None and bool(group_images),
         )
         policy.conditioning_source = source
+        policy.group_images = group_images
         return policy
+
+    def images_of(self, group_ids: list[str]) -> list[list[bytes]] | None:
+        """The condition images of rows of these prompt groups (`group_images`); None for a rollout
+        without any (a text-to-image rollout)."""
+        if not self.group_images:
+            return None
+        return [self.group_images.get(g, []) for g in group_ids]
 
     def add_conditioning(self, entries: Entries) -> None:
         """Add prompt conditioning to what a policy loaded with `conditioning` takes prompts from (how
@@ -512,21 +531,35 @@ class FlowPolicy:
 
     @torch.no_grad()
     def encode(
-        self, prompts: list[str], negative: list[str] | None, cfg: bool, max_sequence_length: int = 128
+        self,
+        prompts: list[str],
+        negative: list[str] | None,
+        cfg: bool,
+        max_sequence_length: int = 128,
+        images: list[list[bytes]] | None = None,
     ) -> Condition:
-        """Frozen text conditioning, cached per unique (prompt, negative, text length): a server keeps
-        its policy across requests that ask for other lengths; negatives when `cfg`. A policy loaded with
-        stored conditioning takes it from there, and a prompt it lacks is a one-line error."""
+        """Frozen conditioning, cached per unique (prompt, negative, text length, condition images): a
+        server keeps its policy across requests that ask for other lengths; negatives when `cfg`.
+        `images`: each prompt's condition images as encoded files (an editing model's source images,
+        `stages.models.condition_images`; None: none), a count the family does not take a one-line error.
+        A policy loaded with stored conditioning takes it from there, and a prompt it lacks is a one-line
+        error."""
         negative = negative or [""] * len(prompts)
-        keys = [(p, n, max_sequence_length) for p, n in zip(prompts, negative)]
+        images = images if images is not None else [[] for _ in prompts]
+        for prompt, given in zip(prompts, images):
+            self.family.check_condition_images(len(given), prompt)
+        digests = [images_digest(given) for given in images]
+        by_digest = dict(zip(digests, images))
+        keys = [(p, n, max_sequence_length, d) for p, n, d in zip(prompts, negative, digests)]
         missing = [key for key in dict.fromkeys(keys) if key not in self._prompt_cache]
         if missing and self._stored is not None:
             absent = next((key for key in missing if key not in self._stored), None)
             if absent is not None:
+                with_images = " and its condition images" if absent[3] else ""
                 raise UserInputError(
-                    f"prompt {absent[0]!r} (negative {absent[1]!r}, max length {absent[2]}) is not in the "
-                    "rollout's stored conditioning, and no text encoder was loaded; pass the --in of the "
-                    "rollout these rows were sampled in"
+                    f"prompt {absent[0]!r}{with_images} (negative {absent[1]!r}, max length {absent[2]}) is "
+                    "not in the rollout's stored conditioning, and no text encoder was loaded; pass the --in "
+                    "of the rollout these rows were sampled in"
                 )
             for key in missing:
                 pos, neg = self._stored[key]
@@ -536,8 +569,15 @@ class FlowPolicy:
                 )
             missing = []
         if missing:
+            extra = {}
+            if self.family.condition_images[1]:  # an editing family: each prompt's images, decoded
+                extra["images"] = [decode_images(by_digest[d], f"prompt {p!r}") for p, _, _, d in missing]
             encoded = self.family.encode_prompts(
-                [p for p, _, _ in missing], [n for _, n, _ in missing], self.device, max_sequence_length
+                [p for p, *_ in missing],
+                [n for _, n, *_ in missing],
+                self.device,
+                max_sequence_length,
+                **extra,
             )
             self._prompt_cache.update(zip(missing, encoded))
         parts = [self._prompt_cache[key] for key in keys]

@@ -28,6 +28,7 @@ from stages.errors import UserInputError
 ENTRY_POINT_GROUP = "omnirl.families"
 # Built-in adapters by diffusers pipeline class, as "module:attribute".
 BUILTIN: dict[str, str] = {
+    "FluxKontextPipeline": "stages.models.flux_kontext:FluxKontextAdapter",
     "FluxPipeline": "stages.models.flux:FluxAdapter",
     "QwenImagePipeline": "stages.models.qwen_image:QwenImageAdapter",
     "StableDiffusion3Pipeline": "stages.models.sd3:SD3Adapter",
@@ -172,6 +173,9 @@ class FamilyAdapter:
     # The guidance a policy is trained at when no rollout records one (offline pairs / latents):
     # CFG off for true-CFG families, the pipeline's default for distilled guidance.
     default_guidance: ClassVar[float] = 1.0
+    # How many condition images (a prompt row's `image` / `images`) a prompt takes: (fewest, most).
+    # (0, 0): text-only; an editing family takes some, and `encode_prompts` then receives them.
+    condition_images: ClassVar[tuple[int, int]] = (0, 0)
 
     def __init__(self, pipe: Any) -> None:
         self.pipe = pipe
@@ -207,6 +211,29 @@ class FamilyAdapter:
         (`latent_grid` checks the sides)."""
         raise NotImplementedError
 
+    @classmethod
+    def check_condition_images(cls, count: int, prompt: str) -> None:
+        """Refuse, in one line naming the prompt, a number of condition images the family does not take."""
+        fewest, most = cls.condition_images
+        if fewest <= count <= most:
+            return
+        where = f"--prompts row of prompt {prompt[:60]!r}"
+        if most == 0:
+            raise UserInputError(
+                f"{where}: has {count} condition image(s), but {cls.name} generates from text alone; drop the "
+                "'image'/'images' column, or pass an editing model (qwen_image_edit, flux_kontext)"
+            )
+        if count == 0:
+            raise UserInputError(
+                f"{where}: {cls.name} edits a source image and the row has none; give it one in column "
+                "'image' (a path relative to the table, the file's bytes or a datasets Image)"
+            )
+        takes = str(most) if fewest == most else f"{fewest} to {most}"
+        raise UserInputError(
+            f"{where}: has {count} condition images, but {cls.name} takes {takes} per prompt; "
+            f"give {takes} in column '{'image' if most == 1 else 'images'}'"
+        )
+
     def needs_negative(self, guidance: float) -> bool:
         """Whether `guidance` runs an unconditional (negative-prompt) branch."""
         return self.cfg_kind == "true" and guidance > 1.0
@@ -215,7 +242,9 @@ class FamilyAdapter:
         self, prompts: list[str], negatives: list[str], device: torch.device, max_sequence_length: int
     ) -> list[tuple[Tensors, Tensors]]:
         """(positive, negative) conditioning of each prompt, tensors without a batch dim, cached per
-        (prompt, negative) by the policy; one batched call, as the family's pipeline makes it."""
+        (prompt, negative) by the policy; one batched call, as the family's pipeline makes it. An editing
+        family (`condition_images`) also takes `images`: each prompt's condition images, a list of RGB
+        PIL images per prompt, and conditions on them (its tensors hold e.g. their VAE latents)."""
         raise NotImplementedError
 
     def collate(self, items: Sequence[Tensors]) -> Tensors:

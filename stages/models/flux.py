@@ -335,8 +335,12 @@ class FluxAdapter(FamilyAdapter):
         else:
             scale = None
         h, w = x.shape[-2:]
-        model_in = pack(x.to(transformer.dtype))
-        timestep = (sigma * self.pipe.scheduler.config.num_train_timesteps).to(model_in.dtype) / 1000
+        latents = pack(x.to(transformer.dtype))
+        ids = image_ids(h, w, x.device, latents.dtype)
+        source = self.source_tokens(cond)
+        model_in = latents if source is None else torch.cat([latents, source[0].to(latents.dtype)], dim=1)
+        ids = ids if source is None else torch.cat([ids, source[1].to(ids.dtype)])
+        timestep = (sigma * self.pipe.scheduler.config.num_train_timesteps).to(latents.dtype) / 1000
         embeds = cond.pos["embeds"]
         out = transformer(
             hidden_states=model_in,
@@ -344,8 +348,13 @@ class FluxAdapter(FamilyAdapter):
             guidance=scale,
             pooled_projections=cond.pos["pooled"],
             encoder_hidden_states=embeds,
-            txt_ids=torch.zeros(embeds.shape[1], 3, device=x.device, dtype=model_in.dtype),
-            img_ids=image_ids(h, w, x.device, model_in.dtype),
+            txt_ids=torch.zeros(embeds.shape[1], 3, device=x.device, dtype=latents.dtype),
+            img_ids=ids,
             return_dict=False,
         )[0]
-        return unpack(out.float(), h, w)
+        return unpack(out[:, : latents.shape[1]].float(), h, w)
+
+    def source_tokens(self, cond: Condition) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Tokens appended to the packed latents, [B, N, 64], with their position ids [N, 3], whose output
+        is dropped (FLUX.1 Kontext's source image, `stages.models.flux_kontext`); None: FLUX.1 has none."""
+        return None

@@ -54,9 +54,9 @@ def prompt_conditioning(
     A shard without a `negative_prompt` column has none ("")."""
     prompts = list(shard["prompt"])
     negatives = list(shard.get("negative_prompt") or [""] * len(prompts))
-    keys = list(dict.fromkeys((p, n, max_sequence_length) for p, n in zip(prompts, negatives)))
+    keys = list(dict.fromkeys((p, n, max_sequence_length, "") for p, n in zip(prompts, negatives)))
     for start in range(0, len(keys), batch_size):
         chunk = keys[start : start + batch_size]
         with autocast(mixed_precision, policy.device):
-            policy.encode([p for p, _, _ in chunk], [n for _, n, _ in chunk], False, max_sequence_length)
+            policy.encode([p for p, *_ in chunk], [n for _, n, *_ in chunk], False, max_sequence_length)
     return policy.conditioning(keys)

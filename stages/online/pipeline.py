@@ -238,6 +238,7 @@ def run_online(
     run, see `prepare_run`); one summary per iteration. `tracking` gets each iteration's reward statistics
     (at the iteration) and actor metrics (at their optimizer steps) once its checkpoint is written."""
     from stages.advantage.stage import compute_advantages
+    from stages.models.condition_images import RECORD as CONDITION_IMAGES
     from stages.models.conditioning import CONDITIONING, from_bytes
     from stages.models.diffusion import FlowPolicy
     from stages.score.stage import check_reward_kinds
@@ -305,6 +306,7 @@ def run_online(
             t_wait = time.perf_counter() - t0
             if CONDITIONING in data:
                 policy.add_conditioning(from_bytes(data.pop(CONDITIONING)))
+            policy.group_images.update(data.pop(CONDITION_IMAGES, {}))
             gaps = version_gaps(data["policy_version"], published, k)
             data["reward"] = rewards["reward"]
             adv, stats = compute_advantages(
@@ -332,7 +334,7 @@ def run_online(
                 extra={"online_iteration": k + 1, "max_staleness": cfg.max_staleness},
             )
             if cfg.save_trajectories:
-                _save_trajectories(cfg, k, data, rewards, adv, stats, policy.family)
+                _save_trajectories(cfg, k, data, rewards, adv, stats, policy.family, policy.group_images)
             seconds = {
                 "gen": t_wait,
                 "adv": t1 - t0 - t_wait,
@@ -395,10 +397,12 @@ def _save_trajectories(
     adv: dict[str, Any],
     stats: dict[str, Any],
     family: Any,
+    group_images: dict[str, list[bytes]],
 ) -> None:
     """The shard sets the staged commands would have written for iteration k (`family`: the policy's
     `FamilyAdapter`); its samples hold media only when `stores_media(cfg, k)` (the sampler sends it to the
-    driver only then), else the manifest records it as deferred (`stages.media.deferred`)."""
+    driver only then), else the manifest records it as deferred (`stages.media.deferred`). An editing
+    model's samples also store their groups' condition images (`group_images`), as `sample` does."""
     from stages.media.deferred import deferred_record
     from stages.sample.stage import KINDS
     from stages.shards.writer import ShardSetWriter
@@ -431,6 +435,25 @@ def _save_trajectories(
             overwrite=True,
         )
         if not writer.complete:
+            if name == "samples":
+                extra = {**extra, **_store_condition_images(writer, data["group_id"], group_images)}
             writer.write_shard(0, batch)
             writer.finalize(extra=extra)
         parents = [it / "samples"]
+
+
+def _store_condition_images(writer: Any, group_ids: list[str], group_images: dict[str, list[bytes]]) -> dict:
+    """Write the condition images of the groups among `group_ids` beside the saved samples' one shard (as
+    `sample` does) and return the manifest record; {} for groups without any."""
+    from stages.models.condition_images import (
+        condition_images_file,
+        condition_images_record,
+        write_condition_images,
+    )
+
+    groups = {g: group_images.get(g, []) for g in dict.fromkeys(group_ids)}
+    if not any(groups.values()):
+        return {}
+    writer.out_dir.mkdir(parents=True, exist_ok=True)
+    write_condition_images(writer.out_dir / condition_images_file(0, 1), groups, writer.content_id)
+    return condition_images_record(writer.out_dir, 1, writer.content_id) or {}

@@ -97,6 +97,8 @@ def _sampler_main(
     Every batch names where it was sampled, so the driver can report it; `run` (the digest of the run's
     identity) with the iteration makes each iteration's rollout id.
     """
+    from stages.models.condition_images import RECORD as CONDITION_IMAGES
+    from stages.models.condition_images import images_digest
     from stages.models.conditioning import CONDITIONING, to_bytes
     from stages.models.diffusion import FlowPolicy
     from stages.online.ring import RingClosed
@@ -154,7 +156,10 @@ def _sampler_main(
                 # between iterations (`forget_prompts`), and the trainer must train on the very ones
                 # sampled with (a server's, those it returned)
                 length = cfg.sampling(k).max_sequence_length
-                keys = {(r.prompt.text, r.prompt.negative, length) for r in iteration_rows(cfg, k)}
+                keys = {
+                    (r.prompt.text, r.prompt.negative, length, images_digest(r.prompt.images))
+                    for r in iteration_rows(cfg, k)
+                }
                 entries = engine.conditioning(sorted(keys)) or {}
                 if len(entries) != len(keys):  # a server whose weights changed a text encoder meanwhile
                     raise RuntimeFailure(
@@ -162,6 +167,9 @@ def _sampler_main(
                         f"iteration {k}'s {len(keys)} prompts; restart the server without a text-encoder LoRA"
                     )
                 meta[CONDITIONING] = to_bytes(entries)
+            groups = dict(zip(cols["group_id"], (r.prompt.images for r in iteration_rows(cfg, k))))
+            if any(groups.values()):  # the prompts' condition images, once per group (`images_of`)
+                meta[CONDITION_IMAGES] = groups
             media = {name: cols[name] for name in MEDIA_COLUMNS if name in cols}
             to_scorer.put(
                 {

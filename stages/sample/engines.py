@@ -95,6 +95,8 @@ class RolloutEngine(ABC):
     # `conditioning` gives the prompt conditioning of every batch rolled out (`online`'s trainer then
     # loads no text encoder)
     returns_conditioning: bool = False
+    # `rollout` takes `images=`: each prompt's condition images (an editing model's source images)
+    takes_condition_images: ClassVar[bool] = False
     family: str  # the model family it samples (`FamilyAdapter.name`), recorded in the manifest
 
     @classmethod
@@ -121,7 +123,9 @@ class RolloutEngine(ABC):
         groups: Sequence[Hashable],
         sample_ids: Sequence[str],
     ) -> dict[str, Any]:
-        """One batch of B samples under `SampleConfig` `cfg`: the columns of `rollout_batch`."""
+        """One batch of B samples under `SampleConfig` `cfg`: the columns of `rollout_batch`. An engine that
+        `takes_condition_images` also takes `images=`: per sample its prompt's condition images (encoded
+        files), given only when some prompt has any."""
 
     @abstractmethod
     def latent_shape(self, resolution: Resolution, frames: int = 1) -> tuple[int, ...]:
@@ -207,6 +211,8 @@ def open_engine(name: str, options: EngineOptions, device: Any) -> RolloutEngine
 class DiffusersEngine(RolloutEngine):
     """The diffusers pipeline in this process (`FlowPolicy`), on the given device."""
 
+    takes_condition_images = True
+
     def __init__(self, policy: Any, *, decode: bool = True):
         from stages.models.conditioning import TEXT_PREFIXES
 
@@ -238,6 +244,7 @@ class DiffusersEngine(RolloutEngine):
         groups: Sequence[Hashable],
         sample_ids: Sequence[str],
         on_step: Callable[[int], None] | None = None,
+        images: list[list[bytes]] | None = None,
     ) -> dict[str, Any]:
         """`rollout_batch` on this engine's policy; `on_step(i)` before each denoising step may stop it."""
         from stages.sample.rollout import rollout_batch
@@ -253,6 +260,7 @@ class DiffusersEngine(RolloutEngine):
             sample_ids=sample_ids,
             decode=self.decode,
             on_step=on_step,
+            images=images,
         )
 
     def latent_shape(self, resolution: Resolution, frames: int = 1) -> tuple[int, ...]:

@@ -1,8 +1,10 @@
 """Prompts for diffusion sampling from any prompt source (`stages.sample.sources`): text (one per line),
 JSONL, CSV, Parquet, verl-style Parquet, folders, globs, saved and Hub datasets.
 
-Every row yields `Prompt(text, negative, meta)`: `meta` carries the row's other fields (an OCR
-target, a GenEval spec, verl's `reward_model` / `extra_info` ...) to the scorers as `prompt_meta`.
+Every row yields `Prompt(text, negative, meta, images)`: `meta` carries the row's other fields (an OCR
+target, a GenEval spec, verl's `reward_model` / `extra_info` ...) to the scorers as `prompt_meta`;
+`images` its condition images (column `image` or `images`, `stages.models.condition_images`) for an
+editing model.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from stages.errors import UserInputError
+from stages.models.condition_images import COLUMNS as IMAGE_COLUMNS
+from stages.models.condition_images import row_images
 from stages.sample.sources import PromptSource, SourceRow
 
 T = TypeVar("T")
@@ -27,6 +31,7 @@ class Prompt:
     text: str
     negative: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
+    images: list[bytes] = field(default_factory=list)  # condition images, encoded files (none: text only)
 
 
 def _chat_text(messages: list[Any], where: str) -> str:
@@ -40,7 +45,7 @@ def _chat_text(messages: list[Any], where: str) -> str:
     return "\n".join(texts)
 
 
-def _from_record(rec: dict[str, Any], where: str) -> Prompt:
+def _from_record(rec: dict[str, Any], where: str, base: Path) -> Prompt:
     key = next((k for k in PROMPT_KEYS if k in rec), None)
     if key is None:
         raise UserInputError(f"{where}: no prompt column (expected one of {', '.join(PROMPT_KEYS)})")
@@ -54,12 +59,12 @@ def _from_record(rec: dict[str, Any], where: str) -> Prompt:
             f"{where}: column '{key}' must be text or chat messages, got {type(value).__name__}"
         )
     negative = rec.get("negative_prompt") or ""
-    meta = {k: v for k, v in rec.items() if k not in (key, "negative_prompt")}
-    return Prompt(text=text, negative=str(negative), meta=meta)
+    meta = {k: v for k, v in rec.items() if k not in (key, "negative_prompt", *IMAGE_COLUMNS)}
+    return Prompt(text=text, negative=str(negative), meta=meta, images=row_images(rec, base, where))
 
 
 def _prompt(row: SourceRow) -> Prompt:
-    return _from_record(row.data, row.where)
+    return _from_record(row.data, row.where, row.base)
 
 
 def read_prompts(source: PromptSource | str | Path | Sequence[str | Path]) -> list[Prompt]:

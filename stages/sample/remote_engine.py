@@ -171,7 +171,7 @@ class RemoteEngine(RolloutEngine):
     ) -> dict[str, Any]:
         ids = list(sample_ids)
         request_id = hashlib.sha256(json.dumps([ids, list(seeds)]).encode()).hexdigest()[:16]
-        keys = [(p, n, cfg.max_sequence_length) for p, n in zip(prompts, negatives)]
+        keys = [(p, n, cfg.max_sequence_length, "") for p, n in zip(prompts, negatives)]
         ask = self.returns_conditioning and any(key not in self.received for key in keys)
         body = encode_request(
             request_id, cfg, prompts, negatives, seeds, init_seeds, list(groups), ids, self.weights, ask

@@ -147,6 +147,7 @@ def rollout_batch(
     sample_ids: Sequence[str],
     decode: bool = True,
     on_step: Callable[[int], None] | None = None,
+    images: list[list[bytes]] | None = None,
 ) -> dict[str, Any]:
     """Denoise one batch of B samples; returns the recorded columns (tensors with leading dim B).
 
@@ -165,7 +166,8 @@ def rollout_batch(
     latent, which `stages.media.deferred.LatentDecoder` decodes later to the same pixels.
 
     `on_step(i)` is called before each denoising step i (0-based); what it raises stops the batch there
-    (`omnirl serve` stops a batch whose client went away).
+    (`omnirl serve` stops a batch whose client went away). `images`: each sample's condition images
+    (encoded files), for an editing model (`FlowPolicy.encode`).
     """
     with autocast(cfg.mixed_precision, policy.device):  # every model forward, as `logprob` replays
         batch = len(prompts)
@@ -175,7 +177,9 @@ def rollout_batch(
         if len({len(w) for w in windows}) > 1:
             raise ValueError("every sample of a batch must store the same number of steps")
         x = policy.initial_noise(init_seeds, cfg.resolution, cfg.frames).to(LATENT_DTYPES[cfg.latent_dtype])
-        cond = policy.encode(prompts, negatives, policy.needs_negative(cfg.guidance), cfg.max_sequence_length)
+        cond = policy.encode(
+            prompts, negatives, policy.needs_negative(cfg.guidance), cfg.max_sequence_length, images
+        )
         gens = [seed_generator(s) for s in seeds]
         latents: list[list[torch.Tensor]] = [[] for _ in range(batch)]
         log_probs: list[list[torch.Tensor]] = [[] for _ in range(batch)]

@@ -127,9 +127,10 @@ class RolloutRequest:
     return_conditioning: bool = False  # reply with the batch's prompt conditioning
 
     def conditioning_keys(self) -> list[Key]:
-        """The batch's unique (prompt, negative prompt, max sequence length), in order of appearance."""
+        """The batch's unique (prompt, negative prompt, max sequence length, no condition images), in order
+        of appearance."""
         length = self.cfg.max_sequence_length
-        return list(dict.fromkeys((p, n, length) for p, n in zip(self.prompts, self.negatives)))
+        return list(dict.fromkeys((p, n, length, "") for p, n in zip(self.prompts, self.negatives)))
 
 
 def wire_resolution(resolution: Resolution) -> int | list[int]:
@@ -362,7 +363,7 @@ def decode_conditioning(body: dict[str, Any], request: dict[str, Any]) -> Entrie
     except (binascii.Error, ValueError, KeyError, TypeError, IndexError, SafetensorError):
         raise ProtocolError("conditioning is not a base64 safetensors file of prompt conditioning") from None
     length = SampleConfig.from_options(request["sampling_params"]).max_sequence_length
-    asked = {(s["prompt"], s["negative_prompt"], length) for s in request["samples"]}
+    asked = {(s["prompt"], s["negative_prompt"], length, "") for s in request["samples"]}
     if set(entries) != asked:
         raise ProtocolError(f"conditioning holds {len(entries)} prompts, not the batch's {len(asked)}")
     for key, branches in entries.items():

@@ -105,6 +105,11 @@ def sample_shard(
 
     from stages.shards.reader import concat_batches
 
+    if any(r.prompt.images for r in rows) and not engine.takes_condition_images:
+        raise UserInputError(
+            f"--engine {engine.name}: it sends no condition images (the prompts' 'image'/'images' column); "
+            "sample an editing model with --engine diffusers"
+        )
     batches = []
     for start in range(0, len(rows), cfg.batch_size):
         chunk = rows[start : start + cfg.batch_size]
@@ -116,6 +121,7 @@ def sample_shard(
             [r.init_seed for r in chunk],
             groups=[r.prompt_index for r in chunk],
             sample_ids=[r.sample_id for r in chunk],
+            **({"images": [r.prompt.images for r in chunk]} if any(r.prompt.images for r in chunk) else {}),
         )
         out.update(
             sample_id=[r.sample_id for r in chunk],
@@ -152,11 +158,27 @@ def run_sample(
 
     def make_shard(s: int) -> dict[str, Any]:
         columns = in_rollout(sample_shard(engine, cfg, shards[s], policy_version, on_batch), rollout)
+        store_condition_images(shards[s], rollout, writer, s)
         store_conditioning(engine, cfg, shards[s], writer, s)
         return columns
 
     return write_shards(
         writer, [len(rows) for rows in shards], shard_indices, make_shard, unit="images", on_batch=on_batch
+    )
+
+
+def store_condition_images(rows: list[Row], rollout: str, writer: ShardSetWriter, shard: int) -> None:
+    """Write the condition images of shard `shard`'s prompt groups, once per group, beside the shard and
+    before it (`stages.models.condition_images`); nothing for prompts without any, nor on a rank that does
+    not write."""
+    from stages.models.condition_images import condition_images_file, write_condition_images
+
+    groups = {f"{rollout}-{r.group_id}": r.prompt.images for r in rows}
+    if not writes_outputs() or not any(groups.values()):
+        return
+    writer.out_dir.mkdir(parents=True, exist_ok=True)
+    write_condition_images(
+        writer.out_dir / condition_images_file(shard, writer.num_shards), groups, writer.content_id
     )
 
 
@@ -170,7 +192,14 @@ def store_conditioning(
 
     if not writes_outputs():
         return
-    keys = list(dict.fromkeys((r.prompt.text, r.prompt.negative, cfg.max_sequence_length) for r in rows))
+    from stages.models.condition_images import images_digest
+
+    keys = list(
+        dict.fromkeys(
+            (r.prompt.text, r.prompt.negative, cfg.max_sequence_length, images_digest(r.prompt.images))
+            for r in rows
+        )
+    )
     entries = engine.conditioning(keys)
     if entries is None or len(entries) != len(keys):
         return

@@ -45,8 +45,9 @@ LossItem = tuple[torch.Tensor, list[float]]
 def _condition(policy: FlowPolicy, data: dict[str, Any], idx: Chunk, sample_cfg: SampleConfig) -> Any:
     prompts = [data["prompt"][i] for i in idx]
     negatives = [data["negative_prompt"][i] for i in idx] if "negative_prompt" in data else None
+    images = policy.images_of([data["group_id"][i] for i in idx]) if "group_id" in data else None
     return policy.encode(
-        prompts, negatives, policy.needs_negative(sample_cfg.guidance), sample_cfg.max_sequence_length
+        prompts, negatives, policy.needs_negative(sample_cfg.guidance), sample_cfg.max_sequence_length, images
     )
 
 

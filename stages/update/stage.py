@@ -35,6 +35,7 @@ from stages.update.trainer import Trainer
 
 BASE_COLUMNS = (
     "sample_id",
+    "group_id",
     "prompt",
     "negative_prompt",
     "advantages",

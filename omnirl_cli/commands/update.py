@@ -85,8 +85,14 @@ def update(
             autocompletion=complete(ALGORITHMS),
             help="flow_grpo (first int(K·f) steps), dance_grpo (random steps per sample), mix_grpo (the stored "
             "window), grpo_guard (GRPO-Guard's RatioNorm ratio with the exact step std, as flow_grpo; on "
-            "dance steps verl-omni scales by η·|Δσ| instead; needs `logprob --means`); on final latents: nft "
-            "(DiffusionNFT), awm (advantage-weighted matching), dpo (best vs worst of each group); VLM "
+            "dance steps verl-omni scales by η·|Δσ| instead; needs `logprob --means`), flow_dppo (Flow-DPPO: "
+            "unclipped ratio, a row dropped when its step's exact Gaussian KL to the rollout's passes "
+            "--kl-mask-threshold and its ratio moves on in its advantage's direction; advantages unclipped, as "
+            "verl-omni; rollout means from `logprob --means`, else replayed under the --adapter); on final "
+            "latents: nft (DiffusionNFT), awm (advantage-weighted matching), dpo (best vs worst of each group), "
+            "dgpo (DGPO group preference vs the base model, for ode rollouts: whole groups per micro-batch, "
+            "--dgpo-beta, DSM ratio clip --clip-range 5e-2 vs an old policy moved by min(0.3, 0.001·step) "
+            "after each step); VLM "
             "text rollouts: grpo (verl: clip 0.2, dual-clip 3, token-mean), dapo (clip-higher 0.28), gspo "
             "(verl: sequence ratio, clip 3e-4/4e-4, policy term always seq-mean-token-mean).",
             rich_help_panel=LOSS,
@@ -96,7 +102,8 @@ def update(
         float | None,
         typer.Option(
             "--clip-range",
-            help="PPO ratio clip ε (default per --algo: flow_grpo family 1e-4, grpo/dapo 0.2, gspo 3e-4).",
+            help="PPO ratio clip ε (default per --algo: flow_grpo family 1e-4, grpo/dapo 0.2, gspo 3e-4, dgpo 5e-2 "
+            "on its DSM ratio; flow_dppo uses none).",
             rich_help_panel=LOSS,
         ),
     ] = None,
@@ -201,11 +208,14 @@ def update(
         float, typer.Option("--ema-beta", help="AWM EMA-KL weight (needs --ema).", rich_help_panel=LOSS)
     ] = 0.0,
     train_timesteps: Annotated[
-        int,
+        int | None,
         typer.Option(
-            "--train-timesteps", help="AWM: stratified timesteps per sample (6).", rich_help_panel=LOSS
+            "--train-timesteps",
+            help="Timesteps per sample (default per --algo): awm stratified (6); dgpo drawn per epoch from the "
+            "first int(N·--timestep-fraction) sampling steps and shared by all rows (reference 4).",
+            rich_help_panel=LOSS,
         ),
-    ] = 6,
+    ] = None,
     dpo_beta: Annotated[
         float,
         typer.Option(
@@ -328,6 +338,24 @@ def update(
     config: ConfigOpt = None,
     set_: SetOpt = None,
     json_: JsonOpt = False,
+    kl_mask_threshold: Annotated[
+        float,
+        typer.Option(
+            "--kl-mask-threshold",
+            help="flow_dppo: trust-region bound δ on each step's mean_dims (μ_θ − μ_old)²/(2s²) (verl-omni "
+            "kl_mask_threshold 1e-5).",
+            rich_help_panel=LOSS,
+        ),
+    ] = 1e-5,
+    dgpo_beta: Annotated[
+        float,
+        typer.Option(
+            "--dgpo-beta",
+            help="DGPO β of the group preference σ(β/G·Σ A·(ℓ − ℓ_ref)) (reference beta_dpo 100; 10 for "
+            "PickScore).",
+            rich_help_panel=LOSS,
+        ),
+    ] = 100.0,
 ) -> None:
     """Train the policy with --algo on rollouts (or offline pairs / latents) and write the next adapter.
 

@@ -34,7 +34,7 @@ from stages.parallelism import ModelParallel
 from stages.precision import autocast, launcher_mixed_precision, resolve_mixed_precision
 from stages.update.checkpoint import load_state, resume_sharded, save_policy, trainer_state
 from stages.update.checkpoint import save_state as save_state  # the state's writer, beside its reader
-from stages.update.family_losses import AWM_WEIGHTINGS, NFT_DECAY_SCHEDULES, nft_old_decay
+from stages.update.family_losses import AWM_WEIGHTINGS, NFT_DECAY_SCHEDULES, dgpo_old_decay, nft_old_decay
 from stages.update.losses import get_algorithm
 from stages.update.objectives import make_objective
 from stages.update.parallel import STRATEGIES, Parallel, launcher_checkpointing, launcher_strategy
@@ -43,6 +43,7 @@ from stages.update.token_losses import AGG_MODES, KL_KINDS
 
 Policy = FlowPolicy | VLMPolicy
 LR_SCHEDULERS = ("constant", "linear", "cosine")
+PERSISTENT_OLD = ("nft", "dgpo")  # algorithms whose old policy is trainer state, saved with the adapter
 
 
 @dataclass
@@ -76,7 +77,7 @@ class UpdateConfig:
     awm_weighting: str = "uniform"
     awm_p: float = 0.25
     ema_beta: float = 0.0
-    train_timesteps: int = 6
+    train_timesteps: int | None = None  # None: the --algo's (`timesteps`)
     dpo_beta: float = 5000.0
     loss_agg_mode: str | None = None
     kl_type: str = "low_var_kl"
@@ -93,6 +94,8 @@ class UpdateConfig:
     gradient_checkpointing: bool = False
     parallel: ModelParallel = field(default_factory=ModelParallel)
     kernels: Kernels = field(default_factory=Kernels)
+    kl_mask_threshold: float = 1e-5
+    dgpo_beta: float = 100.0
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> UpdateConfig:
@@ -171,6 +174,10 @@ class UpdateConfig:
         if self.clip_range_high is not None:
             return low, self.clip_range_high
         return low, algo.clip[1] if self.clip_range is None else low
+
+    def timesteps(self) -> int:
+        """Timesteps trained per sample: --train-timesteps, else the --algo's (awm 6, dgpo 4)."""
+        return get_algorithm(self.algo).timesteps if self.train_timesteps is None else self.train_timesteps
 
     def dual_clip_c(self) -> float | None:
         """Dual-clip constant: the --algo's unless given; 0 turns it off."""
@@ -251,8 +258,12 @@ class UpdateConfig:
             raise UserInputError("--ema-beta needs --ema (the EMA weights it pulls toward)")
         if self.strategy not in STRATEGIES:
             raise UserInputError(f"--strategy {self.strategy}: choose one of {', '.join(STRATEGIES)}")
-        if self.train_timesteps < 1:
+        if self.timesteps() < 1:
             raise UserInputError(f"--train-timesteps {self.train_timesteps}: must be at least 1")
+        if not 0 < self.kl_mask_threshold < math.inf:
+            raise UserInputError(f"--kl-mask-threshold {self.kl_mask_threshold}: must be a finite number > 0")
+        if not 0 < self.dgpo_beta < math.inf:
+            raise UserInputError(f"--dgpo-beta {self.dgpo_beta}: must be a finite number > 0")
         self.kernels.validate()
 
 
@@ -365,7 +376,7 @@ class Trainer:
             )
         if isinstance(policy, FlowPolicy):  # after the LoRA is on, before DDP / FSDP2 wrap the module
             prepare(policy.parts, cfg.parallel, cfg.kernels)
-        self.par = Parallel.setup(policy.module, cfg.strategy, swaps_weights=self.algo.family == "forward")
+        self.par = Parallel.setup(policy.module, cfg.strategy, swaps_weights=self._swaps_weights())
         self.named = _named_trainable(policy)
         self.params = list(self.named.values())
         settings = cfg.optimizer_settings()
@@ -392,8 +403,8 @@ class Trainer:
                 {k: v.float() for k, v in state["ema"]["shadow"].items()}, self.named
             )
             self.ema.updates = int(state["ema"]["updates"])
-        # DiffusionNFT's old policy persists across steps and updates (None: the first step's weights)
-        saved = state.get("old_weights") if self.algo.name == "nft" else None
+        # DiffusionNFT's and DGPO's old policy persists across steps and updates (None: the first step's weights)
+        saved = state.get("old_weights") if self.algo.name in PERSISTENT_OLD else None
         self.old_weights = self.par.shard_like(saved, self.named) if saved else None
 
     @classmethod
@@ -402,10 +413,16 @@ class Trainer:
         state, step = load_state(adapter)
         return cls(policy, cfg, state, step)
 
-    def _old_policy(self) -> dict[str, torch.Tensor] | None:
-        """The "old" weights of a forward-family objective: NFT's persistent ones, AWM's the weights this
-        step starts from. Other families need no copy (for a fully fine-tuned VLM it would be a second model)."""
-        if self.algo.family != "forward":
+    def _swaps_weights(self) -> bool:
+        """Whether the objective runs old weights through the module (`Parallel.setup`)."""
+        return self.algo.family in ("forward", "group") or self.algo.kl_mask
+
+    def _old_policy(self, data: dict[str, Any]) -> dict[str, torch.Tensor] | None:
+        """The "old" weights of an objective that runs them: NFT's and DGPO's persistent ones; AWM's, and
+        flow_dppo's when --in has no old_means, the weights this step starts from. Other objectives need no
+        copy (for a fully fine-tuned VLM it would be a second model)."""
+        replays_old = self.algo.kl_mask and "old_means" not in data
+        if self.algo.family not in ("forward", "group") and not replays_old:
             return None
         if self.old_weights is not None:
             return self.old_weights
@@ -442,7 +459,9 @@ class Trainer:
         if missing:
             hint = " (omnirl logprob --means)" if missing[0] == "old_means" else ""
             raise UserInputError(f"--algo {algo.name} needs the column '{missing[0]}' in --in{hint}")
-        old_weights = self._old_policy()
+        old_weights = self._old_policy(data)
+        if algo.name == "dgpo":
+            self.old_weights = old_weights  # moved toward the trained weights after every optimizer step
         objective = make_objective(
             self.policy,
             data,
@@ -504,6 +523,11 @@ class Trainer:
                 self.global_step += 1
                 if self.ema is not None and self.global_step % cfg.ema_every == 0:
                     self.ema.update(self.named)
+                if algo.name == "dgpo":  # θ_old ← λ·θ_old + (1−λ)·θ, λ of the steps before this one
+                    decay = dgpo_old_decay(self.global_step - 1)
+                    with torch.no_grad():
+                        for k, v in self.named.items():
+                            old_weights[k].mul_(decay).add_(v.detach(), alpha=1 - decay)
                 elapsed = time.perf_counter() - t0
                 seen = sum(len(idx) for idx in step_chunks)
                 count = max(float(sums[len(keys)]), 1.0)
@@ -520,6 +544,7 @@ class Trainer:
                         else math.nan,
                         **par.memory(params, optimizer),
                         **({"actor/grad_scale": scaler.get_scale()} if scaler.is_enabled() else {}),
+                        **({"old_policy/decay": decay} if algo.name == "dgpo" else {}),
                     }
                 )
                 metrics.append(record)

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import fails, run, staged_update_args
+from helpers import fails, ins, online_args, run, staged_update_args
 from safetensors.torch import load_file
 
 from stages.errors import UserInputError
@@ -266,3 +266,55 @@ def test_bad_knobs_are_refused_in_one_line(staged: dict[str, Path], tmp_path: Pa
     fails(staged_update_args(staged, tmp_path / "a", "--algo", "flow_dppo", "--kl-mask-threshold", "0"),
           "--kl-mask-threshold")  # fmt: skip
     fails(staged_update_args(staged, tmp_path / "b", "--algo", "dgpo", "--dgpo-beta", "-1"), "--dgpo-beta")
+
+
+ONLINE_PRESET = """\
+sample:
+  steps: 4
+  guidance: 1.0
+  resolution: 32
+  sampler: {sampler}
+  noise_level: 0.7
+  group_size: 2
+  batch_size: 3
+advantage:
+  estimator: grpo
+update:
+  algo: {algo}
+  lr: 1.0e-3
+  micro_batch: 2
+  train_timesteps: 2
+  lora_rank: 4
+  lora_alpha: 8
+"""
+
+
+@pytest.mark.parametrize(("algo", "sampler"), [("flow_dppo", "sde"), ("dgpo", "ode")])
+def test_online_iteration_equals_update_on_its_saved_trajectories(
+    algo: str, sampler: str, staged: dict[str, Path], tmp_path: Path
+) -> None:
+    """`online` trains these algorithms on its own rollouts (flow_dppo replays μ_old under the weights
+    the iteration starts from; dgpo reads the rollout's group_id) exactly as `update` does on the
+    trajectories it saved."""
+    preset = tmp_path / "preset.yaml"
+    preset.write_text(ONLINE_PRESET.format(algo=algo, sampler=sampler))
+    o = tmp_path / "online"
+    args = ("--reward", "jpeg_compressibility", "--iterations", "1", "--save-trajectories")
+    run(*online_args(preset, staged, o, *args))
+    staged_out = tmp_path / "staged"
+    update = ["update", "--config", str(preset), "--model", str(staged["model"]), "--seed", "0"]
+    run(*update, *ins(o / "it0" / "samples", o / "it0" / "advantages"), "--out", str(staged_out))
+    online_policy = o / "it1" / "policy"
+    assert lora_moved(online_policy) > 1e-4
+    a, b = metrics(staged_out), metrics(online_policy)
+    assert [m["step"] for m in a] == [m["step"] for m in b]
+    key = "actor/kl_new_old_mean" if algo == "flow_dppo" else "actor/group_weight_mean"
+    for x, y in zip(a, b, strict=True):
+        assert y["actor/pg_loss"] == pytest.approx(x["actor/pg_loss"], rel=1e-5, abs=1e-8)
+        assert y[key] == pytest.approx(x[key], rel=1e-5, abs=1e-9)
+    w_staged = load_file(staged_out / "pytorch_lora_weights.safetensors")
+    w_online = load_file(online_policy / "pytorch_lora_weights.safetensors")
+    for k in w_staged:
+        torch.testing.assert_close(
+            w_online[k], w_staged[k], rtol=1e-4, atol=1e-6
+        )  # fp32 rounding, through Adam

@@ -360,7 +360,8 @@ def update(
     """Train the policy with --algo on rollouts (or offline pairs / latents) and write the next adapter.
 
     Policy-gradient algorithms replay the stored SDE steps under the trained weights; nft and awm
-    train on the final latents with fresh noise; dpo on the best and worst sample of each group.
+    train on the final latents with fresh noise; dpo on the best and worst sample of each group; dgpo
+    on whole groups of final latents (docs/algorithms.md has each one's formula and reference).
     For a VLM (--model a Qwen2.5-VL folder), grpo/dapo/gspo replay the response tokens: LoRA on the
     language model (vision tower frozen), writes a PEFT adapter (or the full model with --full).
 
@@ -368,7 +369,9 @@ def update(
     state the next update resumes from, and metrics.jsonl per optimizer step: actor/pg_loss, kl_loss,
     pg_clipfrac, grad_norm, the effective lr, samples/s, and under verl-omni's names (verl's for VLMs)
     ratio_mean and ppo_kl = mean(−log r); diffusion steps add ratio_std (Bessel, as verl-omni) and
-    flow_grpo's approx_kl = ½·mean((log r)²); memory/param_bytes and optimizer_bytes (this rank's share).
+    flow_grpo's approx_kl = ½·mean((log r)²); memory/param_bytes and optimizer_bytes (this rank's share);
+    flow_dppo adds verl-omni's kl_new_old_mean/max, kl_mask_fraction, pos/neg_rm_fraction and
+    masked/unmasked_fraction; dgpo reports fm_loss, group_weight_mean and old_policy/decay.
 
     Under torchrun or `accelerate launch` each rank takes its grad_accum micro-batches of every step:
     N ranks equal one process with N·grad_accum (DDP, or FSDP2 with --strategy fsdp2 or an fsdp_version 2

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import fails, ins, online_args, run, staged_update_args
+from helpers import fails, ins, online_args, run, staged_update_args, torchrun
 from safetensors.torch import load_file
 
 from stages.errors import UserInputError
@@ -318,3 +318,46 @@ def test_online_iteration_equals_update_on_its_saved_trajectories(
         torch.testing.assert_close(
             w_online[k], w_staged[k], rtol=1e-4, atol=1e-6
         )  # fp32 rounding, through Adam
+
+
+def test_flow_dppo_reads_the_rollout_means_of_logprob_means(staged: dict[str, Path], tmp_path: Path) -> None:
+    """`logprob --means` stores μ_old (old_means); the update that reads it equals the one that replays
+    μ_old under its starting weights, which sampled the rollout."""
+    means = tmp_path / "means"
+    run(
+        "logprob",
+        "--model",
+        str(staged["model"]),
+        "--in",
+        str(staged["samples"]),
+        "--means",
+        "--out",
+        str(means),
+    )
+    common = ("--algo", "flow_dppo", "--lr", "1e-3", "--micro-batch", "3", "--seed", "1")
+    replayed, read = tmp_path / "replayed", tmp_path / "read"
+    run(*staged_update_args(staged, replayed, *common))
+    with_means = staged_update_args(staged, read, *common)
+    with_means[with_means.index(str(staged["logprobs"]))] = str(means)  # its old_log_probs and old_means
+    run(*with_means)
+    for x, y in zip(metrics(replayed), metrics(read), strict=True):
+        assert y["actor/kl_new_old_mean"] == pytest.approx(x["actor/kl_new_old_mean"], rel=1e-5, abs=1e-12)
+        assert y["actor/pg_loss"] == pytest.approx(x["actor/pg_loss"], rel=1e-5, abs=1e-9)
+    assert metrics(read)[1]["actor/kl_new_old_mean"] > 0
+
+
+@pytest.mark.distributed
+def test_dgpo_on_two_ranks_equals_one_process(staged: dict[str, Path], tmp_path: Path) -> None:
+    """Whole groups per micro-batch: two ranks taking one group each per step equal one process taking
+    both (--samples-per-step 4 = 2 groups of 2)."""
+    common = ("--algo", "dgpo", "--lr", "1e-3", "--micro-batch", "2", "--samples-per-step", "4")
+    common += ("--train-timesteps", "2", "--no-shuffle")
+    run(*staged_update_args(staged, tmp_path / "one", *common))
+    torchrun(*staged_update_args(staged, tmp_path / "two", *common))
+    one = load_file(tmp_path / "one" / "pytorch_lora_weights.safetensors")
+    two = load_file(tmp_path / "two" / "pytorch_lora_weights.safetensors")
+    assert lora_moved(tmp_path / "one") > 1e-4
+    for k in one:
+        torch.testing.assert_close(two[k], one[k], rtol=0, atol=1e-6)
+    for a, b in zip(metrics(tmp_path / "one"), metrics(tmp_path / "two"), strict=True):
+        assert b["actor/pg_loss"] == pytest.approx(a["actor/pg_loss"], rel=1e-4, abs=1e-8)

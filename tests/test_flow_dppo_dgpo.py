@@ -69,6 +69,9 @@ def test_flow_dppo_threshold_above_the_drift_keeps_every_row_and_knobs_add_up() 
     res = flow_dppo_loss(**c, kl_threshold=1e-5, adv_clip=5.0, kl=kl, beta=0.1)
     assert res.loss.item() == pytest.approx(0.5 + 0.25, rel=1e-6)
     assert res.policy_loss.item() == pytest.approx(0.5, rel=1e-6)
+    # rollout-correction weights multiply each row's term: (2·9.6 + 0.5·(−6.4))/4 = 4
+    weighted = flow_dppo_loss(**c, kl_threshold=1e-5, weights=torch.tensor([3.0, 3.0, 2.0, 0.5]))
+    assert weighted.loss.item() == pytest.approx(4.0, rel=1e-6)
 
 
 def verl_omni_flow_dppo(old_log_prob, log_prob, advantages, old_prev_sample_mean, prev_sample_mean, std_dev_t,

@@ -123,17 +123,19 @@ def flow_dppo_loss(
     adv_clip: float | None = None,
     kl: Tensor | None = None,
     beta: float = 0.0,
+    weights: Tensor | None = None,
 ) -> StepLoss:
     """Flow-DPPO (arXiv 2606.11025; verl-omni `flow_dppo`): the ratio objective with a trust region from the
     exact KL between the current and the rollout step Gaussians, in place of ratio clipping.
 
     mean: μ_θ [B, *] (`StepOutput.mean`, with grad); old_mean: the rollout's μ_old [B, *]; std: the step's
     noise std s, shared by both Gaussians ([B] or scalar, `StepOutput.std`); log_prob / old_log_prob: [B];
-    advantages: [B]; kl: optional [B] penalty to the reference (`kl_to_reference`).
+    advantages: [B]; kl: optional [B] penalty to the reference (`kl_to_reference`); weights: optional [B]
+    multipliers of each row's policy term (verl-omni's rollout_is_weights; detached here).
 
         r = exp(logp_θ − logp_old),  D = mean_dims (μ_θ − μ_old)² / (2s²)  (= KL(N(μ_θ, s²) ‖ N(μ_old, s²))
         per dimension), masked_b = D_b ≥ δ ∧ ((Â_b > 0 ∧ r_b > 1) ∨ (Â_b < 0 ∧ r_b < 1)),
-        L = mean_b [masked_b ? 0 : −Â_b·r_b] + β·mean_b KL.
+        L = mean_b w_b·[masked_b ? 0 : −Â_b·r_b] + β·mean_b KL   (w = 1 without `weights`).
 
     A row leaves the objective only when it is outside the trust region and still moving away from the
     rollout; corrective updates stay. Advantages are clipped only when `adv_clip` is given (verl-omni does
@@ -157,7 +159,10 @@ def flow_dppo_loss(
         pos = outside & (ratio > 1.0) & (adv > 0)
         neg = outside & (ratio < 1.0) & (adv < 0)
         masked = pos | neg
-    policy_loss = torch.where(masked, torch.zeros_like(ratio), -adv * ratio).mean()
+    per_row = torch.where(masked, torch.zeros_like(ratio), -adv * ratio)
+    if weights is not None:
+        per_row = per_row * weights.detach().float()
+    policy_loss = per_row.mean()
     kl_term = kl.float().mean() if kl is not None else torch.zeros((), device=mean.device)
     loss = policy_loss + beta * kl_term
     extra = {

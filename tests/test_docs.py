@@ -52,10 +52,14 @@ def test_readme_is_small_and_opens_with_the_two_commands() -> None:
     assert [line.split()[:2] for line in first_block.splitlines()] == [["make", "demo"], ["make", "test"]]
 
 
-def test_readme_lists_every_preset() -> None:
-    rows = set(re.findall(r"^\| `([a-z0-9_]+)` \|", README.read_text(), re.M))
+def test_readme_and_the_recipes_page_list_every_preset() -> None:
+    """README's preset section names each preset once; docs/recipes.md has a row per preset saying
+    where its numbers come from."""
+    section = README.read_text().split("## Presets", 1)[1].split("\n## ", 1)[0]
+    named = re.findall(r"`([a-z0-9_]+)`", section)
+    rows = set(re.findall(r"^\| `([a-z0-9_]+)\.yaml` \|", (ROOT / "docs" / "recipes.md").read_text(), re.M))
     presets = {p.stem for p in (ROOT / "recipes" / "configs").glob("*.yaml")}
-    assert presets and rows == presets
+    assert presets and sorted(named) == sorted(presets) and rows == presets
 
 
 def test_every_relative_link_resolves() -> None:

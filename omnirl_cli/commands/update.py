@@ -14,7 +14,8 @@ def run(c: UpdateConfig, json_: bool) -> None:
     """Train the policy with --algo on rollouts (or offline pairs / latents) and write the next adapter.
 
     Policy-gradient algorithms replay the stored SDE steps under the trained weights; nft and awm
-    train on the final latents with fresh noise; dpo on the best and worst sample of each group.
+    train on the final latents with fresh noise; dpo on the best and worst sample of each group; dgpo
+    on whole groups of final latents (docs/algorithms.md has each one's formula and reference).
     For a VLM (--model a Qwen2.5-VL folder), grpo/dapo/gspo replay the response tokens: LoRA on the
     language model (vision tower frozen), writes a PEFT adapter (or the full model with --full).
 
@@ -25,6 +26,8 @@ def run(c: UpdateConfig, json_: bool) -> None:
     and perf/time_per_step; diffusion steps add ratio_std (Bessel, as verl-omni) and flow_grpo's
     approx_kl = ½·mean((log r)²); memory/param_bytes and optimizer_bytes (this rank's share);
     rollout_corr/* with --rollout-correction (docs/algorithms.md). docs/tracking.md maps renamed metrics.
+    flow_dppo adds verl-omni's kl_new_old_mean/max, kl_mask_fraction, pos/neg_rm_fraction and
+    masked/unmasked_fraction; dgpo reports fm_loss, group_weight_mean and old_policy/decay.
 
     Under torchrun or `accelerate launch` each rank takes its grad_accum micro-batches of every step:
     N ranks equal one process with N·grad_accum (DDP, or FSDP2 with --strategy fsdp2 or an fsdp_version 2

@@ -31,8 +31,10 @@ ALGORITHM_NAMES = (
     "dance_grpo",
     "mix_grpo",
     "grpo_guard",
+    "flow_dppo",
     "nft",
     "awm",
+    "dgpo",
     "dpo",
     "grpo",
     "dapo",
@@ -90,8 +92,14 @@ class UpdateConfig:
         "flow_grpo",
         "flow_grpo (first int(K·f) steps), dance_grpo (random steps per sample), mix_grpo (the stored "
         "window), grpo_guard (GRPO-Guard's RatioNorm ratio with the exact step std, as flow_grpo; on "
-        "dance steps verl-omni scales by η·|Δσ| instead; needs `logprob --means`); on final latents: nft "
-        "(DiffusionNFT), awm (advantage-weighted matching), dpo (best vs worst of each group); VLM "
+        "dance steps verl-omni scales by η·|Δσ| instead; needs `logprob --means`), flow_dppo (Flow-DPPO: "
+        "unclipped ratio, a row dropped when its step's exact Gaussian KL to the rollout's passes "
+        "--kl-mask-threshold and its ratio moves on in its advantage's direction; advantages unclipped, as "
+        "verl-omni; rollout means from `logprob --means`, else replayed under the --adapter); on final "
+        "latents: nft (DiffusionNFT), awm (advantage-weighted matching), dpo (best vs worst of each group), "
+        "dgpo (DGPO group preference vs the base model, for ode rollouts: whole groups per micro-batch, "
+        "--dgpo-beta, DSM ratio clip --clip-range 5e-2 vs an old policy moved by min(0.3, 0.001·step) "
+        "after each step); VLM "
         "text rollouts: grpo (verl: clip 0.2, dual-clip 3, token-mean), dapo (clip-higher 0.28), gspo "
         "(verl: sequence ratio, clip 3e-4/4e-4, policy term always seq-mean-token-mean).",
         names=ALGORITHM_NAMES,
@@ -99,7 +107,8 @@ class UpdateConfig:
     )
     clip_range: float | None = knob(
         None,
-        "PPO ratio clip ε (default per --algo: flow_grpo family 1e-4, grpo/dapo 0.2, gspo 3e-4).",
+        "PPO ratio clip ε (default per --algo: flow_grpo family 1e-4, grpo/dapo 0.2, gspo 3e-4, dgpo 5e-2 "
+        "on its DSM ratio; flow_dppo uses none).",
         panel=LOSS,
     )
     clip_range_high: float | None = knob(
@@ -163,8 +172,24 @@ class UpdateConfig:
     )
     awm_p: float = knob(0.25, "AWM generalised-Huber power.", panel=LOSS)
     ema_beta: float = knob(0.0, "AWM EMA-KL weight (needs --ema).", panel=LOSS)
-    train_timesteps: int = knob(6, "AWM: stratified timesteps per sample (6).", panel=LOSS)
+    train_timesteps: int | None = knob(
+        None,
+        "Timesteps per sample (default per --algo): awm stratified (6); dgpo drawn per epoch from the "
+        "first int(N·--timestep-fraction) sampling steps and shared by all rows (reference 4).",
+        panel=LOSS,
+    )
     dpo_beta: float = knob(5000.0, "Diffusion-DPO β (5000 for the reference's ε-MSE).", panel=LOSS)
+    kl_mask_threshold: float = knob(
+        1e-5,
+        "flow_dppo: trust-region bound δ on each step's mean_dims (μ_θ − μ_old)²/(2s²) (verl-omni "
+        "kl_mask_threshold 1e-5).",
+        panel=LOSS,
+    )
+    dgpo_beta: float = knob(
+        100.0,
+        "DGPO β of the group preference σ(β/G·Σ A·(ℓ − ℓ_ref)) (reference beta_dpo 100; 10 for PickScore).",
+        panel=LOSS,
+    )
     lr: float = knob(
         3e-4,
         "AdamW learning rate (flow_grpo 3e-4). With --adapter, this run's --lr, --weight-decay, "
@@ -407,6 +432,12 @@ class UpdateConfig:
             return low, self.clip_range_high
         return low, algo.clip[1] if self.clip_range is None else low
 
+    def timesteps(self) -> int:
+        """Timesteps trained per sample: --train-timesteps, else the --algo's (awm 6, dgpo 4)."""
+        from stages.update.losses import get_algorithm
+
+        return get_algorithm(self.algo).timesteps if self.train_timesteps is None else self.train_timesteps
+
     def dual_clip_c(self) -> float | None:
         """Dual-clip constant: the --algo's unless given; 0 turns it off."""
         from stages.update.losses import get_algorithm
@@ -520,8 +551,12 @@ class UpdateConfig:
             raise UserInputError("--ema-beta needs --ema (the EMA weights it pulls toward)")
         if self.strategy not in knobs.STRATEGIES:
             raise UserInputError(f"--strategy {self.strategy}: choose one of {', '.join(knobs.STRATEGIES)}")
-        if self.train_timesteps < 1:
+        if self.timesteps() < 1:
             raise UserInputError(f"--train-timesteps {self.train_timesteps}: must be at least 1")
+        if not 0 < self.kl_mask_threshold < math.inf:
+            raise UserInputError(f"--kl-mask-threshold {self.kl_mask_threshold}: must be a finite number > 0")
+        if not 0 < self.dgpo_beta < math.inf:
+            raise UserInputError(f"--dgpo-beta {self.dgpo_beta}: must be a finite number > 0")
         self.kernels.validate()
         from stages.update import rollout_correction
 

@@ -5,12 +5,14 @@ runs a model. Math is fp32 (inputs are upcast). Shapes: B = rows of a micro-batc
 (sample, timestep) pair), `*` = latent dims, "mean over dims" averages every non-batch dim.
 
 - `grpo_guard_loss`: PPO objective on GRPO-Guard's normalised ratio, per stored step; returns a `StepLoss`.
+- `flow_dppo_loss`: Flow-DPPO's ratio objective with its exact-KL trust region, per stored step; a `StepLoss`.
 - `nft_loss`, `nft_old_decay`, `nft_old_refresh`: DiffusionNFT's forward-process loss, old-policy schedule
   and refresh interval (its optimality weight and `adv_mode` are `stages.advantage.estimators.nft_optimality`).
 - `awm_loss`, `awm_psi`: Advantage-Weighted Matching.
 - `diffusion_dpo_loss`: Diffusion-DPO on per-sample denoising errors (`fm_error`).
+- `dgpo_loss`, `dgpo_old_decay`: DGPO's group-preference loss and its old policy's schedule.
 
-All but `grpo_guard_loss` return (loss scalar, metrics): `actor/...` floats named like the trainer's and
+All but `grpo_guard_loss` and `flow_dppo_loss` return (loss scalar, metrics): `actor/...` floats named like the trainer's and
 verl-omni's.
 """
 
@@ -111,6 +113,80 @@ def grpo_guard_loss(
     loss = policy_loss + beta * kl_term
     return StepLoss(
         loss, policy_loss.detach(), kl_term.detach(), ratio.detach(), was_clipped, log_ratio.detach()
+    )
+
+
+def flow_dppo_loss(
+    mean: Tensor,
+    old_mean: Tensor,
+    std: Tensor | float,
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    *,
+    kl_threshold: float,
+    adv_clip: float | None = None,
+    kl: Tensor | None = None,
+    beta: float = 0.0,
+    weights: Tensor | None = None,
+) -> StepLoss:
+    """Flow-DPPO (arXiv 2606.11025; verl-omni `flow_dppo`): the ratio objective with a trust region from the
+    exact KL between the current and the rollout step Gaussians, in place of ratio clipping.
+
+    mean: μ_θ [B, *] (`StepOutput.mean`, with grad); old_mean: the rollout's μ_old [B, *]; std: the step's
+    noise std s, shared by both Gaussians ([B] or scalar, `StepOutput.std`); log_prob / old_log_prob: [B];
+    advantages: [B]; kl: optional [B] penalty to the reference (`kl_to_reference`); weights: optional [B]
+    multipliers of each row's policy term (verl-omni's rollout_is_weights; detached here).
+
+        r = exp(logp_θ − logp_old),  D = mean_dims (μ_θ − μ_old)² / (2s²)  (= KL(N(μ_θ, s²) ‖ N(μ_old, s²))
+        per dimension), masked_b = D_b ≥ δ ∧ ((Â_b > 0 ∧ r_b > 1) ∨ (Â_b < 0 ∧ r_b < 1)),
+        L = mean_b w_b·[masked_b ? 0 : −Â_b·r_b] + β·mean_b KL   (w = 1 without `weights`).
+
+    A row leaves the objective only when it is outside the trust region and still moving away from the
+    rollout; corrective updates stay. Advantages are clipped only when `adv_clip` is given (verl-omni does
+    not). s is the exact step std on every sampler; verl-omni's std_dev_t·sqrt(−Δ) equals it on sde steps.
+    """
+    batch = mean.shape[0]
+    s = per_sample(std, batch, mean, "std")
+    if bool((s <= 0).any()):
+        raise UserInputError(
+            "--algo flow_dppo: a trained step is deterministic (noise std 0); "
+            "use --sampler sde, cps or dance with --noise-level > 0"
+        )
+    adv = advantages.float()
+    if adv_clip is not None:
+        adv = adv.clamp(-adv_clip, adv_clip)
+    log_ratio = log_prob.float() - old_log_prob.detach().float()
+    ratio = torch.exp(log_ratio)
+    with torch.no_grad():
+        drift = _mean_dims((mean.detach().float() - old_mean.detach().float()) ** 2) / (2 * s**2)
+        outside = drift >= kl_threshold
+        pos = outside & (ratio > 1.0) & (adv > 0)
+        neg = outside & (ratio < 1.0) & (adv < 0)
+        masked = pos | neg
+    per_row = torch.where(masked, torch.zeros_like(ratio), -adv * ratio)
+    if weights is not None:
+        per_row = per_row * weights.detach().float()
+    policy_loss = per_row.mean()
+    kl_term = kl.float().mean() if kl is not None else torch.zeros((), device=mean.device)
+    loss = policy_loss + beta * kl_term
+    extra = {
+        "actor/kl_new_old_mean": drift.mean().item(),
+        "actor/kl_new_old_max": drift.max().item(),
+        "actor/kl_mask_fraction": outside.float().mean().item(),
+        "actor/pos_rm_fraction": pos.float().mean().item(),
+        "actor/neg_rm_fraction": neg.float().mean().item(),
+        "actor/masked_fraction": masked.float().mean().item(),
+        "actor/unmasked_fraction": 1.0 - masked.float().mean().item(),
+    }
+    return StepLoss(
+        loss,
+        policy_loss.detach(),
+        kl_term.detach(),
+        ratio.detach(),
+        masked.float(),
+        log_ratio.detach(),
+        extra,
     )
 
 
@@ -328,5 +404,76 @@ def diffusion_dpo_loss(
         "actor/rewards/chosen": chosen.detach().mean().item(),
         "actor/rewards/rejected": rejected.detach().mean().item(),
         "actor/rewards/margins": z.detach().mean().item(),
+    }
+    return loss, metrics
+
+
+def dgpo_old_decay(step: int) -> float:
+    """λ of DGPO's old policy θ_old ← λ·θ_old + (1−λ)·θ after the optimizer step that follows `step`
+    earlier ones: min(0.3, 0.001·step) (the reference's EMA "ref" that its DSM clip compares against)."""
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return min(0.3, 0.001 * step)
+
+
+def dgpo_loss(
+    v_theta: Tensor,
+    v_ref: Tensor,
+    v_old: Tensor | None,
+    eps: Tensor,
+    x0: Tensor,
+    advantages: Tensor,
+    groups: Tensor,
+    *,
+    beta: float,
+    clip_range: float,
+    adv_clip: float | None = 5.0,
+    kl_beta: float = 0.0,
+) -> tuple[Tensor, dict[str, float]]:
+    """DGPO (arXiv 2510.08425): group-level DPO on the final latents of ODE rollouts, as the reference's
+    gradient-equivalent loss.
+
+    v_theta: trainable velocity at x_t = (1−t)·x0 + t·ε [B, *]; v_ref: the frozen reference's [B, *]
+    (detached here; also the KL's reference); v_old: the old policy's, for the DSM clip ([B, *] or None:
+    no clip); eps, x0: [B, *], one ε per group; advantages: [B]; groups: [B] ints, equal within a group,
+    every member of a group present (G_g = its rows here).
+
+        ℓ = `fm_error`(v_θ),  δ = sg(ℓ − ℓ_ref),  Â = clip(A, ±c),
+        w_g = σ(β/G_g · Σ_{i∈g} Â_i·δ_i)  (detached),
+        ρ = exp(ℓ_old − ℓ), clipped_i = Â_i > 0 ? ρ_i > 1 + ε : ρ_i < 1 − ε,  ℓ̃ = clipped ? sg(ℓ) : ℓ,
+        L = mean_b w_g(b)·Â_b·ℓ̃_b + β_KL·mean (v_θ − v_ref)².
+
+    ∇L is, per group, ∇ of −log σ(R(G⁺) − R(G⁻)) with the implicit reward R = −β·(ℓ − ℓ_ref) summed over
+    the group's rows weighted by their advantages (the positive and negative sets), up to the constant
+    β/G_g: the weight σ(·) is the sigmoid of the group's current preference margin.
+    """
+    if beta <= 0:
+        raise UserInputError(f"DGPO beta={beta}: must be positive (reference 100)")
+    err = fm_error(v_theta, eps, x0)
+    with torch.no_grad():
+        ref_err = fm_error(v_ref.detach(), eps, x0)
+    adv = advantages.float()
+    if adv_clip is not None:
+        adv = adv.clamp(-adv_clip, adv_clip)
+    clipped = torch.zeros_like(adv, dtype=torch.bool)
+    if v_old is not None:
+        with torch.no_grad():
+            ratio = torch.exp(fm_error(v_old.detach(), eps, x0) - err.detach())
+            clipped = torch.where(adv > 0, ratio > 1.0 + clip_range, ratio < 1.0 - clip_range)
+    trained = torch.where(clipped, err.detach(), err)
+    _, member, sizes = torch.unique(groups, return_inverse=True, return_counts=True)
+    with torch.no_grad():
+        terms = adv * beta * (err.detach() - ref_err) / sizes[member].float()
+        margins = torch.zeros(len(sizes), device=adv.device).index_add_(0, member, terms)
+        weight = torch.sigmoid(margins)[member]
+    policy_loss = (weight * adv * trained).mean()
+    kl = _velocity_gap(v_theta.float(), v_ref)
+    loss = policy_loss + kl_beta * kl
+    metrics = {
+        "actor/pg_loss": policy_loss.item(),
+        "actor/kl_loss": kl.item(),
+        "actor/fm_loss": err.detach().mean().item(),
+        "actor/pg_clipfrac": clipped.float().mean().item(),
+        "actor/group_weight_mean": weight.mean().item(),
     }
     return loss, metrics

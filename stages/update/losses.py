@@ -14,9 +14,15 @@ The family members differ in which stored steps they train and in the ratio they
 - `mix_grpo`: every stored step, i.e. the SDE window the rollout stored (MixGRPO, §3).
 - `grpo_guard`: flow_grpo's steps with GRPO-Guard's normalised ratio and 1/|Δ| reweighting (§1.6);
   needs the rollout means `old_means` (`omnirl logprob --means` under the sampling weights).
+- `flow_dppo`: flow_grpo's steps, the unclipped ratio objective with Flow-DPPO's trust region: a row is
+  dropped only when the exact Gaussian KL of its step to the rollout's exceeds `--kl-mask-threshold` and
+  its ratio moves further in its advantage's direction (`family_losses.flow_dppo_loss`); advantages are
+  not clipped, as in verl-omni. The rollout means are `old_means` when given, else replayed under the
+  weights the update starts from (verl-omni's old-policy pass).
 
-`nft`, `awm` (forward process on the final latent) and `dpo` (preference pairs) are registered here
-too; their objectives live in objectives.py and their loss math in family_losses.py.
+`nft`, `awm` (forward process on the final latent), `dpo` (preference pairs) and `dgpo` (group
+preference on the final latents of ODE rollouts) are registered here too; their objectives live in
+objectives.py and their loss math in family_losses.py.
 
 Token-level algorithms for text/VLM rollouts (`family="token"`, math in token_losses.py) differ in
 their defaults (vlm-grpo.md §2): `grpo` (verl: clip 0.2/0.2, dual-clip 3, token-mean), `dapo`
@@ -29,7 +35,7 @@ not clipped (the diffusion family clips at ±5 as flow_grpo and verl-omni do).
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -47,6 +53,7 @@ class StepLoss:
     ratio: torch.Tensor
     clipped: torch.Tensor
     log_ratio: torch.Tensor
+    extra: dict[str, float] = field(default_factory=dict)  # the loss's own metrics (`actor/...`)
 
 
 def ratio_metrics(ratio: torch.Tensor, log_ratio: torch.Tensor) -> dict[str, float]:
@@ -124,19 +131,23 @@ TOKEN_NEEDS = ("images", "prompt_ids", "prompt_mask", "response_ids", "response_
 @dataclass(frozen=True)
 class Algorithm:
     """An `--algo` choice: its objective family (objectives.py), which stored steps a policy-gradient
-    member trains, the input columns it reads and those it cannot do without, and its default ratio
-    clip, dual-clip and advantage clip (None: not clipped)."""
+    member trains, the input columns it reads and those it cannot do without, its default ratio clip,
+    dual-clip and advantage clip (None: not clipped), and its default `--train-timesteps` (forward and
+    group families). `guard` / `kl_mask`: GRPO-Guard's ratio / Flow-DPPO's KL trust region in place of
+    the clipped ratio."""
 
     name: str
     family: str = "policy_gradient"
     steps: str = "prefix"
     guard: bool = False
+    kl_mask: bool = False
     columns: tuple[str, ...] = PG_COLUMNS
     needs: tuple[str, ...] = ("latents", "sigmas")
     clip: tuple[float, float] = (1e-4, 1e-4)
     ratio: str = "token"
     dual_clip: float | None = None
     adv_clip: float | None = 5.0
+    timesteps: int = 6
 
 
 # What the token algorithms share: VLM columns and verl's unclipped advantages.
@@ -150,8 +161,19 @@ ALGORITHMS: dict[str, Algorithm] = {
         Algorithm("dance_grpo", steps="random"),
         Algorithm("mix_grpo", steps="all"),
         Algorithm("grpo_guard", guard=True, needs=("latents", "sigmas", "old_means")),
+        Algorithm("flow_dppo", kl_mask=True, adv_clip=None),
         Algorithm("nft", family="forward", columns=("final_latent",), needs=("final_latent",)),
         Algorithm("awm", family="forward", columns=("final_latent",), needs=("final_latent",)),
+        # the reference's clip_range 5e-2 on its DSM ratio and num_train_timesteps 4 (DGPO config/dgpo.py);
+        # group_id is every rollout's (online too), so only final_latent is a column it cannot do without
+        Algorithm(
+            "dgpo",
+            family="group",
+            columns=("final_latent", "group_id"),
+            needs=("final_latent",),
+            clip=(5e-2, 5e-2),
+            timesteps=4,
+        ),
         Algorithm(
             "dpo",
             family="preference",

@@ -7,12 +7,15 @@ chunks over all ranks, `slots`: grad_accum × world): its share of the step's sa
 step or a short chunk is weighed exactly (for the token objective, 1/slots: its loss is already
 normalised by the step's token or sequence count, verl's global token-mean).
 
-- `PolicyGradient` (flow_grpo, dance_grpo, mix_grpo, grpo_guard): replays stored SDE steps under the
-  trained weights (`samplers.step` with the stored x'), clipped ratio objective + β·KL (losses.py).
+- `PolicyGradient` (flow_grpo, dance_grpo, mix_grpo, grpo_guard, flow_dppo): replays stored SDE steps
+  under the trained weights (`samplers.step` with the stored x'), clipped ratio objective (flow_dppo: its
+  KL trust region) + β·KL (losses.py, family_losses.py).
 - `ForwardProcess` (nft, awm): fresh noise on the final latent x0, x_t = (1−t)·x0 + t·ε at schedule
   timesteps; DiffusionNFT's implicit-policy loss or Advantage-Weighted Matching (family_losses.py).
 - `Preference` (dpo): best and worst sample of each group as a pair, sharing t and ε; Diffusion-DPO
   against the frozen reference.
+- `GroupPreference` (dgpo): whole groups per micro-batch, one ε per group and timestep; DGPO's group
+  preference against the frozen reference (family_losses.py).
 - `TokenPolicyGradient` (grpo, dapo, gspo): text/VLM responses, token log-probs replayed under the
   trained weights, verl's clipped token objective + KL + entropy (token_losses.py).
 """
@@ -32,7 +35,15 @@ from stages.models.diffusion import FlowPolicy
 from stages.models.vlm import VLMPolicy
 from stages.sample.rollout import SampleConfig
 from stages.sample.samplers import kl_to_reference, step
-from stages.update.family_losses import awm_loss, diffusion_dpo_loss, fm_error, grpo_guard_loss, nft_loss
+from stages.update.family_losses import (
+    awm_loss,
+    dgpo_loss,
+    diffusion_dpo_loss,
+    flow_dppo_loss,
+    fm_error,
+    grpo_guard_loss,
+    nft_loss,
+)
 from stages.update.losses import Algorithm, clipped_policy_loss, kl_std, ratio_metrics, step_plan
 from stages.update.rollout_correction import WEIGHTS
 from stages.update.rows import trained_rows
@@ -40,6 +51,16 @@ from stages.update.token_losses import grpo_loss
 
 Chunk = list[int]
 LossItem = tuple[torch.Tensor, list[float]]
+# Flow-DPPO's trust-region metrics, verl-omni's names (`family_losses.flow_dppo_loss`)
+DPPO_KEYS = (
+    "actor/kl_new_old_mean",
+    "actor/kl_new_old_max",
+    "actor/kl_mask_fraction",
+    "actor/pos_rm_fraction",
+    "actor/neg_rm_fraction",
+    "actor/masked_fraction",
+    "actor/unmasked_fraction",
+)
 
 
 def _condition(policy: FlowPolicy, data: dict[str, Any], idx: Chunk, sample_cfg: SampleConfig) -> Any:
@@ -87,19 +108,11 @@ def _gated(kl: torch.Tensor, data: dict[str, Any], index: torch.Tensor) -> torch
 
 
 class PolicyGradient:
-    """Clipped-ratio objectives over the stored steps of a rollout."""
+    """Clipped-ratio objectives over the stored steps of a rollout.
 
-    metric_keys = (
-        "actor/pg_loss",
-        "actor/kl_loss",
-        "actor/ratio_mean",
-        "actor/ratio_std",
-        "actor/pg_clipfrac",
-        "actor/pg_clipfrac_higher",
-        "actor/pg_clipfrac_lower",
-        "actor/ppo_kl",
-        "actor/approx_kl",
-    )
+    flow_dppo's rollout means are the `old_means` column when given, else replayed under `old_weights`
+    (the weights the update starts from)."""
+
     share = staticmethod(sample_share)
     rows_of = staticmethod(chunk_rows)
 
@@ -111,9 +124,24 @@ class PolicyGradient:
         cfg: Any,
         algo: Algorithm,
         ref_weights: dict[str, torch.Tensor] | None = None,
+        *,
+        old_weights: dict[str, torch.Tensor] | None = None,
     ):
         self.policy, self.data, self.sample_cfg, self.cfg, self.algo = policy, data, sample_cfg, cfg, algo
         self.ref_weights = ref_weights
+        self.old_weights = old_weights
+        self.metric_keys = (
+            "actor/pg_loss",
+            "actor/kl_loss",
+            "actor/ratio_mean",
+            "actor/ratio_std",
+            "actor/pg_clipfrac",
+            "actor/pg_clipfrac_higher",
+            "actor/pg_clipfrac_lower",
+            "actor/ppo_kl",
+            "actor/approx_kl",
+            *(DPPO_KEYS if algo.kl_mask else ()),
+        )
         self.old = data.get("old_log_probs", data.get("log_probs"))
         if self.old is None:
             raise UserInputError(
@@ -145,6 +173,7 @@ class PolicyGradient:
                     "actor/pg_loss": res.policy_loss.item(),
                     "actor/kl_loss": res.kl.item(),
                     "actor/pg_clipfrac": res.clipped.mean().item(),
+                    **res.extra,
                     # verl-omni's split of the clipped ratios: above 1 + ε_high, below 1 − ε
                     "actor/pg_clipfrac_higher": (res.ratio > 1.0 + high).float().mean().item(),
                     "actor/pg_clipfrac_lower": (res.ratio < 1.0 - low).float().mean().item(),
@@ -203,6 +232,26 @@ class PolicyGradient:
             if scfg.sampler == "dance" and cfg.guard_dance_scale == "eta_dsigma":  # verl-omni's η·|Δσ|
                 common["scale"] = out.std * (s - s_next).abs().sqrt().to(out.std)
             return grpo_guard_loss(out.mean, old_mean, x_next, out.std, s_next - s, adv, **common), log_ratio
+        if self.algo.kl_mask:
+            if "old_means" in data:
+                old_mean = data["old_means"][index, j].to(policy.device).float()
+            else:
+                with torch.no_grad(), policy.weights(self.old_weights):
+                    old_mean = replay(policy.velocity(x, s, cond, scfg.guidance, scfg.guidance_2)).mean
+            loss = flow_dppo_loss(
+                out.mean,
+                old_mean,
+                out.std,
+                out.log_prob,
+                old,
+                adv,
+                kl_threshold=cfg.kl_mask_threshold,
+                adv_clip=common["adv_clip"],
+                kl=kl,
+                beta=cfg.beta,
+                weights=common.get("weights"),
+            )
+            return loss, log_ratio
         return clipped_policy_loss(out.log_prob, old, adv, **common), log_ratio
 
 
@@ -283,7 +332,7 @@ class ForwardProcess:
         else:  # AWM: `train_timesteps` stratified over schedule indices [1, ⌊0.9·N⌋]
             lo = min(1, count - 1)
             hi = max(lo, int(0.9 * count))
-            strata = self.cfg.train_timesteps
+            strata = self.cfg.timesteps()
             self.plan = torch.tensor([_stratified(lo, hi, strata, rng) for _ in range(n)], dtype=torch.int64)
         return _chunks(rows, micro)
 
@@ -407,6 +456,95 @@ class Preference:
             ref = fm_error(policy.velocity(x_t, t, cond, scfg.guidance, scfg.guidance_2), eps, x0)
         loss, m = diffusion_dpo_loss(err[0::2], err[1::2], ref[0::2], ref[1::2], beta=self.cfg.dpo_beta)
         yield loss, [float(m.get(k, 0.0)) for k in self.metric_keys]
+
+
+class GroupPreference:
+    """DGPO: each micro-batch holds whole groups (packed up to --micro-batch rows, at least one group), so
+    a group's preference weight needs no other micro-batch or rank. Per epoch, `--train-timesteps`
+    schedule indices are drawn without replacement from the first int(N·--timestep-fraction) (all rows
+    share them, as the reference); at each, the rows of a group share one ε."""
+
+    metric_keys = (
+        "actor/pg_loss",
+        "actor/kl_loss",
+        "actor/fm_loss",
+        "actor/pg_clipfrac",
+        "actor/group_weight_mean",
+    )
+    share = staticmethod(sample_share)
+    rows_of = staticmethod(chunk_rows)
+
+    def __init__(
+        self,
+        policy: FlowPolicy,
+        data: dict[str, Any],
+        sample_cfg: SampleConfig,
+        cfg: Any,
+        *,
+        old_weights: dict[str, torch.Tensor] | None,
+    ):
+        self.policy, self.data, self.sample_cfg, self.cfg = policy, data, sample_cfg, cfg
+        if "group_id" not in data:
+            raise UserInputError(
+                "--algo dgpo needs the column 'group_id' in --in (the samples of `omnirl sample`)"
+            )
+        numbers: dict[str, int] = {}
+        self.group = [numbers.setdefault(g, len(numbers)) for g in data["group_id"]]  # row → group number
+        self.schedule = policy.sigmas(sample_cfg.steps, sample_cfg.resolution)[:-1].float()
+        self.old_weights = old_weights
+        self.plan: list[int] = []
+        self.seed = 0
+
+    def epoch(self, rows: list[int], micro: int, rng: random.Random) -> list[Chunk]:
+        members: dict[int, list[int]] = {}
+        for r in rows:  # groups in the order of their first row
+            members.setdefault(self.group[r], []).append(r)
+        chunks: list[Chunk] = []
+        for block in members.values():
+            if chunks and len(chunks[-1]) + len(block) <= micro:
+                chunks[-1].extend(block)
+            else:
+                chunks.append(list(block))
+        pool = max(1, int(len(self.schedule) * self.cfg.timestep_fraction))
+        self.plan = rng.sample(range(pool), min(self.cfg.timesteps(), pool))
+        self.seed = rng.randrange(2**31)
+        return chunks
+
+    @property
+    def per_chunk(self) -> int:
+        return len(self.plan)
+
+    def losses(self, idx: Chunk) -> Iterator[LossItem]:
+        policy, cfg, scfg = self.policy, self.cfg, self.sample_cfg
+        cond = _condition(policy, self.data, idx, scfg)
+        index = torch.tensor(idx)
+        x0 = self.data["final_latent"][index].to(policy.device).float()
+        adv = self.data["advantages"][index, 0].to(policy.device).float()
+        groups = [self.group[i] for i in idx]
+        for col, j in enumerate(self.plan):
+            t = self.schedule[j].expand(len(idx)).to(policy.device)
+            eps = _noise(self.seed, groups, col, tuple(x0.shape[1:])).to(policy.device)
+            x_t = _interpolate(x0, eps, t)
+            v = policy.velocity(x_t, t, cond, scfg.guidance, scfg.guidance_2)
+            with torch.no_grad():
+                with policy.reference():
+                    v_ref = policy.velocity(x_t, t, cond, scfg.guidance, scfg.guidance_2)
+                with policy.weights(self.old_weights):
+                    v_old = policy.velocity(x_t, t, cond, scfg.guidance, scfg.guidance_2)
+            loss, m = dgpo_loss(
+                v,
+                v_ref,
+                v_old,
+                eps,
+                x0,
+                adv,
+                torch.tensor(groups, device=policy.device),
+                beta=cfg.dgpo_beta,
+                clip_range=cfg.clip_bounds()[0],
+                adv_clip=cfg.advantage_clip(),
+                kl_beta=cfg.beta,
+            )
+            yield loss, [m[k] for k in self.metric_keys]
 
 
 class TokenPolicyGradient:
@@ -565,7 +703,7 @@ def make_objective(
     if algo.family == "token":
         return TokenPolicyGradient(policy, data, sample_cfg, cfg, algo)
     if algo.family == "policy_gradient":
-        return PolicyGradient(policy, data, sample_cfg, cfg, algo, ref_weights)
+        return PolicyGradient(policy, data, sample_cfg, cfg, algo, ref_weights, old_weights=old_weights)
     if algo.family == "forward":
         return ForwardProcess(
             policy,
@@ -577,4 +715,6 @@ def make_objective(
             ema_weights=ema_weights,
             ref_weights=ref_weights,
         )
+    if algo.family == "group":
+        return GroupPreference(policy, data, sample_cfg, cfg, old_weights=old_weights)
     return Preference(policy, data, sample_cfg, cfg)

@@ -33,13 +33,14 @@ from stages.update import rollout_correction
 from stages.update.checkpoint import load_state, resume_sharded, save_policy, trainer_state
 from stages.update.checkpoint import save_state as save_state  # the state's writer, beside its reader
 from stages.update.config import UpdateConfig
-from stages.update.family_losses import nft_old_refresh, old_policy_metrics
+from stages.update.family_losses import dgpo_old_decay, nft_old_refresh, old_policy_metrics
 from stages.update.losses import get_algorithm
 from stages.update.objectives import make_objective
 from stages.update.parallel import Parallel, launcher_checkpointing
 from stages.update.rows import trained_rows
 
 Policy = FlowPolicy | VLMPolicy
+PERSISTENT_OLD = ("nft", "dgpo")  # algorithms whose old policy is trainer state, saved with the adapter
 
 
 class EMA:
@@ -151,7 +152,7 @@ class Trainer:
             )
         if isinstance(policy, FlowPolicy):  # after the LoRA is on, before DDP / FSDP2 wrap the module
             prepare(policy.parts, cfg.parallel, cfg.kernels)
-        self.par = Parallel.setup(policy.module, cfg.strategy, swaps_weights=self.algo.family == "forward")
+        self.par = Parallel.setup(policy.module, cfg.strategy, swaps_weights=self._swaps_weights())
         self.named = _named_trainable(policy)
         self.params = list(self.named.values())
         settings = cfg.optimizer_settings()
@@ -178,8 +179,8 @@ class Trainer:
                 {k: v.float() for k, v in state["ema"]["shadow"].items()}, self.named
             )
             self.ema.updates = int(state["ema"]["updates"])
-        # DiffusionNFT's old policy persists across steps and updates (None: the first step's weights)
-        saved = state.get("old_weights") if self.algo.name == "nft" else None
+        # DiffusionNFT's and DGPO's old policy persists across steps and updates (None: the first step's weights)
+        saved = state.get("old_weights") if self.algo.name in PERSISTENT_OLD else None
         self.old_weights = self.par.shard_like(saved, self.named) if saved else None
         # GARDO's KL reference: None is the base model (`policy.reference()`) until the first reset
         reference = state.get("reference") or {}
@@ -194,10 +195,16 @@ class Trainer:
         state, step = load_state(adapter)
         return cls(policy, cfg, state, step)
 
-    def _old_policy(self) -> dict[str, torch.Tensor] | None:
-        """The "old" weights of a forward-family objective: NFT's persistent ones, AWM's the weights this
-        step starts from. Other families need no copy (for a fully fine-tuned VLM it would be a second model)."""
-        if self.algo.family != "forward":
+    def _swaps_weights(self) -> bool:
+        """Whether the objective runs old weights through the module (`Parallel.setup`)."""
+        return self.algo.family in ("forward", "group") or self.algo.kl_mask
+
+    def _old_policy(self, data: dict[str, Any]) -> dict[str, torch.Tensor] | None:
+        """The "old" weights of an objective that runs them: NFT's and DGPO's persistent ones; AWM's, and
+        flow_dppo's when --in has no old_means, the weights this step starts from. Other objectives need no
+        copy (for a fully fine-tuned VLM it would be a second model)."""
+        replays_old = self.algo.kl_mask and "old_means" not in data
+        if self.algo.family not in ("forward", "group") and not replays_old:
             return None
         if self.old_weights is not None:
             return self.old_weights
@@ -236,7 +243,9 @@ class Trainer:
             raise UserInputError(f"--algo {algo.name} needs the column '{missing[0]}' in --in{hint}")
         rows = trained_rows(data)
         data, corrections = rollout_correction.attach(data, cfg, rows, tokens=algo.family == "token")
-        old_weights = self._old_policy()
+        old_weights = self._old_policy(data)
+        if algo.name == "dgpo":
+            self.old_weights = old_weights  # moved toward the trained weights after every optimizer step
         reset = self._reset_reference()
         objective = make_objective(
             self.policy,
@@ -301,6 +310,11 @@ class Trainer:
                 self.global_step += 1
                 if self.ema is not None and self.global_step % cfg.ema_every == 0:
                     self.ema.update(self.named)
+                if algo.name == "dgpo":  # θ_old ← λ·θ_old + (1−λ)·θ, λ of the steps before this one
+                    decay = dgpo_old_decay(self.global_step - 1)
+                    with torch.no_grad():
+                        for k, v in self.named.items():
+                            old_weights[k].mul_(decay).add_(v.detach(), alpha=1 - decay)
                 elapsed = time.perf_counter() - t0
                 seen = sum(len(idx) for idx in step_chunks)
                 count = max(float(sums[len(keys)]), 1.0)
@@ -320,6 +334,7 @@ class Trainer:
                         **corrections,
                         **par.memory(params, optimizer),
                         **({"actor/grad_scale": scaler.get_scale()} if scaler.is_enabled() else {}),
+                        **({"old_policy/decay": decay} if algo.name == "dgpo" else {}),
                     }
                 )
                 metrics.append(record)

@@ -201,7 +201,12 @@ def resolve(
         _key(opt[2:]): p.name for p in ctx.command.params if p.name for opt in p.opts if opt.startswith("--")
     }
     resolved = {k: v for k, v in params.items() if k not in META_PARAMS}
-    flags = {p.name: p.opts[0] for p in ctx.command.params if p.name and p.opts}
+    # how errors name each parameter: an option by its long flag, a positional argument by its metavar
+    flags = {
+        p.name: p.opts[0] if p.param_type_name == "option" else (p.metavar or p.name.upper())
+        for p in ctx.command.params
+        if p.name and p.opts
+    }
     options = {p.name: p for p in ctx.command.params if p.name}
     envvars = {p.name: p.envvar for p in ctx.command.params if p.name and isinstance(p.envvar, str)}
     layers: list[tuple[dict[str, Any], str, set[str]]] = []  # (values, origin, options it may not replace)
@@ -229,9 +234,9 @@ def resolve(
         if resolved.get(name) in (None, [], ()):
             flag = flags.get(name, name)
             env = f", in {envvars[name]}" if name in envvars else ""
+            how, key = ("a flag", _key(flag.lstrip("-"))) if flag.startswith("--") else ("an argument", name)
             raise UserInputError(
-                f"{flag} is required: pass it as a flag{env}, or as `{_key(flag.lstrip('-'))}` in the "
-                "--config YAML or --set"
+                f"{flag} is required: pass it as {how}{env}, or as `{key}` in the --config YAML or --set"
             )
     for name, value in resolved.items():
         _check_finite(flags.get(name, name), value)

@@ -59,6 +59,8 @@ def option(name: str, declared: Knob, annotation: Any) -> Any:
         settings["autocompletion"] = complete(declared.names, declared.entry_points)
     if declared.choices:
         annotation = _with_choices(annotation, declared.choices)
+    if declared.argument:
+        return Annotated[annotation, typer.Argument(**settings, show_default=False)]
     long = flag_of(name, declared)
     names = (
         f"{long}/--no-{long[2:]}" if declared.negative else long,

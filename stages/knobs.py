@@ -42,8 +42,9 @@ class Knob:
     field's name with dashes), `short` (e.g. "-o"), `choices` (a closed set: any other value is refused
     from every source), `names` and `entry_points` (an open registry's built-ins and its entry-point
     group, offered by completion only), `low` / `high` bounds, `panel`, `envvar`, `metavar`, and
-    `required` (some source must give it; checked once all sources are merged, so a preset can) and
-    `negative` (a bool knob whose default is on: a `--no-FLAG` turns it off)."""
+    `required` (some source must give it; checked once all sources are merged, so a preset can),
+    `negative` (a bool knob whose default is on: a `--no-FLAG` turns it off) and `argument` (a
+    positional argument, `omnirl export ADAPTER`, named by its metavar; no flag)."""
 
     help: str
     flag: str | None = None
@@ -58,6 +59,7 @@ class Knob:
     metavar: str | None = None
     required: bool = False
     negative: bool = False
+    argument: bool = False
 
 
 def knob(default: Any, help: str, **declared: Any) -> Any:

@@ -48,7 +48,7 @@ ModelSize = Literal["tiny", "small", "demo", "full", "medium", "1.3b", "3b", "7b
 
 # Built-in names of the open registries (completion only; plugins are accepted beside them).
 # Rollout engines: stages.sample.engines' diffusion engines, then stages.sample.vlm_stage.ENGINES.
-ENGINES = ("diffusers", "remote", "vllm-omni", "hf", "openai")
+ENGINES = ("diffusers", "remote", "vllm-omni", "hf", "openai", "sglang")
 ENGINE_ENTRY_POINTS = "omnirl.engines"
 ALGORITHMS = (
     "flow_grpo",

@@ -234,9 +234,9 @@ def resolve(
         if resolved.get(name) in (None, [], ()):
             flag = flags.get(name, name)
             env = f", in {envvars[name]}" if name in envvars else ""
-            how, key = ("a flag", _key(flag.lstrip("-"))) if flag.startswith("--") else ("an argument", name)
             raise UserInputError(
-                f"{flag} is required: pass it as {how}{env}, or as `{key}` in the --config YAML or --set"
+                f"{flag} is required: pass it as a flag{env}, or as `{_key(flag.lstrip('-'))}` in the "
+                "--config YAML or --set"
             )
     for name, value in resolved.items():
         _check_finite(flags.get(name, name), value)

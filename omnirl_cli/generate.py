@@ -26,13 +26,14 @@ C = TypeVar("C")
 
 
 def options_of(config: type) -> list[inspect.Parameter]:
-    """One keyword parameter per knob of dataclass `config`, in declaration order, as typer reads them."""
+    """One keyword parameter per knob of dataclass `config`, in declaration order, as typer reads them
+    (an `argument` knob without a default, so the command line must give it)."""
     hints = get_type_hints(config)
     return [
         inspect.Parameter(
             field.name,
             inspect.Parameter.KEYWORD_ONLY,
-            default=field.default,
+            default=inspect.Parameter.empty if declared.argument else field.default,
             annotation=option(field.name, declared, hints[field.name]),
         )
         for field, declared in knobs(config)

@@ -44,7 +44,8 @@ def _with_choices(annotation: Any, choices: tuple[str, ...]) -> Any:
 def option(name: str, declared: Knob, annotation: Any) -> Any:
     """The typer option of knob `name` of type `annotation` (`stages.knobs`), as an `Annotated` type:
     a `choices` knob's `str` becomes a `Literal` of its names (listed in --help, completed, checked),
-    `names` are offered by completion, and a `required` knob's help says how to give it."""
+    `names` are offered by completion, a `required` knob's help says how to give it, and an `argument`
+    knob is a positional argument."""
     help_text = f"{declared.help} {REQUIRED}" if declared.required else declared.help
     settings: dict[str, Any] = {"help": help_text, "rich_help_panel": declared.panel}
     for key, value in (
@@ -60,7 +61,7 @@ def option(name: str, declared: Knob, annotation: Any) -> Any:
     if declared.choices:
         annotation = _with_choices(annotation, declared.choices)
     if declared.argument:
-        return Annotated[annotation, typer.Argument(**settings, show_default=False)]
+        return Annotated[annotation, typer.Argument(**settings)]
     long = flag_of(name, declared)
     names = (
         f"{long}/--no-{long[2:]}" if declared.negative else long,

@@ -44,7 +44,8 @@ class Knob:
     group, offered by completion only), `low` / `high` bounds, `panel`, `envvar`, `metavar`, and
     `required` (some source must give it; checked once all sources are merged, so a preset can),
     `negative` (a bool knob whose default is on: a `--no-FLAG` turns it off) and `argument` (a
-    positional argument, `omnirl export ADAPTER`, named by its metavar; no flag)."""
+    positional argument the command line must give, `omnirl inspect PATH`; its field's default is
+    only the dataclass's placeholder)."""
 
     help: str
     flag: str | None = None

@@ -19,7 +19,6 @@ class ExportConfig:
         f"Where: {WEIGHTS_FROM}.",
         argument=True,
         metavar="ADAPTER",
-        required=True,
     )
     out: Path | None = knob(
         None,

@@ -190,13 +190,17 @@ def report(
     for r in rows:
         table.add_row(*(cell(r) for _, cell in cols))
     out.print(table)
+    shown = f"; per iteration: {run}/it<K>/{Path(grid_paths[-1]).name}" if grid_paths else ""
+    out.print(f"reward curve: {curve}{shown}" + (f"; before/after: {comparison}" if comparison else ""))
     subsets = _subset_table(rows, named)
     if subsets is not None:
         out.print(subsets)
-    shown = f"; per iteration: {run}/it<K>/{Path(grid_paths[-1]).name}" if grid_paths else ""
-    out.print(f"reward curve: {curve}{shown}" + (f"; before/after: {comparison}" if comparison else ""))
     if tracking:
         out.print(f"sent {sent} new points to {', '.join(tracking.names)} (run {tracking.run_id})")
+
+
+def _num(value: Any) -> str:
+    return "" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 def _subset_table(rows: list[dict[str, Any]], named: Any) -> Any:
@@ -226,10 +230,6 @@ def _subset_table(rows: list[dict[str, Any]], named: Any) -> Any:
         mean = f"{stats['reward_mean']:.4g} ± {stats['reward_se']:.2g}"
         table.add_row(label, str(stats["samples"]), *before, mean, *(_num(stats.get(k)) for k in keys))
     return table
-
-
-def _num(value: Any) -> str:
-    return "" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 def _iteration_line(run: Path, k: int, json_: bool) -> None:

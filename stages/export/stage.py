@@ -76,8 +76,7 @@ def _save_pipeline(base: Path, adapter: Path, tmp: Path, dtype: torch.dtype, dev
         if isinstance(module, torch.nn.Module):
             merged += merge_lora(module)[1]
             module.to(dtype)
-    with no_progress_bars():
-        policy.pipe.save_pretrained(tmp, safe_serialization=True)
+    policy.pipe.save_pretrained(tmp, safe_serialization=True)
     if (base / MODEL_CARD_NAME).is_file():  # the native resolution and text length `sample` defaults to
         shutil.copy2(base / MODEL_CARD_NAME, tmp / MODEL_CARD_NAME)
     return merged
@@ -110,7 +109,8 @@ def export_adapter(
     try:
         tmp.mkdir()
         save = _save_vlm if is_vlm_model(base) else _save_pipeline
-        merged = save(base, adapter, tmp, DTYPES[dtype], device)
+        with no_progress_bars():  # the command draws its own
+            merged = save(base, adapter, tmp, DTYPES[dtype], device)
         if out.exists():
             raise UserInputError(f"--out {out} appeared while exporting; the export is left unwritten")
         os.rename(tmp, out)

@@ -31,7 +31,7 @@ Layout = Literal["verl", "easyr1"]  # stages.sample.vlm_data.read_vlm_prompts
 
 # Built-in names of the open registries (completion only; plugins are accepted beside them).
 # Rollout engines: stages.sample.engines' diffusion engines, then stages.sample.vlm_stage.ENGINES.
-ENGINES = ("diffusers", "remote", "vllm-omni", "hf", "openai")
+ENGINES = ("diffusers", "remote", "vllm-omni", "hf", "openai", "sglang")
 ENGINE_ENTRY_POINTS = "omnirl.engines"
 # The rewards' built-ins and entry-point group (stages.score), for commands not generated from a config yet.
 REWARDS, REWARD_ENTRY_POINTS = BUILTIN_REWARDS, ENTRY_POINT_GROUP

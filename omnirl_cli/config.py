@@ -201,7 +201,12 @@ def resolve(
         _key(opt[2:]): p.name for p in ctx.command.params if p.name for opt in p.opts if opt.startswith("--")
     }
     resolved = {k: v for k, v in params.items() if k not in META_PARAMS}
-    flags = {p.name: p.opts[0] for p in ctx.command.params if p.name and p.opts}
+    # how errors name each parameter: an option by its long flag, a positional argument by its metavar
+    flags = {
+        p.name: p.opts[0] if p.param_type_name == "option" else (p.metavar or p.name.upper())
+        for p in ctx.command.params
+        if p.name and p.opts
+    }
     options = {p.name: p for p in ctx.command.params if p.name}
     envvars = {p.name: p.envvar for p in ctx.command.params if p.name and isinstance(p.envvar, str)}
     layers: list[tuple[dict[str, Any], str, set[str]]] = []  # (values, origin, options it may not replace)

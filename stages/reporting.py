@@ -32,14 +32,53 @@ def iterations(run: Path) -> list[tuple[int, Path]]:
     return found
 
 
-def reward_statistics(rewards: Mapping[str, Any], meta: Sequence[Any] | None = None) -> dict[str, float]:
+SOURCE_KEY = "data_source"  # the prompt_meta key of a prompt's data source (verl's data_source column)
+MEDIA_KINDS = ("image", "video", "audio")  # the chat-message part types of a VLM prompt's media
+TEXT_ONLY = "text"  # the media kind of a prompt without any
+
+
+def prompt_media(messages: Any) -> list[str]:
+    """The media kinds (`MEDIA_KINDS`, in that order) of a prompt's chat messages, or [`TEXT_ONLY`] for a
+    prompt without media."""
+    from stages.models.vlm import media_parts
+
+    listed = messages if isinstance(messages, list) else []
+    kinds = [kind for kind in MEDIA_KINDS if media_parts(listed, kind)]
+    return kinds or [TEXT_ONLY]
+
+
+def row_slices(
+    meta: Sequence[Any] | None = None, messages: Sequence[Any] | None = None
+) -> dict[str, list[bool]]:
+    """The subsets of a rollout's rows that reward statistics are also given for, by name: `tag/<tag>`
+    (prompt_meta's GenEval task family), `source/<data_source>` (prompt_meta's data source, verl's
+    data_source column) and, with the rows' chat `messages` (a VLM rollout), `media/<kind>` for each
+    media kind a prompt holds (image, video, audio; text for none; a prompt with an image and audio
+    counts under both)."""
+    slices: dict[str, list[bool]] = {}
+    for prefix, key in (("tag", TAG_KEY), ("source", SOURCE_KEY)):
+        values = [m.get(key) if isinstance(m, Mapping) else None for m in meta or ()]
+        for value in sorted({v for v in values if isinstance(v, str) and v}):
+            slices[f"{prefix}/{value}"] = [v == value for v in values]
+    kinds = [prompt_media(m) for m in messages or ()]
+    for kind in (*MEDIA_KINDS, TEXT_ONLY):
+        if any(kind in k for k in kinds):
+            slices[f"media/{kind}"] = [kind in k for k in kinds]
+    return slices
+
+
+def reward_statistics(
+    rewards: Mapping[str, Any], meta: Sequence[Any] | None = None, messages: Sequence[Any] | None = None
+) -> dict[str, float]:
     """`<column>/mean` and `<column>/std` (population) of every float reward column (`reward`,
     `reward.<name>`) of a scored batch: what `score` reports and the trackers log.
 
-    With `meta`, the rows' prompt_meta, also `<column>/tag/<tag>/mean` over the rows of each `tag`
-    (GenEval's task families: single_object, two_object, counting, colors, position, color_attr), so a
-    strict 0/1 reward such as geneval_strict reports GenEval's per-tag accuracy, and `<column>/tag_mean`,
-    their unweighted mean (GenEval's overall score).
+    With the rows' prompt_meta `meta` (and chat `messages`), also `<column>/<slice>/mean` over the rows
+    of each `row_slices` subset: per GenEval tag (`tag/<tag>`: single_object, counting, ..., so a strict
+    0/1 reward such as geneval_strict reports GenEval's per-tag accuracy, and `<column>/tag_mean`, their
+    unweighted mean, GenEval's overall score), per data source (`source/<data_source>`) and per media
+    kind (`media/image`, `media/video`, `media/audio`, `media/text`): a 0/1 reward's mean there is that
+    subset's accuracy.
 
     Rows whose reward failed (`failed_rewards`) are left out: their stored value is no reward.
     """
@@ -49,38 +88,29 @@ def reward_statistics(rewards: Mapping[str, Any], meta: Sequence[Any] | None = N
 
     columns = {k: v for k, v in rewards.items() if k.startswith("reward") and isinstance(v, torch.Tensor)}
     scored = ~failed_rewards(columns, len(next(iter(columns.values()), ())))
-    tags = [m.get(TAG_KEY) if isinstance(m, Mapping) else None for m in meta or ()]
-    groups: dict[str, torch.Tensor] = {}
-    for tag in sorted({t for t in tags if isinstance(t, str) and t}):
-        groups[tag] = torch.tensor([t == tag for t in tags]) & scored
+    slices = {name: torch.tensor(rows) & scored for name, rows in row_slices(meta, messages).items()}
     stats = {}
     for key, column in columns.items():
         if column.dtype.is_floating_point:
             stats[f"{key}/mean"] = float(column[scored].mean())
             stats[f"{key}/std"] = float(column[scored].std(unbiased=False))
-            per_tag = [float(column[rows].double().mean()) for rows in groups.values()]
-            for tag, value in zip(groups, per_tag):
-                stats[f"{key}/tag/{tag}/mean"] = value
+            per_tag = []
+            for name, rows in slices.items():
+                stats[f"{key}/{name}/mean"] = float(column[rows].double().mean())
+                if name.startswith("tag/"):
+                    per_tag.append(stats[f"{key}/{name}/mean"])
             if per_tag:
                 stats[f"{key}/tag_mean"] = sum(per_tag) / len(per_tag)
     return stats
 
 
-def reward_stats(rewards_dir: Path) -> dict[str, Any]:
-    """Summary of one rewards shard set: samples, mean, standard error of the mean (sample std / √n),
-    std, min, max of `reward`, and the mean of every `reward.<name>` column as `reward.<name>_mean`
-    (for a 0/1 reward such as `geneval_shapes_strict`, its accuracy). Rows whose reward failed are
-    left out of all of them and counted as `reward_failed`."""
-    from stages.score.scoring import failed_rewards
-    from stages.shards.reader import ShardSet
-
-    rewards = ShardSet(rewards_dir).read_all()
-    scored = ~failed_rewards(rewards, len(rewards["sample_id"]))
-    r = rewards["reward"].double()[scored]
+def _summary(rewards: Mapping[str, Any], rows: Any) -> dict[str, Any]:
+    """Samples, mean, standard error of the mean (sample std / √n), std, min and max of `reward` over the
+    boolean `rows`, and the mean of every `reward.<name>` column there as `reward.<name>_mean`."""
+    r = rewards["reward"].double()[rows]
     n = int(r.numel())
     row: dict[str, Any] = {
         "samples": n,
-        "reward_failed": int((~scored).sum()),
         "reward_mean": float(r.mean()),
         "reward_se": float(r.std() / math.sqrt(n)) if n > 1 else 0.0,
         "reward_std": float(r.std(unbiased=False)),
@@ -89,7 +119,38 @@ def reward_stats(rewards_dir: Path) -> dict[str, Any]:
     }
     for key in rewards:
         if key.startswith("reward.") and rewards[key].dtype.is_floating_point:
-            row[f"{key}_mean"] = float(rewards[key].double()[scored].mean())
+            row[f"{key}_mean"] = float(rewards[key].double()[rows].mean())
+    return row
+
+
+def reward_stats(rewards_dir: Path, samples_dir: Path | None = None) -> dict[str, Any]:
+    """Summary of one rewards shard set (`_summary`: samples, mean, standard error, std, min, max of
+    `reward`, each `reward.<name>` mean, e.g. an accuracy). Rows whose reward failed are left out of all
+    of them and counted as `reward_failed`. With the rollout's `samples_dir`, also the summary of each
+    data source (`sources`: verl's data_source) and media kind (`media`: image, video, audio, text) of
+    `row_slices`, where the rollout has more than one source or kind."""
+    import torch
+
+    from stages.score.scoring import failed_rewards
+    from stages.shards.reader import ShardSet
+
+    rewards = ShardSet(rewards_dir).read_all()
+    scored = ~failed_rewards(rewards, len(rewards["sample_id"]))
+    row = {**_summary(rewards, scored), "reward_failed": int((~scored).sum())}
+    if samples_dir is None or not (samples_dir / MANIFEST_NAME).is_file():
+        return row
+    samples = ShardSet(samples_dir)
+    prompts = samples.read_all([c for c in ("sample_id", "prompt_meta", "messages") if c in samples.columns])
+    if prompts["sample_id"] != rewards["sample_id"]:
+        raise UserInputError(
+            f"{rewards_dir}: its rows are not those of {samples_dir} (sample_id differs); re-run `omnirl score "
+            f"--in {samples_dir}`"
+        )
+    slices = row_slices(prompts.get("prompt_meta"), prompts.get("messages"))
+    for group, prefix in (("sources", "source/"), ("media", "media/")):
+        named = {k[len(prefix) :]: rows for k, rows in slices.items() if k.startswith(prefix)}
+        if len(named) > 1:
+            row[group] = {k: _summary(rewards, torch.tensor(rows) & scored) for k, rows in named.items()}
     return row
 
 
@@ -130,9 +191,9 @@ def collect(run: Path, iteration: int | None = None) -> list[dict[str, Any]]:
             continue
         row: dict[str, Any] = {"iteration": k}
         if (rewards_dir / MANIFEST_NAME).is_file():
-            row.update(reward_stats(rewards_dir))
+            row.update(reward_stats(rewards_dir, it / "samples"))
         if has_eval:
-            row["eval"] = reward_stats(eval_dir)
+            row["eval"] = reward_stats(eval_dir, it / EVAL_DIR / "samples")
         adv_dir = it / "advantages"
         if (adv_dir / MANIFEST_NAME).is_file():
             stats = read_manifest(adv_dir).extra.get("stats", {})

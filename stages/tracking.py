@@ -200,15 +200,18 @@ class Tracking:
         iteration: int,
         rewards: Mapping[str, Any],
         meta: Sequence[Any] | None = None,
+        messages: Sequence[Any] | None = None,
         *,
         held_out: bool = False,
     ) -> None:
         """Mean and std of each reward column (score's `reward/mean`, `reward.<name>/std` ...) at
-        `iteration`, and with the rows' prompt_meta `meta` the per-tag means (`reward_statistics`).
-        A `held_out` evaluation's go to the series `eval`, each key prefixed with `eval/`."""
+        `iteration`, and with the rows' prompt_meta `meta` (and a VLM rollout's chat `messages`) the means
+        per tag, data source and media kind (`reward_statistics`: `reward/source/<name>/mean`,
+        `reward.accuracy/media/image/mean` ...). A `held_out` evaluation's go to the series `eval`, each
+        key prefixed with `eval/`."""
         from stages.reporting import reward_statistics
 
-        stats = reward_statistics(rewards, meta)
+        stats = reward_statistics(rewards, meta, messages)
         if held_out:
             self.log(EVAL_DIR, iteration, {f"{EVAL_DIR}/{key}": value for key, value in stats.items()})
         else:
@@ -351,11 +354,15 @@ def replay(tracking: Tracking, run: Path, sheets: Iterable[tuple[int, Path]] = (
         for where, evaluation in ((it, False), (it / EVAL_DIR, True)):
             if not (where / "rewards" / MANIFEST_NAME).is_file():
                 continue
-            meta = None
+            prompts: dict = {}
             samples = where / "samples"
-            if (samples / MANIFEST_NAME).is_file() and "prompt_meta" in ShardSet(samples).columns:
-                meta = ShardSet(samples).read_all(["prompt_meta"])["prompt_meta"]
-            tracking.log_rewards(k, ShardSet(where / "rewards").read_all(), meta, held_out=evaluation)
+            if (samples / MANIFEST_NAME).is_file():
+                held = ShardSet(samples)
+                prompts = held.read_all([c for c in ("prompt_meta", "messages") if c in held.columns])
+            rewards = ShardSet(where / "rewards").read_all()
+            tracking.log_rewards(
+                k, rewards, prompts.get("prompt_meta"), prompts.get("messages"), held_out=evaluation
+            )
         metrics = it / "policy" / METRICS
         if metrics.is_file():
             tracking.log_update(json.loads(line) for line in metrics.read_text().splitlines() if line.strip())

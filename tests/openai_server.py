@@ -6,6 +6,8 @@ error JSON {"error": {message, type, param, code}}), sampling with `policy.gener
 (one model). Like vLLM, a sampling parameter the request leaves out takes the value of the served
 model's generation_config.json (`generation_defaults`), so a client that omits top_k gets the model's
 top_k. `serve_canned` answers every completion with a fixed status and body, for error tests.
+`SGLangApp` answers as SGLang's OpenAI-compatible server does; run as a script, the module serves
+either in its own process (`main`), stopped by its PID.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, ClassVar
 
 from PIL import Image
 
@@ -145,6 +147,11 @@ def _hf_sampling(model: Any, top_k: int, min_p: float, repetition_penalty: float
 class PolicyApp:
     """The OpenAI endpoints over one policy: what vLLM's chat serving returns for these requests."""
 
+    fallbacks: ClassVar[dict[str, float]] = (
+        VLLM_DEFAULTS  # a parameter neither the request nor the model's generation config sets
+    )
+    owner = "vllm"
+
     def __init__(self, policy: VLMPolicy, model_name: str):
         self.policy = policy
         self.model_name = model_name
@@ -158,7 +165,7 @@ class PolicyApp:
         """The parameters vLLM samples with: the request's, else the model's generation config, else vLLM's."""
         out = {
             key: float(request[key]) if request.get(key) is not None else self.defaults.get(key, default)
-            for key, default in VLLM_DEFAULTS.items()
+            for key, default in self.fallbacks.items()
         }
         out["top_k"] = int(out["top_k"])
         max_tokens = request.get("max_completion_tokens") or request.get("max_tokens")
@@ -175,7 +182,7 @@ class PolicyApp:
     def get(self, path: str) -> tuple[int, bytes]:
         if path.rstrip("/") != "/v1/models":
             return error_json(HTTPStatus.NOT_FOUND, "NotFoundError", f"no route {path}")
-        card = {"id": self.model_name, "object": "model", "created": int(time.time()), "owned_by": "vllm"}
+        card = {"id": self.model_name, "object": "model", "created": int(time.time()), "owned_by": self.owner}
         return 200, json.dumps({"object": "list", "data": [card]}).encode()
 
     def post(self, path: str, raw: bytes) -> tuple[int, bytes]:
@@ -220,34 +227,17 @@ class PolicyApp:
                 max_new_tokens=params["max_tokens"],
                 seed=int(seed) if seed is not None else int(time.time_ns() % 2**63),
             )
-        as_ids = bool(request.get("return_tokens_as_token_ids"))
         choices = []
         for j in range(n):
             keep = roll.response_mask[j]
             ids = roll.response_ids[j][keep].tolist()
             values = roll.log_probs[j][keep].tolist()
             stopped = bool(ids) and ids[-1] in self.stop_ids
-            text_ids = ids[:-1] if stopped else ids  # vLLM leaves the stop token out of the text
+            text_ids = ids[:-1] if stopped else ids  # the stop token is left out of the text
             content = self.tokenizer.decode(
                 text_ids, skip_special_tokens=request.get("skip_special_tokens", True)
             )
-            entry = None
-            if request.get("logprobs"):
-                tokens = [f"token_id:{t}" if as_ids else self.tokenizer.decode([t]) for t in ids]
-                entry = {
-                    "content": [
-                        {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8")), "top_logprobs": []}
-                        for tok, lp in zip(tokens, values)
-                    ]
-                }
-            choices.append(
-                {
-                    "index": j,
-                    "message": {"role": "assistant", "content": content},
-                    "logprobs": entry,
-                    "finish_reason": "stop" if stopped else "length",
-                }
-            )
+            choices.append(self.choice(request, j, ids, values, stopped, content))
         prompt_tokens = int(prompt["attention_mask"].sum())
         completion_tokens = int(roll.response_mask.sum())
         return {
@@ -262,6 +252,66 @@ class PolicyApp:
                 "total_tokens": prompt_tokens + completion_tokens,
             },
         }
+
+    def choice(
+        self,
+        request: dict[str, Any],
+        j: int,
+        ids: list[int],
+        values: list[float],
+        stopped: bool,
+        content: str,
+    ) -> dict[str, Any]:
+        """Choice j of a reply: the log-prob tokens as "token_id:<int>" with `return_tokens_as_token_ids`."""
+        as_ids = bool(request.get("return_tokens_as_token_ids"))
+        entry = None
+        if request.get("logprobs"):
+            tokens = [f"token_id:{t}" if as_ids else self.tokenizer.decode([t]) for t in ids]
+            entry = {
+                "content": [
+                    {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8")), "top_logprobs": []}
+                    for tok, lp in zip(tokens, values)
+                ]
+            }
+        return {
+            "index": j,
+            "message": {"role": "assistant", "content": content},
+            "logprobs": entry,
+            "finish_reason": "stop" if stopped else "length",
+        }
+
+
+class SGLangApp(PolicyApp):
+    """What SGLang's OpenAI-compatible chat serving returns: its fallback sampling values (top_k −1), the
+    sampled ids as the choice's `token_ids` with `return_token_ids` (log-prob tokens are always text:
+    SGLang has no `return_tokens_as_token_ids`, and like pydantic it ignores fields it does not know),
+    the stop token among them with `matched_stop` naming it."""
+
+    fallbacks: ClassVar[dict[str, float]] = {
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": -1,
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+    }
+    owner = "sglang"
+
+    def choice(
+        self,
+        request: dict[str, Any],
+        j: int,
+        ids: list[int],
+        values: list[float],
+        stopped: bool,
+        content: str,
+    ) -> dict[str, Any]:
+        out = super().choice(
+            {**request, "return_tokens_as_token_ids": False}, j, ids, values, stopped, content
+        )
+        out["matched_stop"] = ids[-1] if stopped else None
+        if request.get("return_token_ids"):
+            out["token_ids"] = ids
+        return out
 
 
 class CannedApp:
@@ -308,6 +358,31 @@ def serve(policy: VLMPolicy, model_name: str) -> Iterator[str]:
     """Serve `policy` as `model_name` on 127.0.0.1 (a free port) in a background thread; yields the /v1 URL."""
     with _running(PolicyApp(policy, model_name)) as url:
         yield url
+
+
+def main() -> None:
+    """``python tests/openai_server.py --model DIR --served-model NAME [--api vllm|sglang]``: serve the
+    tiny VLM in DIR as vLLM or SGLang would, on 127.0.0.1 (a free port); prints one JSON line {"pid",
+    "url"} once it listens; stop it by its PID (SIGTERM)."""
+    import argparse
+    import os
+    import signal
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--served-model", required=True)
+    parser.add_argument("--api", choices=("vllm", "sglang"), default="vllm")
+    args = parser.parse_args()
+    app = (SGLangApp if args.api == "sglang" else PolicyApp)(VLMPolicy.load(args.model), args.served_model)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with _running(app) as url:
+        print(json.dumps({"pid": os.getpid(), "url": url}), flush=True)
+        stop.wait()
+
+
+if __name__ == "__main__":
+    main()
 
 
 @contextmanager

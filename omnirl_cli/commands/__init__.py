@@ -5,6 +5,7 @@ from __future__ import annotations
 from .advantage import advantage
 from .encode import encode
 from .env import env
+from .export import export
 from .init_model import init_model
 from .inspect_cmd import inspect
 from .logprob import logprob
@@ -33,6 +34,7 @@ COMMANDS = [
     ("init-model", init_model),
     ("plan", plan),
     ("pretrain", pretrain),
+    ("export", export),
     ("serve", serve),
     ("serve-reward", serve_reward),
     ("env", env),

@@ -13,7 +13,9 @@ from ..generate import config_command
 
 def run(c: ReportConfig, json_: bool) -> None:
     """Summarise a run: per-iteration reward table (mean ± standard error; the mean of each named reward,
-    e.g. a strict accuracy; the held-out evaluation in it<K>/eval when there is one), RUN/reward_curve.png,
+    e.g. a strict accuracy; the held-out evaluation in it<K>/eval when there is one), the same per data
+    source (the prompts' verl data_source) and per media kind (image, video, audio, text only) where a
+    rollout has several, RUN/reward_curve.png,
     RUN/it<K>/grid.png (for a VLM run RUN/it<K>/responses.md: each group's responses with their rewards,
     best first; for a video run a contact sheet, each sample as its first, middle and last frame, plus
     RUN/it<K>/preview.gif, the first samples playing together) and RUN/before_after.png: the first and last iteration's samples of the same prompts
@@ -21,7 +23,8 @@ def run(c: ReportConfig, json_: bool) -> None:
     same prompts and seeds). Every grid row has its prompt beside it.
 
     --report-to replays the run into trackers: each iteration's reward statistics (the held-out
-    evaluation's on their own series, eval/reward/mean ...), every metrics.jsonl record and the grids /
+    evaluation's on their own series, eval/reward/mean ...; per data source and media kind as
+    reward/source/NAME/mean, reward.accuracy/media/image/mean ...), every metrics.jsonl record and the grids /
     response sheets. Points a stage or an earlier report already sent to that
     tracker run (RUN/tracking/sent.jsonl) are skipped, so a replay never duplicates a step.
 
@@ -170,6 +173,9 @@ def run(c: ReportConfig, json_: bool) -> None:
     out.print(table)
     shown = f"; per iteration: {c.run}/it<K>/{Path(grid_paths[-1]).name}" if grid_paths else ""
     out.print(f"reward curve: {curve}{shown}" + (f"; before/after: {comparison}" if comparison else ""))
+    subsets = _subset_table(rows, named)
+    if subsets is not None:
+        out.print(subsets)
     if tracking:
         out.print(f"sent {sent} new points to {', '.join(tracking.names)} (run {tracking.run_id})")
 
@@ -179,6 +185,35 @@ report = config_command(ReportConfig, "report", run, presets=False)
 
 def _num(value: Any) -> str:
     return "" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def _subset_table(rows: list[dict[str, Any]], named: Any) -> Any:
+    """The per data source and per media kind breakdown (`reward_stats`' `sources` and `media`) of the
+    last iteration that has one, beside the first's reward; None for a run without one."""
+    from rich.table import Table
+
+    broken = [r for r in rows if r.get("sources") or r.get("media")]
+    if not broken:
+        return None
+    first, last = broken[0], broken[-1]
+    subsets = [(group, name) for group in ("sources", "media") for name in last.get(group, {})]
+    keys = named([last[g][n] for g, n in subsets])
+    table = Table(
+        title=f"reward per data source and media kind, it{last['iteration']}",
+        caption="± is the standard error of the mean; a prompt with several media kinds counts under each; "
+        "a 0/1 reward's mean is its accuracy",
+    )
+    earlier = [f"it{first['iteration']} reward"] if first is not last else []
+    columns = ["subset", "n", *earlier, f"it{last['iteration']} reward (mean ± se)"]
+    for title in columns + [key[len("reward.") : -len("_mean")] for key in keys]:
+        table.add_column(title, justify="right")
+    for group, name in subsets:
+        stats = last[group][name]
+        before = [_num(first.get(group, {}).get(name, {}).get("reward_mean"))] if earlier else []
+        label = f"source {name}" if group == "sources" else f"media {name}"
+        mean = f"{stats['reward_mean']:.4g} ± {stats['reward_se']:.2g}"
+        table.add_row(label, str(stats["samples"]), *before, mean, *(_num(stats.get(k)) for k in keys))
+    return table
 
 
 def _iteration_line(run: Path, k: int, json_: bool) -> None:

@@ -100,7 +100,7 @@ def sample(
     ] = "fp32",
     mixed_precision: mixed_precision_opt(
         "the model forwards (text encoders, transformer, VAE decode, also on an `omnirl serve` server; VLM: "
-        "generate with --engine hf; only recorded where a server samples its own way: --engine openai, "
+        "generate with --engine hf; only recorded where a server samples its own way: --engine openai / sglang, "
         "vllm-omni images); `logprob` replays under the rollout's setting",
         MODEL,
     ) = None,
@@ -252,8 +252,9 @@ def sample(
             "`omnirl serve` rollout server at --server-url: same samples, its own device) or vllm-omni "
             "(a `vllm serve --omni` at --server-url: images only, --sampler ode; without --server-url, "
             "vLLM-Omni in this process with omnirl's pipeline: replayable trajectories); a plugin "
-            "engine by name or module:Class. VLM: hf (transformers generate, the default) or openai (a "
-            "`vllm serve` / OpenAI-compatible server at --server-url).",
+            "engine by name or module:Class. VLM: hf (transformers generate, the default), openai (a "
+            "`vllm serve` / OpenAI-compatible server at --server-url) or sglang (an SGLang server at "
+            "--server-url, its sampling fields; docs/vlm.md).",
             rich_help_panel=ENGINE,
         ),
     ] = None,

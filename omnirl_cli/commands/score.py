@@ -129,17 +129,19 @@ def run(c: ScoreConfig, json_: bool) -> None:
     from stages.shards.reader import ShardSet
 
     rewards = ShardSet(c.out).read_all()
-    meta = src.read_all(["prompt_meta"])["prompt_meta"] if "prompt_meta" in src.columns else None
+    # the prompts' data source, tag and (VLM) media kinds, for the per-subset statistics
+    prompts = src.read_all([c for c in ("prompt_meta", "messages") if c in src.columns])
+    meta, messages = prompts.get("prompt_meta"), prompts.get("messages")
     result = {
         "out": str(c.out),
         "rows": len(rewards["sample_id"]),
         FAILED_COLUMN: int(failed_rewards(rewards, len(rewards["sample_id"])).sum()),
-        **reward_statistics(rewards, meta),
+        **reward_statistics(rewards, meta, messages),
     }
     if modality == "text":  # responses cut at the sampling cap: their format rewards are 0
         result["truncated"] = sum(truncated_rows(src.read_all(text_columns(list(src.columns)))))
     with tracking:
-        tracking.log_rewards(run_location(c.out)[1] or 0, rewards, meta, held_out=held_out(c.out))
+        tracking.log_rewards(run_location(c.out)[1] or 0, rewards, meta, messages, held_out=held_out(c.out))
     # this process's scoring speed per reward (images are decoded once per batch for all of them)
     result.update({f"perf/{name}/samples_per_s": scored[0] / t for name, t in seconds.items() if t > 0})
     if skipped:

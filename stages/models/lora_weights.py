@@ -133,3 +133,26 @@ def swap_lora(
     with torch.no_grad():
         set_peft_model_state_dict(module, layers, adapter_name=ADAPTER)
     return how
+
+
+def merge_lora(module: torch.nn.Module) -> tuple[torch.nn.Module, int]:
+    """Fold every LoRA layer of `module` into its base layer's weight (peft's merge, W + scale·B·A, in
+    the weights' dtype; a non-finite sum is refused) and remove the LoRA layers: (the plain module, a
+    `PeftModel`'s base model, and the number of LoRA layers merged)."""
+    from peft import PeftModel
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in module.modules() if isinstance(m, BaseTunerLayer)]
+    if isinstance(module, PeftModel):
+        return module.merge_and_unload(safe_merge=True), len(layers)
+    if layers:
+        from diffusers.utils import recurse_remove_peft_layers
+
+        for layer in layers:
+            layer.merge(safe_merge=True)
+        recurse_remove_peft_layers(module)
+    if hasattr(module, "peft_config"):
+        del module.peft_config
+    if getattr(module, "_hf_peft_config_loaded", False):
+        module._hf_peft_config_loaded = False
+    return module, len(layers)

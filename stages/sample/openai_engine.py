@@ -27,6 +27,14 @@ The log-probs are the server's. vLLM's default `--logprobs-mode raw_logprobs` sc
 (temperature 1, no top-p); `processed_logprobs` scores them after temperature and top-k/top-p. They
 equal `VLMPolicy.generate`'s (logits / temperature, no top-p warping) only in processed mode with
 top_p = 1, and a different kernel gives different rounding anyway; `omnirl logprob` recomputes them.
+
+SGLang (`--engine sglang`, `python -m sglang.launch_server`) speaks the same chat API with its own
+fields (`SGLANG`): it also takes temperature, top_p, top_k, min_p and repetition_penalty from the model's
+generation_config.json when a request leaves them out (its default `--sampling-defaults model`; its own
+fallbacks are 1, 1, −1, 0 and 1), so the request states them all, at its neutral values; it returns the
+sampled ids as the choice's `token_ids` (`return_token_ids`) beside the per-token log-probs, the stop
+token included (`matched_stop` names it; only the text trims it), and draws with `seed` (its
+`sampling_seed`). Its log-probs are of the raw distribution too; `omnirl logprob` recomputes them.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ import socket
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -47,7 +56,7 @@ from stages.errors import OmnirlError, RuntimeFailure, UserInputError
 from stages.models.vlm import VISION_TOKENS, Rollout, user_turn
 from stages.web import error_message, one_line
 
-START_HINT = "start `vllm serve MODEL` or fix --server-url"
+START_HINT = "start the server (`vllm serve MODEL`, `python -m sglang.launch_server --model-path MODEL`) or fix --server-url"
 TOKEN_ID_PREFIX = "token_id:"
 # vLLM reports a log-prob of -inf (a token the sampler could not have drawn) as this value.
 LOGPROB_FLOOR = -9999.0
@@ -64,6 +73,41 @@ NEUTRAL_SAMPLING: dict[str, Any] = {
     "ignore_eos": False,
     "use_beam_search": False,
 }
+
+
+@dataclass(frozen=True)
+class ServerAPI:
+    """What one OpenAI-compatible server needs beyond the OpenAI chat schema to return a replayable
+    rollout: its `engine` name (`sample --engine`), the program serving it, every sampling field that
+    changes which tokens are drawn at its neutral value (`neutral`), and the request fields that make it
+    return the sampled token ids (`ids_request`): vLLM spells them as "token_id:<int>" tokens of the
+    log-probs, SGLang lists them as the choice's `token_ids`."""
+
+    engine: str
+    program: str
+    neutral: dict[str, Any]
+    ids_request: dict[str, Any]
+
+
+VLLM = ServerAPI("openai", "vLLM", NEUTRAL_SAMPLING, {"return_tokens_as_token_ids": True})
+# SGLang's chat request (its ChatCompletionRequest) at its neutral values: top_k −1 (off), min_p 0, no
+# repetition/presence/frequency penalty, no forced minimum length, the EOS honoured.
+SGLANG = ServerAPI(
+    "sglang",
+    "SGLang",
+    {
+        "top_k": -1,
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "min_tokens": 0,
+        "ignore_eos": False,
+    },
+    {"return_token_ids": True},
+)
+SERVER_APIS = {api.engine: api for api in (VLLM, SGLANG)}
+
 _IMAGE_MAGIC = ((b"\x89PNG\r\n\x1a\n", "image/png"), (b"\xff\xd8\xff", "image/jpeg"), (b"GIF8", "image/gif"))
 
 
@@ -110,24 +154,25 @@ def chat_request(
     seed: int,
     where: str = "prompt",
     banned_ids: list[int] | None = None,
+    api: ServerAPI = VLLM,
 ) -> dict[str, Any]:
-    """The JSON body asking for n responses to a prompt (`chat_messages`), every sampling parameter
-    explicit (`NEUTRAL_SAMPLING`); `banned_ids` (the vision markers) get OpenAI's strongest logit
-    bias, −100."""
+    """The JSON body asking server `api` for n responses to a prompt (`chat_messages`), every sampling
+    parameter explicit (`ServerAPI.neutral`) and the sampled ids returned (`ServerAPI.ids_request`);
+    `banned_ids` (the vision markers) get OpenAI's strongest logit bias, −100."""
     return {
         "model": model,
         "messages": chat_messages(prompt, images, where),
         "n": n,
         "temperature": temperature,
         "top_p": top_p,
-        **NEUTRAL_SAMPLING,
-        # vLLM reads max_completion_tokens first and falls back to the older max_tokens.
+        **api.neutral,
+        # vLLM and SGLang read max_completion_tokens first and fall back to the older max_tokens.
         "max_completion_tokens": max_new_tokens,
         "max_tokens": max_new_tokens,
         "seed": seed,
         "logprobs": True,
         "top_logprobs": 0,
-        "return_tokens_as_token_ids": True,
+        **api.ids_request,
         "stream": False,
         **({"logit_bias": {str(i): -100 for i in banned_ids}} if banned_ids else {}),
     }
@@ -227,10 +272,40 @@ def _finite_logprob(value: Any) -> bool:
     )
 
 
+def _token_ids(choice: dict[str, Any], content: list[Any], url: str, j: int, api: ServerAPI) -> list[int]:
+    """The sampled ids of choice `j`, one per log-prob entry of `content`: SGLang's `token_ids`, or
+    vLLM's "token_id:<int>" tokens."""
+    if api is SGLANG:
+        ids = choice.get("token_ids")
+        if not isinstance(ids, list) or len(ids) != len(content):
+            got = f"{len(ids)} token_ids" if isinstance(ids, list) else "no token_ids"
+            raise RuntimeFailure(
+                f"{url}: choice {j} has {got} for {len(content)} log-probs; the server ignored "
+                "`return_token_ids` (serve with SGLang)"
+            )
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+            raise RuntimeFailure(f"{url}: choice {j}'s token_ids are not all token ids; check the server log")
+        return ids
+    ids = []
+    for k, entry in enumerate(content):
+        token = entry.get("token") if isinstance(entry, dict) else None
+        if not isinstance(token, str) or not token.startswith(TOKEN_ID_PREFIX):
+            raise RuntimeFailure(
+                f"{url}: choice {j} token {k} is {token!r}, not 'token_id:<int>'; the server ignored "
+                "`return_tokens_as_token_ids` (serve with vLLM)"
+            )
+        try:
+            ids.append(int(token[len(TOKEN_ID_PREFIX) :]))
+        except ValueError:
+            raise RuntimeFailure(f"{url}: choice {j} token {k} is {token!r}, not 'token_id:<int>'") from None
+    return ids
+
+
 def parse_choices(
-    reply: Any, url: str, *, n: int, max_new_tokens: int, stop_ids: set[int]
+    reply: Any, url: str, *, n: int, max_new_tokens: int, stop_ids: set[int], api: ServerAPI = VLLM
 ) -> list[tuple[list[int], list[float]]]:
-    """(token ids, log-probs) of the n choices of a chat completion, in choice-index order, checked."""
+    """(token ids, log-probs) of the n choices of a chat completion from server `api`, in choice-index
+    order, checked."""
     choices = reply.get("choices") if isinstance(reply, dict) else None
     if not isinstance(choices, list) or len(choices) != n:
         got = len(choices) if isinstance(choices, list) else "no"
@@ -245,29 +320,17 @@ def parse_choices(
         content = logprobs.get("content") if isinstance(logprobs, dict) else None
         if not isinstance(content, list):
             raise RuntimeFailure(
-                f"{url}: choice {j} has no token log-probs; serve with vLLM (it honours `logprobs`)"
+                f"{url}: choice {j} has no token log-probs; serve with {api.program} (it honours `logprobs`)"
             )
-        ids, values = [], []
-        for k, entry in enumerate(content):
-            token = entry.get("token") if isinstance(entry, dict) else None
-            if not isinstance(token, str) or not token.startswith(TOKEN_ID_PREFIX):
-                raise RuntimeFailure(
-                    f"{url}: choice {j} token {k} is {token!r}, not 'token_id:<int>'; the server ignored "
-                    "`return_tokens_as_token_ids` (serve with vLLM)"
-                )
-            try:
-                token_id = int(token[len(TOKEN_ID_PREFIX) :])
-            except ValueError:
-                raise RuntimeFailure(
-                    f"{url}: choice {j} token {k} is {token!r}, not 'token_id:<int>'"
-                ) from None
-            value = entry.get("logprob")
+        ids = _token_ids(choice, content, url, j, api)
+        values = []
+        for k, (token_id, entry) in enumerate(zip(ids, content)):
+            value = entry.get("logprob") if isinstance(entry, dict) else None
             if not _finite_logprob(value) or token_id < 0:
                 raise RuntimeFailure(
                     f"{url}: choice {j} token {k} (id {token_id}) has log-prob {value!r}, not a finite "
                     "number; check the server log"
                 )
-            ids.append(token_id)
             values.append(float(value))
         if len(ids) > max_new_tokens:
             raise RuntimeFailure(
@@ -278,7 +341,8 @@ def parse_choices(
             raise RuntimeFailure(f"{url}: choice {j} finished with {finish!r}; check the server log")
         if finish == "stop" and (not ids or ids[-1] not in stop_ids):
             raise RuntimeFailure(
-                f"{url}: choice {j} stopped without returning its stop token; serve with vLLM, which returns it"
+                f"{url}: choice {j} stopped without returning its stop token; serve with {api.program}, which "
+                "returns it"
             )
         out.append((ids, values))
     return out
@@ -299,8 +363,10 @@ def generate_openai(
     api_key: str | None = None,
     timeout: float = 600.0,
     concurrency: int = 8,
+    api: ServerAPI = VLLM,
 ) -> Rollout:
-    """n responses per prompt from the server at `base_url` (e.g. http://host:8000/v1) serving `model`.
+    """n responses per prompt from the server at `base_url` (e.g. http://host:8000/v1) serving `model`,
+    speaking `api`'s dialect of the chat API (`VLLM`, `SGLANG`).
 
     `questions` are plain questions or chat messages (`chat_messages`). Same conventions as
     `VLMPolicy.generate`: rows prompt by prompt, n each; ids int64 [B·n, max_new_tokens]
@@ -343,13 +409,14 @@ def generate_openai(
             seed=seed,
             where=f"prompt {i}",
             banned_ids=banned,
+            api=api,
         )
         for i, (q, imgs, seed) in enumerate(zip(questions, images, seeds))
     ]
 
     def sample(body: dict[str, Any]) -> list[tuple[list[int], list[float]]]:
         reply = _request_json(url, body, api_key=api_key, timeout=timeout, bad_reply=RuntimeFailure)
-        return parse_choices(reply, url, n=n, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
+        return parse_choices(reply, url, n=n, max_new_tokens=max_new_tokens, stop_ids=stop_ids, api=api)
 
     with ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(bodies)))) as pool:
         futures = [pool.submit(sample, body) for body in bodies]

@@ -24,11 +24,12 @@ Row layout (one row per response, groups contiguous, a shard holds whole groups)
   `max_output_token_length` cut; format rewards score it 0).
 
 The engines: `hf` (transformers `generate` under the policy's weights; the rollout log-probs match a
-replay to float rounding) and `openai` (a server speaking the OpenAI chat API, e.g. `vllm serve`;
-its log-probs come from the server, so `omnirl logprob` recomputes them; an API key is read from
-OPENAI_API_KEY, never from the recorded options). A generate call's seed derives from the run seed
-and its first prompt; samples depend on the batching (prompts per call = max(1, batch_size // n)),
-and with one prompt per call the two engines draw the same responses from the same weights.
+replay to float rounding), `openai` (a server speaking the OpenAI chat API, e.g. `vllm serve`) and
+`sglang` (SGLang's OpenAI-compatible server, `openai_engine.SGLANG`). A server's log-probs come from
+it, so `omnirl logprob` recomputes them; an API key is read from OPENAI_API_KEY, never from the
+recorded options. A generate call's seed derives from the run seed and its first prompt; samples
+depend on the batching (prompts per call = max(1, batch_size // n)),
+and with one prompt per call the engines draw the same responses from the same weights.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from stages.shards.writer import ShardSetWriter
 # The rollout's media columns: one per `MEDIA_KINDS` entry, named by its verl column, and their kinds.
 MEDIA_COLUMNS = {IMAGE.column: "image_list", VIDEO.column: "video_list", AUDIO.column: "audio_list"}
 KINDS = {**MEDIA_COLUMNS, "prompt_meta": "json", "messages": "json"}
-ENGINES = ("hf", "openai")
+ENGINES = ("hf", "openai", "sglang")  # openai: vLLM's dialect of the chat API (`openai_engine`)
 
 
 @dataclass
@@ -80,8 +81,8 @@ class VLMSampleConfig:
             raise UserInputError(f"--top-p {self.top_p}: must lie in (0, 1]")
         if self.max_new_tokens < 1 or self.max_prompt_length < 1:
             raise UserInputError("--max-new-tokens and --max-prompt-length must be at least 1")
-        if self.engine == "openai" and not (self.server_url and self.served_model):
-            raise UserInputError("--engine openai needs --server-url and --served-model")
+        if self.engine != "hf" and not (self.server_url and self.served_model):
+            raise UserInputError(f"--engine {self.engine} needs --server-url and --served-model")
 
     def prompts_per_call(self, group_size: int) -> int:
         return max(1, self.batch_size // group_size)
@@ -200,11 +201,11 @@ def generate_batch(
                 seed=seed,
             )
     else:
-        from stages.sample.openai_engine import generate_openai
+        from stages.sample.openai_engine import SERVER_APIS, generate_openai
 
         if any(p.videos or p.audios for _, p in prompts):
             raise UserInputError(
-                "--engine openai sends images only; sample prompts with videos or audio with --engine hf"
+                f"--engine {cfg.engine} sends images only; sample prompts with videos or audio with --engine hf"
             )
         rollout = generate_openai(
             str(cfg.server_url),
@@ -218,6 +219,7 @@ def generate_batch(
             max_new_tokens=cfg.max_new_tokens,
             seeds=[prompt_seed(cfg, i) for i, _ in prompts],
             api_key=os.environ.get("OPENAI_API_KEY"),
+            api=SERVER_APIS[cfg.engine],
         )
     return inputs, rollout
 

@@ -24,10 +24,6 @@ from stages.score.registry import ENTRY_POINT_GROUP
 Format = Literal[FORMATS]
 MixedPrecision = Literal[MIXED_PRECISION_MODES]
 Dtype = Literal[DTYPES]
-LatentDtype = Literal["fp32", "bf16"]  # stages.sample.rollout.LATENT_DTYPES
-Sampler = Literal["ode", "sde", "cps", "dance"]  # stages.sample.samplers.SAMPLERS
-WindowStrategy = Literal["random", "progressive", "fixed"]  # windows.STRATEGIES but "all" (= --sde-window 0)
-Layout = Literal["verl", "easyr1"]  # stages.sample.vlm_data.read_vlm_prompts
 Replay = Literal["auto", "yes"]  # stages.logprob.decide.REPLAY_MODES
 LrScheduler = Literal["constant", "linear", "cosine"]  # stages.update.trainer.LR_SCHEDULERS
 LossAggMode = Literal[
@@ -41,9 +37,6 @@ VaeMode = Literal["model", "pixel"]  # stages.pretrain.flow_matching.VAE_MODES
 ModelSize = Literal["tiny", "small", "demo", "full", "medium", "1.3b", "3b", "7b"]
 
 # Built-in names of the open registries (completion only; plugins are accepted beside them).
-# Rollout engines: stages.sample.engines' diffusion engines, then stages.sample.vlm_stage.ENGINES.
-ENGINES = ("diffusers", "remote", "vllm-omni", "hf", "openai")
-ENGINE_ENTRY_POINTS = "omnirl.engines"
 ALGORITHMS = (
     "flow_grpo",
     "dance_grpo",

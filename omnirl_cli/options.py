@@ -15,17 +15,15 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 import typer
 
 from stages import knobs
-from stages.knobs import WEIGHTS_FROM, Knob, flag_of
+from stages.knobs import WEIGHTS_FROM as WEIGHTS_FROM  # for the hand-written --model options
+from stages.knobs import Knob, flag_of
 
 from .choices import complete
 from .console import QUIET, VERBOSE, set_verbosity
 
 # --model and --adapter are typed as str so `config` sees them as written (a leading ./ marks a path,
 # never a Hub id: `stages.models.hub.spelled_as_path`).
-ADAPTER_HELP = (
-    "an `omnirl update` output, a diffusers LoRA folder (`save_lora_weights`) or a PEFT LoRA folder "
-    f"(`save_pretrained`; a VLM takes PEFT only); {WEIGHTS_FROM}"
-)
+ADAPTER_HELP = knobs.ADAPTER_FROM  # for the hand-written --adapter options
 RUN = "Run"
 # Said by the help of an option that has no default but may come from a preset: required after
 # resolution (`config.resolve(..., required=)`), not by typer, so --config can supply it.

@@ -14,6 +14,7 @@ tracking) and the closed sets they take.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,16 @@ WEIGHTS_FROM = (
     "(never downloaded)"
 )
 WEIGHTS_METAVAR = "PATH|ORG/NAME"
+ADAPTER_FROM = (
+    "an `omnirl update` output, a diffusers LoRA folder (`save_lora_weights`) or a PEFT LoRA folder "
+    f"(`save_pretrained`; a VLM takes PEFT only); {WEIGHTS_FROM}"
+)
+
+
+def launcher_mixed_precision(default: str = "no") -> str:
+    """The launcher's mixed precision (`accelerate launch --mixed_precision` or the `accelerate config`
+    file set ACCELERATE_MIXED_PRECISION), else `default`."""
+    return os.environ.get("ACCELERATE_MIXED_PRECISION", default).lower()
 
 
 @dataclass(frozen=True)
@@ -181,6 +192,16 @@ def model(what: str, panel: str | None = None) -> Any:
         metavar=WEIGHTS_METAVAR,
         panel=panel,
         required=True,
+    )
+
+
+def adapter(panel: str | None = None) -> Any:
+    """`--adapter`: trained weights on top of --model."""
+    return knob(
+        None,
+        f"Adapter: {ADAPTER_FROM} (default: the base model).",
+        metavar=WEIGHTS_METAVAR,
+        panel=panel,
     )
 
 

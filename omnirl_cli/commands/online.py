@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-from stages.knobs import ENGINE, WEIGHTS_METAVAR
+from stages.knobs import ENGINE, WEIGHTS_METAVAR, flag_of, knobs
+from stages.sample.config import ENGINE_ENTRY_POINTS, ENGINES
 
-from ..choices import ENGINE_ENTRY_POINTS, ENGINES, REWARD_ENTRY_POINTS, REWARDS, Dtype, complete
+from ..choices import REWARD_ENTRY_POINTS, REWARDS, Dtype, complete
 from ..config import coerce, load_yaml, parse_set, resolve
 from ..console import emit_json, err, is_quiet, log, progress
 from ..errors import handle_errors
@@ -29,7 +31,7 @@ from ..options import (
     no_model_parallel_opt,
 )
 
-# Preset keys of the `sample` section that are named differently in SampleConfig.
+# Preset keys of the `sample` section that are the run's, not SampleConfig's recorded settings.
 RUN_KEYS = ("group_size", "num_prompts")
 # The keys omnirl online reads from the `score` and `advantage` sections.
 SCORE_KEYS = ("reward", "reward_args")
@@ -59,14 +61,22 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _dataclass(cls: type, values: dict[str, Any], section: str, rename: dict[str, str] | None = None) -> Any:
+def _dataclass(
+    cls: type,
+    values: dict[str, Any],
+    section: str,
+    rename: dict[str, str] | None = None,
+    names: Collection[str] | None = None,
+) -> Any:
+    """`cls` of a preset section's `values` (keys as `rename`d), each of the type of its field's default;
+    a key that is not one of `names` (default: every field) is a usage error naming it."""
     from stages.errors import UserInputError
 
     defaults = {f.name: None if f.default is MISSING else f.default for f in fields(cls)}
     kwargs = {}
     for key, value in values.items():
         name = (rename or {}).get(key.replace("-", "_"), key.replace("-", "_"))
-        if name not in defaults:
+        if name not in (defaults if names is None else names):
             raise UserInputError(
                 f"--config: '{section}.{key}' is not a setting of omnirl online's {section} stage"
             )
@@ -78,10 +88,20 @@ def _dataclass(cls: type, values: dict[str, Any], section: str, rename: dict[str
 def _stage_keys(sample_cls: type, update_cls: type) -> dict[str, set[str]]:
     """The settings each preset section of omnirl online has (names with underscores)."""
     return {
-        "sample": {f.name for f in fields(sample_cls)} | set(sample_cls.OPTION_NAMES) | set(RUN_KEYS),
+        "sample": set(sample_cls.RECORDED) | set(_renamed(sample_cls)) | set(RUN_KEYS),
         "score": set(SCORE_KEYS),
         "advantage": set(ADVANTAGE_KEYS),
         "update": {f.name for f in fields(update_cls)},
+    }
+
+
+def _renamed(config: type) -> dict[str, str]:
+    """The recorded settings of `config` whose option is named otherwise (sde_window → window)."""
+    return {
+        flag_of(field.name, declared)[2:].replace("-", "_"): field.name
+        for field, declared in knobs(config)
+        if field.name in config.RECORDED
+        and flag_of(field.name, declared) != f"--{field.name.replace('_', '-')}"
     }
 
 
@@ -260,9 +280,9 @@ def online(
     from stages.online.pipeline import OnlineConfig, prepare_run, run_online
     from stages.parallelism import ModelParallel
     from stages.precision import launcher_mixed_precision
+    from stages.sample.config import SampleConfig
     from stages.sample.engines import EngineOptions
     from stages.sample.prompts import read_prompts
-    from stages.sample.rollout import SampleConfig
     from stages.score.registry import check_reward_args, parse_reward_args, parse_reward_spec
     from stages.tracking import Tracking, parse_report_to
     from stages.update.trainer import UpdateConfig
@@ -287,12 +307,13 @@ def online(
         _sectioned(load_yaml(config), keys, own, others, f"--config {config}"),
         _sectioned(parse_set(list(set_ or [])), keys, own, others, "--set"),
     )
-    from stages.models.factory import default_text_length
+    from stages.models.factory import DEFAULT_RESOLUTION, default_text_length
 
-    # the T5 length the model was made for (its card's text_length, else 128) unless the preset sets one
-    # and the launcher's mixed precision (as the update's) unless it sets sample.mixed_precision
+    # the T5 length the model was made for (its card's text_length, else 128) unless the preset sets one,
+    # the launcher's mixed precision (as the update's) unless it sets sample.mixed_precision, and 512 px
     sample = {
         "max_sequence_length": default_text_length(model),
+        "resolution": DEFAULT_RESOLUTION,
         "mixed_precision": launcher_mixed_precision(),
         **(preset.get("sample") or {}),
     }
@@ -309,7 +330,7 @@ def online(
         prompts=read_prompts(c["prompts"]),
         out=out,
         iterations=c["iterations"],
-        sample=_dataclass(SampleConfig, sample, "sample", SampleConfig.OPTION_NAMES),
+        sample=_dataclass(SampleConfig, sample, "sample", _renamed(SampleConfig), SampleConfig.RECORDED),
         update=_dataclass(UpdateConfig, dict(preset.get("update") or {}), "update"),
         group_size=int(run.get("group_size", 4)),
         num_prompts=run.get("num_prompts"),

@@ -205,7 +205,7 @@ def adapter(panel: str | None = None) -> Any:
     )
 
 
-def dtype() -> Any:
+def dtype(panel: str | None = None) -> Any:
     """`--dtype`: storage dtype of the frozen weights."""
     return knob(
         "fp32",
@@ -213,6 +213,7 @@ def dtype() -> Any:
         "(diffusers' cast_training_params), so AdamW steps in fp32.",
         choices=DTYPES,
         envvar="OMNIRL_DTYPE",
+        panel=panel,
     )
 
 

@@ -227,7 +227,12 @@ def test_environment_variables_set_options(tiny_shard_set: Path, tmp_path: Path)
     assert result.exit_code == 2
     assert "--format csv (flag or OMNIRL_FORMAT): choose one of parquet, webdataset" in result.stderr
     assert "OMNIRL_MODEL" in line
-    sample_help = runner.invoke(app, ["sample", "--help"], env={"COLUMNS": "200"}).output
+    # the help's lines joined, as a long option help may wrap inside its panel's box
+    sample_help = " ".join(
+        re.sub(
+            r"\s*│\s*", " ", runner.invoke(app, ["sample", "--help"], env={"COLUMNS": "200"}).output
+        ).split()
+    )
     for var in (
         "OMNIRL_MODEL",
         "OMNIRL_DTYPE",
@@ -431,14 +436,18 @@ def test_online_off_a_tty_prints_a_line_per_iteration_and_timer_lines(
 
 def test_every_long_command_reports_progress() -> None:
     """A command that can run for minutes draws progress (lines every 30 s off a TTY): through
-    `console.progress` directly or `runtime.map_shards`. serve-reward and serve serve; env is instant."""
+    `console.progress` directly, `runtime.map_shards` or `sample`'s shard runner (`run_shards`, which
+    draws it). serve-reward and serve serve; env is instant."""
     import inspect
 
+    from omnirl_cli.commands import sample_shards
+
+    assert "progress(" in inspect.getsource(sample_shards.run_shards)
     for name, func in COMMANDS:
         if name in ("serve-reward", "serve", "env"):
             continue
         source = inspect.getsource(sys.modules[func.__module__])
-        assert "progress(" in source or "map_shards(" in source, name
+        assert any(f"{way}(" in source for way in ("progress", "map_shards", "run_shards")), name
 
 
 def test_help_output_stays_light() -> None:

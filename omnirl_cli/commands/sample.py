@@ -80,6 +80,7 @@ def _sample_diffusion(c: SampleConfig, json_: bool) -> None:
     from stages.sample.sources import PromptSource
     from stages.sample.stage import KINDS, run_sample
 
+    c.validate()
     check_pipeline_folder(c.model)  # before anything reads or hashes what may be any folder
     # the model's native resolution unless given, and the T5 length it was made for (its card's
     # text_length, else 128), recorded for replay
@@ -88,7 +89,6 @@ def _sample_diffusion(c: SampleConfig, json_: bool) -> None:
         resolution=c.resolution or native_resolution(c.model) or DEFAULT_RESOLUTION,
         max_sequence_length=default_text_length(c.model),
     )
-    c.validate()
     engine_type = engine_class(c.engine)
     vae_options = [name for name in ("vae_tiling", "vae_slicing") if getattr(c, name)]
     if vae_options and not issubclass(engine_type, DiffusersEngine):

@@ -53,7 +53,7 @@ class SampleRun:
         MODEL,
     )
     adapter: str | None = knobs.adapter(MODEL)
-    dtype: str = knobs.dtype()
+    dtype: str = knobs.dtype(MODEL)
     mixed_precision: str | None = knobs.mixed_precision(
         "the model forwards (text encoders, transformer, VAE decode, also on an `omnirl serve` server; VLM: "
         "generate with --engine hf; only recorded where a server samples its own way: --engine openai, "

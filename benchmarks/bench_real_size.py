@@ -157,6 +157,7 @@ def where() -> tuple[torch.device, str]:
 
 def configs(args: argparse.Namespace, size_resolution: int) -> tuple[Any, Any, dict[str, Any]]:
     """The preset's sampling, update and advantage settings with this run's overrides."""
+    from stages.knobs import option_names
     from stages.models.factory import DEFAULT_TEXT_LENGTH
     from stages.models.families import family_text_length
     from stages.sample.rollout import SampleConfig
@@ -169,7 +170,10 @@ def configs(args: argparse.Namespace, size_resolution: int) -> tuple[Any, Any, d
     sample_options["max_sequence_length"] = family_text_length("QwenImagePipeline") or DEFAULT_TEXT_LENGTH
     lo, hi = sample_options["sde_window_range"]
     sample_options["sde_window_range"] = [lo, min(hi, args.steps)]
-    scfg = SampleConfig.from_options(sample_options)
+    names = option_names(SampleConfig)  # the preset's option names (sde_window) → fields (window)
+    scfg = SampleConfig(
+        **{names[k]: tuple(v) if isinstance(v, list) else v for k, v in sample_options.items() if k in names}
+    )
     rows = args.num_prompts * args.group_size
     micro = args.micro_batch
     # the preset's two optimizer steps per rollout, at this run's rows and micro-batch on one device

@@ -86,6 +86,14 @@ def flag_of(name: str, declared: Knob) -> str:
     return declared.flag or f"--{name.replace('_', '-')}"
 
 
+def option_names(config: type) -> dict[str, str]:
+    """Each knob of `config` by the name its option spells (`sde_window`, as a preset may key it) → its
+    field's name (`window`)."""
+    return {
+        flag_of(field.name, declared)[2:].replace("-", "_"): field.name for field, declared in knobs(config)
+    }
+
+
 # The knobs every shard-set stage shares: one declaration each, whichever command takes them.
 def inputs() -> Any:
     """`--in`: the input shard sets."""

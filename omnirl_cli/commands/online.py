@@ -9,7 +9,7 @@ from typing import Annotated, Any
 
 import typer
 
-from stages.knobs import ENGINE, WEIGHTS_METAVAR, flag_of, knobs
+from stages.knobs import ENGINE, WEIGHTS_METAVAR, option_names
 from stages.sample.config import ENGINE_ENTRY_POINTS, ENGINES
 
 from ..choices import REWARD_ENTRY_POINTS, REWARDS, Dtype, complete
@@ -88,20 +88,12 @@ def _dataclass(
 def _stage_keys(sample_cls: type, update_cls: type) -> dict[str, set[str]]:
     """The settings each preset section of omnirl online has (names with underscores)."""
     return {
-        "sample": set(sample_cls.RECORDED) | set(_renamed(sample_cls)) | set(RUN_KEYS),
+        "sample": set(sample_cls.RECORDED)
+        | {name for name, field in option_names(sample_cls).items() if field in sample_cls.RECORDED}
+        | set(RUN_KEYS),
         "score": set(SCORE_KEYS),
         "advantage": set(ADVANTAGE_KEYS),
         "update": {f.name for f in fields(update_cls)},
-    }
-
-
-def _renamed(config: type) -> dict[str, str]:
-    """The recorded settings of `config` whose option is named otherwise (sde_window → window)."""
-    return {
-        flag_of(field.name, declared)[2:].replace("-", "_"): field.name
-        for field, declared in knobs(config)
-        if field.name in config.RECORDED
-        and flag_of(field.name, declared) != f"--{field.name.replace('_', '-')}"
     }
 
 
@@ -330,7 +322,7 @@ def online(
         prompts=read_prompts(c["prompts"]),
         out=out,
         iterations=c["iterations"],
-        sample=_dataclass(SampleConfig, sample, "sample", _renamed(SampleConfig), SampleConfig.RECORDED),
+        sample=_dataclass(SampleConfig, sample, "sample", option_names(SampleConfig), SampleConfig.RECORDED),
         update=_dataclass(UpdateConfig, dict(preset.get("update") or {}), "update"),
         group_size=int(run.get("group_size", 4)),
         num_prompts=run.get("num_prompts"),

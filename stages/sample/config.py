@@ -113,8 +113,7 @@ class SampleRun:
     )
     fmt: str = knobs.shard_format()
     overwrite: bool = knobs.overwrite()
-    # the kind of model a config is for, as a refusal of the other kind's options words it
-    KIND: ClassVar[str] = "any --model"
+    # each kind's config says which model it is for in `KIND`, as a refusal of its options words it;
     # the fields a rollout records for replay (`record`), in the order it records them
     RECORDED: ClassVar[tuple[str, ...]] = ()
 

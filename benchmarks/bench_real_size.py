@@ -241,13 +241,13 @@ def staged_iteration(
 
     def sample() -> None:
         policy.forget_prompts()
-        writer = ShardSetWriter(samples, num_shards=1, command="sample", config=asdict(scfg), kinds=KINDS)
+        writer = ShardSetWriter(samples, num_shards=1, command="sample", config=scfg.record(), kinds=KINDS)
         engine = DiffusersEngine(policy)
         run_sample(engine, scfg, prompts, group, writer, num_shards=1, shard_indices=[0])
         modality = output_modality([column.kind for column in writer.columns])
         writer.finalize(
             extra={
-                "sample_config": asdict(scfg),
+                "sample_config": scfg.record(),
                 "family": FAMILY,
                 "engine": engine.describe(),
                 "modality": modality,
@@ -489,7 +489,7 @@ def main() -> None:
         "accelerator": on_accelerator,
         "size": args.size,
         "dtype": args.dtype,
-        "sample_config": asdict(scfg),
+        "sample_config": scfg.record(),
         "update_config": asdict(ucfg),
         "advantage": advantage,
         "num_prompts": args.num_prompts,

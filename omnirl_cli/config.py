@@ -270,9 +270,7 @@ def resolve_config(
     own = [field.name for field, _ in knobs(chosen)]
     foreign = [name for name in declared if name not in own and name in given]
     if foreign:
-        where = given[foreign[0]]
-        drop = "drop it" if where.startswith("-") else "drop it there"
-        raise UserInputError(f"{where}: {chosen.KIND} and never reads it; {drop}")  # type: ignore[attr-defined]
+        raise UserInputError(f"{given[foreign[0]]}: {chosen.KIND} and never reads it; drop it")  # type: ignore[attr-defined]
     return chosen(**{name: resolved[name] for name in own})
 
 

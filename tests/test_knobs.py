@@ -233,30 +233,31 @@ def test_a_knob_of_the_other_kind_is_refused_from_every_source(
     preset.write_text("probe:\n  steps: 10\n")
     for args, env, line in (
         (["--steps", "10"], {}, "--steps: words and never reads it; drop it"),
-        ([], {"PROBE_STEPS": "4"}, "PROBE_STEPS: words and never reads it; drop it there"),
+        ([], {"PROBE_STEPS": "4"}, "PROBE_STEPS: words and never reads it; drop it"),
         (
             ["--config", str(preset)],
             {},
-            f"steps (from --config {preset}): words and never reads it; drop it there",
+            f"steps (from --config {preset}): words and never reads it; drop it",
         ),
-        (["--set", "steps=4"], {}, "steps (from --set): words and never reads it; drop it there"),
+        (["--set", "steps=4"], {}, "steps (from --set): words and never reads it; drop it"),
     ):
         result = runner.invoke(probe, ["--model", str(words), *args], env=env)
         assert result.exit_code == 2 and result.output.strip() == f"error: {line}", args
     monkeypatch.delenv("PROBE_STEPS", raising=False)
     result = runner.invoke(probe, ["--model", str(pictures), "--set", "temperature=2"])
-    assert (
-        result.output.strip() == "error: temperature (from --set): pictures and never reads it; drop it there"
-    )
+    assert result.output.strip() == "error: temperature (from --set): pictures and never reads it; drop it"
     assert len(seen) == 2
 
 
-def test_sample_resolves_into_the_config_of_its_model_kind(tiny_sd3: Path, tmp_path: Path) -> None:
+def test_sample_resolves_into_the_config_of_its_model_kind(
+    tiny_sd3: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`omnirl sample` hands its body a SampleConfig for a diffusers pipeline, with every source resolved
     into its fields (--sde-window sets `window`, --no-roll-back `roll_back`); one flag of the VLM kind
     is refused before any model loads."""
     from omnirl_cli.commands.sample import _kind
 
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)  # so --mixed-precision's default is no
     seen: list[object] = []
     probe = typer.Typer()
     probe.command("sample")(

@@ -47,7 +47,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -157,6 +157,7 @@ def where() -> tuple[torch.device, str]:
 
 def configs(args: argparse.Namespace, size_resolution: int) -> tuple[Any, Any, dict[str, Any]]:
     """The preset's sampling, update and advantage settings with this run's overrides."""
+    from stages.knobs import option_names
     from stages.models.factory import DEFAULT_TEXT_LENGTH
     from stages.models.families import family_text_length
     from stages.sample.rollout import SampleConfig
@@ -169,7 +170,10 @@ def configs(args: argparse.Namespace, size_resolution: int) -> tuple[Any, Any, d
     sample_options["max_sequence_length"] = family_text_length("QwenImagePipeline") or DEFAULT_TEXT_LENGTH
     lo, hi = sample_options["sde_window_range"]
     sample_options["sde_window_range"] = [lo, min(hi, args.steps)]
-    scfg = SampleConfig.from_options(sample_options)
+    names = option_names(SampleConfig)  # the preset's option names (sde_window) → fields (window)
+    scfg = SampleConfig(
+        **{names[k]: tuple(v) if isinstance(v, list) else v for k, v in sample_options.items() if k in names}
+    )
     rows = args.num_prompts * args.group_size
     micro = args.micro_batch
     # the preset's two optimizer steps per rollout, at this run's rows and micro-batch on one device
@@ -237,13 +241,13 @@ def staged_iteration(
 
     def sample() -> None:
         policy.forget_prompts()
-        writer = ShardSetWriter(samples, num_shards=1, command="sample", config=asdict(scfg), kinds=KINDS)
+        writer = ShardSetWriter(samples, num_shards=1, command="sample", config=scfg.record(), kinds=KINDS)
         engine = DiffusersEngine(policy)
         run_sample(engine, scfg, prompts, group, writer, num_shards=1, shard_indices=[0])
         modality = output_modality([column.kind for column in writer.columns])
         writer.finalize(
             extra={
-                "sample_config": asdict(scfg),
+                "sample_config": scfg.record(),
                 "family": FAMILY,
                 "engine": engine.describe(),
                 "modality": modality,
@@ -484,7 +488,7 @@ def main() -> None:
         "accelerator": on_accelerator,
         "size": args.size,
         "dtype": args.dtype,
-        "sample_config": asdict(scfg),
+        "sample_config": scfg.record(),
         "update_config": ucfg.settings(),
         "advantage": advantage,
         "num_prompts": args.num_prompts,

@@ -42,7 +42,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -325,7 +325,7 @@ def main() -> None:
             )
             out = tmp / f"samples-{family}-{next(calls)}"  # a fresh folder: `sample` into a new --out
             writer = ShardSetWriter(
-                out, num_shards=1, format=args.format, command="sample", config=asdict(cfg), kinds=KINDS
+                out, num_shards=1, format=args.format, command="sample", config=cfg.record(), kinds=KINDS
             )
             with ExitStack() as stack:
                 stack.enter_context(probes.patch(writer, "write_shard", "shard_write"))
@@ -339,7 +339,7 @@ def main() -> None:
                     num_shards=1,
                     shard_indices=[0],
                 )
-                writer.finalize(extra={"sample_config": asdict(cfg)})
+                writer.finalize(extra={"sample_config": cfg.record()})
 
         sides: dict[str, Callable[[str, list[str], int], None]] = {
             "diffusers": diffusers_call,

@@ -50,7 +50,6 @@ import sys
 import tempfile
 import time
 from contextlib import ExitStack
-from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -139,7 +138,7 @@ def make_rollouts(
         "advantages": advantages.contiguous(),
     }
     torch.save(data, out)
-    return asdict(cfg)
+    return cfg.record()
 
 
 def bare_train(
@@ -180,7 +179,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     from stages.update.trainer import Trainer
 
     full = args.worker == "full"
-    sample_cfg = SampleConfig.from_options(json.loads(args.sample_config))
+    sample_cfg = SampleConfig.from_record(json.loads(args.sample_config))
     cfg = UpdateConfig(
         full=full,
         lora_rank=args.lora_rank,

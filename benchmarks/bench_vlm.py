@@ -46,7 +46,6 @@ import tempfile
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -356,11 +355,11 @@ def main() -> None:
 
         def omnirl_sample(warm: bool) -> None:
             shutil.rmtree(samples, ignore_errors=True)
-            writer = ShardSetWriter(samples, num_shards=1, command="sample", config=asdict(cfg), kinds=KINDS)
+            writer = ShardSetWriter(samples, num_shards=1, command="sample", config=cfg.record(), kinds=KINDS)
             run_vlm_sample(
                 policy, cfg, prompts[:first] if warm else prompts, n, writer, num_shards=1, shard_indices=[0]
             )
-            writer.finalize(extra={"vlm_sample_config": asdict(cfg)})
+            writer.finalize(extra={"vlm_sample_config": cfg.record()})
 
         bare_ids: list[torch.Tensor] = []
 

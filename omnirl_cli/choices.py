@@ -24,15 +24,6 @@ from stages.score.registry import ENTRY_POINT_GROUP
 Format = Literal[FORMATS]
 MixedPrecision = Literal[MIXED_PRECISION_MODES]
 Dtype = Literal[DTYPES]
-LatentDtype = Literal["fp32", "bf16"]  # stages.sample.rollout.LATENT_DTYPES
-Sampler = Literal["ode", "sde", "cps", "dance"]  # stages.sample.samplers.SAMPLERS
-WindowStrategy = Literal["random", "progressive", "fixed"]  # windows.STRATEGIES but "all" (= --sde-window 0)
-Layout = Literal["verl", "easyr1"]  # stages.sample.vlm_data.read_vlm_prompts
-
-# Built-in names of the open registries (completion only; plugins are accepted beside them).
-# Rollout engines: stages.sample.engines' diffusion engines, then stages.sample.vlm_stage.ENGINES.
-ENGINES = ("diffusers", "remote", "vllm-omni", "hf", "openai", "sglang")
-ENGINE_ENTRY_POINTS = "omnirl.engines"
 # The rewards' built-ins and entry-point group (stages.score), for commands not generated from a config yet.
 REWARDS, REWARD_ENTRY_POINTS = BUILTIN_REWARDS, ENTRY_POINT_GROUP
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import difflib
 import math
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -182,19 +182,28 @@ def _convert(ctx: typer.Context, param: Any, flag: str, value: Any, origin: str)
 
 
 def resolve(
-    ctx: typer.Context, command: str, required: tuple[str, ...] = (), shared: Collection[str] = ()
+    ctx: typer.Context,
+    command: str,
+    required: tuple[str, ...] = (),
+    shared: Collection[str] = (),
+    given: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Merge defaults, the --config YAML, OMNIRL_* variables, --set overrides and flags for `command`.
 
     `required` names options without a default that some source must give (checked here, after the
     merge, rather than by typer, so a preset can supply them): a missing one is a `UserInputError`.
     `shared` names top-level --set keys the command hands on to another reader (omnirl online's stages),
-    so they are not refused as unknown here.
+    so they are not refused as unknown here. `given`, when passed, is filled with each option some
+    source gave and how a message names it there: the flag as typed, the environment variable, or
+    `KEY (from --config PATH)` / `KEY (from --set)` for the preset layer whose value was taken.
     """
     params = dict(ctx.params)
     source = {name: getattr(ctx.get_parameter_source(name), "name", "") for name in params}
     explicit = {name for name in params if source[name] == "COMMANDLINE"}
     from_env = {name for name in params if source[name] == "ENVIRONMENT"}
+    if given is not None:
+        given.update({name: _typed_flag(ctx, name) for name in explicit})
+        given.update({name: _envvar(ctx, name) for name in from_env})
     defaults = {p.name: p.default for p in ctx.command.params if p.name}
     # YAML and --set may use an option's long flag name (format, group-size) as well as its parameter name.
     aliases = {
@@ -228,6 +237,8 @@ def resolve(
         for name, value in _layer(layer, command, params, aliases, origin).items():
             if name in kept or name in META_PARAMS:
                 continue
+            if given is not None:
+                given[name] = f"{name} (from {origin})"
             value = coerce(name, value, defaults.get(name), origin)
             resolved[name] = _convert(ctx, options[name], flags.get(name, name), value, origin)
     for name in required:
@@ -244,16 +255,44 @@ def resolve(
     return resolved
 
 
-def resolve_config(ctx: typer.Context, command: str, config: type[C]) -> C:
-    """`resolve` for a command whose options are generated from dataclass `config` (`omnirl_cli.generate`):
-    its knobs declared `required` are checked once every source is merged, and the result is one
-    instance of `config`."""
-    required = tuple(field.name for field, declared in knobs(config) if declared.required)
-    resolved = resolve(ctx, command, required=required)
-    values = {field.name: resolved[field.name] for field, _ in knobs(config)}
+def resolve_config(
+    ctx: typer.Context,
+    command: str,
+    configs: tuple[type[C], ...],
+    choose: Callable[[dict[str, Any]], type[C]] | None = None,
+) -> C:
+    """`resolve` for a command whose options are generated from dataclasses `configs`
+    (`omnirl_cli.generate`): their knobs declared `required` are checked once every source is merged,
+    and the result is one instance of the config `choose` picks from the resolved values (the only
+    one without `choose`). A knob of another config given from any source (flag, OMNIRL_* variable,
+    preset, --set) is a `UserInputError` naming it and the chosen config's `KIND`, rather than unused."""
+    declared = {field.name: spec for config in configs for field, spec in knobs(config)}
+    given: dict[str, str] = {}
+    resolved = resolve(
+        ctx, command, required=tuple(n for n, spec in declared.items() if spec.required), given=given
+    )
     # typer gives () for a repeatable option that no source set: it keeps the field's default instead
-    values.update({f.name: f.default for f, _ in knobs(config) if values[f.name] == () and f.default is None})
-    return config(**values)
+    defaults = {f.name: f.default for config in configs for f, _ in knobs(config)}
+    resolved.update({n: None for n, v in resolved.items() if v == () and defaults.get(n, ()) is None})
+    chosen = choose(resolved) if choose else configs[0]
+    own = [field.name for field, _ in knobs(chosen)]
+    foreign = [name for name in declared if name not in own and name in given]
+    if foreign:
+        raise UserInputError(f"{given[foreign[0]]}: {chosen.KIND} and never reads it; drop it")  # type: ignore[attr-defined]
+    return chosen(**{name: resolved[name] for name in own})
+
+
+def _typed_flag(ctx: typer.Context, name: str) -> str:
+    """The flag of option `name` as the command line gave it (`--no-FLAG` for a two-way flag turned off)."""
+    param = next(p for p in ctx.command.params if p.name == name)
+    off = ctx.params[name] is False and param.secondary_opts
+    return param.secondary_opts[0] if off else param.opts[0]
+
+
+def _envvar(ctx: typer.Context, name: str) -> str:
+    """The environment variable that gave option `name`."""
+    param = next(p for p in ctx.command.params if p.name == name)
+    return str(param.envvar)
 
 
 def _locate_weights(resolved: dict[str, Any], flags: dict[str, str]) -> None:

@@ -25,32 +25,47 @@ from .options import ConfigOpt, JsonOpt, SetOpt, option
 C = TypeVar("C")
 
 
-def options_of(config: type) -> list[inspect.Parameter]:
-    """One keyword parameter per knob of dataclass `config`, in declaration order, as typer reads them
-    (an `argument` knob without a default, so the command line must give it)."""
-    hints = get_type_hints(config)
-    return [
-        inspect.Parameter(
-            field.name,
-            inspect.Parameter.KEYWORD_ONLY,
-            default=inspect.Parameter.empty if declared.argument else field.default,
-            annotation=option(field.name, declared, hints[field.name]),
-        )
-        for field, declared in knobs(config)
-    ]
+def options_of(*configs: type) -> list[inspect.Parameter]:
+    """One keyword parameter per knob of the dataclasses `configs`, in declaration order, as typer reads
+    them; a knob several configs share (a common base class's) is one parameter, and an `argument` knob
+    has no default, so the command line must give it."""
+    made: dict[str, inspect.Parameter] = {}
+    for config in configs:
+        hints = get_type_hints(config)
+        for field, declared in knobs(config):
+            made.setdefault(
+                field.name,
+                inspect.Parameter(
+                    field.name,
+                    inspect.Parameter.KEYWORD_ONLY,
+                    default=inspect.Parameter.empty if declared.argument else field.default,
+                    annotation=option(field.name, declared, hints[field.name]),
+                ),
+            )
+    return list(made.values())
 
 
 def config_command(
-    config: type[C], command: str, run: Callable[[C, bool], None], *, presets: bool = True
+    config: type[C] | tuple[type[C], ...],
+    command: str,
+    run: Callable[[C, bool], None],
+    choose: Callable[[dict[str, Any]], type[C]] | None = None,
+    *,
+    presets: bool = True,
 ) -> Callable[..., None]:
     """The typer command `omnirl COMMAND`: options generated from `config`, then --config and --set
     (unless `presets` is False: a command that reads no preset, whose settings are its flags alone) and
     --json; it resolves them into one `config` instance and calls `run(instance, json)`. Its --help
-    text is `run`'s docstring."""
+    text is `run`'s docstring.
+
+    A command of several kinds passes a tuple of configs and `choose`, which picks the kind from the
+    resolved values: its options are the union of theirs, and a knob of another kind given from any
+    source is refused (`resolve_config`)."""
+    configs = config if isinstance(config, tuple) else (config,)
 
     @handle_errors
     def generated(ctx: typer.Context, **values: Any) -> None:
-        run(resolve_config(ctx, command, config), values["json_"])
+        run(resolve_config(ctx, command, configs, choose), values["json_"])
 
     keyword = inspect.Parameter.KEYWORD_ONLY
     steering = [
@@ -60,7 +75,7 @@ def config_command(
     generated.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
         [
             inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context),
-            *options_of(config),
+            *options_of(*configs),
             *(steering if presets else []),
             inspect.Parameter("json_", keyword, default=False, annotation=JsonOpt),
         ]

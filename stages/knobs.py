@@ -14,6 +14,7 @@ tracking) and the closed sets they take.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +40,12 @@ ADAPTER_FROM = (
     "an `omnirl update` output, a diffusers LoRA folder (`save_lora_weights`) or a PEFT LoRA folder "
     f"(`save_pretrained`; a VLM takes PEFT only); {WEIGHTS_FROM}"
 )
+
+
+def launcher_mixed_precision(default: str = "no") -> str:
+    """The launcher's mixed precision (`accelerate launch --mixed_precision` or the `accelerate config`
+    file set ACCELERATE_MIXED_PRECISION), else `default`."""
+    return os.environ.get("ACCELERATE_MIXED_PRECISION", default).lower()
 
 
 @dataclass(frozen=True)
@@ -81,6 +88,14 @@ def knobs(config: type) -> list[tuple[dataclasses.Field, Knob]]:
 def flag_of(name: str, declared: Knob) -> str:
     """The long flag of knob `name`: its declared one, else `--` and the field's name with dashes."""
     return declared.flag or f"--{name.replace('_', '-')}"
+
+
+def option_names(config: type) -> dict[str, str]:
+    """Each knob of `config` by the name its option spells (`sde_window`, as a preset may key it) → its
+    field's name (`window`)."""
+    return {
+        flag_of(field.name, declared)[2:].replace("-", "_"): field.name for field, declared in knobs(config)
+    }
 
 
 # The knobs every shard-set stage shares: one declaration each, whichever command takes them.
@@ -193,12 +208,14 @@ def model(what: str, panel: str | None = None, *, required: bool = True) -> Any:
     )
 
 
-def adapter(what: str, after: str = "") -> Any:
+def adapter(
+    what: str = "Adapter", after: str = " (default: the base model).", panel: str | None = None
+) -> Any:
     """`--adapter`: LoRA (or full) weights on top of --model; `what` opens its help, `after` ends it."""
-    return knob(None, f"{what}: {ADAPTER_FROM}{after}", metavar=WEIGHTS_METAVAR)
+    return knob(None, f"{what}: {ADAPTER_FROM}{after}", metavar=WEIGHTS_METAVAR, panel=panel)
 
 
-def dtype(trains: bool = True) -> Any:
+def dtype(trains: bool = True, panel: str | None = None) -> Any:
     """`--dtype`: storage dtype of the frozen weights (of a stage that `trains`, or of one that only runs
     the model)."""
     kept = (
@@ -212,6 +229,7 @@ def dtype(trains: bool = True) -> Any:
         f"Storage dtype of the {'frozen ' if trains else ''}weights.{kept}",
         choices=DTYPES,
         envvar="OMNIRL_DTYPE",
+        panel=panel,
     )
 
 

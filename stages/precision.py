@@ -8,25 +8,18 @@ forwards under it, and `logprob` replays under it, so old log-probs carry the ro
 
 from __future__ import annotations
 
-import os
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
 
 from stages.errors import UserInputError
-from stages.knobs import MIXED_PRECISION_MODES
+from stages.knobs import MIXED_PRECISION_MODES, launcher_mixed_precision
 
 # --mixed-precision → the autocast dtype (None: no autocast). fp16 trains with a dynamic loss scale.
 MIXED_PRECISIONS: dict[str, torch.dtype | None] = dict(
     zip(MIXED_PRECISION_MODES, (None, torch.bfloat16, torch.float16), strict=True)
 )
-
-
-def launcher_mixed_precision(default: str = "no") -> str:
-    """The launcher's mixed precision (`accelerate launch --mixed_precision` or the `accelerate config`
-    file set ACCELERATE_MIXED_PRECISION), else `default`."""
-    return os.environ.get("ACCELERATE_MIXED_PRECISION", default).lower()
 
 
 def resolve_mixed_precision(value: str | None, default: str = "no") -> str:

@@ -9,7 +9,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import get_args
+from typing import Literal, get_args
 
 import pytest
 import typer
@@ -20,6 +20,7 @@ from omnirl_cli import choices, console
 from omnirl_cli.app import app
 from omnirl_cli.commands import COMMANDS
 from omnirl_cli.config import choices_of, resolve
+from stages.sample.config import SAMPLERS
 from stages.shards.manifest import read_manifest
 
 runner = CliRunner()
@@ -119,24 +120,15 @@ def test_a_plugin_estimator_passes_the_open_option(tiny_shard_set: Path, tmp_pat
 def test_choice_sets_mirror_the_stage_constants() -> None:
     """The CLI's lists are copies (importing the stages would load torch for --help): held equal here."""
     from stages.precision import MIXED_PRECISIONS
-    from stages.sample.engines import ENTRY_POINT_GROUP as ENGINE_ENTRY_POINT_GROUP
-    from stages.sample.engines import engine_names
-    from stages.sample.samplers import SAMPLERS
-    from stages.sample.vlm_stage import ENGINES
-    from stages.sample.windows import STRATEGIES as WINDOWS
     from stages.score.registry import ENTRY_POINT_GROUP, available_rewards
     from stages.shards.manifest import FORMATS
 
     pairs = [
         (choices.Format, FORMATS),
-        (choices.Sampler, SAMPLERS),
-        (choices.WindowStrategy, tuple(w for w in WINDOWS if w != "all")),  # "all" is --sde-window 0
         (choices.MixedPrecision, MIXED_PRECISIONS),
     ]
     for literal, constant in pairs:
         assert get_args(literal) == tuple(constant), literal
-    assert (*engine_names(), *ENGINES) == choices.ENGINES
-    assert choices.ENGINE_ENTRY_POINTS == ENGINE_ENTRY_POINT_GROUP
     assert (
         set(choices.REWARDS) == set(available_rewards()) and choices.REWARD_ENTRY_POINTS == ENTRY_POINT_GROUP
     )
@@ -150,7 +142,7 @@ def _probe_app() -> typer.Typer:
     def sample(
         ctx: typer.Context,
         steps: int = typer.Option(10, "--steps", envvar="OMNIRL_TEST_STEPS"),
-        sampler: choices.Sampler = typer.Option("sde", "--sampler"),
+        sampler: Literal[SAMPLERS] = typer.Option("sde", "--sampler"),
         model: Path | None = typer.Option(None, "--model", envvar="OMNIRL_TEST_MODEL"),
         config: Path | None = typer.Option(None, "--config"),
         set_: list[str] | None = typer.Option(None, "--set"),
@@ -215,7 +207,12 @@ def test_environment_variables_set_options(tiny_shard_set: Path, tmp_path: Path)
     assert result.exit_code == 2
     assert "--format csv (flag or OMNIRL_FORMAT): choose one of parquet, webdataset" in result.stderr
     assert "OMNIRL_MODEL" in line
-    sample_help = runner.invoke(app, ["sample", "--help"], env={"COLUMNS": "200"}).output
+    # the help's lines joined, as a long option help may wrap inside its panel's box
+    sample_help = " ".join(
+        re.sub(
+            r"\s*│\s*", " ", runner.invoke(app, ["sample", "--help"], env={"COLUMNS": "200"}).output
+        ).split()
+    )
     for var in (
         "OMNIRL_MODEL",
         "OMNIRL_DTYPE",
@@ -419,14 +416,18 @@ def test_online_off_a_tty_prints_a_line_per_iteration_and_timer_lines(
 
 def test_every_long_command_reports_progress() -> None:
     """A command that can run for minutes draws progress (lines every 30 s off a TTY): through
-    `console.progress` directly or `runtime.map_shards`. serve-reward and serve serve; env is instant."""
+    `console.progress` directly, `runtime.map_shards` or `sample`'s shard runner (`run_shards`, which
+    draws it). serve-reward and serve serve; env is instant."""
     import inspect
 
+    from omnirl_cli.commands import sample_shards
+
+    assert "progress(" in inspect.getsource(sample_shards.run_shards)
     for name, func in COMMANDS:
         if name in ("serve-reward", "serve", "env"):
             continue
         source = inspect.getsource(sys.modules[func.__module__])
-        assert "progress(" in source or "map_shards(" in source, name
+        assert any(f"{way}(" in source for way in ("progress", "map_shards", "run_shards")), name
 
 
 def test_help_output_stays_light() -> None:

@@ -227,7 +227,7 @@ def test_a_rollout_servers_request_carries_the_mixed_precision_and_refuses_an_un
     from stages.sample.rollout import SampleConfig
     from stages.sample.rollout_protocol import ProtocolError, decode_request, encode_request, refuse_settings
 
-    cfg = SampleConfig(mixed_precision="bf16")
+    cfg = SampleConfig(mixed_precision="bf16", resolution=512)
     body = encode_request("r", cfg, ["p"], [""], [1], [2], [0], ["s0"], {})
     assert decode_request(body, max_samples=4).cfg.mixed_precision == "bf16"  # the server autocasts as asked
     body["sampling_params"]["mixed_precision"] = "fp8"

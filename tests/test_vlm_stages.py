@@ -454,6 +454,8 @@ def test_two_ranks_equal_one_process(vlm_run: dict[str, Path], tiny_vlm: Path, t
     ("model", "flag"),
     [
         ("vlm", ["--steps", "5"]),
+        ("vlm", ["--steps", "10"]),  # given, though at its default
+        ("vlm", ["--no-roll-back"]),
         ("vlm", ["--defer-decode"]),
         ("vlm", ["--resolution", "64"]),
         ("vlm", ["--frames", "5"]),
@@ -484,8 +486,8 @@ def test_a_preset_value_of_the_other_model_kind_names_its_key(
     preset.write_text("sample:\n  steps: 8\n  group_size: 2\n")
     out = tmp_path / "s"
     args = ["sample", "--model", str(tiny_vlm), "--prompts", str(vlm_run["data"]), "--out", str(out)]
-    for extra in (["--config", str(preset)], ["--set", "steps=8"]):
+    for extra, origin in ((["--config", str(preset)], f"--config {preset}"), (["--set", "steps=8"], "--set")):
         result = runner.invoke(app, [*args, *extra])
         assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1
-        assert result.output.startswith("error: steps (from --config or --set): a vision-language --model")
+        assert result.output.startswith(f"error: steps (from {origin}): a vision-language --model")
     assert not out.exists()

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-from stages.knobs import ENGINE, WEIGHTS_METAVAR
+from stages.knobs import ENGINE, WEIGHTS_METAVAR, option_names
+from stages.sample.config import ENGINE_ENTRY_POINTS, ENGINES
 from stages.update.config import RUN_KNOBS
 
-from ..choices import ENGINE_ENTRY_POINTS, ENGINES, REWARD_ENTRY_POINTS, REWARDS, Dtype, complete
+from ..choices import REWARD_ENTRY_POINTS, REWARDS, Dtype, complete
 from ..config import coerce, load_yaml, parse_set, resolve
 from ..console import emit_json, err, is_quiet, log, progress
 from ..errors import handle_errors
@@ -30,7 +32,7 @@ from ..options import (
     no_model_parallel_opt,
 )
 
-# Preset keys of the `sample` section that are named differently in SampleConfig.
+# Preset keys of the `sample` section that are the run's, not SampleConfig's recorded settings.
 RUN_KEYS = ("group_size", "num_prompts")
 # The keys omnirl online reads from the `score` and `advantage` sections.
 SCORE_KEYS = ("reward", "reward_args")
@@ -67,10 +69,10 @@ def _dataclass(
     values: dict[str, Any],
     section: str,
     rename: dict[str, str] | None = None,
-    names: set[str] | None = None,
+    names: Collection[str] | None = None,
 ) -> Any:
-    """`cls` with the section's `values`, each converted to its field's type; only the fields in `names`
-    (default: every one) are settings of the section."""
+    """`cls` of a preset section's `values` (keys as `rename`d), each of the type of its field's default;
+    a key that is not one of `names` (default: every field) is a usage error naming it."""
     from stages.errors import UserInputError
 
     defaults = {
@@ -81,7 +83,7 @@ def _dataclass(
     kwargs = {}
     for key, value in values.items():
         name = (rename or {}).get(key.replace("-", "_"), key.replace("-", "_"))
-        if name not in defaults:
+        if name not in (defaults if names is None else names):
             raise UserInputError(
                 f"--config: '{section}.{key}' is not a setting of omnirl online's {section} stage"
             )
@@ -93,7 +95,9 @@ def _dataclass(
 def _stage_keys(sample_cls: type, update_cls: type) -> dict[str, set[str]]:
     """The settings each preset section of omnirl online has (names with underscores)."""
     return {
-        "sample": {f.name for f in fields(sample_cls)} | set(sample_cls.OPTION_NAMES) | set(RUN_KEYS),
+        "sample": set(sample_cls.RECORDED)
+        | {name for name, field in option_names(sample_cls).items() if field in sample_cls.RECORDED}
+        | set(RUN_KEYS),
         "score": set(SCORE_KEYS),
         "advantage": set(ADVANTAGE_KEYS),
         "update": {f.name for f in fields(update_cls)} - set(RUN_KNOBS) - set(TRAINER_FIXED),
@@ -275,9 +279,9 @@ def online(
     from stages.online.pipeline import OnlineConfig, prepare_run, run_online
     from stages.parallelism import ModelParallel
     from stages.precision import launcher_mixed_precision
+    from stages.sample.config import SampleConfig
     from stages.sample.engines import EngineOptions
     from stages.sample.prompts import read_prompts
-    from stages.sample.rollout import SampleConfig
     from stages.score.registry import check_reward_args, parse_reward_args, parse_reward_spec
     from stages.tracking import Tracking, parse_report_to
     from stages.update.config import UpdateConfig
@@ -302,12 +306,13 @@ def online(
         _sectioned(load_yaml(config), keys, own, others, f"--config {config}"),
         _sectioned(parse_set(list(set_ or [])), keys, own, others, "--set"),
     )
-    from stages.models.factory import default_text_length
+    from stages.models.factory import DEFAULT_RESOLUTION, default_text_length
 
-    # the T5 length the model was made for (its card's text_length, else 128) unless the preset sets one
-    # and the launcher's mixed precision (as the update's) unless it sets sample.mixed_precision
+    # the T5 length the model was made for (its card's text_length, else 128) unless the preset sets one,
+    # the launcher's mixed precision (as the update's) unless it sets sample.mixed_precision, and 512 px
     sample = {
         "max_sequence_length": default_text_length(model),
+        "resolution": DEFAULT_RESOLUTION,
         "mixed_precision": launcher_mixed_precision(),
         **(preset.get("sample") or {}),
     }
@@ -324,7 +329,7 @@ def online(
         prompts=read_prompts(c["prompts"]),
         out=out,
         iterations=c["iterations"],
-        sample=_dataclass(SampleConfig, sample, "sample", SampleConfig.OPTION_NAMES),
+        sample=_dataclass(SampleConfig, sample, "sample", option_names(SampleConfig), SampleConfig.RECORDED),
         update=_dataclass(UpdateConfig, dict(preset.get("update") or {}), "update", names=keys["update"]),
         group_size=int(run.get("group_size", 4)),
         num_prompts=run.get("num_prompts"),

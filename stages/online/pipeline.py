@@ -91,7 +91,7 @@ def run_identity(cfg: OnlineConfig) -> dict[str, Any]:
     from stages.shards.digest import content_digest
 
     settings = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in NOT_IDENTITY}
-    settings.update(sample=asdict(cfg.sample), update=asdict(cfg.update))
+    settings.update(sample=cfg.sample.record(), update=asdict(cfg.update))
     settings["sample"]["resolution"] = resolution_identity(cfg.sample.resolution)
     prompts = json.dumps([asdict(p) for p in cfg.prompts], sort_keys=True, default=str)
     inputs = {
@@ -414,7 +414,7 @@ def _save_trajectories(
         "samples": (
             {c: data[c] for c in columns if c in data},
             {
-                "sample_config": asdict(cfg.sampling(k)),
+                "sample_config": cfg.sampling(k).record(),
                 "family": family.name,
                 "modality": family.media,
                 **deferred,

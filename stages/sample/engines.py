@@ -28,13 +28,14 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from stages.errors import UserInputError
 from stages.plugins import entry_point_names, load_entry_point, load_object
+from stages.sample.config import DEFAULT_ENGINE
+from stages.sample.config import ENGINE_ENTRY_POINTS as ENTRY_POINT_GROUP
 
 if TYPE_CHECKING:
     from stages.models.conditioning import Entries, Key
     from stages.models.families import Resolution
 
-ENTRY_POINT_GROUP = "omnirl.engines"
-DEFAULT_ENGINE = "diffusers"
+# the modules registering the built-in engines besides diffusers (`stages.sample.config.DIFFUSION_ENGINES`)
 _BUILTIN_MODULES = ("stages.sample.remote_engine", "stages.sample.vllm_omni_engine")
 TRAJECTORY_ABSENT = "absent"  # `describe()["trajectory"]` of an engine that returns media only
 _ENGINES: dict[str, type[RolloutEngine]] = {}

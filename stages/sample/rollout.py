@@ -5,6 +5,7 @@ latents [K+1, C, h, w], log-probs [K], timesteps [K] and σ [K+1], plus the fina
 media (`stages.media.media_columns`: a PNG, or for a video family an MP4 at `fps`).
 
 Latents are stored in `SampleConfig.latent_dtype` (`LATENT_DTYPES`; bf16 halves the largest columns).
+`SampleConfig` (`stages.sample.config`) holds the settings, and is what a rollout records.
 The rollout itself carries x in that dtype between steps, so every log-prob it records is the one of
 the latents as stored, and `omnirl logprob` replays them exactly.
 """
@@ -12,102 +13,21 @@ the latents as stored, and `omnirl logprob` replays them exactly.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import dataclass, fields
-from typing import Any, ClassVar
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 import torch
 
 from stages.errors import UserInputError
 from stages.finite import MODEL_HINT, check_finite
-from stages.knobs import MAX_FRAMES
 from stages.media import media_columns
-from stages.media.video import fps_fraction
 from stages.models.diffusion import FlowPolicy, seed_generator
-from stages.models.families import parse_resolution
-from stages.precision import MIXED_PRECISIONS, autocast
-from stages.sample.samplers import SAMPLERS, step
-from stages.sample.windows import WindowSchedule
+from stages.precision import autocast
+from stages.sample.config import LATENT_DTYPE_NAMES, SampleConfig
+from stages.sample.samplers import step
 
 # --latent-dtype: the dtype of the stored latents, and of x between the rollout's steps
-LATENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-@dataclass
-class SampleConfig:
-    """How to sample; recorded in the output manifest so `logprob` and `update` replay the same math."""
-
-    steps: int = 10
-    guidance: float = 4.5
-    guidance_2: float | None = None  # the low-noise expert's guidance (Wan 2.2 A14B); None: `guidance`
-    # (height, width) in pixels; also given as one side (square) or "HxW" (`parse_resolution`)
-    resolution: tuple[int, int] = (512, 512)
-    frames: int = 1  # a video family's frames per sample; image families take 1
-    sampler: str = "sde"
-    noise_level: float = 0.7
-    window: int = 0
-    window_range: tuple[int, int] | None = None
-    window_strategy: str = "random"
-    window_start: int | None = None
-    iteration: int = 0
-    iters_per_group: int = 25
-    window_stride: int = 1
-    roll_back: bool = True
-    same_noise: bool = False
-    seed: int = 0
-    batch_size: int = 8
-    max_sequence_length: int = 128
-    fps: float = 16.0  # frames per second of a video family's MP4 (Wan 2.1: 16, Wan 2.2 TI2V-5B: 24)
-    save_frames: bool = False  # a video family also stores its frames losslessly (PNG per frame)
-    mixed_precision: str = "no"  # autocast of the model forwards (`stages.precision`); replay uses the same
-    latent_dtype: str = "fp32"  # dtype of the stored latents and final latent (`LATENT_DTYPES`)
-    # command options named otherwise than the field they set
-    OPTION_NAMES: ClassVar[dict[str, str]] = {"sde_window": "window", "sde_window_range": "window_range"}
-
-    def __post_init__(self) -> None:
-        self.resolution = parse_resolution(self.resolution)
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, Any]) -> SampleConfig:
-        """The config of resolved `sample` options: each field from the option of its name (or its
-        `OPTION_NAMES` alias); other options are ignored and a missing one keeps its default."""
-        names = {f.name for f in fields(cls)}
-        values = {cls.OPTION_NAMES.get(k, k): v for k, v in options.items()}
-        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items() if k in names})
-
-    def validate(self) -> None:
-        if self.sampler not in SAMPLERS:
-            raise UserInputError(f"--sampler {self.sampler}: choose one of {', '.join(SAMPLERS)}")
-        if self.steps < 1:
-            raise UserInputError(f"--steps {self.steps}: must be at least 1")
-        if self.latent_dtype not in LATENT_DTYPES:
-            raise UserInputError(
-                f"--latent-dtype {self.latent_dtype}: choose one of {', '.join(LATENT_DTYPES)}"
-            )
-        if not 1 <= self.frames <= MAX_FRAMES:
-            raise UserInputError(f"--frames {self.frames}: must lie in [1, {MAX_FRAMES}]")
-        if self.window < 0:
-            raise UserInputError(f"--sde-window {self.window}: must be >= 0")
-        fps_fraction(self.fps)  # a positive frame rate, as the MP4 writer needs it
-        if self.mixed_precision not in MIXED_PRECISIONS:
-            raise UserInputError(
-                f"--mixed-precision {self.mixed_precision}: choose one of {', '.join(MIXED_PRECISIONS)}"
-            )
-        if self.window:
-            self.schedule()
-
-    def schedule(self) -> WindowSchedule:
-        """The SDE-window schedule these settings describe (`stages.sample.windows`); validates them."""
-        return WindowSchedule(
-            self.steps,
-            self.window_strategy,
-            window=self.window,
-            window_range=self.window_range,
-            start=self.window_start,
-            iters_per_group=self.iters_per_group,
-            stride=self.window_stride,
-            roll_back=self.roll_back,
-        )
+LATENT_DTYPES = dict(zip(LATENT_DTYPE_NAMES, (torch.float32, torch.bfloat16), strict=True))
 
 
 def derive_seed(*parts: Any) -> int:
@@ -237,13 +157,13 @@ def sample_config_of(manifests: list[Any]) -> SampleConfig:
     for manifest in manifests:
         recorded = (manifest.extra or {}).get("sample_config")
         if recorded:
-            unknown = sorted(set(recorded) - {f.name for f in fields(SampleConfig)})
+            unknown = sorted(set(recorded) - set(SampleConfig.RECORDED))
             if unknown:
                 raise UserInputError(
                     f"--in: the rollout records sampling settings this omnirl does not know ({', '.join(unknown)}); "
                     "replay it with the omnirl version that sampled it"
                 )
-            return SampleConfig.from_options(recorded)
+            return SampleConfig.from_record(recorded)
     raise UserInputError(
         "--in: none of the inputs was written by `omnirl sample`; pass the samples shard set first"
     )

@@ -3,7 +3,7 @@
 ``POST /omnirl/v1/rollout`` (`omnirl serve`, client `stages.sample.remote_engine`). Request::
 
     {"protocol": "omnirl-rollout", "version": 1, "request_id": str,
-     "sampling_params": {SampleConfig fields but batch_size},      # sampler, σ steps, window settings
+     "sampling_params": {SampleConfig.RECORDED but batch_size},   # sampler, σ steps, window settings
                                                                    # "resolution": [height, width], or one side (square)
      "samples": [{"sample_id", "prompt", "negative_prompt", "seed", "init_seed", "group"}],
      "weights": {"model_sha256": str | null, "adapter_sha256": str | null, "version": int | null,
@@ -59,7 +59,7 @@ import re
 import types
 import typing
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from typing import Any, TypeVar, Union
 
 from stages.errors import RuntimeFailure, UserInputError
@@ -143,7 +143,7 @@ def wire_resolution(resolution: Resolution) -> int | list[int]:
 def _sampling_params(cfg: SampleConfig) -> dict[str, Any]:
     """The settings of a request: fields at None are left out (their default), so a server that
     predates a field still answers a request that does not use it."""
-    params = {k: v for k, v in asdict(cfg).items() if v is not None}
+    params = {k: v for k, v in cfg.record().items() if v is not None}
     params.pop("batch_size")
     params["resolution"] = wire_resolution(cfg.resolution)
     if "window_range" in params:
@@ -184,7 +184,7 @@ def _params_schema() -> dict[str, Any]:
     """The type of each ``sampling_params`` field: `SampleConfig`'s annotation, but the resolution, which
     the wire carries as one side (a square) or [height, width] (`wire_resolution`)."""
     hints = typing.get_type_hints(SampleConfig)
-    schema = {f.name: hints[f.name] for f in fields(SampleConfig) if f.name != "batch_size"}
+    schema = {name: hints[name] for name in SampleConfig.RECORDED if name != "batch_size"}
     return {**schema, "resolution": int | tuple[int, int]}
 
 
@@ -259,7 +259,7 @@ def decode_request(body: dict[str, Any], *, max_samples: int) -> RolloutRequest:
         raise ProtocolError("sampling_params must be an object")
     _check_params(params)
     try:
-        cfg = SampleConfig.from_options(params)
+        cfg = SampleConfig.from_record(params)
     except UserInputError as exc:
         raise ProtocolError(f"sampling_params: {exc}") from None
     if not isinstance(samples, list) or not samples:
@@ -362,7 +362,7 @@ def decode_conditioning(body: dict[str, Any], request: dict[str, Any]) -> Entrie
         entries = from_bytes(blob)
     except (binascii.Error, ValueError, KeyError, TypeError, IndexError, SafetensorError):
         raise ProtocolError("conditioning is not a base64 safetensors file of prompt conditioning") from None
-    length = SampleConfig.from_options(request["sampling_params"]).max_sequence_length
+    length = SampleConfig.from_record(request["sampling_params"]).max_sequence_length
     asked = {(s["prompt"], s["negative_prompt"], length, "") for s in request["samples"]}
     if set(entries) != asked:
         raise ProtocolError(f"conditioning holds {len(entries)} prompts, not the batch's {len(asked)}")
@@ -438,7 +438,7 @@ def decode_response(body: Any, request: dict[str, Any]) -> tuple[int, dict[str, 
         if final.ndim < 2 or final.shape[0] != batch:
             raise ProtocolError(f"final_latent has shape {list(final.shape)}, not [{batch}, *latent]")
         latent = list(final.shape[1:])
-        cfg = SampleConfig.from_options(request["sampling_params"])
+        cfg = SampleConfig.from_record(request["sampling_params"])
         steps = len(stored_steps(cfg, samples[0]["group"]))
         stored = LATENT_DTYPES[cfg.latent_dtype]  # the server's latents, sent upcast, are exact in it
         columns: dict[str, Any] = {"final_latent": final.to(stored)}

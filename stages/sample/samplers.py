@@ -27,8 +27,7 @@ import torch
 from torch import Tensor
 
 from stages.errors import UserInputError
-
-SAMPLERS = ("ode", "sde", "cps", "dance")
+from stages.sample.config import SAMPLERS
 
 _HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
 

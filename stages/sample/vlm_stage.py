@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,6 +44,7 @@ from stages.errors import UserInputError
 from stages.finite import MODEL_HINT, check_finite
 from stages.models.vlm import Rollout, VLMPolicy
 from stages.precision import autocast
+from stages.sample.config import VLMSampleConfig
 from stages.sample.rollout import derive_seed
 from stages.sample.stage import in_rollout, rollout_id, split_groups, write_shards
 from stages.sample.vlm_audio import decode_audio
@@ -54,38 +54,6 @@ from stages.shards.writer import ShardSetWriter
 # The rollout's media columns: one per `MEDIA_KINDS` entry, named by its verl column, and their kinds.
 MEDIA_COLUMNS = {IMAGE.column: "image_list", VIDEO.column: "video_list", AUDIO.column: "audio_list"}
 KINDS = {**MEDIA_COLUMNS, "prompt_meta": "json", "messages": "json"}
-ENGINES = ("hf", "openai", "sglang")  # openai: vLLM's dialect of the chat API (`openai_engine`)
-
-
-@dataclass
-class VLMSampleConfig:
-    """How responses are sampled; recorded in the manifest as `vlm_sample_config` for replay."""
-
-    engine: str = "hf"
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 64
-    max_prompt_length: int = 512
-    seed: int = 0
-    batch_size: int = 8
-    server_url: str | None = None
-    served_model: str | None = None
-    mixed_precision: str = "no"  # autocast of generate (engine hf; `stages.precision`); replay uses the same
-
-    def validate(self) -> None:
-        if self.engine not in ENGINES:
-            raise UserInputError(f"--engine {self.engine}: choose one of {', '.join(ENGINES)}")
-        if not self.temperature > 0:
-            raise UserInputError(f"--temperature {self.temperature}: must be > 0")
-        if not 0 < self.top_p <= 1:
-            raise UserInputError(f"--top-p {self.top_p}: must lie in (0, 1]")
-        if self.max_new_tokens < 1 or self.max_prompt_length < 1:
-            raise UserInputError("--max-new-tokens and --max-prompt-length must be at least 1")
-        if self.engine != "hf" and not (self.server_url and self.served_model):
-            raise UserInputError(f"--engine {self.engine} needs --server-url and --served-model")
-
-    def prompts_per_call(self, group_size: int) -> int:
-        return max(1, self.batch_size // group_size)
 
 
 def vlm_sample_config_of(manifests: list[Any]) -> VLMSampleConfig:
@@ -93,7 +61,7 @@ def vlm_sample_config_of(manifests: list[Any]) -> VLMSampleConfig:
     for manifest in manifests:
         recorded = (manifest.extra or {}).get("vlm_sample_config")
         if recorded:
-            return VLMSampleConfig(**recorded)
+            return VLMSampleConfig.from_record(recorded)
     raise UserInputError(
         "--in: none of the inputs holds a VLM rollout written by `omnirl sample`; pass its samples first"
     )

@@ -23,8 +23,9 @@ from typing import Any
 import numpy as np
 
 from stages.errors import UserInputError
+from stages.sample.config import WINDOW_STRATEGIES
 
-STRATEGIES = ("all", "random", "progressive", "fixed")
+STRATEGIES = ("all", *WINDOW_STRATEGIES)  # all: every step stochastic (--sde-window 0)
 
 
 def _window_range(num_steps: int, window_range: tuple[int, int] | None, default_hi: int) -> tuple[int, int]:

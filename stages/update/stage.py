@@ -19,6 +19,7 @@ from stages.dist import world_and_rank
 from stages.errors import UserInputError
 from stages.finite import check_finite
 from stages.models.diffusion import FlowPolicy
+from stages.models.factory import DEFAULT_RESOLUTION
 from stages.models.folders import ADAPTER_CONFIG, read_adapter_config
 from stages.models.vlm import VLMPolicy, is_vlm_model
 from stages.reporting import step_means
@@ -44,7 +45,8 @@ BASE_COLUMNS = (
     FAILED_COLUMN,
     GATE_COLUMN,
 )
-OFFLINE = SampleConfig(steps=1000, guidance=1.0, batch_size=8)
+# offline data (pairs, encoded images) has no rollout: the schedule of 1000 steps at the default size
+OFFLINE = SampleConfig(steps=1000, guidance=1.0, batch_size=8, resolution=DEFAULT_RESOLUTION)
 
 
 def check_policy_out(out: Path, inputs: list[Path]) -> None:

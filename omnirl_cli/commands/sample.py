@@ -78,8 +78,7 @@ def _sample_diffusion(c: SampleConfig, json_: bool) -> None:
     from stages.models.condition_images import condition_images_record
     from stages.models.conditioning import conditioning_record
     from stages.models.factory import DEFAULT_RESOLUTION, default_text_length, native_resolution
-    from stages.models.families import resolution_identity
-    from stages.models.families import adapter_class
+    from stages.models.families import adapter_class, resolution_identity
     from stages.models.folders import check_pipeline_folder, pipeline_index
     from stages.models.kernels import Kernels, prepare
     from stages.parallelism import ModelParallel, layout

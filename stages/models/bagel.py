@@ -436,8 +436,9 @@ class MLPConnector(nn.Module):
 
 
 def sincos_table(dim: int, side: int) -> torch.Tensor:
-    """The fixed 2-D sin-cos table [side², dim] (row = r·side + c): half the channels encode the row,
-    half the column, each as [sin, cos] of position·10000^(−2i/(dim/2))."""
+    """The fixed 2-D sin-cos table [side², dim] (row = r·side + c): the first half of the channels
+    encodes the column, the second the row (MAE's table, as BAGEL has it), each as [sin, cos] of
+    position·10000^(−4i/dim)."""
 
     def one_axis(positions: torch.Tensor) -> torch.Tensor:
         omega = 1.0 / 10000 ** (torch.arange(dim // 4, dtype=torch.float64) / (dim / 4))
@@ -445,7 +446,7 @@ def sincos_table(dim: int, side: int) -> torch.Tensor:
         return torch.cat([angles.sin(), angles.cos()], dim=1)
 
     rows, cols = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
-    return torch.cat([one_axis(rows), one_axis(cols)], dim=1).float()
+    return torch.cat([one_axis(cols), one_axis(rows)], dim=1).float()
 
 
 class PositionTable(nn.Module):
@@ -792,13 +793,13 @@ def load_autoencoder(folder: str | Path) -> Any:
     return vae.eval().requires_grad_(False)
 
 
-def _configs(spec: BagelSize, vocab: int) -> tuple[dict[str, Any], dict[str, Any]]:
+def _configs(spec: BagelSize, tokenizer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """llm_config.json and vit_config.json of a size, with the released files' keys."""
     llm = {
         "architectures": ["Qwen2ForCausalLM"],
         "attention_dropout": 0.0,
-        "bos_token_id": 151643,
-        "eos_token_id": 151645,
+        "bos_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        "eos_token_id": tokenizer.eos_token_id,
         "hidden_act": "silu",
         "hidden_size": spec.hidden,
         "initializer_range": 0.02,
@@ -816,7 +817,7 @@ def _configs(spec: BagelSize, vocab: int) -> tuple[dict[str, Any], dict[str, Any
         "torch_dtype": "bfloat16",
         "use_cache": True,
         "use_sliding_window": False,
-        "vocab_size": spec.vocab or vocab,
+        "vocab_size": spec.vocab or len(tokenizer),
     }
     vit = {
         "architectures": ["SiglipVisionModel"],
@@ -843,7 +844,7 @@ def make_bagel(size: str, seed: int, tokenizer: Any = None) -> Bagel:
 
     spec: BagelSize = choose_size(FAMILY, size, SIZES)
     tokenizer = tokenizer or build_qwen2_tokenizer()
-    llm, vit = _configs(spec, len(tokenizer))
+    llm, vit = _configs(spec, tokenizer)
     config = BagelConfig(
         llm=llm,
         vit=vit,

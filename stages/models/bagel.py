@@ -858,11 +858,11 @@ def make_bagel(size: str, seed: int, tokenizer: Any = None) -> Bagel:
     )
     with seeded(seed, "bagel"):
         model = Bagel(config)
+        norms = {id(m.weight) for m in model.modules() if isinstance(m, (RMSNorm, nn.LayerNorm))}
         for parameter in model.parameters():
-            if not parameter.requires_grad:
-                continue  # the fixed sin-cos tables
-            norm_weight = parameter.ndim == 1 and bool((parameter == 1).all())
-            nn.init.normal_(parameter, mean=1.0 if norm_weight else 0.0, std=0.05 if norm_weight else 0.02)
+            if parameter.requires_grad:  # not the fixed sin-cos tables
+                norm = id(parameter) in norms
+                nn.init.normal_(parameter, mean=1.0 if norm else 0.0, std=0.05 if norm else 0.02)
     return model
 
 

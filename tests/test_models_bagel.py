@@ -4,6 +4,7 @@ weights, in fp32 (tests/bagel_reference.py says how the reference runs here)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -134,31 +135,35 @@ def _reference_context(ref: dict, prompt: str | None) -> dict:
     return context
 
 
-def _reference_velocity(
-    ref: dict, x: torch.Tensor, sigma: float, prompt: str, text_scale: float = 1.0, image_scale: float = 1.0
-) -> torch.Tensor:
-    """The reference's `_forward_flow` for latent tokens x [h·w, 64] of a 4×4 patch grid (64×64 px), as
-    its text-to-image inference sets it up (text CFG against the empty context, image CFG against the
-    prompt's own context, as when no image is given)."""
+def _reference_generation(ref: dict, prompt: str) -> dict:
+    """The reference's inputs of generating a 64×64 px image (a 4×4 patch grid) for `prompt`, as its
+    text-to-image inference sets them up: text CFG against the empty context, image CFG against the
+    prompt's own context (no input image)."""
     model = ref["model"]
     main, empty = _reference_context(ref, prompt), _reference_context(ref, None)
     inputs = model.prepare_vae_latent(main["kv_lens"], main["ropes"], [(64, 64)], ref["token_ids"])
-    inputs.pop("packed_init_noises")
-    branches = {}
+    inputs["past_key_values"] = main["cache"]
     for name, context in (("text", empty), ("img", main)):
         cfg = model.prepare_vae_latent_cfg(context["kv_lens"], context["ropes"], [(64, 64)])
-        branches.update({f"cfg_{name}_{key.removeprefix('cfg_')}": value for key, value in cfg.items()})
-        branches[f"cfg_{name}_past_key_values"] = context["cache"]
-    return model._forward_flow(
+        inputs.update({f"cfg_{name}_{key.removeprefix('cfg_')}": value for key, value in cfg.items()})
+        inputs[f"cfg_{name}_past_key_values"] = context["cache"]
+    return inputs
+
+
+def _reference_velocity(
+    ref: dict, x: torch.Tensor, sigma: float, prompt: str, text_scale: float = 1.0, image_scale: float = 1.0
+) -> torch.Tensor:
+    """The reference's `_forward_flow` for latent tokens x [16, 64] at σ."""
+    inputs = _reference_generation(ref, prompt)
+    inputs.pop("packed_init_noises")
+    return ref["model"]._forward_flow(
         x_t=x,
         timestep=torch.full((x.shape[0],), sigma),
-        past_key_values=main["cache"],
         cfg_text_scale=text_scale,
         cfg_img_scale=image_scale,
         cfg_renorm_min=0.0,
         cfg_renorm_type="global",
         **inputs,
-        **branches,
     )
 
 
@@ -227,3 +232,40 @@ def test_understanding_logits_equal_the_reference(reference: dict, ours: tuple[b
     logits = model.understanding_logits([image, ids])
     assert logits.shape == expected.shape == (len(ids), len(tokenizer))
     torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
+
+
+@torch.no_grad()
+def test_text_to_image_sampling_equals_the_reference(
+    reference: dict, ours: tuple[bagel.Bagel, object]
+) -> None:
+    """Sampling from the same noise: our σ schedule, guided velocity and the shared Euler step
+    (`samplers.step`, the one `sample`, `logprob` and `update` use) end where the reference's
+    `generate_image` ends (9 σ points shifted by 3, CFG 4 / 1.5 only for σ in (0.4, 1]: the last step,
+    from σ = 0.3, runs unguided)."""
+    from stages.sample.samplers import step
+
+    model, tokenizer = ours
+    prompt, steps = PROMPTS[1], 8
+    noise = torch.randn(1, 16, 64, generator=torch.Generator().manual_seed(4))
+    context = model.encode_context([bagel.prompt_ids(tokenizer, model.config, prompt)])
+    empty = model.encode_context([[]])
+    sigmas = bagel.sigmas(steps)
+    x = noise
+    for sigma, sigma_next in itertools.pairwise(sigmas):
+        v = model.guided_velocity(x, sigma.expand(1), context, empty, (4, 4))
+        x = step("ode", v, x, sigma, sigma_next, noise_level=0.0).prev_sample
+
+    inputs = _reference_generation(reference, prompt)
+    inputs["packed_init_noises"] = noise[0]
+    (expected,) = reference["model"].generate_image(
+        num_timesteps=steps + 1,
+        timestep_shift=bagel.TIMESTEP_SHIFT,
+        cfg_text_scale=bagel.CFG_TEXT,
+        cfg_img_scale=bagel.CFG_IMAGE,
+        cfg_interval=bagel.CFG_INTERVAL,
+        cfg_renorm_min=0.0,
+        cfg_renorm_type="global",
+        **inputs,
+    )
+    assert (expected - noise[0]).abs().mean() > 0.05  # it moved
+    torch.testing.assert_close(x[0], expected, atol=ATOL, rtol=0)

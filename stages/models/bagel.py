@@ -585,6 +585,33 @@ class Bagel(nn.Module):
         hidden, _ = self.language_model(x, gen, positions, mask, context)
         return self.llm2vae(hidden[:, 1:-1]).float()
 
+    def guided_velocity(
+        self,
+        tokens: torch.Tensor,
+        sigma: torch.Tensor,
+        context: Context,
+        empty: Context,
+        grid: tuple[int, int],
+        text_scale: float = CFG_TEXT,
+        image_scale: float = CFG_IMAGE,
+        interval: tuple[float, float] = CFG_INTERVAL,
+    ) -> torch.Tensor:
+        """BAGEL's guided text-to-image velocity [B, h·w, 2·2·C] (`velocity`'s shapes): where
+        interval[0] < σ ≤ interval[1], `cfg_velocity` of the conditional velocity (over `context`) and
+        the text-unconditional one (over `empty`, the empty contexts); elsewhere the conditional one.
+        The image-CFG branch of a prompt without an input image has the prompt's own context, so its
+        velocity is the conditional one (the reference runs it as a third, identical forward)."""
+        cond = self.velocity(tokens, sigma, context, grid)
+        active = (sigma > interval[0]) & (sigma <= interval[1])
+        if text_scale <= 1.0 or not bool(active.any()):
+            return cond
+        uncond = self.velocity(tokens, sigma, empty, grid)
+        rows = [
+            cfg_velocity(c, u, c, text_scale, image_scale) if on else c
+            for c, u, on in zip(cond, uncond, active.tolist(), strict=True)
+        ]
+        return torch.stack(rows)
+
     def vit_embeddings(self, pixels: torch.Tensor) -> torch.Tensor:
         """An image [3, H, W] in [−1, 1] (sides multiples of 14) → its tokens in the language model's
         width [H/14 · W/14, hidden]: ViT, connector, plus the sin-cos position of each patch."""
@@ -643,7 +670,8 @@ def cfg_velocity(
     image_scale: float,
 ) -> torch.Tensor:
     """BAGEL's guidance of one sample's velocity [h·w, d] ("global" renorm, minimum 0): text CFG, then
-    image CFG towards the text-guided one, then rescaled so its norm is at most the conditional's."""
+    image CFG towards the text-guided one, then rescaled so its norm is at most the conditional's
+    (the norm over the sample's whole latent: the reference's, which samples one image at a time)."""
     if text_scale <= 1.0:
         return cond
     text = uncond_text + text_scale * (cond - uncond_text)

@@ -98,7 +98,16 @@ def test_the_tiny_build_has_the_released_layout(tiny_bagel: Path, ours: tuple[ba
     assert model.config.max_latent_size == 8 and model.config.vit_max_patches_per_side == 4
 
 
-def test_a_folder_missing_a_weight_is_one_line(tiny_bagel: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("weight", "message"),
+    [
+        ("llm2vae.bias", r"ema.safetensors: lacks llm2vae.bias \(1 missing, 0 unexpected"),
+        ("latent_pos_embed.pos_embed", r"ema.safetensors: lacks latent_pos_embed.pos_embed; pass a BAGEL"),
+    ],
+)
+def test_a_folder_missing_a_weight_is_one_line(
+    tiny_bagel: Path, tmp_path: Path, weight: str, message: str
+) -> None:
     from safetensors.torch import save_file
 
     broken = tmp_path / "broken"

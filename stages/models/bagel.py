@@ -700,30 +700,51 @@ def _read_json(path: Path) -> dict[str, Any]:
         raise UserInputError(f"{path}: not a readable JSON config ({error})") from None
 
 
+LLM_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "rms_norm_eps",
+    "vocab_size",
+)
+VIT_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "image_size",
+    "patch_size",
+)
+SIZED_BY = ("vae2llm.weight", "latent_pos_embed.pos_embed", "vit_pos_embed.pos_embed")
+
+
 def read_config(folder: str | Path, weights: dict[str, torch.Tensor], tokenizer: Any) -> BagelConfig:
-    """The config of a BAGEL folder: its two config files, the table sizes its weights have and the
-    tokenizer's image-chunk markers."""
+    """The config of a BAGEL folder: its two config files, the table sizes and latent width its weights
+    have and the tokenizer's prompt and image-chunk markers. A key or weight these need that is missing
+    is a one-line UserInputError naming the file."""
     folder = Path(folder)
     llm, vit = _read_json(folder / LLM_CONFIG), _read_json(folder / VIT_CONFIG)
-    hidden = llm["hidden_size"]
-
-    def side(name: str) -> int:
-        rows = weights[f"{name}.pos_embed"].shape[0]
-        return math.isqrt(rows)
-
-    markers = [tokenizer.convert_tokens_to_ids(t) for t in (IMAGE_START, IMAGE_END)]
-    prompt_ends = [tokenizer.convert_tokens_to_ids(t) for t in (BOS, EOS)]
-    if hidden != weights["vae2llm.weight"].shape[0]:
-        raise UserInputError(
-            f"{folder / WEIGHTS}: vae2llm is {tuple(weights['vae2llm.weight'].shape)}, {LLM_CONFIG} says hidden_size {hidden}"
-        )
+    for name, config, keys in ((LLM_CONFIG, llm, LLM_KEYS), (VIT_CONFIG, vit, VIT_KEYS)):
+        absent = [key for key in keys if key not in config]
+        if absent:
+            raise UserInputError(
+                f"{folder / name}: lacks {', '.join(absent)}; pass a BAGEL checkpoint folder"
+            )
+    absent = [name for name in SIZED_BY if name not in weights]
+    if absent:
+        raise UserInputError(f"{folder / WEIGHTS}: lacks {', '.join(absent)}; pass a BAGEL checkpoint folder")
     return BagelConfig(
         llm=llm,
         vit=vit,
-        max_latent_size=side("latent_pos_embed"),
-        vit_max_patches_per_side=side("vit_pos_embed"),
+        max_latent_size=math.isqrt(weights["latent_pos_embed.pos_embed"].shape[0]),
+        vit_max_patches_per_side=math.isqrt(weights["vit_pos_embed.pos_embed"].shape[0]),
         latent_channels=weights["vae2llm.weight"].shape[1] // LATENT_PATCH**2,
-        extra={"image_markers": markers, "prompt_ends": prompt_ends},
+        extra={
+            "image_markers": [tokenizer.convert_tokens_to_ids(t) for t in (IMAGE_START, IMAGE_END)],
+            "prompt_ends": [tokenizer.convert_tokens_to_ids(t) for t in (BOS, EOS)],
+        },
     )
 
 
@@ -809,13 +830,19 @@ def load_autoencoder(folder: str | Path) -> Any:
     channels = [weights[f"encoder.down.{i}.block.0.conv1.weight"].shape[0] for i in range(levels)]
     blocks = 1 + max(int(k.split(".")[4]) for k in weights if k.startswith("encoder.down.0.block."))
     config = dict(
-        in_channels=3, out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * levels, up_block_types=("UpDecoderBlock2D",) * levels,
-        block_out_channels=tuple(channels), layers_per_block=blocks,
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * levels,
+        up_block_types=("UpDecoderBlock2D",) * levels,
+        block_out_channels=tuple(channels),
+        layers_per_block=blocks,
         latent_channels=weights["decoder.conv_in.weight"].shape[1],
         norm_num_groups=math.gcd(32, base),
-        scaling_factor=AE_SCALE, shift_factor=AE_SHIFT, use_quant_conv=False, use_post_quant_conv=False,
-    )  # fmt: skip
+        scaling_factor=AE_SCALE,
+        shift_factor=AE_SHIFT,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    )
     vae = AutoencoderKL(**config)
     vae.load_state_dict(convert_ldm_vae_checkpoint(weights, vae.config))
     return vae.eval().requires_grad_(False)

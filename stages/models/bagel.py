@@ -12,8 +12,9 @@ self-attention (each expert projects its own tokens' q/k/v). Around it:
   sin-cos position table (`latent_pos_embed`); `llm2vae` reads the velocity v = ε − x0 off the
   generation expert's last hidden states. The image chunk is `<|vision_start|>`, the latent tokens,
   `<|vision_end|>`, all at one RoPE position and attending to each other and to the whole context.
-- understanding: a SigLIP2 ViT over 14-px patches with a learned position table (`vit_model`), its
-  second-last layer's output through the `connector` MLP plus a sin-cos table (`vit_pos_embed`).
+- understanding: a SigLIP2 ViT over 14-px patches with a learned position table (`vit_model`, all its
+  layers but the last, then its final LayerNorm), through the `connector` MLP plus a sin-cos table
+  (`vit_pos_embed`).
 
 The released folder (BAGEL-7B-MoT): `llm_config.json` (Qwen2), `vit_config.json` (SigLIP),
 `ema.safetensors` (the model above under these names), `ae.safetensors` (the FLUX.1 autoencoder in
@@ -28,7 +29,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +54,6 @@ WEIGHTS = "ema.safetensors"
 AUTOENCODER = "ae.safetensors"
 # The FLUX.1 autoencoder's latent normalisation, as BAGEL's reference encodes and decodes with it.
 AE_SCALE, AE_SHIFT = 0.3611, 0.1159
-VAE_FACTOR = 8
 LATENT_PATCH = 2
 # The special tokens BAGEL frames a prompt (ChatML's turn markers) and an image chunk with.
 BOS, EOS, IMAGE_START, IMAGE_END = "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>"
@@ -132,14 +132,16 @@ SIZES: dict[str, BagelSize] = {
 
 @dataclass(frozen=True)
 class BagelConfig:
-    """What the modules are built from: the two released config files, as dicts, and the table sizes."""
+    """What the modules are built from: the two released config files, as dicts, the position tables'
+    sides, the VAE's latent channels and the ids of the prompt's and the image chunk's marker tokens."""
 
     llm: dict[str, Any]
     vit: dict[str, Any]
     max_latent_size: int
     vit_max_patches_per_side: int
-    latent_channels: int = 16
-    extra: dict[str, Any] = field(default_factory=dict)
+    latent_channels: int
+    prompt_ends: tuple[int, int]  # <|im_start|>, <|im_end|>
+    image_markers: tuple[int, int]  # <|vision_start|>, <|vision_end|>
 
     @property
     def head_dim(self) -> int:
@@ -567,7 +569,7 @@ class Bagel(nn.Module):
         context's length."""
         batch, count = tokens.shape[:2]
         device = tokens.device
-        markers = torch.tensor(self.config.extra["image_markers"], device=device).expand(batch, -1)
+        markers = torch.tensor(self.config.image_markers, device=device).expand(batch, -1)
         ends = self._embed(markers)
         positions_2d = flattened_positions(*grid, self.config.max_latent_size, device)
         latent = (
@@ -641,7 +643,7 @@ class Bagel(nn.Module):
                 text.append(torch.ones(len(piece), dtype=torch.bool, device=device))
                 rope += len(piece)
                 continue
-            markers = self._embed(torch.tensor(self.config.extra["image_markers"], device=device))
+            markers = self._embed(torch.tensor(self.config.image_markers, device=device))
             embeds.append(torch.cat([markers[:1], self.vit_embeddings(piece.to(device)), markers[1:]]))
             n = embeds[-1].shape[0]
             positions.append(torch.full((n,), rope, device=device))
@@ -720,6 +722,12 @@ VIT_KEYS = (
 SIZED_BY = ("vae2llm.weight", "latent_pos_embed.pos_embed", "vit_pos_embed.pos_embed")
 
 
+def _token_ids(tokenizer: Any) -> dict[str, tuple[int, int]]:
+    """`BagelConfig`'s marker token ids, from the tokenizer."""
+    ids = [tokenizer.convert_tokens_to_ids(t) for t in (BOS, EOS, IMAGE_START, IMAGE_END)]
+    return {"prompt_ends": (ids[0], ids[1]), "image_markers": (ids[2], ids[3])}
+
+
 def read_config(folder: str | Path, weights: dict[str, torch.Tensor], tokenizer: Any) -> BagelConfig:
     """The config of a BAGEL folder: its two config files, the table sizes and latent width its weights
     have and the tokenizer's prompt and image-chunk markers. A key or weight these need that is missing
@@ -741,10 +749,7 @@ def read_config(folder: str | Path, weights: dict[str, torch.Tensor], tokenizer:
         max_latent_size=math.isqrt(weights["latent_pos_embed.pos_embed"].shape[0]),
         vit_max_patches_per_side=math.isqrt(weights["vit_pos_embed.pos_embed"].shape[0]),
         latent_channels=weights["vae2llm.weight"].shape[1] // LATENT_PATCH**2,
-        extra={
-            "image_markers": [tokenizer.convert_tokens_to_ids(t) for t in (IMAGE_START, IMAGE_END)],
-            "prompt_ends": [tokenizer.convert_tokens_to_ids(t) for t in (BOS, EOS)],
-        },
+        **_token_ids(tokenizer),
     )
 
 
@@ -782,7 +787,7 @@ def load_bagel(folder: str | Path, dtype: torch.dtype = torch.float32) -> tuple[
 
 def prompt_ids(tokenizer: Any, config: BagelConfig, prompt: str) -> list[int]:
     """A prompt as BAGEL's context holds it: `<|im_start|>`, its tokens, `<|im_end|>`."""
-    bos, eos = config.extra["prompt_ends"]
+    bos, eos = config.prompt_ends
     return [bos, *tokenizer.encode(prompt, add_special_tokens=False), eos]
 
 
@@ -906,10 +911,7 @@ def make_bagel(size: str, seed: int, tokenizer: Any = None) -> Bagel:
         max_latent_size=spec.max_latent_size,
         vit_max_patches_per_side=spec.vit_image_size // spec.vit_patch,
         latent_channels=spec.latent_channels,
-        extra={
-            "image_markers": [tokenizer.convert_tokens_to_ids(t) for t in (IMAGE_START, IMAGE_END)],
-            "prompt_ends": [tokenizer.convert_tokens_to_ids(t) for t in (BOS, EOS)],
-        },
+        **_token_ids(tokenizer),
     )
     with seeded(seed, "bagel"):
         model = Bagel(config)

@@ -278,3 +278,17 @@ def test_text_to_image_sampling_equals_the_reference(
     )
     assert (expected - noise[0]).abs().mean() > 0.05  # it moved
     torch.testing.assert_close(x[0], expected, atol=ATOL, rtol=0)
+
+
+def test_the_full_size_is_bagel_7b_mot() -> None:
+    """The full size (on the meta device) has Qwen2.5-7B's 7.62B parameters as its understanding expert
+    with the embeddings, a generation expert as large as its layers and final norm (6.53B, so 14.1B in
+    the language model: BAGEL's "7B active, 14B total")."""
+    with torch.device("meta"):
+        model = bagel.make_bagel("full", 0)
+    named = dict(model.language_model.named_parameters())
+    total = sum(p.numel() for p in named.values())
+    gen = sum(p.numel() for n, p in named.items() if "_moe_gen" in n)
+    shared = sum(named[n].numel() for n in ("model.embed_tokens.weight", "lm_head.weight"))
+    assert total - gen == pytest.approx(7.616e9, rel=1e-3)  # Qwen2.5-7B
+    assert gen == total - gen - shared

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from stages.parallelism import ModelParallel
 
 FAMILIES: dict[str, str] = {
+    "bagel": "stages.models.bagel:build_bagel",
     "flux": "stages.models.flux:build_flux",
     "flux_kontext": "stages.models.flux_kontext:build_flux_kontext",
     "qwen2_5_vl": "stages.models.qwen2_5_vl:build_qwen2_5_vl",

@@ -220,6 +220,10 @@ def from_family(family: str, size: str) -> Architecture:
         model = make_model(family, size)
     name = f"{family}/{size}"
     if isinstance(model, torch.nn.Module):
+        from transformers import PreTrainedModel
+
+        if not isinstance(model, PreTrainedModel):  # a family's own model (bagel): not counted yet
+            raise UserInputError(f"--family {family}: plan does not count this architecture's memory yet")
         return _vlm(name, model)
     spec = _size_spec(family, size)
     card = {"details": {"architecture": spec}}

@@ -188,3 +188,33 @@ def test_the_reward_server_receives_the_source() -> None:
     }
     reply = service.score("/edit_preservation", json.dumps(body).encode())
     assert reply["rewards"]["edit_preservation"] == [pytest.approx(1 - 0.2 / (84 * 3), abs=1e-12)]
+
+
+def test_online_scores_edits_against_their_sources(edit_rollout: dict[str, Path], tmp_path: Path) -> None:
+    """`online`'s scorer gets each row's source as `score` does: the same edit_preservation values."""
+    preset = tmp_path / "preset.yaml"
+    preset.write_text(
+        "sample: {steps: 2, resolution: 32, sampler: sde, group_size: 2, batch_size: 2}\n"
+        "update: {algo: flow_grpo, lr: 1.0e-3, clip_range: 0.2, lora_rank: 4, lora_alpha: 8}\n"
+    )
+    out = tmp_path / "run"
+    run(
+        "online", "--config", str(preset), "--model", str(edit_rollout["model"]), "--prompts",
+        str(edit_rollout["table"]), "--reward", "edit_preservation", "--iterations", "1", "--save-trajectories",
+        "--out", str(out),
+    )  # fmt: skip
+    saved = open_inputs([out / "it0" / "samples", out / "it0" / "rewards"]).read_all(
+        ["sample_id", "reward.edit_preservation"]
+    )
+    run(
+        "score",
+        "--in",
+        str(out / "it0" / "samples"),
+        "--reward",
+        "edit_preservation",
+        "--out",
+        str(tmp_path / "r"),
+    )
+    again = ShardSet(tmp_path / "r").read_all(["sample_id", "reward.edit_preservation"])
+    assert saved["sample_id"] == again["sample_id"] and len(saved["sample_id"]) == 6
+    assert saved["reward.edit_preservation"].tolist() == again["reward.edit_preservation"].tolist()

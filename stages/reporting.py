@@ -3,7 +3,9 @@
 A run directory holds `it<K>/{samples,rewards,advantages,...}` shard sets and `it<K>/policy`
 adapters (the layout the recipes write). Plots are drawn with Pillow, so no plotting stack is needed.
 A video run's grids are contact sheets: each sample is its first, middle and last frame side by side
-(`KEY_FRAMES`); `video_preview` animates the first samples together as a GIF.
+(`KEY_FRAMES`); `video_preview` animates the first samples together as a GIF. A conditioned run's
+grids (an editing or image-to-video model's, `stages.models.condition_images`) show each prompt group's
+source image first, in a column of its own, then its results: source → result.
 """
 
 from __future__ import annotations
@@ -318,13 +320,18 @@ def has_media(samples: Path, rewards: Path | None, media: str = "image") -> bool
     return ("video" if media == "video" else "image") in _rollout(samples, rewards).columns
 
 
-def _groups(
-    samples: Path, rewards: Path | None, media: str = "image"
-) -> list[tuple[str, list[tuple[bytes, float | None]]]]:
+Group = tuple[str, list[tuple[bytes, float | None]], bytes | None]
+
+
+def _groups(samples: Path, rewards: Path | None, media: str = "image") -> list[Group]:
     """The first shard's prompt groups in order: (prompt, [(PNG or, for `media` "video", MP4 bytes,
-    reward or None)]); the media from the samples, or from the rewards (`score --keep-media`)."""
+    reward or None)], the group's first condition image or None); the media from the samples, or from
+    the rewards (`score --keep-media`)."""
+    from stages.models.condition_images import stored_condition_images
+
     column = "video" if media == "video" else "image"
     src = _rollout(samples, rewards)
+    sources = stored_condition_images([samples], [read_manifest(samples)])
     cols = ["sample_id", "group_id", "prompt", column] + (["reward"] if "reward" in src.columns else [])
     data = src.read_shard(0, columns=cols)
     order: dict[str, list[int]] = {}
@@ -334,8 +341,9 @@ def _groups(
         (
             data["prompt"][members[0]],
             [(data[column][i], float(data["reward"][i]) if "reward" in data else None) for i in members],
+            next(iter(sources.get(group) or []), None),
         )
-        for members in order.values()
+        for group, members in order.items()
     ]
 
 
@@ -359,7 +367,7 @@ def _reward_colour(value: float, lo: float, hi: float) -> tuple[int, int, int]:
 
 
 def _draw_rows(
-    blocks: list[list[tuple[str, list[tuple[bytes, float | None]]]]],
+    blocks: list[list[Group]],
     headers: list[str] | None,
     path: Path,
     *,
@@ -369,23 +377,30 @@ def _draw_rows(
 ) -> Path:
     """Rows of images (for `media` "video", key-frame strips) with the prompt beside each: `blocks` are
     side-by-side column blocks (one per policy) over the same prompts; each tile is labelled with its
-    reward and underlined in a colour from red (the grid's lowest reward) to green (its highest)."""
+    reward and underlined in a colour from red (the grid's lowest reward) to green (its highest). When
+    the rows have condition images, a "source" column shows each row's before the blocks."""
     from PIL import Image, ImageDraw
 
-    rewards = [r for block in blocks for _, members in block for _, r in members[:per_group] if r is not None]
+    kinds = [media] * len(blocks)
+    if any(row[2] is not None for row in blocks[0]):  # source → result
+        blocks = [[(p, [] if s is None else [(s, None)], s) for p, _, s in blocks[0]], *blocks]
+        headers = ["source", *(headers or [""] * len(kinds))]
+        kinds = ["image", *kinds]
+
+    rewards = [r for block in blocks for row in block for _, r in row[1][:per_group] if r is not None]
     lo, hi = (min(rewards), max(rewards)) if rewards else (0.0, 0.0)
     n_rows = len(blocks[0])
-    widths = [min(per_group, max(len(m) for _, m in block)) for block in blocks]
+    widths = [min(per_group, max(len(row[1]) for row in block)) for block in blocks]
     gap = 12
     top = LINE_HEIGHT + 4 if headers else 0
     row_h = cell + LINE_HEIGHT + 4
-    tile_w = cell * (KEY_FRAMES if media == "video" else 1)
-    width = LABEL_WIDTH + sum(n * tile_w for n in widths) + gap * (len(blocks) - 1)
+    tile_ws = [cell * (KEY_FRAMES if kind == "video" else 1) for kind in kinds]
+    width = LABEL_WIDTH + sum(n * w for n, w in zip(widths, tile_ws)) + gap * (len(blocks) - 1)
     img = Image.new("RGB", (width, top + n_rows * row_h), "white")
     draw = ImageDraw.Draw(img)
     x0s = []
     x = LABEL_WIDTH
-    for n in widths:
+    for n, tile_w in zip(widths, tile_ws):
         x0s.append(x)
         x += n * tile_w + gap
     for x0, header in zip(x0s, headers or []):
@@ -395,9 +410,9 @@ def _draw_rows(
         prompt = blocks[0][r][0]
         for i, line in enumerate(_wrap(prompt, LABEL_WIDTH - 8, draw)[: cell // LINE_HEIGHT]):
             draw.text((4, y + LINE_HEIGHT + 4 + i * LINE_HEIGHT), line, fill="black")
-        for x0, n, block in zip(x0s, widths, blocks):
+        for x0, n, block, kind, tile_w in zip(x0s, widths, blocks, kinds, tile_ws):
             for c, (data, reward) in enumerate(block[r][1][:n]):
-                img.paste(_tile(data, media, cell), (x0 + c * tile_w, y + LINE_HEIGHT))
+                img.paste(_tile(data, kind, cell), (x0 + c * tile_w, y + LINE_HEIGHT))
                 if reward is not None:
                     colour = _reward_colour(reward, lo, hi)
                     draw.text((x0 + c * tile_w + 2, y), f"{reward:.3f}", fill=colour)
@@ -491,7 +506,7 @@ def comparison_grid(
     fixed-seed recipe), so a column is the same starting noise under two policies; None when their
     prompts differ."""
     first, last = _groups(*before, media), _groups(*after, media)
-    if [p for p, _ in first] != [p for p, _ in last]:
+    if [row[0] for row in first] != [row[0] for row in last]:
         return None
     blocks = [first[:groups], last[:groups]]
     return _draw_rows(blocks, list(headers), path, per_group=per_group, cell=cell, media=media)

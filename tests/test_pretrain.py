@@ -423,3 +423,51 @@ def test_pretrain_trains_at_the_native_resolution_the_model_card_records(
         card = json.loads((out / "omnirl_model.json").read_text())
         assert card["details"]["image_size"] == side
         assert card["details"]["latent_shape"] == [4, side // 4, side // 4]
+
+
+def test_an_editing_model_pretrains_on_pairs_conditioned_on_the_source(demo: Path, tmp_path: Path) -> None:
+    """Rows with an `image` column are edit pairs: flux_kontext learns the result given the source (other
+    sources, other weights; the same, the same bytes); a text-to-image model refuses them and an editing
+    model refuses captions without a source, each in one line."""
+    data = tmp_path / "pairs"
+    task = REPO / "recipes" / "tasks" / "shape_edits.py"
+    subprocess.run(
+        [sys.executable, str(task), "--out", str(data / "edits.jsonl"), "--num-prompts", "8", "--targets"],
+        check=True, capture_output=True, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    kontext = tmp_path / "kontext"
+    run("init-model", "--family", "flux_kontext", "--size", "tiny", str(kontext))
+    args = ("--vae", "model", "--steps", "3", "--batch-size", "4", "--text-length", "8")
+    first = run("pretrain", "--model", str(kontext), "--data", str(data), "--out", str(tmp_path / "a"), *args)
+    assert first["rows"] == 8 and first["steps"] == 3
+    run("pretrain", "--model", str(kontext), "--data", str(data), "--out", str(tmp_path / "b"), *args)
+    assert weight_hashes(tmp_path / "a" / "transformer") == weight_hashes(tmp_path / "b" / "transformer")
+    # the same captions and results over blank sources: another dataset, and other weights
+    blank = tmp_path / "blank"
+    shutil.copytree(data, blank)
+    for source in (blank / "sources").iterdir():
+        Image.new("RGB", (64, 64), "white").save(source)
+    other = run(
+        "pretrain", "--model", str(kontext), "--data", str(blank), "--out", str(tmp_path / "c"), *args
+    )
+    card = json.loads((tmp_path / "a" / "omnirl_model.json").read_text())["details"]["pretrain"]
+    blank_card = json.loads((tmp_path / "c" / "omnirl_model.json").read_text())["details"]["pretrain"]
+    assert (
+        card["data"]["sha256"] != blank_card["data"]["sha256"] and other["final_loss"] != first["final_loss"]
+    )
+    assert weight_hashes(tmp_path / "a" / "transformer") != weight_hashes(tmp_path / "c" / "transformer")
+    fails(pretrain_args(demo, data, tmp_path / "d"), "condition image")
+    captions = tmp_path / "captions"
+    captions.mkdir()
+    for row in range(8):
+        shutil.copy(data / f"{row:05d}.png", captions / f"{row:05d}.png")
+    (captions / "captions.jsonl").write_text(
+        "".join(
+            json.dumps({"prompt": json.loads(line)["prompt"]}) + "\n"
+            for line in (data / "edits.jsonl").read_text().splitlines()
+        )
+    )
+    fails(
+        ["pretrain", "--model", str(kontext), "--data", str(captions), "--out", str(tmp_path / "e"), *args],
+        "edits a source image",
+    )

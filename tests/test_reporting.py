@@ -109,6 +109,52 @@ def test_grids_put_the_prompt_beside_each_row(tmp_path: Path) -> None:
     assert not (tmp_path / "never.png").exists()
 
 
+def test_a_conditioned_runs_grids_show_source_then_result(tmp_path: Path) -> None:
+    """An editing rollout's grid (and before/after) starts each row with its group's source image."""
+    from stages.models.condition_images import (
+        condition_images_file,
+        condition_images_record,
+        write_condition_images,
+    )
+
+    def edits(samples: Path) -> None:
+        ids = ["s0", "s1", "s2", "s3"]
+        writer = ShardSetWriter(samples, num_shards=1, command="test", config={}, kinds=KINDS)
+        groups = {"g0": [_png(250)], "g1": [_png(5)]}  # each group's source: (250, 5, 0) and (5, 250, 0)
+        samples.mkdir(parents=True)
+        write_condition_images(samples / condition_images_file(0, 1), groups, writer.content_id)
+        writer.write_shard(
+            0,
+            {
+                "sample_id": ids,
+                "group_id": ["g0", "g0", "g1", "g1"],
+                "prompt": ["make the square green", "make the square green", "make it red", "make it red"],
+                "image": [_png(40 * i) for i in range(4)],
+            },
+        )
+        writer.finalize(condition_images_record(samples, 1, writer.content_id))
+
+    edits(tmp_path / "it0" / "samples")
+    edits(tmp_path / "it1" / "samples")
+    grid = image_grid(tmp_path / "it0" / "samples", None, tmp_path / "grid.png", cell=32)
+    top = 14 + 4  # the column headers ("source")
+    with Image.open(grid) as image:
+        assert image.width == LABEL_WIDTH + 32 + 12 + 2 * 32  # source, gap, two results
+        for row, source in enumerate([(250, 5, 0), (5, 250, 0)]):
+            y = top + row * (32 + 18) + 14 + 16
+            assert image.getpixel((LABEL_WIDTH + 16, y)) == source
+            assert image.getpixel((LABEL_WIDTH + 32 + 12 + 16, y)) == (80 * row, 255 - 80 * row, 0)
+    both = comparison_grid(
+        (tmp_path / "it0" / "samples", None),
+        (tmp_path / "it1" / "samples", None),
+        tmp_path / "ba.png",
+        cell=32,
+    )
+    with Image.open(both) as image:
+        assert image.width == LABEL_WIDTH + 32 + 2 * (2 * 32) + 2 * 12
+        assert image.getpixel((LABEL_WIDTH + 16, top + 14 + 16)) == (250, 5, 0)
+
+
 def test_report_iteration_prints_one_row_as_one_line_on_stdout(tmp_path: Path) -> None:
     """The recipes' line per finished iteration: the same numbers as `collect`, ± labelled se."""
     from typer.testing import CliRunner

@@ -334,3 +334,35 @@ def test_remote_errors() -> None:
         VLMJudge(url=url, preset="yes_no", retries=0)(images, prompts, [{}])
     with pytest.raises(UserInputError, match=r"cannot connect.*--reward-arg vlm_judge.url"):
         VLMJudge(url=f"http://127.0.0.1:{_closed_port()}/v1", preset="yes_no")(images, prompts, [{}])
+
+
+def test_edit_preset_shows_the_source_then_the_result() -> None:
+    """preset=edit: each request holds the row's condition image, then the sample, then the rubric; the
+    two axis scores become (mean − 1) / 4; a row without a source is a one-line error."""
+    from stages.score.rubrics import EDIT_RUBRIC, edit_score
+
+    assert edit_score("Instruction Score (1-5): 5\nConsistency Score (1-5): 2") == 0.625
+    assert edit_score("Instruction Score (1-5): 4") is None  # both axes, or no score
+    answers = [
+        "Instruction Score (1-5): 5\nConsistency Score (1-5): 5",
+        "Instruction Score (1-5): 1\nConsistency Score (1-5): 3",
+        "It looks fine.",
+    ]
+    sources = [_image(colour, (28, 28)) for colour in COLOURS]  # keyed by the first image the judge sees
+    results = [_image((90, 90, 90)), _image((120, 120, 120)), _image((150, 150, 150))]
+    app = JudgeApp(dict(zip(COLOURS, answers)))
+    meta = [{"condition_images": [source]} for source in sources]
+    with _running(app) as url:
+        judge = VLMJudge(url=url, served_model=MODEL, preset="edit", retries=0)
+        assert judge(results, PROMPTS, meta) == [1.0, 0.25, None]
+        with pytest.raises(UserInputError, match=r"batch item 1 .* has 0 condition images"):
+            judge(results[:2], PROMPTS[:2], [meta[0], {}])
+    for body in app.requests:
+        content = body["messages"][0]["content"]
+        assert [part["type"] for part in content] == ["image_url", "image_url", "text"]
+        k = COLOURS.index(_decoded(body).getpixel((0, 0)))
+        second = content[1]["image_url"]["url"].split(",", 1)[1]
+        assert (
+            Image.open(io.BytesIO(base64.b64decode(second))).convert("RGB").tobytes() == results[k].tobytes()
+        )
+        assert content[2]["text"] == EDIT_RUBRIC.question.replace("{prompt}", PROMPTS[k])

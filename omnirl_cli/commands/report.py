@@ -20,7 +20,8 @@ def run(c: ReportConfig, json_: bool) -> None:
     best first; for a video run a contact sheet, each sample as its first, middle and last frame, plus
     RUN/it<K>/preview.gif, the first samples playing together) and RUN/before_after.png: the first and last iteration's samples of the same prompts
     side by side (the held-out evaluation's, else the training samples' when the recipe re-samples the
-    same prompts and seeds). Every grid row has its prompt beside it.
+    same prompts and seeds). Every grid row has its prompt beside it; a conditioned run's (image editing,
+    image-to-video) starts with the group's source image: source → result.
 
     --report-to replays the run into trackers: each iteration's reward statistics (the held-out
     evaluation's on their own series, eval/reward/mean ...; per data source and media kind as

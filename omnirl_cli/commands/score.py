@@ -36,7 +36,8 @@ def run(c: ScoreConfig, json_: bool) -> None:
     / trl_reward). Meta holds the prompt row's ground_truth, data_source, extra_info,
     max_response_length, response_length and truncated (the response hit --max-new-tokens, OmniRL's
     max_output_token_length, without a stop token: every format reward scores it 0; the result counts
-    them as "truncated").
+    them as "truncated"). In a conditioned rollout (an editing or image-to-video model's) meta also
+    holds condition_images: the row's source images as PIL images (the edit rewards compare with them).
 
     --report-to logs reward/mean, reward/std and reward.<name>/mean, /std at the iteration K of --out
     RUN/it<K>/rewards (0 outside that layout); a held-out evaluation, --out RUN/it<K>/eval/rewards
@@ -57,6 +58,7 @@ def run(c: ScoreConfig, json_: bool) -> None:
     --reward-arg pickscore.processor=/models/CLIP-ViT-H-14-laion2B-s32B-b79K --out run/it0/rewards[/]
     """
     from stages.dist import world_and_rank
+    from stages.models.condition_images import stored_condition_images
     from stages.precision import resolve_mixed_precision
     from stages.reporting import reward_statistics
     from stages.sample.stage import KINDS
@@ -79,6 +81,7 @@ def run(c: ScoreConfig, json_: bool) -> None:
     reward_args = check_reward_args([name for name, _ in specs], parse_reward_args(c.reward_args))
     src = open_inputs(c.inputs)
     modality = rollout_modality(src.manifests)
+    sources = stored_condition_images(src.paths, src.manifests)  # an editing / I2V rollout's, per group
     c, open_decoder, keep = _deferred(c, src, modality)
     decoder = None
     writer = ShardSetWriter(
@@ -108,6 +111,7 @@ def run(c: ScoreConfig, json_: bool) -> None:
             mixed_precision=c.mixed_precision,
             decoder=decoder,
             keep_media=keep,
+            condition_images=sources,
         )
         scored[0] += len(out["sample_id"])
         return out
@@ -119,7 +123,9 @@ def run(c: ScoreConfig, json_: bool) -> None:
         columns = (
             text_columns(list(src.columns))
             if modality == "text"
-            else needed_columns(modality, src.columns, deferred=decoder is not None)
+            else needed_columns(
+                modality, src.columns, deferred=decoder is not None, conditioned=bool(sources)
+            )
         )
         map_shards(src, writer, "scoring", columns, score_one)
         if world_and_rank()[1] == 0:  # the rank that writes the manifest

@@ -214,6 +214,11 @@ def render(meta: Mapping[str, Any], size: int = 64, seed: int = 0) -> Image.Imag
             break
     else:
         raise ValueError(f"could not lay out {dict(meta)!r} on a {size}×{size} image; use a larger size")
+    return draw(layout, size, level)
+
+
+def draw(layout: Sequence[tuple[str, str, Box]], size: int, level: int) -> Image.Image:
+    """An RGB `size`² image of grey `level` with each (shape, palette colour, box) of `layout` drawn."""
     image = Image.new("RGB", (size, size), (level, level, level))
     pen = ImageDraw.Draw(image)
     for shape, color, (x0, y0, x1, y1) in layout:

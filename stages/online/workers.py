@@ -168,8 +168,10 @@ def _sampler_main(
                     )
                 meta[CONDITIONING] = to_bytes(entries)
             groups = dict(zip(cols["group_id"], (r.prompt.images for r in iteration_rows(cfg, k))))
+            sources = {}
             if any(groups.values()):  # the prompts' condition images, once per group (`images_of`)
                 meta[CONDITION_IMAGES] = groups
+                sources = {"group_id": cols["group_id"], CONDITION_IMAGES: groups}  # for edit rewards
             media = {name: cols[name] for name in MEDIA_COLUMNS if name in cols}
             to_scorer.put(
                 {
@@ -177,6 +179,7 @@ def _sampler_main(
                     "sample_id": cols["sample_id"],
                     "prompt": cols["prompt"],
                     "prompt_meta": cols["prompt_meta"],
+                    **sources,
                     **media,
                 }
             )
@@ -193,6 +196,7 @@ def _sampler_main(
 
 def _scorer_main(cfg: OnlineConfig, inbox: Any, outbox: Any) -> None:
     """Worker: score every iteration's images or videos; a failure is sent back, never turned into 0."""
+    from stages.models.condition_images import RECORD as CONDITION_IMAGES
     from stages.score.stage import score_shard
 
     _exit_with_parent()
@@ -202,6 +206,7 @@ def _scorer_main(cfg: OnlineConfig, inbox: Any, outbox: Any) -> None:
         if job is None:
             return
         try:
+            sources = job.pop(CONDITION_IMAGES, None)
             modality = output_modality(list(job))
             scored = score_shard(
                 job,
@@ -209,6 +214,7 @@ def _scorer_main(cfg: OnlineConfig, inbox: Any, outbox: Any) -> None:
                 modality=modality,
                 reward_args=cfg.reward_args,
                 mixed_precision=cfg.sample.mixed_precision,
+                condition_images=sources,
             )
             outbox.put({"k": job["k"], **scored})
         except Exception as exc:  # reported by the driver with the worker's name

@@ -37,7 +37,9 @@ class PretrainConfig:
         None,
         "Folder of PNG images and one .jsonl of captions (`prompt`, `caption` or `text`; row i ↔ "
         "the i-th PNG by name, or each row's `file_name`). Synthetic shapes: python "
-        "recipes/tasks/shapes.py --out DIR/captions.jsonl --num-prompts 4096 --images DIR.",
+        "recipes/tasks/shapes.py --out DIR/captions.jsonl --num-prompts 4096 --images DIR. An editing "
+        "model (flux_kontext) learns edit pairs: each row's `image` column names its source (relative to DIR), "
+        "its image file is the result, its caption the instruction (recipes/tasks/shape_edits.py --targets).",
         panel=IO,
         required=True,
     )

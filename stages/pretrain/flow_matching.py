@@ -5,7 +5,10 @@ whose samples a reward can tell apart. The loss is the flow-matching one every f
 x_σ = (1 − σ)·x0 + σ·ε, target velocity ε − x0, mean squared error over all latent dimensions; σ is
 uniform t pushed through the family's time shift, σ = s·t / (1 + (s − 1)·t) (SD3: s = 3). Captions are
 dropped (replaced by "") with a probability so classifier-free guidance has an unconditional branch
-to use, and the saved weights are an exponential moving average of the trained ones.
+to use, and the saved weights are an exponential moving average of the trained ones. An editing
+model learns edit pairs (`stages.pretrain.images`): the loss is on the result, conditioned on the
+instruction and the source image (a dropped caption keeps its source, so the unconditional branch is
+"the source, no instruction").
 
 The pixel VAE (`vae="pixel"`) is what made a model learn within minutes on a CPU in the prototype
 (reference/demo-prototype.md): the latent is *defined* as the image average-pooled by the VAE's
@@ -236,29 +239,37 @@ def dataset_latents(
 
 
 class _Captions:
-    """Text conditioning of training batches through the policy's per-caption cache (`FlowPolicy.encode`).
+    """Conditioning of training batches through the policy's per-prompt cache (`FlowPolicy.encode`): the
+    captions, and for edit pairs (`ImageDataset.conditioned`) each row's source images too.
 
     A text encoder run on a batch does not give a caption the same float bits in batches of other
-    sizes, so every batch that encoded new captions is logged (`state`): a resumed run encodes the same
-    batches again (`restore`) and conditions on the very same bytes as an uninterrupted one."""
+    sizes, so every batch that encoded new conditioning is logged (`state`: its captions, for edit pairs
+    [caption, row] pairs): a resumed run encodes the same batches again (`restore`) and conditions on
+    the very same bytes as an uninterrupted one."""
 
-    def __init__(self, policy: FlowPolicy, text_length: int) -> None:
+    def __init__(self, policy: FlowPolicy, text_length: int, data: ImageDataset) -> None:
         self.policy, self.text_length = policy, text_length
-        self.seen: set[str] = set()
-        self.log: list[list[str]] = []
+        self.conditions = data.conditions if data.conditioned else None
+        self.seen: set[Any] = set()
+        self.log: list[list[Any]] = []
 
-    def __call__(self, prompts: list[str]) -> Condition:
-        if not self.seen.issuperset(prompts):
-            self.seen.update(prompts)
-            self.log.append(prompts)
-        return self.policy.encode(prompts, None, False, self.text_length)
+    def __call__(self, prompts: list[str], rows: list[int]) -> Condition:
+        images = None if self.conditions is None else [self.conditions[i] for i in rows]
+        keys = prompts if images is None else list(zip(prompts, rows))
+        if not self.seen.issuperset(keys):
+            self.seen.update(keys)
+            self.log.append(prompts if images is None else [list(key) for key in keys])
+        return self.policy.encode(prompts, None, False, self.text_length, images=images)
 
-    def state(self) -> list[list[str]]:
+    def state(self) -> list[list[Any]]:
         return self.log
 
-    def restore(self, state: list[list[str]]) -> None:
-        for prompts in state:
-            self(prompts)
+    def restore(self, state: list[list[Any]]) -> None:
+        for entry in state:
+            if self.conditions is None:
+                self(entry, [])
+            else:
+                self([prompt for prompt, _ in entry], [row for _, row in entry])
 
 
 def run_identity(cfg: PretrainConfig, model: str | Path, data: ImageDataset) -> dict[str, dict[str, Any]]:
@@ -321,7 +332,7 @@ def pretrain(
     params = policy.trainable_parameters(full=True)
     ema = [p.detach().clone() for p in params]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    captions = _Captions(policy, text_length)
+    captions = _Captions(policy, text_length, data)
     policy.module.train()
 
     def take_step(step: int, indices: torch.Tensor) -> float:
@@ -332,7 +343,12 @@ def pretrain(
         noise = torch.randn(x0.shape, generator=run.generator)
         device = policy.device
         loss = flow_matching_loss(
-            policy, x0.to(device), noise.to(device), sigma.to(device), captions(prompts), guidance
+            policy,
+            x0.to(device),
+            noise.to(device),
+            sigma.to(device),
+            captions(prompts, indices.tolist()),
+            guidance,
         )
         check_finite({"loss": loss.detach().reshape(1)}, None, hint=MODEL_HINT, where=f"pretrain step {step}")
         optimizer.zero_grad(set_to_none=True)

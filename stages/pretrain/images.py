@@ -1,13 +1,18 @@
 """The captioned images `omnirl pretrain` draws from: a folder of image files with one .jsonl of
 captions (Hugging Face ImageFolder's ``metadata.jsonl`` layout, or rows in file order), read into
 memory as square uint8 pixels with the provenance a model card records.
+
+An editing model (a family that takes condition images, e.g. `flux_kontext`) pretrains on pairs: each
+row also names its source in an ``image`` column (or several in ``images``), a path relative to the
+folder, as a prompt table does (`stages.models.condition_images`); the row's image file is the edit's
+result, its caption the instruction.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +33,18 @@ PREPARE_HINT = (
 @dataclass
 class ImageDataset:
     """Captioned square images in memory: `pixels` uint8 [N, 3, S, S], `captions` N strings;
-    `source` says where they came from (path, rows, sha256 of the files) for the model card."""
+    `source` says where they came from (path, rows, sha256 of the files) for the model card;
+    `conditions` each row's condition images as encoded files (empty lists: a text-to-image dataset)."""
 
     pixels: torch.Tensor
     captions: list[str]
     source: dict[str, Any]
+    conditions: list[list[bytes]] = field(default_factory=list)
+
+    @property
+    def conditioned(self) -> bool:
+        """Whether the rows are edit pairs (a source image beside each caption)."""
+        return any(self.conditions)
 
     @property
     def resolution(self) -> int:
@@ -94,9 +106,11 @@ def _image_files(folder: Path, rows: list[dict[str, Any]], captions_file: Path) 
 
 
 def read_image_dataset(path: str | Path, resolution: int | None = None) -> ImageDataset:
-    """A folder of images and exactly one JSONL of captions (`prompt`, `caption` or `text`; other fields
-    are ignored), images made RGB and, when their side differs from `resolution` (default: the first
-    image's width), centre-cropped and resized to it."""
+    """A folder of images and exactly one JSONL of captions (`prompt`, `caption` or `text`; an edit pair's
+    source in `image` / `images`; other fields are ignored), images made RGB and, when their side differs
+    from `resolution` (default: the first image's width), centre-cropped and resized to it."""
+    from stages.models.condition_images import row_images
+
     folder = Path(path)
     if not folder.is_dir():
         what = "is a file, not a folder" if folder.exists() else "does not exist"
@@ -109,6 +123,10 @@ def read_image_dataset(path: str | Path, resolution: int | None = None) -> Image
     rows = _read_rows(jsonl[0])
     captions = [_caption(row, f"{jsonl[0]}:{i}") for i, row in enumerate(rows, 1)]
     digest = hashlib.sha256(jsonl[0].read_bytes())
+    conditions = [row_images(row, folder, f"--data {jsonl[0]}:{i}") for i, row in enumerate(rows, 1)]
+    for blobs in conditions:
+        for blob in blobs:
+            digest.update(hashlib.sha256(blob).digest())
     images = []
     for file in _image_files(folder, rows, jsonl[0]):
         data = file.read_bytes()
@@ -124,7 +142,7 @@ def read_image_dataset(path: str | Path, resolution: int | None = None) -> Image
         resolution = side
         images.append(torch.from_numpy(_pixels(image)))
     source = {"path": str(folder), "captions": jsonl[0].name, "rows": len(rows), "sha256": digest.hexdigest()}
-    return ImageDataset(torch.stack(images), captions, source)
+    return ImageDataset(torch.stack(images), captions, source, conditions)
 
 
 def _pixels(image: Image.Image) -> np.ndarray:

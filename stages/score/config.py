@@ -22,6 +22,7 @@ BUILTIN_REWARDS = (
     "aesthetic",
     "bleu",
     "clipscore",
+    "edit_preservation",
     "format_boxed",
     "format_think_answer",
     "geneval",
@@ -38,6 +39,7 @@ BUILTIN_REWARDS = (
     "length_penalty",
     "meteor",
     "ocr",
+    "ocr_edit",
     "omnirl_accuracy",
     "omnirl_length",
     "pickscore",
@@ -64,7 +66,8 @@ class ScoreConfig:
         "A built-in image reward (jpeg_compressibility, "
         "jpeg_incompressibility, ocr, pickscore, clipscore, image_similarity, aesthetic, hpsv2, imagereward, "
         "geneval, geneval_strict, geneval_exact, geneval_shapes, geneval_shapes_strict, geneval_shapes_exact, "
-        "vlm_judge), for video rollouts an image "
+        "vlm_judge), an edit reward of an editing rollout (edit_preservation: 1 - mean |result - source| outside "
+        "the row's edit_mask / edit_boxes; ocr_edit: the text changed as asked; vlm_judge preset=edit), for video rollouts an image "
         "reward on the frames with @frames=mean|min|first|last (e.g. pickscore@frames=mean=0.5) or a video "
         "reward (temporal_consistency: CLIP cosine of consecutive frames; video_ocr: flow_grpo's Wan OCR "
         "over every 4th frame), or a text reward for VLM rollouts "

@@ -80,6 +80,7 @@ _BUILTIN_MODULES = (
     "stages.score.geneval_shapes",
     "stages.score.vlm_judge",
     "stages.score.geneval_detect",
+    "stages.score.edit_rewards",
 )
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_\-]*$")
 

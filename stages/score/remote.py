@@ -24,7 +24,8 @@ Protocols (what each sends and receives):
 
 ``omnirl`` — `omnirl serve-reward` (`stages.score.reward_server`). One ``POST URL`` per batch with the
 JSON body ``{"images": [base64 PNG], "prompts": [str], "meta": [object]}``; the images go as lossless
-PNG, so the server scores the very pixels the client holds. The reply is ``{"rewards": {NAME: [float |
+PNG, so the server scores the very pixels the client holds (a conditioned rollout's
+``meta["condition_images"]`` too, as lists of base64 PNGs). The reply is ``{"rewards": {NAME: [float |
 null]}, "reward": [float | null], "errors": {NAME: str}}`` (``errors`` only when a reward failed on the
 batch). With a URL path ``/NAME`` the server scores only reward NAME and the client takes
 ``rewards[NAME]``, the raw value; with ``/`` or ``/score`` it scores all its rewards and the client takes
@@ -81,6 +82,7 @@ from typing import Any
 from PIL import Image
 
 from stages.errors import RuntimeFailure, UserInputError
+from stages.models.condition_images import RECORD as CONDITION_IMAGES
 from stages.score import REMOTE_PREFIX
 from stages.score.rubrics import PROMPT_FIELD, RUBRICS
 from stages.web import backoff, env_token, error_message, http_url, one_line, redact_url
@@ -237,6 +239,15 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _wire_meta(meta: dict) -> dict:
+    """A sample's meta as JSON: its condition images (`stages.score.stage`, PIL images) as base64 PNGs,
+    which `reward_server` decodes back."""
+    if CONDITION_IMAGES not in meta:
+        return meta
+    sources = [base64.b64encode(png_bytes(image)).decode("ascii") for image in meta[CONDITION_IMAGES]]
+    return {**meta, CONDITION_IMAGES: sources}
+
+
 class OmnirlProtocol:
     """`omnirl serve-reward`'s JSON protocol (module docstring): batches of base64 PNGs."""
 
@@ -257,7 +268,7 @@ class OmnirlProtocol:
         body = {
             "images": [base64.b64encode(png_bytes(images[i])).decode("ascii") for i in span],
             "prompts": [prompts[i] for i in span],
-            "meta": [meta[i] for i in span],
+            "meta": [_wire_meta(meta[i]) for i in span],
         }
         return self.url, body
 

@@ -5,7 +5,8 @@ Endpoints (the client is `stages.score.remote`, protocol ``omnirl``):
 - ``GET /health`` → ``{"status": "ok", "rewards": {NAME: WEIGHT}}``, without a token (for probes);
 - ``POST /`` or ``POST /score`` scores every served reward, ``POST /NAME`` (NAME URL-quoted) only
   NAME. Body: ``{"images": [base64 PNG or JPEG], "prompts": [str], "meta": [object]}`` (``meta``
-  optional). Reply: ``{"rewards": {NAME: [float | null]}, "reward": [float | null]}``, ``reward`` being
+  optional; a conditioned rollout's ``meta[i]["condition_images"]`` holds base64 PNGs, decoded like the
+  images). Reply: ``{"rewards": {NAME: [float | null]}, "reward": [float | null]}``, ``reward`` being
   Σ weight·value in float64 over the scored rewards (null where one is null); a reward that raised on
   the batch is null throughout and named in ``"errors": {NAME: "Type: message"}``. Values travel as
   JSON numbers (shortest repr, so a float64 comes back bit for bit); NaN and ±inf become null.
@@ -42,6 +43,7 @@ from typing import Any
 from PIL import Image
 
 from stages.errors import UserInputError
+from stages.models.condition_images import RECORD as CONDITION_IMAGES
 from stages.score.registry import RewardArgs, get_reward, score_value
 from stages.web import HttpError, JsonServer, JsonService, ServerLimits, parse_json_object
 
@@ -174,7 +176,14 @@ class RewardService(JsonService):
         if not all(m is None or isinstance(m, dict) for m in meta):
             raise HttpError(HTTPStatus.BAD_REQUEST, "'meta' must hold objects (or null)")
         decoded = [_decode(item, i, self.max_pixels) for i, item in enumerate(images)]
-        return decoded, prompts, [dict(m or {}) for m in meta]
+        meta = [dict(m or {}) for m in meta]
+        for i, item in enumerate(meta):  # a conditioned rollout's source images (`remote._wire_meta`)
+            if CONDITION_IMAGES in item:
+                sources = item[CONDITION_IMAGES]
+                if not isinstance(sources, list):
+                    raise HttpError(HTTPStatus.BAD_REQUEST, f"meta[{i}].{CONDITION_IMAGES} is not a list")
+                item[CONDITION_IMAGES] = [_decode(x, i, self.max_pixels) for x in sources]
+        return decoded, prompts, meta
 
     def score(self, path: str, raw: bytes) -> dict[str, Any]:
         """The reply to a POST of body `raw` to `path` (module docstring); `HttpError` when refused."""

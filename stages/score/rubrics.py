@@ -12,6 +12,13 @@ the pattern also reads 5.x as it does); reward = score / 5. The image is resized
 unified_reward.py`` in verl-project/verl-omni): three 1–5 axis scores, reward = (clip(mean, 1, 5) − 1)
 / 4; the image is sent unresized.
 
+``edit`` (`EDIT_RUBRIC`): an image edit judged from two images, the source then the result, on two
+1–5 axes, Instruction (the result does what the instruction asks) and Consistency (everything the
+instruction does not touch is as in the source), the axes of the edit benchmarks' VLM judges (GEdit-Bench's
+semantic consistency, ImgEdit's instruction adherence and detail preservation); reward = (clip(mean, 1, 5)
+− 1) / 4 of the axes read. Only `vlm_judge` asks it (``preset=edit``): the chat protocols of
+``remote:URL`` send one image.
+
 The questions are our wording of each rubric; to reproduce a project's numbers exactly, pass its
 question as the judge's ``template=``. An answer a rubric cannot read is None (reported), never 0.
 """
@@ -30,6 +37,10 @@ _FLOAT = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"  # 3, 3., 3.5, .5, 1e2, si
 _NUMBER_RE = re.compile(_FLOAT)
 _AXIS_RE = re.compile(rf"(Alignment|Coherence|Style)\s+Score\s*(?:\(1-5\))?\s*:\s*({_FLOAT})", re.IGNORECASE)
 AXES = ("alignment", "coherence", "style")
+_EDIT_AXIS_RE = re.compile(
+    rf"(Instruction|Consistency)\s+Score\s*(?:\(1-5\))?\s*:\s*({_FLOAT})", re.IGNORECASE
+)
+EDIT_AXES = ("instruction", "consistency")
 
 
 def final_score(answer: str) -> float | None:
@@ -48,6 +59,16 @@ def three_axis_score(answer: str) -> float | None:
         if len(numbers) < len(AXES):
             return None
         scores = dict(zip(AXES, map(float, numbers)))
+    mean = sum(scores.values()) / len(scores)
+    return (min(max(mean, 1.0), 5.0) - 1.0) / 4.0
+
+
+def edit_score(answer: str) -> float | None:
+    """The edit rubric's reward: (clip(mean of the Instruction and Consistency scores, 1, 5) − 1) / 4, both
+    read from "<Axis> Score (1-5): x" lines (a later line for an axis wins); None unless both are there."""
+    scores = {m.group(1).lower(): float(m.group(2)) for m in _EDIT_AXIS_RE.finditer(answer)}
+    if set(scores) != set(EDIT_AXES):
+        return None
     mean = sum(scores.values()) / len(scores)
     return (min(max(mean, 1.0), 5.0) - 1.0) / 4.0
 
@@ -91,3 +112,17 @@ RUBRICS: dict[str, Rubric] = {
         max_tokens=512,
     ),
 }
+
+EDIT_RUBRIC = Rubric(
+    question=(
+        "The first image is a source image; the second is the result of editing it with the instruction "
+        f"[{PROMPT_FIELD}]. Rate the edit from 1 to 5 on two axes: Instruction (does the result do exactly "
+        "what the instruction asks) and Consistency (is everything the instruction does not ask to change "
+        "the same as in the source). Answer in exactly this form:\nInstruction Score (1-5): X\n"
+        "Consistency Score (1-5): Y"
+    ),
+    parse=edit_score,
+    model="",
+    image_size=0,
+    max_tokens=64,
+)

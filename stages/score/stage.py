@@ -6,17 +6,24 @@ MP4); a rollout whose media is deferred (`sample --defer-decode`) has its final 
 (`stages.media.deferred`); a text-response rollout's (VLM `sample`) get the response strings, with
 `response_length` (tokens) and `truncated` (`truncated_rows`) added to each row's meta for length and
 format rewards. Each reward's declared kind (`registry.reward_kind`) must match the rollout.
+
+A conditioned rollout (an editing or image-to-video model's, `stages.models.condition_images`) gives
+every scorer its rows' condition images too: ``meta[i]["condition_images"]`` is the list of sample i's
+source images (RGB PIL images, looked up by the row's `group_id`), which the edit rewards
+(`stages.score.edit_rewards`, `vlm_judge preset=edit`) compare the result with.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from stages.errors import CorruptRowError, UserInputError
 from stages.media import FRAMES_COLUMN
 from stages.media.deferred import LatentDecoder
 from stages.media.video import MediaDecodeError, decode_mp4
+from stages.models.condition_images import RECORD as CONDITION_IMAGES
+from stages.models.condition_images import decode_images as decode_condition_images
 from stages.sample.vlm_data import decode_image
 from stages.score.registry import RewardArgs, reward_kind
 from stages.score.scoring import score_batch
@@ -25,16 +32,20 @@ BASE = ("sample_id", "prompt", "prompt_meta")
 RERUN = "re-run `omnirl sample` for this rollout (or fix the file)"
 
 
-def needed_columns(modality: str, available: Collection[str] = (), *, deferred: bool = False) -> list[str]:
+def needed_columns(
+    modality: str, available: Collection[str] = (), *, deferred: bool = False, conditioned: bool = False
+) -> list[str]:
     """The input columns `score_shard` reads from a rollout of `modality` ("image", "video" or "text")
-    whose shard sets hold the columns `available`; a `deferred` rollout's final latents instead of media."""
+    whose shard sets hold the columns `available`; a `deferred` rollout's final latents instead of media;
+    a `conditioned` one's `group_id` too (its condition images are stored per group)."""
+    base = [*BASE, "group_id"] if conditioned else list(BASE)
     if modality == "text":
-        return [*BASE, "response_text", "response_length"]
+        return [*base, "response_text", "response_length"]
     if deferred:
-        return [*BASE, "final_latent"]
+        return [*base, "final_latent"]
     if modality == "video":
-        return [*BASE, FRAMES_COLUMN if FRAMES_COLUMN in available else "video"]
-    return [*BASE, "image"]
+        return [*base, FRAMES_COLUMN if FRAMES_COLUMN in available else "video"]
+    return [*base, "image"]
 
 
 def text_columns(available: Sequence[str]) -> list[str]:
@@ -110,6 +121,7 @@ def score_shard(
     mixed_precision: str = "no",
     decoder: LatentDecoder | None = None,
     keep_media: Callable[[list[Any]], dict[str, list]] | None = None,
+    condition_images: Mapping[str, Sequence[bytes]] | None = None,
 ) -> dict[str, Any]:
     """Columns sample_id, reward [N] and reward.<name> [N] for one shard's rows of a rollout of
     `modality` (its manifest's: images, or VLM text responses); `reward_args[name]` configures a
@@ -119,12 +131,17 @@ def score_shard(
 
     A deferred rollout (`stages.media.deferred`) is scored from its final latents, which `decoder`
     decodes batch by batch; `keep_media` (`stages.media.media_columns` at the rollout's fps) then turns
-    each batch's outputs into media columns added to the result."""
+    each batch's outputs into media columns added to the result.
+
+    `condition_images` (group_id → encoded source images, `stored_condition_images`) puts each row's
+    decoded sources in its meta as ``meta[i]["condition_images"]`` (module docstring)."""
     import torch
 
     from stages.precision import autocast
 
-    missing = [c for c in needed_columns(modality, shard, deferred=decoder is not None) if c not in shard]
+    conditioned = bool(condition_images)
+    wanted = needed_columns(modality, shard, deferred=decoder is not None, conditioned=conditioned)
+    missing = [c for c in wanted if c not in shard]
     if missing:
         raise UserInputError(
             f"--in: column '{missing[0]}' is missing; score reads the output of `omnirl sample`"
@@ -151,6 +168,11 @@ def score_shard(
             for row, length, cut in zip(meta, lengths, truncated[start:stop]):
                 row["response_length"] = int(length)
                 row["truncated"] = cut
+        if conditioned:
+            for row, sid, group in zip(meta, ids, shard["group_id"][start:stop]):
+                row[CONDITION_IMAGES] = decode_condition_images(
+                    (condition_images or {}).get(group, []), f"sample {sid!r}"
+                )
         if text:
             outputs = list(shard["response_text"][start:stop])
         elif decoded is not None:

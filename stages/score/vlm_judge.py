@@ -20,6 +20,10 @@ Presets (``preset=``), each a question and a parse of the answer:
   ``remote:URL protocol=unifiedreward|unifiedreward2`` asks, so both give the same numbers;
   reward in [0.2, 1] and [0, 1].
 - ``yes_no``: "Does this image match: {prompt}? Answer yes or no."; reward 1 for yes, 0 for no.
+- ``edit``: an image edit (`stages.score.rubrics.EDIT_RUBRIC`): the judge sees the sample's condition
+  image (``meta["condition_images"]``, the source of an editing rollout, `stages.score.stage`) and then
+  the result, with the prompt as the instruction, and rates instruction following and consistency with
+  the source; reward in [0, 1]. A sample without a condition image is a one-line error.
 
 ``template=`` replaces the preset's question (``{prompt}`` stands for the sample's prompt); the
 preset still parses the answer. ``max_tokens=0`` and ``image_size=-1`` take the preset's values
@@ -51,10 +55,11 @@ import torch
 from PIL import Image
 
 from stages.errors import OmnirlError, RuntimeFailure, UserInputError
+from stages.models.condition_images import RECORD as CONDITION_IMAGES
 from stages.score.clip_rewards import local_path
 from stages.score.ocr import ocr_target, ocr_text_reward
 from stages.score.registry import register_reward
-from stages.score.rubrics import PROMPT_FIELD, RUBRICS
+from stages.score.rubrics import EDIT_RUBRIC, PROMPT_FIELD, RUBRICS
 from stages.web import env_token
 
 logger = logging.getLogger(__name__)
@@ -91,6 +96,7 @@ class Preset:
     max_tokens: int
     image_size: int
     needs_target: bool = False
+    with_source: bool = False  # the judge sees the condition image before the result
 
 
 PRESETS: dict[str, Preset] = {
@@ -116,6 +122,13 @@ PRESETS: dict[str, Preset] = {
         )
         for name, rubric in RUBRICS.items()
     },
+    "edit": Preset(
+        question=EDIT_RUBRIC.question,
+        parse=lambda answer, target: EDIT_RUBRIC.parse(answer),
+        max_tokens=EDIT_RUBRIC.max_tokens,
+        image_size=EDIT_RUBRIC.image_size,
+        with_source=True,
+    ),
 }
 
 # Messages of the OpenAI engine name the sampling command's flags; a judge is set by reward arguments.
@@ -272,16 +285,34 @@ class VLMJudge:
                 ) from exc
         return self._policy
 
+    def _sources(self, meta: Sequence[dict], prompts: Sequence[str]) -> list[list[Image.Image]]:
+        """Per sample, the images the judge sees before its result: the condition image for a preset
+        `with_source` (checked to be there), none otherwise."""
+        if not self.preset.with_source:
+            return [[] for _ in meta]
+        out = []
+        for index, item in enumerate(meta):
+            given = (item or {}).get(CONDITION_IMAGES) or []
+            if len(given) != 1:
+                raise UserInputError(
+                    f"reward {NAME!r} (preset {self.preset_name}): batch item {index} (prompt {prompts[index]!r}) "
+                    f"has {len(given)} condition images, the preset judges an edit of one source; score a "
+                    "rollout of an editing model sampled from prompts with an 'image' column"
+                )
+            out.append([self.prepare(image, index) for image in given])
+        return out
+
     @torch.inference_mode()
-    def _ask_local(self, questions: list[str], images: list[Image.Image]) -> list[str | None]:
-        """Greedy answers of the local judge, `batch_size` samples per `generate` (left-padded)."""
+    def _ask_local(self, questions: list[str], images: list[list[Image.Image]]) -> list[str | None]:
+        """Greedy answers of the local judge, `batch_size` samples per `generate` (left-padded); each
+        question comes with its images (the source first for an edit, then the sample)."""
         answers: list[str | None] = []
         with self._lock:
             policy = self._load_policy()
             stops = torch.tensor(policy.stop_ids, device=policy.device)
             for start in range(0, len(questions), self.batch_size):
                 chunk = slice(start, start + self.batch_size)
-                prompt = policy.chat_inputs(questions[chunk], [[image] for image in images[chunk]])
+                prompt = policy.chat_inputs(questions[chunk], images[chunk])
                 # Greedy with every logits processor explicit: a checkpoint's generation config (Qwen
                 # ships a repetition penalty and sampling knobs) cannot change the answer.
                 out = policy.model.generate(
@@ -348,24 +379,22 @@ class VLMJudge:
         self._served = name
         return name
 
-    def _ask_remote(self, questions: list[str], images: list[Image.Image]) -> list[str | None]:
+    def _ask_remote(self, questions: list[str], images: list[list[Image.Image]]) -> list[str | None]:
         """Greedy answers from the server, `batch_size` requests in flight; None where a reply has no text."""
         from stages.sample.openai_engine import NEUTRAL_SAMPLING, image_data_url
 
         model = self._model_name()
 
         def ask(index: int) -> str | None:
-            url = image_data_url(_png(images[index]), f"reward {NAME!r}, batch item {index}")
+            where = f"reward {NAME!r}, batch item {index}"
+            shown = [
+                {"type": "image_url", "image_url": {"url": image_data_url(_png(image), where)}}
+                for image in images[index]
+            ]
             body = {
                 "model": model,
                 "messages": [
-                    {
-                        "role": "user",
-                        "content": [
-                            {"type": "image_url", "image_url": {"url": url}},
-                            {"type": "text", "text": questions[index]},
-                        ],
-                    }
+                    {"role": "user", "content": [*shown, {"type": "text", "text": questions[index]}]}
                 ],
                 "n": 1,
                 "temperature": 0.0,
@@ -395,7 +424,11 @@ class VLMJudge:
         """One reward per sample (see the preset); None where the answer does not parse."""
         targets = self._targets(prompts, meta)
         questions = self.questions(prompts)
-        prepared = [self.prepare(image, index) for index, image in enumerate(images)]
+        sources = self._sources(meta, prompts)
+        prepared = [
+            [*source, self.prepare(image, index)]
+            for index, (image, source) in enumerate(zip(images, sources))
+        ]
         if not prepared:
             return []
         ask = self._ask_local if self.model_path is not None else self._ask_remote

@@ -38,7 +38,7 @@ OldDecay = Literal["copy", "linear_to_0_5", "delayed_linear_to_0_999"]  # family
 AwmWeighting = Literal["uniform", "ghuber"]  # stages.update.family_losses.AWM_WEIGHTINGS
 VaeMode = Literal["model", "pixel"]  # stages.pretrain.flow_matching.VAE_MODES
 # the SIZES of the families' builders (and wan.PUBLISHED's): test, benchmark and published sizes
-ModelSize = Literal["tiny", "small", "demo", "full", "medium", "1.3b", "3b", "7b"]
+ModelSize = Literal["tiny", "small", "demo", "full", "medium", "1.3b", "3b", "7b", "8b"]
 
 # Built-in names of the open registries (completion only; plugins are accepted beside them).
 # Rollout engines: stages.sample.engines' diffusion engines, then stages.sample.vlm_stage.ENGINES.
@@ -60,6 +60,7 @@ FAMILIES = (  # stages.models.factory.FAMILIES
     "flux",
     "qwen2_5_vl",
     "qwen3_omni_thinker",
+    "qwen3_vl",
     "qwen_image",
     "sd3",
     "wan2_1",

@@ -28,6 +28,11 @@ MIXED_PRECISION_MODES = ("no", "bf16", "fp16")
 DTYPES = ("fp32", "bf16", "fp16")  # storage dtypes of frozen weights (`stages.models.diffusion`)
 STRATEGIES = ("auto", "ddp", "fsdp2")  # how a trained module spreads over ranks (`stages.update.parallel`)
 SP_KINDS = ("ulysses", "ring", "unified")  # sequence-parallel attention (`stages.parallelism`)
+PACKING = (
+    "auto",
+    "on",
+    "off",
+)  # VLM forwards over packed sequences (`stages.models.vlm.VLMPolicy.use_packing`)
 # Where weights (--model, --adapter) may be (`stages.models.hub`), and how their knobs show the value.
 WEIGHTS_FROM = (
     "a local path, or a Hub id ORG/NAME (or ORG/NAME@REVISION) the local Hugging Face cache holds "

@@ -31,8 +31,8 @@ def init_model(
             help="tiny (fast tests), small (benchmarks), for sd3 demo (the pixel-VAE shape `omnirl pretrain` "
             "trains for the demo: 4 latent channels, 64 px at most, 24 CLIP + 32 T5 tokens), or a published "
             "size with random weights, for GPU benchmarks: full (each family's flagship: SD3.5 Large, FLUX.1-dev, "
-            "Qwen-Image 20B, Z-Image, Wan 2.1 T2V 14B, Wan 2.2 5B / A14B, Qwen2.5-VL 7B, the Qwen3-Omni "
-            "thinker), sd3 medium, wan2_1 1.3b, qwen2_5_vl 3b / 7b. `omnirl plan --family F --size S` says "
+            "Qwen-Image 20B, Z-Image, Wan 2.1 T2V 14B, Wan 2.2 5B / A14B, Qwen2.5-VL 7B, Qwen3-VL 8B, the "
+            "Qwen3-Omni thinker), sd3 medium, wan2_1 1.3b, qwen2_5_vl 3b / 7b, qwen3_vl 8b. `omnirl plan --family F --size S` says "
             "what a size needs.",
         ),
     ] = "tiny",

@@ -16,7 +16,7 @@ it directly on an accelerator instead, for benchmarks that never write its weigh
 
 Sizes: "tiny" (tests), "small" (benchmarks), and each family's published sizes with the real widths,
 depths and vocabularies, "full" naming its flagship (Qwen-Image 20B, FLUX.1-dev, Wan 2.1 T2V 14B, SD3.5
-Large, ...), for GPU benchmarks; the others by their published names ("medium", "1.3b", "3b", "7b").
+Large, ...), for GPU benchmarks; the others by their published names ("medium", "1.3b", "3b", "7b", "8b").
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ FAMILIES: dict[str, str] = {
     "flux": "stages.models.flux:build_flux",
     "qwen2_5_vl": "stages.models.qwen2_5_vl:build_qwen2_5_vl",
     "qwen3_omni_thinker": "stages.models.qwen3_omni:build_qwen3_omni_thinker",
+    "qwen3_vl": "stages.models.qwen3_vl:build_qwen3_vl",
     "qwen_image": "stages.models.qwen_image:build_qwen_image",
     "sd3": "stages.models.sd3:build_sd3",
     "wan2_1": "stages.models.wan:build_wan2_1",

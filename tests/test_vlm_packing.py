@@ -1,0 +1,83 @@
+"""Packed sequences in the VLM forward (`VLMPolicy._pack`): every row's real tokens back to back, no
+padding, its M-RoPE positions those of the padded batch. On a batch mixing a text-only prompt, an
+image and a video with responses of different lengths, packed equals padded within 1e-5 for the
+response log-probs, the entropies, the GRPO loss and the LoRA gradients, for Qwen2.5-VL and Qwen3-VL;
+the Qwen3-Omni thinker cannot pack and is refused in one line when packing is asked for."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from stages.errors import UserInputError
+from stages.models.vlm import VLMPolicy
+from stages.update.token_losses import grpo_loss
+
+
+def picture(seed: int, size: int = 56) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8))
+
+
+def mixed_batch(policy: VLMPolicy) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """Prompts: text only, one image, a 3-frame video; responses of 7, 3 and 5 tokens (right-padded)."""
+    image = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}]
+    video = [{"role": "user", "content": [{"type": "video", "fps": 2.0}, {"type": "text", "text": "Why?"}]}]
+    frames = [picture(10 + k) for k in range(3)]
+    prompt = policy.chat_inputs(
+        ["Say something long about colours.", image, video],
+        [[], [picture(1, 84)], []],
+        videos=[[], [], [frames]],
+    )
+    lengths = torch.tensor([7, 3, 5])
+    mask = torch.arange(7)[None] < lengths[:, None]
+    ids = torch.randint(10, 200, (3, 7), generator=torch.Generator().manual_seed(0))
+    return prompt, ids.masked_fill(~mask, policy.pad_id), mask
+
+
+@pytest.mark.parametrize("family", ["tiny_vlm", "tiny_qwen3_vl"])
+def test_packed_equals_padded_log_probs_loss_and_gradients(
+    family: str, request: pytest.FixtureRequest
+) -> None:
+    policy = VLMPolicy.load(request.getfixturevalue(family))
+    policy.add_lora(rank=4, seed=0)
+    params = policy.trainable_parameters()
+    with torch.no_grad():  # a non-zero LoRA B, so the adapter shapes the outputs and has A gradients
+        for name, p in policy.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(hash(name) % 2**31))
+    prompt, ids, mask = mixed_batch(policy)
+    assert policy.can_pack and policy.packed  # on by default where supported
+    results = {}
+    for mode in ("off", "on"):
+        policy.use_packing(mode)
+        out = policy.response_forward(prompt, ids, mask, 0.8, entropy=True)
+        old = out.log_probs.detach() + 0.05 * torch.arange(7)[None].float() / 7
+        loss, _ = grpo_loss(
+            out.log_probs, old, torch.tensor([1.0, -0.5, 0.3]), mask, entropy=out.entropy, entropy_coef=0.01
+        )
+        grads = torch.autograd.grad(loss, params)
+        results[mode] = (out.log_probs.detach(), out.entropy.detach(), loss.detach(), grads)
+    padded, packed = results["off"], results["on"]
+    assert float(padded[0][mask].abs().min()) > 0.1  # real log-probs, not zeros
+    torch.testing.assert_close(packed[0][mask], padded[0][mask], rtol=0, atol=1e-5)
+    torch.testing.assert_close(packed[1][mask], padded[1][mask], rtol=0, atol=1e-5)
+    torch.testing.assert_close(packed[2], padded[2], rtol=0, atol=1e-5)
+    assert max(float(g.abs().max()) for g in padded[3]) > 1e-3
+    for a, b in zip(packed[3], padded[3]):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_packing_is_refused_in_one_line_for_a_model_that_cannot(tiny_omni: Path) -> None:
+    policy = VLMPolicy.load(tiny_omni)
+    assert not policy.can_pack and not policy.packed  # auto: padded
+    policy.use_packing("auto")
+    assert not policy.packed
+    with pytest.raises(
+        UserInputError,
+        match=r"^--packing on: --model .+ \(qwen3_omni_moe_thinker\) does not take packed sequences .+; use --packing auto or off$",
+    ):
+        policy.use_packing("on")

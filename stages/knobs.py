@@ -298,6 +298,32 @@ def gradient_checkpointing() -> Any:
     )
 
 
+def packing() -> Any:
+    """`--packing`: VLM forwards over packed sequences (`stages.models.vlm.VLMPolicy.use_packing`)."""
+    return knob(
+        "auto",
+        "VLM: run each forward over prompt + response on the real tokens only, every sequence back to back "
+        "(no padding; the M-RoPE positions of the padded batch, a block-diagonal mask), as verl's "
+        "use_remove_padding. Same values to float rounding, less compute and memory where lengths differ "
+        "(docs/vlm.md). auto: where the model can (Qwen2.5-VL, Qwen3-VL; the Qwen3-Omni thinker is padded); "
+        "on: refused for a model that cannot; off: padded.",
+        choices=PACKING,
+        panel=OPTIMISATION,
+    )
+
+
+def balance_tokens() -> Any:
+    """`--balance-tokens`: micro-batches dealt by token count (`stages.update.balance`)."""
+    return knob(
+        False,
+        "VLM: deal each optimizer step's rows over its micro-batches (and so over the ranks) by token "
+        "count, longest first to the lightest, instead of --micro-batch rows each (verl's dynamic batch "
+        "size and sequence balancing): the slowest rank waits less. The loss stays the step's exact "
+        "token- or sequence-mean.",
+        panel=OPTIMISATION,
+    )
+
+
 def micro_batch() -> Any:
     """`--micro-batch`: samples per training/replay forward."""
     return knob(0, "Samples per forward (0: the sampling batch size).", low=0, panel=OPTIMISATION)

@@ -23,6 +23,7 @@ from ..errors import handle_errors
 from ..options import (
     ADAPTER_HELP,
     AttentionBackendOpt,
+    BalanceTokensOpt,
     CompileOpt,
     ConfigOpt,
     DtypeOpt,
@@ -34,6 +35,7 @@ from ..options import (
     MicroBatchOpt,
     OutOpt,
     OverwriteOpt,
+    PackingOpt,
     ReportToOpt,
     RunNameOpt,
     SetOpt,
@@ -329,6 +331,8 @@ def update(
     config: ConfigOpt = None,
     set_: SetOpt = None,
     json_: JsonOpt = False,
+    packing: PackingOpt = "auto",
+    balance_tokens: BalanceTokensOpt = False,
 ) -> None:
     """Train the policy with --algo on rollouts (or offline pairs / latents) and write the next adapter.
 

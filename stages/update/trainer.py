@@ -25,8 +25,10 @@ from typing import Any
 
 import torch
 
+from stages import knobs
 from stages.dist import all_reduce_sum, data_parallel, world_and_rank
 from stages.errors import NonFiniteError, UserInputError
+from stages.knobs import PACKING
 from stages.models.diffusion import FlowPolicy
 from stages.models.kernels import Kernels, prepare
 from stages.models.vlm import VLMPolicy
@@ -91,6 +93,8 @@ class UpdateConfig:
     lr_total_steps: int = 0
     strategy: str = "auto"
     gradient_checkpointing: bool = False
+    packing: str = knobs.packing()
+    balance_tokens: bool = knobs.balance_tokens()
     parallel: ModelParallel = field(default_factory=ModelParallel)
     kernels: Kernels = field(default_factory=Kernels)
 
@@ -253,6 +257,13 @@ class UpdateConfig:
             raise UserInputError(f"--strategy {self.strategy}: choose one of {', '.join(STRATEGIES)}")
         if self.train_timesteps < 1:
             raise UserInputError(f"--train-timesteps {self.train_timesteps}: must be at least 1")
+        if self.packing not in PACKING:
+            raise UserInputError(f"--packing {self.packing}: choose one of {', '.join(PACKING)}")
+        if algo.family != "token" and (self.packing == "on" or self.balance_tokens):
+            raise UserInputError(
+                f"--packing on / --balance-tokens: VLM token objectives (grpo, dapo, gspo) only, not --algo "
+                f"{algo.name}; drop it"
+            )
         self.kernels.validate()
 
 
@@ -356,6 +367,8 @@ class Trainer:
             policy.family.detach_uncond = cfg.detach_uncond
         vision = {"train_vision": cfg.train_vision} if isinstance(policy, VLMPolicy) else {}
         policy.trainable_parameters(full=cfg.full, **vision)
+        if isinstance(policy, VLMPolicy):
+            policy.use_packing(cfg.packing)
         if cfg.gradient_checkpointing or launcher_checkpointing():
             policy.gradient_checkpointing()
         if isinstance(policy, VLMPolicy) and (cfg.parallel.degree > 1 or cfg.kernels != Kernels()):

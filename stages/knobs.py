@@ -305,8 +305,10 @@ def packing() -> Any:
         "VLM: run each forward over prompt + response on the real tokens only, every sequence back to back "
         "(no padding; the M-RoPE positions of the padded batch, a block-diagonal mask), as verl's "
         "use_remove_padding. Same values to float rounding, less compute and memory where lengths differ "
-        "(docs/vlm.md). auto: where the model can (Qwen2.5-VL, Qwen3-VL; the Qwen3-Omni thinker is padded); "
-        "on: refused for a model that cannot; off: padded.",
+        "(docs/vlm.md). auto: where the model can (Qwen2.5-VL, Qwen3-VL; not the Qwen3-Omni thinker) and "
+        "attends with a flash-attention (variable-length) kernel; sdpa and eager attend over a dense mask "
+        "of the packed row, which costs more than the padding saves. on: pack whatever the kernel (refused "
+        "for a model that cannot); off: padded.",
         choices=PACKING,
         panel=OPTIMISATION,
     )

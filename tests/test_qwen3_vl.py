@@ -1,7 +1,7 @@
 """Qwen3-VL through the staged commands on every VLM input mode (text only, one image, several images,
 video as frames and as an MP4 file, mixed), as tests/test_vlm_modes.py runs Qwen2.5-VL: the rollout's
 image and video pad tokens (16-px patches, 2x2 merge; each video frame pair behind its timestamp),
-the replay of each mode's log-probs by `logprob` within 1e-5, and a LoRA update on the language model
+the replay of each mode's log-probs by `logprob` within 1e-5, padded and packed, and a LoRA update on the language model
 with the vision tower frozen."""
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from stages.shards.reader import ShardSet
 def qwen3_vl_run(tmp_path_factory: pytest.TempPathFactory, tiny_qwen3_vl: Path) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("qwen3_vl")
     data, _, _ = write_rows(root)
-    paths = {name: root / name for name in ("samples", "rewards", "logprobs", "advantages", "policy")}
+    names = ("samples", "rewards", "logprobs", "packed", "advantages", "policy")
+    paths = {name: root / name for name in names}
     model = ["--model", str(tiny_qwen3_vl)]
     run(
         "sample",
@@ -30,6 +31,9 @@ def qwen3_vl_run(tmp_path_factory: pytest.TempPathFactory, tiny_qwen3_vl: Path) 
     )
     run("score", *ins(paths["samples"]), "--reward", "omnirl_length", "--out", str(paths["rewards"]))
     paths["replay"] = run("logprob", *model, *ins(paths["samples"]), "--out", str(paths["logprobs"]))
+    paths["packed_replay"] = run(
+        "logprob", *model, *ins(paths["samples"]), "--packing", "on", "--out", str(paths["packed"])
+    )
     run("advantage", *ins(paths["samples"], paths["rewards"]), "--out", str(paths["advantages"]))
     paths["update"] = run(
         "update",
@@ -48,6 +52,7 @@ def test_every_mode_is_sampled_with_its_pad_tokens_and_replays_within_1e5(
 
     data = ShardSet(qwen3_vl_run["samples"]).read_all()
     old = ShardSet(qwen3_vl_run["logprobs"]).read_all()["old_log_probs"]
+    packed = ShardSet(qwen3_vl_run["packed"]).read_all()["old_log_probs"]
     rows = by_mode(data)
     assert sorted(rows) == sorted(MODES)
     tok = load_processor(tiny_qwen3_vl).tokenizer
@@ -70,9 +75,11 @@ def test_every_mode_is_sampled_with_its_pad_tokens_and_replays_within_1e5(
         if mode in ("frames", "mp4"):
             assert "<0.2 seconds>" in tok.decode(ids) and "<1.2 seconds>" in tok.decode(ids)
         valid = data["response_mask"][members]
-        delta = (old[members] - data["log_probs"][members]).abs()[valid]
-        assert delta.numel() > 0 and float(delta.max()) < 1e-5, mode
+        for replayed in (old, packed):
+            delta = (replayed[members] - data["log_probs"][members]).abs()[valid]
+            assert delta.numel() > 0 and float(delta.max()) < 1e-5, mode
     assert qwen3_vl_run["replay"]["abs_delta_max"] < 1e-5
+    assert qwen3_vl_run["packed_replay"]["abs_delta_max"] < 1e-5
 
 
 def test_update_trains_a_language_model_lora_with_the_vision_tower_frozen(

@@ -2,7 +2,8 @@
 padding, its M-RoPE positions those of the padded batch. On a batch mixing a text-only prompt, an
 image and a video with responses of different lengths, packed equals padded within 1e-5 for the
 response log-probs, the entropies, the GRPO loss and the LoRA gradients, for Qwen2.5-VL and Qwen3-VL;
-the Qwen3-Omni thinker cannot pack and is refused in one line when packing is asked for."""
+auto packs only with a variable-length (flash) attention kernel; the Qwen3-Omni thinker cannot pack
+and is refused in one line when packing is asked for."""
 
 from __future__ import annotations
 
@@ -50,7 +51,6 @@ def test_packed_equals_padded_log_probs_loss_and_gradients(
             if "lora_B" in name:
                 p.normal_(0, 0.05, generator=torch.Generator().manual_seed(hash(name) % 2**31))
     prompt, ids, mask = mixed_batch(policy)
-    assert policy.can_pack and policy.packed  # on by default where supported
     results = {}
     for mode in ("off", "on"):
         policy.use_packing(mode)
@@ -71,9 +71,23 @@ def test_packed_equals_padded_log_probs_loss_and_gradients(
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 
 
+def test_auto_packs_where_the_model_can_and_attends_with_a_variable_length_kernel(
+    tiny_vlm: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    policy = VLMPolicy.load(tiny_vlm)
+    assert policy.can_pack and not policy.varlen_attention and not policy.packed  # sdpa: a dense mask
+    policy.use_packing("on")
+    assert policy.packed
+    monkeypatch.setattr(policy.module.config, "_attn_implementation", "flash_attention_2")
+    policy.use_packing("auto")
+    assert policy.varlen_attention and policy.packed
+    policy.use_packing("off")
+    assert not policy.packed
+
+
 def test_packing_is_refused_in_one_line_for_a_model_that_cannot(tiny_omni: Path) -> None:
     policy = VLMPolicy.load(tiny_omni)
-    assert not policy.can_pack and not policy.packed  # auto: padded
+    assert not policy.can_pack and not policy.packed
     policy.use_packing("auto")
     assert not policy.packed
     with pytest.raises(

@@ -158,7 +158,7 @@ class VLMPolicy:
         self.model_path = model_path
         self.lora = bool(getattr(model, "peft_config", None))
         self._reference: torch.nn.Module | None = None
-        self.packed = model is not None and self.can_pack  # on by default where supported (`use_packing`)
+        self.packed = model is not None and self.can_pack and self.varlen_attention  # `use_packing("auto")`
         tok = processor.tokenizer
         self.pad_id = tok.pad_token_id
         self.banned_ids = sorted(
@@ -405,9 +405,18 @@ class VLMPolicy:
         model = self.module
         return model.get_base_model() if hasattr(model, "get_base_model") else model
 
+    @property
+    def varlen_attention(self) -> bool:
+        """True when the model attends with a variable-length kernel (transformers' flash-attention paths,
+        which take each sequence's start from the restarting position ids), so a packed row costs the
+        sum of its sequences' L². The others (sdpa, eager) attend over a dense N × N mask of the packed
+        row: more work than the padded batch's B × L², so packing does not pay there."""
+        return "flash" in str(getattr(self._base_model.config, "_attn_implementation", "") or "")
+
     def use_packing(self, mode: str) -> None:
         """--packing: `on` packs every forward over prompt + response (refused, one line, for a model that
-        cannot), `off` pads, `auto` packs where the model can (the default)."""
+        cannot), `off` pads, `auto` (the default) packs where the model can and attends with a
+        variable-length kernel (`varlen_attention`)."""
         if mode not in PACKING:
             raise UserInputError(f"--packing {mode}: choose one of {', '.join(PACKING)}")
         if mode == "on" and not self.can_pack:
@@ -415,7 +424,7 @@ class VLMPolicy:
                 f"--packing on: --model {self.model_path} ({model_type(self.model_path)}) does not take packed "
                 "sequences (only Qwen2.5-VL and Qwen3-VL do); use --packing auto or off"
             )
-        self.packed = mode != "off" and self.can_pack
+        self.packed = self.can_pack and (mode == "on" or (mode == "auto" and self.varlen_attention))
 
     def _pack(self, inputs: dict[str, Any], t: int) -> tuple[dict[str, Any], torch.Tensor]:
         """The forward inputs as one row of every sequence's real tokens back to back [1, N] (no padding),

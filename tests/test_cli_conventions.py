@@ -81,7 +81,7 @@ def test_shell_completion_through_the_completion_protocol() -> None:
         ("update", "--algo", "g", ["grpo_guard", "grpo", "gspo"]),
         ("advantage", "--estimator", "grpo_", ["grpo_group", "grpo_verl", "grpo_trl", "grpo_batch_std"]),
         ("score", "--reward", "jpeg", ["jpeg_compressibility", "jpeg_incompressibility"]),
-        ("init-model", "--family", "q", ["qwen2_5_vl", "qwen3_omni_thinker", "qwen_image"]),
+        ("init-model", "--family", "q", ["qwen2_5_vl", "qwen3_omni_thinker", "qwen3_vl", "qwen_image"]),
     ],
 )
 def test_open_registries_complete_builtins_and_refuse_no_plugin(
@@ -119,7 +119,7 @@ def test_a_plugin_estimator_passes_the_open_option(tiny_shard_set: Path, tmp_pat
 def test_choice_sets_mirror_the_stage_constants() -> None:
     """The CLI's lists are copies (importing the stages would load torch for --help): held equal here."""
     from stages.logprob.decide import REPLAY_MODES
-    from stages.models import flux, qwen2_5_vl, qwen3_omni, qwen_image, sd3, wan, z_image
+    from stages.models import flux, qwen2_5_vl, qwen3_omni, qwen3_vl, qwen_image, sd3, wan, z_image
     from stages.models.factory import FAMILIES
     from stages.precision import MIXED_PRECISIONS
     from stages.pretrain.flow_matching import VAE_MODES
@@ -150,7 +150,9 @@ def test_choice_sets_mirror_the_stage_constants() -> None:
     ]
     for literal, constant in pairs:
         assert get_args(literal) == tuple(constant), literal
-    sizes = {s for m in (flux, qwen2_5_vl, qwen3_omni, qwen_image, sd3, wan, z_image) for s in m.SIZES}
+    sizes = {
+        s for m in (flux, qwen2_5_vl, qwen3_omni, qwen3_vl, qwen_image, sd3, wan, z_image) for s in m.SIZES
+    }
     sizes |= {s for published in wan.PUBLISHED.values() for s in published}
     assert set(get_args(choices.ModelSize)) == sizes
     assert set(choices.ALGORITHMS) == set(ALGORITHMS)

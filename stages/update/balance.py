@@ -3,9 +3,10 @@ count, not by row count (verl's dynamic batch size and sequence balancing).
 
 Multimodal sequence lengths vary widely (a text-only prompt, several images, a video), so equal row
 counts give ranks and micro-batches unequal work, and every rank waits for the slowest one at each
-step's gradient reduction. Here each slot of the step (grad_accum per rank × ranks) gets rows whose
-total tokens are as even as a greedy longest-first assignment makes them; the number of slots, and
-so the collectives every rank runs, stays what it is without balancing.
+step's gradient reduction. Here the step's rows are dealt to the ranks, then within each rank to its
+grad_accum micro-batches, each time by a greedy longest-first assignment that evens the token sums;
+the number of micro-batches, and so the collectives every rank runs, stays what it is without
+balancing.
 """
 
 from __future__ import annotations
@@ -30,6 +31,21 @@ def balanced_bins(tokens: Sequence[int], bins: int) -> list[list[int]]:
         groups[b].append(i)
         heapq.heappush(heap, (load + tokens[i], b))
     return [sorted(g) for g in groups]
+
+
+def deal(tokens: Sequence[int], ranks: int, per_rank: int) -> list[list[int]]:
+    """Indices 0..len(tokens)-1 as `ranks` × `per_rank` micro-batches, rank-major: first the ranks'
+    shares balanced (what each rank waits on at the step's reduction), then each share over its own
+    micro-batches. When a share ends up with fewer rows than micro-batches (a few very long rows),
+    all micro-batches are balanced at once instead."""
+    shares = balanced_bins(tokens, ranks)
+    if any(len(share) < per_rank for share in shares):
+        return balanced_bins(tokens, ranks * per_rank)
+    return [
+        [share[k] for k in group]
+        for share in shares
+        for group in balanced_bins([tokens[i] for i in share], per_rank)
+    ]
 
 
 def imbalance(tokens: Sequence[int], groups: Sequence[Sequence[int]]) -> float:

@@ -426,7 +426,9 @@ class TokenPolicyGradient:
             chunks = [
                 c
                 for first in range(0, len(chunks), per_step)
-                for c in self._deal(chunks[first : first + per_step])
+                for c in self._deal(
+                    chunks[first : first + per_step], dp if len(chunks) - first >= per_step else 1
+                )
             ]
         for first in range(0, len(chunks), per_step):
             step_rows = torch.tensor([i for c in chunks[first : first + per_step] for i in c])
@@ -436,17 +438,18 @@ class TokenPolicyGradient:
                 self.counts[c[0]] = (tokens / per_step, seqs / per_step)
         return chunks
 
-    def _deal(self, step: list[Chunk]) -> list[Chunk]:
-        """One optimizer step's rows dealt over as many micro-batches as it has, by token count (prompt
-        + response tokens: what a forward computes)."""
-        from stages.update.balance import balanced_bins
+    def _deal(self, step: list[Chunk], ranks: int) -> list[Chunk]:
+        """One optimizer step's rows dealt over `ranks` shares of as many micro-batches as it has, by token
+        count (prompt + response tokens: what a forward computes); a short last step (fewer micro-batches
+        than the ranks' slots) as one share."""
+        from stages.update.balance import deal
 
         rows = [i for c in step for i in c]
         index = torch.tensor(rows)
         tokens = (
             self.data["prompt_mask"][index].sum(-1) + self.data["response_mask"][index].sum(-1)
         ).tolist()
-        return [[rows[k] for k in group] for group in balanced_bins(tokens, len(step))]
+        return [[rows[k] for k in group] for group in deal(tokens, ranks, len(step) // ranks)]
 
     def losses(self, idx: Chunk) -> Iterator[LossItem]:
         from stages.sample.vlm_stage import prompt_inputs, response_batch

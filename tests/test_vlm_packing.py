@@ -95,3 +95,16 @@ def test_packing_is_refused_in_one_line_for_a_model_that_cannot(tiny_omni: Path)
         match=r"^--packing on: --model .+ \(qwen3_omni_moe_thinker\) does not take packed sequences .+; use --packing auto or off$",
     ):
         policy.use_packing("on")
+
+
+def test_update_refuses_packing_and_balancing_for_a_diffusion_objective(tmp_path: Path) -> None:
+    from helpers import fails
+
+    paths = ["--model", str(tmp_path), "--in", str(tmp_path), "--out", str(tmp_path / "out")]
+    for flags in (["--packing", "on"], ["--balance-tokens"]):
+        line = fails(
+            ["update", *paths, "--algo", "flow_grpo", *flags],
+            "--packing on / --balance-tokens",
+            "--algo flow_grpo",
+        )
+        assert line.endswith("drop it")

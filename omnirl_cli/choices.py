@@ -61,6 +61,7 @@ FAMILIES = (  # stages.models.factory.FAMILIES
     "qwen2_5_vl",
     "qwen3_omni_thinker",
     "qwen3_vl",
+    "qwen3_vl_moe",
     "qwen_image",
     "sd3",
     "wan2_1",

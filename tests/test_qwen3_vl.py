@@ -1,4 +1,4 @@
-"""Qwen3-VL through the staged commands on every VLM input mode (text only, one image, several images,
+"""Qwen3-VL, dense and MoE, through the staged commands on every VLM input mode (text only, one image, several images,
 video as frames and as an MP4 file, mixed), as tests/test_vlm_modes.py runs Qwen2.5-VL: the rollout's
 image and video pad tokens (16-px patches, 2x2 merge; each video frame pair behind its timestamp),
 the replay of each mode's log-probs by `logprob` within 1e-5, padded and packed, and a LoRA update on the language model
@@ -16,12 +16,14 @@ from test_vlm_modes import MAX_NEW, MODES, N, by_mode, write_rows
 from stages.shards.reader import ShardSet
 
 
-@pytest.fixture(scope="module")
-def qwen3_vl_run(tmp_path_factory: pytest.TempPathFactory, tiny_qwen3_vl: Path) -> dict[str, Path]:
+@pytest.fixture(scope="module", params=["tiny_qwen3_vl", "tiny_qwen3_vl_moe"])
+def qwen3_vl_run(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> dict[str, Path]:
+    tiny_qwen3_vl = request.getfixturevalue(request.param)
     root = tmp_path_factory.mktemp("qwen3_vl")
     data, _, _ = write_rows(root)
     names = ("samples", "rewards", "logprobs", "packed", "advantages", "policy")
     paths = {name: root / name for name in names}
+    paths["model"] = tiny_qwen3_vl
     model = ["--model", str(tiny_qwen3_vl)]
     run(
         "sample",
@@ -46,7 +48,7 @@ def qwen3_vl_run(tmp_path_factory: pytest.TempPathFactory, tiny_qwen3_vl: Path) 
 
 
 def test_every_mode_is_sampled_with_its_pad_tokens_and_replays_within_1e5(
-    qwen3_vl_run: dict[str, Path], tiny_qwen3_vl: Path
+    qwen3_vl_run: dict[str, Path],
 ) -> None:
     from stages.models.qwen3_vl import load_processor
 
@@ -55,7 +57,7 @@ def test_every_mode_is_sampled_with_its_pad_tokens_and_replays_within_1e5(
     packed = ShardSet(qwen3_vl_run["packed"]).read_all()["old_log_probs"]
     rows = by_mode(data)
     assert sorted(rows) == sorted(MODES)
-    tok = load_processor(tiny_qwen3_vl).tokenizer
+    tok = load_processor(qwen3_vl_run["model"]).tokenizer
     image_pad, video_pad, start = tok.convert_tokens_to_ids(
         ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>"]
     )

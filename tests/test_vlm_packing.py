@@ -1,7 +1,8 @@
 """Packed sequences in the VLM forward (`VLMPolicy._pack`): every row's real tokens back to back, no
 padding, its M-RoPE positions those of the padded batch. On a batch mixing a text-only prompt, an
 image and a video with responses of different lengths, packed equals padded within 1e-5 for the
-response log-probs, the entropies, the GRPO loss and the LoRA gradients, for Qwen2.5-VL and Qwen3-VL;
+response log-probs, the entropies, the GRPO loss and the LoRA gradients, for Qwen2.5-VL and Qwen3-VL
+(dense and MoE, whose router loads and load-balancing loss match too);
 auto packs only with a variable-length (flash) attention kernel; the Qwen3-Omni thinker cannot pack
 and is refused in one line when packing is asked for."""
 
@@ -39,7 +40,7 @@ def mixed_batch(policy: VLMPolicy) -> tuple[dict, torch.Tensor, torch.Tensor]:
     return prompt, ids.masked_fill(~mask, policy.pad_id), mask
 
 
-@pytest.mark.parametrize("family", ["tiny_vlm", "tiny_qwen3_vl"])
+@pytest.mark.parametrize("family", ["tiny_vlm", "tiny_qwen3_vl", "tiny_qwen3_vl_moe"])
 def test_packed_equals_padded_log_probs_loss_and_gradients(
     family: str, request: pytest.FixtureRequest
 ) -> None:
@@ -69,6 +70,26 @@ def test_packed_equals_padded_log_probs_loss_and_gradients(
     assert max(float(g.abs().max()) for g in padded[3]) > 1e-3
     for a, b in zip(packed[3], padded[3]):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_packed_moe_routes_as_padded(tiny_qwen3_vl_moe: Path) -> None:
+    """The MoE variant's router logits over the packed tokens give the padded forward's expert loads
+    and load-balancing loss."""
+    from stages.models import moe
+
+    policy = VLMPolicy.load(tiny_qwen3_vl_moe)
+    prompt, ids, mask = mixed_batch(policy)
+    text = policy.module.config.get_text_config()
+    assert policy.moe and (text.num_experts, text.num_experts_per_tok) == (4, 2)
+    results = {}
+    for mode in ("off", "on"):
+        policy.use_packing(mode)
+        out = policy.response_forward(prompt, ids, mask, router=True)
+        aux = moe.aux_loss(out.router_logits, out.attention_mask, 4, 2)
+        results[mode] = (moe.expert_load(out.router_logits, out.attention_mask, 2), float(aux))
+    assert results["on"][0].shape == (2, 4) and float(results["on"][0].min()) > 0
+    torch.testing.assert_close(results["on"][0], results["off"][0], rtol=0, atol=1e-6)
+    assert results["on"][1] == pytest.approx(results["off"][1], rel=1e-6) and results["on"][1] > 1
 
 
 def test_auto_packs_where_the_model_can_and_attends_with_a_variable_length_kernel(

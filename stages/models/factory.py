@@ -42,6 +42,7 @@ FAMILIES: dict[str, str] = {
     "qwen2_5_vl": "stages.models.qwen2_5_vl:build_qwen2_5_vl",
     "qwen3_omni_thinker": "stages.models.qwen3_omni:build_qwen3_omni_thinker",
     "qwen3_vl": "stages.models.qwen3_vl:build_qwen3_vl",
+    "qwen3_vl_moe": "stages.models.qwen3_vl:build_qwen3_vl_moe",
     "qwen_image": "stages.models.qwen_image:build_qwen_image",
     "sd3": "stages.models.sd3:build_sd3",
     "wan2_1": "stages.models.wan:build_wan2_1",

@@ -83,6 +83,7 @@ VLM_TEXT_TOKENS = 1024
 VLM_CLASSES = {
     "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", None),
     "qwen3_vl": ("Qwen3VLForConditionalGeneration", None),
+    "qwen3_vl_moe": ("Qwen3VLMoeForConditionalGeneration", None),
     "qwen3_omni_moe_thinker": ("Qwen3OmniMoeThinkerForConditionalGeneration", None),
     "qwen3_omni_moe": ("Qwen3OmniMoeThinkerForConditionalGeneration", "thinker_config"),
 }

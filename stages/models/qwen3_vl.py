@@ -1,4 +1,5 @@
-"""Random-weight Qwen3-VL folders (the dense model), shaped like the published checkpoints but tiny.
+"""Random-weight Qwen3-VL folders, dense (`qwen3_vl`) and mixture-of-experts (`qwen3_vl_moe`), shaped
+like the published checkpoints but tiny.
 
 What is kept, because rollout and training code depends on it: the 16-px patches with 2x2 spatial
 merge and temporal patch 2 (an image of h x w pixels, both multiples of 32, becomes h*w/1024
@@ -6,8 +7,10 @@ merge and temporal patch 2 (an image of h x w pixels, both multiples of 32, beco
 added to the first text layers, interleaved M-RoPE over (temporal, height, width), video frames
 separated by their timestamps (`<0.5 seconds>`, each temporal patch its own vision span), the Qwen2
 byte-level tokenizer layout with the ChatML and vision special tokens, ChatML without a default system
-turn. What shrinks: widths, depths, the vocabulary (`stages.models.tokenizers.build_qwen2_tokenizer`)
-and the image pixel budget (64x64 to 128x128 pixels, i.e. 4 to 16 image tokens).
+turn. The MoE variant replaces every text MLP by top-k routed experts (fused expert tensors, no shared
+expert, `router_aux_loss_coef`), the rest unchanged. What shrinks: widths, depths, experts (4, top-2),
+the vocabulary (`stages.models.tokenizers.build_qwen2_tokenizer`) and the image pixel budget (64x64 to
+128x128 pixels, i.e. 4 to 16 image tokens).
 
 The processor is `Qwen3VLImageTextProcessor`: transformers' `Qwen3VLProcessor` with the frames video
 processor of `stages.models.qwen2_5_vl` (transformers builds its own only with torchvision); the
@@ -16,6 +19,7 @@ policy code (`stages.models.vlm`) is the one Qwen2.5-VL uses.
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +30,8 @@ from transformers import (
     GenerationConfig,
     Qwen3VLConfig,
     Qwen3VLForConditionalGeneration,
+    Qwen3VLMoeConfig,
+    Qwen3VLMoeForConditionalGeneration,
     Qwen3VLProcessor,
 )
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -35,6 +41,7 @@ from stages.models.qwen2_5_vl import FramesVideoProcessing, QwenVLFramesVideoPro
 from stages.models.tokenizers import build_qwen2_tokenizer
 
 FAMILY = "qwen3_vl"
+MOE_FAMILY = "qwen3_vl_moe"  # also its config.json model_type
 PATCH_SIZE = 16
 SPATIAL_MERGE_SIZE = 2
 TEMPORAL_PATCH_SIZE = 2
@@ -91,6 +98,10 @@ class Qwen3VLSize:
     max_pixels: int
     vocab: int | None = None  # published sizes: the real vocabulary (None: the local tokenizer's length)
     tie_embeddings: bool = True
+    # MoE sizes: experts per layer, routed per token, and each expert's width (0 experts: dense)
+    experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate: int = 0
 
 
 SIZES: dict[str, Qwen3VLSize] = {
@@ -138,11 +149,19 @@ SIZES: dict[str, Qwen3VLSize] = {
     ),
 }
 SIZES["full"] = SIZES["8b"]
+# The MoE variant: 4 experts of 32, top-2, in every text layer of the tiny shape.
+MOE_SIZES: dict[str, Qwen3VLSize] = {
+    "tiny": Qwen3VLSize(
+        **{**asdict(SIZES["tiny"]), "experts": 4, "experts_per_token": 2, "moe_intermediate": 32}
+    )
+}
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype) -> Qwen3VLForConditionalGeneration:
-    """A Qwen3-VL folder's model (local files only)."""
-    return Qwen3VLForConditionalGeneration.from_pretrained(model_dir, dtype=dtype, use_safetensors=True)
+    """A Qwen3-VL folder's model, dense or MoE by its config's model_type (local files only)."""
+    moe = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type") == MOE_FAMILY
+    cls = Qwen3VLMoeForConditionalGeneration if moe else Qwen3VLForConditionalGeneration
+    return cls.from_pretrained(model_dir, dtype=dtype, use_safetensors=True)
 
 
 def load_processor(model_dir: str | Path) -> Qwen3VLProcessor:
@@ -151,7 +170,8 @@ def load_processor(model_dir: str | Path) -> Qwen3VLProcessor:
 
 
 def _config(spec: Qwen3VLSize, tokenizer: Any) -> Qwen3VLConfig:
-    """Model config whose special-token ids are the tokenizer's and whose vocabulary is exactly its length."""
+    """Model config (MoE when `spec` has experts) whose special-token ids are the tokenizer's and whose
+    vocabulary is exactly its length."""
     names = (
         "<|endoftext|>",
         "<|im_end|>",
@@ -161,8 +181,19 @@ def _config(spec: Qwen3VLSize, tokenizer: Any) -> Qwen3VLConfig:
         "<|vision_end|>",
     )
     ids = dict(zip(names, tokenizer.convert_tokens_to_ids(list(names))))
-    return Qwen3VLConfig(
+    experts = (
+        {
+            "num_experts": spec.experts,
+            "num_experts_per_tok": spec.experts_per_token,
+            "moe_intermediate_size": spec.moe_intermediate,
+            "decoder_sparse_step": 1,
+        }
+        if spec.experts
+        else {}
+    )
+    return (Qwen3VLMoeConfig if spec.experts else Qwen3VLConfig)(
         text_config={
+            **experts,
             "vocab_size": spec.vocab or len(tokenizer),
             "hidden_size": spec.hidden,
             "intermediate_size": spec.intermediate,
@@ -202,15 +233,18 @@ def _config(spec: Qwen3VLSize, tokenizer: Any) -> Qwen3VLConfig:
     )
 
 
-def make_qwen3_vl(size: str, seed: int, tokenizer: Any = None) -> Qwen3VLForConditionalGeneration:
-    """The `Qwen3VLForConditionalGeneration` of `size` with seeded random weights and its generation
-    config, its special-token ids those of `tokenizer` (default: the local Qwen2 tokenizer), built on the
-    current default device (`torch.device("meta")`: the architecture alone, no memory)."""
-    spec: Qwen3VLSize = choose_size(FAMILY, size, SIZES)
+def make_qwen3_vl(
+    size: str, seed: int, tokenizer: Any = None, *, moe: bool = False
+) -> Qwen3VLForConditionalGeneration:
+    """The `Qwen3VLForConditionalGeneration` (`moe`: `Qwen3VLMoeForConditionalGeneration`) of `size` with
+    seeded random weights and its generation config, its special-token ids those of `tokenizer`
+    (default: the local Qwen2 tokenizer), built on the current default device (`torch.device("meta")`:
+    the architecture alone, no memory)."""
+    spec: Qwen3VLSize = choose_size(MOE_FAMILY, size, MOE_SIZES) if moe else choose_size(FAMILY, size, SIZES)
     tokenizer = tokenizer or build_qwen2_tokenizer(spec.max_positions)
     config = _config(spec, tokenizer)
     with seeded(seed, "model"):
-        model = Qwen3VLForConditionalGeneration(config)
+        model = (Qwen3VLMoeForConditionalGeneration if moe else Qwen3VLForConditionalGeneration)(config)
     text = config.text_config
     model.generation_config = GenerationConfig(
         bos_token_id=text.bos_token_id,
@@ -220,12 +254,13 @@ def make_qwen3_vl(size: str, seed: int, tokenizer: Any = None) -> Qwen3VLForCond
     return model
 
 
-def build_qwen3_vl(out_dir: str | Path, *, size: str, seed: int) -> dict[str, Any]:
+def build_qwen3_vl(out_dir: str | Path, *, size: str, seed: int, moe: bool = False) -> dict[str, Any]:
     """Build and save a `Qwen3VLForConditionalGeneration` folder of `size` ("tiny", or the published
-    "8b" = "full") into `out_dir`: weights, config, generation config, tokenizer, image and video
-    processors and chat template. Returns the factory summary (see `stages.models.factory.init_model`).
+    "8b" = "full"; `moe`: a tiny `Qwen3VLMoeForConditionalGeneration`) into `out_dir`: weights, config,
+    generation config, tokenizer, image and video processors and chat template. Returns the factory
+    summary (see `stages.models.factory.init_model`).
     """
-    spec: Qwen3VLSize = choose_size(FAMILY, size, SIZES)
+    spec: Qwen3VLSize = choose_size(MOE_FAMILY, size, MOE_SIZES) if moe else choose_size(FAMILY, size, SIZES)
     out = Path(out_dir)
     tokenizer = build_qwen2_tokenizer(spec.max_positions)
     tokenizer.chat_template = CHAT_TEMPLATE
@@ -240,13 +275,13 @@ def build_qwen3_vl(out_dir: str | Path, *, size: str, seed: int) -> dict[str, An
         video_processor=QwenVLFramesVideoProcessor(**sizes, **layout, **norm),
         chat_template=CHAT_TEMPLATE,
     )
-    model = make_qwen3_vl(size, seed, tokenizer)
+    model = make_qwen3_vl(size, seed, tokenizer, moe=moe)
     with no_progress_bars():
         model.save_pretrained(out, safe_serialization=True)
         processor.save_pretrained(out)
     return finish_model_dir(
         out,
-        family=FAMILY,
+        family=MOE_FAMILY if moe else FAMILY,
         size=size,
         seed=seed,
         pipeline_class=type(model).__name__,
@@ -262,3 +297,8 @@ def build_qwen3_vl(out_dir: str | Path, *, size: str, seed: int) -> dict[str, An
             "architecture": asdict(spec),
         },
     )
+
+
+def build_qwen3_vl_moe(out_dir: str | Path, *, size: str, seed: int) -> dict[str, Any]:
+    """`build_qwen3_vl` of the MoE variant (tiny only)."""
+    return build_qwen3_vl(out_dir, size=size, seed=seed, moe=True)

@@ -60,6 +60,7 @@ BANNED_LOGIT = -1e9
 VLM_FAMILIES = {
     "qwen2_5_vl": "stages.models.qwen2_5_vl",
     "qwen3_vl": "stages.models.qwen3_vl",
+    "qwen3_vl_moe": "stages.models.qwen3_vl",
     "qwen3_omni_moe_thinker": "stages.models.qwen3_omni",
     "qwen3_omni_moe": "stages.models.qwen3_omni",
 }

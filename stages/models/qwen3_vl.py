@@ -302,3 +302,8 @@ def build_qwen3_vl(out_dir: str | Path, *, size: str, seed: int, moe: bool = Fal
 def build_qwen3_vl_moe(out_dir: str | Path, *, size: str, seed: int) -> dict[str, Any]:
     """`build_qwen3_vl` of the MoE variant (tiny only)."""
     return build_qwen3_vl(out_dir, size=size, seed=seed, moe=True)
+
+
+def make_qwen3_vl_moe(size: str, seed: int, tokenizer: Any = None) -> Qwen3VLMoeForConditionalGeneration:
+    """`make_qwen3_vl` of the MoE variant (tiny only)."""
+    return make_qwen3_vl(size, seed, tokenizer, moe=True)

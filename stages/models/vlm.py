@@ -1,7 +1,7 @@
-"""Vision-language and omni models (Qwen2.5-VL, the Qwen3-Omni thinker) seen as RL policies over
-response tokens.
+"""Vision-language and omni models (Qwen2.5-VL, Qwen3-VL dense and MoE, the Qwen3-Omni thinker) seen as
+RL policies over response tokens.
 
-A `VLMPolicy` builds chat inputs with the model's processor (for Qwen2.5-VL always with
+A `VLMPolicy` builds chat inputs with the model's processor (for Qwen2.5-VL and Qwen3-VL always with
 `mm_token_type_ids`, without which transformers 5 silently gives image tokens 1-D positions; the
 thinker derives its positions from the ids, grids and audio lengths), samples responses with HF
 `generate`, and scores response tokens under its current weights. The rollout log-probs come from the

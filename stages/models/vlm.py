@@ -514,8 +514,8 @@ class VLMPolicy:
         router logits of every layer and the attention mask they are over (`ResponseForward`).
 
         Packed (`packed`, `_pack`), the forward runs over the real tokens only, one row of N = Σ lengths
-        instead of B × (prompt + response width): the same values to float rounding, less compute and
-        memory wherever lengths differ."""
+        instead of B × (prompt + response width): the same values to float rounding; less compute and
+        memory wherever lengths differ under a variable-length attention kernel (`varlen_attention`)."""
         inputs = self._forward_inputs(prompt, response_ids, response_mask)
         b, t = response_ids.shape
         routing = {"output_router_logits": True} if router else {}

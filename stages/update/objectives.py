@@ -413,8 +413,8 @@ class TokenPolicyGradient:
 
     def epoch(self, rows: list[int], micro: int, rng: random.Random) -> list[Chunk]:
         """The micro-batches of one pass, `micro` rows each; with --balance-tokens each optimizer step's
-        rows are re-dealt over its micro-batches (every rank's included) by token count
-        (`balance.balanced_bins`). Also records each chunk's share of its step's token and sequence
+        rows are re-dealt by token count to the ranks, then over each rank's micro-batches
+        (`balance.deal`). Also records each chunk's share of its step's token and sequence
         counts, so the loss normalisation is the same however the rows are dealt."""
         from stages.dist import data_parallel
 

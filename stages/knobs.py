@@ -29,6 +29,8 @@ MIXED_PRECISION_MODES = ("no", "bf16", "fp16")
 DTYPES = ("fp32", "bf16", "fp16")  # storage dtypes of frozen weights (`stages.models.diffusion`)
 STRATEGIES = ("auto", "ddp", "fsdp2")  # how a trained module spreads over ranks (`stages.update.parallel`)
 SP_KINDS = ("ulysses", "ring", "unified")  # sequence-parallel attention (`stages.parallelism`)
+# VLM forwards over packed sequences (`stages.models.vlm.VLMPolicy.use_packing`)
+PACKING = ("auto", "on", "off")
 # Where weights (--model, --adapter) may be (`stages.models.hub`), and how their knobs show the value.
 WEIGHTS_FROM = (
     "a local path, or a Hub id ORG/NAME (or ORG/NAME@REVISION) the local Hugging Face cache holds "
@@ -327,6 +329,34 @@ def gradient_checkpointing() -> Any:
         False,
         "Recompute the trained module's activations in the backward (diffusers / transformers "
         "checkpointing): less memory for one more forward per trained step; same numbers.",
+        panel=OPTIMISATION,
+    )
+
+
+def packing() -> Any:
+    """`--packing`: VLM forwards over packed sequences (`stages.models.vlm.VLMPolicy.use_packing`)."""
+    return knob(
+        "auto",
+        "VLM: run each forward over prompt + response on the real tokens only, every sequence back to back "
+        "(no padding; the M-RoPE positions of the padded batch, a block-diagonal mask), as verl's "
+        "use_remove_padding. Same values to float rounding, less compute and memory where lengths differ "
+        "(docs/vlm.md). auto: where the model can (Qwen2.5-VL, Qwen3-VL; not the Qwen3-Omni thinker) and "
+        "attends with a flash-attention (variable-length) kernel; sdpa and eager attend over a dense mask "
+        "of the packed row, which costs more than the padding saves. on: pack whatever the kernel (refused "
+        "for a model that cannot); off: padded.",
+        choices=PACKING,
+        panel=OPTIMISATION,
+    )
+
+
+def balance_tokens() -> Any:
+    """`--balance-tokens`: micro-batches dealt by token count (`stages.update.balance`)."""
+    return knob(
+        False,
+        "VLM: deal each optimizer step's rows over its micro-batches (and so over the ranks) by token "
+        "count, longest first to the lightest, instead of --micro-batch rows each (verl's dynamic batch "
+        "size and sequence balancing): the slowest rank waits less. The loss stays the step's exact "
+        "token- or sequence-mean.",
         panel=OPTIMISATION,
     )
 

@@ -51,6 +51,26 @@ def tiny_vlm(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_vl(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen3-VL folder (seed 0) with its processor, loadable with `from_pretrained`."""
+    from stages.models.factory import init_model
+
+    out = tmp_path_factory.mktemp("models") / "qwen3_vl-tiny"
+    init_model("qwen3_vl", out, size="tiny", seed=0)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_vl_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen3-VL MoE folder (seed 0) with its processor, loadable with `from_pretrained`."""
+    from stages.models.factory import init_model
+
+    out = tmp_path_factory.mktemp("models") / "qwen3_vl_moe-tiny"
+    init_model("qwen3_vl_moe", out, size="tiny", seed=0)
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_omni(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Qwen3-Omni thinker folder (seed 0) with its processor, loadable with `from_pretrained`."""
     from stages.models.factory import init_model

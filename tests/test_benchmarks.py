@@ -16,7 +16,13 @@ BENCHMARKS = sorted((ROOT / "benchmarks").glob("bench_*.py"))  # what benchmarks
 
 
 def test_every_benchmark_is_found() -> None:
-    assert {p.stem for p in BENCHMARKS} >= {"bench_shard_io", "bench_vlm", "bench_online", "bench_remote"}
+    assert {p.stem for p in BENCHMARKS} >= {
+        "bench_shard_io",
+        "bench_vlm",
+        "bench_vlm_pack",
+        "bench_online",
+        "bench_remote",
+    }
 
 
 @pytest.mark.slow

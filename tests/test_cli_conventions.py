@@ -82,7 +82,12 @@ def test_shell_completion_through_the_completion_protocol() -> None:
         ("update", "--algo", "g", ["grpo_guard", "grpo", "gspo"]),
         ("advantage", "--estimator", "grpo_", ["grpo_group", "grpo_verl", "grpo_trl", "grpo_batch_std"]),
         ("score", "--reward", "jpeg", ["jpeg_compressibility", "jpeg_incompressibility"]),
-        ("init-model", "--family", "q", ["qwen2_5_vl", "qwen3_omni_thinker", "qwen_image"]),
+        (
+            "init-model",
+            "--family",
+            "q",
+            ["qwen2_5_vl", "qwen3_omni_thinker", "qwen3_vl", "qwen3_vl_moe", "qwen_image"],
+        ),
     ],
 )
 def test_open_registries_complete_builtins_and_refuse_no_plugin(

@@ -326,3 +326,16 @@ def test_small_builds_and_takes_a_128px_step(tmp_path: Path, offline: None) -> N
     assert sum(summary["parameters"].values()) > 20 * sum(
         init_model("sd3", tmp_path / "tiny", size="tiny", seed=0)["parameters"].values()
     )
+
+
+def test_every_family_has_its_make_beside_its_build() -> None:
+    """`make_model` (and so `omnirl plan`) finds each family's `make_X` beside its `build_X`."""
+    import importlib
+
+    from stages.models.factory import FAMILIES
+
+    for family, target in FAMILIES.items():
+        module, attribute = target.split(":")
+        assert callable(
+            getattr(importlib.import_module(module), "make_" + attribute.removeprefix("build_"))
+        ), family

@@ -50,6 +50,12 @@ def test_qwen2_5_vl_sizes_have_the_published_parameter_counts(size: str, publish
     assert sum(_parameters("qwen2_5_vl", size).values()) == pytest.approx(published, rel=0.01)
 
 
+def test_qwen3_vl_8b_has_the_published_parameter_count() -> None:
+    # Qwen/Qwen3-VL-8B-Instruct's model card: 8.77 B
+    parameters = _parameters("qwen3_vl", "8b")
+    assert sum(parameters.values()) == pytest.approx(8.77e9, rel=0.01)
+
+
 @pytest.mark.parametrize(("family", "module"), [("qwen_image", "qwen_image"), ("wan2_2_a14b", "wan")])
 def test_init_model_full_builds_the_planned_architecture(
     family: str, module: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -507,7 +507,8 @@ def test_presets_state_the_optimizer_step_over_all_ranks() -> None:
             assert steps == [cfg.samples_per_step] * 3, preset.name
             stepped[preset.stem] = cfg.samples_per_step
     assert stepped["flow_grpo_qwen_image"] == 256 and stepped["nft_qwen_image"] == 192  # verl-omni's
-    assert stepped["vlm_grpo_qwen2_5_vl"] == 640  # verl geo3k: 128 prompts × 5
+    # verl geo3k: 128 prompts × 5
+    assert stepped["vlm_grpo_qwen2_5_vl"] == stepped["vlm_grpo_qwen3_vl"] == 640
 
 
 def test_every_builtin_algo_name_is_implemented() -> None:

@@ -354,3 +354,86 @@ def test_frames_video_processor_lays_patches_out_as_the_image_processor(tiny_vlm
     assert int((inputs["input_ids"] == video_pad).sum()) == 2 * 6 * 6 // 4
     assert int((inputs["mm_token_type_ids"] == 2).sum()) == 18
     assert inputs["second_per_grid_ts"].tolist() == [0.5]
+
+
+def _update(modes_run: dict[str, Path], tiny_vlm: Path, out: Path, *extra: str) -> tuple[dict, dict]:
+    """One `update` optimizer step over the 16 rows in 4 micro-batches; its metrics and adapter."""
+    from safetensors.torch import load_file
+
+    run(
+        "update",
+        "--model",
+        str(tiny_vlm),
+        *ins(modes_run["samples"], modes_run["logprobs"], modes_run["advantages"]),
+        *("--no-shuffle", "--micro-batch", "4", "--grad-accum", "4", "--lora-rank", "4", "--lr", "1e-2"),
+        *("--algo", "grpo", "--beta", "0.01", *extra, "--out", str(out)),
+    )
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1]
+    return metrics[0], load_file(out / "adapter_model.safetensors")
+
+
+def test_packing_and_token_balancing_leave_the_step_unchanged(
+    modes_run: dict[str, Path], tiny_vlm: Path, tmp_path: Path
+) -> None:
+    """The step over every mode is the same padded (the default here: sdpa attention), packed, and
+    packed with the rows dealt over the micro-batches by token count: loss, gradient norm and trained
+    weights."""
+    base, weights = _update(modes_run, tiny_vlm, tmp_path / "padded", "--packing", "off")
+    assert max(float(weights[k].abs().max()) for k in weights if "lora_B" in k) > 1e-4
+    for extra in (("--packing", "on"), ("--packing", "on", "--balance-tokens")):
+        metrics, other = _update(modes_run, tiny_vlm, tmp_path / "-".join(extra), *extra)
+        for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy"):
+            assert metrics[key] == pytest.approx(base[key], rel=1e-5, abs=1e-7), (extra, key)
+        for k in weights:  # Adam's first step is ±lr·(1e-2) wherever |grad| >> eps; 1e-5 is 0.1 % of it
+            torch.testing.assert_close(other[k], weights[k], rtol=0, atol=1e-5)
+
+
+def test_token_balancing_deals_a_step_evenly(modes_run: dict[str, Path]) -> None:
+    """The objective's micro-batches of one step: row counts follow the tokens, every row once, and the
+    heaviest micro-batch carries less above the mean than with --micro-batch rows each."""
+    from stages.update.balance import imbalance
+    from stages.update.objectives import TokenPolicyGradient
+    from stages.update.trainer import UpdateConfig
+
+    data = ShardSet(modes_run["samples"]).read_all()
+    tokens = (data["prompt_mask"].sum(-1) + data["response_mask"].sum(-1)).tolist()
+    rows = list(range(len(tokens)))
+    chunks = {}
+    for balance in (False, True):
+        cfg = UpdateConfig(algo="grpo", grad_accum=4, balance_tokens=balance)
+        objective = TokenPolicyGradient.__new__(TokenPolicyGradient)  # epoch reads data and cfg only
+        objective.data, objective.cfg, objective.counts = data, cfg, {}
+        chunks[balance] = objective.epoch(rows, 4, None)
+    assert [len(c) for c in chunks[False]] == [4, 4, 4, 4]
+    assert sorted(i for c in chunks[True] for i in c) == rows and len(chunks[True]) == 4
+    assert imbalance(tokens, chunks[True]) < imbalance(tokens, chunks[False])
+    assert imbalance(tokens, chunks[True]) < 1.1
+
+
+@pytest.mark.distributed
+def test_two_ranks_equal_one_process_packed_and_token_balanced(
+    modes_run: dict[str, Path], tiny_vlm: Path, tmp_path: Path
+) -> None:
+    """torchrun with 2 gloo ranks, each dealt its share of the step by token count, packed forwards =
+    1 process with the same 4 micro-batches: same loss, gradient norm and weights."""
+    from safetensors.torch import load_file
+
+    common = [
+        "--model",
+        str(tiny_vlm),
+        *ins(modes_run["samples"], modes_run["logprobs"], modes_run["advantages"]),
+    ]
+    common += ["--no-shuffle", "--micro-batch", "4", "--lora-rank", "4", "--lr", "1e-2", "--algo", "grpo"]
+    common += ["--packing", "on", "--balance-tokens"]
+    run("update", *common, "--grad-accum", "4", "--out", str(tmp_path / "one"))
+    torchrun("update", *common, "--grad-accum", "2", "--out", str(tmp_path / "two"))
+    m1 = json.loads((tmp_path / "one" / "metrics.jsonl").read_text())
+    m2 = json.loads((tmp_path / "two" / "metrics.jsonl").read_text())
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/ratio_mean"):
+        assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-9)
+    one = load_file(tmp_path / "one" / "adapter_model.safetensors")
+    two = load_file(tmp_path / "two" / "adapter_model.safetensors")
+    assert max(float(one[k].abs().max()) for k in one if "lora_B" in k) > 1e-4
+    for k in one:
+        torch.testing.assert_close(two[k], one[k], rtol=0, atol=1e-6)

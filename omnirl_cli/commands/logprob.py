@@ -38,7 +38,7 @@ def run(c: LogprobConfig, json_: bool) -> None:
 
     A VLM rollout (text responses) gets every response token's log-prob (old_log_probs [T]) from one
     forward over prompt + response per sampling batch, and with --reference the base model's
-    ref_log_probs [T].
+    ref_log_probs [T]; that forward runs over packed sequences where the model can (--packing).
 
     A re-run skips shards that are complete and verified; over a finished --out it replays nothing, says
     so, and reports that output's |Δ logp| (`"skipped": true` with --json).
@@ -73,6 +73,8 @@ def run(c: LogprobConfig, json_: bool) -> None:
             "--sp-degree / --tp-degree / --attention-backend / --compile: diffusion transformers only; drop "
             "it for a text rollout"
         )
+    if c.packing == "on" and not tokens:
+        raise UserInputError("--packing on: text (VLM) rollouts only; drop it for a diffusion rollout")
     kernels.validate()
     layout(parallel)  # before the shards are split over the data-parallel ranks
     sample_cfg = vlm_sample_config_of(src.manifests) if tokens else sample_config_of(src.manifests)
@@ -126,6 +128,7 @@ def run(c: LogprobConfig, json_: bool) -> None:
         policy: Any = None
         if replaying and tokens:
             policy = VLMPolicy.load(c.model, adapter=c.adapter, device=device(), dtype=c.dtype)
+            policy.use_packing(c.packing)
         elif replaying:  # no VAE, and no text encoder when the rollout stores its conditioning
             policy = FlowPolicy.for_rollout(
                 c.model,

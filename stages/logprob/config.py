@@ -68,5 +68,6 @@ class LogprobConfig:
     tp_degree: int = knobs.tp_degree()
     attention_backend: str | None = knobs.attention_backend()
     compile: bool = knobs.compile()
+    packing: str = knobs.packing()
     fmt: str = knobs.shard_format()
     overwrite: bool = knobs.overwrite()

@@ -26,6 +26,8 @@ FAMILIES: dict[str, str] = {
     "flux_kontext": "stages.models.flux_kontext:build_flux_kontext",
     "qwen2_5_vl": "stages.models.qwen2_5_vl:build_qwen2_5_vl",
     "qwen3_omni_thinker": "stages.models.qwen3_omni:build_qwen3_omni_thinker",
+    "qwen3_vl": "stages.models.qwen3_vl:build_qwen3_vl",
+    "qwen3_vl_moe": "stages.models.qwen3_vl:build_qwen3_vl_moe",
     "qwen_image": "stages.models.qwen_image:build_qwen_image",
     "sd3": "stages.models.sd3:build_sd3",
     "wan2_1": "stages.models.wan:build_wan2_1",
@@ -35,7 +37,7 @@ FAMILIES: dict[str, str] = {
 }
 FAMILY_NAMES = tuple(FAMILIES)
 # test, benchmark and published sizes: "full" names each family's flagship, the others their published names
-MODEL_SIZES = ("tiny", "small", "demo", "full", "medium", "1.3b", "3b", "7b")
+MODEL_SIZES = ("tiny", "small", "demo", "full", "medium", "1.3b", "3b", "7b", "8b")
 
 MODEL = "Model"
 DEVICE = "Devices"
@@ -53,8 +55,8 @@ class InitModelConfig:
         "tiny (fast tests), small (benchmarks), for sd3 demo (the pixel-VAE shape `omnirl pretrain` "
         "trains for the demo: 4 latent channels, 64 px at most, 24 CLIP + 32 T5 tokens), or a published "
         "size with random weights, for GPU benchmarks: full (each family's flagship: SD3.5 Large, FLUX.1-dev, "
-        "Qwen-Image 20B, Z-Image, Wan 2.1 T2V 14B, Wan 2.2 5B / A14B, Qwen2.5-VL 7B, the Qwen3-Omni "
-        "thinker), sd3 medium, wan2_1 1.3b, qwen2_5_vl 3b / 7b. `omnirl plan --family F --size S` says "
+        "Qwen-Image 20B, Z-Image, Wan 2.1 T2V 14B, Wan 2.2 5B / A14B, Qwen2.5-VL 7B, Qwen3-VL 8B, the "
+        "Qwen3-Omni thinker), sd3 medium, wan2_1 1.3b, qwen2_5_vl 3b / 7b, qwen3_vl 8b. `omnirl plan --family F --size S` says "
         "what a size needs.",
         choices=MODEL_SIZES,
     )
@@ -78,7 +80,7 @@ class PlanConfig:
     size: str = knob(
         "full",
         "Size of --family: full (its flagship: Qwen-Image 20B, FLUX.1-dev, Wan 2.1 T2V 14B, SD3.5 "
-        "Large, ...), another published size (sd3 medium, wan2_1 1.3b, qwen2_5_vl 3b / 7b) or tiny / small.",
+        "Large, ...), another published size (sd3 medium, wan2_1 1.3b, qwen2_5_vl 3b / 7b, qwen3_vl 8b) or tiny / small.",
         choices=MODEL_SIZES,
         panel=MODEL,
     )

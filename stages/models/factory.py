@@ -16,7 +16,7 @@ it directly on an accelerator instead, for benchmarks that never write its weigh
 
 Sizes: "tiny" (tests), "small" (benchmarks), and each family's published sizes with the real widths,
 depths and vocabularies, "full" naming its flagship (Qwen-Image 20B, FLUX.1-dev, Wan 2.1 T2V 14B, SD3.5
-Large, ...), for GPU benchmarks; the others by their published names ("medium", "1.3b", "3b", "7b").
+Large, ...), for GPU benchmarks; the others by their published names ("medium", "1.3b", "3b", "7b", "8b").
 """
 
 from __future__ import annotations

@@ -84,6 +84,8 @@ PLANNED_ELSEWHERE = ("model", "family", "size", "device_memory", "sp_degree", "s
 # Qwen3-Omni folder trains its thinker.
 VLM_CLASSES = {
     "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", None),
+    "qwen3_vl": ("Qwen3VLForConditionalGeneration", None),
+    "qwen3_vl_moe": ("Qwen3VLMoeForConditionalGeneration", None),
     "qwen3_omni_moe_thinker": ("Qwen3OmniMoeThinkerForConditionalGeneration", None),
     "qwen3_omni_moe": ("Qwen3OmniMoeThinkerForConditionalGeneration", "thinker_config"),
 }

@@ -48,29 +48,38 @@ TEMPORAL_PATCH_SIZE = 2
 ROPE_THETA = 1_000_000.0
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 
-# ChatML as Qwen2.5-VL renders it: a default system turn when the conversation has none, each image
-# part as <|vision_start|><|image_pad|><|vision_end|> (the processor expands the pad), and
-# `add_generation_prompt` opening the assistant turn.
-CHAT_TEMPLATE = (
-    "{%- macro render(content) -%}"
-    "{%- if content is string -%}{{- content -}}"
-    "{%- else -%}{%- for part in content -%}"
-    "{%- if part.type == 'image' or 'image' in part or 'image_url' in part -%}"
-    "{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
-    "{%- elif part.type == 'video' or 'video' in part -%}"
-    "{{- '<|vision_start|><|video_pad|><|vision_end|>' -}}"
-    "{%- elif 'text' in part -%}{{- part.text -}}"
-    "{%- endif -%}"
-    "{%- endfor -%}{%- endif -%}"
-    "{%- endmacro -%}"
-    "{%- if messages[0].role != 'system' -%}"
-    "{{- '<|im_start|>system\\n" + DEFAULT_SYSTEM_PROMPT + "<|im_end|>\\n' -}}"
-    "{%- endif -%}"
-    "{%- for message in messages -%}"
-    "{{- '<|im_start|>' + message.role + '\\n' + render(message.content) + '<|im_end|>\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
-)
+
+def chat_template(default_system: str | None) -> str:
+    """ChatML as the Qwen-VL models render it: a default system turn when the conversation has none
+    (Qwen2.5-VL's; None: none, as Qwen3-VL), each image part as
+    <|vision_start|><|image_pad|><|vision_end|> and each video part likewise with <|video_pad|> (the
+    processor expands the pad), and `add_generation_prompt` opening the assistant turn."""
+    system = (
+        "{%- if messages[0].role != 'system' -%}"
+        "{{- '<|im_start|>system\\n" + default_system + "<|im_end|>\\n' -}}"
+        "{%- endif -%}"
+        if default_system
+        else ""
+    )
+    return (
+        "{%- macro render(content) -%}"
+        "{%- if content is string -%}{{- content -}}"
+        "{%- else -%}{%- for part in content -%}"
+        "{%- if part.type == 'image' or 'image' in part or 'image_url' in part -%}"
+        "{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
+        "{%- elif part.type == 'video' or 'video' in part -%}"
+        "{{- '<|vision_start|><|video_pad|><|vision_end|>' -}}"
+        "{%- elif 'text' in part -%}{{- part.text -}}"
+        "{%- endif -%}"
+        "{%- endfor -%}{%- endif -%}"
+        "{%- endmacro -%}" + system + "{%- for message in messages -%}"
+        "{{- '<|im_start|>' + message.role + '\\n' + render(message.content) + '<|im_end|>\\n' -}}"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+    )
+
+
+CHAT_TEMPLATE = chat_template(DEFAULT_SYSTEM_PROMPT)
 
 
 class QwenVLFramesVideoProcessor(VideoProcessorMixin):

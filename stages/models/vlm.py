@@ -1,7 +1,7 @@
-"""Vision-language and omni models (Qwen2.5-VL, the Qwen3-Omni thinker) seen as RL policies over
-response tokens.
+"""Vision-language and omni models (Qwen2.5-VL, Qwen3-VL dense and MoE, the Qwen3-Omni thinker) seen as
+RL policies over response tokens.
 
-A `VLMPolicy` builds chat inputs with the model's processor (for Qwen2.5-VL always with
+A `VLMPolicy` builds chat inputs with the model's processor (for Qwen2.5-VL and Qwen3-VL always with
 `mm_token_type_ids`, without which transformers 5 silently gives image tokens 1-D positions; the
 thinker derives its positions from the ids, grids and audio lengths), samples responses with HF
 `generate`, and scores response tokens under its current weights. The rollout log-probs come from the
@@ -27,6 +27,7 @@ import torch
 
 from stages.dist import unwrap
 from stages.errors import UserInputError
+from stages.knobs import PACKING
 from stages.models.diffusion import DTYPES
 from stages.models.folders import (
     ADAPTER_CONFIG,
@@ -58,6 +59,8 @@ BANNED_LOGIT = -1e9
 # omnirl's processor classes). A whole Qwen3-Omni folder (qwen3_omni_moe) loads as its thinker.
 VLM_FAMILIES = {
     "qwen2_5_vl": "stages.models.qwen2_5_vl",
+    "qwen3_vl": "stages.models.qwen3_vl",
+    "qwen3_vl_moe": "stages.models.qwen3_vl",
     "qwen3_omni_moe_thinker": "stages.models.qwen3_omni",
     "qwen3_omni_moe": "stages.models.qwen3_omni",
 }
@@ -156,6 +159,7 @@ class VLMPolicy:
         self.model_path = model_path
         self.lora = bool(getattr(model, "peft_config", None))
         self._reference: torch.nn.Module | None = None
+        self.packed = model is not None and self.can_pack and self.varlen_attention  # `use_packing("auto")`
         tok = processor.tokenizer
         self.pad_id = tok.pad_token_id
         self.banned_ids = sorted(
@@ -381,13 +385,71 @@ class VLMPolicy:
 
     @property
     def _takes_token_types(self) -> bool:
-        """True for models whose forward needs `mm_token_type_ids` for 3-D positions (Qwen2.5-VL; the
+        """True for models whose forward needs `mm_token_type_ids` for 3-D positions (Qwen2.5-VL, Qwen3-VL; the
         Qwen3-Omni thinker derives them from the ids and grids; a weightless policy runs no forward)."""
         if self.model is None:
             return False
+        return "mm_token_type_ids" in inspect.signature(type(self._base_model).forward).parameters
+
+    @property
+    def can_pack(self) -> bool:
+        """True when the model's forward takes packed sequences: its M-RoPE positions come from the ids,
+        token types and grids alone (`compute_3d_position_ids`: Qwen2.5-VL, Qwen3-VL), so they can be
+        computed on the padded batch and packed with the tokens. The Qwen3-Omni thinker also needs its
+        audio lengths there and is replayed padded."""
+        inner = getattr(self._base_model, "model", None)
+        return self._takes_token_types and hasattr(inner, "compute_3d_position_ids")
+
+    @property
+    def _base_model(self) -> Any:
+        """The transformers model under any data-parallel or PEFT wrapper."""
         model = self.module
-        model = model.get_base_model() if hasattr(model, "get_base_model") else model  # under PEFT
-        return "mm_token_type_ids" in inspect.signature(type(model).forward).parameters
+        return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+    @property
+    def varlen_attention(self) -> bool:
+        """True when the model attends with a variable-length kernel (transformers' flash-attention paths,
+        which take each sequence's start from the restarting position ids), so a packed row costs the
+        sum of its sequences' L². The others (sdpa, eager) attend over a dense N × N mask of the packed
+        row: more work than the padded batch's B × L², so packing does not pay there."""
+        return "flash" in str(getattr(self._base_model.config, "_attn_implementation", "") or "")
+
+    def use_packing(self, mode: str) -> None:
+        """--packing: `on` packs every forward over prompt + response (refused, one line, for a model that
+        cannot), `off` pads, `auto` (the default) packs where the model can and attends with a
+        variable-length kernel (`varlen_attention`)."""
+        if mode not in PACKING:
+            raise UserInputError(f"--packing {mode}: choose one of {', '.join(PACKING)}")
+        if mode == "on" and not self.can_pack:
+            raise UserInputError(
+                f"--packing on: --model {self.model_path} ({model_type(self.model_path)}) does not take packed "
+                "sequences (only Qwen2.5-VL and Qwen3-VL do); use --packing auto or off"
+            )
+        self.packed = self.can_pack and (mode == "on" or (mode == "auto" and self.varlen_attention))
+
+    def _pack(self, inputs: dict[str, Any], t: int) -> tuple[dict[str, Any], torch.Tensor]:
+        """The forward inputs as one row of every sequence's real tokens back to back [1, N] (no padding),
+        and the packed index [B·T] of the position predicting each of the last t (response) tokens.
+
+        The M-RoPE positions [3, B, L] are computed on the padded batch, as the padded forward computes
+        them, and packed with the tokens; a fourth leading row restarts at 0 with each sequence, from
+        which transformers builds the block-diagonal causal mask (no token attends across sequences).
+        """
+        mask = inputs["attention_mask"].bool()
+        inner = self._base_model.model
+        wanted = inspect.signature(inner.compute_3d_position_ids).parameters
+        given = {"inputs_embeds": None, "cache": None, **inputs}
+        positions = inner.compute_3d_position_ids(**{k: given.get(k) for k in wanted})
+        width = mask.shape[1]
+        if positions is None:  # text only: the positions the model counts itself
+            positions = torch.arange(width, device=mask.device).expand(3, mask.shape[0], -1)
+        lengths = mask.sum(1).tolist()
+        restart = torch.cat([torch.arange(n, device=mask.device) for n in lengths])
+        position_ids = torch.cat([restart[None], positions[:, mask]])[:, None]  # [4, 1, N]
+        index = (mask.flatten().cumsum(0) - 1).view_as(mask)[:, width - t - 1 : width - 1]
+        packed = {k: inputs[k][mask][None] for k in ("input_ids", "mm_token_type_ids") if k in inputs}
+        rest = {k: v for k, v in inputs.items() if k not in (*packed, "attention_mask")}
+        return {**rest, **packed, "position_ids": position_ids}, index.flatten()
 
     def _forward_inputs(
         self, prompt: dict[str, torch.Tensor], response_ids: torch.Tensor, response_mask: torch.Tensor
@@ -449,13 +511,26 @@ class VLMPolicy:
         router: bool = False,
     ) -> ResponseForward:
         """`response_stats` in one forward over prompt + response, plus, with `router` (MoE models), the
-        router logits of every layer and the attention mask they are over (`ResponseForward`)."""
+        router logits of every layer and the attention mask they are over (`ResponseForward`).
+
+        Packed (`packed`, `_pack`), the forward runs over the real tokens only, one row of N = Σ lengths
+        instead of B × (prompt + response width): the same values to float rounding; less compute and
+        memory wherever lengths differ under a variable-length attention kernel (`varlen_attention`)."""
         inputs = self._forward_inputs(prompt, response_ids, response_mask)
-        t = response_ids.shape[1]
-        out = self.model(**inputs, logits_to_keep=t + 1, **({"output_router_logits": True} if router else {}))
-        # logits only where a response token is predicted: the last prompt position onwards (a model
-        # that ignores logits_to_keep, as the Qwen3-Omni thinker does, returns them all)
-        aligned = self.allowed(out.logits[:, -(t + 1) : -1])
+        b, t = response_ids.shape
+        routing = {"output_router_logits": True} if router else {}
+        mask = inputs["attention_mask"]
+        if self.packed:  # packed: the logits of the positions predicting response tokens, picked by index
+            packed, index = self._pack(inputs, t)
+            # no KV cache: transformers derives the block-diagonal mask only for a forward without one
+            out = self.model(**packed, logits_to_keep=index, use_cache=False, **routing)
+            aligned = self.allowed(out.logits.view(b, t, -1))
+            mask = torch.ones_like(packed["input_ids"])
+        else:
+            out = self.model(**inputs, logits_to_keep=t + 1, **routing)
+            # logits only where a response token is predicted: the last prompt position onwards (a model
+            # that ignores logits_to_keep, as the Qwen3-Omni thinker does, returns them all)
+            aligned = self.allowed(out.logits[:, -(t + 1) : -1])
         logp = token_log_probs(aligned, response_ids, temperature)
         ent = None
         if entropy and not entropy_grad:
@@ -464,7 +539,7 @@ class VLMPolicy:
         elif entropy:
             ent = token_entropy(aligned, temperature)
         logits = tuple(out.router_logits) if router else None
-        return ResponseForward(logp, ent, logits, inputs["attention_mask"] if router else None)
+        return ResponseForward(logp, ent, logits, mask if router else None)
 
     def allowed(self, logits: torch.Tensor) -> torch.Tensor:
         """Logits [..., V] with the vision markers (`VISION_TOKENS`) pushed to a finite −1e9, so they get

@@ -88,6 +88,8 @@ class UpdateConfig:
     tp_degree: int = knobs.tp_degree()
     attention_backend: str | None = knobs.attention_backend()
     compile: bool = knobs.compile()
+    packing: str = knobs.packing()
+    balance_tokens: bool = knobs.balance_tokens()
     algo: str = knob(
         "flow_grpo",
         "flow_grpo (first int(K·f) steps), dance_grpo (random steps per sample), mix_grpo (the stored "
@@ -557,6 +559,11 @@ class UpdateConfig:
             raise UserInputError(f"--kl-mask-threshold {self.kl_mask_threshold}: must be a finite number > 0")
         if not 0 < self.dgpo_beta < math.inf:
             raise UserInputError(f"--dgpo-beta {self.dgpo_beta}: must be a finite number > 0")
+        if algo.family != "token" and (self.packing == "on" or self.balance_tokens):
+            raise UserInputError(
+                f"--packing on / --balance-tokens: VLM token objectives (grpo, dapo, gspo) only, not --algo "
+                f"{algo.name}; drop it"
+            )
         self.kernels.validate()
         from stages.update import rollout_correction
 

@@ -597,12 +597,24 @@ class TokenPolicyGradient:
             self.metric_keys = (*type(self).metric_keys, *moe.metric_keys(moe.sparse_layers(text)))
 
     def epoch(self, rows: list[int], micro: int, rng: random.Random) -> list[Chunk]:
+        """The micro-batches of one pass, `micro` rows each; with --balance-tokens each optimizer step's
+        rows are re-dealt by token count to the ranks, then over each rank's micro-batches
+        (`balance.deal`). Also records each chunk's share of its step's token and sequence
+        counts, so the loss normalisation is the same however the rows are dealt."""
         from stages.dist import data_parallel
 
         chunks = _chunks(rows, micro)
         dp = data_parallel()[0]
         per_step = self.cfg.accumulation(micro, dp) * dp
         mask = self.data["response_mask"].bool()
+        if self.cfg.balance_tokens:
+            chunks = [
+                c
+                for first in range(0, len(chunks), per_step)
+                for c in self._deal(
+                    chunks[first : first + per_step], dp if len(chunks) - first >= per_step else 1
+                )
+            ]
         for first in range(0, len(chunks), per_step):
             step_rows = torch.tensor([i for c in chunks[first : first + per_step] for i in c])
             tokens = float(mask[step_rows].sum())
@@ -610,6 +622,19 @@ class TokenPolicyGradient:
             for c in chunks[first : first + per_step]:
                 self.counts[c[0]] = (tokens / per_step, seqs / per_step)
         return chunks
+
+    def _deal(self, step: list[Chunk], ranks: int) -> list[Chunk]:
+        """One optimizer step's rows dealt over `ranks` shares of as many micro-batches as it has, by token
+        count (prompt + response tokens: what a forward computes); a short last step (fewer micro-batches
+        than the ranks' slots) as one share."""
+        from stages.update.balance import deal
+
+        rows = [i for c in step for i in c]
+        index = torch.tensor(rows)
+        tokens = (
+            self.data["prompt_mask"][index].sum(-1) + self.data["response_mask"][index].sum(-1)
+        ).tolist()
+        return [[rows[k] for k in group] for group in deal(tokens, ranks, len(step) // ranks)]
 
     def losses(self, idx: Chunk) -> Iterator[LossItem]:
         from stages.sample.vlm_stage import prompt_inputs, response_batch

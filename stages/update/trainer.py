@@ -143,6 +143,8 @@ class Trainer:
             policy.family.detach_uncond = cfg.detach_uncond
         vision = {"train_vision": cfg.train_vision} if isinstance(policy, VLMPolicy) else {}
         policy.trainable_parameters(full=cfg.full, **vision)
+        if isinstance(policy, VLMPolicy):
+            policy.use_packing(cfg.packing)
         if cfg.gradient_checkpointing or launcher_checkpointing():
             policy.gradient_checkpointing()
         if isinstance(policy, VLMPolicy) and (cfg.parallel.degree > 1 or cfg.kernels != Kernels()):

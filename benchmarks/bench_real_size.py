@@ -303,8 +303,8 @@ def online_iteration(
     run: Path,
 ) -> None:
     """Iteration 1 of the `omnirl online` driver's loop at staleness 0, the data in memory."""
-    from stages.advantage.stage import compute_advantages
-    from stages.online.pipeline import TENSORS, OnlineConfig, iteration_rows
+    from stages.advantage.config import AdvantageConfig
+    from stages.online.pipeline import TENSORS, OnlineConfig, iteration_advantages, iteration_rows
     from stages.sample.engines import DiffusersEngine
     from stages.sample.stage import in_rollout, sample_shard
     from stages.score.stage import score_shard
@@ -319,8 +319,7 @@ def online_iteration(
         update=ucfg,
         group_size=args.group_size,
         rewards=[(REWARD, 1.0)],
-        estimator=advantage["estimator"],
-        adv_clip=advantage["clip"],
+        advantage=AdvantageConfig(estimator=advantage["estimator"], clip=advantage["clip"]),
         dtype=args.dtype,
     )
     k = 1
@@ -344,16 +343,7 @@ def online_iteration(
         held["rewards"] = score_shard(held["job"], cfg.rewards, modality="image", reward_args=cfg.reward_args)
 
     def advantage_stage() -> None:
-        data = held["data"]
-        data["reward"] = held["rewards"]["reward"]
-        adv, _ = compute_advantages(
-            data,
-            estimator=cfg.estimator,
-            clip=cfg.adv_clip,
-            drop_zero_std=cfg.drop_zero_std,
-            num_steps=data["log_probs"].shape[1],
-        )
-        data.update({key: v for key, v in adv.items() if key != "sample_id"})
+        iteration_advantages(cfg, held["data"], held["rewards"])
 
     def update() -> None:
         policy.forget_prompts()

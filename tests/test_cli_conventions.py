@@ -482,10 +482,9 @@ def test_online_update_section_takes_the_training_settings_only() -> None:
     online's trainer never runs, are no settings of online's update section: refused, not dropped."""
     from omnirl_cli.commands.online import _dataclass, _stage_keys
     from stages.errors import UserInputError
-    from stages.sample.rollout import SampleConfig
     from stages.update.config import UpdateConfig
 
-    names = _stage_keys(SampleConfig, UpdateConfig)["update"]
+    names = _stage_keys()["update"]
     assert {"lr", "betas", "strategy", "mixed_precision", "ema_every"} <= names
     for key in ("model", "out", "dtype", "sp_degree", "attention_backend", "compile"):
         with pytest.raises(UserInputError, match=rf"'update\.{key}' is not a setting"):

@@ -197,10 +197,8 @@ def test_top_level_preset_values_reach_the_stages_that_have_them() -> None:
     setting of that name, the section's own value wins within one layer, --set beats the YAML, and the
     sections of other commands (GRPO-Guard's `logprob:`) are theirs."""
     from omnirl_cli.commands.online import _merge, _sectioned, _stage_keys
-    from stages.sample.rollout import SampleConfig
-    from stages.update.config import UpdateConfig
 
-    keys = _stage_keys(SampleConfig, UpdateConfig)
+    keys = _stage_keys()
     own = {"seed", "iterations"}  # omnirl online's own options go to `resolve`, not to a stage
     yaml_layer = {
         "steps": 6,

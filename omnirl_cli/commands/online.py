@@ -34,9 +34,10 @@ from ..options import (
 
 # Preset keys of the `sample` section that are the run's, not SampleConfig's recorded settings.
 RUN_KEYS = ("group_size", "num_prompts")
-# The keys omnirl online reads from the `score` and `advantage` sections.
-SCORE_KEYS = ("reward", "reward_args")
-ADVANTAGE_KEYS = ("estimator", "clip", "drop_zero_std", "std_ddof")
+# The `score` settings omnirl online's scorer takes (the others name `score`'s files and media); every
+# `advantage` setting but its files is online's, as the staged command's.
+SCORE_KEYS = ("reward", "reward_args", "batch_size", "on_error")
+ADVANTAGE_FILES = ("inputs", "out", "fmt", "overwrite")
 # Settings the driver gives each iteration itself, and how.
 DRIVER_KEYS = {
     "sample": {
@@ -92,15 +93,25 @@ def _dataclass(
     return cls(**kwargs)
 
 
-def _stage_keys(sample_cls: type, update_cls: type) -> dict[str, set[str]]:
-    """The settings each preset section of omnirl online has (names with underscores)."""
+def _section_keys(config: type, taken: Collection[str]) -> set[str]:
+    """The names a preset section may key the `taken` fields of `config` by: the field's, or its option's."""
+    return set(taken) | {name for name, field in option_names(config).items() if field in taken}
+
+
+def _stage_keys() -> dict[str, set[str]]:
+    """The settings each preset section of omnirl online has (names with underscores), from the staged
+    commands' configs."""
+    from stages.advantage.config import AdvantageConfig
+    from stages.sample.config import SampleConfig
+    from stages.score.config import ScoreConfig
+    from stages.update.config import UpdateConfig
+
+    advantage = {f.name for f in fields(AdvantageConfig)} - set(ADVANTAGE_FILES)
     return {
-        "sample": set(sample_cls.RECORDED)
-        | {name for name, field in option_names(sample_cls).items() if field in sample_cls.RECORDED}
-        | set(RUN_KEYS),
-        "score": set(SCORE_KEYS),
-        "advantage": set(ADVANTAGE_KEYS),
-        "update": {f.name for f in fields(update_cls)} - set(RUN_KNOBS) - set(TRAINER_FIXED),
+        "sample": _section_keys(SampleConfig, SampleConfig.RECORDED) | set(RUN_KEYS),
+        "score": _section_keys(ScoreConfig, SCORE_KEYS),
+        "advantage": _section_keys(AdvantageConfig, advantage),
+        "update": {f.name for f in fields(UpdateConfig)} - set(RUN_KNOBS) - set(TRAINER_FIXED),
     }
 
 
@@ -274,6 +285,7 @@ def online(
     Example: [bold]omnirl online --config recipes/configs/demo_tiny.yaml --model models/sd3-tiny \\
     --prompts recipes/demo_prompts.txt --reward jpeg_compressibility --iterations 4 --out runs/online[/]
     """
+    from stages.advantage.config import AdvantageConfig
     from stages.errors import UserInputError
     from stages.models.vlm import is_vlm_model
     from stages.online.pipeline import OnlineConfig, prepare_run, run_online
@@ -282,13 +294,14 @@ def online(
     from stages.sample.config import SampleConfig
     from stages.sample.engines import EngineOptions
     from stages.sample.prompts import read_prompts
+    from stages.score.config import ON_ERROR_MODES, ScoreConfig
     from stages.score.registry import check_reward_args, parse_reward_args, parse_reward_spec
     from stages.tracking import Tracking, parse_report_to
     from stages.update.config import UpdateConfig
 
     from ..runtime import device
 
-    keys = _stage_keys(SampleConfig, UpdateConfig)
+    keys = _stage_keys()
     c = resolve(ctx, "online", shared=set().union(*keys.values()))
     ModelParallel.from_options(c).refuse("omnirl online", NO_MODEL_PARALLEL, STAGED)
     model, out = c["model"], c["out"]
@@ -317,13 +330,23 @@ def online(
         **(preset.get("sample") or {}),
     }
     run = {key: sample.pop(key) for key in RUN_KEYS if key in sample}
-    adv = dict(preset.get("advantage") or {})
-    unknown = sorted(set(adv) - set(ADVANTAGE_KEYS))
-    if unknown:
-        raise UserInputError(f"--config: 'advantage.{unknown[0]}' is not supported by omnirl online")
-    specs = reward or (preset.get("score") or {}).get("reward") or []
+    advantage = _dataclass(
+        AdvantageConfig,
+        dict(preset.get("advantage") or {}),
+        "advantage",
+        option_names(AdvantageConfig),
+        keys["advantage"],
+    )
+    score = _dataclass(
+        ScoreConfig, dict(preset.get("score") or {}), "score", option_names(ScoreConfig), keys["score"]
+    )
+    if score.on_error not in ON_ERROR_MODES:
+        raise UserInputError(
+            f"--config: score.on_error {score.on_error!r}: choose one of {', '.join(ON_ERROR_MODES)}"
+        )
+    specs = reward or score.reward or []
     rewards = [parse_reward_spec(s) for s in ([specs] if isinstance(specs, str) else specs)]
-    reward_args = parse_reward_args(reward_arg or (preset.get("score") or {}).get("reward_args"))
+    reward_args = parse_reward_args(reward_arg or score.reward_args)
     cfg = OnlineConfig(
         model=str(model),
         prompts=read_prompts(c["prompts"]),
@@ -335,10 +358,9 @@ def online(
         num_prompts=run.get("num_prompts"),
         rewards=rewards,
         reward_args=check_reward_args([name for name, _ in rewards], reward_args),
-        estimator=adv.get("estimator", "grpo"),
-        adv_clip=adv.get("clip"),
-        drop_zero_std=bool(adv.get("drop_zero_std")),
-        std_ddof=adv.get("std_ddof"),
+        advantage=advantage,
+        score_batch_size=int(score.batch_size),
+        on_error=score.on_error,
         max_staleness=c["max_staleness"],
         save_trajectories=c["save_trajectories"],
         media_every=c["media_every"],

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from stages.advantage.config import AdvantageConfig
 from stages.sample.engines import DEFAULT_ENGINE, EngineOptions
 from stages.sample.prompts import Prompt
 from stages.sample.rollout import SampleConfig
@@ -34,10 +35,10 @@ class OnlineConfig:
     num_prompts: int | None = None
     rewards: list[tuple[str, float]] = field(default_factory=list)
     reward_args: dict[str, dict[str, Any]] = field(default_factory=dict)
-    estimator: str = "grpo"
-    adv_clip: float | None = None
-    drop_zero_std: bool = False
-    std_ddof: int | None = None  # `advantage --std-ddof`: None keeps the estimator's
+    # the staged `advantage` command's settings, and the scorer's batch and failure handling (`score`'s)
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    score_batch_size: int = 32
+    on_error: str = "fail"
     max_staleness: int = 0
     save_trajectories: bool = False
     # with save_trajectories: media columns only every N-th iteration and the last (the others keep final

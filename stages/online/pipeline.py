@@ -77,6 +77,36 @@ NOT_IDENTITY = (
 )
 
 
+def iteration_advantages(
+    cfg: OnlineConfig, data: dict[str, Any], rewards: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """An iteration's advantages, as the staged `omnirl advantage` computes them from `score`'s columns:
+    `rewards` (reward [N], reward.<name> [N], reward_failed [N] under --on-error zero) join `data`, and
+    so do advantages [N, K] (train_mask, kl_gate where the estimator writes them). Returns the advantage
+    columns (as `omnirl advantage` writes them) and their stats."""
+    from stages.advantage.stage import compute_advantages
+    from stages.score.scoring import FAILED_COLUMN
+
+    data.update(
+        {k: v for k, v in rewards.items() if k == "reward" or k.startswith("reward.") or k == FAILED_COLUMN}
+    )
+    a = cfg.advantage
+    adv, stats = compute_advantages(
+        data,
+        estimator=a.estimator_name(),
+        clip=a.clip,
+        drop_zero_std=a.drop_zero_std,
+        num_steps=data["log_probs"].shape[1] if "log_probs" in data else 1,
+        weights=dict(cfg.rewards) if a.aggregation == "advantage_aggr" else None,
+        std_ddof=a.std_ddof,
+        features=a.diversity_features,
+        gate_rewards=a.gate_reward,
+        gate_fraction=a.gate_fraction,
+    )
+    data.update({key: v for key, v in adv.items() if key != "sample_id"})
+    return adv, stats
+
+
 def run_identity(cfg: OnlineConfig) -> dict[str, Any]:
     """What determines the run's results, as plain JSON: `settings` (the resolved options) and `inputs`
     (content digests of the model folder, of the prompts as read, of file plugins' sources and of the
@@ -91,7 +121,7 @@ def run_identity(cfg: OnlineConfig) -> dict[str, Any]:
     from stages.shards.digest import content_digest
 
     settings = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in NOT_IDENTITY}
-    settings.update(sample=cfg.sample.record(), update=asdict(cfg.update))
+    settings.update(sample=cfg.sample.record(), update=asdict(cfg.update), advantage=asdict(cfg.advantage))
     settings["sample"]["resolution"] = resolution_identity(cfg.sample.resolution)
     prompts = json.dumps([asdict(p) for p in cfg.prompts], sort_keys=True, default=str)
     inputs = {
@@ -237,7 +267,6 @@ def run_online(
     """Run iterations start..cfg.iterations−1 on `device` (resuming after the last checkpoint of the same
     run, see `prepare_run`); one summary per iteration. `tracking` gets each iteration's reward statistics
     (at the iteration) and actor metrics (at their optimizer steps) once its checkpoint is written."""
-    from stages.advantage.stage import compute_advantages
     from stages.models.condition_images import RECORD as CONDITION_IMAGES
     from stages.models.conditioning import CONDITIONING, from_bytes
     from stages.models.diffusion import FlowPolicy
@@ -308,16 +337,7 @@ def run_online(
                 policy.add_conditioning(from_bytes(data.pop(CONDITIONING)))
             policy.group_images.update(data.pop(CONDITION_IMAGES, {}))
             gaps = version_gaps(data["policy_version"], published, k)
-            data["reward"] = rewards["reward"]
-            adv, stats = compute_advantages(
-                data,
-                estimator=cfg.estimator,
-                clip=cfg.adv_clip,
-                drop_zero_std=cfg.drop_zero_std,
-                num_steps=data["log_probs"].shape[1] if "log_probs" in data else 1,
-                std_ddof=cfg.std_ddof,
-            )
-            data.update({key: v for key, v in adv.items() if key != "sample_id"})
+            adv, stats = iteration_advantages(cfg, data, rewards)
             t1 = time.perf_counter()
             policy.forget_prompts()  # its encodings as a resumed run's (`FlowPolicy.forget_prompts`)
             metrics = trainer.step(data, cfg.sampling(k), seed=k)

@@ -213,6 +213,8 @@ def _scorer_main(cfg: OnlineConfig, inbox: Any, outbox: Any) -> None:
                 cfg.rewards,
                 modality=modality,
                 reward_args=cfg.reward_args,
+                batch_size=cfg.score_batch_size,
+                on_error=cfg.on_error,
                 mixed_precision=cfg.sample.mixed_precision,
                 condition_images=sources,
             )

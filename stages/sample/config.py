@@ -273,6 +273,8 @@ class SampleConfig(SampleRun):
             from stages.models.families import parse_resolution
 
             self.resolution = parse_resolution(self.resolution)  # type: ignore[assignment]
+        if self.window_range is not None:  # a preset's list, as the flag's pair
+            self.window_range = tuple(self.window_range)  # type: ignore[assignment]
         self.engine = self.engine or DEFAULT_ENGINE
 
     def validate(self) -> None:

@@ -52,7 +52,9 @@ def test_ode_rollout_equals_the_stock_pipeline(tiny: Path, references: int) -> N
 
     policy = FlowPolicy.load(tiny)
     guidance = 4.0  # dev: the distilled scale; klein base: true CFG against ""
-    cfg = SampleConfig(steps=3, guidance=guidance, resolution=32, sampler="ode", batch_size=2, max_sequence_length=64)
+    cfg = SampleConfig(
+        steps=3, guidance=guidance, resolution=32, sampler="ode", batch_size=2, max_sequence_length=64
+    )
     # references of two sizes (one above the 64 px minimum, one not a multiple of 8: cropped as the pipeline)
     sources = [picture((255, 0, 0), (64, 64)), picture((0, 0, 255), (72, 68))][:references]
 
@@ -139,7 +141,9 @@ def test_references_round_trip_through_the_rollout_and_replay_is_exact(tiny: Pat
         "sample", "--model", str(tiny), "--prompts", str(table), "-n", "2", "--steps", "3", "--batch-size", "2",
         "--resolution", "32", "--guidance", "4", "--out", str(tmp_path / "samples"),
     )  # fmt: skip
-    replay = run("logprob", "--model", str(tiny), "--in", str(tmp_path / "samples"), "--out", str(tmp_path / "lp"))
+    replay = run(
+        "logprob", "--model", str(tiny), "--in", str(tmp_path / "samples"), "--out", str(tmp_path / "lp")
+    )
     assert replay["abs_delta_count"] > 0 and replay["abs_delta_max"] == 0.0
 
 
@@ -167,7 +171,9 @@ def test_bad_references_exit_2_with_one_line(tiny: Path, tmp_path: Path) -> None
 
     picture((255, 0, 0), (32, 32)).save(tmp_path / "small.png")
     picture((255, 0, 0)).save(tmp_path / "ok.png")
-    fails(sample(rows({"prompt": "x", "image": "small.png"})), "condition image 0 (32x32 px)", "at least 64px")
+    fails(
+        sample(rows({"prompt": "x", "image": "small.png"})), "condition image 0 (32x32 px)", "at least 64px"
+    )
     eleven = rows({"prompt": "x", "images": ["ok.png"] * 11})
     fails(sample(eleven), "11 condition images", "takes 0 to 10")
     mixed = rows({"prompt": "x", "image": "ok.png"}, {"prompt": "y"})

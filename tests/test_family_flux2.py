@@ -179,3 +179,37 @@ def test_bad_references_exit_2_with_one_line(tiny: Path, tmp_path: Path) -> None
     mixed = rows({"prompt": "x", "image": "ok.png"}, {"prompt": "y"})
     fails(sample(mixed, "--batch-size", "4"), "reference images layouts in one batch", "--batch-size 1")
     assert not (tmp_path / "out").exists()
+
+
+def test_online_trains_on_policy_on_text_and_reference_rows(tiny: Path, tmp_path: Path) -> None:
+    rows = [{"prompt": PROMPTS[0]}]  # text-to-image and editing rows in one run (batch size 1)
+    for i, prompt in enumerate(PROMPTS[1:]):
+        picture((80 * i, 255 - 80 * i, 40)).save(tmp_path / f"ref{i}.png")
+        rows.append({"prompt": prompt, "image": f"ref{i}.png"})
+    table = tmp_path / "mixed.jsonl"
+    table.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    preset = tmp_path / "preset.yaml"
+    preset.write_text(
+        "sample: {steps: 3, guidance: 4.0, resolution: 32, sampler: sde, group_size: 2, batch_size: 1}\n"
+        "update: {algo: flow_grpo, lr: 1.0e-3, clip_range: 0.2, lora_rank: 4, lora_alpha: 8}\n"
+    )
+    run(
+        "online", "--config", str(preset), "--model", str(tiny), "--prompts", str(table),
+        "--reward", "jpeg_compressibility", "--iterations", "1", "--save-trajectories", "--out", str(tmp_path / "run"),
+    )  # fmt: skip
+    metrics = [
+        json.loads(x)
+        for x in (tmp_path / "run" / "it1" / "policy" / "metrics.jsonl").read_text().splitlines()
+    ]
+    # the trainer conditions each row on its group's references (or none), as the sampler did: on-policy
+    assert metrics[0]["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+    replay = run(
+        "logprob",
+        "--model",
+        str(tiny),
+        "--in",
+        str(tmp_path / "run" / "it0" / "samples"),
+        "--out",
+        str(tmp_path / "lp"),
+    )
+    assert replay["abs_delta_max"] == 0.0

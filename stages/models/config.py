@@ -30,6 +30,7 @@ FAMILIES: dict[str, str] = {
     "qwen_image": "stages.models.qwen_image:build_qwen_image",
     "sd3": "stages.models.sd3:build_sd3",
     "wan2_1": "stages.models.wan:build_wan2_1",
+    "wan2_1_i2v": "stages.models.wan_i2v:build_wan2_1_i2v",
     "wan2_2_5b": "stages.models.wan:build_wan2_2_5b",
     "wan2_2_a14b": "stages.models.wan:build_wan2_2_a14b",
     "z_image": "stages.models.z_image:build_z_image",

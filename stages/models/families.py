@@ -34,6 +34,7 @@ BUILTIN: dict[str, str] = {
     "FluxPipeline": "stages.models.flux:FluxAdapter",
     "QwenImagePipeline": "stages.models.qwen_image:QwenImageAdapter",
     "StableDiffusion3Pipeline": "stages.models.sd3:SD3Adapter",
+    "WanImageToVideoPipeline": "stages.models.wan_i2v:WanI2VAdapter",
     "WanPipeline": "stages.models.wan:WanAdapter",
     "ZImagePipeline": "stages.models.z_image:ZImageAdapter",
 }

@@ -1,7 +1,8 @@
-"""Wan 2.1 image-to-video (stages/models/wan_i2v.py): the adapter's velocity is `WanImageToVideoPipeline`'s
-own (first-frame VAE condition cut from 81 frames to the sample's, CLIP image embeddings, true CFG), the
-rollout replays exactly from the stored first frames, the LoRA is Flow-Factory's layout and round-trips
-through the stock loader, and the inputs the model cannot take are one-line errors."""
+"""Wan image-to-video (stages/models/wan_i2v.py): the adapter's velocity is `WanImageToVideoPipeline`'s own
+(first-frame VAE condition cut from 81 frames to the sample's, CLIP image embeddings, true CFG; Wan 2.2 I2V
+A14B's two experts with their own guidance), the rollout replays exactly from the stored first frames, the
+LoRA is Flow-Factory's layout and round-trips through the stock loader, and the inputs the model cannot
+take are one-line errors."""
 
 from __future__ import annotations
 
@@ -157,3 +158,55 @@ def test_bad_first_frames_exit_2_with_one_line(tiny: Path, table: Path, tmp_path
     fails(sample(rows({"prompt": "x", "image": "odd.png"})), "40x32 px", "multiple of 16")
     fails(sample(table, "64"), "--resolution 64x64", "32x32 px", "at the output size")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def a14b(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("models") / "wan-a14b-i2v"
+    summary = run("init-model", "--family", "wan2_2_a14b_i2v", "--size", "tiny", str(out))
+    assert summary["family"] == "wan2_2_a14b_i2v" and summary["pipeline_class"] == "WanImageToVideoPipeline"
+    return out
+
+
+def test_a14b_i2v_equals_the_stock_pipeline_across_the_expert_switch(a14b: Path) -> None:
+    from diffusers import WanImageToVideoPipeline, WanPipeline
+
+    policy = FlowPolicy.load(a14b)
+    assert policy.family.name == "wan2_2_a14b_i2v" and policy.family.trained_modules() == (
+        "transformer",
+        "transformer_2",
+    )
+    cfg = SampleConfig(
+        steps=4, guidance=4.0, guidance_2=2.5, resolution=32, frames=5, sampler="ode", batch_size=2,
+        max_sequence_length=64,
+    )  # fmt: skip
+    mine = rollout_batch(
+        policy, cfg, PROMPTS[:2], ["", ""], [1, 2], [1, 2], groups=[0, 1], sample_ids=["a", "b"],
+        images=[[png(frame(3))]] * 2,
+    )["final_latent"]  # fmt: skip
+    pipe = WanImageToVideoPipeline.from_pretrained(a14b)
+    pipe.set_progress_bar_config(disable=True)
+    with torch.no_grad():
+        embeds = WanPipeline._get_t5_prompt_embeds(pipe, prompt=list(PROMPTS[:2]), max_sequence_length=64)
+        negative = WanPipeline._get_t5_prompt_embeds(pipe, prompt=["", ""], max_sequence_length=64)
+    sigmas = policy.sigmas(4, 32)
+    assert (sigmas[:-1] * 1000 >= 900).any() and (sigmas[:-1] * 1000 < 900).any()  # both experts run
+    theirs = pipe(
+        image=frame(3), prompt_embeds=embeds, negative_prompt_embeds=negative,
+        latents=policy.initial_noise([1, 2], 32, 5), num_inference_steps=4, guidance_scale=4.0,
+        guidance_scale_2=2.5, height=32, width=32, num_frames=5, output_type="latent",
+    ).frames  # fmt: skip
+    assert (mine - theirs).abs().max().item() == 0.0
+
+
+def test_a14b_i2v_replays_exactly_with_a_window_across_the_switch(
+    a14b: Path, table: Path, tmp_path: Path
+) -> None:
+    window = ("--sde-window", "3", "--window-strategy", "fixed", "--window-start", "0")
+    run(
+        "sample", "--model", str(a14b), "--prompts", str(table), "-n", "2", "--steps", "4", "--batch-size", "3",
+        "--resolution", "32", "--frames", "5", "--guidance", "4", "--guidance-2", "2.5", *window,
+        "--out", str(tmp_path / "s"),
+    )  # fmt: skip
+    replay = run("logprob", "--model", str(a14b), "--in", str(tmp_path / "s"), "--out", str(tmp_path / "lp"))
+    assert replay["abs_delta_count"] > 0 and replay["abs_delta_max"] == 0.0

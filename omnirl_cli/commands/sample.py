@@ -418,7 +418,8 @@ def sample(
     Image; docs/data-format.md). They are stored once per prompt group (condition-images-*.parquet, a
     table `datasets` loads), and `logprob`, `update` and `online` condition on them; a text-only model
     refuses them. FLUX.2 (flux2, flux2_klein) takes rows with none (text-to-image) or up to 10 references;
-    Wan 2.1 I2V (wan2_1_i2v) starts each clip from the row's `image`, given at the clip's --resolution.
+    Wan I2V (wan2_1_i2v, wan2_2_a14b_i2v) starts each clip from the row's `image`, given at the clip's
+    --resolution.
 
     With a vision-language --model (Qwen2.5-VL), GROUP text responses per (images, question) row of a
     verl/EasyR1 table: prompt and response token ids, response text, rollout log-probs, images once per

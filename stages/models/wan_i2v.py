@@ -1,4 +1,5 @@
-"""Wan 2.1 image-to-video (`WanImageToVideoPipeline`): the family adapter and a tiny offline builder.
+"""Wan image-to-video (`WanImageToVideoPipeline`): Wan 2.1 I2V and Wan 2.2 I2V A14B, the family adapter and
+tiny offline builders.
 
 Wan 2.1 I2V is Wan 2.1's DiT reading, beside the noisy latents, the first frame's conditioning, built as
 `WanImageToVideoPipeline.__call__` builds it: the image followed by F − 1 black frames at the output size,
@@ -7,6 +8,10 @@ as given; [latents, mask, condition] enter as 36 channels. The image also enters
 tower (its penultimate hidden states, `encode_image`), read by each block's image cross-attention
 (`add_k_proj`/`add_v_proj`). Text, σ schedule, true CFG (the unconditional branch keeps the image) and the
 VAE are Wan 2.1's (`stages.models.wan`).
+
+Wan 2.2 I2V A14B is the same conditioning without the CLIP tower (its blocks have no image
+cross-attention), on Wan 2.2 A14B's two experts (`transformer` at σ·1000 ≥ boundary_ratio·1000, 0.9 for
+I2V, `transformer_2` below; both trained, as `wan2_2_a14b`).
 
 The condition is encoded once per prompt, when its frame count is not known yet: for `CONDITION_FRAMES`
 frames (81, the pipeline's default and Wan 2.1 I2V's training length), cut to a sample's latent frames.
@@ -19,6 +24,7 @@ output size.
 from __future__ import annotations
 
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +35,21 @@ from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 from stages.errors import UserInputError
 from stages.models.factory import choose_size, save_pipeline, seeded
 from stages.models.families import Condition, Tensors, encode_3d
-from stages.models.wan import SIZES, TEMPORAL_FACTOR, VARIANTS, WanAdapter, WanSize, make_wan
+from stages.models.wan import (
+    HIGH_NOISE,
+    LOW_NOISE,
+    SIZES,
+    TEMPORAL_FACTOR,
+    VARIANTS,
+    WanAdapter,
+    WanSize,
+    make_wan,
+)
 
 FAMILY = "wan2_1_i2v"
+A14B = "wan2_2_a14b_i2v"
+# Wan2.2-I2V-A14B-Diffusers' model_index: the experts switch at t = 0.9·1000 (T2V: 0.875)
+A14B_BOUNDARY = 0.9
 CONDITION_FRAMES = 81
 MASK_CHANNELS = TEMPORAL_FACTOR  # the first frame's mask, one channel per frame of a latent frame
 # Flow-Factory's default LoRA targets for Wan I2V (models/wan/wan2_i2v.py): self- and cross-attention
@@ -52,29 +70,11 @@ WAN_I2V_LORA_TARGETS = (
 CLIP_TINY = {"hidden": 32, "layers": 2, "heads": 4, "image_size": 32, "patch": 8}
 
 
-def make_wan2_1_i2v(size: str, seed: int) -> WanImageToVideoPipeline:
-    """The `WanImageToVideoPipeline` of `size`: Wan 2.1's text encoder, VAE and scheduler (`make_wan`), a
-    36-channel DiT with image cross-attention and a CLIP vision tower, seeded random weights."""
-    spec: WanSize = choose_size(FAMILY, size, SIZES)
-    wan = make_wan("wan2_1", size, seed)
+def _transformer(spec: WanSize, seed: int, component: str, image_dim: int | None) -> WanTransformer3DModel:
+    """A Wan DiT taking [latents, mask, condition] (36 channels); with `image_dim`, image cross-attention."""
     channels = VARIANTS["wan2_1"].latent_channels
-    with seeded(seed, "image_encoder"):
-        image_encoder = CLIPVisionModel(
-            CLIPVisionConfig(
-                hidden_size=CLIP_TINY["hidden"],
-                intermediate_size=4 * CLIP_TINY["hidden"],
-                num_hidden_layers=CLIP_TINY["layers"],
-                num_attention_heads=CLIP_TINY["heads"],
-                image_size=CLIP_TINY["image_size"],
-                patch_size=CLIP_TINY["patch"],
-            )
-        ).eval()
-    side = CLIP_TINY["image_size"]
-    image_processor = CLIPImageProcessor(
-        size={"shortest_edge": side}, crop_size={"height": side, "width": side}
-    )
-    with seeded(seed, "transformer"):
-        transformer = WanTransformer3DModel(
+    with seeded(seed, component):
+        return WanTransformer3DModel(
             patch_size=(1, 2, 2),
             num_attention_heads=spec.heads,
             attention_head_dim=spec.head_dim,
@@ -84,29 +84,53 @@ def make_wan2_1_i2v(size: str, seed: int) -> WanImageToVideoPipeline:
             freq_dim=spec.freq_dim,
             ffn_dim=spec.ffn,
             num_layers=spec.layers,
-            image_dim=CLIP_TINY["hidden"],
-            added_kv_proj_dim=spec.heads * spec.head_dim,
+            image_dim=image_dim,
+            added_kv_proj_dim=None if image_dim is None else spec.heads * spec.head_dim,
         )
+
+
+def make_wan_i2v(family: str, size: str, seed: int) -> WanImageToVideoPipeline:
+    """The `WanImageToVideoPipeline` of `family` (`wan2_1_i2v`: one DiT with image cross-attention and a
+    CLIP vision tower; `wan2_2_a14b_i2v`: two experts, no CLIP) and `size`: Wan's text encoder, VAE and
+    scheduler (`make_wan`), 36-channel DiTs, seeded random weights."""
+    spec: WanSize = choose_size(family, size, SIZES)
+    wan = make_wan("wan2_1", size, seed)
+    parts: dict[str, Any] = {}
+    if family == FAMILY:
+        with seeded(seed, "image_encoder"):
+            parts["image_encoder"] = CLIPVisionModel(
+                CLIPVisionConfig(
+                    hidden_size=CLIP_TINY["hidden"],
+                    intermediate_size=4 * CLIP_TINY["hidden"],
+                    num_hidden_layers=CLIP_TINY["layers"],
+                    num_attention_heads=CLIP_TINY["heads"],
+                    image_size=CLIP_TINY["image_size"],
+                    patch_size=CLIP_TINY["patch"],
+                )
+            ).eval()
+        side = CLIP_TINY["image_size"]
+        parts["image_processor"] = CLIPImageProcessor(
+            size={"shortest_edge": side}, crop_size={"height": side, "width": side}
+        )
+        parts["transformer"] = _transformer(spec, seed, HIGH_NOISE, CLIP_TINY["hidden"])
+    else:
+        parts["transformer"] = _transformer(spec, seed, HIGH_NOISE, None)
+        parts["transformer_2"] = _transformer(spec, seed, LOW_NOISE, None)
+        parts["boundary_ratio"] = A14B_BOUNDARY
     return WanImageToVideoPipeline(
-        tokenizer=wan.tokenizer,
-        text_encoder=wan.text_encoder,
-        vae=wan.vae,
-        scheduler=wan.scheduler,
-        image_processor=image_processor,
-        image_encoder=image_encoder,
-        transformer=transformer,
+        tokenizer=wan.tokenizer, text_encoder=wan.text_encoder, vae=wan.vae, scheduler=wan.scheduler, **parts
     )
 
 
-def build_wan2_1_i2v(out_dir: str | Path, *, size: str, seed: int) -> dict[str, Any]:
-    """Build and save a `WanImageToVideoPipeline` folder of `size` (`make_wan2_1_i2v`) into `out_dir`."""
-    spec: WanSize = choose_size(FAMILY, size, SIZES)
-    pipeline = make_wan2_1_i2v(size, seed)
+def build_wan_i2v(out_dir: str | Path, *, family: str, size: str, seed: int) -> dict[str, Any]:
+    """Build and save a `WanImageToVideoPipeline` folder of `family` and `size` (`make_wan_i2v`)."""
+    spec: WanSize = choose_size(family, size, SIZES)
+    pipeline = make_wan_i2v(family, size, seed)
     factor = pipeline.vae.config.scale_factor_spatial
     return save_pipeline(
         pipeline,
         Path(out_dir),
-        family=FAMILY,
+        family=family,
         size=size,
         seed=seed,
         details={
@@ -120,18 +144,22 @@ def build_wan2_1_i2v(out_dir: str | Path, *, size: str, seed: int) -> dict[str, 
                 spec.latent_side,
             ],
             "text_length": spec.text_length,
-            "architecture": {**asdict(spec), "clip": CLIP_TINY},
+            "architecture": {**asdict(spec), "clip": CLIP_TINY if family == FAMILY else None},
         },
     )
 
 
+build_wan2_1_i2v = partial(build_wan_i2v, family=FAMILY)
+build_wan2_2_a14b_i2v = partial(build_wan_i2v, family=A14B)
+
+
 class WanI2VAdapter(WanAdapter):
-    """Wan 2.1 I2V: Wan 2.1 conditioned on a first frame.
+    """Wan 2.1 I2V and Wan 2.2 I2V A14B: Wan conditioned on a first frame.
 
     Each prompt's positive conditioning adds "condition" [16, F'max, h, w] (the first frame then black
-    frames through the VAE, `CONDITION_FRAMES` frames) and "image_embeds" [T, D] (CLIP's penultimate
-    hidden states); the velocity is Wan 2.1's over [x, mask, condition cut to x's F'] with the image
-    embeddings as `encoder_hidden_states_image`, in both CFG branches.
+    frames through the VAE, `CONDITION_FRAMES` frames) and, for Wan 2.1, "image_embeds" [T, D] (CLIP's
+    penultimate hidden states); the velocity is Wan's (A14B: each row's expert) over [x, mask, condition
+    cut to x's F'] with the image embeddings as `encoder_hidden_states_image`, in both CFG branches.
     """
 
     name = FAMILY
@@ -140,7 +168,7 @@ class WanI2VAdapter(WanAdapter):
 
     def __init__(self, pipe: Any) -> None:
         super().__init__(pipe)
-        self.name = FAMILY  # WanAdapter names the variant from the config; this is the 2.1 I2V one
+        self.name = A14B if self.boundary is not None else FAMILY  # WanAdapter names its T2V variants
 
     def encode_prompts(
         self,
@@ -172,7 +200,8 @@ class WanI2VAdapter(WanAdapter):
                     f"output size, so each side must be a multiple of {multiple}; resize it to the --resolution "
                     "you sample at"
                 )
-            pos["image_embeds"] = pipe.encode_image(image, device)[0]
+            if pipe.transformer.config.image_dim is not None:  # Wan 2.1's image cross-attention
+                pos["image_embeds"] = pipe.encode_image(image, device)[0]
             pixels = pipe.video_processor.preprocess(image, height=height, width=width).to(
                 device, torch.float32
             )
@@ -203,5 +232,7 @@ class WanI2VAdapter(WanAdapter):
         return torch.cat([x, mask, condition[:, :, :frames].to(x.dtype)], dim=1)
 
     def image_input(self, cond: Condition) -> dict[str, torch.Tensor]:
-        """The CLIP embeddings for the blocks' image cross-attention (both CFG branches)."""
+        """The CLIP embeddings for the blocks' image cross-attention (both CFG branches); none for A14B."""
+        if "image_embeds" not in cond.pos:
+            return {}
         return {"encoder_hidden_states_image": cond.pos["image_embeds"]}

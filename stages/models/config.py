@@ -56,6 +56,7 @@ class InitModelConfig:
         "tiny (fast tests), small (benchmarks), for sd3 demo (the pixel-VAE shape `omnirl pretrain` "
         "trains for the demo: 4 latent channels, 64 px at most, 24 CLIP + 32 T5 tokens), or a published "
         "size with random weights, for GPU benchmarks: full (each family's flagship: SD3.5 Large, FLUX.1-dev, "
+        "FLUX.2 [dev], FLUX.2 [klein] 9B, "
         "Qwen-Image 20B, Z-Image, Wan 2.1 T2V 14B, Wan 2.2 5B / A14B, Qwen2.5-VL 7B, the Qwen3-Omni "
         "thinker), sd3 medium, wan2_1 1.3b, qwen2_5_vl 3b / 7b. `omnirl plan --family F --size S` says "
         "what a size needs.",
@@ -80,7 +81,7 @@ class PlanConfig:
     )
     size: str = knob(
         "full",
-        "Size of --family: full (its flagship: Qwen-Image 20B, FLUX.1-dev, Wan 2.1 T2V 14B, SD3.5 "
+        "Size of --family: full (its flagship: Qwen-Image 20B, FLUX.1-dev, FLUX.2 [dev], Wan 2.1 T2V 14B, SD3.5 "
         "Large, ...), another published size (sd3 medium, wan2_1 1.3b, qwen2_5_vl 3b / 7b) or tiny / small.",
         choices=MODEL_SIZES,
         panel=MODEL,

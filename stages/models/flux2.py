@@ -29,7 +29,7 @@ install, and `Flux2Pipeline` only calls the tokenizer's `apply_chat_template`, w
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +133,14 @@ class Flux2Size:
     vae_channels: tuple[int, ...]
     vae_groups: int
     text_length: int
+    # Published sizes: the text encoder's head width (None: text_hidden // text_heads) and vocabulary (None:
+    # the local tokenizer's), two resnets per VAE block, and FLUX.2 [dev]'s Pixtral vision tower as (width,
+    # MLP width, layers, heads, image size, patch) (None: a one-layer tower of the text encoder's width).
+    text_head_dim: int | None = None
+    text_vocab: int | None = None
+    text_tied: bool = True  # the text encoder's LM head shares the embedding (Mistral Small, Qwen3-8B: no)
+    vae_layers_per_block: int = 1
+    vision: tuple[int, int, int, int, int, int] | None = None
 
     @property
     def vae_scale_factor(self) -> int:
@@ -163,6 +171,48 @@ SIZES: dict[str, Flux2Size] = {
         vae_groups=8,
         text_length=64,
     ),
+    # black-forest-labs/FLUX.2-dev as published: 8 double- and 48 single-stream blocks of 48 heads x 128
+    # (32 B) on Mistral Small 3.1 (24 B: 40 layers of 5120, Pixtral's 24-layer vision tower), the 8x VAE.
+    "full": Flux2Size(
+        text_hidden=5120,
+        text_intermediate=32768,
+        text_layers=40,
+        text_heads=32,
+        text_kv_heads=8,
+        heads=48,
+        head_dim=128,
+        axes_dims_rope=(32, 32, 32, 32),
+        layers=8,
+        single_layers=48,
+        timestep_channels=256,
+        sample_size=64,
+        vae_channels=(128, 256, 512, 512),
+        vae_groups=32,
+        text_length=512,
+        text_head_dim=128,
+        text_vocab=131072,
+        text_tied=False,
+        vae_layers_per_block=2,
+        vision=(1024, 4096, 24, 16, 1540, 14),
+    ),
+}
+# klein: the tiny build as FLUX.2's; full = black-forest-labs/FLUX.2-klein-9B as published: 8 double- and 24
+# single-stream blocks of 32 heads x 128 on Qwen3-8B (36 layers of 4096). (klein 4B: 5 + 20 blocks of 24
+# heads on Qwen3-4B.)
+KLEIN_SIZES: dict[str, Flux2Size] = {
+    "tiny": SIZES["tiny"],
+    "full": replace(
+        SIZES["full"],
+        text_hidden=4096,
+        text_intermediate=12288,
+        text_layers=36,
+        text_heads=32,
+        text_kv_heads=8,
+        text_vocab=151936,
+        heads=32,
+        single_layers=24,
+        vision=None,
+    ),
 }
 
 
@@ -189,7 +239,7 @@ def _vae(spec: Flux2Size, seed: int) -> AutoencoderKLFlux2:
             down_block_types=("DownEncoderBlock2D",) * len(spec.vae_channels),
             up_block_types=("UpDecoderBlock2D",) * len(spec.vae_channels),
             block_out_channels=spec.vae_channels,
-            layers_per_block=1,
+            layers_per_block=spec.vae_layers_per_block,
             latent_channels=VAE_CHANNELS,
             norm_num_groups=spec.vae_groups,
             sample_size=spec.image_size,
@@ -220,26 +270,27 @@ def make_flux2(size: str, seed: int) -> Flux2Pipeline:
     tokenizer = build_qwen2_tokenizer(spec.text_length, SYSTEM_MESSAGE, special_tokens=MISTRAL_SPECIAL_TOKENS)
     tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token = "<s>", "</s>", "<unk>"
     tokenizer.chat_template = MISTRAL_CHAT_TEMPLATE
+    vision = spec.vision or (spec.text_hidden, spec.text_intermediate, 1, spec.text_heads, 64, 4)
     with seeded(seed, "text_encoder"):
         text_encoder = Mistral3ForConditionalGeneration(
             Mistral3Config(
                 vision_config=PixtralVisionConfig(
-                    hidden_size=spec.text_hidden,
-                    intermediate_size=spec.text_intermediate,
-                    num_hidden_layers=1,
-                    num_attention_heads=spec.text_heads,
-                    head_dim=spec.text_hidden // spec.text_heads,
-                    image_size=64,
-                    patch_size=4,
+                    hidden_size=vision[0],
+                    intermediate_size=vision[1],
+                    num_hidden_layers=vision[2],
+                    num_attention_heads=vision[3],
+                    head_dim=vision[0] // vision[3],
+                    image_size=vision[4],
+                    patch_size=vision[5],
                 ),
                 text_config=MistralConfig(
-                    vocab_size=len(tokenizer),
+                    vocab_size=spec.text_vocab or len(tokenizer),
                     hidden_size=spec.text_hidden,
                     intermediate_size=spec.text_intermediate,
                     num_hidden_layers=spec.text_layers,
                     num_attention_heads=spec.text_heads,
                     num_key_value_heads=spec.text_kv_heads,
-                    head_dim=spec.text_hidden // spec.text_heads,
+                    head_dim=spec.text_head_dim or spec.text_hidden // spec.text_heads,
                     max_position_embeddings=spec.text_length,
                     pad_token_id=tokenizer.pad_token_id,
                     bos_token_id=tokenizer.bos_token_id,
@@ -248,6 +299,7 @@ def make_flux2(size: str, seed: int) -> Flux2Pipeline:
                 image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"),
                 spatial_merge_size=2,
                 multimodal_projector_bias=False,
+                tie_word_embeddings=spec.text_tied,
             )
         )
     transformer = _transformer(spec, seed, guidance_embeds=True)
@@ -267,21 +319,21 @@ def make_flux2_klein(size: str, seed: int) -> Flux2KleinPipeline:
     weights: a Qwen3 text encoder behind Qwen3's chat template, no guidance embedding."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    spec: Flux2Size = choose_size(KLEIN, size, SIZES)
+    spec: Flux2Size = choose_size(KLEIN, size, KLEIN_SIZES)
     tokenizer = build_qwen2_tokenizer(spec.text_length)
     tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
     with seeded(seed, "text_encoder"):
         text_encoder = Qwen3ForCausalLM(
             Qwen3Config(
-                vocab_size=len(tokenizer),
+                vocab_size=spec.text_vocab or len(tokenizer),
                 hidden_size=spec.text_hidden,
                 intermediate_size=spec.text_intermediate,
                 num_hidden_layers=spec.text_layers,
                 num_attention_heads=spec.text_heads,
                 num_key_value_heads=spec.text_kv_heads,
-                head_dim=spec.text_hidden // spec.text_heads,
+                head_dim=spec.text_head_dim or spec.text_hidden // spec.text_heads,
                 max_position_embeddings=spec.text_length,
-                tie_word_embeddings=True,
+                tie_word_embeddings=spec.text_tied,
                 pad_token_id=tokenizer.pad_token_id,
                 eos_token_id=tokenizer.eos_token_id,
             )
@@ -300,7 +352,7 @@ def make_flux2_klein(size: str, seed: int) -> Flux2KleinPipeline:
 
 
 def _save(pipeline: Any, out_dir: str | Path, family: str, size: str, seed: int) -> dict[str, Any]:
-    spec: Flux2Size = choose_size(family, size, SIZES)
+    spec: Flux2Size = choose_size(family, size, KLEIN_SIZES if family == KLEIN else SIZES)
     return save_pipeline(
         pipeline,
         Path(out_dir),
@@ -318,13 +370,14 @@ def _save(pipeline: Any, out_dir: str | Path, family: str, size: str, seed: int)
 
 
 def build_flux2(out_dir: str | Path, *, size: str, seed: int) -> dict[str, Any]:
-    """Build and save a `Flux2Pipeline` (FLUX.2 [dev]) folder of `size` into `out_dir`; the factory summary."""
+    """Build and save a `Flux2Pipeline` folder of `size` ("tiny", or "full" = FLUX.2 [dev]) into `out_dir`; the
+    factory summary."""
     return _save(make_flux2(size, seed), out_dir, FAMILY, size, seed)
 
 
 def build_flux2_klein(out_dir: str | Path, *, size: str, seed: int) -> dict[str, Any]:
-    """Build and save a `Flux2KleinPipeline` (klein base) folder of `size` into `out_dir`; the factory
-    summary."""
+    """Build and save a `Flux2KleinPipeline` (klein base) folder of `size` ("tiny", or "full" = FLUX.2 [klein]
+    9B) into `out_dir`; the factory summary."""
     return _save(make_flux2_klein(size, seed), out_dir, KLEIN, size, seed)
 
 

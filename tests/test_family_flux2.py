@@ -177,7 +177,9 @@ def test_bad_references_exit_2_with_one_line(tiny: Path, tmp_path: Path) -> None
     eleven = rows({"prompt": "x", "images": ["ok.png"] * 11})
     fails(sample(eleven), "11 condition images", "takes 0 to 10")
     mixed = rows({"prompt": "x", "image": "ok.png"}, {"prompt": "y"})
-    fails(sample(mixed, "--batch-size", "4"), "reference images layouts in one batch", "--batch-size 1")
+    fails(
+        sample(mixed, "--batch-size", "4"), "2 reference-image layouts", "--batch-size 1", "--micro-batch 1"
+    )
     assert not (tmp_path / "out").exists()
 
 

@@ -497,9 +497,9 @@ class Flux2Adapter(FamilyAdapter):
         layouts = {tuple((k, tuple(v.shape)) for k, v in sorted(item.items())) for item in items}
         if len(layouts) > 1:
             raise UserInputError(
-                f"prompts with different reference images layouts in one batch ({len(layouts)}: counts or "
-                f"sizes); {self.name} samples a batch with one layout: give every row the same number of "
-                "references of one size, or pass --batch-size 1"
+                f"{len(layouts)} reference-image layouts (counts or sizes) in one batch; {self.name} runs a batch "
+                "of one layout: give every row the same number of references of one size, or take one row per "
+                "forward (sample --batch-size 1, update --micro-batch 1)"
             )
         return super().collate(items)
 

@@ -151,6 +151,8 @@ def build_wan_i2v(out_dir: str | Path, *, family: str, size: str, seed: int) -> 
 
 build_wan2_1_i2v = partial(build_wan_i2v, family=FAMILY)
 build_wan2_2_a14b_i2v = partial(build_wan_i2v, family=A14B)
+make_wan2_1_i2v = partial(make_wan_i2v, FAMILY)
+make_wan2_2_a14b_i2v = partial(make_wan_i2v, A14B)
 
 
 class WanI2VAdapter(WanAdapter):

@@ -21,6 +21,8 @@ from stages.shards.reader import ShardSet, open_inputs
 # init-model --family name → the sampling flags that fit its tiny build
 FAMILIES = {
     "flux": ["--resolution", "32", "--guidance", "3.5"],
+    "flux2": ["--resolution", "32", "--guidance", "4"],
+    "flux2_klein": ["--resolution", "32", "--guidance", "4"],
     "flux_kontext": ["--resolution", "32", "--guidance", "3.5"],
     "qwen_image": ["--resolution", "32", "--guidance", "4"],
     "sd3": ["--resolution", "32", "--guidance", "3"],

@@ -27,6 +27,10 @@ PUBLISHED = [
     ("flux", "full", "transformer", 11.901e9),
     ("flux", "full", "text_encoder_2", 4.76e9),  # T5-XXL encoder
     ("flux", "full", "text_encoder", 0.123e9),  # CLIP-L
+    ("flux2", "full", "transformer", 32e9),  # FLUX.2 [dev]: "32 billion"
+    ("flux2", "full", "text_encoder", 24e9),  # Mistral Small 3.1 24B, vision tower included
+    ("flux2_klein", "full", "transformer", 9e9),  # FLUX.2 [klein] 9B
+    ("flux2_klein", "full", "text_encoder", 8.19e9),  # Qwen3-8B
     ("sd3", "full", "transformer", 8.057e9),  # SD3.5 Large
     ("sd3", "full", "text_encoder_2", 0.695e9),  # CLIP-G
     ("wan2_1", "full", "transformer", 14.288e9),

@@ -52,7 +52,9 @@ def run(c: SampleRun, json_: bool) -> None:
     or `images` for several references (a path relative to the table, the file's bytes or a `datasets`
     Image; docs/data-format.md). They are stored once per prompt group (condition-images-*.parquet, a
     table `datasets` loads), and `logprob`, `update` and `online` condition on them; a text-only model
-    refuses them.
+    refuses them. FLUX.2 (flux2, flux2_klein) takes rows with none (text-to-image) or up to 10 references;
+    Wan I2V (wan2_1_i2v, wan2_2_a14b_i2v) starts each clip from the row's `image`, given at the clip's
+    --resolution.
 
     With a vision-language --model (Qwen2.5-VL), GROUP text responses per (images, question) row of a
     verl/EasyR1 table: prompt and response token ids, response text, rollout log-probs, images once per

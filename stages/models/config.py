@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 FAMILIES: dict[str, str] = {
     "bagel": "stages.models.bagel:build_bagel",
     "flux": "stages.models.flux:build_flux",
+    "flux2": "stages.models.flux2:build_flux2",
+    "flux2_klein": "stages.models.flux2:build_flux2_klein",
     "flux_kontext": "stages.models.flux_kontext:build_flux_kontext",
     "qwen2_5_vl": "stages.models.qwen2_5_vl:build_qwen2_5_vl",
     "qwen3_omni_thinker": "stages.models.qwen3_omni:build_qwen3_omni_thinker",
@@ -31,8 +33,10 @@ FAMILIES: dict[str, str] = {
     "qwen_image": "stages.models.qwen_image:build_qwen_image",
     "sd3": "stages.models.sd3:build_sd3",
     "wan2_1": "stages.models.wan:build_wan2_1",
+    "wan2_1_i2v": "stages.models.wan_i2v:build_wan2_1_i2v",
     "wan2_2_5b": "stages.models.wan:build_wan2_2_5b",
     "wan2_2_a14b": "stages.models.wan:build_wan2_2_a14b",
+    "wan2_2_a14b_i2v": "stages.models.wan_i2v:build_wan2_2_a14b_i2v",
     "z_image": "stages.models.z_image:build_z_image",
 }
 FAMILY_NAMES = tuple(FAMILIES)
@@ -55,6 +59,7 @@ class InitModelConfig:
         "tiny (fast tests), small (benchmarks), for sd3 demo (the pixel-VAE shape `omnirl pretrain` "
         "trains for the demo: 4 latent channels, 64 px at most, 24 CLIP + 32 T5 tokens), or a published "
         "size with random weights, for GPU benchmarks: full (each family's flagship: SD3.5 Large, FLUX.1-dev, "
+        "FLUX.2 [dev], FLUX.2 [klein] 9B, "
         "Qwen-Image 20B, Z-Image, Wan 2.1 T2V 14B, Wan 2.2 5B / A14B, Qwen2.5-VL 7B, Qwen3-VL 8B, the "
         "Qwen3-Omni thinker), sd3 medium, wan2_1 1.3b, qwen2_5_vl 3b / 7b, qwen3_vl 8b. `omnirl plan --family F --size S` says "
         "what a size needs.",
@@ -79,7 +84,7 @@ class PlanConfig:
     )
     size: str = knob(
         "full",
-        "Size of --family: full (its flagship: Qwen-Image 20B, FLUX.1-dev, Wan 2.1 T2V 14B, SD3.5 "
+        "Size of --family: full (its flagship: Qwen-Image 20B, FLUX.1-dev, FLUX.2 [dev], Wan 2.1 T2V 14B, SD3.5 "
         "Large, ...), another published size (sd3 medium, wan2_1 1.3b, qwen2_5_vl 3b / 7b, qwen3_vl 8b) or tiny / small.",
         choices=MODEL_SIZES,
         panel=MODEL,

@@ -28,10 +28,13 @@ from stages.errors import UserInputError
 ENTRY_POINT_GROUP = "omnirl.families"
 # Built-in adapters by diffusers pipeline class, as "module:attribute".
 BUILTIN: dict[str, str] = {
+    "Flux2KleinPipeline": "stages.models.flux2:Flux2KleinAdapter",
+    "Flux2Pipeline": "stages.models.flux2:Flux2Adapter",
     "FluxKontextPipeline": "stages.models.flux_kontext:FluxKontextAdapter",
     "FluxPipeline": "stages.models.flux:FluxAdapter",
     "QwenImagePipeline": "stages.models.qwen_image:QwenImageAdapter",
     "StableDiffusion3Pipeline": "stages.models.sd3:SD3Adapter",
+    "WanImageToVideoPipeline": "stages.models.wan_i2v:WanI2VAdapter",
     "WanPipeline": "stages.models.wan:WanAdapter",
     "ZImagePipeline": "stages.models.z_image:ZImageAdapter",
 }

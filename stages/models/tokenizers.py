@@ -242,6 +242,18 @@ QWEN2_SPECIAL_TOKENS = (
 )
 REASONING_TAGS = ("<think>", "</think>", "<answer>", "</answer>")
 
+# Qwen3's chat template for the turns the diffusion pipelines render (one user message, a generation prompt):
+# with `enable_thinking=False` Qwen3 opens an empty think block (FLUX.2 klein passes False, Z-Image True).
+QWEN3_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}"
+    "{{- '<think>\\n\\n</think>\\n\\n' -}}"
+    "{%- endif -%}{%- endif -%}"
+)
+
 
 @lru_cache(maxsize=4)
 def _qwen2_vocab_and_merges(extra_text: str = "") -> tuple[dict[str, int], list[tuple[str, str]]]:

@@ -340,7 +340,8 @@ class WanAdapter(FamilyAdapter):
         return sigmas
 
     def latent_shape(self, resolution: Resolution, frames: int = 1) -> tuple[int, ...]:
-        """(C, F', h, w) of `frames` frames of `resolution`: F' = (frames − 1)/4 + 1 latent frames, each side
+        """(C, F', h, w) of `frames` frames of `resolution` (C: the VAE's channels, the transformer's output;
+        image-to-video adds its condition's to the input): F' = (frames − 1)/4 + 1 latent frames, each side
         a multiple of the VAE factor × 2 (the transformer's patch), as `WanPipeline` requires."""
         pipe = self.pipe
         spatial, temporal = pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal
@@ -351,7 +352,7 @@ class WanAdapter(FamilyAdapter):
                 f"--frames {frames}: must be 1 plus a multiple of {temporal} for this model (the VAE's "
                 f"temporal factor), e.g. {4 * temporal + 1}"
             )
-        return (pipe.transformer.config.in_channels, (frames - 1) // temporal + 1, h, w)
+        return (pipe.transformer.config.out_channels, (frames - 1) // temporal + 1, h, w)
 
     def encode_prompts(
         self, prompts: list[str], negatives: list[str], device: torch.device, max_sequence_length: int
@@ -423,7 +424,8 @@ class WanAdapter(FamilyAdapter):
         """One expert's prediction, as `WanPipeline.__call__` computes it: the conditional forward, and with
         `cfg` the unconditional one, u + w(c − u) for w = `guidance`; timestep [B], or [B, F'·h/2·w/2] per
         token (5B). `run` is the expert (or a call of it); `dtype` its weights' (default: `run.dtype`)."""
-        model_in = x.to(dtype or run.dtype)
+        model_in = self.model_input(x, cond).to(dtype or run.dtype)
+        image = self.image_input(cond)
         if self.pipe.config.expand_timesteps:
             frames, h, w = x.shape[2:]
             tokens = frames * (h // 2) * (w // 2)
@@ -434,6 +436,7 @@ class WanAdapter(FamilyAdapter):
                 hidden_states=model_in,
                 timestep=timestep,
                 encoder_hidden_states=branch["embeds"],
+                **image,
                 return_dict=False,
             )[0].float()
 
@@ -443,6 +446,14 @@ class WanAdapter(FamilyAdapter):
             uncond = self.unconditional(forward(cond.neg))
             v = uncond + guidance * (v - uncond)
         return v
+
+    def model_input(self, x: torch.Tensor, cond: Condition) -> torch.Tensor:
+        """The transformer's `hidden_states` for latents x: x itself (image-to-video adds its condition)."""
+        return x
+
+    def image_input(self, cond: Condition) -> dict[str, torch.Tensor]:
+        """Extra transformer inputs from the prompt's image (none for text-to-video)."""
+        return {}
 
     def decode(self, x0: torch.Tensor) -> list[Any]:
         """Latents [B, C, F', h, w] → per sample the list of its PIL frames, after z = x/std⁻¹ + mean,

@@ -27,7 +27,7 @@ from stages.errors import UserInputError
 from stages.models.factory import autoencoder_kl, choose_size, save_pipeline, seeded
 from stages.models.families import Condition, FamilyAdapter, Resolution, Tensors, latent_grid
 from stages.models.schedules import dynamic_shift_mu
-from stages.models.tokenizers import build_qwen2_tokenizer
+from stages.models.tokenizers import QWEN3_CHAT_TEMPLATE, build_qwen2_tokenizer
 
 FAMILY = "z_image"
 
@@ -39,18 +39,6 @@ NUM_TRAIN_TIMESTEPS = 1000
 LATENT_CHANNELS = 16
 ROPE_AXES_LENS = (1024, 512, 512)
 TEXT_ROPE_THETA = 1_000_000.0
-
-# Qwen3's chat template for the turns Z-Image renders (one user message, generation prompt). With
-# `enable_thinking=False` Qwen3 opens an empty think block; the pipeline passes True, so it adds none.
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}"
-    "{%- if enable_thinking is defined and enable_thinking is false -%}"
-    "{{- '<think>\\n\\n</think>\\n\\n' -}}"
-    "{%- endif -%}{%- endif -%}"
-)
 
 
 @dataclass(frozen=True)
@@ -138,7 +126,7 @@ def make_z_image(size: str, seed: int) -> ZImagePipeline:
     (`torch.device("meta")`: the architecture alone, no memory)."""
     spec: ZImageSize = choose_size(FAMILY, size, SIZES)
     tokenizer = build_qwen2_tokenizer()
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = QWEN3_CHAT_TEMPLATE  # Z-Image renders it with enable_thinking=True
     with seeded(seed, "text_encoder"):
         text_encoder = Qwen3Model(
             Qwen3Config(

@@ -23,11 +23,13 @@ FAMILIES = {
     "flux": ["--resolution", "32", "--guidance", "3.5"],
     "flux_kontext": ["--resolution", "32", "--guidance", "3.5"],
     "qwen_image": ["--resolution", "32", "--guidance", "4"],
+    "qwen_image_edit": ["--resolution", "32", "--guidance", "4"],
+    "qwen_image_edit_plus": ["--resolution", "32", "--guidance", "4"],
     "sd3": ["--resolution", "32", "--guidance", "3"],
     "z_image": ["--resolution", "32", "--guidance", "3"],
 }
 # editing families: their prompts carry a source image each (column `image`)
-EDITING = {"flux_kontext"}
+EDITING = {"flux_kontext", "qwen_image_edit", "qwen_image_edit_plus"}
 
 
 def prompt_table(name: str, root: Path) -> Path:

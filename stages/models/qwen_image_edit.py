@@ -77,7 +77,7 @@ class QwenImageEditProcessor(FramesVideoProcessing, Qwen2VLProcessor):
     torchvision."""
 
 
-def make_qwen_image_edit(size: str, seed: int, plus: bool = False) -> QwenImageEditPipeline:
+def _make(size: str, seed: int, plus: bool) -> QwenImageEditPipeline | QwenImageEditPlusPipeline:
     """The `QwenImageEditPipeline` (`plus`: `QwenImageEditPlusPipeline`) of `size`: Qwen-Image's components
     of that size with seeded random weights, a tokenizer that keeps the edit template's token count, and a
     `QwenImageEditProcessor` with the text encoder's image pixel budget."""
@@ -103,11 +103,21 @@ def make_qwen_image_edit(size: str, seed: int, plus: bool = False) -> QwenImageE
     return pipeline
 
 
+def make_qwen_image_edit(size: str, seed: int) -> QwenImageEditPipeline:
+    """The `QwenImageEditPipeline` of `size` with seeded random weights (`_make`)."""
+    return _make(size, seed, plus=False)
+
+
+def make_qwen_image_edit_plus(size: str, seed: int) -> QwenImageEditPlusPipeline:
+    """The `QwenImageEditPlusPipeline` of `size` with seeded random weights (`_make`)."""
+    return _make(size, seed, plus=True)
+
+
 def _build(out_dir: str | Path, size: str, seed: int, plus: bool) -> dict[str, Any]:
     family = PLUS_FAMILY if plus else FAMILY
     spec: QwenImageSize = choose_size(family, size, SIZES)
     out = Path(out_dir)
-    pipeline = make_qwen_image_edit(size, seed, plus)
+    pipeline = _make(size, seed, plus)
     summary = save_pipeline(
         pipeline,
         out,

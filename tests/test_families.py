@@ -211,8 +211,10 @@ def test_cfg_training_stops_the_gradient_at_the_unconditional_branch(family: dic
             p.normal_(0, 0.1)
     x = policy.initial_noise([1, 2], resolution)
     sigma = policy.sigmas(3, resolution)[1]
-    sources = [[(Path(family["root"]) / f"source{i}.png").read_bytes()] for i in range(2)]
-    cond = policy.encode(PROMPTS[:2], None, True, images=sources if family["name"] in EDITING else None)
+    sources = None
+    if family["name"] in EDITING:  # each prompt's source, as prompt_table wrote it
+        sources = [[(Path(family["root"]) / f"source{i}.png").read_bytes()] for i in range(2)]
+    cond = policy.encode(PROMPTS[:2], None, True, images=sources)
 
     def grads(detach: bool, g: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
         policy.family.detach_uncond = detach

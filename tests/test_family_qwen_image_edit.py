@@ -141,6 +141,8 @@ def test_several_references_replay_exactly(models: dict[str, Path], tmp_path: Pa
         "--out", str(tmp_path / "lp"),
     )  # fmt: skip
     assert replay["abs_delta_count"] > 0 and replay["abs_delta_max"] == 0.0
+    # from the stored conditioning: no text encoder, tokenizer, processor or VAE is loaded
+    assert replay["conditioning"] == "stored" and replay["loaded_components"] == ["scheduler", "transformer"]
 
 
 def test_the_lora_is_verl_omnis_qwen_image_edit_layout(models: dict[str, Path]) -> None:

@@ -15,7 +15,8 @@ from helpers import PROMPTS, fails, ins, run, torchrun
 from safetensors.torch import load_file
 
 from stages.models.diffusion import FlowPolicy
-from stages.models.folders import LORA_WEIGHTS
+from stages.models.families import adapter_class
+from stages.models.folders import LORA_WEIGHTS, pipeline_index
 from stages.shards.reader import ShardSet, open_inputs
 
 # init-model --family name → the sampling flags that fit its tiny build
@@ -25,11 +26,13 @@ FAMILIES = {
     "flux2_klein": ["--resolution", "32", "--guidance", "4"],
     "flux_kontext": ["--resolution", "32", "--guidance", "3.5"],
     "qwen_image": ["--resolution", "32", "--guidance", "4"],
+    "qwen_image_edit": ["--resolution", "32", "--guidance", "4"],
+    "qwen_image_edit_plus": ["--resolution", "32", "--guidance", "4"],
     "sd3": ["--resolution", "32", "--guidance", "3"],
     "z_image": ["--resolution", "32", "--guidance", "3"],
 }
 # editing families: their prompts carry a source image each (column `image`)
-EDITING = {"flux_kontext"}
+EDITING = {"flux_kontext", "qwen_image_edit", "qwen_image_edit_plus"}
 
 
 def prompt_table(name: str, root: Path) -> Path:
@@ -106,7 +109,10 @@ def test_lora_update_round_trips_through_the_stock_loader(family: dict, tmp_path
     update(family, out)
     trained = load_file(out / LORA_WEIGHTS)
     assert max(v.abs().max().item() for k, v in trained.items() if "lora_B" in k) > 0  # it moved
-    pipe = DiffusionPipeline.from_pretrained(family["model"])
+    # the stock loader, given what the family loads itself (the edit families' processor, without torchvision)
+    index = pipeline_index(family["model"])
+    own = adapter_class(index["_class_name"], "").load_components(Path(family["model"]), set(index))
+    pipe = DiffusionPipeline.from_pretrained(family["model"], **own)
     pipe.load_lora_weights(str(out), adapter_name="default")
     ours = FlowPolicy.load(family["model"], adapter=out)
     loaded = {n: p for n, p in ours.module.named_parameters() if "lora_" in n}
@@ -207,7 +213,10 @@ def test_cfg_training_stops_the_gradient_at_the_unconditional_branch(family: dic
             p.normal_(0, 0.1)
     x = policy.initial_noise([1, 2], resolution)
     sigma = policy.sigmas(3, resolution)[1]
-    cond = policy.encode(PROMPTS[:2], None, True)
+    sources = None
+    if family["name"] in EDITING:  # each prompt's source, as prompt_table wrote it
+        sources = [[(Path(family["root"]) / f"source{i}.png").read_bytes()] for i in range(2)]
+    cond = policy.encode(PROMPTS[:2], None, True, images=sources)
 
     def grads(detach: bool, g: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
         policy.family.detach_uncond = detach

@@ -31,6 +31,8 @@ FAMILIES: dict[str, str] = {
     "qwen3_vl": "stages.models.qwen3_vl:build_qwen3_vl",
     "qwen3_vl_moe": "stages.models.qwen3_vl:build_qwen3_vl_moe",
     "qwen_image": "stages.models.qwen_image:build_qwen_image",
+    "qwen_image_edit": "stages.models.qwen_image_edit:build_qwen_image_edit",
+    "qwen_image_edit_plus": "stages.models.qwen_image_edit:build_qwen_image_edit_plus",
     "sd3": "stages.models.sd3:build_sd3",
     "wan2_1": "stages.models.wan:build_wan2_1",
     "wan2_1_i2v": "stages.models.wan_i2v:build_wan2_1_i2v",

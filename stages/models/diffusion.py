@@ -227,6 +227,7 @@ class FlowPolicy:
             check_adapter_layout(
                 adapter, config, lora_files=(LORA_WEIGHTS, PEFT_CONFIG), full_file=f"{trained}/config.json"
             )
+        kwargs.update(family_class.load_components(model_path, set(index) - set(kwargs)))
         full: dict[str, torch.nn.Module] = {}
         if config and config["kind"] == "full":  # each trained module it holds, of the index's class
             for name in trained_folders(Path(adapter), index):

@@ -19,6 +19,7 @@ import importlib.metadata
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -32,6 +33,8 @@ BUILTIN: dict[str, str] = {
     "Flux2Pipeline": "stages.models.flux2:Flux2Adapter",
     "FluxKontextPipeline": "stages.models.flux_kontext:FluxKontextAdapter",
     "FluxPipeline": "stages.models.flux:FluxAdapter",
+    "QwenImageEditPipeline": "stages.models.qwen_image_edit:QwenImageEditAdapter",
+    "QwenImageEditPlusPipeline": "stages.models.qwen_image_edit:QwenImageEditPlusAdapter",
     "QwenImagePipeline": "stages.models.qwen_image:QwenImageAdapter",
     "StableDiffusion3Pipeline": "stages.models.sd3:SD3Adapter",
     "WanImageToVideoPipeline": "stages.models.wan_i2v:WanI2VAdapter",
@@ -185,6 +188,13 @@ class FamilyAdapter:
         # Training through CFG: stop the gradient at the unconditional branch (flow_grpo since July
         # 2025). The forward values are the same either way, so sampling and replay are unaffected.
         self.detach_uncond = False
+
+    @classmethod
+    def load_components(cls, model_path: Path, wanted: set[str]) -> dict[str, Any]:
+        """The components among `wanted` (model_index.json names still to load) that the family loads
+        itself rather than `from_pretrained` by their listed class (a processor transformers cannot load
+        without torchvision), by name."""
+        return {}
 
     def unconditional(self, uncond: torch.Tensor) -> torch.Tensor:
         """The unconditional prediction as guidance should combine it: detached when `detach_uncond`."""

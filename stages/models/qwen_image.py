@@ -137,11 +137,9 @@ SIZES: dict[str, QwenImageSize] = {
 }
 
 
-def make_qwen_image(size: str, seed: int) -> QwenImagePipeline:
-    """The `QwenImagePipeline` of `size` with seeded random weights, built on the current default device
-    (`torch.device("meta")`: the architecture alone, no memory)."""
-    spec: QwenImageSize = choose_size(FAMILY, size, SIZES)
-    tokenizer = build_qwen2_tokenizer(spec.text.max_positions, extra_text="\n" + TEMPLATE_WORDS + "\n")
+def qwen_image_components(spec: QwenImageSize, seed: int, tokenizer: Any) -> dict[str, Any]:
+    """The scheduler, VAE, text encoder (its special-token ids `tokenizer`'s) and transformer of a Qwen-Image
+    pipeline of `spec`, with seeded random weights (the editing pipelines share them)."""
     with seeded(seed, "text_encoder"):
         text_encoder = Qwen2_5_VLForConditionalGeneration(_config(spec.text, tokenizer)).eval()
     with seeded(seed, "transformer"):
@@ -164,16 +162,30 @@ def make_qwen_image(size: str, seed: int) -> QwenImagePipeline:
             temperal_downsample=[False] + [True] * (len(spec.vae_dim_mult) - 2),  # as the real [F, T, T]
         )
         zero_residual_branches(vae.decoder)
-    pipeline = QwenImagePipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG),
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        transformer=transformer,
-    )
-    prefix = pipeline.prompt_template_encode.split("{}")[0]
-    if len(tokenizer(prefix).input_ids) != pipeline.prompt_template_encode_start_idx:
-        raise RuntimeError("the tiny tokenizer splits the Qwen-Image template into another token count")
+    return {
+        "scheduler": FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG),
+        "vae": vae,
+        "text_encoder": text_encoder,
+        "transformer": transformer,
+    }
+
+
+def check_template_length(pipeline: Any, prefix: str) -> None:
+    """The tiny tokenizer must split a pipeline's template `prefix` into the count of tokens the pipeline
+    drops (`prompt_template_encode_start_idx`), as the real tokenizer does."""
+    if len(pipeline.tokenizer(prefix).input_ids) != pipeline.prompt_template_encode_start_idx:
+        raise RuntimeError(
+            f"the tiny tokenizer splits the {type(pipeline).__name__} template into another count"
+        )
+
+
+def make_qwen_image(size: str, seed: int) -> QwenImagePipeline:
+    """The `QwenImagePipeline` of `size` with seeded random weights, built on the current default device
+    (`torch.device("meta")`: the architecture alone, no memory)."""
+    spec: QwenImageSize = choose_size(FAMILY, size, SIZES)
+    tokenizer = build_qwen2_tokenizer(spec.text.max_positions, extra_text="\n" + TEMPLATE_WORDS + "\n")
+    pipeline = QwenImagePipeline(tokenizer=tokenizer, **qwen_image_components(spec, seed, tokenizer))
+    check_template_length(pipeline, pipeline.prompt_template_encode.split("{}")[0])
     return pipeline
 
 
@@ -280,12 +292,19 @@ class QwenImageAdapter(FamilyAdapter):
         cond: Condition,
         guidance: float,
     ) -> torch.Tensor:
-        """One forward per branch on the packed latents; true CFG u + w(c − u) rescaled per token to ‖c‖
+        """One forward per branch on the packed latents (followed by the source tokens of an editing
+        family, `source_tokens`, whose output is dropped); true CFG u + w(c − u) rescaled per token to ‖c‖
         over the 64 packed channels, as `QwenImagePipeline.__call__` does; fp32 [B, C, h, w]."""
         batch, _, h, w = x.shape
         tokens = pack(x.to(transformer.dtype))
+        count = tokens.shape[1]
         timestep = (sigma * 1000).to(tokens.dtype) / 1000
-        img_shapes = [[(1, h // PATCH, w // PATCH)]] * batch
+        shapes = [(1, h // PATCH, w // PATCH)]
+        source = self.source_tokens(cond)
+        if source is not None:
+            tokens = torch.cat([tokens, source[0].to(tokens.dtype)], dim=1)
+            shapes += source[1]
+        img_shapes = [shapes] * batch
 
         def forward(branch: Tensors) -> torch.Tensor:
             embeds, mask = branch["embeds"], branch["mask"]
@@ -300,7 +319,7 @@ class QwenImageAdapter(FamilyAdapter):
                 encoder_hidden_states_mask=None if bool(mask.all()) else mask,
                 img_shapes=img_shapes,
                 return_dict=False,
-            )[0].float()
+            )[0][:, :count].float()
 
         v = forward(cond.pos)
         if self.needs_negative(guidance):
@@ -309,6 +328,11 @@ class QwenImageAdapter(FamilyAdapter):
             combined = uncond + guidance * (v - uncond)
             v = combined * (torch.norm(v, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True))
         return unpack(v, h, w)
+
+    def source_tokens(self, cond: Condition) -> tuple[torch.Tensor, list[tuple[int, int, int]]] | None:
+        """Packed tokens [B, N, 64] appended to the latent tokens, and the (frames, rows, cols) of each image
+        they hold, for the rotary positions; None (Qwen-Image) or an editing family's source images."""
+        return None
 
     def encode_images(self, images: list[Any], resolution: Resolution, device: torch.device) -> torch.Tensor:
         """VAE posterior mode of one-frame videos, then (z − mean)/std per channel, the inverse of `decode`."""

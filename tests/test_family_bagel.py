@@ -115,7 +115,7 @@ def test_the_lora_round_trips_through_omnirl_and_peft(
     staged: dict, trained: tuple[Path, dict], tmp_path: Path
 ) -> None:
     """The saved LoRA loads back with the same tensors, gives PEFT's own `PeftModel.from_pretrained` samples
-    bit for bit, and a rollout under it replays exactly and differs from the base model's."""
+    bit for bit, a rollout under it replays exactly and differs from the base model's, and it exports."""
     from peft import PeftModel
 
     out, _ = trained
@@ -144,6 +144,11 @@ def test_the_lora_round_trips_through_omnirl_and_peft(
         "--in", str(tmp_path / "samples"), "--out", str(tmp_path / "logprobs"),
     )  # fmt: skip
     assert replay["abs_delta_max"] == 0.0 and replay["rows"] == 4
+
+    # `export` merges it into a released-layout BAGEL folder that samples as the adapter does
+    merged = tmp_path / "merged"
+    assert run("export", str(out), "--out", str(merged))["merged_layers"] == 14
+    torch.testing.assert_close(final(FlowPolicy.load(merged)), mine, rtol=0, atol=1e-5)
 
 
 def test_bad_inputs_are_one_line(staged: dict, tmp_path: Path) -> None:

@@ -941,11 +941,22 @@ def make_bagel(size: str, seed: int, tokenizer: Any = None) -> Bagel:
     return model
 
 
+def save_folder(out: Path, model: Bagel, vae: Any, tokenizer: Any) -> None:
+    """Write `model`, its autoencoder and tokenizer into folder `out` in the released layout (what
+    `load_bagel` and `load_autoencoder` read)."""
+    from safetensors.torch import save_file
+
+    (out / LLM_CONFIG).write_text(json.dumps(model.config.llm, indent=2) + "\n")
+    (out / VIT_CONFIG).write_text(json.dumps(model.config.vit, indent=2) + "\n")
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, out / WEIGHTS)
+    levels = len(vae.config.block_out_channels)
+    save_file(_ldm_vae_names(vae.state_dict(), levels), out / AUTOENCODER)
+    tokenizer.save_pretrained(out)
+
+
 def build_bagel(out_dir: str | Path, *, size: str, seed: int) -> dict[str, Any]:
     """Write a random-weight BAGEL folder of `size` in the released layout: llm_config.json,
     vit_config.json, ema.safetensors, ae.safetensors (BFL names), the Qwen2 tokenizer and the model card."""
-    from safetensors.torch import save_file
-
     from stages.models.tokenizers import build_qwen2_tokenizer
 
     spec: BagelSize = choose_size(FAMILY, size, SIZES)
@@ -962,11 +973,7 @@ def build_bagel(out_dir: str | Path, *, size: str, seed: int) -> dict[str, Any]:
         scaling_factor=AE_SCALE,
         shift_factor=AE_SHIFT,
     )
-    (out / LLM_CONFIG).write_text(json.dumps(model.config.llm, indent=2) + "\n")
-    (out / VIT_CONFIG).write_text(json.dumps(model.config.vit, indent=2) + "\n")
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, out / WEIGHTS)
-    save_file(_ldm_vae_names(vae.state_dict(), len(spec.vae_channels)), out / AUTOENCODER)
-    tokenizer.save_pretrained(out)
+    save_folder(out, model, vae, tokenizer)
     return finish_model_dir(
         out,
         family=FAMILY,
@@ -1028,6 +1035,11 @@ class BagelPipeline:
 
     def set_progress_bar_config(self, **_: Any) -> None:
         """Nothing to set: loading and sampling a BAGEL folder show no progress bars."""
+
+    def save_pretrained(self, out: str | Path, **_: Any) -> None:
+        """Write the pipeline as a released BAGEL folder (`save_folder`; `export` of a merged LoRA)."""
+        Path(out).mkdir(parents=True, exist_ok=True)
+        save_folder(Path(out), self.transformer, self.vae, self.tokenizer)
 
 
 def _context(branch: Tensors) -> Context:

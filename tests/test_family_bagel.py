@@ -5,12 +5,13 @@ tests/test_models_bagel.py."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import fails, ins, run
+from helpers import fails, ins, run, torchrun
 from safetensors.torch import load_file
 
 from stages.models import bagel
@@ -149,6 +150,38 @@ def test_the_lora_round_trips_through_omnirl_and_peft(
     merged = tmp_path / "merged"
     assert run("export", str(out), "--out", str(merged))["merged_layers"] == 14
     torch.testing.assert_close(final(FlowPolicy.load(merged)), mine, rtol=0, atol=1e-5)
+
+
+@pytest.mark.distributed
+def test_two_ranks_equal_one_process(staged: dict, tmp_path: Path) -> None:
+    """flow_grpo on 2 gloo ranks (DDP reaches `Bagel.forward`) trains the LoRA one process trains with
+    twice the accumulation (tolerances as tests/test_families.py's, for the same reason)."""
+    inputs = ins(*(staged[k] for k in ("samples", "logprobs", "advantages")))
+    common = [
+        "--model",
+        str(staged["model"]),
+        *inputs,
+        "--lora-rank",
+        "4",
+        "--lora-alpha",
+        "8",
+        "--lr",
+        "1e-3",
+    ]
+    common += ["--no-shuffle", "--micro-batch", "1"]
+    run("update", *common, "--grad-accum", "2", "--out", str(tmp_path / "one"))
+    torchrun("update", *common, "--grad-accum", "1", "--out", str(tmp_path / "two"))
+    one, two = (load_file(tmp_path / d / PEFT_WEIGHTS) for d in ("one", "two"))
+    assert one.keys() == two.keys() and len(one) == 28
+    for k in one:
+        torch.testing.assert_close(two[k], one[k], rtol=0, atol=1e-5)
+    m1, m2 = (
+        [json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+        for d in ("one", "two")
+    )
+    assert len(m1) == len(m2) >= 1
+    for a, b in zip(m1, m2, strict=True):
+        assert b["actor/grad_norm"] == pytest.approx(a["actor/grad_norm"], rel=1e-6)
 
 
 def test_bad_inputs_are_one_line(staged: dict, tmp_path: Path) -> None:

@@ -152,6 +152,23 @@ def test_the_lora_round_trips_through_omnirl_and_peft(
     torch.testing.assert_close(final(FlowPolicy.load(merged)), mine, rtol=0, atol=1e-5)
 
 
+def test_online_trains_a_generation_expert_lora(staged: dict, tmp_path: Path) -> None:
+    """`online` runs the same stages fused: one iteration writes a moved generation-expert LoRA that loads."""
+    config = tmp_path / "bagel.yaml"
+    config.write_text(
+        "sample: {steps: 4, guidance: 4.0, resolution: 16, group_size: 2, num_prompts: 2, batch_size: 4}\n"
+        "score: {reward: [jpeg_compressibility]}\n"
+        "update: {algo: flow_grpo, lora_rank: 4, lora_alpha: 8, lr: 1.0e-3}\n"
+    )
+    out = tmp_path / "run"
+    run("online", "--config", str(config), "--model", str(staged["model"]), "--prompts", str(staged["prompts"]),
+        "--iterations", "1", "--out", str(out))  # fmt: skip
+    weights = load_file(out / "it1" / "policy" / PEFT_WEIGHTS)
+    assert len(weights) == 28 and all("_moe_gen" in k for k in weights)
+    assert max(v.abs().max().item() for k, v in weights.items() if "lora_B" in k) > 0
+    assert FlowPolicy.load(staged["model"], adapter=out / "it1" / "policy").lora
+
+
 @pytest.mark.distributed
 def test_two_ranks_equal_one_process(staged: dict, tmp_path: Path) -> None:
     """flow_grpo on 2 gloo ranks (DDP reaches `Bagel.forward`) trains the LoRA one process trains with

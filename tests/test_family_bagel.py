@@ -112,6 +112,18 @@ def test_flow_grpo_trains_a_lora_on_the_generation_expert_only(trained: tuple[Pa
     assert (out / PEFT_CONFIG).is_file()
 
 
+@pytest.mark.parametrize("algo", ["dance_grpo", "mix_grpo", "nft", "awm", "dpo"])
+def test_the_other_algorithms_train_it(staged: dict, tmp_path: Path, algo: str) -> None:
+    inputs = ("samples", "rewards") if algo == "dpo" else ("samples", "logprobs", "advantages")
+    result = run(
+        "update", "--model", str(staged["model"]), *ins(*(staged[k] for k in inputs)), "--algo", algo,
+        "--lora-rank", "4", "--lora-alpha", "8", "--lr", "1e-3", "--out", str(tmp_path / "policy"),
+    )  # fmt: skip
+    assert result["optimizer_steps"] >= 1
+    weights = load_file(tmp_path / "policy" / PEFT_WEIGHTS)
+    assert max(v.abs().max().item() for k, v in weights.items() if "lora_B" in k) > 0
+
+
 def test_the_lora_round_trips_through_omnirl_and_peft(
     staged: dict, trained: tuple[Path, dict], tmp_path: Path
 ) -> None:

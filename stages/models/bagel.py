@@ -64,6 +64,8 @@ AUTOENCODER = "ae.safetensors"
 # The FLUX.1 autoencoder's latent normalisation, as BAGEL's reference encodes and decodes with it.
 AE_SCALE, AE_SHIFT = 0.3611, 0.1159
 LATENT_PATCH = 2
+# What a Qwen2.5 tokenizer folder's files start with (the released folder has the slow and fast forms).
+TOKENIZER_FILES = ("tokenizer", "vocab", "merges", "special_tokens", "added_tokens")
 # The special tokens BAGEL frames a prompt (ChatML's turn markers) and an image chunk with.
 BOS, EOS, IMAGE_START, IMAGE_END = "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>"
 # BAGEL's text-to-image sampling defaults (its demo): 50 σ points shifted by 3, text CFG 4 and image
@@ -1077,8 +1079,11 @@ class BagelAdapter(FamilyAdapter):
 
     @classmethod
     def encoder_files(cls, folder: Path, index: dict[str, Any]) -> list[str]:
-        """The context comes from the understanding expert's weights and the tokenizer."""
-        return [WEIGHTS, LLM_CONFIG, *sorted(p.name for p in folder.glob("tokenizer*") if p.is_file())]
+        """The context comes from the understanding expert's weights and the tokenizer's files."""
+        tokenizer = sorted(
+            p.name for p in folder.iterdir() if p.is_file() and p.name.startswith(TOKENIZER_FILES)
+        )
+        return [WEIGHTS, LLM_CONFIG, *tokenizer]
 
     def load_trained(self, folder: Path, name: str, dtype: torch.dtype) -> torch.nn.Module:
         return load_bagel(folder, dtype)[0]

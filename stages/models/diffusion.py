@@ -1,7 +1,7 @@
 """Flow-matching text-to-image pipelines seen as RL policies.
 
-A `FlowPolicy` wraps a diffusers pipeline folder (optionally with an omnirl adapter on top) and
-exposes what the stages need: prompt conditioning, the guided velocity v(x, σ), the pipeline's own
+A `FlowPolicy` wraps a diffusers pipeline folder, or a family's own released folder (BAGEL's),
+optionally with an omnirl adapter on top, and exposes what the stages need: prompt conditioning, the guided velocity v(x, σ), the pipeline's own
 σ schedule, initial noise from per-sample seeds, and decoding. Sampling, replay and training all go
 through `velocity`, so the three compute the same numbers. Everything that differs between pipeline
 families is the family's adapter (`stages.models.families`); this class is the same for all.
@@ -354,6 +354,11 @@ class FlowPolicy:
         """Mark and return the trained parameters: LoRA weights, or every weight of the trained module
         with `full`. They are cast to fp32 whatever --dtype (diffusers' `cast_training_params`), so the
         optimizer steps in fp32; --dtype stays the storage dtype of the frozen weights."""
+        if full and not self.family.full_weights:
+            raise UserInputError(
+                f"--full: {self.family.name} trains a LoRA only (on {', '.join(self.family.lora_targets)}); "
+                "drop --full and pass --lora-rank"
+            )
         params = []
         for name, p in self.transformer.named_parameters():
             train = full or "lora_" in name
@@ -361,11 +366,6 @@ class FlowPolicy:
             if train:
                 p.data = p.data.float()
                 params.append(p)
-        if full and not self.family.full_weights:
-            raise UserInputError(
-                f"--full: {self.family.name} trains a LoRA only (on {', '.join(self.family.lora_targets)}); "
-                "drop --full and pass --lora-rank"
-            )
         if not params:
             raise UserInputError(
                 "nothing to train: the policy has no LoRA adapter; pass --lora-rank > 0 or --full"

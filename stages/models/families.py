@@ -7,8 +7,10 @@ guided velocity v(x, σ) (packing, position ids, timestep scale, CFG kind), deco
 and the reference trainers' LoRA targets. `samplers.step` stays the one sampler for every family.
 
 A family is one module holding its adapter and its tiny builder. Adapters are looked up by the
-pipeline's `model_index.json` `_class_name`: the built-ins below (imported only when used), or an
-installed package's entry point in group ``omnirl.families`` (``PipelineClass = "pkg.mod:Adapter"``).
+pipeline's `model_index.json` `_class_name` (for a family whose released folder is no diffusers
+pipeline, the class `folders.NATIVE_FOLDERS` names it by; its adapter overrides the loading hooks):
+the built-ins below (imported only when used), or an installed package's entry point in group
+``omnirl.families`` (``PipelineClass = "pkg.mod:Adapter"``).
 This module is a leaf: it imports nothing from sample/ or update/.
 """
 
@@ -27,7 +29,8 @@ import torch
 from stages.errors import UserInputError
 
 ENTRY_POINT_GROUP = "omnirl.families"
-# Built-in adapters by diffusers pipeline class, as "module:attribute".
+# Built-in adapters by pipeline class (diffusers' `_class_name`, or a family's own folder's name in
+# `folders.NATIVE_FOLDERS`), as "module:attribute".
 BUILTIN: dict[str, str] = {
     "Bagel": "stages.models.bagel:BagelAdapter",
     "FluxKontextPipeline": "stages.models.flux_kontext:FluxKontextAdapter",

@@ -90,6 +90,20 @@ def test_the_policy_velocity_is_bagels_guided_velocity(staged: dict) -> None:
             assert ((theirs - plain).abs().max().item() > 1e-3) is guided
 
 
+def test_the_decoder_alone_decodes_as_the_policy(staged: dict) -> None:
+    """`score` of a --defer-decode rollout loads the autoencoder alone (`load_decoder`): the same pixels."""
+    import numpy as np
+
+    from stages.models.diffusion import load_decoder
+
+    latents = ShardSet(staged["samples"]).read_all(columns=["final_latent"])["final_latent"][:2]
+    decoder = load_decoder(staged["model"])
+    assert decoder.pipe.transformer is None and decoder.pipe.vae is not None
+    theirs = FlowPolicy.load(staged["model"]).decode(latents)
+    for a, b in zip(decoder.decode(latents), theirs, strict=True):
+        assert np.array_equal(np.asarray(a), np.asarray(b)) and a.size == (SIDE, SIDE)
+
+
 @pytest.fixture(scope="module")
 def trained(staged: dict, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("bagel-policy") / "policy"

@@ -1069,13 +1069,20 @@ class BagelAdapter(FamilyAdapter):
     def load_pipeline(
         cls, folder: Path, index: dict[str, Any], components: dict[str, Any], dtype: torch.dtype
     ) -> BagelPipeline:
-        """The model (`load_bagel`), its tokenizer and the autoencoder (`load_autoencoder`; not read when
-        `components` gives "vae": None) of a BAGEL folder."""
-        model, tokenizer = load_bagel(folder, dtype)
+        """The model with its tokenizer (`load_bagel`) and the autoencoder (`load_autoencoder`) of a BAGEL
+        folder; `components` "transformer" or "vae" None: that one not read (the tokenizer goes with the
+        model)."""
+        model, tokenizer = (
+            load_bagel(folder, dtype) if components.get("transformer", True) is not None else (None, None)
+        )
         vae = components["vae"] if "vae" in components else load_autoencoder(folder)
         if vae is not None and dtype != torch.float32:
             vae.to(dtype)
         return BagelPipeline(model, vae, tokenizer, autoencoder_scale(folder))
+
+    @classmethod
+    def component_names(cls, index: dict[str, Any]) -> list[str]:
+        return ["transformer", "vae", "tokenizer"]
 
     @classmethod
     def encoder_files(cls, folder: Path, index: dict[str, Any]) -> list[str]:

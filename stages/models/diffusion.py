@@ -102,15 +102,14 @@ def load_decoder(
     no transformer, text encoder or tokenizer is read), for `decode` of stored latents exactly as
     `FlowPolicy.decode` decodes them under the same `dtype` and device; `tiling`/`slicing` as
     `vae_memory`. An adapter never changes the VAE, so none is taken."""
-    from diffusers import DiffusionPipeline
-
     model_path, index, family_class = _pipeline_to_load(model_path, dtype)
-    if not isinstance(index.get("vae"), list):
+    names = family_class.component_names(index)
+    if "vae" not in names:
         raise UserInputError(
             f"--model {model_path}: its model_index.json lists no vae; pass the pipeline folder"
         )
-    others = {name: None for name, entry in index.items() if isinstance(entry, list) and name != "vae"}
-    pipe = DiffusionPipeline.from_pretrained(model_path, dtype=DTYPES[dtype], use_safetensors=True, **others)
+    others = {name: None for name in names if name != "vae"}
+    pipe = family_class.load_pipeline(model_path, index, others, DTYPES[dtype])
     pipe.set_progress_bar_config(disable=True)
     pipe.vae.to(device).requires_grad_(False).eval()
     family = family_class(pipe)

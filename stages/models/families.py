@@ -208,6 +208,12 @@ class FamilyAdapter:
         return DiffusionPipeline.from_pretrained(folder, dtype=dtype, use_safetensors=True, **components)
 
     @classmethod
+    def component_names(cls, index: dict[str, Any]) -> list[str]:
+        """The components `load_pipeline` loads from a folder of this `index` (those `components` may
+        override): by default every entry of the index with a library and class."""
+        return [name for name, entry in index.items() if isinstance(entry, list)]
+
+    @classmethod
     def encoder_files(cls, folder: Path, index: dict[str, Any]) -> list[str]:
         """The files or subfolders of model `folder` whose contents make a prompt's conditioning (what the
         stored conditioning's identity digests): by default the text encoders and tokenizers its index lists."""

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from diffusers.loaders.peft import PeftAdapterMixin
 from torch import nn
 
 from stages.errors import UserInputError
@@ -44,6 +45,14 @@ from stages.models.factory import (
     finish_model_dir,
     parameter_count,
     seeded,
+)
+from stages.models.families import (
+    Condition,
+    FamilyAdapter,
+    Resolution,
+    Tensors,
+    format_resolution,
+    latent_grid,
 )
 
 FAMILY = "bagel"
@@ -55,6 +64,8 @@ AUTOENCODER = "ae.safetensors"
 # The FLUX.1 autoencoder's latent normalisation, as BAGEL's reference encodes and decodes with it.
 AE_SCALE, AE_SHIFT = 0.3611, 0.1159
 LATENT_PATCH = 2
+# What a Qwen2.5 tokenizer folder's files start with (the released folder has the slow and fast forms).
+TOKENIZER_FILES = ("tokenizer", "vocab", "merges", "special_tokens", "added_tokens")
 # The special tokens BAGEL frames a prompt (ChatML's turn markers) and an image chunk with.
 BOS, EOS, IMAGE_START, IMAGE_END = "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>"
 # BAGEL's text-to-image sampling defaults (its demo): 50 σ points shifted by 3, text CFG 4 and image
@@ -511,10 +522,11 @@ def patchify(pixels: torch.Tensor, patch: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------- the model
 
 
-class Bagel(nn.Module):
+class Bagel(nn.Module, PeftAdapterMixin):
     """BAGEL under the released state-dict names: `language_model`, the generation path
     (`time_embedder`, `vae2llm`, `llm2vae`, `latent_pos_embed`) and the understanding path
-    (`vit_model`, `connector`, `vit_pos_embed`)."""
+    (`vit_model`, `connector`, `vit_pos_embed`). LoRA adapters attach as on a diffusers model
+    (`add_adapter`, `load_lora_adapter`, `disable_adapters`); its forward is `guided_velocity`."""
 
     def __init__(self, config: BagelConfig) -> None:
         super().__init__()
@@ -597,22 +609,30 @@ class Bagel(nn.Module):
         text_scale: float = CFG_TEXT,
         image_scale: float = CFG_IMAGE,
         interval: tuple[float, float] = CFG_INTERVAL,
+        detach_uncond: bool = False,
     ) -> torch.Tensor:
         """BAGEL's guided text-to-image velocity [B, h·w, 2·2·C] (`velocity`'s shapes): where
         interval[0] < σ ≤ interval[1], `cfg_velocity` of the conditional velocity (over `context`) and
         the text-unconditional one (over `empty`, the empty contexts); elsewhere the conditional one.
         The image-CFG branch of a prompt without an input image has the prompt's own context, so its
-        velocity is the conditional one (the reference runs it as a third, identical forward)."""
+        velocity is the conditional one (the reference runs it as a third, identical forward).
+        `detach_uncond`: no gradient through the unconditional velocity (the same values)."""
         cond = self.velocity(tokens, sigma, context, grid)
         active = (sigma > interval[0]) & (sigma <= interval[1])
         if text_scale <= 1.0 or not bool(active.any()):
             return cond
         uncond = self.velocity(tokens, sigma, empty, grid)
+        if detach_uncond:
+            uncond = uncond.detach()
         rows = [
             cfg_velocity(c, u, c, text_scale, image_scale) if on else c
             for c, u, on in zip(cond, uncond, active.tolist(), strict=True)
         ]
         return torch.stack(rows)
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """`guided_velocity`, so a data-parallel wrapper's forward reaches it."""
+        return self.guided_velocity(*args, **kwargs)
 
     def vit_embeddings(self, pixels: torch.Tensor) -> torch.Tensor:
         """An image [3, H, W] in [−1, 1] (sides multiples of 14) → its tokens in the language model's
@@ -923,11 +943,22 @@ def make_bagel(size: str, seed: int, tokenizer: Any = None) -> Bagel:
     return model
 
 
+def save_folder(out: Path, model: Bagel, vae: Any, tokenizer: Any) -> None:
+    """Write `model`, its autoencoder and tokenizer into folder `out` in the released layout (what
+    `load_bagel` and `load_autoencoder` read)."""
+    from safetensors.torch import save_file
+
+    (out / LLM_CONFIG).write_text(json.dumps(model.config.llm, indent=2) + "\n")
+    (out / VIT_CONFIG).write_text(json.dumps(model.config.vit, indent=2) + "\n")
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, out / WEIGHTS)
+    levels = len(vae.config.block_out_channels)
+    save_file(_ldm_vae_names(vae.state_dict(), levels), out / AUTOENCODER)
+    tokenizer.save_pretrained(out)
+
+
 def build_bagel(out_dir: str | Path, *, size: str, seed: int) -> dict[str, Any]:
     """Write a random-weight BAGEL folder of `size` in the released layout: llm_config.json,
     vit_config.json, ema.safetensors, ae.safetensors (BFL names), the Qwen2 tokenizer and the model card."""
-    from safetensors.torch import save_file
-
     from stages.models.tokenizers import build_qwen2_tokenizer
 
     spec: BagelSize = choose_size(FAMILY, size, SIZES)
@@ -944,11 +975,7 @@ def build_bagel(out_dir: str | Path, *, size: str, seed: int) -> dict[str, Any]:
         scaling_factor=AE_SCALE,
         shift_factor=AE_SHIFT,
     )
-    (out / LLM_CONFIG).write_text(json.dumps(model.config.llm, indent=2) + "\n")
-    (out / VIT_CONFIG).write_text(json.dumps(model.config.vit, indent=2) + "\n")
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, out / WEIGHTS)
-    save_file(_ldm_vae_names(vae.state_dict(), len(spec.vae_channels)), out / AUTOENCODER)
-    tokenizer.save_pretrained(out)
+    save_folder(out, model, vae, tokenizer)
     return finish_model_dir(
         out,
         family=FAMILY,
@@ -960,5 +987,191 @@ def build_bagel(out_dir: str | Path, *, size: str, seed: int) -> dict[str, Any]:
             "vit_model": parameter_count(model.vit_model),
             "vae": parameter_count(vae),
         },
-        details={"architecture": asdict(spec), "vocab_size": len(tokenizer)},
+        details={
+            "architecture": asdict(spec),
+            "vocab_size": len(tokenizer),
+            # `sample`'s default side: the whole latent position table
+            "image_size": spec.max_latent_size * LATENT_PATCH * 2 ** (len(spec.vae_channels) - 1),
+        },
     )
+
+
+# ----------------------------------------------------------------------------- the stages' family
+
+
+def autoencoder_scale(folder: str | Path) -> int:
+    """The spatial factor of a BAGEL folder's autoencoder (2 per level after the first), read off the
+    names in `ae.safetensors`' header alone (no weights read)."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(folder) / AUTOENCODER), framework="pt") as f:
+        levels = 1 + max(int(k.split(".")[2]) for k in f.keys() if k.startswith("encoder.down."))  # noqa: SIM118
+    return 2 ** (levels - 1)
+
+
+class BagelPipeline:
+    """A BAGEL folder loaded for generation, with the part of a diffusers pipeline's interface the policy
+    uses: `transformer` (the `Bagel` model: the trained module), `vae` (the FLUX.1 autoencoder, or None
+    when not loaded), `tokenizer`, `image_processor` and `vae_scale_factor`."""
+
+    def __init__(self, transformer: Bagel, vae: Any, tokenizer: Any, vae_scale_factor: int) -> None:
+        from diffusers.image_processor import VaeImageProcessor
+
+        self.transformer, self.vae, self.tokenizer = transformer, vae, tokenizer
+        self.vae_scale_factor = vae_scale_factor
+        self.image_processor = VaeImageProcessor(vae_scale_factor=vae_scale_factor)
+
+    @property
+    def components(self) -> dict[str, Any]:
+        return {"transformer": self.transformer, "vae": self.vae, "tokenizer": self.tokenizer}
+
+    def register_modules(self, **modules: Any) -> None:
+        for name, module in modules.items():
+            setattr(self, name, module)
+
+    def to(self, device: torch.device | str) -> BagelPipeline:
+        for module in (self.transformer, self.vae):
+            if module is not None:
+                module.to(device)
+        return self
+
+    def set_progress_bar_config(self, **_: Any) -> None:
+        """Nothing to set: loading and sampling a BAGEL folder show no progress bars."""
+
+    def save_pretrained(self, out: str | Path, **_: Any) -> None:
+        """Write the pipeline as a released BAGEL folder (`save_folder`; `export` of a merged LoRA)."""
+        Path(out).mkdir(parents=True, exist_ok=True)
+        save_folder(Path(out), self.transformer, self.vae, self.tokenizer)
+
+
+def _context(branch: Tensors) -> Context:
+    """`Context` of a collated branch ("keys"/"values" [B, layers, kv_heads, L, head_dim], "valid" [B, L])."""
+    valid = branch["valid"]
+    return Context(list(branch["keys"].unbind(1)), list(branch["values"].unbind(1)), valid, valid.sum(1))
+
+
+class BagelAdapter(FamilyAdapter):
+    """BAGEL's text-to-image generation as a diffusion family. Conditioning is the understanding expert's
+    keys/values of the prompt (`Bagel.encode_context`; the negative branch: the negative prompt's, the
+    empty context for ""), the velocity `Bagel.guided_velocity` with --guidance as the text CFG scale and
+    BAGEL's image CFG 1.5 and interval, σ `sigmas` (shift 3). LoRA goes on the generation expert alone,
+    so the stored conditioning stays valid for every adapter; it is saved as a PEFT folder."""
+
+    name = FAMILY
+    # the generation expert: its attention projections and MLP in every layer
+    lora_targets = (
+        *(f"{p}_moe_gen" for p in ("q_proj", "k_proj", "v_proj", "o_proj")),
+        *(f"mlp_moe_gen.{p}" for p in ("gate_proj", "up_proj", "down_proj")),
+    )
+    full_weights = False
+
+    @classmethod
+    def load_pipeline(
+        cls, folder: Path, index: dict[str, Any], components: dict[str, Any], dtype: torch.dtype
+    ) -> BagelPipeline:
+        """The model with its tokenizer (`load_bagel`) and the autoencoder (`load_autoencoder`) of a BAGEL
+        folder; `components` "transformer" or "vae" None: that one not read (the tokenizer goes with the
+        model)."""
+        model, tokenizer = (
+            load_bagel(folder, dtype) if components.get("transformer", True) is not None else (None, None)
+        )
+        vae = components["vae"] if "vae" in components else load_autoencoder(folder)
+        if vae is not None and dtype != torch.float32:
+            vae.to(dtype)
+        return BagelPipeline(model, vae, tokenizer, autoencoder_scale(folder))
+
+    @classmethod
+    def component_names(cls, index: dict[str, Any]) -> list[str]:
+        return ["transformer", "vae", "tokenizer"]
+
+    @classmethod
+    def encoder_files(cls, folder: Path, index: dict[str, Any]) -> list[str]:
+        """The context comes from the understanding expert's weights and the tokenizer's files."""
+        tokenizer = sorted(
+            p.name for p in folder.iterdir() if p.is_file() and p.name.startswith(TOKENIZER_FILES)
+        )
+        return [WEIGHTS, LLM_CONFIG, *tokenizer]
+
+    def load_trained(self, folder: Path, name: str, dtype: torch.dtype) -> torch.nn.Module:
+        return load_bagel(folder, dtype)[0]
+
+    def save_lora(self, out: Path, layers: Tensors, metadata: dict[str, Any]) -> None:
+        """A PEFT folder (adapter_config.json, adapter_model.safetensors under "base_model.model."), as
+        `PeftModel.save_pretrained` writes one for the `Bagel` module; `folders.load_lora` reads it."""
+        from peft import LoraConfig
+        from safetensors.torch import save_file
+
+        from stages.models.folders import PEFT_PREFIX, PEFT_WEIGHTS
+
+        LoraConfig(**metadata).save_pretrained(str(out))
+        tensors = {PEFT_PREFIX + k: v.detach().contiguous() for k, v in layers.items()}
+        save_file(tensors, out / PEFT_WEIGHTS, metadata={"format": "pt"})
+
+    def sigmas(self, num_steps: int, resolution: Resolution) -> torch.Tensor:
+        return sigmas(num_steps)
+
+    def latent_shape(self, resolution: Resolution, frames: int = 1) -> tuple[int, ...]:
+        """[C, H/f, W/f] for the autoencoder's factor f; each side a multiple of 2f (2×2 latent patches)
+        and at most the position table's side."""
+        model, factor = self.pipe.transformer, self.pipe.vae_scale_factor
+        h, w = latent_grid(
+            resolution, factor, LATENT_PATCH * factor, "the autoencoder's factor × 2×2 patches"
+        )
+        most = model.config.max_latent_size * LATENT_PATCH * factor
+        if max(h, w) > model.config.max_latent_size * LATENT_PATCH:
+            raise UserInputError(
+                f"--resolution {format_resolution(resolution)}: this BAGEL generates at most {most} pixels a side "
+                "(its latent position table); pass a smaller one"
+            )
+        return (model.config.latent_channels, h, w)
+
+    def encode_prompts(
+        self, prompts: list[str], negatives: list[str], device: torch.device, max_sequence_length: int
+    ) -> list[tuple[Tensors, Tensors]]:
+        """Each prompt's and negative's context as "keys"/"values" [layers, kv_heads, L, head_dim]."""
+        model, tokenizer = self.pipe.transformer, self.pipe.tokenizer
+        texts = list(dict.fromkeys([*prompts, *negatives]))
+        ids = [prompt_ids(tokenizer, model.config, t) if t else [] for t in texts]
+        context = model.encode_context(ids)
+        encoded = {
+            text: {
+                "keys": torch.stack([k[row, :, : len(i)] for k in context.keys]),
+                "values": torch.stack([v[row, :, : len(i)] for v in context.values]),
+            }
+            for row, (text, i) in enumerate(zip(texts, ids, strict=True))
+        }
+        return [(encoded[p], encoded[n]) for p, n in zip(prompts, negatives, strict=True)]
+
+    def collate(self, items: Sequence[Tensors]) -> Tensors:
+        """Contexts padded to the longest: "keys"/"values" [B, layers, kv_heads, L, head_dim], "valid" [B, L]."""
+        longest = max(item["keys"].shape[2] for item in items)
+        batch = {
+            name: torch.stack([F.pad(item[name], (0, 0, 0, longest - item[name].shape[2])) for item in items])
+            for name in ("keys", "values")
+        }
+        lengths = torch.tensor([item["keys"].shape[2] for item in items], device=batch["keys"].device)
+        batch["valid"] = torch.arange(longest, device=lengths.device) < lengths[:, None]
+        return batch
+
+    def velocity(
+        self,
+        transformer: torch.nn.Module,
+        x: torch.Tensor,
+        sigma: torch.Tensor,
+        cond: Condition,
+        guidance: float,
+    ) -> torch.Tensor:
+        """`Bagel.guided_velocity` of latents x [B, C, 2h, 2w], as [B, C, 2h, 2w] in fp32."""
+        grid = (x.shape[2] // LATENT_PATCH, x.shape[3] // LATENT_PATCH)
+        context = _context(cond.pos)
+        empty = _context(cond.neg) if cond.neg is not None else context
+        v = transformer(
+            pack_latents(x),
+            sigma,
+            context,
+            empty,
+            grid,
+            text_scale=guidance,
+            detach_uncond=self.detach_uncond,
+        )
+        return unpack_latents(v, *grid).float()

@@ -48,15 +48,18 @@ def text_components(index: dict[str, Any]) -> list[str]:
 
 def encoder_identity(model: str | Path, dtype: str, max_sequence_length: int) -> dict[str, Any]:
     """What makes stored conditioning valid for a run: the pipeline class, the content digest of each text
-    encoder and tokenizer folder of `model`, the text length and the weights dtype (e.g. "bf16")."""
+    encoder and tokenizer folder of `model` (its family's `encoder_files`), the text length and the weights dtype (e.g. "bf16")."""
+    from stages.models.families import adapter_class
     from stages.models.folders import pipeline_index
     from stages.shards.digest import content_digest
 
     index = pipeline_index(model)
+    family = adapter_class(index["_class_name"], str(model))
     return {
         "pipeline": index["_class_name"],
         "components": {
-            name: content_digest(Path(model) / name, "--model") for name in text_components(index)
+            name: content_digest(Path(model) / name, "--model")
+            for name in family.encoder_files(Path(model), index)
         },
         "max_sequence_length": int(max_sequence_length),
         "dtype": dtype,

@@ -1,7 +1,7 @@
 """Flow-matching text-to-image pipelines seen as RL policies.
 
-A `FlowPolicy` wraps a diffusers pipeline folder (optionally with an omnirl adapter on top) and
-exposes what the stages need: prompt conditioning, the guided velocity v(x, σ), the pipeline's own
+A `FlowPolicy` wraps a diffusers pipeline folder, or a family's own released folder (BAGEL's),
+optionally with an omnirl adapter on top, and exposes what the stages need: prompt conditioning, the guided velocity v(x, σ), the pipeline's own
 σ schedule, initial noise from per-sample seeds, and decoding. Sampling, replay and training all go
 through `velocity`, so the three compute the same numbers. Everything that differs between pipeline
 families is the family's adapter (`stages.models.families`); this class is the same for all.
@@ -102,15 +102,14 @@ def load_decoder(
     no transformer, text encoder or tokenizer is read), for `decode` of stored latents exactly as
     `FlowPolicy.decode` decodes them under the same `dtype` and device; `tiling`/`slicing` as
     `vae_memory`. An adapter never changes the VAE, so none is taken."""
-    from diffusers import DiffusionPipeline
-
     model_path, index, family_class = _pipeline_to_load(model_path, dtype)
-    if not isinstance(index.get("vae"), list):
+    names = family_class.component_names(index)
+    if "vae" not in names:
         raise UserInputError(
             f"--model {model_path}: its model_index.json lists no vae; pass the pipeline folder"
         )
-    others = {name: None for name, entry in index.items() if isinstance(entry, list) and name != "vae"}
-    pipe = DiffusionPipeline.from_pretrained(model_path, dtype=DTYPES[dtype], use_safetensors=True, **others)
+    others = {name: None for name in names if name != "vae"}
+    pipe = family_class.load_pipeline(model_path, index, others, DTYPES[dtype])
     pipe.set_progress_bar_config(disable=True)
     pipe.vae.to(device).requires_grad_(False).eval()
     family = family_class(pipe)
@@ -210,15 +209,15 @@ class FlowPolicy:
         False: no VAE weights are read (for stages that neither decode nor encode images); its config
         alone stands in while the pipeline is built, so latent sizes stay the model's own.
         """
-        from diffusers import DiffusionPipeline
-
         model_path, index, family_class = _pipeline_to_load(model_path, dtype)
         torch_dtype = DTYPES[dtype]
-        kwargs: dict[str, Any] = {"dtype": torch_dtype, "use_safetensors": True}
+        kwargs: dict[str, Any] = {}
         if conditioning is not None:
             kwargs.update({name: None for name in text_components(index)})
-        if not vae and isinstance(index.get("vae"), list):
-            kwargs["vae"] = _config_only(model_path, index, "vae")
+        if not vae:  # a family without a VAE component in its index (its own layout) reads none
+            kwargs["vae"] = (
+                _config_only(model_path, index, "vae") if isinstance(index.get("vae"), list) else None
+            )
         config = read_adapter_config(adapter) if adapter else None
         if adapter:
             refuse_pickled_weights(adapter, "--adapter")
@@ -236,7 +235,7 @@ class FlowPolicy:
                     full[name] = getattr(importlib.import_module(library), class_name).from_pretrained(
                         Path(adapter) / name, dtype=torch_dtype, use_safetensors=True
                     )
-        pipe = DiffusionPipeline.from_pretrained(model_path, **kwargs, **full)
+        pipe = family_class.load_pipeline(model_path, index, {**kwargs, **full}, torch_dtype)
         # diffusers loads an optional component (Wan's transformer, transformer_2) from the model folder
         # even when one is passed, so the adapter's modules are put in place afterwards as well
         pipe.register_modules(**full)
@@ -355,6 +354,11 @@ class FlowPolicy:
         """Mark and return the trained parameters: LoRA weights, or every weight of the trained module
         with `full`. They are cast to fp32 whatever --dtype (diffusers' `cast_training_params`), so the
         optimizer steps in fp32; --dtype stays the storage dtype of the frozen weights."""
+        if full and not self.family.full_weights:
+            raise UserInputError(
+                f"--full: {self.family.name} trains a LoRA only (on {', '.join(self.family.lora_targets)}); "
+                "drop --full and pass --lora-rank"
+            )
         params = []
         for name, p in self.transformer.named_parameters():
             train = full or "lora_" in name
@@ -388,8 +392,7 @@ class FlowPolicy:
         if self._reference is None:
             self._reference = self.family.trained_network(
                 {
-                    name: type(part)
-                    .from_pretrained(Path(self.model_path) / name, dtype=self.dtype)
+                    name: self.family.load_trained(Path(self.model_path), name, self.dtype)
                     .to(self.device)
                     .requires_grad_(False)
                     .eval()
@@ -492,10 +495,7 @@ class FlowPolicy:
                     continue
                 layers = get_peft_model_state_dict(part, state_dict=own, adapter_name="default")
                 meta = lora_config_dict(part.peft_config["default"])
-                type(self.pipe).save_lora_weights(
-                    out if name == first else out / name,
-                    **{f"{first}_lora_layers": layers, f"{first}_lora_adapter_metadata": meta},
-                )
+                self.family.save_lora(out if name == first else out / name, layers, meta)
             else:  # the files diffusers' save_pretrained writes: config.json and one safetensors file
                 part.save_config(out / name)
                 weights = {k: v.detach().contiguous() for k, v in own.items()}

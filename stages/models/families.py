@@ -7,8 +7,10 @@ guided velocity v(x, σ) (packing, position ids, timestep scale, CFG kind), deco
 and the reference trainers' LoRA targets. `samplers.step` stays the one sampler for every family.
 
 A family is one module holding its adapter and its tiny builder. Adapters are looked up by the
-pipeline's `model_index.json` `_class_name`: the built-ins below (imported only when used), or an
-installed package's entry point in group ``omnirl.families`` (``PipelineClass = "pkg.mod:Adapter"``).
+pipeline's `model_index.json` `_class_name` (for a family whose released folder is no diffusers
+pipeline, the class `folders.NATIVE_FOLDERS` names it by; its adapter overrides the loading hooks):
+the built-ins below (imported only when used), or an installed package's entry point in group
+``omnirl.families`` (``PipelineClass = "pkg.mod:Adapter"``).
 This module is a leaf: it imports nothing from sample/ or update/.
 """
 
@@ -27,8 +29,10 @@ import torch
 from stages.errors import UserInputError
 
 ENTRY_POINT_GROUP = "omnirl.families"
-# Built-in adapters by diffusers pipeline class, as "module:attribute".
+# Built-in adapters by pipeline class (diffusers' `_class_name`, or a family's own folder's name in
+# `folders.NATIVE_FOLDERS`), as "module:attribute".
 BUILTIN: dict[str, str] = {
+    "Bagel": "stages.models.bagel:BagelAdapter",
     "Flux2KleinPipeline": "stages.models.flux2:Flux2KleinAdapter",
     "Flux2Pipeline": "stages.models.flux2:Flux2Adapter",
     "FluxKontextPipeline": "stages.models.flux_kontext:FluxKontextAdapter",
@@ -182,6 +186,8 @@ class FamilyAdapter:
     # How many condition images (a prompt row's `image` / `images`) a prompt takes: (fewest, most).
     # (0, 0): text-only; an editing family takes some, and `encode_prompts` then receives them.
     condition_images: ClassVar[tuple[int, int]] = (0, 0)
+    # Whether --full trains (and saves) every weight of the trained module; False: LoRA only.
+    full_weights: ClassVar[bool] = True
 
     def __init__(self, pipe: Any) -> None:
         self.pipe = pipe
@@ -195,6 +201,51 @@ class FamilyAdapter:
         itself rather than `from_pretrained` by their listed class (a processor transformers cannot load
         without torchvision), by name."""
         return {}
+
+    # Loading and saving a model folder. The defaults read and write diffusers' layout (a pipeline folder,
+    # LoRA files as `save_lora_weights` writes them); a family whose released folder is not a diffusers
+    # pipeline (`folders.NATIVE_FOLDERS`) overrides them, and the policy, the stages and the stored
+    # conditioning work through these alone.
+
+    @classmethod
+    def load_pipeline(
+        cls, folder: Path, index: dict[str, Any], components: dict[str, Any], dtype: torch.dtype
+    ) -> Any:
+        """The pipeline of model `folder` (its `index`, `folders.pipeline_index`) in `dtype`: an object with
+        the components as attributes, `components`, `register_modules`, `to` and
+        `set_progress_bar_config`, as diffusers' pipelines have. `components` override the folder's own
+        (a module, or None: not loaded)."""
+        from diffusers import DiffusionPipeline
+
+        return DiffusionPipeline.from_pretrained(folder, dtype=dtype, use_safetensors=True, **components)
+
+    @classmethod
+    def component_names(cls, index: dict[str, Any]) -> list[str]:
+        """The components `load_pipeline` loads from a folder of this `index` (those `components` may
+        override): by default every entry of the index with a library and class."""
+        return [name for name, entry in index.items() if isinstance(entry, list)]
+
+    @classmethod
+    def encoder_files(cls, folder: Path, index: dict[str, Any]) -> list[str]:
+        """The files or subfolders of model `folder` whose contents make a prompt's conditioning (what the
+        stored conditioning's identity digests): by default the text encoders and tokenizers its index lists."""
+        from stages.models.conditioning import text_components
+
+        return text_components(index)
+
+    def load_trained(self, folder: Path, name: str, dtype: torch.dtype) -> torch.nn.Module:
+        """Trained module `name` as model `folder` holds it, in `dtype` (the frozen reference of a
+        full-weight run): by default the class of the loaded one, `from_pretrained(folder / name)`."""
+        return type(getattr(self.pipe, name)).from_pretrained(folder / name, dtype=dtype)
+
+    def save_lora(self, out: Path, layers: Tensors, metadata: dict[str, Any]) -> None:
+        """Write the LoRA `layers` of the trained module (PEFT names without the adapter, `metadata` its
+        `LoraConfig` as a dict) into folder `out` so this family's loading reads them back
+        (`folders.load_lora`): by default diffusers' `save_lora_weights` file."""
+        first = self.trained_module
+        type(self.pipe).save_lora_weights(
+            out, **{f"{first}_lora_layers": layers, f"{first}_lora_adapter_metadata": metadata}
+        )
 
     def unconditional(self, uncond: torch.Tensor) -> torch.Tensor:
         """The unconditional prediction as guidance should combine it: detached when `detach_uncond`."""

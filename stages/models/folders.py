@@ -25,6 +25,11 @@ PEFT_WEIGHTS = "adapter_model.safetensors"
 # Where `PeftModel.save_pretrained` puts the wrapped module's own parameter names.
 PEFT_PREFIX = "base_model.model."
 ADAPTER_KINDS = ("lora", "full")
+# Released checkpoint folders that are not diffusers pipelines, as the pipeline class their family
+# adapter is registered under (`families.BUILTIN`), by the files that mark one (all of them present).
+NATIVE_FOLDERS: dict[str, tuple[str, ...]] = {
+    "Bagel": ("llm_config.json", "vit_config.json"),
+}
 # The file that marks each LoRA layout omnirl loads: its family and what writes it.
 LORA_LAYOUTS = {
     LORA_WEIGHTS: ("diffusers", "`pipe.save_lora_weights`"),
@@ -36,19 +41,32 @@ ADAPTER_FORMS = (
 )
 
 
+def native_class(path: Path) -> str | None:
+    """The pipeline class of a released non-diffusers folder (`NATIVE_FOLDERS`), None for any other."""
+    return next(
+        (name for name, marks in NATIVE_FOLDERS.items() if all((path / mark).is_file() for mark in marks)),
+        None,
+    )
+
+
 def check_pipeline_folder(model: str | Path, option: str = "--model") -> Path:
-    """`model` as a Path when it is a diffusers pipeline folder (has model_index.json): checked before
-    anything hashes or loads it, since any folder (even /tmp) could be walked otherwise."""
+    """`model` as a Path when it is a diffusers pipeline folder (has model_index.json) or a released folder
+    of a family that has its own layout (`NATIVE_FOLDERS`): checked before anything hashes or loads it,
+    since any folder (even /tmp) could be walked otherwise."""
     path = Path(model)
-    if not (path / "model_index.json").is_file():
+    if not (path / "model_index.json").is_file() and native_class(path) is None:
         raise UserInputError(f"{option} {model}: not a diffusers pipeline folder (no model_index.json)")
     return path
 
 
 def pipeline_index(model: str | Path, option: str = "--model") -> dict[str, Any]:
     """The model_index.json of pipeline folder `model` (its `_class_name` names the pipeline, each
-    component entry its library and class); not a pipeline folder, or an unreadable index, is one line."""
+    component entry its library and class); not a pipeline folder, or an unreadable index, is one line.
+    A family's own folder (`NATIVE_FOLDERS`) reads as an index of its class alone, no components."""
     path = check_pipeline_folder(model, option)
+    native = None if (path / "model_index.json").is_file() else native_class(path)
+    if native is not None:
+        return {"_class_name": native}
     try:
         index = json.loads((path / "model_index.json").read_bytes())
         if not isinstance(index, dict) or not isinstance(index.get("_class_name"), str):

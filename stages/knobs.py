@@ -29,6 +29,9 @@ MIXED_PRECISION_MODES = ("no", "bf16", "fp16")
 DTYPES = ("fp32", "bf16", "fp16")  # storage dtypes of frozen weights (`stages.models.diffusion`)
 STRATEGIES = ("auto", "ddp", "fsdp2")  # how a trained module spreads over ranks (`stages.update.parallel`)
 SP_KINDS = ("ulysses", "ring", "unified")  # sequence-parallel attention (`stages.parallelism`)
+# SDE-window strategies a user picks (`sample --window-strategy`); `stages.sample.windows` adds "all"
+# (what --sde-window 0 means)
+WINDOW_STRATEGIES = ("random", "progressive", "fixed")
 # VLM forwards over packed sequences (`stages.models.vlm.VLMPolicy.use_packing`)
 PACKING = ("auto", "on", "off")
 # Where weights (--model, --adapter) may be (`stages.models.hub`), and how their knobs show the value.

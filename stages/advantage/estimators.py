@@ -22,7 +22,6 @@ Conventions:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,46 +36,9 @@ from stages.advantage.config import (
     STD_MODES,
     EstimatorPreset,
 )
+from stages.advantage.groups import as_rewards, group_index, group_stats
 from stages.errors import UserInputError
-from stages.finite import check_finite
 from stages.plugins import load_entry_point, load_object
-
-
-def _as_rewards(
-    rewards: torch.Tensor | Sequence[float],
-    group_ids: Sequence[Hashable],
-    sample_ids: Sequence[str] | None,
-    what: str = "rewards",
-) -> torch.Tensor:
-    """Rewards as float64 [N], checked: 1-D, one group id per sample, all finite."""
-    values = torch.as_tensor(rewards).detach().to("cpu", torch.float64)
-    if values.ndim != 1:
-        raise ValueError(f"{what} must be 1-D [N], got shape {tuple(values.shape)}")
-    if len(group_ids) != len(values):
-        raise ValueError(f"{len(values)} {what} but {len(group_ids)} group ids")
-    check_finite({what: values}, sample_ids, hint="re-score it or drop its group before computing advantages")
-    return values
-
-
-def _group_index(group_ids: Sequence[Hashable]) -> tuple[torch.Tensor, int]:
-    """Map group ids to dense indices in order of first appearance: (index [N] int64, number of groups)."""
-    dense: dict[Hashable, int] = {}
-    index = [dense.setdefault(g, len(dense)) for g in group_ids]
-    return torch.tensor(index, dtype=torch.int64), len(dense)
-
-
-def _group_stats(
-    values: torch.Tensor, index: torch.Tensor, num_groups: int, unbiased: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per group: (count, mean, std, all-equal flag), each [G]. Std of a singleton is 0."""
-    count = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, index, torch.ones_like(values))
-    mean = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, index, values) / count
-    squared = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, index, (values - mean[index]) ** 2)
-    dof = count - 1 if unbiased else count
-    std = torch.where(dof > 0, squared / dof.clamp(min=1), torch.zeros_like(squared)).sqrt()
-    high = torch.full((num_groups,), -math.inf, dtype=torch.float64).scatter_reduce_(0, index, values, "amax")
-    low = torch.full((num_groups,), math.inf, dtype=torch.float64).scatter_reduce_(0, index, values, "amin")
-    return count, mean, std, high == low
 
 
 def _global_std(values: torch.Tensor, unbiased: bool) -> torch.Tensor:
@@ -103,17 +65,17 @@ def group_advantages(
         raise UserInputError(f"advantage std {std!r} is not one of {', '.join(STD_MODES)}")
     if clip is not None and not clip > 0:
         raise UserInputError(f"advantage clip must be > 0, got {clip}")
-    values = _as_rewards(rewards, group_ids, sample_ids)
+    values = as_rewards(rewards, group_ids, sample_ids)
     if len(values) == 0:
         return torch.zeros(0, dtype=torch.float32)
-    index, num_groups = _group_index(group_ids)
+    index, num_groups = group_index(group_ids)
     if num_groups == len(values):
         centred = values - values.mean()
         adv = centred if std == "none" else centred / (_global_std(values, unbiased) + eps)
         if bool((values == values[0]).all()):
             adv = torch.zeros_like(values)
     else:
-        _, mean, group_std, flat = _group_stats(values, index, num_groups, unbiased)
+        _, mean, group_std, flat = group_stats(values, index, num_groups, unbiased)
         centred = values - mean[index]
         if std == "none":
             adv = centred
@@ -152,7 +114,7 @@ def multi_reward_advantages(
     sample_ids = kwargs.get("sample_ids")
     if aggregation == "reward_aggr":
         total = sum(
-            weights[name] * _as_rewards(values, group_ids, sample_ids, f"reward.{name}")
+            weights[name] * as_rewards(values, group_ids, sample_ids, f"reward.{name}")
             for name, values in per_reward.items()
         )
         return group_advantages(total, group_ids, **kwargs)
@@ -173,7 +135,7 @@ def estimated_rows(group_ids: Sequence[Hashable], failed: torch.Tensor) -> torch
     with one has nothing to compare with, so none of its rows gets an advantage. In a rollout of one
     sample per group (batch normalisation, see the module docstring), every scored row.
     """
-    index, num_groups = _group_index(group_ids)
+    index, num_groups = group_index(group_ids)
     scored = ~failed
     if num_groups == len(scored):
         return scored
@@ -188,13 +150,13 @@ def zero_std_mask(rewards: torch.Tensor | Sequence[float], group_ids: Sequence[H
     policy-gradient signal and Flow-GRPO masks them. When every group is a singleton the batch is
     normalised as one group, so the mask is all True only if all rewards are equal.
     """
-    values = _as_rewards(rewards, group_ids, None)
+    values = as_rewards(rewards, group_ids, None)
     if len(values) == 0:
         return torch.zeros(0, dtype=torch.bool)
-    index, num_groups = _group_index(group_ids)
+    index, num_groups = group_index(group_ids)
     if num_groups == len(values):
         return torch.full_like(values, bool((values == values[0]).all()), dtype=torch.bool)
-    return _group_stats(values, index, num_groups, unbiased=False)[3][index]
+    return group_stats(values, index, num_groups, unbiased=False)[3][index]
 
 
 def broadcast_steps(adv: torch.Tensor, num_steps: int) -> torch.Tensor:
@@ -214,7 +176,7 @@ def best_worst_pairs(
     Ties go to the earliest index. Groups whose rewards are all equal (singletons included) have no
     preference and are skipped (Flow-GRPO's `dpo` mode pairs indices 0 and 1 there instead).
     """
-    values = _as_rewards(rewards, group_ids, None).tolist()
+    values = as_rewards(rewards, group_ids, None).tolist()
     members: dict[Hashable, list[int]] = {}
     for i, group in enumerate(group_ids):
         members.setdefault(group, []).append(i)
@@ -236,7 +198,7 @@ def pair_advantages(
 ) -> torch.Tensor:
     """Online-DPO marks, float32 [N]: +1 for each group's best sample, −1 for its worst, 0 otherwise
     (Flow-GRPO's `dpo` mode); all-equal groups get 0. `clip` is accepted for a uniform signature."""
-    values = _as_rewards(rewards, group_ids, sample_ids)
+    values = as_rewards(rewards, group_ids, sample_ids)
     out = torch.zeros(len(values), dtype=torch.float32)
     for best, worst in best_worst_pairs(values, group_ids):
         out[best], out[worst] = 1.0, -1.0
@@ -274,12 +236,12 @@ def advantage_stats(
     same fraction), `critic/rewards/std_mean` (mean over groups of the population std of their rewards)
     and `critic/rewards/group_size` (samples ÷ groups). `zero_std_ratio` stays beside its verl-omni name:
     `omnirl report` reads it from the manifests of earlier runs."""
-    values = _as_rewards(rewards, group_ids, None)
+    values = as_rewards(rewards, group_ids, None)
     adv = torch.as_tensor(advantages).detach().to("cpu", torch.float64)
     if len(values) == 0:
         raise ValueError("advantage_stats needs at least one sample")
-    index, num_groups = _group_index(group_ids)
-    count, _, group_std, flat = _group_stats(values, index, num_groups, unbiased=False)
+    index, num_groups = group_index(group_ids)
+    count, _, group_std, flat = group_stats(values, index, num_groups, unbiased=False)
     return {
         "num_samples": len(values),
         "num_groups": num_groups,

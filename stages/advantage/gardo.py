@@ -19,7 +19,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from stages.advantage.estimators import _as_rewards, _group_index, _group_stats
+from stages.advantage.groups import as_rewards, group_index, group_stats
 from stages.errors import UserInputError
 from stages.finite import check_finite
 
@@ -52,14 +52,14 @@ def diversity_advantages(
     A group whose rewards are all equal (a singleton too) gets 0. A group whose members' features all
     coincide (mean distance 0) has no diversity to reward: m = 1 there (the reference divides 0 by 0).
     """
-    values = _as_rewards(rewards, group_ids, sample_ids)
+    values = as_rewards(rewards, group_ids, sample_ids)
     if features.shape[0] != len(values):
         raise ValueError(f"{len(values)} rewards but {features.shape[0]} feature rows")
     check_finite({"features": features.float()}, sample_ids, hint="check the --diversity-features column")
     if len(values) == 0:
         return torch.zeros(0, dtype=torch.float32)
-    index, num_groups = _group_index(group_ids)
-    _, mean, _, flat = _group_stats(values, index, num_groups, unbiased=False)
+    index, num_groups = group_index(group_ids)
+    _, mean, _, flat = group_stats(values, index, num_groups, unbiased=False)
     nearest = nearest_distances(features, index, num_groups)
     count = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, index, torch.ones_like(values))
     group_d = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, index, nearest) / count

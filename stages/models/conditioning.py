@@ -29,21 +29,11 @@ CONDITIONING = "conditioning"  # the rollout manifest's extra key
 METADATA = "omnirl_conditioning"  # the safetensors metadata key of a conditioning file's entries and run
 # model_index.json components that turn prompts into conditioning (SD3: text_encoder_3, tokenizer_3, ...;
 # Qwen-Image-Edit: its processor)
-TEXT_PREFIXES = ("text_encoder", "tokenizer", "processor")
 # (prompt, negative prompt, max sequence length, condition images' digest ("" for none)): the key
 # `FlowPolicy.encode` caches a prompt under
 Key = tuple[str, str, int, str]
 # per key the (positive, negative) branch: name → tensor without a batch dim
 Entries = dict[Key, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]]
-
-
-def text_components(index: dict[str, Any]) -> list[str]:
-    """The text encoders, tokenizers and processors a pipeline's model_index.json lists (entries with a library)."""
-    return [
-        name
-        for name, entry in index.items()
-        if name.startswith(TEXT_PREFIXES) and isinstance(entry, list) and entry and entry[0] is not None
-    ]
 
 
 def encoder_identity(model: str | Path, dtype: str, max_sequence_length: int) -> dict[str, Any]:

@@ -22,19 +22,13 @@ from stages import knobs
 from stages.dist import unwrap
 from stages.errors import UserInputError
 from stages.models.condition_images import decode_images, images_digest, stored_condition_images
-from stages.models.conditioning import (
-    TEXT_PREFIXES,
-    Entries,
-    Key,
-    encoder_identity,
-    stored_conditioning,
-    text_components,
-)
+from stages.models.conditioning import Entries, Key, encoder_identity, stored_conditioning
 from stages.models.families import Condition, FamilyAdapter, Resolution, adapter_class
 from stages.models.folders import (
     ADAPTER_CONFIG,
     LORA_WEIGHTS,
     PEFT_CONFIG,
+    TEXT_PREFIXES,
     adapter_loading,
     check_adapter_layout,
     check_pipeline_folder,
@@ -43,6 +37,7 @@ from stages.models.folders import (
     lora_has_layers,
     pipeline_index,
     read_adapter_config,
+    text_components,
     trained_folders,
 )
 from stages.models.hub import base_model_record

@@ -229,7 +229,7 @@ class FamilyAdapter:
     def encoder_files(cls, folder: Path, index: dict[str, Any]) -> list[str]:
         """The files or subfolders of model `folder` whose contents make a prompt's conditioning (what the
         stored conditioning's identity digests): by default the text encoders and tokenizers its index lists."""
-        from stages.models.conditioning import text_components
+        from stages.models.folders import text_components
 
         return text_components(index)
 

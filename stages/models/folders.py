@@ -242,3 +242,16 @@ def lora_has_layers(adapter: Path, prefixes: tuple[str, ...]) -> bool:
             return any(key.startswith(prefixes) for key in f.keys())  # noqa: SIM118 (no mapping)
     except (SafetensorError, OSError):
         return False
+
+
+# The components of a pipeline that make a prompt's conditioning (`stages.models.conditioning`).
+TEXT_PREFIXES = ("text_encoder", "tokenizer", "processor")
+
+
+def text_components(index: dict[str, Any]) -> list[str]:
+    """The text encoders, tokenizers and processors a pipeline's model_index.json lists (entries with a library)."""
+    return [
+        name
+        for name, entry in index.items()
+        if name.startswith(TEXT_PREFIXES) and isinstance(entry, list) and entry and entry[0] is not None
+    ]

@@ -19,12 +19,10 @@ from typing import Any, ClassVar
 
 from stages import knobs
 from stages.errors import UserInputError
-from stages.knobs import ENGINE, IO, MAX_FRAMES, MIXED_PRECISION_MODES, SAMPLING, knob
+from stages.knobs import ENGINE, IO, MAX_FRAMES, MIXED_PRECISION_MODES, SAMPLING, WINDOW_STRATEGIES, knob
 
 # Closed sets, validated by the torch modules that act on them (samplers, windows, rollout, vlm_data).
 SAMPLERS = ("ode", "sde", "cps", "dance")
-# SDE-window strategies a user picks; `stages.sample.windows` adds "all" (what --sde-window 0 means)
-WINDOW_STRATEGIES = ("random", "progressive", "fixed")
 LATENT_DTYPE_NAMES = ("fp32", "bf16")  # dtypes of the stored latents (`stages.sample.rollout`)
 LAYOUTS = ("verl", "easyr1")  # VLM prompt tables (`stages.sample.vlm_data`)
 # Built-in rollout engines: a diffusion engine registry (`stages.sample.engines`, plugins beside them)

@@ -215,7 +215,7 @@ class DiffusersEngine(RolloutEngine):
     takes_condition_images = True
 
     def __init__(self, policy: Any, *, decode: bool = True):
-        from stages.models.conditioning import TEXT_PREFIXES
+        from stages.models.folders import TEXT_PREFIXES
 
         self.policy = policy
         self.family = policy.family.name

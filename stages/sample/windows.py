@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from stages.errors import UserInputError
-from stages.sample.config import WINDOW_STRATEGIES
+from stages.knobs import WINDOW_STRATEGIES
 
 STRATEGIES = ("all", *WINDOW_STRATEGIES)  # all: every step stochastic (--sde-window 0)
 

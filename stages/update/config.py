@@ -448,6 +448,33 @@ class UpdateConfig:
             return get_algorithm(self.algo).dual_clip
         return self.dual_clip or None
 
+    def rs_bounds(self) -> tuple[float, float]:
+        """(lower, upper) band of the rollout ratio ρ that --rollout-correction rs keeps."""
+        upper = self.rollout_is_threshold if self.rollout_rs_threshold is None else self.rollout_rs_threshold
+        lower = 1.0 / upper if self.rollout_rs_threshold_lower is None else self.rollout_rs_threshold_lower
+        return lower, upper
+
+    def _validate_rollout_correction(self) -> None:
+        if self.rollout_correction not in ROLLOUT_CORRECTIONS:
+            raise UserInputError(
+                f"--rollout-correction {self.rollout_correction}: choose one of {', '.join(ROLLOUT_CORRECTIONS)}"
+            )
+        if self.rollout_correction_level not in ROLLOUT_CORRECTION_LEVELS:
+            raise UserInputError(
+                f"--rollout-correction-level {self.rollout_correction_level}: choose one of "
+                f"{', '.join(ROLLOUT_CORRECTION_LEVELS)}"
+            )
+        if not 0 < self.rollout_is_threshold < math.inf:
+            raise UserInputError(
+                f"--rollout-is-threshold {self.rollout_is_threshold}: must be a finite number > 0"
+            )
+        lower, upper = self.rs_bounds()
+        if not 0 <= lower <= upper < math.inf:
+            raise UserInputError(
+                f"--rollout-rs-threshold-lower {lower} / --rollout-rs-threshold {upper}: need 0 <= lower <= "
+                "upper, both finite"
+            )
+
     def resets_reference(self) -> bool:
         """Whether GARDO's reference reset is on (--ref-reset-every or --ref-reset-kl)."""
         return self.ref_reset_every > 0 or self.ref_reset_kl is not None
@@ -565,9 +592,7 @@ class UpdateConfig:
                 f"{algo.name}; drop it"
             )
         self.kernels.validate()
-        from stages.update import rollout_correction
-
-        rollout_correction.validate(self)
+        self._validate_rollout_correction()
         if self.guard_dance_scale not in GUARD_DANCE_SCALES:
             raise UserInputError(
                 f"--guard-dance-scale {self.guard_dance_scale}: choose one of {', '.join(GUARD_DANCE_SCALES)}"

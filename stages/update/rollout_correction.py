@@ -23,14 +23,11 @@ and the KL and entropy terms are not weighted. The weights are detached constant
 
 from __future__ import annotations
 
-import math
 from typing import Any, Protocol
 
 import torch
 
 from stages.errors import UserInputError
-from stages.update.config import ROLLOUT_CORRECTION_LEVELS as LEVELS
-from stages.update.config import ROLLOUT_CORRECTIONS as MODES
 
 LOG_RATIO_BOUND = 20.0  # verl's safety bound on a log-ratio before exp (e^±20)
 WEIGHTS = "rollout_correction_weights"  # the data column the objectives read (verl `rollout_is_weights`)
@@ -49,34 +46,7 @@ class Settings(Protocol):
     rollout_rs_threshold: float | None
     rollout_rs_threshold_lower: float | None
 
-
-def rs_bounds(cfg: Settings) -> tuple[float, float]:
-    """(lower, upper) band of ρ that rejection keeps."""
-    upper = cfg.rollout_is_threshold if cfg.rollout_rs_threshold is None else cfg.rollout_rs_threshold
-    lower = 1.0 / upper if cfg.rollout_rs_threshold_lower is None else cfg.rollout_rs_threshold_lower
-    return lower, upper
-
-
-def validate(cfg: Settings) -> None:
-    """Raise a one-line UserInputError naming the first impossible setting."""
-    if cfg.rollout_correction not in MODES:
-        raise UserInputError(
-            f"--rollout-correction {cfg.rollout_correction}: choose one of {', '.join(MODES)}"
-        )
-    if cfg.rollout_correction_level not in LEVELS:
-        raise UserInputError(
-            f"--rollout-correction-level {cfg.rollout_correction_level}: choose one of {', '.join(LEVELS)}"
-        )
-    if not 0 < cfg.rollout_is_threshold < math.inf:
-        raise UserInputError(
-            f"--rollout-is-threshold {cfg.rollout_is_threshold}: must be a finite number > 0"
-        )
-    lower, upper = rs_bounds(cfg)
-    if not 0 <= lower <= upper < math.inf:
-        raise UserInputError(
-            f"--rollout-rs-threshold-lower {lower} / --rollout-rs-threshold {upper}: need 0 <= lower <= upper, "
-            "both finite"
-        )
+    def rs_bounds(self) -> tuple[float, float]: ...
 
 
 def rollout_ratio(
@@ -137,7 +107,7 @@ def correction_weights(
             }
         )
     if cfg.rollout_correction in ("rs", "is_rs"):
-        lower, upper = rs_bounds(cfg)
+        lower, upper = cfg.rs_bounds()
         keep = (rho >= lower) & (rho <= upper)
         weights = weights * keep.float()
         rejected = (~keep[selected]) & valid[selected]

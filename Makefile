@@ -101,6 +101,9 @@ demo-online: install
 	  REWARD="$(DEMO_REWARD)" EVAL_PROMPTS=$(ONLINE_RUN)/heldout.jsonl EVAL_FLAGS="$(DEMO_EVAL_FLAGS)"
 	$(VENV)/bin/omnirl report $(ONLINE_RUN)
 
+# `make leaderboard`: every diffusion algorithm on the demo's model and task (recipes/leaderboard.mk).
+include recipes/leaderboard.mk
+
 # Rebuilds the committed demo model from scratch with the project's own code and checks that every
 # file is byte-identical to $(DEMO_MODEL) (same result needs the same CPU kind and torch threads: 1).
 # Two stages (`omnirl pretrain` twice, the second continuing from the first):

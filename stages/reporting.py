@@ -220,8 +220,6 @@ CURVE_SERIES = (
 def reward_curve(rows: list[dict[str, Any]], path: Path, *, size: tuple[int, int] = (640, 400)) -> Path:
     """Mean reward per iteration with a ±1 standard-error band, as a PNG at `path`: the training
     samples' reward and, where the rows have one, the held-out evaluation's (`collect`'s `eval`)."""
-    from PIL import Image, ImageDraw
-
     series = []
     for name, key, line, band in CURVE_SERIES:
         points = [
@@ -233,6 +231,28 @@ def reward_curve(rows: list[dict[str, Any]], path: Path, *, size: tuple[int, int
             series.append((name, points, line, band))
     if not series:
         raise UserInputError("no scored iterations to plot (no it<K>/rewards shard sets)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    curve_image(series, title="mean reward per iteration (band: ±1 standard error)", size=size).save(path)
+    return path
+
+
+# One curve of `curve_image`: its legend name, (iteration, mean, standard error) points, line colour and
+# band colour (None: the ±1 se as a whisker at each point, for plots of many curves).
+Curve = tuple[str, Sequence[tuple[int, float, float]], tuple[int, int, int], tuple[int, int, int] | None]
+
+# Line colours told apart at a glance, for plots of up to ten curves (`CURVE_COLOURS[i % 10]`).
+CURVE_COLOURS = (
+    (31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189),
+    (140, 86, 75), (227, 119, 194), (127, 127, 127), (188, 189, 34), (23, 190, 207),
+)  # fmt: skip
+
+
+def curve_image(series: Sequence[Curve], *, title: str, size: tuple[int, int] = (640, 400)) -> Any:
+    """Curves of a mean per iteration with its ±1 standard error (`Curve`: a band, or a whisker per
+    point) and a legend, as a PIL image: `reward_curve`'s plot and the leaderboard's panels
+    (recipes/leaderboard.py)."""
+    from PIL import Image, ImageDraw
+
     w, h = size
     left, right, top, bottom = 70, 20, 30 + 14 * len(series), 45
     img = Image.new("RGB", size, "white")
@@ -251,7 +271,7 @@ def reward_curve(rows: list[dict[str, Any]], path: Path, *, size: tuple[int, int
         )
 
     for _, points, _, band in series:
-        if len(points) > 1:
+        if band is not None and len(points) > 1:
             outline = [px(x, m + se) for x, m, se in points] + [
                 px(x, m - se) for x, m, se in reversed(points)
             ]
@@ -265,19 +285,21 @@ def reward_curve(rows: list[dict[str, Any]], path: Path, *, size: tuple[int, int
     for x in sorted(set(xs)):
         xx, _ = px(x, lo)
         draw.text((xx - 4, h - bottom + 6), str(x), fill="black")
-    for row, (name, points, line, _) in enumerate(series):
+    for row, (name, points, line, band) in enumerate(series):
         centres = [px(x, m) for x, m, _ in points]
+        if band is None:
+            for x, m, se in points:
+                (xx, y0), (_, y1) = px(x, m - se), px(x, m + se)
+                draw.line([(xx, y0), (xx, y1)], fill=line, width=1)
         if len(centres) > 1:
             draw.line(centres, fill=line, width=3)
         for x, y in centres:
             draw.ellipse([x - 4, y - 4, x + 4, y + 4], fill=line)
         draw.line([(left, 28 + 14 * row), (left + 24, 28 + 14 * row)], fill=line, width=3)
         draw.text((left + 30, 22 + 14 * row), "  ".join(name.split()), fill="black")
-    draw.text((left, 8), "mean  reward  per  iteration  (band:  ±1  standard  error)", fill="black")
+    draw.text((left, 8), "  ".join(title.split()), fill="black")
     draw.text((w // 2 - 20, h - 18), "iteration", fill="black")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    img.save(path)
-    return path
+    return img
 
 
 LABEL_WIDTH = 170  # the prompt column beside each grid row

@@ -56,7 +56,7 @@ def _complete(command: str, flag: str, incomplete: str) -> list[str]:
         ("update", "--strategy", "auto|ddp|fsdp2"),
         ("advantage", "--aggregation", "reward_aggr|advantage_aggr"),
         ("score", "--on-error", "fail|zero"),
-        ("init-model", "--size", "tiny|small|demo|full|medium|1.3b|3b|7b"),
+        ("init-model", "--size", "tiny|small|demo|full|medium|1.3b|3b|7b|8b"),
         ("pretrain", "--vae", "model|pixel"),
     ],
 )
@@ -86,7 +86,15 @@ def test_shell_completion_through_the_completion_protocol() -> None:
             "init-model",
             "--family",
             "q",
-            ["qwen2_5_vl", "qwen3_omni_thinker", "qwen3_vl", "qwen3_vl_moe", "qwen_image"],
+            [
+                "qwen2_5_vl",
+                "qwen3_omni_thinker",
+                "qwen3_vl",
+                "qwen3_vl_moe",
+                "qwen_image",
+                "qwen_image_edit",
+                "qwen_image_edit_plus",
+            ],
         ),
     ],
 )

@@ -356,7 +356,7 @@ def test_a_plugin_calling_sys_exit_does_not_set_the_exit_code(
 
 def test_usage_errors_are_one_line() -> None:
     assert fails(["sample", "--no-such-flag"]).startswith("error: No such option: --no-such-flag")
-    assert "'-n' / '--group-size'" in fails(["sample", "-n", "many"])
+    assert "'--group-size' / '-n'" in fails(["sample", "-n", "many"])
     assert "No such command 'sampel'" in fails(["sampel"])
 
 

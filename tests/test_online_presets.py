@@ -92,3 +92,11 @@ def test_online_takes_every_diffusion_preset_as_the_staged_commands_do(
     assert {k: v for k, v in asdict(cfg.update).items() if k not in RUN_KNOBS and k != "seed"} == {
         k: v for k, v in asdict(update).items() if k not in RUN_KNOBS and k != "seed"
     }
+
+
+def test_a_preset_names_one_gate_reward_as_the_flag_given_once() -> None:
+    """`advantage: {gate_reward: NAME}` is the list the repeatable flag gives, not the name's letters."""
+    from omnirl_cli.commands.online import _dataclass
+
+    section = _dataclass(AdvantageConfig, {"gate_reward": "aesthetic"}, "advantage")
+    assert section.gate_reward == ["aesthetic"]

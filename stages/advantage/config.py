@@ -111,6 +111,10 @@ class AdvantageConfig:
     fmt: str = knobs.shard_format()
     overwrite: bool = knobs.overwrite()
 
+    def __post_init__(self) -> None:
+        if isinstance(self.gate_reward, str):  # one name from a preset, as the flag given once
+            self.gate_reward = [self.gate_reward]
+
     def estimator_name(self) -> str:
         """The estimator that runs: --std's preset when given, else --estimator."""
         return STD_ESTIMATORS[self.std] if self.std is not None else self.estimator

@@ -4,11 +4,10 @@ Closed sets are `Literal` types: typer lists them in help as <a|b|c>, completes 
 flag values; `config.resolve` checks values from --config, --set and OMNIRL_* variables against the
 same sets. Open registries that plugins extend (rewards, algorithms, advantage estimators, model
 families) stay plain strings whose built-in names are offered by completion only, so a
-`module:attribute` plugin is never refused here. A set the library declares torch-free (`stages.knobs`,
-a stage's config module) is taken from there; each other set mirrors the stage constant that validates
-it (tests/test_cli_conventions.py holds them equal), because importing those stages here would load
-torch on every `--help` and TAB. Commands generated from a stage's config (`omnirl_cli.generate`) take
-their sets from its knobs and need nothing here.
+`module:attribute` plugin is never refused here. Every set is the library's own torch-free
+declaration (`stages.knobs`, a stage's config module), so nothing here mirrors a stage constant.
+Commands generated from a stage's config (`omnirl_cli.generate`) take their sets from its knobs; what
+is left here serves `online`'s hand-written options and the completion helper.
 """
 
 from __future__ import annotations
@@ -16,13 +15,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Literal
 
-from stages.knobs import DTYPES, FORMATS, MIXED_PRECISION_MODES
+from stages.knobs import DTYPES
 from stages.score.config import BUILTIN_REWARDS
 from stages.score.registry import ENTRY_POINT_GROUP
 
 # Taken from the library's torch-free registries (`stages.knobs`), so there is nothing to mirror.
-Format = Literal[FORMATS]
-MixedPrecision = Literal[MIXED_PRECISION_MODES]
 Dtype = Literal[DTYPES]
 # The rewards' built-ins and entry-point group (stages.score), for commands not generated from a config yet.
 REWARDS, REWARD_ENTRY_POINTS = BUILTIN_REWARDS, ENTRY_POINT_GROUP

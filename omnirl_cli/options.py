@@ -1,8 +1,8 @@
-"""Option types shared by several commands, so every command spells them the same way.
+"""Options as typer reads them: each knob's (`option`, used by `omnirl_cli.generate`), the options that
+steer resolution and output (--config, --set, --json, -q, -v), and the shared knobs of `online`, the one
+command still written as a typer signature.
 
-The common options also read OMNIRL_* environment variables (typer's `envvar=`, shown in --help):
-OMNIRL_CONFIG, OMNIRL_MODEL, OMNIRL_DTYPE, OMNIRL_FORMAT, OMNIRL_QUIET, OMNIRL_VERBOSE. Precedence,
-applied by `config.resolve`: flags > --set > OMNIRL_* > --config YAML > defaults.
+Precedence, applied by `config.resolve`: flags > --set > OMNIRL_* variables > --config YAML > defaults.
 """
 
 from __future__ import annotations
@@ -20,10 +20,6 @@ from stages.knobs import Knob, flag_of
 from .choices import complete
 from .console import QUIET, VERBOSE, set_verbosity
 
-# --model and --adapter are typed as str so `config` sees them as written (a leading ./ marks a path,
-# never a Hub id: `stages.models.hub.spelled_as_path`).
-# what --model and --adapter take (`stages.knobs`), for the commands not generated from a config yet
-WEIGHTS_FROM, ADAPTER_HELP = knobs.WEIGHTS_FROM, knobs.ADAPTER_FROM
 RUN = "Run"
 # Said by the help of an option that has no default but may come from a preset: required after
 # resolution (`config.resolve(..., required=)`), not by typer, so --config can supply it.
@@ -73,11 +69,6 @@ def _shared(made: Field, name: str, annotation: Any) -> Any:
     return option(name, made.metadata["knob"], annotation)
 
 
-def model_opt(what: str, panel: str | None = None) -> Any:
-    """The required `--model` option (also OMNIRL_MODEL, --config or --set) of a command taking `what`."""
-    return _shared(knobs.model(what, panel), "model", str | None)
-
-
 ConfigOpt = Annotated[
     Path | None,
     typer.Option(
@@ -106,48 +97,12 @@ JsonOpt = Annotated[
         rich_help_panel=RUN,
     ),
 ]
-OutOpt = _shared(knobs.out(), "out", Path | None)
-InOpt = _shared(knobs.inputs(), "inputs", list[Path])
-FormatOpt = _shared(knobs.shard_format(), "fmt", str)
-NumShardsOpt = _shared(knobs.num_shards(), "num_shards", int | None)
-ShardRowsOpt = _shared(knobs.shard_rows(), "shard_rows", int)
 
 
-def mixed_precision_opt(
-    forwards: str,
-    panel: str | None = None,
-    *,
-    fallback: str = "no",
-    recorded: str = "Part of the output's identity.",
-) -> Any:
-    """--mixed-precision of a command whose `forwards` run under autocast (`stages.knobs.mixed_precision`)."""
-    made = knobs.mixed_precision(forwards, panel, fallback=fallback, recorded=recorded)
-    return _shared(made, "mixed_precision", str | None)
-
-
-# Settings of the sampling and training stages that `omnirl plan` takes too (`stages.knobs`).
-DtypeOpt = _shared(knobs.dtype(), "dtype", str)
-StrategyOpt = _shared(knobs.strategy(), "strategy", str)
-SpDegreeOpt = _shared(knobs.sp_degree(), "sp_degree", int)
-SpKindOpt = _shared(knobs.sp_kind(), "sp_kind", str)
-TpDegreeOpt = _shared(knobs.tp_degree(), "tp_degree", int)
-
-
+# The shared knobs `online` takes (`stages.knobs`).
 def no_model_parallel_opt(flag: str, command: str, instead: str) -> Any:
     """`--sp-degree` / `--tp-degree` of a command that runs in no launcher ranks (`stages.knobs`)."""
     return _shared(knobs.no_model_parallel(flag, command, instead), flag[2:].replace("-", "_"), int)
-
-
-AttentionBackendOpt = _shared(knobs.attention_backend(), "attention_backend", str | None)
-CompileOpt = _shared(knobs.compile(), "compile", bool)
-GradientCheckpointingOpt = _shared(knobs.gradient_checkpointing(), "gradient_checkpointing", bool)
-MicroBatchOpt = _shared(knobs.micro_batch(), "micro_batch", int)
-LoraRankOpt = _shared(knobs.lora_rank(), "lora_rank", int)
-FullOpt = _shared(knobs.full(), "full", bool)
-BatchSizeOpt = _shared(knobs.batch_size(), "batch_size", int)
-GuidanceOpt = _shared(knobs.guidance(), "guidance", float)
-ResolutionOpt = _shared(knobs.resolution(), "resolution", str | None)
-FramesOpt = _shared(knobs.frames(), "frames", int)
 
 
 OverwriteOpt = _shared(knobs.overwrite(), "overwrite", bool)

@@ -9,17 +9,18 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Literal
 
 import pytest
 import typer
 from helpers import fails, staged_update_args
 from typer.testing import CliRunner
 
-from omnirl_cli import choices, console
+from omnirl_cli import console
 from omnirl_cli.app import app
 from omnirl_cli.commands import COMMANDS
 from omnirl_cli.config import choices_of, resolve
+from stages.knobs import MIXED_PRECISION_MODES
 from stages.sample.config import SAMPLERS
 from stages.shards.manifest import read_manifest
 
@@ -130,21 +131,12 @@ def test_a_plugin_estimator_passes_the_open_option(tiny_shard_set: Path, tmp_pat
     assert ShardSet(out).read_all()["advantages"].flatten().tolist() == [0.0, 2.0, 4.0, 2.0, 4.0, 6.0]
 
 
-def test_choice_sets_mirror_the_stage_constants() -> None:
-    """The CLI's lists are copies (importing the stages would load torch for --help): held equal here."""
-    from stages.precision import MIXED_PRECISIONS
-    from stages.score.registry import ENTRY_POINT_GROUP, available_rewards
-    from stages.shards.manifest import FORMATS
+def test_the_builtin_reward_names_are_the_registrys() -> None:
+    """The torch-free list --reward completes (`stages.score.config.BUILTIN_REWARDS`) is the registry's."""
+    from stages.score.config import BUILTIN_REWARDS
+    from stages.score.registry import available_rewards
 
-    pairs = [
-        (choices.Format, FORMATS),
-        (choices.MixedPrecision, MIXED_PRECISIONS),
-    ]
-    for literal, constant in pairs:
-        assert get_args(literal) == tuple(constant), literal
-    assert (
-        set(choices.REWARDS) == set(available_rewards()) and choices.REWARD_ENTRY_POINTS == ENTRY_POINT_GROUP
-    )
+    assert set(BUILTIN_REWARDS) == set(available_rewards())
 
 
 def _probe_app() -> typer.Typer:
@@ -202,7 +194,7 @@ def test_choice_values_from_yaml_set_and_env_are_checked(tmp_path: Path) -> None
     # YAML 1.1 reads a bare `no` as false: taken back as the choice "no"
     from omnirl_cli.config import _check_choice
 
-    assert _check_choice("--mixed-precision", False, get_args(choices.MixedPrecision), "--config p") == "no"
+    assert _check_choice("--mixed-precision", False, MIXED_PRECISION_MODES, "--config p") == "no"
 
 
 def test_environment_variables_set_options(tiny_shard_set: Path, tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 
 import typer
 
-from stages.knobs import ENGINE, WEIGHTS_METAVAR, option_names
+from stages.knobs import ENGINE, WEIGHTS_FROM, WEIGHTS_METAVAR, option_names
 from stages.sample.config import ENGINE_ENTRY_POINTS, ENGINES
 from stages.update.config import RUN_KNOBS
 
@@ -18,7 +18,6 @@ from ..config import coerce, load_yaml, parse_set, resolve
 from ..console import emit_json, err, is_quiet, log, progress
 from ..errors import handle_errors
 from ..options import (
-    WEIGHTS_FROM,
     JsonOpt,
     OverwriteOpt,
     ReportToOpt,

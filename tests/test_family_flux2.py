@@ -214,4 +214,5 @@ def test_online_trains_on_policy_on_text_and_reference_rows(tiny: Path, tmp_path
         "--out",
         str(tmp_path / "lp"),
     )
+    assert replay["conditioning"] == "stored"  # online saved what its sampler encoded: nothing re-encoded
     assert replay["abs_delta_max"] == 0.0

@@ -227,4 +227,7 @@ def test_online_trains_on_policy_on_the_sampled_sources(
     saved = tmp_path / "run" / "it0" / "samples"
     assert (saved / condition_images_file(0, 1)).is_file()
     replay = run("logprob", "--model", str(tiny_kontext), "--in", str(saved), "--out", str(tmp_path / "lp"))
+    # ... and the prompt conditioning the sampler encoded: the replay re-encodes nothing (in another
+    # process an encoder's rounding may differ), so it is exact
+    assert replay["conditioning"] == "stored" and "text_encoder" not in replay["loaded_components"]
     assert replay["abs_delta_max"] == 0.0

@@ -216,7 +216,10 @@ def online(
     ] = 0,
     save_trajectories: Annotated[
         bool,
-        typer.Option("--save-trajectories", help="Also write it<K>/samples, rewards, advantages shard sets."),
+        typer.Option(
+            "--save-trajectories",
+            help="Also write it<K>/samples (with the prompt conditioning and source images sampled with), rewards, advantages shard sets.",
+        ),
     ] = False,
     media_every: Annotated[
         int,

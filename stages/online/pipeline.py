@@ -44,6 +44,7 @@ import torch
 
 from stages.errors import RuntimeFailure, UserInputError
 from stages.media import MEDIA_COLUMNS
+from stages.models.conditioning import Entries
 from stages.online.config import TENSORS, OnlineConfig, iteration_rows, stores_media
 from stages.online.workers import Workers, trainable_weights
 from stages.reporting import step_means
@@ -333,8 +334,9 @@ def run_online(
             t0 = time.perf_counter()
             data, rewards, sampled_on = workers.receive(k)
             t_wait = time.perf_counter() - t0
-            if CONDITIONING in data:
-                policy.add_conditioning(from_bytes(data.pop(CONDITIONING)))
+            sampled_with = from_bytes(data.pop(CONDITIONING)) if CONDITIONING in data else {}
+            if sampled_with:
+                policy.add_conditioning(sampled_with)
             policy.group_images.update(data.pop(CONDITION_IMAGES, {}))
             gaps = version_gaps(data["policy_version"], published, k)
             adv, stats = iteration_advantages(cfg, data, rewards)
@@ -354,7 +356,9 @@ def run_online(
                 extra={"online_iteration": k + 1, "max_staleness": cfg.max_staleness},
             )
             if cfg.save_trajectories:
-                _save_trajectories(cfg, k, data, rewards, adv, stats, policy.family, policy.group_images)
+                _save_trajectories(
+                    cfg, k, data, rewards, adv, stats, policy.family, policy.group_images, sampled_with
+                )
             seconds = {
                 "gen": t_wait,
                 "adv": t1 - t0 - t_wait,
@@ -418,11 +422,14 @@ def _save_trajectories(
     stats: dict[str, Any],
     family: Any,
     group_images: dict[str, list[bytes]],
+    conditioning: Entries,
 ) -> None:
     """The shard sets the staged commands would have written for iteration k (`family`: the policy's
     `FamilyAdapter`); its samples hold media only when `stores_media(cfg, k)` (the sampler sends it to the
     driver only then), else the manifest records it as deferred (`stages.media.deferred`). An editing
-    model's samples also store their groups' condition images (`group_images`), as `sample` does."""
+    model's samples also store their groups' condition images (`group_images`), and the samples store the
+    prompt conditioning the sampler encoded (`conditioning`, empty when its engine returns none), as
+    `sample` does: the staged replay of them loads no text encoder and is exact."""
     from stages.media.deferred import deferred_record
     from stages.sample.stage import KINDS
     from stages.shards.writer import ShardSetWriter
@@ -456,10 +463,34 @@ def _save_trajectories(
         )
         if not writer.complete:
             if name == "samples":
-                extra = {**extra, **_store_condition_images(writer, data["group_id"], group_images)}
+                extra = {
+                    **extra,
+                    **_store_condition_images(writer, data["group_id"], group_images),
+                    **_store_conditioning(writer, conditioning, cfg, k),
+                }
             writer.write_shard(0, batch)
             writer.finalize(extra=extra)
         parents = [it / "samples"]
+
+
+def _store_conditioning(writer: Any, entries: Entries, cfg: OnlineConfig, k: int) -> dict:
+    """Write iteration k's prompt conditioning `entries` beside the saved samples' one shard and return the
+    manifest record (`stages.models.conditioning`); {} when the sampler sent none."""
+    from stages.models.conditioning import conditioning_file, conditioning_record, write_conditioning
+
+    if not entries:
+        return {}
+    writer.out_dir.mkdir(parents=True, exist_ok=True)
+    write_conditioning(writer.out_dir / conditioning_file(0, 1), entries, writer.content_id)
+    record = conditioning_record(
+        writer.out_dir,
+        1,
+        writer.content_id,
+        model=cfg.model,
+        dtype=cfg.dtype,
+        max_sequence_length=cfg.sampling(k).max_sequence_length,
+    )
+    return record or {}
 
 
 def _store_condition_images(writer: Any, group_ids: list[str], group_images: dict[str, list[bytes]]) -> dict:

@@ -304,7 +304,7 @@ def main() -> None:
     from stages.sample.vlm_stage import KINDS, VLMSampleConfig, row_media, run_vlm_sample
     from stages.shards.reader import ShardSet, slice_batch
     from stages.shards.writer import ShardSetWriter
-    from stages.update import objectives, token_losses
+    from stages.update import token_losses, token_objective
     from stages.update.config import UpdateConfig
     from stages.update.trainer import Trainer
 
@@ -340,7 +340,7 @@ def main() -> None:
             (vlm, "token_log_probs", "log_probs"),
             (this, "gather_log_probs", "log_probs"),
             (vlm, "token_entropy", "entropy"),
-            (objectives, "grpo_loss", "loss"),
+            (token_objective, "grpo_loss", "loss"),
             (token_losses, "grpo_loss", "loss"),
             (torch.Tensor, "backward", "backward"),
             (torch.nn.utils, "clip_grad_norm_", "clip_grad"),

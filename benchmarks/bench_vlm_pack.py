@@ -146,7 +146,7 @@ def balance(prompts: list[int], step_rows: int, max_response: int, seed: int) ->
     from unittest.mock import patch
 
     from stages.update.balance import imbalance
-    from stages.update.objectives import TokenPolicyGradient
+    from stages.update.token_objective import TokenPolicyGradient
     from stages.update.trainer import UpdateConfig
 
     rng = random.Random(seed)

@@ -72,12 +72,12 @@ def test_two_ranks_equal_one_process(staged: dict[str, Path], tmp_path: Path) ->
 POISON_RANK_1 = """
 import os, sys
 if os.environ["RANK"] == "1":
-    from stages.update import objectives
-    replay = objectives.PolicyGradient.losses
+    from stages.update import policy_gradient
+    replay = policy_gradient.PolicyGradient.losses
     def poisoned(self, idx):
         for loss, values in replay(self, idx):
             yield loss * float("nan"), values
-    objectives.PolicyGradient.losses = poisoned
+    policy_gradient.PolicyGradient.losses = poisoned
 from omnirl_cli.app import app
 app(sys.argv[1:], prog_name="omnirl")
 """

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from stages.errors import UserInputError
 from stages.sample.samplers import step
 from stages.update.family_losses import dgpo_loss, dgpo_old_decay, flow_dppo_loss, fm_error
-from stages.update.objectives import GroupPreference
+from stages.update.forward_objectives import GroupPreference
 
 # ---------------------------------------------------------------- Flow-DPPO
 

@@ -24,7 +24,7 @@ from stages.errors import UserInputError
 from stages.update.config import UpdateConfig
 from stages.update.family_losses import grpo_guard_loss
 from stages.update.losses import get_algorithm
-from stages.update.objectives import PolicyGradient
+from stages.update.policy_gradient import PolicyGradient
 from stages.update.rollout_correction import SUGGEST_ABOVE, attach, correction_weights, suggestion
 from stages.update.token_losses import policy_loss
 from stages.update.trainer import Trainer

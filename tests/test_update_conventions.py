@@ -29,8 +29,9 @@ from stages.sample.rollout import SampleConfig
 from stages.sample.samplers import step
 from stages.update.config import ALGORITHM_NAMES, UpdateConfig
 from stages.update.losses import ALGORITHMS, get_algorithm
-from stages.update.objectives import PolicyGradient, TokenPolicyGradient
+from stages.update.policy_gradient import PolicyGradient
 from stages.update.token_losses import grpo_loss
+from stages.update.token_objective import TokenPolicyGradient
 from stages.update.trainer import Trainer, load_state, save_state
 
 SHAPE = (1, 2, 2)  # latent [C, H, W]
@@ -606,7 +607,7 @@ def test_rows_with_a_failed_reward_train_as_if_absent(how: str) -> None:
 
 def test_dpo_pairs_only_rows_whose_reward_did_not_fail() -> None:
     """A failed row stored as 0 would be its group's worst: it is never one side of a DPO pair."""
-    from stages.update.objectives import Preference
+    from stages.update.forward_objectives import Preference
 
     data = {
         "prompt": ["p"] * 6,

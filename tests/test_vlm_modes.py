@@ -393,7 +393,7 @@ def test_token_balancing_deals_a_step_evenly(modes_run: dict[str, Path]) -> None
     """The objective's micro-batches of one step: row counts follow the tokens, every row once, and the
     heaviest micro-batch carries less above the mean than with --micro-batch rows each."""
     from stages.update.balance import imbalance
-    from stages.update.objectives import TokenPolicyGradient
+    from stages.update.token_objective import TokenPolicyGradient
     from stages.update.trainer import UpdateConfig
 
     data = ShardSet(modes_run["samples"]).read_all()

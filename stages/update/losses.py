@@ -22,7 +22,7 @@ The family members differ in which stored steps they train and in the ratio they
 
 `nft`, `awm` (forward process on the final latent), `dpo` (preference pairs) and `dgpo` (group
 preference on the final latents of ODE rollouts) are registered here too; their objectives live in
-objectives.py and their loss math in family_losses.py.
+forward_objectives.py and their loss math in family_losses.py.
 
 Token-level algorithms for text/VLM rollouts (`family="token"`, math in token_losses.py) differ in
 their defaults (vlm-grpo.md §2): `grpo` (verl: clip 0.2/0.2, dual-clip 3, token-mean), `dapo`

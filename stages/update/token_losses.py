@@ -14,7 +14,7 @@ Group advantages come from `stages.advantage.estimators` (verl/trl presets `grpo
 `grpo_trl`); a [B] advantage is broadcast over the response tokens. All-equal-reward groups are
 removed from the loss upstream (`omnirl advantage --drop-zero-std` → `train_mask`), so they count in
 no denominator (DAPO's dynamic-sampling filter). Note: verl gives a singleton group A = r; here A = 0.
-The objective that calls these on stored rollouts is `stages.update.objectives.TokenPolicyGradient`.
+The objective that calls these on stored rollouts is `stages.update.token_objective.TokenPolicyGradient`.
 """
 
 from __future__ import annotations

@@ -23,8 +23,8 @@ if TYPE_CHECKING:
 FAMILIES: dict[str, str] = {
     "bagel": "stages.models.bagel:build_bagel",
     "flux": "stages.models.flux:build_flux",
-    "flux2": "stages.models.flux2:build_flux2",
-    "flux2_klein": "stages.models.flux2:build_flux2_klein",
+    "flux2": "stages.models.flux2_build:build_flux2",
+    "flux2_klein": "stages.models.flux2_build:build_flux2_klein",
     "flux_kontext": "stages.models.flux_kontext:build_flux_kontext",
     "qwen2_5_vl": "stages.models.qwen2_5_vl:build_qwen2_5_vl",
     "qwen3_omni_thinker": "stages.models.qwen3_omni:build_qwen3_omni_thinker",

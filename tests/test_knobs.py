@@ -29,7 +29,8 @@ from stages.pretrain.config import PretrainConfig
 from stages.sample.config import SampleConfig, VLMSampleConfig
 from stages.sample.serve_config import ServeConfig
 from stages.score.config import BUILTIN_REWARDS, ScoreConfig, ServeRewardConfig
-from stages.update.config import ALGORITHM_NAMES, UpdateConfig
+from stages.update.config import UpdateConfig
+from stages.update.config_rules import ALGORITHM_NAMES
 
 ROOT = typer.main.get_command(app)
 CONVERTED = [

@@ -27,7 +27,8 @@ from stages.models.kernels import Kernels
 from stages.parallelism import ModelParallel
 from stages.sample.rollout import SampleConfig
 from stages.sample.samplers import step
-from stages.update.config import ALGORITHM_NAMES, UpdateConfig
+from stages.update.config import UpdateConfig
+from stages.update.config_rules import ALGORITHM_NAMES
 from stages.update.losses import ALGORITHMS, get_algorithm
 from stages.update.policy_gradient import PolicyGradient
 from stages.update.token_losses import grpo_loss

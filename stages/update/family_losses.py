@@ -24,7 +24,7 @@ from torch import Tensor
 
 from stages.errors import UserInputError
 from stages.sample.samplers import guard_log_ratio, per_sample
-from stages.update.config import AWM_WEIGHTINGS, NFT_DECAY_SCHEDULES
+from stages.update.config_rules import AWM_WEIGHTINGS, NFT_DECAY_SCHEDULES
 from stages.update.losses import StepLoss, ppo_terms, ratio_metrics
 
 _GHUBER_DELTA = 1e-10

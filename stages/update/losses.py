@@ -153,7 +153,7 @@ class Algorithm:
 # What the token algorithms share: VLM columns and verl's unclipped advantages.
 TOKEN: dict[str, Any] = {"family": "token", "columns": TOKEN_COLUMNS, "needs": TOKEN_NEEDS, "adv_clip": None}
 
-# One per built-in name (`stages.update.config.ALGORITHM_NAMES`, which --algo offers), in its order.
+# One per built-in name (`stages.update.config_rules.ALGORITHM_NAMES`, which --algo offers), in its order.
 ALGORITHMS: dict[str, Algorithm] = {
     a.name: a
     for a in (

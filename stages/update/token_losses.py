@@ -23,7 +23,7 @@ import torch
 
 from stages.errors import UserInputError
 from stages.models.tokens import fp32 as _fp32
-from stages.update.config import AGG_MODES, KL_KINDS
+from stages.update.config_rules import AGG_MODES, KL_KINDS
 
 RATIO_TYPES = ("token", "sequence")
 

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from stages.models.diffusion import FlowPolicy
     from stages.models.vlm import VLMPolicy
     from stages.update.config import UpdateConfig
-    from stages.update.trainer import EMA
+    from stages.update.ema import EMA
 
 STATE_DIR = "trainer_state"
 METRICS = "metrics.jsonl"

@@ -33,6 +33,7 @@ from stages.update import rollout_correction
 from stages.update.checkpoint import load_state, resume_sharded, save_policy, trainer_state
 from stages.update.checkpoint import save_state as save_state  # the state's writer, beside its reader
 from stages.update.config import UpdateConfig
+from stages.update.ema import EMA
 from stages.update.family_losses import dgpo_old_decay, nft_old_refresh, old_policy_metrics
 from stages.update.losses import get_algorithm
 from stages.update.objectives import make_objective
@@ -41,20 +42,6 @@ from stages.update.rows import trained_rows
 
 Policy = FlowPolicy | VLMPolicy
 PERSISTENT_OLD = ("nft", "dgpo")  # algorithms whose old policy is trainer state, saved with the adapter
-
-
-class EMA:
-    """Exponential moving average of the trained weights; decay min((1+k)/(10+k), 0.9) (flow_grpo)."""
-
-    def __init__(self, params: dict[str, torch.Tensor], updates: int = 0):
-        self.shadow = {k: v.detach().clone().float() for k, v in params.items()}
-        self.updates = updates
-
-    def update(self, params: dict[str, torch.Tensor]) -> None:
-        decay = min((1 + self.updates) / (10 + self.updates), 0.9)
-        for k, v in params.items():
-            self.shadow[k].mul_(decay).add_(v.detach().float(), alpha=1 - decay)
-        self.updates += 1
 
 
 def _named_trainable(policy: Policy) -> dict[str, torch.Tensor]:

@@ -1,8 +1,9 @@
 """JSON over HTTP for omnirl's servers (`omnirl serve-reward`, `omnirl serve`) and their clients, stdlib
-only, no pickle (docs/serving.md). Three modules, one side each:
+only, no pickle (docs/serving.md):
 
-- `stages.web.server`: `JsonServer` and its handler do the HTTP for a `JsonService`, which decides what
-  a request means, within `ServerLimits` (connections, threads, deadlines, body limits, tokens);
+- `stages.web.server`: `JsonServer` does the HTTP for a `JsonService`, which decides what a request
+  means, within `ServerLimits` (connections, threads, deadlines, body limits, tokens);
+- `stages.web.handler`: `JsonService` and `JsonHandler`, one connection's requests and replies;
 - `stages.web.client`: `JsonClient`, health polling and retries with backoff;
 - `stages.web.wire`: what both sides share (`HttpError`, `Payload`, `RawReply`, error replies, forms,
   the msgpack variant of a reply, secrets and URLs kept out of messages).
@@ -11,15 +12,8 @@ The names callers use are importable from `stages.web` itself.
 """
 
 from stages.web.client import JsonClient, Retryable, backoff
-from stages.web.server import (
-    DRAIN_FACTOR,
-    ClientGone,
-    JsonServer,
-    JsonService,
-    ServerLimits,
-    client_gone,
-    is_loopback,
-)
+from stages.web.handler import DRAIN_FACTOR, ClientGone, JsonService, client_gone
+from stages.web.server import JsonServer, ServerLimits, is_loopback
 from stages.web.wire import (
     MSGPACK,
     HttpError,

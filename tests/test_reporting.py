@@ -11,7 +11,8 @@ import pytest
 import torch
 from PIL import Image
 
-from stages.reporting import LABEL_WIDTH, collect, comparison_grid, image_grid, reward_curve
+from stages.report_sheets import LABEL_WIDTH, comparison_grid, image_grid
+from stages.reporting import collect, reward_curve
 from stages.sample.stage import KINDS
 from stages.shards.writer import ShardSetWriter
 

@@ -18,7 +18,7 @@ from stages.errors import UserInputError
 from stages.media.video import decode_mp4
 from stages.models.clip import build_tiny_clip
 from stages.models.diffusion import FlowPolicy
-from stages.reporting import KEY_FRAMES, LABEL_WIDTH, LINE_HEIGHT, contact_sheet, video_preview
+from stages.report_sheets import KEY_FRAMES, LABEL_WIDTH, LINE_HEIGHT, contact_sheet, video_preview
 from stages.score import registry
 from stages.score.image_rewards import jpeg_size_kb
 from stages.score.registry import (

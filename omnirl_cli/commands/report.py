@@ -37,17 +37,15 @@ def run(c: ReportConfig, json_: bool) -> None:
     if c.iteration is not None:
         _iteration_line(c.run, c.iteration, json_)
         return
-    from stages.reporting import (
-        collect,
+    from stages.report_sheets import (
         comparison_grid,
         contact_sheet,
         has_media,
         image_grid,
-        iterations,
         response_sheet,
-        reward_curve,
         video_preview,
     )
+    from stages.reporting import collect, iterations, reward_curve
     from stages.shards.manifest import read_manifest
     from stages.shards.reader import rollout_modality
     from stages.tracking import Tracking, parse_report_to, replay

@@ -25,6 +25,7 @@ from stages.knobs import flag_of, knob, knobs
 from stages.logprob.config import LogprobConfig
 from stages.models.config import FAMILY_NAMES, MODEL_SIZES, InitModelConfig, PlanConfig
 from stages.offline.config import EncodeConfig, PairsConfig
+from stages.online.settings import OnlineSettings
 from stages.pretrain.config import PretrainConfig
 from stages.sample.config import SampleConfig, VLMSampleConfig
 from stages.sample.serve_config import ServeConfig
@@ -48,6 +49,7 @@ CONVERTED = [
     ("init-model", InitModelConfig),
     ("plan", PlanConfig),
     ("sample", (SampleConfig, VLMSampleConfig)),  # two kinds: the union of their knobs
+    ("online", OnlineSettings),  # its preset's stage sections are the staged commands' configs
 ]
 # The config modules of the converted commands: none may import torch.
 CONFIG_MODULES = sorted(

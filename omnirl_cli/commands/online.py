@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import MISSING, asdict, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stages.knobs import knobs, option_names
 from stages.online.settings import NO_MODEL_PARALLEL, STAGED, OnlineSettings
@@ -18,6 +18,9 @@ from stages.update.config import RUN_KNOBS
 from ..config import Presets, coerce
 from ..console import emit_json, err, is_quiet, log, progress
 from ..generate import config_command
+
+if TYPE_CHECKING:
+    from stages.online.config import OnlineConfig
 
 # Preset keys of the `sample` section that are the run's, not SampleConfig's recorded settings.
 RUN_KEYS = ("group_size", "num_prompts")
@@ -184,7 +187,7 @@ def run(s: OnlineSettings, json_: bool, presets: Presets) -> None:
             emit_json({"out": str(s.out), "iterations": stats})
 
 
-def _online_config(s: OnlineSettings, presets: Presets) -> Any:
+def _online_config(s: OnlineSettings, presets: Presets) -> OnlineConfig:
     """The run's `OnlineConfig`: online's own settings `s`, and the stage sections of the preset
     layers in the staged commands' configs (the --reward / --reward-arg flags beat the score
     section's)."""

@@ -6,23 +6,13 @@ same sets. Open registries that plugins extend (rewards, algorithms, advantage e
 families) stay plain strings whose built-in names are offered by completion only, so a
 `module:attribute` plugin is never refused here. Every set is the library's own torch-free
 declaration (`stages.knobs`, a stage's config module), so nothing here mirrors a stage constant.
-Commands generated from a stage's config (`omnirl_cli.generate`) take their sets from its knobs; what
-is left here serves `online`'s hand-written options and the completion helper.
+Every command is generated from a stage's config (`omnirl_cli.generate`) and takes its sets from its
+knobs; what is left here is the completion helper their open registries use.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
-
-from stages.knobs import DTYPES
-from stages.score.config import BUILTIN_REWARDS
-from stages.score.registry import ENTRY_POINT_GROUP
-
-# Taken from the library's torch-free registries (`stages.knobs`), so there is nothing to mirror.
-Dtype = Literal[DTYPES]
-# The rewards' built-ins and entry-point group (stages.score), for commands not generated from a config yet.
-REWARDS, REWARD_ENTRY_POINTS = BUILTIN_REWARDS, ENTRY_POINT_GROUP
 
 
 def complete(names: tuple[str, ...], entry_points: str | None = None) -> Callable[[str], list[str]]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import difflib
 import math
 from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -24,6 +25,20 @@ from stages.errors import UserInputError
 from stages.knobs import knobs
 
 C = TypeVar("C")
+# One preset layer as read, and how messages name it: (values, "--config PATH" or "--set").
+Layer = tuple[dict[str, Any], str]
+
+
+@dataclass(frozen=True)
+class Presets:
+    """The preset sections a command hands on to configs of other commands (`omnirl online`'s stage
+    sections; `generate.config_command(shared=)`) come from: `layers`, the preset layers resolution
+    read (the --config YAML first, then --set), and `sections`, the names every command's section has
+    (dashes as underscores)."""
+
+    layers: list[Layer]
+    sections: frozenset[str]
+
 
 # Parameters that steer config resolution itself and never appear in the resolved config.
 META_PARAMS = ("config", "set_", "json_")
@@ -105,7 +120,7 @@ def _check_top_level(
     if commands is None:  # a command run on its own (no group): its own options and any section
         commands, sections = {ctx.command.name or "": ctx.command}, None
     else:
-        sections = {_key(name) for name in commands}
+        sections = command_sections(ctx)
     known = {
         _key(name)
         for command in commands.values()
@@ -120,6 +135,13 @@ def _check_top_level(
         close = difflib.get_close_matches(k, sorted(known | (sections or set())), n=1)
         hint = f"did you mean '{close[0]}'?" if close else "check the spelling"
         raise UserInputError(f"{origin}: top-level key '{key}' is not {what}; {hint}")
+
+
+def command_sections(ctx: typer.Context) -> frozenset[str]:
+    """The names of the sections a preset may hold: the commands of the app `ctx` runs in (dashes as
+    underscores); a command run on its own (no group) has its own only."""
+    commands = getattr(ctx.find_root().command, "commands", None) or {ctx.command.name or "": None}
+    return frozenset(_key(name) for name in commands)
 
 
 def coerce(name: str, value: Any, default: Any, origin: str) -> Any:
@@ -187,6 +209,7 @@ def resolve(
     required: tuple[str, ...] = (),
     shared: Collection[str] = (),
     given: dict[str, str] | None = None,
+    read: list[Layer] | None = None,
 ) -> dict[str, Any]:
     """Merge defaults, the --config YAML, OMNIRL_* variables, --set overrides and flags for `command`.
 
@@ -195,7 +218,9 @@ def resolve(
     `shared` names top-level --set keys the command hands on to another reader (omnirl online's stages),
     so they are not refused as unknown here. `given`, when passed, is filled with each option some
     source gave and how a message names it there: the flag as typed, the environment variable, or
-    `KEY (from --config PATH)` / `KEY (from --set)` for the preset layer whose value was taken.
+    `KEY (from --config PATH)` / `KEY (from --set)` for the preset layer whose value was taken. `read`,
+    when passed, is filled with the preset layers as read (the --config YAML, then --set), for a
+    command that hands their `shared` settings on.
     """
     params = dict(ctx.params)
     source = {name: getattr(ctx.get_parameter_source(name), "name", "") for name in params}
@@ -233,6 +258,8 @@ def resolve(
         if unknown:
             raise UserInputError(f"--set {unknown[0]}=...: not an option of `omnirl {command}`")
         layers.append((sets, "--set", explicit))
+    if read is not None:
+        read.extend((values, origin) for values, origin, _ in layers)
     for layer, origin, kept in layers:
         for name, value in _layer(layer, command, params, aliases, origin).items():
             if name in kept or name in META_PARAMS:
@@ -260,17 +287,19 @@ def resolve_config(
     command: str,
     configs: tuple[type[C], ...],
     choose: Callable[[dict[str, Any]], type[C]] | None = None,
+    shared: Collection[str] = (),
+    read: list[Layer] | None = None,
 ) -> C:
     """`resolve` for a command whose options are generated from dataclasses `configs`
     (`omnirl_cli.generate`): their knobs declared `required` are checked once every source is merged,
     and the result is one instance of the config `choose` picks from the resolved values (the only
     one without `choose`). A knob of another config given from any source (flag, OMNIRL_* variable,
-    preset, --set) is a `UserInputError` naming it and the chosen config's `KIND`, rather than unused."""
+    preset, --set) is a `UserInputError` naming it and the chosen config's `KIND`, rather than unused.
+    `shared` and `read` are `resolve`'s: the settings a command hands on, and the preset layers read."""
     declared = {field.name: spec for config in configs for field, spec in knobs(config)}
     given: dict[str, str] = {}
-    resolved = resolve(
-        ctx, command, required=tuple(n for n, spec in declared.items() if spec.required), given=given
-    )
+    required = tuple(n for n, spec in declared.items() if spec.required)
+    resolved = resolve(ctx, command, required=required, shared=shared, given=given, read=read)
     # typer gives () for a repeatable option that no source set: it keeps the field's default instead
     defaults = {f.name: f.default for config in configs for f, _ in knobs(config)}
     resolved.update({n: None for n, v in resolved.items() if v == () and defaults.get(n, ()) is None})

@@ -11,14 +11,14 @@ by hand and no setting travels as an untyped dict.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any, TypeVar, get_type_hints
 
 import typer
 
 from stages.knobs import knobs
 
-from .config import resolve_config
+from .config import Layer, Presets, command_sections, resolve_config
 from .errors import handle_errors
 from .options import ConfigOpt, JsonOpt, SetOpt, option
 
@@ -48,10 +48,11 @@ def options_of(*configs: type) -> list[inspect.Parameter]:
 def config_command(
     config: type[C] | tuple[type[C], ...],
     command: str,
-    run: Callable[[C, bool], None],
+    run: Callable[..., None],
     choose: Callable[[dict[str, Any]], type[C]] | None = None,
     *,
     presets: bool = True,
+    shared: Collection[str] | None = None,
 ) -> Callable[..., None]:
     """The typer command `omnirl COMMAND`: options generated from `config`, then --config and --set
     (unless `presets` is False: a command that reads no preset, whose settings are its flags alone) and
@@ -60,12 +61,21 @@ def config_command(
 
     A command of several kinds passes a tuple of configs and `choose`, which picks the kind from the
     resolved values: its options are the union of theirs, and a knob of another kind given from any
-    source is refused (`resolve_config`)."""
+    source is refused (`resolve_config`).
+
+    A command that also hands a preset's sections to configs of other commands (`omnirl online`: its
+    `sample:` ... `update:` sections, the staged commands' settings) passes `shared`, the names of those
+    settings, which a preset may also give at its top level (so they are not refused as unknown); its
+    `run` then also receives the preset layers that resolution read, `run(instance, json, presets)`
+    (`config.Presets`)."""
     configs = config if isinstance(config, tuple) else (config,)
 
     @handle_errors
     def generated(ctx: typer.Context, **values: Any) -> None:
-        run(resolve_config(ctx, command, configs, choose), values["json_"])
+        layers: list[Layer] = []
+        c = resolve_config(ctx, command, configs, choose, shared=shared or (), read=layers)
+        handed = () if shared is None else (Presets(layers, command_sections(ctx)),)
+        run(c, values["json_"], *handed)
 
     keyword = inspect.Parameter.KEYWORD_ONLY
     steering = [

@@ -1,6 +1,5 @@
-"""Options as typer reads them: each knob's (`option`, used by `omnirl_cli.generate`), the options that
-steer resolution and output (--config, --set, --json, -q, -v), and the shared knobs of `online`, the one
-command still written as a typer signature.
+"""Options as typer reads them: each knob's (`option`, used by `omnirl_cli.generate`) and the options
+that steer resolution and output (--config, --set, --json, -q, -v).
 
 Precedence, applied by `config.resolve`: flags > --set > OMNIRL_* variables > --config YAML > defaults.
 """
@@ -8,13 +7,11 @@ Precedence, applied by `config.resolve`: flags > --set > OMNIRL_* variables > --
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import Field
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import typer
 
-from stages import knobs
 from stages.knobs import Knob, flag_of
 
 from .choices import complete
@@ -64,11 +61,6 @@ def option(name: str, declared: Knob, annotation: Any) -> Any:
     return Annotated[annotation, typer.Option(*names, **settings)]
 
 
-def _shared(made: Field, name: str, annotation: Any) -> Any:
-    """The option of a knob several stages share (`stages.knobs`), for a hand-written signature."""
-    return option(name, made.metadata["knob"], annotation)
-
-
 ConfigOpt = Annotated[
     Path | None,
     typer.Option(
@@ -97,17 +89,6 @@ JsonOpt = Annotated[
         rich_help_panel=RUN,
     ),
 ]
-
-
-# The shared knobs `online` takes (`stages.knobs`).
-def no_model_parallel_opt(flag: str, command: str, instead: str) -> Any:
-    """`--sp-degree` / `--tp-degree` of a command that runs in no launcher ranks (`stages.knobs`)."""
-    return _shared(knobs.no_model_parallel(flag, command, instead), flag[2:].replace("-", "_"), int)
-
-
-OverwriteOpt = _shared(knobs.overwrite(), "overwrite", bool)
-ReportToOpt = _shared(knobs.report_to(), "report_to", list[str] | None)
-RunNameOpt = _shared(knobs.run_name(), "run_name", str | None)
 
 
 def _set_level(level: int) -> Callable[[bool], None]:
@@ -142,10 +123,3 @@ VerboseOpt = Annotated[
         rich_help_panel=RUN,
     ),
 ]
-
-# How to reach a rollout server (`--engine remote`, VLM `--engine openai`; `stages.knobs`).
-ServerUrlOpt = _shared(knobs.server_url(), "server_url", str | None)
-ServerTokenEnvOpt = _shared(knobs.server_token_env(), "server_token_env", str | None)
-ServerTimeoutOpt = _shared(knobs.server_timeout(), "server_timeout", float)
-ServerStartupTimeoutOpt = _shared(knobs.server_startup_timeout(), "server_startup_timeout", float)
-ServerRetriesOpt = _shared(knobs.server_retries(), "server_retries", int)

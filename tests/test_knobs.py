@@ -8,7 +8,7 @@ import dataclasses
 import subprocess
 import sys
 from pathlib import Path
-from typing import get_args, get_origin, get_type_hints
+from typing import Any, get_args, get_origin, get_type_hints
 
 import pytest
 import typer
@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from omnirl_cli.app import app
 from omnirl_cli.commands import COMMANDS
-from omnirl_cli.config import choices_of
+from omnirl_cli.config import choices_of, command_sections
 from omnirl_cli.generate import config_command
 from omnirl_cli.options import REQUIRED
 from stages.advantage.config import ESTIMATOR_NAMES, AdvantageConfig
@@ -25,6 +25,7 @@ from stages.knobs import flag_of, knob, knobs
 from stages.logprob.config import LogprobConfig
 from stages.models.config import FAMILY_NAMES, MODEL_SIZES, InitModelConfig, PlanConfig
 from stages.offline.config import EncodeConfig, PairsConfig
+from stages.online.settings import OnlineSettings
 from stages.pretrain.config import PretrainConfig
 from stages.sample.config import SampleConfig, VLMSampleConfig
 from stages.sample.serve_config import ServeConfig
@@ -49,6 +50,7 @@ CONVERTED = [
     ("init-model", InitModelConfig),
     ("plan", PlanConfig),
     ("sample", (SampleConfig, VLMSampleConfig)),  # two kinds: the union of their knobs
+    ("online", OnlineSettings),  # its preset's stage sections are the staged commands' configs
 ]
 # The config modules of the converted commands: none may import torch.
 CONFIG_MODULES = sorted(
@@ -212,6 +214,40 @@ def test_an_argument_knob_is_positional_and_a_flags_only_command_reads_no_preset
     for args in ([], ["somewhere", "--set", "head=1"], ["somewhere", "--config", str(preset)]):
         assert CliRunner().invoke(probe, args).exit_code == 2, args
     assert not seen
+
+
+def test_a_command_that_hands_sections_on_gets_the_preset_layers_and_takes_their_keys(tmp_path: Path) -> None:
+    """`config_command(shared=)` (omnirl online's stage sections): the top-level keys it names are not
+    refused as unknown, and `run` receives the preset layers as read, YAML first, and the section names;
+    without it the same key is refused and `run` gets no third argument."""
+
+    @dataclasses.dataclass
+    class Probe:
+        steps: int = knob(1, "Steps.")
+
+    seen: list[tuple[Probe, Any]] = []
+    probe = typer.Typer()
+    probe.command("probe")(
+        config_command(Probe, "probe", lambda c, json_, presets: seen.append((c, presets)), shared={"lr"})
+    )
+    preset = tmp_path / "preset.yaml"
+    preset.write_text("steps: 3\nlr: 0.1\nupdate:\n  lr: 0.2\n")
+    result = CliRunner().invoke(probe, ["--config", str(preset), "--set", "lr=0.3", "--set", "update.beta=1"])
+    assert result.exit_code == 0, result.output
+    [(c, presets)] = seen
+    assert c == Probe(steps=3)
+    assert presets.layers == [
+        ({"steps": 3, "lr": 0.1, "update": {"lr": 0.2}}, f"--config {preset}"),
+        ({"lr": 0.3, "update": {"beta": 1}}, "--set"),
+    ]
+    assert presets.sections == {"probe"}  # run on its own: its own section only
+    root = ROOT.make_context("omnirl", ["online"], resilient_parsing=True)
+    online = ROOT.commands["online"].make_context("online", [], parent=root, resilient_parsing=True)
+    assert command_sections(online) == {name.replace("-", "_") for name, _ in COMMANDS}  # in the app: all
+    plain = typer.Typer()
+    plain.command("probe")(config_command(Probe, "probe", lambda c, json_: seen.append((c, None))))
+    result = CliRunner().invoke(plain, ["--set", "lr=0.3"])
+    assert result.exit_code == 2 and "--set lr=...: not an option of `omnirl probe`" in result.output
 
 
 def test_a_choice_from_a_preset_is_checked_against_the_knob(tmp_path: Path) -> None:

@@ -100,3 +100,33 @@ def test_a_preset_names_one_gate_reward_as_the_flag_given_once() -> None:
 
     section = _dataclass(AdvantageConfig, {"gate_reward": "aesthetic"}, "advantage")
     assert section.gate_reward == ["aesthetic"]
+
+
+def test_online_without_a_preset_takes_each_staged_commands_defaults(
+    tiny_sd3: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--config is optional for online as for every command: without one, each stage section is its
+    staged command's defaults (flow_grpo, 4 per group), and a preset's --model would do for the flag."""
+    from stages.online import pipeline
+
+    captured: list[Any] = []
+
+    def built(cfg: Any, overwrite: bool) -> None:
+        captured.append(cfg)
+        raise _Built
+
+    monkeypatch.setattr(pipeline, "prepare_run", built)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red circle\n")
+    preset = tmp_path / "model.yaml"
+    preset.write_text(f"model: {tiny_sd3}\n")
+    for n, args in enumerate((["--model", str(tiny_sd3)], ["--config", str(preset)]), start=1):
+        result = CliRunner().invoke(
+            app, ["online", *args, "--prompts", str(prompts), "-r", "ocr", "--out", str(tmp_path / "o")]
+        )
+        assert len(captured) == n, result.output
+    default_update = _staged(UpdateConfig, "update", ["--in", "x", "--out", "y", "--model", str(tiny_sd3)])
+    for cfg in captured:
+        assert cfg.model == str(tiny_sd3) and cfg.rewards == [("ocr", 1.0)] and cfg.group_size == 4
+        assert cfg.update.algo == default_update.algo == "flow_grpo" and cfg.update.lr == default_update.lr
+        assert asdict(cfg.advantage) == asdict(AdvantageConfig())

@@ -1,35 +1,26 @@
-"""`omnirl online`: sample → score → advantage → update fused through shared memory, N iterations."""
+"""`omnirl online`: sample → score → advantage → update fused through shared memory, N iterations.
+
+Its own options are generated from `stages.online.settings.OnlineSettings`; its preset's stage sections
+fill the staged commands' configs (`_online_config`), as each staged command reads the same preset.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import MISSING, fields
+from dataclasses import MISSING, asdict, fields
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Any
 
-import typer
-
-from stages.knobs import ENGINE, WEIGHTS_FROM, WEIGHTS_METAVAR, option_names
-from stages.sample.config import ENGINE_ENTRY_POINTS, ENGINES
+from stages.knobs import knobs, option_names
+from stages.online.settings import NO_MODEL_PARALLEL, STAGED, OnlineSettings
 from stages.update.config import RUN_KNOBS
 
-from ..choices import REWARD_ENTRY_POINTS, REWARDS, Dtype, complete
-from ..config import coerce, load_yaml, parse_set, resolve
+from ..config import Presets, coerce
 from ..console import emit_json, err, is_quiet, log, progress
-from ..errors import handle_errors
-from ..options import (
-    JsonOpt,
-    OverwriteOpt,
-    ReportToOpt,
-    RunNameOpt,
-    ServerRetriesOpt,
-    ServerStartupTimeoutOpt,
-    ServerTimeoutOpt,
-    ServerTokenEnvOpt,
-    ServerUrlOpt,
-    SetOpt,
-    no_model_parallel_opt,
-)
+from ..generate import config_command
+
+if TYPE_CHECKING:
+    from stages.online.config import OnlineConfig
 
 # Preset keys of the `sample` section that are the run's, not SampleConfig's recorded settings.
 RUN_KEYS = ("group_size", "num_prompts")
@@ -47,12 +38,6 @@ DRIVER_KEYS = {
 }
 # `update` settings online's trainer takes from no section: it runs no model parallelism, default kernels.
 TRAINER_FIXED = ("sp_degree", "sp_kind", "tp_degree", "attention_backend", "compile")
-# Why omnirl online runs no sequence or tensor parallelism, and what does.
-NO_MODEL_PARALLEL = (
-    "runs its sampler and scorer as spawned worker processes, not launcher ranks, so no group of ranks "
-    "can share a sample"
-)
-STAGED = "the staged omnirl sample, logprob and update"
 # Top-level preset keys spelled as a command's option that a stage section names otherwise.
 SECTION_ALIASES = {"reward_arg": "reward_args"}
 
@@ -152,130 +137,17 @@ def _sectioned(
     return out
 
 
-@handle_errors
-def online(
-    ctx: typer.Context,
-    config: Annotated[
-        Path,
-        typer.Option(
-            "--config",
-            envvar="OMNIRL_CONFIG",
-            help="YAML preset: sample / score / advantage / update sections; a top-level key sets online's "
-            "option of that name, else every stage setting of that name.",
-        ),
-    ],
-    model: Annotated[
-        str,
-        typer.Option(
-            "--model",
-            "-m",
-            envvar="OMNIRL_MODEL",
-            metavar=WEIGHTS_METAVAR,
-            help=f"Diffusers pipeline: {WEIGHTS_FROM}.",
-        ),
-    ],
-    prompts: Annotated[
-        list[str],
-        typer.Option(
-            "--prompts",
-            metavar="SOURCE",
-            help="Prompt source, as for `omnirl sample`: a file, folder or glob, a save_to_disk folder or a "
-            "cached Hugging Face dataset NAME@SPLIT; repeat to read several.",
-        ),
-    ],
-    out: Annotated[
-        Path, typer.Option("--out", "-o", help="Run directory: it<K>/policy checkpoints (and shard sets).")
-    ],
-    iterations: Annotated[
-        int, typer.Option("--iterations", min=1, help="RL iterations to reach (resumes).")
-    ] = 4,
-    reward: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--reward",
-            "-r",
-            autocompletion=complete(REWARDS, REWARD_ENTRY_POINTS),
-            metavar="NAME[=WEIGHT]",
-            help="A reward (default: the preset's).",
-        ),
-    ] = None,
-    reward_arg: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--reward-arg",
-            metavar="NAME.KEY=VALUE",
-            help="A reward's argument, e.g. pickscore.model=PATH, as for "
-            "omnirl score (default: the preset's score.reward_args).",
-        ),
-    ] = None,
-    max_staleness: Annotated[
-        int,
-        typer.Option(
-            "--max-staleness", help="0: sample with the newest weights; 1: sample k+1 while training k."
-        ),
-    ] = 0,
-    save_trajectories: Annotated[
-        bool,
-        typer.Option(
-            "--save-trajectories",
-            help="Also write it<K>/samples (with the prompt conditioning and source images sampled with), rewards, advantages shard sets.",
-        ),
-    ] = False,
-    media_every: Annotated[
-        int,
-        typer.Option(
-            "--media-every",
-            min=1,
-            help="With --save-trajectories: store the image/video columns only in every N-th iteration's "
-            "samples (0, N, 2N, ...) and the last; the others keep their final latents, recorded as deferred "
-            "media (`omnirl score --keep-media` decodes them). Every iteration is still decoded and scored. "
-            "In-process sampling only (--engine diffusers).",
-        ),
-    ] = 1,
-    seed: Annotated[
-        int | None,
-        typer.Option(
-            "--seed",
-            help="Sampling seed of every iteration (default: the iteration number, "
-            "as the staged recipe; a fixed seed re-samples the same prompts and noise).",
-        ),
-    ] = None,
-    dtype: Annotated[Dtype, typer.Option("--dtype", envvar="OMNIRL_DTYPE", help="Weights dtype.")] = "fp32",
-    threads: Annotated[int, typer.Option("--threads", min=1, help="torch threads per worker process.")] = 1,
-    engine: Annotated[
-        str,
-        typer.Option(
-            "--engine",
-            autocompletion=complete(ENGINES, ENGINE_ENTRY_POINTS),
-            help="Where the sampler rolls out: diffusers (a worker process on the trainer's device, the "
-            "default) or remote (a client of `omnirl serve --model M` at --server-url, on the server's "
-            "device: the driver pushes each new LoRA to it under a name of this run's own, each iteration "
-            "samples with one version, and the version gap is the staleness); vllm-omni takes no pushed "
-            "weights and is refused.",
-            rich_help_panel=ENGINE,
-        ),
-    ] = "diffusers",
-    server_url: ServerUrlOpt = None,
-    server_token_env: ServerTokenEnvOpt = None,
-    server_timeout: ServerTimeoutOpt = 600.0,
-    server_startup_timeout: ServerStartupTimeoutOpt = 120.0,
-    server_retries: ServerRetriesOpt = 8,
-    report_to: ReportToOpt = None,
-    run_name: RunNameOpt = None,
-    sp_degree: no_model_parallel_opt("--sp-degree", "online", STAGED) = 1,
-    tp_degree: no_model_parallel_opt("--tp-degree", "online", STAGED) = 1,
-    overwrite: OverwriteOpt = False,
-    set_: SetOpt = None,
-    json_: JsonOpt = False,
-) -> None:
+def run(s: OnlineSettings, json_: bool, presets: Presets) -> None:
     """Run RL iterations with the stages fused: a sampler and a scorer worker feed the trainer through a
     shared-memory ring; weights go back to the sampler after each update, with a version number.
 
-    Each iteration checkpoints it<K>/policy; a re-run of the same run resumes after the last one. The
-    run's settings and the content digests of its model, prompts and plugin files are recorded in
-    online_run.json: a re-run with others is refused (--overwrite discards the old run's it<K>
-    directories and starts over). SIGTERM stops the run as Ctrl-C does (exit 130); the workers end
-    with the driver, even when it is killed. With --max-staleness 0 and the same seeds an iteration
+    The --config YAML's sample / score / advantage / update sections are the staged commands' settings;
+    a top-level key sets online's option of that name, else every stage setting of that name (--set
+    alike). Each iteration checkpoints it<K>/policy; a re-run of the same run resumes after the last
+    one. The run's settings and the content digests of its model, prompts and plugin files are
+    recorded in online_run.json: a re-run with others is refused (--overwrite discards the old run's
+    it<K> directories and starts over). SIGTERM stops the run as Ctrl-C does (exit 130); the workers
+    end with the driver, even when it is killed. With --max-staleness 0 and the same seeds an iteration
     computes what the staged commands compute. --report-to logs each iteration's reward statistics and
     actor metrics as the staged score and update do (the run directory is --out). With --engine remote
     the sampler is a client of `omnirl serve` (same model) and each update's LoRA is pushed to it; each
@@ -287,51 +159,65 @@ def online(
     Example: [bold]omnirl online --config recipes/configs/demo_tiny.yaml --model models/sd3-tiny \\
     --prompts recipes/demo_prompts.txt --reward jpeg_compressibility --iterations 4 --out runs/online[/]
     """
-    from stages.advantage.config import AdvantageConfig
     from stages.errors import UserInputError
     from stages.models.vlm import is_vlm_model
-    from stages.online.pipeline import OnlineConfig, prepare_run, run_online
+    from stages.online.pipeline import prepare_run, run_online
     from stages.parallelism import ModelParallel
+    from stages.tracking import Tracking, parse_report_to
+
+    from ..runtime import device
+
+    ModelParallel.from_options(asdict(s)).refuse("omnirl online", NO_MODEL_PARALLEL, STAGED)
+    if is_vlm_model(s.model):
+        raise UserInputError(
+            f"--model {s.model}: omnirl online trains diffusion models; run a VLM through the staged "
+            "commands (recipes/vlm_grpo.mk)"
+        )
+    tracking = Tracking(parse_report_to(s.report_to), s.out, s.run_name)
+    cfg = _online_config(s, presets)
+    prepare_run(cfg, overwrite=s.overwrite)
+    with tracking:
+        if is_quiet():
+            stats = run_online(cfg, device=device(), tracking=tracking)
+        elif not err.is_terminal:
+            stats = _run_lines(cfg, s.out, device(), tracking)
+        else:
+            stats = _run_live(cfg, s.out, device(), tracking)
+        if json_:
+            emit_json({"out": str(s.out), "iterations": stats})
+
+
+def _online_config(s: OnlineSettings, presets: Presets) -> OnlineConfig:
+    """The run's `OnlineConfig`: online's own settings `s`, and the stage sections of the preset
+    layers in the staged commands' configs (the --reward / --reward-arg flags beat the score
+    section's)."""
+    from stages.advantage.config import AdvantageConfig
+    from stages.errors import UserInputError
+    from stages.models.factory import DEFAULT_RESOLUTION, default_text_length
+    from stages.online.config import OnlineConfig
     from stages.precision import launcher_mixed_precision
     from stages.sample.config import SampleConfig
     from stages.sample.engines import EngineOptions
     from stages.sample.prompts import read_prompts
     from stages.score.config import ON_ERROR_MODES, ScoreConfig
     from stages.score.registry import check_reward_args, parse_reward_args, parse_reward_spec
-    from stages.tracking import Tracking, parse_report_to
     from stages.update.config import UpdateConfig
 
-    from ..runtime import device
-
     keys = _stage_keys()
-    c = resolve(ctx, "online", shared=set().union(*keys.values()))
-    ModelParallel.from_options(c).refuse("omnirl online", NO_MODEL_PARALLEL, STAGED)
-    model, out = c["model"], c["out"]
-    tracking = Tracking(parse_report_to(c["report_to"]), out, c["run_name"])
-
-    if is_vlm_model(model):
-        raise UserInputError(
-            f"--model {model}: omnirl online trains diffusion models; run a VLM through the staged "
-            "commands (recipes/vlm_grpo.mk)"
-        )
-    # --reward and --reward-arg are the score section's settings in a preset (the flags beat it)
-    own = set(c) - {"reward", "reward_arg"}
-    others = {name.replace("-", "_") for name in ctx.find_root().command.list_commands(ctx)} - set(keys)
-    preset = _merge(
-        _sectioned(load_yaml(config), keys, own, others, f"--config {config}"),
-        _sectioned(parse_set(list(set_ or [])), keys, own, others, "--set"),
-    )
-    from stages.models.factory import DEFAULT_RESOLUTION, default_text_length
-
+    own = {field.name for field, _ in knobs(OnlineSettings)} - {"reward", "reward_args"}
+    others = presets.sections - set(keys)
+    preset: dict[str, Any] = {}
+    for layer, origin in presets.layers:
+        preset = _merge(preset, _sectioned(layer, keys, own, others, origin))
     # the T5 length the model was made for (its card's text_length, else 128) unless the preset sets one,
     # the launcher's mixed precision (as the update's) unless it sets sample.mixed_precision, and 512 px
     sample = {
-        "max_sequence_length": default_text_length(model),
+        "max_sequence_length": default_text_length(s.model),
         "resolution": DEFAULT_RESOLUTION,
         "mixed_precision": launcher_mixed_precision(),
         **(preset.get("sample") or {}),
     }
-    run = {key: sample.pop(key) for key in RUN_KEYS if key in sample}
+    drawn = {key: sample.pop(key) for key in RUN_KEYS if key in sample}
     advantage = _dataclass(
         AdvantageConfig,
         dict(preset.get("advantage") or {}),
@@ -346,47 +232,34 @@ def online(
         raise UserInputError(
             f"--config: score.on_error {score.on_error!r}: choose one of {', '.join(ON_ERROR_MODES)}"
         )
-    specs = reward or score.reward or []
-    rewards = [parse_reward_spec(s) for s in ([specs] if isinstance(specs, str) else specs)]
-    reward_args = parse_reward_args(reward_arg or score.reward_args)
-    cfg = OnlineConfig(
-        model=str(model),
-        prompts=read_prompts(c["prompts"]),
-        out=out,
-        iterations=c["iterations"],
+    specs = s.reward or score.reward or []
+    rewards = [parse_reward_spec(spec) for spec in ([specs] if isinstance(specs, str) else specs)]
+    reward_args = parse_reward_args(s.reward_args or score.reward_args)
+    return OnlineConfig(
+        model=str(s.model),
+        prompts=read_prompts(s.prompts),
+        out=s.out,
+        iterations=s.iterations,
         sample=_dataclass(SampleConfig, sample, "sample", option_names(SampleConfig), SampleConfig.RECORDED),
         update=_dataclass(UpdateConfig, dict(preset.get("update") or {}), "update", names=keys["update"]),
-        group_size=int(run.get("group_size", 4)),
-        num_prompts=run.get("num_prompts"),
+        group_size=int(drawn.get("group_size", 4)),
+        num_prompts=drawn.get("num_prompts"),
         rewards=rewards,
         reward_args=check_reward_args([name for name, _ in rewards], reward_args),
         advantage=advantage,
         score_batch_size=int(score.batch_size),
         on_error=score.on_error,
-        max_staleness=c["max_staleness"],
-        save_trajectories=c["save_trajectories"],
-        media_every=c["media_every"],
-        dtype=c["dtype"],
-        threads=c["threads"],
-        seed=c["seed"],
-        engine=c["engine"],
+        max_staleness=s.max_staleness,
+        save_trajectories=s.save_trajectories,
+        media_every=s.media_every,
+        dtype=s.dtype,
+        threads=s.threads,
+        seed=s.seed,
+        engine=s.engine,
         rollout=EngineOptions.from_options(
-            {
-                "model": model,
-                **{k: v for k, v in c.items() if k.startswith("server_")},
-            }
+            {"model": s.model, **{k: v for k, v in asdict(s).items() if k.startswith("server_")}}
         ),
     )
-    prepare_run(cfg, overwrite=c["overwrite"])
-    with tracking:
-        if is_quiet():
-            stats = run_online(cfg, device=device(), tracking=tracking)
-        elif not err.is_terminal:
-            stats = _run_lines(cfg, out, device(), tracking)
-        else:
-            stats = _run_live(cfg, out, device(), tracking)
-        if json_:
-            emit_json({"out": str(out), "iterations": stats})
 
 
 def _run_lines(cfg: Any, out: Path, dev: Any, tracking: Any) -> list[dict[str, Any]]:
@@ -453,3 +326,6 @@ def _run_live(cfg: Any, out: Path, dev: Any, tracking: Any) -> list[dict[str, An
 
     with Live(table, console=err, refresh_per_second=2):
         return run_online(cfg, device=dev, on_iteration=show, tracking=tracking)
+
+
+online = config_command(OnlineSettings, "online", run, shared=set().union(*_stage_keys().values()))

@@ -43,9 +43,8 @@ from typing import Any
 import torch
 
 from stages.errors import RuntimeFailure, UserInputError
-from stages.media import MEDIA_COLUMNS
-from stages.models.conditioning import Entries
-from stages.online.config import TENSORS, OnlineConfig, iteration_rows, stores_media
+from stages.online.config import TENSORS, OnlineConfig, iteration_rows
+from stages.online.trajectories import save_trajectories
 from stages.online.workers import Workers, trainable_weights
 from stages.reporting import step_means
 from stages.tracking import Tracking, timing_metrics
@@ -356,7 +355,7 @@ def run_online(
                 extra={"online_iteration": k + 1, "max_staleness": cfg.max_staleness},
             )
             if cfg.save_trajectories:
-                _save_trajectories(
+                save_trajectories(
                     cfg, k, data, rewards, adv, stats, policy.family, policy.group_images, sampled_with
                 )
             seconds = {
@@ -411,100 +410,3 @@ def version_gaps(versions: torch.Tensor, published: dict[int, int], k: int) -> l
             f"iteration {k} was sampled with weights version {unknown[0]}, which this run never published"
         )
     return [k - published[int(v)] for v in versions]
-
-
-def _save_trajectories(
-    cfg: OnlineConfig,
-    k: int,
-    data: dict[str, Any],
-    rewards: dict[str, Any],
-    adv: dict[str, Any],
-    stats: dict[str, Any],
-    family: Any,
-    group_images: dict[str, list[bytes]],
-    conditioning: Entries,
-) -> None:
-    """The shard sets the staged commands would have written for iteration k (`family`: the policy's
-    `FamilyAdapter`); its samples hold media only when `stores_media(cfg, k)` (the sampler sends it to the
-    driver only then), else the manifest records it as deferred (`stages.media.deferred`). An editing
-    model's samples also store their groups' condition images (`group_images`), and the samples store the
-    prompt conditioning the sampler encoded (`conditioning`, empty when its engine returns none), as
-    `sample` does: the staged replay of them loads no text encoder and is exact."""
-    from stages.media.deferred import deferred_record
-    from stages.sample.stage import KINDS
-    from stages.shards.writer import ShardSetWriter
-
-    it = cfg.out / f"it{k}"
-    columns = ("sample_id", "group_id", "prompt", "negative_prompt", "prompt_meta", *MEDIA_COLUMNS, *TENSORS)
-    deferred = {} if stores_media(cfg, k) else deferred_record(cfg.model, cfg.dtype)
-    parts = {
-        "samples": (
-            {c: data[c] for c in columns if c in data},
-            {
-                "sample_config": cfg.sampling(k).record(),
-                "family": family.name,
-                "modality": family.media,
-                **deferred,
-            },
-        ),
-        "rewards": ({key: v for key, v in rewards.items() if key != "k"}, {}),
-        "advantages": (adv, {"stats": stats}),
-    }
-    parents: list[Path] = []
-    for name, (batch, extra) in parts.items():
-        writer = ShardSetWriter(
-            it / name,
-            num_shards=1,
-            command=f"online:{name}",
-            config={"iteration": k},
-            parents=parents,
-            kinds=KINDS if name == "samples" else None,
-            overwrite=True,
-        )
-        if not writer.complete:
-            if name == "samples":
-                extra = {
-                    **extra,
-                    **_store_condition_images(writer, data["group_id"], group_images),
-                    **_store_conditioning(writer, conditioning, cfg, k),
-                }
-            writer.write_shard(0, batch)
-            writer.finalize(extra=extra)
-        parents = [it / "samples"]
-
-
-def _store_conditioning(writer: Any, entries: Entries, cfg: OnlineConfig, k: int) -> dict:
-    """Write iteration k's prompt conditioning `entries` beside the saved samples' one shard and return the
-    manifest record (`stages.models.conditioning`); {} when the sampler sent none."""
-    from stages.models.conditioning import conditioning_file, conditioning_record, write_conditioning
-
-    if not entries:
-        return {}
-    writer.out_dir.mkdir(parents=True, exist_ok=True)
-    write_conditioning(writer.out_dir / conditioning_file(0, 1), entries, writer.content_id)
-    record = conditioning_record(
-        writer.out_dir,
-        1,
-        writer.content_id,
-        model=cfg.model,
-        dtype=cfg.dtype,
-        max_sequence_length=cfg.sampling(k).max_sequence_length,
-    )
-    return record or {}
-
-
-def _store_condition_images(writer: Any, group_ids: list[str], group_images: dict[str, list[bytes]]) -> dict:
-    """Write the condition images of the groups among `group_ids` beside the saved samples' one shard (as
-    `sample` does) and return the manifest record; {} for groups without any."""
-    from stages.models.condition_images import (
-        condition_images_file,
-        condition_images_record,
-        write_condition_images,
-    )
-
-    groups = {g: group_images.get(g, []) for g in dict.fromkeys(group_ids)}
-    if not any(groups.values()):
-        return {}
-    writer.out_dir.mkdir(parents=True, exist_ok=True)
-    write_condition_images(writer.out_dir / condition_images_file(0, 1), groups, writer.content_id)
-    return condition_images_record(writer.out_dir, 1, writer.content_id) or {}

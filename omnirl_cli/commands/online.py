@@ -289,7 +289,7 @@ def online(
     """
     from stages.advantage.config import AdvantageConfig
     from stages.errors import UserInputError
-    from stages.models.vlm import is_vlm_model
+    from stages.models.vlm_families import is_vlm_model
     from stages.online.pipeline import OnlineConfig, prepare_run, run_online
     from stages.parallelism import ModelParallel
     from stages.precision import launcher_mixed_precision

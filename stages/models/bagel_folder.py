@@ -165,8 +165,11 @@ def read_config(folder: str | Path, weights: dict[str, torch.Tensor], tokenizer:
     )
 
 
-def load_bagel(folder: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Bagel, Any]:
-    """The model of a BAGEL folder (released layout) in `dtype`, eval mode, and its tokenizer. Every
+def load_bagel(
+    folder: str | Path, dtype: torch.dtype = torch.float32, cls: type[Bagel] = Bagel
+) -> tuple[Bagel, Any]:
+    """The model of a BAGEL folder (released layout) as a `cls` (a `Bagel`, or the understanding policy's
+    subclass) in `dtype`, eval mode, and its tokenizer. Every
     weight of `ema.safetensors` must fill one parameter and every parameter must be filled: else a
     one-line UserInputError naming the first mismatch."""
     from safetensors.torch import load_file
@@ -180,7 +183,7 @@ def load_bagel(folder: str | Path, dtype: torch.dtype = torch.float32) -> tuple[
     tokenizer = AutoTokenizer.from_pretrained(folder)
     config = read_config(folder, weights, tokenizer)
     with torch.device("meta"):
-        model = Bagel(config)
+        model = cls(config)
     expected = model.state_dict()
     missing = sorted(set(expected) - set(weights))
     unexpected = sorted(set(weights) - set(expected))

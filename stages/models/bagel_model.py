@@ -168,15 +168,16 @@ class Bagel(nn.Module, PeftAdapterMixin):
 
     def vit_embeddings(self, pixels: torch.Tensor) -> torch.Tensor:
         """An image [3, H, W] in [−1, 1] (sides multiples of 14) → its tokens in the language model's
-        width [H/14 · W/14, hidden]: ViT, connector, plus the sin-cos position of each patch."""
+        width [H/14 · W/14, hidden] (`vit_tokens` of its patches)."""
         patch = self.config.vit["patch_size"]
-        positions = flattened_positions(
-            pixels.shape[1] // patch,
-            pixels.shape[2] // patch,
-            self.config.vit_max_patches_per_side,
-            pixels.device,
-        )
-        features = self.vit_model(patchify(pixels.to(self.dtype), patch)[None], positions[None])[0]
+        grid = (pixels.shape[1] // patch, pixels.shape[2] // patch)
+        return self.vit_tokens(patchify(pixels, patch), grid)
+
+    def vit_tokens(self, patches: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+        """An image's patches [h·w, 3·p·p] (`patchify`) on an h×w grid → its tokens [h·w, hidden]: ViT,
+        connector, plus the sin-cos position of each patch."""
+        positions = flattened_positions(*grid, self.config.vit_max_patches_per_side, patches.device)
+        features = self.vit_model(patches.to(self.dtype)[None], positions[None])[0]
         return self.connector(features) + self.vit_pos_embed(positions)
 
     def understanding_logits(self, pieces: Sequence[torch.Tensor]) -> torch.Tensor:

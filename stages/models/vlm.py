@@ -12,7 +12,6 @@ incremental one with a KV cache).
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import json
 import re
@@ -38,6 +37,7 @@ from stages.models.folders import (
 )
 from stages.models.hub import base_model_record
 from stages.models.tokens import token_entropy, token_log_probs
+from stages.models.vlm_families import family_module, load_model, load_processor, model_type, understands
 from stages.models.vlm_inputs import chat_inputs, pack_inputs, response_inputs
 from stages.safe_files import refuse_pickled_weights
 
@@ -48,18 +48,6 @@ VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video
 # The audio markers of omni models, banned likewise (absent from a vision-only vocabulary).
 AUDIO_TOKENS = ("<|audio_start|>", "<|audio_end|>", "<|audio_pad|>")
 BANNED_LOGIT = -1e9
-
-# `config.json` model types this module loads as policies, and the module of each family (its
-# `load_model` and `load_processor` read the folder's model and processor; importing it registers
-# omnirl's processor classes). A whole Qwen3-Omni folder (qwen3_omni_moe) loads as its thinker.
-VLM_FAMILIES = {
-    "qwen2_5_vl": "stages.models.qwen2_5_vl",
-    "qwen3_vl": "stages.models.qwen3_vl",
-    "qwen3_vl_moe": "stages.models.qwen3_vl",
-    "qwen3_omni_moe_thinker": "stages.models.qwen3_omni",
-    "qwen3_omni_moe": "stages.models.qwen3_omni",
-}
-VLM_MODEL_TYPES = tuple(VLM_FAMILIES)
 
 # LoRA targets: the language model's projections (in an MoE model the experts are fused tensors, so the
 # attention projections); the vision and audio towers stay frozen unless asked.
@@ -96,35 +84,6 @@ def _quiet_peft() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         yield
-
-
-def model_type(model_dir: str | Path) -> str:
-    """The transformers `model_type` of a checkpoint folder (its family, e.g. qwen2_5_vl)."""
-    return str(json.loads((Path(model_dir) / "config.json").read_text()).get("model_type"))
-
-
-def is_vlm_model(model_dir: str | Path) -> bool:
-    """True when `model_dir` is a transformers vision-language checkpoint this module loads.
-
-    A diffusers pipeline folder has `model_index.json`; a VLM has `config.json` with its model type.
-    """
-    config = Path(model_dir) / "config.json"
-    if (Path(model_dir) / "model_index.json").is_file() or not config.is_file():
-        return False
-    try:
-        return model_type(model_dir) in VLM_MODEL_TYPES
-    except (json.JSONDecodeError, AttributeError):
-        raise UserInputError(f"--model {model_dir}: config.json is not a JSON object") from None
-
-
-def load_processor(model_dir: str | Path) -> Any:
-    """The processor of a VLM folder, read by its family's module (local files only)."""
-    return importlib.import_module(VLM_FAMILIES[model_type(model_dir)]).load_processor(model_dir)
-
-
-def load_model(model_dir: str | Path, dtype: torch.dtype) -> Any:
-    """The policy network of a VLM folder, read by its family's module (local files only)."""
-    return importlib.import_module(VLM_FAMILIES[model_type(model_dir)]).load_model(model_dir, dtype)
 
 
 class VLMPolicy:
@@ -174,7 +133,7 @@ class VLMPolicy:
         whole fine-tuned model, loaded in place of the base weights.
         """
         model_dir = Path(model_dir)
-        if not (model_dir / "config.json").is_file():
+        if not (model_dir / "config.json").is_file() and not understands(model_dir):
             raise UserInputError(f"--model {model_dir}: not a transformers model folder (no config.json)")
         if dtype not in DTYPES:
             raise UserInputError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
@@ -203,7 +162,8 @@ class VLMPolicy:
         # The regex is resolved to full module names here: PEFT rewrites a regex on MoE models whose
         # experts transformers 5 fused (Qwen3-Omni) into bare leaf names, which would also wrap the
         # audio tower's q/k/v projections.
-        targets = [name for name, _ in self.model.named_modules() if re.fullmatch(TEXT_LORA_TARGETS, name)]
+        pattern = getattr(family_module(self.model_path), "LORA_TARGETS", TEXT_LORA_TARGETS)
+        targets = [name for name, _ in self.model.named_modules() if re.fullmatch(pattern, name)]
         with torch.random.fork_rng(devices=[]), _quiet_peft():
             torch.manual_seed(seed)
             self.model = get_peft_model(
@@ -218,6 +178,11 @@ class VLMPolicy:
         (`TOWERS`: vision, and audio in omni models).
         They are cast to fp32 whatever --dtype (diffusers' `cast_training_params`), so the optimizer
         steps in fp32; --dtype stays the storage dtype of the frozen weights."""
+        if full and not getattr(family_module(self.model_path), "TRAINS_FULL", True):
+            raise UserInputError(
+                f"--full: --model {self.model_path} ({model_type(self.model_path)}) trains a LoRA adapter only "
+                "here; drop --full"
+            )
         params = []
         for name, p in self.model.named_parameters():
             tower = any(t in f".{name}" for t in TOWERS)
@@ -384,7 +349,8 @@ class VLMPolicy:
     def moe(self) -> bool:
         """True for a mixture-of-experts language model (the Qwen3-Omni thinker), whose forward can
         return its router logits."""
-        text = self.module.config.get_text_config()
+        config = self.module.config
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
         return int(getattr(text, "num_experts", 0) or 0) > 0
 
     def response_forward(

@@ -4,18 +4,19 @@
 from __future__ import annotations
 
 import io
+import json
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from helpers import fails, ins, run
+from helpers import fails, ins, run, torchrun
 from PIL import Image, ImageDraw
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from stages.models.factory import init_model
-from stages.models.folders import PEFT_PREFIX, PEFT_WEIGHTS
+from stages.models.folders import PEFT_CONFIG, PEFT_PREFIX, PEFT_WEIGHTS
 from stages.models.vlm import VLMPolicy
 from stages.score.text_rewards import verl_compute_score
 from stages.shards import ShardSet
@@ -109,16 +110,10 @@ def test_rollout_replays_exactly(policy: VLMPolicy) -> None:
     assert mask.sum() > 6 and (roll.log_probs[mask] < 0).all()
     assert (replay[mask] - roll.log_probs[mask]).abs().max() <= 1e-5
     names = [n for n, _ in policy_lora.model.named_modules() if n.endswith(".lora_A")]
-    assert names and not any("moe_gen" in n or "vit_model" in n or "connector" in n for n in names)
-    assert {n.split(".")[-2] for n in names} == {
-        "q_proj",
-        "k_proj",
-        "v_proj",
-        "o_proj",
-        "gate_proj",
-        "up_proj",
-        "down_proj",
-    }
+    assert names and not any("vit_model" in n or "connector" in n or "lm_head" in n for n in names)
+    projections = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert {n.split(".")[-2].removesuffix("_moe_gen") for n in names} == projections
+    assert len(names) == 2 * 2 * 7  # 2 layers × both experts × 7 projections (UniGRPO's one folder)
 
 
 @pytest.fixture(scope="module")
@@ -167,8 +162,9 @@ def test_the_stages_sample_replay_and_train_the_understanding_lora(
     assert (logprobs["old_log_probs"][mask] - data["log_probs"][mask]).abs().max() <= 1e-5
     trained = load_file(staged["policy"] / PEFT_WEIGHTS)
     assert trained and all(k.startswith(PEFT_PREFIX + "language_model.model.layers.") for k in trained)
-    assert not any("moe_gen" in k for k in trained)
-    assert any("lora_B" in k and v.abs().max() > 0 for k, v in trained.items())  # the update moved the LoRA
+    # the understanding expert's LoRA moved; the generation expert's (no answer token reaches it) did not
+    assert min(v.abs().max() for k, v in trained.items() if "lora_B" in k and "moe_gen" not in k) > 0
+    assert max(v.abs().max() for k, v in trained.items() if "lora_B" in k and "moe_gen" in k) == 0
     # the trained adapter loads back on the base and changes only the understanding expert's outputs
     base, tuned = VLMPolicy.load(tiny_bagel), VLMPolicy.load(tiny_bagel, adapter=staged["policy"])
     base_state = base.model.state_dict()
@@ -177,8 +173,118 @@ def test_the_stages_sample_replay_and_train_the_understanding_lora(
     assert all(torch.equal(v, base_state[k]) for k, v in frozen.items())
 
 
+def test_the_lora_round_trips_through_peft_and_export(
+    staged: dict[str, Path], tiny_bagel: Path, tmp_path: Path
+) -> None:
+    """The trained folder loads with PEFT itself onto the model, and `omnirl export` merges it into a released
+    BAGEL folder: all three answer with the same logits."""
+    from peft import PeftModel
+
+    from stages.models.bagel_vlm import load_model
+
+    tuned = VLMPolicy.load(tiny_bagel, adapter=staged["policy"])
+    inputs = tuned.chat_inputs(["How many dots?"], [[picture(2)]])
+    merged = run("export", str(staged["policy"]), "--out", str(tmp_path / "merged"))
+    assert merged["merged_layers"] == 2 * 2 * 7
+    with torch.no_grad():
+        ours = tuned.model(**inputs).logits
+        peft = PeftModel.from_pretrained(load_model(tiny_bagel, torch.float32), str(staged["policy"]))(
+            **inputs
+        ).logits
+        exported = VLMPolicy.load(tmp_path / "merged").model(**inputs).logits
+        base = VLMPolicy.load(tiny_bagel).model(**inputs).logits
+    assert torch.equal(ours, peft)
+    assert torch.allclose(exported, ours, atol=1e-5, rtol=0) and not torch.allclose(
+        base, ours, atol=1e-4, rtol=0
+    )
+
+
+@pytest.mark.distributed
+def test_two_ranks_equal_one_process(staged: dict[str, Path], tiny_bagel: Path, tmp_path: Path) -> None:
+    """GRPO on 2 gloo ranks × 1 micro-batch = 1 process × 2 accumulated ones (DDP reaches the
+    understanding forward; the generation expert's LoRA, unused, stays zero on both)."""
+    common = ["--model", str(tiny_bagel), *ins(staged["samples"], staged["logprobs"], staged["advantages"])]
+    common += ["--no-shuffle", "--micro-batch", "4", "--lora-rank", "4", "--lr", "1e-2", "--algo", "grpo"]
+    run("update", *common, "--grad-accum", "2", "--out", str(tmp_path / "one"))
+    torchrun("update", *common, "--grad-accum", "1", "--out", str(tmp_path / "two"))
+    one, two = (load_file(tmp_path / d / PEFT_WEIGHTS) for d in ("one", "two"))
+    assert one.keys() == two.keys() and len(one) == 2 * 2 * 7 * 2
+    assert max(float(one[k].abs().max()) for k in one if "lora_B" in k) > 1e-4
+    for k in one:
+        torch.testing.assert_close(two[k], one[k], rtol=0, atol=1e-6)
+
+
 def test_bad_inputs_are_one_line(staged: dict[str, Path], tiny_bagel: Path, tiny_sd3: Path) -> None:
     fails(["sample", "--model", str(tiny_sd3), "--understand", "--prompts", str(staged["data"]),
            "--out", str(staged["data"].parent / "x")], "--understand")  # fmt: skip
     fails(["update", "--model", str(tiny_bagel), *ins(staged["samples"], staged["logprobs"], staged["advantages"]),
            "--algo", "grpo", "--full", "--out", str(staged["data"].parent / "y")], "--full", "LoRA")  # fmt: skip
+
+
+def test_a_generation_only_adapter_is_refused_by_an_understanding_update(
+    staged: dict[str, Path], tiny_bagel: Path
+) -> None:
+    gen_only = staged["data"].parent / "gen-only"
+    gen_only.mkdir()
+    weights = load_file(staged["policy"] / PEFT_WEIGHTS)
+    save_file({k: v for k, v in weights.items() if "moe_gen" in k}, gen_only / PEFT_WEIGHTS)
+    config = json.loads((staged["policy"] / PEFT_CONFIG).read_text())
+    config["target_modules"] = [t for t in config["target_modules"] if t.endswith("_moe_gen")] + [
+        "mlp_moe_gen.gate_proj"
+    ]
+    (gen_only / PEFT_CONFIG).write_text(json.dumps(config))
+    fails(["update", "--model", str(tiny_bagel), "--adapter", str(gen_only),
+           *ins(staged["samples"], staged["logprobs"], staged["advantages"]), "--algo", "grpo",
+           "--out", str(staged["data"].parent / "z")], "--adapter", "generation-only")  # fmt: skip
+
+
+RECIPES = Path(__file__).parents[1] / "recipes"
+
+
+def test_unigrpo_trains_one_adapter_in_both_phases(
+    staged: dict[str, Path], tiny_bagel: Path, tmp_path: Path
+) -> None:
+    """recipes/unigrpo.mk's alternation with its two presets (sized down for the tiny build): the folder the
+    understanding update wrote (`staged`) goes through a generation phase and another understanding
+    phase. The generation phase trains the generation expert's layers of that folder (and, through the
+    image chunk's two marker tokens, the understanding expert's), its replay exact under the shared
+    adapter; the understanding phase moves the understanding layers and leaves the generation ones."""
+    model = ["--model", str(tiny_bagel)]
+    prompts = tmp_path / "prompts.csv"
+    prompts.write_text("prompt\na red cube\na blue sky\n")
+
+    def phase(kind: str, adapter: Path, out: Path, sample: list[str], reward: str) -> Path:
+        config = ["--config", str(RECIPES / "configs" / f"unigrpo_bagel_{kind}.yaml")]
+        with_adapter = [*model, "--adapter", str(adapter)]
+        run("sample", *config, *with_adapter, *sample, "--num-prompts", "2", "--out", str(out / "samples"))
+        run("score", *config, *ins(out / "samples"), "--reward", reward, "--out", str(out / "rewards"))
+        run("logprob", *config, *with_adapter, *ins(out / "samples"), "--replay", "yes", "--out", str(out / "logprobs"))  # fmt: skip
+        run("advantage", *config, *ins(out / "samples", out / "rewards"), "--out", str(out / "advantages"))
+        run("update", *config, *with_adapter, *ins(out / "samples", out / "logprobs", out / "advantages"),
+            "--lr", "1e-3", "--out", str(out / "policy"))  # fmt: skip
+        return out / "policy"
+
+    first = staged["policy"]
+    gen = ["--prompts", str(prompts), "-n", "2", "--steps", "4", "--resolution", "16", "--sde-window-range", "0", "2"]  # fmt: skip
+    second = phase("generation", first, tmp_path / "gen", gen, "jpeg_compressibility")
+    und = ["--prompts", str(staged["data"]), "-n", "4", "--max-new-tokens", str(MAX_NEW)]
+    third = phase(
+        "understanding", second, tmp_path / "und", und, "test_family_bagel_understanding:vowel_share"
+    )
+
+    rollout, replay = (
+        ShardSet(tmp_path / "gen" / "samples").read_all(),
+        ShardSet(tmp_path / "gen" / "logprobs").read_all(),
+    )
+    assert torch.equal(rollout["log_probs"], replay["old_log_probs"])
+    folders = [load_file(f / PEFT_WEIGHTS) for f in (first, second, third)]
+    assert folders[0].keys() == folders[1].keys() == folders[2].keys()
+    configs = [json.loads((f / PEFT_CONFIG).read_text()) for f in (first, second, third)]
+    assert all(sorted(c["target_modules"]) == sorted(configs[0]["target_modules"]) for c in configs)
+
+    def moved(a: dict, b: dict, generation: bool) -> bool:
+        return any(not torch.equal(a[k], b[k]) for k in a if ("moe_gen" in k) == generation)
+
+    assert moved(folders[0], folders[1], generation=True)  # the generation phase trained the shared folder
+    assert moved(folders[1], folders[2], generation=False)  # and the understanding phase after it
+    assert not moved(folders[1], folders[2], generation=True)

@@ -21,6 +21,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from stages.errors import UserInputError
 from stages.models.bagel_folder import BOS, EOS, IMAGE_END, IMAGE_START, VIT_CONFIG, WEIGHTS, load_bagel
@@ -28,10 +29,15 @@ from stages.models.bagel_layers import Context, patchify
 from stages.models.bagel_model import Bagel
 
 IMAGE_PAD = "<|image_pad|>"
-# the understanding expert's attention projections and MLP (not the generation expert's `*_moe_gen`)
+# Both experts' attention projections and MLPs: understanding trains the understanding expert's (the
+# generation expert sees no token of it, so its LoRA stays zero), and the one PEFT folder also holds the
+# generation expert's layers, which a generation update (`BagelAdapter`) trains from the same folder:
+# one policy for both kinds (UniGRPO, docs/families.md).
 LORA_TARGETS = (
-    r".*language_model.*\.(self_attn\.(q_proj|k_proj|v_proj|o_proj)|mlp\.(gate_proj|up_proj|down_proj))"
+    r".*language_model.*\.(self_attn\.(q|k|v|o)_proj(_moe_gen)?|mlp(_moe_gen)?\.(gate|up|down)_proj)"
 )
+# The understanding expert's layers, which an answer runs through: a LoRA on none of them trains nothing.
+ANSWER_LORA = r".*language_model.*\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
 # `--full` is not offered: its adapter would be a whole BAGEL folder, which `export` writes from a LoRA
 TRAINS_FULL = False
 # The shortest side BAGEL's ViT transform resizes an image to (at most the position table's side).
@@ -166,14 +172,15 @@ class BagelForUnderstanding(Bagel):
         image_grid: torch.Tensor | None = None,
         logits_to_keep: int = 0,
         **_: Any,
-    ) -> SimpleNamespace:
-        """Next-token logits [B, L, vocab] (the last `logits_to_keep` positions; 0: all) of one forward."""
+    ) -> CausalLMOutputWithPast:
+        """Next-token logits [B, L, vocab] (the last `logits_to_keep` positions; 0: all) of one forward, as a
+        transformers output (a dict, which a data-parallel wrapper searches for the graph's tensors)."""
         valid = attention_mask.bool()
         positions, mask = self._layout(input_ids, valid)
         x = self._embed_inputs(input_ids, pixel_values, image_grid)
         gen = torch.zeros_like(valid)
         hidden, _ = self.language_model(x, gen, positions, mask)
-        return SimpleNamespace(logits=self.language_model.lm_head(hidden[:, -logits_to_keep:]))
+        return CausalLMOutputWithPast(logits=self.language_model.lm_head(hidden[:, -logits_to_keep:]))
 
     @torch.no_grad()
     def generate(

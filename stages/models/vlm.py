@@ -37,7 +37,14 @@ from stages.models.folders import (
 )
 from stages.models.hub import base_model_record
 from stages.models.tokens import token_entropy, token_log_probs
-from stages.models.vlm_families import family_module, load_model, load_processor, model_type, understands
+from stages.models.vlm_families import (
+    family_module,
+    is_vlm_model,
+    load_model,
+    load_processor,
+    model_type,
+    understands,
+)
 from stages.models.vlm_inputs import chat_inputs, pack_inputs, response_inputs
 from stages.safe_files import refuse_pickled_weights
 
@@ -178,12 +185,13 @@ class VLMPolicy:
         (`TOWERS`: vision, and audio in omni models).
         They are cast to fp32 whatever --dtype (diffusers' `cast_training_params`), so the optimizer
         steps in fp32; --dtype stays the storage dtype of the frozen weights."""
-        if full and not getattr(family_module(self.model_path), "TRAINS_FULL", True):
+        family = family_module(self.model_path)
+        if full and not getattr(family, "TRAINS_FULL", True):
             raise UserInputError(
                 f"--full: --model {self.model_path} ({model_type(self.model_path)}) trains a LoRA adapter only "
                 "here; drop --full"
             )
-        params = []
+        params, layers = [], set()
         for name, p in self.model.named_parameters():
             tower = any(t in f".{name}" for t in TOWERS)
             train = ("lora_" in name) if not full else (train_vision or not tower)
@@ -191,8 +199,17 @@ class VLMPolicy:
             if train:
                 p.data = p.data.float()
                 params.append(p)
+                layers.add(name.split(".lora_")[0])
         if not params:
             raise UserInputError("nothing to train: add a LoRA adapter or pass --full")
+        # a family whose answers run through some modules only (BAGEL's understanding expert): a LoRA on
+        # none of them (a generation-only adapter) would train nothing
+        answering = getattr(family, "ANSWER_LORA", None)
+        if not full and answering and not any(re.fullmatch(answering, layer) for layer in layers):
+            raise UserInputError(
+                f"--adapter: its LoRA has no layer an answer of --model {self.model_path} runs through (a "
+                "generation-only adapter); start from an understanding update or without --adapter"
+            )
         return params
 
     @property
@@ -245,12 +262,16 @@ class VLMPolicy:
         """
         out.mkdir(parents=True, exist_ok=True)
         base = base_model_record(self.model_path)
-        # adapter_config.json names the base by absolute path, so `AutoPeftModelForCausalLM` loads the
-        # adapter from any working directory
+        # adapter_config.json names a transformers base by absolute path, so `AutoPeftModelForCausalLM`
+        # loads the adapter from any working directory (a BAGEL folder is none: PEFT would warn, on every
+        # save and load, that it has no config.json)
         for peft_config in (getattr(self.module, "peft_config", None) or {}).values():
-            peft_config.base_model_name_or_path = base["base_model"]
+            peft_config.base_model_name_or_path = (
+                base["base_model"] if is_vlm_model(self.model_path) else None
+            )
+        options = {} if state is None else {"state_dict": state}
         with _quiet_peft():
-            self.module.save_pretrained(out, **({} if state is None else {"state_dict": state}))
+            self.module.save_pretrained(out, **options)
         if kind == "full":
             self.processor.save_pretrained(out)
         config = {"kind": kind, **base, **extra}

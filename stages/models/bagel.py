@@ -82,7 +82,9 @@ class BagelAdapter(FamilyAdapter):
     keys/values of the prompt (`Bagel.encode_context`; the negative branch: the negative prompt's, the
     empty context for ""), the velocity `Bagel.guided_velocity` with --guidance as the text CFG scale and
     BAGEL's image CFG 1.5 and interval, σ `sigmas` (shift 3). LoRA goes on the generation expert alone,
-    so the stored conditioning stays valid for every adapter; it is saved as a PEFT folder."""
+    so the stored conditioning stays valid for every adapter; it is saved as a PEFT folder. (A UniGRPO
+    folder, written by an understanding update, also holds the understanding expert's layers: the
+    context is then the sampling adapter's, docs/families.md.)"""
 
     name = FAMILY
     # the generation expert: its attention projections and MLP in every layer

@@ -8,8 +8,9 @@ A prompt is BAGEL's interleaved context, which has no roles: each text part of t
 `<|im_start|>` and ends at `<|im_end|>`, as the reference's understanding inference lays it out. The
 processor writes one `<|image_pad|>` per ViT token, which the model's forward fills with the image's
 tokens (`Bagel.vit_tokens`); its logits equal `Bagel.understanding_logits` of the same pieces.
-LoRA goes on the understanding expert's projections (`LORA_TARGETS`); the towers, the generation expert
-and everything else stay frozen.
+LoRA layers go on both experts' projections (`LORA_TARGETS`): an answer trains the understanding
+expert's, never reaching the generation expert's, which a generation update trains from the same folder
+(UniGRPO, recipes/unigrpo.mk); the ViT, the connector, the embeddings and the head stay frozen.
 """
 
 from __future__ import annotations

@@ -116,6 +116,28 @@ def test_rollout_replays_exactly(policy: VLMPolicy) -> None:
     assert len(names) == 2 * 2 * 7  # 2 layers × both experts × 7 projections (UniGRPO's one folder)
 
 
+def test_gradient_checkpointing_gives_the_same_gradients(tiny_bagel: Path) -> None:
+    grads = []
+    for checkpointing in (False, True):
+        policy = VLMPolicy.load(tiny_bagel)
+        policy.add_lora(rank=4, alpha=8, seed=0)
+        if checkpointing:
+            policy.gradient_checkpointing()
+        assert policy.module.get_base_model().language_model.checkpointing is checkpointing
+        params = policy.trainable_parameters()
+        prompt = policy.chat_inputs(["How many dots?"], [[picture(2)]])
+        answer = torch.tensor([[11, 12, 13]])
+        policy.response_log_probs(prompt, answer, torch.ones_like(answer, dtype=torch.bool)).sum().backward()
+        # the generation expert's LoRA layers get none: no answer token reaches them
+        grads.append(
+            torch.cat(
+                [p.grad.flatten() if p.grad is not None else p.new_full((1,), torch.nan) for p in params]
+            )
+        )
+    assert grads[0].abs().nan_to_num().max() > 0 and grads[0].isnan().sum() == 2 * 7 * 2
+    assert torch.allclose(grads[0], grads[1], atol=1e-7, rtol=0, equal_nan=True)
+
+
 @pytest.fixture(scope="module")
 def staged(tiny_bagel: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("bagel_und")

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 LATENT_PATCH = 2
 
@@ -227,6 +228,7 @@ class LanguageModel(nn.Module):
         super().__init__()
         self.model = MoTModel(config)
         self.lm_head = nn.Linear(config.llm["hidden_size"], config.llm["vocab_size"], bias=False)
+        self.checkpointing = False  # recompute each layer in the backward (non-reentrant)
 
     def forward(
         self,
@@ -243,7 +245,10 @@ class LanguageModel(nn.Module):
         kvs = []
         for index, layer in enumerate(self.model.layers):
             past = None if context is None else (context.keys[index], context.values[index])
-            x, kv = layer(x, gen, rope, mask, past)
+            if self.checkpointing and torch.is_grad_enabled():
+                x, kv = checkpoint(layer, x, gen, rope, mask, past, use_reentrant=False)
+            else:
+                x, kv = layer(x, gen, rope, mask, past)
             kvs.append(kv)
         flat = _route(x.flatten(0, 1), gen.flatten(), self.model.norm, self.model.norm_moe_gen)
         return flat.unflatten(0, x.shape[:2]), kvs

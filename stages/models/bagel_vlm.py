@@ -134,6 +134,12 @@ class BagelForUnderstanding(Bagel):
         """A response ends at `<|im_end|>`."""
         return SimpleNamespace(eos_token_id=[self.config.prompt_ends[1]])
 
+    def gradient_checkpointing_enable(
+        self, gradient_checkpointing_kwargs: dict[str, Any] | None = None
+    ) -> None:
+        """Recompute each language-model layer in the backward (always non-reentrant)."""
+        self.language_model.checkpointing = True
+
     def _layout(self, ids: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE positions [B, L] (one a text token, one an image chunk) and the attention mask [B, 1, L, L]:
         causal over valid tokens, full within each image chunk; a padded row attends to itself."""

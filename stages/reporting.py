@@ -39,7 +39,7 @@ TEXT_ONLY = "text"  # the media kind of a prompt without any
 def prompt_media(messages: Any) -> list[str]:
     """The media kinds (`MEDIA_KINDS`, in that order) of a prompt's chat messages, or [`TEXT_ONLY`] for a
     prompt without media."""
-    from stages.models.vlm import media_parts
+    from stages.models.vlm_inputs import media_parts
 
     listed = messages if isinstance(messages, list) else []
     kinds = [kind for kind in MEDIA_KINDS if media_parts(listed, kind)]

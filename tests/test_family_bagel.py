@@ -14,7 +14,7 @@ import torch
 from helpers import fails, ins, run, torchrun
 from safetensors.torch import load_file
 
-from stages.models import bagel
+from stages.models import bagel_folder, bagel_layers
 from stages.models.diffusion import FlowPolicy
 from stages.models.folders import PEFT_CONFIG, PEFT_PREFIX, PEFT_WEIGHTS
 from stages.sample.rollout import SampleConfig, rollout_batch
@@ -81,11 +81,13 @@ def test_the_policy_velocity_is_bagels_guided_velocity(staged: dict) -> None:
     for sigma, guided in ((0.9, True), (0.3, False)):
         ours = policy.velocity(x, torch.tensor(sigma), cond, 4.0)
         for row, prompt in enumerate(PROMPTS):
-            tokens = bagel.pack_latents(x[row : row + 1])
-            context = model.encode_context([bagel.prompt_ids(tokenizer, model.config, prompt)])
+            tokens = bagel_layers.pack_latents(x[row : row + 1])
+            context = model.encode_context([bagel_folder.prompt_ids(tokenizer, model.config, prompt)])
             s = torch.tensor([sigma])
-            theirs = bagel.unpack_latents(model.guided_velocity(tokens, s, context, empty, (4, 4), 4.0), 4, 4)
-            plain = bagel.unpack_latents(model.velocity(tokens, s, context, (4, 4)), 4, 4)
+            theirs = bagel_layers.unpack_latents(
+                model.guided_velocity(tokens, s, context, empty, (4, 4), 4.0), 4, 4
+            )
+            plain = bagel_layers.unpack_latents(model.velocity(tokens, s, context, (4, 4)), 4, 4)
             torch.testing.assert_close(ours[row : row + 1], theirs, rtol=0, atol=1e-6)
             assert ((theirs - plain).abs().max().item() > 1e-3) is guided
 
@@ -153,7 +155,7 @@ def test_the_lora_round_trips_through_omnirl_and_peft(
     }
     assert loaded.keys() == saved.keys() and all(torch.equal(loaded[k], v) for k, v in saved.items())
 
-    stock = PeftModel.from_pretrained(bagel.load_bagel(staged["model"])[0], str(out)).base_model.model
+    stock = PeftModel.from_pretrained(bagel_folder.load_bagel(staged["model"])[0], str(out)).base_model.model
     cfg = SampleConfig(steps=4, guidance=4.0, resolution=SIDE, sampler="ode", batch_size=2)
 
     def final(policy: FlowPolicy) -> torch.Tensor:
@@ -238,5 +240,5 @@ def test_bad_inputs_are_one_line(staged: dict, tmp_path: Path) -> None:
         "--full", "bagel", "_moe_gen",
     )  # fmt: skip
     broken = tmp_path / "no-weights"
-    shutil.copytree(model, broken, ignore=shutil.ignore_patterns(bagel.WEIGHTS))
+    shutil.copytree(model, broken, ignore=shutil.ignore_patterns(bagel_folder.WEIGHTS))
     fails([*base, str(tmp_path / "d"), "--model", str(broken)], "ema.safetensors", "missing")

@@ -1,4 +1,4 @@
-"""BAGEL (stages/models/bagel.py): the tiny build's released layout, and its generation velocity,
+"""BAGEL (stages/models/bagel_model.py and bagel_folder.py): the tiny build's released layout, and its generation velocity,
 guidance and understanding logits against ByteDance-Seed's reference implementation on the same
 weights, in fp32 (tests/bagel_reference.py says how the reference runs here)."""
 
@@ -14,7 +14,7 @@ from bagel_reference import reference_model
 from safetensors.torch import load_file
 
 from stages.errors import UserInputError
-from stages.models import bagel
+from stages.models import bagel_folder, bagel_model
 from stages.models.factory import init_model
 
 # fp32 on both sides; what differs is the order of the sums (SDPA on padded batches vs per-sequence
@@ -30,12 +30,12 @@ def tiny_bagel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def ours(tiny_bagel: Path) -> tuple[bagel.Bagel, object]:
-    return bagel.load_bagel(tiny_bagel)
+def ours(tiny_bagel: Path) -> tuple[bagel_model.Bagel, object]:
+    return bagel_folder.load_bagel(tiny_bagel)
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_bagel: Path, ours: tuple[bagel.Bagel, object]) -> dict:
+def reference(tiny_bagel: Path, ours: tuple[bagel_model.Bagel, object]) -> dict:
     model, weights = reference_model(tiny_bagel)
     fresh_tables = {k: v.clone() for k, v in model.state_dict().items() if k.endswith("pos_embed.pos_embed")}
     model.load_state_dict(weights, strict=True)
@@ -44,16 +44,18 @@ def reference(tiny_bagel: Path, ours: tuple[bagel.Bagel, object]) -> dict:
     ids = {
         name: tokenizer.convert_tokens_to_ids(token)
         for name, token in (
-            ("bos_token_id", bagel.BOS),
-            ("eos_token_id", bagel.EOS),
-            ("start_of_image", bagel.IMAGE_START),
-            ("end_of_image", bagel.IMAGE_END),
+            ("bos_token_id", bagel_folder.BOS),
+            ("eos_token_id", bagel_folder.EOS),
+            ("start_of_image", bagel_folder.IMAGE_START),
+            ("end_of_image", bagel_folder.IMAGE_END),
         )
     }
     return {"model": model.eval(), "tables": fresh_tables, "token_ids": ids, "tokenizer": tokenizer}
 
 
-def test_the_tiny_build_has_the_released_layout(tiny_bagel: Path, ours: tuple[bagel.Bagel, object]) -> None:
+def test_the_tiny_build_has_the_released_layout(
+    tiny_bagel: Path, ours: tuple[bagel_model.Bagel, object]
+) -> None:
     """The folder holds the released files, ema.safetensors names every parameter under the released
     names (both experts), and ae.safetensors is in Black Forest Labs' layout, read back by the loader."""
     names = {p.name for p in tiny_bagel.iterdir()}
@@ -92,8 +94,8 @@ def test_the_tiny_build_has_the_released_layout(tiny_bagel: Path, ours: tuple[ba
     assert weights["vae2llm.weight"].shape == (64, 2 * 2 * 16)
     ae = load_file(tiny_bagel / "ae.safetensors")
     assert "encoder.down.0.block.0.conv1.weight" in ae and "decoder.mid.attn_1.q.weight" in ae
-    vae = bagel.load_autoencoder(tiny_bagel)
-    assert vae.config.latent_channels == 16 and vae.config.scaling_factor == bagel.AE_SCALE
+    vae = bagel_folder.load_autoencoder(tiny_bagel)
+    assert vae.config.latent_channels == 16 and vae.config.scaling_factor == bagel_folder.AE_SCALE
     model, _ = ours
     assert model.config.max_latent_size == 8 and model.config.vit_max_patches_per_side == 4
 
@@ -120,10 +122,10 @@ def test_a_folder_missing_a_weight_is_one_line(
     with pytest.raises(
         UserInputError, match=r"ema.safetensors: lacks llm2vae.bias \(1 missing, 0 unexpected"
     ):
-        bagel.load_bagel(broken)
+        bagel_folder.load_bagel(broken)
 
 
-def test_position_tables_equal_the_reference(reference: dict, ours: tuple[bagel.Bagel, object]) -> None:
+def test_position_tables_equal_the_reference(reference: dict, ours: tuple[bagel_model.Bagel, object]) -> None:
     """The sin-cos tables the reference computes at construction are the ones we compute (and save)."""
     model, _ = ours
     assert torch.equal(reference["tables"]["latent_pos_embed.pos_embed"], model.latent_pos_embed.pos_embed)
@@ -180,11 +182,13 @@ PROMPTS = ("a red cat on a blue mat", "two dogs")
 
 
 @torch.no_grad()
-def test_generation_velocity_equals_the_reference(reference: dict, ours: tuple[bagel.Bagel, object]) -> None:
+def test_generation_velocity_equals_the_reference(
+    reference: dict, ours: tuple[bagel_model.Bagel, object]
+) -> None:
     """A batch of two prompts of different lengths (padded contexts) gives each the reference's velocity."""
     model, tokenizer = ours
     x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(1))
-    context = model.encode_context([bagel.prompt_ids(tokenizer, model.config, p) for p in PROMPTS])
+    context = model.encode_context([bagel_folder.prompt_ids(tokenizer, model.config, p) for p in PROMPTS])
     ours_v = model.velocity(x, torch.tensor([0.8, 0.8]), context, (4, 4))
     for row, prompt in enumerate(PROMPTS):
         expected = _reference_velocity(reference, x[row], 0.8, prompt)
@@ -193,24 +197,30 @@ def test_generation_velocity_equals_the_reference(reference: dict, ours: tuple[b
 
 
 @torch.no_grad()
-def test_guided_velocity_equals_the_reference(reference: dict, ours: tuple[bagel.Bagel, object]) -> None:
+def test_guided_velocity_equals_the_reference(
+    reference: dict, ours: tuple[bagel_model.Bagel, object]
+) -> None:
     """BAGEL's text + image CFG with global renorm (scales 4 and 1.5, its text-to-image defaults)."""
     model, tokenizer = ours
     x = torch.randn(1, 16, 64, generator=torch.Generator().manual_seed(2))
     prompt = PROMPTS[0]
     sigma = torch.tensor([0.6])
     cond = model.velocity(
-        x, sigma, model.encode_context([bagel.prompt_ids(tokenizer, model.config, prompt)]), (4, 4)
+        x, sigma, model.encode_context([bagel_folder.prompt_ids(tokenizer, model.config, prompt)]), (4, 4)
     )
     uncond = model.velocity(x, sigma, model.encode_context([[]]), (4, 4))
-    guided = bagel.cfg_velocity(cond[0], uncond[0], cond[0], bagel.CFG_TEXT, bagel.CFG_IMAGE)
-    expected = _reference_velocity(reference, x[0], 0.6, prompt, bagel.CFG_TEXT, bagel.CFG_IMAGE)
+    guided = bagel_model.cfg_velocity(
+        cond[0], uncond[0], cond[0], bagel_model.CFG_TEXT, bagel_model.CFG_IMAGE
+    )
+    expected = _reference_velocity(reference, x[0], 0.6, prompt, bagel_model.CFG_TEXT, bagel_model.CFG_IMAGE)
     assert not torch.allclose(expected, _reference_velocity(reference, x[0], 0.6, prompt), atol=1e-3)
     torch.testing.assert_close(guided, expected, atol=ATOL, rtol=0)
 
 
 @torch.no_grad()
-def test_understanding_logits_equal_the_reference(reference: dict, ours: tuple[bagel.Bagel, object]) -> None:
+def test_understanding_logits_equal_the_reference(
+    reference: dict, ours: tuple[bagel_model.Bagel, object]
+) -> None:
     """An image (28×42 px: 2×3 ViT patches) then a question: every text token's next-token logits."""
     from modeling.bagel.qwen2_navit import NaiveCache
 
@@ -237,7 +247,7 @@ def test_understanding_logits_equal_the_reference(reference: dict, ours: tuple[b
         mode="und",
     )
     expected = ref.language_model.lm_head(output.packed_query_sequence)
-    ids = torch.tensor(bagel.prompt_ids(tokenizer, model.config, question))
+    ids = torch.tensor(bagel_folder.prompt_ids(tokenizer, model.config, question))
     logits = model.understanding_logits([image, ids])
     assert logits.shape == expected.shape == (len(ids), len(tokenizer))
     torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
@@ -245,7 +255,7 @@ def test_understanding_logits_equal_the_reference(reference: dict, ours: tuple[b
 
 @torch.no_grad()
 def test_text_to_image_sampling_equals_the_reference(
-    reference: dict, ours: tuple[bagel.Bagel, object]
+    reference: dict, ours: tuple[bagel_model.Bagel, object]
 ) -> None:
     """Sampling from the same noise: our σ schedule, guided velocity and the shared Euler step
     (`samplers.step`, the one `sample`, `logprob` and `update` use) end where the reference's
@@ -256,9 +266,9 @@ def test_text_to_image_sampling_equals_the_reference(
     model, tokenizer = ours
     prompt, steps = PROMPTS[1], 8
     noise = torch.randn(1, 16, 64, generator=torch.Generator().manual_seed(4))
-    context = model.encode_context([bagel.prompt_ids(tokenizer, model.config, prompt)])
+    context = model.encode_context([bagel_folder.prompt_ids(tokenizer, model.config, prompt)])
     empty = model.encode_context([[]])
-    sigmas = bagel.sigmas(steps)
+    sigmas = bagel_model.sigmas(steps)
     x = noise
     for sigma, sigma_next in itertools.pairwise(sigmas):
         v = model.guided_velocity(x, sigma.expand(1), context, empty, (4, 4))
@@ -268,10 +278,10 @@ def test_text_to_image_sampling_equals_the_reference(
     inputs["packed_init_noises"] = noise[0]
     (expected,) = reference["model"].generate_image(
         num_timesteps=steps + 1,
-        timestep_shift=bagel.TIMESTEP_SHIFT,
-        cfg_text_scale=bagel.CFG_TEXT,
-        cfg_img_scale=bagel.CFG_IMAGE,
-        cfg_interval=bagel.CFG_INTERVAL,
+        timestep_shift=bagel_model.TIMESTEP_SHIFT,
+        cfg_text_scale=bagel_model.CFG_TEXT,
+        cfg_img_scale=bagel_model.CFG_IMAGE,
+        cfg_interval=bagel_model.CFG_INTERVAL,
         cfg_renorm_min=0.0,
         cfg_renorm_type="global",
         **inputs,
@@ -285,7 +295,7 @@ def test_the_full_size_is_bagel_7b_mot() -> None:
     with the embeddings, a generation expert as large as its layers and final norm (6.53B, so 14.1B in
     the language model: BAGEL's "7B active, 14B total")."""
     with torch.device("meta"):
-        model = bagel.make_bagel("full", 0)
+        model = bagel_folder.make_bagel("full", 0)
     named = dict(model.language_model.named_parameters())
     total = sum(p.numel() for p in named.values())
     gen = sum(p.numel() for n, p in named.items() if "_moe_gen" in n)

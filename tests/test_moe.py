@@ -14,6 +14,7 @@ from transformers import Qwen3OmniMoeThinkerConfig
 
 from stages.models import moe
 from stages.models.vlm import VLMPolicy
+from stages.models.vlm_inputs import response_inputs
 
 
 def test_expert_load_and_its_statistics_by_hand() -> None:
@@ -112,7 +113,7 @@ def test_replay_routes_every_token_to_the_rollouts_experts(tiny_omni: Path) -> N
     assert torch.allclose(load.sum(-1), torch.ones(len(routers)))
     with torch.no_grad():
         own = policy.model(
-            **policy._forward_inputs(replay_prompt, roll.response_ids, roll.response_mask),
+            **response_inputs(replay_prompt, roll.response_ids, roll.response_mask),
             output_router_logits=True,
         ).aux_loss
     e = policy.module.config.text_config.num_experts

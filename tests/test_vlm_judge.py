@@ -20,6 +20,7 @@ from PIL import Image
 
 from stages.errors import RuntimeFailure, UserInputError
 from stages.models.vlm import VLMPolicy
+from stages.models.vlm_inputs import response_inputs
 from stages.score.registry import get_reward, reward_files, reward_kind
 from stages.score.remote import CHAT_PROTOCOLS
 from stages.score.scoring import score_batch
@@ -165,7 +166,7 @@ def _greedy_answer(policy: VLMPolicy, question: str, image: Image.Image, max_tok
     answer = torch.zeros(1, 0, dtype=torch.int64)
     with torch.no_grad():
         for _ in range(max_tokens):
-            inputs = policy._forward_inputs(prompt, answer, torch.ones_like(answer, dtype=torch.bool))
+            inputs = response_inputs(prompt, answer, torch.ones_like(answer, dtype=torch.bool))
             token = policy.allowed(policy.model(**inputs).logits[:, -1]).argmax(-1, keepdim=True)
             answer = torch.cat([answer, token], dim=1)
             if int(token) in policy.stop_ids:

@@ -119,7 +119,7 @@ def omni_run(tmp_path_factory: pytest.TempPathFactory, tiny_omni: Path) -> dict:
 
 
 def test_every_input_mode_replays_its_rollout(omni_run: dict, tiny_omni: Path) -> None:
-    from stages.models.vlm import load_processor
+    from stages.models.vlm_families import load_processor
 
     tok = load_processor(tiny_omni).tokenizer
     rows = pq.read_table(omni_run["data"]).to_pylist()
@@ -241,7 +241,8 @@ def test_thinker_video_processor_matches_its_image_processor_and_times_each_vide
     """The thinker's frames video processor (16-px patches): two equal frames give its image processor's
     pixel rows and grid exactly (a still image is a 2-frame video of itself), the prompt gets
     grid_t·h·w/4 video pads, and each video in a batch is timed by its own frame rate."""
-    from stages.models.vlm import VLMPolicy, load_processor
+    from stages.models.vlm import VLMPolicy
+    from stages.models.vlm_families import load_processor
 
     processor = load_processor(tiny_omni)
     frame = Image.open(io.BytesIO(_png((120, 60, 10))))
@@ -328,7 +329,8 @@ def test_a_whole_qwen3_omni_folder_loads_as_its_thinker(
     same rollout as the thinker-only folder with the same weights, replayed to 1e-5."""
     from safetensors.torch import load_file
 
-    from stages.models.vlm import VLMPolicy, is_vlm_model
+    from stages.models.vlm import VLMPolicy
+    from stages.models.vlm_families import is_vlm_model
 
     whole = whole_qwen3_omni(tiny_omni, tmp_path / "whole")
     assert {k.split(".")[0] for k in load_file(whole / "model.safetensors")} == {

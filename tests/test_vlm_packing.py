@@ -1,4 +1,4 @@
-"""Packed sequences in the VLM forward (`VLMPolicy._pack`): every row's real tokens back to back, no
+"""Packed sequences in the VLM forward (`vlm_inputs.pack_inputs`): every row's real tokens back to back, no
 padding, its M-RoPE positions those of the padded batch. On a batch mixing a text-only prompt, an
 image and a video with responses of different lengths, packed equals padded within 1e-5 for the
 response log-probs, the entropies, the GRPO loss and the LoRA gradients, for Qwen2.5-VL and Qwen3-VL

@@ -160,7 +160,7 @@ def run(s: OnlineSettings, json_: bool, presets: Presets) -> None:
     --prompts recipes/demo_prompts.txt --reward jpeg_compressibility --iterations 4 --out runs/online[/]
     """
     from stages.errors import UserInputError
-    from stages.models.vlm import is_vlm_model
+    from stages.models.vlm_families import is_vlm_model
     from stages.online.pipeline import prepare_run, run_online
     from stages.parallelism import ModelParallel
     from stages.tracking import Tracking, parse_report_to

@@ -25,10 +25,13 @@ PLANNED_SAMPLE_BYTES = 256
 
 
 def _kind(resolved: dict[str, Any]) -> type[SampleRun]:
-    """The config of the model kind --model is: a vision-language model's, else a diffusion pipeline's."""
-    from stages.models.vlm import is_vlm_model
+    """The config of the model kind --model is: a vision-language model's, else a diffusion pipeline's; a
+    folder of both kinds (BAGEL) samples images unless --understand."""
+    from stages.models.vlm_families import is_vlm_model, understands
 
-    return VLMSampleConfig if is_vlm_model(resolved["model"]) else SampleConfig
+    model = resolved["model"]
+    vlm = is_vlm_model(model) or (bool(resolved.get("understand")) and understands(model))
+    return VLMSampleConfig if vlm else SampleConfig
 
 
 def run(c: SampleRun, json_: bool) -> None:
@@ -61,6 +64,8 @@ def run(c: SampleRun, json_: bool) -> None:
     prompt; the diffusion options (--steps, --guidance, the sampler, video, parallelism and kernels) are
     refused, from a flag, a preset, --set or the environment, as the Vision-language ones are for a
     diffusion --model.
+    A BAGEL folder is both: it generates images, or with --understand answers the table's questions
+    with its understanding expert (docs/families.md, BAGEL).
 
     Example: [bold]omnirl sample --model models/sd3-tiny --prompts prompts.txt -n 8 --steps 10 \\
     --resolution 64 --sampler sde --noise-level 0.7 --out run/it0/samples[/]

@@ -13,7 +13,8 @@ from .sample_shards import check_memory, identity, num_shards, open_writer, run_
 
 def sample_vlm(c: VLMSampleConfig, json_: bool) -> None:
     """GROUP responses per prompt row of a verl/EasyR1 table, with their tokens and rollout log-probs."""
-    from stages.models.vlm import VLMPolicy, model_type
+    from stages.models.vlm import VLMPolicy
+    from stages.models.vlm_families import model_type
     from stages.sample.sources import PromptSource
     from stages.sample.vlm_data import sample_vlm_prompts
     from stages.sample.vlm_stage import KINDS, run_vlm_sample

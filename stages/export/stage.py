@@ -30,7 +30,8 @@ from stages.models.factory import MODEL_CARD_NAME, folder_bytes, no_progress_bar
 from stages.models.folders import ADAPTER_CONFIG, read_adapter_config
 from stages.models.hub import cached_snapshot, download_hint, hub_origin
 from stages.models.lora_weights import merge_lora
-from stages.models.vlm import VLMPolicy, is_vlm_model
+from stages.models.vlm import VLMPolicy
+from stages.models.vlm_families import is_vlm_model
 from stages.shards.atomic import fsync_dir
 
 

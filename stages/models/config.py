@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from stages.parallelism import ModelParallel
 
 FAMILIES: dict[str, str] = {
-    "bagel": "stages.models.bagel:build_bagel",
+    "bagel": "stages.models.bagel_folder:build_bagel",
     "flux": "stages.models.flux:build_flux",
     "flux2": "stages.models.flux2_build:build_flux2",
     "flux2_klein": "stages.models.flux2_build:build_flux2_klein",

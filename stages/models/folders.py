@@ -195,7 +195,8 @@ def load_lora(pipe: Any, trained: str, folder: Path) -> None:
     config = lora_config_dict(LoraConfig.from_pretrained(str(folder)))
     module.load_lora_adapter(state, prefix=None, adapter_name="default", metadata=config)
     # diffusers only warns about weights that fit no layer; those layers would keep their init
-    unused = sorted(set(state) - set(get_peft_model_state_dict(module, adapter_name="default")))
+    own = get_peft_model_state_dict(module, adapter_name="default", save_embedding_layers=False)
+    unused = sorted(set(state) - set(own))
     if unused:
         raise UserInputError(
             f"--adapter {folder}: {len(unused)} of its LoRA weights fit no layer of the {trained} (first: "

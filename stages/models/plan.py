@@ -80,7 +80,7 @@ VLM_TEXT_TOKENS = 1024
 # settings of `PlanConfig` the plan's JSON gives elsewhere: the model as `model`, the memory as
 # `device_memory` (bytes), the model parallelism as settings.parallel
 PLANNED_ELSEWHERE = ("model", "family", "size", "device_memory", "sp_degree", "sp_kind", "tp_degree")
-# The transformers class of each VLM `model_type` omnirl trains (stages.models.vlm.VLM_FAMILIES); a whole
+# The transformers class of each VLM `model_type` omnirl trains (stages.models.vlm_families.VLM_FAMILIES); a whole
 # Qwen3-Omni folder trains its thinker.
 VLM_CLASSES = {
     "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", None),

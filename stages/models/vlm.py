@@ -12,7 +12,6 @@ incremental one with a KV cache).
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import json
 import re
@@ -38,13 +37,16 @@ from stages.models.folders import (
 )
 from stages.models.hub import base_model_record
 from stages.models.tokens import token_entropy, token_log_probs
+from stages.models.vlm_families import (
+    family_module,
+    is_vlm_model,
+    load_model,
+    load_processor,
+    model_type,
+    understands,
+)
+from stages.models.vlm_inputs import chat_inputs, pack_inputs, response_inputs
 from stages.safe_files import refuse_pickled_weights
-
-# The processor argument that takes each media type's items (one flat list over the batch), and the
-# processor part a type beyond images needs (Qwen2.5-VL has no feature extractor; folders built before
-# the frames video processor have no video processor).
-PROCESSOR_ARGS = {"image": "images", "video": "videos", "audio": "audio"}
-PROCESSOR_PARTS = {"video": "video_processor", "audio": "feature_extractor"}
 
 # Vision markers a response must never contain: sampled into a response, an image pad token would
 # make the model look for image features that do not exist. They are removed from the policy's
@@ -53,18 +55,6 @@ VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video
 # The audio markers of omni models, banned likewise (absent from a vision-only vocabulary).
 AUDIO_TOKENS = ("<|audio_start|>", "<|audio_end|>", "<|audio_pad|>")
 BANNED_LOGIT = -1e9
-
-# `config.json` model types this module loads as policies, and the module of each family (its
-# `load_model` and `load_processor` read the folder's model and processor; importing it registers
-# omnirl's processor classes). A whole Qwen3-Omni folder (qwen3_omni_moe) loads as its thinker.
-VLM_FAMILIES = {
-    "qwen2_5_vl": "stages.models.qwen2_5_vl",
-    "qwen3_vl": "stages.models.qwen3_vl",
-    "qwen3_vl_moe": "stages.models.qwen3_vl",
-    "qwen3_omni_moe_thinker": "stages.models.qwen3_omni",
-    "qwen3_omni_moe": "stages.models.qwen3_omni",
-}
-VLM_MODEL_TYPES = tuple(VLM_FAMILIES)
 
 # LoRA targets: the language model's projections (in an MoE model the experts are fused tensors, so the
 # attention projections); the vision and audio towers stay frozen unless asked.
@@ -101,52 +91,6 @@ def _quiet_peft() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         yield
-
-
-def model_type(model_dir: str | Path) -> str:
-    """The transformers `model_type` of a checkpoint folder (its family, e.g. qwen2_5_vl)."""
-    return str(json.loads((Path(model_dir) / "config.json").read_text()).get("model_type"))
-
-
-def is_vlm_model(model_dir: str | Path) -> bool:
-    """True when `model_dir` is a transformers vision-language checkpoint this module loads.
-
-    A diffusers pipeline folder has `model_index.json`; a VLM has `config.json` with its model type.
-    """
-    config = Path(model_dir) / "config.json"
-    if (Path(model_dir) / "model_index.json").is_file() or not config.is_file():
-        return False
-    try:
-        return model_type(model_dir) in VLM_MODEL_TYPES
-    except (json.JSONDecodeError, AttributeError):
-        raise UserInputError(f"--model {model_dir}: config.json is not a JSON object") from None
-
-
-def load_processor(model_dir: str | Path) -> Any:
-    """The processor of a VLM folder, read by its family's module (local files only)."""
-    return importlib.import_module(VLM_FAMILIES[model_type(model_dir)]).load_processor(model_dir)
-
-
-def load_model(model_dir: str | Path, dtype: torch.dtype) -> Any:
-    """The policy network of a VLM folder, read by its family's module (local files only)."""
-    return importlib.import_module(VLM_FAMILIES[model_type(model_dir)]).load_model(model_dir, dtype)
-
-
-def media_parts(messages: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
-    """The `{"type": kind}` content parts of chat messages, in order."""
-    return [
-        part
-        for m in messages
-        if isinstance(m["content"], list)
-        for part in m["content"]
-        if isinstance(part, dict) and part.get("type") == kind
-    ]
-
-
-def user_turn(question: str, num_images: int) -> list[dict[str, Any]]:
-    """A plain question as chat messages: one user turn, its images first, then the text."""
-    parts = [{"type": "image"} for _ in range(num_images)]
-    return [{"role": "user", "content": [*parts, {"type": "text", "text": question}]}]
 
 
 class VLMPolicy:
@@ -196,7 +140,7 @@ class VLMPolicy:
         whole fine-tuned model, loaded in place of the base weights.
         """
         model_dir = Path(model_dir)
-        if not (model_dir / "config.json").is_file():
+        if not (model_dir / "config.json").is_file() and not understands(model_dir):
             raise UserInputError(f"--model {model_dir}: not a transformers model folder (no config.json)")
         if dtype not in DTYPES:
             raise UserInputError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
@@ -225,7 +169,8 @@ class VLMPolicy:
         # The regex is resolved to full module names here: PEFT rewrites a regex on MoE models whose
         # experts transformers 5 fused (Qwen3-Omni) into bare leaf names, which would also wrap the
         # audio tower's q/k/v projections.
-        targets = [name for name, _ in self.model.named_modules() if re.fullmatch(TEXT_LORA_TARGETS, name)]
+        pattern = getattr(family_module(self.model_path), "LORA_TARGETS", TEXT_LORA_TARGETS)
+        targets = [name for name, _ in self.model.named_modules() if re.fullmatch(pattern, name)]
         with torch.random.fork_rng(devices=[]), _quiet_peft():
             torch.manual_seed(seed)
             self.model = get_peft_model(
@@ -240,7 +185,13 @@ class VLMPolicy:
         (`TOWERS`: vision, and audio in omni models).
         They are cast to fp32 whatever --dtype (diffusers' `cast_training_params`), so the optimizer
         steps in fp32; --dtype stays the storage dtype of the frozen weights."""
-        params = []
+        family = family_module(self.model_path)
+        if full and not getattr(family, "TRAINS_FULL", True):
+            raise UserInputError(
+                f"--full: --model {self.model_path} ({model_type(self.model_path)}) trains a LoRA adapter only "
+                "here; drop --full"
+            )
+        params, layers = [], set()
         for name, p in self.model.named_parameters():
             tower = any(t in f".{name}" for t in TOWERS)
             train = ("lora_" in name) if not full else (train_vision or not tower)
@@ -248,8 +199,17 @@ class VLMPolicy:
             if train:
                 p.data = p.data.float()
                 params.append(p)
+                layers.add(name.split(".lora_")[0])
         if not params:
             raise UserInputError("nothing to train: add a LoRA adapter or pass --full")
+        # a family whose answers run through some modules only (BAGEL's understanding expert): a LoRA on
+        # none of them (a generation-only adapter) would train nothing
+        answering = getattr(family, "ANSWER_LORA", None)
+        if not full and answering and not any(re.fullmatch(answering, layer) for layer in layers):
+            raise UserInputError(
+                f"--adapter: its LoRA has no layer an answer of --model {self.model_path} runs through (a "
+                "generation-only adapter); start from an understanding update or without --adapter"
+            )
         return params
 
     @property
@@ -302,12 +262,16 @@ class VLMPolicy:
         """
         out.mkdir(parents=True, exist_ok=True)
         base = base_model_record(self.model_path)
-        # adapter_config.json names the base by absolute path, so `AutoPeftModelForCausalLM` loads the
-        # adapter from any working directory
+        # adapter_config.json names a transformers base by absolute path, so `AutoPeftModelForCausalLM`
+        # loads the adapter from any working directory (a BAGEL folder is none: PEFT would warn, on every
+        # save and load, that it has no config.json)
         for peft_config in (getattr(self.module, "peft_config", None) or {}).values():
-            peft_config.base_model_name_or_path = base["base_model"]
+            peft_config.base_model_name_or_path = (
+                base["base_model"] if is_vlm_model(self.model_path) else None
+            )
+        options = {} if state is None else {"state_dict": state}
         with _quiet_peft():
-            self.module.save_pretrained(out, **({} if state is None else {"state_dict": state}))
+            self.module.save_pretrained(out, **options)
         if kind == "full":
             self.processor.save_pretrained(out)
         config = {"kind": kind, **base, **extra}
@@ -321,66 +285,16 @@ class VLMPolicy:
         videos: list[list[Any]] | None = None,
         audios: list[list[Any]] | None = None,
     ) -> dict[str, torch.Tensor]:
-        """Left-padded processor inputs, one row per prompt: its chat messages (typed content parts,
-        `stages.sample.vlm_data.build_messages`; a plain question is `user_turn`) through the chat
-        template with the generation prompt, and its media in the order of their parts.
-
-        images[k]: prompt k's PIL images; videos[k]: its videos, each a list of PIL frames whose frame
-        rate is the `fps` of its video part (required: it times the video's temporal patches); audios[k]:
-        its audio clips as float32 waveforms [S] at the processor's sampling rate (omni models). Every
-        media type is passed to the processor as one flat list (None when no prompt has any), so a batch
-        may mix text-only prompts with prompts that have media; the processor's outputs (pixel values,
-        grids, frame timing, audio features) go to the model as they are.
-        """
-        media = {
-            "image": images,
-            "video": videos or [[] for _ in prompts],
-            "audio": audios or [[] for _ in prompts],
-        }
-        texts, fps = [], []
-        for k, prompt in enumerate(prompts):
-            messages = user_turn(prompt, len(images[k])) if isinstance(prompt, str) else prompt
-            for kind, items in media.items():
-                parts = media_parts(messages, kind)
-                if len(parts) != len(items[k]):
-                    raise UserInputError(
-                        f"prompt {k}: {len(parts)} {kind} parts in its messages but {len(items[k])} {kind}s"
-                    )
-                if kind == "video":
-                    if not all(isinstance(part.get("fps"), (int, float)) for part in parts):
-                        raise UserInputError(f"prompt {k}: a video part has no frame rate ('fps')")
-                    fps += [float(part["fps"]) for part in parts]
-            texts.append(
-                self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            )
-        flat = {
-            PROCESSOR_ARGS[kind]: [x for row in items for x in row] or None for kind, items in media.items()
-        }
-        for kind, part in PROCESSOR_PARTS.items():
-            if flat[PROCESSOR_ARGS[kind]] and getattr(self.processor, part, None) is None:
-                raise UserInputError(
-                    f"--model {self.model_path}: its processor has no {part} and takes no {kind}s; "
-                    f"sample {kind} prompts with a model whose processor has one"
-                )
-        extra: dict[str, Any] = {}
-        if flat["videos"]:
-            from transformers.video_utils import VideoMetadata
-
-            extra["video_metadata"] = [
-                VideoMetadata(total_num_frames=len(v), fps=r, frames_indices=list(range(len(v))))
-                for v, r in zip(flat["videos"], fps)
-            ]
-            extra["do_sample_frames"] = False
-        inputs = self.processor(
-            text=texts,
-            **{arg: items for arg, items in flat.items() if items},
-            **extra,
-            return_tensors="pt",
-            padding=True,
-            padding_side="left",
+        """`vlm_inputs.chat_inputs` of the prompts and their media by this policy's processor, on its device."""
+        inputs = chat_inputs(
+            self.processor,
+            prompts,
+            images,
+            videos=videos,
+            audios=audios,
+            model_path=self.model_path,
+            token_types=self._takes_token_types,
         )
-        if "mm_token_type_ids" not in inputs and self._takes_token_types:
-            raise UserInputError("the processor gave no mm_token_type_ids; image positions would be wrong")
         return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
 
     @property
@@ -427,47 +341,6 @@ class VLMPolicy:
             )
         self.packed = self.can_pack and (mode == "on" or (mode == "auto" and self.varlen_attention))
 
-    def _pack(self, inputs: dict[str, Any], t: int) -> tuple[dict[str, Any], torch.Tensor]:
-        """The forward inputs as one row of every sequence's real tokens back to back [1, N] (no padding),
-        and the packed index [B·T] of the position predicting each of the last t (response) tokens.
-
-        The M-RoPE positions [3, B, L] are computed on the padded batch, as the padded forward computes
-        them, and packed with the tokens; a fourth leading row restarts at 0 with each sequence, from
-        which transformers builds the block-diagonal causal mask (no token attends across sequences).
-        """
-        mask = inputs["attention_mask"].bool()
-        inner = self._base_model.model
-        wanted = inspect.signature(inner.compute_3d_position_ids).parameters
-        given = {"inputs_embeds": None, "cache": None, **inputs}
-        positions = inner.compute_3d_position_ids(**{k: given.get(k) for k in wanted})
-        width = mask.shape[1]
-        if positions is None:  # text only: the positions the model counts itself
-            positions = torch.arange(width, device=mask.device).expand(3, mask.shape[0], -1)
-        lengths = mask.sum(1).tolist()
-        restart = torch.cat([torch.arange(n, device=mask.device) for n in lengths])
-        position_ids = torch.cat([restart[None], positions[:, mask]])[:, None]  # [4, 1, N]
-        index = (mask.flatten().cumsum(0) - 1).view_as(mask)[:, width - t - 1 : width - 1]
-        packed = {k: inputs[k][mask][None] for k in ("input_ids", "mm_token_type_ids") if k in inputs}
-        rest = {k: v for k, v in inputs.items() if k not in (*packed, "attention_mask")}
-        return {**rest, **packed, "position_ids": position_ids}, index.flatten()
-
-    def _forward_inputs(
-        self, prompt: dict[str, torch.Tensor], response_ids: torch.Tensor, response_mask: torch.Tensor
-    ) -> dict[str, torch.Tensor]:
-        """Prompt inputs extended by the responses: ids, mask and, where the processor gives them,
-        `mm_token_type_ids` (response tokens are text, even a sampled `<|image_pad|>`, as in `generate`);
-        every other processor output (pixel values, grids, frame timing, audio features) is passed on as
-        it is."""
-        ids = torch.cat([prompt["input_ids"], response_ids], dim=1)
-        mask = torch.cat([prompt["attention_mask"], response_mask.to(prompt["attention_mask"].dtype)], dim=1)
-        out = {"input_ids": ids, "attention_mask": mask}
-        if "mm_token_type_ids" in prompt:
-            types = prompt["mm_token_type_ids"]
-            out["mm_token_type_ids"] = torch.cat(
-                [types, torch.zeros_like(response_ids, dtype=types.dtype)], dim=1
-            )
-        return {**{k: v for k, v in prompt.items() if k not in out}, **out}
-
     def response_log_probs(
         self,
         prompt: dict[str, torch.Tensor],
@@ -497,7 +370,8 @@ class VLMPolicy:
     def moe(self) -> bool:
         """True for a mixture-of-experts language model (the Qwen3-Omni thinker), whose forward can
         return its router logits."""
-        text = self.module.config.get_text_config()
+        config = self.module.config
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
         return int(getattr(text, "num_experts", 0) or 0) > 0
 
     def response_forward(
@@ -513,15 +387,15 @@ class VLMPolicy:
         """`response_stats` in one forward over prompt + response, plus, with `router` (MoE models), the
         router logits of every layer and the attention mask they are over (`ResponseForward`).
 
-        Packed (`packed`, `_pack`), the forward runs over the real tokens only, one row of N = Σ lengths
+        Packed (`packed`, `vlm_inputs.pack_inputs`), the forward runs over the real tokens only, one row of N = Σ lengths
         instead of B × (prompt + response width): the same values to float rounding; less compute and
         memory wherever lengths differ under a variable-length attention kernel (`varlen_attention`)."""
-        inputs = self._forward_inputs(prompt, response_ids, response_mask)
+        inputs = response_inputs(prompt, response_ids, response_mask)
         b, t = response_ids.shape
         routing = {"output_router_logits": True} if router else {}
         mask = inputs["attention_mask"]
         if self.packed:  # packed: the logits of the positions predicting response tokens, picked by index
-            packed, index = self._pack(inputs, t)
+            packed, index = pack_inputs(self._base_model.model, inputs, t)
             # no KV cache: transformers derives the block-diagonal mask only for a forward without one
             out = self.model(**packed, logits_to_keep=index, use_cache=False, **routing)
             aligned = self.allowed(out.logits.view(b, t, -1))

@@ -339,6 +339,12 @@ class VLMSampleConfig(SampleRun):
         "Column of a row's videos: each a list of frames or a video file (MP4 needs PyAV).",
         panel=VLM,
     )
+    understand: bool = knob(
+        False,
+        "A --model that both generates images and understands them (BAGEL): answer the table's questions "
+        "(this kind, with the understanding expert) instead of generating images. A VLM always answers.",
+        panel=VLM,
+    )
     audio_key: str = knob(
         "audios",
         "Omni models: the column listing each row's audio clips (paths, bytes, or arrays with a sampling "

@@ -53,7 +53,8 @@ from typing import Any
 import torch
 
 from stages.errors import OmnirlError, RuntimeFailure, UserInputError
-from stages.models.vlm import VISION_TOKENS, Rollout, user_turn
+from stages.models.vlm import VISION_TOKENS, Rollout
+from stages.models.vlm_inputs import user_turn
 from stages.web import error_message, one_line
 
 START_HINT = "start the server (`vllm serve MODEL`, `python -m sglang.launch_server --model-path MODEL`) or fix --server-url"

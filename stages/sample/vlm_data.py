@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from stages.errors import UserInputError
-from stages.models.vlm import media_parts
+from stages.models.vlm_inputs import media_parts
 from stages.sample.prompts import pick_rows
 from stages.sample.sources import PromptSource, SourceRow
 from stages.sample.vlm_audio import audio_bytes

@@ -170,7 +170,7 @@ class VLMJudge:
         retries: int = 2,
     ):
         from stages.models.diffusion import DTYPES
-        from stages.models.vlm import VLM_MODEL_TYPES, is_vlm_model
+        from stages.models.vlm_families import VLM_MODEL_TYPES, is_vlm_model
 
         if preset not in PRESETS:
             raise UserInputError(

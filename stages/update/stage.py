@@ -21,7 +21,8 @@ from stages.finite import check_finite
 from stages.models.diffusion import FlowPolicy
 from stages.models.factory import DEFAULT_RESOLUTION
 from stages.models.folders import ADAPTER_CONFIG, read_adapter_config
-from stages.models.vlm import VLMPolicy, is_vlm_model
+from stages.models.vlm import VLMPolicy
+from stages.models.vlm_families import is_vlm_model, understands
 from stages.reporting import step_means
 from stages.sample.rollout import SampleConfig, sample_config_of
 from stages.sample.vlm_stage import VLMSampleConfig, vlm_sample_config_of
@@ -123,7 +124,7 @@ def run_update(
 
     policy: FlowPolicy | VLMPolicy
     if algo.family == "token":
-        if not is_vlm_model(model):
+        if not understands(model):
             raise UserInputError(
                 f"--algo {algo.name} trains vision-language models; --model {model} is not one"
             )

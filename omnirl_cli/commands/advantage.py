@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from stages.advantage.config import AdvantageConfig
+from stages.outputs import check_format, open_inputs, plugin_files, run_config
 
 from ..console import emit_json, print_result, progress
 from ..generate import config_command
-from ..runtime import check_format, open_inputs, plugin_files, run_config
 
 
 def run(c: AdvantageConfig, json_: bool) -> None:

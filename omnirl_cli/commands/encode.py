@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import asdict, replace
 
 from stages.offline.config import EncodeConfig
+from stages.outputs import check_format, finalize, map_shards, open_inputs, policy_info, run_config
 
-from ..console import emit_json, print_result
+from ..console import emit_json, print_result, progress
 from ..generate import config_command
-from ..runtime import check_format, device, finalize, map_shards, open_inputs, policy_info, run_config
+from ..runtime import device
 
 
 def run(c: EncodeConfig, json_: bool) -> None:
@@ -81,21 +82,23 @@ def run(c: EncodeConfig, json_: bool) -> None:
             writer.out_dir.mkdir(parents=True, exist_ok=True)
             write_conditioning(path, entries, writer.content_id)
 
-        map_shards(
-            src,
-            writer,
-            "encoding",
-            ["sample_id", "image", *prompts],
-            lambda shard, advance: encode_shard(
-                policy,
-                shard,
-                resolution=c.resolution,
-                batch_size=c.batch_size,
-                mixed_precision=c.mixed_precision,
-                on_batch=advance,
-            ),
-            before_write=store if stores else None,
-        )
+        with progress() as bar:
+            map_shards(
+                src,
+                writer,
+                "encoding",
+                ["sample_id", "image", *prompts],
+                lambda shard, advance: encode_shard(
+                    policy,
+                    shard,
+                    resolution=c.resolution,
+                    batch_size=c.batch_size,
+                    mixed_precision=c.mixed_precision,
+                    on_batch=advance,
+                ),
+                display=bar,
+                before_write=store if stores else None,
+            )
         if stores:
             extra = conditioning_record(
                 writer.out_dir,

@@ -6,20 +6,11 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from stages.logprob.config import LogprobConfig
+from stages.outputs import check_format, finalize, loaded, map_shards, open_inputs, policy_info, run_config
 
-from ..console import emit_json, log, print_result
+from ..console import emit_json, log, print_result, progress
 from ..generate import config_command
-from ..runtime import (
-    check_format,
-    device,
-    finalize,
-    loaded,
-    map_shards,
-    open_inputs,
-    policy_info,
-    report_complete,
-    run_config,
-)
+from ..runtime import device, report_complete
 
 
 def run(c: LogprobConfig, json_: bool) -> None:
@@ -181,7 +172,8 @@ def run(c: LogprobConfig, json_: bool) -> None:
         else:
             columns = ["sample_id"]
         label = "replaying" if replaying else "listing"
-        written = map_shards(src, writer, label, columns, replay_one)
+        with progress() as bar:
+            written = map_shards(src, writer, label, columns, replay_one, display=bar)
         rows = len(subset) if subset is not None else src.num_rows if replaying else 0
         extra = {
             "replayed": replaying,

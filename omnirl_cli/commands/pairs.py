@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from stages.offline.config import PairsConfig
+from stages.outputs import check_format, resolve_num_shards, run_config
 
 from ..console import emit_json, print_result, progress
 from ..generate import config_command
-from ..runtime import check_format, resolve_num_shards, run_config
 
 
 def run(c: PairsConfig, json_: bool) -> None:

@@ -12,10 +12,11 @@ from functools import partial
 from typing import Any
 
 from stages.errors import UserInputError
+from stages.outputs import ROLLOUT_PLACEMENT
 from stages.sample.config import SampleConfig, SampleRun, VLMSampleConfig
 
 from ..generate import config_command
-from ..runtime import ROLLOUT_PLACEMENT, device
+from ..runtime import device
 from .sample_shards import check_memory, identity, num_shards, open_writer, run_shards
 from .sample_vlm import sample_vlm
 

@@ -9,17 +9,11 @@ from dataclasses import asdict
 from typing import Any
 
 from stages.errors import UserInputError
+from stages.outputs import check_format, policy_info, policy_version, resolve_num_shards, run_config
 from stages.sample.config import SampleRun
 
 from ..console import emit_json, print_result, progress
-from ..runtime import (
-    check_format,
-    policy_info,
-    policy_version,
-    report_complete,
-    resolve_num_shards,
-    run_config,
-)
+from ..runtime import report_complete
 
 
 def _memory_limit() -> int | None:
@@ -54,7 +48,7 @@ def check_memory(c: SampleRun, samples: int, bytes_each: int, what: str) -> None
 
 def num_shards(c: SampleRun, groups: int) -> int:
     """--num-shards, else about --shard-rows rows per shard over the launcher's ranks
-    (`runtime.resolve_num_shards`), for `groups` prompt groups of --group-size rows."""
+    (`stages.outputs.resolve_num_shards`), for `groups` prompt groups of --group-size rows."""
     return resolve_num_shards(
         {"num_shards": c.num_shards, "shard_rows": c.shard_rows, "shard_index": c.shard_index},
         groups,
@@ -96,7 +90,7 @@ def open_writer(
 
 
 def identity(c: SampleRun, exclude: tuple[str, ...] = (), **shown: Any) -> dict[str, Any]:
-    """The run's identity (`runtime.run_config`) of `c`'s settings, the recorded-only ones left out (the
+    """The run's identity (`stages.outputs.run_config`) of `c`'s settings, the recorded-only ones left out (the
     model's text length follows from its digest), with `shown` replacing how some are written."""
     from stages.knobs import knobs
 

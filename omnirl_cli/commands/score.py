@@ -8,20 +8,12 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from stages.outputs import check_format, finalize, map_shards, open_inputs, plugin_files, run_config
 from stages.score.config import ScoreConfig
 
-from ..console import emit_json, print_result
+from ..console import emit_json, print_result, progress
 from ..generate import config_command
-from ..runtime import (
-    check_format,
-    device,
-    finalize,
-    map_shards,
-    open_inputs,
-    plugin_files,
-    report_complete,
-    run_config,
-)
+from ..runtime import device, report_complete
 
 
 def run(c: ScoreConfig, json_: bool) -> None:
@@ -127,7 +119,8 @@ def run(c: ScoreConfig, json_: bool) -> None:
                 modality, src.columns, deferred=decoder is not None, conditioned=bool(sources)
             )
         )
-        map_shards(src, writer, "scoring", columns, score_one)
+        with progress() as bar:
+            map_shards(src, writer, "scoring", columns, score_one, display=bar)
         if world_and_rank()[1] == 0:  # the rank that writes the manifest
             extra = {FAILED_COLUMN: _failed_count(writer)}
     if not finalize(writer, extra):

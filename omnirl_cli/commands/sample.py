@@ -14,10 +14,11 @@ from typing import Any
 from stages.errors import UserInputError
 from stages.outputs import ROLLOUT_PLACEMENT
 from stages.sample.config import SampleConfig, SampleRun, VLMSampleConfig
+from stages.sample.run_plan import check_memory, identity, num_shards
 
 from ..generate import config_command
 from ..runtime import device
-from .sample_shards import check_memory, identity, num_shards, open_writer, run_shards
+from .sample_shards import open_writer, run_shards
 from .sample_vlm import sample_vlm
 
 # Least memory a diffusion rollout holds per sample before any model output: every sample is planned

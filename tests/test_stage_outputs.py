@@ -1,5 +1,6 @@
 """The library side of the stage commands, called without the CLI: `stages.outputs.map_shards` (resume,
-progress), `stages.shards.describe.head_rows` (`inspect --head`) and `stages.installation` (`env`)."""
+progress), `stages.shards.describe.head_rows` (`inspect --head`), `stages.installation` (`env`) and
+`stages.sample.engines.check_engine_options` (`sample`)."""
 
 from __future__ import annotations
 
@@ -75,3 +76,35 @@ def test_installation_environment_keeps_run_variables_and_redacts_secrets(
     found = environment()
     assert found["OMNIRL_API_TOKEN"] == "<redacted>" and found["HF_HUB_OFFLINE"] == "1"
     assert found["CUSTOM_VISIBLE_DEVICES"] == "0,1" and "UNRELATED_VARIABLE" not in found
+
+
+@pytest.mark.parametrize(
+    ("engine", "changes", "option", "needle"),
+    [
+        ("remote", {"vae_tiling": True}, "--vae-tiling", "decodes elsewhere"),
+        ("remote", {"defer_decode": True}, "--defer-decode", "returns decoded media"),
+        ("diffusers", {"defer_decode": True, "vae_slicing": True}, "--vae-slicing", "pass --vae-slicing to"),
+        ("remote", {"sp_degree": 2}, "--sp-degree", "runs its model elsewhere"),
+        ("remote", {"compile": True}, "--compile", "runs its model elsewhere"),
+    ],
+)
+def test_options_only_the_in_process_engine_honours_are_refused(
+    engine: str, changes: dict[str, Any], option: str, needle: str
+) -> None:
+    from dataclasses import replace
+
+    from stages.errors import UserInputError
+    from stages.models.kernels import Kernels
+    from stages.parallelism import ModelParallel
+    from stages.sample.config import SampleConfig
+    from stages.sample.engines import check_engine_options, engine_class
+
+    c = replace(SampleConfig(), **changes)
+    parallel = ModelParallel(sp_degree=c.sp_degree, sp_kind=c.sp_kind, tp_degree=c.tp_degree)
+    kernels = Kernels(attention_backend=c.attention_backend, compile=c.compile)
+    with pytest.raises(UserInputError, match=needle) as refused:
+        check_engine_options(c, engine_class(engine), parallel, kernels)
+    assert option in str(refused.value).split(":")[0]  # the line names the option to drop
+    check_engine_options(
+        replace(c, engine="diffusers", defer_decode=False), engine_class("diffusers"), parallel, kernels
+    )

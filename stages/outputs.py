@@ -21,6 +21,7 @@ def policy_version(adapter: Path | None) -> int:
 
 
 def policy_info(model: Path, adapter: Path | None) -> dict[str, Any]:
+    """The policy an output records in its manifest: the model, the adapter and its version."""
     return {
         "model": str(model),
         "adapter": str(adapter) if adapter else None,
@@ -48,11 +49,10 @@ def map_shards(
     before_write: Callable[[int, dict[str, Any]], None] | None = None,
 ) -> list[int]:
     """Write fn(input shard, advance) as output shard i for this process's input shards i not already
-    done, advancing `display` (a progress display: `add_task(label, total=, rate=)` and
-    `advance(task, rows)`, as `omnirl_cli.console.progress` yields) by the rows of each; returns the
-    shards made here, in order. `before_write(i, input shard)` runs before shard i
-    is written: a file beside the shard that must exist whenever the shard does (`encode`'s prompt
-    conditioning).
+    done, advancing `display` (a progress display: `add_task(label, total=, rate=)` and `advance(task,
+    rows)`, as `omnirl_cli.console.progress` yields) by the rows of each; returns the shards made here,
+    in order. `before_write(i, input shard)` runs before shard i is written: a file beside the shard
+    that must exist whenever the shard does (`encode`'s prompt conditioning).
 
     Shards finished by an earlier (crashed) run are skipped, so every per-shard stage resumes. Under a
     launcher (torchrun, `accelerate launch`) rank r takes the shards s with s % world == r and every rank

@@ -24,7 +24,7 @@ class CorruptShardError(UserInputError):
 
 class CorruptRowError(CorruptShardError):
     """One row's stored media (an MP4, a PNG) cannot be decoded. `column` and `row` (the row's index in
-    its shard) let the command that read the shard name its file (`omnirl_cli.runtime.map_shards`)."""
+    its shard) let the command that read the shard name its file (`stages.outputs.map_shards`)."""
 
     def __init__(self, column: str, row: int, message: str) -> None:
         super().__init__(message)

@@ -421,7 +421,7 @@ def test_online_off_a_tty_prints_a_line_per_iteration_and_timer_lines(
 
 def test_every_long_command_reports_progress() -> None:
     """A command that can run for minutes draws progress (lines every 30 s off a TTY): through
-    `console.progress` directly, `runtime.map_shards` or `sample`'s shard runner (`run_shards`, which
+    `console.progress` directly, `stages.outputs.map_shards` or `sample`'s shard runner (`run_shards`, which
     draws it). serve-reward and serve serve; env is instant."""
     import inspect
 

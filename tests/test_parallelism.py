@@ -231,7 +231,7 @@ def test_attention_backend_and_compile_are_set_on_the_transformer(flux_model: Pa
 
 
 def test_only_a_quantized_attention_backend_is_part_of_the_identity() -> None:
-    from omnirl_cli.runtime import run_config
+    from stages.outputs import run_config
 
     assert run_config({"steps": 4, "attention_backend": None, "compile": True}) == {"steps": 4}
     assert run_config({"steps": 4, "attention_backend": "_native_cudnn"}) == {"steps": 4}

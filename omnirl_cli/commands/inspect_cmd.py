@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from stages.inspection import InspectConfig
@@ -20,17 +19,12 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
-def _fmt(x: Any) -> str:
-    if isinstance(x, float):
-        return f"{x:.5g}" if not x.is_integer() or abs(x) >= 1e6 else str(int(x))
-    return str(x)
-
-
 def _render(info: dict[str, Any], head: list[dict[str, Any]], sha: dict[str, str]) -> None:
     from rich.table import Table
     from rich.tree import Tree
 
     from stages.media.deferred import DEFERRED
+    from stages.shards.describe import short_number
 
     out.print(
         f"[bold]{info['path']}[/]  {info['format']} v{info['schema_version']}  "
@@ -67,10 +61,10 @@ def _render(info: dict[str, Any], head: list[dict[str, Any]], sha: dict[str, str
         row = [col["name"], col["kind"], col.get("dtype") or "", shape]
         if st:
             row += [
-                _fmt(st["min"]),
-                _fmt(st["mean"]),
-                _fmt(st["max"]),
-                _fmt(st["std"]),
+                short_number(st["min"]),
+                short_number(st["mean"]),
+                short_number(st["max"]),
+                short_number(st["std"]),
                 f"{st['nan_count']}/{st['inf_count']}",
             ]
         else:
@@ -112,48 +106,12 @@ def _render(info: dict[str, Any], head: list[dict[str, Any]], sha: dict[str, str
         out.print("[green]verified:[/] every shard matches its size and sha256")
 
 
-def _head_rows(path: Path, n: int) -> list[dict[str, Any]]:
-    from stages.shards.reader import ShardSet
-
-    shard_set = ShardSet(path)
-    if n <= 0 or shard_set.num_shards == 0:
-        return []
-    batch = shard_set.read_shard(0)
-    out = []
-    for i in range(min(n, shard_set.manifest.shards[0].rows)):
-        row: dict[str, Any] = {}
-        for name, col in shard_set.columns.items():
-            value = batch[name][i]
-            if col.kind == "tensor":
-                if value.numel() <= 6:
-                    row[name] = (
-                        _fmt(value.item())
-                        if value.ndim == 0
-                        else "[" + ", ".join(_fmt(float(v)) for v in value.flatten()) + "]"
-                    )
-                else:
-                    row[name] = f"[{'×'.join(map(str, value.shape))}]"
-            elif col.kind in ("binary", "image", "video"):
-                row[name] = f"<{col.kind} {len(value)} B>"
-            elif col.kind in ("image_list", "audio_list"):
-                what = "images" if col.kind == "image_list" else "audios"
-                row[name] = f"<{len(value)} {what} {sum(map(len, value))} B>"
-            elif col.kind == "video_list":
-                frames = [f for video in value for f in video]
-                row[name] = f"<{len(value)} videos {len(frames)} frames {sum(map(len, frames))} B>"
-            else:
-                text = str(value)
-                row[name] = text if len(text) <= 60 else text[:57] + "..."
-        out.append(row)
-    return out
-
-
 def run(c: InspectConfig, json_: bool) -> None:
     """Show a shard set: format, shards, rows, columns with dtype/shape and numeric stats, and lineage.
 
     Example: [bold]omnirl inspect run/it0/samples --verify --head 3[/]
     """
-    from stages.shards.describe import describe
+    from stages.shards.describe import describe, head_rows
     from stages.shards.reader import ShardSet
 
     shard_set = ShardSet(c.path)
@@ -163,7 +121,7 @@ def run(c: InspectConfig, json_: bool) -> None:
             shard_set.verify()
     info = describe(shard_set)
     info["verified"] = c.verify
-    rows = _head_rows(c.path, c.head)
+    rows = head_rows(shard_set, c.head)
     if json_:
         if rows:
             info["head"] = rows

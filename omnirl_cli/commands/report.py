@@ -37,90 +37,27 @@ def run(c: ReportConfig, json_: bool) -> None:
     if c.iteration is not None:
         _iteration_line(c.run, c.iteration, json_)
         return
-    from stages.report_sheets import (
-        comparison_grid,
-        contact_sheet,
-        has_media,
-        image_grid,
-        response_sheet,
-        video_preview,
-    )
-    from stages.reporting import collect, iterations, reward_curve
-    from stages.shards.manifest import read_manifest
-    from stages.shards.reader import rollout_modality
-    from stages.tracking import Tracking, parse_report_to, replay
+    from stages.run_report import write_report
+    from stages.tracking import Tracking, parse_report_to
+
+    def no_media(k: int, modality: str) -> None:
+        log(
+            f"it{k}: no grid: its samples hold no {modality}s (deferred media: `omnirl score "
+            "--keep-media` writes them)",
+            quiet=json_,
+        )
 
     tracking = Tracking(parse_report_to(c.report_to), c.run, c.run_name)
-    sheets = []
-    previews = []
-    skipped: list[int] = []  # iterations without media to draw
-    # per kind of rollout: (iteration, directory holding samples/ and rewards/, its media)
-    image_sets: dict[str, list[tuple[int, Path, str]]] = {"eval": [], "samples": []}
     with progress() as bar:
-        task = bar.add_task(f"report {c.run}", total=None, rate="")
-        rows = collect(c.run)
-        curve = reward_curve(rows, c.run / "reward_curve.png")
-        found = iterations(c.run) if c.grids else []
-        bar.update(task, total=len(found))
-        for k, it in found:
-            bar.advance(task)
-            samples = it / "samples"
-            evaluated = it / "eval" / "samples"
-            if (evaluated / "_manifest.json").is_file():
-                media = rollout_modality([read_manifest(evaluated)])
-                if media == "text" or has_media(evaluated, it / "eval" / "rewards", media):
-                    image_sets["eval"].append((k, it / "eval", media))
-            if not (samples / "_manifest.json").is_file():
-                continue
-            modality = rollout_modality([read_manifest(samples)])
-            if modality != "text" and not has_media(samples, it / "rewards", modality):
-                skipped.append(k)
-                log(
-                    f"it{k}: no grid: its samples hold no {modality}s (deferred media: `omnirl score "
-                    "--keep-media` writes them)",
-                    quiet=json_,
-                )
-            elif modality == "text":
-                sheets.append((k, response_sheet(samples, it / "rewards", it / "responses.md")))
-            elif modality == "video":
-                image_sets["samples"].append((k, it, modality))
-                sheets.append((k, contact_sheet(samples, it / "rewards", it / "grid.png")))
-                previews.append(str(video_preview(samples, it / "preview.gif", rewards=it / "rewards")))
-            else:
-                image_sets["samples"].append((k, it, modality))
-                sheets.append((k, image_grid(samples, it / "rewards", it / "grid.png")))
-    grid_paths = [str(path) for _, path in sheets]
-    comparison = None
-    for name, found_sets in image_sets.items():
-        if len(found_sets) > 1 and found_sets[0][2] == found_sets[-1][2] != "text":
-            (k0, first, media), (k1, last, _) = found_sets[0], found_sets[-1]
-            sets = [(d / "samples", d / "rewards") for d in (first, last)]
-            where = "held-out eval" if name == "eval" else "samples"
-            comparison = comparison_grid(
-                sets[0],
-                sets[1],
-                c.run / "before_after.png",
-                headers=(f"it{k0} ({where})", f"it{k1} ({where})"),
-                media=media,
-            )
-            if comparison is not None:
-                break
-    with tracking:
-        sent = replay(tracking, c.run, sheets)
+        report = write_report(c.run, tracking, grids=c.grids, display=bar, on_no_media=no_media)
+    sent = report.pop("points_sent")
     if json_:
         tracked = {"trackers": tracking.names, "points_sent": sent} if tracking else {}
-        emit_json(
-            {
-                "iterations": rows,
-                "reward_curve": str(curve),
-                "grids": grid_paths,
-                "previews": previews,
-                "no_media": skipped,
-                "before_after": str(comparison) if comparison else None,
-                **tracked,
-            }
-        )
+        emit_json({**report, **tracked})  # paths as strings
         return
+    rows, curve, grid_paths, comparison = (
+        report[k] for k in ("iterations", "reward_curve", "grids", "before_after")
+    )
     from rich.table import Table
 
     def se(stats: dict) -> str:

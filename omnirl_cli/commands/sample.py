@@ -11,12 +11,13 @@ from dataclasses import replace
 from functools import partial
 from typing import Any
 
-from stages.errors import UserInputError
+from stages.outputs import ROLLOUT_PLACEMENT
 from stages.sample.config import SampleConfig, SampleRun, VLMSampleConfig
+from stages.sample.run_plan import check_memory, identity, num_shards
 
 from ..generate import config_command
-from ..runtime import ROLLOUT_PLACEMENT, device
-from .sample_shards import check_memory, identity, num_shards, open_writer, run_shards
+from ..runtime import device
+from .sample_shards import open_writer, run_shards
 from .sample_vlm import sample_vlm
 
 # Least memory a diffusion rollout holds per sample before any model output: every sample is planned
@@ -89,7 +90,7 @@ def _sample_diffusion(c: SampleConfig, json_: bool) -> None:
     from stages.models.folders import check_pipeline_folder, pipeline_index
     from stages.models.kernels import Kernels, prepare
     from stages.parallelism import ModelParallel, layout
-    from stages.sample.engines import DiffusersEngine, EngineOptions, engine_class
+    from stages.sample.engines import DiffusersEngine, EngineOptions, check_engine_options, engine_class
     from stages.sample.prompts import sample_prompts
     from stages.sample.sources import PromptSource
     from stages.sample.stage import KINDS, run_sample
@@ -104,25 +105,9 @@ def _sample_diffusion(c: SampleConfig, json_: bool) -> None:
         max_sequence_length=default_text_length(c.model),
     )
     engine_type = engine_class(c.engine)
-    vae_options = [name for name in ("vae_tiling", "vae_slicing") if getattr(c, name)]
-    if vae_options and not issubclass(engine_type, DiffusersEngine):
-        raise UserInputError(
-            f"--{vae_options[0].replace('_', '-')}: --engine {engine_type.name} decodes elsewhere; drop it "
-            "(a server's VAE is set where it runs)"
-        )
-    if c.defer_decode and not issubclass(engine_type, DiffusersEngine):
-        raise UserInputError(f"--defer-decode: --engine {engine_type.name} returns decoded media; drop it")
-    if c.defer_decode and vae_options:
-        option = f"--{vae_options[0].replace('_', '-')}"
-        raise UserInputError(f"{option}: --defer-decode runs no decode here; pass {option} to `omnirl score`")
     parallel = ModelParallel(sp_degree=c.sp_degree, sp_kind=c.sp_kind, tp_degree=c.tp_degree)
     kernels = Kernels(attention_backend=c.attention_backend, compile=c.compile)
-    if (parallel.degree > 1 or kernels != Kernels()) and not issubclass(engine_type, DiffusersEngine):
-        raise UserInputError(
-            f"--sp-degree / --tp-degree / --attention-backend / --compile: --engine {engine_type.name} runs "
-            "its model elsewhere; drop it"
-        )
-    kernels.validate()
+    check_engine_options(c, engine_type, parallel, kernels)
     layout(parallel)  # before the shards are split over the data-parallel ranks
     source = PromptSource(c.prompts)
     picked = sample_prompts(source, c.num_prompts, c.seed)

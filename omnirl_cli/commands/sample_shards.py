@@ -1,107 +1,31 @@
-"""What both kinds of `omnirl sample` share: the memory check before any model loads, the output
-writer, and sampling this process's shards with a progress bar, then reporting."""
+"""What both kinds of `omnirl sample` share: the output writer (or saying the output is complete
+already), and sampling this process's shards with a progress bar, then reporting. The planning
+around it is `stages.sample.run_plan`."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 from typing import Any
 
-from stages.errors import UserInputError
+from stages.outputs import policy_version
 from stages.sample.config import SampleRun
+from stages.sample.run_plan import combine, rollout_writer, shard_indices
 
 from ..console import emit_json, print_result, progress
-from ..runtime import (
-    check_format,
-    policy_info,
-    policy_version,
-    report_complete,
-    resolve_num_shards,
-    run_config,
-)
-
-
-def _memory_limit() -> int | None:
-    """Bytes this process may use: the least of physical memory and its address-space limit
-    (`ulimit -v`); None where neither is known."""
-    import contextlib
-    import os
-
-    limits = []
-    with contextlib.suppress(AttributeError, ValueError, OSError):  # sysconf is POSIX-only
-        limits.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    with contextlib.suppress(ImportError):  # no `resource` module on Windows
-        import resource
-
-        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
-        if soft != resource.RLIM_INFINITY:
-            limits.append(soft)
-    return min(limits, default=None)
-
-
-def check_memory(c: SampleRun, samples: int, bytes_each: int, what: str) -> None:
-    """Refuse a group size whose samples cannot fit in memory before any model is loaded: a mistyped
-    `-n 100000000` would otherwise end in MemoryError after minutes of work."""
-    limit = _memory_limit()
-    need = samples * bytes_each
-    if limit is not None and need > limit:
-        raise UserInputError(
-            f"-n/--group-size {c.group_size}: {what} would need at least {need / 2**30:.1f} GiB of "
-            f"memory, more than the {limit / 2**30:.1f} GiB this process may use; lower it"
-        )
-
-
-def num_shards(c: SampleRun, groups: int) -> int:
-    """--num-shards, else about --shard-rows rows per shard over the launcher's ranks
-    (`runtime.resolve_num_shards`), for `groups` prompt groups of --group-size rows."""
-    return resolve_num_shards(
-        {"num_shards": c.num_shards, "shard_rows": c.shard_rows, "shard_index": c.shard_index},
-        groups,
-        c.group_size,
-    )
-
-
-def shard_indices(c: SampleRun) -> list[int]:
-    """The shards this run writes: --shard-index, else every one (`c.num_shards` resolved)."""
-    shards = list(range(c.num_shards)) if c.shard_index is None else [c.shard_index]
-    if any(not 0 <= s < c.num_shards for s in shards):
-        raise UserInputError(f"--shard-index {c.shard_index}: must lie in [0, --num-shards={c.num_shards})")
-    return shards
+from ..runtime import report_complete
 
 
 def open_writer(
     c: SampleRun, identity: dict[str, Any], kinds: dict[str, str], json_: bool, source: Any
 ) -> Any:
-    """The output writer (the prompt source in its lineage) of the run whose settings are `identity`,
-    or None (after saying so) when the output is already complete."""
-    shard_indices(c)  # a bad --shard-index fails before any model is loaded
-    from stages.shards.writer import ShardSetWriter
-
-    writer = ShardSetWriter(
-        c.out,
-        num_shards=c.num_shards,
-        format=check_format(c.fmt),
-        command="sample",
-        config=identity,
-        parents=[source],
-        policy=policy_info(c.model, c.adapter),
-        kinds=kinds,
-        overwrite=c.overwrite,
-    )
+    """The output writer (`rollout_writer`), or None (after saying so) when the output is already
+    complete."""
+    writer = rollout_writer(c, identity, kinds, source)
     if writer.complete:
         report_complete(c.out, json_)
         return None
     return writer
-
-
-def identity(c: SampleRun, exclude: tuple[str, ...] = (), **shown: Any) -> dict[str, Any]:
-    """The run's identity (`runtime.run_config`) of `c`'s settings, the recorded-only ones left out (the
-    model's text length follows from its digest), with `shown` replacing how some are written."""
-    from stages.knobs import knobs
-
-    settings = asdict(c)
-    return run_config({f.name: settings[f.name] for f, _ in knobs(type(c))} | shown, exclude)
 
 
 def run_shards(
@@ -144,7 +68,7 @@ def run_shards(
     results = replicas(gather(mine))
     if join()[1] != 0:
         return
-    result = _combine(results, unit)
+    result = combine(results, unit)
     manifest = None
     if all(writer.shard_done(s) for s in range(c.num_shards)):
         manifest = writer.finalize(extra=extra(writer.columns) if callable(extra) else extra)
@@ -158,17 +82,3 @@ def run_shards(
         resumed = result["rows"] - result["rows_written"]
         kept = f"; {resumed} already there" if resumed else ""
         print_result(f"[green]wrote[/] {result['rows_written']} samples to {c.out} ({state}{kept}{rate})")
-
-
-def _combine(results: list[dict], unit: str) -> dict:
-    """The counts of every rank's `sample_fn` result as one: rows and shards added, the longest time,
-    the ranks' rates added (they sample at once)."""
-    if len(results) == 1:
-        return results[0]
-    rates = [r[f"{unit}_per_s"] for r in results if r[f"{unit}_per_s"] is not None]
-    counts = ("rows", "rows_written", "shards_written", "shards_resumed")
-    combined = {k: sum(r[k] for r in results) for k in counts}
-    combined.update(
-        {"seconds": max(r["seconds"] for r in results), f"{unit}_per_s": sum(rates) if rates else None}
-    )
-    return combined

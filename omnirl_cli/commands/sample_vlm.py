@@ -6,9 +6,10 @@ from dataclasses import replace
 from functools import partial
 
 from stages.sample.config import VLMSampleConfig
+from stages.sample.run_plan import check_memory, identity, num_shards
 
 from ..runtime import device
-from .sample_shards import check_memory, identity, num_shards, open_writer, run_shards
+from .sample_shards import open_writer, run_shards
 
 
 def sample_vlm(c: VLMSampleConfig, json_: bool) -> None:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from stages.knobs import knobs
+from stages.outputs import open_inputs, run_config
 from stages.update.config import UpdateConfig
 
 from ..console import emit_json, log, print_result, progress
 from ..generate import config_command
-from ..runtime import device, open_inputs, run_config
+from ..runtime import device
 
 
 def run(c: UpdateConfig, json_: bool) -> None:

@@ -6,11 +6,12 @@ all shards, then writes advantages back in the samples' shard layout.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Any
 
 import torch
 
+from stages.advantage.config import AdvantageConfig
 from stages.advantage.estimators import (
     ESTIMATORS,
     advantage_stats,
@@ -23,8 +24,11 @@ from stages.advantage.estimators import (
 from stages.advantage.gardo import GATE_COLUMN, uncertainty_gate
 from stages.errors import UserInputError
 from stages.finite import check_finite
+from stages.outputs import check_format, open_inputs, plugin_files, run_config
 from stages.score.registry import reward_column
 from stages.score.scoring import FAILED_COLUMN, failed_rewards
+from stages.shards.reader import rollout_modality, slice_batch
+from stages.shards.writer import ShardSetWriter
 
 
 def compute_advantages(
@@ -184,3 +188,57 @@ def reward_weights(manifests: list[Any]) -> dict[str, float]:
     raise UserInputError(
         "--aggregation advantage_aggr: none of the --in shard sets was written by `omnirl score`"
     )
+
+
+def run_advantage(c: AdvantageConfig, display: Any) -> dict[str, Any]:
+    """The advantages of the rollout `c.inputs` (its samples and rewards) written to `c.out` (advantages
+    [N, K], K the stored steps or 1; train_mask / kl_gate where the estimator writes them), advancing the
+    progress `display` per shard; a finished `c.out` is left as it is. Returns the result: out,
+    estimator and the statistics (`compute_advantages`')."""
+    name = c.estimator_name()
+    src = open_inputs(c.inputs)
+    writer = ShardSetWriter(
+        c.out,
+        num_shards=src.num_shards,
+        format=check_format(c.fmt),
+        command="advantage",
+        config=run_config(asdict(c)),
+        parents=[*src.paths, *plugin_files([name])],
+        policy=src.manifests[0].policy,
+        overwrite=c.overwrite,
+    )
+    steps_col = src.columns.get("log_probs")
+    # one advantage per stored denoising step; a text rollout's outcome advantage covers every token
+    stepwise = steps_col is not None and steps_col.shape and rollout_modality(src.manifests) != "text"
+    num_steps = steps_col.shape[0] if stepwise else 1
+    weights = None
+    if c.aggregation == "advantage_aggr":
+        weights = reward_weights(src.manifests)
+    columns = ["sample_id", "group_id", "reward", *(reward_column(n) for n in weights or {})]
+    columns += [reward_column(n) for n in c.gate_reward or [] if reward_column(n) in src.columns]
+    if getattr(get_estimator(name), "needs_features", False) and c.diversity_features in src.columns:
+        columns.append(c.diversity_features)
+    columns += [FAILED_COLUMN] if FAILED_COLUMN in src.columns else []
+    task = display.add_task("advantages", total=src.num_rows, rate="")
+    data = src.read_all(columns=columns)
+    cols, stats = compute_advantages(
+        data,
+        estimator=name,
+        clip=c.clip,
+        drop_zero_std=c.drop_zero_std,
+        num_steps=num_steps,
+        weights=weights,
+        std_ddof=c.std_ddof,
+        features=c.diversity_features,
+        gate_rewards=c.gate_reward,
+        gate_fraction=c.gate_fraction,
+    )
+    if not writer.complete:
+        start = 0
+        for s, info in enumerate(src.manifests[0].shards):
+            if not writer.shard_done(s):
+                writer.write_shard(s, slice_batch(cols, start, start + info.rows))
+            start += info.rows
+            display.advance(task, info.rows)
+        writer.finalize(extra={"stats": stats})
+    return {"out": str(c.out), "estimator": name, **stats}

@@ -12,13 +12,15 @@ Accepted tables (Parquet or JSONL; an image is encoded bytes or a path relative 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from stages.errors import UserInputError
+from stages.offline.config import PairsConfig
+from stages.outputs import check_format, resolve_num_shards, run_config
 from stages.tables import image_bytes, read_rows
 
 
@@ -118,3 +120,36 @@ def pairs_batch(pairs: list[Pair], offset: int = 0) -> dict[str, Any]:
     if scored:
         batch["reward.score"] = torch.tensor(scores, dtype=torch.float32)
     return batch
+
+
+def run_pairs(c: PairsConfig, display: Any) -> dict[str, Any]:
+    """The preference table `c.table` as a shard set at `c.out` (`pairs_batch`'s rows, ties skipped),
+    advancing the progress `display` per pair written; a finished `c.out` is left as it is. Returns the
+    result: out, pairs, ties_skipped, rows."""
+    from stages.sample.stage import in_rollout, rollout_id
+    from stages.shards.reader import slice_batch
+    from stages.shards.writer import ShardSetWriter
+
+    task = display.add_task("pairs", total=None, rate="")
+    found, ties = read_pairs(c.table)
+    shards = min(resolve_num_shards(asdict(c), len(found), 2), len(found))
+    writer = ShardSetWriter(
+        c.out,
+        num_shards=shards,
+        format=check_format(c.fmt),
+        command="pairs",
+        config=run_config(asdict(c)),
+        parents=[c.table],
+        kinds={"image": "image", "prompt_meta": "json"},
+        overwrite=c.overwrite,
+    )
+    display.update(task, total=len(found))
+    if not writer.complete:
+        batch = in_rollout(pairs_batch(found), rollout_id(writer))
+        for s in range(shards):
+            lo, hi = s * len(found) // shards, (s + 1) * len(found) // shards
+            if not writer.shard_done(s):
+                writer.write_shard(s, slice_batch(batch, 2 * lo, 2 * hi))
+            display.advance(task, hi - lo)
+        writer.finalize(extra={"modality": "image"})
+    return {"out": str(c.out), "pairs": len(found), "ties_skipped": ties, "rows": 2 * len(found)}

@@ -34,6 +34,9 @@ from stages.sample.config import ENGINE_ENTRY_POINTS as ENTRY_POINT_GROUP
 if TYPE_CHECKING:
     from stages.models.conditioning import Entries, Key
     from stages.models.families import Resolution
+    from stages.models.kernels import Kernels
+    from stages.parallelism import ModelParallel
+    from stages.sample.config import SampleConfig
 
 # the modules registering the built-in engines besides diffusers (`stages.sample.config.DIFFUSION_ENGINES`)
 _BUILTIN_MODULES = ("stages.sample.remote_engine", "stages.sample.vllm_omni_engine")
@@ -201,6 +204,35 @@ def engine_class(name: str) -> type[RolloutEngine]:
     if not (isinstance(obj, type) and issubclass(obj, RolloutEngine)):
         raise UserInputError(f"--engine {name}: {obj!r} is not a RolloutEngine subclass")
     return obj
+
+
+def check_engine_options(
+    c: SampleConfig, engine_type: type[RolloutEngine], parallel: ModelParallel, kernels: Kernels
+) -> None:
+    """Refuse what only the in-process engine (`DiffusersEngine`) does for an engine that runs its model
+    elsewhere: --vae-tiling / --vae-slicing, --defer-decode, model `parallel`ism (`ModelParallel`) and
+    `kernels` (`Kernels`); a VAE option beside --defer-decode (no decode here); kernels this torch cannot
+    run (`Kernels.validate`)."""
+    from stages.models.kernels import Kernels
+
+    vae_options = [name for name in ("vae_tiling", "vae_slicing") if getattr(c, name)]
+    local = issubclass(engine_type, DiffusersEngine)
+    if vae_options and not local:
+        raise UserInputError(
+            f"--{vae_options[0].replace('_', '-')}: --engine {engine_type.name} decodes elsewhere; drop it "
+            "(a server's VAE is set where it runs)"
+        )
+    if c.defer_decode and not local:
+        raise UserInputError(f"--defer-decode: --engine {engine_type.name} returns decoded media; drop it")
+    if c.defer_decode and vae_options:
+        option = f"--{vae_options[0].replace('_', '-')}"
+        raise UserInputError(f"{option}: --defer-decode runs no decode here; pass {option} to `omnirl score`")
+    if (parallel.degree > 1 or kernels != Kernels()) and not local:
+        raise UserInputError(
+            f"--sp-degree / --tp-degree / --attention-backend / --compile: --engine {engine_type.name} runs "
+            "its model elsewhere; drop it"
+        )
+    kernels.validate()
 
 
 def open_engine(name: str, options: EngineOptions, device: Any) -> RolloutEngine:

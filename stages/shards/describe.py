@@ -142,3 +142,46 @@ def describe(shard_set: ShardSet | ZippedShardSets, *, stats: bool = True, linea
         "num_shards": shard_set.num_shards,
         "columns": [c.to_json() for c in shard_set.columns.values()],
     }
+
+
+def short_number(x: object) -> str:
+    """A number as `inspect` shows it: five significant digits, a whole float as an integer."""
+    if isinstance(x, float):
+        return f"{x:.5g}" if not x.is_integer() or abs(x) >= 1e6 else str(int(x))
+    return str(x)
+
+
+def head_rows(shard_set: ShardSet, n: int) -> list[dict[str, str]]:
+    """The first `n` rows of the first shard as short strings per column, for `omnirl inspect --head`:
+    a small tensor's values, a larger one's shape, media as their kind and byte count, text cut at 60
+    characters."""
+    if n <= 0 or shard_set.num_shards == 0:
+        return []
+    batch = shard_set.read_shard(0)
+    rows = []
+    for i in range(min(n, shard_set.manifest.shards[0].rows)):
+        row: dict[str, str] = {}
+        for name, col in shard_set.columns.items():
+            value = batch[name][i]
+            if col.kind == "tensor":
+                if value.numel() <= 6:
+                    row[name] = (
+                        short_number(value.item())
+                        if value.ndim == 0
+                        else "[" + ", ".join(short_number(float(v)) for v in value.flatten()) + "]"
+                    )
+                else:
+                    row[name] = f"[{'×'.join(map(str, value.shape))}]"
+            elif col.kind in ("binary", "image", "video"):
+                row[name] = f"<{col.kind} {len(value)} B>"
+            elif col.kind in ("image_list", "audio_list"):
+                what = "images" if col.kind == "image_list" else "audios"
+                row[name] = f"<{len(value)} {what} {sum(map(len, value))} B>"
+            elif col.kind == "video_list":
+                frames = [f for video in value for f in video]
+                row[name] = f"<{len(value)} videos {len(frames)} frames {sum(map(len, frames))} B>"
+            else:
+                text = str(value)
+                row[name] = text if len(text) <= 60 else text[:57] + "..."
+        rows.append(row)
+    return rows

@@ -330,8 +330,7 @@ def _locate_weights(resolved: dict[str, Any], flags: dict[str, str]) -> None:
     it spells, so every stage loads and hashes a folder; a missing path is refused
     (`stages.models.hub.locate`)."""
     from stages.models.hub import locate
-
-    from .runtime import CONTENT_OPTIONS
+    from stages.outputs import CONTENT_OPTIONS
 
     for name in CONTENT_OPTIONS:
         if resolved.get(name) is not None:

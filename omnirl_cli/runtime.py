@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from stages.errors import UserInputError
-from stages.outputs import CONTENT_OPTIONS as CONTENT_OPTIONS  # the weights options config.py locates
 
 from .console import emit_json, log
 

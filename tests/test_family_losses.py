@@ -178,6 +178,10 @@ def test_nft_hand_computed_two_element_example():
     assert metrics["actor/positive_loss"] == 0.0
     assert metrics["actor/negative_loss"] == pytest.approx(1.0, rel=1e-6)
     assert metrics["actor/kl_loss"] == pytest.approx(0.5, rel=1e-6)
+    # verl-omni's DiffusionNFT names for the same numbers, and the whole loss
+    assert metrics["actor/policy_loss"] == pytest.approx(4.0, rel=1e-6)
+    assert metrics["actor/ref_kl_loss"] == pytest.approx(0.5, rel=1e-6)
+    assert metrics["actor/total_loss"] == pytest.approx(4.05, rel=1e-6)
 
 
 def test_nft_matches_numpy_value_and_gradient():

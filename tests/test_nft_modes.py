@@ -143,6 +143,10 @@ def test_update_cli_trains_with_the_adv_mode(staged: dict[str, Path], tmp_path: 
     assert record["actor/reward_prob_mean"] == pytest.approx(float(expected), abs=1e-6)
     # groups of 2: binary and continuous would give ½
     assert record["actor/reward_prob_mean"] != pytest.approx(0.5, abs=1e-3)
+    # verl-omni's names in the update's record too (no KL term at --beta 0: total = policy term)
+    assert record["actor/policy_loss"] == record["actor/pg_loss"] != 0
+    assert record["actor/ref_kl_loss"] == record["actor/kl_loss"]
+    assert record["actor/total_loss"] == pytest.approx(record["actor/pg_loss"], rel=1e-6)
 
 
 def test_old_policy_refreshes_every_interval(staged: dict[str, Path], tmp_path: Path) -> None:

@@ -217,7 +217,9 @@ def nft_loss(
         L = c·mean_b[(r·ℓ⁺ + (1−r)·ℓ⁻)/β] + β_KL·mean(v_θ − v_ref)²,
 
     with c = `adv_clip` (5): the reference multiplies by its advantage clip. At v_θ = v_old and r = ½ the
-    policy term has zero gradient.
+    policy term has zero gradient. Metrics: pg_loss = policy_loss (the policy term), kl_loss = ref_kl_loss
+    (mean (v_θ − v_ref)², unweighted), total_loss = L, positive_loss / negative_loss (mean ℓ^±),
+    old_deviate (mean (v_θ − v_old)²), reward_prob_mean (mean r).
     """
     if beta <= 0:
         raise UserInputError(
@@ -251,6 +253,10 @@ def nft_loss(
         "actor/negative_loss": loss_neg.mean().item(),
         "actor/old_deviate": ((v.detach() - v_o) ** 2).mean().item(),
         "actor/reward_prob_mean": r.mean().item(),
+        # verl-omni's DiffusionNFT names; pg_loss and kl_loss stay, as every algorithm logs them
+        "actor/policy_loss": policy_loss.item(),
+        "actor/ref_kl_loss": kl.item(),
+        "actor/total_loss": loss.item(),
     }
     return loss, metrics
 

@@ -88,6 +88,9 @@ class ForwardProcess:
                 "actor/negative_loss",
                 "actor/old_deviate",
                 "actor/reward_prob_mean",
+                "actor/policy_loss",
+                "actor/ref_kl_loss",
+                "actor/total_loss",
             )
             if algo.name == "nft"
             else (

@@ -305,8 +305,9 @@ def online_iteration(
     """Iteration 1 of the `omnirl online` driver's loop at staleness 0, the data in memory."""
     from stages.advantage.config import AdvantageConfig
     from stages.online.pipeline import TENSORS, OnlineConfig, iteration_advantages, iteration_rows
-    from stages.sample.engines import DiffusersEngine
+    from stages.sample.engines import DEFAULT_ENGINE, DiffusersEngine
     from stages.sample.stage import in_rollout, sample_shard
+    from stages.score.config import ScoreConfig
     from stages.score.stage import score_shard
     from stages.update.trainer import Trainer
 
@@ -321,6 +322,14 @@ def online_iteration(
         rewards=[(REWARD, 1.0)],
         advantage=AdvantageConfig(estimator=advantage["estimator"], clip=advantage["clip"]),
         dtype=args.dtype,
+        score_batch_size=ScoreConfig.batch_size,
+        on_error=ScoreConfig.on_error,
+        max_staleness=0,
+        save_trajectories=False,
+        media_every=1,
+        threads=1,
+        seed=None,
+        engine=DEFAULT_ENGINE,
     )
     k = 1
     engine = DiffusersEngine(policy)

@@ -196,7 +196,7 @@ def _online_config(s: OnlineSettings, presets: Presets) -> OnlineConfig:
     from stages.models.factory import DEFAULT_RESOLUTION, default_text_length
     from stages.online.config import OnlineConfig
     from stages.precision import launcher_mixed_precision
-    from stages.sample.config import SampleConfig
+    from stages.sample.config import SampleConfig, SampleRun
     from stages.sample.engines import EngineOptions
     from stages.sample.prompts import read_prompts
     from stages.score.config import ON_ERROR_MODES, ScoreConfig
@@ -242,7 +242,7 @@ def _online_config(s: OnlineSettings, presets: Presets) -> OnlineConfig:
         iterations=s.iterations,
         sample=_dataclass(SampleConfig, sample, "sample", option_names(SampleConfig), SampleConfig.RECORDED),
         update=_dataclass(UpdateConfig, dict(preset.get("update") or {}), "update", names=keys["update"]),
-        group_size=int(drawn.get("group_size", 4)),
+        group_size=int(drawn.get("group_size", SampleRun.group_size)),
         num_prompts=drawn.get("num_prompts"),
         rewards=rewards,
         reward_args=check_reward_args([name for name, _ in rewards], reward_args),

@@ -31,23 +31,25 @@ class OnlineConfig:
     iterations: int
     sample: SampleConfig
     update: UpdateConfig
-    group_size: int = 4
+    # the settings below are knobs declared once elsewhere (online's own: `stages.online.settings`;
+    # the scorer's: `ScoreConfig`; the group size: `SampleRun`), so they have no second default here
+    group_size: int
+    score_batch_size: int
+    on_error: str
+    max_staleness: int
+    save_trajectories: bool
+    # with save_trajectories: media columns only every N-th iteration and the last (the others keep final
+    # latents, `stages.media.deferred`); every iteration is still decoded in memory and scored
+    media_every: int
+    dtype: str
+    threads: int
+    seed: int | None
+    engine: str  # the sampler's rollout engine: diffusers (in-process) or one taking pushes
     num_prompts: int | None = None
     rewards: list[tuple[str, float]] = field(default_factory=list)
     reward_args: dict[str, dict[str, Any]] = field(default_factory=dict)
-    # the staged `advantage` command's settings, and the scorer's batch and failure handling (`score`'s)
+    # the staged `advantage` command's settings
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
-    score_batch_size: int = 32
-    on_error: str = "fail"
-    max_staleness: int = 0
-    save_trajectories: bool = False
-    # with save_trajectories: media columns only every N-th iteration and the last (the others keep final
-    # latents, `stages.media.deferred`); every iteration is still decoded in memory and scored
-    media_every: int = 1
-    dtype: str = "fp32"
-    threads: int = 1
-    seed: int | None = None
-    engine: str = DEFAULT_ENGINE  # the sampler's rollout engine: diffusers (in-process) or one taking pushes
     rollout: EngineOptions | None = None  # how to reach a remote engine (server URL, token, timeouts)
     # this driver's own name for the weights it pushes to a shared server: random, so two runs never
     # share one (the same --out on two machines did); a resumed run pushes again before sampling

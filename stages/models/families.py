@@ -281,7 +281,7 @@ class FamilyAdapter:
         fewest, most = cls.condition_images
         if fewest <= count <= most:
             return
-        where = f"--prompts row of prompt {prompt[:60]!r}"
+        where = f"the row of prompt {prompt[:60]!r}"  # a --prompts, --data or rollout row
         if most == 0:
             raise UserInputError(
                 f"{where}: has {count} condition image(s), but {cls.name} generates from text alone; drop the "

@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 RUN    ?= runs/demo
 
-.PHONY: FORCE install test test-fast test-gpu lint format demo demo-online demo-model demo-edit demo-jpeg demo-vlm demo-omni bench bench-gpu docs clean
+.PHONY: FORCE install test test-fast test-gpu lint format demo demo-online demo-model demo-edit demo-edit-model demo-jpeg demo-vlm demo-omni bench bench-gpu docs clean
 
 install: $(STAMP)
 
@@ -129,38 +129,48 @@ demo-model: install
 	  --steps 4000 --seed 1 --out $(MODEL_RUN)/focus
 	diff -r $(MODEL_RUN)/focus $(DEMO_MODEL) && echo "$(MODEL_RUN)/focus is byte-identical to $(DEMO_MODEL)"
 
-# Image editing: a tiny FLUX.1 Kontext (`init-model --family flux_kontext --size tiny`) is pretrained by
-# `omnirl pretrain` on EDIT_PAIRS edit pairs of the shapes world (recipes/tasks/shape_edits.py --targets:
-# source, instruction, result; EDIT_KINDS recolor and/or move, EDIT_SHAPES the recoloured shapes), then
-# learns the same kinds of edit on fresh sources with the staged recipe and the edit rewards (EDIT_REWARD:
-# geneval_shapes on the result, 0.5 x edit_preservation against the source; geneval_shapes_strict, the
-# edit-success metric, reported at weight 0), each iteration's policy evaluated on held-out edits with
-# fixed seeds. The report's grids show source -> result. Settings: recipes/configs/demo_edit.yaml.
+# Image editing: the committed pretrained tiny FLUX.1 Kontext (EDIT_MODEL, made by `make demo-edit-model`:
+# source, instruction -> result on edit pairs of the shapes world) learns the same kind of edit on fresh
+# sources (recipes/tasks/shape_edits.py: EDIT_KINDS recolor and/or move, EDIT_SHAPES the recoloured
+# shapes) with the staged recipe, trained on geneval_shapes on the result (EDIT_REWARD; edit_preservation
+# against the source and geneval_shapes_strict, the edit-success metric, reported at weight 0), each
+# iteration's policy evaluated on held-out edits with fixed seeds. The report's grids show source ->
+# result. Settings: recipes/configs/demo_edit.yaml. Not yet a demo that learns (docs/demo.md).
 EDIT_RUN            ?= runs/demo-edit
+EDIT_MODEL          ?= recipes/models/demo-edit
 EDIT_CONFIG         ?= recipes/configs/demo_edit.yaml
 EDIT_ITERATIONS     ?= 6
 EDIT_KINDS          ?= recolor
 EDIT_SHAPES         ?= circle
-EDIT_PAIRS          ?= 2048
 EDIT_PROMPTS        ?= 256
 EDIT_EVAL           ?= 64
-EDIT_PRETRAIN_FLAGS ?= --vae pixel --vae-steps 1500 --vae-encoder-steps 300 --steps 1500 --text-length 16
 EDIT_EVAL_FLAGS     ?= --sampler ode --group-size 4 --num-prompts $(EDIT_EVAL)
-EDIT_REWARD         := --reward geneval_shapes --reward edit_preservation=0.5 --reward geneval_shapes_strict=0
-EDITS               := $(PY) recipes/tasks/shape_edits.py --kinds $(EDIT_KINDS) --shapes $(EDIT_SHAPES)
+EDIT_REWARD         := --reward geneval_shapes --reward edit_preservation=0 --reward geneval_shapes_strict=0
+EDITS               := $(PY) recipes/tasks/shape_edits.py
+EDIT_TASK           := --kinds $(EDIT_KINDS) --shapes $(EDIT_SHAPES)
 demo-edit: install
-	test -f $(EDIT_RUN)/pairs/edits.jsonl || $(EDITS) --out $(EDIT_RUN)/pairs/edits.jsonl --num-prompts $(EDIT_PAIRS) --seed 0 --targets
-	test -f $(EDIT_RUN)/prompts/edits.jsonl || $(EDITS) --out $(EDIT_RUN)/prompts/edits.jsonl --num-prompts $(EDIT_PROMPTS) --seed 1
-	test -f $(EDIT_RUN)/heldout/edits.jsonl || $(EDITS) --out $(EDIT_RUN)/heldout/edits.jsonl --num-prompts $(EDIT_EVAL) --seed 2
-	test -f $(EDIT_RUN)/base/omnirl_model.json || \
-	  $(VENV)/bin/omnirl init-model --family flux_kontext --size tiny --seed 0 $(EDIT_RUN)/base
-	test -f $(EDIT_RUN)/model/omnirl_model.json || OMP_NUM_THREADS=1 $(VENV)/bin/omnirl pretrain \
-	  --model $(EDIT_RUN)/base --data $(EDIT_RUN)/pairs $(EDIT_PRETRAIN_FLAGS) --seed 0 --out $(EDIT_RUN)/model
+	test -f $(EDIT_RUN)/prompts/edits.jsonl || $(EDITS) $(EDIT_TASK) --out $(EDIT_RUN)/prompts/edits.jsonl --num-prompts $(EDIT_PROMPTS) --seed 1
+	test -f $(EDIT_RUN)/heldout/edits.jsonl || $(EDITS) $(EDIT_TASK) --out $(EDIT_RUN)/heldout/edits.jsonl --num-prompts $(EDIT_EVAL) --seed 2
 	OMP_NUM_THREADS=1 PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(MAKE) --no-print-directory -j$(DEMO_JOBS) -f recipes/flow_grpo.mk \
-	  CONFIG=$(EDIT_CONFIG) MODEL=$(EDIT_RUN)/model PROMPTS=$(EDIT_RUN)/prompts/edits.jsonl RUN=$(EDIT_RUN) \
+	  CONFIG=$(EDIT_CONFIG) MODEL=$(EDIT_MODEL) PROMPTS=$(EDIT_RUN)/prompts/edits.jsonl RUN=$(EDIT_RUN) \
 	  ITERATIONS=$(EDIT_ITERATIONS) REWARD="$(EDIT_REWARD)" REPLAY=no \
 	  EVAL_PROMPTS=$(EDIT_RUN)/heldout/edits.jsonl EVAL_FLAGS="$(EDIT_EVAL_FLAGS)"
 	$(VENV)/bin/omnirl report $(EDIT_RUN)
+
+# Rebuilds the committed edit model from scratch with the project's own code and checks that every file is
+# byte-identical to $(EDIT_MODEL) (same CPU kind, one torch thread): 2048 recolour edits of one circle
+# (shape_edits.py --targets, seed 0: source, instruction, result), `init-model --family flux_kontext
+# --size tiny`, `pretrain --vae pixel` on the pairs (EDIT_PRETRAIN_FLAGS) -> $(EDIT_MODEL_RUN)/model.
+EDIT_MODEL_RUN      ?= runs/demo-edit-model
+EDIT_PRETRAIN_FLAGS := --vae pixel --vae-steps 1500 --vae-encoder-steps 300 --steps 1500 --text-length 16
+demo-edit-model: install
+	test -f $(EDIT_MODEL_RUN)/pairs/edits.jsonl || $(EDITS) --kinds recolor --shapes circle \
+	  --out $(EDIT_MODEL_RUN)/pairs/edits.jsonl --num-prompts 2048 --seed 0 --targets
+	test -f $(EDIT_MODEL_RUN)/base/omnirl_model.json || \
+	  $(VENV)/bin/omnirl init-model --family flux_kontext --size tiny --seed 0 $(EDIT_MODEL_RUN)/base
+	test -f $(EDIT_MODEL_RUN)/model/omnirl_model.json || OMP_NUM_THREADS=1 $(VENV)/bin/omnirl pretrain \
+	  --model $(EDIT_MODEL_RUN)/base --data $(EDIT_MODEL_RUN)/pairs $(EDIT_PRETRAIN_FLAGS) --seed 0 --out $(EDIT_MODEL_RUN)/model
+	diff -r $(EDIT_MODEL_RUN)/model $(EDIT_MODEL) && echo "$(EDIT_MODEL_RUN)/model is byte-identical to $(EDIT_MODEL)"
 
 # The first demo: the random tiny SD3 learns JPEG compressibility (nothing to see, but every stage runs).
 JPEG_RUN ?= runs/demo-jpeg

@@ -140,9 +140,10 @@ def _token_ids(tokenizer: Any) -> dict[str, tuple[int, int]]:
     return {"prompt_ends": (ids[0], ids[1]), "image_markers": (ids[2], ids[3])}
 
 
-def read_config(folder: str | Path, weights: dict[str, torch.Tensor], tokenizer: Any) -> BagelConfig:
+def read_config(folder: str | Path, shapes: dict[str, tuple[int, ...]], tokenizer: Any) -> BagelConfig:
     """The config of a BAGEL folder: its two config files, the table sizes and latent width its weights
-    have and the tokenizer's prompt and image-chunk markers. A key or weight these need that is missing
+    have (`shapes`: each weight's shape, read off the file's header) and the tokenizer's prompt and
+    image-chunk markers. A key or weight these need that is missing
     is a one-line UserInputError naming the file."""
     folder = Path(folder)
     llm, vit = _read_json(folder / LLM_CONFIG), _read_json(folder / VIT_CONFIG)
@@ -152,15 +153,15 @@ def read_config(folder: str | Path, weights: dict[str, torch.Tensor], tokenizer:
             raise UserInputError(
                 f"{folder / name}: lacks {', '.join(absent)}; pass a BAGEL checkpoint folder"
             )
-    absent = [name for name in SIZED_BY if name not in weights]
+    absent = [name for name in SIZED_BY if name not in shapes]
     if absent:
         raise UserInputError(f"{folder / WEIGHTS}: lacks {', '.join(absent)}; pass a BAGEL checkpoint folder")
     return BagelConfig(
         llm=llm,
         vit=vit,
-        max_latent_size=math.isqrt(weights["latent_pos_embed.pos_embed"].shape[0]),
-        vit_max_patches_per_side=math.isqrt(weights["vit_pos_embed.pos_embed"].shape[0]),
-        latent_channels=weights["vae2llm.weight"].shape[1] // LATENT_PATCH**2,
+        max_latent_size=math.isqrt(shapes["latent_pos_embed.pos_embed"][0]),
+        vit_max_patches_per_side=math.isqrt(shapes["vit_pos_embed.pos_embed"][0]),
+        latent_channels=shapes["vae2llm.weight"][1] // LATENT_PATCH**2,
         **_token_ids(tokenizer),
     )
 
@@ -171,31 +172,37 @@ def load_bagel(
     """The model of a BAGEL folder (released layout) as a `cls` (a `Bagel`, or the understanding policy's
     subclass) in `dtype`, eval mode, and its tokenizer. Every
     weight of `ema.safetensors` must fill one parameter and every parameter must be filled: else a
-    one-line UserInputError naming the first mismatch."""
-    from safetensors.torch import load_file
+    one-line UserInputError naming the first mismatch. The shapes are checked from the file's header
+    before any weight is read, and the weights are read one at a time into `dtype`: the peak is one
+    model in `dtype` plus one stored tensor (the 7B MoT's 29 GB file is never held twice)."""
+    from safetensors import safe_open
     from transformers import AutoTokenizer
 
     folder = Path(folder)
     path = folder / WEIGHTS
     if not path.is_file():
         raise UserInputError(f"{path}: missing; a BAGEL folder holds {LLM_CONFIG}, {VIT_CONFIG}, {WEIGHTS}")
-    weights = load_file(path)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    config = read_config(folder, weights, tokenizer)
-    with torch.device("meta"):
-        model = cls(config)
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(weights))
-    unexpected = sorted(set(weights) - set(expected))
-    if missing or unexpected:
-        what = f"lacks {missing[0]}" if missing else f"has {unexpected[0]}, which BAGEL does not"
-        raise UserInputError(f"{path}: {what} ({len(missing)} missing, {len(unexpected)} unexpected weights)")
-    for name, tensor in expected.items():
-        if tuple(weights[name].shape) != tuple(tensor.shape):
+    with safe_open(path, framework="pt") as stored:
+        names = stored.keys()  # a safe_open handle is not iterable
+        shapes = {name: tuple(stored.get_slice(name).get_shape()) for name in names}
+        config = read_config(folder, shapes, tokenizer)
+        with torch.device("meta"):
+            model = cls(config)
+        expected = model.state_dict()
+        missing = sorted(set(expected) - set(shapes))
+        unexpected = sorted(set(shapes) - set(expected))
+        if missing or unexpected:
+            what = f"lacks {missing[0]}" if missing else f"has {unexpected[0]}, which BAGEL does not"
             raise UserInputError(
-                f"{path}: {name} is {tuple(weights[name].shape)}, the configs make it {tuple(tensor.shape)}"
+                f"{path}: {what} ({len(missing)} missing, {len(unexpected)} unexpected weights)"
             )
-    model.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, assign=True)
+        for name, tensor in expected.items():
+            if shapes[name] != tuple(tensor.shape):
+                raise UserInputError(
+                    f"{path}: {name} is {shapes[name]}, the configs make it {tuple(tensor.shape)}"
+                )
+        model.load_state_dict({name: stored.get_tensor(name).to(dtype) for name in expected}, assign=True)
     model.language_model.model.rotary = Rotary(config.head_dim, config.llm.get("rope_theta", 10000.0))
     return model.eval().requires_grad_(False), tokenizer
 

@@ -28,7 +28,7 @@ Inference keeps one block's A·b at a time. Latent tokens are the adapter's late
 patches (every family patches so); a VLM's s is its text tokens. BAGEL (a Mixture-of-Transformers: two
 experts a layer, `_experts`) counts as a diffusion family whose trained module is the whole model: its
 latent tokens run through the generation expert, which its LoRA wraps, and s also counts the prompt's
-tokens (whose keys and values the latents attend to); its blocks are the 28 two-expert layers.
+tokens (whose keys and values the latents attend to); its blocks are its two-expert layers.
 
 On the CPU (`cpu`) the device is the process's own memory: each stage adds the runtime a process holds
 before any tensor (`CPU_RUNTIME`), and the total is the process's peak resident memory when the allocator

@@ -138,3 +138,35 @@ def test_the_refusals_are_one_line(tiny_bagel: Path, tmp_path: Path, monkeypatch
 
     monkeypatch.setattr(plan_arch, "NATIVE_PIPELINES", {})
     fails(["plan", "--family", "bagel", "--size", "tiny"], "--family bagel", "does not count")
+
+
+def test_understanding_plans_the_vlm_policy(tiny_bagel: Path) -> None:
+    """--understand: the whole model as `VLMPolicy` loads it (no VAE), LoRA on both experts' projections as
+    it wraps them, --text-tokens through the language model's layers, no CFG branch; a folder as its size."""
+    from stages.models.vlm import VLMPolicy
+
+    settings = PlanConfig(understand=True, lora_rank=4, text_tokens=100, batch_size=3)
+    folder = plan(from_folder(tiny_bagel, understand=True), settings)
+    family = plan(from_family("bagel", "tiny", understand=True), settings)
+    assert {**folder, "model": None} == {**family, "model": None}
+    policy = VLMPolicy.load(tiny_bagel)
+    network = sum(p.numel() for p in policy.model.parameters())
+    assert sum(folder["parameters"].values()) == network
+    assert folder["stages"]["sample"]["weights"] == {"model": 4 * network}
+    policy.add_lora(rank=4, alpha=8)
+    lora = sum(p.numel() for p in policy.trainable_parameters())
+    update = folder["stages"]["update"]
+    assert update["trainable_parameters"] == lora
+    assert update["weights"] == {"model": 4 * network, "lora": 4 * lora}
+    act = folder["activations"]
+    assert (act["latent_tokens"], act["sequence"], act["blocks"], act["hidden"], act["cfg_branches"]) == (
+        0,
+        100,
+        2,
+        64,
+        1,
+    )
+    assert update["activations"] == 2 * ACTIVATION_ELEMENTS_PER_HIDDEN * 100 * 64 * 4 * 3
+    assert folder["experts"] == plan(from_family("bagel", "tiny"), PlanConfig())["experts"]
+    fails(["plan", "--model", str(tiny_bagel), "--understand", "--full"], "--full", "--lora-rank")
+    fails(["plan", "--family", "sd3", "--size", "tiny", "--understand"], "--understand", "sd3/tiny")

@@ -117,7 +117,10 @@ def run(c: PlanConfig, json_: bool) -> None:
     what = c.model if c.model is not None else f"{c.family}/{c.size}"
     with progress() as bar:
         bar.add_task(f"building {what} on the meta device", total=None, rate="")
-        arch = from_folder(c.model) if c.model is not None else from_family(c.family, c.size)
+        if c.model is not None:
+            arch = from_folder(c.model, c.understand)
+        else:
+            arch = from_family(c.family, c.size, c.understand)
         result = make_plan(arch, c)
     if json_:
         emit_json(result)

@@ -92,8 +92,8 @@ def _blocks(arch: Architecture) -> list[torch.nn.Module]:
     for part in arch.trained:
         module = arch.modules[part]
         names = set(getattr(module, "_no_split_modules", None) or [])
-        if arch.kind == "vlm":
-            module = module.model.language_model
+        if arch.kind == "vlm":  # a transformers VLM's, or BAGEL's own
+            module = getattr(module, "model", module).language_model
         found += [m for m in module.modules() if type(m).__name__ in names]
     return found
 
@@ -226,11 +226,8 @@ def plan(arch: Architecture, cfg: PlanConfig) -> dict[str, Any]:
     fits `cfg.device_memory` GiB (default: the visible accelerator's memory; no verdict without one).
     The mixed precision is `cfg`'s, else the launcher's, else none. JSON-able."""
     cfg.validate()
-    if cfg.full and arch.adapter is not None and not arch.adapter.full_weights:
-        raise UserInputError(
-            f"--full: {arch.adapter.name} trains a LoRA only (on {', '.join(arch.lora_targets)}); "
-            "drop --full and pass --lora-rank"
-        )
+    if cfg.full and not arch.trains_full:
+        raise UserInputError(f"--full: {arch.name} trains a LoRA only; drop --full and pass --lora-rank")
     kind = cfg.kind()
     world = cfg.num_processes
     weight_bytes = DTYPES[cfg.dtype].itemsize

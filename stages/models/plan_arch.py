@@ -46,12 +46,13 @@ class Architecture:
     adapter: Any = None  # the family adapter of the meta pipeline: latent shape, CFG branches
     resolution: Resolution = 512
     text_tokens: int = 128
+    trains_full: bool = True  # whether update offers --full (the family adapter's or VLM family's word)
 
     def parameters(self) -> dict[str, int]:
         """Parameter count per component (a VLM's towers and language model apart)."""
         if self.kind == "vlm":
             model = self.modules["model"]
-            inner = model.model
+            inner = getattr(model, "model", model)  # a transformers VLM's towers and language model
             parts = {
                 name: parameter_count(child)
                 for name, child in inner.named_children()
@@ -110,25 +111,50 @@ def _diffusion(name: str, pipe: Any, card: dict[str, Any], pipeline_class: str |
         adapter=adapter,
         resolution=details.get("image_size", 512),
         text_tokens=int(text or DEFAULT_TEXT_LENGTH),
+        trains_full=family.full_weights,
     )
 
 
-def _vlm(name: str, model: torch.nn.Module) -> Architecture:
+def _vlm(name: str, model: torch.nn.Module, model_type: str) -> Architecture:
+    """A VLM policy's network; its family module (`vlm_families.VLM_FAMILIES`) may replace the LoRA
+    targets (`LORA_TARGETS`) and refuse --full (`TRAINS_FULL`), as `VLMPolicy` reads them."""
     from stages.models.vlm import TEXT_LORA_TARGETS
+    from stages.models.vlm_families import VLM_FAMILIES
 
+    family = importlib.import_module(VLM_FAMILIES[model_type])
     return Architecture(
         name=name,
         kind="vlm",
         modules={"model": model},
         trained=("model",),
-        lora_targets=TEXT_LORA_TARGETS,
+        lora_targets=getattr(family, "LORA_TARGETS", TEXT_LORA_TARGETS),
         text_tokens=VLM_TEXT_TOKENS,
+        trains_full=getattr(family, "TRAINS_FULL", True),
     )
 
 
-def from_folder(folder: str | Path) -> Architecture:
-    """The architecture of a diffusers pipeline folder (model_index.json) or a transformers VLM folder
-    (config.json), built on the meta device from its configs alone (no weights are read)."""
+def _native(name: str, pipe: Any, card: dict[str, Any], native: str, understand: bool) -> Architecture:
+    """A family's own pipeline (`NATIVE_PIPELINES`): its generation, or with `understand` its network as
+    the VLM policy that answers questions (`vlm_families.NATIVE_VLMS`: BAGEL's understanding expert)."""
+    from stages.models.vlm_families import NATIVE_VLMS
+
+    if understand and native in NATIVE_VLMS:
+        return _vlm(name, pipe.transformer, NATIVE_VLMS[native])
+    _generates_only(name, understand)
+    return _diffusion(name, pipe, card, native)
+
+
+def _generates_only(name: str, understand: bool) -> None:
+    if understand:
+        raise UserInputError(
+            f"--understand: {name} generates images and answers no questions; drop --understand"
+        )
+
+
+def from_folder(folder: str | Path, understand: bool = False) -> Architecture:
+    """The architecture of a diffusers pipeline folder (model_index.json), a transformers VLM folder
+    (config.json) or a family's own released folder (BAGEL's), built on the meta device from its configs
+    alone (no weights are read); `understand`: a folder that also answers questions, as a VLM."""
     from stages.models.factory import read_model_card
     from stages.models.folders import native_class
 
@@ -138,8 +164,9 @@ def from_folder(folder: str | Path) -> Architecture:
         module = importlib.import_module(NATIVE_PIPELINES[native])
         with torch.device("meta"):
             pipe = module.meta_pipeline(path)
-        return _diffusion(str(folder), pipe, read_model_card(path) or {}, native)
+        return _native(str(folder), pipe, read_model_card(path) or {}, native, understand)
     if (path / "model_index.json").is_file():
+        _generates_only(str(folder), understand)
         with torch.device("meta"):
             pipe = _meta_pipeline(path)
         return _diffusion(str(folder), pipe, read_model_card(path) or {})
@@ -156,15 +183,16 @@ def from_folder(folder: str | Path) -> Architecture:
         cls = getattr(importlib.import_module("transformers"), class_name)
         with torch.device("meta"):
             model = cls(getattr(config, sub) if sub else config)
-        return _vlm(str(folder), model)
+        return _vlm(str(folder), model, config.model_type)
     raise UserInputError(
         f"--model {folder}: no model_index.json (diffusers pipeline) or config.json (transformers model); "
         "pass a model folder, or --family F --size S for a built-in architecture"
     )
 
 
-def from_family(family: str, size: str) -> Architecture:
-    """The architecture of a family's size (`stages.models.factory`), on the meta device."""
+def from_family(family: str, size: str, understand: bool = False) -> Architecture:
+    """The architecture of a family's size (`stages.models.factory`), on the meta device; `understand`
+    as `from_folder`."""
     from stages.models.factory import make_model
 
     with torch.device("meta"):
@@ -174,14 +202,15 @@ def from_family(family: str, size: str) -> Architecture:
         from transformers import PreTrainedModel
 
         if isinstance(model, PreTrainedModel):
-            return _vlm(name, model)
+            return _vlm(name, model, model.config.model_type)
         native = type(model).__name__  # a family's own model, named as its pipeline class
         if native not in NATIVE_PIPELINES:
             raise UserInputError(f"--family {family}: plan does not count this architecture's memory yet")
         with torch.device("meta"):
             pipe = importlib.import_module(NATIVE_PIPELINES[native]).make_pipeline(size)
         # the side `sample` defaults to (the model card `init-model` writes)
-        return _diffusion(name, pipe, {"details": {"image_size": pipe.largest_side}}, native)
+        return _native(name, pipe, {"details": {"image_size": pipe.largest_side}}, native, understand)
+    _generates_only(name, understand)
     spec = _size_spec(family, size)
     card = {"details": {"architecture": spec}}
     if "image_size" not in spec and hasattr(model, "vae_scale_factor"):

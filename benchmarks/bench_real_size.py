@@ -370,7 +370,8 @@ def online_iteration(
 
 def memory_plan(size: str, scfg: Any, ucfg: Any, dtype: str) -> dict[str, Any]:
     """`omnirl plan --family qwen_image --size SIZE` for this run's settings (the plan's JSON)."""
-    from stages.models.plan import PlanConfig, from_family, plan
+    from stages.models.plan import PlanConfig, plan
+    from stages.models.plan_arch import from_family
 
     settings = PlanConfig(
         resolution=scfg.resolution,

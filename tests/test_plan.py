@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from omnirl_cli.app import app
-from stages.models.plan import PlanConfig, from_family, from_folder, plan
+from stages.models.plan import PlanConfig, plan
+from stages.models.plan_arch import from_family, from_folder
 from tests.helpers import fails, run, runner
 
 

@@ -43,6 +43,9 @@ def _render(result: dict[str, Any]) -> None:
     params.add_column("parameters (B)", justify="right")
     for name, count in result["parameters"].items():
         params.add_row(name, f"{count / 1e9:.3f}")
+    for name, count in (result["experts"] or {}).items():  # a Mixture-of-Transformers' trained module
+        expert = " expert" if name in ("understanding", "generation") else ""
+        params.add_row(f"  {name}{expert}", f"{count / 1e9:.3f}")
     out.print(params)
     stages = result["stages"]
     table = Table(title="GiB per rank", title_justify="left")
@@ -97,15 +100,16 @@ def run(c: PlanConfig, json_: bool) -> None:
     weights, gradients and optimizer state by T. `online` holds a sampler's pipeline beside the trainer's.
     With --cpu the total also counts the process's runtime and is the process's peak resident memory
     (checked within ±25% on the small build of every family: docs/real-checkpoints.md). The verdict
-    compares each total with --device-memory. --json gives the parameters per component (`parameters`)
-    and the whole plan, in bytes.
+    compares each total with --device-memory. --json gives the parameters per component (`parameters`),
+    a Mixture-of-Transformers' (BAGEL's) by expert (`experts`: understanding, generation, shared and
+    `active`, what one token runs through) and the whole plan, in bytes.
 
     Example: [bold]omnirl plan --family qwen_image --size full --resolution 512 --lora-rank 64 --dtype bf16 \\
     --num-processes 8 --strategy fsdp2 --device-memory 80[/]
     """
     from stages.errors import UserInputError
-    from stages.models.plan import from_family, from_folder
     from stages.models.plan import plan as make_plan
+    from stages.models.plan_arch import from_family, from_folder
 
     if (c.model is None) == (c.family is None):
         raise UserInputError("pass --model FOLDER or --family F (with --size), one of them")
@@ -113,7 +117,10 @@ def run(c: PlanConfig, json_: bool) -> None:
     what = c.model if c.model is not None else f"{c.family}/{c.size}"
     with progress() as bar:
         bar.add_task(f"building {what} on the meta device", total=None, rate="")
-        arch = from_folder(c.model) if c.model is not None else from_family(c.family, c.size)
+        if c.model is not None:
+            arch = from_folder(c.model, c.understand)
+        else:
+            arch = from_family(c.family, c.size, c.understand)
         result = make_plan(arch, c)
     if json_:
         emit_json(result)

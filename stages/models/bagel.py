@@ -14,14 +14,21 @@ import torch.nn.functional as F
 
 from stages.errors import UserInputError
 from stages.models.bagel_folder import (
+    AUTOENCODER,
     FAMILY,
     LLM_CONFIG,
+    SIZED_BY,
+    SIZES,
     TOKENIZER_FILES,
     WEIGHTS,
+    autoencoder_config,
     autoencoder_scale,
     load_autoencoder,
     load_bagel,
+    make_autoencoder,
+    make_bagel,
     prompt_ids,
+    read_config,
     save_folder,
 )
 from stages.models.bagel_layers import LATENT_PATCH, Context, pack_latents, unpack_latents
@@ -62,6 +69,11 @@ class BagelPipeline:
                 module.to(device)
         return self
 
+    @property
+    def largest_side(self) -> int:
+        """The largest image side it generates, in pixels: its latent position table's side."""
+        return self.transformer.config.max_latent_size * LATENT_PATCH * self.vae_scale_factor
+
     def set_progress_bar_config(self, **_: Any) -> None:
         """Nothing to set: loading and sampling a BAGEL folder show no progress bars."""
 
@@ -69,6 +81,41 @@ class BagelPipeline:
         """Write the pipeline as a released BAGEL folder (`save_folder`; `export` of a merged LoRA)."""
         Path(out).mkdir(parents=True, exist_ok=True)
         save_folder(Path(out), self.transformer, self.vae, self.tokenizer)
+
+
+def _shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor of a safetensors file, read off its header (no weights read)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
+    except (OSError, SafetensorError) as error:
+        raise UserInputError(f"{path}: not a readable safetensors file ({error})") from None
+
+
+def meta_pipeline(folder: Path) -> BagelPipeline:
+    """The pipeline of a BAGEL folder built from its configs, its tokenizer and its two weight files'
+    headers (the tables' sizes, the autoencoder's widths) without reading a weight: under
+    `torch.device("meta")`, the architecture `omnirl plan` counts."""
+    from diffusers import AutoencoderKL
+    from transformers import AutoTokenizer
+
+    sized = {n: torch.empty(s, device="meta") for n, s in _shapes(folder / WEIGHTS).items() if n in SIZED_BY}
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = Bagel(read_config(folder, sized, tokenizer))
+    vae = AutoencoderKL(**autoencoder_config(_shapes(folder / AUTOENCODER)))
+    return BagelPipeline(model, vae, tokenizer, autoencoder_scale(folder))
+
+
+def make_pipeline(size: str, seed: int = 0) -> BagelPipeline:
+    """The pipeline of a BAGEL size (`make_bagel` and its autoencoder) with seeded random weights,
+    unsaved: under `torch.device("meta")`, a size's architecture for `omnirl plan`."""
+    from stages.models.factory import choose_size
+
+    spec = choose_size(FAMILY, size, SIZES)
+    vae = make_autoencoder(spec, seed)
+    return BagelPipeline(make_bagel(size, seed), vae, None, 2 ** (len(spec.vae_channels) - 1))
 
 
 def _context(branch: Tensors) -> Context:
@@ -146,10 +193,10 @@ class BagelAdapter(FamilyAdapter):
         h, w = latent_grid(
             resolution, factor, LATENT_PATCH * factor, "the autoencoder's factor × 2×2 patches"
         )
-        most = model.config.max_latent_size * LATENT_PATCH * factor
         if max(h, w) > model.config.max_latent_size * LATENT_PATCH:
             raise UserInputError(
-                f"--resolution {format_resolution(resolution)}: this BAGEL generates at most {most} pixels a side "
+                f"--resolution {format_resolution(resolution)}: this BAGEL generates at most "
+                f"{self.pipe.largest_side} pixels a side "
                 "(its latent position table); pass a smaller one"
             )
         return (model.config.latent_channels, h, w)

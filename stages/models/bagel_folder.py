@@ -245,34 +245,39 @@ def _ldm_vae_names(state: dict[str, torch.Tensor], levels: int) -> dict[str, tor
 
 def load_autoencoder(folder: str | Path) -> Any:
     """The FLUX.1 autoencoder of a BAGEL folder's `ae.safetensors` (Black Forest Labs' layout) as a
-    diffusers `AutoencoderKL` (scaling 0.3611, shift 0.1159, no quant convs); its widths are read off
-    the weights, its GroupNorms have 32 groups (FLUX's), or one a channel when the first level is narrower."""
+    diffusers `AutoencoderKL` (`autoencoder_config` of its weights' shapes)."""
     from diffusers import AutoencoderKL
     from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
     from safetensors.torch import load_file
 
     weights = load_file(Path(folder) / AUTOENCODER)
-    base = weights["encoder.conv_in.weight"].shape[0]
-    levels = 1 + max(int(k.split(".")[2]) for k in weights if k.startswith("encoder.down."))
-    channels = [weights[f"encoder.down.{i}.block.0.conv1.weight"].shape[0] for i in range(levels)]
-    blocks = 1 + max(int(k.split(".")[4]) for k in weights if k.startswith("encoder.down.0.block."))
-    config = dict(
+    vae = AutoencoderKL(**autoencoder_config({k: tuple(v.shape) for k, v in weights.items()}))
+    vae.load_state_dict(convert_ldm_vae_checkpoint(weights, vae.config))
+    return vae.eval().requires_grad_(False)
+
+
+def autoencoder_config(shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+    """The `AutoencoderKL` config of an `ae.safetensors` from its weights' shapes (names in Black Forest
+    Labs' layout): scaling 0.3611, shift 0.1159, no quant convs; its widths read off the shapes, its
+    GroupNorms with 32 groups (FLUX's), or one a channel when the first level is narrower."""
+    base = shapes["encoder.conv_in.weight"][0]
+    levels = 1 + max(int(k.split(".")[2]) for k in shapes if k.startswith("encoder.down."))
+    channels = [shapes[f"encoder.down.{i}.block.0.conv1.weight"][0] for i in range(levels)]
+    blocks = 1 + max(int(k.split(".")[4]) for k in shapes if k.startswith("encoder.down.0.block."))
+    return dict(
         in_channels=3,
         out_channels=3,
         down_block_types=("DownEncoderBlock2D",) * levels,
         up_block_types=("UpDecoderBlock2D",) * levels,
         block_out_channels=tuple(channels),
         layers_per_block=blocks,
-        latent_channels=weights["decoder.conv_in.weight"].shape[1],
+        latent_channels=shapes["decoder.conv_in.weight"][1],
         norm_num_groups=math.gcd(32, base),
         scaling_factor=AE_SCALE,
         shift_factor=AE_SHIFT,
         use_quant_conv=False,
         use_post_quant_conv=False,
     )
-    vae = AutoencoderKL(**config)
-    vae.load_state_dict(convert_ldm_vae_checkpoint(weights, vae.config))
-    return vae.eval().requires_grad_(False)
 
 
 def _configs(spec: BagelSize, tokenizer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -345,6 +350,19 @@ def make_bagel(size: str, seed: int, tokenizer: Any = None) -> Bagel:
     return model
 
 
+def make_autoencoder(spec: BagelSize, seed: int) -> Any:
+    """The FLUX.1-form autoencoder of a size with seeded random weights (`factory.autoencoder_kl`)."""
+    return autoencoder_kl(
+        seed,
+        channels=spec.vae_channels,
+        groups=spec.vae_groups,
+        layers_per_block=spec.vae_layers_per_block,
+        latent_channels=spec.latent_channels,
+        scaling_factor=AE_SCALE,
+        shift_factor=AE_SHIFT,
+    )
+
+
 def save_folder(out: Path, model: Bagel, vae: Any, tokenizer: Any) -> None:
     """Write `model`, its autoencoder and tokenizer into folder `out` in the released layout (what
     `load_bagel` and `load_autoencoder` read)."""
@@ -368,15 +386,7 @@ def build_bagel(out_dir: str | Path, *, size: str, seed: int) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_qwen2_tokenizer()
     model = make_bagel(size, seed, tokenizer)
-    vae = autoencoder_kl(
-        seed,
-        channels=spec.vae_channels,
-        groups=spec.vae_groups,
-        layers_per_block=spec.vae_layers_per_block,
-        latent_channels=spec.latent_channels,
-        scaling_factor=AE_SCALE,
-        shift_factor=AE_SHIFT,
-    )
+    vae = make_autoencoder(spec, seed)
     save_folder(out, model, vae, tokenizer)
     return finish_model_dir(
         out,

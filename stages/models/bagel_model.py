@@ -60,6 +60,9 @@ class Bagel(nn.Module, PeftAdapterMixin):
     (`vit_model`, `connector`, `vit_pos_embed`). LoRA adapters attach as on a diffusers model
     (`add_adapter`, `load_lora_adapter`, `disable_adapters`); its forward is `guided_velocity`."""
 
+    # the repeated blocks: what FSDP2 shards one by one and `omnirl plan` estimates activations by
+    _no_split_modules = ("MoTLayer",)
+
     def __init__(self, config: BagelConfig) -> None:
         super().__init__()
         self.config = config

@@ -91,6 +91,13 @@ class PlanConfig:
         choices=MODEL_SIZES,
         panel=MODEL,
     )
+    understand: bool = knob(
+        False,
+        "A model that both generates images and understands them (BAGEL): plan its understanding "
+        "(sample --understand, logprob and update of answers: LoRA on both experts, --text-tokens through the "
+        "language model) instead of its generation.",
+        panel=MODEL,
+    )
     dtype: str = knobs.dtype()
     mixed_precision: str | None = knobs.mixed_precision(
         "the forwards (activations in 16 bits under bf16 / fp16)", OPTIMISATION, recorded="Planned for."

@@ -1,9 +1,10 @@
 """A memory plan: what each stage holds on one device, per rank, before a run starts.
 
-The architecture is built on the meta device (shapes, no memory, no weights read): from a model
-folder's configs (`model_index.json` and each component's config, or a VLM's `config.json`), or from a
-family's published size (`stages.models.factory.make_model`). From it and the run's settings the plan
-counts, per stage, what the stage keeps resident today:
+The architecture is built on the meta device (shapes, no memory, no weights read; `stages.models.plan_arch`):
+from a model folder's configs (`model_index.json` and each component's config, a VLM's `config.json`, or
+a BAGEL folder's two configs and weight-file headers), or from a family's published size
+(`stages.models.factory.make_model`). From it and the run's settings the plan counts, per stage, what the
+stage keeps resident today:
 
 - sample: every module component of the pipeline at `--dtype` (it encodes the prompts and decodes the
   latents), plus the larger of one forward's activations and the VAE's decoding of the batch;
@@ -24,7 +25,10 @@ matrix, which fused attention does not keep); a full fine-tune keeps 22·s·h·a
 and the tensors the trained adaLN modulation multiplies, counted on the small SD3). Training keeps L·A·b;
 with gradient checkpointing only each block's input, L·s·h·a·b, plus one block recomputed, A·b.
 Inference keeps one block's A·b at a time. Latent tokens are the adapter's latent shape in 2×2 spatial
-patches (every family patches so); a VLM's s is its text tokens.
+patches (every family patches so); a VLM's s is its text tokens. BAGEL (a Mixture-of-Transformers: two
+experts a layer, `_experts`) counts as a diffusion family whose trained module is the whole model: its
+latent tokens run through the generation expert, which its LoRA wraps, and s also counts the prompt's
+tokens (whose keys and values the latents attend to); its blocks are its two-expert layers.
 
 On the CPU (`cpu`) the device is the process's own memory: each stage adds the runtime a process holds
 before any tensor (`CPU_RUNTIME`), and the total is the process's peak resident memory when the allocator
@@ -45,19 +49,18 @@ modulations are counted as sharded too). FSDP2 still shards over all the ranks.
 
 from __future__ import annotations
 
-import importlib
 import re
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from stages.errors import UserInputError
-from stages.models.config import FAMILIES, GIB, PlanConfig
+from stages.models.config import GIB, PlanConfig
 from stages.models.diffusion import DTYPES
 from stages.models.factory import parameter_count
-from stages.models.families import Resolution, adapter_class, parse_resolution
+from stages.models.families import parse_resolution
+from stages.models.plan_arch import Architecture
 from stages.precision import MIXED_PRECISIONS, resolve_mixed_precision
 
 FP32 = 4
@@ -76,175 +79,9 @@ DECODE_WIDTHS = 6  # VAE decoding: three tensors of twice the output conv's widt
 # update --full on the tiny SD3 (547, 521, 539 and 548 MiB; `benchmarks/bench_plan.py --size tiny`) less
 # the 8-18 MiB of tensors the plan counts there.
 CPU_RUNTIME = 526 * 2**20
-VLM_TEXT_TOKENS = 1024
 # settings of `PlanConfig` the plan's JSON gives elsewhere: the model as `model`, the memory as
 # `device_memory` (bytes), the model parallelism as settings.parallel
 PLANNED_ELSEWHERE = ("model", "family", "size", "device_memory", "sp_degree", "sp_kind", "tp_degree")
-# The transformers class of each VLM `model_type` omnirl trains (stages.models.vlm_families.VLM_FAMILIES); a whole
-# Qwen3-Omni folder trains its thinker.
-VLM_CLASSES = {
-    "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", None),
-    "qwen3_vl": ("Qwen3VLForConditionalGeneration", None),
-    "qwen3_vl_moe": ("Qwen3VLMoeForConditionalGeneration", None),
-    "qwen3_omni_moe_thinker": ("Qwen3OmniMoeThinkerForConditionalGeneration", None),
-    "qwen3_omni_moe": ("Qwen3OmniMoeThinkerForConditionalGeneration", "thinker_config"),
-}
-
-
-@dataclass
-class Architecture:
-    """A model's modules on the meta device and what the plan needs to know about them."""
-
-    name: str
-    kind: str  # "diffusion" or "vlm"
-    modules: dict[str, torch.nn.Module]
-    trained: tuple[str, ...]
-    lora_targets: tuple[str, ...] | str  # a family's suffixes, or a VLM's regex over full names
-    adapter: Any = None  # the family adapter of the meta pipeline: latent shape, CFG branches
-    resolution: Resolution = 512
-    text_tokens: int = 128
-
-    def parameters(self) -> dict[str, int]:
-        """Parameter count per component (a VLM's towers and language model apart)."""
-        if self.kind == "vlm":
-            model = self.modules["model"]
-            inner = model.model
-            parts = {
-                name: parameter_count(child)
-                for name, child in inner.named_children()
-                if parameter_count(child)
-            }
-            parts["lm_head"] = parameter_count(model) - sum(parts.values())
-            return {k: v for k, v in parts.items() if v}
-        return {name: parameter_count(module) for name, module in self.modules.items()}
-
-
-# ------------------------------------------------------------------------------------------ building
-def _meta_pipeline(folder: Path) -> Any:
-    """The folder's diffusers pipeline with every model component built on the meta device from its
-    config and each scheduler from its config; tokenizers and processors are left out (None)."""
-    import diffusers
-    from diffusers import ModelMixin, SchedulerMixin
-    from transformers import AutoConfig, PreTrainedModel
-
-    from stages.models.folders import pipeline_index
-
-    index = pipeline_index(folder)
-    components: dict[str, Any] = {}
-    for name, entry in index.items():
-        if name.startswith("_") or not isinstance(entry, list):
-            continue
-        library, class_name = entry
-        cls = getattr(importlib.import_module(library), class_name, None) if library else None
-        where = folder / name
-        if cls is None:
-            components[name] = None
-        elif issubclass(cls, (ModelMixin, SchedulerMixin)):
-            components[name] = cls.from_config(cls.load_config(where))
-        elif issubclass(cls, PreTrainedModel):
-            components[name] = cls(AutoConfig.from_pretrained(where))
-        else:
-            components[name] = None
-    pipeline_class = getattr(diffusers, index["_class_name"], None)
-    if pipeline_class is None:
-        raise UserInputError(f"--model {folder}: diffusers has no pipeline {index['_class_name']}")
-    return pipeline_class(**components)
-
-
-def _diffusion(name: str, pipe: Any, card: dict[str, Any]) -> Architecture:
-    from stages.models.factory import DEFAULT_TEXT_LENGTH
-
-    family = adapter_class(type(pipe).__name__, name)
-    adapter = family(pipe)
-    details = card.get("details", {})
-    architecture = details.get("architecture", {})
-    text = details.get("text_length") or architecture.get("text_length") or family.text_length
-    return Architecture(
-        name=name,
-        kind="diffusion",
-        modules={n: m for n, m in pipe.components.items() if isinstance(m, torch.nn.Module)},
-        trained=adapter.trained_modules(),
-        lora_targets=family.lora_targets,
-        adapter=adapter,
-        resolution=details.get("image_size", 512),
-        text_tokens=int(text or DEFAULT_TEXT_LENGTH),
-    )
-
-
-def _vlm(name: str, model: torch.nn.Module) -> Architecture:
-    from stages.models.vlm import TEXT_LORA_TARGETS
-
-    return Architecture(
-        name=name,
-        kind="vlm",
-        modules={"model": model},
-        trained=("model",),
-        lora_targets=TEXT_LORA_TARGETS,
-        text_tokens=VLM_TEXT_TOKENS,
-    )
-
-
-def from_folder(folder: str | Path) -> Architecture:
-    """The architecture of a diffusers pipeline folder (model_index.json) or a transformers VLM folder
-    (config.json), built on the meta device from its configs alone (no weights are read)."""
-    from stages.models.factory import read_model_card
-
-    path = Path(folder)
-    if (path / "model_index.json").is_file():
-        with torch.device("meta"):
-            pipe = _meta_pipeline(path)
-        return _diffusion(str(folder), pipe, read_model_card(path) or {})
-    if (path / "config.json").is_file():
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(path)
-        if config.model_type not in VLM_CLASSES:
-            raise UserInputError(
-                f"--model {folder}: model_type {config.model_type!r} is not a model omnirl trains "
-                f"({', '.join(VLM_CLASSES)})"
-            )
-        class_name, sub = VLM_CLASSES[config.model_type]
-        cls = getattr(importlib.import_module("transformers"), class_name)
-        with torch.device("meta"):
-            model = cls(getattr(config, sub) if sub else config)
-        return _vlm(str(folder), model)
-    raise UserInputError(
-        f"--model {folder}: no model_index.json (diffusers pipeline) or config.json (transformers model); "
-        "pass a model folder, or --family F --size S for a built-in architecture"
-    )
-
-
-def from_family(family: str, size: str) -> Architecture:
-    """The architecture of a family's size (`stages.models.factory`), on the meta device."""
-    from stages.models.factory import make_model
-
-    with torch.device("meta"):
-        model = make_model(family, size)
-    name = f"{family}/{size}"
-    if isinstance(model, torch.nn.Module):
-        from transformers import PreTrainedModel
-
-        if not isinstance(model, PreTrainedModel):  # a family's own model (bagel): not counted yet
-            raise UserInputError(f"--family {family}: plan does not count this architecture's memory yet")
-        return _vlm(name, model)
-    spec = _size_spec(family, size)
-    card = {"details": {"architecture": spec}}
-    if "image_size" not in spec and hasattr(model, "vae_scale_factor"):
-        side = spec.get("sample_size") or spec.get("latent_size") or spec.get("latent_side")
-        if side:
-            card["details"]["image_size"] = side * _spatial_factor(model)
-    return _diffusion(name, model, card)
-
-
-def _spatial_factor(pipe: Any) -> int:
-    return int(getattr(pipe, "vae_scale_factor_spatial", None) or pipe.vae_scale_factor)
-
-
-def _size_spec(family: str, size: str) -> dict[str, Any]:
-    """The size's dataclass as a dict (the family module's `SIZES`, or Wan's `PUBLISHED` per variant)."""
-    module = importlib.import_module(FAMILIES[family].split(":")[0])
-    sizes = {**module.SIZES, **getattr(module, "PUBLISHED", {}).get(family, {})}
-    return asdict(sizes[size])
 
 
 # ------------------------------------------------------------------------------------------ counting
@@ -255,8 +92,8 @@ def _blocks(arch: Architecture) -> list[torch.nn.Module]:
     for part in arch.trained:
         module = arch.modules[part]
         names = set(getattr(module, "_no_split_modules", None) or [])
-        if arch.kind == "vlm":
-            module = module.model.language_model
+        if arch.kind == "vlm":  # a transformers VLM's, or BAGEL's own
+            module = getattr(module, "model", module).language_model
         found += [m for m in module.modules() if type(m).__name__ in names]
     return found
 
@@ -297,6 +134,22 @@ def _full_parameters(arch: Architecture) -> int:
             if not any(t in f".{n}" for t in TOWERS)
         )
     return sum(parameter_count(arch.modules[part]) for part in arch.trained)
+
+
+def _experts(arch: Architecture) -> dict[str, int] | None:
+    """A Mixture-of-Transformers trained module's parameters by expert (BAGEL: every layer's `_moe_gen`
+    weights are the generation expert's, their namesakes without it the understanding expert's) and what
+    one token runs through (`active`: one expert and the rest); None for a module without experts."""
+    counts = {"understanding": 0, "generation": 0, "shared": 0}
+    for part in arch.trained:
+        names = {n: p.numel() for n, p in arch.modules[part].named_parameters()}
+        twins = {n.replace("_moe_gen", "") for n in names if "_moe_gen" in n}
+        for n, count in names.items():
+            expert = "generation" if "_moe_gen" in n else "understanding" if n in twins else "shared"
+            counts[expert] += count
+    if not counts["generation"]:
+        return None
+    return {**counts, "active": counts["shared"] + counts["understanding"]}
 
 
 def _tokens(arch: Architecture, cfg: PlanConfig) -> tuple[int, int]:
@@ -373,6 +226,8 @@ def plan(arch: Architecture, cfg: PlanConfig) -> dict[str, Any]:
     fits `cfg.device_memory` GiB (default: the visible accelerator's memory; no verdict without one).
     The mixed precision is `cfg`'s, else the launcher's, else none. JSON-able."""
     cfg.validate()
+    if cfg.full and not arch.trains_full:
+        raise UserInputError(f"--full: {arch.name} trains a LoRA only; drop --full and pass --lora-rank")
     kind = cfg.kind()
     world = cfg.num_processes
     weight_bytes = DTYPES[cfg.dtype].itemsize
@@ -462,6 +317,7 @@ def plan(arch: Architecture, cfg: PlanConfig) -> dict[str, Any]:
         "model": arch.name,
         "kind": arch.kind,
         "parameters": arch.parameters(),
+        "experts": _experts(arch),
         "trained": list(arch.trained),
         "settings": {
             **{k: v for k, v in asdict(cfg).items() if k not in PLANNED_ELSEWHERE},

@@ -17,7 +17,6 @@ from stages.models.bagel_folder import (
     AUTOENCODER,
     FAMILY,
     LLM_CONFIG,
-    SIZED_BY,
     SIZES,
     TOKENIZER_FILES,
     WEIGHTS,
@@ -30,6 +29,7 @@ from stages.models.bagel_folder import (
     prompt_ids,
     read_config,
     save_folder,
+    weight_shapes,
 )
 from stages.models.bagel_layers import LATENT_PATCH, Context, pack_latents, unpack_latents
 from stages.models.bagel_model import Bagel, sigmas
@@ -83,17 +83,6 @@ class BagelPipeline:
         save_folder(Path(out), self.transformer, self.vae, self.tokenizer)
 
 
-def _shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """The shape of every tensor of a safetensors file, read off its header (no weights read)."""
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
-    except (OSError, SafetensorError) as error:
-        raise UserInputError(f"{path}: not a readable safetensors file ({error})") from None
-
-
 def meta_pipeline(folder: Path) -> BagelPipeline:
     """The pipeline of a BAGEL folder built from its configs, its tokenizer and its two weight files'
     headers (the tables' sizes, the autoencoder's widths) without reading a weight: under
@@ -101,10 +90,9 @@ def meta_pipeline(folder: Path) -> BagelPipeline:
     from diffusers import AutoencoderKL
     from transformers import AutoTokenizer
 
-    sized = {n: torch.empty(s, device="meta") for n, s in _shapes(folder / WEIGHTS).items() if n in SIZED_BY}
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = Bagel(read_config(folder, sized, tokenizer))
-    vae = AutoencoderKL(**autoencoder_config(_shapes(folder / AUTOENCODER)))
+    model = Bagel(read_config(folder, weight_shapes(folder / WEIGHTS), tokenizer))
+    vae = AutoencoderKL(**autoencoder_config(weight_shapes(folder / AUTOENCODER)))
     return BagelPipeline(model, vae, tokenizer, autoencoder_scale(folder))
 
 

@@ -166,6 +166,18 @@ def read_config(folder: str | Path, shapes: dict[str, tuple[int, ...]], tokenize
     )
 
 
+def weight_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor of a safetensors file, read off its header (no weight is read); a file
+    that is not one is a one-line UserInputError."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
+    except (OSError, SafetensorError) as error:
+        raise UserInputError(f"{path}: not a readable safetensors file ({error})") from None
+
+
 def load_bagel(
     folder: str | Path, dtype: torch.dtype = torch.float32, cls: type[Bagel] = Bagel
 ) -> tuple[Bagel, Any]:
@@ -183,25 +195,22 @@ def load_bagel(
     if not path.is_file():
         raise UserInputError(f"{path}: missing; a BAGEL folder holds {LLM_CONFIG}, {VIT_CONFIG}, {WEIGHTS}")
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    with safe_open(path, framework="pt") as stored:
-        names = stored.keys()  # a safe_open handle is not iterable
-        shapes = {name: tuple(stored.get_slice(name).get_shape()) for name in names}
-        config = read_config(folder, shapes, tokenizer)
-        with torch.device("meta"):
-            model = cls(config)
-        expected = model.state_dict()
-        missing = sorted(set(expected) - set(shapes))
-        unexpected = sorted(set(shapes) - set(expected))
-        if missing or unexpected:
-            what = f"lacks {missing[0]}" if missing else f"has {unexpected[0]}, which BAGEL does not"
+    shapes = weight_shapes(path)
+    config = read_config(folder, shapes, tokenizer)
+    with torch.device("meta"):
+        model = cls(config)
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(shapes))
+    unexpected = sorted(set(shapes) - set(expected))
+    if missing or unexpected:
+        what = f"lacks {missing[0]}" if missing else f"has {unexpected[0]}, which BAGEL does not"
+        raise UserInputError(f"{path}: {what} ({len(missing)} missing, {len(unexpected)} unexpected weights)")
+    for name, tensor in expected.items():
+        if shapes[name] != tuple(tensor.shape):
             raise UserInputError(
-                f"{path}: {what} ({len(missing)} missing, {len(unexpected)} unexpected weights)"
+                f"{path}: {name} is {shapes[name]}, the configs make it {tuple(tensor.shape)}"
             )
-        for name, tensor in expected.items():
-            if shapes[name] != tuple(tensor.shape):
-                raise UserInputError(
-                    f"{path}: {name} is {shapes[name]}, the configs make it {tuple(tensor.shape)}"
-                )
+    with safe_open(path, framework="pt") as stored:
         model.load_state_dict({name: stored.get_tensor(name).to(dtype) for name in expected}, assign=True)
     model.language_model.model.rotary = Rotary(config.head_dim, config.llm.get("rope_theta", 10000.0))
     return model.eval().requires_grad_(False), tokenizer

@@ -23,6 +23,22 @@ def run(*args: str) -> dict:
     return json.loads(result.stdout)
 
 
+def cli_process(*args: str) -> dict:
+    """`omnirl ARGS --json` in a fresh process (one thread, as the tests): assert success and return the
+    JSON result. For comparisons with what a spawned worker computed, which a long-lived test process's
+    CPU kernels may round differently."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "omnirl_cli", *args, "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout)
+
+
 def fails(args: list[str], *names: str) -> str:
     """Invoke `omnirl ARGS` in-process; assert exit 2 with one stderr line (no traceback) naming every
     one of `names`, and return that line."""

@@ -235,11 +235,9 @@ def _online_config(s: OnlineSettings, presets: Presets) -> OnlineConfig:
     specs = s.reward or score.reward or []
     rewards = [parse_reward_spec(spec) for spec in ([specs] if isinstance(specs, str) else specs)]
     reward_args = parse_reward_args(s.reward_args or score.reward_args)
-    return OnlineConfig(
+    built = dict(
         model=str(s.model),
         prompts=read_prompts(s.prompts),
-        out=s.out,
-        iterations=s.iterations,
         sample=_dataclass(SampleConfig, sample, "sample", option_names(SampleConfig), SampleConfig.RECORDED),
         update=_dataclass(UpdateConfig, dict(preset.get("update") or {}), "update", names=keys["update"]),
         group_size=int(drawn.get("group_size", SampleRun.group_size)),
@@ -249,17 +247,17 @@ def _online_config(s: OnlineSettings, presets: Presets) -> OnlineConfig:
         advantage=advantage,
         score_batch_size=int(score.batch_size),
         on_error=score.on_error,
-        max_staleness=s.max_staleness,
-        save_trajectories=s.save_trajectories,
-        media_every=s.media_every,
-        dtype=s.dtype,
-        threads=s.threads,
-        seed=s.seed,
-        engine=s.engine,
         rollout=EngineOptions.from_options(
             {"model": s.model, **{k: v for k, v in asdict(s).items() if k.startswith("server_")}}
         ),
     )
+    # online's other settings the run config holds under the same name, as they are
+    own = {
+        f.name: getattr(s, f.name)
+        for f in fields(OnlineConfig)
+        if f.name in asdict(s) and f.name not in built
+    }
+    return OnlineConfig(**built, **own)
 
 
 def _run_lines(cfg: Any, out: Path, dev: Any, tracking: Any) -> list[dict[str, Any]]:

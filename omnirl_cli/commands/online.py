@@ -235,6 +235,7 @@ def _online_config(s: OnlineSettings, presets: Presets) -> OnlineConfig:
     specs = s.reward or score.reward or []
     rewards = [parse_reward_spec(spec) for spec in ([specs] if isinstance(specs, str) else specs)]
     reward_args = parse_reward_args(s.reward_args or score.reward_args)
+    given = asdict(s)
     built = dict(
         model=str(s.model),
         prompts=read_prompts(s.prompts),
@@ -248,15 +249,11 @@ def _online_config(s: OnlineSettings, presets: Presets) -> OnlineConfig:
         score_batch_size=int(score.batch_size),
         on_error=score.on_error,
         rollout=EngineOptions.from_options(
-            {"model": s.model, **{k: v for k, v in asdict(s).items() if k.startswith("server_")}}
+            {"model": s.model, **{k: v for k, v in given.items() if k.startswith("server_")}}
         ),
     )
     # online's other settings the run config holds under the same name, as they are
-    own = {
-        f.name: getattr(s, f.name)
-        for f in fields(OnlineConfig)
-        if f.name in asdict(s) and f.name not in built
-    }
+    own = {f.name: given[f.name] for f in fields(OnlineConfig) if f.name in given and f.name not in built}
     return OnlineConfig(**built, **own)
 
 

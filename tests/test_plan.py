@@ -32,6 +32,7 @@ PUBLISHED = [
     ("flux2", "full", "text_encoder", 24e9),  # Mistral Small 3.1 24B, vision tower included
     ("flux2_klein", "full", "transformer", 9e9),  # FLUX.2 [klein] 9B
     ("flux2_klein", "full", "text_encoder", 8.19e9),  # Qwen3-8B
+    ("flux2_klein", "4b", "text_encoder", 4.02e9),  # Qwen3-4B
     ("sd3", "full", "transformer", 8.057e9),  # SD3.5 Large
     ("sd3", "full", "text_encoder_2", 0.695e9),  # CLIP-G
     ("wan2_1", "full", "transformer", 14.288e9),
@@ -50,6 +51,23 @@ def test_published_sizes_have_the_published_parameter_counts(
     assert _parameters(family, size)[component] == pytest.approx(published, rel=0.01)
 
 
+def test_flux2_klein_4b_is_the_published_architecture() -> None:
+    """FLUX.2-klein-4B counted by hand from its published config: 5 double- and 20 single-stream blocks of
+    width h = 24 heads x 128, an MLP of 3h (SwiGLU: 6h in), no biases, on Qwen3-4B's 3 x 2560 features.
+    Double block: q/k/v/out of image and text (8h²), two MLPs (2·(6h² + 3h²)), four qk-norms of 128;
+    single block: the fused qkv+MLP projection (h·9h) and its output (4h·h), two qk-norms; beside them the
+    modulations (6h² + 6h² + 3h²), the output norm (2h²), the timestep MLP (256·h + h²), the text
+    projection (7680·h) and the 128-channel patch embedding in and out."""
+    h = 24 * 128
+    double = 8 * h * h + 2 * (6 * h * h + 3 * h * h) + 4 * 128
+    single = 9 * h * h + 4 * h * h + 2 * 128
+    rest = 15 * h * h + 2 * h * h + (256 + h) * h + 3 * 2560 * h + 2 * 128 * h
+    assert _parameters("flux2_klein", "4b")["transformer"] == 5 * double + 20 * single + rest == 3_875_544_576
+    planned = run("plan", "--family", "flux2_klein", "--size", "4b", "--device-memory", "80")
+    assert planned["model"] == "flux2_klein/4b" and planned["parameters"] == _parameters("flux2_klein", "4b")
+    assert planned["activations"]["hidden"] == h and planned["activations"]["blocks"] == 25
+
+
 @pytest.mark.parametrize(("size", "published"), [("3b", 3.75e9), ("7b", 8.29e9)])
 def test_qwen2_5_vl_sizes_have_the_published_parameter_counts(size: str, published: float) -> None:
     assert sum(_parameters("qwen2_5_vl", size).values()) == pytest.approx(published, rel=0.01)
@@ -61,12 +79,19 @@ def test_qwen3_vl_8b_has_the_published_parameter_count() -> None:
     assert sum(parameters.values()) == pytest.approx(8.77e9, rel=0.01)
 
 
-@pytest.mark.parametrize(("family", "module"), [("qwen_image", "qwen_image"), ("wan2_2_a14b", "wan")])
+@pytest.mark.parametrize(
+    ("family", "module", "size"),
+    [
+        ("qwen_image", "qwen_image", "full"),
+        ("wan2_2_a14b", "wan", "full"),
+        ("flux2_klein", "flux2_build", "4b"),
+    ],
+)
 def test_init_model_full_builds_the_planned_architecture(
-    family: str, module: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    family: str, module: str, size: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`init-model --size full` (here on the meta device, its save intercepted) builds exactly the modules
-    the plan counts: the same classes and configs."""
+    """`init-model --size full` (or another published size; here on the meta device, its save intercepted)
+    builds exactly the modules the plan counts: the same classes and configs."""
     import importlib
 
     from stages.models.factory import init_model
@@ -78,9 +103,9 @@ def test_init_model_full_builds_the_planned_architecture(
         lambda pipeline, *args, **kwargs: saved.setdefault("pipe", pipeline),
     )
     with torch.device("meta"):
-        init_model(family, tmp_path / "full", size="full")
+        init_model(family, tmp_path / size, size=size)
     built = {n: m for n, m in saved["pipe"].components.items() if isinstance(m, torch.nn.Module)}
-    planned = from_family(family, "full").modules
+    planned = from_family(family, size).modules
     assert set(built) == set(planned)
 
     def config(module: torch.nn.Module) -> dict:  # a diffusers FrozenDict or a transformers config

@@ -3,8 +3,8 @@ torch-free.
 
 `FAMILIES` is the factory's registry of built-in families (name → its builder as "module:function",
 imported only when built: `stages.models.factory`), and `MODEL_SIZES` the sizes their builders offer
-(each family module's `SIZES`, and Wan's `PUBLISHED`, draw from it; tests hold them equal). From these
-the CLI generates both commands' options (`omnirl_cli.generate`).
+(each family module's `SIZES`, and the `PUBLISHED` sizes of Wan's and FLUX.2 [klein]'s, draw from it;
+tests hold them equal). From these the CLI generates both commands' options (`omnirl_cli.generate`).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ FAMILIES: dict[str, str] = {
 }
 FAMILY_NAMES = tuple(FAMILIES)
 # test, benchmark and published sizes: "full" names each family's flagship, the others their published names
-MODEL_SIZES = ("tiny", "small", "demo", "full", "medium", "1.3b", "3b", "7b", "8b")
+MODEL_SIZES = ("tiny", "small", "demo", "full", "medium", "1.3b", "3b", "4b", "7b", "8b")
 
 MODEL = "Model"
 DEVICE = "Devices"
@@ -63,7 +63,7 @@ class InitModelConfig:
         "size with random weights, for GPU benchmarks: full (each family's flagship: SD3.5 Large, FLUX.1-dev, "
         "FLUX.2 [dev], FLUX.2 [klein] 9B, "
         "Qwen-Image 20B, Z-Image, Wan 2.1 T2V 14B, Wan 2.2 5B / A14B, Qwen2.5-VL 7B, Qwen3-VL 8B, the "
-        "Qwen3-Omni thinker), sd3 medium, wan2_1 1.3b, qwen2_5_vl 3b / 7b, qwen3_vl 8b. `omnirl plan --family F --size S` says "
+        "Qwen3-Omni thinker), sd3 medium, wan2_1 1.3b, flux2_klein 4b, qwen2_5_vl 3b / 7b, qwen3_vl 8b. `omnirl plan --family F --size S` says "
         "what a size needs.",
         choices=MODEL_SIZES,
     )
@@ -87,7 +87,8 @@ class PlanConfig:
     size: str = knob(
         "full",
         "Size of --family: full (its flagship: Qwen-Image 20B, FLUX.1-dev, FLUX.2 [dev], Wan 2.1 T2V 14B, SD3.5 "
-        "Large, ...), another published size (sd3 medium, wan2_1 1.3b, qwen2_5_vl 3b / 7b, qwen3_vl 8b) or tiny / small.",
+        "Large, ...), another published size (sd3 medium, wan2_1 1.3b, flux2_klein 4b, qwen2_5_vl 3b / 7b, qwen3_vl 8b) or tiny / "
+        "small.",
         choices=MODEL_SIZES,
         panel=MODEL,
     )

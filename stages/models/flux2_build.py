@@ -142,23 +142,35 @@ SIZES: dict[str, Flux2Size] = {
     ),
 }
 # klein: the tiny build as FLUX.2's; full = black-forest-labs/FLUX.2-klein-9B as published: 8 double- and 24
-# single-stream blocks of 32 heads x 128 on Qwen3-8B (36 layers of 4096). (klein 4B: 5 + 20 blocks of 24
-# heads on Qwen3-4B.)
+# single-stream blocks of 32 heads x 128 on Qwen3-8B (36 layers of 4096); 4b = FLUX.2-klein-4B: 5 double- and
+# 20 single-stream blocks of 24 heads x 128 on Qwen3-4B (36 layers of 2560, its embedding tied to the LM head).
+KLEIN_9B = replace(
+    SIZES["full"],
+    text_hidden=4096,
+    text_intermediate=12288,
+    text_layers=36,
+    text_heads=32,
+    text_kv_heads=8,
+    text_vocab=151936,
+    heads=32,
+    single_layers=24,
+    vision=None,
+)
 KLEIN_SIZES: dict[str, Flux2Size] = {
     "tiny": SIZES["tiny"],
-    "full": replace(
-        SIZES["full"],
-        text_hidden=4096,
-        text_intermediate=12288,
-        text_layers=36,
-        text_heads=32,
-        text_kv_heads=8,
-        text_vocab=151936,
-        heads=32,
-        single_layers=24,
-        vision=None,
+    "full": KLEIN_9B,
+    "4b": replace(
+        KLEIN_9B,
+        text_hidden=2560,
+        text_intermediate=9728,
+        text_tied=True,
+        heads=24,
+        layers=5,
+        single_layers=20,
     ),
 }
+# The sizes `plan --family` reads beside `SIZES` (FLUX.2 [dev]'s), by family.
+PUBLISHED: dict[str, dict[str, Flux2Size]] = {KLEIN: KLEIN_SIZES}
 
 
 def _transformer(spec: Flux2Size, seed: int, *, guidance_embeds: bool) -> Flux2Transformer2DModel:

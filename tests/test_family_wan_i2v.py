@@ -1,8 +1,8 @@
 """Wan image-to-video (stages/models/wan_i2v.py): the adapter's velocity is `WanImageToVideoPipeline`'s own
 (first-frame VAE condition cut from 81 frames to the sample's, CLIP image embeddings, true CFG; Wan 2.2 I2V
-A14B's two experts with their own guidance), the rollout replays exactly from the stored first frames, the
-LoRA is Flow-Factory's layout and round-trips through the stock loader, and the inputs the model cannot
-take are one-line errors."""
+A14B's two experts with their own guidance; TI2V-5B's image as latent frame 0 with per-token timesteps), the
+rollout replays exactly from the stored first frames, the LoRA is Flow-Factory's layout and round-trips
+through the stock loader, and the inputs the model cannot take are one-line errors."""
 
 from __future__ import annotations
 
@@ -44,16 +44,20 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-@pytest.fixture(scope="module")
-def table(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("i2v-prompts")
+def first_frames(folder: Path, side: int) -> Path:
+    """A prompt table of PROMPTS, each with its own random first frame of `side` px."""
     rows = []
     for i, prompt in enumerate(PROMPTS):
-        frame(i).save(folder / f"first{i}.png")
+        frame(i, (side, side)).save(folder / f"first{i}.png")
         rows.append({"prompt": prompt, "image": f"first{i}.png"})
     path = folder / "i2v.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+@pytest.fixture(scope="module")
+def table(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return first_frames(tmp_path_factory.mktemp("i2v-prompts"), 32)
 
 
 @pytest.mark.parametrize("frames", [5, 9])
@@ -94,22 +98,26 @@ def test_ode_rollout_equals_the_stock_pipeline(tiny: Path, frames: int) -> None:
     assert (ours(frame(7)) - mine).abs().max().item() > 1e-4  # the first frame acts
 
 
-@pytest.fixture(scope="module")
-def i2v_run(tiny: Path, table: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def staged_run(model: Path, table: Path, root: Path, resolution: int) -> dict[str, Path]:
     """One staged iteration: sample (SDE, a 2-step window) → score → logprob (with means) → advantage."""
-    root = tmp_path_factory.mktemp("i2v-run")
     paths = {k: root / k for k in ("samples", "rewards", "logprobs", "advantages")}
     run(
-        "sample", "--model", str(tiny), "--prompts", str(table), "-n", "2", "--steps", "4", "--batch-size", "3",
-        "--resolution", "32", "--frames", "5", "--guidance", "4", "--sde-window", "2", "--out", str(paths["samples"]),
+        "sample", "--model", str(model), "--prompts", str(table), "-n", "2", "--steps", "4", "--batch-size", "3",
+        "--resolution", str(resolution), "--frames", "5", "--guidance", "4", "--sde-window", "2",
+        "--out", str(paths["samples"]),
     )  # fmt: skip
     run("score", "--in", str(paths["samples"]), "--reward", "jpeg_compressibility@frames=mean",
         "--out", str(paths["rewards"]))  # fmt: skip
-    replay = run("logprob", "--model", str(tiny), "--in", str(paths["samples"]), "--means",
+    replay = run("logprob", "--model", str(model), "--in", str(paths["samples"]), "--means",
                  "--out", str(paths["logprobs"]))  # fmt: skip
     assert replay["abs_delta_count"] > 0 and replay["abs_delta_max"] == 0.0  # the replay is exact
     run("advantage", *ins(paths["samples"], paths["rewards"]), "--out", str(paths["advantages"]))
-    return {"model": tiny, **paths}
+    return {"model": model, **paths}
+
+
+@pytest.fixture(scope="module")
+def i2v_run(tiny: Path, table: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return staged_run(tiny, table, tmp_path_factory.mktemp("i2v-run"), 32)
 
 
 def update(
@@ -156,11 +164,14 @@ def test_full_weights_reload(i2v_run: dict[str, Path], tmp_path: Path) -> None:
     assert any(not torch.equal(p, base[n]) for n, p in trained.module.named_parameters())
 
 
+@pytest.mark.parametrize("staged", ["i2v_run", "ti2v_run"])
 @pytest.mark.parametrize("algo", ["flow_grpo", "dance_grpo", "mix_grpo", "grpo_guard", "nft", "awm", "dpo"])
-def test_every_algorithm_trains(i2v_run: dict[str, Path], tmp_path: Path, algo: str) -> None:
+def test_every_algorithm_trains(
+    request: pytest.FixtureRequest, staged: str, tmp_path: Path, algo: str
+) -> None:
     inputs = {"dpo": ("samples", "rewards"), "grpo_guard": ("samples", "advantages", "logprobs")}
     result = update(
-        i2v_run,
+        request.getfixturevalue(staged),
         tmp_path / "policy",
         "--algo",
         algo,
@@ -285,3 +296,103 @@ def test_a14b_i2v_replays_exactly_with_a_window_across_the_switch(
     )  # fmt: skip
     replay = run("logprob", "--model", str(a14b), "--in", str(tmp_path / "s"), "--out", str(tmp_path / "lp"))
     assert replay["abs_delta_count"] > 0 and replay["abs_delta_max"] == 0.0
+
+
+@pytest.fixture(scope="module")
+def ti2v(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("models") / "wan-ti2v"
+    summary = run("init-model", "--family", "wan2_2_5b_i2v", "--size", "tiny", str(out))
+    assert summary["family"] == "wan2_2_5b_i2v" and summary["pipeline_class"] == "WanImageToVideoPipeline"
+    return out
+
+
+@pytest.fixture(scope="module")
+def ti2v_table(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return first_frames(tmp_path_factory.mktemp("ti2v-prompts"), 64)
+
+
+@pytest.fixture(scope="module")
+def ti2v_run(ti2v: Path, ti2v_table: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return staged_run(ti2v, ti2v_table, tmp_path_factory.mktemp("ti2v-run"), 64)
+
+
+def test_ti2v_equals_the_stock_pipeline(ti2v: Path) -> None:
+    """TI2V-5B with an image: the image's latent as frame 0, timestep 0 on its tokens (`expand_timesteps`)."""
+    from diffusers import WanImageToVideoPipeline, WanPipeline
+
+    policy = FlowPolicy.load(ti2v)
+    assert policy.family.name == "wan2_2_5b_i2v"
+    cfg = SampleConfig(
+        steps=3, guidance=4.0, resolution=64, frames=9, sampler="ode", batch_size=2, max_sequence_length=64
+    )
+
+    def ours(image: Image.Image) -> torch.Tensor:
+        return rollout_batch(
+            policy, cfg, PROMPTS[:2], ["", ""], [1, 2], [1, 2], groups=[0, 1], sample_ids=["a", "b"],
+            images=[[png(image)]] * 2,
+        )["final_latent"]  # fmt: skip
+
+    pipe = WanImageToVideoPipeline.from_pretrained(ti2v)
+    pipe.set_progress_bar_config(disable=True)
+    with torch.no_grad():
+        embeds = WanPipeline._get_t5_prompt_embeds(pipe, prompt=list(PROMPTS[:2]), max_sequence_length=64)
+        negative = WanPipeline._get_t5_prompt_embeds(pipe, prompt=["", ""], max_sequence_length=64)
+    theirs = pipe(
+        image=frame(0, (64, 64)), prompt_embeds=embeds, negative_prompt_embeds=negative,
+        latents=policy.initial_noise([1, 2], 64, 9), num_inference_steps=3, guidance_scale=4.0, height=64,
+        width=64, num_frames=9, output_type="latent",
+    ).frames  # fmt: skip
+    mine = ours(frame(0, (64, 64)))
+    assert mine.shape == (2, 48, 3, 4, 4)
+    assert (mine - theirs).abs().max().item() == 0.0
+    other = ours(frame(7, (64, 64)))
+    assert (other[:, :, 1:] - mine[:, :, 1:]).abs().max().item() > 1e-4  # the image conditions the rest
+
+
+def test_ti2v_given_frame_is_no_action_of_the_policy(ti2v: Path) -> None:
+    """The given frame's velocity is 0 whatever x holds there, and the other frames do not read x's frame 0."""
+    policy = FlowPolicy.load(ti2v)
+    cond = policy.encode(PROMPTS[:1], None, True, 64, [[png(frame(0, (64, 64)))]])
+    x = policy.initial_noise([3], 64, 9)
+    moved = x.clone()
+    moved[:, :, 0] += 5.0
+    v, w = (policy.velocity(z, torch.tensor(0.6), cond, 4.0) for z in (x, moved))
+    assert v[:, :, 0].abs().max().item() == 0.0 and v[:, :, 1:].abs().max().item() > 0
+    assert torch.equal(v, w)
+
+
+def test_ti2v_lora_round_trips_through_the_stock_loader(ti2v_run: dict[str, Path], tmp_path: Path) -> None:
+    from diffusers import WanImageToVideoPipeline
+
+    out = tmp_path / "policy"
+    assert update(ti2v_run, out)["optimizer_steps"] >= 1
+    trained = load_file(out / LORA_WEIGHTS)
+    assert max(v.abs().max().item() for k, v in trained.items() if "lora_B" in k) > 0  # it moved
+    pipe = WanImageToVideoPipeline.from_pretrained(ti2v_run["model"])
+    pipe.load_lora_weights(str(out), adapter_name="default")
+    ours = FlowPolicy.load(ti2v_run["model"], adapter=out)
+    loaded = {n: p for n, p in ours.module.named_parameters() if "lora_" in n}
+    stock = {n: p for n, p in pipe.transformer.named_parameters() if "lora_" in n}
+    assert (
+        loaded and loaded.keys() == stock.keys() and all(torch.equal(v, stock[n]) for n, v in loaded.items())
+    )
+
+
+def test_ti2v_bad_first_frames_exit_2_with_one_line(ti2v: Path, ti2v_table: Path, tmp_path: Path) -> None:
+    def sample(prompts: Path, resolution: str = "64") -> list[str]:
+        return [
+            "sample", "--model", str(ti2v), "--prompts", str(prompts), "-n", "2", "--steps", "2",
+            "--resolution", resolution, "--frames", "5", "--out", str(tmp_path / "out"),
+        ]  # fmt: skip
+
+    def rows(name: str, *records: dict) -> Path:
+        path = ti2v_table.parent / name
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+        return path
+
+    frame(1, (48, 64)).save(ti2v_table.parent / "odd.png")
+    # checked before the model loads, by its pipeline class (whose class-level name is Wan 2.1 I2V's)
+    fails(sample(rows("none.jsonl", {"prompt": "x"})), "edits a source image", "none")
+    fails(sample(rows("odd.jsonl", {"prompt": "x", "image": "odd.png"})), "48x64 px", "multiple of 32")
+    fails(sample(ti2v_table, "128"), "--resolution 128x128", "64x64 px", "at the output size")
+    assert not (tmp_path / "out").exists()

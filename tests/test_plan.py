@@ -39,6 +39,7 @@ PUBLISHED = [
     ("wan2_1", "full", "text_encoder", 5.7e9),  # umT5-XXL encoder
     ("wan2_1", "1.3b", "transformer", 1.419e9),
     ("wan2_2_5b", "full", "transformer", 5.0e9),
+    ("wan2_2_5b_i2v", "full", "transformer", 5.0e9),  # TI2V-5B with an image: the same transformer
     ("wan2_2_a14b", "full", "transformer", 14.288e9),
     ("wan2_2_a14b", "full", "transformer_2", 14.288e9),
 ]

@@ -37,6 +37,7 @@ FAMILIES: dict[str, str] = {
     "wan2_1": "stages.models.wan:build_wan2_1",
     "wan2_1_i2v": "stages.models.wan_i2v:build_wan2_1_i2v",
     "wan2_2_5b": "stages.models.wan:build_wan2_2_5b",
+    "wan2_2_5b_i2v": "stages.models.wan_i2v:build_wan2_2_5b_i2v",
     "wan2_2_a14b": "stages.models.wan:build_wan2_2_a14b",
     "wan2_2_a14b_i2v": "stages.models.wan_i2v:build_wan2_2_a14b_i2v",
     "z_image": "stages.models.z_image:build_z_image",

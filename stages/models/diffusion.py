@@ -480,6 +480,10 @@ class FlowPolicy(TrainedWeights):
         cond = cond.to(self.transformer.dtype)
         return self.family.velocity(self.transformer, x, sigma, cond, guidance, **extra)
 
+    def finish(self, x0: torch.Tensor, cond: Condition) -> torch.Tensor:
+        """The sample the pipeline returns for the sampler's last latents x0 (`FamilyAdapter.finish`)."""
+        return self.family.finish(x0, cond)
+
     @torch.no_grad()
     def encode_images(self, images: list[Any], resolution: Resolution) -> torch.Tensor:
         """PIL images → latents [B, *latent_shape] (resized and centre-cropped), the inverse of `decode`."""

@@ -328,6 +328,12 @@ class FamilyAdapter:
         experts (`trained_modules`) also takes `guidance_2`, its low-noise expert's guidance."""
         raise NotImplementedError
 
+    def finish(self, x0: torch.Tensor, cond: Condition) -> torch.Tensor:
+        """The sample [B, *latent_shape] the family's pipeline returns for the sampler's last latents x0
+        under `cond`: x0 itself, unless part of it is given rather than generated (an image-to-video
+        model's first frame), which the pipeline puts back."""
+        return x0
+
     def decode(self, x0: torch.Tensor) -> list[Any]:
         """Latents [B, *latent_shape] → per sample a PIL image, or for a video family a list of PIL
         frames. The default is the AutoencoderKL form z/scale + shift

@@ -426,10 +426,7 @@ class WanAdapter(FamilyAdapter):
         token (5B). `run` is the expert (or a call of it); `dtype` its weights' (default: `run.dtype`)."""
         model_in = self.model_input(x, cond).to(dtype or run.dtype)
         image = self.image_input(cond)
-        if self.pipe.config.expand_timesteps:
-            frames, h, w = x.shape[2:]
-            tokens = frames * (h // 2) * (w // 2)
-            timestep = timestep[:, None].expand(-1, tokens)
+        timestep = self.model_timestep(timestep, x)
 
         def forward(branch: Tensors) -> torch.Tensor:
             return run(
@@ -450,6 +447,14 @@ class WanAdapter(FamilyAdapter):
     def model_input(self, x: torch.Tensor, cond: Condition) -> torch.Tensor:
         """The transformer's `hidden_states` for latents x: x itself (image-to-video adds its condition)."""
         return x
+
+    def model_timestep(self, timestep: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The transformer's timestep for latents x [B, C, F', h, w]: timestep [B] itself, or with
+        `expand_timesteps` (TI2V-5B) one per latent token in 2×2 patches, [B, F'·h/2·w/2]."""
+        if not self.pipe.config.expand_timesteps:
+            return timestep
+        frames, h, w = x.shape[2:]
+        return timestep[:, None].expand(-1, frames * (h // 2) * (w // 2))
 
     def image_input(self, cond: Condition) -> dict[str, torch.Tensor]:
         """Extra transformer inputs from the prompt's image (none for text-to-video)."""

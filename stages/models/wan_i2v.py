@@ -1,5 +1,5 @@
-"""Wan image-to-video (`WanImageToVideoPipeline`): Wan 2.1 I2V and Wan 2.2 I2V A14B, the family adapter and
-tiny offline builders.
+"""Wan image-to-video (`WanImageToVideoPipeline`): Wan 2.1 I2V, Wan 2.2 I2V A14B and Wan 2.2 TI2V-5B with an
+image, the family adapter and tiny offline builders.
 
 Wan 2.1 I2V is Wan 2.1's DiT reading, beside the noisy latents, the first frame's conditioning, built as
 `WanImageToVideoPipeline.__call__` builds it: the image followed by F − 1 black frames at the output size,
@@ -12,6 +12,14 @@ VAE are Wan 2.1's (`stages.models.wan`).
 Wan 2.2 I2V A14B is the same conditioning without the CLIP tower (its blocks have no image
 cross-attention), on Wan 2.2 A14B's two experts (`transformer` at σ·1000 ≥ boundary_ratio·1000, 0.9 for
 I2V, `transformer_2` below; both trained, as `wan2_2_a14b`).
+
+Wan 2.2 TI2V-5B with an image (`expand_timesteps`) conditions otherwise, as the pipeline runs it: the image
+alone through the 48-channel VAE is latent frame 0, which replaces frame 0 of x in the transformer's input,
+with timestep 0 on that frame's tokens (the others get σ·1000); no mask channels, no CLIP. The transformer
+is TI2V-5B's text-to-video one (`wan2_2_5b`: the same weights do both). The pipeline lets its sampler move
+x's frame 0 by whatever the model predicts there and puts the condition back at the end; here the given
+frame's velocity is 0, so it is no action of the policy (its log-density terms do not depend on the
+weights and no gradient reaches them), and `finish` puts the condition back: the sample is the pipeline's.
 
 The condition is encoded once per prompt, when its frame count is not known yet: for `CONDITION_FRAMES`
 frames (81, the pipeline's default and Wan 2.1 I2V's training length), cut to a sample's latent frames.
@@ -33,6 +41,7 @@ from diffusers import WanImageToVideoPipeline, WanPipeline, WanTransformer3DMode
 from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 
 from stages.errors import UserInputError
+from stages.models import wan
 from stages.models.factory import choose_size, save_pipeline, seeded
 from stages.models.families import Condition, Tensors, encode_3d
 from stages.models.wan import (
@@ -48,6 +57,11 @@ from stages.models.wan import (
 
 FAMILY = "wan2_1_i2v"
 A14B = "wan2_2_a14b_i2v"
+TI2V = "wan2_2_5b_i2v"
+# The text-to-video variant (`stages.models.wan.VARIANTS`) each family's VAE, text encoder and scheduler are.
+BASE = {FAMILY: "wan2_1", A14B: "wan2_1", TI2V: "wan2_2_5b"}
+# Published sizes beside `SIZES`: TI2V-5B's transformer is Wan 2.2 5B's (Wan2.2-TI2V-5B-Diffusers).
+PUBLISHED: dict[str, dict[str, WanSize]] = {TI2V: {"full": wan.PUBLISHED["wan2_2_5b"]["full"]}}
 # Wan2.2-I2V-A14B-Diffusers' model_index: the experts switch at t = 0.9·1000 (T2V: 0.875)
 A14B_BOUNDARY = 0.9
 CONDITION_FRAMES = 81
@@ -89,14 +103,22 @@ def _transformer(spec: WanSize, seed: int, component: str, image_dim: int | None
         )
 
 
+def _sizes(family: str) -> dict[str, WanSize]:
+    return {**SIZES, **PUBLISHED.get(family, {})}
+
+
 def make_wan_i2v(family: str, size: str, seed: int) -> WanImageToVideoPipeline:
     """The `WanImageToVideoPipeline` of `family` (`wan2_1_i2v`: one DiT with image cross-attention and a
-    CLIP vision tower; `wan2_2_a14b_i2v`: two experts, no CLIP) and `size`: Wan's text encoder, VAE and
-    scheduler (`make_wan`), 36-channel DiTs, seeded random weights."""
-    spec: WanSize = choose_size(family, size, SIZES)
-    wan = make_wan("wan2_1", size, seed)
+    CLIP vision tower; `wan2_2_a14b_i2v`: two experts, no CLIP; both 36-channel; `wan2_2_5b_i2v`: TI2V-5B's
+    own 48-channel DiT with `expand_timesteps`) and `size`: the text encoder, VAE and scheduler of its
+    text-to-video variant (`make_wan`), seeded random weights, on the current default device."""
+    spec: WanSize = choose_size(family, size, _sizes(family))
+    base = make_wan(BASE[family], size, seed)
     parts: dict[str, Any] = {}
-    if family == FAMILY:
+    if family == TI2V:
+        parts["transformer"] = base.transformer
+        parts["expand_timesteps"] = True
+    elif family == FAMILY:
         with seeded(seed, "image_encoder"):
             parts["image_encoder"] = CLIPVisionModel(
                 CLIPVisionConfig(
@@ -118,13 +140,17 @@ def make_wan_i2v(family: str, size: str, seed: int) -> WanImageToVideoPipeline:
         parts["transformer_2"] = _transformer(spec, seed, LOW_NOISE, None)
         parts["boundary_ratio"] = A14B_BOUNDARY
     return WanImageToVideoPipeline(
-        tokenizer=wan.tokenizer, text_encoder=wan.text_encoder, vae=wan.vae, scheduler=wan.scheduler, **parts
+        tokenizer=base.tokenizer,
+        text_encoder=base.text_encoder,
+        vae=base.vae,
+        scheduler=base.scheduler,
+        **parts,
     )
 
 
 def build_wan_i2v(out_dir: str | Path, *, family: str, size: str, seed: int) -> dict[str, Any]:
     """Build and save a `WanImageToVideoPipeline` folder of `family` and `size` (`make_wan_i2v`)."""
-    spec: WanSize = choose_size(family, size, SIZES)
+    spec: WanSize = choose_size(family, size, _sizes(family))
     pipeline = make_wan_i2v(family, size, seed)
     factor = pipeline.vae.config.scale_factor_spatial
     return save_pipeline(
@@ -138,7 +164,7 @@ def build_wan_i2v(out_dir: str | Path, *, family: str, size: str, seed: int) -> 
             "frames": spec.frames,
             "vae_scale_factor": factor,
             "latent_shape": [
-                VARIANTS["wan2_1"].latent_channels,
+                VARIANTS[BASE[family]].latent_channels,
                 (spec.frames - 1) // TEMPORAL_FACTOR + 1,
                 spec.latent_side,
                 spec.latent_side,
@@ -151,17 +177,21 @@ def build_wan_i2v(out_dir: str | Path, *, family: str, size: str, seed: int) -> 
 
 build_wan2_1_i2v = partial(build_wan_i2v, family=FAMILY)
 build_wan2_2_a14b_i2v = partial(build_wan_i2v, family=A14B)
+build_wan2_2_5b_i2v = partial(build_wan_i2v, family=TI2V)
 make_wan2_1_i2v = partial(make_wan_i2v, FAMILY)
 make_wan2_2_a14b_i2v = partial(make_wan_i2v, A14B)
+make_wan2_2_5b_i2v = partial(make_wan_i2v, TI2V)
 
 
 class WanI2VAdapter(WanAdapter):
-    """Wan 2.1 I2V and Wan 2.2 I2V A14B: Wan conditioned on a first frame.
+    """Wan 2.1 I2V, Wan 2.2 I2V A14B and TI2V-5B with an image: Wan conditioned on a first frame.
 
     Each prompt's positive conditioning adds "condition" [16, F'max, h, w] (the first frame then black
     frames through the VAE, `CONDITION_FRAMES` frames) and, for Wan 2.1, "image_embeds" [T, D] (CLIP's
     penultimate hidden states); the velocity is Wan's (A14B: each row's expert) over [x, mask, condition
     cut to x's F'] with the image embeddings as `encoder_hidden_states_image`, in both CFG branches.
+    TI2V-5B: "condition" [48, 1, h, w] (the image alone through the VAE) replaces x's latent frame 0, whose
+    tokens get timestep 0 and whose velocity is 0 (the module docstring says why).
     """
 
     name = FAMILY
@@ -170,7 +200,13 @@ class WanI2VAdapter(WanAdapter):
 
     def __init__(self, pipe: Any) -> None:
         super().__init__(pipe)
-        self.name = A14B if self.boundary is not None else FAMILY  # WanAdapter names its T2V variants
+        # WanAdapter names its T2V variants
+        self.name = A14B if self.boundary is not None else TI2V if self.given_frame else FAMILY
+
+    @property
+    def given_frame(self) -> bool:
+        """Whether the image is latent frame 0 itself (TI2V-5B's `expand_timesteps`), not extra channels."""
+        return bool(self.pipe.config.expand_timesteps)
 
     def encode_prompts(
         self,
@@ -181,7 +217,7 @@ class WanI2VAdapter(WanAdapter):
         images: list[list[Any]] | None = None,
     ) -> list[tuple[Tensors, Tensors]]:
         """Wan's text conditioning of the prompts, each with its first frame's VAE condition and CLIP
-        embeddings, as `WanImageToVideoPipeline` makes them."""
+        embeddings (TI2V-5B: the image alone through the VAE), as `WanImageToVideoPipeline` makes them."""
         assert images is not None and len(images) == len(prompts)
         pipe = self.pipe
 
@@ -207,13 +243,15 @@ class WanI2VAdapter(WanAdapter):
             pixels = pipe.video_processor.preprocess(image, height=height, width=width).to(
                 device, torch.float32
             )
-            black = pixels.new_zeros(1, 3, CONDITION_FRAMES - 1, height, width)
+            # the frame, then black frames up to CONDITION_FRAMES (TI2V-5B: the frame alone)
+            black = pixels.new_zeros(1, 3, 0 if self.given_frame else CONDITION_FRAMES - 1, height, width)
             pos["condition"] = encode_3d(pipe.vae, torch.cat([pixels.unsqueeze(2), black], dim=2))[0]
         return encoded
 
     def model_input(self, x: torch.Tensor, cond: Condition) -> torch.Tensor:
         """[x, mask, condition] along channels: the mask 1 on latent frame 0 (the given frame), the
-        condition cut to x's latent frames; the condition's size must be x's."""
+        condition cut to x's latent frames (TI2V-5B: x with latent frame 0 replaced by the condition); the
+        condition's size must be x's."""
         condition = cond.pos["condition"]
         frames, h, w = x.shape[2:]
         if tuple(condition.shape[-2:]) != (h, w):
@@ -224,6 +262,8 @@ class WanI2VAdapter(WanAdapter):
                 f"{self.name} conditions on the first frame at the output size; sample at the images' size or "
                 "resize them"
             )
+        if self.given_frame:
+            return torch.cat([condition.to(x.dtype), x[:, :, 1:]], dim=2)
         if frames > condition.shape[2]:
             raise UserInputError(
                 f"--frames: {self.name} encodes its first-frame condition for up to {CONDITION_FRAMES} frames; "
@@ -232,6 +272,35 @@ class WanI2VAdapter(WanAdapter):
         mask = torch.zeros(x.shape[0], MASK_CHANNELS, *x.shape[2:], device=x.device, dtype=x.dtype)
         mask[:, :, 0] = 1
         return torch.cat([x, mask, condition[:, :, :frames].to(x.dtype)], dim=1)
+
+    def model_timestep(self, timestep: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Wan's timestep; TI2V-5B's per-token one is 0 on the given frame's tokens (the first h/2·w/2)."""
+        timestep = super().model_timestep(timestep, x)
+        if not self.given_frame:
+            return timestep
+        given = (x.shape[3] // 2) * (x.shape[4] // 2)
+        return torch.cat([timestep.new_zeros(timestep.shape[0], given), timestep[:, given:]], dim=1)
+
+    def velocity(
+        self,
+        transformer: torch.nn.Module,
+        x: torch.Tensor,
+        sigma: torch.Tensor,
+        cond: Condition,
+        guidance: float,
+        guidance_2: float | None = None,
+    ) -> torch.Tensor:
+        """Wan's guided velocity [B, C, F', h, w]; TI2V-5B's is 0 on the given latent frame 0."""
+        v = super().velocity(transformer, x, sigma, cond, guidance, guidance_2)
+        if not self.given_frame:
+            return v
+        return torch.cat([torch.zeros_like(v[:, :, :1]), v[:, :, 1:]], dim=2)
+
+    def finish(self, x0: torch.Tensor, cond: Condition) -> torch.Tensor:
+        """TI2V-5B: x0 with latent frame 0 the condition, as the pipeline returns it; else x0."""
+        if not self.given_frame:
+            return x0
+        return torch.cat([cond.pos["condition"].to(x0.device, x0.dtype), x0[:, :, 1:]], dim=2)
 
     def image_input(self, cond: Condition) -> dict[str, torch.Tensor]:
         """The CLIP embeddings for the blocks' image cross-attention (both CFG branches); none for A14B."""

@@ -140,6 +140,7 @@ def rollout_batch(
                     if i == windows[b][-1]:
                         latents[b].append(x_next[b])
             x = x_next
+        x = policy.finish(x, cond)  # a given first frame put back, as the pipeline returns it
         result: dict[str, Any] = {"final_latent": x.cpu()}
         if windows[0]:
             result["latents"] = torch.stack([torch.stack(ls) for ls in latents]).cpu()

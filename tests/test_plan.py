@@ -69,6 +69,42 @@ def test_flux2_klein_4b_is_the_published_architecture() -> None:
     assert planned["activations"]["hidden"] == h and planned["activations"]["blocks"] == 25
 
 
+def test_an_editing_models_source_tokens_join_the_sequence() -> None:
+    """Hand count at 64 px: the tiny builds' 4× VAE gives 16×16 latents, 64 tokens in 2×2 patches, beside
+    128 text tokens. Kontext appends its one source's 64 (s = 64 + 64 + 128); Qwen-Image-Edit Plus with 3
+    references 3·64, so every activation term grows by (64 + 192 + 128)/(64 + 64 + 128) = 3/2 over 1
+    reference; FLUX.2 plans text-to-image unless asked; Wan I2V's first frame adds channels, no tokens."""
+
+    def planned(family: str, resolution: str = "64", **settings) -> dict:
+        return plan(from_family(family, "tiny"), PlanConfig(resolution=resolution, **settings))
+
+    latent, text = (64 // 4 // 2) ** 2, 128
+    kontext = planned("flux_kontext")["activations"]
+    assert (kontext["latent_tokens"], kontext["source_tokens"], kontext["text_tokens"]) == (
+        latent,
+        latent,
+        text,
+    )
+    assert kontext["sequence"] == 2 * latent + text
+    one, three = (planned("qwen_image_edit_plus", references=n) for n in (1, 3))
+    assert three["activations"]["source_tokens"] == 3 * latent and three["settings"]["references"] == 3
+    for part in (
+        lambda r: r["activations"]["per_block_per_sample"],
+        lambda r: r["stages"]["update"]["activations"],
+    ):
+        assert part(three) * (2 * latent + text) == part(one) * (4 * latent + text)  # × 384/256
+    klein = [planned("flux2_klein", references=n)["activations"] for n in (None, 2)]
+    assert klein[0]["source_tokens"] == 0 and klein[1]["source_tokens"] == 2 * klein[1]["latent_tokens"]
+    wan = planned("wan2_1_i2v", "32", frames=5)
+    assert wan["settings"]["references"] == 1 and wan["activations"]["source_tokens"] == 0
+    fails(
+        ["plan", "--family", "flux_kontext", "--size", "tiny", "--references", "2"],
+        "--references 2",
+        "takes 1",
+    )
+    fails(["plan", "--family", "flux2_klein", "--size", "tiny", "--references", "11"], "takes 0 to 10")
+
+
 @pytest.mark.parametrize(("size", "published"), [("3b", 3.75e9), ("7b", 8.29e9)])
 def test_qwen2_5_vl_sizes_have_the_published_parameter_counts(size: str, published: float) -> None:
     assert sum(_parameters("qwen2_5_vl", size).values()) == pytest.approx(published, rel=0.01)

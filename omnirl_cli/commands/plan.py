@@ -34,8 +34,10 @@ def _render(result: dict[str, Any]) -> None:
         f"{s['micro_batch'] or s['batch_size']}, {a['cfg_branches']} CFG branch(es), "
         f"mixed precision {s['mixed_precision']}, gradient checkpointing {'on' if s['gradient_checkpointing'] else 'off'}"
     )
+    sources = f"{a['source_tokens']} source + " if a["source_tokens"] else ""
     out.print(
-        f"activations: {a['latent_tokens']} latent + {a['text_tokens']} text tokens, hidden {a['hidden']}, "
+        f"activations: {a['latent_tokens']} latent + {sources}{a['text_tokens']} text tokens, "
+        f"hidden {a['hidden']}, "
         f"{a['blocks']} blocks, {_gib(a['per_block_per_sample'])} GiB per block and sample"
     )
     params = Table(title="parameters", title_justify="left")
@@ -92,7 +94,9 @@ def run(c: PlanConfig, json_: bool) -> None:
     latents), the trained parameters (LoRA on the family's reference targets, or the whole transformer
     with --full, in fp32), their fp32 gradients and AdamW moments, the activations for --resolution,
     --frames, the batch and gradient checkpointing (17·s·h elements per block and sample, 22·s·h with
-    --full; s = latent + text tokens, h the block width; fused attention assumed; sample also the VAE's
+    --full; s = latent + source + text tokens, the source tokens those of an editing model's --references
+    condition images at the output size where it appends them to the sequence, h the block width; fused
+    attention assumed; sample also the VAE's
     decoding of its batch), and the total under the strategy: DDP holds everything on every rank; FSDP2
     divides the trained module's weights, gradients and optimizer state by --num-processes, gathers its
     largest block twice, and with --cpu-offload keeps those shards in host memory; --sp-degree S divides

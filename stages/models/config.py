@@ -114,6 +114,14 @@ class PlanConfig:
         "Text tokens per sample (default: the model's text length; VLM: 1024, prompt and response).",
         low=1,
     )
+    references: int | None = knob(
+        None,
+        "Condition images per prompt of an editing model (its sources or references), each at the output "
+        "size: Kontext, Qwen-Image-Edit (Plus: 1 to 3) and FLUX.2 (0 to 10) append each one's latent tokens "
+        "to the sequence; Wan I2V's first frame enters as channels or frame 0 and adds none. Default: the "
+        "fewest the model takes (1 for an editing model, 0 for FLUX.2).",
+        low=0,
+    )
     lora_rank: int = knobs.lora_rank()
     full: bool = knobs.full()
     gradient_checkpointing: bool = knobs.gradient_checkpointing()

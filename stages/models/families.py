@@ -186,6 +186,9 @@ class FamilyAdapter:
     # How many condition images (a prompt row's `image` / `images`) a prompt takes: (fewest, most).
     # (0, 0): text-only; an editing family takes some, and `encode_prompts` then receives them.
     condition_images: ClassVar[tuple[int, int]] = (0, 0)
+    # Whether each condition image's latent tokens join the transformer's sequence (Kontext, Qwen-Image-Edit,
+    # FLUX.2: appended after the latent tokens; `omnirl plan` counts them); False: it enters otherwise.
+    condition_tokens: ClassVar[bool] = True
     # Whether --full trains (and saves) every weight of the trained module; False: LoRA only.
     full_weights: ClassVar[bool] = True
 

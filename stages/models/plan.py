@@ -16,7 +16,9 @@ stage keeps resident today:
   training activations;
 - online: a sampler's pipeline and the trainer's, both resident at once (both stages' totals added).
 
-Activations (bytes) are a per-block estimate. With s = latent tokens + text tokens, h the block's
+Activations (bytes) are a per-block estimate. With s = latent tokens + source tokens + text tokens (an
+editing model's condition images, `--references` of them at the output size, each adding its latent tokens
+where the family appends them to the sequence: `FamilyAdapter.condition_tokens`), h the block's
 hidden width, L the number of blocks, b the micro-batch times the CFG branches (2 when the guidance
 runs an unconditional branch) and a the activation element size (2 under bf16/fp16 autocast or
 weights, else 4), one block's stored activations are A = 17·s·h·a per sample (Korthikanti et al.'s
@@ -152,17 +154,40 @@ def _experts(arch: Architecture) -> dict[str, int] | None:
     return {**counts, "active": counts["shared"] + counts["understanding"]}
 
 
-def _tokens(arch: Architecture, cfg: PlanConfig) -> tuple[int, int]:
-    """(latent tokens, text tokens) of one sample."""
-    text = cfg.text_tokens if cfg.text_tokens is not None else arch.text_tokens
+def _references(arch: Architecture, cfg: PlanConfig) -> int:
+    """The condition images per prompt planned for: `cfg.references`, or the fewest the family takes; a
+    count it does not take is a one-line error."""
     if arch.kind == "vlm":
-        return 0, text
+        if cfg.references:
+            raise UserInputError(
+                f"--references {cfg.references}: {arch.name} is a VLM; count its image tokens in --text-tokens"
+            )
+        return 0
+    fewest, most = arch.adapter.condition_images
+    if cfg.references is None:
+        return fewest
+    if not fewest <= cfg.references <= most:
+        takes = f"{fewest}" if fewest == most else f"{fewest} to {most}"
+        raise UserInputError(
+            f"--references {cfg.references}: {arch.name} takes {takes} condition image(s) per prompt"
+        )
+    return cfg.references
+
+
+def _tokens(arch: Architecture, cfg: PlanConfig) -> tuple[int, int, int]:
+    """(latent tokens, source tokens, text tokens) of one sample: the condition images' latent tokens
+    (each at the output size) where the family appends them to the sequence."""
+    text = cfg.text_tokens if cfg.text_tokens is not None else arch.text_tokens
+    references = _references(arch, cfg)
+    if arch.kind == "vlm":
+        return 0, 0, text
     resolution = parse_resolution(cfg.resolution if cfg.resolution is not None else arch.resolution)
     shape = arch.adapter.latent_shape(resolution, cfg.frames)
     cells = 1
     for side in shape[1:]:
         cells *= side
-    return cells // PATCH_AREA, text
+    latent = cells // PATCH_AREA
+    return latent, latent * references if arch.adapter.condition_tokens else 0, text
 
 
 def _decode(arch: Architecture, cfg: PlanConfig, element: int) -> int:
@@ -236,8 +261,8 @@ def plan(arch: Architecture, cfg: PlanConfig) -> dict[str, Any]:
     memory = accelerator_memory() if cfg.device_memory is None else int(cfg.device_memory * GIB)
     act_bytes = 2 if weight_bytes == 2 or autocast is not None else 4
     params = {name: parameter_count(module) for name, module in arch.modules.items()}
-    latent, text = _tokens(arch, cfg)
-    seq = latent + text
+    latent, source, text = _tokens(arch, cfg)
+    seq = latent + source + text
     branches = _branches(arch, cfg)
     blocks = _blocks(arch)
     if not blocks:
@@ -327,10 +352,12 @@ def plan(arch: Architecture, cfg: PlanConfig) -> dict[str, Any]:
             if arch.kind == "vlm"
             else list(parse_resolution(cfg.resolution if cfg.resolution is not None else arch.resolution)),
             "text_tokens": text,
+            "references": _references(arch, cfg),
             "strategy": kind,
         },
         "activations": {
             "latent_tokens": latent,
+            "source_tokens": source,
             "text_tokens": text,
             "sequence": seq,
             "hidden": hidden,

@@ -197,6 +197,7 @@ class WanI2VAdapter(WanAdapter):
     name = FAMILY
     lora_targets = WAN_I2V_LORA_TARGETS
     condition_images = (1, 1)
+    condition_tokens = False  # the first frame enters as channels (TI2V-5B: as latent frame 0)
 
     def __init__(self, pipe: Any) -> None:
         super().__init__(pipe)

@@ -57,7 +57,7 @@ def _complete(command: str, flag: str, incomplete: str) -> list[str]:
         ("update", "--strategy", "auto|ddp|fsdp2"),
         ("advantage", "--aggregation", "reward_aggr|advantage_aggr"),
         ("score", "--on-error", "fail|zero"),
-        ("init-model", "--size", "tiny|small|demo|full|medium|1.3b|3b|7b|8b"),
+        ("init-model", "--size", "tiny|small|demo|full|medium|1.3b|3b|4b|7b|8b"),
         ("pretrain", "--vae", "model|pixel"),
     ],
 )

@@ -122,10 +122,10 @@ def test_update_refuses_packing_and_balancing_for_a_diffusion_objective(tmp_path
     from helpers import fails
 
     paths = ["--model", str(tmp_path), "--in", str(tmp_path), "--out", str(tmp_path / "out")]
-    for flags in (["--packing", "on"], ["--balance-tokens"]):
+    for flags in (["--packing", "on"], ["--balance-tokens"], ["--micro-batch-tokens", "4096"]):
         line = fails(
             ["update", *paths, "--algo", "flow_grpo", *flags],
-            "--packing on / --balance-tokens",
+            "--packing on / --balance-tokens / --micro-batch-tokens",
             "--algo flow_grpo",
         )
         assert line.endswith("drop it")

@@ -217,8 +217,8 @@ class Trainer:
         step: `data`'s heavy columns are `rows.HeldRows` that it fills (`rows.held_columns`).
 
         Every rank runs as many micro-batch slots per optimizer step as the busiest (`_steps`), so the
-        collectives of DDP and FSDP2 stay in step; a non-finite loss is reported by every rank at the step's end, before
-        any weight moves.
+        collectives of DDP and FSDP2 stay in step; a non-finite loss is reported by every rank at the
+        step's end, before any weight moves.
         """
         cfg = self.cfg if seed is None else replace(self.cfg, seed=seed)
         algo, par, optimizer, scaler, params = self.algo, self.par, self.optimizer, self.scaler, self.params

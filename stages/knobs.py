@@ -376,6 +376,7 @@ def micro_batch_tokens() -> Any:
         "shard's rows, instead of the rollout's sampling batches (same values to float rounding). A row "
         "longer than N is a micro-batch of its own (a warning says so). Default: off (fixed row counts).",
         low=1,
+        metavar="N",
         panel=OPTIMISATION,
     )
 

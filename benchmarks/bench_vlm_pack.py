@@ -21,6 +21,11 @@ prompt and response lengths vary as they do in a VLM rollout.
    --micro-batch rows each (shuffled) and with --balance-tokens. `slowest ÷ mean` is the largest
    rank's (micro-batch's) tokens over the mean (1 = even): how long every rank waits for the slowest
    at the step's gradient reduction.
+3. Token budget. The same step under a cap of `--budget` tokens per micro-batch (verl's default
+   ppo_max_token_len_per_gpu, 16384): with fixed row counts, --micro-batch set to the most rows whose
+   micro-batches all fit (what a memory cap forces), against --micro-batch-tokens: micro-batches per
+   rank (forwards and backwards), the largest one's tokens ÷ the cap (the memory peak) and the padded
+   batches' padding share.
 
     python benchmarks/bench_vlm_pack.py [--rows 32] [--micro-batch 8] [--max-new-tokens 64] [--repeats 7]
 """
@@ -137,12 +142,79 @@ def packing(
     return best
 
 
+def long_tailed_step(prompts: list[int], step_rows: int, max_response: int, rng: random.Random) -> dict:
+    """The prompt and response masks of one optimizer step of `step_rows` rows: a prompt length drawn
+    from `prompts` plus a long-tailed response length (log-normal, median 256 tokens, at most
+    `max_response`), as a reasoning rollout's responses are."""
+    import math
+
+    responses = [
+        min(max_response, max(1, round(math.exp(rng.gauss(math.log(256), 0.9))))) for _ in range(step_rows)
+    ]
+    picked = [rng.choice(prompts) for _ in range(step_rows)]
+    return {
+        "prompt_mask": torch.arange(max(picked))[None] < torch.tensor(picked)[:, None],
+        "response_mask": torch.arange(max_response)[None] < torch.tensor(responses)[:, None],
+    }
+
+
+def _padded(data: dict, chunk: list[int]) -> int:
+    """Positions of a padded micro-batch: rows × (longest prompt + longest response)."""
+    return len(chunk) * (
+        int(data["prompt_mask"][chunk].sum(-1).max()) + int(data["response_mask"][chunk].sum(-1).max())
+    )
+
+
+def budget(
+    prompts: list[int], step_rows: int, max_response: int, cap: int, seed: int
+) -> list[dict[str, Any]]:
+    """The step of `balance` (grad_accum ACCUM of --micro-batch rows per rank, over each number of
+    ranks) under a memory cap of `cap` tokens per micro-batch: with fixed row counts, the most rows per
+    micro-batch that keep every one of this step under the cap (how --micro-batch must be set), and with
+    --micro-batch-tokens `cap` (the objective's own `epoch`). Per way: micro-batches per rank (the
+    forwards and backwards each rank runs), the largest one's tokens ÷ cap and the padded batches'
+    padding share."""
+    from unittest.mock import patch
+
+    from stages.update.token_objective import TokenPolicyGradient
+    from stages.update.trainer import UpdateConfig
+
+    rng = random.Random(seed)
+    data = long_tailed_step(prompts, step_rows, max_response, rng)
+    tokens = (data["prompt_mask"].sum(-1) + data["response_mask"].sum(-1)).tolist()
+    out = []
+    for ranks in RANKS:
+        per_rank = step_rows // ranks
+        order = list(range(step_rows))
+        rng.shuffle(order)
+        micro = max(
+            (
+                k
+                for k in range(1, per_rank + 1)
+                if all(sum(tokens[i] for i in order[j : j + k]) <= cap for j in range(0, step_rows, k))
+            ),
+            default=1,
+        )
+        row: dict[str, Any] = {"ranks": ranks, "rows per rank": per_rank, "fixed micro-batch": micro}
+        for name, limit in (("fixed", None), ("budget", cap)):
+            objective = TokenPolicyGradient.__new__(TokenPolicyGradient)  # `epoch` reads data and cfg
+            objective.data, objective.counts = data, {}
+            accum = -(-step_rows // (micro * ranks)) if limit is None else ACCUM
+            size = micro if limit is None else per_rank // ACCUM
+            objective.cfg = UpdateConfig(algo="grpo", grad_accum=accum, micro_batch_tokens=limit)
+            with patch("stages.dist.data_parallel", return_value=(ranks, 0)):  # the plan every rank makes
+                chunks = objective.epoch(order, size, rng)
+            row[f"per rank {name}"] = max(len(mine) for mine in objective.plan[0])
+            row[f"peak {name}"] = max(sum(tokens[i] for i in c) for c in chunks) / cap
+            row[f"padding {name}"] = 1 - sum(tokens) / sum(_padded(data, c) for c in chunks)
+        out.append(row)
+    return out
+
+
 def balance(prompts: list[int], step_rows: int, max_response: int, seed: int) -> list[dict[str, Any]]:
     """The slowest rank's and the slowest micro-batch's tokens ÷ the mean for one step of `step_rows`
     rows dealt without and with --balance-tokens over each number of ranks (the objective's own
-    `epoch`). A row's tokens: a prompt length drawn from `prompts` plus a long-tailed response length
-    (log-normal, median 256 tokens, at most `max_response`), as a reasoning rollout's responses are."""
-    import math
+    `epoch`); the step's rows are `long_tailed_step`'s."""
     from unittest.mock import patch
 
     from stages.update.balance import imbalance
@@ -150,16 +222,8 @@ def balance(prompts: list[int], step_rows: int, max_response: int, seed: int) ->
     from stages.update.trainer import UpdateConfig
 
     rng = random.Random(seed)
-    responses = [
-        min(max_response, max(1, round(math.exp(rng.gauss(math.log(256), 0.9))))) for _ in range(step_rows)
-    ]
-    picked = [rng.choice(prompts) for _ in range(step_rows)]
-    width = max(picked)
-    data = {
-        "prompt_mask": torch.arange(width)[None] < torch.tensor(picked)[:, None],
-        "response_mask": torch.arange(max_response)[None] < torch.tensor(responses)[:, None],
-    }
-    tokens = [p + r for p, r in zip(picked, responses)]
+    data = long_tailed_step(prompts, step_rows, max_response, rng)
+    tokens = (data["prompt_mask"].sum(-1) + data["response_mask"].sum(-1)).tolist()
     rows_out = []
     for ranks in RANKS:
         micro = step_rows // (ranks * ACCUM)
@@ -188,6 +252,9 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--step-rows", type=int, default=640)
     ap.add_argument("--max-response", type=int, default=2048, help="longest response of the balancing step")
+    ap.add_argument(
+        "--budget", type=int, default=16384, help="tokens per micro-batch (verl's ppo_max_token_len_per_gpu)"
+    )
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
@@ -200,6 +267,7 @@ def main() -> None:
             "repeats": 1,
             "step_rows": 32,
             "max_response": 64,
+            "budget": 512,
         },
     )
     torch.set_num_threads(args.threads)
@@ -250,6 +318,21 @@ def main() -> None:
                 "slowest micro-batch ÷ mean, balanced": row["micro-batch balanced"],
             }
         )
+    budgeted = budget(prompts, args.step_rows, args.max_response, args.budget, args.seed)
+    for row in budgeted:
+        table.append(
+            {
+                "stage": f"step over {row['ranks']} ranks of {row['rows per rank']} rows, at most "
+                f"{args.budget} tokens per micro-batch",
+                "fixed rows: --micro-batch": row["fixed micro-batch"],
+                "micro-batches per rank, fixed rows": row["per rank fixed"],
+                "micro-batches per rank, --micro-batch-tokens": row["per rank budget"],
+                "largest ÷ budget, fixed rows": row["peak fixed"],
+                "largest ÷ budget, --micro-batch-tokens": row["peak budget"],
+                "padding share, fixed rows": row["padding fixed"],
+                "padding share, --micro-batch-tokens": row["padding budget"],
+            }
+        )
     for row in table:
         print("  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
     metrics = {
@@ -257,6 +340,7 @@ def main() -> None:
         "micro_batch": args.micro_batch,
         "max_new_tokens": args.max_new_tokens,
         "step_rows": args.step_rows,
+        "budget": args.budget,
         "threads": args.threads,
         "repeats": args.repeats,
         "load_average_before": load,
@@ -264,6 +348,7 @@ def main() -> None:
         "row_tokens_min_max": [min(per_row), max(per_row)],
         "best_seconds": best,
         "balance": balanced,
+        "token_budget": budgeted,
     }
     if not args.no_record:
         path = record(
@@ -276,7 +361,10 @@ def main() -> None:
                 f"tokens per second of the logprob forward and the update forward + backward (best of "
                 f"{args.repeats} alternating calls, CPU seconds of {args.threads} thread(s), load average {load:.1f}); and the slowest rank's tokens ÷ the mean for one "
                 f"step of {args.step_rows} rows (responses log-normal, median 256, at most {args.max_response} "
-                f"tokens) over 2/4/8 ranks × {ACCUM} micro-batches, dealt by rows and with --balance-tokens."
+                f"tokens) over 2/4/8 ranks × {ACCUM} micro-batches, dealt by rows and with --balance-tokens; "
+                f"and at most {args.budget} tokens per micro-batch, by fixed row counts (the most rows that "
+                "fit) and with --micro-batch-tokens: micro-batches per rank, the largest ÷ the budget, the "
+                "padding share."
             ),
         )
         print(f"recorded {path}")

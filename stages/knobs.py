@@ -364,6 +364,23 @@ def balance_tokens() -> Any:
     )
 
 
+def micro_batch_tokens() -> Any:
+    """`--micro-batch-tokens`: a token budget per VLM micro-batch (`stages.update.balance.budget_bins`)."""
+    return knob(
+        None,
+        "VLM: at most N tokens (prompt + response) per forward, verl's use_dynamic_bsz with "
+        "ppo_max_token_len_per_gpu / log_prob_max_token_len_per_gpu. update: each rank's rows of an "
+        "optimizer step (--micro-batch × --grad-accum, dealt as without it) go into as few micro-batches "
+        "as fit N, longest first to the lightest, and every rank runs as many as the busiest so the "
+        "collectives line up; the loss stays the step's exact token- or sequence-mean. logprob: each "
+        "shard's rows, instead of the rollout's sampling batches (same values to float rounding). A row "
+        "longer than N is a micro-batch of its own (a warning says so). Default: off (fixed row counts).",
+        low=1,
+        metavar="N",
+        panel=OPTIMISATION,
+    )
+
+
 def micro_batch() -> Any:
     """`--micro-batch`: samples per training/replay forward."""
     return knob(0, "Samples per forward (0: the sampling batch size).", low=0, panel=OPTIMISATION)

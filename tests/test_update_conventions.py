@@ -559,9 +559,11 @@ def test_each_rank_plans_the_rows_of_its_own_slots(monkeypatch: pytest.MonkeyPat
     """Over 2 ranks × grad_accum 2 each rank plans exactly the rows its micro-batches read (a padded
     slot replays the step's first chunk); shuffled over 2 epochs, every trained row is still planned."""
     from stages.update import trainer
+    from stages.update.chunks import fixed_steps
 
     class Rows:  # chunks of row numbers, like PolicyGradient
         rows_of = staticmethod(lambda idx: idx)
+        steps = staticmethod(fixed_steps)
 
         def epoch(self, order: list[int], micro: int, rng: object) -> list[list[int]]:
             return [order[i : i + micro] for i in range(0, len(order), micro)]

@@ -411,6 +411,115 @@ def test_token_balancing_deals_a_step_evenly(modes_run: dict[str, Path]) -> None
     assert imbalance(tokens, chunks[True]) < 1.1
 
 
+def test_a_token_budget_leaves_the_step_unchanged(
+    modes_run: dict[str, Path], tiny_vlm: Path, tmp_path: Path
+) -> None:
+    """The step over 4 micro-batches of 4 rows = the step over micro-batches of at most 130 (or 60)
+    prompt + response tokens, padded or packed: loss, gradient norm and trained weights."""
+    base, weights = _update(modes_run, tiny_vlm, tmp_path / "fixed", "--packing", "off")
+    assert max(float(weights[k].abs().max()) for k in weights if "lora_B" in k) > 1e-4
+    for extra in (("--micro-batch-tokens", "130"), ("--packing", "on", "--micro-batch-tokens", "60")):
+        metrics, other = _update(modes_run, tiny_vlm, tmp_path / "-".join(extra), *extra)
+        for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy"):
+            assert metrics[key] == pytest.approx(base[key], rel=1e-5, abs=1e-7), (extra, key)
+        for k in weights:
+            torch.testing.assert_close(other[k], weights[k], rtol=0, atol=1e-5)
+
+
+def _budget_plan(data: dict, budget: int, ranks: int, accum: int, monkeypatch: pytest.MonkeyPatch) -> list:
+    """The token objective's steps of the 16 rows in order, micro-batches of 4, over `ranks` ranks."""
+    from stages.update.token_objective import TokenPolicyGradient
+    from stages.update.trainer import UpdateConfig
+
+    monkeypatch.setattr("stages.dist.data_parallel", lambda: (ranks, 0))
+    objective = TokenPolicyGradient.__new__(TokenPolicyGradient)  # epoch reads data and cfg only
+    objective.data, objective.counts = data, {}
+    objective.cfg = UpdateConfig(algo="grpo", grad_accum=accum, micro_batch_tokens=budget)
+    objective.epoch(list(range(16)), 4, None)
+    return objective.plan
+
+
+def test_a_token_budget_groups_each_ranks_rows_and_evens_the_counts(
+    modes_run: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Budget 130 over the 16 rows (34-51 tokens): one process, all 676 tokens in 6 micro-batches
+    (⌈676/130⌉); 2 ranks, rank 0's 8 rows (288 tokens) fit in 3 and rank 1's (388) need 4, so rank 0
+    splits into 4 as well. Every micro-batch ≤ 130 tokens, every row once."""
+    from stages.update.balance import budget_bins
+
+    data = ShardSet(modes_run["samples"]).read_all()
+    tokens = (data["prompt_mask"].sum(-1) + data["response_mask"].sum(-1)).tolist()
+    assert (sum(tokens[:8]), sum(tokens[8:])) == (288, 388)
+    assert (len(budget_bins(tokens[:8], 130)), len(budget_bins(tokens[8:], 130))) == (3, 4)
+    for ranks, accum, counts in ((1, 4, [6]), (2, 2, [4, 4])):
+        (step,) = _budget_plan(data, 130, ranks, accum, monkeypatch)
+        assert [len(chunks) for chunks in step] == counts
+        assert sorted(i for chunks in step for c in chunks for i in c) == list(range(16))
+        assert max(sum(tokens[i] for i in c) for chunks in step for c in chunks) <= 130
+    (step,) = _budget_plan(data, 130, 2, 2, monkeypatch)
+    assert sorted(i for c in step[0] for i in c) == list(range(8))  # ranks keep their rows (no balancing)
+
+
+@pytest.mark.distributed
+def test_two_ranks_equal_one_process_with_a_token_budget(
+    modes_run: dict[str, Path], tiny_vlm: Path, tmp_path: Path
+) -> None:
+    """torchrun with 2 gloo ranks, budget 130 (rank 0 runs 4 micro-batches where its rows fit in 3, to
+    match rank 1) = 1 process with the same budget: same loss, gradient norm and weights."""
+    from safetensors.torch import load_file
+
+    common = [
+        "--model",
+        str(tiny_vlm),
+        *ins(modes_run["samples"], modes_run["logprobs"], modes_run["advantages"]),
+    ]
+    common += ["--no-shuffle", "--micro-batch", "4", "--lora-rank", "4", "--lr", "1e-2", "--algo", "grpo"]
+    common += ["--micro-batch-tokens", "130"]
+    run("update", *common, "--grad-accum", "4", "--out", str(tmp_path / "one"))
+    torchrun("update", *common, "--grad-accum", "2", "--out", str(tmp_path / "two"))
+    m1 = json.loads((tmp_path / "one" / "metrics.jsonl").read_text())
+    m2 = json.loads((tmp_path / "two" / "metrics.jsonl").read_text())
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/ratio_mean"):
+        # on-policy pg_loss is −mean(advantage) ≈ 0: a sum of other groupings rounds to ±1e-8
+        assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-7), key
+    one = load_file(tmp_path / "one" / "adapter_model.safetensors")
+    two = load_file(tmp_path / "two" / "adapter_model.safetensors")
+    assert max(float(one[k].abs().max()) for k in one if "lora_B" in k) > 1e-4
+    for k in one:
+        torch.testing.assert_close(two[k], one[k], rtol=0, atol=1e-6)
+
+
+def test_logprob_with_a_token_budget_equals_the_sampling_batches(
+    modes_run: dict[str, Path], tiny_vlm: Path, tmp_path: Path
+) -> None:
+    """`logprob --micro-batch-tokens 100` (groups of 2-3 rows mixing the shard's modes, back in row
+    order) gives the sampling batches' old and reference log-probs to 1e-5; 40 (below the longest
+    rows, which then run alone) too."""
+    base = ShardSet(modes_run["logprobs"]).read_all()
+    ref = None
+    for budget in ("100", "40"):
+        out = tmp_path / budget
+        common = ["--model", str(tiny_vlm), *ins(modes_run["samples"])]
+        run("logprob", *common, "--reference", "--micro-batch-tokens", budget, "--out", str(out))
+        got = ShardSet(out).read_all()
+        assert list(got["sample_id"]) == list(base["sample_id"])
+        torch.testing.assert_close(got["old_log_probs"], base["old_log_probs"], rtol=0, atol=1e-5)
+        if ref is None:  # the first budget's reference log-probs are the others'
+            ref = got["ref_log_probs"]
+            assert torch.equal(ref != 0, base["old_log_probs"] != 0)
+        torch.testing.assert_close(got["ref_log_probs"], ref, rtol=0, atol=1e-5)
+
+
+def test_a_token_budget_below_one_is_refused_in_one_line(tmp_path: Path) -> None:
+    from helpers import fails
+
+    paths = ["--model", str(tmp_path), "--in", str(tmp_path), "--out", str(tmp_path / "out")]
+    for command in ("update", "logprob"):
+        for value in ("0", "-5"):
+            line = fails([command, *paths, "--micro-batch-tokens", value], "--micro-batch-tokens")
+            assert "greater than or equal to 1" in line
+
+
 @pytest.mark.distributed
 def test_two_ranks_equal_one_process_packed_and_token_balanced(
     modes_run: dict[str, Path], tiny_vlm: Path, tmp_path: Path

@@ -122,10 +122,31 @@ def test_update_refuses_packing_and_balancing_for_a_diffusion_objective(tmp_path
     from helpers import fails
 
     paths = ["--model", str(tmp_path), "--in", str(tmp_path), "--out", str(tmp_path / "out")]
-    for flags in (["--packing", "on"], ["--balance-tokens"]):
+    for flags in (["--packing", "on"], ["--balance-tokens"], ["--micro-batch-tokens", "4096"]):
         line = fails(
             ["update", *paths, "--algo", "flow_grpo", *flags],
-            "--packing on / --balance-tokens",
+            "--packing on / --balance-tokens / --micro-batch-tokens",
             "--algo flow_grpo",
         )
         assert line.endswith("drop it")
+
+
+def test_logprob_refuses_a_token_budget_for_a_diffusion_rollout(tmp_path: Path) -> None:
+    from helpers import fails
+
+    from stages.shards.writer import ShardSetWriter
+
+    writer = ShardSetWriter(tmp_path / "samples", num_shards=1, command="sample", config={})
+    writer.write_shard(0, {"sample_id": ["g0-0"], "latents": torch.zeros(1, 2, 4)})
+    writer.finalize({"modality": "image"})
+    args = [
+        "logprob",
+        "--model",
+        str(tmp_path),
+        "--in",
+        str(tmp_path / "samples"),
+        "--out",
+        str(tmp_path / "o"),
+    ]
+    line = fails([*args, "--micro-batch-tokens", "4096"], "--micro-batch-tokens", "diffusion rollout")
+    assert line.endswith("drop it for a diffusion rollout")

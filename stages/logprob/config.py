@@ -69,5 +69,6 @@ class LogprobConfig:
     attention_backend: str | None = knobs.attention_backend()
     compile: bool = knobs.compile()
     packing: str = knobs.packing()
+    micro_batch_tokens: int | None = knobs.micro_batch_tokens()
     fmt: str = knobs.shard_format()
     overwrite: bool = knobs.overwrite()

@@ -189,27 +189,31 @@ def replay_token_shard(
     reference: bool = False,
     where: str = "--in",
     on_batch: Any = None,
+    budget: int | None = None,
 ) -> tuple[dict[str, Any], torch.Tensor]:
     """Token log-probs [N, T] of a text rollout's responses under `policy` (0 at padding).
 
     Replays in the sampling batches (whole groups, `prompts_per_call` per batch), so under the
-    sampling weights the prompts are padded as in the rollout. With `reference`, also the frozen base
+    sampling weights the prompts are padded as in the rollout; with a token `budget`
+    (--micro-batch-tokens), in micro-batches of at most that many prompt + response tokens instead
+    (`balance.budget_bins`; the rows come back in their order). With `reference`, also the frozen base
     model's `ref_log_probs` [N, T] (KL). Also returns |Δ logp| vs the rollout on the valid tokens, flat.
     """
     from stages.sample.vlm_stage import prompt_inputs, response_batch, row_media, row_prompts, token_column
-    from stages.shards.reader import concat_batches, slice_batch
+    from stages.shards.reader import concat_batches, take_rows
 
     check_finite(shard, shard["sample_id"], where=where, hint=CORRUPT)
-    ids = list(shard["group_id"])
-    n = ids.count(ids[0]) if ids else 1
-    rows_per_batch = cfg.prompts_per_call(n) * n
     media = row_media(shard, where)
-    parts = []
-    for start in range(0, len(ids), rows_per_batch):
-        stop = min(len(ids), start + rows_per_batch)
-        part = slice_batch(shard, start, stop)
+    parts, order = [], []
+    for rows in _token_batches(shard, cfg, budget):
+        part = take_rows(shard, rows)
         inputs = prompt_inputs(
-            policy, row_prompts(part), media[start:stop], part["prompt_ids"], part["prompt_mask"], where
+            policy,
+            row_prompts(part),
+            [media[i] for i in rows],
+            part["prompt_ids"],
+            part["prompt_mask"],
+            where,
         )
         tokens, mask = response_batch(part, policy.device)
         width = part["response_ids"].shape[1]
@@ -224,8 +228,25 @@ def replay_token_shard(
                 ref = policy.response_log_probs(inputs, tokens, mask, cfg.temperature)
             cols["ref_log_probs"] = token_column(ref, mask, width)
         parts.append(cols)
+        order += rows
         if on_batch:
-            on_batch(stop - start)
-    cols = concat_batches(parts)
+            on_batch(len(rows))
+    cols = take_rows(concat_batches(parts), sorted(range(len(order)), key=order.__getitem__))
     check_finite(cols, cols["sample_id"], where="logprob", hint=MODEL_HINT)
     return cols, abs_deltas(cols["old_log_probs"], shard["log_probs"], shard["response_mask"].bool())
+
+
+def _token_batches(shard: dict[str, Any], cfg: VLMSampleConfig, budget: int | None) -> list[list[int]]:
+    """The rows of each forward of `replay_token_shard`: the sampling batches (whole groups,
+    `prompts_per_call` per batch), or with a token `budget` groups of at most that many prompt +
+    response tokens (a longer row alone, with a warning)."""
+    from stages.update.balance import budget_bins, warn_over_budget
+
+    ids = list(shard["group_id"])
+    if budget is None:
+        n = ids.count(ids[0]) if ids else 1
+        size = cfg.prompts_per_call(n) * n
+        return [list(range(start, min(len(ids), start + size))) for start in range(0, len(ids), size)]
+    tokens = (shard["prompt_mask"].sum(-1) + shard["response_mask"].sum(-1)).tolist()
+    warn_over_budget(tokens, budget)
+    return budget_bins(tokens, budget)

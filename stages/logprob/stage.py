@@ -45,8 +45,10 @@ def run_logprob(c: LogprobConfig, display: Any) -> dict[str, Any] | None:
             "--sp-degree / --tp-degree / --attention-backend / --compile: diffusion transformers only; drop "
             "it for a text rollout"
         )
-    if c.packing == "on" and not tokens:
-        raise UserInputError("--packing on: text (VLM) rollouts only; drop it for a diffusion rollout")
+    if (c.packing == "on" or c.micro_batch_tokens) and not tokens:
+        raise UserInputError(
+            "--packing on / --micro-batch-tokens: text (VLM) rollouts only; drop it for a diffusion rollout"
+        )
     kernels.validate()
     layout(parallel)  # before the shards are split over the data-parallel ranks
     sample_cfg = vlm_sample_config_of(src.manifests) if tokens else sample_config_of(src.manifests)
@@ -131,6 +133,7 @@ def run_logprob(c: LogprobConfig, display: Any) -> dict[str, Any] | None:
                     reference=c.reference,
                     where=str(src.paths[0]),
                     on_batch=advance,
+                    budget=c.micro_batch_tokens,
                 )
             return replay_shard(
                 policy,

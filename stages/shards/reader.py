@@ -48,6 +48,12 @@ def concat_batches(batches: list[Batch]) -> Batch:
     return out
 
 
+def take_rows(batch: Batch, rows: Sequence[int]) -> Batch:
+    """Rows `rows` of a batch, in that order (tensors are copies)."""
+    index = torch.tensor(rows, dtype=torch.long)
+    return {k: v[index] if isinstance(v, torch.Tensor) else [v[i] for i in rows] for k, v in batch.items()}
+
+
 def slice_batch(batch: Batch, start: int, stop: int) -> Batch:
     """Rows [start, stop) of a batch; tensors are views."""
     return {k: v[start:stop] for k, v in batch.items()}

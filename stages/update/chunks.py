@@ -1,7 +1,8 @@
 """The micro-batches ("chunks") an objective trains on, and what the diffusion objectives do per chunk.
 
-An objective splits the data into chunks each epoch (`split_chunks`); `share` weighs a chunk's mean loss
-in its optimizer step and `rows_of` names the data rows it reads (objectives.py describes the protocol).
+An objective splits the data into chunks each epoch (`split_chunks`) and lays them out as optimizer steps
+over the ranks (`steps`, by default `fixed_steps`); `share` weighs a chunk's mean loss in its optimizer
+step and `rows_of` names the data rows it reads (objectives.py describes the protocol).
 The diffusion families share the prompt conditioning of a chunk (`condition`), the context their KL
 reference runs in (`kl_reference`) and GARDO's gate of the KL rows (`gardo_gate`, `gated_kl`).
 """
@@ -38,6 +39,16 @@ def sample_share(idx: Chunk, step: list[Chunk], slots: int) -> float:
 def chunk_rows(idx: Chunk) -> Chunk:
     """The data rows a chunk reads: the chunk itself, for objectives whose chunks are row numbers."""
     return idx
+
+
+def fixed_steps(chunks: list[Chunk], accum: int, ranks: int) -> list[list[list[Chunk]]]:
+    """The optimizer steps of an epoch's `chunks`, each as its `ranks` ranks' micro-batches: `accum`
+    chunks per rank, rank-major (a short last step fills the first ranks; the others get fewer or none)."""
+    slots = accum * ranks
+    return [
+        [chunks[first + r * accum : first + (r + 1) * accum] for r in range(ranks)]
+        for first in range(0, len(chunks), slots)
+    ]
 
 
 def split_chunks(order: list[int], size: int) -> list[Chunk]:

@@ -73,6 +73,7 @@ class UpdateConfig(UpdateRules):
     compile: bool = knobs.compile()
     packing: str = knobs.packing()
     balance_tokens: bool = knobs.balance_tokens()
+    micro_batch_tokens: int | None = knobs.micro_batch_tokens()
     algo: str = knob(
         "flow_grpo",
         "flow_grpo (first int(K·f) steps), dance_grpo (random steps per sample), mix_grpo (the stored "

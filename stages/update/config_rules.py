@@ -177,10 +177,12 @@ class UpdateRules:
             raise UserInputError(f"--kl-mask-threshold {self.kl_mask_threshold}: must be a finite number > 0")
         if not 0 < self.dgpo_beta < math.inf:
             raise UserInputError(f"--dgpo-beta {self.dgpo_beta}: must be a finite number > 0")
-        if algo.family != "token" and (self.packing == "on" or self.balance_tokens):
+        if algo.family != "token" and (
+            self.packing == "on" or self.balance_tokens or self.micro_batch_tokens
+        ):
             raise UserInputError(
-                f"--packing on / --balance-tokens: VLM token objectives (grpo, dapo, gspo) only, not --algo "
-                f"{algo.name}; drop it"
+                "--packing on / --balance-tokens / --micro-batch-tokens: VLM token objectives (grpo, dapo, "
+                f"gspo) only, not --algo {algo.name}; drop it"
             )
         self.kernels.validate()
         self._validate_rollout_correction()

@@ -25,6 +25,7 @@ from stages.update.chunks import (
     LossItem,
     chunk_rows,
     condition,
+    fixed_steps,
     gardo_gate,
     kl_reference,
     sample_share,
@@ -57,6 +58,7 @@ class ForwardProcess:
     """DiffusionNFT and AWM: losses on x_t built from the final latent with fresh noise."""
 
     share = staticmethod(sample_share)
+    steps = staticmethod(fixed_steps)
     rows_of = staticmethod(chunk_rows)
 
     def __init__(
@@ -194,6 +196,7 @@ class Preference:
     )
     per_chunk = 1
     share = staticmethod(sample_share)
+    steps = staticmethod(fixed_steps)
 
     def __init__(self, policy: FlowPolicy, data: dict[str, Any], sample_cfg: SampleConfig, cfg: Any):
         self.policy, self.data, self.sample_cfg, self.cfg = policy, data, sample_cfg, cfg
@@ -255,6 +258,7 @@ class GroupPreference:
         "actor/group_weight_mean",
     )
     share = staticmethod(sample_share)
+    steps = staticmethod(fixed_steps)
     rows_of = staticmethod(chunk_rows)
 
     def __init__(

@@ -2,10 +2,12 @@
 
 An objective splits the data into micro-batches ("chunks") each epoch and yields, for a chunk, the
 losses whose mean is its contribution (e.g. one per trained step), each with fixed metric values.
-`share(idx, step, slots)` says what a chunk's mean loss weighs in its optimizer step (`step`: the step's
-chunks over all ranks, `slots`: grad_accum × world): its share of the step's samples, so a short last
-step or a short chunk is weighed exactly (for the token objective, 1/slots: its loss is already
-normalised by the step's token or sequence count, verl's global token-mean).
+`steps(chunks, accum, ranks)` lays an epoch's chunks out as optimizer steps, each as its ranks' lists of
+chunks (`fixed_steps`: grad_accum each; the token objective's `--micro-batch-tokens`: as many as the
+tokens need). `share(idx, step, slots)` says what a chunk's mean loss weighs in its optimizer step
+(`step`: the step's chunks over all ranks, `slots`: their number): its share of the step's samples, so
+a short last step or a short chunk is weighed exactly (for the token objective, 1/slots: its loss is
+already normalised by the step's token or sequence count, verl's global token-mean).
 
 The chunks and their weighing are chunks.py's; each family is its own module:
 

@@ -20,6 +20,7 @@ from stages.update.chunks import (
     LossItem,
     chunk_rows,
     condition,
+    fixed_steps,
     gated_kl,
     kl_reference,
     sample_share,
@@ -48,6 +49,7 @@ class PolicyGradient:
     (the weights the update starts from)."""
 
     share = staticmethod(sample_share)
+    steps = staticmethod(fixed_steps)
     rows_of = staticmethod(chunk_rows)
 
     def __init__(

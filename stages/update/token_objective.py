@@ -13,7 +13,7 @@ import torch
 
 from stages.errors import UserInputError
 from stages.models.vlm import VLMPolicy
-from stages.update.chunks import Chunk, LossItem, chunk_rows, split_chunks
+from stages.update.chunks import Chunk, LossItem, chunk_rows, fixed_steps, split_chunks
 from stages.update.losses import Algorithm
 from stages.update.rollout_correction import WEIGHTS
 from stages.update.token_losses import grpo_loss
@@ -58,6 +58,11 @@ class TokenPolicyGradient:
         self.low, self.high = cfg.clip_bounds()
         self.mode = cfg.loss_agg_mode or "token-mean"
         self.counts: dict[int, tuple[float, float]] = {}
+        self.plan: list[list[list[Chunk]]] = []  # the last epoch's steps (`steps`)
+        if cfg.micro_batch_tokens:
+            from stages.update.balance import warn_over_budget
+
+            warn_over_budget(self._tokens(list(range(len(data["response_mask"])))), cfg.micro_batch_tokens)
         self.router = policy.moe
         if self.router:  # MoE: expert loads in the metrics, the configured load-balancing loss
             from stages.models import moe
@@ -69,44 +74,60 @@ class TokenPolicyGradient:
             self.metric_keys = (*type(self).metric_keys, *moe.metric_keys(moe.sparse_layers(text)))
 
     def epoch(self, rows: list[int], micro: int, rng: random.Random) -> list[Chunk]:
-        """The micro-batches of one pass, `micro` rows each; with --balance-tokens each optimizer step's
-        rows are re-dealt by token count to the ranks, then over each rank's micro-batches
-        (`balance.deal`). Also records each chunk's share of its step's token and sequence
-        counts, so the loss normalisation is the same however the rows are dealt."""
+        """The micro-batches of one pass, `micro` rows each, grad_accum per rank and optimizer step; with
+        --balance-tokens each step's rows are re-dealt by token count to the ranks, then over each
+        rank's micro-batches (`balance.deal`); with --micro-batch-tokens each rank's rows of a step are
+        regrouped into as many micro-batches as the token budget needs, the same number on every rank
+        (`balance.equal_counts`). Records the steps (`steps`) and each chunk's share of its step's token
+        and sequence counts, so the loss normalisation is the same however the rows are dealt."""
         from stages.dist import data_parallel
 
         chunks = split_chunks(rows, micro)
         dp = data_parallel()[0]
-        per_step = self.cfg.accumulation(micro, dp) * dp
-        mask = self.data["response_mask"].bool()
-        if self.cfg.balance_tokens:
-            chunks = [
-                c
-                for first in range(0, len(chunks), per_step)
-                for c in self._deal(
-                    chunks[first : first + per_step], dp if len(chunks) - first >= per_step else 1
-                )
-            ]
+        accum = self.cfg.accumulation(micro, dp)
+        per_step = accum * dp
+        self.plan = []
         for first in range(0, len(chunks), per_step):
-            step_rows = torch.tensor([i for c in chunks[first : first + per_step] for i in c])
+            step = chunks[first : first + per_step]
+            if self.cfg.balance_tokens:
+                step = self._deal(step, dp if len(step) == per_step else 1)
+            (ranks,) = fixed_steps(step, accum, dp)
+            self.plan.append(self._budget(ranks) if self.cfg.micro_batch_tokens else ranks)
+        mask = self.data["response_mask"].bool()
+        for ranks in self.plan:
+            step = [c for chunks in ranks for c in chunks]
+            step_rows = torch.tensor([i for c in step for i in c])
             tokens = float(mask[step_rows].sum())
             seqs = float((mask[step_rows].sum(-1) > 0).sum())
-            for c in chunks[first : first + per_step]:
-                self.counts[c[0]] = (tokens / per_step, seqs / per_step)
-        return chunks
+            for c in step:
+                self.counts[c[0]] = (tokens / len(step), seqs / len(step))
+        return [c for ranks in self.plan for chunks in ranks for c in chunks]
+
+    def steps(self, chunks: list[Chunk], accum: int, ranks: int) -> list[list[list[Chunk]]]:
+        """The optimizer steps `epoch` laid `chunks` out as, each as its ranks' micro-batches."""
+        return self.plan
+
+    def _tokens(self, rows: list[int]) -> list[int]:
+        """Prompt + response tokens of each row (what a forward computes)."""
+        index = torch.tensor(rows, dtype=torch.long)
+        return (self.data["prompt_mask"][index].sum(-1) + self.data["response_mask"][index].sum(-1)).tolist()
 
     def _deal(self, step: list[Chunk], ranks: int) -> list[Chunk]:
         """One optimizer step's rows dealt over `ranks` shares of as many micro-batches as it has, by token
-        count (prompt + response tokens: what a forward computes); a short last step (fewer micro-batches
-        than the ranks' slots) as one share."""
+        count; a short last step (fewer micro-batches than the ranks' slots) as one share."""
         from stages.update.balance import deal
 
         rows = [i for c in step for i in c]
-        index = torch.tensor(rows)
-        tokens = (
-            self.data["prompt_mask"][index].sum(-1) + self.data["response_mask"][index].sum(-1)
-        ).tolist()
-        return [[rows[k] for k in group] for group in deal(tokens, ranks, len(step) // ranks)]
+        return [[rows[k] for k in group] for group in deal(self._tokens(rows), ranks, len(step) // ranks)]
+
+    def _budget(self, ranks: list[list[Chunk]]) -> list[list[Chunk]]:
+        """Each rank's rows of a step regrouped into micro-batches of at most --micro-batch-tokens tokens,
+        as many on every rank as its rows allow (`balance.equal_counts`)."""
+        from stages.update.balance import equal_counts
+
+        shares = [[i for c in chunks for i in c] for chunks in ranks]
+        groups = equal_counts([self._tokens(rows) for rows in shares], self.cfg.micro_batch_tokens)
+        return [[[rows[k] for k in g] for g in gs] for rows, gs in zip(shares, groups, strict=True)]
 
     def losses(self, idx: Chunk) -> Iterator[LossItem]:
         from stages.sample.vlm_stage import prompt_inputs, response_batch

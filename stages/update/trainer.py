@@ -78,29 +78,30 @@ Slot = tuple[list[int], bool]  # a micro-batch of this rank's step, and whether 
 def _steps(
     objective: Any, rows: list[int], micro: int, cfg: UpdateConfig, seed: int
 ) -> Iterator[tuple[int, int, list[list[int]], list[Slot]]]:
-    """Every optimizer step of the run: (epoch, index of its first chunk, the step's chunks over all
-    ranks, this rank's grad_accum slots).
+    """Every optimizer step of the run: (epoch, index of this rank's first chunk in the epoch, the
+    step's chunks over all ranks, this rank's slots).
 
     The order is drawn from `seed` (a shuffle per epoch, then the objective's own draws in `epoch`),
-    so two passes with one seed give the same steps. Each rank takes its own grad_accum chunks of a
-    step (`UpdateConfig.accumulation`); a rank short of chunks replays the step's first one with
-    weight 0, so every rank runs grad_accum slots and the collectives of DDP and FSDP2 stay in step.
+    so two passes with one seed give the same steps. Each rank takes its own chunks of a step (the
+    objective's `steps`: grad_accum each, `UpdateConfig.accumulation`, or as many as a token budget
+    needs); a rank short of chunks replays the step's first one with weight 0, so every rank runs as
+    many slots as the busiest and the collectives of DDP and FSDP2 stay in step.
     """
     rng = random.Random(seed)
     world, rank = data_parallel()  # the ranks of a model-parallel group take the same slots
     accum = cfg.accumulation(micro, world)
-    slots = accum * world
     for epoch in range(cfg.inner_epochs):
         order = rows[:]
         if cfg.shuffle:
             rng.shuffle(order)
-        chunks = objective.epoch(order, micro, rng)
-        for first in range(0, len(chunks), slots):
-            step_chunks = chunks[first : first + slots]
-            mine = step_chunks[rank * accum : (rank + 1) * accum]
+        first = 0
+        for ranks in objective.steps(objective.epoch(order, micro, rng), accum, world):
+            step_chunks = [idx for chunks in ranks for idx in chunks]
+            mine = ranks[rank]
             padded = [(idx, True) for idx in mine]
-            padded += [(step_chunks[0], False)] * (accum - len(mine))
-            yield epoch, first, step_chunks, padded
+            padded += [(step_chunks[0], False)] * (max(map(len, ranks)) - len(mine))
+            yield epoch, first + sum(map(len, ranks[:rank])), step_chunks, padded
+            first += len(step_chunks)
 
 
 def _planned_rows(objective: Any, rows: list[int], micro: int, cfg: UpdateConfig, seed: int) -> list[int]:
@@ -215,17 +216,15 @@ class Trainer:
         when given, is called once with the rows this rank's micro-batches will read, before the first
         step: `data`'s heavy columns are `rows.HeldRows` that it fills (`rows.held_columns`).
 
-        Every rank runs grad_accum micro-batch slots per optimizer step (`_steps`), so the collectives of
-        DDP and FSDP2 stay in step; a non-finite loss is reported by every rank at the step's end, before
-        any weight moves.
+        Every rank runs as many micro-batch slots per optimizer step as the busiest (`_steps`), so the
+        collectives of DDP and FSDP2 stay in step; a non-finite loss is reported by every rank at the
+        step's end, before any weight moves.
         """
         cfg = self.cfg if seed is None else replace(self.cfg, seed=seed)
         algo, par, optimizer, scaler, params = self.algo, self.par, self.optimizer, self.scaler, self.params
         micro = cfg.micro_batch or sample_cfg.batch_size
         world, rank = world_and_rank()
-        accum = cfg.accumulation(
-            micro, data_parallel()[0]
-        )  # a --samples-per-step it does not divide: refused
+        cfg.accumulation(micro, data_parallel()[0])  # a --samples-per-step it does not divide: refused
         missing = [c for c in algo.needs if c not in data]
         if missing:
             hint = " (omnirl logprob --means)" if missing[0] == "old_means" else ""
@@ -255,8 +254,6 @@ class Trainer:
         keys = objective.metric_keys
         metrics: list[dict[str, Any]] = []
         attribute = "transformer" if isinstance(self.policy, FlowPolicy) else "model"
-        dp, dp_rank = data_parallel()  # the ranks of a model-parallel group take the same slots
-        slots = accum * dp
         with par.forwarding(self.policy, attribute):
             for epoch, first, step_chunks, mine in _steps(objective, rows, micro, cfg, seed):
                 t0 = time.perf_counter()
@@ -266,11 +263,11 @@ class Trainer:
                 for c, (idx, real) in enumerate(mine):
                     # × every rank, not dp: DDP / FSDP2 average over all of them, and a model-parallel
                     # group's gradients add up to its replica's (`stages.parallelism`)
-                    weight = world * objective.share(idx, step_chunks, slots) / objective.per_chunk
-                    where = f"at epoch {epoch}, micro-batch {first + dp_rank * accum + c}"
+                    weight = world * objective.share(idx, step_chunks, len(step_chunks)) / objective.per_chunk
+                    where = f"at epoch {epoch}, micro-batch {first + c}"
                     losses = objective.losses(idx)
                     for t in range(objective.per_chunk):
-                        with par.sync(c == accum - 1 and t == objective.per_chunk - 1):
+                        with par.sync(c == len(mine) - 1 and t == objective.per_chunk - 1):
                             with cfg.autocast(on):
                                 loss, values = next(losses)
                             scaler.scale(loss * (weight if real else 0.0)).backward()

@@ -87,7 +87,13 @@ class Pipelines:
             return self._open(key, adapter)
 
     def set_lora(self, engine: DiffusersEngine, layers: Any, config: Any) -> str:
-        """`FlowPolicy.set_lora` on `engine` (and its copy on every rank); how it was done."""
+        """`FlowPolicy.set_lora` on `engine` (and its copy on every rank); how it was done. Refused
+        under tensor parallelism, whose plan shards no LoRA layer."""
+        if layers is not None and self.parallel.tp_degree > 1:
+            raise UserInputError(
+                f"--tp-degree {self.parallel.tp_degree}: diffusers' tensor-parallel plan does not shard LoRA "
+                "layers; serve a full fine-tune, or this LoRA with --sp-degree"
+            )
         with self.lock:
             self._send("set_lora", self._key(engine), layers, config)
             return engine.policy.set_lora(layers, config)

@@ -70,6 +70,6 @@ class ServeConfig:
     workers: int = knobs.workers()
     request_timeout: float = knobs.request_timeout()
     # under a launcher of exactly this many ranks (one group; `stages.sample.lockstep`)
-    sp_degree: int = knobs.sp_degree()
+    sp_degree: int = knobs.sp_degree(one_group=True)
     sp_kind: str = knobs.sp_kind()
     tp_degree: int = knobs.tp_degree()

@@ -22,7 +22,8 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import PROMPTS, fails, run
+from helpers import PROMPTS, fails, online_args, run
+from test_online_remote import PRESET
 from test_serve import ENV, Server, _random_lora, _request
 
 from stages.sample.engines import EngineOptions
@@ -67,7 +68,8 @@ def flux(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("serve-sp")
     init_model("flux", root / "model", size="tiny", seed=0)
     (root / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
-    return {"model": root / "model", "prompts": root / "prompts.txt", "root": root}
+    (root / "preset.yaml").write_text(PRESET)
+    return {"model": root / "model", "prompts": root / "prompts.txt", "preset": root / "preset.yaml"}
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +142,26 @@ def test_an_sp_server_samples_as_one_process_before_and_after_a_push_and_an_aban
     for column in COLUMNS:
         assert torch.equal(again[column], unpushed[column])
     assert _request(group.url, "GET", "/health")[0] == 200
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_online_samples_with_sp_through_an_sp_server(
+    servers: tuple[Server, GroupServer], flux: dict[str, Path], tmp_path: Path
+) -> None:
+    """online's sp route: --engine remote against the group, as against a one-process server (2
+    iterations, each update's LoRA pushed to the server): the same samples to 1e-5, no version gap."""
+    runs = {}
+    for name, srv in zip(("one", "sp"), servers, strict=True):
+        args = online_args(flux["preset"], flux, tmp_path / name, "--reward", "jpeg_compressibility")
+        extra = ["--iterations", "2", "--save-trajectories", "--engine", "remote", "--server-url", srv.url]
+        runs[name] = run(*args, *extra)["iterations"]
+    assert [it["version_gaps"] for it in runs["sp"]] == [[0], [0]]
+    assert [it["policy_versions"] for it in runs["sp"]] == [[0], [runs["sp"][0]["step"]]]
+    for k in (0, 1):
+        one, sp = (ShardSet(tmp_path / name / f"it{k}" / "samples").read_all() for name in ("one", "sp"))
+        assert sp["sample_id"] == one["sample_id"]
+        _close(sp, one)
 
 
 @pytest.mark.distributed

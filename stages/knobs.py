@@ -252,14 +252,18 @@ def strategy() -> Any:
     )
 
 
-def sp_degree() -> Any:
-    """`--sp-degree`: sequence parallelism."""
+def sp_degree(one_group: bool = False) -> Any:
+    """`--sp-degree`: sequence parallelism; `one_group`: a server's, whose launch is exactly one group."""
+    others, ranks = (
+        ("rank 0 serves and the others run each batch with it", "exactly this many ranks")
+        if one_group
+        else ("the other ranks are data parallel (dp = ranks / sp)", "a multiple of it as ranks")
+    )
     return knob(
         1,
         "Sequence parallelism (diffusers' context parallelism): this many consecutive ranks of the launch "
-        "share each sample's tokens, so activations per rank shrink by it; the other ranks are data "
-        "parallel (dp = ranks / sp). FLUX, Qwen-Image and Wan; needs a launcher (torchrun --nproc_per_node, "
-        "accelerate launch) with a multiple of it as ranks.",
+        f"share each sample's tokens, so activations per rank shrink by it; {others}. FLUX, Qwen-Image and "
+        f"Wan; needs a launcher (torchrun --nproc_per_node, accelerate launch) with {ranks}.",
         low=1,
         panel=PARALLELISM,
     )

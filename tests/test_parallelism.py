@@ -239,11 +239,12 @@ def test_only_a_quantized_attention_backend_is_part_of_the_identity() -> None:
 
 
 @pytest.mark.parametrize("flag", ["--sp-degree", "--tp-degree"])
-def test_online_and_serve_refuse_model_parallelism_naming_the_commands_that_run_it(
+def test_online_refuses_model_parallelism_naming_an_sp_server_and_the_staged_commands(
     tiny_sd3: Path, tmp_path: Path, flag: str
 ) -> None:
-    """Their workers are spawned processes (online) or one request handler (serve), not launcher ranks:
-    a degree above 1 is one line naming the staged commands, before anything is loaded or written."""
+    """Its sampler and scorer are spawned processes, not launcher ranks: a degree above 1 is one line
+    naming the routes that run it (an `omnirl serve` with that degree as its remote engine, the staged
+    commands), before anything is loaded or written."""
     prompts, preset = tmp_path / "p.txt", tmp_path / "preset.yaml"
     prompts.write_text("a cat\n")
     preset.write_text("sample:\n  steps: 2\n")
@@ -252,10 +253,10 @@ def test_online_and_serve_refuse_model_parallelism_naming_the_commands_that_run_
         [*online, "--out", str(tmp_path / "run"), flag, "2"],
         f"{flag} 2: omnirl online",
         "spawned worker processes",
+        "`omnirl serve` with that degree (online --engine remote --server-url URL then samples through it)",
         "staged omnirl sample, logprob and update under a launcher",
     )
     # a shared preset's top-level degree (as the staged commands read it) is refused alike
     preset.write_text(f"{flag[2:].replace('-', '_')}: 4\nsample:\n  steps: 2\n")
     fails([*online, "--out", str(tmp_path / "run")], f"{flag} 4: omnirl online", "under a launcher")
     assert not (tmp_path / "run").exists()
-    fails(["serve", "--model", str(tiny_sd3), flag, "2"], f"{flag} 2: omnirl serve", "omnirl sample")

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import asdict
+from typing import TYPE_CHECKING
 
-from stages.sample.serve_config import IN_PROCESS, NO_MODEL_PARALLEL, ServeConfig
+from stages.sample.serve_config import ServeConfig
 
 from ..generate import config_command
 from ..runtime import device, serve_until_stopped, server_token
+
+if TYPE_CHECKING:
+    from stages.sample.lockstep import Pipelines
 
 
 def run(c: ServeConfig, json_: bool) -> None:
@@ -28,15 +32,32 @@ def run(c: ServeConfig, json_: bool) -> None:
     forgotten (docs/serving.md). When ready it prints its URL (with
     --json, one JSON line on stdout: url, model, weights, pid). `omnirl online --engine remote` pushes
     each new policy version to it. Threads, connections and the time to send a request are bounded
-    (--workers, --max-connections: 503 past it, --request-timeout: 408): docs/serving.md.
+    (--workers, --max-connections: 503 past it, --request-timeout: 408): docs/serving.md. Under a launcher
+    with --sp-degree N (or --tp-degree N) over exactly N ranks, rank 0 serves and every rank runs each
+    batch and weight change with it on its part of the model; stopping rank 0 stops them all
+    (docs/scaling.md).
 
     Example: [bold]omnirl serve --model models/sd3-tiny --port 18091[/], then
     [bold]omnirl sample --engine remote --server-url http://127.0.0.1:18091 --model models/sd3-tiny
     --prompts prompts.txt --out run/it0/samples[/]
     """
+    from stages.models.folders import check_pipeline_folder
     from stages.parallelism import ModelParallel
+    from stages.sample.lockstep import Pipelines
 
-    ModelParallel.from_options(asdict(c)).refuse("omnirl serve", NO_MODEL_PARALLEL, IN_PROCESS)
+    parallel = ModelParallel.from_options(asdict(c))
+    pipelines = Pipelines(check_pipeline_folder(c.model), dtype=c.dtype, device=device(), parallel=parallel)
+    if not pipelines.leads:
+        pipelines.follow()  # until rank 0 stops
+        return
+    try:
+        _serve(c, json_, pipelines)
+    finally:
+        pipelines.close()
+
+
+def _serve(c: ServeConfig, json_: bool, pipelines: Pipelines) -> None:
+    """Serve on this rank (the only one, or the group's rank 0) until stopped."""
     from stages.sample.rollout_server import RolloutService
     from stages.web import JsonServer
 
@@ -55,6 +76,7 @@ def run(c: ServeConfig, json_: bool) -> None:
         max_cost=c.max_request_cost,
         weights_root=c.weights_root,
         named_ttl=c.named_weights_ttl,
+        pipelines=pipelines,
     )
     serve_until_stopped(
         lambda host, port, limits: JsonServer(service, host, port, limits=limits),

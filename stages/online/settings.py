@@ -22,7 +22,11 @@ NO_MODEL_PARALLEL = (
     "runs its sampler and scorer as spawned worker processes, not launcher ranks, so no group of ranks "
     "can share a sample"
 )
-STAGED = "the staged omnirl sample, logprob and update"
+# the route for sp/tp rollouts in online: an sp `omnirl serve` its sampler is a client of
+STAGED = (
+    "`omnirl serve` with that degree (online --engine remote --server-url URL then samples through it) or "
+    "the staged omnirl sample, logprob and update"
+)
 
 
 @dataclass

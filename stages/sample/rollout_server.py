@@ -6,9 +6,9 @@ Routes (JSON in and out, never pickle; HTTP, token and size checks in `stages.we
   where ``dtype`` is the weights dtype (--dtype) and ``weights`` is ``{"model_sha256", "adapter",
   "adapter_sha256", "version"}``;
 - ``GET /v1/models``: the OpenAI list shape, one model whose ``id`` is the served model name;
-- ``POST /omnirl/v1/rollout``: omnirl rollout protocol v1 (`stages.sample.rollout_protocol`): the
-  trajectories of `rollout_batch`, which `omnirl logprob` replays exactly, and when asked the prompt
-  conditioning they were sampled with (which `omnirl sample` stores and `online`'s trainer trains on);
+- ``POST /omnirl/v1/rollout``: omnirl rollout protocol v1 (`stages.sample.rollout_protocol`): the trajectories
+  of `rollout_batch`, which `omnirl logprob` replays exactly, and when asked the prompt conditioning they were
+  sampled with (which `omnirl sample` stores and `online`'s trainer trains on);
 - ``POST /v1/images/generations``: vLLM-Omni's (OpenAI's) images API: ``prompt``, ``n`` (1–10),
   ``size`` ("WxH"), ``num_inference_steps`` (1–200), ``guidance_scale`` (0–20),
   ``negative_prompt``, ``seed`` (random when absent; image i draws from seed + i), ``model`` (400 when
@@ -16,12 +16,11 @@ Routes (JSON in and out, never pickle; HTTP, token and size checks in `stages.we
   ``{"created", "data": [{"b64_json", "url": null, "revised_prompt": null}], "output_format": "png",
   "size", "metrics"}``; other fields are ignored;
 - ``POST /v1/videos/sync`` (a video family): vLLM-Omni's synchronous videos API, a form
-  (``multipart/form-data`` or urlencoded, as its FastAPI ``Form`` fields): ``prompt``, ``model``,
-  ``size`` "WxH" or ``width``/``height``, ``num_frames`` (or ``seconds`` × ``fps``), ``fps``
-  (default 24), ``num_inference_steps`` (1–200), ``guidance_scale`` (0–20), ``guidance_scale_2`` (the
-  low-noise expert's, two-expert families), ``negative_prompt``,
-  ``seed`` (random when absent); deterministic (ode) sampling; the reply is the MP4 itself
-  (``video/mp4``) with headers ``X-Request-Id``, ``X-Model``, ``X-Inference-Time-S``,
+  (``multipart/form-data`` or urlencoded, as its FastAPI ``Form`` fields): ``prompt``, ``model``, ``size``
+  "WxH" or ``width``/``height``, ``num_frames`` (or ``seconds`` × ``fps``), ``fps`` (default 24),
+  ``num_inference_steps`` (1–200), ``guidance_scale`` (0–20), ``guidance_scale_2`` (the low-noise expert's,
+  two-expert families), ``negative_prompt``, ``seed`` (random when absent); deterministic (ode) sampling; the
+  reply is the MP4 itself (``video/mp4``) with headers ``X-Request-Id``, ``X-Model``, ``X-Inference-Time-S``,
   ``X-Stage-Durations``, ``X-Peak-Memory-MB``; other fields are ignored;
 - ``GET /omnirl/v1/weights`` the weights held; ``POST /omnirl/v1/weights`` changes them without a
   restart and answers ``{"weights", "load": {"how", "seconds"}}``, either
@@ -36,37 +35,35 @@ Routes (JSON in and out, never pickle; HTTP, token and size checks in `stages.we
     most --max-weights-mb; the body's SHA-256 must be HEX (400 otherwise); the weights record it as
     adapter "pushed" with that digest;
   a LoRA (pushed, or a folder in diffusers' layout) is swapped onto the pipeline in place
-  (`FlowPolicy.set_lora`: copied into the LoRA layers of the same config, else unloaded and added);
-  other adapters (PEFT folders, full fine-tunes) load as a second pipeline beside, then swap in;
-  with a ``name`` (``?name=NAME``, or ``"name"`` in the JSON body) the LoRA is kept as version N of the
-  named weights NAME instead (the latest `served_weights.KEEP_VERSIONS` pushed of each name), leaving
-  the unnamed weights as they are: several trainers share the server, each rollout request naming its weights
-  (``weights.name``, optionally pinning ``weights.version``; 409 for a name or version not held) and
-  the pipeline swapping them in before the batch when another batch used other weights; a push of a
-  new name when the server holds --max-named-weights names is 409 (delete one first). Each name is
-  held on a lease of --named-weights-ttl seconds (``lease_s`` in the push's reply), renewed by every
-  push, rollout request and ``POST /omnirl/v1/weights/lease`` naming it: a name not renewed for that
-  long (its trainer was killed) is forgotten, before any use of the table (so before the cap is
-  checked);
-- ``POST /omnirl/v1/weights/lease`` ``{"name": NAME}`` renews the lease of named weights NAME (a
-  trainer's heartbeat while it trains), answering ``{"name", "versions", "lease_s"}``; 404 when not
-  held (never pushed, deleted, or expired);
+  (`FlowPolicy.set_lora`: copied into the LoRA layers of the same config, else unloaded and added); other
+  adapters (PEFT folders, full fine-tunes) load as a second pipeline beside, then swap in; with a ``name``
+  (``?name=NAME``, or ``"name"`` in the JSON body) the LoRA is kept as version N of the named weights NAME
+  instead (the latest `served_weights.KEEP_VERSIONS` pushed of each name), leaving the unnamed weights as they
+  are: several trainers share the server, each rollout request naming its weights (``weights.name``,
+  optionally pinning ``weights.version``; 409 for a name or version not held) and the pipeline swapping them
+  in before the batch when another batch used other weights; a push of a new name when the server holds
+  --max-named-weights names is 409 (delete one first). Each name is held on a lease of --named-weights-ttl
+  seconds (``lease_s`` in the push's reply), renewed by every push, rollout request and ``POST
+  /omnirl/v1/weights/lease`` naming it: a name not renewed for that long (its trainer was killed) is
+  forgotten, before any use of the table (so before the cap is checked);
+- ``POST /omnirl/v1/weights/lease`` ``{"name": NAME}`` renews the lease of named weights NAME (a trainer's
+  heartbeat while it trains), answering ``{"name", "versions", "lease_s"}``; 404 when not held (never pushed,
+  deleted, or expired);
 - ``DELETE /omnirl/v1/weights?name=NAME[&version=N]`` forgets named weights NAME (every version, or
   version N), answering ``{"deleted": {"name", "versions"}, "named_weights"}``; 404 when not held
   (`omnirl online` deletes its own at the end of a run);
 - ``POST /omnirl/v1/latent_shape`` ``{"resolution": R or [H, W], "frames": F}`` (R a square's side, F
   default 1) → ``{"latent_shape": [...]}``.
 
-Refusals: 400 a malformed request, 401 a missing token, 403 an adapter folder the server may not load
-(above), 404 an unknown route, 409 a rollout that asks for other weights than the server holds (or named
-weights, or a version of them, it does not hold), 411/413 (`stages.web`), 413 a batch over --max-batch
-or `max_pixels`, or whose cost (samples × frames × height × width × denoising steps, in megapixel-steps)
-is over --max-request-cost (on every route that samples: its message names both), 422 an adapter that
-does not load (the weights held stay as they were). One request runs the model at a time (a lock), so
-several clients may call the server; a LoRA swap holds that lock while it copies, a pipeline loaded
-beside does not. A batch whose client closed its connection (gave up, timed out, was killed) stops
-before its next denoising step and frees the model for the next request; nothing is replied to it
-(`stages.web.client_gone`).
+Refusals: 400 a malformed request, 401 a missing token, 403 an adapter folder the server may not load (above),
+404 an unknown route, 409 a rollout that asks for other weights than the server holds (or named weights, or a
+version of them, it does not hold), 411/413 (`stages.web`), 413 a batch over --max-batch or `max_pixels`, or
+whose cost (samples × frames × height × width × denoising steps, in megapixel-steps) is over
+--max-request-cost (on every route that samples: its message names both), 422 an adapter that does not load
+(the weights held stay as they were). One request runs the model at a time (a lock), so several clients may
+call the server; a LoRA swap holds that lock while it copies, a pipeline loaded beside does not. A batch whose
+client closed its connection (gave up, timed out, was killed) stops before its next denoising step and frees
+the model for the next request; nothing is replied to it (`stages.web.client_gone`).
 """
 
 from __future__ import annotations
@@ -85,6 +82,7 @@ from stages.errors import UserInputError
 from stages.knobs import MAX_FRAMES
 from stages.models.conditioning import Entries
 from stages.sample.engines import DiffusersEngine
+from stages.sample.lockstep import Pipelines
 from stages.sample.rollout import SampleConfig, stored_steps
 from stages.sample.rollout_protocol import (
     PROTOCOL,
@@ -180,6 +178,7 @@ class RolloutService(JsonService):
         max_cost: int = 10_000,
         weights_root: str | Path | None = None,
         named_ttl: float = 600.0,
+        pipelines: Pipelines | None = None,
     ):
         from stages.models.factory import default_text_length
         from stages.models.folders import check_pipeline_folder
@@ -203,6 +202,7 @@ class RolloutService(JsonService):
             named_ttl=named_ttl,
             weights_root=weights_root,
             any_folder=token is not None,
+            pipelines=pipelines,
         )
 
     @property
@@ -321,7 +321,7 @@ class RolloutService(JsonService):
             raise ProtocolError("the samples' groups place windows of different lengths; batch them apart")
         with self.held.lock:
             version = self.held.select(request.weights)
-            columns = self.held.engine.rollout(
+            columns = self.held.rollout(
                 request.cfg,
                 request.prompts,
                 request.negatives,
@@ -370,7 +370,7 @@ class RolloutService(JsonService):
         with self.held.lock:
             self.held.activate(None)
             try:
-                return self.held.engine.rollout(
+                return self.held.rollout(
                     cfg,
                     prompts,
                     negatives,

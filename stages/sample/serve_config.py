@@ -12,12 +12,6 @@ from pathlib import Path
 from stages import knobs
 from stages.knobs import SERVER, knob
 
-# Why omnirl serve runs no sequence or tensor parallelism, and what does (`ModelParallel.refuse`).
-NO_MODEL_PARALLEL = (
-    "answers each request in one process, and the ranks of a group would all have to run every batch together"
-)
-IN_PROCESS = "omnirl sample (its in-process engine)"
-
 
 @dataclass
 class ServeConfig:
@@ -75,5 +69,7 @@ class ServeConfig:
     max_connections: int = knobs.max_connections()
     workers: int = knobs.workers()
     request_timeout: float = knobs.request_timeout()
-    sp_degree: int = knobs.no_model_parallel("--sp-degree", "serve", IN_PROCESS)
-    tp_degree: int = knobs.no_model_parallel("--tp-degree", "serve", IN_PROCESS)
+    # under a launcher of exactly this many ranks (one group; `stages.sample.lockstep`)
+    sp_degree: int = knobs.sp_degree(one_group=True)
+    sp_kind: str = knobs.sp_kind()
+    tp_degree: int = knobs.tp_degree()

@@ -18,6 +18,7 @@ from typing import Any
 
 from stages.errors import UserInputError
 from stages.sample.engines import DiffusersEngine
+from stages.sample.lockstep import Pipelines
 from stages.sample.rollout_protocol import WEIGHTS_NAME, WEIGHTS_NAME_RULE, check_weights
 from stages.web import HttpError, parse_json_object
 
@@ -44,7 +45,9 @@ class ServedWeights:
     on it: the unnamed ones (`weights`, their record) and the named ones (`named`, on leases).
 
     `weights_root` is the folder adapter paths load from; without one, `any_folder` says whether a
-    request may name any folder (a server with a token trusts its holders with its files)."""
+    request may name any folder (a server with a token trusts its holders with its files). Every
+    pipeline is opened, changed and run through `pipelines` (`stages.sample.lockstep`: on one process,
+    or on every rank of a sequence/tensor-parallel group); default: this process's, of `model`."""
 
     def __init__(
         self,
@@ -57,12 +60,12 @@ class ServedWeights:
         named_ttl: float = 600.0,
         weights_root: str | Path | None = None,
         any_folder: bool = False,
+        pipelines: Pipelines | None = None,
     ):
         from stages.shards.digest import content_digest
 
         self.model = model
-        self.device = device
-        self.dtype = dtype
+        self.pipelines = pipelines or Pipelines(model, dtype=dtype, device=device)
         self.model_sha256 = content_digest(self.model, "--model")
         self.max_named = max_named  # names of named weights held at once (each up to KEEP_VERSIONS LoRAs)
         self.named_ttl = named_ttl  # seconds a name is held without a renewal (`_renew`)
@@ -87,11 +90,17 @@ class ServedWeights:
         self.default_lora: tuple[Any, Any] | None = None
 
     def _open(self, adapter: str | Path | None) -> DiffusersEngine:
-        from stages.models.diffusion import FlowPolicy
+        return self.pipelines.open(adapter)
 
-        return DiffusersEngine(
-            FlowPolicy.load(self.model, adapter=adapter, device=self.device, dtype=self.dtype)
-        )
+    def _replace(self, engine: DiffusersEngine) -> None:
+        """Serve `engine` from now on, forgetting the one served (the caller holds the model lock)."""
+        old, self.engine = self.engine, engine
+        self.pipelines.drop(old)
+
+    def rollout(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """`DiffusersEngine.rollout` on the pipeline served (on every rank of its group); the caller
+        holds the model lock."""
+        return self.pipelines.rollout(self.engine, *args, **kwargs)
 
     def _record(
         self, adapter: str | None, digest: str | None, version: int, name: str | None = None
@@ -120,13 +129,18 @@ class ServedWeights:
         pipeline holding a full adapter or text-encoder LoRA layers is reloaded beside instead."""
         if self.full or self.engine.policy.untrained_loras():
             engine = self._open(None)
-            how = engine.policy.set_lora(layers, config)
+            try:
+                how = self.pipelines.set_lora(engine, layers, config)
+            except UserInputError:
+                self.pipelines.drop(engine)
+                raise
             with self.lock:
-                self.engine, self.weights, self.full = engine, record, False
+                self._replace(engine)
+                self.weights, self.full = record, False
                 self.active, self.active_entry, self.default_lora = None, None, (layers, config)
             return {"how": f"reloaded, {how}"}
         with self.lock:  # no rollout sees half-copied weights
-            how = self.engine.policy.set_lora(layers, config)
+            how = self.pipelines.set_lora(self.engine, layers, config)
             self.weights = record
             self.active, self.active_entry, self.default_lora = None, None, (layers, config)
         return {"how": how}
@@ -197,7 +211,7 @@ class ServedWeights:
                     else (None, None)
                 )
             layers, config, _ = entry  # type: ignore[misc]
-        self.engine.policy.set_lora(layers, config)
+        self.pipelines.set_lora(self.engine, layers, config)
         self.active, self.active_entry = target, entry
 
     def select(self, weights: dict[str, Any]) -> int:
@@ -314,7 +328,8 @@ class ServedWeights:
             )
         engine = self._open(adapter)  # a PEFT folder or a full adapter: a pipeline beside, then swapped
         with self.lock:
-            self.engine, self.full = engine, config["kind"] == "full"
+            self._replace(engine)
+            self.full = config["kind"] == "full"
             self.weights = self._record(adapter, digest, step)
             self.active, self.active_entry, self.default_lora = None, None, None
         return {"how": "reloaded"}

@@ -17,7 +17,8 @@ over the dp groups (tests/test_parallelism.py checks it against one process).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from functools import cache
 from typing import Any
@@ -181,11 +182,6 @@ def _check(what: str, module: torch.nn.Module, parallel: ModelParallel) -> None:
                 f"{option}: the {what} has no tensor-parallel plan (_tp_plan) in diffusers; tensor "
                 "parallelism runs FLUX and Qwen-Image, drop --tp-degree"
             )
-        if device().type == "cpu":
-            raise UserInputError(
-                f"{option}: diffusers shards weights on accelerators only (GPU, XPU, Neuron, TPU), not on "
-                "this CPU; use --sp-degree here"
-            )
         if any("lora_" in n for n, _ in module.named_parameters()):
             raise UserInputError(
                 f"{option}: the {what} carries LoRA layers, which diffusers' tensor-parallel plan does not "
@@ -244,6 +240,32 @@ def _enable(module: Any, config: Any) -> None:
 
     module._resolve_parallel_config = resolve
     try:
-        module.enable_parallelism(config=config)
+        with _cpu_tensor_parallel(mesh):
+            module.enable_parallelism(config=config)
     finally:
         del module._resolve_parallel_config
+
+
+@contextmanager
+def _cpu_tensor_parallel(mesh: Any) -> Iterator[None]:
+    """Let diffusers' `apply_tensor_parallel` shard over a CPU (gloo) mesh, for this call only.
+
+    diffusers refuses a mesh whose device type is not in its `_SUPPORTED_TP_DEVICES` (cuda, neuron, tpu,
+    xpu), an allowlist of where it has been tried, not of what the plan needs: the plan's column- and
+    row-parallel linears are torch's own DTensor styles, whose collectives (a broadcast and a scatter to
+    place the shards, an all-reduce after each row-parallel projection and in the backward of each
+    column-parallel one) gloo has, and on a CPU mesh they compute one process's numbers to fp32 rounding
+    (tests/test_parallelism.py). So while a CPU mesh is applied "cpu" joins the allowlist; every other
+    check and all the sharding stay diffusers' own.
+    """
+    from diffusers.hooks import tensor_parallel
+
+    allowed = tensor_parallel._SUPPORTED_TP_DEVICES
+    if mesh.device_type != "cpu" or "cpu" in allowed:
+        yield
+        return
+    tensor_parallel._SUPPORTED_TP_DEVICES = (*allowed, "cpu")
+    try:
+        yield
+    finally:
+        tensor_parallel._SUPPORTED_TP_DEVICES = allowed

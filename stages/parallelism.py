@@ -31,6 +31,7 @@ from stages.knobs import SP_KINDS
 
 # attention backends that cannot return the log-sum-exp ring attention merges partial results with
 NO_LSE_BACKENDS = ("native", "_native_math", "_native_efficient", "_native_npu", "_native_xla", "xformers")
+MAX_LISTED_DEGREE = 16  # the sp degrees a refused sequence length lists, 2 to this
 LAUNCH = "torchrun --nproc_per_node N (or accelerate launch)"
 
 
@@ -202,6 +203,21 @@ def sequence_shards(module: torch.nn.Module) -> int:
     batch) pads it to a multiple of this, with masked-out tokens."""
     cp = getattr(getattr(module, "_parallel_config", None), "context_parallel_config", None)
     return 1 if cp is None else cp.ring_degree * cp.ulysses_degree
+
+
+def check_sequence(module: torch.nn.Module, tokens: int, grid: str) -> None:
+    """Refuse in one line a sequence of `tokens` latent tokens (`grid`: how they arise, e.g. "3 × 3
+    patches") that `module`'s sequence-parallel group cannot split evenly, before diffusers' splitter
+    fails on it with a bare assertion. Free without sequence parallelism."""
+    shards = sequence_shards(module)
+    if tokens % shards == 0:
+        return
+    fits = [str(d) for d in range(2, MAX_LISTED_DEGREE + 1) if tokens % d == 0]
+    raise UserInputError(
+        f"--sp-degree {shards}: a sample's latents are {tokens} tokens ({grid}), which {shards} ranks cannot split "
+        f"evenly; degrees up to {MAX_LISTED_DEGREE} that divide it: {', '.join(fits) or 'none'} "
+        "(or sample at another --resolution)"
+    )
 
 
 def _backend(module: torch.nn.Module) -> str:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import PROMPTS, fails, ins, run, torchrun_commands
+from helpers import PROMPTS, fails, ins, run, torchrun_commands, torchrun_fails
 from safetensors.torch import load_file
 
 from stages.errors import UserInputError
@@ -145,6 +145,23 @@ def test_sp_needs_a_launch_of_a_multiple_of_its_degree(tiny_sd3: Path, tmp_path:
     fails([*args, "--sp-degree", "2", "--tp-degree", "2"], "--sp-degree 2", "--tp-degree 2", "choose one")
     fails([*args, "--sp-degree", "2", "--sp-kind", "unified"], "--sp-kind unified", "two factors")
     assert not (tmp_path / "s").exists()  # refused before anything is written
+
+
+@pytest.mark.distributed
+def test_a_sequence_the_sp_group_cannot_split_is_refused_in_one_line(
+    flux_model: Path, tmp_path: Path
+) -> None:
+    """24 px on the tiny FLUX (VAE factor 4) is 3 × 3 latent patches: 9 tokens, which diffusers' splitter
+    would fail on with a bare assertion under --sp-degree 2."""
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a cat\n")
+    line = torchrun_fails(
+        *["sample", "--model", str(flux_model), "--prompts", str(prompts), "--resolution", "24"],
+        *["--steps", "2", "--out", str(tmp_path / "s"), "--sp-degree", "2"],
+    )
+    assert line.startswith("error: --sp-degree 2: ") and "9 tokens (3 × 3 patches)" in line
+    assert "divide it: 3, 9" in line
+    assert not (tmp_path / "s").exists()
 
 
 @pytest.fixture(scope="module")

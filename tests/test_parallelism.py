@@ -269,12 +269,20 @@ def test_attention_backend_and_compile_are_set_on_the_transformer(flux_model: Pa
     assert not (tmp_path / "s").exists()
 
 
-def test_only_a_quantized_attention_backend_is_part_of_the_identity() -> None:
+def test_only_a_quantized_attention_backend_is_part_of_the_identity(monkeypatch: pytest.MonkeyPatch) -> None:
     from stages.outputs import run_config
 
+    monkeypatch.delenv("DIFFUSERS_ATTN_BACKEND", raising=False)
     assert run_config({"steps": 4, "attention_backend": None, "compile": True}) == {"steps": 4}
     assert run_config({"steps": 4, "attention_backend": "_native_cudnn"}) == {"steps": 4}
     assert run_config({"steps": 4, "attention_backend": "sage"}) == {"steps": 4, "attention_backend": "sage"}
+    # diffusers' default backend from the environment, under the same rule; the option overrides it
+    monkeypatch.setenv("DIFFUSERS_ATTN_BACKEND", "sage")
+    assert run_config({"steps": 4, "attention_backend": None}) == {"steps": 4, "attention_backend": "sage"}
+    assert run_config({"steps": 4, "attention_backend": "native"}) == {"steps": 4}
+    assert run_config({"steps": 4}) == {"steps": 4}  # a command that runs no transformer
+    monkeypatch.setenv("DIFFUSERS_ATTN_BACKEND", "_native_flash")
+    assert run_config({"steps": 4, "attention_backend": None}) == {"steps": 4}
 
 
 @pytest.mark.parametrize("flag", ["--sp-degree", "--tp-degree"])

@@ -304,5 +304,9 @@ def test_online_and_serve_refuse_model_parallelism_naming_the_commands_that_run_
     # a shared preset's top-level degree (as the staged commands read it) is refused alike
     preset.write_text(f"{flag[2:].replace('-', '_')}: 4\nsample:\n  steps: 2\n")
     fails([*online, "--out", str(tmp_path / "run")], f"{flag} 4: omnirl online", "under a launcher")
+    # and so is a stage section's (as the staged sample / update read it), not as an unknown setting
+    for section in ("sample", "update"):
+        preset.write_text(f"{section}:\n  {flag[2:].replace('-', '_')}: 2\n")
+        fails([*online, "--out", str(tmp_path / "run")], f"{flag} 2: omnirl online", "under a launcher")
     assert not (tmp_path / "run").exists()
     fails(["serve", "--model", str(tiny_sd3), flag, "2"], f"{flag} 2: omnirl serve", "omnirl sample")

@@ -205,6 +205,56 @@ def sequence_shards(module: torch.nn.Module) -> int:
     return 1 if cp is None else cp.ring_degree * cp.ulysses_degree
 
 
+def tensor_parallel_degree(module: torch.nn.Module) -> int:
+    """How many ranks split `module`'s planned weights (1 without tensor parallelism)."""
+    tp = getattr(getattr(module, "_parallel_config", None), "tensor_parallel_config", None)
+    return 1 if tp is None else tp._mesh.size()
+
+
+def packed_blocks(module: torch.nn.Module) -> dict[str, tuple[int, list[int]]]:
+    """Parameter name → (dim, block sizes) of `module`'s parameters that diffusers' tensor-parallel plan
+    splits block by block (a fused projection, e.g. FLUX's single-block `proj_out` over [attention |
+    MLP]: each block's rows or columns split over the ranks): their DTensor's gathered local shards are
+    in rank order, not the tensor's (`rank_order`). Empty without tensor parallelism."""
+    degree = tensor_parallel_degree(module)
+    if degree == 1:
+        return {}
+    from diffusers.hooks.tensor_parallel import resolve_tp_shard_specs
+
+    specs = resolve_tp_shard_specs(module, module._tp_plan, degree)
+    return {n: (s.dim, s.block_sizes) for n, s in specs.items() if s.block_sizes and len(s.block_sizes) > 1}
+
+
+def head_split_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The replicated parameters of `module` that tensor parallelism applies to each rank's own attention
+    heads only: those of an attention layer whose projections the plan splits, other than the split
+    projections (its QK-norms, over head_dim). Each rank's gradient of them is its heads' share, and the
+    group's is their sum. Empty without tensor parallelism."""
+    if tensor_parallel_degree(module) == 1:
+        return []
+    from torch.distributed.tensor import DTensor
+
+    found: dict[int, torch.nn.Parameter] = {}
+    for sub in module.modules():
+        to_q = getattr(sub, "to_q", None)
+        if isinstance(getattr(to_q, "weight", None), DTensor):
+            found |= {id(p): p for p in sub.parameters() if not isinstance(p, DTensor)}
+    return list(found.values())
+
+
+def rank_order(
+    t: torch.Tensor, dim: int, blocks: list[int], ranks: int, inverse: bool = False
+) -> torch.Tensor:
+    """`t`, whose `dim` is `blocks` each split in `ranks` equal parts, with those parts rank-major (rank
+    0's part of every block, then rank 1's, ...): the order a packed DTensor's `full_tensor()` returns
+    and `distribute_tensor` must be given. `inverse`: from rank order back to the tensor's own."""
+    if not inverse:
+        parts = [block.chunk(ranks, dim) for block in t.split(blocks, dim)]
+        return torch.cat([parts[j][r] for r in range(ranks) for j in range(len(blocks))], dim)
+    parts = [chunk.split([b // ranks for b in blocks], dim) for chunk in t.chunk(ranks, dim)]
+    return torch.cat([parts[r][j] for j in range(len(blocks)) for r in range(ranks)], dim)
+
+
 def check_sequence(module: torch.nn.Module, tokens: int, grid: str) -> None:
     """Refuse in one line a sequence of `tokens` latent tokens (`grid`: how they arise, e.g. "3 × 3
     patches") that `module`'s sequence-parallel group cannot split evenly, before diffusers' splitter

@@ -167,6 +167,11 @@ def test_tp_full_update_and_its_resumption_on_cpu_equal_one_process(family: dict
         assert ref.keys() == got.keys() and scale > 0
         for key, value in ref.items():
             torch.testing.assert_close(got[key], value, rtol=0, atol=1e-5 * scale)
+    # FSDP2 (or data parallelism) around the group is refused in one line, before anything is written
+    fsdp2 = ["--out", str(tmp_path / "fsdp2"), "--tp-degree", "2", "--strategy", "fsdp2"]
+    line = torchrun_fails("update", "--model", str(model), *full, *fsdp2)
+    assert "--tp-degree 2: update trains one tensor-parallel group" in line and "exactly 2 ranks" in line
+    assert not (tmp_path / "fsdp2").exists()
 
 
 def test_sp_needs_a_launch_of_a_multiple_of_its_degree(tiny_sd3: Path, tmp_path: Path) -> None:

@@ -12,7 +12,9 @@ Gradients: diffusers gathers the transformer's output over the group (`proj_out`
 rank's backward to its own part of the sequence only, so a rank's parameter gradients are its share
 and the group's true gradient is their *sum*. DDP / FSDP2 over all W ranks average, and the trainer
 scales each loss by W (not dp), which makes that average exactly the sum over each group, averaged
-over the dp groups (tests/test_parallelism.py checks it against one process).
+over the dp groups (tests/test_parallelism.py checks it against one process). Under tp a rank's
+gradient of a split weight is already the group's, except the QK-norms', which each rank applies to its
+own heads (`head_split_parameters`; `stages.update.parallel` sums those over the group).
 """
 
 from __future__ import annotations
@@ -208,7 +210,7 @@ def sequence_shards(module: torch.nn.Module) -> int:
 def tensor_parallel_degree(module: torch.nn.Module) -> int:
     """How many ranks split `module`'s planned weights (1 without tensor parallelism)."""
     tp = getattr(getattr(module, "_parallel_config", None), "tensor_parallel_config", None)
-    return 1 if tp is None else tp._mesh.size()
+    return 1 if tp is None else tp.mesh.size()
 
 
 def packed_blocks(module: torch.nn.Module) -> dict[str, tuple[int, list[int]]]:

@@ -286,8 +286,8 @@ def tp_degree() -> Any:
     return knob(
         1,
         "Tensor parallelism (diffusers' _tp_plan): this many consecutive ranks each hold 1/N of the "
-        "transformer's planned weights. FLUX and Qwen-Image, on accelerators, without LoRA layers; not with "
-        "--sp-degree.",
+        "transformer's planned weights. FLUX and Qwen-Image (accelerators or CPU gloo ranks), without LoRA "
+        "layers; not with --sp-degree; update trains one group (launch exactly N ranks).",
         low=1,
         panel=PARALLELISM,
     )

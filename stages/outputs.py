@@ -168,7 +168,8 @@ CONTENT_OPTIONS = ("model", "adapter")
 
 def run_config(resolved: dict[str, Any], exclude: tuple[str, ...] = ()) -> dict[str, Any]:
     """The config recorded (and hashed) for an output: the resolved options that determine it (not
-    `NOT_IDENTITY`, nor `exclude`, nor an --attention-backend that agrees with native to rounding), plus
+    `NOT_IDENTITY`, nor `exclude`, nor an attention backend that agrees with native to rounding: the
+    --attention-backend, else DIFFUSERS_ATTN_BACKEND from the environment, is recorded when quantized), plus
     `model_sha256` / `adapter_sha256` content digests.
 
     Input shard sets, prompt files and plugin files enter the output's identity through the writer's
@@ -183,9 +184,12 @@ def run_config(resolved: dict[str, Any], exclude: tuple[str, ...] = ()) -> dict[
 
     config = {k: plain(v) for k, v in resolved.items() if k not in NOT_IDENTITY and k not in exclude}
     if "attention_backend" in config:
-        from stages.models.kernels import changes_numbers
+        from stages.models.kernels import active_backend, changes_numbers
 
-        if not changes_numbers(config["attention_backend"]):  # the default, or native's to rounding
+        backend = active_backend(config["attention_backend"])  # the option, else DIFFUSERS_ATTN_BACKEND
+        if changes_numbers(backend):
+            config["attention_backend"] = backend
+        else:  # native, or native's to rounding
             del config["attention_backend"]
     for key in CONTENT_OPTIONS:
         if resolved.get(key) is not None:

@@ -12,12 +12,15 @@ Gradients: diffusers gathers the transformer's output over the group (`proj_out`
 rank's backward to its own part of the sequence only, so a rank's parameter gradients are its share
 and the group's true gradient is their *sum*. DDP / FSDP2 over all W ranks average, and the trainer
 scales each loss by W (not dp), which makes that average exactly the sum over each group, averaged
-over the dp groups (tests/test_parallelism.py checks it against one process).
+over the dp groups (tests/test_parallelism.py checks it against one process). Under tp a rank's
+gradient of a split weight is already the group's, except the QK-norms', which each rank applies to its
+own heads (`head_split_parameters`; `stages.update.parallel` sums those over the group).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from functools import cache
 from typing import Any
@@ -30,6 +33,7 @@ from stages.knobs import SP_KINDS
 
 # attention backends that cannot return the log-sum-exp ring attention merges partial results with
 NO_LSE_BACKENDS = ("native", "_native_math", "_native_efficient", "_native_npu", "_native_xla", "xformers")
+MAX_LISTED_DEGREE = 16  # the sp degrees a refused sequence length lists, 2 to this
 LAUNCH = "torchrun --nproc_per_node N (or accelerate launch)"
 
 
@@ -181,11 +185,6 @@ def _check(what: str, module: torch.nn.Module, parallel: ModelParallel) -> None:
                 f"{option}: the {what} has no tensor-parallel plan (_tp_plan) in diffusers; tensor "
                 "parallelism runs FLUX and Qwen-Image, drop --tp-degree"
             )
-        if device().type == "cpu":
-            raise UserInputError(
-                f"{option}: diffusers shards weights on accelerators only (GPU, XPU, Neuron, TPU), not on "
-                "this CPU; use --sp-degree here"
-            )
         if any("lora_" in n for n, _ in module.named_parameters()):
             raise UserInputError(
                 f"{option}: the {what} carries LoRA layers, which diffusers' tensor-parallel plan does not "
@@ -206,6 +205,71 @@ def sequence_shards(module: torch.nn.Module) -> int:
     batch) pads it to a multiple of this, with masked-out tokens."""
     cp = getattr(getattr(module, "_parallel_config", None), "context_parallel_config", None)
     return 1 if cp is None else cp.ring_degree * cp.ulysses_degree
+
+
+def tensor_parallel_degree(module: torch.nn.Module) -> int:
+    """How many ranks split `module`'s planned weights (1 without tensor parallelism)."""
+    tp = getattr(getattr(module, "_parallel_config", None), "tensor_parallel_config", None)
+    return 1 if tp is None else tp.mesh.size()
+
+
+def packed_blocks(module: torch.nn.Module) -> dict[str, tuple[int, list[int]]]:
+    """Parameter name → (dim, block sizes) of `module`'s parameters that diffusers' tensor-parallel plan
+    splits block by block (a fused projection, e.g. FLUX's single-block `proj_out` over [attention |
+    MLP]: each block's rows or columns split over the ranks): their DTensor's gathered local shards are
+    in rank order, not the tensor's (`rank_order`). Empty without tensor parallelism."""
+    degree = tensor_parallel_degree(module)
+    if degree == 1:
+        return {}
+    from diffusers.hooks.tensor_parallel import resolve_tp_shard_specs
+
+    specs = resolve_tp_shard_specs(module, module._tp_plan, degree)
+    return {n: (s.dim, s.block_sizes) for n, s in specs.items() if s.block_sizes and len(s.block_sizes) > 1}
+
+
+def head_split_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The replicated parameters of `module` that tensor parallelism applies to each rank's own attention
+    heads only: those of an attention layer whose projections the plan splits, other than the split
+    projections (its QK-norms, over head_dim). Each rank's gradient of them is its heads' share, and the
+    group's is their sum. Empty without tensor parallelism."""
+    if tensor_parallel_degree(module) == 1:
+        return []
+    from torch.distributed.tensor import DTensor
+
+    found: dict[int, torch.nn.Parameter] = {}
+    for sub in module.modules():
+        to_q = getattr(sub, "to_q", None)
+        if isinstance(getattr(to_q, "weight", None), DTensor):
+            found |= {id(p): p for p in sub.parameters() if not isinstance(p, DTensor)}
+    return list(found.values())
+
+
+def rank_order(
+    t: torch.Tensor, dim: int, blocks: list[int], ranks: int, inverse: bool = False
+) -> torch.Tensor:
+    """`t`, whose `dim` is `blocks` each split in `ranks` equal parts, with those parts rank-major (rank
+    0's part of every block, then rank 1's, ...): the order a packed DTensor's `full_tensor()` returns
+    and `distribute_tensor` must be given. `inverse`: from rank order back to the tensor's own."""
+    if not inverse:
+        parts = [block.chunk(ranks, dim) for block in t.split(blocks, dim)]
+        return torch.cat([parts[j][r] for r in range(ranks) for j in range(len(blocks))], dim)
+    parts = [chunk.split([b // ranks for b in blocks], dim) for chunk in t.chunk(ranks, dim)]
+    return torch.cat([parts[r][j] for j in range(len(blocks)) for r in range(ranks)], dim)
+
+
+def check_sequence(module: torch.nn.Module, tokens: int, grid: str) -> None:
+    """Refuse in one line a sequence of `tokens` latent tokens (`grid`: how they arise, e.g. "3 × 3
+    patches") that `module`'s sequence-parallel group cannot split evenly, before diffusers' splitter
+    fails on it with a bare assertion. Free without sequence parallelism."""
+    shards = sequence_shards(module)
+    if tokens % shards == 0:
+        return
+    fits = [str(d) for d in range(2, MAX_LISTED_DEGREE + 1) if tokens % d == 0]
+    raise UserInputError(
+        f"--sp-degree {shards}: a sample's latents are {tokens} tokens ({grid}), which {shards} ranks cannot split "
+        f"evenly; degrees up to {MAX_LISTED_DEGREE} that divide it: {', '.join(fits) or 'none'} "
+        "(or sample at another --resolution)"
+    )
 
 
 def _backend(module: torch.nn.Module) -> str:
@@ -244,6 +308,32 @@ def _enable(module: Any, config: Any) -> None:
 
     module._resolve_parallel_config = resolve
     try:
-        module.enable_parallelism(config=config)
+        with _cpu_tensor_parallel(mesh):
+            module.enable_parallelism(config=config)
     finally:
         del module._resolve_parallel_config
+
+
+@contextmanager
+def _cpu_tensor_parallel(mesh: Any) -> Iterator[None]:
+    """Let diffusers' `apply_tensor_parallel` shard over a CPU (gloo) mesh, for this call only.
+
+    diffusers refuses a mesh whose device type is not in its `_SUPPORTED_TP_DEVICES` (cuda, neuron, tpu,
+    xpu), an allowlist of where it has been tried, not of what the plan needs: the plan's column- and
+    row-parallel linears are torch's own DTensor styles, whose collectives (a broadcast and a scatter to
+    place the shards, an all-reduce after each row-parallel projection and in the backward of each
+    column-parallel one) gloo has, and on a CPU mesh they compute one process's numbers to fp32 rounding
+    (tests/test_parallelism.py). So while a CPU mesh is applied "cpu" joins the allowlist; every other
+    check and all the sharding stay diffusers' own.
+    """
+    from diffusers.hooks import tensor_parallel
+
+    allowed = tensor_parallel._SUPPORTED_TP_DEVICES
+    if mesh.device_type != "cpu" or "cpu" in allowed:
+        yield
+        return
+    tensor_parallel._SUPPORTED_TP_DEVICES = (*allowed, "cpu")
+    try:
+        yield
+    finally:
+        tensor_parallel._SUPPORTED_TP_DEVICES = allowed

@@ -126,6 +126,20 @@ def torchrun(
     return _launch([*program, *args, "--json"], ranks, stderr, env)
 
 
+def torchrun_fails(*args: str, ranks: int = 2) -> str:
+    """`torchrun` of `omnirl ARGS` that every rank refuses: asserts the launch failed with exit 2 (no
+    rank raised) and each rank wrote the same one line; returns that line."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", str(ranks)]
+    result = subprocess.run(
+        [*cmd, "-m", "omnirl_cli", *args], capture_output=True, text=True, env=env, timeout=600
+    )
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode != 0 and "exitcode  : 2" in result.stderr, result.stderr[-3000:]
+    assert len(lines) == ranks and len(set(lines)) == 1, result.stderr[-3000:]
+    return lines[0]
+
+
 def torchrun_commands(*commands: list[str], ranks: int = 2, stderr: list[str] | None = None) -> list[dict]:
     """`torchrun` (as `torchrun`) of several `omnirl` commands in turn in the same RANKS processes
     (tests/launch_commands.py): one import of torch and diffusers for a whole staged iteration."""

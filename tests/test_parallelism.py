@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import PROMPTS, fails, ins, run, torchrun_commands
+from helpers import PROMPTS, fails, ins, run, torchrun_commands, torchrun_fails
 from safetensors.torch import load_file
 
 from stages.errors import UserInputError
@@ -115,6 +115,65 @@ def test_sp_rollout_replay_and_update_equal_one_process(family: dict) -> None:
             torch.testing.assert_close(got[key], value, rtol=0, atol=1e-5 * scale)
 
 
+@pytest.mark.distributed
+@pytest.mark.parametrize("family", ["flux", "qwen_image"], indirect=True)
+def test_tp_rollout_and_replay_on_cpu_equal_one_process(family: dict) -> None:
+    """--tp-degree 2 on 2 gloo ranks (diffusers' `_tp_plan`: column- then row-parallel linears, an
+    all-reduce after each row-parallel one): the rollout and the replay of one process's rollout agree
+    with one process to 1e-5."""
+    root, model, name = family["root"], family["model"], family["name"]
+    tp = ["--tp-degree", "2"]
+    sampled, replay = torchrun_commands(
+        _sample(model, family["prompts"], name, root / "tp-samples", *tp),
+        ["logprob", "--model", str(model), "--in", str(root / "samples"), "--out", str(root / "tp-lp"), *tp],
+    )
+    assert sampled["rows_written"] == 6 and sampled["complete"]
+    one, split = ShardSet(root / "samples").read_all(), ShardSet(root / "tp-samples").read_all()
+    assert one["sample_id"] == split["sample_id"] and torch.equal(one["seed"], split["seed"])
+    for column in ("latents", "log_probs", "final_latent"):
+        torch.testing.assert_close(split[column], one[column], rtol=0, atol=1e-5)
+    assert replay["replayed"] and replay["rows_replayed"] == 6 and replay["abs_delta_max"] <= 1e-5
+    old = ShardSet(root / "logprobs").read_all()["old_log_probs"]
+    torch.testing.assert_close(ShardSet(root / "tp-lp").read_all()["old_log_probs"], old, rtol=0, atol=1e-5)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("family", ["flux"], indirect=True)
+def test_tp_full_update_and_its_resumption_on_cpu_equal_one_process(family: dict, tmp_path: Path) -> None:
+    """update --full --tp-degree 2 on 2 gloo ranks, then a second update resumed from it (its weights and
+    AdamW moments gathered whole, then split again): per-step grad norms and losses to 1e-5 relative and
+    the saved weights to 1e-5 of their scale. FLUX's single blocks split a fused projection block by
+    block, and each rank's QK-norm gradients are its heads' share: either mishandled is off by ~1e-3."""
+    root, model = family["root"], family["model"]
+    inputs = ins(root / "samples", root / "logprobs", root / "advantages")
+    full = [*inputs, "--full", "--lr", "1e-4", "--no-shuffle", "--micro-batch", "1"]
+
+    def updates(name: str, *extra: str) -> list[list[str]]:
+        """A first update into `name`, then one resumed from it into `name`2."""
+        base, first = ["update", "--model", str(model), *full, *extra], str(tmp_path / name)
+        return [[*base, "--out", first], [*base, "--adapter", first, "--out", f"{first}2"]]
+
+    for args in updates("one"):
+        run(*args)
+    torchrun_commands(*updates("tp", "--tp-degree", "2"))
+    for name in ("", "2"):
+        one, tp = tmp_path / f"one{name}", tmp_path / f"tp{name}"
+        for a, b in zip(_metrics(one), _metrics(tp), strict=True):
+            assert b["actor/grad_norm"] == pytest.approx(a["actor/grad_norm"], rel=1e-5)
+            assert b["actor/pg_loss"] == pytest.approx(a["actor/pg_loss"], rel=1e-5, abs=1e-9)
+        weights = "transformer/diffusion_pytorch_model.safetensors"
+        ref, got = load_file(one / weights), load_file(tp / weights)
+        scale = max(float(v.abs().max()) for v in ref.values())
+        assert ref.keys() == got.keys() and scale > 0
+        for key, value in ref.items():
+            torch.testing.assert_close(got[key], value, rtol=0, atol=1e-5 * scale)
+    # FSDP2 (or data parallelism) around the group is refused in one line, before anything is written
+    fsdp2 = ["--out", str(tmp_path / "fsdp2"), "--tp-degree", "2", "--strategy", "fsdp2"]
+    line = torchrun_fails("update", "--model", str(model), *full, *fsdp2)
+    assert "--tp-degree 2: update trains one tensor-parallel group" in line and "exactly 2 ranks" in line
+    assert not (tmp_path / "fsdp2").exists()
+
+
 def test_sp_needs_a_launch_of_a_multiple_of_its_degree(tiny_sd3: Path, tmp_path: Path) -> None:
     prompts = tmp_path / "p.txt"
     prompts.write_text("a cat\n")
@@ -123,6 +182,23 @@ def test_sp_needs_a_launch_of_a_multiple_of_its_degree(tiny_sd3: Path, tmp_path:
     fails([*args, "--sp-degree", "2", "--tp-degree", "2"], "--sp-degree 2", "--tp-degree 2", "choose one")
     fails([*args, "--sp-degree", "2", "--sp-kind", "unified"], "--sp-kind unified", "two factors")
     assert not (tmp_path / "s").exists()  # refused before anything is written
+
+
+@pytest.mark.distributed
+def test_a_sequence_the_sp_group_cannot_split_is_refused_in_one_line(
+    flux_model: Path, tmp_path: Path
+) -> None:
+    """24 px on the tiny FLUX (VAE factor 4) is 3 × 3 latent patches: 9 tokens, which diffusers' splitter
+    would fail on with a bare assertion under --sp-degree 2."""
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a cat\n")
+    line = torchrun_fails(
+        *["sample", "--model", str(flux_model), "--prompts", str(prompts), "--resolution", "24"],
+        *["--steps", "2", "--out", str(tmp_path / "s"), "--sp-degree", "2"],
+    )
+    assert line.startswith("error: --sp-degree 2: ") and "9 tokens (3 × 3 patches)" in line
+    assert "divide it: 3, 9" in line
+    assert not (tmp_path / "s").exists()
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +220,7 @@ def flux(flux_model: Path) -> FlowPolicy:
     [
         (ModelParallel(sp_degree=2, sp_kind="ring"), ["--sp-kind ring", "log-sum-exp", "(native)"]),
         (ModelParallel(sp_degree=2, sp_kind="unified"), ["--sp-kind unified", "log-sum-exp"]),
-        (ModelParallel(tp_degree=2), ["--tp-degree 2", "accelerators only"]),
+        (ModelParallel(tp_degree=3), ["--tp-degree 3", "4 attention heads"]),
         (ModelParallel(sp_degree=3), ["--sp-degree 3", "4 attention heads"]),
     ],
 )
@@ -230,12 +306,20 @@ def test_attention_backend_and_compile_are_set_on_the_transformer(flux_model: Pa
     assert not (tmp_path / "s").exists()
 
 
-def test_only_a_quantized_attention_backend_is_part_of_the_identity() -> None:
+def test_only_a_quantized_attention_backend_is_part_of_the_identity(monkeypatch: pytest.MonkeyPatch) -> None:
     from stages.outputs import run_config
 
+    monkeypatch.delenv("DIFFUSERS_ATTN_BACKEND", raising=False)
     assert run_config({"steps": 4, "attention_backend": None, "compile": True}) == {"steps": 4}
     assert run_config({"steps": 4, "attention_backend": "_native_cudnn"}) == {"steps": 4}
     assert run_config({"steps": 4, "attention_backend": "sage"}) == {"steps": 4, "attention_backend": "sage"}
+    # diffusers' default backend from the environment, under the same rule; the option overrides it
+    monkeypatch.setenv("DIFFUSERS_ATTN_BACKEND", "sage")
+    assert run_config({"steps": 4, "attention_backend": None}) == {"steps": 4, "attention_backend": "sage"}
+    assert run_config({"steps": 4, "attention_backend": "native"}) == {"steps": 4}
+    assert run_config({"steps": 4}) == {"steps": 4}  # a command that runs no transformer
+    monkeypatch.setenv("DIFFUSERS_ATTN_BACKEND", "_native_flash")
+    assert run_config({"steps": 4, "attention_backend": None}) == {"steps": 4}
 
 
 @pytest.mark.parametrize("flag", ["--sp-degree", "--tp-degree"])
@@ -259,4 +343,8 @@ def test_online_refuses_model_parallelism_naming_an_sp_server_and_the_staged_com
     # a shared preset's top-level degree (as the staged commands read it) is refused alike
     preset.write_text(f"{flag[2:].replace('-', '_')}: 4\nsample:\n  steps: 2\n")
     fails([*online, "--out", str(tmp_path / "run")], f"{flag} 4: omnirl online", "under a launcher")
+    # and so is a stage section's (as the staged sample / update read it), not as an unknown setting
+    for section in ("sample", "update"):
+        preset.write_text(f"{section}:\n  {flag[2:].replace('-', '_')}: 2\n")
+        fails([*online, "--out", str(tmp_path / "run")], f"{flag} 2: omnirl online", "under a launcher")
     assert not (tmp_path / "run").exists()

@@ -118,6 +118,7 @@ def _sectioned(
 
     out = {name: dict(value) for name, value in layer.items() if name in keys and isinstance(value, dict)}
     for section, values in out.items():
+        _drop_model_parallel(values, section, origin)
         for key in values:
             refuse_driver_key(section, key, f"{section}.{key}")
     for key, value in layer.items():
@@ -135,6 +136,20 @@ def _sectioned(
             if name not in {k.replace("-", "_") for k in out.get(section, {})}:
                 out.setdefault(section, {})[name] = value
     return out
+
+
+def _drop_model_parallel(values: dict[str, Any], section: str, origin: str) -> None:
+    """Take a staged preset's model-parallel settings (sp_degree, sp_kind, tp_degree) out of a stage
+    section's `values`: online runs none, so a degree above 1 gets online's own refusal, as the option
+    does, and a degree of 1 is dropped."""
+    from stages.parallelism import ModelParallel
+
+    defaults = {f.name: f.default for f in fields(ModelParallel)}
+    taken = {}
+    for key in [k for k in values if k.replace("-", "_") in defaults]:
+        name = key.replace("-", "_")
+        taken[name] = coerce(f"{section}.{key}", values.pop(key), defaults[name], origin)
+    ModelParallel.from_options(taken).refuse("omnirl online", NO_MODEL_PARALLEL, STAGED)
 
 
 def run(s: OnlineSettings, json_: bool, presets: Presets) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,9 @@ from stages.models.folders import (
 )
 from stages.models.hub import base_model_record
 from stages.models.lora_weights import lora_config_dict
+from stages.models.packing import PATCH
 from stages.models.trained_weights import TrainedWeights
+from stages.parallelism import check_sequence
 from stages.safe_files import refuse_pickled_weights
 
 DTYPES = dict(zip(knobs.DTYPES, (torch.float32, torch.bfloat16, torch.float16), strict=True))
@@ -478,6 +481,10 @@ class FlowPolicy(TrainedWeights):
                 )
             extra["guidance_2"] = guidance_2
         cond = cond.to(self.transformer.dtype)
+        patches = [*x.shape[2:-2], x.shape[-2] // PATCH, x.shape[-1] // PATCH]  # every family patches 2×2
+        check_sequence(
+            unwrap(self.transformer), math.prod(patches), " × ".join(map(str, patches)) + " patches"
+        )
         return self.family.velocity(self.transformer, x, sigma, cond, guidance, **extra)
 
     def finish(self, x0: torch.Tensor, cond: Condition) -> torch.Tensor:

@@ -12,6 +12,7 @@ Neither changes the numbers beyond rounding, except the quantized attention of t
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -42,6 +43,12 @@ def installed_backends() -> list[str]:
             continue
         usable.append(backend.value)
     return sorted(usable)
+
+
+def active_backend(backend: str | None) -> str:
+    """The backend a transformer runs under `--attention-backend backend`: that one, else diffusers'
+    default, which DIFFUSERS_ATTN_BACKEND in the environment sets (native when unset)."""
+    return backend if backend is not None else os.environ.get("DIFFUSERS_ATTN_BACKEND", "native")
 
 
 def changes_numbers(backend: str | None) -> bool:

@@ -14,6 +14,10 @@ FSDP1 and torch.compile settings are refused with one line, never silently ignor
 
 Both reduce with a mean over ranks; the trainer scales each loss by the world size so that gradients
 are sums over the whole optimizer step divided by its exact weight (torchtune's scale-grads rule).
+Under tensor parallelism (`--tp-degree`, "tp") the launch is one tensor-parallel group: diffusers has
+already split the planned weights over its ranks, each rank's gradient is the group's (of its own
+shards), so nothing wraps or averages and the losses are not scaled; only the QK-norms, which each rank
+applies to its own heads, get a share each, summed over the group after the step's last backward.
 Trainer state (optimizer, EMA, DiffusionNFT's old policy) is saved as full tensors in the single-process
 layout, so a run may resume under another strategy or world size; under FSDP2 with the launcher's
 `fsdp_state_dict_type: SHARDED_STATE_DICT` each rank writes its own shards instead (`sharded_state.py`).
@@ -28,9 +32,10 @@ from typing import Any
 
 import torch
 
-from stages.dist import Wrapped, device, world_and_rank
+from stages.dist import Wrapped, all_reduce_sum, device, world_and_rank
 from stages.errors import UserInputError
 from stages.knobs import STRATEGIES
+from stages.parallelism import head_split_parameters, packed_blocks, rank_order, tensor_parallel_degree
 
 # `accelerate launch` settings update cannot honour: variable → the setting's name.
 UNSUPPORTED_LAUNCHER = {
@@ -154,6 +159,14 @@ class Parallel:
         self.world = world_and_rank()[0]
         self.wrapper: Any = None
         self.plugin: Any = None
+        self.packed = packed_blocks(module)  # tensor-parallel parameters split block by block
+        self.head_split = head_split_parameters(module)  # tensor-parallel: gradients are shares
+
+    @property
+    def averaged(self) -> int:
+        """The ranks the strategy averages gradients over (each loss is scaled by it): all of them under
+        DDP and FSDP2, none in one process or under tensor parallelism."""
+        return self.world if self.kind in ("ddp", "fsdp2") else 1
 
     @property
     def sharded_state(self) -> bool:
@@ -169,7 +182,16 @@ class Parallel:
         backward (DiffusionNFT's old policy, AWM's EMA). Call before the optimizer is made: FSDP2
         replaces the parameters by their shards.
         """
-        kind = resolve_strategy(strategy, world_and_rank()[0])
+        world = world_and_rank()[0]
+        kind = resolve_strategy(strategy, world)
+        degree = tensor_parallel_degree(module)
+        if degree > 1:
+            if kind == "fsdp2" or world != degree:
+                raise UserInputError(
+                    f"--tp-degree {degree}: update trains one tensor-parallel group, without FSDP2 or data "
+                    f"parallelism around it; launch exactly {degree} ranks with --strategy auto or ddp"
+                )
+            kind = "tp"
         par = cls(kind, module)
         if kind == "ddp":
             par.wrapper = _accelerator().prepare_model(module)
@@ -225,15 +247,41 @@ class Parallel:
 
     def sync(self, enabled: bool) -> Any:
         """The context a forward and its backward run in: DDP all-reduces only when `enabled` (the
-        step's last backward); FSDP2 reduce-scatters every backward into the sharded gradients."""
+        step's last backward), and so does tensor parallelism its head-split gradients; FSDP2
+        reduce-scatters every backward into the sharded gradients."""
+        if self.head_split and enabled:
+            return self._sum_head_split()
         if self.wrapper is None or enabled:
             return nullcontext()
         return self.wrapper.no_sync()
 
+    @contextmanager
+    def _sum_head_split(self) -> Iterator[None]:
+        """After the block, the head-split parameters' gradients summed over the group (one all-reduce)."""
+        yield
+        grads = [p.grad for p in self.head_split if p.grad is not None]
+        if grads:
+            summed = all_reduce_sum(torch.cat([g.flatten() for g in grads]), device())
+            for g, part in zip(grads, summed.split([g.numel() for g in grads]), strict=True):
+                g.copy_(part.view_as(g))
+
     def clip_grad_norm(self, params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
         """Clip the gradients to `max_norm` over all ranks' shards; the total norm before clipping."""
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        return full(norm)
+        if self.kind != "tp":
+            return full(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        # tensor parallelism mixes plain and DTensor gradients, which torch's clipping cannot take: the
+        # squares of the split ones are summed over the group (one all-reduce), the replicated ones once
+        on = params[0].device
+        grads = [p.grad for p in params if p.grad is not None]
+        squares = torch.zeros(2, device=on)  # [split over the ranks, whole on each]
+        for g in grads:
+            split = is_sharded(g) and any(placement.is_shard() for placement in g.placements)
+            squares[0 if split else 1] += local_tensor(g).float().square().sum()
+        norm = (all_reduce_sum(squares[:1], on)[0] + squares[1]).sqrt()
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            local_tensor(g).mul_(coef)
+        return norm
 
     def memory(self, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer) -> dict[str, float]:
         """Bytes this rank holds of the trained parameters and of their optimizer state (shards only)."""
@@ -247,10 +295,11 @@ class Parallel:
         }
 
     # ------------------------------------------------------------ full tensors for saving and resuming
-    def gather(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def gather(self, tensors: dict[str, torch.Tensor], of: str | None = None) -> dict[str, torch.Tensor]:
         """`tensors` whole on rank 0, the rank that writes them: shards are gathered one at a time into host
         memory (a collective under FSDP2: every rank calls it) and the other ranks drop each at once, so
-        only rank 0 ever holds them all; tensors that are not sharded are returned as they are."""
+        only rank 0 ever holds them all; tensors that are not sharded are returned as they are. Each key
+        names its parameter, or `of` does (the moments of one parameter)."""
         keep = world_and_rank()[1] == 0
         out = {}
         for k, v in tensors.items():
@@ -258,15 +307,23 @@ class Parallel:
                 out[k] = v
                 continue
             whole = full(v)
+            packed = self.packed.get(of or k)
+            if packed is not None:
+                whole = rank_order(whole, *packed, v.device_mesh.size(), inverse=True)
             if keep:
                 out[k] = whole.detach().cpu()
         return out
+
+    def _names(self, optimizer: torch.optim.Optimizer) -> list[str]:
+        """The parameter names of the optimizer's parameters, in its state's index order."""
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        return [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
 
     def module_state(self, trained_only: bool = False) -> dict[str, torch.Tensor] | None:
         """The trained module's state dict, whole on rank 0 (`gather`), when it is sharded, else None (the
         module's own state_dict is whole). trained_only: only the parameters that train (a LoRA's), not
         the frozen base weights an adapter does not hold."""
-        if self.kind != "fsdp2":
+        if self.kind not in ("fsdp2", "tp"):
             return None
         state = self.module.state_dict()
         if trained_only:
@@ -275,9 +332,10 @@ class Parallel:
         return self.gather(state)
 
     def shard_like(
-        self, tensors: dict[str, torch.Tensor], named: dict[str, torch.Tensor]
+        self, tensors: dict[str, torch.Tensor], named: dict[str, torch.Tensor], of: str | None = None
     ) -> dict[str, torch.Tensor]:
-        """`tensors` (full) laid out as the parameters of the same name: this rank's shards under FSDP2."""
+        """`tensors` (full) laid out as the parameters of the same name: this rank's shards under FSDP2 or
+        tensor parallelism. `of`: the name of the parameter whose moments they are, where keys are not."""
         from torch.distributed.tensor import distribute_tensor
 
         out = {}
@@ -286,6 +344,9 @@ class Parallel:
             if is_sharded(v):  # already laid out (a sharded checkpoint, `sharded_state.load`)
                 out[k] = v
             elif is_sharded(p):
+                packed = self.packed.get(of or k)
+                if packed is not None:
+                    v = rank_order(v, *packed, p.device_mesh.size())
                 out[k] = distribute_tensor(v.to(p.device, p.dtype), p.device_mesh, p.placements)
             else:
                 out[k] = v.to(p.device, p.dtype)
@@ -298,24 +359,25 @@ class Parallel:
         parameter's moments leave it as they are gathered, so rank 0 never holds a moment both as its
         shard and whole beyond the one being gathered."""
         state = optimizer.state_dict()
-        if self.kind != "fsdp2":
+        if self.kind not in ("fsdp2", "tp"):
             return state
         optimizer.state.clear()
-        moments = state["state"]
+        moments, names = state["state"], self._names(optimizer)
         return {
-            "state": {i: self.gather(moments.pop(i)) for i in list(moments)},
+            "state": {i: self.gather(moments.pop(i), of=names[i]) for i in list(moments)},
             "param_groups": state["param_groups"],
         }
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         """Load a full (single-process layout) optimizer state into this rank's optimizer."""
-        if self.kind == "fsdp2":
+        if self.kind in ("fsdp2", "tp"):
             params = [p for g in optimizer.param_groups for p in g["params"]]
-            named = {str(i): p for i, p in enumerate(params)}
+            named, names = {str(i): p for i, p in enumerate(params)}, self._names(optimizer)
             state = {
                 "state": {
                     i: {
-                        k: self.shard_like({str(i): v}, named)[str(i)] if v.dim() else v for k, v in s.items()
+                        k: self.shard_like({str(i): v}, named, of=names[int(i)])[str(i)] if v.dim() else v
+                        for k, v in s.items()
                     }
                     for i, s in state["state"].items()
                 },

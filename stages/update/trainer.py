@@ -261,9 +261,13 @@ class Trainer:
                 sums = torch.zeros(len(keys) + 1 + world, dtype=torch.float64)
                 failure = None
                 for c, (idx, real) in enumerate(mine):
-                    # × every rank, not dp: DDP / FSDP2 average over all of them, and a model-parallel
-                    # group's gradients add up to its replica's (`stages.parallelism`)
-                    weight = world * objective.share(idx, step_chunks, len(step_chunks)) / objective.per_chunk
+                    # × every rank DDP / FSDP2 average over, not dp: a sequence-parallel group's gradients
+                    # add up to its replica's (`stages.parallelism`)
+                    weight = (
+                        par.averaged
+                        * objective.share(idx, step_chunks, len(step_chunks))
+                        / objective.per_chunk
+                    )
                     where = f"at epoch {epoch}, micro-batch {first + c}"
                     losses = objective.losses(idx)
                     for t in range(objective.per_chunk):

@@ -5,8 +5,8 @@ long sequence.
 
 Skipped without an accelerator; the tests that launch 2 ranks need 2 accelerators (one per rank: NCCL
 runs no two ranks on one device) and are skipped with that reason on a 1-device machine.
-`OMNIRL_GPU_SUITE_ON_CPU=1` rehearses what a CPU can run (Ulysses, FSDP2, compile, the throughput line;
-2 gloo ranks stand in for 2 devices) on the tiny FLUX in fp32; ring, cuDNN and flash need an accelerator.
+`OMNIRL_GPU_SUITE_ON_CPU=1` rehearses what a CPU can run (Ulysses, FSDP2, tensor parallelism, compile,
+the throughput line; 2 gloo ranks stand in for 2 devices) on the tiny FLUX in fp32; ring, cuDNN and flash need an accelerator.
 
 Tolerances, all relative (‖Δ‖ / ‖reference‖, or of the reference's largest entry), and why:
 - ring sp=2 vs one process, both bf16 on cuDNN attention: velocity ≤ 2e-2, LoRA gradient ≤ 5e-2. Both
@@ -86,13 +86,12 @@ def test_ulysses_over_two_ranks_equals_one_process_on_the_device(flux: Path) -> 
 
 
 @two_devices
-@pytest.mark.skipif(not ACCELERATOR, reason="diffusers' tensor-parallel plan runs on accelerator meshes only")
 @pytest.mark.parametrize("family, guidance", [("flux", "3.5"), ("qwen_image", "4.0")])
 def test_tensor_parallel_rollout_over_two_ranks_equals_one_process(
     family: str, guidance: str, flux: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """--tp-degree 2 (diffusers' `_tp_plan`: column- then row-parallel linears, an all-reduce per block;
-    accelerator meshes only) on the small FLUX and Qwen-Image, fp32, with each family's own guidance:
+    """--tp-degree 2 (diffusers' `_tp_plan`: column- then row-parallel linears, an all-reduce per block)
+    on the device's collectives, on the small FLUX and Qwen-Image, fp32, with each family's own guidance:
     one rollout step's velocity equals one process's within 1e-4 relative (the all-reduce only reorders
     fp32 sums; a mis-sharded projection would be off by O(1))."""
     model = flux

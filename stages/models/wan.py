@@ -84,7 +84,8 @@ TEMPORAL_FACTOR = 4
 @dataclass(frozen=True)
 class WanSize:
     """Widths and depths of one size; the default clip is `frames` frames of `latent_side` × VAE factor
-    pixels. The transformer's head width splits into RoPE axes 2·(d//6) (h, w) and the rest (t)."""
+    pixels (a published size: of `image_size`). The transformer's head width splits into RoPE axes
+    2·(d//6) (h, w) and the rest (t)."""
 
     text_width: int
     text_layers: int
@@ -104,6 +105,9 @@ class WanSize:
     text_vocab: int | None = None
     vae_dim_mult: tuple[int, ...] = VAE_DIM_MULT
     vae_res_blocks: int = 1
+    # A published size's default clip (height, width) in pixels, as its pipeline or model card samples it
+    # (None: latent_side × the VAE factor, square)
+    image_size: tuple[int, int] | None = None
 
 
 SIZES: dict[str, WanSize] = {
@@ -142,13 +146,14 @@ SIZES: dict[str, WanSize] = {
 }
 # The published sizes of each variant (Wan-AI's Diffusers configs): umT5-XXL's encoder (5.7 B), the
 # VAE (Wan 2.1: base 96; Wan 2.2's 48-channel residual VAE: base 160) and the DiT of head width 128;
-# `full` is each variant's flagship. Default clip: 81 frames at 480 px (5B: 121 frames at 704 px).
+# `full` is each variant's flagship. Default clip: 81 frames at 480x832 (`WanPipeline`'s default; 5B: 121
+# frames at 704x1280, Wan2.2-TI2V-5B's model card).
 UMT5_XXL = dict(
     text_width=4096, text_layers=24, text_heads=64, text_ff=10240, text_length=512, text_vocab=256384
 )
 WAN_14B = WanSize(
     **UMT5_XXL, heads=40, head_dim=128, layers=40, ffn=13824, freq_dim=256, vae_base_dim=96,
-    latent_side=60, frames=81, vae_dim_mult=(1, 2, 4, 4), vae_res_blocks=2,
+    latent_side=60, frames=81, vae_dim_mult=(1, 2, 4, 4), vae_res_blocks=2, image_size=(480, 832),
 )  # fmt: skip
 PUBLISHED: dict[str, dict[str, WanSize]] = {
     "wan2_1": {
@@ -156,7 +161,16 @@ PUBLISHED: dict[str, dict[str, WanSize]] = {
         "1.3b": replace(WAN_14B, heads=12, layers=30, ffn=8960),
     },
     "wan2_2_5b": {
-        "full": replace(WAN_14B, heads=24, layers=30, ffn=14336, vae_base_dim=160, latent_side=44, frames=121)
+        "full": replace(
+            WAN_14B,
+            heads=24,
+            layers=30,
+            ffn=14336,
+            vae_base_dim=160,
+            latent_side=44,
+            frames=121,
+            image_size=(704, 1280),
+        )
     },
     "wan2_2_a14b": {"full": WAN_14B},  # two experts of this size
 }

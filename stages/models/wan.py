@@ -22,6 +22,7 @@ from whichever flow scheduler the checkpoint has. What shrinks: widths, depths, 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -324,7 +325,29 @@ class WanAdapter(FamilyAdapter):
         config = pipe.config
         two = pipe.transformer_2 is not None and config.boundary_ratio is not None
         self.boundary = config.boundary_ratio * NUM_TRAIN_TIMESTEPS if two else None
-        self.name = "wan2_2_a14b" if two else "wan2_2_5b" if config.expand_timesteps else "wan2_1"
+        self.name = self.variant_name(config)
+
+    @classmethod
+    def variant_name(cls, config: Mapping[str, Any]) -> str:
+        """`wan2_2_a14b` with a `boundary_ratio` (two experts), `wan2_2_5b` with `expand_timesteps`, else
+        `wan2_1` (an older folder's index has neither)."""
+        if config.get("boundary_ratio") is not None:
+            return "wan2_2_a14b"
+        return "wan2_2_5b" if config.get("expand_timesteps") else "wan2_1"
+
+    @classmethod
+    def images_instead(cls, name: str) -> str:
+        """TI2V-5B's published folder names `WanPipeline` although its weights also generate from an image
+        (`WanImageToVideoPipeline`, the same components): save it once as that pipeline (`wan2_2_5b_i2v`);
+        the other variants' weights take no image."""
+        if name == "wan2_2_5b":
+            return (
+                "Wan2.2-TI2V-5B-Diffusers' model_index.json names WanPipeline, and its weights generate from an "
+                'image as WanImageToVideoPipeline (wan2_2_5b_i2v): save that pipeline once, python -c "from '
+                "diffusers import WanImageToVideoPipeline as P; P.from_pretrained('MODEL')"
+                ".save_pretrained('OUT')\", and pass --model OUT"
+            )
+        return "drop the 'image' column, or pass an image-to-video model (wan2_1_i2v, wan2_2_a14b_i2v)"
 
     def trained_modules(self) -> tuple[str, ...]:
         """Both experts for A14B (an SDE window may span the switch), else the one transformer."""

@@ -85,8 +85,7 @@ TEMPORAL_FACTOR = 4
 @dataclass(frozen=True)
 class WanSize:
     """Widths and depths of one size; the default clip is `frames` frames of `latent_side` × VAE factor
-    pixels (a published size: of `image_size`). The transformer's head width splits into RoPE axes
-    2·(d//6) (h, w) and the rest (t)."""
+    pixels (or `image_size`). The transformer's head width splits into RoPE axes 2·(d//6) (h, w) and the rest (t)."""
 
     text_width: int
     text_layers: int
@@ -106,8 +105,7 @@ class WanSize:
     text_vocab: int | None = None
     vae_dim_mult: tuple[int, ...] = VAE_DIM_MULT
     vae_res_blocks: int = 1
-    # A published size's default clip (height, width) in pixels, as its pipeline or model card samples it
-    # (None: latent_side × the VAE factor, square)
+    # a published size's default clip (height, width) in px (None: latent_side × the VAE factor, square)
     image_size: tuple[int, int] | None = None
 
 
@@ -156,23 +154,15 @@ WAN_14B = WanSize(
     **UMT5_XXL, heads=40, head_dim=128, layers=40, ffn=13824, freq_dim=256, vae_base_dim=96,
     latent_side=60, frames=81, vae_dim_mult=(1, 2, 4, 4), vae_res_blocks=2, image_size=(480, 832),
 )  # fmt: skip
+WAN_5B = replace(
+    WAN_14B, heads=24, layers=30, ffn=14336, vae_base_dim=160, latent_side=44, frames=121, image_size=(704, 1280)
+)  # fmt: skip
 PUBLISHED: dict[str, dict[str, WanSize]] = {
     "wan2_1": {
         "full": WAN_14B,
         "1.3b": replace(WAN_14B, heads=12, layers=30, ffn=8960),
     },
-    "wan2_2_5b": {
-        "full": replace(
-            WAN_14B,
-            heads=24,
-            layers=30,
-            ffn=14336,
-            vae_base_dim=160,
-            latent_side=44,
-            frames=121,
-            image_size=(704, 1280),
-        )
-    },
+    "wan2_2_5b": {"full": WAN_5B},
     "wan2_2_a14b": {"full": WAN_14B},  # two experts of this size
 }
 
@@ -329,25 +319,22 @@ class WanAdapter(FamilyAdapter):
 
     @classmethod
     def variant_name(cls, config: Mapping[str, Any]) -> str:
-        """`wan2_2_a14b` with a `boundary_ratio` (two experts), `wan2_2_5b` with `expand_timesteps`, else
-        `wan2_1` (an older folder's index has neither)."""
+        """`wan2_2_a14b` with a `boundary_ratio`, `wan2_2_5b` with `expand_timesteps`, else `wan2_1`."""
         if config.get("boundary_ratio") is not None:
             return "wan2_2_a14b"
         return "wan2_2_5b" if config.get("expand_timesteps") else "wan2_1"
 
     @classmethod
     def images_instead(cls, name: str) -> str:
-        """TI2V-5B's published folder names `WanPipeline` although its weights also generate from an image
-        (`WanImageToVideoPipeline`, the same components): save it once as that pipeline (`wan2_2_5b_i2v`);
-        the other variants' weights take no image."""
-        if name == "wan2_2_5b":
-            return (
-                "Wan2.2-TI2V-5B-Diffusers' model_index.json names WanPipeline, and its weights generate from an "
-                'image as WanImageToVideoPipeline (wan2_2_5b_i2v): save that pipeline once, python -c "from '
-                "diffusers import WanImageToVideoPipeline as P; P.from_pretrained('MODEL')"
-                ".save_pretrained('OUT')\", and pass --model OUT"
-            )
-        return "drop the 'image' column, or pass an image-to-video model (wan2_1_i2v, wan2_2_a14b_i2v)"
+        """TI2V-5B's released folder names `WanPipeline`, yet its weights are `wan2_2_5b_i2v`'s too: the step
+        that saves them as `WanImageToVideoPipeline`; the other variants' weights take no image."""
+        if name != "wan2_2_5b":
+            return "drop the 'image' column, or pass an image-to-video model (wan2_1_i2v, wan2_2_a14b_i2v)"
+        step = "from diffusers import WanImageToVideoPipeline as P; P.from_pretrained('MODEL').save_pretrained('OUT')"
+        return (
+            "Wan2.2-TI2V-5B-Diffusers' model_index.json names WanPipeline; its weights generate from an image "
+            f'as WanImageToVideoPipeline (wan2_2_5b_i2v): save that once, python -c "{step}", and pass --model OUT'
+        )
 
     def trained_modules(self) -> tuple[str, ...]:
         """Both experts for A14B (an SDE window may span the switch), else the one transformer."""

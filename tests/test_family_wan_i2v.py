@@ -21,6 +21,7 @@ from transformers.utils import logging as transformers_logging
 from stages.models.diffusion import FlowPolicy
 from stages.models.folders import LORA_WEIGHTS
 from stages.sample.rollout import SampleConfig, rollout_batch
+from stages.shards import ShardSet, read_manifest
 
 transformers_logging.disable_progress_bar()
 
@@ -391,8 +392,70 @@ def test_ti2v_bad_first_frames_exit_2_with_one_line(ti2v: Path, ti2v_table: Path
         return path
 
     frame(1, (48, 64)).save(ti2v_table.parent / "odd.png")
-    # checked before the model loads, by its pipeline class (whose class-level name is Wan 2.1 I2V's)
-    fails(sample(rows("none.jsonl", {"prompt": "x"})), "edits a source image", "none")
+    # checked before the model loads, naming the family its model_index.json makes it
+    fails(sample(rows("none.jsonl", {"prompt": "x"})), "wan2_2_5b_i2v edits a source image", "none")
     fails(sample(rows("odd.jsonl", {"prompt": "x", "image": "odd.png"})), "48x64 px", "multiple of 32")
     fails(sample(ti2v_table, "128"), "--resolution 128x128", "64x64 px", "at the output size")
     assert not (tmp_path / "out").exists()
+
+
+def test_a14b_i2v_row_without_its_image_names_a14b(a14b: Path, ti2v_table: Path, tmp_path: Path) -> None:
+    rows = ti2v_table.parent / "a14b-none.jsonl"
+    rows.write_text(json.dumps({"prompt": "x"}) + "\n")
+    line = fails(
+        ["sample", "--model", str(a14b), "--prompts", str(rows), "-n", "2", "--resolution", "32", "--frames",
+         "5", "--out", str(tmp_path / "out")],
+        "wan2_2_a14b_i2v edits a source image",
+    )  # fmt: skip
+    assert "wan2_1_i2v" not in line
+
+
+@pytest.fixture(scope="module")
+def ti2v_release(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny TI2V-5B as Wan-AI/Wan2.2-TI2V-5B-Diffusers ships it: model_index.json names WanPipeline."""
+    out = tmp_path_factory.mktemp("models") / "wan-ti2v-release"
+    run("init-model", "--family", "wan2_2_5b", "--size", "tiny", str(out))
+    index = json.loads((out / "model_index.json").read_text())
+    assert index["_class_name"] == "WanPipeline" and index["expand_timesteps"] is True
+    return out
+
+
+def test_the_ti2v_release_folder_says_how_to_sample_from_images(
+    ti2v_release: Path, ti2v: Path, ti2v_table: Path, tmp_path: Path
+) -> None:
+    """Rows with an image on the released folder (WanPipeline) are refused in one line that gives the step
+    that makes its image-to-video pipeline; that step's folder samples from the images as wan2_2_5b_i2v,
+    with the weights of `init-model --family wan2_2_5b_i2v` (the same seed builds the same transformer)."""
+    import re
+    import shutil
+    import subprocess
+    import sys
+
+    def sample(model: Path, out: str) -> list[str]:
+        return [
+            "sample", "--model", str(model), "--prompts", str(ti2v_table), "-n", "2", "--steps", "2",
+            "--resolution", "64", "--frames", "5", "--sampler", "ode", "--out", str(tmp_path / out),
+        ]  # fmt: skip
+
+    line = fails(
+        sample(ti2v_release, "refused"), "wan2_2_5b generates from text alone", "WanImageToVideoPipeline"
+    )
+    assert not (tmp_path / "refused").exists()
+    step = re.search(r'python -c "([^"]+)"', line).group(1)
+    converted = tmp_path / "ti2v-i2v"
+    subprocess.run(
+        [sys.executable, "-c", step.replace("MODEL", str(ti2v_release)).replace("OUT", str(converted))],
+        check=True,
+    )
+    assert (
+        json.loads((converted / "model_index.json").read_text())["_class_name"] == "WanImageToVideoPipeline"
+    )
+    assert FlowPolicy.load(converted).family.name == "wan2_2_5b_i2v"
+    # the tiny build's model card (its text length, 64; a release has none) is omnirl's, not diffusers'
+    shutil.copy(ti2v_release / "omnirl_model.json", converted)
+    for model in (converted, ti2v):
+        run(*sample(model, model.name))
+    ours, built = (ShardSet(tmp_path / m.name) for m in (converted, ti2v))
+    assert read_manifest(ours.path).extra["family"] == "wan2_2_5b_i2v"
+    mine, theirs = (s.read_all(["final_latent"])["final_latent"] for s in (ours, built))
+    assert mine.shape == (2 * len(PROMPTS), 48, 2, 4, 4) and torch.equal(mine, theirs)

@@ -52,6 +52,25 @@ def test_published_sizes_have_the_published_parameter_counts(
     assert _parameters(family, size)[component] == pytest.approx(published, rel=0.01)
 
 
+@pytest.mark.parametrize(
+    ("family", "size", "resolution"),
+    [
+        ("wan2_2_5b", "full", [704, 1280]),  # Wan2.2-TI2V-5B's model card: 1280x704
+        ("wan2_2_5b_i2v", "full", [704, 1280]),
+        ("wan2_1", "full", [480, 832]),  # WanPipeline's default height and width
+        ("wan2_1", "1.3b", [480, 832]),
+        ("wan2_2_a14b", "full", [480, 832]),
+    ],
+)
+def test_a_published_wan_size_plans_its_published_clip(family: str, size: str, resolution: list[int]) -> None:
+    """Without --resolution a Wan size plans its published clip, not 512 px. Hand count for 81 frames:
+    21 latent frames of (H/f)·(W/f)/4 tokens in 2×2 patches; 5B (f = 16): 44·80/4 = 880 a frame, 18480;
+    14B (f = 8): 60·104/4 = 1560 a frame, 32760."""
+    result = plan(from_family(family, size), PlanConfig(frames=81))
+    assert result["settings"]["resolution"] == resolution
+    assert result["activations"]["latent_tokens"] == (18480 if "5b" in family else 32760)
+
+
 def test_flux2_klein_4b_is_the_published_architecture() -> None:
     """FLUX.2-klein-4B counted by hand from its published config: 5 double- and 20 single-stream blocks of
     width h = 24 heads x 128, an MLP of 3h (SwiGLU: 6h in), no biases, on Qwen3-4B's 3 x 2560 features.

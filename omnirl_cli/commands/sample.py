@@ -111,9 +111,10 @@ def _sample_diffusion(c: SampleConfig, json_: bool) -> None:
     layout(parallel)  # before the shards are split over the data-parallel ranks
     source = PromptSource(c.prompts)
     picked = sample_prompts(source, c.num_prompts, c.seed)
-    family = adapter_class(pipeline_index(c.model)["_class_name"], str(c.model))
+    index = pipeline_index(c.model)
+    family = adapter_class(index["_class_name"], str(c.model))
     for _, prompt in picked:  # before any output: condition images the model cannot take
-        family.check_condition_images(len(prompt.images), prompt.text)
+        family.check_condition_images(len(prompt.images), prompt.text, family.variant_name(index))
     check_memory(
         c,
         len(picked) * c.group_size,

@@ -416,7 +416,7 @@ class FlowPolicy(TrainedWeights):
         negative = negative or [""] * len(prompts)
         images = images if images is not None else [[] for _ in prompts]
         for prompt, given in zip(prompts, images):
-            self.family.check_condition_images(len(given), prompt)
+            self.family.check_condition_images(len(given), prompt, self.family.name)
         digests = [images_digest(given) for given in images]
         by_digest = dict(zip(digests, images))
         keys = [(p, n, max_sequence_length, d) for p, n, d in zip(prompts, negative, digests)]

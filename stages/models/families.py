@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import operator
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -279,25 +279,37 @@ class FamilyAdapter:
         raise NotImplementedError
 
     @classmethod
-    def check_condition_images(cls, count: int, prompt: str) -> None:
-        """Refuse, in one line naming the prompt, a number of condition images the family does not take."""
+    def variant_name(cls, config: Mapping[str, Any]) -> str:
+        """The name of the family a pipeline of this class is, from its `config` (a folder's model_index.json
+        or a loaded pipeline's `config`): `name`, unless the class serves several (Wan's variants)."""
+        return cls.name
+
+    @classmethod
+    def images_instead(cls, name: str) -> str:
+        """What to do when prompt rows carry images that text-only family `name` cannot take."""
+        return "drop the 'image'/'images' column, or pass an editing model (qwen_image_edit, flux_kontext)"
+
+    @classmethod
+    def check_condition_images(cls, count: int, prompt: str, name: str) -> None:
+        """Refuse, in one line naming the prompt and family `name` (`variant_name`), a number of condition
+        images the family does not take."""
         fewest, most = cls.condition_images
         if fewest <= count <= most:
             return
         where = f"the row of prompt {prompt[:60]!r}"  # a --prompts, --data or rollout row
         if most == 0:
             raise UserInputError(
-                f"{where}: has {count} condition image(s), but {cls.name} generates from text alone; drop the "
-                "'image'/'images' column, or pass an editing model (qwen_image_edit, flux_kontext)"
+                f"{where}: has {count} condition image(s), but {name} generates from text alone; "
+                f"{cls.images_instead(name)}"
             )
         if count == 0:
             raise UserInputError(
-                f"{where}: {cls.name} edits a source image and the row has none; give it one in column "
+                f"{where}: {name} edits a source image and the row has none; give it one in column "
                 "'image' (a path relative to the table, the file's bytes or a datasets Image)"
             )
         takes = str(most) if fewest == most else f"{fewest} to {most}"
         raise UserInputError(
-            f"{where}: has {count} condition images, but {cls.name} takes {takes} per prompt; "
+            f"{where}: has {count} condition images, but {name} takes {takes} per prompt; "
             f"give {takes} in column '{'image' if most == 1 else 'images'}'"
         )
 

@@ -212,16 +212,19 @@ def from_family(family: str, size: str, understand: bool = False) -> Architectur
         return _native(name, pipe, {"details": {"image_size": pipe.largest_side}}, native, understand)
     _generates_only(name, understand)
     spec = _size_spec(family, size)
-    card = {"details": {"architecture": spec}}
-    if "image_size" not in spec and hasattr(model, "vae_scale_factor"):
-        side = spec.get("sample_size") or spec.get("latent_size") or spec.get("latent_side")
-        if side:
-            card["details"]["image_size"] = side * _spatial_factor(model)
+    card: dict[str, Any] = {"details": {"architecture": spec}}
+    image_size = spec.get("image_size") or _default_side(spec, model)
+    if image_size:
+        card["details"]["image_size"] = image_size
     return _diffusion(name, model, card)
 
 
-def _spatial_factor(pipe: Any) -> int:
-    return int(getattr(pipe, "vae_scale_factor_spatial", None) or pipe.vae_scale_factor)
+def _default_side(spec: dict[str, Any], pipe: Any) -> int | None:
+    """The square side a size samples at by default: its latent side × the VAE's spatial factor (a video
+    pipeline's `vae_scale_factor_spatial`, an image pipeline's `vae_scale_factor`); None without either."""
+    side = spec.get("sample_size") or spec.get("latent_size") or spec.get("latent_side")
+    factor = getattr(pipe, "vae_scale_factor_spatial", None) or getattr(pipe, "vae_scale_factor", None)
+    return side * int(factor) if side and factor else None
 
 
 def _size_spec(family: str, size: str) -> dict[str, Any]:

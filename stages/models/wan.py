@@ -22,6 +22,7 @@ from whichever flow scheduler the checkpoint has. What shrinks: widths, depths, 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -84,7 +85,7 @@ TEMPORAL_FACTOR = 4
 @dataclass(frozen=True)
 class WanSize:
     """Widths and depths of one size; the default clip is `frames` frames of `latent_side` × VAE factor
-    pixels. The transformer's head width splits into RoPE axes 2·(d//6) (h, w) and the rest (t)."""
+    pixels (or `image_size`). The transformer's head width splits into RoPE axes 2·(d//6) (h, w) and the rest (t)."""
 
     text_width: int
     text_layers: int
@@ -104,6 +105,8 @@ class WanSize:
     text_vocab: int | None = None
     vae_dim_mult: tuple[int, ...] = VAE_DIM_MULT
     vae_res_blocks: int = 1
+    # a published size's default clip (height, width) in px (None: latent_side × the VAE factor, square)
+    image_size: tuple[int, int] | None = None
 
 
 SIZES: dict[str, WanSize] = {
@@ -142,22 +145,24 @@ SIZES: dict[str, WanSize] = {
 }
 # The published sizes of each variant (Wan-AI's Diffusers configs): umT5-XXL's encoder (5.7 B), the
 # VAE (Wan 2.1: base 96; Wan 2.2's 48-channel residual VAE: base 160) and the DiT of head width 128;
-# `full` is each variant's flagship. Default clip: 81 frames at 480 px (5B: 121 frames at 704 px).
+# `full` is each variant's flagship. Default clip: 81 frames at 480x832 (`WanPipeline`'s default; 5B: 121
+# frames at 704x1280, Wan2.2-TI2V-5B's model card).
 UMT5_XXL = dict(
     text_width=4096, text_layers=24, text_heads=64, text_ff=10240, text_length=512, text_vocab=256384
 )
 WAN_14B = WanSize(
     **UMT5_XXL, heads=40, head_dim=128, layers=40, ffn=13824, freq_dim=256, vae_base_dim=96,
-    latent_side=60, frames=81, vae_dim_mult=(1, 2, 4, 4), vae_res_blocks=2,
+    latent_side=60, frames=81, vae_dim_mult=(1, 2, 4, 4), vae_res_blocks=2, image_size=(480, 832),
+)  # fmt: skip
+WAN_5B = replace(
+    WAN_14B, heads=24, layers=30, ffn=14336, vae_base_dim=160, latent_side=44, frames=121, image_size=(704, 1280)
 )  # fmt: skip
 PUBLISHED: dict[str, dict[str, WanSize]] = {
     "wan2_1": {
         "full": WAN_14B,
         "1.3b": replace(WAN_14B, heads=12, layers=30, ffn=8960),
     },
-    "wan2_2_5b": {
-        "full": replace(WAN_14B, heads=24, layers=30, ffn=14336, vae_base_dim=160, latent_side=44, frames=121)
-    },
+    "wan2_2_5b": {"full": WAN_5B},
     "wan2_2_a14b": {"full": WAN_14B},  # two experts of this size
 }
 
@@ -310,7 +315,26 @@ class WanAdapter(FamilyAdapter):
         config = pipe.config
         two = pipe.transformer_2 is not None and config.boundary_ratio is not None
         self.boundary = config.boundary_ratio * NUM_TRAIN_TIMESTEPS if two else None
-        self.name = "wan2_2_a14b" if two else "wan2_2_5b" if config.expand_timesteps else "wan2_1"
+        self.name = self.variant_name(config)
+
+    @classmethod
+    def variant_name(cls, config: Mapping[str, Any]) -> str:
+        """`wan2_2_a14b` with a `boundary_ratio`, `wan2_2_5b` with `expand_timesteps`, else `wan2_1`."""
+        if config.get("boundary_ratio") is not None:
+            return "wan2_2_a14b"
+        return "wan2_2_5b" if config.get("expand_timesteps") else "wan2_1"
+
+    @classmethod
+    def images_instead(cls, name: str) -> str:
+        """TI2V-5B's released folder names `WanPipeline`, yet its weights are `wan2_2_5b_i2v`'s too: the step
+        that saves them as `WanImageToVideoPipeline`; the other variants' weights take no image."""
+        if name != "wan2_2_5b":
+            return "drop the 'image' column, or pass an image-to-video model (wan2_1_i2v, wan2_2_a14b_i2v)"
+        step = "from diffusers import WanImageToVideoPipeline as P; P.from_pretrained('MODEL').save_pretrained('OUT')"
+        return (
+            "Wan2.2-TI2V-5B-Diffusers' model_index.json names WanPipeline; its weights generate from an image "
+            f'as WanImageToVideoPipeline (wan2_2_5b_i2v): save that once, python -c "{step}", and pass --model OUT'
+        )
 
     def trained_modules(self) -> tuple[str, ...]:
         """Both experts for A14B (an SDE window may span the switch), else the one transformer."""

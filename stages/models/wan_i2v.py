@@ -31,6 +31,7 @@ output size.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict
 from functools import partial
 from pathlib import Path
@@ -199,10 +200,12 @@ class WanI2VAdapter(WanAdapter):
     condition_images = (1, 1)
     condition_tokens = False  # the first frame enters as channels (TI2V-5B: as latent frame 0)
 
-    def __init__(self, pipe: Any) -> None:
-        super().__init__(pipe)
-        # WanAdapter names its T2V variants
-        self.name = A14B if self.boundary is not None else TI2V if self.given_frame else FAMILY
+    @classmethod
+    def variant_name(cls, config: Mapping[str, Any]) -> str:
+        """`wan2_2_a14b_i2v` with a `boundary_ratio`, `wan2_2_5b_i2v` with `expand_timesteps`, else `wan2_1_i2v`."""
+        if config.get("boundary_ratio") is not None:
+            return A14B
+        return TI2V if config.get("expand_timesteps") else FAMILY
 
     @property
     def given_frame(self) -> bool:

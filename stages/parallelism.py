@@ -331,8 +331,15 @@ def guard_splits(module: torch.nn.Module, shards: int) -> None:
                 given = signature.bind_partial(sub, *args, **kwargs).arguments
                 for key, plan in inputs.items():
                     value = given.get(key)
-                    if torch.is_tensor(value) and not plan.split_output:
-                        check_split(key, value.shape[plan.split_dim], shards)
+                    listed = isinstance(value, list | tuple) and isinstance(plan, list | tuple)
+                    for tensor, how in zip(value, plan, strict=False) if listed else [(value, plan)]:
+                        # diffusers leaves a tensor of other dimensions than the plan expects unsplit
+                        if (
+                            torch.is_tensor(tensor)
+                            and not how.split_output
+                            and how.expected_dims in (None, tensor.dim())
+                        ):
+                            check_split(key, tensor.shape[how.split_dim], shards)
 
             sub.register_forward_pre_hook(check, with_kwargs=True)
 

@@ -14,7 +14,8 @@ and the group's true gradient is their *sum*. DDP / FSDP2 over all W ranks avera
 scales each loss by W (not dp), which makes that average exactly the sum over each group, averaged
 over the dp groups (tests/test_parallelism.py checks it against one process). Under tp a rank's
 gradient of a split weight is already the group's, except the QK-norms', which each rank applies to its
-own heads (`head_split_parameters`; `stages.update.parallel` sums those over the group).
+own heads (`head_split_parameters`; `stages.update.parallel` sums those over the group), so the
+replicas are averaged over the mesh's dp dimension alone and each loss is scaled by dp.
 """
 
 from __future__ import annotations

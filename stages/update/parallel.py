@@ -295,8 +295,8 @@ class Parallel:
         if self.kind == "ddp":
             self.module.set_requires_gradient_sync(enabled)
         yield
-        grads = [local_tensor(p.grad) for p in self.head_split if p.grad is not None]
-        if enabled and grads:
+        grads = [local_tensor(p.grad) for p in self.head_split if enabled and p.grad is not None]
+        if grads:
             flat = torch.cat([g.flatten() for g in grads])
             summed = all_reduce_sum(flat, device(), group=self.tp_mesh.get_group())
             for g, part in zip(grads, summed.split([g.numel() for g in grads]), strict=True):

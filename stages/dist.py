@@ -145,14 +145,14 @@ def _holds_float64(dev: torch.device) -> bool:
     return True
 
 
-def all_reduce_sum(values: torch.Tensor, on: torch.device) -> torch.Tensor:
-    """`values` summed over ranks, communicated on device `on`: the one the group's backend moves data
-    on (the device of the trained parameters; some backends reject host tensors). The sum is taken in
-    float64 where that device holds float64, else float32. Returns a new tensor on `values`' device
-    and dtype; `values` is left as it is.
+def all_reduce_sum(values: torch.Tensor, on: torch.device, group: Any = None) -> torch.Tensor:
+    """`values` summed over ranks (all of them, or those of process `group`), communicated on device
+    `on`: the one the group's backend moves data on (the device of the trained parameters; some
+    backends reject host tensors). The sum is taken in float64 where that device holds float64, else
+    float32. Returns a new tensor on `values`' device and dtype; `values` is left as it is.
     """
     if world_and_rank()[0] == 1:
         return values
     wire = values.to(device=on, dtype=torch.float64 if _holds_float64(on) else torch.float32, copy=True)
-    torch.distributed.all_reduce(wire)
+    torch.distributed.all_reduce(wire, group=group)
     return wire.to(device=values.device, dtype=values.dtype)

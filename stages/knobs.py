@@ -287,7 +287,7 @@ def tp_degree() -> Any:
         1,
         "Tensor parallelism (diffusers' _tp_plan): this many consecutive ranks each hold 1/N of the "
         "transformer's planned weights. FLUX and Qwen-Image (accelerators or CPU gloo ranks), without LoRA "
-        "layers; not with --sp-degree; update trains one group (launch exactly N ranks).",
+        "layers; not with --sp-degree; update averages the groups over dp (DDP or FSDP2 over the dp ranks).",
         low=1,
         panel=PARALLELISM,
     )

@@ -14,11 +14,14 @@ and the group's true gradient is their *sum*. DDP / FSDP2 over all W ranks avera
 scales each loss by W (not dp), which makes that average exactly the sum over each group, averaged
 over the dp groups (tests/test_parallelism.py checks it against one process). Under tp a rank's
 gradient of a split weight is already the group's, except the QK-norms', which each rank applies to its
-own heads (`head_split_parameters`; `stages.update.parallel` sums those over the group).
+own heads (`head_split_parameters`; `stages.update.parallel` sums those over the group), so the
+replicas are averaged over the mesh's dp dimension alone and each loss is scaled by dp.
 """
 
 from __future__ import annotations
 
+import inspect
+import math
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
@@ -157,6 +160,7 @@ def parallelize(parts: Mapping[str, torch.nn.Module], parallel: ModelParallel) -
             cp_mesh = mesh["ring", "ulysses"]
             ring, ulysses = cp_mesh.mesh.shape
             _enable(module, ContextParallelConfig(ring_degree=ring, ulysses_degree=ulysses, mesh=cp_mesh))
+            guard_splits(module, parallel.sp_degree)
         else:
             _enable(module, TensorParallelConfig(mesh=mesh["tp"]))
 
@@ -197,6 +201,23 @@ def _check(what: str, module: torch.nn.Module, parallel: ModelParallel) -> None:
             f"{option}: the {what} has {heads} attention heads, which {heads_split} ranks cannot split "
             "evenly; pass a degree that divides it"
         )
+    if parallel.tp_degree > 1:
+        _check_blocks(option, what, module, parallel.tp_degree)
+
+
+def _check_blocks(option: str, what: str, module: torch.nn.Module, degree: int) -> None:
+    """Refuse in one line a planned weight with a block (its whole split dimension, or one part of a
+    fused projection) `degree` ranks cannot split evenly, which diffusers refuses with a ValueError."""
+    from diffusers.hooks.tensor_parallel import resolve_tp_shard_specs
+
+    for name, spec in resolve_tp_shard_specs(module, module._tp_plan, 1).items():
+        blocks = spec.block_sizes or []
+        if any(b % degree for b in blocks):
+            shape = f"the fused blocks {' + '.join(map(str, blocks))}" if len(blocks) > 1 else f"{blocks[0]}"
+            raise UserInputError(
+                f"{option}: the {what}'s {name} splits {shape} along dim {spec.dim}, which {degree} ranks "
+                f"cannot split evenly; {_divisors(math.gcd(*blocks))}"
+            )
 
 
 def sequence_shards(module: torch.nn.Module) -> int:
@@ -207,10 +228,17 @@ def sequence_shards(module: torch.nn.Module) -> int:
     return 1 if cp is None else cp.ring_degree * cp.ulysses_degree
 
 
+def tensor_parallel_mesh(module: torch.nn.Module) -> Any:
+    """The "tp" dimension of the mesh `module`'s planned weights are split over (None without tensor
+    parallelism); its root mesh's "dp" dimension holds the replicas (`mesh_shape`)."""
+    tp = getattr(getattr(module, "_parallel_config", None), "tensor_parallel_config", None)
+    return None if tp is None else tp.mesh
+
+
 def tensor_parallel_degree(module: torch.nn.Module) -> int:
     """How many ranks split `module`'s planned weights (1 without tensor parallelism)."""
-    tp = getattr(getattr(module, "_parallel_config", None), "tensor_parallel_config", None)
-    return 1 if tp is None else tp.mesh.size()
+    mesh = tensor_parallel_mesh(module)
+    return 1 if mesh is None else mesh.size()
 
 
 def packed_blocks(module: torch.nn.Module) -> dict[str, tuple[int, list[int]]]:
@@ -264,12 +292,74 @@ def check_sequence(module: torch.nn.Module, tokens: int, grid: str) -> None:
     shards = sequence_shards(module)
     if tokens % shards == 0:
         return
-    fits = [str(d) for d in range(2, MAX_LISTED_DEGREE + 1) if tokens % d == 0]
     raise UserInputError(
         f"--sp-degree {shards}: a sample's latents are {tokens} tokens ({grid}), which {shards} ranks cannot split "
-        f"evenly; degrees up to {MAX_LISTED_DEGREE} that divide it: {', '.join(fits) or 'none'} "
+        f"evenly; {_divisors(tokens)} "
         "(or sample at another --resolution)"
     )
+
+
+# what each input diffusers' context-parallel plans split is a sequence of, by its forward parameter name
+SEQUENCES = {
+    "hidden_states": "the latent tokens (the sample's, then any reference image's)",
+    "img_ids": "the latent tokens' position ids (the sample's, then any reference image's)",
+    "modulate_index": "the latent tokens' modulation index (the sample's, then any reference image's)",
+    "timestep": "the per-token timesteps of the latent tokens",
+    "encoder_hidden_states": "the prompt's text tokens",
+    "txt_ids": "the prompt's text tokens' position ids",
+    "encoder_hidden_states_mask": "the prompt's text-token mask",
+}
+
+
+def guard_splits(module: torch.nn.Module, shards: int) -> None:
+    """Before each forward of a submodule `module`'s `_cp_plan` splits inputs of, refuse in one line an
+    input sequence `shards` ranks cannot split evenly (`check_split`), instead of diffusers' bare assertion.
+    Inputs the plan splits after the submodule ran (`split_output`: rotary embeddings) are as long as
+    the sequences they embed, which are checked where they enter."""
+    from diffusers.hooks.context_parallel import _find_submodule_by_name
+
+    for name, entries in module._cp_plan.items():
+        inputs = {k: v for k, v in entries.items() if isinstance(k, str)} if isinstance(entries, dict) else {}
+        if not inputs:
+            continue
+        found = _find_submodule_by_name(module, name)
+        for sub in found if isinstance(found, list) else [found]:
+            signature = inspect.signature(type(sub).forward)
+
+            def check(
+                sub: torch.nn.Module, args: tuple, kwargs: dict, signature=signature, inputs=inputs
+            ) -> None:
+                given = signature.bind_partial(sub, *args, **kwargs).arguments
+                for key, plan in inputs.items():
+                    value = given.get(key)
+                    listed = isinstance(value, list | tuple) and isinstance(plan, list | tuple)
+                    for tensor, how in zip(value, plan, strict=False) if listed else [(value, plan)]:
+                        # diffusers leaves a tensor of other dimensions than the plan expects unsplit
+                        if (
+                            torch.is_tensor(tensor)
+                            and not how.split_output
+                            and how.expected_dims in (None, tensor.dim())
+                        ):
+                            check_split(key, tensor.shape[how.split_dim], shards)
+
+            sub.register_forward_pre_hook(check, with_kwargs=True)
+
+
+def check_split(name: str, length: int, shards: int) -> None:
+    """Refuse in one line the input `name` (a forward parameter diffusers' plan splits), a sequence of
+    `length` tokens that `shards` ranks cannot split evenly."""
+    if length % shards == 0:
+        return
+    raise UserInputError(
+        f"--sp-degree {shards}: {SEQUENCES.get(name, 'a sequence')} ({name}) are {length} tokens, which "
+        f"{shards} ranks cannot split evenly; {_divisors(length)}: pass one that divides every sequence"
+    )
+
+
+def _divisors(length: int) -> str:
+    """The sp degrees that split a sequence of `length` tokens, as a refusal lists them."""
+    fits = [str(d) for d in range(2, MAX_LISTED_DEGREE + 1) if length % d == 0]
+    return f"degrees up to {MAX_LISTED_DEGREE} that divide it: {', '.join(fits) or 'none'}"
 
 
 def _backend(module: torch.nn.Module) -> str:

@@ -264,7 +264,7 @@ def test_metric_sums_cross_ranks_in_float64_on_the_named_device(monkeypatch: pyt
 
     seen = []
 
-    def all_reduce(t: torch.Tensor) -> None:  # two ranks holding the same values
+    def all_reduce(t: torch.Tensor, group: object = None) -> None:  # two ranks holding the same values
         seen.append((t.device, t.dtype))
         t.mul_(2)
 

@@ -16,7 +16,7 @@ from stages.errors import UserInputError
 from stages.models.diffusion import FlowPolicy
 from stages.models.folders import LORA_WEIGHTS
 from stages.models.kernels import Kernels, prepare
-from stages.parallelism import ModelParallel, parallelize
+from stages.parallelism import ModelParallel, guard_splits, parallelize
 from stages.shards.reader import ShardSet
 
 # init-model family → the sampling flags that fit its tiny build (Wan: 5 frames, 2 latent frames)
@@ -167,11 +167,68 @@ def test_tp_full_update_and_its_resumption_on_cpu_equal_one_process(family: dict
         assert ref.keys() == got.keys() and scale > 0
         for key, value in ref.items():
             torch.testing.assert_close(got[key], value, rtol=0, atol=1e-5 * scale)
-    # FSDP2 (or data parallelism) around the group is refused in one line, before anything is written
-    fsdp2 = ["--out", str(tmp_path / "fsdp2"), "--tp-degree", "2", "--strategy", "fsdp2"]
-    line = torchrun_fails("update", "--model", str(model), *full, *fsdp2)
-    assert "--tp-degree 2: update trains one tensor-parallel group" in line and "exactly 2 ranks" in line
-    assert not (tmp_path / "fsdp2").exists()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("family", ["flux"], indirect=True)
+def test_dp2_by_tp2_on_four_ranks_equals_one_process(family: dict, tmp_path: Path) -> None:
+    """4 ranks as 2 data-parallel replicas of a 2-rank tensor-parallel group, in one launch: each replica
+    samples its own shard; update --full averages the replicas' gradients over dp only, under DDP
+    (torch's `replicate` over the dp mesh) and FSDP2 (`fully_shard` over dp of the dp × tp mesh), and a
+    run resumed from the FSDP2 one (its 2-D shards gathered whole, then laid out again; its steps are all
+    clipped, so its weights move by the restored AdamW moments alone) equals one process with grad_accum
+    2: per-step grad norms and losses to 1e-5 relative, weights to 1e-5 of their scale. Scaling the
+    losses by the world (4) instead of dp (2) doubles every gradient."""
+    root, model = family["root"], family["model"]
+    inputs = ins(root / "samples", root / "logprobs", root / "advantages")
+    full = [
+        "update",
+        "--model",
+        str(model),
+        *inputs,
+        "--full",
+        "--lr",
+        "1e-4",
+        "--no-shuffle",
+        "--micro-batch",
+        "1",
+    ]
+
+    def out(name: str) -> list[str]:
+        return ["--out", str(tmp_path / name)]
+
+    one = [*full, "--grad-accum", "2"]
+    run(*one, *out("one"))
+    run(*one, "--adapter", str(tmp_path / "one"), *out("one2"))
+    tp = ["--tp-degree", "2"]
+    fsdp2 = [*full, *tp, "--strategy", "fsdp2"]
+    sampled, *_ = torchrun_commands(
+        _sample(model, family["prompts"], "flux", tmp_path / "samples", "--num-shards", "2", *tp),
+        [*full, *tp, *out("ddp")],
+        [*fsdp2, *out("fsdp2")],
+        [*fsdp2, "--adapter", str(tmp_path / "fsdp2"), *out("fsdp22")],
+        ranks=4,
+    )
+    assert sampled["rows_written"] == 6 and sampled["complete"]
+    split, four = ShardSet(root / "samples").read_all(), ShardSet(tmp_path / "samples").read_all()
+    assert (
+        len(ShardSet(tmp_path / "samples").manifest.shards) == 2 and split["sample_id"] == four["sample_id"]
+    )
+    for column in ("latents", "log_probs"):
+        torch.testing.assert_close(four[column], split[column], rtol=0, atol=1e-5)
+    weights = "transformer/diffusion_pytorch_model.safetensors"
+    for ref, got in (("one", "ddp"), ("one", "fsdp2"), ("one2", "fsdp22")):
+        a_metrics, b_metrics = _metrics(tmp_path / ref), _metrics(tmp_path / got)
+        assert len(a_metrics) == len(b_metrics) == 3  # 6 rows, 2 per optimizer step
+        for a, b in zip(a_metrics, b_metrics, strict=True):
+            assert b["actor/grad_norm"] == pytest.approx(a["actor/grad_norm"], rel=1e-5)
+            # the loss is a difference of near-equal terms (~1e-5): its rounding is absolute, ~3e-9
+            assert b["actor/pg_loss"] == pytest.approx(a["actor/pg_loss"], rel=1e-5, abs=1e-8)
+        expected, trained = load_file(tmp_path / ref / weights), load_file(tmp_path / got / weights)
+        scale = max(float(v.abs().max()) for v in expected.values())
+        assert expected.keys() == trained.keys() and scale > 0
+        for key, value in expected.items():
+            torch.testing.assert_close(trained[key], value, rtol=0, atol=1e-5 * scale)
 
 
 def test_sp_needs_a_launch_of_a_multiple_of_its_degree(tiny_sd3: Path, tmp_path: Path) -> None:
@@ -231,6 +288,60 @@ def test_what_diffusers_cannot_run_here_is_refused_before_the_model_changes(
         parallelize(flux.parts, parallel)
     assert all(n in str(refused.value) for n in named) and "\n" not in str(refused.value)
     assert flux.module._parallel_config is None
+
+
+def test_every_sequence_diffusers_splits_is_refused_in_one_line_before_its_splitter(
+    flux_model: Path, tmp_path: Path
+) -> None:
+    """The check diffusers' `_cp_plan` splits get (`guard_splits`), on one process with a pretended group
+    size: FLUX's latents (9 tokens at 24 px) divide by 3 but its 128 text tokens do not; FLUX.1 Kontext's
+    16 latent tokens (32 px) divide by 2, but not with a 24 px source's 9 tokens appended to them."""
+    from PIL import Image
+
+    from stages.models.factory import init_model
+
+    flux = FlowPolicy.load(flux_model)
+    guard_splits(flux.module, 3)
+    with pytest.raises(UserInputError) as refused:
+        flux.velocity(
+            flux.initial_noise([1], 24), flux.sigmas(3, 24)[1], flux.encode(["a cat"], None, False), 3.5
+        )
+    assert str(refused.value) == (
+        "--sp-degree 3: the prompt's text tokens (encoder_hidden_states) are 128 tokens, which 3 ranks cannot "
+        "split evenly; degrees up to 16 that divide it: 2, 4, 8, 16: pass one that divides every sequence"
+    )
+    init_model("flux_kontext", tmp_path / "kontext", size="tiny", seed=0)
+    kontext = FlowPolicy.load(tmp_path / "kontext")
+    source = tmp_path / "source.png"
+    Image.new("RGB", (24, 24), (200, 0, 0)).save(source)
+    cond = kontext.encode(["a cat"], None, False, images=[[source.read_bytes()]])
+    x, sigma = kontext.initial_noise([1], 32), kontext.sigmas(3, 32)[1]
+    velocity = kontext.velocity(x, sigma, cond, 3.5)  # one process runs it: the refusal below is the guard's
+    guard_splits(kontext.module, 2)
+    with pytest.raises(UserInputError) as refused:
+        kontext.velocity(x, sigma, cond, 3.5)
+    assert str(refused.value).startswith(
+        "--sp-degree 2: the latent tokens (the sample's, then any reference image's) (hidden_states) are 25 "
+        "tokens, which 2 ranks cannot split evenly; degrees up to 16 that divide it: 5: "
+    )
+    assert velocity.shape == x.shape
+
+
+def test_a_fused_projection_the_tp_group_cannot_split_is_refused_in_one_line(flux_model: Path) -> None:
+    """FLUX's single-block proj_out reads [attention | MLP] blocks; a layout whose blocks 2 ranks cannot
+    split (diffusers' ValueError) is one line naming the weight, before the model changes."""
+    policy = FlowPolicy.load(flux_model)
+    proj_out = policy.module.single_transformer_blocks[1].proj_out
+    attention, mlp = proj_out._tp_packed_row_blocks
+    proj_out._tp_packed_row_blocks = [attention - 1, mlp + 1]
+    with pytest.raises(UserInputError) as refused:
+        parallelize(policy.parts, ModelParallel(tp_degree=2))
+    assert str(refused.value) == (
+        "--tp-degree 2: the transformer FluxTransformer2DModel's single_transformer_blocks.1.proj_out.weight "
+        f"splits the fused blocks {attention - 1} + {mlp + 1} along dim 1, which 2 ranks cannot split evenly; "
+        "degrees up to 16 that divide it: none"
+    )
+    assert policy.module._parallel_config is None
 
 
 def test_a_transformer_without_a_plan_is_refused(tiny_sd3: Path) -> None:

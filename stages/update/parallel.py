@@ -12,12 +12,18 @@ FSDP1 and torch.compile settings are refused with one line, never silently ignor
   reshard after forward). Accelerate itself never shards on a CPU, so omnirl applies the plugin's
   settings itself: the same code runs on CPU (gloo, in the tests) and on GPUs/NPUs.
 
-Both reduce with a mean over ranks; the trainer scales each loss by the world size so that gradients
-are sums over the whole optimizer step divided by its exact weight (torchtune's scale-grads rule).
-Under tensor parallelism (`--tp-degree`, "tp") the launch is one tensor-parallel group: diffusers has
-already split the planned weights over its ranks, each rank's gradient is the group's (of its own
-shards), so nothing wraps or averages and the losses are not scaled; only the QK-norms, which each rank
-applies to its own heads, get a share each, summed over the group after the step's last backward.
+Both reduce with a mean over ranks; the trainer scales each loss by the ranks averaged over
+(`Parallel.averaged`) so that gradients are sums over the whole optimizer step divided by its exact
+weight (torchtune's scale-grads rule).
+
+Under tensor parallelism (`--tp-degree`) diffusers has already split the planned weights over each
+tensor-parallel group as DTensors on the "tp" dimension of the 2-D mesh dp × tp, and each rank's
+gradient is its group's (of its own shards): the replicas are averaged over the "dp" dimension only,
+and each loss is scaled by dp. One group alone ("tp") wraps nothing. DDP refuses DTensor parameters, so
+over dp replicas "ddp" is torch's composable `replicate` (FSDP2's machinery without sharding: one
+all-reduce over dp in the step's last backward), and "fsdp2" is `fully_shard` over the dp dimension
+(torch's 2-D recipe: each tp shard sharded again over dp). The QK-norms, which each rank applies to its
+own heads, get a share each, summed over the tp group after the step's last backward.
 Trainer state (optimizer, EMA, DiffusionNFT's old policy) is saved as full tensors in the single-process
 layout, so a run may resume under another strategy or world size; under FSDP2 with the launcher's
 `fsdp_state_dict_type: SHARDED_STATE_DICT` each rank writes its own shards instead (`sharded_state.py`).
@@ -35,7 +41,13 @@ import torch
 from stages.dist import Wrapped, all_reduce_sum, device, world_and_rank
 from stages.errors import UserInputError
 from stages.knobs import STRATEGIES
-from stages.parallelism import head_split_parameters, packed_blocks, rank_order, tensor_parallel_degree
+from stages.parallelism import (
+    head_split_parameters,
+    packed_blocks,
+    rank_order,
+    tensor_parallel_degree,
+    tensor_parallel_mesh,
+)
 
 # `accelerate launch` settings update cannot honour: variable → the setting's name.
 UNSUPPORTED_LAUNCHER = {
@@ -159,14 +171,26 @@ class Parallel:
         self.world = world_and_rank()[0]
         self.wrapper: Any = None
         self.plugin: Any = None
+        self.tp_mesh = tensor_parallel_mesh(module)
+        self.tp = tensor_parallel_degree(module)
         self.packed = packed_blocks(module)  # tensor-parallel parameters split block by block
-        self.head_split = head_split_parameters(module)  # tensor-parallel: gradients are shares
+        # tensor-parallel parameters whose gradients are shares, by name: wrapping replaces the parameters
+        names = {id(p): n for n, p in module.named_parameters()}
+        self.head_split_names = [names[id(p)] for p in head_split_parameters(module)]
+        self.head_split: list[torch.nn.Parameter] = []
 
     @property
     def averaged(self) -> int:
         """The ranks the strategy averages gradients over (each loss is scaled by it): all of them under
-        DDP and FSDP2, none in one process or under tensor parallelism."""
-        return self.world if self.kind in ("ddp", "fsdp2") else 1
+        DDP and FSDP2 (a sequence-parallel group's shares then add up to its replica's), the dp replicas
+        under tensor parallelism, none in one process or one tensor-parallel group."""
+        return self.world // self.tp if self.kind in ("ddp", "fsdp2") else 1
+
+    @property
+    def spread(self) -> bool:
+        """Whether the trained parameters are DTensors (FSDP2 shards or tensor-parallel splits), which
+        `gather` makes whole for saving and `shard_like` lays out again on resuming."""
+        return self.kind == "fsdp2" or self.tp > 1
 
     @property
     def sharded_state(self) -> bool:
@@ -185,23 +209,32 @@ class Parallel:
         world = world_and_rank()[0]
         kind = resolve_strategy(strategy, world)
         degree = tensor_parallel_degree(module)
-        if degree > 1:
-            if kind == "fsdp2" or world != degree:
-                raise UserInputError(
-                    f"--tp-degree {degree}: update trains one tensor-parallel group, without FSDP2 or data "
-                    f"parallelism around it; launch exactly {degree} ranks with --strategy auto or ddp"
-                )
-            kind = "tp"
+        if degree > 1 and kind == "ddp" and world == degree:
+            kind = "tp"  # one tensor-parallel group: no replica to average with
         par = cls(kind, module)
-        if kind == "ddp":
+        if kind == "ddp" and degree > 1:
+            from torch.distributed._composable.replicate_with_fsdp import replicate
+
+            replicate(module, mesh=par._data_parallel_mesh())
+        elif kind == "ddp":
             par.wrapper = _accelerator().prepare_model(module)
         elif kind == "fsdp2":
             par._shard(swaps_weights)
+        named = dict(module.named_parameters())
+        par.head_split = [named[n] for n in par.head_split_names]
         return par
+
+    def _data_parallel_mesh(self) -> Any:
+        """The mesh gradients are averaged over: the "dp" dimension of the tensor-parallel mesh's root
+        (dp × tp), else all ranks in one dimension."""
+        if self.tp_mesh is not None:
+            return self.tp_mesh._get_root_mesh()["dp"]
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(device().type, (self.world,))
 
     def _shard(self, swaps_weights: bool) -> None:
         from accelerate.utils import FullyShardedDataParallelPlugin
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
         self.plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
@@ -213,7 +246,7 @@ class Parallel:
         on = device()
         if on.type == "cpu":
             _pin_mmap_threshold()
-        mesh = init_device_mesh(on.type, (self.world,))
+        mesh = self._data_parallel_mesh()
         offload = self.plugin.cpu_offload if on.type != "cpu" else None
         options = {
             "mesh": mesh,
@@ -249,35 +282,44 @@ class Parallel:
         """The context a forward and its backward run in: DDP all-reduces only when `enabled` (the
         step's last backward), and so does tensor parallelism its head-split gradients; FSDP2
         reduce-scatters every backward into the sharded gradients."""
-        if self.head_split and enabled:
-            return self._sum_head_split()
+        if self.tp > 1:
+            return self._tensor_parallel_sync(enabled)
         if self.wrapper is None or enabled:
             return nullcontext()
         return self.wrapper.no_sync()
 
     @contextmanager
-    def _sum_head_split(self) -> Iterator[None]:
-        """After the block, the head-split parameters' gradients summed over the group (one all-reduce)."""
+    def _tensor_parallel_sync(self, enabled: bool) -> Iterator[None]:
+        """`replicate` all-reduces over dp only when `enabled`; after that backward, the head-split
+        parameters' gradients (this rank's part of them) summed over the tp group (one all-reduce)."""
+        if self.kind == "ddp":
+            self.module.set_requires_gradient_sync(enabled)
         yield
-        grads = [p.grad for p in self.head_split if p.grad is not None]
+        grads = [local_tensor(p.grad) for p in self.head_split if enabled and p.grad is not None]
         if grads:
-            summed = all_reduce_sum(torch.cat([g.flatten() for g in grads]), device())
+            flat = torch.cat([g.flatten() for g in grads])
+            summed = all_reduce_sum(flat, device(), group=self.tp_mesh.get_group())
             for g, part in zip(grads, summed.split([g.numel() for g in grads]), strict=True):
                 g.copy_(part.view_as(g))
 
     def clip_grad_norm(self, params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
         """Clip the gradients to `max_norm` over all ranks' shards; the total norm before clipping."""
-        if self.kind != "tp":
+        if self.tp == 1:
             return full(torch.nn.utils.clip_grad_norm_(params, max_norm))
-        # tensor parallelism mixes plain and DTensor gradients, which torch's clipping cannot take: the
-        # squares of the split ones are summed over the group (one all-reduce), the replicated ones once
+        # tensor parallelism mixes plain gradients and DTensors of two meshes (tp, and dp × tp under
+        # FSDP2 or replicate), which torch's clipping cannot take: each rank's sum of squares counts a
+        # part once over the ranks that hold a copy of it (those its placements do not split), and one
+        # all-reduce adds them up
         on = params[0].device
         grads = [p.grad for p in params if p.grad is not None]
-        squares = torch.zeros(2, device=on)  # [split over the ranks, whole on each]
+        squares = torch.zeros(1, device=on)
         for g in grads:
-            split = is_sharded(g) and any(placement.is_shard() for placement in g.placements)
-            squares[0 if split else 1] += local_tensor(g).float().square().sum()
-        norm = (all_reduce_sum(squares[:1], on)[0] + squares[1]).sqrt()
+            copies = self.world
+            if is_sharded(g):
+                for size, placement in zip(g.device_mesh.shape, g.placements, strict=True):
+                    copies //= 1 if placement.is_replicate() else size  # Shard or FSDP2's _StridedShard
+            squares += local_tensor(g).float().square().sum() / copies
+        norm = all_reduce_sum(squares, on)[0].sqrt()
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for g in grads:
             local_tensor(g).mul_(coef)
@@ -309,7 +351,7 @@ class Parallel:
             whole = full(v)
             packed = self.packed.get(of or k)
             if packed is not None:
-                whole = rank_order(whole, *packed, v.device_mesh.size(), inverse=True)
+                whole = rank_order(whole, *packed, self.tp, inverse=True)
             if keep:
                 out[k] = whole.detach().cpu()
         return out
@@ -323,7 +365,7 @@ class Parallel:
         """The trained module's state dict, whole on rank 0 (`gather`), when it is sharded, else None (the
         module's own state_dict is whole). trained_only: only the parameters that train (a LoRA's), not
         the frozen base weights an adapter does not hold."""
-        if self.kind not in ("fsdp2", "tp"):
+        if not self.spread:
             return None
         state = self.module.state_dict()
         if trained_only:
@@ -346,7 +388,7 @@ class Parallel:
             elif is_sharded(p):
                 packed = self.packed.get(of or k)
                 if packed is not None:
-                    v = rank_order(v, *packed, p.device_mesh.size())
+                    v = rank_order(v, *packed, self.tp)
                 out[k] = distribute_tensor(v.to(p.device, p.dtype), p.device_mesh, p.placements)
             else:
                 out[k] = v.to(p.device, p.dtype)
@@ -359,7 +401,7 @@ class Parallel:
         parameter's moments leave it as they are gathered, so rank 0 never holds a moment both as its
         shard and whole beyond the one being gathered."""
         state = optimizer.state_dict()
-        if self.kind not in ("fsdp2", "tp"):
+        if not self.spread:
             return state
         optimizer.state.clear()
         moments, names = state["state"], self._names(optimizer)
@@ -370,7 +412,7 @@ class Parallel:
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         """Load a full (single-process layout) optimizer state into this rank's optimizer."""
-        if self.kind in ("fsdp2", "tp"):
+        if self.spread:
             params = [p for g in optimizer.param_groups for p in g["params"]]
             named, names = {str(i): p for i, p in enumerate(params)}, self._names(optimizer)
             state = {

@@ -261,8 +261,8 @@ class Trainer:
                 sums = torch.zeros(len(keys) + 1 + world, dtype=torch.float64)
                 failure = None
                 for c, (idx, real) in enumerate(mine):
-                    # × every rank DDP / FSDP2 average over, not dp: a sequence-parallel group's gradients
-                    # add up to its replica's (`stages.parallelism`)
+                    # × the ranks DDP / FSDP2 average over (`Parallel.averaged`): all of them under sp, whose
+                    # group's gradients add up to its replica's, the dp replicas under tp
                     weight = (
                         par.averaged
                         * objective.share(idx, step_chunks, len(step_chunks))

@@ -135,7 +135,7 @@ demo-model: install
 # shapes) with the staged recipe, trained on geneval_shapes on the result (EDIT_REWARD; edit_preservation
 # against the source and geneval_shapes_strict, the edit-success metric, reported at weight 0), each
 # iteration's policy evaluated on held-out edits with fixed seeds. The report's grids show source ->
-# result. Settings: recipes/configs/demo_edit.yaml. Not yet shown to learn (docs/demo.md).
+# result. Settings: recipes/configs/demo_edit.yaml. Not yet a demo that learns (docs/demo.md).
 EDIT_RUN            ?= runs/demo-edit
 EDIT_MODEL          ?= recipes/models/demo-edit
 EDIT_CONFIG         ?= recipes/configs/demo_edit.yaml

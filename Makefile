@@ -160,9 +160,17 @@ demo-edit: install
 # Rebuilds the committed edit model from scratch with the project's own code and checks that every file is
 # byte-identical to $(EDIT_MODEL) (same CPU kind, one torch thread): 2048 recolour edits of one circle
 # (shape_edits.py --targets, seed 0: source, instruction, result), `init-model --family flux_kontext
-# --size tiny`, `pretrain --vae pixel` on the pairs (EDIT_PRETRAIN_FLAGS) -> $(EDIT_MODEL_RUN)/model.
+# --size tiny`, then `omnirl pretrain` twice on the pairs:
+# 1. `--vae pixel` (EDIT_PRETRAIN_FLAGS) -> $(EDIT_MODEL_RUN)/model;
+# 2. its pixel VAE's decoder fitted 3000 steps more, so that it draws all six colours (after 1500 steps it
+#    drew red as yellow, blue as cyan, purple as grey), and 500 more transformer steps (EDIT_DECODER_FLAGS)
+#    -> $(EDIT_MODEL_RUN)/decoder;
+# 3. 1000 more transformer steps, the VAE kept (EDIT_FOCUS_FLAGS) -> $(EDIT_MODEL_RUN)/focus, which is
+#    $(EDIT_MODEL).
 EDIT_MODEL_RUN      ?= runs/demo-edit-model
 EDIT_PRETRAIN_FLAGS := --vae pixel --vae-steps 1500 --vae-encoder-steps 300 --steps 1500 --text-length 16
+EDIT_DECODER_FLAGS  := --vae pixel --vae-steps 3000 --vae-encoder-steps 0 --steps 500 --text-length 16
+EDIT_FOCUS_FLAGS    := --vae pixel --vae-steps 0 --vae-encoder-steps 0 --steps 1000 --text-length 16
 demo-edit-model: install
 	test -f $(EDIT_MODEL_RUN)/pairs/edits.jsonl || $(EDITS) --kinds recolor --shapes circle \
 	  --out $(EDIT_MODEL_RUN)/pairs/edits.jsonl --num-prompts 2048 --seed 0 --targets
@@ -170,7 +178,11 @@ demo-edit-model: install
 	  $(VENV)/bin/omnirl init-model --family flux_kontext --size tiny --seed 0 $(EDIT_MODEL_RUN)/base
 	test -f $(EDIT_MODEL_RUN)/model/omnirl_model.json || OMP_NUM_THREADS=1 $(VENV)/bin/omnirl pretrain \
 	  --model $(EDIT_MODEL_RUN)/base --data $(EDIT_MODEL_RUN)/pairs $(EDIT_PRETRAIN_FLAGS) --seed 0 --out $(EDIT_MODEL_RUN)/model
-	diff -r $(EDIT_MODEL_RUN)/model $(EDIT_MODEL) && echo "$(EDIT_MODEL_RUN)/model is byte-identical to $(EDIT_MODEL)"
+	test -f $(EDIT_MODEL_RUN)/decoder/omnirl_model.json || OMP_NUM_THREADS=1 $(VENV)/bin/omnirl pretrain \
+	  --model $(EDIT_MODEL_RUN)/model --data $(EDIT_MODEL_RUN)/pairs $(EDIT_DECODER_FLAGS) --seed 1 --out $(EDIT_MODEL_RUN)/decoder
+	test -f $(EDIT_MODEL_RUN)/focus/omnirl_model.json || OMP_NUM_THREADS=1 $(VENV)/bin/omnirl pretrain \
+	  --model $(EDIT_MODEL_RUN)/decoder --data $(EDIT_MODEL_RUN)/pairs $(EDIT_FOCUS_FLAGS) --seed 2 --out $(EDIT_MODEL_RUN)/focus
+	diff -r $(EDIT_MODEL_RUN)/focus $(EDIT_MODEL) && echo "$(EDIT_MODEL_RUN)/focus is byte-identical to $(EDIT_MODEL)"
 
 # The first demo: the random tiny SD3 learns JPEG compressibility (nothing to see, but every stage runs).
 JPEG_RUN ?= runs/demo-jpeg

@@ -9,9 +9,15 @@ import json
 import shlex
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 from helpers import run
+
+from stages.models.diffusion import FlowPolicy
+from stages.pretrain.flow_matching import dataset_latents
+from stages.pretrain.images import read_image_dataset
+from stages.score.geneval_shapes import PALETTE, detect_shapes
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "recipes" / "models" / "demo-edit"
@@ -27,37 +33,65 @@ def plan(target: str, *variables: str) -> list[str]:
     return out.replace("\\\n", " ").splitlines()
 
 
-def test_committed_edit_model_edits_part_of_the_time(tmp_path: Path) -> None:
-    edits = tmp_path / "heldout" / "edits.jsonl"
+def edits(out: Path, n: int, seed: int, *flags: str) -> list[dict]:
+    """`n` recolour edits of one circle drawn by recipes/tasks/shape_edits.py into folder `out` (rows)."""
     subprocess.run(
         [sys.executable, str(ROOT / "recipes/tasks/shape_edits.py"), "--kinds", "recolor", "--shapes", "circle",
-         "--out", str(edits), "--num-prompts", "16", "--seed", "2"],
+         "--out", str(out / "edits.jsonl"), "--num-prompts", str(n), "--seed", str(seed), *flags],
         check=True, capture_output=True,
     )  # fmt: skip
-    run("sample", "--config", str(CONFIG), "--model", str(MODEL), "--prompts", str(edits), "--seed", "0",
+    return [json.loads(line) for line in (out / "edits.jsonl").read_text().splitlines()]
+
+
+def test_committed_edit_model_vae_renders_every_palette_colour(tmp_path: Path) -> None:
+    # The pixel VAE's decoder is the last step of every edit: a colour it cannot draw, no RL can reach.
+    # The exact latents of 24 edits' ground-truth results (the 4×-pooled image the transformer learns),
+    # decoded, keep their circle's colour: all six (the 1500-step decoder, the committed one before, drew
+    # red as yellow, blue as cyan and purple as grey: 9 of the first 16 kept).
+    rows = edits(tmp_path, 24, 2, "--targets")
+    policy = FlowPolicy.load(MODEL)
+    vae = policy.pipe.vae
+    latents = dataset_latents(policy, read_image_dataset(tmp_path), pixel=True)  # as `pretrain` learns them
+    asked = [row["include"][0]["color"] for row in rows]
+    seen = [[(d.label, d.color) for d in detect_shapes(image)] for image in policy.decode(latents)]
+    assert set(asked) == set(PALETTE) and vae.config.scaling_factor == 2.5
+    kept = Counter(colour for colour, found in zip(asked, seen) if found == [("circle", colour)])
+    assert kept == Counter(asked), list(zip(asked, seen))
+
+
+def test_committed_edit_model_edits_part_of_the_time(tmp_path: Path) -> None:
+    edits(tmp_path / "heldout", 16, 2)
+    edits_file = tmp_path / "heldout" / "edits.jsonl"
+    run("sample", "--config", str(CONFIG), "--model", str(MODEL), "--prompts", str(edits_file), "--seed", "0",
         "--sampler", "ode", "--group-size", "4", "--num-prompts", "16", "--out", str(tmp_path / "samples"))  # fmt: skip
     scores = run("score", "--in", str(tmp_path / "samples"), "--reward", "geneval_shapes_strict",
                  "--reward", "edit_preservation=0", "--out", str(tmp_path / "rewards"))  # fmt: skip
-    # the RL start point edits sometimes, not always (20.3% of these 64; 17.2% of the demo's 256 held-out
-    # results), and keeps the rest of the source (0.965 here; 0.933 after 50 pretraining steps)
+    # the RL start point edits sometimes, not always (53.1% of these 64, 57.0% of the demo's 256 held-out
+    # results; 17.2% of the 256 with the 1500-step decoder at guidance 1), and keeps the rest of the
+    # source (0.957 here; 0.933 after 50 pretraining steps)
     strict = scores["reward.geneval_shapes_strict/mean"]
-    assert 0.1 <= strict <= 0.4, strict
+    assert 0.35 <= strict <= 0.75, strict
     assert strict * 64 == round(strict * 64)  # a share of 0/1 successes
-    assert scores["reward.edit_preservation/mean"] > 0.95, scores
+    assert scores["reward.edit_preservation/mean"] > 0.945, scores
 
 
 def test_make_demo_edit_model_builds_what_is_committed(tmp_path: Path) -> None:
     commands = plan("demo-edit-model", f"EDIT_MODEL_RUN={tmp_path}")
-    pretrain = next(shlex.split(c) for c in commands if " pretrain " in c)
-    flag = {a: b for a, b in itertools.pairwise(pretrain) if a.startswith("--")}
+    pretrains = [shlex.split(c) for c in commands if " pretrain " in c]
     card = json.loads((MODEL / "omnirl_model.json").read_text())
+    assert card["family"] == "flux_kontext" and card["size"] == "tiny"
+    # three runs: the committed card records the last, each its predecessor as `previous`
     made = card["details"]["pretrain"]
-    assert card["family"] == "flux_kontext" and card["size"] == "tiny" and made["previous"] is None
-    assert made["data"]["rows"] == 2048
-    for name in ("steps", "vae_steps", "vae_encoder_steps", "text_length", "seed"):
-        value = made["config"][name]
-        assert float(flag["--" + name.replace("_", "-")]) == value, name
-    assert f"diff -r {tmp_path}/model recipes/models/demo-edit " in "\n".join(commands)
+    records = [made["previous"]["previous"], made["previous"], made]
+    assert len(pretrains) == 3 and records[0]["previous"] is None
+    for command, record in zip(pretrains, records):
+        flag = {a: b for a, b in itertools.pairwise(command) if a.startswith("--")}
+        assert record["data"]["rows"] == 2048
+        for name in ("steps", "vae_steps", "vae_encoder_steps", "text_length", "seed"):
+            assert float(flag["--" + name.replace("_", "-")]) == record["config"][name], name
+    decoder = records[1]["config"]
+    assert decoder["vae_steps"] > 0 and decoder["vae_encoder_steps"] == 0  # the decoder fitted further
+    assert f"diff -r {tmp_path}/focus recipes/models/demo-edit " in "\n".join(commands)
 
 
 def test_make_demo_edit_plans_rl_on_the_committed_model(tmp_path: Path) -> None:

@@ -160,7 +160,7 @@ demo-edit: install
 # Rebuilds the committed edit model from scratch with the project's own code and checks that every file is
 # byte-identical to $(EDIT_MODEL) (same CPU kind, one torch thread): 2048 recolour edits of one circle
 # (shape_edits.py --targets, seed 0: source, instruction, result), `init-model --family flux_kontext
-# --size tiny`, then `omnirl pretrain` twice on the pairs:
+# --size tiny`, then `omnirl pretrain` three times on the pairs:
 # 1. `--vae pixel` (EDIT_PRETRAIN_FLAGS) -> $(EDIT_MODEL_RUN)/model;
 # 2. its pixel VAE's decoder fitted 3000 steps more, so that it draws all six colours (after 1500 steps it
 #    drew red as yellow, blue as cyan, purple as grey), and 500 more transformer steps (EDIT_DECODER_FLAGS)

@@ -408,8 +408,8 @@ def _enable(module: Any, config: Any) -> None:
 def _cpu_tensor_parallel(mesh: Any) -> Iterator[None]:
     """Let diffusers' `apply_tensor_parallel` shard over a CPU (gloo) mesh, for this call only.
 
-    diffusers refuses a mesh whose device type is not in its `_SUPPORTED_TP_DEVICES` (cuda, neuron, tpu,
-    xpu), an allowlist of where it has been tried, not of what the plan needs: the plan's column- and
+    diffusers refuses a mesh whose device type is not in its `_SUPPORTED_TP_DEVICES` (its accelerators,
+    Neuron and TPU), an allowlist of where it has been tried, not of what the plan needs: the plan's column- and
     row-parallel linears are torch's own DTensor styles, whose collectives (a broadcast and a scatter to
     place the shards, an all-reduce after each row-parallel projection and in the backward of each
     column-parallel one) gloo has, and on a CPU mesh they compute one process's numbers to fp32 rounding

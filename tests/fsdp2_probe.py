@@ -47,8 +47,8 @@ def _dropped(size: int) -> None:
     alive["bytes"] -= size
 
 
-def _gather(self: Parallel, tensors: dict[str, Any]) -> dict[str, Any]:
-    out = gather(self, tensors)
+def _gather(self: Parallel, tensors: dict[str, Any], of: str | None = None) -> dict[str, Any]:
+    out = gather(self, tensors, of)
     for k, v in out.items():
         if parallel.is_sharded(tensors[k]):
             size = v.numel() * v.element_size()

@@ -132,20 +132,20 @@ demo-model: install
 # Image editing: the committed pretrained tiny FLUX.1 Kontext (EDIT_MODEL, made by `make demo-edit-model`:
 # source, instruction -> result on edit pairs of the shapes world) learns the same kind of edit on fresh
 # sources (recipes/tasks/shape_edits.py: EDIT_KINDS recolor and/or move, EDIT_SHAPES the recoloured
-# shapes) with the staged recipe, trained on geneval_shapes on the result (EDIT_REWARD; edit_preservation
-# against the source and geneval_shapes_strict, the edit-success metric, reported at weight 0), each
-# iteration's policy evaluated on held-out edits with fixed seeds. The report's grids show source ->
-# result. Settings: recipes/configs/demo_edit.yaml. Not yet a demo that learns (docs/demo.md).
+# shapes) with the staged recipe, trained on the edit-success metric geneval_shapes_strict on the result
+# (EDIT_REWARD; edit_preservation against the source and the dense geneval_shapes reported at weight 0),
+# each iteration's policy evaluated on held-out edits with fixed seeds: 57.0% -> 79.7% in 8 iterations
+# (docs/demo.md). The report's grids show source -> result. Settings: recipes/configs/demo_edit.yaml.
 EDIT_RUN            ?= runs/demo-edit
 EDIT_MODEL          ?= recipes/models/demo-edit
 EDIT_CONFIG         ?= recipes/configs/demo_edit.yaml
-EDIT_ITERATIONS     ?= 6
+EDIT_ITERATIONS     ?= 8
 EDIT_KINDS          ?= recolor
 EDIT_SHAPES         ?= circle
 EDIT_PROMPTS        ?= 256
 EDIT_EVAL           ?= 64
 EDIT_EVAL_FLAGS     ?= --sampler ode --group-size 4 --num-prompts $(EDIT_EVAL)
-EDIT_REWARD         := --reward geneval_shapes --reward edit_preservation=0 --reward geneval_shapes_strict=0
+EDIT_REWARD         := --reward geneval_shapes_strict --reward edit_preservation=0 --reward geneval_shapes=0
 EDITS               := $(PY) recipes/tasks/shape_edits.py
 EDIT_TASK           := --kinds $(EDIT_KINDS) --shapes $(EDIT_SHAPES)
 demo-edit: install

@@ -100,6 +100,12 @@ def test_make_demo_edit_plans_rl_on_the_committed_model(tmp_path: Path) -> None:
     updates = [c for c in commands if " update " in c]
     assert len(updates) == 2 and all("--model recipes/models/demo-edit " in c for c in updates)
     assert all("demo_edit.yaml" in c for c in updates)
+    # trained on the edit-success metric itself; the dense reward and preservation only reported
+    scores = [c for c in commands if " score " in c]
+    assert scores and all(
+        "--reward geneval_shapes_strict --reward edit_preservation=0 --reward geneval_shapes=0" in c
+        for c in scores
+    )
     evals = [c for c in commands if " sample " in c and "/eval/samples" in c]
     assert len(evals) == 3 and all("heldout/edits.jsonl" in c and "--sampler ode" in c for c in evals)
     assert any(c.strip().startswith(".venv/bin/omnirl report") for c in commands)

@@ -1,4 +1,5 @@
-"""`omnirl serve --sp-degree 2` under torchrun (2 gloo CPU ranks, tiny FLUX) answers as one process.
+"""`omnirl serve --sp-degree 2` (and `--tp-degree 2`) under torchrun (2 gloo CPU ranks, tiny FLUX) answers
+as one process.
 
 Rank 0 serves and every rank runs each batch and weight change with it (stages/sample/lockstep.py): its
 samples equal a one-process server's to 1e-5 (the tolerance of tests/test_parallelism.py), before and
@@ -37,13 +38,13 @@ COLUMNS = ("latents", "log_probs", "final_latent")
 
 
 class GroupServer:
-    """`torchrun --nproc_per_node 2 -m omnirl_cli serve ARGS --sp-degree 2 --json`; `url` and rank 0's
-    `pid` from its ready line."""
+    """`torchrun --nproc_per_node 2 -m omnirl_cli serve ARGS --sp-degree 2 --json` (or `degree`
+    --tp-degree); `url` and rank 0's `pid` from its ready line."""
 
-    def __init__(self, model: Path, *args: str):
+    def __init__(self, model: Path, *args: str, degree: str = "--sp-degree"):
         torchrun = str(Path(sys.executable).parent / "torchrun")
         cmd = [torchrun, "--standalone", "--nproc_per_node", "2", "-m", "omnirl_cli", "serve"]
-        cmd += ["--model", str(model), *args, "--sp-degree", "2", "--port", "0", "--json"]
+        cmd += ["--model", str(model), *args, degree, "2", "--port", "0", "--json"]
         env = {**ENV, "GLOO_SOCKET_IFNAME": "lo"}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         line = self.proc.stdout.readline()  # type: ignore[union-attr]
@@ -142,6 +143,24 @@ def test_an_sp_server_samples_as_one_process_before_and_after_a_push_and_an_aban
     for column in COLUMNS:
         assert torch.equal(again[column], unpushed[column])
     assert _request(group.url, "GET", "/health")[0] == 200
+
+
+@pytest.mark.distributed
+def test_a_tp_server_samples_as_one_process(
+    servers: tuple[Server, GroupServer], flux: dict[str, Path], tmp_path: Path
+) -> None:
+    """--tp-degree 2 over 2 gloo CPU ranks (the weights split, stages/parallelism.py): the samples of a
+    one-process server to 1e-5."""
+    one, _ = servers
+    group = GroupServer(flux["model"], degree="--tp-degree")
+    try:
+        base = _remote_sample(flux, one.url, tmp_path / "one")
+        tp = _remote_sample(flux, group.url, tmp_path / "tp")
+        assert tp["sample_id"] == base["sample_id"]
+        _close(tp, base)
+    finally:
+        code, _, err, _ = group.stop()
+    assert code == 0, err[-3000:]
 
 
 @pytest.mark.distributed

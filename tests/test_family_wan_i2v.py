@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -61,37 +62,41 @@ def table(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return first_frames(tmp_path_factory.mktemp("i2v-prompts"), 32)
 
 
-@pytest.mark.parametrize("frames", [5, 9])
-def test_ode_rollout_equals_the_stock_pipeline(tiny: Path, frames: int) -> None:
+def ours_and_stock(
+    model: Path, resolution: int, frames: int, image: Image.Image
+) -> tuple[Callable[[Image.Image], torch.Tensor], torch.Tensor]:
+    """omnirl's ODE rollout of `model` (2 prompts, 3 steps, CFG 4) as a function of the condition image,
+    and the stock `WanImageToVideoPipeline.__call__`'s final latents for `image` from the same noise."""
     from diffusers import WanImageToVideoPipeline, WanPipeline
 
-    policy = FlowPolicy.load(tiny)
+    policy = FlowPolicy.load(model)
     cfg = SampleConfig(
-        steps=3,
-        guidance=4.0,
-        resolution=32,
-        frames=frames,
-        sampler="ode",
-        batch_size=2,
+        steps=3, guidance=4.0, resolution=resolution, frames=frames, sampler="ode", batch_size=2,
         max_sequence_length=64,
-    )
+    )  # fmt: skip
 
-    def ours(image: Image.Image) -> torch.Tensor:
+    def ours(condition: Image.Image) -> torch.Tensor:
         return rollout_batch(
             policy, cfg, PROMPTS[:2], ["", ""], [1, 2], [1, 2], groups=[0, 1], sample_ids=["a", "b"],
-            images=[[png(image)]] * 2,
+            images=[[png(condition)]] * 2,
         )["final_latent"]  # fmt: skip
 
-    pipe = WanImageToVideoPipeline.from_pretrained(tiny)
+    pipe = WanImageToVideoPipeline.from_pretrained(model)
     pipe.set_progress_bar_config(disable=True)
     with torch.no_grad():  # diffusers 0.42's I2V text cleaning needs ftfy: its (identical) T2V encoding
         embeds = WanPipeline._get_t5_prompt_embeds(pipe, prompt=list(PROMPTS[:2]), max_sequence_length=64)
         negative = WanPipeline._get_t5_prompt_embeds(pipe, prompt=["", ""], max_sequence_length=64)
-    x_t = policy.initial_noise([1, 2], 32, frames)
     theirs = pipe(
-        image=frame(0), prompt_embeds=embeds, negative_prompt_embeds=negative, latents=x_t.clone(),
-        num_inference_steps=3, guidance_scale=4.0, height=32, width=32, num_frames=frames, output_type="latent",
+        image=image, prompt_embeds=embeds, negative_prompt_embeds=negative,
+        latents=policy.initial_noise([1, 2], resolution, frames), num_inference_steps=3, guidance_scale=4.0,
+        height=resolution, width=resolution, num_frames=frames, output_type="latent",
     ).frames  # fmt: skip
+    return ours, theirs
+
+
+@pytest.mark.parametrize("frames", [5, 9])
+def test_ode_rollout_equals_the_stock_pipeline(tiny: Path, frames: int) -> None:
+    ours, theirs = ours_and_stock(tiny, 32, frames, frame(0))
     mine = ours(frame(0))
     assert mine.shape == (2, 16, (frames - 1) // 4 + 1, 4, 4)
     # the condition encoded once for 81 frames and cut equals the pipeline's for this frame count
@@ -319,30 +324,8 @@ def ti2v_run(ti2v: Path, ti2v_table: Path, tmp_path_factory: pytest.TempPathFact
 
 def test_ti2v_equals_the_stock_pipeline(ti2v: Path) -> None:
     """TI2V-5B with an image: the image's latent as frame 0, timestep 0 on its tokens (`expand_timesteps`)."""
-    from diffusers import WanImageToVideoPipeline, WanPipeline
-
-    policy = FlowPolicy.load(ti2v)
-    assert policy.family.name == "wan2_2_5b_i2v"
-    cfg = SampleConfig(
-        steps=3, guidance=4.0, resolution=64, frames=9, sampler="ode", batch_size=2, max_sequence_length=64
-    )
-
-    def ours(image: Image.Image) -> torch.Tensor:
-        return rollout_batch(
-            policy, cfg, PROMPTS[:2], ["", ""], [1, 2], [1, 2], groups=[0, 1], sample_ids=["a", "b"],
-            images=[[png(image)]] * 2,
-        )["final_latent"]  # fmt: skip
-
-    pipe = WanImageToVideoPipeline.from_pretrained(ti2v)
-    pipe.set_progress_bar_config(disable=True)
-    with torch.no_grad():
-        embeds = WanPipeline._get_t5_prompt_embeds(pipe, prompt=list(PROMPTS[:2]), max_sequence_length=64)
-        negative = WanPipeline._get_t5_prompt_embeds(pipe, prompt=["", ""], max_sequence_length=64)
-    theirs = pipe(
-        image=frame(0, (64, 64)), prompt_embeds=embeds, negative_prompt_embeds=negative,
-        latents=policy.initial_noise([1, 2], 64, 9), num_inference_steps=3, guidance_scale=4.0, height=64,
-        width=64, num_frames=9, output_type="latent",
-    ).frames  # fmt: skip
+    assert FlowPolicy.load(ti2v).family.name == "wan2_2_5b_i2v"
+    ours, theirs = ours_and_stock(ti2v, 64, 9, frame(0, (64, 64)))
     mine = ours(frame(0, (64, 64)))
     assert mine.shape == (2, 48, 3, 4, 4)
     assert (mine - theirs).abs().max().item() == 0.0

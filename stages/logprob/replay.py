@@ -240,13 +240,13 @@ def _token_batches(shard: dict[str, Any], cfg: VLMSampleConfig, budget: int | No
     """The rows of each forward of `replay_token_shard`: the sampling batches (whole groups,
     `prompts_per_call` per batch), or with a token `budget` groups of at most that many prompt +
     response tokens (a longer row alone, with a warning)."""
-    from stages.update.balance import budget_bins, warn_over_budget
+    from stages.update.balance import budget_bins, row_tokens, warn_over_budget
 
     ids = list(shard["group_id"])
     if budget is None:
         n = ids.count(ids[0]) if ids else 1
         size = cfg.prompts_per_call(n) * n
         return [list(range(start, min(len(ids), start + size))) for start in range(0, len(ids), size)]
-    tokens = (shard["prompt_mask"].sum(-1) + shard["response_mask"].sum(-1)).tolist()
+    tokens = row_tokens(shard)
     warn_over_budget(tokens, budget)
     return budget_bins(tokens, budget)

@@ -20,6 +20,7 @@ import heapq
 import logging
 import math
 from collections.abc import Sequence
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,15 @@ def budget_bins(tokens: Sequence[int], budget: int, at_least: int = 1) -> list[l
         if bins == len(tokens) or all(len(g) == 1 or sum(tokens[i] for i in g) <= budget for g in groups):
             return groups
         bins += 1
+
+
+def row_tokens(columns: dict[str, Any], rows: list[int] | None = None) -> list[int]:
+    """Prompt + response tokens of each row (all, or `rows`) of a token rollout's columns: what a forward
+    computes, and what budgets and balancing count."""
+    prompt, response = columns["prompt_mask"], columns["response_mask"]
+    if rows is not None:
+        prompt, response = prompt[rows], response[rows]
+    return (prompt.sum(-1) + response.sum(-1)).tolist()
 
 
 def warn_over_budget(tokens: Sequence[int], budget: int) -> None:

@@ -60,9 +60,9 @@ class TokenPolicyGradient:
         self.counts: dict[int, tuple[float, float]] = {}
         self.plan: list[list[list[Chunk]]] = []  # the last epoch's steps (`steps`)
         if cfg.micro_batch_tokens:
-            from stages.update.balance import warn_over_budget
+            from stages.update.balance import row_tokens, warn_over_budget
 
-            warn_over_budget(self._tokens(list(range(len(data["response_mask"])))), cfg.micro_batch_tokens)
+            warn_over_budget(row_tokens(data), cfg.micro_batch_tokens)
         self.router = policy.moe
         if self.router:  # MoE: expert loads in the metrics, the configured load-balancing loss
             from stages.models import moe
@@ -107,26 +107,23 @@ class TokenPolicyGradient:
         """The optimizer steps `epoch` laid `chunks` out as, each as its ranks' micro-batches."""
         return self.plan
 
-    def _tokens(self, rows: list[int]) -> list[int]:
-        """Prompt + response tokens of each row (what a forward computes)."""
-        index = torch.tensor(rows, dtype=torch.long)
-        return (self.data["prompt_mask"][index].sum(-1) + self.data["response_mask"][index].sum(-1)).tolist()
-
     def _deal(self, step: list[Chunk], ranks: int) -> list[Chunk]:
         """One optimizer step's rows dealt over `ranks` shares of as many micro-batches as it has, by token
         count; a short last step (fewer micro-batches than the ranks' slots) as one share."""
-        from stages.update.balance import deal
+        from stages.update.balance import deal, row_tokens
 
         rows = [i for c in step for i in c]
-        return [[rows[k] for k in group] for group in deal(self._tokens(rows), ranks, len(step) // ranks)]
+        return [
+            [rows[k] for k in group] for group in deal(row_tokens(self.data, rows), ranks, len(step) // ranks)
+        ]
 
     def _budget(self, ranks: list[list[Chunk]]) -> list[list[Chunk]]:
         """Each rank's rows of a step regrouped into micro-batches of at most --micro-batch-tokens tokens,
         as many on every rank as its rows allow (`balance.equal_counts`)."""
-        from stages.update.balance import equal_counts
+        from stages.update.balance import equal_counts, row_tokens
 
         shares = [[i for c in chunks for i in c] for chunks in ranks]
-        groups = equal_counts([self._tokens(rows) for rows in shares], self.cfg.micro_batch_tokens)
+        groups = equal_counts([row_tokens(self.data, rows) for rows in shares], self.cfg.micro_batch_tokens)
         return [[[rows[k] for k in g] for g in gs] for rows, gs in zip(shares, groups, strict=True)]
 
     def losses(self, idx: Chunk) -> Iterator[LossItem]:

@@ -126,6 +126,16 @@ def barrier() -> None:
         torch.distributed.barrier()
 
 
+def broadcast(obj: Any) -> Any:
+    """Rank 0's picklable `obj` on every rank (`obj` itself in a single process); what the other ranks
+    pass is ignored. Only for values this launch's own rank 0 built, never bytes a user passed."""
+    if world_and_rank()[0] == 1:
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def gather(obj: Any) -> list[Any]:
     """Every rank's picklable `obj`, in rank order, on every rank (`[obj]` in a single process)."""
     world = world_and_rank()[0]

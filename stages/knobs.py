@@ -252,18 +252,27 @@ def strategy() -> Any:
     )
 
 
-def sp_degree(one_group: bool = False) -> Any:
-    """`--sp-degree`: sequence parallelism; `one_group`: a server's, whose launch is exactly one group."""
-    others, ranks = (
-        ("rank 0 serves and the others run each batch with it", "exactly this many ranks")
-        if one_group
-        else ("the other ranks are data parallel (dp = ranks / sp)", "a multiple of it as ranks")
-    )
+# who the ranks of `--sp-degree` are, by command kind: (what the other ranks do, how many ranks it needs)
+SP_RANKS = {
+    "stage": ("the other ranks are data parallel (dp = ranks / sp)", "a multiple of it as ranks"),
+    "server": ("rank 0 serves and the others run each batch with it", "exactly this many ranks"),
+    "trainer": (
+        "the other ranks are data parallel (dp = ranks / sp); the in-process sampler stays one process on "
+        "rank 0's device (--engine remote to an `omnirl serve --sp-degree` splits the rollouts too)",
+        "a multiple of it as ranks",
+    ),
+}
+
+
+def sp_degree(ranks: str = "stage") -> Any:
+    """`--sp-degree`: sequence parallelism of a staged command's ranks, a server's (`ranks` "server": its
+    launch is exactly one group) or online's trainer ("trainer")."""
+    others, launch = SP_RANKS[ranks]
     return knob(
         1,
         "Sequence parallelism (diffusers' context parallelism): this many consecutive ranks of the launch "
         f"share each sample's tokens, so activations per rank shrink by it; {others}. FLUX, Qwen-Image and "
-        f"Wan; needs a launcher (torchrun --nproc_per_node, accelerate launch) with {ranks}.",
+        f"Wan; needs a launcher (torchrun --nproc_per_node, accelerate launch) with {launch}.",
         low=1,
         panel=PARALLELISM,
     )
@@ -288,20 +297,6 @@ def tp_degree() -> Any:
         "Tensor parallelism (diffusers' _tp_plan): this many consecutive ranks each hold 1/N of the "
         "transformer's planned weights. FLUX and Qwen-Image (accelerators or CPU gloo ranks), without LoRA "
         "layers; not with --sp-degree; update averages the groups over dp (DDP or FSDP2 over the dp ranks).",
-        low=1,
-        panel=PARALLELISM,
-    )
-
-
-def no_model_parallel(flag: str, command: str, instead: str) -> Any:
-    """`--sp-degree` / `--tp-degree` of a command whose work runs in no launcher ranks (online, serve):
-    only 1, so that a degree from a habit or a shared preset is refused naming the commands that take it
-    (`instead`; `ModelParallel.refuse`) rather than dropped."""
-    return knob(
-        1,
-        f"Only 1 ({command} runs in no launcher ranks); for {flag} > 1 run {instead} under a launcher "
-        "(docs/scaling.md).",
-        flag=flag,
         low=1,
         panel=PARALLELISM,
     )

@@ -9,9 +9,10 @@ import sys
 
 from omnirl_cli.app import app
 
-for args in json.loads(sys.argv[1]):
-    try:
-        app([*args, "--json"], prog_name="omnirl")
-    except SystemExit as exc:
-        if exc.code:
-            raise
+if __name__ == "__main__":  # not again in a process a command spawns (online's workers re-import it)
+    for args in json.loads(sys.argv[1]):
+        try:
+            app([*args, "--json"], prog_name="omnirl")
+        except SystemExit as exc:
+            if exc.code:
+                raise

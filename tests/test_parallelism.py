@@ -417,6 +417,45 @@ def test_attention_backend_and_compile_are_set_on_the_transformer(flux_model: Pa
     assert not (tmp_path / "s").exists()
 
 
+def test_online_runs_its_kernels_in_its_trainer_and_its_sampler(
+    flux_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """online's --attention-backend and --compile are its trainer's update settings (which the trainer
+    prepares with, as `update`'s) and its in-process sampler's pipeline runs them too; neither enters
+    the run's identity (they agree with native attention to rounding)."""
+    from diffusers.models.attention_dispatch import AttentionBackendName
+    from typer.testing import CliRunner
+
+    from omnirl_cli.app import app
+    from stages.online import pipeline
+    from stages.online.workers import sampler_policy
+
+    captured: list = []
+
+    class Built(Exception):
+        pass
+
+    def built(cfg, overwrite: bool) -> None:
+        captured.append(cfg)
+        raise Built
+
+    monkeypatch.setattr(pipeline, "prepare_run", built)
+    (tmp_path / "p.txt").write_text("a cat\n")
+    online = ["online", "--model", str(flux_model), "--prompts", str(tmp_path / "p.txt"), "-r", "ocr"]
+    for n, extra in enumerate(([], ["--attention-backend", "_native_math", "--compile"]), start=1):
+        result = CliRunner().invoke(app, [*online, "--out", str(tmp_path / "o"), *extra])
+        assert len(captured) == n, result.output
+    default, chosen = captured
+    assert (chosen.update.attention_backend, chosen.update.compile) == ("_native_math", True)
+    assert chosen.update.kernels == Kernels("_native_math", True) and default.update.kernels == Kernels()
+    assert pipeline.run_identity(chosen) == pipeline.run_identity(default)
+    policy, params = sampler_policy(chosen, None, "cpu")
+    backends = {m.processor._attention_backend for m in policy.module.modules() if hasattr(m, "processor")}
+    assert backends == {AttentionBackendName._NATIVE_MATH}
+    assert policy.module.transformer_blocks[0]._compiled_call_impl is not None
+    assert params and all("lora_" in name for name in params)
+
+
 def test_only_a_quantized_attention_backend_is_part_of_the_identity(monkeypatch: pytest.MonkeyPatch) -> None:
     from stages.outputs import run_config
 
@@ -434,28 +473,24 @@ def test_only_a_quantized_attention_backend_is_part_of_the_identity(monkeypatch:
 
 
 @pytest.mark.parametrize("flag", ["--sp-degree", "--tp-degree"])
-def test_online_refuses_model_parallelism_naming_an_sp_server_and_the_staged_commands(
+def test_online_model_parallelism_needs_a_launch_and_is_onlines_own_option(
     tiny_sd3: Path, tmp_path: Path, flag: str
 ) -> None:
-    """Its sampler and scorer are spawned processes, not launcher ranks: a degree above 1 is one line
-    naming the routes that run it (an `omnirl serve` with that degree as its remote engine, the staged
-    commands), before anything is loaded or written."""
+    """online's --sp-degree / --tp-degree spread its trainer over a launch's ranks
+    (tests/test_online_parallel.py): one process is refused naming the launcher, from the flag or a
+    preset's top level, and a stage section's degree names online's own option; nothing is written."""
     prompts, preset = tmp_path / "p.txt", tmp_path / "preset.yaml"
     prompts.write_text("a cat\n")
     preset.write_text("sample:\n  steps: 2\n")
     online = ["online", "--config", str(preset), "--model", str(tiny_sd3), "--prompts", str(prompts)]
-    fails(
-        [*online, "--out", str(tmp_path / "run"), flag, "2"],
-        f"{flag} 2: omnirl online",
-        "spawned worker processes",
-        "`omnirl serve` with that degree (online --engine remote --server-url URL then samples through it)",
-        "staged omnirl sample, logprob and update under a launcher",
-    )
-    # a shared preset's top-level degree (as the staged commands read it) is refused alike
+    fails([*online, "--out", str(tmp_path / "run"), flag, "2"], f"{flag} 2", "torchrun --nproc_per_node")
     preset.write_text(f"{flag[2:].replace('-', '_')}: 4\nsample:\n  steps: 2\n")
-    fails([*online, "--out", str(tmp_path / "run")], f"{flag} 4: omnirl online", "under a launcher")
-    # and so is a stage section's (as the staged sample / update read it), not as an unknown setting
+    fails([*online, "--out", str(tmp_path / "run")], f"{flag} 4", "torchrun --nproc_per_node")
     for section in ("sample", "update"):
         preset.write_text(f"{section}:\n  {flag[2:].replace('-', '_')}: 2\n")
-        fails([*online, "--out", str(tmp_path / "run")], f"{flag} 2: omnirl online", "under a launcher")
+        fails(
+            [*online, "--out", str(tmp_path / "run")],
+            f"'{section}.{flag[2:].replace('-', '_')}' is omnirl online's own {flag}",
+            "the preset's top level",
+        )
     assert not (tmp_path / "run").exists()

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stages.knobs import knobs, option_names
-from stages.online.settings import NO_MODEL_PARALLEL, STAGED, OnlineSettings
+from stages.online.settings import OnlineSettings
 from stages.update.config import RUN_KNOBS
 
 from ..config import Presets, coerce
@@ -36,7 +36,8 @@ DRIVER_KEYS = {
     },
     "update": {"seed": "iteration k's update shuffles with seed k, as the staged recipe's update --seed k"},
 }
-# `update` settings online's trainer takes from no section: it runs no model parallelism, default kernels.
+# `update` settings online's trainer takes from online's own options, not from a stage section: its model
+# parallelism over the launch's ranks and its kernels (which the in-process sampler runs too).
 TRAINER_FIXED = ("sp_degree", "sp_kind", "tp_degree", "attention_backend", "compile")
 # Top-level preset keys spelled as a command's option that a stage section names otherwise.
 SECTION_ALIASES = {"reward_arg": "reward_args"}
@@ -139,17 +140,21 @@ def _sectioned(
 
 
 def _drop_model_parallel(values: dict[str, Any], section: str, origin: str) -> None:
-    """Take a staged preset's model-parallel settings (sp_degree, sp_kind, tp_degree) out of a stage
-    section's `values`: online runs none, so a degree above 1 gets online's own refusal, as the option
-    does, and a degree of 1 is dropped."""
-    from stages.parallelism import ModelParallel
+    """Take a staged preset's model-parallel and kernel settings (sp_degree, sp_kind, tp_degree,
+    attention_backend, compile) out of a stage section's `values`: online's trainer takes them from its
+    own options, so a default value is dropped and another one is a usage error naming the option."""
+    from stages.errors import UserInputError
+    from stages.update.config import UpdateConfig
 
-    defaults = {f.name: f.default for f in fields(ModelParallel)}
-    taken = {}
+    defaults = {f.name: f.default for f in fields(UpdateConfig) if f.name in TRAINER_FIXED}
     for key in [k for k in values if k.replace("-", "_") in defaults]:
         name = key.replace("-", "_")
-        taken[name] = coerce(f"{section}.{key}", values.pop(key), defaults[name], origin)
-    ModelParallel.from_options(taken).refuse("omnirl online", NO_MODEL_PARALLEL, STAGED)
+        if coerce(f"{section}.{key}", values.pop(key), defaults[name], origin) != defaults[name]:
+            sampler = "; its in-process sampler is one process" if section == "sample" else ""
+            raise UserInputError(
+                f"{origin}: '{section}.{key}' is omnirl online's own --{name.replace('_', '-')} (its "
+                f"trainer's, over the launch's ranks{sampler}); give it at the preset's top level or as the option"
+            )
 
 
 def run(s: OnlineSettings, json_: bool, presets: Presets) -> None:
@@ -174,15 +179,15 @@ def run(s: OnlineSettings, json_: bool, presets: Presets) -> None:
     Example: [bold]omnirl online --config recipes/configs/demo_tiny.yaml --model models/sd3-tiny \\
     --prompts recipes/demo_prompts.txt --reward jpeg_compressibility --iterations 4 --out runs/online[/]
     """
+    from stages.dist import world_and_rank
     from stages.errors import UserInputError
     from stages.models.vlm_families import is_vlm_model
     from stages.online.pipeline import prepare_run, run_online
-    from stages.parallelism import ModelParallel
+    from stages.parallelism import layout
     from stages.tracking import Tracking, parse_report_to
 
     from ..runtime import device
 
-    ModelParallel.from_options(asdict(s)).refuse("omnirl online", NO_MODEL_PARALLEL, STAGED)
     if is_vlm_model(s.model):
         raise UserInputError(
             f"--model {s.model}: omnirl online trains diffusion models; run a VLM through the staged "
@@ -190,7 +195,11 @@ def run(s: OnlineSettings, json_: bool, presets: Presets) -> None:
         )
     tracking = Tracking(parse_report_to(s.report_to), s.out, s.run_name)
     cfg = _online_config(s, presets)
+    layout(cfg.update.parallel)  # a launch the degrees do not fit is refused before anything loads
     prepare_run(cfg, overwrite=s.overwrite)
+    if world_and_rank()[1] != 0:  # another rank of a launch trains beside rank 0, which reports
+        run_online(cfg, device=device())
+        return
     with tracking:
         if is_quiet():
             stats = run_online(cfg, device=device(), tracking=tracking)
@@ -255,7 +264,12 @@ def _online_config(s: OnlineSettings, presets: Presets) -> OnlineConfig:
         model=str(s.model),
         prompts=read_prompts(s.prompts),
         sample=_dataclass(SampleConfig, sample, "sample", option_names(SampleConfig), SampleConfig.RECORDED),
-        update=_dataclass(UpdateConfig, dict(preset.get("update") or {}), "update", names=keys["update"]),
+        update=_dataclass(
+            UpdateConfig,
+            {**(preset.get("update") or {}), **{name: given[name] for name in TRAINER_FIXED}},
+            "update",
+            names=keys["update"] | set(TRAINER_FIXED),
+        ),
         group_size=int(drawn.get("group_size", SampleRun.group_size)),
         num_prompts=drawn.get("num_prompts"),
         rewards=rewards,

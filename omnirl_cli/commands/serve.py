@@ -42,11 +42,17 @@ def run(c: ServeConfig, json_: bool) -> None:
     --prompts prompts.txt --out run/it0/samples[/]
     """
     from stages.models.folders import check_pipeline_folder
+    from stages.models.kernels import Kernels
     from stages.parallelism import ModelParallel
     from stages.sample.lockstep import Pipelines
 
-    parallel = ModelParallel.from_options(asdict(c))
-    pipelines = Pipelines(check_pipeline_folder(c.model), dtype=c.dtype, device=device(), parallel=parallel)
+    pipelines = Pipelines(
+        check_pipeline_folder(c.model),
+        dtype=c.dtype,
+        device=device(),
+        parallel=ModelParallel.from_options(asdict(c)),
+        kernels=Kernels.from_options(asdict(c)),
+    )
     if not pipelines.leads:
         pipelines.follow()  # until rank 0 stops
         return

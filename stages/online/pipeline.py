@@ -42,7 +42,9 @@ from typing import Any
 
 import torch
 
+from stages.dist import broadcast, world_and_rank
 from stages.errors import RuntimeFailure, UserInputError
+from stages.media import MEDIA_COLUMNS
 from stages.online.config import TENSORS, OnlineConfig, iteration_rows
 from stages.online.trajectories import save_trajectories
 from stages.online.workers import Workers, trainable_weights
@@ -51,6 +53,8 @@ from stages.tracking import Tracking, timing_metrics
 from stages.update.losses import get_algorithm
 
 RUN_FILE = "online_run.json"
+# the trainer's model parallelism and kernels (online's own options): no part of the run's identity
+KERNEL_KNOBS = ("sp_degree", "sp_kind", "tp_degree", "attention_backend", "compile")
 
 
 def last_checkpoint(out: Path) -> int:
@@ -121,7 +125,7 @@ def run_identity(cfg: OnlineConfig) -> dict[str, Any]:
     from stages.shards.digest import content_digest
 
     settings = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in NOT_IDENTITY}
-    settings.update(sample=cfg.sample.record(), update=asdict(cfg.update), advantage=asdict(cfg.advantage))
+    settings.update(sample=cfg.sample.record(), update=_update_identity(cfg), advantage=asdict(cfg.advantage))
     settings["sample"]["resolution"] = resolution_identity(cfg.sample.resolution)
     prompts = json.dumps([asdict(p) for p in cfg.prompts], sort_keys=True, default=str)
     inputs = {
@@ -137,10 +141,24 @@ def run_identity(cfg: OnlineConfig) -> dict[str, Any]:
     return json.loads(json.dumps({"settings": settings, "inputs": inputs}, default=str))
 
 
+def _update_identity(cfg: OnlineConfig) -> dict[str, Any]:
+    """The trainer's settings that determine the run's results: every update setting but how its model
+    is spread over ranks and which kernels run it (`KERNEL_KNOBS`: each agrees with one process and
+    native attention to rounding), unless the attention backend is quantized (`changes_numbers`)."""
+    from stages.models.kernels import active_backend, changes_numbers
+
+    settings = {k: v for k, v in asdict(cfg.update).items() if k not in KERNEL_KNOBS}
+    backend = active_backend(cfg.update.attention_backend)
+    if changes_numbers(backend):
+        settings["attention_backend"] = backend
+    return settings
+
+
 def _first_difference(old: Any, new: Any, path: str = "") -> str | None:
-    """The dotted key of the first value that differs between two JSON trees (None when equal)."""
+    """The dotted key of the first value that differs between two JSON trees (None when equal). A key
+    only `old` has is no difference: an older record's setting that no longer enters the identity."""
     if isinstance(old, dict) and isinstance(new, dict):
-        for key in sorted(set(old) | set(new)):
+        for key in sorted(new):
             found = _first_difference(old.get(key), new.get(key), f"{path}.{key}" if path else key)
             if found:
                 return found
@@ -180,12 +198,28 @@ def prepare_run(cfg: OnlineConfig, *, overwrite: bool = False) -> int:
     Runs before any worker or display starts, so a bad input costs one line (UserInputError). The run's
     identity (`run_identity`) is recorded in out/RUN_FILE; a directory holding another run is refused,
     or, with `overwrite`, its it<K> directories are removed and the run starts over. The same run
-    resumes after its last checkpoint.
+    resumes after its last checkpoint. Under a launcher every rank checks the inputs, rank 0 alone
+    claims the directory, and every rank gets its answer (the same refusal, or the same start).
     """
+    _check_inputs(cfg)
+    identity = run_identity(cfg)
+    claimed: int | str = 0
+    if world_and_rank()[1] == 0:
+        try:
+            claimed = _claim(cfg, identity, overwrite)
+        except UserInputError as exc:
+            claimed = str(exc)
+    claimed = broadcast(claimed)
+    if isinstance(claimed, str):
+        raise UserInputError(claimed)
+    return claimed
+
+
+def _check_inputs(cfg: OnlineConfig) -> None:
+    """Refuse in one line (UserInputError) settings and inputs no online run can take."""
     from stages.models.diffusion import DTYPES, check_pipeline_folder
     from stages.sample.engines import engine_class
     from stages.score.registry import reward_kind
-    from stages.shards.atomic import atomic_write_bytes
 
     if cfg.max_staleness not in (0, 1):
         raise UserInputError(f"--max-staleness {cfg.max_staleness}: choose 0 or 1")
@@ -237,7 +271,13 @@ def prepare_run(cfg: OnlineConfig, *, overwrite: bool = False) -> int:
     iteration_rows(cfg, 0)  # group size and prompt count
     if cfg.out.exists() and not cfg.out.is_dir():
         raise UserInputError(f"--out {cfg.out}: is a file; give a run directory")
-    identity = run_identity(cfg)
+
+
+def _claim(cfg: OnlineConfig, identity: dict[str, Any], overwrite: bool) -> int:
+    """Record `identity` in cfg.out (refusing, or with `overwrite` clearing, another run's directory);
+    returns the iteration this run starts at (`prepare_run`)."""
+    from stages.shards.atomic import atomic_write_bytes
+
     foreign = _foreign_run(cfg.out, identity) if cfg.out.is_dir() else None
     if foreign and not overwrite:
         raise UserInputError(
@@ -266,7 +306,13 @@ def run_online(
 ) -> list[dict[str, Any]]:
     """Run iterations start..cfg.iterations−1 on `device` (resuming after the last checkpoint of the same
     run, see `prepare_run`); one summary per iteration. `tracking` gets each iteration's reward statistics
-    (at the iteration) and actor metrics (at their optimizer steps) once its checkpoint is written."""
+    (at the iteration) and actor metrics (at their optimizer steps) once its checkpoint is written.
+
+    Under a launcher (`stages.parallelism.layout` of cfg.update.parallel called first) every rank trains,
+    as `omnirl update`'s ranks do (dp × sp or dp × tp, DDP or FSDP2): rank 0 alone runs the workers (its
+    device samples) or pushes to the engine, and hands each iteration's training columns to the others
+    (`broadcast`); it alone writes trajectories, logs and returns summaries (the others return none).
+    """
     from stages.models.condition_images import RECORD as CONDITION_IMAGES
     from stages.models.conditioning import CONDITIONING, from_bytes
     from stages.models.diffusion import FlowPolicy
@@ -275,26 +321,30 @@ def run_online(
     from stages.update.trainer import Trainer
 
     start = prepare_run(cfg, overwrite=overwrite)
+    lead = world_and_rank()[1] == 0
     adapter = cfg.out / f"it{start}" / "policy" if start else None
     pusher = None
-    if not cfg.in_process:  # opened first: whether the server returns conditioning decides what loads
+    if (
+        lead and not cfg.in_process
+    ):  # opened first: whether the server returns conditioning decides what loads
         from stages.sample.engines import open_engine
 
         pusher = open_engine(cfg.engine, cfg.engine_options(), device)
     # the sampler hands over each prompt's conditioning with its trajectories (in process, or a server
     # that returns it), so the trainer loads no text encoder; it never decodes (the sampler and scorer
     # do), so it loads no VAE either
+    handed_over = broadcast(pusher is None or pusher.returns_conditioning)
     policy = FlowPolicy.load(
         cfg.model,
         adapter=adapter,
         device=device,
         dtype=cfg.dtype,
-        conditioning={} if pusher is None or pusher.returns_conditioning else None,
+        conditioning={} if handed_over else None,
         vae=False,
     )
     policy.conditioning_source = (
         "from the sampler"
-        if pusher is None or pusher.returns_conditioning
+        if handed_over
         else f"encoded: --engine {cfg.engine} returns no conditioning (a server of another --dtype or version)"
     )
     check_reward_kinds(cfg.rewards, policy.family.media)
@@ -303,27 +353,36 @@ def run_online(
             f"--engine {cfg.engine}: the driver pushes one LoRA file, and this model trains "
             f"{', '.join(policy.parts)}; train it with --engine diffusers"
         )
-    params = trainable_weights(policy, cfg.update)
+    trainable_weights(policy, cfg.update)  # its LoRA on, before the trainer spreads the module
     summaries: list[dict[str, Any]] = []
     if start >= cfg.iterations:
         return summaries
     # built once: its optimizer, scheduler position, EMA and parallel wrapper carry across iterations
     trainer = Trainer.resume(policy, cfg.update, adapter)
+    if not cfg.in_process and trainer.par.kind == "fsdp2":
+        raise UserInputError(
+            f"--engine {cfg.engine}: FSDP2 shards the LoRA over the ranks and the driver pushes it whole; "
+            "train with update.strategy ddp"
+        )
     step = trainer.global_step
     published = {step: start}  # optimizer step of each published version → its iteration count
+    # the trained weights whole on rank 0 (each rank's shards gathered under FSDP2 or tp: a collective)
+    weights = trainer.par.gather(trainer.named) if cfg.in_process else {}
+    workers = None
     try:  # a run that fails to start forgets what it pushed, as a run that ends does (below)
         if pusher is not None:  # the server samples iteration `start` with the weights trained so far
             pusher.push_weights(policy.lora_file(), step)
-        workers = Workers(
-            cfg,
-            start,
-            adapter,
-            params if cfg.in_process else {},
-            step,
-            policy.latent_shape(cfg.sample.resolution, cfg.sample.frames),
-            policy.device,
-            config_hash(run_identity(cfg)),
-        )
+        if lead:
+            workers = Workers(
+                cfg,
+                start,
+                adapter,
+                weights,
+                step,
+                policy.latent_shape(cfg.sample.resolution, cfg.sample.frames),
+                policy.device,
+                config_hash(run_identity(cfg)),
+            )
     except BaseException:
         if pusher is not None:
             pusher.close()
@@ -331,14 +390,30 @@ def run_online(
     try:
         for k in range(start, cfg.iterations):
             t0 = time.perf_counter()
-            data, rewards, sampled_on = workers.receive(k)
-            t_wait = time.perf_counter() - t0
-            sampled_with = from_bytes(data.pop(CONDITIONING)) if CONDITIONING in data else {}
+            if workers is not None:
+                try:
+                    data, rewards, sampled_on = workers.receive(k)
+                    t_wait = time.perf_counter() - t0
+                    handed = {
+                        "conditioning": data.pop(CONDITIONING, None),
+                        "images": data.pop(CONDITION_IMAGES, {}),
+                    }
+                    gaps = version_gaps(data["policy_version"], published, k)
+                    adv, stats = iteration_advantages(cfg, data, rewards)
+                except Exception:
+                    broadcast(None)  # the other ranks stop waiting; this rank's error says why
+                    raise
+                message = {**handed, "data": {c: v for c, v in data.items() if c not in MEDIA_COLUMNS}}
+                broadcast(message)
+            else:  # another rank trains on rank 0's iteration (None: rank 0 stopped, and says why)
+                message = broadcast(None)
+                if message is None:
+                    return summaries
+                data, t_wait = message["data"], time.perf_counter() - t0
+            sampled_with = from_bytes(message["conditioning"]) if message["conditioning"] else {}
             if sampled_with:
                 policy.add_conditioning(sampled_with)
-            policy.group_images.update(data.pop(CONDITION_IMAGES, {}))
-            gaps = version_gaps(data["policy_version"], published, k)
-            adv, stats = iteration_advantages(cfg, data, rewards)
+            policy.group_images.update(message["images"])
             t1 = time.perf_counter()
             policy.forget_prompts()  # its encodings as a resumed run's (`FlowPolicy.forget_prompts`)
             metrics = trainer.step(data, cfg.sampling(k), seed=k)
@@ -346,7 +421,10 @@ def run_online(
             step = trainer.global_step
             if pusher is not None:
                 pusher.push_weights(policy.lora_file(), step)
-            workers.publish(params, k + 1, step)
+            if cfg.in_process:
+                weights = trainer.par.gather(trainer.named)
+            if workers is not None:
+                workers.publish(weights, k + 1, step)
             published[step] = k + 1
             t2 = time.perf_counter()
             trainer.save(
@@ -354,6 +432,8 @@ def run_online(
                 metrics,
                 extra={"online_iteration": k + 1, "max_staleness": cfg.max_staleness},
             )
+            if not lead:
+                continue
             if cfg.save_trajectories:
                 save_trajectories(
                     cfg, k, data, rewards, adv, stats, policy.family, policy.group_images, sampled_with
@@ -385,6 +465,7 @@ def run_online(
                 "sampler_device": sampled_on,
                 "loaded_components": policy.loaded_components,  # the trainer's
                 "conditioning": policy.conditioning_source,
+                "ranks": world_and_rank()[0],
                 "step": step,
                 "seconds_waiting": t_wait,
                 "seconds_training": t_train,
@@ -395,7 +476,8 @@ def run_online(
             if on_iteration:
                 on_iteration(summary)
     finally:
-        workers.shutdown()
+        if workers is not None:
+            workers.shutdown()
         if pusher is not None:
             pusher.close()
     return summaries

@@ -17,17 +17,6 @@ from stages.sample.config import DEFAULT_ENGINE, ENGINE_ENTRY_POINTS, ENGINES
 from stages.score.config import BUILTIN_REWARDS
 from stages.score.registry import ENTRY_POINT_GROUP
 
-# Why omnirl online runs no sequence or tensor parallelism, and what does (`ModelParallel.refuse`).
-NO_MODEL_PARALLEL = (
-    "runs its sampler and scorer as spawned worker processes, not launcher ranks, so no group of ranks "
-    "can share a sample"
-)
-# the route for sp/tp rollouts in online: an sp `omnirl serve` its sampler is a client of
-STAGED = (
-    "`omnirl serve` with that degree (online --engine remote --server-url URL then samples through it) or "
-    "the staged omnirl sample, logprob and update"
-)
-
 
 @dataclass
 class OnlineSettings:
@@ -99,6 +88,11 @@ class OnlineSettings:
     server_retries: int = knobs.server_retries()
     report_to: list[str] | None = knobs.report_to()
     run_name: str | None = knobs.run_name()
-    sp_degree: int = knobs.no_model_parallel("--sp-degree", "online", STAGED)
-    tp_degree: int = knobs.no_model_parallel("--tp-degree", "online", STAGED)
+    # the trainer's model parallelism and kernels (under a launcher every rank trains, rank 0 samples);
+    # the in-process sampler runs the same kernels
+    sp_degree: int = knobs.sp_degree("trainer")
+    sp_kind: str = knobs.sp_kind()
+    tp_degree: int = knobs.tp_degree()
+    attention_backend: str | None = knobs.attention_backend()
+    compile: bool = knobs.compile()
     overwrite: bool = knobs.overwrite()

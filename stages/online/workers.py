@@ -41,6 +41,20 @@ def trainable_weights(policy: Any, cfg: UpdateConfig) -> dict[str, torch.Tensor]
     return {n: p for n, p in policy.transformer.named_parameters() if p.requires_grad}
 
 
+def sampler_policy(cfg: OnlineConfig, adapter: Path | None, device: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+    """The in-process sampler's policy (`FlowPolicy`, `adapter` on) and its trained parameters by name,
+    which it copies the published weights into: the trainer's LoRA layout (`trainable_weights`) and
+    kernels (online's --attention-backend, --compile); one process, so no model parallelism."""
+    from stages.models.diffusion import FlowPolicy
+    from stages.models.kernels import prepare
+    from stages.parallelism import ModelParallel
+
+    policy = FlowPolicy.load(cfg.model, adapter=adapter, device=device, dtype=cfg.dtype)
+    params = trainable_weights(policy, cfg.update)
+    prepare(policy.parts, ModelParallel(), cfg.update.kernels)
+    return policy, params
+
+
 def _exit_with_parent() -> None:
     """In a worker: end this process as soon as the driver that spawned it has died.
 
@@ -100,7 +114,6 @@ def _sampler_main(
     from stages.models.condition_images import RECORD as CONDITION_IMAGES
     from stages.models.condition_images import images_digest
     from stages.models.conditioning import CONDITIONING, to_bytes
-    from stages.models.diffusion import FlowPolicy
     from stages.online.ring import RingClosed
     from stages.sample.engines import DiffusersEngine, open_engine
     from stages.sample.stage import in_rollout, sample_shard
@@ -110,8 +123,7 @@ def _sampler_main(
     torch.set_num_threads(cfg.threads)
     params: dict[str, torch.Tensor] = {}
     if cfg.in_process:
-        policy = FlowPolicy.load(cfg.model, adapter=adapter, device=device, dtype=cfg.dtype)
-        params = trainable_weights(policy, cfg.update)
+        policy, params = sampler_policy(cfg, adapter, device)
         engine: Any = DiffusersEngine(policy)
         where = str(policy.device)
     else:

@@ -33,7 +33,8 @@ import torch
 
 from stages.dist import device, join, world_and_rank
 from stages.errors import UserInputError
-from stages.parallelism import LAUNCH, ModelParallel, layout, parallelize
+from stages.models.kernels import Kernels, prepare
+from stages.parallelism import LAUNCH, ModelParallel, layout
 from stages.sample.engines import DiffusersEngine
 from stages.web import ClientGone
 
@@ -53,12 +54,23 @@ class Pipelines:
     """The pipelines a server holds, each opened, changed and run by every rank of its group together.
 
     `model`, `dtype`, `device`: what every pipeline loads (a rank's own device); `parallel`: how each is
-    spread over the launcher's ranks, which must be exactly `parallel.degree` of them (one group). Every
-    rank builds this; then the leader (`leads`) serves and the others `follow`."""
+    spread over the launcher's ranks, which must be exactly `parallel.degree` of them (one group);
+    `kernels`: the attention backend and compilation each transformer runs. Every rank builds this; then
+    the leader (`leads`) serves and the others `follow`."""
 
-    def __init__(self, model: Path, *, dtype: str, device: Any, parallel: ModelParallel | None = None):
+    def __init__(
+        self,
+        model: Path,
+        *,
+        dtype: str,
+        device: Any,
+        parallel: ModelParallel | None = None,
+        kernels: Kernels | None = None,
+    ):
         self.model, self.dtype, self.device = model, dtype, device
         self.parallel = parallel or ModelParallel()
+        self.kernels = kernels or Kernels()
+        self.kernels.validate()  # a backend this machine lacks: one line before anything loads
         world, rank = join()
         degree = self.parallel.degree
         if world != degree:
@@ -134,7 +146,7 @@ class Pipelines:
 
         try:
             policy = FlowPolicy.load(self.model, adapter=adapter, device=self.device, dtype=self.dtype)
-            parallelize(policy.parts, self.parallel)
+            prepare(policy.parts, self.parallel, self.kernels)
         except Exception:
             self._everyone(False)
             raise

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
+from collections.abc import Iterator
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before anything imports huggingface_hub
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -17,6 +19,19 @@ from helpers import PROMPTS, ins, run, sample_args
 
 # Tiny models run several times faster single-threaded on a shared 2-core machine.
 torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _process_attention_backend() -> Iterator[None]:
+    """After each test, diffusers' process-wide attention backend as at its import (the environment's,
+    native here): `set_attention_backend` (`--attention-backend`, `stages.models.kernels.prepare`) also
+    makes its backend every later transformer's in the process, which would move a later test's
+    exact-replay numbers in this worker by ~4e-7."""
+    yield
+    dispatch = sys.modules.get("diffusers.models.attention_dispatch")
+    if dispatch is not None:
+        registry = dispatch._AttentionBackendRegistry
+        registry.set_active_backend(dispatch.AttentionBackendName(dispatch.DIFFUSERS_ATTN_BACKEND))
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import PROMPTS, online_args, run, torchrun_commands
+from helpers import PROMPTS, online_args, run, torchrun_commands, torchrun_fails
 from safetensors.torch import load_file
 from test_online_remote import PRESET
 
@@ -105,3 +105,13 @@ def test_tp2_full_online_equals_one_process(flux: dict[str, Path], tmp_path: Pat
             torch.testing.assert_close(tp[column], base[column], rtol=0, atol=1e-5)
     assert got[0]["grad_norm"] == pytest.approx(one[0]["grad_norm"], rel=1e-6)
     assert got[1]["grad_norm"] == pytest.approx(one[1]["grad_norm"], rel=1e-4)
+
+
+@pytest.mark.distributed
+def test_fsdp2_with_a_remote_engine_is_one_line_on_every_rank(flux: dict[str, Path], tmp_path: Path) -> None:
+    """The driver pushes its LoRA whole from rank 0, which FSDP2 shards over the ranks: every rank
+    refuses the run in the same line, before any server is contacted or anything is written."""
+    remote = ("--engine", "remote", "--server-url", "http://127.0.0.1:9", "--set", "update.strategy=fsdp2")
+    line = torchrun_fails(*_args(flux, tmp_path / "run", *remote))
+    assert "--engine remote: FSDP2 shards the LoRA" in line and "update.strategy ddp" in line
+    assert not (tmp_path / "run").exists()

@@ -5,6 +5,7 @@ update; and the settings it cannot run are refused in one line (stages/paralleli
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -173,7 +174,7 @@ def test_tp_full_update_and_its_resumption_on_cpu_equal_one_process(family: dict
 @pytest.mark.parametrize("family", ["flux"], indirect=True)
 def test_dp2_by_tp2_on_four_ranks_equals_one_process(family: dict, tmp_path: Path) -> None:
     """4 ranks as 2 data-parallel replicas of a 2-rank tensor-parallel group, in one launch: each replica
-    samples its own shard; update --full averages the replicas' gradients over dp only, under DDP
+    samples and replays its own shard; update --full averages the replicas' gradients over dp only, under DDP
     (torch's `replicate` over the dp mesh) and FSDP2 (`fully_shard` over dp of the dp × tp mesh), and a
     run resumed from the FSDP2 one (its 2-D shards gathered whole, then laid out again; its steps are all
     clipped, so its weights move by the restored AdamW moments alone) equals one process with grad_accum
@@ -202,8 +203,19 @@ def test_dp2_by_tp2_on_four_ranks_equals_one_process(family: dict, tmp_path: Pat
     run(*one, "--adapter", str(tmp_path / "one"), *out("one2"))
     tp = ["--tp-degree", "2"]
     fsdp2 = [*full, *tp, "--strategy", "fsdp2"]
-    sampled, *_ = torchrun_commands(
+    sampled, replay, *_ = torchrun_commands(
         _sample(model, family["prompts"], "flux", tmp_path / "samples", "--num-shards", "2", *tp),
+        [
+            "logprob",
+            "--model",
+            str(model),
+            "--in",
+            str(tmp_path / "samples"),
+            *out("lp"),
+            *tp,
+            "--replay",
+            "yes",
+        ],
         [*full, *tp, *out("ddp")],
         [*fsdp2, *out("fsdp2")],
         [*fsdp2, "--adapter", str(tmp_path / "fsdp2"), *out("fsdp22")],
@@ -216,6 +228,11 @@ def test_dp2_by_tp2_on_four_ranks_equals_one_process(family: dict, tmp_path: Pat
     )
     for column in ("latents", "log_probs"):
         torch.testing.assert_close(four[column], split[column], rtol=0, atol=1e-5)
+    # the replay: each dp replica's tp group replays its own shard, as its rollout drew it
+    assert replay["replayed"] and replay["rows_replayed"] == 6 and replay["abs_delta_max"] <= 1e-5
+    torch.testing.assert_close(
+        ShardSet(tmp_path / "lp").read_all()["old_log_probs"], four["log_probs"], rtol=0, atol=1e-5
+    )
     weights = "transformer/diffusion_pytorch_model.safetensors"
     for ref, got in (("one", "ddp"), ("one", "fsdp2"), ("one2", "fsdp22")):
         a_metrics, b_metrics = _metrics(tmp_path / ref), _metrics(tmp_path / got)
@@ -448,12 +465,41 @@ def test_online_runs_its_kernels_in_its_trainer_and_its_sampler(
     default, chosen = captured
     assert (chosen.update.attention_backend, chosen.update.compile) == ("_native_math", True)
     assert chosen.update.kernels == Kernels("_native_math", True) and default.update.kernels == Kernels()
-    assert pipeline.run_identity(chosen) == pipeline.run_identity(default)
+    identity = pipeline.run_identity(default)
+    assert pipeline.run_identity(chosen) == identity
+    spread = replace(default, update=replace(default.update, sp_degree=2, tp_degree=2, sp_kind="ring"))
+    assert pipeline.run_identity(spread) == identity
+    # a run recorded before these left the identity (it recorded them) resumes; a new setting differs
+    old = {
+        **identity,
+        "settings": {**identity["settings"], "update": {**identity["settings"]["update"], "sp_degree": 1}},
+    }
+    assert pipeline._first_difference(old, identity) is None
+    assert pipeline._first_difference(identity, old) == "settings.update.sp_degree"
     policy, params = sampler_policy(chosen, None, "cpu")
     backends = {m.processor._attention_backend for m in policy.module.modules() if hasattr(m, "processor")}
     assert backends == {AttentionBackendName._NATIVE_MATH}
     assert policy.module.transformer_blocks[0]._compiled_call_impl is not None
     assert params and all("lora_" in name for name in params)
+
+
+def test_serve_runs_its_kernels_on_every_pipeline_it_opens(flux_model: Path) -> None:
+    """serve's --attention-backend / --compile reach each pipeline it loads (`Pipelines.open`, also a
+    swapped-in adapter's); a backend this machine lacks is one line before anything loads."""
+    from diffusers.models.attention_dispatch import AttentionBackendName
+
+    from stages.sample.lockstep import Pipelines
+
+    with pytest.raises(UserInputError, match="--attention-backend flash_hub: not installed here"):
+        Pipelines(flux_model, dtype="fp32", device="cpu", kernels=Kernels("flash_hub"))
+    engine = Pipelines(flux_model, dtype="fp32", device="cpu", kernels=Kernels("_native_math", True)).open(
+        None
+    )
+    module = engine.policy.module
+    assert {m.processor._attention_backend for m in module.modules() if hasattr(m, "processor")} == {
+        AttentionBackendName._NATIVE_MATH
+    }
+    assert module.transformer_blocks[0]._compiled_call_impl is not None
 
 
 def test_only_a_quantized_attention_backend_is_part_of_the_identity(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -174,7 +174,11 @@ def run(s: OnlineSettings, json_: bool, presets: Presets) -> None:
     iteration reports its samples' version gaps (iterations between the weights that drew them and the
     ones trained), at most --max-staleness. The trainer loads no text encoder, tokenizer or VAE: the
     sampler (in process, or a server at this --dtype) hands over each iteration's prompt conditioning;
-    each iteration's --json lists the trainer's loaded_components.
+    each iteration's --json lists the trainer's loaded_components. Under a launcher (torchrun, accelerate
+    launch) every rank trains, as update's ranks do (dp, or dp × --sp-degree / --tp-degree; DDP or FSDP2),
+    while rank 0 alone samples, scores, reports and hands each iteration's training columns to the others
+    (docs/scaling.md, "Online under a launcher"); --attention-backend / --compile set the trainer's and
+    the in-process sampler's kernels.
 
     Example: [bold]omnirl online --config recipes/configs/demo_tiny.yaml --model models/sd3-tiny \\
     --prompts recipes/demo_prompts.txt --reward jpeg_compressibility --iterations 4 --out runs/online[/]

@@ -35,7 +35,7 @@ def run(c: ServeConfig, json_: bool) -> None:
     (--workers, --max-connections: 503 past it, --request-timeout: 408): docs/serving.md. Under a launcher
     with --sp-degree N (or --tp-degree N) over exactly N ranks, rank 0 serves and every rank runs each
     batch and weight change with it on its part of the model; stopping rank 0 stops them all
-    (docs/scaling.md).
+    (docs/scaling.md). --attention-backend / --compile set the kernels of every pipeline it loads.
 
     Example: [bold]omnirl serve --model models/sd3-tiny --port 18091[/], then
     [bold]omnirl sample --engine remote --server-url http://127.0.0.1:18091 --model models/sd3-tiny

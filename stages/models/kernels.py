@@ -86,6 +86,8 @@ def prepare(parts: Mapping[str, torch.nn.Module], parallel: ModelParallel, kerne
     """Set up a stage's trained transformers (`parts`: pipeline attribute → module, adapters on) in
     place: the attention backend, then model parallelism, then compilation."""
     kernels.validate()
+    # diffusers also makes the backend its process-wide default (every transformer of this process then
+    # runs it): a stage's process holds the pipelines of one model, all run with the same kernels
     if kernels.attention_backend is not None:
         for module in parts.values():
             module.set_attention_backend(kernels.attention_backend)

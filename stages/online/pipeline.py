@@ -220,6 +220,7 @@ def _check_inputs(cfg: OnlineConfig) -> None:
     from stages.models.diffusion import DTYPES, check_pipeline_folder
     from stages.sample.engines import engine_class
     from stages.score.registry import reward_kind
+    from stages.update.parallel import resolve_strategy
 
     if cfg.max_staleness not in (0, 1):
         raise UserInputError(f"--max-staleness {cfg.max_staleness}: choose 0 or 1")
@@ -258,6 +259,11 @@ def _check_inputs(cfg: OnlineConfig) -> None:
         raise UserInputError(
             f"--engine {cfg.engine}: the driver pushes LoRA weights to it; full fine-tuning "
             "(update.full) samples with --engine diffusers"
+        )
+    if not cfg.in_process and resolve_strategy(cfg.update.strategy, world_and_rank()[0]) == "fsdp2":
+        raise UserInputError(
+            f"--engine {cfg.engine}: FSDP2 shards the LoRA over the ranks and the driver pushes it whole "
+            "from rank 0; train with update.strategy ddp"
         )
     cfg.sample.validate()
     cfg.update.validate()
@@ -359,11 +365,6 @@ def run_online(
         return summaries
     # built once: its optimizer, scheduler position, EMA and parallel wrapper carry across iterations
     trainer = Trainer.resume(policy, cfg.update, adapter)
-    if not cfg.in_process and trainer.par.kind == "fsdp2":
-        raise UserInputError(
-            f"--engine {cfg.engine}: FSDP2 shards the LoRA over the ranks and the driver pushes it whole; "
-            "train with update.strategy ddp"
-        )
     step = trainer.global_step
     published = {step: start}  # optimizer step of each published version → its iteration count
     # the trained weights whole on rank 0 (each rank's shards gathered under FSDP2 or tp: a collective)

@@ -41,7 +41,9 @@ def trainable_weights(policy: Any, cfg: UpdateConfig) -> dict[str, torch.Tensor]
     return {n: p for n, p in policy.transformer.named_parameters() if p.requires_grad}
 
 
-def sampler_policy(cfg: OnlineConfig, adapter: Path | None, device: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+def sampler_policy(
+    cfg: OnlineConfig, adapter: Path | None, device: Any
+) -> tuple[Any, dict[str, torch.Tensor]]:
     """The in-process sampler's policy (`FlowPolicy`, `adapter` on) and its trained parameters by name,
     which it copies the published weights into: the trainer's LoRA layout (`trainable_weights`) and
     kernels (online's --attention-backend, --compile); one process, so no model parallelism."""

@@ -96,17 +96,20 @@ def loaded(policy: Any) -> dict[str, Any]:
 
 
 def finalize(writer: Any, extra: dict[str, Any] | None = None) -> bool:
-    """Write the manifest once every rank's shards exist (after `map_shards`); only rank 0 writes it.
+    """Write the manifest once every rank's shards exist (after `map_shards`); only rank 0 writes it, and
+    every rank returns once it is written, so a command run next in the same processes (a chained
+    launch) reads a finished output.
 
     Returns whether this process reports the result: rank 0 does, the other ranks of a launch return
     quietly (one JSON object on stdout). A complete `writer` is left as it is.
     """
-    from stages.dist import join
+    from stages.dist import barrier, join
 
-    if join()[1] != 0:
-        return False
-    writer.finalize(extra=extra)
-    return True
+    lead = join()[1] == 0
+    if lead:
+        writer.finalize(extra=extra)
+    barrier()
+    return lead
 
 
 def resolve_num_shards(c: dict[str, Any], groups: int, group_rows: int) -> int:

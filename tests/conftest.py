@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import PROMPTS, ins, run, sample_args
+from helpers import PROMPTS, SMALL_ONLINE_PRESET, ins, run, sample_args
 
 # Tiny models run several times faster single-threaded on a shared 2-core machine.
 torch.set_num_threads(1)
@@ -53,6 +53,19 @@ def tiny_sd3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("models") / "sd3-tiny"
     init_model("sd3", out, size="tiny", seed=0)
     return out
+
+
+@pytest.fixture(scope="session")
+def flux_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny FLUX (seed 0), the shared prompts and `SMALL_ONLINE_PRESET`: what the tests of online and
+    serve over gloo ranks run (FLUX has diffusers' sequence- and tensor-parallel plans)."""
+    from stages.models.factory import init_model
+
+    root = tmp_path_factory.mktemp("tiny-flux")
+    init_model("flux", root / "model", size="tiny", seed=0)
+    (root / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
+    (root / "preset.yaml").write_text(SMALL_ONLINE_PRESET)
+    return {"model": root / "model", "prompts": root / "prompts.txt", "preset": root / "preset.yaml"}
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,30 @@ runner = CliRunner()
 PROMPTS = ["a red apple", 'a sign that says "hello"', "a blue sky"]
 
 
+def online_preset(**sample: object) -> str:
+    """A small online run's preset for a tiny model: SDE steps at 32 px without CFG, groups of 2, GRPO
+    advantages, flow_grpo on a rank-4 LoRA; `sample` changes or adds sample settings."""
+    settings = {
+        "steps": 3,
+        "guidance": 1.0,
+        "resolution": 32,
+        "sampler": "sde",
+        "noise_level": 0.7,
+        "group_size": 2,
+        "batch_size": 2,
+        **sample,
+    }
+    update = {"algo": "flow_grpo", "lr": "1.0e-3", "clip_range": 0.2, "lora_rank": 4, "lora_alpha": 8}
+    sections = {"sample": settings, "advantage": {"estimator": "grpo"}, "update": update}
+    return "".join(
+        f"{name}:\n" + "".join(f"  {k}: {v}\n" for k, v in values.items())
+        for name, values in sections.items()
+    )
+
+
+SMALL_ONLINE_PRESET = online_preset()
+
+
 def run(*args: str) -> dict:
     """Invoke `omnirl ARGS --json` in-process; assert success and return the JSON result."""
     result = runner.invoke(app, [*args, "--json"])
@@ -140,11 +164,14 @@ def torchrun_fails(*args: str, ranks: int = 2) -> str:
     return lines[0]
 
 
-def torchrun_commands(*commands: list[str], ranks: int = 2, stderr: list[str] | None = None) -> list[dict]:
+def torchrun_commands(
+    *commands: list[str], ranks: int = 2, stderr: list[str] | None = None, env: dict[str, str] | None = None
+) -> list[dict]:
     """`torchrun` (as `torchrun`) of several `omnirl` commands in turn in the same RANKS processes
-    (tests/launch_commands.py): one import of torch and diffusers for a whole staged iteration."""
+    (tests/launch_commands.py): one import of torch and diffusers for a whole staged iteration. `env`:
+    variables the launch adds (a launcher's settings, e.g. FSDP_STATE_DICT_TYPE)."""
     script = str(Path(__file__).parent / "launch_commands.py")
-    return _launch([script, json.dumps([list(c) for c in commands])], ranks, stderr)
+    return _launch([script, json.dumps([list(c) for c in commands])], ranks, stderr, env)
 
 
 def _launch(

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import PROMPTS, fails, ins, run
+from helpers import PROMPTS, fails, ins, online_preset, run
 from safetensors.torch import load_file, save_file
 
 from stages.errors import UserInputError
@@ -447,29 +447,10 @@ def test_every_algorithm_trains_on_video_latents(wan_run: dict[str, Path], tmp_p
     assert all(np.isfinite(v) for v in result["last"].values() if isinstance(v, float))
 
 
-ONLINE_PRESET = """\
 # A14B with an SDE window over steps 1-3, across the expert switch
-sample:
-  steps: 8
-  guidance: 4.0
-  resolution: 32
-  frames: 5
-  sampler: sde
-  noise_level: 0.7
-  sde_window: 3
-  window_strategy: fixed
-  window_start: 1
-  group_size: 2
-  batch_size: 3
-advantage:
-  estimator: grpo
-update:
-  algo: flow_grpo
-  lr: 1.0e-3
-  clip_range: 0.2
-  lora_rank: 4
-  lora_alpha: 8
-"""
+ONLINE_PRESET = online_preset(
+    steps=8, guidance=4.0, frames=5, sde_window=3, window_strategy="fixed", window_start=1, batch_size=3
+)
 
 
 def test_online_trains_both_a14b_experts(models: dict[str, Path], prompts: Path, tmp_path: Path) -> None:

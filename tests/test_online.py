@@ -7,31 +7,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import fails, ins, online_args, run, runner
+from helpers import fails, ins, online_args, online_preset, run, runner
 from safetensors.torch import load_file
 
 from omnirl_cli.app import app
 from omnirl_cli.runtime import device
 from stages.shards.reader import ShardSet, open_inputs
 
-PRESET = """\
-sample:
-  steps: 4
-  guidance: 1.0
-  resolution: 32
-  sampler: sde
-  noise_level: 0.7
-  group_size: 2
-  batch_size: 3
-advantage:
-  estimator: grpo
-update:
-  algo: flow_grpo
-  lr: 1.0e-3
-  clip_range: 0.2
-  lora_rank: 4
-  lora_alpha: 8
-"""
+PRESET = online_preset(steps=4, batch_size=3)
 
 
 @pytest.fixture(scope="module")

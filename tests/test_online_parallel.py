@@ -8,28 +8,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import PROMPTS, online_args, run, torchrun_commands, torchrun_fails
+from helpers import online_args, run, torchrun_commands, torchrun_fails
 from safetensors.torch import load_file
-from test_online_remote import PRESET
 
 from stages.shards.reader import ShardSet
 
 
-@pytest.fixture(scope="module")
-def flux(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from stages.models.factory import init_model
-
-    root = tmp_path_factory.mktemp("online-parallel")
-    init_model("flux", root / "model", size="tiny", seed=0)
-    (root / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
-    (root / "preset.yaml").write_text(PRESET)
-    return {"model": root / "model", "prompts": root / "prompts.txt", "preset": root / "preset.yaml"}
-
-
-def _args(flux: dict[str, Path], out: Path, *extra: str) -> list[str]:
+def _args(flux_run: dict[str, Path], out: Path, *extra: str) -> list[str]:
     return online_args(
-        flux["preset"],
-        flux,
+        flux_run["preset"],
+        flux_run,
         out,
         "--reward",
         "jpeg_compressibility",
@@ -57,12 +45,12 @@ def _samples(out: Path, k: int) -> dict:
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_dp2_by_sp2_online_equals_one_process(flux: dict[str, Path], tmp_path: Path) -> None:
+def test_dp2_by_sp2_online_equals_one_process(flux_run: dict[str, Path], tmp_path: Path) -> None:
     """4 ranks as 2 dp × 2 sp == one process taking both dp replicas' micro-batches (grad_accum 2):
     the same rewards and update metrics, iteration 1 sampled with the same published LoRA, the same
     checkpoints (measured: LoRA weights 1.3e-7 of scale apart after 2 iterations)."""
-    one = run(*_args(flux, tmp_path / "one", "--set", "update.grad_accum=2"))["iterations"]
-    (launched,) = torchrun_commands(_args(flux, tmp_path / "sp", "--sp-degree", "2"), ranks=4)
+    one = run(*_args(flux_run, tmp_path / "one", "--set", "update.grad_accum=2"))["iterations"]
+    (launched,) = torchrun_commands(_args(flux_run, tmp_path / "sp", "--sp-degree", "2"), ranks=4)
     got = launched["iterations"]  # rank 0's report alone
     assert [it["ranks"] for it in got] == [4, 4] and [it["ranks"] for it in one] == [1, 1]
     for a, b in zip(got, one, strict=True):
@@ -86,15 +74,15 @@ def test_dp2_by_sp2_online_equals_one_process(flux: dict[str, Path], tmp_path: P
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_tp2_full_online_equals_one_process(flux: dict[str, Path], tmp_path: Path) -> None:
+def test_tp2_full_online_equals_one_process(flux_run: dict[str, Path], tmp_path: Path) -> None:
     """2 ranks of tp (full fine-tuning: diffusers' plan shards no LoRA) == one process: the first
     update's weights to 1e-6 of scale (measured 7.5e-9), the sampler's second iteration, drawn with the
     weights gathered whole from both ranks (the fused single-block projection put back in its own
     order), to 1e-5; after that Adam's normalised steps on near-zero gradients amplify rounding, so the
     second update is held to its gradient norm (measured 1.5e-5 relative)."""
     full = ("--set", "update.full=true", "--set", "update.lr=1e-5")
-    one = run(*_args(flux, tmp_path / "one", *full))["iterations"]
-    (launched,) = torchrun_commands(_args(flux, tmp_path / "tp", *full, "--tp-degree", "2"))
+    one = run(*_args(flux_run, tmp_path / "one", *full))["iterations"]
+    (launched,) = torchrun_commands(_args(flux_run, tmp_path / "tp", *full, "--tp-degree", "2"))
     got = launched["iterations"]
     assert [it["ranks"] for it in got] == [2, 2]
     first = _weights(tmp_path / "one" / "it1" / "policy")
@@ -108,10 +96,12 @@ def test_tp2_full_online_equals_one_process(flux: dict[str, Path], tmp_path: Pat
 
 
 @pytest.mark.distributed
-def test_fsdp2_with_a_remote_engine_is_one_line_on_every_rank(flux: dict[str, Path], tmp_path: Path) -> None:
+def test_fsdp2_with_a_remote_engine_is_one_line_on_every_rank(
+    flux_run: dict[str, Path], tmp_path: Path
+) -> None:
     """The driver pushes its LoRA whole from rank 0, which FSDP2 shards over the ranks: every rank
     refuses the run in the same line, before any server is contacted or anything is written."""
     remote = ("--engine", "remote", "--server-url", "http://127.0.0.1:9", "--set", "update.strategy=fsdp2")
-    line = torchrun_fails(*_args(flux, tmp_path / "run", *remote))
+    line = torchrun_fails(*_args(flux_run, tmp_path / "run", *remote))
     assert "--engine remote: FSDP2 shards the LoRA" in line and "update.strategy ddp" in line
     assert not (tmp_path / "run").exists()

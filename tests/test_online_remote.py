@@ -17,30 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import PROMPTS, fails, online_args, run, runner
+from helpers import SMALL_ONLINE_PRESET as PRESET
 from safetensors.torch import load_file
 from test_serve import Server, _request
 
 from omnirl_cli.app import app
 from stages.shards.reader import ShardSet
-
-PRESET = """\
-sample:
-  steps: 3
-  guidance: 1.0
-  resolution: 32
-  sampler: sde
-  noise_level: 0.7
-  group_size: 2
-  batch_size: 2
-advantage:
-  estimator: grpo
-update:
-  algo: flow_grpo
-  lr: 1.0e-3
-  clip_range: 0.2
-  lora_rank: 4
-  lora_alpha: 8
-"""
 
 
 @pytest.fixture(scope="module")

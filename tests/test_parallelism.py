@@ -177,7 +177,8 @@ def test_dp2_by_tp2_on_four_ranks_equals_one_process(family: dict, tmp_path: Pat
     samples and replays its own shard; update --full averages the replicas' gradients over dp only, under DDP
     (torch's `replicate` over the dp mesh) and FSDP2 (`fully_shard` over dp of the dp × tp mesh), and a
     run resumed from the FSDP2 one (its 2-D shards gathered whole, then laid out again; its steps are all
-    clipped, so its weights move by the restored AdamW moments alone) equals one process with grad_accum
+    clipped, so its weights move by the restored AdamW moments alone), also with a sharded trainer state
+    (SHARDED_STATE_DICT: each rank's 2-D shards written and read back), equals one process with grad_accum
     2: per-step grad norms and losses to 1e-5 relative, weights to 1e-5 of their scale. Scaling the
     losses by the world (4) instead of dp (2) doubles every gradient."""
     root, model = family["root"], family["model"]
@@ -221,6 +222,14 @@ def test_dp2_by_tp2_on_four_ranks_equals_one_process(family: dict, tmp_path: Pat
         [*fsdp2, "--adapter", str(tmp_path / "fsdp2"), *out("fsdp22")],
         ranks=4,
     )
+    # FSDP2 × tp with a sharded trainer state (each rank writes its 2-D shards, a resume reads them back)
+    torchrun_commands(
+        [*fsdp2, *out("sharded")],
+        [*fsdp2, "--adapter", str(tmp_path / "sharded"), *out("sharded2")],
+        ranks=4,
+        env={"FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT"},
+    )
+    assert (tmp_path / "sharded" / "trainer_state" / "sharded").is_dir()
     assert sampled["rows_written"] == 6 and sampled["complete"]
     split, four = ShardSet(root / "samples").read_all(), ShardSet(tmp_path / "samples").read_all()
     assert (
@@ -234,7 +243,13 @@ def test_dp2_by_tp2_on_four_ranks_equals_one_process(family: dict, tmp_path: Pat
         ShardSet(tmp_path / "lp").read_all()["old_log_probs"], four["log_probs"], rtol=0, atol=1e-5
     )
     weights = "transformer/diffusion_pytorch_model.safetensors"
-    for ref, got in (("one", "ddp"), ("one", "fsdp2"), ("one2", "fsdp22")):
+    for ref, got in (
+        ("one", "ddp"),
+        ("one", "fsdp2"),
+        ("one2", "fsdp22"),
+        ("one", "sharded"),
+        ("one2", "sharded2"),
+    ):
         a_metrics, b_metrics = _metrics(tmp_path / ref), _metrics(tmp_path / got)
         assert len(a_metrics) == len(b_metrics) == 3  # 6 rows, 2 per optimizer step
         for a, b in zip(a_metrics, b_metrics, strict=True):

@@ -23,8 +23,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import PROMPTS, fails, online_args, run
-from test_online_remote import PRESET
+from helpers import fails, online_args, run
 from test_serve import ENV, Server, _random_lora, _request
 
 from stages.sample.engines import EngineOptions
@@ -63,19 +62,8 @@ class GroupServer:
 
 
 @pytest.fixture(scope="module")
-def flux(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from stages.models.factory import init_model
-
-    root = tmp_path_factory.mktemp("serve-sp")
-    init_model("flux", root / "model", size="tiny", seed=0)
-    (root / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
-    (root / "preset.yaml").write_text(PRESET)
-    return {"model": root / "model", "prompts": root / "prompts.txt", "preset": root / "preset.yaml"}
-
-
-@pytest.fixture(scope="module")
-def servers(flux: dict[str, Path]) -> Iterator[tuple[Server, GroupServer]]:
-    one, group = Server(flux["model"]), GroupServer(flux["model"])
+def servers(flux_run: dict[str, Path]) -> Iterator[tuple[Server, GroupServer]]:
+    one, group = Server(flux_run["model"]), GroupServer(flux_run["model"])
     yield one, group
     code, err = one.stop()
     assert code == 0, err
@@ -83,8 +71,8 @@ def servers(flux: dict[str, Path]) -> Iterator[tuple[Server, GroupServer]]:
         group.stop()
 
 
-def _remote_sample(flux: dict[str, Path], url: str, out: Path) -> dict[str, torch.Tensor]:
-    args = ["sample", "--model", str(flux["model"]), "--prompts", str(flux["prompts"]), "-n", "2"]
+def _remote_sample(flux_run: dict[str, Path], url: str, out: Path) -> dict[str, torch.Tensor]:
+    args = ["sample", "--model", str(flux_run["model"]), "--prompts", str(flux_run["prompts"]), "-n", "2"]
     args += ["--steps", "3", "--batch-size", "3", *FLUX, "--engine", "remote", "--server-url", url]
     result = run(*args, "--out", str(out))
     assert result["rows"] == 6 and result["complete"]
@@ -98,31 +86,31 @@ def _close(got: dict[str, Any], want: dict[str, Any]) -> None:
 
 @pytest.mark.distributed
 def test_an_sp_server_samples_as_one_process_before_and_after_a_push_and_an_abandoned_batch(
-    servers: tuple[Server, GroupServer], flux: dict[str, Path], tmp_path: Path
+    servers: tuple[Server, GroupServer], flux_run: dict[str, Path], tmp_path: Path
 ) -> None:
     one, group = servers
     # the base model, through `omnirl sample --engine remote`
-    base = _remote_sample(flux, one.url, tmp_path / "one")
-    sp = _remote_sample(flux, group.url, tmp_path / "sp")
+    base = _remote_sample(flux_run, one.url, tmp_path / "one")
+    sp = _remote_sample(flux_run, group.url, tmp_path / "sp")
     assert sp["sample_id"] == base["sample_id"] and torch.equal(sp["seed"], base["seed"])
     _close(sp, base)
 
     # a LoRA pushed as `online --engine remote` pushes it (named weights), then a batch of it
-    lora = _random_lora(flux["model"], 1, tmp_path / "lora")
+    lora = _random_lora(flux_run["model"], 1, tmp_path / "lora")
     cfg = SampleConfig(steps=3, guidance=3.5, resolution=32, window=2, max_sequence_length=32)
     batch = (["a red ball", "two cats"], ["", ""], [5, 6], [7, 8])
     kw = {"groups": [0, 1], "sample_ids": ["s0", "s1"]}
     got = {}
     for name, srv in (("one", one), ("sp", group)):
         options = EngineOptions(
-            model=flux["model"], server_url=srv.url, pushed_weights=True, weights_name="t"
+            model=flux_run["model"], server_url=srv.url, pushed_weights=True, weights_name="t"
         )
         trainer = RemoteEngine.open(options, "cpu")
         assert trainer.push_weights(lora, 1)["load"]["how"] == "stored"
         got[name] = trainer.rollout(cfg, *batch, **kw)
         assert got[name]["policy_version"].tolist() == [1, 1]
     _close(got["sp"], got["one"])
-    plain = RemoteEngine.open(EngineOptions(model=flux["model"], server_url=group.url), "cpu")
+    plain = RemoteEngine.open(EngineOptions(model=flux_run["model"], server_url=group.url), "cpu")
     unpushed = plain.rollout(cfg, *batch, **kw)  # the unnamed weights again: the base model's samples
     assert (got["sp"]["final_latent"] - unpushed["final_latent"]).abs().max() > 1e-3  # the LoRA counts
 
@@ -147,15 +135,15 @@ def test_an_sp_server_samples_as_one_process_before_and_after_a_push_and_an_aban
 
 @pytest.mark.distributed
 def test_a_tp_server_samples_as_one_process(
-    servers: tuple[Server, GroupServer], flux: dict[str, Path], tmp_path: Path
+    servers: tuple[Server, GroupServer], flux_run: dict[str, Path], tmp_path: Path
 ) -> None:
     """--tp-degree 2 over 2 gloo CPU ranks (the weights split, stages/parallelism.py): the samples of a
     one-process server to 1e-5."""
     one, _ = servers
-    group = GroupServer(flux["model"], degree="--tp-degree")
+    group = GroupServer(flux_run["model"], degree="--tp-degree")
     try:
-        base = _remote_sample(flux, one.url, tmp_path / "one")
-        tp = _remote_sample(flux, group.url, tmp_path / "tp")
+        base = _remote_sample(flux_run, one.url, tmp_path / "one")
+        tp = _remote_sample(flux_run, group.url, tmp_path / "tp")
         assert tp["sample_id"] == base["sample_id"]
         _close(tp, base)
     finally:
@@ -166,13 +154,13 @@ def test_a_tp_server_samples_as_one_process(
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_online_samples_with_sp_through_an_sp_server(
-    servers: tuple[Server, GroupServer], flux: dict[str, Path], tmp_path: Path
+    servers: tuple[Server, GroupServer], flux_run: dict[str, Path], tmp_path: Path
 ) -> None:
     """online's sp route: --engine remote against the group, as against a one-process server (2
     iterations, each update's LoRA pushed to the server): the same samples to 1e-5, no version gap."""
     runs = {}
     for name, srv in zip(("one", "sp"), servers, strict=True):
-        args = online_args(flux["preset"], flux, tmp_path / name, "--reward", "jpeg_compressibility")
+        args = online_args(flux_run["preset"], flux_run, tmp_path / name, "--reward", "jpeg_compressibility")
         extra = ["--iterations", "2", "--save-trajectories", "--engine", "remote", "--server-url", srv.url]
         runs[name] = run(*args, *extra)["iterations"]
     assert [it["version_gaps"] for it in runs["sp"]] == [[0], [0]]
@@ -184,8 +172,10 @@ def test_online_samples_with_sp_through_an_sp_server(
 
 
 @pytest.mark.distributed
-def test_stopping_rank_0_stops_every_rank_and_only_its_ready_line_is_on_stdout(flux: dict[str, Path]) -> None:
-    group = GroupServer(flux["model"])
+def test_stopping_rank_0_stops_every_rank_and_only_its_ready_line_is_on_stdout(
+    flux_run: dict[str, Path],
+) -> None:
+    group = GroupServer(flux_run["model"])
     assert _request(group.url, "GET", "/health")[1]["status"] == "ok"
     code, out, err, seconds = group.stop()
     print(f"\nevery rank gone {seconds:.1f} s after SIGTERM to rank 0")
@@ -194,9 +184,9 @@ def test_stopping_rank_0_stops_every_rank_and_only_its_ready_line_is_on_stdout(f
 
 
 @pytest.mark.distributed
-def test_the_launcher_stopped_stops_every_rank(flux: dict[str, Path]) -> None:
+def test_the_launcher_stopped_stops_every_rank(flux_run: dict[str, Path]) -> None:
     """SIGTERM to torchrun, which forwards it to every rank: the followers wait for rank 0's word."""
-    group = GroupServer(flux["model"])
+    group = GroupServer(flux_run["model"])
     code, out, err, seconds = group.stop(group.proc.pid)
     print(f"\nevery rank gone {seconds:.1f} s after SIGTERM to torchrun (exit {code})")
     # torchrun reports the signal it got (exit 1, its own traceback); no rank failed or hung

@@ -43,9 +43,10 @@ def run_shards(
     modality follows from its media columns).
 
     Under a launcher (torchrun, `accelerate launch`) rank r samples the shards s with s % world == r;
-    after every rank is done (one without a shard too), rank 0 writes the manifest and reports for all.
+    after every rank is done (one without a shard too), rank 0 writes the manifest and reports for all,
+    and every rank returns once the manifest is written.
     """
-    from stages.dist import gather, join, rank_shards, replicas
+    from stages.dist import barrier, gather, join, rank_shards, replicas
 
     shards = rank_shards(shard_indices(c))
     t0, done = time.perf_counter(), [0]
@@ -66,12 +67,13 @@ def run_shards(
         )
     # every replica's counts (a model-parallel group's ranks count the same); also waits for every shard
     results = replicas(gather(mine))
-    if join()[1] != 0:
+    lead, manifest = join()[1] == 0, None
+    if lead and all(writer.shard_done(s) for s in range(c.num_shards)):
+        manifest = writer.finalize(extra=extra(writer.columns) if callable(extra) else extra)
+    barrier()  # every rank returns once the manifest is written: a command run next in them reads it
+    if not lead:
         return
     result = combine(results, unit)
-    manifest = None
-    if all(writer.shard_done(s) for s in range(c.num_shards)):
-        manifest = writer.finalize(extra=extra(writer.columns) if callable(extra) else extra)
     result.update(out=str(c.out), complete=manifest is not None, skipped=False)
     if json_:
         emit_json(result)

@@ -393,3 +393,14 @@ def test_the_custom_pipeline_returns_a_video_family_s_mp4s_and_frames(wan: Path)
     assert "image" not in columns and columns["latents"].shape == (1, 2, 16, 2, 4, 4)
     for key in ("final_latent", "latents", "log_probs"):
         assert torch.equal(columns[key], expected[key]), key
+
+
+def test_the_engine_names_the_wan_variant_of_the_folder(wan: Path, tmp_path: Path) -> None:
+    """The family a vLLM-Omni rollout records is the folder's own variant (`variant_name`), as the
+    diffusers engine's, not the first name of the adapter class every Wan folder shares."""
+    from stages.models.wan import WanAdapter
+    from stages.sample.vllm_omni_engine import model_family
+
+    run("init-model", "--family", "wan2_2_5b", "--size", "tiny", str(tmp_path / "ti2v"))
+    assert model_family(wan) == (WanAdapter, "wan2_1")
+    assert model_family(tmp_path / "ti2v") == (WanAdapter, "wan2_2_5b")

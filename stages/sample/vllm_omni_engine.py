@@ -56,13 +56,16 @@ MAX_CONCURRENCY = 32  # requests in flight at once (a batch's samples)
 TRUE_CFG_FAMILIES = frozenset({"qwen_image"})
 
 
-def model_family(model: Path) -> Any:
-    """The family adapter class of a local pipeline folder (its ``name``, its ``media``), from its
-    model_index.json (no weights loaded)."""
+def model_family(model: Path) -> tuple[Any, str]:
+    """The family adapter class of a local pipeline folder (its ``media``) and the name of the family the
+    folder is (`FamilyAdapter.variant_name`: a Wan folder's own variant, not its class's first name), from
+    its model_index.json (no weights loaded)."""
     from stages.models.families import adapter_class
     from stages.models.folders import pipeline_index
 
-    return adapter_class(pipeline_index(model)["_class_name"], str(model))
+    index = pipeline_index(model)
+    family = adapter_class(index["_class_name"], str(model))
+    return family, family.variant_name(index)
 
 
 def images_size(resolution: tuple[int, int]) -> str:
@@ -116,7 +119,7 @@ class VllmOmniEngine(RolloutEngine):
     def open(cls, options: EngineOptions, device: Any) -> RolloutEngine:
         if not options.server_url:
             return VllmOmniRLEngine.open(options, device)
-        family = model_family(Path(options.model))
+        family, name = model_family(Path(options.model))
         client = JsonClient(
             options.server_url,
             token=options.token(),
@@ -132,7 +135,7 @@ class VllmOmniEngine(RolloutEngine):
         if options.adapter is not None:  # a path the server reads: the same file system, or a shared one
             adapter = Path(options.adapter).resolve()
             lora = {"name": adapter.name, "path": str(adapter), "scale": 1.0}
-        return cls(client, family.name, served, lora, family.media)
+        return cls(client, name, served, lora, family.media)
 
     @classmethod
     def same_samples(cls, options: EngineOptions) -> bool:
@@ -428,7 +431,7 @@ class VllmOmniRLEngine(RolloutEngine):
                 "it (pip install 'omnirl[vllm-omni]'; GPU only), or pass --server-url of a "
                 "`vllm serve --omni` (images only)"
             ) from None
-        family = model_family(Path(options.model)).name
+        family = model_family(Path(options.model))[1]
         pipeline_args = {
             "pipeline_class": PIPELINE_CLASS,
             "adapter": None if options.adapter is None else str(Path(options.adapter).resolve()),

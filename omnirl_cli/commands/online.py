@@ -119,7 +119,7 @@ def _sectioned(
 
     out = {name: dict(value) for name, value in layer.items() if name in keys and isinstance(value, dict)}
     for section, values in out.items():
-        _drop_model_parallel(values, section, origin)
+        _drop_trainer_settings(values, section, origin)
         for key in values:
             refuse_driver_key(section, key, f"{section}.{key}")
     for key, value in layer.items():
@@ -139,7 +139,7 @@ def _sectioned(
     return out
 
 
-def _drop_model_parallel(values: dict[str, Any], section: str, origin: str) -> None:
+def _drop_trainer_settings(values: dict[str, Any], section: str, origin: str) -> None:
     """Take a staged preset's model-parallel and kernel settings (sp_degree, sp_kind, tp_degree,
     attention_backend, compile) out of a stage section's `values`: online's trainer takes them from its
     own options, so a default value is dropped and another one is a usage error naming the option."""

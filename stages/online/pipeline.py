@@ -330,9 +330,8 @@ def run_online(
     lead = world_and_rank()[1] == 0
     adapter = cfg.out / f"it{start}" / "policy" if start else None
     pusher = None
-    if (
-        lead and not cfg.in_process
-    ):  # opened first: whether the server returns conditioning decides what loads
+    # opened first: whether the server returns conditioning decides what loads
+    if lead and not cfg.in_process:
         from stages.sample.engines import open_engine
 
         pusher = open_engine(cfg.engine, cfg.engine_options(), device)

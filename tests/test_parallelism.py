@@ -171,7 +171,7 @@ def test_tp_full_update_and_its_resumption_on_cpu_equal_one_process(family: dict
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("family", ["flux"], indirect=True)
+@pytest.mark.parametrize("family", ["flux", "qwen_image"], indirect=True)
 def test_dp2_by_tp2_on_four_ranks_equals_one_process(family: dict, tmp_path: Path) -> None:
     """4 ranks as 2 data-parallel replicas of a 2-rank tensor-parallel group, in one launch: each replica
     samples and replays its own shard; update --full averages the replicas' gradients over dp only, under DDP
@@ -205,7 +205,7 @@ def test_dp2_by_tp2_on_four_ranks_equals_one_process(family: dict, tmp_path: Pat
     tp = ["--tp-degree", "2"]
     fsdp2 = [*full, *tp, "--strategy", "fsdp2"]
     sampled, replay, *_ = torchrun_commands(
-        _sample(model, family["prompts"], "flux", tmp_path / "samples", "--num-shards", "2", *tp),
+        _sample(model, family["prompts"], family["name"], tmp_path / "samples", "--num-shards", "2", *tp),
         [
             "logprob",
             "--model",

@@ -198,11 +198,16 @@ def load(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
 
     target = folder / SHARDED_DIR
     saved_values = check(folder, where)
     template: dict[str, Any] = {"optimizer": get_optimizer_state_dict(module, optimizer)}
+    dropped = _drop_stateless(template["optimizer"]["state"], target, saved_values)
     for part in parts:
         if part in PARAM_PARTS:
             template[part] = {k: torch.zeros_like(p, dtype=torch.float32) for k, p in named.items()}
@@ -222,8 +227,32 @@ def load(
             "the model, --full/LoRA settings and algorithm that wrote it"
         ) from None
     _merge(tensors, values)
-    set_optimizer_state_dict(module, optimizer, tensors.pop("optimizer"))
+    # torch refuses a trained parameter without state unless told it may lack one (those `dropped`)
+    options = StateDictOptions(strict=not dropped)
+    set_optimizer_state_dict(module, optimizer, tensors.pop("optimizer"), options=options)
     return tensors
+
+
+def _drop_stateless(state: dict[str, Any], target: Path, saved_values: dict[str, Any]) -> bool:
+    """Leave out of this run's optimizer `state` (the template DCP fills, which torch gives every
+    parameter) the parameters the saved run had no AdamW state for: trained ones that never got a
+    gradient (Qwen-Image's last block feeds nothing from its text stream). They are named in the saved
+    param groups and have no tensor in the files; AdamW starts their moments at their first gradient, as
+    in the run that saved them. A parameter the saved run does not name stays, and is refused on load.
+    Returns whether any was left out."""
+    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
+
+    groups = saved_values.get("optimizer", {}).get("param_groups", [])
+    named = {n for g in groups if isinstance(g, dict) for n in g.get("params", []) if isinstance(n, str)}
+    try:
+        saved = HuggingFaceStorageReader(str(target)).read_metadata().state_dict_metadata
+    except (OSError, ValueError, KeyError, RuntimeError):
+        return False  # DCP's load names what is wrong with the files
+    with_state = {key.removeprefix("optimizer.state.").rsplit(".", 1)[0] for key in saved}
+    stateless = [n for n in state if n in named and n not in with_state]
+    for name in stateless:
+        del state[name]
+    return bool(stateless)
 
 
 def _merge(tensors: dict[str, Any], values: dict[str, Any]) -> None:

@@ -90,17 +90,6 @@ class ModelParallel:
                 f"{option}: {world} rank(s) are not dp × sp × tp for a whole dp; launch with {launch}"
             )
 
-    def refuse(self, command: str, why: str, instead: str) -> None:
-        """Refuse in one line any model parallelism in `command`, which cannot run it (`why`), naming
-        the commands that can run it under a launcher (`instead`)."""
-        if self.degree > 1:
-            option = (
-                f"--sp-degree {self.sp_degree}" if self.sp_degree > 1 else f"--tp-degree {self.tp_degree}"
-            )
-            raise UserInputError(
-                f"{option}: {command} {why}; run {instead} under a launcher (docs/scaling.md)"
-            )
-
     def mesh_shape(self, world: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
         """The device mesh's shape and dimension names: (dp, ring, ulysses) under sp, (dp, tp) under tp.
         dp is outermost, so a model-parallel group is `degree` consecutive ranks."""
